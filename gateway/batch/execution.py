@@ -215,6 +215,9 @@ class BatchRunner:
         """Resume every unfinished batch in the store (those past their window expire first: none of their
         lines runs), and purge expired files and expire batches from time to time."""
         try:
+            if interrupted := await self.durable(self.store.fail_interrupted):
+                log.warning("failed %d batches whose creation the last stop interrupted: %s", len(interrupted),
+                            ", ".join(interrupted))
             await self.expire_due()
             ids = await self.durable(self.store.unfinished_batch_ids)
         except StorageFailed as exc:   # `serve` says so in one line, as for a store it cannot open
@@ -267,20 +270,30 @@ class BatchRunner:
     async def create(self, input_file_id: str, endpoint: str, completion_window: str,
                      metadata: Any = None, *, owner: str, tenant: str,
                      output_expires_after: Any = None) -> dict[str, Any]:
-        """Store a new batch of `owner`, run as `tenant` (`BatchStore.create_batch`), and run it;
-        shielded, so a client that leaves meanwhile cannot leave a stored batch that nothing runs. A 429
-        when the owner has `max_unfinished_per_owner` batches unfinished already."""
+        """Store a new batch of `owner`, run as `tenant`, and run it: its lines stored a step at a time, each a
+        store call of its own, so the store serves the others between them (`pools.store.batch_create`); a step
+        that fails drops the batch. Shielded, so a client that leaves meanwhile cannot leave a stored batch that
+        nothing runs. A 429 when the owner has `max_unfinished_per_owner` batches unfinished already."""
         async def create_and_run() -> dict[str, Any]:
             try:
-                batch = await self.db(self.store.create_batch, input_file_id, endpoint, completion_window, metadata,
-                                      owner=owner, tenant=tenant, output_expires_after=output_expires_after,
-                                      max_unfinished=self.max_unfinished_per_owner)
+                batch_id, lines = await self.db(self.store.begin_batch, input_file_id, endpoint, completion_window,
+                                                metadata, owner=owner, tenant=tenant,
+                                                output_expires_after=output_expires_after,
+                                                max_unfinished=self.max_unfinished_per_owner)
             except TooManyBatches as exc:
                 raise ApiError(429, f"this API key has {exc.unfinished} batches in progress, finalizing or "
                                f"cancelling, the most gateway.batches.max_unfinished_per_owner ({exc.limit}) allows; "
                                "wait for one to end, or cancel one", type="requests", code="rate_limit_exceeded",
                                headers={"x-should-retry": "false"}) from None   # the SDK's retries would not help
-            self.run(batch["id"])
+            try:
+                while await self.db(self.store.add_lines, batch_id, lines):
+                    pass
+            except BaseException:
+                with contextlib.suppress(StorageFailed):   # left validating then: the next start fails it
+                    await self.durable(self.store.drop_batch, batch_id)
+                raise
+            batch = await self.db(self.store.start_batch, batch_id, owner=owner)
+            self.run(batch_id)
             return batch
         return await asyncio.shield(create_and_run())
 

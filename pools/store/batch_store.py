@@ -83,13 +83,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from pools.store.batch_input import (DEFAULT_BATCH_FILE_SECONDS, FILE_PURPOSES, WINDOW_SECONDS, BatchInputError,
-                                     BatchLine, TooManyBatches, batch_input_lines, check_batch_arguments,
-                                     check_expires_after, clean_filename, is_text)
 from pools.store import batch_files
+from pools.store.batch_create import BatchCreation
+from pools.store.batch_input import (DEFAULT_BATCH_FILE_SECONDS, FILE_PURPOSES, WINDOW_SECONDS, BatchInputError,
+                                     BatchLine, batch_input_lines, check_expires_after, clean_filename, is_text)
 from pools.store.batch_files import (CHUNK_BYTES, UNFINISHED, ChunkWriter, assemble_step, drop_files, fail_batch,
                                      insert_file, marks, read_chunks, request_counts, result_file_ids)
-from pools.store.schema import UNFINISHED_SQL, StoreFile, migrate
+from pools.store.schema import StoreFile, migrate
 
 __all__ = ["BatchStore", "STORAGE_ERRORS"]
 
@@ -111,7 +111,7 @@ PURGE_BYTES = 64 << 20    # bytes one purge transaction drops at most (past one 
 PAGE_BYTES = 8 << 20      # bodies of pending lines one page reads at most (past one line: `pending_lines`)
 
 
-class BatchStore(StoreFile):
+class BatchStore(BatchCreation, StoreFile):
     """Files, batches and request lines in `path` (SQLite, WAL), each file and batch with an owner (who
     may see it) and a tenant (whose share its lines run with). See the module docstring for the
     durability, exactly-once, bounded-memory and ownership rules. Methods return OpenAI-shaped dicts
@@ -236,44 +236,9 @@ class BatchStore(StoreFile):
         return read_chunks(self._db, file_id, offset, end)
 
     # --- batches ---------------------------------------------------------------------------------
-    def create_batch(self, input_file_id: str, endpoint: str, completion_window: str,
-                     metadata: dict[str, str] | None = None, *, owner: str, tenant: str,
-                     output_expires_after: dict[str, Any] | None = None,
-                     max_unfinished: int | None = None) -> dict[str, Any]:
-        """Parse `owner`'s input file and store the batch, owned by `owner` and run as `tenant`, with all
-        its lines in one transaction, `in_progress` (bad lines already recorded as errors); its output and
-        error files expire as `output_expires_after` says (OpenAI's policy; none: kept until deleted).
-        BatchInputError naming the field for a bad argument; another owner's input file is refused as
-        one that does not exist. TooManyBatches when `owner` has `max_unfinished` batches unfinished
-        already (counted in the same transaction: batches created at once cannot pass it together). The file
-        is read a piece at a time (`batch_input_lines`) and each line stored as it is parsed: what is held
-        does not grow with the file."""
-        expires_after = check_expires_after(output_expires_after, "output_expires_after")
-        check_batch_arguments(endpoint, completion_window, metadata)
-        batch_id, now = f"batch_{uuid.uuid4().hex[:24]}", int(time.time())
-        with self._txn() as db:
-            lines = self._input_lines(input_file_id, endpoint, owner, now)
-            if max_unfinished is not None:
-                (unfinished,) = db.execute(f"SELECT COUNT(*) FROM batches WHERE owner=? AND {UNFINISHED_SQL}",
-                                           (owner,)).fetchone()
-                if unfinished >= max_unfinished:
-                    raise TooManyBatches(unfinished, max_unfinished)
-            db.execute("INSERT INTO batches (id, input_file_id, endpoint, completion_window, status, created_at, "
-                       "in_progress_at, metadata, tenant, owner, output_expires_seconds) VALUES (?, ?, ?, ?, "
-                       "'in_progress', ?, ?, ?, ?, ?, ?)",
-                       (batch_id, input_file_id, endpoint, completion_window, now, now,
-                        None if metadata is None else json.dumps(metadata), tenant, owner, expires_after))
-            db.executemany(
-                "INSERT INTO lines (batch_id, line_no, custom_id, method, url, body, status, error) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                ((batch_id, ln.line_no, ln.custom_id, ln.method, ln.url,
-                  None if ln.body is None else json.dumps(ln.body), "error" if ln.error else "pending",
-                  None if ln.error is None else json.dumps(ln.error)) for ln in lines))
-        return self.batch(batch_id, owner=owner)
-
     def _input_lines(self, input_file_id: str, endpoint: str, owner: str, now: int) -> Iterator[BatchLine]:
         """The lines of `owner`'s batch input file, counted and checked (`batch_input_lines`), read in pieces
-        of CHUNK_BYTES (inside the caller's transaction)."""
+        of CHUNK_BYTES (the caller holds the store's lock: `pools.store.batch_create`)."""
         row = is_text(input_file_id) and self._db.execute(
             f"SELECT purpose, bytes, length(content) FROM files WHERE id=? AND {_FILE_OWNER}=? AND {_FILE_LIVE}",
             (input_file_id, owner, now)).fetchone()
@@ -362,10 +327,12 @@ class BatchStore(StoreFile):
         return None
 
     def unfinished_batch_ids(self) -> list[str]:
-        """Batches a runner still owes work (lines to run, or finalizing), oldest first."""
+        """Batches a runner still owes work (lines to run, or finalizing), oldest first; not one `validating`:
+        its creation stores its lines, then starts it (`pools.store.batch_create`)."""
+        running = tuple(status for status in UNFINISHED if status != "validating")
         with self._lock:
-            rows = self._db.execute(f"SELECT id FROM batches WHERE status IN ({marks(UNFINISHED)}) ORDER BY seq",
-                                    UNFINISHED).fetchall()
+            rows = self._db.execute(f"SELECT id FROM batches WHERE status IN ({marks(running)}) ORDER BY seq",
+                                    running).fetchall()
         return [r[0] for r in rows]
 
     # --- lines -----------------------------------------------------------------------------------

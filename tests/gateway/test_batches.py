@@ -339,6 +339,31 @@ async def test_a_stopped_server_resumes_its_batches_and_records_each_line_once(a
     assert [o["custom_id"] for o in output] == [f"r{i}" for i in range(20)]
 
 
+async def test_a_batch_is_created_in_steps_and_one_a_stop_interrupted_fails_at_the_next_start(aiohttp_client, tmp_path,
+                                                                                              tiny_model, monkeypatch):
+    """Its lines stored a step at a time (`pools.store.batch_create`), the other clients served between steps; a
+    batch the stop caught being created is `failed` at the next start (`batch_creation_interrupted`), not run
+    with the lines it had, nor left `validating` for ever."""
+    from pools.store import batch_create
+
+    monkeypatch.setattr(batch_create, "LINES_PER_STEP", 3)
+    as_a = {"headers": {"Authorization": "Bearer key-a"}, "tenants": TENANTS}
+    client = await _client(aiohttp_client, tmp_path, tiny_model, _FakeExecutor(), **as_a)
+    store = client.app[BATCHES].store
+    steps, add_lines = [], store.add_lines
+    monkeypatch.setattr(store, "add_lines", lambda *args, **kw: steps.append(1) or add_lines(*args, **kw))
+    batch = await _create(client, _jsonl(*(_line(f"r{i}") for i in range(10))))
+    assert len(steps) == 4 and batch["request_counts"]["total"] == 10
+    assert (await _wait(client, batch["id"]))["request_counts"]["completed"] == 10
+    file = (await (await _upload(client, _jsonl(_line("x"), _line("y")))).json())["id"]
+    (owner,) = store._db.execute("SELECT owner FROM files WHERE id=?", (file,)).fetchone()
+    interrupted, _ = store.begin_batch(file, CHAT, "24h", owner=owner, tenant="a")   # as a stop leaves one
+    await client.close()
+    client = await _client(aiohttp_client, tmp_path, tiny_model, _FakeExecutor(), **as_a)
+    failed = await (await client.get(f"/v1/batches/{interrupted}")).json()
+    assert failed["status"] == "failed" and failed["errors"]["data"][0]["code"] == "batch_creation_interrupted"
+
+
 async def test_a_page_cut_short_by_its_bytes_does_not_end_the_batch(aiohttp_client, tmp_path, tiny_model,
                                                                     monkeypatch):
     """Pages of pending lines end at `PAGE_BYTES` of bodies (here one line each): the runner read a page shorter

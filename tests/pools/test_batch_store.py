@@ -786,3 +786,71 @@ def test_files_expire_and_deleted_files_are_gone_at_once_while_their_batch_keeps
         assert db.execute("SELECT count(*) FROM file_chunks WHERE file_id IN (?, ?)",
                           (kept["id"], hour["id"])).fetchone()[0] == 0
     store.check_integrity()
+
+
+def test_a_batch_is_created_in_steps_each_its_own_transaction_and_the_store_serves_others_between(tmp_path):
+    """One transaction parsed and stored a file of 200 MB: it held the write lock 7 s, past another connection's
+    busy timeout (a kept Response was not kept), and the store's one thread as long. A batch is `validating`
+    while its lines are stored a step at a time; nothing runs it before it starts; between steps the lock is free."""
+    from pools.store.response_store import ResponseStore
+
+    store = _make_store(tmp_path / "b.sqlite3")
+    other = ResponseStore(tmp_path / "b.sqlite3")
+    content = _jsonl(*(_line(f"r{i}") for i in range(25)))
+    file = store.add_file(content, "in.jsonl", "batch", owner=OWNER, tenant=TENANT)
+    batch_id, lines = store.begin_batch(file["id"], CHAT, "24h", owner=OWNER, tenant=TENANT)
+    assert store.batch(batch_id, owner=OWNER)["status"] == "validating" and store.unfinished_batch_ids() == []
+    steps = 1
+    while store.add_lines(batch_id, lines, limit=10):
+        steps += 1
+        other._db.execute("BEGIN IMMEDIATE")   # the write lock is free between steps (busy: OperationalError)
+        other._db.execute("ROLLBACK")
+        assert store.batch(batch_id, owner=OWNER)["request_counts"]["total"] == 10 * (steps - 1)
+    assert steps == 3
+    batch = store.start_batch(batch_id, owner=OWNER)
+    assert batch["status"] == "in_progress" and batch["request_counts"]["total"] == 25
+    assert store.unfinished_batch_ids() == [batch_id]
+    assert [ln.line_no for ln in store.pending_lines(batch_id, limit=100)] == list(range(1, 26))
+    # bodies bound a step too: one line past max_bytes ends it
+    batch_id, lines = store.begin_batch(file["id"], CHAT, "24h", owner=OWNER, tenant=TENANT)
+    assert store.add_lines(batch_id, lines, max_bytes=1) and store.batch(batch_id, owner=OWNER)[
+        "request_counts"]["total"] == 1
+    other.close()
+
+
+def test_a_batch_cancelled_or_its_file_deleted_while_it_is_created_and_one_a_stop_interrupted(tmp_path):
+    store = _make_store(tmp_path / "b.sqlite3")
+    content = _jsonl(*(_line(f"r{i}") for i in range(30)))
+    file = store.add_file(content, "in.jsonl", "batch", owner=OWNER, tenant=TENANT)
+    batch_id, lines = store.begin_batch(file["id"], CHAT, "24h", owner=OWNER, tenant=TENANT)
+    assert store.add_lines(batch_id, lines, limit=10)
+    assert store.cancel(batch_id, owner=OWNER)["status"] == "cancelling"
+    assert not store.add_lines(batch_id, lines, limit=10)          # stores no more, and is not started
+    assert store.start_batch(batch_id, owner=OWNER)["status"] == "cancelling"
+    assert store.batch(batch_id, owner=OWNER)["request_counts"]["total"] == 10
+    # the input file deleted meanwhile: a 400 naming it, the batch gone as if never made
+    calls = 0
+    add_lines = store.add_lines
+
+    def delete_after_first(batch, pending, limit=10, **kwargs):
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            store.delete_file(file["id"], owner=OWNER)
+        return add_lines(batch, pending, limit=limit, **kwargs)
+
+    store.add_lines = delete_after_first
+    before = {b["id"] for b in store.list_batches(100, owner=OWNER)[0]}
+    with pytest.raises(BatchInputError, match="deleted while the batch was being created") as raised:
+        store.create_batch(file["id"], CHAT, "24h", owner=OWNER, tenant=TENANT)
+    assert raised.value.param == "input_file_id" and {b["id"] for b in store.list_batches(100, owner=OWNER)[0]} == before
+    del store.add_lines
+    # one a stop left validating: failed at the next start, saying so, its lines dropped
+    file = store.add_file(content, "in.jsonl", "batch", owner=OWNER, tenant=TENANT)
+    batch_id, lines = store.begin_batch(file["id"], CHAT, "24h", owner=OWNER, tenant=TENANT)
+    store.add_lines(batch_id, lines, limit=10)
+    assert store.fail_interrupted() == [batch_id]
+    batch = store.batch(batch_id, owner=OWNER)
+    assert batch["status"] == "failed" and batch["errors"]["data"][0]["code"] == "batch_creation_interrupted"
+    assert batch_id not in store.unfinished_batch_ids() and store.fail_interrupted() == []
+    store.check_integrity()
