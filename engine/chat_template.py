@@ -15,9 +15,7 @@ from __future__ import annotations
 import functools
 import json
 import traceback
-from collections.abc import Iterable
 from datetime import datetime
-from pathlib import Path
 from typing import Any
 
 import jinja2
@@ -208,40 +206,3 @@ def compile_chat_template(source: str) -> jinja2.Template:
     env.filters["tojson"] = _tojson
     env.globals.update(_TEMPLATE_GLOBALS)
     return env.from_string(source)
-
-
-def read_chat_templates(folder: Path, config: dict[str, Any]) -> dict[str, str]:
-    """Templates by name. chat_template.jinja (and additional_chat_templates/*.jinja) win over the config's
-    "chat_template", which is a string or a list of {name, template}."""
-    templates = {}
-    if (folder / "chat_template.jinja").is_file():
-        templates["default"] = (folder / "chat_template.jinja").read_text(encoding="utf-8")
-    extra_dir = folder / "additional_chat_templates"
-    if extra_dir.is_dir():
-        templates.update({p.stem: p.read_text(encoding="utf-8") for p in sorted(extra_dir.glob("*.jinja"))})
-    if templates:
-        return templates
-    value = config.get("chat_template")
-    if isinstance(value, str):
-        return {"default": value}
-    if isinstance(value, list) and all(isinstance(t, dict) and {"name", "template"} <= t.keys() for t in value):
-        return {t["name"]: t["template"] for t in value}
-    if value is not None:
-        raise ValueError(f"{folder / 'tokenizer_config.json'}: chat_template: expected a string or a list of "
-                         f"{{name, template}}, got {type(value).__name__}")
-    return {}
-
-
-def template_literals(sources: Iterable[str]) -> str:
-    """The text chat templates write as written: each one's raw text and string constants (HF's
-    `_get_template_literal_text`), joined by NUL so no search matches across two; a template that does not
-    parse gives none. A control token is one an added token's text found here (`engine.tokenizer`)."""
-    literals: set[str] = set()
-    for source in sources:
-        try:
-            tree = compile_chat_template(source).environment.parse(source)
-        except jinja2.TemplateError:
-            continue
-        literals |= {node.data for node in tree.find_all(jinja2.nodes.TemplateData)}
-        literals |= {node.value for node in tree.find_all(jinja2.nodes.Const) if isinstance(node.value, str)}
-    return "\0".join(literals)

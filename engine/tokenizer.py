@@ -31,8 +31,7 @@ import jinja2
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as _Backend
 
-from engine.chat_template import (TEMPLATE_FUNCTIONS, check_messages, compile_chat_template, read_chat_templates,
-                                  render, template_literals)
+from engine.chat_template import TEMPLATE_FUNCTIONS, check_messages, compile_chat_template, render
 from engine.text import OutputText
 
 __all__ = ["TEMPLATE_FUNCTIONS", "IncrementalDetokenizer", "Tokenizer"]
@@ -66,15 +65,11 @@ class Tokenizer:
             i for i in (backend.token_to_id(t) for t in special) if i is not None)
         # ids that decode(skip_special_tokens=True) drops
         self._skipped_ids = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
-        # The tokens encode matches that a chat's client may not write (HF's `sanitize_control_tokens` rule): the
-        # special ones (none with split_special_tokens: those read as text), and the other added tokens its
-        # templates write (Qwen's "<tool_call>", "</tool_response>", "<think>"), whitespace aside: content ->
+        # the special tokens encode matches (none with split_special_tokens: those read as text): content ->
         # (id, lstrip, rstrip, single_word)
-        literals = template_literals(chat_templates.values())
-        self.control_specs: dict[str, tuple[int, bool, bool, bool]] = {
-            t.content: (i, t.lstrip, t.rstrip, t.single_word) for i, t in backend.get_added_tokens_decoder().items()
-            if t.content and (not backend.encode_special_tokens if t.special else
-                              t.content in literals and not t.content.isspace())}
+        self.control_specs: dict[str, tuple[int, bool, bool, bool]] = {} if backend.encode_special_tokens else {
+            t.content: (i, t.lstrip, t.rstrip, t.single_word)
+            for i, t in backend.get_added_tokens_decoder().items() if t.special and t.content}
         self.control_tokens: frozenset[str] = frozenset(self.control_specs)
         # <0xXX> tokens of a ByteFallback decoder, which decodes each run of them as one unit
         decoder_state = backend.decoder.__getstate__() if backend.decoder else b""
@@ -133,7 +128,7 @@ class Tokenizer:
         for name in ("generation_config.json", "config.json"):
             value = _read_json(folder / name).get("eos_token_id")
             model_eos_ids += [i for i in (value if isinstance(value, list) else [value]) if isinstance(i, int)]
-        return cls(backend, folder, config, model_eos_ids, read_chat_templates(folder, config))
+        return cls(backend, folder, config, model_eos_ids, _read_chat_templates(folder, config))
 
     @property
     def vocab_size(self) -> int:
@@ -172,8 +167,6 @@ class Tokenizer:
             return backend
 
         spec = json.loads(self._backend.to_str())
-        for token in spec.get("added_tokens") or ():   # a control token the templates write: read as text too
-            token["special"] = token["special"] or token["content"] in self.control_specs
         first = as_text(spec)
         return (first, as_text(spec)) if _prepend_first_only(spec.get("pre_tokenizer")) else (first, first)
 
@@ -456,6 +449,28 @@ def _add_config_tokens(backend: _Backend, config: dict[str, Any]) -> None:
         if content not in present:
             backend.add_special_tokens([AddedToken(content, special=True, normalized=False)])
             present.add(content)
+
+
+def _read_chat_templates(folder: Path, config: dict[str, Any]) -> dict[str, str]:
+    """Templates by name. chat_template.jinja (and additional_chat_templates/*.jinja) win over the config's
+    "chat_template", which is a string or a list of {name, template}."""
+    templates = {}
+    if (folder / "chat_template.jinja").is_file():
+        templates["default"] = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+    extra_dir = folder / "additional_chat_templates"
+    if extra_dir.is_dir():
+        templates.update({p.stem: p.read_text(encoding="utf-8") for p in sorted(extra_dir.glob("*.jinja"))})
+    if templates:
+        return templates
+    value = config.get("chat_template")
+    if isinstance(value, str):
+        return {"default": value}
+    if isinstance(value, list) and all(isinstance(t, dict) and {"name", "template"} <= t.keys() for t in value):
+        return {t["name"]: t["template"] for t in value}
+    if value is not None:
+        raise ValueError(f"{folder / 'tokenizer_config.json'}: chat_template: expected a string or a list of "
+                         f"{{name, template}}, got {type(value).__name__}")
+    return {}
 
 
 def _clean_up_tokenization(text: str) -> str:
