@@ -288,17 +288,22 @@ class CreditQueue:
         the loop step the admission lands in, and a request whose client left would run."""
         moved = 0.0
         while not waiter.done():
-            if self.on_down is not None and not any(map(self.replica_up, range(self.ledger.num_replicas))):
+            if self.on_down is not None and self._none_up():
                 down_at, back = time.monotonic(), asyncio.ensure_future(self.on_down(patient))
                 try:
                     await asyncio.wait([waiter, back], return_when=asyncio.FIRST_COMPLETED)
                     if not waiter.done():
                         back.result()   # a replica is ready (its `replica_ready` admitted who fits), or the 503
                 finally:
-                    back.cancel()
-                moved += time.monotonic() - down_at
-                deadline = None if deadline is None else deadline + time.monotonic() - down_at
-                continue
+                    if not back.done():
+                        back.cancel()
+                    elif not back.cancelled():
+                        back.exception()   # read: an admission that won leaves no "never retrieved" warning
+                if waiter.done() or not self._none_up():   # the device came back: no wait for credits meanwhile
+                    moved += time.monotonic() - down_at
+                    deadline = None if deadline is None else deadline + time.monotonic() - down_at
+                    continue
+                # ready but taking nothing (draining): a wait for credits as any, not a spin on `on_down`
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 break
@@ -306,6 +311,9 @@ class CreditQueue:
             await asyncio.wait([waiter], timeout=left if recheck is None else recheck if left is None else
                                min(left, recheck))
         return moved
+
+    def _none_up(self) -> bool:
+        return not any(map(self.replica_up, range(self.ledger.num_replicas)))
 
     def _refused(self) -> None:
         """A request refused for capacity (PoolFull, QueueTimeout): counted, and timed for the autoscaler."""

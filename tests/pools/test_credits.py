@@ -770,3 +770,37 @@ def test_a_request_queued_when_its_pools_last_replica_dies_waits_for_the_device_
         assert await asyncio.wait_for(task, 5) == "admitted" and waits == [False] and queue.refused_at is None
 
     asyncio.run(scenario())
+
+
+def test_a_request_queued_while_its_only_replica_is_ready_but_draining_times_out_and_never_spins():
+    """A replica ready but draining takes nothing new (`is_up` False) while the gateway's wait for a ready
+    replica returns at once: the queued request called it again and again (122,245 times in 1.5 s, the event
+    loop's whole time) and never timed out. It waits for credits as any request then."""
+    queue = CreditQueue("chat", 100, max_queue_seconds=0.3)
+    draining, calls = [False], []
+    queue.is_up = lambda replica: not draining[0]
+
+    async def on_down(patient: bool) -> None:
+        calls.append(patient)   # `wait_for_replica`: the replica is ready, so at once
+
+    async def scenario() -> None:
+        async def first() -> None:
+            async with queue.hold("a", 100):
+                await asyncio.sleep(0.5)
+
+        running = asyncio.create_task(first())
+        await asyncio.sleep(0.01)
+        queue.on_down = on_down
+        draining[0] = True
+        began = time.monotonic()
+
+        async def second() -> None:
+            async with queue.hold("b", 60):
+                pass
+
+        with pytest.raises(QueueTimeout):
+            await asyncio.wait_for(second(), 3)
+        assert time.monotonic() - began < 1.0 and len(calls) <= 5
+        await running
+
+    asyncio.run(scenario())
