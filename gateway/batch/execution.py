@@ -39,6 +39,7 @@ from gateway.openai.errors import ApiError, storage_unavailable
 from gateway.runtime import Gateway
 from gateway.upstream.relay import IDEMPOTENCY_KEY, UPSTREAM_SEND, idempotency_key
 from gateway.workers.deaths import SuspectGate
+from pools.store.batch_create import new_batch_id
 from pools.store.batch_input import BatchInputError, BatchLine, TooManyBatches
 from pools.router import UnknownModelError
 from pools.store.batch_store import PURGE_EVERY_S, STORAGE_ERRORS, BatchStore
@@ -162,6 +163,7 @@ class BatchRunner:
         self.retry_first_s, self.retry_max_s = retry_first_s, retry_max_s
         self.max_line_attempts, self.max_store_attempts = max_line_attempts, max_store_attempts
         self._runs: dict[str, _Run] = {}
+        self._creating: set[str] = set()   # batches `create` is storing the lines of (`validating`)
         self.gate_keys = gate_keys        # None: every line holds one gate
         self._gates: dict[Hashable, SuspectGate] = {}
         self._purging: asyncio.Task | None = None
@@ -200,6 +202,8 @@ class BatchRunner:
                 await asyncio.sleep(0)
 
         async def resume() -> None:
+            if failed := await self.store.on_thread(self.store.fail_interrupted, keep=set(self._creating)):
+                log.warning("failed %d batches whose creation ended half-way: %s", len(failed), ", ".join(failed))
             for batch_id in await self.store.on_thread(self.store.unfinished_batch_ids):
                 self.run(batch_id)
         while True:
@@ -275,12 +279,17 @@ class BatchRunner:
         that fails drops the batch. Shielded, so a client that leaves meanwhile cannot leave a stored batch that
         nothing runs. A 429 when the owner has `max_unfinished_per_owner` batches unfinished already."""
         async def create_and_run() -> dict[str, Any]:
+            batch_id = new_batch_id()
+            self._creating.add(batch_id)   # before it is stored: `_purge` fails a validating batch of no creation
             try:
                 batch_id, lines = await self.db(self.store.begin_batch, input_file_id, endpoint, completion_window,
                                                 metadata, owner=owner, tenant=tenant,
                                                 output_expires_after=output_expires_after,
-                                                max_unfinished=self.max_unfinished_per_owner)
-            except TooManyBatches as exc:
+                                                max_unfinished=self.max_unfinished_per_owner, batch_id=batch_id)
+            except BaseException as exc:
+                self._creating.discard(batch_id)
+                if not isinstance(exc, TooManyBatches):
+                    raise
                 raise ApiError(429, f"this API key has {exc.unfinished} batches in progress, finalizing or "
                                f"cancelling, the most gateway.batches.max_unfinished_per_owner ({exc.limit}) allows; "
                                "wait for one to end, or cancel one", type="requests", code="rate_limit_exceeded",
@@ -288,11 +297,13 @@ class BatchRunner:
             try:
                 while await self.db(self.store.add_lines, batch_id, lines):
                     pass
-            except BaseException:
-                with contextlib.suppress(StorageFailed):   # left validating then: the next start fails it
+                batch = await self.db(self.store.start_batch, batch_id, owner=owner)
+            except BaseException:   # a batch started (its answer not read back) is resumed by `_purge`, not dropped
+                with contextlib.suppress(StorageFailed):   # else left validating: `_purge` fails it
                     await self.durable(self.store.drop_batch, batch_id)
                 raise
-            batch = await self.db(self.store.start_batch, batch_id, owner=owner)
+            finally:
+                self._creating.discard(batch_id)
             self.run(batch_id)
             return batch
         return await asyncio.shield(create_and_run())

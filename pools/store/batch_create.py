@@ -8,8 +8,9 @@ timeout of another connection to the file (a kept Response was then not kept), a
 long (every batch's records, every list, every upload waited). `create_batch` is the steps in one call.
 
 A batch the gateway stopped creating (a crash between steps) stays `validating` with some of its lines: nothing
-runs it (`BatchStore.unfinished_batch_ids` passes it over), and the next start fails it
-(`fail_interrupted`), its client having had no answer. A batch cancelled while it is created stores no more
+runs it (`BatchStore.unfinished_batch_ids` passes it over), and the next start fails it (`fail_interrupted`), its
+client having had no answer; one whose creation failed and could not even be dropped (the store failing) is
+failed so by the runner's next turn, which keeps those it is creating. A batch cancelled while it is created stores no more
 lines and is not started; its runner finalizes it `cancelled`. An input file deleted meanwhile makes the
 creation a 400 (`add_lines`), the batch dropped (`drop_batch`) as if never made.
 """
@@ -19,7 +20,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any
 
 from pools.store.batch_files import fail_batch
@@ -31,6 +32,10 @@ LINES_PER_STEP = 1000   # lines one step parses and stores (~0.15 s of long line
 STEP_BYTES = 4 << 20    # and the bodies it stores, at most past one line (50 lines of 80 KB; a line holds up to 1 MiB)
 INTERRUPTED = ("batch_creation_interrupted", "the gateway stopped while it was reading the batch's input file; "
                "create the batch again")
+
+
+def new_batch_id() -> str:
+    return f"batch_{uuid.uuid4().hex[:24]}"
 
 
 class BatchCreation:
@@ -56,18 +61,18 @@ class BatchCreation:
 
     def begin_batch(self, input_file_id: str, endpoint: str, completion_window: str,
                     metadata: dict[str, str] | None = None, *, owner: str, tenant: str,
-                    output_expires_after: dict[str, Any] | None = None,
-                    max_unfinished: int | None = None) -> tuple[str, Iterator[BatchLine]]:
+                    output_expires_after: dict[str, Any] | None = None, max_unfinished: int | None = None,
+                    batch_id: str | None = None) -> tuple[str, Iterator[BatchLine]]:
         """Store a batch of `owner`'s input file, owned by `owner` and run as `tenant`, `validating`, with no line
         yet: its id, and its lines to store (`add_lines`). Its output and error files expire as
         `output_expires_after` says (OpenAI's policy; none: kept until deleted). BatchInputError naming the field
         for a bad argument, or a file past the limits (counted here, before anything is stored); another owner's
         input file is refused as one that does not exist. TooManyBatches when `owner` has `max_unfinished` batches
         unfinished already (counted in the transaction that stores it: batches created at once cannot pass it
-        together)."""
+        together). `batch_id`: its id, chosen by the caller (`new_batch_id`)."""
         expires_after = check_expires_after(output_expires_after, "output_expires_after")
         check_batch_arguments(endpoint, completion_window, metadata)
-        batch_id, now = f"batch_{uuid.uuid4().hex[:24]}", int(time.time())
+        batch_id, now = batch_id or new_batch_id(), int(time.time())
         with self._lock:
             lines = self._input_lines(input_file_id, endpoint, owner, now)
         with self._txn() as db:
@@ -129,11 +134,12 @@ class BatchCreation:
             if db.execute("DELETE FROM batches WHERE id=? AND status='validating'", (batch_id,)).rowcount:
                 db.execute("DELETE FROM lines WHERE batch_id=?", (batch_id,))
 
-    def fail_interrupted(self) -> list[str]:
-        """Fail the batches a stopped gateway left `validating` (INTERRUPTED, OpenAI's `errors`); their ids. Call it
-        before any batch is created: one being created is `validating` too."""
+    def fail_interrupted(self, keep: Collection[str] = ()) -> list[str]:
+        """Fail the batches left `validating` (INTERRUPTED, OpenAI's `errors`) but those of `keep` (being
+        created: a gateway's start keeps none, its runner's turns those it creates); their ids."""
         with self._txn() as db:
-            ids = [row[0] for row in db.execute("SELECT id FROM batches WHERE status='validating'")]
+            ids = [row[0] for row in db.execute("SELECT id FROM batches WHERE status='validating'")
+                   if row[0] not in keep]
             for batch_id in ids:
                 fail_batch(db, batch_id, *INTERRUPTED)
         return ids

@@ -932,3 +932,37 @@ def test_a_batch_survives_kill_9_of_the_server_with_no_result_lost_or_doubled(tm
     custom_ids = [o["custom_id"] for o in output]
     assert len(custom_ids) == 60 and sorted(custom_ids) == [f"k{i:03d}" for i in range(60)]
     assert all(o["response"]["status_code"] == 200 for o in output) and done.error_file_id is None
+
+
+async def test_a_batch_whose_start_failed_is_dropped_and_one_left_half_made_fails_at_the_next_turn(
+        aiohttp_client, tmp_path, tiny_model, monkeypatch):
+    """The store failing as a batch is started: a 503, and nothing left (it stayed validating for the gateway's
+    life, counted against its owner's unfinished batches, expired 24 hours later with an error file). One that
+    could not even be dropped is failed at the runner's next turn, not one it is creating."""
+    import sqlite3
+
+    as_a = {"headers": {"Authorization": "Bearer key-a"}, "tenants": TENANTS}
+    client = await _client(aiohttp_client, tmp_path, tiny_model, _FakeExecutor(), **as_a)
+    runner = client.app[BATCHES]
+    store = runner.store
+
+    def locked(*args, **kwargs):
+        raise sqlite3.OperationalError("database is locked")
+
+    monkeypatch.setattr(store, "start_batch", locked)
+    r = await _upload(client, _jsonl(_line("a"), _line("b")))
+    file_id = (await r.json())["id"]
+    r = await client.post("/v1/batches", json={"input_file_id": file_id, "endpoint": CHAT, "completion_window": "24h"})
+    assert r.status == 503 and (await client.get("/v1/batches")).status == 200
+    assert (await (await client.get("/v1/batches")).json())["data"] == []
+    monkeypatch.setattr(store, "drop_batch", locked)
+    r = await client.post("/v1/batches", json={"input_file_id": file_id, "endpoint": CHAT, "completion_window": "24h"})
+    assert r.status == 503
+    [left] = (await (await client.get("/v1/batches")).json())["data"]
+    assert left["status"] == "validating"
+    (owner,) = store._db.execute("SELECT owner FROM files WHERE id=?", (file_id,)).fetchone()
+    creating, _ = store.begin_batch(file_id, CHAT, "24h", owner=owner, tenant="a")
+    runner._creating.add(creating)             # one being created at the turn: kept
+    assert store.fail_interrupted(keep=runner._creating) == [left["id"]]
+    assert (await (await client.get(f"/v1/batches/{left['id']}")).json())["status"] == "failed"
+    assert (await (await client.get(f"/v1/batches/{creating}")).json())["status"] == "validating"
