@@ -44,6 +44,7 @@ with it (`StepTime`), and the benchmarks fit it to measured steps and compare it
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections import deque
 from collections.abc import Sequence
@@ -131,15 +132,16 @@ class LinearStepTime:
     swap_latency: float = 0.0      # seconds a swap copy takes besides its bytes (measured with the bandwidth)
 
     def __post_init__(self) -> None:
-        for name in ("a", "b", "c", "d", "e", "swap_latency"):
+        for name in ("a", "b", "c", "d", "e", "swap_latency"):   # JSON reads NaN, Infinity and 1e400 as floats
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or value < 0:
-                raise ValueError(f"{name}: must be a number >= 0, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name}: must be a finite number >= 0, got {value!r}")
         if not isinstance(self.knee, int) or isinstance(self.knee, bool) or self.knee < 0:
             raise ValueError(f"knee: must be an integer >= 0 (tokens per step), got {self.knee!r}")
         bandwidth = self.swap_bandwidth
-        if bandwidth is not None and (not isinstance(bandwidth, (int, float)) or not bandwidth > 0):
-            raise ValueError(f"swap_bandwidth: must be a number > 0 (bytes/s) or null, got {bandwidth!r}")
+        if bandwidth is not None and (isinstance(bandwidth, bool) or not isinstance(bandwidth, (int, float))
+                                      or not 0 < bandwidth < math.inf):
+            raise ValueError(f"swap_bandwidth: must be a finite number > 0 (bytes/s) or null, got {bandwidth!r}")
 
     def predict(self, features: StepFeatures) -> float:
         coef = np.array([self.a, self.b, self.c, self.d, self.e])
@@ -229,7 +231,11 @@ def fit_linear(samples: Sequence[tuple[StepFeatures, float]], *, swap_bandwidth:
     used = list(samples)[skip:]
     if len(used) < MIN_FIT_STEPS:
         raise ValueError(f"calibration: {len(used)} measured steps are too few to fit 5 coefficients")
-    return _fit([f.vector() for f, _ in used], [s for _, s in used], swap_bandwidth)
+    model = _fit([f.vector() for f, _ in used], [s for _, s in used], swap_bandwidth)
+    if not any((model.a, model.b, model.c, model.d, model.e)):
+        raise ValueError(f"calibration: the fit of {len(used)} steps predicts 0 s for every step; they are not "
+                         "a device's measured steps")
+    return model
 
 
 class StepCostModel:
@@ -309,6 +315,8 @@ def read_step_trace(path: str | Path, *, skip: int = 2) -> list[tuple[StepFeatur
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"--from-trace: {path} line {n} is not a step record ({type(exc).__name__}: {exc})"
                              ) from None
+        if not math.isfinite(seconds):
+            raise ValueError(f"--from-trace: {path} line {n}: cycle_seconds must be finite, got {seconds!r}")
         if seconds > 0 and features.num_prefill_tokens + features.num_decode_tokens:
             samples.append((features, seconds))
     return samples[skip:]

@@ -289,6 +289,14 @@ def _capacity(args: argparse.Namespace) -> int:
         return 0
     workload = args.workload or "mixed"
     check_preset(config, args.device)
+    from pools.workload import class_rates, load_workload
+
+    classes = load_workload(workload)
+    if all(c.rate is not None for c in classes):
+        raise UsageError(f"--rate: every class of workload {workload!r} has a rate of its own, so no request rate "
+                         "moves its arrivals (give a class a share; its rates offer "
+                         f"{sum(class_rates(classes, 0.0).values()):g} requests/s)")
+    offered = sum(class_rates(classes, args.rate).values())   # the share classes' args.rate, and the others' own
     verdicts, unrouted = rate_verdicts(config, plan, model_configs, workload, args.rate, preset=args.device,
                                        step_model=args.step_model)
     upstream = upstream_rates(config, plan, workload, args.rate)
@@ -296,7 +304,8 @@ def _capacity(args: argparse.Namespace) -> int:
         print(json.dumps(plan.to_dict() | {"overload": verdicts, "unrouted_rate": unrouted,
                                            "upstream_rates": upstream}, indent=2))
     else:
-        print("\n".join([format_plan(plan), "", f"overload at {args.rate:g} requests/s of {workload}:",
+        own = "" if offered == args.rate else f" ({args.rate:g} over its share classes, the rest their own rates)"
+        print("\n".join([format_plan(plan), "", f"overload at {offered:g} requests/s of {workload}{own}:",
                          *format_verdicts(verdicts, unrouted=unrouted), *(f"upstream pool {name}: {rate:.2f} "
                          "requests/s routed there (on no device's load)" for name, rate in upstream.items())]))
     return 0

@@ -29,7 +29,8 @@ def add_simulate(sub) -> None:
                    "(default 1)")
     p.add_argument("--duration", type=positive_float, default=60.0, help="seconds of arrivals (default 60)")
     p.add_argument("--burstiness", type=burstiness, default=1.0, help="gamma shape of the gaps (>= 0.01); 1 is Poisson")
-    p.add_argument("--device", choices=sorted(PRESETS), default="h100", help="GPU preset (default h100)")
+    p.add_argument("--device", choices=sorted(PRESETS), default=None, help="GPU preset (default h100; a device "
+                   "planned as a CPU needs --step-model, or this given)")
     p.add_argument("--vram", type=memory_size, default=None, help="memory per GPU for the plan (default: the preset's)")
     p.add_argument("--model-config", default=None, help="an HF config.json (or its folder) for every pool")
     p.add_argument("--preemption-mode", choices=("recompute", "swap", "auto"), default=None,
@@ -119,6 +120,7 @@ def _simulation_setup(config, args: argparse.Namespace):
     from pools.model_configs import resolve_model_configs
     from pools.simulation.runner import device_step_times, shared_layout
     from pools.config.spec import SpecError, parse_bytes
+    from pools.plan_report import DEFAULT_PRESET
 
     if args.replicas is not None:
         config = dataclasses.replace(config, devices=_with_replicas(config.devices, args.replicas))
@@ -136,6 +138,7 @@ def _simulation_setup(config, args: argparse.Namespace):
             raise UsageError(f"{flags}: pool {pool.name!r} (pools[{i}]) would be invalid: {exc}") from None
     if overrides:
         config = dataclasses.replace(config, pools=tuple(p.replace(**overrides) for p in config.pools))
+    explicit, args.device = args.device is not None, args.device or DEFAULT_PRESET
     preset = PRESETS[args.device]
     check_preset(config, args.device)
     vram = args.vram or (None if args.step_model else preset.memory_bytes)
@@ -144,6 +147,11 @@ def _simulation_setup(config, args: argparse.Namespace):
     except SpecError as exc:
         raise SpecError(f"{exc} (or pass --model-config config.json)") from None
     plan = plan_capacity(config, model_configs, vram_bytes=vram)
+    cpu = [d.name for d in plan.devices.values() if d.device_type == "cpu"]
+    if cpu and not (args.step_model or explicit):   # as `capacity --rate` refuses it
+        raise UsageError(f"--device: device {cpu[0]} is planned as a CPU, which has no roofline preset (its memory "
+                         "and steps would be an H100's); give --step-model FILE (measured with --calibrate) or "
+                         "--device PRESET")
     layouts = {}
     if args.layout in ("split", "both"):
         layouts["split"] = (config, plan)

@@ -214,7 +214,7 @@ def check_simulate_options(args: argparse.Namespace) -> None:
         ("--step-model", args.step_model is not None), ("--layout", args.layout != "split"),
         ("--no-credits", args.no_credits), ("--json", args.json), ("--workload", args.workload != "mixed"),
         ("--request-rate", args.request_rate != 1.0), ("--duration", args.duration != 60.0),
-        ("--burstiness", args.burstiness != 1.0), ("--device", args.device != "h100")) if given), None)
+        ("--burstiness", args.burstiness != 1.0), ("--device", args.device is not None)) if given), None)
     if args.calibrate and ran:   # it measures steps and writes them: nothing is simulated
         raise UsageError(f"{ran}: not with --calibrate (it measures the device's steps and writes them; nothing "
                          "is simulated)")

@@ -273,6 +273,26 @@ def test_capacity_rate_of_a_cpu_device_needs_a_measured_step_model(tmp_path, cap
     verdict = out["overload"]["cpu"]
     assert verdict["overloaded"] and verdict["step_model"] == f"step model {steps}"
     assert out["unrouted_rate"] == pytest.approx(50 * 0.2)
+    # `simulate` alike: it planned the CPU device with an H100's memory and timed it on the H100 roofline
+    sim = ["simulate", "--config", str(config), "--model-config", str(tmp_path / "config.json"), "--duration", "2"]
+    assert main(sim) == 2 and "--device: device cpu is planned as a CPU, which has no roofline preset" in (
+        _error_line(capsys))
+    assert main(sim + ["--step-model", str(steps)]) == 0 and "within capacity" in capsys.readouterr().out
+
+
+def test_capacity_rate_names_the_rate_it_judges(tmp_path, capsys):
+    """A workload whose classes all have a rate of their own: --rate moved nothing, yet the report said it judged
+    that rate ("within capacity" at 1000 requests/s, of 2). Refused; a mixed one says what it offers."""
+    own = tmp_path / "own.yaml"
+    own.write_text("classes: [{name: a, rate: 2, prompt_len: 100, output_len: 10}]\n")
+    mixed = tmp_path / "mixed.yaml"
+    mixed.write_text("classes: [{name: a, rate: 2, prompt_len: 100, output_len: 10}, "
+                     "{name: b, share: 1, prompt_len: 100, output_len: 10}]\n")
+    argv = ["capacity", "--config", str(EXAMPLE), "--vram", "80GiB", "--rate"]
+    assert main(argv + ["1000", "--workload", str(own)]) == 2
+    assert "--rate: every class of workload" in _error_line(capsys)
+    assert main(argv + ["5", "--workload", str(mixed)]) == 0
+    assert "overload at 7 requests/s of " in capsys.readouterr().out
 
 
 def test_a_binary_yaml_file_is_named(tmp_path, capsys):

@@ -562,8 +562,38 @@ def test_a_calibration_keeps_its_swap_bandwidth_and_a_file_without_one_swaps_at_
     assert {s.swap_bandwidth for s in device_step_times(plan, models, preset="a100", step_model=str(path)).values()} \
         == {PRESETS["a100"].swap_bandwidth}
     path.write_text('{"step_model": "linear", "a": 0.04, "b": 0.001, "c": 0.002, "d": 0.0, "swap_bandwidth": 0}')
-    with pytest.raises(ValueError, match=r"step\.json: swap_bandwidth: must be a number > 0"):
+    with pytest.raises(ValueError, match=r"step\.json: swap_bandwidth: must be a finite number > 0"):
         read_step_model(path)
+
+
+@pytest.mark.parametrize("field, value, error", [
+    ("a", "NaN", r"a: must be a finite number >= 0, got nan"),   # was `min() arg is an empty sequence`
+    ("b", "1e400", r"b: must be a finite number >= 0, got inf"),   # was a ZeroDivisionError traceback
+    ("d", "true", r"d: must be a finite number >= 0, got True"),
+    ("swap_bandwidth", "true", r"swap_bandwidth: must be a finite number > 0 \(bytes/s\) or null, got True"),
+    ("swap_bandwidth", "Infinity", r"swap_bandwidth: must be a finite number > 0"),
+])
+def test_a_calibration_file_of_non_finite_or_boolean_numbers_is_refused_naming_the_field(tmp_path, field, value,
+                                                                                       error):
+    """JSON reads NaN, Infinity and 1e400 as floats, and a bool passed for a number: they reached the simulator
+    (an empty min(), a division by zero, a swap at 1 byte/s: TTFTs of 10^11 ms, no error)."""
+    coefficients = {"a": "0.04", "b": "0.001", "c": "0.002", "d": "0.0", "swap_bandwidth": "null", field: value}
+    path = tmp_path / "step.json"
+    path.write_text('{"step_model": "linear", ' + ", ".join(f'"{k}": {v}' for k, v in coefficients.items()) + "}")
+    with pytest.raises(ValueError, match=f"^--step-model: .*step\\.json: {error}"):
+        read_step_model(path)
+
+
+def test_a_trace_of_a_non_finite_step_and_a_fit_of_nothing_are_refused(tmp_path):
+    from engine.step_cost import fit_linear, read_step_trace
+
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text('{"num_prefill_tokens": 8, "num_decode_tokens": 0, "cycle_seconds": Infinity}\n')
+    with pytest.raises(ValueError, match=r"trace\.jsonl line 1: cycle_seconds must be finite, got inf"):
+        read_step_trace(trace, skip=0)
+    zero = [(StepFeatures(8 * k, 0, 0, 0), 0.0) for k in range(1, 30)]   # times no device takes
+    with pytest.raises(ValueError, match="predicts 0 s for every step"):
+        fit_linear(zero)
 
 
 def test_the_gateway_death_spiral_detector_trips_in_an_overcommitted_pool_only():
