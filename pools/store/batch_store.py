@@ -456,7 +456,8 @@ class BatchStore(BatchCreation, StoreFile):
                 "expires_at": None if window is None else batch["created_at"] + window,
                 "expired_at": batch["expired_at"] if batch["status"] == "expired" else None,   # once it is
                 "metadata": None if metadata is None else json.loads(metadata),
-                "request_counts": request_counts(self._db, batch["id"])}
+                "request_counts": {"total": 0, "completed": 0, "failed": 0} if batch["status"] == "validating" else
+                request_counts(self._db, batch["id"])}   # as OpenAI's while it validates: counted once it runs
 
 
 def _file_object(row: tuple) -> dict[str, Any]:

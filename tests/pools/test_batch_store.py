@@ -805,7 +805,7 @@ def test_a_batch_is_created_in_steps_each_its_own_transaction_and_the_store_serv
         steps += 1
         other._db.execute("BEGIN IMMEDIATE")   # the write lock is free between steps (busy: OperationalError)
         other._db.execute("ROLLBACK")
-        assert store.batch(batch_id, owner=OWNER)["request_counts"]["total"] == 10 * (steps - 1)
+        assert store.batch(batch_id, owner=OWNER)["request_counts"]["total"] == 0   # as OpenAI's, until it runs
     assert steps == 3
     batch = store.start_batch(batch_id, owner=OWNER)
     assert batch["status"] == "in_progress" and batch["request_counts"]["total"] == 25
@@ -813,8 +813,8 @@ def test_a_batch_is_created_in_steps_each_its_own_transaction_and_the_store_serv
     assert [ln.line_no for ln in store.pending_lines(batch_id, limit=100)] == list(range(1, 26))
     # bodies bound a step too: one line past max_bytes ends it
     batch_id, lines = store.begin_batch(file["id"], CHAT, "24h", owner=OWNER, tenant=TENANT)
-    assert store.add_lines(batch_id, lines, max_bytes=1) and store.batch(batch_id, owner=OWNER)[
-        "request_counts"]["total"] == 1
+    assert store.add_lines(batch_id, lines, max_bytes=1)
+    assert store._db.execute("SELECT COUNT(*) FROM lines WHERE batch_id=?", (batch_id,)).fetchone()[0] == 1
     other.close()
 
 
