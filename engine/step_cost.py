@@ -309,10 +309,14 @@ def read_step_trace(path: str | Path, *, skip: int = 2) -> list[tuple[StepFeatur
             continue
         try:
             step = json.loads(line)
-            features = StepFeatures(int(step["num_prefill_tokens"]), int(step["num_decode_tokens"]),
-                                    int(step.get("num_attended", 0)), int(step.get("num_keys_read", 0)))
-            seconds = float(step["cycle_seconds"] if "cycle_seconds" in step else step["seconds"])
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            values = [step["num_prefill_tokens"], step["num_decode_tokens"], step.get("num_attended", 0),
+                      step.get("num_keys_read", 0),
+                      step["cycle_seconds"] if "cycle_seconds" in step else step["seconds"]]
+            if any(isinstance(v, bool) for v in values):
+                raise TypeError("a count or a time is a boolean")
+            features = StepFeatures(*(int(v) for v in values[:4]))
+            seconds = float(values[4])
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError, OverflowError) as exc:
             raise ValueError(f"--from-trace: {path} line {n} is not a step record ({type(exc).__name__}: {exc})"
                              ) from None
         if not math.isfinite(seconds):

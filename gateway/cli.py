@@ -304,7 +304,8 @@ def _capacity(args: argparse.Namespace) -> int:
         print(json.dumps(plan.to_dict() | {"overload": verdicts, "unrouted_rate": unrouted,
                                            "upstream_rates": upstream}, indent=2))
     else:
-        own = "" if offered == args.rate else f" ({args.rate:g} over its share classes, the rest their own rates)"
+        own = f" ({args.rate:g} over its share classes, the rest their own rates)" if any(
+            c.rate is not None for c in classes) else ""
         print("\n".join([format_plan(plan), "", f"overload at {offered:g} requests/s of {workload}{own}:",
                          *format_verdicts(verdicts, unrouted=unrouted), *(f"upstream pool {name}: {rate:.2f} "
                          "requests/s routed there (on no device's load)" for name, rate in upstream.items())]))

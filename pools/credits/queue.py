@@ -299,11 +299,11 @@ class CreditQueue:
                         back.cancel()
                     elif not back.cancelled():
                         back.exception()   # read: an admission that won leaves no "never retrieved" warning
-                if waiter.done() or not self._none_up():   # the device came back: no wait for credits meanwhile
-                    moved += time.monotonic() - down_at
-                    deadline = None if deadline is None else deadline + time.monotonic() - down_at
+                moved += time.monotonic() - down_at   # a wait for the device: none for credits
+                deadline = None if deadline is None else deadline + time.monotonic() - down_at
+                if waiter.done() or not self._none_up():
                     continue
-                # ready but taking nothing (draining): a wait for credits as any, not a spin on `on_down`
+                # ready but taking nothing (draining; `on_down` returned at once): a wait for credits, no spin
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 break

@@ -293,6 +293,8 @@ def test_capacity_rate_names_the_rate_it_judges(tmp_path, capsys):
     assert "--rate: every class of workload" in _error_line(capsys)
     assert main(argv + ["5", "--workload", str(mixed)]) == 0
     assert "overload at 7 requests/s of " in capsys.readouterr().out
+    assert main(argv + ["24"]) == 0   # mixed's shares sum to 24.000000000000004: no class of its own rate
+    assert "overload at 24 requests/s of mixed:" in capsys.readouterr().out
 
 
 def test_a_binary_yaml_file_is_named(tmp_path, capsys):

@@ -591,6 +591,11 @@ def test_a_trace_of_a_non_finite_step_and_a_fit_of_nothing_are_refused(tmp_path)
     trace.write_text('{"num_prefill_tokens": 8, "num_decode_tokens": 0, "cycle_seconds": Infinity}\n')
     with pytest.raises(ValueError, match=r"trace\.jsonl line 1: cycle_seconds must be finite, got inf"):
         read_step_trace(trace, skip=0)
+    for bad in ('"num_prefill_tokens": Infinity, "num_decode_tokens": 0, "cycle_seconds": 0.1',   # a traceback
+                '"num_prefill_tokens": 8, "num_decode_tokens": 0, "cycle_seconds": true'):      # read as 1 s
+        trace.write_text("{" + bad + "}\n")
+        with pytest.raises(ValueError, match=r"trace\.jsonl line 1 is not a step record"):
+            read_step_trace(trace, skip=0)
     zero = [(StepFeatures(8 * k, 0, 0, 0), 0.0) for k in range(1, 30)]   # times no device takes
     with pytest.raises(ValueError, match="predicts 0 s for every step"):
         fit_linear(zero)
