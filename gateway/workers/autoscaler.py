@@ -130,9 +130,12 @@ class Autoscaler:
     async def freeze(self) -> None:
         """The gateway's drain has begun (SIGTERM): no replica is started or drained from now on. A queue still
         pressing then started a model load only for the stop to kill it, or on Ray a detached actor that the stop
-        caught in its creation and left holding GPUs after the gateway had gone."""
+        caught in its creation and left holding GPUs after the gateway had gone. Its scaling leases go back at
+        once: another gateway leads at its next renewal, not once the renewals stopped here have let it lapse
+        (`LEASE_SECONDS` in which no gateway decided anything, while this one drained)."""
         self._frozen = True
         await self._ticker.stop()
+        await asyncio.gather(*(lease.release() for lease in self.leases.values()), return_exceptions=True)
 
     async def stop(self) -> None:
         await self._ticker.stop()

@@ -189,6 +189,11 @@ class _Lease:
         self.echo = True   # False: the renewals do not reach the actor (its answers list no new drain)
         self.view = LeaseView("me" if leader else "other", 10.0)
         self.pokes: list[tuple[str | None, tuple[int, ...]]] = []
+        self.releases = 0
+
+    async def release(self) -> None:
+        self.releases += 1
+        self.leader, self.view = False, LeaseView(None, 0.0)
 
     def is_leader(self) -> bool:
         return self.leader
@@ -226,6 +231,21 @@ async def _settle() -> None:
     """Let the drains started by a tick run to their end (the fakes answer at once)."""
     for _ in range(20):
         await asyncio.sleep(0.005)
+
+
+async def test_a_draining_gateway_hands_its_scaling_lease_back_at_once(quick):
+    """SIGTERM's drain freezes the autoscaler; the leader's lease went on until its renewals lapsed
+    (`LEASE_SECONDS`), no gateway deciding anything meanwhile. It is handed back at the freeze."""
+    slots = [_Slot(0, "ready"), _Slot(1, "stopped")]
+    lease = _Lease(leader=True, live={0})
+    scaler = _make_scaler(slots, lease)
+    scaler.start()
+    pokes = len(lease.pokes)
+    await scaler.freeze()
+    assert lease.releases == 1 and not lease.is_leader()
+    scaler.tick(now=100.0)
+    assert len(lease.pokes) == pokes              # a frozen gateway asks for the lease no more
+    await scaler.stop()
 
 
 async def test_a_follower_follows_the_cluster_and_never_places_or_removes(quick):
