@@ -57,6 +57,7 @@ BENCHMARKS = {   # command -> help line; `cliffguard bench NAME` is bench.NAME's
     "replicas": "one replica against N of the same pool file under the same open-loop load (chat, rag, shared "
                 "documents): tokens/s, the split of token load, prefix affinity",
     "restart": "a device worker's restart to ready, forked vs spawned (--gateway: a gateway's cold start)",
+    "stored": "a Responses conversation kept turn by turn: store bytes against the conversation's own, put/get ms",
     "chaos": "faults (slow readers, disconnects, oversized inputs, kill -9 / STOP of the worker, a 500-connection "
              "burst) under a steady load: lost, duplicated, p99 TTFT, recovery time, RSS",
 }

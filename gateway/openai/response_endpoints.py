@@ -105,7 +105,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         return web.json_response(await kept.queue(asked, body, owner=owner, tenant=tenant, sampled=sampled))
     keep = None
     if asked.store:
-        keep = functools.partial(kept.keep, owner=owner, tenant=tenant, request=body, items=asked.items)
+        keep = functools.partial(kept.keep, owner=owner, tenant=tenant, request=body, items=asked.items,
+                                 parent=asked.previous_response_id)
     req = asked.chat
     routed = [await routed_chat(gateway, req)]
     completion = functools.partial(Completion, gateway, req, routed, relayed_body(body, asked), "/responses", received,

@@ -142,12 +142,12 @@ class KeptResponses:
         await self.store.shutdown()
 
     async def keep(self, final: dict[str, Any], *, owner: str, tenant: str, request: dict[str, Any],
-                   items: list[dict[str, Any]]) -> bool:
-        """Store a finished Response (`ResponsesAnswer.keep`), even if its client leaves meanwhile; False,
-        logged, if the store failed."""
+                   items: list[dict[str, Any]], parent: str | None = None) -> bool:
+        """Store a finished Response (`ResponsesAnswer.keep`; `parent`: the response it continues), even if its
+        client leaves meanwhile; False, logged, if the store failed."""
         try:
             await asyncio.shield(self.db(self.store.put, final, owner=owner, tenant=tenant, request=request,
-                                         items=items))
+                                         items=items, parent=parent))
             return True
         except ApiError as exc:
             log.error("%s: answered but not kept: %s", final["id"], exc.message)
@@ -172,7 +172,7 @@ class KeptResponses:
                 queued = response_object(asked, objects.new_id("resp", "_"), int(time.time()), "queued", [],
                                          sampled=sampled)
                 await self.db(self.store.put, queued, owner=owner, tenant=tenant, request=body, items=asked.items,
-                              background=True)
+                              background=True, parent=asked.previous_response_id)
             except BaseException:
                 self._per_owner -= Counter([owner])
                 raise

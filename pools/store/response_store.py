@@ -3,12 +3,19 @@ SQLite store (the Batch API's file under `--data-dir`; `pools.store.schema` crea
 open a `BatchStore` on the file first).
 
 A row is one response: its owner (who may see it; `Tenants.owner` of the key that made it), its
-tenant (whose share a background run spends), the request body as received, the conversation's
-input items (those of every earlier turn reached through `previous_response_id` first, then the
-request's own: a turn that continues it needs this row alone), and the Response object as it
-stands. A stored response is written when it is finished (completed, incomplete, failed); a
-background one also when it is queued, and again at each change of status, so one that was queued
-or in progress when the gateway stopped is found by `unfinished` and run again.
+tenant (whose share a background run spends), the request body as received, the Response object as
+it stands, and its part of the conversation's input items. The conversation is every earlier turn
+reached through `previous_response_id` (their input and output items) and then the request's own; a
+row that continues another keeps only the items past that one's conversation (`parent`, `num_items`:
+the whole conversation's length) and `get` joins the chain: a conversation of n turns is n rows of
+their own items, not n copies of a growing list (docs/PERF.md, "Stored conversations"). A response
+removed (DELETE, retention) while a continuation of it is kept stays as `removed`, seen by nobody, its
+items read only by the chain through it, and goes with the last row that continues it (`_collect`).
+Rows of stores before version 8 keep their whole conversation.
+
+A stored response is written when it is finished (completed, incomplete, failed); a background one also
+when it is queued, and again at each change of status, so one that was queued or in progress when the
+gateway stopped is found by `unfinished` and run again.
 
 Ownership as in the batch store: every method a client reaches takes `owner`, and another owner's
 response is exactly one that does not exist (None, False).
@@ -28,6 +35,7 @@ Stdlib only.
 from __future__ import annotations
 
 import json
+import sqlite3
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +50,11 @@ __all__ = ["FINISHED", "ResponseStore", "StoredResponse"]
 FINISHED = ("completed", "incomplete", "failed", "cancelled")   # a Response's final statuses
 PURGE_EVERY_S = 60.0
 _DONE = f"status IN ({', '.join('?' * len(FINISHED))})"
+_ROW = "id, owner, tenant, background, request, items, response"
+# a row's conversation: its own items after its parents', the oldest first
+_CHAIN = ("WITH RECURSIVE chain(items, parent, depth) AS (SELECT items, parent, 0 FROM responses WHERE id = ? "
+          "UNION ALL SELECT r.items, r.parent, c.depth + 1 FROM responses AS r JOIN chain AS c ON r.id = c.parent) "
+          "SELECT items FROM chain ORDER BY depth DESC")
 
 
 @dataclass(frozen=True)
@@ -75,22 +88,29 @@ class ResponseStore(StoreFile):
             raise
 
     def put(self, response: dict[str, Any], *, owner: str, tenant: str, request: dict[str, Any],
-            items: list[dict[str, Any]], background: bool = False) -> None:
-        """Store a new response (`response["id"]`); the owner's finished ones past `max_per_owner` go."""
+            items: list[dict[str, Any]], background: bool = False, parent: str | None = None) -> None:
+        """Store a new response (`response["id"]`) whose conversation is `items`; `parent`: the response
+        (`previous_response_id`) whose conversation they continue, then only those past it are written (all
+        of them if it is gone meanwhile). The owner's finished ones past `max_per_owner` go."""
         with self._txn() as db:
+            known = db.execute("SELECT num_items, CASE WHEN num_items IS NULL THEN items END FROM responses "
+                               "WHERE id=? AND owner=?", (parent, owner)).fetchone() if parent else None
+            inherited = None if known is None else known[0] if known[0] is not None else len(json.loads(known[1]))
+            if inherited is None or inherited > len(items):
+                parent, inherited = None, 0
             db.execute("INSERT INTO responses (id, owner, tenant, created_at, status, background, request, items, "
-                       "response) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                       "response, parent, num_items) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                        (response["id"], owner, tenant, response["created_at"], response["status"], int(background),
-                        json.dumps(request), json.dumps(items), json.dumps(response)))
-            db.execute(f"DELETE FROM responses WHERE owner=? AND {_DONE} AND seq <= (SELECT seq FROM responses "
-                       f"WHERE owner=? AND {_DONE} ORDER BY seq DESC LIMIT 1 OFFSET ?)",
-                       (owner, *FINISHED, owner, *FINISHED, self.retention.max_per_owner))
+                        json.dumps(request), json.dumps(items[inherited:]), json.dumps(response), parent, len(items)))
+            _remove(db, f"owner=? AND {_DONE} AND seq <= (SELECT seq FROM responses WHERE owner=? AND removed=0 AND "
+                        f"{_DONE} ORDER BY seq DESC LIMIT 1 OFFSET ?)",
+                    (owner, *FINISHED, owner, *FINISHED, self.retention.max_per_owner))
 
     def update(self, response: dict[str, Any], *, unless: tuple[str, ...] = ()) -> bool:
         """Replace a stored response's object (and status) with `response`, unless its stored status is
         one of `unless` (a cancelled run's late result is dropped so). False if nothing changed."""
         with self._txn() as db:
-            cursor = db.execute(f"UPDATE responses SET status=?, response=? WHERE id=? AND status NOT IN "
+            cursor = db.execute(f"UPDATE responses SET status=?, response=? WHERE id=? AND removed=0 AND status NOT IN "
                                 f"({', '.join('?' * len(unless))})",
                                 (response["status"], json.dumps(response), response["id"], *unless))
         return cursor.rowcount == 1
@@ -101,40 +121,55 @@ class ResponseStore(StoreFile):
         if not is_text(response_id):
             return None
         with self._lock:
-            row = self._db.execute("SELECT id, owner, tenant, background, request, items, response FROM responses "
-                                   "WHERE id=? AND owner=?", (response_id, owner)).fetchone()
-        return None if row is None else _stored(row)
+            row = self._db.execute(f"SELECT {_ROW} FROM responses WHERE id=? AND owner=? AND removed=0",
+                                   (response_id, owner)).fetchone()
+            return None if row is None else self._stored(row)
 
     def delete(self, response_id: str, *, owner: str) -> bool:
         """Remove the response; False if there is none (or it is another owner's, or the id is not `is_text`)."""
         if not is_text(response_id):
             return False
         with self._txn() as db:
-            return db.execute("DELETE FROM responses WHERE id=? AND owner=?", (response_id, owner)).rowcount == 1
+            return _remove(db, "id=? AND owner=?", (response_id, owner)) == 1
 
     def unfinished(self) -> list[StoredResponse]:
         """Background responses still queued or in progress (a gateway stopped under them), oldest first."""
         with self._lock:
-            rows = self._db.execute(f"SELECT id, owner, tenant, background, request, items, response FROM responses "
-                                    f"WHERE background=1 AND NOT {_DONE} "
+            rows = self._db.execute(f"SELECT {_ROW} FROM responses WHERE background=1 AND removed=0 AND NOT {_DONE} "
                                     "ORDER BY seq", FINISHED).fetchall()
-        return [_stored(row) for row in rows]
+            return [self._stored(row) for row in rows]
 
     def purge(self, now: float | None = None) -> int:
         """Remove finished responses older than the retention and each owner's oldest finished ones past
         `max_per_owner`; how many were removed."""
         now = time.time() if now is None else now
         with self._txn() as db:
-            old = db.execute(f"DELETE FROM responses WHERE created_at < ? AND {_DONE}",
-                             (now - self.retention.retention_days * 86400, *FINISHED)).rowcount
-            over = db.execute(
-                f"DELETE FROM responses WHERE seq IN (SELECT seq FROM (SELECT seq, row_number() OVER "
-                f"(PARTITION BY owner ORDER BY seq DESC) AS newer FROM responses WHERE {_DONE}) WHERE newer > ?)",
-                (*FINISHED, self.retention.max_per_owner)).rowcount
+            old = _remove(db, f"created_at < ? AND {_DONE}", (now - self.retention.retention_days * 86400, *FINISHED))
+            over = _remove(db, f"seq IN (SELECT seq FROM (SELECT seq, row_number() OVER (PARTITION BY owner ORDER BY "
+                               f"seq DESC) AS newer FROM responses WHERE removed=0 AND {_DONE}) WHERE newer > ?)",
+                           (*FINISHED, self.retention.max_per_owner))
         return old + over
 
+    def _stored(self, row: tuple) -> StoredResponse:
+        """A row as its StoredResponse, its whole conversation joined (the lock held)."""
+        response_id, owner, tenant, background, request, _, response = row
+        items = [item for (part,) in self._db.execute(_CHAIN, (response_id,)) for item in json.loads(part)]
+        return StoredResponse(response_id, owner, tenant, bool(background), json.loads(request), items,
+                              json.loads(response))
 
-def _stored(row: tuple) -> StoredResponse:
-    response_id, owner, tenant, background, request, items, response = row
-    return StoredResponse(response_id, owner, tenant, bool(background), json.loads(request), json.loads(items),
-                          json.loads(response))
+
+def _remove(db: sqlite3.Connection, where: str, params: tuple) -> int:
+    """Remove the responses `where` selects among those not removed; how many. One that a kept row continues
+    stays `removed` (its items, nothing else), for the chain through it; the rest go (`_collect`)."""
+    removed = db.execute(f"UPDATE responses SET removed=1, request='{{}}', response='{{}}' WHERE removed=0 AND "
+                         f"({where})", params).rowcount
+    if removed:
+        _collect(db)
+    return removed
+
+
+def _collect(db: sqlite3.Connection) -> None:
+    """Delete the removed rows that no row continues, then those that only these continued, and so on."""
+    while db.execute("DELETE FROM responses WHERE removed=1 AND NOT EXISTS (SELECT 1 FROM responses AS c "
+                     "WHERE c.parent = responses.id)").rowcount:
+        pass

@@ -1,4 +1,4 @@
-"""The gateway store's SQLite schema (version 7) and its in-place migration from versions 1 to 6
+"""The gateway store's SQLite schema (version 8) and its in-place migration from versions 1 to 7
 (`pools.store.batch_store` explains what each version holds and how old rows get their owner). The Batch API's
 tables and, from version 4, the Responses API's stored responses (`pools.store.response_store`) share the file."""
 
@@ -64,7 +64,10 @@ ADDED_COLUMNS = (   # (table, column, definition) added to an older store's tabl
     ("files", "expires_at", "INTEGER"),     # 5: when its bytes go (NULL: kept until deleted)
     ("files", "deleted_at", "INTEGER"),     # 5: deleted or expired: its bytes gone, its row kept (a batch names it)
     ("lines", "sent_at", "INTEGER"),        # 6: when it went to an upstream pool, which may run it (NULL: not yet)
-    ("batches", "expired_at", "INTEGER"))   # 7: its completion window ended before its lines did (`expire_next`)
+    ("batches", "expired_at", "INTEGER"),   # 7: its completion window ended before its lines did (`expire_next`)
+    ("responses", "parent", "TEXT"),        # 8: the response it continues; NULL: its items are the whole conversation
+    ("responses", "num_items", "INTEGER"),  # 8: its whole conversation's length (NULL: a row before 8, whole)
+    ("responses", "removed", "INTEGER NOT NULL DEFAULT 0"))   # 8: 1: deleted, kept for the rows continuing it
 # a batch a runner still owes work (`pools.store.batch_files.UNFINISHED`), as literals: a partial index's test
 UNFINISHED_SQL = "status IN ('validating', 'in_progress', 'finalizing', 'cancelling')"
 INDEXES = ("DROP INDEX IF EXISTS batches_by_tenant",   # version 2's; batches are listed by owner
@@ -74,8 +77,10 @@ INDEXES = ("DROP INDEX IF EXISTS batches_by_tenant",   # version 2's; batches ar
             f"CREATE INDEX IF NOT EXISTS unfinished_by_owner ON batches (owner) WHERE {UNFINISHED_SQL}",
             "CREATE INDEX IF NOT EXISTS responses_by_owner ON responses (owner, seq)",
             "CREATE INDEX IF NOT EXISTS responses_by_age ON responses (created_at)",
+            "CREATE INDEX IF NOT EXISTS responses_by_parent ON responses (parent) WHERE parent IS NOT NULL",
+            "CREATE INDEX IF NOT EXISTS responses_removed ON responses (id) WHERE removed = 1",
             "CREATE INDEX IF NOT EXISTS files_by_expiry ON files (expires_at) WHERE deleted_at IS NULL")
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 
 
 def opened(make: Callable[[], T], path: Path) -> T:

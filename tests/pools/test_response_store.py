@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -106,3 +107,75 @@ def test_the_gateway_purges_the_store_every_minute_never_in_a_responses_own_writ
         await kept.stop()
 
     asyncio.run(scenario())
+
+
+def _chain(store: ResponseStore, turns: int, owner: str = "o", size: int = 1000) -> list[list[dict]]:
+    """A conversation kept turn by turn, each turn continuing the last (as `previous_response_id` does); each
+    turn's whole conversation."""
+    items, conversations = [], []
+    for turn in range(turns):
+        items = items + [{"type": "message", "role": "user", "content": f"{turn}" + "x" * size},
+                         {"type": "function_call_output", "call_id": f"c{turn}", "output": "y" * size}]
+        store.put(_response(f"resp_{turn}"), owner=owner, tenant="t", request={}, items=items,
+                  parent=f"resp_{turn - 1}" if turn else None)
+        conversations.append(items)
+    return conversations
+
+
+def _rows(store: ResponseStore) -> int:
+    return store._db.execute("SELECT count(*) FROM responses").fetchone()[0]
+
+
+def test_a_continued_conversation_keeps_each_turns_items_once(tmp_path) -> None:
+    """Each turn kept its whole conversation: n turns held n(n+1)/2 turns' items (a 200-turn agent adding 20 KB
+    a turn, 405 MB). A continuation keeps the items past its parent's; `get` joins the chain."""
+    store = _open(tmp_path)
+    conversations = _chain(store, 40)
+    for turn in (0, 1, 20, 39):
+        assert store.get(f"resp_{turn}", owner="o").items == conversations[turn]
+    stored = sum(len(part) for (part,) in store._db.execute("SELECT items FROM responses"))
+    assert stored < 1.05 * len(json.dumps(conversations[-1]))   # once, not 20.5 times over
+    assert store.get("resp_39", owner="other") is None
+
+
+def test_a_removed_turn_stays_for_the_turns_that_continue_it_then_goes_with_them(tmp_path) -> None:
+    store = _open(tmp_path)
+    conversations = _chain(store, 5)
+    assert store.delete("resp_2", owner="o") and store.get("resp_2", owner="o") is None
+    assert not store.delete("resp_2", owner="o") and not store.update(_response("resp_2", "failed"))
+    assert store.get("resp_4", owner="o").items == conversations[4] and _rows(store) == 5   # its items kept
+    for turn in (4, 3):
+        assert store.delete(f"resp_{turn}", owner="o")
+    assert _rows(store) == 2 and store.get("resp_1", owner="o").items == conversations[1]   # 2 went with 3
+    for turn in (0, 1):
+        store.delete(f"resp_{turn}", owner="o")
+    assert _rows(store) == 0
+
+
+def test_retention_keeps_an_old_turns_items_while_a_newer_turn_continues_it(tmp_path) -> None:
+    store = _open(tmp_path, RetentionSpec(retention_days=1, max_per_owner=3))
+    old = time.time() - 2 * 86400
+    store.put(_response("resp_old", created_at=old), owner="o", tenant="t", request={}, items=[{"n": 0}])
+    store.put(_response("resp_new"), owner="o", tenant="t", request={}, items=[{"n": 0}, {"n": 1}], parent="resp_old")
+    assert store.purge() == 1 and store.get("resp_old", owner="o") is None
+    assert store.get("resp_new", owner="o").items == [{"n": 0}, {"n": 1}]
+    conversations = _chain(store, 4)     # past max_per_owner: resp_new and resp_0 go; resp_0 stays for resp_1
+    assert store.get("resp_new", owner="o") is None and store.get("resp_0", owner="o") is None
+    assert store.get("resp_3", owner="o").items == conversations[3]
+    assert _rows(store) == 4
+
+
+def test_a_turn_continuing_a_response_gone_meanwhile_keeps_its_whole_conversation(tmp_path) -> None:
+    """A parent removed (and collected) between the read of `previous_response_id` and the write; and a row of
+    a store before version 8, which holds its whole conversation without a length."""
+    store = _open(tmp_path)
+    items = [{"n": 0}, {"n": 1}]
+    store.put(_response("resp_b"), owner="o", tenant="t", request={}, items=items, parent="resp_gone")
+    assert store.get("resp_b", owner="o").items == items
+    with store._lock:
+        store._db.execute("UPDATE responses SET num_items=NULL WHERE id='resp_b'")   # as version 7 wrote it
+    store.put(_response("resp_c"), owner="o", tenant="t", request={}, items=items + [{"n": 2}], parent="resp_b")
+    assert store._db.execute("SELECT items FROM responses WHERE id='resp_c'").fetchone()[0] == '[{"n": 2}]'
+    assert store.get("resp_c", owner="o").items == items + [{"n": 2}]
+    store.put(_response("resp_d"), owner="p", tenant="t", request={}, items=items, parent="resp_b")   # not p's
+    assert store.get("resp_d", owner="p").items == items
