@@ -52,9 +52,10 @@ PURGE_EVERY_S = 60.0
 _DONE = f"status IN ({', '.join('?' * len(FINISHED))})"
 _ROW = "id, owner, tenant, background, request, items, response"
 # a row's conversation: its own items after its parents', the oldest first
-_CHAIN = ("WITH RECURSIVE chain(items, parent, depth) AS (SELECT items, parent, 0 FROM responses WHERE id = ? "
-          "UNION ALL SELECT r.items, r.parent, c.depth + 1 FROM responses AS r JOIN chain AS c ON r.id = c.parent) "
-          "SELECT items FROM chain ORDER BY depth DESC")
+_CHAIN = ("WITH RECURSIVE chain(seq, parent) AS (SELECT seq, parent FROM responses WHERE id = ? "
+          "UNION ALL SELECT r.seq, r.parent FROM chain AS c JOIN responses AS r INDEXED BY responses_chain "
+          "ON r.id = c.parent) "
+          "SELECT items FROM responses WHERE seq IN (SELECT seq FROM chain) ORDER BY seq")   # a parent is older
 
 
 @dataclass(frozen=True)
