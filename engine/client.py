@@ -156,8 +156,7 @@ class AsyncEngineClient:
         return self.info
 
     async def _launch(self, timeout: float) -> Channel:
-        """Start the worker process, off the event loop (the first start waits for the fork server's import of
-        torch); the channel to it (sets `_process`, `_sentinel`, `pid`)."""
+        """Start the worker off the loop (a first fork-server start imports torch), in `timeout` s; its channel."""
         ctx = mp.get_context(self.start_method)
         if self.start_method == "forkserver":
             start_fork_server()   # if it has not started
@@ -166,7 +165,8 @@ class AsyncEngineClient:
                               name="cliffguard-device-worker")
         started = self._loop.run_in_executor(None, process.start)
         try:
-            await asyncio.shield(started)
+            async with asyncio.timeout(timeout):   # a fork server alive but not answering (stopped, swapping)
+                await asyncio.shield(started)
         except BaseException:   # cancelled or failed: once the start is over, a worker started reads EOF and ends
             started.add_done_callback(lambda f: (child.close(), parent.close(), f.cancelled() or f.exception()))
             raise

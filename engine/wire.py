@@ -67,10 +67,11 @@ def decode(body: bytes | memoryview) -> object:
         if decoder is None:
             raise WireError(f"wire: unknown message {tag[:40]!r}")
         return decoder.decode(raw)
-    except (msgspec.DecodeError, ValueError, TypeError) as exc:
+    except (msgspec.DecodeError, ValueError, TypeError, RecursionError) as exc:
         if isinstance(exc, WireError):
             raise
-        raise WireError(f"wire: not a valid message: {exc}") from None
+        # RecursionError: an array nested ~1,000 deep (2 KB) in a body msgspec skips; not a message either
+        raise WireError(f"wire: not a valid message: {type(exc).__name__}: {exc}") from None
 
 
 @dataclass

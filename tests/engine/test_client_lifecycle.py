@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -156,6 +157,31 @@ async def test_the_worker_process_starts_off_the_event_loop(monkeypatch):
         await AsyncEngineClient(EngineConfig(model="unused")).start(timeout=1)
     await asyncio.sleep(0.01)
     assert threads and threads[0] != threading.current_thread().name
+    assert all(s.fileno() == -1 for s in pairs[0])
+
+
+async def test_a_start_the_fork_server_does_not_answer_ends_at_its_timeout(monkeypatch):
+    """A fork server alive but not answering (stopped, swapping) held `start` past any timeout: each replica's
+    start behind it, and the supervisor's round, waited for it."""
+    pairs: list[tuple[socket.socket, socket.socket]] = []
+    socketpair, answer = socket.socketpair, threading.Event()
+
+    class _Context:
+        def Process(self, **kwargs):   # noqa: N802 - multiprocessing's name
+            return type("P", (), {"start": lambda self: answer.wait(10) and (_ for _ in ()).throw(OSError("late"))})()
+
+    monkeypatch.setattr(client_module.mp, "get_context", lambda method: _Context())
+    monkeypatch.setattr(client_module, "start_fork_server", lambda: None)
+    monkeypatch.setattr(client_module.socket, "socketpair", lambda: pairs.append(socketpair()) or pairs[-1])
+    began = time.monotonic()
+    with pytest.raises(TimeoutError):
+        await AsyncEngineClient(EngineConfig(model="unused")).start(timeout=0.3)
+    assert time.monotonic() - began < 3
+    answer.set()                                   # the start returns at last: both ends of the pair are closed
+    for _ in range(100):
+        if all(s.fileno() == -1 for s in pairs[0]):
+            break
+        await asyncio.sleep(0.02)
     assert all(s.fileno() == -1 for s in pairs[0])
 
 

@@ -56,6 +56,29 @@ def test_a_pickle_or_an_unknown_tag_or_a_wrong_type_is_refused():
         encode(("add", "r"))
 
 
+def test_a_frame_nested_past_the_decoders_depth_is_refused_as_any_other_bad_frame():
+    """2 KB of nested arrays raised RecursionError, which no frame-error path caught: the worker counted it a
+    failed step (poison to every request in flight), a shared replica exited, a client's streams hung."""
+    import socket
+
+    from engine.ipc import Channel, FrameError
+
+    deep = b"\x92\xaaAddRequest" + b"\x91" * 2000 + b"\xc0"
+    with pytest.raises(WireError, match="RecursionError"):
+        decode(deep)
+    a, b = socket.socketpair()
+    try:
+        sender, receiver = Channel(a), Channel(b)
+        sender.sock.sendall(len(deep).to_bytes(8, "big") + deep)
+        with pytest.raises(FrameError, match="not a valid message"):
+            for _ in range(50):
+                receiver.wait(0.1)
+                receiver.receive()
+    finally:
+        a.close()
+        b.close()
+
+
 def _make_keys(key: bytes = b"k" * KEY_BYTES) -> tuple[FrameKeys, FrameKeys]:
     server, client = Handshake(key), Handshake(key)
     answer = client.client_answer(server.hello())
