@@ -53,11 +53,12 @@ def _linear(module: nn.Module) -> Linear:
 
 
 class _Layer:
-    __slots__ = ("norm1", "eps1", "qkv", "q_norm", "k_norm", "o", "norm2", "eps2", "gate_up", "down")
+    __slots__ = ("norm1", "eps1", "qkv", "q_norm", "k_norm", "window", "o", "norm2", "eps2", "gate_up", "down")
 
     def __init__(self, layer: nn.Module) -> None:
         self.norm1, self.eps1 = layer.input_layernorm.weight, layer.input_layernorm.eps
         self.q_norm, self.k_norm = layer.self_attn.q_norm, layer.self_attn.k_norm   # Qwen3's, else None
+        self.window = layer.self_attn.sliding_window or 0   # its own: Qwen's lower layers attend to all
         self.norm2, self.eps2 = layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps
         self.qkv = _linear(layer.self_attn.qkv_proj)
         self.o = _linear(layer.self_attn.o_proj)
@@ -77,7 +78,7 @@ class CpuForward:
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, config.head_dim
         self.q_size, self.kv_size = attn.q_size, attn.kv_size
         self.hidden_size, self.intermediate = config.hidden_size, model.layers[0].mlp.intermediate_size
-        self.scale, self.window = attn.scale, config.sliding_window or 0
+        self.scale = attn.scale
         self.rms_norm = getattr(fused_lib, f"rms_norm_{suffix}")
         self.rotary = getattr(fused_lib, f"rotary_{suffix}")
         self.silu_and_mul = getattr(fused_lib, f"silu_and_mul_{suffix}")
@@ -158,7 +159,7 @@ class CpuForward:
             tables = meta.block_tables
             step.decode_head = (tables.data_ptr(), meta.seq_lens.data_ptr(), rows.data_ptr(), seqs.data_ptr(),
                                 len(rows), width, self.num_heads, self.num_kv_heads, hd, k0.shape[1], tables.shape[1],
-                                self.scale, self.window)
+                                self.scale)
         return step
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -174,7 +175,7 @@ class CpuForward:
         norm_tail, decode_head = step.norm_tail, step.decode_head
         rms_norm, rotary, store_kv, decode, silu_and_mul = (self.rms_norm, self.rotary, self.store_kv, self.decode,
                                                             self.silu_and_mul)
-        all_reduce, window, inter = self.all_reduce, self.window or None, self.intermediate
+        all_reduce, inter = self.all_reduce, self.intermediate
 
         layer_input = None   # the previous layer's output (down_proj's), added into the residual by the norm
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
@@ -193,10 +194,10 @@ class CpuForward:
             if store_kv(step.k_ptr, step.v_ptr, k_cache.data_ptr(), v_cache.data_ptr(), slots_ptr, *step.store_tail):
                 raise IndexError(f"store_kv: a slot past the cache's {step.num_slots} slots")
             if decode_head is not None and decode(qkv_ptr, k_cache.data_ptr(), v_cache.data_ptr(), out_ptr,
-                                                  *decode_head):
+                                                  *decode_head, layer.window):
                 raise MemoryError("cpu_attention: the kernel could not allocate its score buffer")
             if query is not None:
-                prefill_attention(query, k_cache, v_cache, meta, self.scale, window, step.attn_out)
+                prefill_attention(query, k_cache, v_cache, meta, self.scale, layer.window or None, step.attn_out)
             hidden = layer.o(step.attn_flat, step.o)
             if all_reduce is not None:
                 hidden = all_reduce(hidden)

@@ -7,7 +7,6 @@ anything else is refused with a `ConfigError` naming the key, before any weight 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,8 @@ from typing import Any
 import torch
 
 from engine.config import ConfigError, quantizes_kv_cache_only
+from engine.config_values import REQUIRED, read_bool, read_float, read_int, read_object, read_token_ids, rope_type
+from engine.model_families import LAYER_TYPES, gemma3_fields, qwen3_moe_fields, qwen_window_fields
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM",
                            "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
@@ -33,7 +34,6 @@ DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32_768, "
                          "Qwen3ForCausalLM": 32_768, "Qwen3MoeForCausalLM": 32_768, "Gemma3ForCausalLM": 131_072}
 DEFAULT_KV_HEADS = {"Qwen2ForCausalLM": 32, "MistralForCausalLM": 8, "Qwen3ForCausalLM": 32, "Qwen3MoeForCausalLM": 4}
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
-LAYER_TYPES = ("full_attention", "sliding_attention")
 # dynamic NTK: its base moves only past max_position_embeddings, which caps its context here: the default rope's
 SUPPORTED_ROPE_TYPES = ("default", "dynamic", "linear", "llama3", "yarn")
 
@@ -79,11 +79,11 @@ class RopeScaling:
         `rope_scaling` read alone says what `rope_parameters` does: transformers then reads `rope_scaling` alone (with
         the top level's `rope_theta`), rarely what a config edited by hand means. The type may be spelled `type`;
         `partial_rotary_factor` with a scaled rope is refused. A bad value is a ConfigError naming its key."""
-        rope_theta = _float(cfg, "rope_theta", None)
+        rope_theta = read_float(cfg, "rope_theta", None)
         raw, name = cfg.get("rope_scaling"), "rope_scaling"
-        params = _object(cfg, "rope_parameters", name=params_name)
+        params = read_object(cfg, "rope_parameters", name=params_name)
         if params is None and isinstance(raw, dict):   # transformers reads rope_scaling as rope_parameters: its own
-            rope_theta = _float(raw, "rope_theta", rope_theta, path="rope_scaling.")   # rope_theta first
+            rope_theta = read_float(raw, "rope_theta", rope_theta, path="rope_scaling.")   # rope_theta first
         if params is not None and isinstance(raw, dict) and raw:   # each read alone: the same, or refused
             alone, ours = (cls.from_hf_config({k: v for k, v in cfg.items() if k != drop}, params_name)
                            for drop in ("rope_parameters", "rope_scaling"))
@@ -93,8 +93,8 @@ class RopeScaling:
                                   f"belong in {params_name}")
             return ours
         if params is not None:
-            rope_theta = _float(params, "rope_theta", rope_theta, path=f"{params_name}.")
-            if _rope_type(params) != "default":
+            rope_theta = read_float(params, "rope_theta", rope_theta, path=f"{params_name}.")
+            if rope_type(params) != "default":
                 raw, name = params, params_name
         if not raw:
             return rope_theta, cls()
@@ -112,27 +112,29 @@ class RopeScaling:
     def _from_mapping(cls, cfg: dict[str, Any], raw: dict[str, Any], path: str) -> "RopeScaling":
         # transformers' order: a top-level original_max_position_embeddings (Phi-3's habit), the scaling's
         # own, else max_position_embeddings
-        original = _int(cfg, "original_max_position_embeddings", None)
+        original = read_int(cfg, "original_max_position_embeddings", None)
         if original is None:
-            original = _int(raw, "original_max_position_embeddings", _int(cfg, "max_position_embeddings", 8192), path=path)
+            original = read_int(raw, "original_max_position_embeddings",
+                                read_int(cfg, "max_position_embeddings", 8192), path=path)
         where, part = (path, raw) if raw.get("partial_rotary_factor") is not None else ("", cfg)   # the key it has
-        if _rope_type(raw) != "default" and _float(part, "partial_rotary_factor", 1.0, path=where) != 1.0:
+        if rope_type(raw) != "default" and read_float(part, "partial_rotary_factor", 1.0, path=where) != 1.0:
             raise ConfigError(f"{where}partial_rotary_factor: rotating part of each head is not supported")
-        kind = _rope_type(raw)   # yarn without a factor: the context's growth (transformers'); linear, llama3 need one
-        growth = _REQUIRED if kind in ("dynamic", "linear", "llama3") else _int(cfg, "max_position_embeddings", original) / original
-        factor = _float(raw, "factor", growth, path=path)
+        kind = rope_type(raw)   # yarn without a factor: the context's growth (transformers'); linear, llama3 need one
+        growth = REQUIRED if kind in ("dynamic", "linear", "llama3") else \
+            read_int(cfg, "max_position_embeddings", original) / original
+        factor = read_float(raw, "factor", growth, path=path)
         return cls(
-            rope_type=_rope_type(raw),
+            rope_type=rope_type(raw),
             factor=factor,
-            low_freq_factor=_float(raw, "low_freq_factor", 1.0, path=path),
-            high_freq_factor=_float(raw, "high_freq_factor", 4.0, path=path),
+            low_freq_factor=read_float(raw, "low_freq_factor", 1.0, path=path),
+            high_freq_factor=read_float(raw, "high_freq_factor", 4.0, path=path),
             original_max_position_embeddings=original,
-            beta_fast=_float(raw, "beta_fast", 32.0, path=path),
-            beta_slow=_float(raw, "beta_slow", 1.0, path=path),
-            attention_factor=_float(raw, "attention_factor", None, path=path),
-            mscale=_float(raw, "mscale", None, positive=False, path=path),
-            mscale_all_dim=_float(raw, "mscale_all_dim", None, positive=False, path=path),
-            truncate=_bool(raw, "truncate", True, path=path),
+            beta_fast=read_float(raw, "beta_fast", 32.0, path=path),
+            beta_slow=read_float(raw, "beta_slow", 1.0, path=path),
+            attention_factor=read_float(raw, "attention_factor", None, path=path),
+            mscale=read_float(raw, "mscale", None, positive=False, path=path),
+            mscale_all_dim=read_float(raw, "mscale_all_dim", None, positive=False, path=path),
+            truncate=read_bool(raw, "truncate", True, path=path),
         )
 
 
@@ -293,52 +295,50 @@ class ModelConfig:
             cfg = GEMMA3_TEXT_DEFAULTS | cfg
         if cfg.get("max_position_embeddings") is None:
             cfg = {**cfg, "max_position_embeddings": DEFAULT_MAX_POSITIONS[arch]}
-        num_heads = _int(cfg, "num_attention_heads")
-        hidden = _int(cfg, "hidden_size")
-        num_layers = _int(cfg, "num_hidden_layers")
-        gemma = _gemma3_fields(cfg, num_layers) if arch == "Gemma3ForCausalLM" else {}
-        moe = _moe_fields(cfg) if arch == "Qwen3MoeForCausalLM" else {}
-        rope_theta, rope_scaling = RopeScaling.from_hf_config(*gemma.pop("full_rope", (cfg,)))
+        num_heads = read_int(cfg, "num_attention_heads")
+        hidden = read_int(cfg, "hidden_size")
+        num_layers = read_int(cfg, "num_hidden_layers")
+        family = gemma3_fields(cfg, num_layers) if arch == "Gemma3ForCausalLM" else \
+            qwen_window_fields(cfg, arch, num_layers) if arch.startswith("Qwen") else {}   # layer types, windows
+        moe = qwen3_moe_fields(cfg) if arch == "Qwen3MoeForCausalLM" else {}
+        rope_theta, rope_scaling = RopeScaling.from_hf_config(*family.pop("full_rope", (cfg,)))
         sliding_window = None
         if arch == "MistralForCausalLM":   # absent: MistralConfig's 4096; null: none
-            sliding_window = _int(cfg, "sliding_window", None) if "sliding_window" in cfg else 4096
-        elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM") and cfg.get("use_sliding_window"):
-            raise ConfigError(f"use_sliding_window: {arch.removesuffix('ForCausalLM')} per-layer sliding window "
-                              "is not supported")
+            sliding_window = read_int(cfg, "sliding_window", None) if "sliding_window" in cfg else 4096
         return cls(**{**dict(
             architecture=arch,
-            vocab_size=_int(cfg, "vocab_size"),
+            vocab_size=read_int(cfg, "vocab_size"),
             hidden_size=hidden,
-            intermediate_size=_int(cfg, "intermediate_size"),
+            intermediate_size=read_int(cfg, "intermediate_size"),
             num_layers=num_layers,
             num_heads=num_heads,
-            num_kv_heads=_int(cfg, "num_key_value_heads",   # null: one per head, as transformers reads None
+            num_kv_heads=read_int(cfg, "num_key_value_heads",   # null: one per head, as transformers reads None
                               num_heads if "num_key_value_heads" in cfg else DEFAULT_KV_HEADS.get(arch, num_heads)),
-            head_dim=_int(cfg, "head_dim", 128 if arch == "Qwen3ForCausalLM" else hidden // num_heads),  # Qwen3's: 128
-            rms_norm_eps=_float(cfg, "rms_norm_eps", 1e-6),
+            head_dim=read_int(cfg, "head_dim", 128 if arch == "Qwen3ForCausalLM" else hidden // num_heads),  # Qwen3: 128
+            rms_norm_eps=read_float(cfg, "rms_norm_eps", 1e-6),
             rope_theta=rope_theta if rope_theta is not None else 10000.0,
             rope_scaling=rope_scaling,
-            max_position_embeddings=_int(cfg, "max_position_embeddings"),
-            tie_word_embeddings=_bool(cfg, "tie_word_embeddings", False),
-            attention_bias=arch == "Qwen2ForCausalLM" or _bool(cfg, "attention_bias", False),
-            mlp_bias=_bool(cfg, "mlp_bias", False),
+            max_position_embeddings=read_int(cfg, "max_position_embeddings"),
+            tie_word_embeddings=read_bool(cfg, "tie_word_embeddings", False),
+            attention_bias=arch == "Qwen2ForCausalLM" or read_bool(cfg, "attention_bias", False),
+            mlp_bias=read_bool(cfg, "mlp_bias", False),
             sliding_window=sliding_window,
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             hidden_act=cfg.get("hidden_act", "silu"),
-            bos_token_id=_int(cfg, "bos_token_id", None, minimum=0),
-            eos_token_ids=_token_ids(cfg, "eos_token_id"),
-        ), **gemma, **moe})
+            bos_token_id=read_int(cfg, "bos_token_id", None, minimum=0),
+            eos_token_ids=read_token_ids(cfg, "eos_token_id"),
+        ), **family, **moe})
 
     @classmethod
     def _from_text_config(cls, cfg: dict[str, Any], arch: str) -> "ModelConfig":
         """A multimodal checkpoint (`arch` in TEXT_MODELS) as its `text_config`'s model; errors say `text_config.`."""
         text_arch, prefix = TEXT_MODELS[arch]
-        text = _object(cfg, "text_config")
+        text = read_object(cfg, "text_config")
         if text is None:
             raise ConfigError(f"text_config: missing from config.json ({arch} is served as its text model)")
-        eos = _token_ids(text, "eos_token_id", path="text_config.") if text.get("eos_token_id") is not None \
-            else _token_ids(cfg, "eos_token_id")   # the text model's, else the checkpoint's
-        tied = {"tie_word_embeddings": _bool(cfg, "tie_word_embeddings", True)} if "tie_word_embeddings" in cfg \
+        eos = read_token_ids(text, "eos_token_id", path="text_config.") if text.get("eos_token_id") is not None \
+            else read_token_ids(cfg, "eos_token_id")   # the text model's, else the checkpoint's
+        tied = {"tie_word_embeddings": read_bool(cfg, "tie_word_embeddings", True)} if "tie_word_embeddings" in cfg \
             else {}   # transformers reads the top one (checked here: its error names the file's key)
         try:
             config = cls.from_hf_config({**text, **tied, "architectures": [text_arch], "eos_token_id": list(eos)})
@@ -360,141 +360,7 @@ class ModelConfig:
         return cls.from_hf_config(cfg)
 
 
-def _gemma3_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
-    """Gemma 3's text model, as transformers 5 writes it or as earlier ones did: each layer's attention type
-    (`layer_types`, or every `sliding_window_pattern`-th layer full), the full layers' rope (with its
-    scaling: `rope_parameters.full_attention`, or `rope_theta` + `rope_scaling`) and the sliding ones'
-    base (`rope_parameters.sliding_attention`, or `rope_local_base_freq`). Returns ModelConfig fields, and
-    under "full_rope" the arguments of RopeScaling.from_hf_config. What we do not serve is refused."""
-    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if cfg.get(key) is not None:
-            raise ConfigError(f"{key}: logit soft-capping (Gemma 2) is not supported, got {cfg[key]!r}")
-    if cfg.get("use_bidirectional_attention"):
-        raise ConfigError("use_bidirectional_attention: only causal attention is served")
-    layer_types = cfg.get("layer_types")
-    if layer_types is None:
-        pattern = _int(cfg, "sliding_window_pattern", None)
-        pattern = _int(cfg, "_sliding_window_pattern", 6) if pattern is None else pattern
-        layer_types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)]
-    elif not isinstance(layer_types, list):
-        raise ConfigError(f"layer_types: must be a list, one of {', '.join(LAYER_TYPES)} for each layer, "
-                          f"got {layer_types!r}")
-    params, local = _object(cfg, "rope_parameters"), {}
-    # the full layers' yarn takes its own original context, else max_position_embeddings (never the top level's:
-    # transformers moves a legacy rope_scaling into rope_parameters.full_attention too)
-    top = {key: value for key, value in cfg.items() if key != "original_max_position_embeddings"}
-    full_rope: tuple[dict[str, Any], str] = (top, "rope_parameters")
-    full, full_name = cfg.get("rope_scaling"), "rope_scaling"
-    if params is not None and ("full_attention" in params or "sliding_attention" in params):   # per layer type
-        local = _object(params, "sliding_attention", name="rope_parameters.sliding_attention") or {}
-        full = _object(params, "full_attention", name=(full_name := "rope_parameters.full_attention"))
-        full_rope = ({**top, "rope_parameters": full}, full_name)
-    elif params:   # transformers' Gemma3TextConfig reads only the layer types' entries: the rest would be dropped
-        raise ConfigError(f"rope_parameters: Gemma 3 takes one entry per layer type (full_attention, "
-                          f"sliding_attention), got {sorted(params)}")
-    if isinstance(full, dict) and full.get("truncate", True) is not True:   # transformers reads it beside the types
-        raise ConfigError(f"{full_name}.truncate: Gemma 3's yarn is served with truncate true "
-                          f"(transformers reads no layer type's own), got {full['truncate']!r}")
-    if _rope_type(local) != "default":
-        raise ConfigError(f"rope_parameters.sliding_attention.rope_type: only 'default' is supported for the "
-                          f"sliding layers, got {_rope_type(local)!r}")
-    local_theta = _float(local, "rope_theta", None, path="rope_parameters.sliding_attention.")
-    scalar = _float(cfg, "query_pre_attn_scalar", None)
-    return {"layer_types": tuple(layer_types), "sliding_window": _int(cfg, "sliding_window", None), "qk_norm": True,
-            "rope_local_theta": _float(cfg, "rope_local_base_freq", 10000.0) if local_theta is None else local_theta,
-            "query_pre_attn_scalar": float(_int(cfg, "head_dim", 256)) if scalar is None else scalar,
-            "hidden_act": cfg.get("hidden_activation") or "gelu_pytorch_tanh",   # Gemma3TextConfig reads no hidden_act
-            "tie_word_embeddings": _bool(cfg, "tie_word_embeddings", True), "full_rope": full_rope}
-
-
-def _moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Qwen3-MoE's expert fields (transformers' `Qwen3MoeConfig` names and defaults)."""
-    only = cfg.get("mlp_only_layers") or []
-    if not isinstance(only, list) or not all(_is_int(i) and i >= 0 for i in only):
-        raise ConfigError(f"mlp_only_layers: must be a list of layer indices, got {only!r}")
-    experts = _int(cfg, "num_experts", None) or _int(cfg, "num_local_experts", 128)   # transformers 5: num_local_experts
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise ConfigError(f"hidden_act: Qwen3-MoE's experts are served with silu only (the fused MoE kernel's), "
-                          f"got {cfg['hidden_act']!r}")
-    return {"num_experts": experts, "num_experts_per_tok": _int(cfg, "num_experts_per_tok", 8),
-            "moe_intermediate_size": _int(cfg, "moe_intermediate_size", 768),
-            "norm_topk_prob": _bool(cfg, "norm_topk_prob", False),
-            "decoder_sparse_step": _int(cfg, "decoder_sparse_step", 1), "mlp_only_layers": tuple(only)}
-
-
-# --- reading one config.json value: absent or null gives the default; the wrong type or range names the key --
-
-_REQUIRED: Any = object()
-
-
 def _check_architecture(arch: Any) -> None:
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ConfigError(f"architectures: unsupported architecture {arch!r}; "
                           f"supported: {', '.join((*SUPPORTED_ARCHITECTURES, *TEXT_MODELS))}")
-
-
-def _rope_type(rope: dict[str, Any]) -> Any:
-    """A rope mapping's type, spelled `rope_type` or (older) `type`."""
-    return rope.get("rope_type", rope.get("type", "default"))
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-_MAX_INT = 2**31 - 1   # no size, count or token id of a model reaches it
-
-
-def _int(cfg: dict[str, Any], key: str, default: Any = _REQUIRED, *, minimum: int = 1, path: str = "") -> Any:
-    """cfg[key], an integer in `minimum`..2^31-1 (not a bool, a float or a string); `default` when absent or null."""
-    value = cfg.get(key)
-    if key not in cfg and default is _REQUIRED:
-        raise ConfigError(f"{path}{key}: missing from config.json")
-    if value is None and default is not _REQUIRED:
-        return default
-    if not _is_int(value) or value < minimum:
-        kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-        raise ConfigError(f"{path}{key}: must be {kind}, got {value!r}")
-    if value > _MAX_INT:
-        raise ConfigError(f"{path}{key}: must be below 2^31, got {value!r:.40}")
-    return value
-
-
-def _float(cfg: dict[str, Any], key: str, default: Any, *, positive: bool = True, path: str = "") -> Any:
-    """cfg[key] as a finite float (> 0 if `positive`); `default` when absent or null (_REQUIRED: a ConfigError)."""
-    value = cfg.get(key)
-    if value is None and default is _REQUIRED:
-        raise ConfigError(f"{path}{key}: missing from config.json")
-    if value is None:
-        return default
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise ConfigError(f"{path}{key}: expected a number, got {value!r}")
-    if _is_int(value) and abs(value) > 2**1000 or not math.isfinite(value) or (positive and value <= 0):
-        raise ConfigError(f"{path}{key}: must be a{' positive' if positive else ''} finite number, got {value!r:.40}")
-    return float(value)
-
-
-def _bool(cfg: dict[str, Any], key: str, default: bool, *, path: str = "") -> bool:
-    value = cfg.get(key)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise ConfigError(f"{path}{key}: must be true or false, got {value!r}")
-    return value
-
-
-def _object(cfg: dict[str, Any], key: str, *, name: str = "") -> dict[str, Any] | None:
-    """cfg[key], a JSON object, or None when absent or null; `name`: its key path in errors (default `key`)."""
-    value = cfg.get(key)
-    if value is not None and not isinstance(value, dict):
-        raise ConfigError(f"{name or key}: expected an object, got {value!r}")
-    return value
-
-
-def _token_ids(cfg: dict[str, Any], key: str, *, path: str = "") -> tuple[int, ...]:
-    """cfg[key]: a token id, a list of them, or absent / null (none)."""
-    value = cfg.get(key)
-    ids = value if isinstance(value, list) else [] if value is None else [value]
-    if not all(_is_int(i) and 0 <= i <= _MAX_INT for i in ids):
-        raise ConfigError(f"{path}{key}: must be a token id or a list of token ids, got {value!r:.80}")
-    return tuple(ids)

@@ -5,8 +5,8 @@ Same functions and contracts as the torch versions in `kernels.fused` (the yards
 `kernels.fused.get_fused_ops` swaps for these on CUDA. Every kernel computes in float32 and follows
 transformers' roundings where they matter: the residual sum and the normalised row are rounded to the
 model's dtype before the next step (so `weight * normed` is the same product as transformers'), and so
-is silu before the product with up. Rotary rounds once, where transformers rounds its two products and
-their sum (at most an ulp apart).
+is silu before the product with up, and rotary's two products before their sum (one rounding of the
+whole was an ulp away in a quarter of the elements, enough to change a greedy path).
 
 Any size: a row (hidden size, half a head_dim for rotary, the MLP width) that is not a power of two is
 padded inside the kernel to the next one (`tl.arange` needs it) and the lanes past it are masked, loaded

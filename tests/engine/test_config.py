@@ -23,7 +23,9 @@ LLAMA = {"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size"
     ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}},
      "rope_scaling.rope_type: unsupported 'longrope'; supported: default, dynamic, linear, llama3, yarn"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "attention_factor": -1}}, "rope_scaling.attention_factor"),
-    ({"architectures": ["Qwen3ForCausalLM"], "use_sliding_window": True}, "use_sliding_window: Qwen3"),
+    ({"architectures": ["Qwen3ForCausalLM"], "use_sliding_window": True, "layer_types": ["sliding_attention"]},
+     "layer_types: one of full_attention, sliding_attention for each of the"),
+    ({"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True, "layer_types": "sliding"}, "layer_types"),
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"vocab_size": None}, "vocab_size"),
     # a quantized checkpoint's weights are no float model's: refused before they are read as one

@@ -112,6 +112,12 @@ TINY_MODELS = [
     ("llama", dict(rope_scaling={"rope_type": "linear", "factor": 2.0}, max_position_embeddings=40)),
     # dynamic NTK, served up to max_position_embeddings, where its base has not moved yet
     ("qwen2", dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}, max_position_embeddings=128)),
+    # Qwen's sliding layers (a window of 8): Qwen2's from max_window_layers on, Qwen3's as layer_types says (the
+    # flat CPU forward gives each layer its own window), Qwen3-MoE's all
+    ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1, num_hidden_layers=3)),
+    ("qwen3", dict(head_dim=32, use_sliding_window=True, sliding_window=8,
+                   layer_types=["sliding_attention", "full_attention"])),
+    ("qwen3_moe", {**QWEN3_MOE, "use_sliding_window": True, "sliding_window": 8}),
 ]
 # Every architecture on the default CPU linears; the other linears on one dense and one MoE model (the
 # linears do not depend on the architecture around them).

@@ -1,0 +1,97 @@
+"""The config.json fields of the architectures past Llama's shape, as `ModelConfig` fields: Gemma 3's layer types,
+rope bases and norms (`gemma3_fields`), Qwen3-MoE's experts (`qwen3_moe_fields`), and the sliding layers of Qwen2,
+Qwen3 and Qwen3-MoE (`qwen_window_fields`). What we do not serve is refused with a `ConfigError` naming the key."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from engine.config import ConfigError
+from engine.config_values import is_int, read_bool, read_float, read_int, read_object, rope_type
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def gemma3_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """Gemma 3's text model, as transformers 5 writes it or as earlier ones did: each layer's attention type
+    (`layer_types`, or every `sliding_window_pattern`-th layer full), the full layers' rope (with its
+    scaling: `rope_parameters.full_attention`, or `rope_theta` + `rope_scaling`) and the sliding ones'
+    base (`rope_parameters.sliding_attention`, or `rope_local_base_freq`). Returns ModelConfig fields, and
+    under "full_rope" the arguments of RopeScaling.from_hf_config. What we do not serve is refused."""
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if cfg.get(key) is not None:
+            raise ConfigError(f"{key}: logit soft-capping (Gemma 2) is not supported, got {cfg[key]!r}")
+    if cfg.get("use_bidirectional_attention"):
+        raise ConfigError("use_bidirectional_attention: only causal attention is served")
+    pattern = read_int(cfg, "sliding_window_pattern", None)
+    pattern = read_int(cfg, "_sliding_window_pattern", 6) if pattern is None else pattern
+    layer_types = _layer_types(cfg, lambda i: "full_attention" if (i + 1) % pattern == 0 else "sliding_attention",
+                               num_layers)
+    params, local = read_object(cfg, "rope_parameters"), {}
+    # the full layers' yarn takes its own original context, else max_position_embeddings (never the top level's:
+    # transformers moves a legacy rope_scaling into rope_parameters.full_attention too)
+    top = {key: value for key, value in cfg.items() if key != "original_max_position_embeddings"}
+    full_rope: tuple[dict[str, Any], str] = (top, "rope_parameters")
+    full, full_name = cfg.get("rope_scaling"), "rope_scaling"
+    if params is not None and ("full_attention" in params or "sliding_attention" in params):   # per layer type
+        local = read_object(params, "sliding_attention", name="rope_parameters.sliding_attention") or {}
+        full = read_object(params, "full_attention", name=(full_name := "rope_parameters.full_attention"))
+        full_rope = ({**top, "rope_parameters": full}, full_name)
+    elif params:   # transformers' Gemma3TextConfig reads only the layer types' entries: the rest would be dropped
+        raise ConfigError(f"rope_parameters: Gemma 3 takes one entry per layer type (full_attention, "
+                          f"sliding_attention), got {sorted(params)}")
+    if isinstance(full, dict) and full.get("truncate", True) is not True:   # transformers reads it beside the types
+        raise ConfigError(f"{full_name}.truncate: Gemma 3's yarn is served with truncate true "
+                          f"(transformers reads no layer type's own), got {full['truncate']!r}")
+    if rope_type(local) != "default":
+        raise ConfigError(f"rope_parameters.sliding_attention.rope_type: only 'default' is supported for the "
+                          f"sliding layers, got {rope_type(local)!r}")
+    local_theta = read_float(local, "rope_theta", None, path="rope_parameters.sliding_attention.")
+    scalar = read_float(cfg, "query_pre_attn_scalar", None)
+    return {"layer_types": tuple(layer_types), "sliding_window": read_int(cfg, "sliding_window", None), "qk_norm": True,
+            "rope_local_theta": local_theta if local_theta is not None else
+            read_float(cfg, "rope_local_base_freq", 10000.0),
+            "query_pre_attn_scalar": float(read_int(cfg, "head_dim", 256)) if scalar is None else scalar,
+            "hidden_act": cfg.get("hidden_activation") or "gelu_pytorch_tanh",   # Gemma3TextConfig reads no hidden_act
+            "tie_word_embeddings": read_bool(cfg, "tie_word_embeddings", True), "full_rope": full_rope}
+
+
+def qwen3_moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3-MoE's expert fields (transformers' `Qwen3MoeConfig` names and defaults)."""
+    only = cfg.get("mlp_only_layers") or []
+    if not isinstance(only, list) or not all(is_int(i) and i >= 0 for i in only):
+        raise ConfigError(f"mlp_only_layers: must be a list of layer indices, got {only!r}")
+    experts = read_int(cfg, "num_experts", None) or read_int(cfg, "num_local_experts", 128)   # transformers 5's name
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"hidden_act: Qwen3-MoE's experts are served with silu only (the fused MoE kernel's), "
+                          f"got {cfg['hidden_act']!r}")
+    return {"num_experts": experts, "num_experts_per_tok": read_int(cfg, "num_experts_per_tok", 8),
+            "moe_intermediate_size": read_int(cfg, "moe_intermediate_size", 768),
+            "norm_topk_prob": read_bool(cfg, "norm_topk_prob", False),
+            "decoder_sparse_step": read_int(cfg, "decoder_sparse_step", 1), "mlp_only_layers": tuple(only)}
+
+
+def qwen_window_fields(cfg: dict[str, Any], arch: str, num_layers: int) -> dict[str, Any]:
+    """Qwen2's, Qwen3's and Qwen3-MoE's sliding window, read as transformers reads it: none unless
+    `use_sliding_window` (then `sliding_window`, 4096 when absent; null: none). Qwen3-MoE's layers all slide;
+    Qwen2's and Qwen3's are `layer_types`, by default sliding from layer `max_window_layers` (28) on."""
+    if not read_bool(cfg, "use_sliding_window", False):
+        return {}
+    window = read_int(cfg, "sliding_window", None) if "sliding_window" in cfg else 4096
+    if window is None or arch == "Qwen3MoeForCausalLM":
+        return {"sliding_window": window}
+    first = read_int(cfg, "max_window_layers", 28, minimum=0)
+    kinds = _layer_types(cfg, lambda i: "sliding_attention" if i >= first else "full_attention", num_layers)
+    return {"sliding_window": window, "layer_types": tuple(kinds)}
+
+
+def _layer_types(cfg: dict[str, Any], default: Callable[[int], str], num_layers: int) -> list[str]:
+    """config.json's `layer_types` (a list, checked against the layer count by `ModelConfig`), else
+    `default(layer)` for each layer."""
+    kinds = cfg.get("layer_types")
+    if kinds is None:
+        return [default(i) for i in range(num_layers)]
+    if not isinstance(kinds, list):
+        raise ConfigError(f"layer_types: must be a list, one of {', '.join(LAYER_TYPES)} for each layer, got {kinds!r}")
+    return kinds
