@@ -13,10 +13,14 @@ import atexit
 import multiprocessing as mp
 import signal
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 
-__all__ = ["WORKER_PRELOAD", "forget_at_exit", "kill_at_exit", "start_fork_server"]
+__all__ = ["LAUNCHES", "WORKER_PRELOAD", "forget_at_exit", "kill_at_exit", "start_fork_server"]
 
 WORKER_PRELOAD = ["engine.worker"]   # what the fork server imports once (torch with it) for every worker
+# the threads `process.start` runs on, off the event loop: a fork server that stops answering holds these, never
+# the loop's default executor (aiohttp's name lookups, `asyncio.to_thread`), however many starts time out on it
+LAUNCHES = ThreadPoolExecutor(4, thread_name_prefix="cliffguard-launch")
 
 
 def start_fork_server() -> None:

@@ -112,6 +112,7 @@ class Autoscaler:
         self._failed_since: dict[tuple[str, int], float] = {}   # those of them whose load failed: seen since
         self._ticker = Ticker("cliffguard-autoscaler", INTERVAL, self.tick, log, "autoscaler: tick failed")
         self._frozen = False   # the gateway is stopping: nothing is started or drained any more
+        self._releasing: asyncio.Future | None = None   # the leases handed back as it froze
 
     def start(self) -> None:
         """Export the counters, make each Ray device's scaling lease (its replicas place only while this
@@ -132,13 +133,17 @@ class Autoscaler:
         pressing then started a model load only for the stop to kill it, or on Ray a detached actor that the stop
         caught in its creation and left holding GPUs after the gateway had gone. Its scaling leases go back at
         once: another gateway leads at its next renewal, not once the renewals stopped here have let it lapse
-        (`LEASE_SECONDS` in which no gateway decided anything, while this one drained)."""
+        (`LEASE_SECONDS` in which no gateway decided anything, while this one drained). Handed back in the
+        background: a cluster that does not answer (`CALL_SECONDS`) holds up no drain; `stop` waits for it."""
         self._frozen = True
         await self._ticker.stop()
-        await asyncio.gather(*(lease.release() for lease in self.leases.values()), return_exceptions=True)
+        self._releasing = asyncio.ensure_future(
+            asyncio.gather(*(lease.release() for lease in self.leases.values()), return_exceptions=True))
 
     async def stop(self) -> None:
         await self._ticker.stop()
+        if self._releasing is not None:
+            await self._releasing
         for task in self._removals.values():
             task.cancel()
         await asyncio.gather(*self._removals.values(), return_exceptions=True)

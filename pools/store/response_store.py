@@ -162,15 +162,23 @@ class ResponseStore(StoreFile):
 def _remove(db: sqlite3.Connection, where: str, params: tuple) -> int:
     """Remove the responses `where` selects among those not removed; how many. One that a kept row continues
     stays `removed` (its items, nothing else), for the chain through it; the rest go (`_collect`)."""
-    removed = db.execute(f"UPDATE responses SET removed=1, request='{{}}', response='{{}}' WHERE removed=0 AND "
-                         f"({where})", params).rowcount
-    if removed:
-        _collect(db)
-    return removed
+    ids = [response_id for (response_id,) in db.execute(f"SELECT id FROM responses WHERE removed=0 AND ({where})",
+                                                         params)]
+    db.executemany("UPDATE responses SET removed=1, request='{}', response='{}' WHERE id=?", ((i,) for i in ids))
+    _collect(db, ids)
+    return len(ids)
 
 
-def _collect(db: sqlite3.Connection) -> None:
-    """Delete the removed rows that no row continues, then those that only these continued, and so on."""
-    while db.execute("DELETE FROM responses WHERE removed=1 AND NOT EXISTS (SELECT 1 FROM responses AS c "
-                     "WHERE c.parent = responses.id)").rowcount:
-        pass
+def _collect(db: sqlite3.Connection, ids: list[str]) -> None:
+    """Delete each of the removed rows `ids` that no row continues, then each one's parent that it alone
+    continued while removed, and so on up the chain: the rows a removal may have freed, never a scan of all
+    the removed rows the store keeps for their continuations."""
+    while ids:
+        freed = []
+        for response_id in ids:
+            row = db.execute("SELECT parent FROM responses WHERE id=? AND removed=1 AND NOT EXISTS (SELECT 1 FROM "
+                             "responses AS c WHERE c.parent=?)", (response_id, response_id)).fetchone()
+            if row is not None:
+                db.execute("DELETE FROM responses WHERE id=?", (response_id,))
+                freed += [row[0]] if row[0] is not None else []
+        ids = freed

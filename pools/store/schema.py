@@ -80,7 +80,6 @@ INDEXES = ("DROP INDEX IF EXISTS batches_by_tenant",   # version 2's; batches ar
             "CREATE INDEX IF NOT EXISTS responses_by_parent ON responses (parent) WHERE parent IS NOT NULL",
             # a conversation's chain walked in the index alone (`parent` is past the row's long columns)
             "CREATE INDEX IF NOT EXISTS responses_chain ON responses (id, parent)",
-            "CREATE INDEX IF NOT EXISTS responses_removed ON responses (id) WHERE removed = 1",
             "CREATE INDEX IF NOT EXISTS files_by_expiry ON files (expires_at) WHERE deleted_at IS NULL")
 SCHEMA_VERSION = 8
 

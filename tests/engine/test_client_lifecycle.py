@@ -173,10 +173,14 @@ async def test_a_start_the_fork_server_does_not_answer_ends_at_its_timeout(monke
     monkeypatch.setattr(client_module.mp, "get_context", lambda method: _Context())
     monkeypatch.setattr(client_module, "start_fork_server", lambda: None)
     monkeypatch.setattr(client_module.socket, "socketpair", lambda: pairs.append(socketpair()) or pairs[-1])
+    from concurrent.futures import ThreadPoolExecutor
+
+    asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(1))   # the stuck start holds none of it
     began = time.monotonic()
     with pytest.raises(TimeoutError):
         await AsyncEngineClient(EngineConfig(model="unused")).start(timeout=0.3)
     assert time.monotonic() - began < 3
+    assert await asyncio.wait_for(asyncio.to_thread(lambda: "free"), 2) == "free"
     answer.set()                                   # the start returns at last: both ends of the pair are closed
     for _ in range(100):
         if all(s.fileno() == -1 for s in pairs[0]):

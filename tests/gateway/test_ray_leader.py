@@ -242,6 +242,7 @@ async def test_a_draining_gateway_hands_its_scaling_lease_back_at_once(quick):
     scaler.start()
     pokes = len(lease.pokes)
     await scaler.freeze()
+    await asyncio.sleep(0)
     assert lease.releases == 1 and not lease.is_leader()
     scaler.tick(now=100.0)
     assert len(lease.pokes) == pokes              # a frozen gateway asks for the lease no more

@@ -179,3 +179,41 @@ def test_a_turn_continuing_a_response_gone_meanwhile_keeps_its_whole_conversatio
     assert store.get("resp_c", owner="o").items == items + [{"n": 2}]
     store.put(_response("resp_d"), owner="p", tenant="t", request={}, items=items, parent="resp_b")   # not p's
     assert store.get("resp_d", owner="p").items == items
+
+
+def test_a_branch_point_goes_with_its_last_continuation(tmp_path) -> None:
+    store = _open(tmp_path)
+    store.put(_response("resp_p"), owner="o", tenant="t", request={}, items=[{"n": 0}])
+    for child in ("resp_c1", "resp_c2"):
+        store.put(_response(child), owner="o", tenant="t", request={}, items=[{"n": 0}, {"c": child}], parent="resp_p")
+    store.put(_response("resp_g"), owner="o", tenant="t", request={}, items=[{"n": 0}, {"c": "resp_c1"}, {"g": 1}],
+              parent="resp_c1")
+    for gone, left in (("resp_p", 4), ("resp_c1", 4), ("resp_c2", 3), ("resp_g", 0)):
+        assert store.delete(gone, owner="o") and _rows(store) == left
+    assert store.get("resp_g", owner="o") is None
+
+
+def _work_of_one_delete(store: ResponseStore) -> int:
+    """SQLite virtual-machine steps (in 100s) of deleting a response nothing continues."""
+    store.put(_response("resp_plain"), owner="x", tenant="t", request={}, items=[])
+    steps = [0]
+    store._db.set_progress_handler(lambda: steps.__setitem__(0, steps[0] + 1), 100)
+    assert store.delete("resp_plain", owner="x")
+    store._db.set_progress_handler(None, 100)
+    return steps[0]
+
+
+def test_a_removal_reads_its_own_chain_not_every_removed_row_the_store_keeps(tmp_path) -> None:
+    """Each removal scanned every removed row still kept for its continuations (all owners'), once per
+    generation it freed: 171 ms a DELETE beside 99,000 such rows, 17.7 s to end a 200-turn conversation."""
+    for name in ("quiet", "busy"):
+        (tmp_path / name).mkdir()
+    quiet = _work_of_one_delete(_open(tmp_path / "quiet"))
+    store = _open(tmp_path / "busy")
+    with store._txn() as db:   # 2,000 conversations of 3 turns, their first two removed, kept for the third
+        db.executemany("INSERT INTO responses (id, owner, tenant, created_at, status, background, request, items, "
+                       "response, parent, num_items, removed) VALUES (?, 'o', 't', 0, 'completed', 0, '{}', '[]', "
+                       "'{}', ?, 0, ?)", ((f"r{k}_{n}", f"r{k}_{n - 1}" if n else None, int(n < 2))
+                                          for k in range(2000) for n in range(3)))
+    assert _work_of_one_delete(store) <= 2 * quiet + 10
+    assert store.delete("r7_2", owner="o") and _rows(store) == 3 * 2000 - 3
