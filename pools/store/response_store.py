@@ -50,7 +50,7 @@ __all__ = ["FINISHED", "ResponseStore", "StoredResponse"]
 FINISHED = ("completed", "incomplete", "failed", "cancelled")   # a Response's final statuses
 PURGE_EVERY_S = 60.0
 _DONE = f"status IN ({', '.join('?' * len(FINISHED))})"
-_ROW = "id, owner, tenant, background, request, items, response"
+_ROW = "id, owner, tenant, background, request, response"   # its items come with the chain
 # a row's conversation: its own items after its parents', the oldest first
 _CHAIN = ("WITH RECURSIVE chain(seq, parent) AS (SELECT seq, parent FROM responses WHERE id = ? "
           "UNION ALL SELECT r.seq, r.parent FROM chain AS c JOIN responses AS r INDEXED BY responses_chain "
@@ -111,8 +111,8 @@ class ResponseStore(StoreFile):
         """Replace a stored response's object (and status) with `response`, unless its stored status is
         one of `unless` (a cancelled run's late result is dropped so). False if nothing changed."""
         with self._txn() as db:
-            cursor = db.execute(f"UPDATE responses SET status=?, response=? WHERE id=? AND removed=0 AND status NOT IN "
-                                f"({', '.join('?' * len(unless))})",
+            cursor = db.execute(f"UPDATE responses SET status=?, response=? WHERE id=? AND removed=0 AND status NOT "
+                                f"IN ({', '.join('?' * len(unless))})",
                                 (response["status"], json.dumps(response), response["id"], *unless))
         return cursor.rowcount == 1
 
@@ -153,7 +153,7 @@ class ResponseStore(StoreFile):
 
     def _stored(self, row: tuple) -> StoredResponse:
         """A row as its StoredResponse, its whole conversation joined (the lock held)."""
-        response_id, owner, tenant, background, request, _, response = row
+        response_id, owner, tenant, background, request, response = row
         items = [item for (part,) in self._db.execute(_CHAIN, (response_id,)) for item in json.loads(part)]
         return StoredResponse(response_id, owner, tenant, bool(background), json.loads(request), items,
                               json.loads(response))
