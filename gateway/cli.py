@@ -165,7 +165,7 @@ def check_port_free(host: str, port: int) -> None:
                 reason = ("already in use" if exc.errno == errno.EADDRINUSE
                           else f"cannot be bound ({exc.strerror or exc})")
                 raise UsageError(f"--port: {host}:{port} is {reason}; stop what listens there or pass --port "
-                                 "(0 picks a free one)") from None
+                                 "(0 picks a free one; `make serve PORT=9000`)") from None
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -334,6 +334,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _in_file(exc: BaseException, args: argparse.Namespace) -> str:
+    """The error's message, ending with `(in <file>)` where it names a key of the --config file and does not say
+    which file yet (the plan's and the model's checks, which run on the config once it is read)."""
+    from pools.config.checks import SpecError
+
+    config = getattr(args, "config", None)
+    if isinstance(exc, SpecError) and isinstance(config, str) and os.path.isfile(config) and " (in " not in str(exc):
+        return f"{exc} (in {config})"
+    return str(exc)
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
@@ -358,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
             if previous is not None:   # (None: a handler set outside Python, which it cannot put back)
                 signal.signal(signal.SIGTERM, previous)
     except (UsageError, ValueError, OSError, RuntimeError) as exc:   # OSError: a path that cannot be read
-        print(f"cliffguard {args.command}: error: {exc}", file=sys.stderr)
+        print(f"cliffguard {args.command}: error: {_in_file(exc, args)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

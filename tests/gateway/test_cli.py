@@ -65,6 +65,16 @@ def test_generate_plans_its_pool_with_the_capacity_formula(builtin_path, capsys)
     assert "pools[0]" not in line
 
 
+def test_a_plan_error_names_the_file_as_a_read_error_does(tmp_path, capsys):
+    """The file's own checks ended with `(in <file>)`; the plan's and the model's, run once it is read, did not."""
+    for name, pool in (("len.yaml", "model: builtin:smollm2-135m-instruct, max_model_len: 99999"),
+                       ("model.yaml", f"model: {tmp_path / 'nowhere'}")):
+        (tmp_path / name).write_text(f"pools:\n  - {{name: chat, kv_share: 0.5, {pool}}}\n")
+        assert main(["capacity", "--config", str(tmp_path / name)]) == 2
+        line = _error_line(capsys)
+        assert line.startswith("cliffguard capacity: error: pools[0].") and line.endswith(f"(in {tmp_path / name})")
+
+
 def test_bench_engine_rejects_bad_batch_sizes_before_loading(capsys):
     rc = main(["bench", "engine", "--hf-batch-sizes", "16,x", "--model", "/nonexistent"])
     assert rc == 2 and "--hf-batch-sizes" in capsys.readouterr().err
