@@ -39,7 +39,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
-from engine.fork_server import LAUNCHES, forget_at_exit, kill_at_exit, start_fork_server
+from engine.fork_server import forget_at_exit, kill_at_exit, launch, start_fork_server
 from engine.ipc import Channel, FrameError
 from engine.messages import (AbortRequest, AddRequest, Fatal, Heartbeat, Lease, LeaseAck, Outputs, PauseRequest, Ready,
                              Rejected, ReportWaiting, Shutdown, StartupError, StatsQuery, StatsReply)
@@ -163,7 +163,7 @@ class AsyncEngineClient:
         parent, child = socket.socketpair()
         process = ctx.Process(target=worker_main, args=(self.config, child, dict(os.environ)), daemon=True,
                               name="cliffguard-device-worker")
-        started = self._loop.run_in_executor(LAUNCHES, process.start)
+        started = launch(self._loop, process)
         try:
             async with asyncio.timeout(timeout):   # a fork server alive but not answering (stopped, swapping)
                 await asyncio.shield(started)

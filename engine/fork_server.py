@@ -9,18 +9,41 @@ skips the interpreter's start and torch's import (1.7 s of the 2.9 s a spawned w
 
 from __future__ import annotations
 
+import asyncio
 import atexit
+import contextlib
 import multiprocessing as mp
 import signal
+import threading
 import weakref
-from concurrent.futures import ThreadPoolExecutor
 
-__all__ = ["LAUNCHES", "WORKER_PRELOAD", "forget_at_exit", "kill_at_exit", "start_fork_server"]
+__all__ = ["WORKER_PRELOAD", "forget_at_exit", "kill_at_exit", "launch", "start_fork_server"]
 
 WORKER_PRELOAD = ["engine.worker"]   # what the fork server imports once (torch with it) for every worker
-# the threads `process.start` runs on, off the event loop: a fork server that stops answering holds these, never
-# the loop's default executor (aiohttp's name lookups, `asyncio.to_thread`), however many starts time out on it
-LAUNCHES = ThreadPoolExecutor(4, thread_name_prefix="cliffguard-launch")
+
+
+def launch(loop: asyncio.AbstractEventLoop, process: mp.process.BaseProcess) -> asyncio.Future:
+    """`process.start()` on a daemon thread of its own, off the event loop; a future of `loop` for its end. A
+    fork server that stops answering holds that thread only: never the loop's default executor (aiohttp's name
+    lookups, `asyncio.to_thread`) however many starts time out on it, nor the interpreter's exit, which joins
+    an executor's threads (and so never ended while one start hung)."""
+    done = loop.create_future()
+
+    def settle(error: BaseException | None) -> None:
+        if not done.done():
+            done.set_result(None) if error is None else done.set_exception(error)
+
+    def run() -> None:
+        try:
+            process.start()
+            error = None
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's future
+            error = exc
+        with contextlib.suppress(RuntimeError):   # the loop closed meanwhile: nobody waits any more
+            loop.call_soon_threadsafe(settle, error)
+
+    threading.Thread(target=run, name="cliffguard-launch", daemon=True).start()
+    return done
 
 
 def start_fork_server() -> None:

@@ -24,10 +24,7 @@ def gemma3_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
             raise ConfigError(f"{key}: logit soft-capping (Gemma 2) is not supported, got {cfg[key]!r}")
     if cfg.get("use_bidirectional_attention"):
         raise ConfigError("use_bidirectional_attention: only causal attention is served")
-    pattern = read_int(cfg, "sliding_window_pattern", None)
-    pattern = read_int(cfg, "_sliding_window_pattern", 6) if pattern is None else pattern
-    layer_types = _layer_types(cfg, lambda i: "full_attention" if (i + 1) % pattern == 0 else "sliding_attention",
-                               num_layers)
+    layer_types = _layer_types(cfg, lambda: _every_nth_full(cfg, num_layers))
     params, local = read_object(cfg, "rope_parameters"), {}
     # the full layers' yarn takes its own original context, else max_position_embeddings (never the top level's:
     # transformers moves a legacy rope_scaling into rope_parameters.full_attention too)
@@ -81,17 +78,29 @@ def qwen_window_fields(cfg: dict[str, Any], arch: str, num_layers: int) -> dict[
     window = read_int(cfg, "sliding_window", None) if "sliding_window" in cfg else 4096
     if window is None or arch == "Qwen3MoeForCausalLM":
         return {"sliding_window": window}
-    first = read_int(cfg, "max_window_layers", 28, minimum=0)
-    kinds = _layer_types(cfg, lambda i: "sliding_attention" if i >= first else "full_attention", num_layers)
+    kinds = _layer_types(cfg, lambda: _sliding_from(cfg, num_layers))
     return {"sliding_window": window, "layer_types": tuple(kinds)}
 
 
-def _layer_types(cfg: dict[str, Any], default: Callable[[int], str], num_layers: int) -> list[str]:
-    """config.json's `layer_types` (a list, checked against the layer count by `ModelConfig`), else
-    `default(layer)` for each layer."""
+def _every_nth_full(cfg: dict[str, Any], num_layers: int) -> list[str]:
+    """Gemma 3's layer types where `layer_types` is absent: every `sliding_window_pattern`-th layer full (6)."""
+    pattern = read_int(cfg, "sliding_window_pattern", None)
+    pattern = read_int(cfg, "_sliding_window_pattern", 6) if pattern is None else pattern
+    return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)]
+
+
+def _sliding_from(cfg: dict[str, Any], num_layers: int) -> list[str]:
+    """Qwen2's and Qwen3's layer types where `layer_types` is absent: sliding from `max_window_layers` (28) on."""
+    first = read_int(cfg, "max_window_layers", 28, minimum=0)
+    return ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+
+
+def _layer_types(cfg: dict[str, Any], default: Callable[[], list[str]]) -> list[str]:
+    """config.json's `layer_types` (a list, checked against the layer count by `ModelConfig`), else `default()`
+    (whose keys transformers reads only then)."""
     kinds = cfg.get("layer_types")
     if kinds is None:
-        return [default(i) for i in range(num_layers)]
+        return default()
     if not isinstance(kinds, list):
         raise ConfigError(f"layer_types: must be a list, one of {', '.join(LAYER_TYPES)} for each layer, got {kinds!r}")
     return kinds

@@ -137,17 +137,20 @@ class Autoscaler:
         background: a cluster that does not answer (`CALL_SECONDS`) holds up no drain; `stop` waits for it."""
         self._frozen = True
         await self._ticker.stop()
+        for lease in self.leases.values():
+            lease.resign()   # no slot places from now on, whenever the actor hears of it
         self._releasing = asyncio.ensure_future(
             asyncio.gather(*(lease.release() for lease in self.leases.values()), return_exceptions=True))
 
     async def stop(self) -> None:
         await self._ticker.stop()
-        if self._releasing is not None:
-            await self._releasing
         for task in self._removals.values():
             task.cancel()
         await asyncio.gather(*self._removals.values(), return_exceptions=True)
-        await asyncio.gather(*(lease.release() for lease in self.leases.values()), return_exceptions=True)
+        if self._releasing is None:   # (frozen: they are handed back already, or on their way)
+            self._releasing = asyncio.gather(*(lease.release() for lease in self.leases.values()),
+                                             return_exceptions=True)
+        await self._releasing
 
     def tick(self, now: float | None = None) -> None:
         if self._frozen:

@@ -172,6 +172,13 @@ class ScalerLease:
             name=self.name, namespace=NAMESPACE, lifetime="detached", max_restarts=-1, max_task_retries=-1,
             num_cpus=0, get_if_exists=True).remote(self.lease_seconds)
 
+    def resign(self) -> None:
+        """Lead no more from now (the gateway drains): a renewal under way is cancelled; `release` hands the
+        lease itself back."""
+        if self._task is not None:
+            self._task.cancel()
+        self._until = 0.0
+
     async def release(self) -> None:
         """Hand the lease back (the gateway stops): another gateway leads at its next renewal."""
         if self._task is not None:

@@ -189,6 +189,32 @@ async def test_a_start_the_fork_server_does_not_answer_ends_at_its_timeout(monke
     assert all(s.fileno() == -1 for s in pairs[0])
 
 
+def test_a_start_that_never_returns_holds_up_no_interpreter_exit():
+    """`process.start` ran on an executor's thread, which the interpreter joins at exit: a gateway whose fork
+    server was stopped (SIGSTOP, a frozen swap) never exited after its SIGTERM."""
+    script = textwrap.dedent("""
+        import asyncio, threading
+        from engine.fork_server import launch
+
+        class Stuck:
+            def start(self):
+                threading.Event().wait()
+
+        async def main():
+            try:
+                async with asyncio.timeout(0.2):
+                    await asyncio.shield(launch(asyncio.get_running_loop(), Stuck()))
+            except TimeoutError:
+                print("timed out")
+
+        asyncio.run(main())
+    """)
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=root,
+                          env={**os.environ, "PYTHONPATH": str(root)})
+    assert done.returncode == 0 and done.stdout.strip() == "timed out", done.stderr
+
+
 class _ForkServed:
     """A process as multiprocessing's fork server reports it: its status comes through a pipe, whose EOF (the
     server ended) reads as exit code 255 (`popen_forkserver.poll`)."""

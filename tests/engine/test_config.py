@@ -390,6 +390,20 @@ def test_what_we_do_not_serve_of_gemma3_is_refused_by_name(change, named):
         ModelConfig.from_hf_config({**gemma, **change})
 
 
+def test_the_keys_a_default_layer_type_rule_reads_are_read_only_without_layer_types():
+    """transformers reads Gemma 3's `sliding_window_pattern` and Qwen's `max_window_layers` only where the config
+    has no `layer_types`: a stale value beside them is no error."""
+    kinds = ["full_attention", "sliding_attention"]
+    gemma = {**LLAMA, "architectures": ["Gemma3ForCausalLM"], "sliding_window": 8, "head_dim": 16,
+             "layer_types": kinds, "sliding_window_pattern": 0}
+    qwen = {**LLAMA, "architectures": ["Qwen3ForCausalLM"], "use_sliding_window": True, "sliding_window": 8,
+            "layer_types": kinds, "max_window_layers": -1}
+    for cfg in (gemma, qwen):
+        assert ModelConfig.from_hf_config(cfg).layer_types == tuple(kinds)
+    with pytest.raises(ConfigError, match="max_window_layers: must be an integer >= 0, got -1"):
+        ModelConfig.from_hf_config({**qwen, "layer_types": None})
+
+
 def test_a_scaled_ropes_context_is_read_as_vllm_reads_it_and_dynamic_ntk_stays_within_its_own():
     """linear: max_position_embeddings x factor (Gemma 3's count has it already); dynamic NTK: its base moves only
     past max_position_embeddings, so it serves that many positions with the default rope (it was refused)."""
