@@ -139,18 +139,18 @@ class Autoscaler:
         await self._ticker.stop()
         for lease in self.leases.values():
             lease.resign()   # no slot places from now on, whenever the actor hears of it
-        self._releasing = asyncio.ensure_future(
-            asyncio.gather(*(lease.release() for lease in self.leases.values()), return_exceptions=True))
+        self._releasing = self._hand_back()
 
     async def stop(self) -> None:
         await self._ticker.stop()
         for task in self._removals.values():
             task.cancel()
         await asyncio.gather(*self._removals.values(), return_exceptions=True)
-        if self._releasing is None:   # (frozen: they are handed back already, or on their way)
-            self._releasing = asyncio.gather(*(lease.release() for lease in self.leases.values()),
-                                             return_exceptions=True)
-        await self._releasing
+        await (self._releasing or self._hand_back())   # (frozen: handed back already, or on their way)
+
+    def _hand_back(self) -> asyncio.Future:
+        """Release every scaling lease (another gateway leads at its next renewal); a failure lets it expire."""
+        return asyncio.gather(*(lease.release() for lease in self.leases.values()), return_exceptions=True)
 
     def tick(self, now: float | None = None) -> None:
         if self._frozen:

@@ -181,10 +181,10 @@ class ScalerLease:
 
     async def release(self) -> None:
         """Hand the lease back (the gateway stops): another gateway leads at its next renewal."""
+        self.resign()
         if self._task is not None:
-            self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        self._until, actor = 0.0, self._actor or self._known   # a renewal that timed out may still have granted it
+        actor = self._actor or self._known   # a renewal that timed out may still have granted it
         if actor is not None:
             try:
                 await asyncio.wait_for(actor.release.remote(self.cluster.gateway_id), CALL_SECONDS)
