@@ -1,8 +1,8 @@
 """Greedy outputs of the engine equal Hugging Face transformers' greedy `generate`: preemption,
 chunking and batching never change what a request generates.
 
-The default run checks the builtin model once and tiny random models of each architecture; the `slow`
-sweep (`make test-slow`) checks the builtin model with more prompts and longer outputs under every block
+The default run checks tiny random models of each architecture; the `slow` run (`make test-slow`) checks the
+builtin model once as served, and sweeps it with more prompts and longer outputs under every block
 size x preemption mode x prefix-cache state, in a pool small enough that preemption happens.
 """
 
@@ -65,6 +65,8 @@ def smollm2_engine(builtin_path):
     assert_all_free(engine)
 
 
+@pytest.mark.slow   # model-size, ~50 s (transformers' load of the GGUF is 30 s of it); the Llama forward is
+# token-identical on tiny models below, and the conversion's config and tokenizer are checked in test_weights.py
 def test_builtin_smollm2_matches_transformers(smollm2_engine, hf_smollm2):
     engine = smollm2_engine
     tok = engine.tokenizer

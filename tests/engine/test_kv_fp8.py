@@ -62,6 +62,7 @@ def test_the_reference_stores_fp8_bytes_and_skips_negative_slots():
     assert int(flat_k[[0, 1, 3, 4, 6, 7]].count_nonzero()) == 0
 
 
+@pytest.mark.slow   # model-size, ~11 s; the FP8 cache on tiny models is checked below and in tests/kernels
 def test_the_builtin_model_with_an_fp8_cache(builtin_path):
     """A quarter of float32's bytes a token; scales measured at start (none in the checkpoint); greedy chat
     answers of 8 tokens the same as the float32 cache's on at least 13 of 20 questions (15 measured on

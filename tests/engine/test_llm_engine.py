@@ -49,14 +49,14 @@ def baseline(builtin_path, chat_prompts):
     return outs
 
 
-@pytest.mark.parametrize("block_size", [8, 32])   # 16: the baseline's own
+@pytest.mark.parametrize("block_size", [8, pytest.param(32, marks=pytest.mark.slow)])   # 16: the baseline's own
 def test_block_sizes_give_same_outputs(builtin_path, chat_prompts, baseline, block_size):
     engine = _engine(builtin_path, block_size=block_size)
     assert _tokens(engine.generate(chat_prompts, GREEDY)) == baseline
     assert_all_free(engine)
 
 
-@pytest.mark.parametrize("chunk", [7, 64])
+@pytest.mark.parametrize("chunk", [7, pytest.param(64, marks=pytest.mark.slow)])
 def test_chunked_prefill_gives_same_outputs(builtin_path, chat_prompts, baseline, chunk):
     engine = _engine(builtin_path, max_num_batched_tokens=chunk)
     steps_with_mixed = 0

@@ -34,6 +34,9 @@ def _draw(probs: list[float], params: SamplingParams, num_draws: int) -> torch.T
     out = _make_sampler()(logits, [_make_row(params)] * num_draws)
     return torch.bincount(torch.tensor(out.token_ids), minlength=len(probs))
 
+# chi-square's 99.9th percentile by degrees of freedom (0: one token, nothing to test)
+CHI2_999 = {0: 0.0 + 1e-9, 1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32, 8: 26.12, 9: 27.88}
+
 
 def _assert_matches_distribution(counts: torch.Tensor, expected: list[float]) -> None:
     """Pearson chi-square over the tokens with non-zero probability; zero-probability tokens never drawn."""
@@ -45,8 +48,8 @@ def _assert_matches_distribution(counts: torch.Tensor, expected: list[float]) ->
         else:
             chi2 += (count - total * p) ** 2 / (total * p)
     dof = sum(p > 0 for p in expected) - 1
-    # 99.9th percentile of chi-square for dof <= 4 is <= 18.47; a fixed seed makes this deterministic.
-    assert chi2 < 18.47, f"chi2={chi2:.1f} (dof {dof}); counts {counts.tolist()} vs {expected}"
+    # the 99.9th percentile of chi-square with `dof` degrees of freedom; a fixed seed makes this deterministic
+    assert chi2 < CHI2_999[dof], f"chi2={chi2:.1f} (dof {dof}); counts {counts.tolist()} vs {expected}"
 
 
 def _seeded_tokens(batch: list[SamplingRow], logits: torch.Tensor, position: int, num_steps: int,
@@ -439,7 +442,7 @@ def test_bias_and_penalties_match_a_hand_computed_step(kwargs: dict) -> None:
     assert out.token_ids == [max(range(len(expected)), key=expected.__getitem__)]
     # The adjusted logits themselves: sample at temperature 1 from each and compare the distributions.
     row = _make_row(SamplingParams(**kwargs), num_output_tokens=len(OUTPUT), token_ids=PROMPT + OUTPUT)
-    num_draws = 20000
+    num_draws = 8000
     got = _make_sampler()(torch.tensor([logits]).expand(num_draws, -1).contiguous(), [row] * num_draws)
     counts = torch.bincount(torch.tensor(got.token_ids), minlength=len(logits))
     probs = torch.tensor(expected).softmax(dim=0).tolist()

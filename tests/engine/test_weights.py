@@ -103,6 +103,7 @@ def converted(cache_dir: Path) -> Path:
 # --- the builtin model ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow   # model-size: transformers' load of the 135M GGUF takes ~30 s on 2 cores
 def test_builtin_conversion_equals_transformers_gguf_loading(converted: Path, hf_smollm2) -> None:
     reference = hf_smollm2.state_dict()
     ours = dict(iter_weights(converted))
@@ -144,9 +145,9 @@ def test_builtin_tokenizer_files(converted: Path) -> None:
 
 
 def test_second_resolve_is_cached(converted: Path, cache_dir: Path) -> None:
-    start = time.perf_counter()
+    start = time.process_time()   # CPU time: a loaded machine adds none; converting again took seconds
     again = resolve_model(BUILTIN, cache_dir=cache_dir)
-    assert time.perf_counter() - start < 0.5
+    assert time.process_time() - start < 0.5
     assert again == converted
     assert [p for p in cache_dir.iterdir() if p.name != ".sources"] == [converted]  # no temp folder beside it
 

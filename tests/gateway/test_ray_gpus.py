@@ -76,6 +76,7 @@ async def _restarted(replica: RayReplica, old_pid: int, timeout: float = 120.0) 
     raise AssertionError(f"the actor was not restarted within {timeout} s")
 
 
+@pytest.mark.slow   # ~23 s on a real cluster; placement on a cluster is shown in test_ray_placement.py
 async def test_a_restarted_replica_runs_on_the_gpus_its_group_holds_now(gpu_cluster):
     from ray.util.placement_group import placement_group, remove_placement_group
 

@@ -71,6 +71,7 @@ async def _lead_at_once(lease: ScalerLease, timeout: float) -> float:
     return time.monotonic() - started
 
 
+@pytest.mark.slow   # ~15 s on a real cluster; the lease's rules without one are in test_ray_leader.py
 async def test_one_gateway_leads_the_other_takes_over_when_the_lease_expires_or_is_handed_back(head):
     first, second = RayCluster(head.address), RayCluster(head.address)   # two gateways: two ids
     assert first.gateway_id != second.gateway_id

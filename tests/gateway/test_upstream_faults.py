@@ -659,9 +659,9 @@ def test_account_ids_are_masked_in_one_pass_over_an_upstream_message():
         "proj_abcdefghijklmnopqrst, org-ABCDEFGHIJKLMNOPQRS, user-provided"   # one case, no digit: words
     assert message("org-abc123") == "org-abc123"   # too short for an id
     word = "org-" + "a" * 16_000
-    started = time.perf_counter()
+    started = time.process_time()   # CPU time: a loaded machine adds none
     assert message(word + " org-" + "B" * 16_000) == word + " org-" + "B" * 16_000
-    assert time.perf_counter() - started < 0.2
+    assert time.process_time() - started < 0.2
 
 
 async def test_an_event_the_body_ends_inside_is_never_relayed_as_whole(aiohttp_client, tmp_path):

@@ -87,6 +87,8 @@ MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, 
        "mlp_only_layers": [1], "head_dim": 32}
 
 
+@pytest.mark.slow   # ~16 s through the interpreter; fused_moe equals the loop above, the MoE engine (torch ops)
+# equals transformers in tests/engine/test_engine_vs_hf.py
 def test_an_moe_engine_on_the_triton_kernels_decodes_as_transformers_and_replays_graphs(tmp_path, builtin_path,
                                                                                        monkeypatch):
     """Qwen3-MoE on the Triton ops runs its experts through `fused_moe`: greedy tokens equal transformers',

@@ -12,10 +12,14 @@ import os
 import signal
 import time
 
+import pytest
+
 from tests.reliability.conftest import (MODEL, STALL_SECONDS, Probe, chat, credits, get, post,
                                         resume, silent_client, wait_ready, worker_pid)
 
 
+@pytest.mark.slow   # ~22 s; sends never block (tests/engine/test_ipc.py), a stopped worker is found stalled
+# (tests/reliability/test_worker_faults.py)
 def test_a_flood_of_adds_to_a_stopped_worker_never_blocks_the_gateway(live):
     # 1,200 one-token requests (about 750 KB of add commands, several times a socket buffer) reach a
     # worker that does not read: a blocking send would freeze the gateway's event loop for good. The

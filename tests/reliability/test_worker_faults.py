@@ -91,8 +91,7 @@ def test_a_request_whose_handling_fails_gets_500_alone_and_the_worker_serves_on(
     assert chat(live.url)[0] == 200
 
 
-@pytest.mark.slow   # ~8 s; end to end the rule is also shown on two replicas (tests/gateway/test_deaths.py) and
-# beside an innocent request (below)
+@pytest.mark.slow   # ~8 s; end to end the rule is also shown on two replicas (tests/gateway/test_deaths.py)
 def test_a_request_that_kills_its_worker_twice_is_a_poison_request_never_run_a_third_time(live):
     restarts = metric(live.url, RESTARTS, device="default")
     pid = worker_pid(live)
@@ -114,6 +113,7 @@ def test_a_request_that_kills_its_worker_twice_is_a_poison_request_never_run_a_t
     assert "".join(live.log).count("a poison request") == 1
 
 
+@pytest.mark.slow   # ~17 s; the poison rule on two replicas is in tests/gateway/test_deaths.py
 def test_a_request_beside_a_poison_one_at_both_its_deaths_is_answered(live):
     """In flight when the poison request first kills the worker, both run again beside each other and both
     are in flight (or held) at the second death: it once made both poison requests, the innocent one
