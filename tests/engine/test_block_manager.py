@@ -157,7 +157,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
 
 TestBlockManagerMachine = BlockManagerMachine.TestCase
-TestBlockManagerMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestBlockManagerMachine.settings = settings(max_examples=75, stateful_step_count=40, deadline=None)
 
 
 # --- prefix caching and copy-on-write ---------------------------------------------------------
@@ -623,6 +623,6 @@ class CollidingPrefixCachingMachine(PrefixCachingMachine):
 
 
 TestPrefixCachingMachine = PrefixCachingMachine.TestCase
-TestPrefixCachingMachine.settings = settings(max_examples=150, stateful_step_count=50, deadline=None)
+TestPrefixCachingMachine.settings = settings(max_examples=75, stateful_step_count=50, deadline=None)
 TestCollidingPrefixCachingMachine = CollidingPrefixCachingMachine.TestCase
-TestCollidingPrefixCachingMachine.settings = settings(max_examples=150, stateful_step_count=50, deadline=None)
+TestCollidingPrefixCachingMachine.settings = settings(max_examples=75, stateful_step_count=50, deadline=None)

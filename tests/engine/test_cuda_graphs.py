@@ -54,6 +54,7 @@ def test_capture_sizes():
 
 
 @pytest.mark.slow   # ~9-22 s through the interpreter (by the VM's hour); each replay equals the eager forward below
+# (replays between eager steps under preemption: only here)
 def test_greedy_tokens_are_the_same_with_graphs_and_without(tiny, monkeypatch):
     """Four requests of different lengths decode together, finish at different steps (batches of 4,
     3, 2 and 1 replay the graphs of 4, 4, 2 and 1, padded rows included); one pool of 24 blocks of 8

@@ -40,7 +40,8 @@ def _blocks(url: str) -> dict[str, int]:
     return {pool["name"]: pool["num_blocks"] for pool in model.model_extra["pools"]}
 
 
-@pytest.mark.slow   # model-size: the builtin model served twice, ~21 s
+@pytest.mark.slow   # model-size: the builtin model served twice, ~21 s; the default run serves an FP8 cache only
+# through tiny models (tests/engine/test_kv_fp8.py, tests/kernels/test_triton*.py)
 def test_served_with_an_fp8_cache_four_times_the_blocks_and_most_answers_the_same(fp8_server, live_builtin_server):
     """Most of the 20 questions (at least 11) answered identically over 8 tokens: 12-15 measured on 2026-11-28
     over seven rounds, concurrent and one at a time (with an FP8 cache an answer may turn on how its request was

@@ -134,7 +134,7 @@ async def test_two_replicas_on_two_nodes_serve_the_sdk_survive_a_gateway_restart
     await sdk.close()
 
 
-@pytest.mark.slow   # ~14 s on a real cluster
+@pytest.mark.slow   # ~14 s on a real cluster; a cluster that does not answer is said in tests/gateway/test_supervisor.py
 async def test_a_wrong_address_a_node_without_the_model_and_a_replica_never_placed_are_said(
         aiohttp_client, tmp_path, tiny_model, ray_cluster):
     from gateway.app import create_app

@@ -12,6 +12,8 @@ import threading
 import time
 import urllib.request
 
+import pytest
+
 from bench.live import LiveServer
 from engine.faults import SLOW_STEP_ENV
 from gateway.signals import serve_until_stopped
@@ -121,6 +123,7 @@ def test_two_signals_in_one_turn_of_the_loop_cut_the_drain():
     assert asyncio.run(serve(runner)) == 143 and not runner.drained and time.monotonic() - start < 2
 
 
+@pytest.mark.slow   # ~8 s; the second signal's cut is shown in-process above, a drain end to end beside it
 def test_a_second_signal_cuts_the_drain_short(tmp_path, tiny_model):
     """Ctrl-C, then Ctrl-C again: the request in flight is cut and the gateway is gone at once (130), not after
     `drain_seconds`; its device worker follows it out."""

@@ -128,7 +128,8 @@ def test_an_idle_group_outlives_its_collective_timeout(tp3_server, sdk):
     assert "tensor-parallel rank" not in log and "restarting" not in log
 
 
-@pytest.mark.slow   # ~17 s; a dead rank ends its group's step in tests/engine/test_tensor_parallel.py
+@pytest.mark.slow   # ~17 s; a killed rank takes its group down, and a hung one fails the step, in
+# tests/engine/test_tensor_parallel.py
 def test_a_killed_follower_rank_restarts_the_replica_and_the_next_request_is_answered(tp3_server, sdk):
     timed_answer(sdk)
     ranks = followers(tp3_server)

@@ -209,19 +209,19 @@ def prose_markers_stream(fmt, reply: str, loop: str) -> None:
         assert stream.call_deltas(reply[:end]) == []
     assert sent == reply.rstrip() and stream.finish(reply) == (reply[len(sent):], [], 0)
     loop *= 4000
-    stream, started = ToolCallStream(fmt, forced=False), time.process_time()   # CPU time: a loaded machine adds none
+    stream, started = ToolCallStream(fmt, forced=False), time.process_time()   # CPU time: a loaded machine adds less
     for end in range(20, len(loop) + 1, 20):
         stream.content_delta(loop[:end])
         stream.call_deltas(loop[:end])
     assert stream.finish(loop)[1:] == ([], 0) and fmt.parse(loop * 4) == (loop * 4, [])
     assert time.process_time() - started < 2.0   # each look walked every marker: ~10 s (0.4 s now, 2026-12-02)
-    run = "Hi <tool_call>" + "\n" * 40_000 + "ok."
+    run = "Hi <tool_call>" + "\n" * 80_000 + "ok."
     stream, started = ToolCallStream(fmt, forced=False), time.process_time()
     for end in range(4, len(run) + 1, 4):
         stream.content_delta(run[:end])
         stream.call_deltas(run[:end])
     assert stream.finish(run)[1:] == ([], 0)
-    assert time.process_time() - started < 0.8   # each look walked every blank: ~1 s (0.3 s now)
+    assert time.process_time() - started < 2.0   # each look walked every blank: ~4 s (0.5-0.9 s now)
 
 
 def test_a_marker_in_prose_holds_back_nothing_after_it_in_a_stream() -> None:

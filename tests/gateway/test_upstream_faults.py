@@ -659,7 +659,7 @@ def test_account_ids_are_masked_in_one_pass_over_an_upstream_message():
         "proj_abcdefghijklmnopqrst, org-ABCDEFGHIJKLMNOPQRS, user-provided"   # one case, no digit: words
     assert message("org-abc123") == "org-abc123"   # too short for an id
     word = "org-" + "a" * 16_000
-    started = time.process_time()   # CPU time: a loaded machine adds none
+    started = time.process_time()   # CPU time: a loaded machine adds less
     assert message(word + " org-" + "B" * 16_000) == word + " org-" + "B" * 16_000
     assert time.process_time() - started < 0.2
 

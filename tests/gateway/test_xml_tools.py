@@ -98,7 +98,7 @@ def test_a_reply_of_markers_never_closed_is_read_in_linear_time(fmt):
                   "<tool_call>\n<function=search>\n<parameter=query>\n" + "x" * 50, nested):
         text = ("<tool_call>\n<function=nope>\n" if piece is nested else "") + piece * (200_000 // len(piece)) + \
             ("done" if piece is nested else "")   # text after it: no read runs out
-        started = time.process_time()   # CPU time: a loaded machine adds none
+        started = time.process_time()   # CPU time: a loaded machine adds less
         assert fmt.parse_reply(text, cut=True)[0] is not None or True
         assert fmt.parse(text) == (text, [])
         assert time.process_time() - started < 2.0, piece

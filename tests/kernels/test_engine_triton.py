@@ -44,7 +44,8 @@ def _engine(path, backend: str, monkeypatch, num_blocks: int = 12, kv_cache_dtyp
     return engine
 
 
-@pytest.mark.slow   # ~27 s through the interpreter; the engine on the Triton kernels is shown below (head_dim 40)
+@pytest.mark.slow   # ~27 s through the interpreter; the engine on the Triton kernels is shown below (head_dim 40,
+# chunked prefill; preemption and n > 1 on them only here)
 def test_engine_on_triton_kernels_matches_the_reference(tiny, monkeypatch):
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (5, 19, 33, 47)]

@@ -87,8 +87,24 @@ MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, 
        "mlp_only_layers": [1], "head_dim": 32}
 
 
-@pytest.mark.slow   # ~16 s through the interpreter; fused_moe equals the loop above, the MoE engine (torch ops)
-# equals transformers in tests/engine/test_engine_vs_hf.py
+def test_an_moe_engine_on_the_triton_ops_runs_its_sparse_layers_through_fused_moe(tmp_path, builtin_path, monkeypatch):
+    """The default run's view of the test below: on the Triton ops each sparse layer (not the dense one)
+    takes `fused_moe`, which CUDA graphs may capture; on the torch ops none does (the loop over the experts)."""
+    from engine.model_config import ModelConfig
+    from engine.models import build_model
+    from tests.conftest import make_tiny_model
+
+    config = ModelConfig.from_folder(make_tiny_model(tmp_path / "moe", "qwen3_moe", builtin_path, **MOE))
+    for backend, fused in (("triton", fused_moe), ("torch", None)):
+        monkeypatch.setenv("CLIFFGUARD_ATTENTION_BACKEND", backend)
+        model = build_model(config, torch.float32, "cpu")
+        sparse = [layer.mlp for layer in model.layers if hasattr(layer.mlp, "w13")]
+        assert len(sparse) == len(model.layers) - len(MOE["mlp_only_layers"]) > 0
+        assert all(mlp.fused_moe is fused for mlp in sparse) and model.graph_safe == (fused is not None)
+
+
+@pytest.mark.slow   # ~16 s through the interpreter; the wiring is shown above, fused_moe equals the loop, and the
+# MoE engine (torch ops) equals transformers in tests/engine/test_engine_vs_hf.py
 def test_an_moe_engine_on_the_triton_kernels_decodes_as_transformers_and_replays_graphs(tmp_path, builtin_path,
                                                                                        monkeypatch):
     """Qwen3-MoE on the Triton ops runs its experts through `fused_moe`: greedy tokens equal transformers',
