@@ -55,6 +55,7 @@ import numpy as np
 
 from bench.live import LiveServer
 from bench.load.scrape import pool_samples
+from pools.cli_types import seed as seed_arg
 from pools.workload import MIN_P99_SAMPLES, gamma_arrivals, latency_stats, p99_lower_bound, parse_rates
 
 MODEL = "builtin:smollm2-135m-instruct"
@@ -81,7 +82,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "up (default 2 with --client sdk, as openai-python; 8 with jitter)")
     p.add_argument("--backoff", type=float, default=0.5, help="reject mode: first back-off in seconds, doubled "
                    "per retry, capped at 8 s (default 0.5)")
-    p.add_argument("--seed", type=int, default=0, help="seed of arrivals, prompts and back-off jitter (default 0)")
+    p.add_argument("--seed", type=seed_arg, default=0, help="seed of arrivals, prompts and back-off jitter (default 0)")
     p.add_argument("--modes", default="queue,reject", help="comma-separated: queue, reject (default both)")
     p.add_argument("--quick", action="store_true", help="short load for a test (10 s of arrivals)")
     p.add_argument("--ideal", default=None, metavar="SLOTS,SECONDS", help="no server: an idealised pool of "
@@ -335,6 +336,8 @@ def run(args: argparse.Namespace) -> int:
     for mode in modes:
         if mode not in ("queue", "reject"):
             raise ValueError(f"--modes: unknown mode {mode!r}; use queue, reject")
+    if not modes or len(set(modes)) != len(modes):
+        raise ValueError(f"--modes: expected distinct modes among queue, reject, got {args.modes!r}")
     rates = parse_rates(args.rate)
     if not 1 <= args.output_tokens <= MAX_OUTPUT_TOKENS:
         raise ValueError(f"--output-tokens: must be 1 to {MAX_OUTPUT_TOKENS} (the bench pool's max_model_len is 256), "

@@ -68,7 +68,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-lengths", action="store_true", help="leave out the output-length table (the longest part)")
     p.add_argument("--threads", type=int, default=1, help="torch threads on a CPU (default 1)")
     p.add_argument("--device", default="cpu", help="cpu (default) | cuda | cuda:N")
-    p.add_argument("--dtype", default="float32", help="float32 (default) | bfloat16 | float16")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="float32 (default) | bfloat16 | float16")
     p.add_argument("--tokenizer", default=TOKENIZER_SOURCE,
                    help="where the model's tokenizer files come from: a model folder, or builtin:NAME (default; a "
                         "machine without the builtin's package, such as a GPU machine, gives a folder)")
@@ -312,8 +313,8 @@ def run(args: argparse.Namespace) -> int:
     for name in ("layers", "hidden_size", "batch", "prompt_len", "steps", "length_batch", "threads"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
-    if args.hidden_size % 4:
-        raise ValueError(f"--hidden-size: must be a multiple of 4 (4 heads), got {args.hidden_size}")
+    if args.hidden_size % 8:
+        raise ValueError(f"--hidden-size: must be a multiple of 8 (4 heads of an even size), got {args.hidden_size}")
     if args.vocab_size < 64:
         raise ValueError(f"--vocab-size: must be >= 64, got {args.vocab_size}")
     if args.device.startswith("cuda") and not torch.cuda.is_available():

@@ -106,8 +106,7 @@ def run(args: argparse.Namespace) -> int:
     if args.repeats < 1:
         raise ValueError(f"--repeats: must be >= 1, got {args.repeats}")
     config = EngineConfig(device=args.device, dtype=args.dtype)
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          "cpu" if args.device == "auto" else args.device)
+    device = config.rank_devices()[0]   # a ConfigError naming the device where this machine has no such one
     dtype = config.resolved_dtype(device)
     block = _block(args, device, dtype)
     with torch.inference_mode():

@@ -228,13 +228,13 @@ def run(args: argparse.Namespace) -> int:
     model_config = ModelConfig.from_folder(resolve_model(args.model))
     bytes_per_block = model_config.kv_bytes_per_token(dtype) * args.block_size
     mixes = QUICK_MIXES if args.quick else DEFAULT_MIXES
-    workloads = {m.name: make_requests(m, args.scale, model_config.vocab_size, args.seed) for m in mixes}
-
-    mix_info, cells = _plan_cells(mixes, workloads, factors, args)
-    longest = max(len(ids) + n for work in workloads.values() for ids, n in work)
+    # the longest a request can be drawn (lengths x 1.25 at most), checked before any is drawn
+    longest = max(round(m.prompt_len * args.scale * 1.25) + round(m.output_len * args.scale * 1.25) for m in mixes)
     if longest > model_config.max_position_embeddings:
-        raise ValueError(f"--scale: the longest request ({longest} tokens) exceeds the model's "
+        raise ValueError(f"--scale: the longest request it may draw ({longest} tokens) exceeds the model's "
                          f"max_position_embeddings ({model_config.max_position_embeddings})")
+    workloads = {m.name: make_requests(m, args.scale, model_config.vocab_size, args.seed) for m in mixes}
+    mix_info, cells = _plan_cells(mixes, workloads, factors, args)
     result = {"model": args.model, "dtype": str(dtype).removeprefix("torch."), "device": device_name(device),
               "block_size": args.block_size, "bytes_per_block": bytes_per_block,
               "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
@@ -329,11 +329,11 @@ def _parse_args(args) -> tuple[list[str], list[float]]:
         factors = [float(x) for x in args.pool_factors.split(",") if x.strip()]
     except ValueError:
         raise ValueError(f"--pool-factors: expected comma-separated numbers, got {args.pool_factors!r}") from None
-    if not factors or min(factors) <= 0 or len(set(factors)) != len(factors):
-        raise ValueError(f"--pool-factors: expected distinct numbers > 0, got {args.pool_factors!r}")
+    if not factors or not all(0 < x < math.inf for x in factors) or len(set(factors)) != len(factors):
+        raise ValueError(f"--pool-factors: expected distinct finite numbers > 0, got {args.pool_factors!r}")
     for name in ("scale", "swap_factor", "repeat"):
-        if not getattr(args, name) > 0:
-            raise ValueError(f"--{name.replace('_', '-')}: must be > 0, got {getattr(args, name)}")
+        if not 0 < getattr(args, name) < math.inf:
+            raise ValueError(f"--{name.replace('_', '-')}: must be finite and > 0, got {getattr(args, name)}")
     return modes, sorted(factors, reverse=True)
 
 

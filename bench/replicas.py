@@ -37,7 +37,7 @@ from bench.live import LiveServer
 from bench.load.plan import LoadConfig, plan_requests
 from bench.load.report import LoadReport, counter_rate, even_split_deviation, latencies, tokens_done, write_report
 from bench.load.run import run_load
-from pools.cli_types import non_negative_float, output_folder, positive_float, positive_int, seed, slots
+from pools.cli_types import check_pool_file, non_negative_float, output_folder, positive_float, positive_int, seed, slots
 from pools.workload import MIN_P99_SAMPLES, LengthDist, SharedPrefix, WorkloadClass, latency_stats, p99_lower_bound
 
 TOKENIZER = "builtin:smollm2-135m-instruct"   # makes completion prompts exactly their length (the builtin model's)
@@ -209,6 +209,7 @@ def run(args: argparse.Namespace) -> int:
     if args.warmup >= args.duration:
         raise ValueError(f"--warmup: must be below --duration {args.duration:g} (the tokens/s are counted after it), "
                          f"got {args.warmup:g}")
+    check_pool_file(args.config)
     source = Path(args.config)
     with tempfile.TemporaryDirectory(prefix="cliffguard-replicas-") as tmp:
         results = [asyncio.run(run_layout(source, n, args, Path(tmp))) for n in (1, args.replicas)]

@@ -59,7 +59,7 @@ from bench.options import out_dir
 from bench.load.plan import LoadConfig, plan_requests
 from bench.load.run import run_load
 from bench.speedprobe import SpeedProbe
-from pools.cli_types import output_folder
+from pools.cli_types import output_folder, seed as seed_arg
 from pools.workload import MIN_P99_SAMPLES, latency_stats, load_workload, parse_rates
 
 GOALS = {"throughput": 0.10, "ttft_p50": 0.10, "ttft_p99": 0.20}
@@ -94,7 +94,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "model predicts (default 1.3: past it, so the traced steps reach full batches)")
     p.add_argument("--calibration-duration", type=float, default=60.0,
                    help="seconds of arrivals of the served calibration run (default 60)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the calibration, arrivals and lengths (default 0)")
+    p.add_argument("--seed", type=seed_arg, default=0, help="seed of the calibration, arrivals and lengths (default 0)")
     p.add_argument("--out", type=output_folder, default=None,
                    help="keep the served runs' step traces and the results (results.json) "
                    "in this folder, to study the step model offline")
@@ -377,7 +377,7 @@ def _bench(args: argparse.Namespace, config_path: Path, setup, classes, tmp: Pat
     with SpeedProbe(probe_path):
         step_model, calibration, samples = _step_model(args, config_path, setup, classes, tmp, trace_dir)
         peak = saturation(config, plan, model_configs, classes, step_model, args.seed)
-        rates = parse_rates(args.rates) if args.rates else [f * peak for f in parse_rates(args.loads, "--loads")]
+        rates = parse_rates(args.rates, "--rates") if args.rates else [f * peak for f in parse_rates(args.loads, "--loads")]
         traces = None if samples is None else [samples]
         reports = _run_rates(args, config_path, classes, rates, peak, tmp, trace_dir, traces)
     rows = compare_runs(reports, rates, peak, setup, step_model, traces, args.seed)
@@ -394,6 +394,11 @@ def run(args: argparse.Namespace) -> int:
     for name in ("duration", "calibration_load", "calibration_duration"):
         if not getattr(args, name) > 0:
             raise ValueError(f"--{name.replace('_', '-')}: must be > 0, got {getattr(args, name)}")
+    if args.rates:   # refused now, not after the calibration's minutes
+        parse_rates(args.rates, "--rates")
+    parse_rates(args.loads, "--loads")
+    if args.replay and args.out:
+        raise ValueError("--out: not with --replay (a replay compares the runs a folder kept; it runs and keeps none)")
     classes = load_workload(args.workload)
     out = out_dir(args.out) if args.out else None
     pool_file = args.config

@@ -49,6 +49,14 @@ def positive_float(text: str) -> float:
     return value
 
 
+def positive_floats(text: str) -> list[float]:
+    """A comma-separated list of at least one finite number > 0, each given once (a sweep's values)."""
+    values = [positive_float(part.strip()) for part in text.split(",") if part.strip()]
+    if not values or len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"expected distinct numbers > 0, comma-separated, got {text!r}")
+    return values
+
+
 def burstiness(text: str) -> float:
     """A gamma shape of arrival gaps: a finite number >= `pools.workload.MIN_BURSTINESS` (1: Poisson)."""
     from pools.workload import MIN_BURSTINESS
@@ -221,3 +229,14 @@ def check_simulate_options(args: argparse.Namespace) -> None:
     if args.calibrate and not args.from_trace and (args.model_config or args.vram):   # it runs the real engine here
         raise UsageError(f"--{'model-config' if args.model_config else 'vram'}: with --calibrate, only beside "
                          "--from-trace (a calibration here runs the config's own model on this machine)")
+
+
+def check_pool_file(path: str | os.PathLike, option: str = "--config") -> None:
+    """A UsageError naming `option` for a pool file the gateway would refuse (a missing file, YAML that does not
+    parse, a key it rejects): said before a benchmark starts a server or a cluster, not as a traceback in it."""
+    from pools.config.yaml_file import load_config
+
+    try:
+        load_config(Path(path))
+    except ValueError as exc:
+        raise UsageError(f"{option}: {exc}") from None

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from bench.chaos.fault_script import CLUSTER_FAULTS, GATEWAY_FAULTS
 from bench.chaos.fault_script import FAULTS as CLIENT_AND_WORKER_FAULTS
 from bench.chaos.careless import REQUEST_FAULTS
 from bench.chaos.steady import Phases
 from bench.ray_local import INSTALL_HINT, NODE_CPUS, ray_installed
-from pools.cli_types import output_folder
+from pools.cli_types import check_pool_file, output_folder, seed
 
 FAULTS = {**CLIENT_AND_WORKER_FAULTS, **REQUEST_FAULTS}    # the default run, in this order
 ALL_FAULTS = {**FAULTS, **CLUSTER_FAULTS, **GATEWAY_FAULTS}
@@ -57,7 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "fault (default 16; 6 with --quick: ~6 s of a 2-core CPU)")
     p.add_argument("--timeout", type=float, default=120.0, help="client timeout per request in s: later is "
                    "lost (default 120)")
-    p.add_argument("--seed", type=int, default=0, help="seed of arrivals and prompts (default 0)")
+    p.add_argument("--seed", type=seed, default=0, help="seed of arrivals and prompts (default 0)")
     p.add_argument("--quick", action="store_true", help="short windows (the run takes 2-3 minutes), for a test")
     p.add_argument("--out", type=output_folder, default=None,
                    help="write results.json (with every request and sample) and "
@@ -88,8 +87,8 @@ def check_args(args: argparse.Namespace) -> Phases:
                           ("--silent-bodies", args.silent_bodies), ("--tenant-burst", args.tenant_burst)):
         if value < 1:
             raise ValueError(f"{option}: must be >= 1, got {value}")
-    if args.config is not None and not Path(args.config).is_file():
-        raise ValueError(f"--config: no such file: {args.config}")
+    if args.config is not None:
+        check_pool_file(args.config)
     if args.replicas is not None and args.replicas < 1:
         raise ValueError(f"--replicas: must be >= 1, got {args.replicas}")
     _check_ray(args)
@@ -135,3 +134,4 @@ def _fault_names(faults: str | None, ray_nodes: int, gateways: int = 1) -> list[
     if killed > 1:
         raise ValueError(f"--faults: kill_gateway {killed} times kills {killed} gateways; --gateways 2 starts one more")
     return names
+

@@ -51,7 +51,7 @@ from bench.load.plan import LoadConfig, load_tokenizer, plan_requests
 from bench.load.report import LoadReport, counter_rate, counter_window, latencies, send_lags, tokens_done
 from bench.load.run import run_load
 from engine.config import DEFAULT_MIN_SHARE
-from pools.cli_types import output_folder, positive_float
+from pools.cli_types import output_folder, positive_float, positive_floats
 from pools.workload import LengthDist, WorkloadClass, latency_stats
 
 MODEL = "builtin:smollm2-135m-instruct"
@@ -95,7 +95,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--itl-ms", type=positive_float, default=100.0,
                    help="chat's slo.itl_ms in the split scenario, and the "
                    "ITL bar of the sweep's verdict (default 100, the default config's)")
-    p.add_argument("--itl-ms-sweep", default="100,200,400", help="itl_ms values of the trade-off curve "
+    p.add_argument("--itl-ms-sweep", type=positive_floats, default="100,200,400", help="itl_ms values of the trade-off curve "
                    "(comma-separated; the chunk-only row is added; not used by --sweep)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="every pool's token budget per step")
     p.add_argument("--model", default=MODEL, help=f"every pool's model: a model folder or builtin name "
@@ -133,8 +133,7 @@ def scenarios(args: argparse.Namespace) -> list[Scenario]:
             Scenario("shared", "shared", True, True)]
     if args.quick:
         return main
-    sweep = [float(v) for v in args.itl_ms_sweep.split(",") if v.strip()]
-    curve = [Scenario(f"split itl {v:g} ms", "split", True, True, v) for v in sweep if v != args.itl_ms]
+    curve = [Scenario(f"split itl {v:g} ms", "split", True, True, v) for v in args.itl_ms_sweep if v != args.itl_ms]
     return main + curve + [Scenario("chunk-only", "split", True, True, None)]
 
 

@@ -180,3 +180,14 @@ def test_output_tokens_past_the_pools_context_are_refused_before_any_server_star
     assert main(["bench", "admission", "--output-tokens", tokens]) == 2
     assert capsys.readouterr().err.strip() == (f"cliffguard bench: error: --output-tokens: must be 1 to 128 (the bench "
                                                f"pool's max_model_len is 256), got {tokens}")
+
+
+@pytest.mark.parametrize("argv", [["--modes", ","], ["--modes", "queue,queue"], ["--modes", "queue,drop"],
+                                  ["--seed", "-1"]])
+def test_modes_are_one_or_both_named_once_and_a_seed_numpy_takes_or_refused_before_any_server(capsys, argv):
+    """`--modes ,` printed a table's header and exited 0; a mode named twice ran twice; a negative seed reached
+    numpy's generator after the server had started."""
+    from gateway.cli import main
+
+    assert main(["bench", "admission", *argv]) == 2
+    assert f"{argv[0]}" in capsys.readouterr().err

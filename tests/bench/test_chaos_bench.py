@@ -281,10 +281,21 @@ def test_worker_pid_finds_a_child_of_the_fork_server():
 @pytest.mark.parametrize("argv, option", [
     (["--warmup", "-1"], "--warmup"), (["--fault-seconds", "0"], "--fault-seconds"),
     (["--quiet-seconds", "-5"], "--quiet-seconds"), (["--faults", "kill,nap"], "--faults"),
-    (["--burst", "0"], "--burst"), (["--config", "/nonexistent.yaml"], "--config")])
+    (["--burst", "0"], "--burst"), (["--config", "/nonexistent.yaml"], "--config"), (["--seed", "-1"], "--seed")])
 def test_bad_options_exit_2_naming_the_option(argv, option, capsys):
     assert main(["bench", "chaos", *argv]) == 2
     assert option in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text, named", [("pools: [\n", "line 2"), ("- a\n- b\n", "expected an object"),
+                                         ("pools:\n  - {name: chat, model: m, max_num_seqs: many}\n", "max_num_seqs")])
+@pytest.mark.parametrize("command", [["chaos"], ["replicas", "--replicas", "2"]])
+def test_a_pool_file_the_gateway_would_refuse_exits_2_before_any_server(tmp_path, capsys, text, named, command):
+    path = tmp_path / "pools.yaml"
+    path.write_text(text)
+    assert main(["bench", *command, "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "--config: " in err and named in err and "Traceback" not in err, err
 
 
 def test_an_unwritable_out_exits_2(tmp_path, capsys):

@@ -98,6 +98,7 @@ def test_ops_are_counted_on_an_eager_forward_where_decode_steps_replay_graphs(on
     (("--batch-sizes", "0,2"), "--batch-sizes"),
     (("--lengths", "5,100"), "--lengths"),
     (("--hidden-size", "66"), "--hidden-size"),
+    (("--hidden-size", "12"), "--hidden-size"),   # 4 heads of 3: rotary needs an even head size
     (("--steps", "0"), "--steps"),
     (("--vocab-size", "10"), "--vocab-size"),
     (("--length-model", "/nonexistent/model"), "--length-model"),

@@ -45,7 +45,8 @@ def test_bad_times_and_rates_are_refused_before_anything_runs_with_or_without_th
     from gateway.cli import main
 
     for sweep in ([], ["--sweep"]):
-        for bad in (["--duration", "-5"], ["--drain-timeout", "0"], ["--ttft-ms", "0"], ["--chat-rate", "nan"]):
+        for bad in (["--duration", "-5"], ["--drain-timeout", "0"], ["--ttft-ms", "0"], ["--chat-rate", "nan"],
+                    ["--itl-ms-sweep", "0"], ["--itl-ms-sweep", "100,abc"], ["--itl-ms-sweep", ","]):
             assert main(["bench", "isolation", *sweep, *bad]) == 2, (sweep, bad)
             assert f"argument {bad[0]}" in capsys.readouterr().err
 

@@ -10,6 +10,7 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from bench import moe  # noqa: E402
 
@@ -45,3 +46,9 @@ def test_it_times_every_path_on_the_same_routing(capsys, monkeypatch, backend):
 def test_bad_options_are_named(argv, named):
     with pytest.raises(ValueError, match=named):
         moe.run(_parse("--device", "cpu", *argv))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() > 7, reason="a machine with a GPU 7")
+def test_a_device_this_machine_lacks_is_named():
+    with pytest.raises(ValueError, match="cuda"):   # not torch's AssertionError from a capability query
+        moe.run(_parse("--device", "cuda:7"))

@@ -95,9 +95,10 @@ def test_outputs_that_differ_from_the_largest_pools_fail_the_run(tiny_model, cap
     assert "1 requests differ; request 0 first at output position 3: 7 vs 9" in capsys.readouterr().out
 
 
-def test_a_scale_beyond_the_model_is_refused_before_loading(tiny_model):
+@pytest.mark.parametrize("scale", ["10", "1e9"])   # 1e9: refused before drawing billions of ids
+def test_a_scale_beyond_the_model_is_refused_before_loading(tiny_model, scale):
     with pytest.raises(ValueError, match="--scale"):
-        _run("--model", str(tiny_model), "--quick", "--scale", "10")
+        _run("--model", str(tiny_model), "--quick", "--scale", scale)
 
 
 def test_table_marks_an_unsupported_mode(tiny_model, capsys, monkeypatch):
@@ -121,6 +122,7 @@ def test_table_marks_an_unsupported_mode(tiny_model, capsys, monkeypatch):
     ("--modes", "recompute,teleport", "--modes"), ("--modes", "swap,swap", "--modes"),
     ("--pool-factors", "4,0", "--pool-factors"), ("--pool-factors", "big", "--pool-factors"),
     ("--scale", "0", "--scale"), ("--swap-factor", "-1", "--swap-factor"), ("--repeat", "0", "--repeat"),
+    ("--scale", "inf", "--scale"), ("--swap-factor", "nan", "--swap-factor"), ("--pool-factors", "4,inf", "--pool-factors"),
     ("--block-size", "3", "block_size"), ("--max-num-seqs", "0", "max_num_seqs")])
 def test_bad_options_are_refused_before_any_work(flag, value, message):
     with pytest.raises(ValueError, match=message):

@@ -220,3 +220,14 @@ def test_replay_of_a_folder_without_results_names_the_file(tmp_path, capsys):
 
     assert main(["bench", "simulate", "--replay", str(tmp_path)]) == 2
     assert f"--replay: {tmp_path / 'results.json'}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--rates", "0"], "--rates: must be > 0"), (["--loads", "0.5,abc"], "--loads: not a number"),
+    (["--replay", "kept", "--out", "again"], "--out: not with --replay")])
+def test_options_that_would_fail_after_the_calibration_are_refused_first(tmp_path, capsys, monkeypatch, argv, said):
+    from gateway.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", "simulate", *argv]) == 2   # before any engine loads: a second at most
+    assert said in capsys.readouterr().err

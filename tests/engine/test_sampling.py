@@ -35,7 +35,7 @@ def _draw(probs: list[float], params: SamplingParams, num_draws: int) -> torch.T
     return torch.bincount(torch.tensor(out.token_ids), minlength=len(probs))
 
 # chi-square's 99.9th percentile by degrees of freedom (0: one token, nothing to test)
-CHI2_999 = {0: 0.0 + 1e-9, 1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32, 8: 26.12, 9: 27.88}
+CHI2_999 = {0: 1e-9, 1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32, 8: 26.12, 9: 27.88}
 
 
 def _assert_matches_distribution(counts: torch.Tensor, expected: list[float]) -> None:

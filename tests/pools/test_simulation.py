@@ -244,7 +244,9 @@ def test_swap_mode_moves_blocks_and_charges_the_copy_time():
     assert stats.num_swap_preemptions > 0 and stats.num_swapped_in_blocks > 0 and stats.preempt_seconds > 0
     # the copies take the clock's time, not the forward passes' the composer learns from (as the engine's)
     assert stats.preempt_seconds > 1.0
-    assert sim.clock - sim.composer.stats.busy_seconds == pytest.approx(stats.preempt_seconds, rel=1e-3)
+    # preempt_seconds also holds the scheduler's own time choosing what to preempt, measured on this host (as
+    # the engine's is): a few ms at most, which the simulated clock never sees (1.3 ms on a slow VM, 2026-12-02)
+    assert 0 <= stats.preempt_seconds - (sim.clock - sim.composer.stats.busy_seconds) < 0.05
     # a copy's latency, measured beside the bandwidth, is charged per batched copy and priced by `auto`
     slow = _sim([pool], dataclasses.replace(step, swap_latency=0.5), credits=False)
     assert slow.schedulers["chat"].cost_model.swap_latency_seconds == 0.5
