@@ -106,7 +106,10 @@ def run(args: argparse.Namespace) -> int:
     if args.repeats < 1:
         raise ValueError(f"--repeats: must be >= 1, got {args.repeats}")
     config = EngineConfig(device=args.device, dtype=args.dtype)
-    device = config.rank_devices()[0]   # a ConfigError naming the device where this machine has no such one
+    try:
+        device = config.rank_devices()[0]
+    except ValueError as exc:   # a ConfigError: no CUDA, or no such GPU on this machine
+        raise ValueError(f"--device: {args.device}: {exc}") from None
     dtype = config.resolved_dtype(device)
     block = _block(args, device, dtype)
     with torch.inference_mode():

@@ -228,10 +228,11 @@ def run(args: argparse.Namespace) -> int:
     model_config = ModelConfig.from_folder(resolve_model(args.model))
     bytes_per_block = model_config.kv_bytes_per_token(dtype) * args.block_size
     mixes = QUICK_MIXES if args.quick else DEFAULT_MIXES
-    # the longest a request can be drawn (lengths x 1.25 at most), checked before any is drawn
-    longest = max(round(m.prompt_len * args.scale * 1.25) + round(m.output_len * args.scale * 1.25) for m in mixes)
-    if longest > model_config.max_position_embeddings:
-        raise ValueError(f"--scale: the longest request it may draw ({longest} tokens) exceeds the model's "
+    # the longest a request can be drawn (lengths x 1.25 at most), checked before any is drawn (in floats: a
+    # scale of 1e306 is finite, its lengths are not)
+    longest = max((m.prompt_len + m.output_len) * args.scale * 1.25 for m in mixes)
+    if not longest <= model_config.max_position_embeddings:
+        raise ValueError(f"--scale: the longest request it may draw ({longest:.6g} tokens) exceeds the model's "
                          f"max_position_embeddings ({model_config.max_position_embeddings})")
     workloads = {m.name: make_requests(m, args.scale, model_config.vocab_size, args.seed) for m in mixes}
     mix_info, cells = _plan_cells(mixes, workloads, factors, args)

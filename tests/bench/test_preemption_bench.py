@@ -95,7 +95,7 @@ def test_outputs_that_differ_from_the_largest_pools_fail_the_run(tiny_model, cap
     assert "1 requests differ; request 0 first at output position 3: 7 vs 9" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("scale", ["10", "1e9"])   # 1e9: refused before drawing billions of ids
+@pytest.mark.parametrize("scale", ["10", "1e9", "1e306"])   # 1e9: before drawing billions of ids; 1e306: x 1.25 is inf
 def test_a_scale_beyond_the_model_is_refused_before_loading(tiny_model, scale):
     with pytest.raises(ValueError, match="--scale"):
         _run("--model", str(tiny_model), "--quick", "--scale", scale)
