@@ -91,23 +91,30 @@ def test_a_stream_nobody_reads_pauses_its_engine_requests_within_its_buffer_then
     paused_before = metric(live.url, "cliffguard_paused_responses_total", pool="chat")
     sock = silent_client(live.url, "/v1/chat/completions", body)
     port = sock.getsockname()[1]
-    buffered, tokens = [], []
+    buffered = []
     try:
         with Probe(live.url) as probe:
-            wait_until(lambda: metric(live.url, "cliffguard_paused_responses_total", pool="chat") > paused_before,
-                       30, "the stream pausing its engine requests")
+            try:   # ~3 s on an idle 2-core machine; CI's slowest hours have taken over 30
+                wait_until(lambda: metric(live.url, "cliffguard_paused_responses_total", pool="chat") > paused_before,
+                           120, "the stream pausing its engine requests")
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}: {metric(live.url, 'cliffguard_buffered_response_bytes'):g} bytes "
+                                     f"buffered, {metric(live.url, 'cliffguard_generation_tokens_total', pool='chat'):g}"
+                                     " chat tokens generated") from None
             free, total = credits(live.url)["chat"]
             assert free < 0.05 * total, (free, total)   # paused, it keeps its credits
-            while _open_ports(live, {port}):
+            tokens_paused = metric(live.url, "cliffguard_generation_tokens_total", pool="chat")
+            while _open_ports(live, {port}):   # under write_timeout: a slow machine reads only a few samples
                 buffered.append(metric(live.url, "cliffguard_buffered_response_bytes"))
-                tokens.append(metric(live.url, "cliffguard_generation_tokens_total", pool="chat"))
                 time.sleep(0.05)
         probe.assert_healthy()
     finally:
         sock.close()
-    assert len(buffered) >= 5, buffered
+    tokens_cut = metric(live.url, "cliffguard_generation_tokens_total", pool="chat")
+    assert buffered, "the stream was cut before its buffered bytes could be read"
     assert MAX_RESPONSE_BUFFER_BYTES < max(buffered) <= MAX_RESPONSE_BUFFER_BYTES + 2 * STEP_CHUNK_BYTES, buffered
-    assert tokens[-1] - tokens[2] <= 28 * 2, tokens   # paused: at most the steps already in flight
+    # Paused: at most the steps already in flight; unpaused, the seconds to the cut would add 10-30 steps.
+    assert tokens_cut - tokens_paused <= 28 * 2, (tokens_paused, tokens_cut)
     assert "gateway.write_timeout" in "".join(live.log)
-    wait_until(lambda: metric(live.url, "cliffguard_buffered_response_bytes") == 0, 10, "the buffer emptying")
-    wait_until(lambda: (lambda c: c[0] == c[1])(credits(live.url)["chat"]), 10, "the credits coming back")
+    wait_until(lambda: metric(live.url, "cliffguard_buffered_response_bytes") == 0, 30, "the buffer emptying")
+    wait_until(lambda: (lambda c: c[0] == c[1])(credits(live.url)["chat"]), 30, "the credits coming back")
