@@ -145,9 +145,9 @@ def test_tiny_random_models_match_transformers(tmp_path, monkeypatch, builtin_pa
     assert packed == (cpu_linear == "onednn" and torch.backends.mkldnn.is_available())
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (1, 5, 17, 40, 9)]
-    outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     for prompt, out in zip(prompts, outs):
-        assert out.outputs[0].token_ids == _hf_greedy(hf, prompt, 24, eos_ids=None)
+        assert out.outputs[0].token_ids == _hf_greedy(hf, prompt, 16, eos_ids=None)
     assert_all_free(engine)
 
 

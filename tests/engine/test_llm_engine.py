@@ -89,7 +89,7 @@ def test_preemption_by_recompute_keeps_outputs(builtin_path, chat_prompts, basel
 def test_abort_mid_generation_frees_blocks(builtin_path, chat_prompts):
     engine = _engine(builtin_path)
     for i, prompt in enumerate(chat_prompts):
-        engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=50))
+        engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=12))   # past the 5 steps below
     for _ in range(5):
         engine.step()
     assert engine.num_free_blocks() < engine.num_blocks
@@ -178,7 +178,7 @@ def test_n_samples_stop_strings_logprobs_and_min_tokens(builtin_path, chat_promp
         assert len(o.logprobs) == len(o.token_ids) and all(lp <= 0 for lp in o.logprobs)
         assert all(len(top) == 2 for top in o.top_logprobs)
 
-    greedy = engine.generate([chat_prompts[3]], SamplingParams(temperature=0, max_tokens=30))[0].outputs[0]
+    greedy = engine.generate([chat_prompts[3]], SamplingParams(temperature=0, max_tokens=12))[0].outputs[0]
     word = greedy.text.split()[2]
     stopped = engine.generate([chat_prompts[3]], SamplingParams(temperature=0, max_tokens=30,
                                                                 stop=[word]))[0].outputs[0]
@@ -218,7 +218,7 @@ def _stream(engine, prompt, params, deltas=None):
 
 def test_streamed_deltas_add_up_and_never_leak_a_stop_string(builtin_path, chat_prompts):
     engine = _engine(builtin_path)
-    plain = SamplingParams(temperature=0, max_tokens=30)
+    plain = SamplingParams(temperature=0, max_tokens=16)
     text, tokens, last = _stream(engine, chat_prompts[3], plain)
     assert last.finished and tokens == last.token_ids and text == engine.tokenizer.decode(tokens)
     # A stop string spanning several tokens in the middle of the output: streaming must hold back its
@@ -243,7 +243,7 @@ def test_a_stop_tokens_text_is_not_the_answers_and_the_first_min_tokens_stop_no_
     off) keeps its id but not its text, unless include_stop_str_in_output; a stop string ending in the text
     of the first min_tokens tokens stops nothing. Streamed deltas add up to the same text."""
     engine = _engine(builtin_path)
-    greedy = engine.generate([chat_prompts[3]], SamplingParams(temperature=0, max_tokens=30))[0].outputs[0]
+    greedy = engine.generate([chat_prompts[3]], SamplingParams(temperature=0, max_tokens=12))[0].outputs[0]
     decode = engine.tokenizer.decode
     stop_tok = greedy.token_ids[4]
     upto = greedy.token_ids[:greedy.token_ids.index(stop_tok) + 1]
@@ -271,7 +271,7 @@ def test_a_stop_tokens_text_is_not_the_answers_and_the_first_min_tokens_stop_no_
     opening = decode(greedy.token_ids[:3])   # what the first three tokens say, found nowhere after them
     assert greedy.text.count(opening) == 1
     for min_tokens, want in ((2, ""), (3, greedy.text)):
-        params = SamplingParams(temperature=0, max_tokens=30, stop=[opening], min_tokens=min_tokens)
+        params = SamplingParams(temperature=0, max_tokens=12, stop=[opening], min_tokens=min_tokens)
         out = engine.generate([chat_prompts[3]], params)[0].outputs[0]
         assert out.text == want and out.stop_reason == (opening if want == "" else greedy.stop_reason), min_tokens
     assert_all_free(engine)

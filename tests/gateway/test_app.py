@@ -298,8 +298,8 @@ async def test_a_request_of_both_pools_waiting_for_rag_holds_none_of_chat(aiohtt
         assert r.status == 200, await r.text()
         return await r.json()
 
-    blockers = [asyncio.create_task(complete(f"{i}" + " b" * 70, 400)) for i in range(2)]   # 2 x 30 of 64 blocks
-    both = asyncio.create_task(complete(["hello", "2" + " b" * 70], 400))                # 30 more: it waits
+    blockers = [asyncio.create_task(complete(f"{i}" + " b" * 400, 70)) for i in range(2)]   # 2 x 30 of 64 blocks
+    both = asyncio.create_task(complete(["hello", "2" + " b" * 400], 70))                # 30 more: it waits
     queued = None
     while not both.done():
         m = _metrics(await (await client.get("/metrics")).text())
@@ -314,7 +314,7 @@ async def test_a_request_of_both_pools_waiting_for_rag_holds_none_of_chat(aiohtt
 
 
 async def test_a_rag_flood_waits_for_credits_and_chat_keeps_its_blocks(aiohttp_client, tmp_path, tiny_model):
-    # rag: 64 blocks of 16 = 1024 KV credits. Four 70-token prompts growing to 370 tokens would need
+    # rag: 64 blocks of 16 = 1024 KV credits. Four 300-token prompts growing to 370 tokens would need
     # 4 x 24 blocks and preempt each other; each reserves 24 blocks (384 credits), so two run at a time
     # and the rest wait at the gateway: no preemption anywhere, chat untouched, every credit back after.
     client, gateway = await _client(
@@ -337,14 +337,14 @@ async def test_a_rag_flood_waits_for_credits_and_chat_keeps_its_blocks(aiohttp_c
 
     # each prompt starts with its own token: no prompt block is shared (a shared one is held once, and more
     # would run at once: tests/pools/test_placement.py)
-    flood = [asyncio.create_task(complete(f"{i}" + " b" * 70, 300)) for i in range(4)]
+    flood = [asyncio.create_task(complete(f"{i}" + " b" * 300, 70)) for i in range(4)]
     watcher = asyncio.create_task(watch())
     chats = await asyncio.gather(*(complete(f"hello {i}", 30) for i in range(6)))
     assert {pool for pool, _ in chats} == {"chat"}
     results = await asyncio.gather(*flood)
     samples = await watcher
     assert {pool for pool, _ in results} == {"rag"}
-    assert all(r["usage"]["completion_tokens"] == 300 for _, r in results)
+    assert all(r["usage"]["completion_tokens"] == 70 for _, r in results)
     for _ in range(100):   # the last request gives its credits back as its handler ends, just after its answer
         after = _metrics(await (await client.get("/metrics")).text())
         if after["cliffguard_kv_credits_free"][(("pool", "rag"), ("replica", "0"))] == 1024:
@@ -444,35 +444,35 @@ async def test_non_streaming_client_disconnect_aborts_too(aiohttp_client, tmp_pa
 
 async def test_questions_on_one_document_share_its_blocks_and_run_together_without_preemption(aiohttp_client, tmp_path,
                                                                                               tiny_model):
-    # rag: 1024 credits. A 256-token document (16 blocks) and six questions on it, each reserving 16 + 13
+    # rag: 1024 credits. A 384-token document (24 blocks) and six questions on it, each reserving 24 + 5
     # blocks (464 credits): alone, two at a time. Once one has read the document its blocks are held once, a
-    # question takes 208 credits, and the engine's prefix cache shares them the same way: more run at once,
+    # question takes 80 credits, and the engine's prefix cache shares them the same way: more run at once,
     # and no preemption.
     client, gateway = await _client(
         aiohttp_client, pools_yaml(tiny_model, rag_kv="kv_cache_bytes: 512KiB"), tmp_path)
     model = _model(tiny_model)
-    document = [100 + i for i in range(256)]
+    document = [100 + i for i in range(384)]
 
     async def ask(i: int):
         r = await client.post("/v1/completions", json={"model": model, "prompt": document + [900 + i, 7],
-                                                       "max_tokens": 200, "ignore_eos": True, "temperature": 0})
+                                                       "max_tokens": 64, "ignore_eos": True, "temperature": 0})
         assert r.status == 200, await r.text()
         return await r.json()
 
     await ask(99)                                  # the document is read (and cached) once
     ledger, worker = gateway.pools["rag"].admission.ledger, gateway.clients["cpu"][0]
     questions = [asyncio.create_task(ask(i)) for i in range(6)]
-    admitted, running = [], []     # each question runs for 200 steps: both are seen at every step count
+    admitted, running = [], []     # each question runs for 64 steps: both are seen at every step count
     while not all(q.done() for q in questions):
         admitted.append(ledger.num_admitted)
         running.append((await worker.stats(check=True)).pools["rag"].num_running)   # asked of the worker between steps
         await asyncio.sleep(0.005)
-    assert all(q.result()["usage"]["completion_tokens"] == 200 for q in questions)
+    assert all(q.result()["usage"]["completion_tokens"] == 64 for q in questions)
     assert max(admitted) > 2 and max(running) > 2, (admitted, running)
     labels = (("pool", "rag"), ("replica", "0"))
     after = _metrics(await (await client.get("/metrics")).text())
     assert after["cliffguard_num_preemptions_total"][(("mode", "recompute"), *labels)] == 0
-    assert after["cliffguard_prefix_cache_hits_total"][labels] >= 6 * 256
+    assert after["cliffguard_prefix_cache_hits_total"][labels] >= 6 * 384
     ledger.check_integrity()
     for _ in range(100):   # what the worker reported mid-request comes back with its next report
         if ledger.free == ledger.total:

@@ -324,7 +324,7 @@ async def test_two_replicas_lost_together_under_a_request_are_not_its_fault(aioh
     supervisors = gateway.supervisors["cpu"]
     for supervisor in supervisors:
         supervisor.backoff = FAST
-    body = {"model": _model(tiny_model), "prompt": "Tell me about the cliffs of the north.", "max_tokens": 300,
+    body = {"model": _model(tiny_model), "prompt": "Tell me about the cliffs of the north.", "max_tokens": 100,
             "temperature": 0, "ignore_eos": True}
     answer = asyncio.ensure_future(client.post("/v1/completions", json=body))
     deadline = time.monotonic() + 30
@@ -339,7 +339,7 @@ async def test_two_replicas_lost_together_under_a_request_are_not_its_fault(aioh
     r = await answer
     body = await r.json()
     assert r.status == 200, body                             # not a poison request: it ran a third time
-    assert body["usage"]["completion_tokens"] == 300
+    assert body["usage"]["completion_tokens"] == 100
     deaths = first.deaths
     assert deaths is other.deaths
     lost = [d for d in deaths.deaths if d.cause == LOSS]
@@ -370,7 +370,7 @@ async def test_a_request_run_again_after_its_worker_died_is_observed_once(aiohtt
         supervisor.backoff = FAST
     pool = next(name for name, p in gateway.pools.items() if not p.is_upstream)
     series = gateway.metrics.pool_series(pool)
-    body = {"model": _model(tiny_model), "prompt": "Tell me about the cliffs of the north.", "max_tokens": 300,
+    body = {"model": _model(tiny_model), "prompt": "Tell me about the cliffs of the north.", "max_tokens": 100,
             "temperature": 0, "ignore_eos": True}
     answer = asyncio.ensure_future(client.post("/v1/completions", json=body))
     deadline = time.monotonic() + 30
@@ -379,7 +379,7 @@ async def test_a_request_run_again_after_its_worker_died_is_observed_once(aiohtt
         await asyncio.sleep(0.005)
     os.kill(next(s for s in supervisors if s.client.num_in_flight).client.pid, signal.SIGKILL)
     r = await answer
-    assert r.status == 200 and (await r.json())["usage"]["completion_tokens"] == 300
+    assert r.status == 200 and (await r.json())["usage"]["completion_tokens"] == 100
     sample = gateway.metrics.registry.get_sample_value
     assert sample("cliffguard_time_to_first_token_seconds_count", {"pool": pool}) == 1
     assert sample("cliffguard_e2e_request_latency_seconds_count", {"pool": pool}) == 1
@@ -389,14 +389,14 @@ async def test_a_request_run_again_after_its_worker_died_is_observed_once(aiohtt
     # Two prompts, the first stopped early by a stop string of its own text: its choice ended before the worker
     # died, ran again and ended again; the request's two choices count in request_success twice, not three times.
     prompts = ["Tell me about the cliffs of the north.", "Tell me about the sea."]
-    whole = await (await client.post("/v1/completions", json={**body, "prompt": prompts, "max_tokens": 480})).json()
+    whole = await (await client.post("/v1/completions", json={**body, "prompt": prompts, "max_tokens": 200})).json()
     texts = [c["text"] for c in sorted(whole["choices"], key=lambda c: c["index"])]
     stop = next(texts[0][i:i + 4] for i in range(1, 40) if texts[0][i:i + 4] not in texts[1])
     success = [s for s in gateway.metrics.request_success.collect()[0].samples if s.name.endswith("_total")]
     before = sum(s.value for s in success)
     generated, deadline = series.generation_tokens._value.get(), time.monotonic() + 60
     answer = asyncio.ensure_future(client.post("/v1/completions", json={
-        **body, "prompt": prompts, "stop": [stop], "max_tokens": 480}))   # the second runs long after the first
+        **body, "prompt": prompts, "stop": [stop], "max_tokens": 200}))   # the second runs long after the first
     while series.generation_tokens._value.get() < generated + 60:    # the first choice ended, the second runs
         assert time.monotonic() < deadline
         await asyncio.sleep(0.005)

@@ -7,6 +7,7 @@ tiny model (a template that opens `<think>` itself, and `chat_template_kwargs` c
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 from pathlib import Path
@@ -298,11 +299,19 @@ async def test_a_tool_call_after_the_reasoning_is_parsed_from_the_content(aiohtt
     assert arguments == '{"city": "Oslo"}'
 
 
+@functools.cache
+def _lltokenizer(folder: Path):
+    """llguidance's view of the tokenizer in `folder`, built once (a build reads the whole vocabulary)."""
+    import llguidance
+
+    return llguidance.LLTokenizer(Tokenizer.from_folder(folder).to_json())
+
+
 def _allows(folder: Path, constraint, text: str) -> bool:
     """Whether the grammar the engine was given takes `text` as a whole reply (llguidance, token by token)."""
     import llguidance
 
-    tokenizer = llguidance.LLTokenizer(Tokenizer.from_folder(folder).to_json())
+    tokenizer = _lltokenizer(folder)
     matcher = llguidance.LLMatcher(tokenizer, constraint.grammar_text(), log_level=0)
     tokens = tokenizer.tokenize_str(text)
     if matcher.is_error() or matcher.validate_tokens(tokens) < len(tokens):

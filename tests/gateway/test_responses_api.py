@@ -94,7 +94,7 @@ async def test_a_tool_call_whole_and_streamed_then_its_result_as_input(client, b
     added = next(e for e in events if e.type == "response.output_item.added" and e.item.type == "function_call")
     assert added.item.name == "get_weather" and events.index(added) < next(
         i for i, e in enumerate(events) if e.type == "response.function_call_arguments.delta")
-    body = dict(model=MODEL, tools=[WEATHER], max_output_tokens=30, temperature=0, tool_choice="none",
+    body = dict(model=MODEL, tools=[WEATHER], max_output_tokens=12, temperature=0, tool_choice="none",
                 input=[{"role": "user", "content": "What's the weather in Paris?"},
                        {"type": "function_call", "call_id": calls[0].call_id, "name": calls[0].name,
                         "arguments": calls[0].arguments},

@@ -64,7 +64,7 @@ def _prefill_tiles(meta):
     (torch.bfloat16, 4, 1, 64, 32, 50),
     (torch.float16, 2, 2, 64, 32, 70),
     (torch.bfloat16, 2, 2, 128, 8, None),
-    (torch.float32, 4, 1, 128, 16, 100),
+    (torch.float32, 2, 1, 128, 16, 100),
     (torch.float16, 2, 1, 40, 16, None),
     (torch.bfloat16, 2, 2, 96, 8, 60),
     (torch.float32, 1, 1, 80, 32, None),
@@ -91,7 +91,7 @@ def test_mixed_prefill_and_decode_step_matches_reference(dtype, num_heads, num_k
     (torch.bfloat16, 4, 1, 64, 16, None, 0.0625, 0.03125),
     (torch.float32, 2, 2, 64, 8, 50, 1.0, 1.0),
     (torch.bfloat16, 2, 1, 40, 32, 70, 2.0, 2.0**-8),
-    (torch.float32, 4, 2, 16, 16, None, 0.37, 0.21),
+    (torch.float32, 2, 1, 16, 16, None, 0.37, 0.21),
     (torch.float16, 2, 2, 64, 8, 40, 0.125, 3.0),
 ])
 def test_fp8_cache_mixed_prefill_and_decode_step_matches_reference(dtype, num_heads, num_kv_heads, head_dim,
@@ -112,7 +112,7 @@ def test_fp8_cache_chunk_over_a_long_prefix(dtype, sliding_window, k_scale, v_sc
     """Chunked prefill over an FP8 cache: a 100-token chunk over a 231-token cached prefix (mid-block, several
     K/V tiles, unmasked and diagonal ones) beside a whole 70-token prompt, at non-unit scales."""
     seed = _make_seed()
-    case = _make_attention_case([331, 70], [100, 70], 4, 2, 64, 16, dtype, seed, kv_dtype=FP8, k_scale=k_scale,
+    case = _make_attention_case([331, 70], [100, 70], 2, 1, 64, 16, dtype, seed, kv_dtype=FP8, k_scale=k_scale,
                                 v_scale=v_scale)
     _assert_attention_matches(triton_attention, case, seed, sliding_window, k_scale=k_scale, v_scale=v_scale,
                               label=f"{dtype} 100 of 331, 70 of 70")
@@ -143,7 +143,7 @@ def test_chunk_over_a_long_prefix_starting_mid_block(sliding_window):
     the diagonal's tiles, a window that skips whole tiles (40), one that keeps only the token itself (1)
     and one wider than the chunk's tile (200)."""
     seed = _make_seed()
-    case = _make_attention_case([331, 70], [100, 70], 4, 4, 64, 16, torch.bfloat16, seed)
+    case = _make_attention_case([331, 70], [100, 70], 2, 2, 64, 16, torch.bfloat16, seed)
     _assert_attention_matches(triton_attention, case, seed, sliding_window, label="100 of 331, 70 of 70")
 
 
@@ -170,7 +170,7 @@ def test_random_steps_match_reference():
 def test_tiles_are_heaviest_first_aligned_and_built_once_per_step():
     seed = _make_seed()
     seq_lens, query_lens = [64, 400, 300, 1, 129], [64, 300, 300, 1, 129]
-    query, k_cache, v_cache, meta = _make_attention_case(seq_lens, query_lens, 2, 1, 16, 16, torch.float16, seed)
+    query, k_cache, v_cache, meta = _make_attention_case(seq_lens, query_lens, 1, 1, 16, 16, torch.float16, seed)
     out = torch.empty_like(query)
     assert triton_prefill.prefill_attention(query, k_cache, v_cache, meta, 0.25, None, out, min_query_len=MIN_LEN) \
         == 1 + 3 + 3 + 2
