@@ -49,14 +49,14 @@ def test_the_length_table_runs_on_another_model_where_asked(capsys, one_thread, 
     from tests.conftest import make_tiny_model
 
     path = str(make_tiny_model(tmp_path / "tiny", "llama", builtin_path))
-    assert _run(*SMALL, "--length-model", path) == 0
+    assert _run(*SMALL, "--batch-sizes", "1", "--length-model", path) == 0   # the batch table: not read here
     lengths = json.loads(capsys.readouterr().out)["length_table"]
     assert lengths["model"] == path and [row["output_len"] for row in lengths["rows"]] == [20, 40]
     assert all(0 < row["outside_forward_ms"] < row["step_ms"] for row in lengths["rows"])
 
 
 def test_the_text_report_names_each_goal(capsys, one_thread):
-    assert _run(*[a for a in SMALL if a != "--json"], "--skip-lengths") == 0
+    assert _run(*[a for a in SMALL if a != "--json"], "--skip-lengths", "--batch-sizes", "1") == 0
     out = capsys.readouterr().out
     assert "transformers forward + argmax" in out and "goal <= 0.5x" in out and "ops per layer" in out
     assert "output length" not in out

@@ -178,7 +178,12 @@ def test_config_override_needs_random_weights():
         _run_engine("--model", LLAMA_3_8B, "--random-weights", "--config-override", "num_hidden_layers")
 
 
-def test_llama_3_8b_shrunk_runs_end_to_end_against_transformers(capsys, builtin_path):
+def test_llama_3_8b_shrunk_runs_end_to_end_against_transformers(capsys, builtin_path, monkeypatch):
+    # the roofline's rates measured at the sizes `bench kernels --dry-run` uses on a CPU (32 MiB, n 256), not a
+    # 256 MiB copy and 2048 x 2048 matmuls
+    copy, matmul = engine_bench.measure_copy_bandwidth, engine_bench.measure_matmul_rate
+    monkeypatch.setattr(engine_bench, "measure_copy_bandwidth", lambda device: copy(device, 32 << 20))
+    monkeypatch.setattr(engine_bench, "measure_matmul_rate", lambda device, dtype: matmul(device, dtype, 256))
     tiny = ["hidden_size=64", "intermediate_size=128", "num_hidden_layers=2", "num_attention_heads=4",
             "num_key_value_heads=2"]
     argv = ["--model", LLAMA_3_8B, "--random-weights", "--num-prompts", "3", "--min-output", "2",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +62,19 @@ def _pair(folder: Path) -> tuple[Tokenizer, Any]:
     return Tokenizer.from_folder(folder), AutoTokenizer.from_pretrained(str(folder))
 
 
+@pytest.fixture(scope="module")
+def pairs(folders: dict[str, Path]) -> Callable[[str], tuple[Tokenizer, Any]]:
+    """name -> `_pair` of `folders`' folder, loaded once for the module (applying a template changes neither)."""
+    loaded: dict[str, tuple[Tokenizer, Any]] = {}
+
+    def pair(name: str) -> tuple[Tokenizer, Any]:
+        if name not in loaded:
+            loaded[name] = _pair(folders[name])
+        return loaded[name]
+
+    return pair
+
+
 def _parts(*texts: str) -> list[dict[str, str]]:
     return [{"type": "text", "text": t} for t in texts]
 
@@ -69,8 +83,8 @@ def _parts(*texts: str) -> list[dict[str, str]]:
 
 
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
-def test_parts_reach_a_template_that_loops_over_them(folders: dict[str, Path], add_generation_prompt: bool) -> None:
-    ours, hf = _pair(folders["gemma"])
+def test_parts_reach_a_template_that_loops_over_them(pairs, add_generation_prompt: bool) -> None:
+    ours, hf = pairs("gemma")
     messages = [{"role": "system", "content": "Be brief. "},
                 {"role": "user", "content": _parts("Summarize:", "  The cat sat.  ")},
                 {"role": "assistant", "content": _parts("A cat sat.")}, {"role": "user", "content": []}]
@@ -79,8 +93,8 @@ def test_parts_reach_a_template_that_loops_over_them(folders: dict[str, Path], a
     assert "Summarize:The cat sat." in expected   # each part trimmed by the template, none joined by "\n"
 
 
-def test_a_string_template_gets_the_parts_joined(folders: dict[str, Path]) -> None:
-    ours, hf = _pair(folders["smol"])
+def test_a_string_template_gets_the_parts_joined(pairs) -> None:
+    ours, hf = pairs("smol")
     parts = [{"role": "user", "content": _parts("Summarize:", "The cat sat.")}]
     joined = [{"role": "user", "content": "Summarize:\nThe cat sat."}]   # vLLM's "string" content format
     assert ours.apply_chat_template(parts) == hf.apply_chat_template(joined, tokenize=False, add_generation_prompt=True)
@@ -106,8 +120,8 @@ def test_the_content_format_is_vllms(template: str, iterates: bool) -> None:
 
 
 @pytest.mark.parametrize("field", ["reasoning_content", "reasoning", "thinking"])
-def test_the_reasoning_is_aliased_like_hf(folders: dict[str, Path], field: str) -> None:
-    ours, hf = _pair(folders["thinking"])
+def test_the_reasoning_is_aliased_like_hf(pairs, field: str) -> None:
+    ours, hf = pairs("thinking")
     messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", field: "r1"},
                 {"role": "user", "content": "q2"}]
     expected = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -123,8 +137,8 @@ def test_the_reasoning_is_aliased_like_hf(folders: dict[str, Path], field: str) 
 @pytest.mark.parametrize(("name", "final"), [
     ("smol", "The answer is"), ("smol", "Ends in a space "), ("gemma", "Trimmed away  "),
     ("gemma", _parts("First.", "Then ")), ("thinking", "Sure")])
-def test_continue_final_message_is_cut_like_hf(folders: dict[str, Path], name: str, final: Any) -> None:
-    ours, hf = _pair(folders[name])
+def test_continue_final_message_is_cut_like_hf(pairs, name: str, final: Any) -> None:
+    ours, hf = pairs(name)
     messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": final}]
     expected = hf.apply_chat_template(messages, tokenize=False, continue_final_message=True)
     assert ours.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True) == expected

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -441,7 +442,10 @@ def test_bias_and_penalties_match_a_hand_computed_step(kwargs: dict) -> None:
     out = _make_sampler()(torch.tensor([logits]), [_adjusted_row(**kwargs)])
     assert out.token_ids == [max(range(len(expected)), key=expected.__getitem__)]
     # The adjusted logits themselves: sample at temperature 1 from each and compare the distributions.
-    row = _make_row(SamplingParams(**kwargs), num_output_tokens=len(OUTPUT), token_ids=PROMPT + OUTPUT)
+    # One key: the draws share one sequence's penalty counts, filled once (keyless rows are filled one by one;
+    # the greedy row above is keyless).
+    row = replace(_make_row(SamplingParams(**kwargs), num_output_tokens=len(OUTPUT), token_ids=PROMPT + OUTPUT),
+                  key=0)
     num_draws = 8000
     got = _make_sampler()(torch.tensor([logits]).expand(num_draws, -1).contiguous(), [row] * num_draws)
     counts = torch.bincount(torch.tensor(got.token_ids), minlength=len(logits))

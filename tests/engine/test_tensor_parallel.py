@@ -144,11 +144,16 @@ def follower_that_cannot_load() -> None:
     runner.follower_main()
 
 
-def test_a_real_follower_that_fails_to_load_exits_non_zero_and_says_why(tmp_path, builtin_path):
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory, builtin_path) -> str:
+    """The tiny Llama of the tests below that do not compare architectures (read only: one for the module)."""
+    return str(make_tiny_model(tmp_path_factory.mktemp("tp") / "llama", "llama", builtin_path))
+
+
+def test_a_real_follower_that_fails_to_load_exits_non_zero_and_says_why(llama):
     from engine.parallel import TensorParallelGroup
 
-    path = str(make_tiny_model(tmp_path / "llama", "llama", builtin_path))
-    config = EngineConfig(model=path, device="cpu", dtype="float32", tensor_parallel_size=2,
+    config = EngineConfig(model=llama, device="cpu", dtype="float32", tensor_parallel_size=2,
                           cache=CacheConfig(block_size=8), pools=(PoolConfig(num_blocks=16),))
     group = TensorParallelGroup.start(config, [torch.device("cpu")] * 2, follower_that_cannot_load)
     try:
@@ -222,13 +227,12 @@ def test_two_ranks_generate_what_one_does(tmp_path, builtin_path, prompts, arch,
     _assert_same_or_near_tie(reference, _generate(engine, prompts))
 
 
-def test_swapped_and_copied_blocks_move_on_every_rank(tmp_path, builtin_path, prompts):
+def test_swapped_and_copied_blocks_move_on_every_rank(llama, prompts):
     # 10 blocks of 16 tokens: the five prompts together do not fit, so victims are swapped out and in,
     # and the other rank must move its shard of their blocks exactly as rank 0 does; with overlapped
     # steps, whose placeholders it fills from rank 0's sampled ids.
-    path = str(make_tiny_model(tmp_path / "llama", "llama", builtin_path))
-    reference = _generate(_engine(path, 1), prompts)
-    engine = _engine(path, 2, num_blocks=10, overlap=True, preemption_mode="swap", swap_space_bytes=1 << 20)
+    reference = _generate(_engine(llama, 1), prompts)
+    engine = _engine(llama, 2, num_blocks=10, overlap=True, preemption_mode="swap", swap_space_bytes=1 << 20)
     got = _generate(engine, prompts)
     assert engine.schedulers["default"].stats.num_swap_preemptions > 0
     _assert_same_or_near_tie(reference, got)
@@ -258,7 +262,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_a_killed_worker_takes_its_other_ranks_with_it(tmp_path, builtin_path):
+def test_a_killed_worker_takes_its_other_ranks_with_it(llama):
     import asyncio
     import os
     import signal
@@ -266,8 +270,7 @@ def test_a_killed_worker_takes_its_other_ranks_with_it(tmp_path, builtin_path):
 
     from engine.client import AsyncEngineClient
 
-    path = str(make_tiny_model(tmp_path / "llama", "llama", builtin_path))
-    config = EngineConfig(model=path, device="cpu", dtype="float32", tensor_parallel_size=2,
+    config = EngineConfig(model=llama, device="cpu", dtype="float32", tensor_parallel_size=2,
                           pools=(PoolConfig(num_blocks=64),))
 
     async def scenario() -> list[int]:
@@ -289,7 +292,7 @@ def test_a_killed_worker_takes_its_other_ranks_with_it(tmp_path, builtin_path):
     assert not any(_alive(p) for p in followers)
 
 
-def test_a_hung_rank_fails_the_step_within_the_collective_timeout_and_a_dead_one_is_reported(tmp_path, builtin_path):
+def test_a_hung_rank_fails_the_step_within_the_collective_timeout_and_a_dead_one_is_reported(llama):
     """Plans travel on the followers' links, so only a step's collectives can time out: a follower stopped
     with SIGSTOP fails rank 0's next step after `collective_timeout_seconds`; a follower killed is reported
     through `on_rank_exit` (the device worker makes that its own death) with how its process ended."""
@@ -297,8 +300,7 @@ def test_a_hung_rank_fails_the_step_within_the_collective_timeout_and_a_dead_one
     import signal
     import time
 
-    path = str(make_tiny_model(tmp_path / "llama", "llama", builtin_path))
-    config = EngineConfig(model=path, device="cpu", dtype="float32", tensor_parallel_size=2,
+    config = EngineConfig(model=llama, device="cpu", dtype="float32", tensor_parallel_size=2,
                           collective_timeout_seconds=2, pools=(PoolConfig(num_blocks=64),))
     engine = LLMEngine(config, progress=False)
     lost: list[str] = []

@@ -40,7 +40,7 @@ async def _collect(client, prompt, params, **kwargs):
 
 def test_client_streams_the_same_text_as_the_offline_engine(config):
     prompts = ["The capital of France is", "Once upon a time", "def add(a, b):"]
-    params = SamplingParams(temperature=0, max_tokens=24)
+    params = SamplingParams(temperature=0, max_tokens=8)
     offline = LLMEngine(config, progress=False).generate(prompts, params)
 
     async def main():

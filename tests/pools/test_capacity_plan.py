@@ -330,7 +330,9 @@ def test_the_engine_runs_with_exactly_the_planned_numbers(builtin_path):
     """A real LLMEngine (small explicit budgets so the KV tensor stays small) gets the planned blocks/limits."""
     from engine.llm_engine import LLMEngine
 
-    data = _small_config(kv_share=None, kv_cache_bytes="48MiB")
+    # chat opted out of isolation by default (slo: null): no SLO probe at start, which the plan's numbers do not
+    # depend on
+    data = _small_config(kv_share=None, kv_cache_bytes="48MiB", slo=None)
     data["pools"][1].pop("kv_share")
     data["pools"][1]["kv_cache_bytes"] = "64MiB"
     config = parse_config(data, env={})
