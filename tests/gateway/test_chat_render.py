@@ -128,8 +128,9 @@ def _hf(folder: Path) -> Any:
 # --- completion prompts ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("around", [([], []), (["<|im_start|>"], []), ([], ["<|im_end|>"]),
-                                    (["<|im_start|>"], ["<|im_end|>", "<|endoftext|>"])])
+# nothing around, and both sides (one before, two after): one side alone goes through the same slices of
+# `Tokenizer.special_ids_around` and the same line of `Pool.prompt_ids`
+@pytest.mark.parametrize("around", [([], []), (["<|im_start|>"], ["<|im_end|>", "<|endoftext|>"])])
 async def test_a_completion_prompt_is_tokenized_as_hf_does(tiny_model: Path, tmp_path: Path,
                                                            around: tuple[list[str], list[str]]) -> None:
     folder = _make_folder(tmp_path / "model", tiny_model, around=around)

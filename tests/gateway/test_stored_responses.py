@@ -56,18 +56,18 @@ def _aborted(server) -> float:
 async def test_a_conversation_continues_from_its_kept_turns_and_hits_the_prefix_cache(live_builtin_server) -> None:
     client, other = _client(live_builtin_server), _client(live_builtin_server, "key-b")
     kwargs = dict(model=MODEL, instructions="You are terse.", temperature=0)
-    first = await client.responses.create(input="My name is Ada and I like green. Say hello.", max_output_tokens=12,
+    first = await client.responses.create(input="My name is Ada and I like green. Say hello.", max_output_tokens=6,
                                           **kwargs)
     assert first.store and first.previous_response_id is None
     second = await client.responses.create(input="What is my name?", previous_response_id=first.id,
-                                           max_output_tokens=8, **kwargs)
+                                           max_output_tokens=4, **kwargs)
     assert second.previous_response_id == first.id
     # the first turn (its input and its answer) is in the second's prompt, and its blocks were cached
     assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
     assert second.usage.input_tokens_details.cached_tokens >= 16
     events = [e async for e in await client.responses.create(input="And my colour?", previous_response_id=second.id,
-                                                             max_output_tokens=8, stream=True, **kwargs)]
-    third = events[-1].response   # response.completed, or .incomplete when 8 tokens cut it
+                                                             max_output_tokens=4, stream=True, **kwargs)]
+    third = events[-1].response   # response.completed, or .incomplete when 4 tokens cut it
     kept = await client.responses.retrieve(third.id)   # a streamed answer is kept before its last event
     assert (kept.output_text, kept.previous_response_id, kept.usage.input_tokens) == (
         third.output_text, second.id, third.usage.input_tokens)

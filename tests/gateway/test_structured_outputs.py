@@ -278,7 +278,7 @@ async def test_a_response_echoes_its_text_format_as_asked(async_sdk):
     client = async_sdk()
     asked = {"type": "json_schema", "name": "my_format", "strict": False, "description": "a city",
              "schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
-    response = await client.responses.create(model=MODEL, input="A city as JSON.", max_output_tokens=24,
+    response = await client.responses.create(model=MODEL, input="A city as JSON.", max_output_tokens=4,
                                              temperature=0, text={"format": asked, "verbosity": "low"})
     assert response.text.format.model_dump(by_alias=True, exclude_none=True) == asked
     with pytest.raises(openai.BadRequestError) as info:

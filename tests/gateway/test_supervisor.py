@@ -122,12 +122,16 @@ async def test_a_patient_request_waits_for_its_device_however_long():
     await asyncio.wait_for(waiting, 5)
 
 
-async def test_a_request_waiting_for_its_device_takes_a_parked_slot_started_after_it_came():
+async def test_a_request_waiting_for_its_device_takes_a_parked_slot_started_after_it_came(monkeypatch):
     """Slot 0 restarting for ever, slot 1 parked (scaled down before: its stop's failure still set): the
     autoscaler starts slot 1 for those who wait, stops it, starts it again, and they take it once it is ready
     (they waited on slot 0 alone, then on slot 1's first start: a 503 at the deadline, a patient one for ever).
     With every started slot failed and the parked one still parked, the wait ends with the started one's
     failure, not the stop's."""
+    from gateway.workers import device_wait
+
+    monkeypatch.setattr(device_wait, "RESCAN_SECONDS", 0.05)   # each phase below lasts three rescans
+
     class Slot:   # as DeviceSupervisor.wait_ready: ready, or its failure (a stop's too)
         def __init__(self, state: str, failure: str | None = None) -> None:
             self.name, self.state, self.is_ready, self.failure = "cpu", state, False, failure
@@ -146,11 +150,11 @@ async def test_a_request_waiting_for_its_device_takes_a_parked_slot_started_afte
         waiting = asyncio.ensure_future(Gateway.wait_device(gateway, pool, patient=patient))
         await asyncio.sleep(0.05)
         slots[1].state, slots[1].failure = "loading", None    # the autoscaler starts the parked slot
-        await asyncio.sleep(0.4)
+        await asyncio.sleep(0.15)
         slots[1].state, slots[1].failure = "stopped", "the gateway is shutting down"   # and stops it
-        await asyncio.sleep(0.4)
+        await asyncio.sleep(0.15)
         slots[1].state, slots[1].failure = "loading", None    # starts it again
-        await asyncio.sleep(0.4)
+        await asyncio.sleep(0.15)
         slots[1].state, slots[1].is_ready = "ready", True
         await asyncio.wait_for(waiting, 2)
     slots = [Slot("restarting"), Slot("stopped", "the gateway is shutting down")]

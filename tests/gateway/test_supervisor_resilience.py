@@ -13,13 +13,14 @@ import pytest
 
 from engine.client import EngineDeadError
 from gateway.workers.deaths import STOPPED
+from gateway.workers.supervisor import Backoff
 from tests.gateway.conftest import pools_yaml
 from tests.gateway.test_app import _client
 from tests.gateway.test_slow_clients import _until
-from tests.gateway.test_supervisor import FAST, _Link, _remote_supervisor, _replica_server, \
-    _wait_ready_status
+from tests.gateway.test_supervisor import _Link, _remote_supervisor, _replica_server, _wait_ready_status
 
 INJECTED = "injected fault in replica_ready"
+QUICK = Backoff(initial_seconds=0.05, max_seconds=0.2)   # 0.05, 0.1, 0.2 s: no rule here depends on the waits
 
 
 def _fail_once(admission) -> list[int]:
@@ -53,7 +54,7 @@ async def test_a_restart_whose_admission_raised_is_logged_and_the_replica_still_
                                                                                           tiny_model, caplog):
     client, gateway = await _client(aiohttp_client, pools_yaml(tiny_model), tmp_path)
     supervisor = gateway.supervisors["cpu"][0]
-    supervisor.backoff = FAST
+    supervisor.backoff = QUICK
     calls = _fail_once(gateway.pools["chat"].admission)
     caplog.set_level(logging.INFO, logger="cliffguard.gateway")
 
@@ -80,6 +81,7 @@ def test_a_remote_replica_whose_admission_raised_is_reached_again_and_its_pools_
     async def scenario():
         supervisor, pool = _remote_supervisor(server, _Link(server))
         calls = _fail_once(pool.admission)
+        supervisor.backoff = QUICK
         supervisor.start()
         try:
             await _until(lambda: pool.admission.ready)

@@ -182,8 +182,8 @@ def test_an_upstream_route_past_the_context_its_tokenizer_model_declares_is_refu
     # the upstream serves a quantized checkpoint (the engine would refuse it): its config still says the context
     import shutil
 
-    quantized = tmp_path / "gptq"
-    shutil.copytree(builtin_path, quantized)
+    quantized = tmp_path / "gptq"   # config and tokenizer files: an upstream pool's tokenizer reads no weights
+    shutil.copytree(builtin_path, quantized, ignore=shutil.ignore_patterns("*.safetensors*"))
     config = json.loads((quantized / "config.json").read_text())
     (quantized / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "gptq"}}))
     (quantized / "quantize_config.json").write_text('{"bits": 4}')
