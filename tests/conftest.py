@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 from pathlib import Path
@@ -11,6 +12,8 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from engine.tokenizer import Tokenizer  # noqa: E402 - after the environment it reads
 
 BUILTIN = "builtin:smollm2-135m-instruct"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
@@ -27,6 +30,33 @@ def torch_threads_given_back():
     if left != threads:
         torch.set_num_threads(threads)
         pytest.fail(f"torch's thread count left at {left} (was {threads}): give it back when done")
+
+
+_READ_TOKENIZER = Tokenizer.from_folder
+
+
+@functools.lru_cache(maxsize=8)
+def _tokenizer_of(folder: Path, files: tuple) -> Tokenizer:
+    return _READ_TOKENIZER(folder)
+
+
+def _tokenizer_read_once(folder) -> Tokenizer:
+    """`Tokenizer.from_folder`, shared while the folder's files are unchanged (name, size, mtime)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return _READ_TOKENIZER(folder)
+    files = tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(folder.iterdir()) if p.is_file())
+    return _tokenizer_of(folder, files)
+
+
+@pytest.fixture(autouse=True)
+def tokenizers_read_once(request, monkeypatch):
+    """`Tokenizer.from_folder` shared per folder and version of its files: every engine and gateway reads its
+    tokenizer (0.2-0.4 s for the builtin's 49,152 tokens, its byte tables built) and never changes a `Tokenizer`
+    once built, so the tests that build hundreds share one (a module of them ran in half the time). A module
+    marked `fresh_tokenizers` reads every time: the tests of reading a folder."""
+    if request.node.get_closest_marker("fresh_tokenizers") is None:
+        monkeypatch.setattr(Tokenizer, "from_folder", staticmethod(_tokenizer_read_once))
 
 
 @pytest.fixture(scope="session")

@@ -20,6 +20,8 @@ from hypothesis import strategies as st
 
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
+pytestmark = pytest.mark.fresh_tokenizers   # the tests of reading a folder: each reads it (tests/conftest.py)
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the reference loads local files only
 
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -25,6 +25,8 @@ from hypothesis import strategies as st
 from engine.tokenizer import Tokenizer
 from pools.tokencount import TokenCounter
 
+pytestmark = pytest.mark.fresh_tokenizers   # it counts what reading a tokenizer builds (tests/conftest.py)
+
 _LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
