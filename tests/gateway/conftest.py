@@ -24,6 +24,9 @@ def tiny_model(tmp_path_factory, builtin_path) -> Path:
 
 def pools_yaml(model: Path | str, *, chat_max: int = 64, rag_kv: str = "kv_share: 0.3", api_keys: str = "[]",
                max_body: str = "1MiB", extra_pools: str = "") -> str:
+    """Two pools of `model` on one CPU device: `chat` (prompts up to `chat_max` tokens) with config/pools.yaml's
+    explicit SLO, whose worker starts ~0.5 s sooner than one that measures a derived SLO (`chat_pool_yaml`'s
+    pool derives one), and `rag`."""
     return f"""
 gateway: {{api_keys: {api_keys}, max_body_bytes: {max_body}}}
 devices:
@@ -36,6 +39,7 @@ pools:
     kv_share: 0.3
     avg_len: 128
     max_model_len: 512
+    slo: {{ttft_ms: 1000, itl_ms: 100}}
   - name: rag
     model: {model}
     device: cpu
