@@ -99,8 +99,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_sweep_arguments(p)
 
 
+# Flags of one mode, refused in the other rather than ignored: `--sweep --chat-rate 2` ran the grid's default
+# chat rates and said nothing.
+SCENARIO_FLAGS = {"chat_rate": "its grid's chat rates: --chat-rates", "rag_rate": "its grid's rag rates: --rag-rates",
+                  "itl_ms_sweep": "its one ITL bar: --itl-ms"}
+SWEEP_FLAGS = ("chat_rates", "rag_rates", "rag_lens", "cells", "no_slo", "no_shared")
+
+
+def check_mode_flags(args: argparse.Namespace) -> None:
+    """ValueError naming the first flag given that the mode (`--sweep` or the scenarios) does not use."""
+    if args.sweep:
+        for dest, instead in SCENARIO_FLAGS.items():
+            if getattr(args, dest) is not None:
+                raise ValueError(f"--{dest.replace('_', '-')}: not used by --sweep ({instead})")
+        return
+    for dest in SWEEP_FLAGS:
+        if getattr(args, dest) not in (None, False):
+            raise ValueError(f"--{dest.replace('_', '-')}: only with --sweep")
+
+
 def run(args: argparse.Namespace) -> int:
     """`cliffguard bench isolation`: the sweep with --sweep, else the scenarios of bench.isolation.scenarios."""
+    check_mode_flags(args)
     if args.sweep:
         return run_sweep(args)
     return isolation_run(args)

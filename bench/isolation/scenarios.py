@@ -65,6 +65,9 @@ CHAT_REQUESTS_MARGIN = 1.3   # ... times this many expected: Poisson arrivals fa
 SPLIT_SLACK = 1.25           # split chat p99 TTFT may exceed chat alone's (+ itl_ms) by 25%, never the SLO
 BARS = ("split_ttft_ok", "split_itl_ok", "split_no_preemption", "rag_share_ok")
 MAX_SEND_LAG = 0.1           # a judged run's requests left at most this fraction of ttft_ms late (`send_lag_ok`)
+# The loads of a run of the scenarios (not of `--sweep`, whose grid has its own: its flags default to None, so
+# the sweep can refuse them when given).
+CHAT_RATE, RAG_RATE, ITL_MS_CURVE = 0.5, 0.3, (100.0, 200.0, 400.0)
 
 
 @dataclass(frozen=True)
@@ -79,9 +82,10 @@ class Scenario:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory", default="1GiB", help="device memory every scenario plans with (default 1GiB: "
                    "weights + a scarce KV cache)")
-    p.add_argument("--chat-rate", type=positive_float, default=0.5, help="chat requests/s (default 0.5)")
-    p.add_argument("--rag-rate", type=positive_float, default=0.3, help="rag requests/s (default 0.3: above what "
-                   "the rag pool holds and serves, a flood)")
+    p.add_argument("--chat-rate", type=positive_float, default=None,
+                   help=f"chat requests/s (default {CHAT_RATE:g}; not with --sweep: --chat-rates)")
+    p.add_argument("--rag-rate", type=positive_float, default=None, help=f"rag requests/s (default {RAG_RATE:g}: "
+                   "above what the rag pool holds and serves, a flood; not with --sweep: --rag-rates)")
     p.add_argument("--duration", type=positive_float, default=None, help="seconds of arrivals per scenario "
                    "(default 60; 20 with --quick; with --sweep 30 per run, 8 with --quick); without --quick at "
                    f"least long enough for {MIN_CHAT_REQUESTS} chat requests (x{CHAT_REQUESTS_MARGIN}) at the chat "
@@ -95,8 +99,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--itl-ms", type=positive_float, default=100.0,
                    help="chat's slo.itl_ms in the split scenario, and the "
                    "ITL bar of the sweep's verdict (default 100, the default config's)")
-    p.add_argument("--itl-ms-sweep", type=positive_floats, default="100,200,400", help="itl_ms values of the trade-off curve "
-                   "(comma-separated; the chunk-only row is added; not used by --sweep)")
+    p.add_argument("--itl-ms-sweep", type=positive_floats, default=None, help="itl_ms values of the trade-off curve "
+                   f"(comma-separated, default {','.join(f'{v:g}' for v in ITL_MS_CURVE)}; the chunk-only row is "
+                   "added; not with --sweep)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="every pool's token budget per step")
     p.add_argument("--model", default=MODEL, help=f"every pool's model: a model folder or builtin name "
                    f"(default {MODEL}); the load's prompts are made with its tokenizer")
@@ -133,7 +138,8 @@ def scenarios(args: argparse.Namespace) -> list[Scenario]:
             Scenario("shared", "shared", True, True)]
     if args.quick:
         return main
-    curve = [Scenario(f"split itl {v:g} ms", "split", True, True, v) for v in args.itl_ms_sweep if v != args.itl_ms]
+    values = ITL_MS_CURVE if args.itl_ms_sweep is None else args.itl_ms_sweep
+    curve = [Scenario(f"split itl {v:g} ms", "split", True, True, v) for v in values if v != args.itl_ms]
     return main + curve + [Scenario("chunk-only", "split", True, True, None)]
 
 
@@ -197,15 +203,17 @@ async def run_scenario(scenario: Scenario, args: argparse.Namespace, folder: Pat
     path = folder / f"{scenario.name.replace(' ', '-')}.yaml"
     path.write_text(pools_yaml(scenario, args))
     duration, drain_timeout = run_times(args)
-    duration = chat_duration(duration, args.chat_rate, args)     # every scenario: the same arrivals
+    chat_rate = CHAT_RATE if args.chat_rate is None else args.chat_rate
+    rag_rate = RAG_RATE if args.rag_rate is None else args.rag_rate
+    duration = chat_duration(duration, chat_rate, args)     # every scenario: the same arrivals
     times = {"duration": duration, "drain_timeout": drain_timeout}
     with LiveServer(path) as server:
         configs = []
         if scenario.chat:
-            configs.append(load_config(server.url, CHAT, args.chat_rate, seed=args.seed, scrape=True, model=args.model,
+            configs.append(load_config(server.url, CHAT, chat_rate, seed=args.seed, scrape=True, model=args.model,
                                        **times))
         if scenario.rag:
-            configs.append(load_config(server.url, RAG, args.rag_rate, seed=args.seed + 1, scrape=not scenario.chat,
+            configs.append(load_config(server.url, RAG, rag_rate, seed=args.seed + 1, scrape=not scenario.chat,
                                        model=args.model, **times))
         reports = await run_loads(configs, tokenizer)
         slo = await server_slo(server.url)

@@ -51,6 +51,22 @@ def test_bad_times_and_rates_are_refused_before_anything_runs_with_or_without_th
             assert f"argument {bad[0]}" in capsys.readouterr().err
 
 
+def test_a_flag_of_the_other_mode_is_refused_not_ignored(capsys):
+    """`--sweep --chat-rate 2` ran the grid's default chat rates and said nothing; each mode now refuses the
+    other's flags, naming the flag, before anything starts (the scenarios' own defaults still apply)."""
+    from gateway.cli import main
+
+    for argv, named in ((["--sweep", "--chat-rate", "2"], "--chat-rate: not used by --sweep (its grid's chat rates"),
+                        (["--sweep", "--quick", "--rag-rate", "0.3"], "--rag-rate: not used by --sweep"),
+                        (["--sweep", "--itl-ms-sweep", "200"], "--itl-ms-sweep: not used by --sweep"),
+                        (["--chat-rates", "1,2"], "--chat-rates: only with --sweep"),
+                        (["--quick", "--no-shared"], "--no-shared: only with --sweep")):
+        assert main(["bench", "isolation", *argv]) == 2, argv
+        assert named in capsys.readouterr().err, argv
+    assert [s.itl_ms for s in scenarios(_args())][4:] == [200.0, 400.0, None]
+    assert [s.itl_ms for s in scenarios(_args("--itl-ms-sweep", "150"))][4:] == [150.0, None]
+
+
 def test_every_scenario_writes_a_valid_pool_file():
     args = _args()
     names = [s.name for s in scenarios(args)]
