@@ -65,8 +65,7 @@ CHAT_REQUESTS_MARGIN = 1.3   # ... times this many expected: Poisson arrivals fa
 SPLIT_SLACK = 1.25           # split chat p99 TTFT may exceed chat alone's (+ itl_ms) by 25%, never the SLO
 BARS = ("split_ttft_ok", "split_itl_ok", "split_no_preemption", "rag_share_ok")
 MAX_SEND_LAG = 0.1           # a judged run's requests left at most this fraction of ttft_ms late (`send_lag_ok`)
-# The loads of a run of the scenarios (not of `--sweep`, whose grid has its own: its flags default to None, so
-# the sweep can refuse them when given).
+# The scenarios' loads (`--sweep` has its grid's; these flags default to None so that the sweep refuses them).
 CHAT_RATE, RAG_RATE, ITL_MS_CURVE = 0.5, 0.3, (100.0, 200.0, 400.0)
 
 
@@ -90,15 +89,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(default 60; 20 with --quick; with --sweep 30 per run, 8 with --quick); without --quick at "
                    f"least long enough for {MIN_CHAT_REQUESTS} chat requests (x{CHAT_REQUESTS_MARGIN}) at the chat "
                    "rate: 260 s at 0.5 req/s")
-    p.add_argument("--drain-timeout", type=positive_float, default=None,
-                   help="seconds to finish in-flight requests after "
-                   "arrivals end; the rest are cancelled and counted unfinished (default 20; 10 with --quick; "
+    p.add_argument("--drain-timeout", type=positive_float, default=None, help="seconds to finish in-flight requests "
+                   "after arrivals end; the rest are cancelled and counted unfinished (default 20; 10 with --quick; "
                    "with --sweep 15, 4 with --quick)")
     p.add_argument("--ttft-ms", type=positive_float, default=1000.0, help="chat's slo.ttft_ms, and the TTFT bar of the "
                    "sweep's verdict (default 1000)")
-    p.add_argument("--itl-ms", type=positive_float, default=100.0,
-                   help="chat's slo.itl_ms in the split scenario, and the "
-                   "ITL bar of the sweep's verdict (default 100, the default config's)")
+    p.add_argument("--itl-ms", type=positive_float, default=100.0, help="chat's slo.itl_ms in the split scenario, "
+                   "and the ITL bar of the sweep's verdict (default 100, the default config's)")
     p.add_argument("--itl-ms-sweep", type=positive_floats, default=None, help="itl_ms values of the trade-off curve "
                    f"(comma-separated, default {','.join(f'{v:g}' for v in ITL_MS_CURVE)}; the chunk-only row is "
                    "added; not with --sweep)")
@@ -459,20 +456,16 @@ def write_plot(results: list[dict[str, Any]], path: Path) -> None:
             if samples:
                 ax.plot(samples, np.arange(1, len(samples) + 1) / len(samples), label=r["scenario"])
     for ax, title in ((axes[0], "chat TTFT"), (axes[1], "chat ITL")):
-        ax.set_xscale("log")
-        ax.set_xlabel("seconds")
-        ax.set_ylabel("fraction of requests" if ax is axes[0] else "fraction of tokens")
-        ax.set_title(title + " (CDF)")
+        ax.set(xscale="log", xlabel="seconds", title=title + " (CDF)",
+               ylabel="fraction of requests" if ax is axes[0] else "fraction of tokens")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     curve = [r for r in results if r.get("rag_tokens_per_s") is not None and r.get("itl_p99") is not None]
     for r in curve:
         axes[2].scatter(r["rag_tokens_per_s"], 1000 * r["itl_p99"], label=r["scenario"])
         axes[2].annotate(r["scenario"], (r["rag_tokens_per_s"], 1000 * r["itl_p99"]), fontsize=7)
-    axes[2].set_xlabel("rag tokens/s")
-    axes[2].set_ylabel("chat ITL p99 (ms)")
-    axes[2].set_yscale("log")
-    axes[2].set_title("trade-off: chat p99 ITL vs rag throughput")
+    axes[2].set(xlabel="rag tokens/s", ylabel="chat ITL p99 (ms)", yscale="log",
+                title="trade-off: chat p99 ITL vs rag throughput")
     axes[2].grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
