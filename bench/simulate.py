@@ -59,8 +59,8 @@ from bench.options import out_dir
 from bench.load.plan import LoadConfig, plan_requests
 from bench.load.run import run_load
 from bench.speedprobe import SpeedProbe
-from pools.cli_types import output_folder, seed as seed_arg
-from pools.workload import MIN_P99_SAMPLES, latency_stats, load_workload, parse_rates
+from pools.cli_types import output_folder, positive_float, positive_floats, seed as seed_arg
+from pools.workload import MIN_P99_SAMPLES, latency_stats, load_workload
 
 GOALS = {"throughput": 0.10, "ttft_p50": 0.10, "ttft_p99": 0.20}
 POOLS_YAML = """\
@@ -81,18 +81,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="pools YAML (default: one CPU chat pool of the builtin model, "
                    "256 MiB of KV, 512-token steps)")
     p.add_argument("--workload", default="chat", help="workload classes (default chat)")
-    p.add_argument("--rates", default=None, help="request rates to run (default: --loads x the predicted "
-                   "saturation throughput)")
-    p.add_argument("--loads", default="0.5,0.9,1.3", help="fractions of the predicted saturation (default "
-                   "0.5,0.9,1.3: below, near and above the knee)")
-    p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per rate (default 60)")
+    p.add_argument("--rates", type=positive_floats, default=None, help="request rates to run, comma-separated "
+                   "(default: --loads x the predicted saturation throughput)")
+    p.add_argument("--loads", type=positive_floats, default="0.5,0.9,1.3", help="fractions of the predicted "
+                   "saturation (default 0.5,0.9,1.3: below, near and above the knee)")
+    p.add_argument("--duration", type=positive_float, default=60.0, help="seconds of arrivals per rate (default 60)")
     p.add_argument("--step-model", default=None, help="a calibration file instead of calibrating here")
     p.add_argument("--calibration", choices=("served", "engine"), default="served",
                    help="fit the step model to a traced serving run (served, default) or to the engine alone")
-    p.add_argument("--calibration-load", type=float, default=1.3,
+    p.add_argument("--calibration-load", type=positive_float, default=1.3,
                    help="load of the served calibration run, as a multiple of the saturation the engine-alone "
                         "model predicts (default 1.3: past it, so the traced steps reach full batches)")
-    p.add_argument("--calibration-duration", type=float, default=60.0,
+    p.add_argument("--calibration-duration", type=positive_float, default=60.0,
                    help="seconds of arrivals of the served calibration run (default 60)")
     p.add_argument("--seed", type=seed_arg, default=0, help="seed of the calibration, arrivals and lengths (default 0)")
     p.add_argument("--out", type=output_folder, default=None,
@@ -377,7 +377,7 @@ def _bench(args: argparse.Namespace, config_path: Path, setup, classes, tmp: Pat
     with SpeedProbe(probe_path):
         step_model, calibration, samples = _step_model(args, config_path, setup, classes, tmp, trace_dir)
         peak = saturation(config, plan, model_configs, classes, step_model, args.seed)
-        rates = parse_rates(args.rates, "--rates") if args.rates else [f * peak for f in parse_rates(args.loads, "--loads")]
+        rates = list(args.rates) if args.rates else [f * peak for f in args.loads]
         traces = None if samples is None else [samples]
         reports = _run_rates(args, config_path, classes, rates, peak, tmp, trace_dir, traces)
     rows = compare_runs(reports, rates, peak, setup, step_model, traces, args.seed)
@@ -390,13 +390,7 @@ def _bench(args: argparse.Namespace, config_path: Path, setup, classes, tmp: Pat
     return {"calibration": calibration, "saturation_rps": peak, "rows": rows}
 
 
-def run(args: argparse.Namespace) -> int:
-    for name in ("duration", "calibration_load", "calibration_duration"):
-        if not getattr(args, name) > 0:
-            raise ValueError(f"--{name.replace('_', '-')}: must be > 0, got {getattr(args, name)}")
-    if args.rates:   # refused now, not after the calibration's minutes
-        parse_rates(args.rates, "--rates")
-    parse_rates(args.loads, "--loads")
+def run(args: argparse.Namespace) -> int:   # (rates, loads and times: the options' types refuse them up front)
     if args.replay and args.out:
         raise ValueError("--out: not with --replay (a replay compares the runs a folder kept; it runs and keeps none)")
     classes = load_workload(args.workload)

@@ -281,7 +281,11 @@ def test_worker_pid_finds_a_child_of_the_fork_server():
 @pytest.mark.parametrize("argv, option", [
     (["--warmup", "-1"], "--warmup"), (["--fault-seconds", "0"], "--fault-seconds"),
     (["--quiet-seconds", "-5"], "--quiet-seconds"), (["--faults", "kill,nap"], "--faults"),
-    (["--burst", "0"], "--burst"), (["--config", "/nonexistent.yaml"], "--config"), (["--seed", "-1"], "--seed")])
+    (["--burst", "0"], "--burst"), (["--config", "/nonexistent.yaml"], "--config"), (["--seed", "-1"], "--seed"),
+    # not finite: a warm-up of inf waited for ever before the first fault; a rate of nan planned no arrivals
+    (["--warmup", "inf"], "--warmup"), (["--rate", "nan"], "--rate"), (["--rag-rate", "inf"], "--rag-rate"),
+    (["--timeout", "inf"], "--timeout"), (["--disconnects", "1.5"], "--disconnects"),
+    (["--ray-nodes", "-1"], "--ray-nodes"), (["--replicas", "0"], "--replicas")])
 def test_bad_options_exit_2_naming_the_option(argv, option, capsys):
     assert main(["bench", "chaos", *argv]) == 2
     assert option in capsys.readouterr().err

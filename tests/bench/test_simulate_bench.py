@@ -223,7 +223,9 @@ def test_replay_of_a_folder_without_results_names_the_file(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, said", [
-    (["--rates", "0"], "--rates: must be > 0"), (["--loads", "0.5,abc"], "--loads: not a number"),
+    (["--rates", "0"], "--rates: must be a finite number > 0"), (["--loads", "0.5,abc"], "--loads: not a number"),
+    (["--loads", "0.5,0.5"], "--loads: expected distinct numbers"), (["--rates", "inf"], "--rates: must be a finite"),
+    (["--calibration-load", "nan"], "--calibration-load: must be a finite number > 0"),
     (["--replay", "kept", "--out", "again"], "--out: not with --replay")])
 def test_options_that_would_fail_after_the_calibration_are_refused_first(tmp_path, capsys, monkeypatch, argv, said):
     from gateway.cli import main
