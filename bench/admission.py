@@ -55,7 +55,7 @@ import numpy as np
 
 from bench.live import LiveServer
 from bench.load.scrape import pool_samples
-from pools.cli_types import seed as seed_arg
+from pools.cli_types import non_negative_int, positive_float, seed as seed_arg
 from pools.workload import MIN_P99_SAMPLES, gamma_arrivals, latency_stats, p99_lower_bound, parse_rates
 
 MODEL = "builtin:smollm2-135m-instruct"
@@ -70,7 +70,7 @@ WORDS = ("cliff", "river", "stone", "lamp", "orbit", "maple", "copper", "harbor"
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rate", default="4", help="request arrivals per second; a comma-separated list sweeps "
                    "(default 4: an overload)")
-    p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals (default 30)")
+    p.add_argument("--duration", type=positive_float, default=30.0, help="seconds of arrivals (default 30)")
     p.add_argument("--output-tokens", type=int, default=48, help="tokens each request generates, 1 to "
                    f"{MAX_OUTPUT_TOKENS} (default 48)")
     p.add_argument("--kv-cache", default="32MiB", help="the pool's KV cache (default 32MiB: a few requests "
@@ -78,10 +78,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--client", choices=CLIENTS, default="sdk", help="reject mode: how clients retry a 429: "
                    "sdk (openai-python's defaults, Retry-After honoured) or jitter (full-jitter back-off) "
                    "(default sdk)")
-    p.add_argument("--max-retries", type=int, default=None, help="reject mode: retries before a client gives "
-                   "up (default 2 with --client sdk, as openai-python; 8 with jitter)")
-    p.add_argument("--backoff", type=float, default=0.5, help="reject mode: first back-off in seconds, doubled "
-                   "per retry, capped at 8 s (default 0.5)")
+    p.add_argument("--max-retries", type=non_negative_int, default=None, help="reject mode: retries before a "
+                   "client gives up (default 2 with --client sdk, as openai-python; 8 with jitter)")
+    p.add_argument("--backoff", type=positive_float, default=0.5, help="reject mode: first back-off in seconds, "
+                   "doubled per retry, capped at 8 s (default 0.5)")
     p.add_argument("--seed", type=seed_arg, default=0, help="seed of arrivals, prompts and back-off jitter (default 0)")
     p.add_argument("--modes", default="queue,reject", help="comma-separated: queue, reject (default both)")
     p.add_argument("--quick", action="store_true", help="short load for a test (10 s of arrivals)")
@@ -331,24 +331,16 @@ def _seconds(value: float | None) -> str:   # a latency, "-" where no request wa
     return "-" if value is None else f"{value:.1f}s"
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:   # (--duration, --backoff and --max-retries: the options' types)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    for mode in modes:
-        if mode not in ("queue", "reject"):
-            raise ValueError(f"--modes: unknown mode {mode!r}; use queue, reject")
-    if not modes or len(set(modes)) != len(modes):
-        raise ValueError(f"--modes: expected distinct modes among queue, reject, got {args.modes!r}")
+    if not modes or len(set(modes)) != len(modes) or not set(modes) <= {"queue", "reject"}:
+        raise ValueError(f"--modes: expected queue, reject or both, each once, got {args.modes!r}")
     rates = parse_rates(args.rate)
     if not 1 <= args.output_tokens <= MAX_OUTPUT_TOKENS:
         raise ValueError(f"--output-tokens: must be 1 to {MAX_OUTPUT_TOKENS} (the bench pool's max_model_len is 256), "
                          f"got {args.output_tokens}")
-    for name in ("duration", "backoff"):
-        if getattr(args, name) <= 0:
-            raise ValueError(f"--{name}: must be > 0, got {getattr(args, name)}")
     if args.max_retries is None:
         args.max_retries = 2 if args.client == "sdk" else 8
-    if args.max_retries < 0:
-        raise ValueError(f"--max-retries: must be >= 0, got {args.max_retries}")
     if args.ideal is not None:
         print(ideal_table(args, rates, modes))
         return 0

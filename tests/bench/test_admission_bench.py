@@ -183,10 +183,11 @@ def test_output_tokens_past_the_pools_context_are_refused_before_any_server_star
 
 
 @pytest.mark.parametrize("argv", [["--modes", ","], ["--modes", "queue,queue"], ["--modes", "queue,drop"],
-                                  ["--seed", "-1"]])
+                                  ["--seed", "-1"], ["--duration", "inf"], ["--backoff", "nan"],
+                                  ["--max-retries", "-1"]])
 def test_modes_are_one_or_both_named_once_and_a_seed_numpy_takes_or_refused_before_any_server(capsys, argv):
     """`--modes ,` printed a table's header and exited 0; a mode named twice ran twice; a negative seed reached
-    numpy's generator after the server had started."""
+    numpy's generator after the server had started; a --duration of inf (or a --backoff of nan) passed '> 0'."""
     from gateway.cli import main
 
     assert main(["bench", "admission", *argv]) == 2
