@@ -288,10 +288,8 @@ def _one_node_config(model, address: str) -> str:
 
     gateway = ("{stall_seconds: 30, device_wait_seconds: 3, "
                "restart_backoff: {initial_seconds: 0.2, factor: 2, max_seconds: 1}}")
-    text = chat_pool_yaml(model, max_model_len=256, gateway=gateway, extra="    max_queue_seconds: 6\n")
-    return text.replace("cpu: {device: cpu, memory: 256MiB, dtype: float32}",
-                        "cpu: {device: cpu, memory: 256MiB, dtype: float32, replicas: 2, cpu_threads: 1, "
-                        f"placement: ray, ray_address: '{address}'}}")
+    return chat_pool_yaml(model, max_model_len=256, gateway=gateway, extra="    max_queue_seconds: 6\n",
+                          device_keys=f"replicas: 2, cpu_threads: 1, placement: ray, ray_address: '{address}'")
 
 
 @pytest.mark.slow   # ~25 s; a node lost under two replicas is in the default suite (test_ray_placement.py)

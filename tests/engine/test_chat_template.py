@@ -6,6 +6,7 @@ Each folder is the builtin SmolLM2 tokenizer with another chat template; the ref
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -65,14 +66,7 @@ def _pair(folder: Path) -> tuple[Tokenizer, Any]:
 @pytest.fixture(scope="module")
 def pairs(folders: dict[str, Path]) -> Callable[[str], tuple[Tokenizer, Any]]:
     """name -> `_pair` of `folders`' folder, loaded once for the module (applying a template changes neither)."""
-    loaded: dict[str, tuple[Tokenizer, Any]] = {}
-
-    def pair(name: str) -> tuple[Tokenizer, Any]:
-        if name not in loaded:
-            loaded[name] = _pair(folders[name])
-        return loaded[name]
-
-    return pair
+    return functools.cache(lambda name: _pair(folders[name]))
 
 
 def _parts(*texts: str) -> list[dict[str, str]]:

@@ -23,14 +23,14 @@ def tiny_model(tmp_path_factory, builtin_path) -> Path:
 
 
 def pools_yaml(model: Path | str, *, chat_max: int = 64, rag_kv: str = "kv_share: 0.3", api_keys: str = "[]",
-               max_body: str = "1MiB", extra_pools: str = "") -> str:
+               max_body: str = "1MiB", extra_pools: str = "", device_keys: str = "") -> str:
     """Two pools of `model` on one CPU device: `chat` (prompts up to `chat_max` tokens) with config/pools.yaml's
     explicit SLO, whose worker starts ~0.5 s sooner than one that measures a derived SLO (`chat_pool_yaml`'s
-    pool derives one), and `rag`."""
+    pool derives one), and `rag`. `device_keys`: more keys of the device (`tensor_parallel_size: 3, ...`)."""
     return f"""
 gateway: {{api_keys: {api_keys}, max_body_bytes: {max_body}}}
 devices:
-  cpu: {{device: cpu, memory: 256MiB, dtype: float32}}
+  cpu: {{device: cpu, memory: 256MiB, dtype: float32{", " + device_keys if device_keys else ""}}}
 pools:
   - name: chat
     model: {model}
@@ -50,13 +50,15 @@ pools:
 {extra_pools}"""
 
 
-def chat_pool_yaml(model: Path | str, *, gateway: str = "{}", max_model_len: int = 128, extra: str = "") -> str:
+def chat_pool_yaml(model: Path | str, *, gateway: str = "{}", max_model_len: int = 128, extra: str = "",
+                   device_keys: str = "") -> str:
     """One CPU pool `chat` of 256 KiB of KV (the tiny model: 32 blocks of 16 tokens), `gateway` as given;
-    `extra` is more YAML lines of the pool (indented like its keys)."""
+    `extra` is more YAML lines of the pool (indented like its keys), `device_keys` more keys of the device
+    (`replicas: 2, cpu_threads: 1`)."""
     return f"""
 gateway: {gateway}
 devices:
-  cpu: {{device: cpu, memory: 256MiB, dtype: float32}}
+  cpu: {{device: cpu, memory: 256MiB, dtype: float32{", " + device_keys if device_keys else ""}}}
 pools:
   - name: chat
     model: {model}

@@ -9,13 +9,11 @@ from types import SimpleNamespace
 from tests.gateway.conftest import chat_pool_yaml
 from tests.gateway.test_app import _client, _metrics, _model
 
-AUTOSCALED = ("cpu: {device: cpu, memory: 256MiB, dtype: float32, cpu_threads: 1, "
-              "replicas: {min: 1, max: 2, scale_up_wait_seconds: 0.3, scale_down_idle_seconds: 2}}")
+AUTOSCALED = "cpu_threads: 1, replicas: {min: 1, max: 2, scale_up_wait_seconds: 0.3, scale_down_idle_seconds: 2}"
 
 
 def _autoscaled(tiny_model) -> str:
-    text = chat_pool_yaml(tiny_model, max_model_len=256)
-    return text.replace("cpu: {device: cpu, memory: 256MiB, dtype: float32}", AUTOSCALED)
+    return chat_pool_yaml(tiny_model, max_model_len=256, device_keys=AUTOSCALED)
 
 
 def _replicas(m: dict) -> dict[str, int]:

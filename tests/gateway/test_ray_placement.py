@@ -65,11 +65,9 @@ def start_local_cluster(node_cpus: int):
 
 
 def _on_ray(tiny_model, address: str, *, replicas: int | str = 2, extra: str = "", model=None) -> str:
-    text = chat_pool_yaml(model or tiny_model, max_model_len=256, gateway="{stall_seconds: 30}",
-                          extra="    max_queue_seconds: 20\n" + extra)
-    return text.replace("cpu: {device: cpu, memory: 256MiB, dtype: float32}",
-                        f"cpu: {{device: cpu, memory: 256MiB, dtype: float32, replicas: {replicas}, cpu_threads: 1, "
-                        f"placement: ray, ray_address: '{address}'}}")
+    return chat_pool_yaml(model or tiny_model, max_model_len=256, gateway="{stall_seconds: 30}",
+                          extra="    max_queue_seconds: 20\n" + extra,
+                          device_keys=f"replicas: {replicas}, cpu_threads: 1, placement: ray, ray_address: '{address}'")
 
 
 def _nodes_of(gateway) -> list[str]:

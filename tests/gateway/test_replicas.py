@@ -17,9 +17,7 @@ FAST = Backoff(initial_seconds=0.2, max_seconds=1.0)
 
 
 def _replicated(tiny_model) -> str:
-    text = pools_yaml(tiny_model)
-    return text.replace("cpu: {device: cpu, memory: 256MiB, dtype: float32}",
-                        "cpu: {device: cpu, memory: 256MiB, dtype: float32, replicas: 2, cpu_threads: 1}")
+    return pools_yaml(tiny_model, device_keys="replicas: 2, cpu_threads: 1")
 
 
 async def _all_ready(client, timeout: float = 60.0) -> dict:

@@ -40,11 +40,9 @@ def tp3_model(tmp_path_factory, builtin_path):
 
 @pytest.fixture(scope="module")
 def tp3_server(tmp_path_factory, tp3_model):
-    text = pools_yaml(tp3_model).replace(
-        "dtype: float32}", f"dtype: float32, tensor_parallel_size: 3, collective_timeout_seconds: {COLLECTIVE_S}}}", 1)
-    assert "tensor_parallel_size: 3" in text
     path = tmp_path_factory.mktemp("tp3") / "pools.yaml"
-    path.write_text(text)
+    ranks = f"tensor_parallel_size: 3, collective_timeout_seconds: {COLLECTIVE_S}"
+    path.write_text(pools_yaml(tp3_model, device_keys=ranks))
     server = LiveServer(path)
     yield server
     server.stop()
@@ -53,9 +51,10 @@ def tp3_server(tmp_path_factory, tp3_model):
 def _builtin_tp3_config(folder: Path) -> Path:
     """config/pools.yaml (the builtin SmolLM2) on a CPU device of three ranks."""
     text = DEFAULT_CONFIG.read_text().replace("    device: auto ", "    device: cpu ", 1)
+    text = text.replace("    tensor_parallel_size: 1 ", "    tensor_parallel_size: 3 ", 1)
+    assert "    tensor_parallel_size: 3 " in text and "    device: cpu " in text   # config/pools.yaml's lines moved
     path = folder / "pools.yaml"
-    path.write_text(text.replace("    tensor_parallel_size: 1 ", "    tensor_parallel_size: 3 ", 1))
-    assert "tensor_parallel_size: 3" in path.read_text() and "device: cpu" in path.read_text()
+    path.write_text(text)
     return path
 
 
