@@ -30,6 +30,9 @@
  */
 #include <float.h>
 #include <stdint.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #include <stdlib.h>
 #include <string.h>
 
@@ -353,6 +356,14 @@ static inline __attribute__((always_inline)) void NAME(                         
 
 /* The exported kernel: every decode row and chunk of its query heads, with head_dim a constant in the
  * specialised copies of ATTEND (the switch is outside every loop over positions). */
+#define DECODE_PARAMS(T)                                                                                     \
+    const T *query, const T *k_cache, const T *v_cache, T *out, const int32_t *block_tables,                 \
+    const int32_t *seq_lens, const int64_t *rows, const int32_t *seqs, int64_t num_decode, int64_t stride_q,  \
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,        \
+    float scale, int64_t window
+#define DECODE_ARGS(ROWS, SEQS, NUM)                                                                         \
+    query, k_cache, v_cache, out, block_tables, seq_lens, ROWS, SEQS, NUM, stride_q, num_heads, num_kv_heads,  \
+    head_dim, block_size, max_blocks, scale, window
 #define DEFINE_DECODE(NAME, T, ATTEND)                                                                       \
 static void NAME##_d16(ATTEND_PARAMS(T)) { ATTEND(ATTEND_ARGS, 16); }                                         \
 static void NAME##_d32(ATTEND_PARAMS(T)) { ATTEND(ATTEND_ARGS, 32); }                                         \
@@ -360,10 +371,7 @@ static void NAME##_d64(ATTEND_PARAMS(T)) { ATTEND(ATTEND_ARGS, 64); }           
 static void NAME##_d128(ATTEND_PARAMS(T)) { ATTEND(ATTEND_ARGS, 128); }                                       \
 static void NAME##_d256(ATTEND_PARAMS(T)) { ATTEND(ATTEND_ARGS, 256); }                                       \
 static void NAME##_dn(ATTEND_PARAMS(T), int64_t D) { ATTEND(ATTEND_ARGS, D); }                                \
-int NAME(const T *query, const T *k_cache, const T *v_cache, T *out, const int32_t *block_tables,            \
-         const int32_t *seq_lens, const int64_t *rows, const int32_t *seqs, int64_t num_decode, int64_t stride_q, \
-         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,  \
-         float scale, int64_t window) {                                                                      \
+static int NAME##_rows(DECODE_PARAMS(T)) {                                                               \
     const int64_t group = num_heads / num_kv_heads, row = num_kv_heads * head_dim;                          \
     float stack[2 * SCRATCH], *qs = stack;                                                                   \
     int64_t chunk = SCRATCH / head_dim < HEAD_CHUNK ? SCRATCH / head_dim : HEAD_CHUNK;                      \
@@ -421,3 +429,55 @@ DEFINE_ATTEND(attend_f32, float, load_f32, LOAD_F32, STORE_F32, scores_f32, pv_f
 DEFINE_ATTEND(attend_bf16, uint16_t, load_bf16, bf16_to_f32, f32_to_bf16, scores_bf16, pv_bf16)
 DEFINE_DECODE(paged_decode_f32, float, attend_f32)
 DEFINE_DECODE(paged_decode_bf16, uint16_t, attend_bf16)
+
+/* The exported calls: the decode rows in contiguous runs near equal in the K/V they read, one run a thread of
+ * the OpenMP team torch's own ops run on (built with -fopenmp where torch's libgomp is the one loaded:
+ * kernels/cpu_attention.py), when there is more than one thread and at least `split_min_bytes` to read; else
+ * every row on the calling thread. Each run is the same code on its rows: the same bits either way. */
+int64_t split_min_bytes = 256 << 10;   /* below it a run handed to another thread may cost more than it saves */
+
+int decode_threads(void) {   /* the threads a split may use: 0 in a build without OpenMP */
+#ifdef _OPENMP
+    return omp_in_parallel() ? 1 : omp_get_max_threads();
+#else
+    return 0;
+#endif
+}
+
+/* cuts[0..parts]: run r is rows [cuts[r], cuts[r + 1]), none empty; a cut where the K/V read so far first
+ * reaches its share, or where the rows left are one a run. Returns the number of runs. */
+static int64_t decode_cuts(int64_t *cuts, int64_t parts, const int32_t *seq_lens, const int32_t *seqs,
+                           int64_t num_decode, int64_t window, int64_t total) {
+    int64_t k = 1, acc = 0;
+    cuts[0] = 0;
+    for (int64_t i = 0; i + 1 < num_decode && k < parts; i++) {
+        const int64_t len = seq_lens[seqs[i]];
+        acc += window > 0 && len > window ? window : len;
+        if (acc * parts >= total * k || num_decode - (i + 1) == parts - k) cuts[k++] = i + 1;
+    }
+    cuts[k] = num_decode;
+    return k;
+}
+
+#define MAX_RUNS 64
+#define DEFINE_SPLIT(NAME, T)                                                                                \
+int NAME(DECODE_PARAMS(T)) {                                                                                 \
+    int64_t parts = decode_threads(), total = 0;                                                             \
+    parts = parts < num_decode ? parts : num_decode;                                                         \
+    parts = parts < MAX_RUNS ? parts : MAX_RUNS;                                                             \
+    for (int64_t i = 0; parts > 1 && i < num_decode; i++) {                                                  \
+        const int64_t len = seq_lens[seqs[i]];                                                               \
+        total += window > 0 && len > window ? window : len;                                                  \
+    }                                                                                                        \
+    if (parts < 2 || total * 2 * num_kv_heads * head_dim * (int64_t)sizeof(T) < split_min_bytes)             \
+        return NAME##_rows(DECODE_ARGS(rows, seqs, num_decode));                                             \
+    int64_t cuts[MAX_RUNS + 1];                                                                              \
+    const int64_t runs = decode_cuts(cuts, parts, seq_lens, seqs, num_decode, window, total);               \
+    int status = 0;                                                                                          \
+    _Pragma("omp parallel for num_threads(runs) schedule(static, 1) reduction(|: status)")                   \
+    for (int64_t r = 0; r < runs; r++)                                                                       \
+        status |= NAME##_rows(DECODE_ARGS(rows + cuts[r], seqs + cuts[r], cuts[r + 1] - cuts[r]));           \
+    return status;                                                                                           \
+}
+DEFINE_SPLIT(paged_decode_f32, float)
+DEFINE_SPLIT(paged_decode_bf16, uint16_t)

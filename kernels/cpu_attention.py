@@ -6,6 +6,17 @@ that is three large ops and ~250 us a layer on one thread, more than the layer's
 in `cpu_attention.c` scores each GQA group's query heads against the cached keys where they lie, takes
 the softmax in float32 and sums V, all decode tokens of a step in one call.
 
+A layer's decode rows run on torch's own OpenMP threads when there is more than one and the layer reads at
+least `split_min_bytes` of K/V (256 KiB): contiguous runs of rows near equal in the K/V they read, one a thread,
+each the same code on its rows, so the same bits as one call. That needs the library built with `-fopenmp`
+where the libgomp torch loaded is the one it links (a Linux build of torch: then the team that runs torch's
+matmuls, already spinning between ops, runs the runs too; a team of its own would share the cores with
+those spinning threads and lose: a split over a Python thread measured 0.95x a step). Elsewhere it is built
+without, and each call takes its rows on the calling thread. SmolLM2-135M in float32 on two threads, steps
+alternating (docs/PERF.md): 1.22x at 4 rows of 1,000 tokens, 1.42x at 8 of 1,500, 1.17x at 64 of 100. As with
+torch's own ops, a process forked after it ran a parallel region must not run one (GNU OpenMP's threads stay
+the parent's: the child waits for ever); workers are forked from the fork server, which runs none.
+
 It is compiled once per machine (`kernels.cpu_build`) and called through ctypes. Without a compiler, or
 for a dtype it does not take (float32 and bfloat16), decode tokens take the reference's path. Prefill chunks
 always do (torch's CPU flash kernel is already what they need). `store_kv` copies each token's K/V row
@@ -17,8 +28,10 @@ reference). Results equal the reference up to float32 summation order (tests/ker
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -41,8 +54,44 @@ _ARGTYPES = [_P] * 8 + [_I64] * 7 + [ctypes.c_float, _I64]
 
 @functools.cache
 def load_library() -> ctypes.CDLL | None:
-    """The compiled kernel (compiled now if this machine has no copy yet), or None without a compiler."""
-    return load_c_library(SOURCE, FLAGS, {name: _ARGTYPES for name in _FUNCTIONS.values()})
+    """The compiled kernel (compiled now if this machine has no copy yet), or None without a compiler: built
+    with OpenMP where torch's libgomp is loaded (module docstring), without it where that build fails or
+    does not load."""
+    functions = {name: _ARGTYPES for name in _FUNCTIONS.values()}
+    if torch_libgomp_loaded():
+        library = load_c_library(SOURCE, (*FLAGS, "-fopenmp"), functions, link_flags=("-fopenmp",))
+        if library is not None:
+            return library
+    return load_c_library(SOURCE, FLAGS, functions)
+
+
+def torch_libgomp_loaded() -> bool:
+    """Whether this process has GNU OpenMP's runtime loaded (torch's Linux builds bring it): a library linked
+    with -fopenmp then joins that runtime, and its threads, instead of loading a second."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
+            return any("/libgomp" in line for line in maps)
+    except OSError:
+        return False
+
+
+def decode_threads() -> int:
+    """The threads a layer's decode rows may be split over now (torch's count), 0 where the kernel is built
+    without OpenMP or not at all."""
+    library = load_library()
+    return library.decode_threads() if library is not None else 0
+
+
+@contextlib.contextmanager
+def split_min_bytes(value: int) -> Iterator[None]:
+    """The K/V bytes a layer must read for its decode rows to be split, set to `value` meanwhile (tests force
+    the split on small shapes with 0 and keep it off with a huge one)."""
+    knob = ctypes.c_int64.in_dll(load_library(), "split_min_bytes")
+    before, knob.value = knob.value, value
+    try:
+        yield
+    finally:
+        knob.value = before
 
 
 def decode_plan(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:

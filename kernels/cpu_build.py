@@ -70,13 +70,14 @@ def _machine() -> str:
     return platform.machine() + "\n" + "\n".join(sorted(set(lines)))
 
 
-def _compile(compiler: str, source: Path, flags: Sequence[str], built: Path) -> str | None:
-    """Compile `source` with `flags` into an object, then link it alone into the shared library `built`;
-    the error text, or None. Linked apart on purpose: a link given -ffast-math adds crtfastmath.o, whose
-    constructor turns on flush-to-zero and denormals-are-zero for the whole process that loads the
-    library (every float in it, Python's own included: 5e-324 > 0.0 became False)."""
+def _compile(compiler: str, source: Path, flags: Sequence[str], built: Path,
+             link_flags: Sequence[str] = ()) -> str | None:
+    """Compile `source` with `flags` into an object, then link it alone (with `link_flags` only) into the
+    shared library `built`; the error text, or None. Linked apart on purpose: a link given -ffast-math adds
+    crtfastmath.o, whose constructor turns on flush-to-zero and denormals-are-zero for the whole process
+    that loads the library (every float in it, Python's own included: 5e-324 > 0.0 became False)."""
     steps = ([compiler, *flags, "-fPIC", "-c", "-o", str(built.with_suffix(".o")), str(source)],
-             [compiler, "-shared", "-o", str(built), str(built.with_suffix(".o")), "-lm"])
+             [compiler, "-shared", "-o", str(built), str(built.with_suffix(".o")), "-lm", *link_flags])
     for step in steps:   # its messages to a file, not a pipe: a child the compiler left holds no read open
         with _message_file(built) as err:
             try:   # a session of its own: a timeout ends the compiler's children too (cc1, as, a wrapper's)
@@ -99,16 +100,17 @@ def _compile(compiler: str, source: Path, flags: Sequence[str], built: Path) -> 
     return None
 
 
-def load_c_library(source: Path, flags: Sequence[str], functions: Mapping[str, Sequence[type]]
-                   ) -> ctypes.CDLL | None:
-    """`source` compiled with `flags` (built now if this machine has no copy that loads), each of `functions`
-    given its argument types (int return); None without a compiler, where the compile fails, or where no cache
-    folder can hold a build that loads (module docstring). The cache key covers how it is built."""
+def load_c_library(source: Path, flags: Sequence[str], functions: Mapping[str, Sequence[type]],
+                   link_flags: Sequence[str] = ()) -> ctypes.CDLL | None:
+    """`source` compiled with `flags` and linked with `link_flags` (built now if this machine has no copy that
+    loads), each of `functions` given its argument types (int return); None without a compiler, where the
+    compile fails, or where no cache folder can hold a build that loads (module docstring). The cache key
+    covers how it is built."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         log.info("no C compiler: %s's callers take their torch path", source.name)
         return None
-    recipe = " ".join(flags) + " | -fPIC -c, then -shared -lm alone"
+    recipe = " ".join(flags) + " | -fPIC -c, then -shared -lm " + (" ".join(link_flags) or "alone")
     key = hashlib.sha256(source.read_bytes() + recipe.encode() + _machine().encode()).hexdigest()[:16]
     errors: list[str] = []
     for folder in _cache_dirs():
@@ -121,7 +123,7 @@ def load_c_library(source: Path, flags: Sequence[str], functions: Mapping[str, S
             errors.append(f"{path}: {exc}")
             continue
         if not path.exists():
-            error, compiled = _build(compiler, source, flags, path)
+            error, compiled = _build(compiler, source, flags, path, link_flags)
             if error is not None:
                 errors.append(error)
                 if compiled:   # the compiler failed: it would again elsewhere (a hang twice as long)
@@ -143,7 +145,8 @@ def _writable_by_others(path: Path | int) -> bool:
     return not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid() or bool(info.st_mode & 0o022)
 
 
-def _build(compiler: str, source: Path, flags: Sequence[str], path: Path) -> tuple[str | None, bool]:
+def _build(compiler: str, source: Path, flags: Sequence[str], path: Path,
+           link_flags: Sequence[str] = ()) -> tuple[str | None, bool]:
     """Compile `source` into `path` (atomically: a concurrent compile leaves one whole file): the error, or None,
     and whether it was the compiler's, not the folder's (one that cannot be written, or is full: the compiler
     runs in the C locale, so that its messages of a full disk or quota can be read)."""
@@ -151,7 +154,7 @@ def _build(compiler: str, source: Path, flags: Sequence[str], path: Path) -> tup
     try:
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
             built = Path(tmp) / path.name
-            if (error := _compile(compiler, source, flags, built)) is None:
+            if (error := _compile(compiler, source, flags, built, link_flags)) is None:
                 os.chmod(built, 0o755)   # whatever the umask: no other user may write what we load
                 os.replace(built, path)
     except OSError as exc:   # a cache folder that cannot be written

@@ -129,3 +129,24 @@ def test_a_slot_past_the_cache_is_refused():
     meta.slot_mapping[0] = NUM_BLOCKS * BLOCK_SIZE
     with torch.inference_mode(), pytest.raises(IndexError, match="slot"):
         model(ids, positions, _caches(model, torch.float32), meta, cpu_attention)
+
+
+@pytest.mark.parametrize("decode_only", [True, False], ids=["decode", "mixed"])
+def test_decode_rows_split_over_threads_change_no_bit(decode_only):
+    """Each layer's decode rows split over two threads (forced: these contexts read far less than the kernel's
+    `split_min_bytes`), in the flat loop and the module path: the outputs and caches of one call, bit for bit."""
+    if cpu_attention.decode_threads() == 0:
+        pytest.skip("the kernel is built without OpenMP here")
+    model = build_model(_config("mistral"), torch.float32, "cpu")
+    model.init_random(std=0.2)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with cpu_attention.split_min_bytes(1 << 62):
+            whole = _both_paths(model, torch.float32, decode_only)
+        with cpu_attention.split_min_bytes(0):
+            split = _both_paths(model, torch.float32, decode_only)
+    finally:
+        torch.set_num_threads(before)
+    _assert_same(split[0], whole[0])
+    _assert_same(split[1], whole[1])

@@ -5,6 +5,7 @@ kernel that reads past a sequence or leaves a row unwritten fails."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 
@@ -365,3 +366,53 @@ def test_a_nan_in_an_attended_key_or_the_query_reaches_the_output_as_in_the_refe
         assert want.isnan().all()
         assert cpu_attention.paged_attention(q, k_cache, v_cache, meta, head_dim ** -0.5).isnan().all()
         k_cache[1, 3, 0, 5] = 0.0        # the query alone, the second time
+
+
+@contextlib.contextmanager
+def _threads(n: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _decode_into_nan(query, k_cache, v_cache, meta, scale, window) -> torch.Tensor:
+    out = torch.full(query.shape, float("nan"), dtype=query.dtype)
+    assert cpu_attention.decode_attention(query, k_cache, v_cache, meta, scale, window, out)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 20])
+@pytest.mark.parametrize("seq_lens", [[300, 1, 17, 90, 2, 64, 5, 129], [1, 1, 1, 300], [300, 1, 1], [40, 7]])
+def test_decode_rows_split_over_threads_give_the_bits_of_one_call(dtype, window, seq_lens):
+    """Each run is the same code on its rows: split over 2, 3 or 8 threads (forced: these steps read far less than
+    `split_min_bytes`), every row written once, the output equal to one call's bit for bit; with the cut between
+    rows of every size, a long row first or last, and more threads than rows."""
+    if cpu_attention.decode_threads() == 0:
+        pytest.skip("the kernel is built without OpenMP here (torch's libgomp is not loaded)")
+    seed = _seed()
+    query, k_cache, v_cache, meta, _ = _make_step(seq_lens, [1] * len(seq_lens), 8, 2, 64, 16, dtype, seed)
+    with cpu_attention.split_min_bytes(1 << 62):
+        one = _decode_into_nan(query, k_cache, v_cache, meta, 64 ** -0.5, window)
+    assert not one.isnan().any(), f"seed={seed}"
+    for threads in (2, 3, 8):
+        with _threads(threads), cpu_attention.split_min_bytes(0):
+            assert cpu_attention.decode_threads() == threads
+            split = _decode_into_nan(query, k_cache, v_cache, meta, 64 ** -0.5, window)
+        assert torch.equal(split, one), f"seed={seed} threads={threads}: {(split - one).abs().nan_to_num(9).max()}"
+
+
+def test_the_kernel_joins_torchs_openmp_threads_where_torch_brought_libgomp():
+    """On a torch that loads GNU OpenMP (its Linux builds), the kernel is built with OpenMP and splits over
+    torch's thread count; without it, it is built without and never splits."""
+    if not cpu_attention.torch_libgomp_loaded():
+        assert cpu_attention.decode_threads() == 0
+        return
+    with _threads(2):
+        assert cpu_attention.decode_threads() == 2
+    with _threads(1):
+        assert cpu_attention.decode_threads() == 1
+
