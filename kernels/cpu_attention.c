@@ -354,8 +354,9 @@ static inline __attribute__((always_inline)) void NAME(                         
 #define ATTEND_ARGS q, o, h0, nh, group, k, v, table, first, len, block_size, row, scale, qs, acc, next_table,  \
                     next_first, next_len
 
-/* The exported kernel: every decode row and chunk of its query heads, with head_dim a constant in the
- * specialised copies of ATTEND (the switch is outside every loop over positions). */
+/* The kernel over a list of decode rows (the exported calls below hand it all of them, or a run each thread):
+ * every row and chunk of its query heads, with head_dim a constant in the specialised copies of ATTEND (the
+ * switch is outside every loop over positions). */
 #define DECODE_PARAMS(T)                                                                                     \
     const T *query, const T *k_cache, const T *v_cache, T *out, const int32_t *block_tables,                 \
     const int32_t *seq_lens, const int64_t *rows, const int32_t *seqs, int64_t num_decode, int64_t stride_q,  \
