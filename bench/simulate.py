@@ -377,7 +377,7 @@ def _bench(args: argparse.Namespace, config_path: Path, setup, classes, tmp: Pat
     with SpeedProbe(probe_path):
         step_model, calibration, samples = _step_model(args, config_path, setup, classes, tmp, trace_dir)
         peak = saturation(config, plan, model_configs, classes, step_model, args.seed)
-        rates = list(args.rates) if args.rates else [f * peak for f in args.loads]
+        rates = args.rates or [f * peak for f in args.loads]
         traces = None if samples is None else [samples]
         reports = _run_rates(args, config_path, classes, rates, peak, tmp, trace_dir, traces)
     rows = compare_runs(reports, rates, peak, setup, step_model, traces, args.seed)

@@ -445,6 +445,10 @@ int decode_threads(void) {   /* the threads a split may use: 0 in a build withou
 #endif
 }
 
+static inline int64_t keys_read(int64_t len, int64_t window) {   /* the positions a decode row attends to */
+    return window > 0 && len > window ? window : len;
+}
+
 /* cuts[0..parts]: run r is rows [cuts[r], cuts[r + 1]), none empty; a cut where the K/V read so far first
  * reaches its share, or where the rows left are one a run. Returns the number of runs. */
 static int64_t decode_cuts(int64_t *cuts, int64_t parts, const int32_t *seq_lens, const int32_t *seqs,
@@ -452,8 +456,7 @@ static int64_t decode_cuts(int64_t *cuts, int64_t parts, const int32_t *seq_lens
     int64_t k = 1, acc = 0;
     cuts[0] = 0;
     for (int64_t i = 0; i + 1 < num_decode && k < parts; i++) {
-        const int64_t len = seq_lens[seqs[i]];
-        acc += window > 0 && len > window ? window : len;
+        acc += keys_read(seq_lens[seqs[i]], window);
         if (acc * parts >= total * k || num_decode - (i + 1) == parts - k) cuts[k++] = i + 1;
     }
     cuts[k] = num_decode;
@@ -466,10 +469,7 @@ int NAME(DECODE_PARAMS(T)) {                                                    
     int64_t parts = decode_threads(), total = 0;                                                             \
     parts = parts < num_decode ? parts : num_decode;                                                         \
     parts = parts < MAX_RUNS ? parts : MAX_RUNS;                                                             \
-    for (int64_t i = 0; parts > 1 && i < num_decode; i++) {                                                  \
-        const int64_t len = seq_lens[seqs[i]];                                                               \
-        total += window > 0 && len > window ? window : len;                                                  \
-    }                                                                                                        \
+    for (int64_t i = 0; parts > 1 && i < num_decode; i++) total += keys_read(seq_lens[seqs[i]], window);    \
     if (parts < 2 || total * 2 * num_kv_heads * head_dim * (int64_t)sizeof(T) < split_min_bytes)             \
         return NAME##_rows(DECODE_ARGS(rows, seqs, num_decode));                                             \
     int64_t cuts[MAX_RUNS + 1];                                                                              \

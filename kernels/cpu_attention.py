@@ -13,7 +13,7 @@ where the libgomp torch loaded is the one it links (a Linux build of torch: then
 matmuls, already spinning between ops, runs the runs too; a team of its own would share the cores with
 those spinning threads and lose: a split over a Python thread measured 0.95x a step). Elsewhere it is built
 without, and each call takes its rows on the calling thread. SmolLM2-135M in float32 on two threads, steps
-alternating (docs/PERF.md): 1.22x at 4 rows of 1,000 tokens, 1.42x at 8 of 1,500, 1.17x at 64 of 100. As with
+alternating (docs/PERF.md): 1.22x at 4 rows of 1,000 tokens, 1.40x at 8 of 1,500, 1.17x at 64 of 100. As with
 torch's own ops, a process forked after it ran a parallel region must not run one (GNU OpenMP's threads stay
 the parent's: the child waits for ever); workers are forked from the fork server, which runs none.
 
