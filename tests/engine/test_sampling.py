@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from engine.sampler import Sampler, SamplerOutput, _apply_top_p
+from engine.sampler import Sampler, SamplerOutput, _apply_top_p, argmax
 from engine.sampling import SamplingParams, SamplingRow, make_generator
 
 EOS = 3
@@ -152,6 +152,24 @@ def test_greedy_equals_argmax(dtype: torch.dtype, logprobs: int | None) -> None:
     out = _make_sampler()(logits, rows)
     assert out.token_ids == logits.float().argmax(dim=-1).tolist()
     assert all(type(t) is int for t in out.token_ids)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_argmax_is_torchs_on_ties_nans_infinities_and_masked_rows(dtype: torch.dtype) -> None:
+    """The sampler's `argmax` (`max`'s indices on a CPU) picks the index torch's argmax does: the first of
+    tied values, the first NaN, +inf over the rest, index 0 of a row of -inf; on a strided view and a vector."""
+    gen = torch.Generator().manual_seed(7)
+    for trial in range(60):
+        x = torch.randint(-3, 4, (37, 2000), generator=gen).to(dtype)   # every row has many ties
+        if trial % 3 == 0:
+            x[torch.rand(x.shape, generator=gen) < 1e-3] = math.nan
+        if trial % 4 == 0:
+            x[torch.rand(x.shape, generator=gen) < 1e-2] = math.inf
+        x[trial % 37] = -math.inf                                        # a row every token of is masked
+        assert torch.equal(argmax(x), x.argmax(dim=-1)), trial
+        assert torch.equal(argmax(x[:, ::3]), x[:, ::3].argmax(dim=-1)), trial
+    vector = torch.randn(5000, generator=gen).to(dtype)
+    assert argmax(vector).item() == vector.argmax().item()
 
 
 @pytest.mark.parametrize("params", [SamplingParams(top_k=1, temperature=1.5),
