@@ -72,7 +72,8 @@ def _add_generate(sub) -> None:
                    help="HF model folder, a .gguf file, or builtin:smollm2-135m-instruct (default)")
     p.add_argument("--device", default="auto", help="auto (default: CUDA if present) | cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="auto",
-                   help="auto (bfloat16 on CUDA, float16 before Ampere; float32 on CPU) | float32 | bfloat16 | float16")
+                   help="auto (bfloat16 on CUDA, float16 before Ampere; on a CPU bfloat16 where it computes it "
+                        "natively, else float32) | float32 | bfloat16 | float16")
     p.add_argument("--block-size", type=int, choices=(8, 16, 32), default=DEFAULT_BLOCK_SIZE, help="KV block tokens")
     p.add_argument("--kv-cache-mib", type=positive_int, default=1024,
                    help="KV cache budget in MiB (default 1024); it must fit the device's 0.9 x memory - weights")

@@ -27,7 +27,7 @@ def test_it_times_every_path_on_the_same_routing(capsys, monkeypatch, backend):
     if backend == "triton":
         pytest.importorskip("triton")
     monkeypatch.setenv("CLIFFGUARD_ATTENTION_BACKEND", backend)
-    args = _parse("--device", "cpu", "--hidden-size", "64", "--experts", "8", "--top-k", "2",
+    args = _parse("--device", "cpu", "--dtype", "float32", "--hidden-size", "64", "--experts", "8", "--top-k", "2",
                   "--moe-intermediate-size", "32", "--tokens", "1,8", "--repeats", "1", "--json")
     assert moe.run(args) == 0
     result = json.loads(capsys.readouterr().out)

@@ -687,14 +687,14 @@ def test_a_squeezed_throughput_pool_gives_the_same_greedy_outputs(tiny):
     rag_prompts = [[rng.randrange(3, 512) for _ in range(rng.randrange(150, 300))] for _ in range(3)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
-    alone = LLMEngine(EngineConfig(model=str(tiny), cache=CacheConfig(block_size=8),
+    alone = LLMEngine(EngineConfig(model=str(tiny), dtype="float32", cache=CacheConfig(block_size=8),
                                    pools=(PoolConfig(num_blocks=400),)), progress=False)
     expected = [o.outputs[0].token_ids for o in alone.generate(chat_prompts + rag_prompts, params)]
 
     # chat's 1 ms ITL target is below any step: rag gets nothing, then one block after each starvation run
     pools = (PoolConfig(name="chat", num_blocks=150, slo=LatencySLO(ttft_ms=1000, itl_ms=1)),
              PoolConfig(name="rag", num_blocks=250))
-    engine = LLMEngine(EngineConfig(model=str(tiny), cache=CacheConfig(block_size=8), pools=pools),
+    engine = LLMEngine(EngineConfig(model=str(tiny), dtype="float32", cache=CacheConfig(block_size=8), pools=pools),
                        progress=False)
     for i, prompt in enumerate(chat_prompts):
         engine.add_request(f"c{i}", prompt, params, pool="chat")
@@ -718,7 +718,7 @@ def _serve_queued_chat(tiny, chat_prompts, rag_prompts, params) -> tuple[list[li
     pools = (PoolConfig(name="chat", num_blocks=150, slo=LatencySLO(ttft_ms=1000, itl_ms=20),
                         scheduler=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=2048)),
              PoolConfig(name="rag", num_blocks=400, min_share=0.0))
-    engine = LLMEngine(EngineConfig(model=str(tiny), cache=CacheConfig(block_size=8), pools=pools),
+    engine = LLMEngine(EngineConfig(model=str(tiny), dtype="float32", cache=CacheConfig(block_size=8), pools=pools),
                        progress=False)
     model = engine.composer.cost_model = StepCostModel()   # the made-up device's costs, frozen: the
     _train(model)                                           # decisions do not depend on this machine's timing
@@ -744,7 +744,7 @@ def test_an_engine_whose_chat_pool_queues_squeezes_rag_and_keeps_greedy_outputs(
     chat_prompts = [[rng.randrange(3, 512) for _ in range(rng.randrange(4, 30))] for _ in range(6)]
     rag_prompts = [[rng.randrange(3, 512) for _ in range(rng.randrange(300, 400))] for _ in range(8)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    alone = LLMEngine(EngineConfig(model=str(tiny), cache=CacheConfig(block_size=8),
+    alone = LLMEngine(EngineConfig(model=str(tiny), dtype="float32", cache=CacheConfig(block_size=8),
                                    pools=(PoolConfig(num_blocks=800),)), progress=False)
     expected = [o.outputs[0].token_ids for o in alone.generate(chat_prompts + rag_prompts, params)]
 
@@ -943,7 +943,8 @@ def test_isolation_by_default_takes_its_slo_from_the_devices_measured_step(tiny)
     chat = PoolConfig(name="chat", num_blocks=200, slo=LatencySLO(), derive_slo=True,
                       scheduler=SchedulerConfig(max_num_seqs=8))
     rag = PoolConfig(name="rag", num_blocks=200)
-    engine = LLMEngine(EngineConfig(model=str(tiny), cache=CacheConfig(block_size=8), pools=(chat, rag)),
+    engine = LLMEngine(EngineConfig(model=str(tiny), dtype="float32", cache=CacheConfig(block_size=8),
+                                    pools=(chat, rag)),
                        progress=False)
     slo, step, batch, context = engine.derived_slos["chat"]
     assert (batch, context) == (2, 200 // 8 * 8 - 1)              # a quarter of max_num_seqs at the formula's length
@@ -955,7 +956,7 @@ def test_isolation_by_default_takes_its_slo_from_the_devices_measured_step(tiny)
     assert info.slos == {"chat": slo} and "decode step of 2 sequences at 199 tokens" in info.slo_derivations["chat"]
     assert all(s.block_manager.num_free_blocks == 200 for s in engine.schedulers.values())   # borrowed blocks back
 
-    explicit = LLMEngine(EngineConfig(model=str(tiny), cache=CacheConfig(block_size=8),
+    explicit = LLMEngine(EngineConfig(model=str(tiny), dtype="float32", cache=CacheConfig(block_size=8),
                                       pools=(PoolConfig(name="chat", num_blocks=200, slo=LatencySLO(800, 60)), rag)),
                          progress=False)
     assert explicit.derived_slos == {} and explicit.composer.slos["chat"] == LatencySLO(800, 60)

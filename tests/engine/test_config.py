@@ -303,7 +303,26 @@ def test_dtype_auto_is_float16_on_a_gpu_without_bfloat16_and_bfloat16_there_is_r
     _cuda_machine(monkeypatch, (8, 0))   # an A100
     assert EngineConfig(device="cuda:1").resolved_dtype(gpu) == torch.bfloat16
     assert EngineConfig(device="cuda:1", dtype="bf16").resolved_dtype(gpu) == torch.bfloat16
-    assert EngineConfig().resolved_dtype(torch.device("cpu")) == torch.float32
+
+
+@pytest.mark.parametrize("amx, avx512_bf16, expected", [(True, False, torch.bfloat16), (False, True, torch.bfloat16),
+                                                        (False, False, torch.float32)])
+def test_dtype_auto_on_a_cpu_is_bfloat16_where_it_computes_bfloat16_natively(monkeypatch, builtin_path, amx,
+                                                                            avx512_bf16, expected):
+    """`auto` on a CPU: bfloat16 where torch reports AMX tiles or AVX-512 BF16 (oneDNN's bfloat16 matmuls run
+    there natively), float32 elsewhere; the capacity plan resolves it alike; an explicit dtype is kept."""
+    from pools.capacity_plan import plan_single_pool
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    cpu = torch.device("cpu")
+    assert EngineConfig().resolved_dtype(cpu) == expected
+    assert EngineConfig().resolved_kv_dtype(cpu) == expected
+    assert EngineConfig(dtype="float32").resolved_dtype(cpu) == torch.float32
+    assert EngineConfig(dtype="bfloat16").resolved_dtype(cpu) == torch.bfloat16
+    plan, config = plan_single_pool(str(builtin_path), device="cpu", kv_cache_bytes=64 << 20, max_model_len=1024)
+    assert plan.devices["default"].dtype == config.dtype == str(expected).removeprefix("torch.")
+    assert plan.devices["default"].kv_bytes_per_token == 30 * 2 * 3 * 64 * expected.itemsize   # SmolLM2's S_KV
 
 
 def test_unsupported_architecture_in_a_model_folder(tmp_path):

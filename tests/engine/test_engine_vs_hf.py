@@ -60,7 +60,7 @@ def _truncate_at_eos(ids: list[int], eos: set[int]) -> list[int]:
 @pytest.fixture(scope="module")
 def smollm2_engine(builtin_path):
     # 364 blocks of 16 tokens: 256 MiB of SmolLM2's float32 K/V (46,080 B/token)
-    engine = LLMEngine.from_args(str(builtin_path), max_num_seqs=16, num_blocks=364, progress=False)
+    engine = LLMEngine.from_args(str(builtin_path), dtype="float32", max_num_seqs=16, num_blocks=364, progress=False)
     yield engine
     assert_all_free(engine)
 
@@ -138,7 +138,7 @@ def test_tiny_random_models_match_transformers(tmp_path, monkeypatch, builtin_pa
     folder = make_tiny_model(tmp_path / arch, arch, builtin_path, **overrides)
     assert (folder / "model.safetensors.index.json").exists()  # sharded checkpoint
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    engine = LLMEngine.from_args(str(folder), block_size=8, num_blocks=64, max_num_batched_tokens=64,
+    engine = LLMEngine.from_args(str(folder), dtype="float32", block_size=8, num_blocks=64, max_num_batched_tokens=64,
                                  progress=False)
     assert engine.model_config.num_params() == sum(p.numel() for p in hf.parameters())   # the capacity plan's count
     packed = isinstance(engine.model.layers[0].self_attn.qkv_proj, PackedLinear)
@@ -165,7 +165,7 @@ def test_a_tied_checkpoint_that_stores_its_table_as_the_head_alone_serves_it(tmp
     for path in [*folder.glob("*.safetensors"), *folder.glob("*.safetensors.index.json")]:
         path.unlink()
     save_file({n: t.contiguous() for n, t in weights.items()}, str(folder / "model.safetensors"))
-    engine = LLMEngine.from_args(str(folder), block_size=8, num_blocks=64, progress=False)
+    engine = LLMEngine.from_args(str(folder), dtype="float32", block_size=8, num_blocks=64, progress=False)
     prompts = [[5, 9, 200, 31], list(range(40, 70))]
     outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == [_hf_greedy(hf, p, 12, eos_ids=None) for p in prompts]
@@ -183,7 +183,7 @@ def test_a_tied_config_whose_checkpoint_stores_another_head_serves_that_head(tmp
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     assert not torch.equal(hf.lm_head.weight, hf.model.embed_tokens.weight)   # transformers: the stored head
     with caplog.at_level(logging.WARNING, logger="cliffguard.engine"):
-        engine = LLMEngine.from_args(str(folder), block_size=8, num_blocks=64, progress=False)
+        engine = LLMEngine.from_args(str(folder), dtype="float32", block_size=8, num_blocks=64, progress=False)
     assert "serving the stored head" in caplog.text
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (1, 7, 30)]
@@ -287,7 +287,8 @@ def test_a_multimodal_gemma3_checkpoint_serves_its_text_model(tmp_path, builtin_
     hf.save_pretrained(folder, **({"save_original_format": False} if own_head else {}))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(builtin_path / name, folder / name)
-    engine = LLMEngine.from_args(str(folder), block_size=8, num_blocks=64, max_num_batched_tokens=64, progress=False)
+    engine = LLMEngine.from_args(str(folder), dtype="float32", block_size=8, num_blocks=64, max_num_batched_tokens=64,
+                                 progress=False)
     assert engine.model_config.architecture == "Gemma3ForCausalLM"
     assert engine.model_config.text_weights_prefix == "language_model."
     # the weights it reports holding are the text model's (the checkpoint on disk holds the vision tower too)
@@ -326,7 +327,8 @@ def _make_sweep_engine(builtin_path, block_size: int, mode: str, prefix_caching:
                             swap_space_bytes=(32 << 20) if mode != "recompute" else 0,
                             enable_prefix_caching=prefix_caching)
     pool = PoolConfig(num_blocks=SWEEP_POOL_TOKENS // block_size, scheduler=sched)
-    engine = LLMEngine(EngineConfig(model=str(builtin_path), device="cpu", cache=CacheConfig(block_size=block_size),
+    engine = LLMEngine(EngineConfig(model=str(builtin_path), device="cpu", dtype="float32",
+                                    cache=CacheConfig(block_size=block_size),
                                     pools=(pool,)), progress=False)
     if mode == "auto":  # costs that make short victims recompute and long ones swap
         price_preemption(engine.schedulers["default"].cost_model, break_even=100)

@@ -27,8 +27,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 def _engine(path, kv: str = "fp8", num_blocks: int = 256, calculate_kv_scales: bool = True, tp: int = 1,
             **sched) -> LLMEngine:
     pool = PoolConfig(num_blocks=num_blocks, scheduler=SchedulerConfig(**sched))
-    return LLMEngine(EngineConfig(model=str(path), device="cpu", cache=CacheConfig(block_size=8), pools=(pool,),
-                                  kv_cache_dtype=kv, calculate_kv_scales=calculate_kv_scales,
+    return LLMEngine(EngineConfig(model=str(path), device="cpu", dtype="float32", cache=CacheConfig(block_size=8),
+                                  pools=(pool,), kv_cache_dtype=kv, calculate_kv_scales=calculate_kv_scales,
                                   tensor_parallel_size=tp), progress=False)
 
 

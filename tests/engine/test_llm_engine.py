@@ -29,7 +29,9 @@ def chat_prompts(builtin_path):
 
 
 def _engine(path, kv_cache_bytes: int = 64 << 20, **kwargs) -> LLMEngine:
-    """One pool of `num_blocks`, by default as many as `kv_cache_bytes` of the model's float32 K/V hold."""
+    """One pool of `num_blocks`, by default as many as `kv_cache_bytes` of the model's float32 K/V hold; float32
+    unless `dtype` says otherwise (the outputs these tests compare are float32's: a CPU's `auto` may be bfloat16)."""
+    kwargs.setdefault("dtype", "float32")
     block_size = kwargs.setdefault("block_size", 16)
     block_bytes = ModelConfig.from_folder(path).kv_bytes_per_token(torch.float32) * block_size
     kwargs.setdefault("num_blocks", kv_cache_bytes // block_bytes)
@@ -349,7 +351,7 @@ def test_priority_and_max_num_seqs(tiny_path):
 def test_pools_are_disjoint_block_ranges_of_one_kv_tensor(tiny_path):
     from engine.config import CacheConfig, EngineConfig, PoolConfig, SchedulerConfig
 
-    config = EngineConfig(model=str(tiny_path), cache=CacheConfig(block_size=8), pools=(
+    config = EngineConfig(model=str(tiny_path), dtype="float32", cache=CacheConfig(block_size=8), pools=(
         PoolConfig("chat", num_blocks=20, scheduler=SchedulerConfig(max_num_seqs=4, max_model_len=128)),
         PoolConfig("rag", num_blocks=20, scheduler=SchedulerConfig(max_num_seqs=4, max_model_len=160))))
     engine = LLMEngine(config, progress=False)

@@ -31,11 +31,12 @@ def prompts():
 
 
 def _engine(path, num_blocks=4096, block_size=16, **sched) -> LLMEngine:
-    """One pool; by default 4,096 blocks of 16 tokens (16 MiB of the tiny model's float32 K/V): no pressure."""
+    """One pool; by default 4,096 blocks of 16 tokens (16 MiB of the tiny model's float32 K/V): no pressure. In
+    float32 (a CPU's `auto` may be bfloat16, whose greedy tokens can move with the batch around a preemption)."""
     sched.setdefault("max_num_batched_tokens", 64)
     pool = PoolConfig(num_blocks=num_blocks, scheduler=SchedulerConfig(**sched))
-    return LLMEngine(EngineConfig(model=str(path), cache=CacheConfig(block_size=block_size), pools=(pool,)),
-                     progress=False)
+    return LLMEngine(EngineConfig(model=str(path), dtype="float32", cache=CacheConfig(block_size=block_size),
+                                  pools=(pool,)), progress=False)
 
 
 def _run(engine, prompts, params=GREEDY) -> list[list[int]]:

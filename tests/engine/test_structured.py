@@ -23,6 +23,7 @@ from tests.conftest import assert_all_free
 
 def _engine(path, **kwargs) -> LLMEngine:
     block_bytes = ModelConfig.from_folder(path).kv_bytes_per_token(torch.float32) * 16
+    kwargs.setdefault("dtype", "float32")   # the tests' expected tokens are float32's (a CPU's auto may differ)
     return LLMEngine.from_args(str(path), progress=False, num_blocks=(64 << 20) // block_bytes, **kwargs)
 
 

@@ -6,6 +6,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
+import yaml
 
 from bench.live import LiveServer
 from tests.conftest import make_tiny_model
@@ -97,9 +98,17 @@ def accepts(lltokenizer, constraint, text: str) -> bool:
 
 
 @pytest.fixture(scope="session")
-def live_builtin_server():
-    """`cliffguard serve` on the default config/pools.yaml (what `make serve` starts), shared by the session."""
-    server = LiveServer(DEFAULT_CONFIG)
+def live_builtin_server(tmp_path_factory):
+    """`cliffguard serve` on the default config/pools.yaml (what `make serve` starts) in float32, shared by the
+    session; `config_path` is the file it serves. Float32 whatever the CPU: `auto` may be bfloat16, whose greedy
+    answers can move where a request finds its prefix cached, and these tests compare a whole answer with the
+    same request streamed."""
+    config = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    config["devices"]["default"]["dtype"] = "float32"
+    path = tmp_path_factory.mktemp("builtin-server") / "pools.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    server = LiveServer(path)
+    server.config_path = path
     yield server
     server.stop()
 

@@ -19,7 +19,7 @@ MODEL = "smollm2-135m-instruct"
 @pytest.fixture(scope="module")
 def fp8_server(tmp_path_factory):
     config = yaml.safe_load(DEFAULT_CONFIG.read_text())
-    config["devices"]["default"]["kv_cache_dtype"] = "fp8"
+    config["devices"]["default"].update(kv_cache_dtype="fp8", dtype="float32")   # the default server's dtype
     path = tmp_path_factory.mktemp("fp8") / "pools.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     with LiveServer(path) as server:

@@ -126,10 +126,9 @@ def test_capacity_plan_of_the_default_file_is_what_the_server_allocated(live_bui
     import urllib.request
 
     from gateway.cli import main
-    from tests.gateway.conftest import DEFAULT_CONFIG
 
     # `cliffguard capacity` in this process: a child of its own spent its time importing torch
-    assert main(["capacity", "--config", str(DEFAULT_CONFIG), "--json"]) == 0
+    assert main(["capacity", "--config", str(live_builtin_server.config_path), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     planned = {"pools": {p["name"]: p for p in out["pools"]}}
     with urllib.request.urlopen(live_builtin_server.url + "/v1/models") as r:

@@ -37,7 +37,8 @@ def _engine(path, backend: str, monkeypatch, num_blocks: int = 12, kv_cache_dtyp
             **sched) -> LLMEngine:
     monkeypatch.setenv("CLIFFGUARD_ATTENTION_BACKEND", backend)
     sched.setdefault("max_num_batched_tokens", 24)  # chunked prefill: chunks start mid-block
-    config = EngineConfig(model=str(path), cache=CacheConfig(block_size=8), kv_cache_dtype=kv_cache_dtype,
+    config = EngineConfig(model=str(path), dtype="float32", cache=CacheConfig(block_size=8),
+                          kv_cache_dtype=kv_cache_dtype,
                           pools=(PoolConfig(num_blocks=num_blocks, scheduler=SchedulerConfig(**sched)),))
     engine = LLMEngine(config, progress=False)
     assert ("triton" in engine.runner.backend.paged_attention.__module__) == (backend == "triton")

@@ -44,13 +44,13 @@ def _plan_example(data: dict | None = None, model: ModelConfig | None = None, **
 
 
 def _small_config(**pool_overrides) -> dict:
-    """SmolLM2 on a CPU device with 2 GiB: chat + rag, max_model_len 1024."""
+    """SmolLM2 in float32 on a CPU device with 2 GiB: chat + rag, max_model_len 1024."""
     chat = {"name": "chat", "model": "builtin:smollm2-135m-instruct", "route": {"max_prompt_tokens": 512},
             "kv_share": 0.4, "avg_len": 256, "max_model_len": 1024}
     rag = {"name": "rag", "model": "builtin:smollm2-135m-instruct", "route": {"min_prompt_tokens": 513},
            "kv_share": 0.6, "avg_len": 900, "max_model_len": 1024}
     chat.update(pool_overrides)
-    return {"devices": {"default": {"device": "cpu", "memory": "2GiB"}}, "pools": [chat, rag]}
+    return {"devices": {"default": {"device": "cpu", "memory": "2GiB", "dtype": "float32"}}, "pools": [chat, rag]}
 
 
 def test_llama3_70b_on_8xh100_matches_hand_arithmetic():
@@ -139,16 +139,20 @@ def test_without_gqa_s_kv_is_the_seeds_2_5_mb():
     assert d.kv_bytes_per_token_per_device == 327_680         # the seed's "≈0.3 MB with TP=8"
 
 
-def test_cpu_device_plans_float32_with_default_memory():
+@pytest.mark.parametrize("native_bfloat16", [True, False])
+def test_cpu_device_plans_its_auto_dtype_with_default_memory(monkeypatch, native_bfloat16):
+    """`dtype: auto` on a CPU: bfloat16 where it computes bfloat16 natively, float32 elsewhere; S_KV in it."""
+    monkeypatch.setattr("engine.config.cpu_computes_bfloat16", lambda: native_bfloat16)
     data = _small_config()
     data["devices"]["default"] = {"device": "cpu"}
     config = parse_config(data, env={})
     model = _llama70b(num_hidden_layers=1, hidden_size=512, intermediate_size=1024, num_attention_heads=8,
                       num_key_value_heads=8, vocab_size=1000)
     d = plan_capacity(config, {"builtin:smollm2-135m-instruct": model}).devices["default"]
-    assert (d.device_type, d.dtype, d.memory_bytes, d.memory_source) == ("cpu", "float32", DEFAULT_CPU_MEMORY,
+    dtype, itemsize = ("bfloat16", 2) if native_bfloat16 else ("float32", 4)
+    assert (d.device_type, d.dtype, d.memory_bytes, d.memory_source) == ("cpu", dtype, DEFAULT_CPU_MEMORY,
                                                                          "cpu default")
-    assert d.kv_bytes_per_token == 2 * 1 * 8 * 64 * 4
+    assert d.kv_bytes_per_token == 2 * 1 * 8 * 64 * itemsize
 
 
 @pytest.mark.parametrize("tp,match", [
@@ -357,8 +361,8 @@ def test_engine_configs_refuse_a_cuda_device_on_a_machine_without_one(monkeypatc
 
 def test_plan_single_pool_is_the_yaml_planner(builtin_path):
     """`generate` and the benchmarks plan one pool with the same formula as a YAML pool."""
-    plan, engine = plan_single_pool(str(builtin_path), device="cpu", kv_cache_bytes=64 << 20, max_model_len=1024,
-                                    block_size=8)
+    plan, engine = plan_single_pool(str(builtin_path), device="cpu", dtype="float32", kv_cache_bytes=64 << 20,
+                                    max_model_len=1024, block_size=8)
     pool = plan.pools["default"]
     assert pool.num_blocks == (64 << 20) // (46_080 * 8) and pool.max_num_seqs == (64 << 20) // (46_080 * 1024)
     assert [(p.name, p.num_blocks, p.scheduler.max_num_seqs) for p in engine.pools] == [
@@ -414,7 +418,8 @@ def test_an_fp8_kv_cache_gives_each_pool_about_twice_the_blocks(builtin_path):
     """kv_cache_dtype: fp8 stores one byte an element: S_KV halves against bfloat16 (a quarter of float32's
     on a CPU), so each pool gets twice the blocks (four times) from the same bytes."""
     model = {"builtin:smollm2-135m-instruct": ModelConfig.from_folder(builtin_path)}
-    for device, factor in (({"device": "cuda", "memory": "8GiB"}, 2), ({"device": "cpu", "memory": "2GiB"}, 4)):
+    for device, factor in (({"device": "cuda", "memory": "8GiB"}, 2), ({"device": "cpu", "memory": "2GiB",
+                                                                         "dtype": "float32"}, 4)):
         plans = {}
         for kv in ("auto", "fp8"):
             data = _small_config()

@@ -4,8 +4,9 @@ Each finding of hostile or careless traffic is reproduced from outside, over HTT
 checks that the gateway keeps answering `/health` within a second; afterwards other clients'
 requests must still be answered and every pool's KV credits must be back to full.
 
-One server (config/pools.yaml's pools, with short `write_timeout` and `stall_seconds` so faults
-resolve in seconds) is shared by the package's tests; each test leaves it healthy.
+One server (config/pools.yaml's pools in float32, with short `write_timeout` and `stall_seconds` so faults
+resolve in seconds) is shared by the package's tests; each test leaves it healthy. Float32 whatever the CPU
+(`auto` may take bfloat16): the tests' loads are sized to its plan (the chat pool's 28 sequences).
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ MAX_RESPONSE_BUFFER_BYTES = 256 << 10     # a stream pauses its engine requests 
 
 
 def reliability_config(tmp: Path) -> Path:
-    """config/pools.yaml with the gateway's fault timers shortened for tests."""
+    """config/pools.yaml in float32 with the gateway's fault timers shortened for tests."""
     config = yaml.safe_load((REPO / "config" / "pools.yaml").read_text())
+    config["devices"]["default"]["dtype"] = "float32"
     config["gateway"].update(write_timeout=WRITE_TIMEOUT, stall_seconds=STALL_SECONDS,
                              restart_backoff={"initial_seconds": 0.2, "factor": 2, "max_seconds": 2,
                                               "reset_after_seconds": 60})
