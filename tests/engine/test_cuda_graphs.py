@@ -39,7 +39,7 @@ def tiny(tmp_path_factory, builtin_path):
 
 def _engine(path, monkeypatch, backend: str = "triton", num_blocks: int = 24) -> LLMEngine:
     monkeypatch.setenv("CLIFFGUARD_ATTENTION_BACKEND", backend)
-    config = EngineConfig(model=str(path), cache=CacheConfig(block_size=8),
+    config = EngineConfig(model=str(path), dtype="float32", cache=CacheConfig(block_size=8),   # float32 tokens
                           pools=(PoolConfig(num_blocks=num_blocks, scheduler=SchedulerConfig(
                               max_num_seqs=MAX_SEQS, max_num_batched_tokens=32, max_model_len=128)),))
     return LLMEngine(config, progress=False)

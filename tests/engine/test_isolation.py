@@ -26,7 +26,8 @@ def _make_config(builtin_path, slo: LatencySLO | None) -> EngineConfig:
     # 256 MiB of SmolLM2's float32 K/V (46,080 B/token) = 364 blocks of 16 tokens, split 30/70
     pools = (PoolConfig(name="chat", num_blocks=109, scheduler=sched, slo=slo),
              PoolConfig(name="rag", num_blocks=254, scheduler=sched))
-    return EngineConfig(model=str(builtin_path), cache=CacheConfig(block_size=16), pools=pools)
+    # float32 whatever the CPU (`auto` may be bfloat16): the loads below are sized to its step times
+    return EngineConfig(model=str(builtin_path), dtype="float32", cache=CacheConfig(block_size=16), pools=pools)
 
 
 async def _ttft(client: AsyncEngineClient, prompt: list[int]) -> float:
