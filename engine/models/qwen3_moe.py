@@ -16,8 +16,8 @@ The experts run one of three ways, each giving transformers' greedy tokens on th
   the model's decode steps are captured in CUDA graphs (`graph_safe`);
 - elsewhere, grouped matmuls: the pairs sorted by expert, then `torch._grouped_mm` twice (one group an
   expert, the groups' ends computed on the device), so a step does work for the experts it uses only;
-- where the grouped matmul lacks the dtype or layout (it is built for float32 on a CPU and bfloat16 on
-  Hopper GPUs) the block falls back, for good, to a loop over the experts hit (transformers' way; that
+- where the grouped matmul lacks the dtype or layout (torch 2.13 builds it for float32 and bfloat16 on a
+  CPU, bfloat16 on Hopper GPUs) the block falls back, for good, to a loop over the experts hit (transformers' way; that
   loop reads which experts are hit, a synchronisation on CUDA, so these two are not captured in graphs).
 
 Weights: the checkpoint's per-expert `mlp.experts.{e}.gate_proj / up_proj / down_proj` go into two
