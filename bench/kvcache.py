@@ -40,7 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="HF model folder, .gguf file or builtin:smollm2-135m-instruct (default)")
     p.add_argument("--device", default="auto", help="auto (default: CUDA if present) | cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="auto",
-                   help="auto (bfloat16 on CUDA and on a CPU that computes it natively, else float32) | float32 | bfloat16")
+                   help="auto (bfloat16 on CUDA and on a CPU that computes it natively, else float32) | float32 "
+                        "| bfloat16")
     p.add_argument("--prompts", type=int, default=20, help=f"chat questions asked (at most {len(CHAT_QUESTIONS)})")
     p.add_argument("--max-tokens", type=int, default=16, help="tokens generated per answer (default 16)")
     p.add_argument("--kv-cache-mib", type=int, default=256, help="each engine's KV cache budget in MiB")

@@ -25,7 +25,8 @@ from bench.options import int_list
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto (default: CUDA if present) | cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="auto",
-                   help="auto (bfloat16 on CUDA and on a CPU that computes it natively, else float32) | float32 | bfloat16")
+                   help="auto (bfloat16 on CUDA and on a CPU that computes it natively, else float32) | float32 "
+                        "| bfloat16")
     p.add_argument("--hidden-size", type=int, default=2048, help="hidden size (Qwen3-30B-A3B's 2048)")
     p.add_argument("--experts", type=int, default=128, help="experts (128)")
     p.add_argument("--top-k", type=int, default=8, help="experts a token (8)")
