@@ -216,7 +216,8 @@ def _num_sms(device: torch.device) -> int:
 
 
 def choose_num_splits(num_programs: int, max_seq_len: int, device: torch.device) -> int:
-    """How many segments to split each tile's KV range into (flash-decoding), from Python ints only.
+    """How many segments to split each tile's KV range into (flash-decoding), from Python ints only;
+    `max_seq_len`: the most KV positions a tile reads (a sliding layer's window, not its sequence's length).
 
     Split only when the unsplit grid (`num_programs` = tiles x KV heads) is smaller than the device's
     SM count, and keep segments at least `MIN_SPLIT_LEN` positions long; aim at two programs per SM.
@@ -258,7 +259,7 @@ def _step_plan(meta: AttentionMetadata, block_q: int | None = None) -> dict:
 
     backend_cache["triton"]: {"num_query_tokens" (the whole step), "seqs", "num_rows", "max_query_len",
     "max_seq_len" (over this kernel's sequences), ("tiles", block_q): (tile_seq, tile_q_start, tile_row),
-    "row_tokens", ("num_splits", block_q, num_kv_heads): int}
+    "row_tokens", ("num_splits", block_q, num_kv_heads, sliding_window): int}
     tile_seq, tile_q_start, tile_row: [num_tiles] int32 — the sequence of each tile, its first query within
     the sequence and that query's row; row_tokens: [num_rows] int32, each row's token.
     """
@@ -335,10 +336,12 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         group, plan["max_query_len"], head_dim, query.element_size())
     tile_seq, tile_q_start, tile_row = _step_plan(meta, block_q)[("tiles", block_q)]
     num_tiles = tile_seq.shape[0]
-    if num_splits is None:
-        splits_key = ("num_splits", block_q, num_kv_heads)
+    if num_splits is None:   # a sliding layer's split count from the positions its window reads
+        splits_key = ("num_splits", block_q, num_kv_heads, sliding_window)
         if splits_key not in plan:
-            plan[splits_key] = choose_num_splits(num_tiles * num_kv_heads, plan["max_seq_len"], query.device)
+            span = plan["max_seq_len"] if sliding_window is None else \
+                min(plan["max_seq_len"], sliding_window + plan["max_query_len"] - 1)
+            plan[splits_key] = choose_num_splits(num_tiles * num_kv_heads, span, query.device)
         num_splits = plan[splits_key]
     assert num_splits >= 1, f"num_splits {num_splits}"
 

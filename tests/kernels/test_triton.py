@@ -466,6 +466,22 @@ def test_choose_num_splits(monkeypatch):
     assert choose(1, 10**7, cuda) == triton_attention.MAX_SPLITS
 
 
+def test_a_sliding_layer_splits_by_its_window_not_its_sequence(monkeypatch):
+    """The split count is chosen from the positions a tile reads: a sliding layer's window (and its query's
+    length), not the sequence's whole length, so its segments keep MIN_SPLIT_LEN positions; the full and the
+    sliding layers of one step each keep their own count in the step's plan."""
+    asked = []
+    monkeypatch.setattr(triton_attention, "choose_num_splits",
+                        lambda programs, span, device: asked.append(span) or 1)
+    seed = _make_seed()
+    case = _make_attention_case([300, 40, 200], [1, 3, 1], 4, 2, 64, 16, torch.float32, seed)
+    for window in (None, 50, 50, 1000, None):
+        _assert_attention_matches(triton_attention, case, seed, sliding_window=window, label="decode")
+    assert asked == [300, 52, 300]   # per window once a step; a window past the sequence reads it whole
+    plan = case[3].backend_cache["triton"]
+    assert {key[3] for key in plan if key[0] == "num_splits"} == {None, 50, 1000}
+
+
 # --- dispatch ---------------------------------------------------------------------------------
 
 def test_get_backend_choice_and_override(monkeypatch):
