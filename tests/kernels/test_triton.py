@@ -484,6 +484,18 @@ def test_a_sliding_layer_splits_by_its_window_not_its_sequence(monkeypatch):
 
 # --- dispatch ---------------------------------------------------------------------------------
 
+def test_a_distribution_named_kernels_is_refused_by_name(tmp_path, monkeypatch):
+    """Hugging Face's `kernels` distribution has this package's import name: found installed, the import
+    is refused with the fix (without it, nothing is said)."""
+    kernels.refuse_namesake()
+    info = tmp_path / "kernels-0.19.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: kernels\nVersion: 0.19.1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ImportError, match=r"'kernels' 0\.19\.1 .*\(pip uninstall kernels\)"):
+        kernels.refuse_namesake()
+
+
 def test_get_backend_choice_and_override(monkeypatch):
     monkeypatch.delenv("CLIFFGUARD_ATTENTION_BACKEND", raising=False)
     assert kernels.get_backend("cpu") is cpu_attention
