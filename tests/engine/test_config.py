@@ -2,10 +2,15 @@
 
 import copy
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+import engine
 from engine.config import CacheConfig, ConfigError, EngineConfig, PoolConfig, SchedulerConfig, parse_dtype
 from engine.model_config import ModelConfig
 from engine.llm_engine import LLMEngine
@@ -598,3 +603,15 @@ def test_defaults_are_transformers_config_classes():
     moe = {**LLAMA, "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4, "num_experts_per_tok": 2}
     with pytest.raises(ConfigError, match="^hidden_act: Qwen3-MoE's experts are served with silu only"):
         ModelConfig.from_hf_config({**moe, "hidden_act": "gelu_pytorch_tanh"})
+
+
+def test_a_namesake_kernels_first_on_the_path_is_refused_by_name(tmp_path):
+    """A module named `kernels` found before ours (Hugging Face's distribution of that name): importing the
+    engine fails at once, naming it and the fix, not on a name missing deep in one of its modules."""
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "__init__.py").write_text("")
+    root = Path(engine.__file__).resolve().parent.parent
+    run = subprocess.run([sys.executable, "-c", "import engine.llm_engine"], cwd=tmp_path, capture_output=True,
+                         text=True, env={**os.environ, "PYTHONPATH": str(root)}, timeout=120)
+    assert run.returncode == 1
+    assert str(tmp_path / "kernels" / "__init__.py") in run.stderr and "pip uninstall kernels" in run.stderr
