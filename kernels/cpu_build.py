@@ -10,8 +10,11 @@ opened and checked is the one loaded, through its descriptor): loading runs its 
 user left in the folder (or a symbolic link) is made again, ours. A folder that cannot be made or written (or is
 full: the compiler says so), or whose library does not load (a `noexec` mount; a file cut short or another machine's: left there, named in a
 warning), is passed over for one in the temporary folder. None when there is no compiler, the compile fails or
-takes past COMPILE_SECONDS (its children killed too): the launchers then take their torch path. A ctypes call
-releases the GIL and costs about 2 us, one torch operator's dispatch.
+takes past COMPILE_SECONDS (its children killed too): the launchers then take their torch path. A failed compile
+is remembered beside where its build would be (`<name>-<key>.failed`: the compiler and its message) and not tried
+again for FAILED_SECONDS by a process with the same compiler (a worker's start would pay it every time, up to
+COMPILE_SECONDS for a hung one); delete that file to try again now. A ctypes call releases the GIL and costs
+about 2 us, one torch operator's dispatch.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ log = logging.getLogger("cliffguard.kernels")
 
 FULL_BYTES = 4 << 20     # a cache folder with less free is full: a build (its object and library) needs ~1 MiB
 COMPILE_SECONDS = 120.0   # one compile step at most (a hung compiler wrapper must not hang a worker's start)
+FAILED_SECONDS = 86400.0  # a failed compile is not tried again for this long with the same compiler
 _CPU_LINES = ("model name", "flags", "Features", "CPU implementer", "CPU architecture", "CPU variant", "CPU part")
 
 
@@ -122,11 +126,16 @@ def load_c_library(source: Path, flags: Sequence[str], functions: Mapping[str, S
         except OSError as exc:
             errors.append(f"{path}: {exc}")
             continue
+        failed = path.with_suffix(".failed")
         if not path.exists():
+            if (before := _failed_before(failed, compiler)) is not None:
+                errors.append(before)
+                break
             error, compiled = _build(compiler, source, flags, path, link_flags)
             if error is not None:
                 errors.append(error)
-                if compiled:   # the compiler failed: it would again elsewhere (a hang twice as long)
+                if compiled:   # the compiler failed: it would again elsewhere (a hang twice as long), and later
+                    _remember_failure(failed, compiler, error)
                     break
                 continue
         if (library := _load(path, functions, errors)) is not None:
@@ -136,6 +145,51 @@ def load_c_library(source: Path, flags: Sequence[str], functions: Mapping[str, S
     log.warning("%s: no build that loads (%s): its callers take their torch path\n%s", source.name, compiler,
                 "\n".join(errors))
     return None
+
+
+def _compiler_identity(compiler: str) -> str:
+    """The compiler as a failure remembers it: its file (links resolved), size and time, so that another
+    compiler, or this one upgraded, tries a failed build again."""
+    try:
+        path = os.path.realpath(shutil.which(compiler) or compiler)
+        info = os.stat(path)
+    except OSError:
+        return compiler
+    return f"{path} {info.st_size} {info.st_mtime_ns}"
+
+
+def _failed_before(failed: Path, compiler: str) -> str | None:
+    """Why not to compile again: the message of a failure with this compiler remembered in `failed` less than
+    FAILED_SECONDS ago (a file of ours only: one another user could write is passed over), or None."""
+    try:
+        fd = os.open(failed, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as file:
+        info = os.fstat(fd)
+        if _writable_by_others(fd) or time.time() - info.st_mtime >= FAILED_SECONDS:
+            return None
+        identity, _, error = file.read().decode(errors="replace").partition("\n")
+    if identity != _compiler_identity(compiler):
+        return None
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info.st_mtime))
+    return f"failed to compile at {when} with this compiler ({failed}: delete it to try again now): {error}"
+
+
+def _remember_failure(failed: Path, compiler: str, error: str) -> None:
+    """Keep `error` in `failed` with the compiler's identity (`_failed_before` reads it), written whole."""
+    kept = None
+    try:
+        with tempfile.NamedTemporaryFile("wb", dir=failed.parent, prefix=".failed-", delete=False) as file:
+            kept = file.name
+            file.write(f"{_compiler_identity(compiler)}\n{error}".encode())
+        os.chmod(kept, 0o644)
+        os.replace(kept, failed)
+    except OSError as exc:   # not kept: the next process tries again
+        log.info("%s: cannot keep the failure (%s)", failed, exc)
+        if kept is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(kept)
 
 
 def _writable_by_others(path: Path | int) -> bool:

@@ -292,6 +292,47 @@ def test_a_failed_compile_is_not_tried_again_elsewhere(tmp_path, monkeypatch):
     assert calls.read_text().count("x") == 1
 
 
+def test_a_failed_compile_is_remembered_across_processes_with_the_same_compiler(tmp_path, monkeypatch, caplog):
+    """A build that fails (an OpenMP one where the compiler has no OpenMP) was compiled again at every worker's
+    start: seconds past the 2 s restart, COMPILE_SECONDS for a hung compiler. The failure is kept beside the
+    build, named in the warning, and passed over once the compiler changes, the file is deleted or it is old."""
+    import shutil
+    import tempfile
+    import time
+
+    from kernels import cpu_build
+
+    calls = tmp_path / "calls"
+    compiler = tmp_path / "cc"
+    compiler.write_text(f"#!/bin/sh\necho x >> {calls}\necho 'unrecognized option -fopenmp' >&2\nexit 1\n")
+    compiler.chmod(0o755)
+    source = tmp_path / "one.c"
+    source.write_text("int one(void) { return 1; }\n")
+    monkeypatch.setenv("CC", str(compiler))
+    monkeypatch.setenv("CLIFFGUARD_KERNEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    assert load_c_library(source, ["-O1"], {"one": []}) is None
+    (failed,) = (tmp_path / "cache").glob("one-*.failed")
+    assert list((tmp_path / "cache").iterdir()) == [failed] and failed.stat().st_mode & 0o777 == 0o644
+    caplog.clear()
+    assert load_c_library(source, ["-O1"], {"one": []}) is None     # a later worker's start: no compile
+    assert calls.read_text().count("x") == 1
+    assert str(failed) in caplog.text and "unrecognized option -fopenmp" in caplog.text
+    assert load_c_library(source, ["-O2"], {"one": []}) is None     # another build is its own
+    assert calls.read_text().count("x") == 2
+    old = time.time() - cpu_build.FAILED_SECONDS - 1
+    os.utime(failed, (old, old))                                    # a day later: tried again
+    assert load_c_library(source, ["-O1"], {"one": []}) is None
+    assert calls.read_text().count("x") == 3
+    failed.chmod(0o666)                                             # one another user could write: passed over
+    assert load_c_library(source, ["-O1"], {"one": []}) is None
+    assert calls.read_text().count("x") == 4 and failed.stat().st_mode & 0o777 == 0o644
+    compiler.write_text(f"#!/bin/sh\necho x >> {calls}\nexec {shutil.which('cc')} \"$@\"\n")   # fixed
+    assert load_c_library(source, ["-O1"], {"one": []}).one() == 1
+    assert calls.read_text().count("x") >= 5
+
+
 def test_a_compile_that_fills_its_folder_is_made_in_the_temporary_one(tmp_path, monkeypatch):
     """A full disk (or quota) under the cache folder failed the compiler writing there, taken as the compiler's
     own failure: every C kernel off, when the temporary folder had room. The words are the C locale's."""
