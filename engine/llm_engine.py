@@ -126,13 +126,11 @@ class LLMEngine:
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.draw_sampling_seed()))
         self.requests: dict[str, RequestState] = {}
         self._forks = SampleForks(self.schedulers)
-        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
-                                        sorted(self.eos_token_ids))
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids))
         self._building = PendingGrammars(self.grammars)   # requests whose grammar is being built
         self.overlap = overlap_applies(config.async_scheduling, self.device)
         self._in_flight: LaunchedStep | None = None   # overlapped: the step launched, its tokens not yet read
-        self._seq_ids = itertools.count()
-        self._arrivals = itertools.count()
+        self._seq_ids, self._arrivals = itertools.count(), itertools.count()
         self.last_step = StepStats()
 
     def _load_model(self) -> None:
@@ -365,6 +363,7 @@ class LLMEngine:
         launched = LaunchedStep(scheduled, clock=StepClock(self.device) if self.overlap else None)
         launched.forward_started = time.perf_counter()
         logits, sampled = self.runner.execute(scheduled.batch)
+        launched.prompt_spans = self.runner.prompt_spans   # its prompt logprobs, if any (`engine.prompt_logprobs`)
         # Launched: on CUDA the device runs the forward pass while the host does the step's bookkeeping,
         # the forks and the sampling rows, and queues the sampling kernels behind it.
         forward_launched = time.perf_counter()
@@ -399,6 +398,7 @@ class LLMEngine:
         if scheduled.batch:
             device_seconds = launched.clock.seconds() if launched.clock else done - launched.forward_started
             stats.phases["sample"] = stats.phases.get("sample", 0.0) + done - started
+        launched.prompt_spans.apply()
         touched: dict[str, list[Sequence]] = {}
         for seq in scheduled.ended:
             touched.setdefault(seq.request_id, []).append(seq)

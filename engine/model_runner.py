@@ -25,9 +25,11 @@ from engine.kv_cache import KVCache, SwapSpace
 from engine.kv_scales import measure_kv_scales
 from engine.model import LlamaForCausalLM
 from engine.models import build_model
+from engine import prompt_logprobs
 from engine.overlap import fill_pending
 from engine.parallel import (CaptureGraphs, Collectives, FollowerArgs, PlanLink, RankSetup, ShardShape, StepPlan,
                              TensorParallelGroup, die_with_parent, join_group)
+from engine.prompt_logprobs import PromptSpans
 from engine.scheduler_output import ScheduledSeq
 from engine.sequence import Sequence
 from kernels import get_backend
@@ -49,6 +51,7 @@ class _Forward:
     last_inputs_seconds: float = 0.0   # host seconds the last `run` spent making its inputs
     graphs: DecodeGraphs | None = None   # decode steps as CUDA graph replays (`capture_graphs`)
     pending_tokens: torch.Tensor | None = None   # overlapped steps: the step in flight's sampled ids [num_sampled]
+    prompt_spans: PromptSpans   # the last plan's prompt-logprob rows, and their results (rank 0 reads them)
 
     def _grad_mode(self):
         # gloo collectives need autograd's bookkeeping off the tensors, not inference tensors
@@ -74,6 +77,8 @@ class _Forward:
                 hidden = self.graphs.run(input_ids, positions, meta)
             else:
                 hidden = self.model(input_ids, positions, self.kv_cache.layers, meta, self.backend)
+            if plan.prompt_rows:
+                self.prompt_spans.results = prompt_logprobs.compute(self.model, hidden, plan)
             if not plan.sample_rows:
                 return None
             rows = to_device(plan.sample_rows, torch.int64, device)
@@ -137,6 +142,7 @@ class ModelRunner(_Forward):
         self.tensor_parallel = self.group.size > 1
         self.swap_spaces: dict[str, SwapSpace] = {}
         self.input_batch = InputBatch(max_rows, max_blocks, kv_cache.block_size, device)
+        self.prompt_spans = PromptSpans()
         self._moves: list[tuple[str, str, list[tuple[int, int]]]] = []   # for the followers' next plan
 
     def plan(self, batch: list[ScheduledSeq]) -> tuple[StepPlan, list[Sequence]]:
@@ -144,6 +150,7 @@ class ModelRunner(_Forward):
         and the sequences that produce a token this step (in sample-row order)."""
         plan = StepPlan()
         sampled: list[Sequence] = []
+        self.prompt_spans = spans = PromptSpans()
         plan.rows, plan.row_updates = self.input_batch.assign((item.seq.seq_id, item.seq.block_table)
                                                               for item in batch)
         input_ids, positions, sample_rows = plan.input_ids, plan.positions, plan.sample_rows
@@ -155,6 +162,8 @@ class ModelRunner(_Forward):
             else:
                 input_ids.extend(seq.token_ids[start:start + n])
                 positions.extend(range(start, start + n))
+            if seq.params.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
+                prompt_logprobs.plan_rows(plan, spans, seq, start, n, len(input_ids) - n)
             plan.query_lens.append(n)
             plan.seq_lens.append(start + n)
             if start + n == len(seq.token_ids):  # reached the end: sample the next token
@@ -242,6 +251,7 @@ class FollowerRunner(_Forward):
         self.tensor_parallel = True
         self.swap_spaces = {}
         self.input_batch = InputBatch(64, 64, kv_cache.block_size, device)   # rows as rank 0's plans update them
+        self.prompt_spans = PromptSpans()
 
     @classmethod
     def load(cls, config: EngineConfig, rank: int, size: int, device: torch.device, collectives: Collectives,

@@ -88,6 +88,12 @@ class RequestOutput:
     error: str | None = None                     # set when the request failed instead of finishing
     num_cached_tokens: int = 0                   # prompt tokens served from the prefix cache (see above)
     metrics: dict[str, float] = field(default_factory=dict)
+    # `prompt_logprobs` asked: from the report whose step computed the prompt's end on, each prompt token's
+    # logprob after the first (index i: token i + 1) and the top ones there; the lists the request keeps, not
+    # copies. `prompt_logprobs_new` on that first report only (a `RequestDelta` carries them once).
+    prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
+    prompt_logprobs_new: bool = False
 
 
 @dataclass
@@ -117,14 +123,18 @@ class RequestDelta:
     error: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     num_cached_tokens: int = 0
+    prompt_logprobs: list[float] | None = None   # `RequestOutput`'s, once: in the delta of its first report
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
 
     @classmethod
     def from_output(cls, out: RequestOutput) -> "RequestDelta":
         samples = [SampleDelta(c.index, c.delta_text, c.delta_token_ids, c.num_tokens, c.finish_reason,
                                c.stop_reason, c.delta_logprobs, c.delta_top_logprobs) for c in out.outputs]
-        if not out.finished:
-            return cls(out.request_id, samples, False, out.error)
-        return cls(out.request_id, samples, True, out.error, out.metrics, out.num_cached_tokens)
+        delta = cls(out.request_id, samples, False, out.error) if not out.finished else \
+            cls(out.request_id, samples, True, out.error, out.metrics, out.num_cached_tokens)
+        if out.prompt_logprobs_new:
+            delta.prompt_logprobs, delta.prompt_top_logprobs = out.prompt_logprobs, out.prompt_top_logprobs
+        return delta
 
 
 @dataclass
@@ -140,6 +150,7 @@ class RequestState:
     first_token_time: float | None = None
     num_cached_tokens: int = 0
     detokenizers: list[IncrementalDetokenizer | None] = field(default_factory=list)
+    prompt_logprobs_reported: bool = False
 
     @property
     def all_finished(self) -> bool:
@@ -183,5 +194,10 @@ class RequestState:
         if self.first_token_time is not None:
             metrics["time_to_first_token"] = self.first_token_time - self.arrival_time
         error = self.seqs[0].error if len(self.seqs) == 1 else next((s.error for s in self.seqs if s.error), None)
-        return RequestOutput(self.request_id, self.prompt_token_ids, outputs, finished, error=error,
-                             num_cached_tokens=self.num_cached_tokens, metrics=metrics)
+        out = RequestOutput(self.request_id, self.prompt_token_ids, outputs, finished, error=error,
+                            num_cached_tokens=self.num_cached_tokens, metrics=metrics)
+        first = self.seqs[0]   # the sample that computed the prompt (the others fork from it)
+        if first.params.prompt_logprobs is not None and not first.wants_prompt_logits:
+            out.prompt_logprobs, out.prompt_top_logprobs = first.prompt_logprobs, first.prompt_top_logprobs
+            out.prompt_logprobs_new, self.prompt_logprobs_reported = not self.prompt_logprobs_reported, True
+        return out

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.composer import ComposedStep
+from engine.prompt_logprobs import PromptSpans
 from engine.sampler import SampledTokens
 from engine.scheduler_output import ScheduledSeq
 from engine.sequence import Sequence
@@ -122,3 +123,4 @@ class LaunchedStep:
     tokens: SampledTokens | None = None
     clock: StepClock | None = None   # overlapped steps' device time (None: the engine synchronizes)
     forward_started: float = 0.0
+    prompt_spans: PromptSpans = field(default_factory=PromptSpans)   # its prompt logprobs (`engine.prompt_logprobs`)

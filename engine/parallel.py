@@ -154,6 +154,9 @@ class StepPlan:
     query_lens: list[int] = field(default_factory=list)
     seq_lens: list[int] = field(default_factory=list)
     sample_rows: list[int] = field(default_factory=list)
+    prompt_rows: list[int] = field(default_factory=list)      # rows whose next prompt token's logprob is asked
+    prompt_targets: list[int] = field(default_factory=list)   # that token, for each of them
+    prompt_top: int = 0                                       # the most top logprobs any of them asks
     num_pending: int = 0   # placeholders in input_ids: rank 0 sends the previous step's this many sampled ids
     measure_kv_scales: bool = False   # an FP8 cache's scales measured on this plan (engine.kv_scales)
     moves: list[tuple[str, str, list[tuple[int, int]]]] = field(default_factory=list)   # (kind, pool, pairs)

@@ -138,6 +138,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None   # None: none; k >= 0: the chosen token's logprob plus the top k
+    prompt_logprobs: int | None = None   # the same for each prompt token after the first (the whole prompt computed)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     presence_penalty: float = 0.0     # [-2, 2]: subtracted once from each token already in the output
@@ -174,6 +175,9 @@ class SamplingParams:
         logprobs = None if self.logprobs is None else _as_int("logprobs", self.logprobs)
         if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs: must be in 0..{MAX_LOGPROBS}, got {logprobs}")
+        prompt_logprobs = None if self.prompt_logprobs is None else _as_int("prompt_logprobs", self.prompt_logprobs)
+        if prompt_logprobs is not None and not 0 <= prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs: must be in 0..{MAX_LOGPROBS}, got {prompt_logprobs}")
         penalties = {name: _as_float(name, getattr(self, name)) for name in ("presence_penalty", "frequency_penalty")}
         for name, value in penalties.items():
             if not -MAX_ABS_PENALTY <= value <= MAX_ABS_PENALTY:
@@ -189,6 +193,7 @@ class SamplingParams:
             "seed": seed, "max_tokens": max_tokens, "min_tokens": min_tokens, "stop": _as_stop(self.stop),
             "stop_token_ids": _as_token_ids("stop_token_ids", self.stop_token_ids),
             "ignore_eos": _as_bool("ignore_eos", self.ignore_eos), "logprobs": logprobs,
+            "prompt_logprobs": prompt_logprobs,
             "skip_special_tokens": _as_bool("skip_special_tokens", self.skip_special_tokens),
             "include_stop_str_in_output": _as_bool("include_stop_str_in_output", self.include_stop_str_in_output),
             **penalties, "repetition_penalty": repetition_penalty, "logit_bias": _as_logit_bias(self.logit_bias),

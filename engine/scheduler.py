@@ -242,7 +242,7 @@ class Scheduler:
             if self._num_seqs_held() + 1 + seq.num_pending_forks > self.config.max_num_seqs:
                 break
             counted = (bm.num_prefix_queries, bm.num_prefix_hits)
-            if seq.num_computed_tokens == 0 and not seq.block_table:
+            if seq.num_computed_tokens == 0 and not seq.block_table and not seq.wants_prompt_logits:
                 seq.num_computed_tokens = bm.acquire_cached(seq.block_table, seq.token_ids, seq.cache_salt)
             num_new = min(seq.num_uncomputed_tokens, budget)
             reading = self._being_read(seq)
@@ -281,7 +281,7 @@ class Scheduler:
         compute itself: the same tokens up to that block's end (same prefix-cache partition), not yet
         computed there, and not paused. Only with prefix caching (without it nothing would be shared)."""
         bm = self.block_manager
-        if not bm.enable_prefix_caching:
+        if not bm.enable_prefix_caching or seq.wants_prompt_logits:   # it computes its prompt itself
             return False
         end = seq.num_computed_tokens + bm.block_size
         if end > seq.num_tokens - 1:      # no further whole block it could take from the cache

@@ -70,6 +70,8 @@ class Sequence:
     num_emitted_tokens: int = 0
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    prompt_logprobs: list[float] = field(default_factory=list)   # of prompt tokens 1.. (`engine.prompt_logprobs`)
+    prompt_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     num_pending: int = 0             # placeholders at the end of token_ids: sampled, values not read yet
     stop_from: int = 0               # characters the first min_tokens tokens wrote (held ones too): no stop ends there
 
@@ -106,6 +108,12 @@ class Sequence:
         if self.num_pending:
             del self.token_ids[-self.num_pending:]
             self.num_pending = 0
+
+    @property
+    def wants_prompt_logits(self) -> bool:
+        """Whether it asks for prompt logprobs it does not hold yet: its prompt is computed, never taken from the
+        prefix cache (a cached block's logits were never computed: `engine.prompt_logprobs`)."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
 
     @property
     def num_uncomputed_tokens(self) -> int:

@@ -29,17 +29,15 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 
 from engine.outputs import RequestDelta, SampleDelta
-from engine.sampling import SamplingParams
 from engine.client import EngineDeadError, RequestFailedError
-from gateway.openai import objects
-from gateway.admission import Placed, credit_shares
+from gateway.openai import echo, objects
+from gateway.admission import Placed
 from gateway.client_writes import RESPONSE_BUFFERS, ClientGone, ResponseBuffers, escaped_json, start_sse, write_within
 from gateway.monitoring.metrics import GatewayMetrics, HeldLatencies
 from gateway.openai.chat import ChatRequest
@@ -48,9 +46,11 @@ from gateway.openai.errors import ApiError, drain_cut, engine_error, renamed_fie
 from gateway.openai.reasoning import ReasoningSplitter, think_end_id
 from gateway.openai.tool_formats import format_for
 from gateway.openai.tools import ToolCallStream, ToolFormat
+from gateway.engine_streams import Routed, engine_request_id, merged
 from pools.pool import Pool
 
-Routed = Sequence[tuple[Pool, list[int]]]   # each prompt's pool and token ids
+__all__ = ["LocalResponse", "Routed", "engine_request_id", "merged"]
+
 log = logging.getLogger("cliffguard.gateway")
 
 @dataclass
@@ -69,61 +69,12 @@ class _Choice:
     tool_stream: ToolCallStream | None = None   # a streamed chat with tools: held text, calls at the end
     reasoning: ReasoningSplitter | None = None  # a thinking model's chat: its reasoning split from its content
     token_chars: int = 0   # a streamed completion's text_offset: characters of its tokens so far (sent or held)
+    echoed: bool = False   # a streamed completion's echo (`gateway.openai.echo`) went out
 
     @property
     def content_text(self) -> str:
         """The reply so far but its reasoning (all of it for a model that does not think)."""
         return self.text if self.reasoning is None else self.reasoning.content
-
-
-async def merged(routed: Routed, params: SamplingParams, priority: int, request_id: str,
-                 placed: dict[str, Placed], tenant: str = "default") -> AsyncIterator[tuple[int, RequestDelta]]:
-    """(prompt index, delta) from every prompt's engine request, as they arrive, each on the replica its
-    pool's part was placed on (`placed`)."""
-    shares = credit_shares([pool.name for pool, _ in routed], placed)   # what each prompt's replica counts
-
-    def generate(i: int, pool: Pool, ids: list[int]):
-        where, credits = placed[pool.name], shares[i]
-        return where.client.generate(ids, params, request_id=engine_request_id(request_id, i, len(routed)),
-                                     priority=priority, pool=pool.name, cache_salt=pool.cache_salt(tenant),
-                                     credits=credits, background=where.background)
-
-    if len(routed) == 1:
-        pool, ids = routed[0]
-        async with contextlib.aclosing(generate(0, pool, ids)) as stream:
-            async for out in stream:
-                yield 0, out
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int, pool: Pool, ids: list[int]) -> None:
-        try:
-            async with contextlib.aclosing(generate(i, pool, ids)) as stream:
-                async for out in stream:
-                    queue.put_nowait((i, out))
-        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
-            queue.put_nowait((i, exc))
-            if isinstance(exc, asyncio.CancelledError):
-                raise
-
-    tasks = [asyncio.create_task(pump(i, pool, ids)) for i, (pool, ids) in enumerate(routed)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            i, item = await queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            remaining -= bool(item.finished)
-            yield i, item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def engine_request_id(request_id: str, i: int, num_prompts: int) -> str:
-    """The engine request id of prompt i of a response (`merged`)."""
-    return request_id if num_prompts == 1 else f"{request_id}-{i}"
 
 
 class LocalResponse:
@@ -150,6 +101,8 @@ class LocalResponse:
         self.headers = {"x-cliffguard-pool": ",".join(pools),
                         "x-cliffguard-replica": ",".join(str(placed[name].replica) for name in pools)}
         self.want_logprobs = req.params.logprobs is not None
+        self.echo = not self.chat and req.echo            # each choice's text begins with its prompt
+        self._prompt_logprobs: dict[int, tuple[list, list]] = {}   # prompt index -> the engine's (echo)
         self.tool_format: ToolFormat | None = None   # a chat offering tools (not tool_choice "none"): calls parsed
         self.calls_only = False   # tool_choice required or named: a reply is calls only
         if self.chat and req.offers_calls:
@@ -309,11 +262,15 @@ class LocalResponse:
                                                        "prompt": self.req.prompt_param}))
         if out.finished and "queue_time" in out.metrics:   # sent once, with the final delta of a request that ran
             self._cached[i] = out.num_cached_tokens
+        if out.prompt_logprobs is not None:
+            self._prompt_logprobs[i] = (out.prompt_logprobs, out.prompt_top_logprobs)
         chunk_choices = []
         for c in out.outputs:
             choice = self.choices[i * self.req.params.n + c.index]
             if choice.finish_reason is not None:   # reported again with the request's last sample: nothing new
                 continue
+            if self.echo and self.req.echo_only:   # max_tokens 0: the prompt scored, the token made is no answer's
+                c = SampleDelta(c.index, "", [], 0, c.finish_reason and "length", c.stop_reason)
             choice.text += c.delta_text
             parts = self._reasoning_parts(choice, c)
             choice.num_tokens = c.num_tokens
@@ -327,9 +284,18 @@ class LocalResponse:
                 reason = self.req.calls_finish if calls else c.finish_reason
                 self.latencies.count(self.metrics.finished, choice.pool.name, reason)
             has_logprobs = self.want_logprobs and bool(c.delta_token_ids)
-            if self.req.stream and (c.delta_text or c.finish_reason or has_logprobs):
+            if self.req.stream and (c.delta_text or c.finish_reason or has_logprobs or self.echo and not choice.echoed):
                 chunk_choices.append(self._stream_choice(choice, c, has_logprobs, parts))
         return chunk_choices
+
+    def _echo(self, choice: _Choice) -> tuple[str, dict[str, Any] | None]:
+        """A completion choice's echo: its prompt's text, and its prompt tokens' logprobs when asked for."""
+        i = choice.index // self.req.params.n
+        text, ids = echo.echo_text(self.req.prompts[i], choice.pool), self.routed[i][1]
+        if not self.want_logprobs:
+            return text, None
+        logprobs, top = self._prompt_logprobs.get(i, ([], []))
+        return text, echo.prompt_logprobs(ids, logprobs, top, choice.pool)
 
     @staticmethod
     def _reasoning_parts(choice: _Choice, c: SampleDelta) -> tuple[str, str] | None:
@@ -347,10 +313,14 @@ class LocalResponse:
                        parts: tuple[str, str] | None) -> dict[str, Any]:
         ids, pool, lps, tops = c.delta_token_ids, choice.pool, c.delta_logprobs or [], c.delta_top_logprobs or []
         if not self.chat:   # offsets count the tokens' characters, sent or held (the 4 before may begin one)
+            head, head_lp = self._echo(choice) if self.echo and not choice.echoed else ("", None)
+            choice.echoed, choice.token_chars = True, choice.token_chars + len(head)
             lp, choice.token_chars = objects.completion_logprobs_from(
                 ids, lps, tops, pool.token_text, pool.token_bytes, choice.token_chars,
                 choice.token_ids[-len(ids) - 4:-len(ids)]) if has_logprobs else (None, choice.token_chars)
-            return {"index": choice.index, "text": c.delta_text, "logprobs": lp, "finish_reason": c.finish_reason}
+            lp = echo.joined(head_lp, lp) if head_lp is not None else lp
+            return {"index": choice.index, "text": head + c.delta_text, "logprobs": lp,
+                    "finish_reason": c.finish_reason}
         lp = objects.chat_logprobs(ids, lps, tops, pool.token_text, pool.token_bytes) if has_logprobs else None
         delta: dict[str, Any] = {} if choice.sent_role else {"role": "assistant"}   # the role in the first only
         choice.sent_role = True
@@ -458,14 +428,15 @@ class LocalResponse:
         body_choices = []
         for index in sorted(self.choices):
             choice = self.choices[index]
-            lp = None
+            lp, (head, head_lp) = None, self._echo(choice) if self.echo else ("", None)
             if self.want_logprobs:
                 lp = objects.chat_logprobs(choice.token_ids, choice.logprobs, choice.top_logprobs,
                                            choice.pool.token_text, choice.pool.token_bytes) if self.chat else \
                     objects.completion_logprobs(choice.token_ids, choice.logprobs, choice.top_logprobs,
-                                                choice.pool.token_text, choice.pool.token_bytes)
+                                                choice.pool.token_text, choice.pool.token_bytes, len(head))
             if not self.chat:
-                body_choices.append(objects.completion_choice(index, choice.text, lp, choice.finish_reason))
+                lp = echo.joined(head_lp, lp) if head_lp is not None else lp
+                body_choices.append(objects.completion_choice(index, head + choice.text, lp, choice.finish_reason))
                 continue
             finish_reason = choice.finish_reason
             content, calls = self._reply(choice)

@@ -8,6 +8,7 @@ another order.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -178,11 +179,12 @@ def _engine(model: str, tp: int, num_blocks: int = 256, overlap: bool | None = N
                      progress=False)
 
 
-def _generate(engine: LLMEngine, prompts) -> list:
+def _generate(engine: LLMEngine, prompts, params: SamplingParams | None = None) -> list:
+    """Each prompt's first sample (with `params`: each request's output)."""
     try:
-        outs = engine.generate(prompts, GREEDY)
+        outs = engine.generate(prompts, params or GREEDY)
         assert_all_free(engine)
-        return [o.outputs[0] for o in outs]
+        return outs if params is not None else [o.outputs[0] for o in outs]
     finally:
         engine.close()
 
@@ -231,11 +233,17 @@ def test_swapped_and_copied_blocks_move_on_every_rank(llama, prompts):
     # 10 blocks of 16 tokens: the five prompts together do not fit, so victims are swapped out and in,
     # and the other rank must move its shard of their blocks exactly as rank 0 does; with overlapped
     # steps, whose placeholders it fills from rank 0's sampled ids.
-    reference = _generate(_engine(llama, 1), prompts)
+    # Each prompt's logprobs too: the other rank computes the logits of the same prompt rows (their gather
+    # pairs up) and rank 0's equal one rank's.
+    params = dataclasses.replace(GREEDY, prompt_logprobs=2)
+    reference = _generate(_engine(llama, 1), prompts, params)
     engine = _engine(llama, 2, num_blocks=10, overlap=True, preemption_mode="swap", swap_space_bytes=1 << 20)
-    got = _generate(engine, prompts)
+    got = _generate(engine, prompts, params)
     assert engine.schedulers["default"].stats.num_swap_preemptions > 0
-    _assert_same_or_near_tie(reference, got)
+    _assert_same_or_near_tie([o.outputs[0] for o in reference], [o.outputs[0] for o in got])
+    for ref, out in zip(reference, got):
+        torch.testing.assert_close(torch.tensor(out.prompt_logprobs), torch.tensor(ref.prompt_logprobs),
+                                   atol=1e-4, rtol=0)
 
 
 @pytest.mark.slow   # model-size: the tiny models' two ranks of each architecture, and three served ranks run by default

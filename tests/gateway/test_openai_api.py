@@ -160,8 +160,8 @@ BAD_COMPLETION = [
     ("missing prompt", {"model": "m"}, "prompt"),
     ("prompt wrong type", dict(COMPLETION, prompt=5), "prompt"),
     ("prompt list with bad item", dict(COMPLETION, prompt=["a", 5]), "prompt[1]"),
-    ("echo unsupported", dict(COMPLETION, echo=True), "echo"),
-    ("echo to score a prompt", dict(COMPLETION, echo=True, max_tokens=0, logprobs=1), "echo"),   # not max_tokens
+    ("max_tokens 0 without echo", dict(COMPLETION, max_tokens=0, logprobs=1), "max_tokens"),
+    ("echo not a bool", dict(COMPLETION, echo="yes", max_tokens=0), "echo"),
     ("suffix unsupported", dict(COMPLETION, suffix="x"), "suffix"),
     ("best_of differs from n", dict(COMPLETION, best_of=3), "best_of"),
     ("logprobs too many", dict(COMPLETION, logprobs=30), "logprobs"),
@@ -177,3 +177,14 @@ def test_bad_completion_requests_name_the_field(case, body, param):
     with pytest.raises(ApiError) as info:
         parse_completion(body)
     assert info.value.status == 400 and info.value.param == param
+
+
+def test_echo_asks_for_the_prompts_logprobs_and_max_tokens_0_scores_the_prompt_alone():
+    scored = parse_completion(dict(COMPLETION, prompt=[5, 6, 7], echo=True, max_tokens=0, logprobs=1))
+    assert scored.echo and scored.echo_only
+    assert scored.params.max_tokens == 1 and scored.params.prompt_logprobs == 1 and scored.params.logprobs == 1
+    echoed = parse_completion(dict(COMPLETION, echo=True, max_tokens=4))
+    assert echoed.echo and not echoed.echo_only and echoed.params.max_tokens == 4
+    assert echoed.params.prompt_logprobs is None   # no logprobs: the prompt may come from the prefix cache
+    plain = parse_completion(dict(COMPLETION, logprobs=2))
+    assert not plain.echo and plain.params.prompt_logprobs is None

@@ -158,3 +158,42 @@ def test_each_streamed_choice_finishes_once_when_samples_end_in_different_steps(
                 if choice.finish_reason:
                     finishes[choice.index] = finishes.get(choice.index, 0) + 1
         assert finishes == {0: 1, 1: 1, 2: 1}, (seed, finishes)
+
+
+def test_echo_scores_a_prompt_as_transformers_does(sdk, hf_smollm2, builtin_path):
+    """lm-evaluation-harness's loglikelihood request (token ids, `echo`, `max_tokens: 0`, `logprobs: 1`): the prompt
+    as the text, each token's logprob as transformers' log-softmax gives it (the first null), nothing generated.
+    Then the same prompt as a string, echoed before a generated answer, streamed and whole alike."""
+    import torch
+
+    from engine.tokenizer import Tokenizer
+
+    ids = Tokenizer.from_folder(builtin_path).encode("The capital of France is Paris. The capital of Italy is")
+    scored = sdk.completions.create(model=MODEL, prompt=ids, echo=True, max_tokens=0, logprobs=1, temperature=0)
+    choice, lp = scored.choices[0], scored.choices[0].logprobs
+    assert scored.usage.completion_tokens == 0 and scored.usage.prompt_tokens == len(ids)
+    assert choice.finish_reason == "length" and choice.text == "".join(lp.tokens)
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == len(ids)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.text_offset == [len("".join(lp.tokens[:k])) for k in range(len(ids))]
+    with torch.no_grad():
+        want = torch.log_softmax(hf_smollm2(torch.tensor([ids])).logits[0].float(), dim=-1)[:-1]
+    chosen = want.gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor(lp.token_logprobs[1:]), chosen, atol=2e-3, rtol=0)
+    for k, top in enumerate(lp.top_logprobs[1:]):   # the best token's logprob there, and the prompt's own
+        assert abs(max(top.values()) - want[k].max().item()) < 2e-3 and lp.tokens[k + 1] in top
+
+    prompt = choice.text
+    whole = sdk.completions.create(model=MODEL, prompt=prompt, echo=True, max_tokens=4, logprobs=2, temperature=0)
+    streamed = list(sdk.completions.create(model=MODEL, prompt=prompt, echo=True, max_tokens=4, logprobs=2,
+                                           temperature=0, stream=True))
+    got = whole.choices[0]
+    assert got.text.startswith(prompt) and len(got.text) > len(prompt) and whole.usage.completion_tokens == 4
+    assert "".join(c.choices[0].text for c in streamed) == got.text
+    assert len(got.logprobs.tokens) == len(ids) + 4 and got.logprobs.token_logprobs[0] is None
+    torch.testing.assert_close(torch.tensor(got.logprobs.token_logprobs[1:len(ids)]),
+                               torch.tensor(lp.token_logprobs[1:]), atol=1e-4, rtol=0)
+    assert got.logprobs.text_offset[len(ids)] == len(prompt)   # the answer's first token, after the echo
+    chunks = [c.choices[0].logprobs for c in streamed if c.choices[0].logprobs]
+    assert sum((c.tokens for c in chunks), []) == got.logprobs.tokens
+    assert sum((c.text_offset for c in chunks), []) == got.logprobs.text_offset
