@@ -21,10 +21,10 @@ from gateway.admission import bearer_key
 from gateway.completion import Completion, constrained, with_model_defaults
 from gateway.handlers import parsed, read_json
 from gateway.openai import objects
-from gateway.openai.chat import ChatRequest
 from gateway.openai.errors import ApiError, bad_request
 from gateway.openai.input_items import input_items_page
-from gateway.openai.responses import ResponsesAnswer, parse_responses, response_error, response_object
+from gateway.openai.responses import (ResponsesAnswer, ResponsesRequest, parse_responses, response_error,
+                                      response_object)
 from gateway.openai.sampling_fields import check_context
 from gateway.openai.stored_responses import (RESPONSES, KeptResponses, finished_response, own_fields, relayed_body,
                                              routed_chat)
@@ -101,14 +101,14 @@ async def create_response(request: web.Request) -> web.StreamResponse:
                 _kept(request, key)
         asked = dataclasses.replace(asked, store=False)
     if asked.background:
-        sampled = await _checked(gateway, asked.chat)   # refused now as a foreground request is, not kept `failed`
+        sampled = await _checked(gateway, asked)   # refused now as a foreground request is, not kept `failed`
         return web.json_response(await kept.queue(asked, body, owner=owner, tenant=tenant, sampled=sampled))
     keep = None
     if asked.store:
         keep = functools.partial(kept.keep, owner=owner, tenant=tenant, request=body, items=asked.items,
                                  parent=asked.previous_response_id)
     req = asked.chat
-    routed = [await routed_chat(gateway, req)]
+    routed = [await routed_chat(gateway, req, asked.truncation)]
     completion = functools.partial(Completion, gateway, req, routed, relayed_body(body, asked), "/responses", received,
                                    tenant, http=request)
     if keep is not None and routed[0][0].is_upstream:
@@ -151,12 +151,13 @@ def _kept_stream(ours: dict[str, Any], keep: Callable[[dict[str, Any]], Awaitabl
     return ResponseEdit(own, kept, failed)
 
 
-async def _checked(gateway: Gateway, req: ChatRequest) -> SamplingParams:
+async def _checked(gateway: Gateway, asked: ResponsesRequest) -> SamplingParams:
     """A background request refused before it is kept, as `Completion` refuses a foreground one before it
     runs: routing (an unknown model is a 404, a prompt no pool's context holds a 400), the room left for
     `max_output_tokens` in the pool's context, and on a local pool the grammar on the reply. Its run routes
     again (a restart runs it from the kept request). What its run will sample with, which its Response says."""
-    pool, ids = await routed_chat(gateway, req)
+    req = asked.chat
+    pool, ids = await routed_chat(gateway, req, asked.truncation)
     check_context(req, len(ids), pool.max_model_len, pool.name)
     if not pool.is_upstream:
         await constrained(gateway, req, pool, ids)

@@ -7,11 +7,11 @@ whose refusals are renamed to the Responses fields): `input` as text or items (m
 `function_call` and `function_call_output`), `instructions` (a system message first), function `tools`,
 `tool_choice`, `parallel_tool_calls`, `text.format` (text, json_object, json_schema: the chat's
 response_format), `max_output_tokens`, `temperature`, `top_p`, `stream`, `top_logprobs`, `metadata`,
-`store`, `background`, `chat_template_kwargs` (as chat's), `reasoning` (checked; whether a model thinks is
-its template's: `effort` is chat's `reasoning_effort`, the template variable, and "none" also sets
-`enable_thinking: false` unless the request's own `chat_template_kwargs` say otherwise; a summary is never
-written), and the items of the earlier turns a `previous_response_id` names (looked up by the caller, passed as
-`prior`). Routing, credits and the engine treat it as the chat it is.
+`store`, `background`, `chat_template_kwargs` (as chat's), `reasoning` (checked; whether a model thinks is its
+template's: `effort` is chat's `reasoning_effort`, the template variable, and "none" also sets `enable_thinking:
+false` unless the request's own `chat_template_kwargs` say otherwise; a summary is never written), `truncation`
+(`gateway.openai.truncation`), and the items of the earlier turns a `previous_response_id` names (looked up by the
+caller, passed as `prior`). Routing, credits and the engine treat it as the chat it is.
 
 A thinking model's reasoning (`gateway.openai.reasoning`) is a `reasoning` item before the message, its
 text one `reasoning_text` content part, its tokens `usage.output_tokens_details.reasoning_tokens`; a
@@ -58,6 +58,7 @@ class ResponsesRequest:
     store: bool = True                  # keep the Response (OpenAI's default), where the gateway has a store
     background: bool = False            # answer at once (queued), run it, keep the result
     previous_response_id: str | None = None
+    truncation: str = "disabled"        # "auto": the earliest turns dropped while the prompt does not fit
     instructions: str | None = None     # the request's own (the Response echoes them; never an input item's)
     text_format: dict[str, Any] | None = None   # the request's own text.format (the Response echoes it)
     tool_choice: str = "auto"           # without tools, the mode the Response echoes ("auto" unless "none" was said)
@@ -101,6 +102,7 @@ def parse_responses(body: Any, limits: RequestLimits = RequestLimits(),
                                  structured_param="text.format", prompt_param="input")
     return ResponsesRequest(parsed, prior + own, store=store, background=background,
                             previous_response_id=req.previous_response_id, instructions=req.instructions,
+                            truncation=req.truncation or "disabled",
                             text_format=None if req.text is None else req.text.format,
                             tool_choice=req.tool_choice if req.tool_choice == "none" else "auto")
 
@@ -233,14 +235,13 @@ def response_object(asked: ResponsesRequest, response_id: str, created_at: int, 
         "store": asked.store, "tool_choice": response_tool_choice(req.tool_choice) if req.tools else asked.tool_choice,
         "tools": [{"type": "function", "name": t.name, "description": t.description, "parameters": t.parameters,
                    "strict": t.strict} for t in req.tools or []],
-        "text": {"format": asked.text_format or {"type": "text"}}, "usage": usage,
+        "text": {"format": asked.text_format or {"type": "text"}}, "truncation": asked.truncation, "usage": usage,
     }
 
 
 # the codes of OpenAI's ResponseError that ours map to; every other code is server_error
-_RESPONSE_ERROR_CODES = {"rate_limit_exceeded": "rate_limit_exceeded", "server_error": "server_error",
-                         "context_length_exceeded": "invalid_prompt", "poison_request": "invalid_prompt",
-                         "invalid_prompt": "invalid_prompt"}
+_RESPONSE_ERROR_CODES = {"rate_limit_exceeded": "rate_limit_exceeded", "server_error": "server_error", **dict.fromkeys(
+    ("context_length_exceeded", "poison_request", "invalid_prompt"), "invalid_prompt")}
 
 
 def response_error(err: ApiError) -> dict[str, Any]:
@@ -272,8 +273,7 @@ class ResponsesAnswer(LocalResponse):
         self._message: dict[str, Any] | None = None    # the message item being streamed
         self._reasoning: dict[str, Any] | None = None  # the reasoning item, once streamed
         self._calls: dict[int, tuple[int, dict[str, Any]]] = {}   # call index -> (output index, its item)
-        self._logprobs_from = 0   # the first token whose logprob no text delta carried yet
-        self._started = False
+        self._logprobs_from, self._started = 0, False   # the first token whose logprob no delta carried yet
         self._final: dict[str, Any] | None = None     # the finished Response, once `finish` built it
 
     # --- the Response object ---------------------------------------------------------------------

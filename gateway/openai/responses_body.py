@@ -94,8 +94,8 @@ class TextOptions(msgspec.Struct, forbid_unknown_fields=True):
 
 class ResponsesBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """A Responses API body. What this server cannot honour is refused, never a silent default:
-    `truncation` but disabled (an input over the context is a 400, context_length_exceeded), a
-    `service_tier` it does not serve, an `include` but the text's logprobs."""
+    a `service_tier` it does not serve, an `include` but the text's logprobs. `truncation` `disabled` (the
+    default: an input over the context is a 400, context_length_exceeded) or `auto` (`gateway.openai.truncation`)."""
 
     model: Annotated[str, msgspec.Meta(min_length=1)]
     input: str | Annotated[list[InputItem], msgspec.Meta(min_length=1)]
@@ -115,7 +115,7 @@ class ResponsesBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     background: bool | None = None
     previous_response_id: str | None = None
     metadata: dict[str, Any] | None = None    # `_metadata`
-    truncation: Literal["disabled"] | None = None
+    truncation: Literal["auto", "disabled"] | None = None
     service_tier: Literal["auto", "default"] | None = None
     include: list[Literal["message.output_text.logprobs"]] | None = None   # the logprobs' only switch
     chat_template_kwargs: dict[str, Any] | None = None   # as chat's (vLLM's)

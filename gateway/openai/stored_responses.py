@@ -58,6 +58,7 @@ from gateway.openai.errors import ApiError, bad_request, storage_unavailable
 from gateway.openai.responses import (ResponsesAnswer, ResponsesRequest, parse_responses, renamed, response_error,
                                       response_object)
 from gateway.openai.responses_body import relayed_item
+from gateway.openai.truncation import routed_truncated
 from gateway.runtime import Gateway
 from pools.pool import Pool
 from pools.store.batch_store import STORAGE_ERRORS
@@ -231,7 +232,7 @@ class KeptResponses:
                              gateway.config.gateway.limits)
         asked = dataclasses.replace(asked, previous_response_id=body.get("previous_response_id"))
         req = asked.chat
-        routed = [await routed_chat(gateway, req)]
+        routed = [await routed_chat(gateway, req, asked.truncation)]
         if routed[0][0].is_upstream:
             if stored.id in self._were_running:   # in progress there: it was sent
                 raise ApiError(502, f"{stored.id}: sent to its upstream pool before the gateway stopped, which cut "
@@ -332,10 +333,18 @@ def relayed_body(body: dict[str, Any], asked: ResponsesRequest) -> dict[str, Any
     return {**relayed, "input": earlier + own, "store": False}
 
 
-async def routed_chat(gateway: Gateway, req: ChatRequest) -> tuple[Pool, list[int]]:
-    """The request's chat counted and routed; a refusal names the Responses field (`input`, not `messages`)."""
+async def routed_chat(gateway: Gateway, req: ChatRequest, truncation: str = "disabled") -> tuple[Pool, list[int]]:
+    """The request's chat counted and routed, its earliest turns dropped until it fits under `truncation: auto`
+    (`gateway.openai.truncation`); a refusal names the Responses field (`input`, not `messages`)."""
     try:
-        return await gateway.route_chat(req.model, req.messages, req.tools, req.chat_template_kwargs, req.offers_calls)
+        try:
+            routed = await gateway.route_chat(req.model, req.messages, req.tools, req.chat_template_kwargs,
+                                              req.offers_calls)
+        except ApiError as err:
+            if truncation != "auto" or err.code != "context_length_exceeded":
+                raise
+            return await routed_truncated(gateway, req, err, None)
+        return routed if truncation != "auto" else await routed_truncated(gateway, req, None, routed)
     except ApiError as err:
         raise renamed(err) from None
 

@@ -163,7 +163,7 @@ async def test_a_call_cut_by_max_output_tokens_is_an_incomplete_call_whole_and_s
     ({"input": [{"role": "user"}]}, "input[0].content"),
     ({"input": [{"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
                 {"type": "function_call_output", "call_id": "c1"}]}, "input[1].output"),
-    ({"truncation": "auto"}, "truncation"),
+    ({"truncation": "middle"}, "truncation"),
     ({"service_tier": "flex"}, "service_tier"),
     ({"include": ["reasoning.encrypted_content"]}, "include[0]"),
     ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
