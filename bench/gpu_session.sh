@@ -62,7 +62,8 @@ for what in ${GPU_STEPS:-tests kernels kernels_fp8 engine}; do
     tests)   CLIFFGUARD_BUILTIN_DIR=${CLIFFGUARD_BUILTIN_DIR:-$PWD/.gpu/smollm2} TRITON_INTERPRET=0 step gpu_tests $PY -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_triton.py \
                tests/kernels/test_triton_prefill.py tests/kernels/test_triton_fused.py tests/kernels/test_triton_moe.py \
                tests/engine/test_sampling.py \
-               tests/engine/test_cuda_graphs.py tests/engine/test_overlap.py tests/kernels/test_transfer.py \
+               tests/engine/test_cuda_graphs.py tests/engine/test_overlap.py tests/engine/test_prompt_logprobs.py \
+               tests/kernels/test_transfer.py \
                tests/kernels/test_engine_triton.py ;;
     kernels) step bench_kernels $CLI bench kernels ;;
     kernels_fp8) step bench_kernels_fp8 $CLI bench kernels --kv-dtype fp8 ;;

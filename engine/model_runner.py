@@ -78,7 +78,7 @@ class _Forward:
             else:
                 hidden = self.model(input_ids, positions, self.kv_cache.layers, meta, self.backend)
             if plan.prompt_rows:
-                self.prompt_spans.results = prompt_logprobs.compute(self.model, hidden, plan)
+                self.prompt_spans.hold(prompt_logprobs.compute(self.model, hidden, plan))
             if not plan.sample_rows:
                 return None
             rows = to_device(plan.sample_rows, torch.int64, device)

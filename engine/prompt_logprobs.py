@@ -21,6 +21,7 @@ import torch
 
 from engine.parallel import StepPlan
 from engine.sequence import Sequence
+from kernels.transfer import to_device, to_host
 
 __all__ = ["PromptSpans", "SLICE_ROWS", "compute", "plan_rows"]
 
@@ -33,12 +34,24 @@ class PromptSpans:
     then the step's results (`compute`'s tensors), read to the host by `apply`."""
 
     spans: list[tuple[Sequence, int, int]] = field(default_factory=list)
-    results: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    results: tuple[torch.Tensor, ...] | None = None
+    _event: torch.cuda.Event | None = None
+
+    def hold(self, results: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+        """Keep a step's results; on CUDA copied to pinned host memory behind the step's kernels, an event marking
+        their end, so `apply` waits for this step only, not for the one launched after it (overlapped steps)."""
+        if results[0].device.type == "cuda":
+            results = tuple(to_host(t) for t in results)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        self.results = results
 
     def apply(self) -> None:
         """Extend each sequence's `prompt_logprobs` and `prompt_top_logprobs` by the positions it lacks."""
         if self.results is None:
             return
+        if self._event is not None:
+            self._event.synchronize()
         chosen, top_values, top_ids = (t.tolist() for t in self.results)
         row = 0
         for seq, first, count in self.spans:
@@ -68,8 +81,7 @@ def compute(model, hidden: torch.Tensor, plan: StepPlan) -> tuple[torch.Tensor, 
     """The plan's prompt rows as (each target's logprob [R], the top `prompt_top` logprobs [R, k] and their ids),
     float32, from `hidden` [num_tokens, hidden_size]. Every rank calls it (the logits' gather pairs up)."""
     device = hidden.device
-    rows = torch.tensor(plan.prompt_rows, dtype=torch.int64, device=device)
-    targets = torch.tensor(plan.prompt_targets, dtype=torch.int64, device=device)
+    rows, targets = (to_device(values, torch.int64, device) for values in (plan.prompt_rows, plan.prompt_targets))
     chosen, values, ids = [], [], []
     for i in range(0, len(plan.prompt_rows), SLICE_ROWS):
         logprobs = torch.log_softmax(model.compute_logits(hidden[rows[i:i + SLICE_ROWS]]).float(), dim=-1)
