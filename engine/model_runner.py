@@ -29,7 +29,6 @@ from engine import prompt_logprobs
 from engine.overlap import fill_pending
 from engine.parallel import (CaptureGraphs, Collectives, FollowerArgs, PlanLink, RankSetup, ShardShape, StepPlan,
                              TensorParallelGroup, die_with_parent, join_group)
-from engine.prompt_logprobs import PromptSpans
 from engine.scheduler_output import ScheduledSeq
 from engine.sequence import Sequence
 from kernels import get_backend
@@ -51,7 +50,7 @@ class _Forward:
     last_inputs_seconds: float = 0.0   # host seconds the last `run` spent making its inputs
     graphs: DecodeGraphs | None = None   # decode steps as CUDA graph replays (`capture_graphs`)
     pending_tokens: torch.Tensor | None = None   # overlapped steps: the step in flight's sampled ids [num_sampled]
-    prompt_spans: PromptSpans   # the last plan's prompt-logprob rows, and their results (rank 0 reads them)
+    prompt_spans: prompt_logprobs.PromptSpans   # the last plan's prompt-logprob rows and their results (rank 0's)
 
     def _grad_mode(self):
         # gloo collectives need autograd's bookkeeping off the tensors, not inference tensors
@@ -142,7 +141,7 @@ class ModelRunner(_Forward):
         self.tensor_parallel = self.group.size > 1
         self.swap_spaces: dict[str, SwapSpace] = {}
         self.input_batch = InputBatch(max_rows, max_blocks, kv_cache.block_size, device)
-        self.prompt_spans = PromptSpans()
+        self.prompt_spans = prompt_logprobs.PromptSpans()
         self._moves: list[tuple[str, str, list[tuple[int, int]]]] = []   # for the followers' next plan
 
     def plan(self, batch: list[ScheduledSeq]) -> tuple[StepPlan, list[Sequence]]:
@@ -150,7 +149,7 @@ class ModelRunner(_Forward):
         and the sequences that produce a token this step (in sample-row order)."""
         plan = StepPlan()
         sampled: list[Sequence] = []
-        self.prompt_spans = spans = PromptSpans()
+        self.prompt_spans = spans = prompt_logprobs.PromptSpans()
         plan.rows, plan.row_updates = self.input_batch.assign((item.seq.seq_id, item.seq.block_table)
                                                               for item in batch)
         input_ids, positions, sample_rows = plan.input_ids, plan.positions, plan.sample_rows
@@ -251,7 +250,7 @@ class FollowerRunner(_Forward):
         self.tensor_parallel = True
         self.swap_spaces = {}
         self.input_batch = InputBatch(64, 64, kv_cache.block_size, device)   # rows as rank 0's plans update them
-        self.prompt_spans = PromptSpans()
+        self.prompt_spans = prompt_logprobs.PromptSpans()
 
     @classmethod
     def load(cls, config: EngineConfig, rank: int, size: int, device: torch.device, collectives: Collectives,

@@ -121,6 +121,21 @@ def assert_all_free(engine) -> None:
                 f"pool {scheduler.name}: CPU swap blocks leaked"
 
 
+def launches_never_sync(monkeypatch, engine) -> None:
+    """From now on every step `engine` launches (its inputs, forward pass, sampling, the copies of its results)
+    raises if it synchronizes the CUDA stream (torch's sync debug mode, on around `_execute` only)."""
+    execute = engine._execute
+
+    def launch_checked(scheduled):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return execute(scheduled)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    monkeypatch.setattr(engine, "_execute", launch_checked)
+
+
 def started_replica(config, timeout: float = 60.0):
     """An `engine.remote.ReplicaServer` of `config` on 127.0.0.1, started, once its load has ended (ready,
     or failed: its `state` says which)."""

@@ -16,7 +16,7 @@ from engine.overlap import fill_pending, overlap_applies
 from engine.sampler import Sampler, SampledTokens
 from engine.sampling import SamplingParams
 from engine.sequence import pending_token
-from tests.conftest import assert_all_free, make_tiny_model
+from tests.conftest import assert_all_free, launches_never_sync, make_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -244,16 +244,7 @@ def test_on_cuda_a_step_is_launched_without_waiting_for_the_device(tiny_path, mo
     engine = _engine(tiny_path, None, device="cuda")
     assert engine.overlap
     engine.generate(PROMPTS[:1], params)   # the first penalized rows, kernels compiled
-    execute = engine._execute
-
-    def launch_checked(scheduled):
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            return execute(scheduled)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-
-    monkeypatch.setattr(engine, "_execute", launch_checked)
+    launches_never_sync(monkeypatch, engine)
     assert [_result(o) for o in engine.generate(PROMPTS, params)] == reference
     assert_all_free(engine)
 

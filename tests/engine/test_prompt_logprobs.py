@@ -10,7 +10,7 @@ import torch
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestDelta
 from engine.sampling import SamplingParams
-from tests.conftest import assert_all_free, make_tiny_model
+from tests.conftest import assert_all_free, launches_never_sync, make_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -111,16 +111,7 @@ def test_on_cuda_prompt_logprobs_keep_the_overlap_and_match_transformers(tiny, h
     engine = _engine(tiny, num_blocks=12, max_num_batched_tokens=32, device="cuda")
     assert engine.overlap
     engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=1))   # compiled
-    execute = engine._execute
-
-    def launch_checked(scheduled):
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            return execute(scheduled)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-
-    monkeypatch.setattr(engine, "_execute", launch_checked)
+    launches_never_sync(monkeypatch, engine)
     prompts = [[1, *range(60 + i, 60 + i + 90)] for i in range(3)]
     outs = engine.generate(prompts, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, prompt_logprobs=2))
     for out, prompt in zip(outs, prompts):

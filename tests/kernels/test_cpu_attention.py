@@ -273,14 +273,14 @@ def test_a_library_another_user_could_have_written_is_never_loaded(tmp_path, mon
         assert not target.is_symlink() and target.stat().st_uid == os.geteuid(), plant
 
 
-def test_a_failed_compile_is_not_tried_again_elsewhere(tmp_path, monkeypatch):
-    """A compiler that fails (or hangs: COMPILE_SECONDS each) failed again in the temporary folder: twice the
-    wait at a worker's start. Only a folder's own failure moves the build to the next one."""
+def _failing_compiler(tmp_path, monkeypatch, message: str):
+    """(A one-line C source, the file each compiler call adds a line to, the compiler): `$CC` a script that
+    fails saying `message`, the cache folder and a temporary one under `tmp_path`."""
     import tempfile
 
     calls = tmp_path / "calls"
     compiler = tmp_path / "cc"
-    compiler.write_text(f"#!/bin/sh\necho x >> {calls}\necho 'no such flag' >&2\nexit 1\n")
+    compiler.write_text(f"#!/bin/sh\necho x >> {calls}\necho '{message}' >&2\nexit 1\n")
     compiler.chmod(0o755)
     source = tmp_path / "one.c"
     source.write_text("int one(void) { return 1; }\n")
@@ -288,6 +288,13 @@ def test_a_failed_compile_is_not_tried_again_elsewhere(tmp_path, monkeypatch):
     monkeypatch.setenv("CLIFFGUARD_KERNEL_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
+    return source, calls, compiler
+
+
+def test_a_failed_compile_is_not_tried_again_elsewhere(tmp_path, monkeypatch):
+    """A compiler that fails (or hangs: COMPILE_SECONDS each) failed again in the temporary folder: twice the
+    wait at a worker's start. Only a folder's own failure moves the build to the next one."""
+    source, calls, _ = _failing_compiler(tmp_path, monkeypatch, "no such flag")
     assert load_c_library(source, ["-O1"], {"one": []}) is None
     assert calls.read_text().count("x") == 1
 
@@ -297,21 +304,11 @@ def test_a_failed_compile_is_remembered_across_processes_with_the_same_compiler(
     start: seconds past the 2 s restart, COMPILE_SECONDS for a hung compiler. The failure is kept beside the
     build, named in the warning, and passed over once the compiler changes, the file is deleted or it is old."""
     import shutil
-    import tempfile
     import time
 
     from kernels import cpu_build
 
-    calls = tmp_path / "calls"
-    compiler = tmp_path / "cc"
-    compiler.write_text(f"#!/bin/sh\necho x >> {calls}\necho 'unrecognized option -fopenmp' >&2\nexit 1\n")
-    compiler.chmod(0o755)
-    source = tmp_path / "one.c"
-    source.write_text("int one(void) { return 1; }\n")
-    monkeypatch.setenv("CC", str(compiler))
-    monkeypatch.setenv("CLIFFGUARD_KERNEL_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
-    (tmp_path / "tmp").mkdir()
+    source, calls, compiler = _failing_compiler(tmp_path, monkeypatch, "unrecognized option -fopenmp")
     assert load_c_library(source, ["-O1"], {"one": []}) is None
     (failed,) = (tmp_path / "cache").glob("one-*.failed")
     assert list((tmp_path / "cache").iterdir()) == [failed] and failed.stat().st_mode & 0o777 == 0o644
