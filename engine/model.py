@@ -1,6 +1,6 @@
 """One model file for the Llama family: Llama 2/3 (llama3 and YaRN rope scaling), Qwen2 (q/k/v bias), Qwen3
 (each q and k head RMS-normed before rotary), Mistral (sliding window); grouped-query attention; tied or
-untied embeddings.
+untied embeddings. The variants in `engine.models` (Gemma 3, Qwen3-MoE, Mixtral, Phi-3) build on it.
 
 The forward pass takes the whole step's tokens flat, `[num_tokens]`, sequence after sequence, with no
 padding; attention reads and writes the paged KV cache through `AttentionMetadata`. Only the rows
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from types import ModuleType
 
@@ -235,10 +235,7 @@ class LlamaForCausalLM(nn.Module):
         parts: dict[tuple[str, int], str] = {}   # (parameter, storage offset of the part) -> the tensor that filled it
         stored_head: torch.Tensor | None = None
         prefix = self.config.text_weights_prefix   # a multimodal checkpoint: its text model's tensors only
-        for hf_name, tensor in weights:
-            name = model_tensor_name(hf_name, prefix)
-            if name is None:
-                continue   # the vision tower, the projector
+        for hf_name, name, tensor in self._read_tensors(weights, prefix):
             if "rotary_emb" in name:
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
@@ -247,7 +244,7 @@ class LlamaForCausalLM(nn.Module):
             if name.endswith(KV_SCALE_NAMES):   # an FP8 checkpoint's per-layer KV scales
                 self._kv_scale(hf_name, name, tensor)
                 continue
-            target, part = self._destination(name)
+            target, part = self._destination(name, hf_name)
             if target not in params:
                 raise WeightLoadError(f"{hf_name}: not a tensor of {self.config.architecture} with this config")
             if not tensor.is_floating_point() or tensor.element_size() == 1:
@@ -321,10 +318,24 @@ class LlamaForCausalLM(nn.Module):
             self.kv_scales_read.add((int(parts[1]), attr))
         self.kv_scales_from_checkpoint = True
 
-    def _destination(self, name: str) -> tuple[str, Callable[[torch.Tensor], torch.Tensor]]:
-        """Where checkpoint tensor `name` (without "model.") goes: our parameter's name, and the part of
-        it (a view of its data) the tensor fills: q/k/v into the fused qkv_proj's rows, gate/up into
-        gate_up_proj's, in this rank's sizes; anything else the whole parameter of the same name."""
+    def _read_tensors(self, weights: Iterable[tuple[str, torch.Tensor]],
+                      prefix: str) -> Iterator[tuple[str, str, torch.Tensor]]:
+        """The checkpoint's tensors as (stored name, name read, tensor), the text model's alone (`prefix`)."""
+        for hf_name, tensor in weights:
+            name = model_tensor_name(hf_name, prefix)
+            if name is not None:   # else the vision tower, the projector
+                yield from ((hf_name, *read) for read in self.read_tensor(hf_name, name, tensor))
+
+    def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
+        """A checkpoint tensor (`name` without "model."; `hf_name` as stored, which errors name) as this
+        family's loading reads it: itself. A family whose checkpoints name a module otherwise (Mixtral's experts)
+        renames it, one that stores fused what the cuts take apart (Phi-3's qkv_proj) splits it, here."""
+        return ((name, tensor),)
+
+    def _destination(self, name: str, hf_name: str) -> tuple[str, Callable[[torch.Tensor], torch.Tensor]]:
+        """Where checkpoint tensor `name` (without "model."; `hf_name` as stored, which errors name) goes: our
+        parameter's name, and the part of it (a view of its data) the tensor fills: q/k/v into the fused qkv_proj's
+        rows, gate/up into gate_up_proj's, in this rank's sizes; anything else the whole parameter of the same name."""
         q, kv = self.layers[0].self_attn.q_size, self.layers[0].self_attn.kv_size
         inter = self.shard.intermediate_size
         fused = {  # HF suffix -> (our suffix, row offset, rows)

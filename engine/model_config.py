@@ -15,10 +15,11 @@ import torch
 
 from engine.config import ConfigError, quantizes_kv_cache_only
 from engine.config_values import REQUIRED, read_bool, read_float, read_int, read_object, read_token_ids, rope_type
-from engine.model_families import LAYER_TYPES, gemma3_fields, qwen3_moe_fields, qwen_window_fields
+from engine.model_families import (LAYER_TYPES, gemma3_fields, mixtral_fields, phi3_fields, qwen3_moe_fields,
+                                   qwen_window_fields)
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM",
-                           "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
+                           "Qwen3MoeForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", "Gemma3ForCausalLM")
 # Multimodal checkpoints served as their text model: architecture -> (the text model's, its weights' prefix)
 TEXT_MODELS = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "language_model.")}
 # transformers' Gemma3TextConfig defaults where they differ from the keys' defaults here: a composite checkpoint's
@@ -31,8 +32,11 @@ GEMMA3_TEXT_DEFAULTS = {
 # transformers' config classes' max_position_embeddings (the context served, and YaRN's original context where its
 # scaling names none) and num_key_value_heads (else one per query head), for a config.json without them
 DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32_768, "MistralForCausalLM": 131_072,
-                         "Qwen3ForCausalLM": 32_768, "Qwen3MoeForCausalLM": 32_768, "Gemma3ForCausalLM": 131_072}
-DEFAULT_KV_HEADS = {"Qwen2ForCausalLM": 32, "MistralForCausalLM": 8, "Qwen3ForCausalLM": 32, "Qwen3MoeForCausalLM": 4}
+                         "Qwen3ForCausalLM": 32_768, "Qwen3MoeForCausalLM": 32_768, "MixtralForCausalLM": 131_072,
+                         "Phi3ForCausalLM": 4096, "Gemma3ForCausalLM": 131_072}
+DEFAULT_KV_HEADS = {"Qwen2ForCausalLM": 32, "MistralForCausalLM": 8, "Qwen3ForCausalLM": 32, "Qwen3MoeForCausalLM": 4,
+                    "MixtralForCausalLM": 8}
+DEFAULT_ROPE_THETA = {"MixtralForCausalLM": 1_000_000.0}   # else 10,000 (a config.json naming no rope_theta)
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 # dynamic NTK: its base moves only past max_position_embeddings, which caps its context here: the default rope's
 SUPPORTED_ROPE_TYPES = ("default", "dynamic", "linear", "llama3", "yarn")
@@ -140,8 +144,8 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A decoder-only model's shape (Llama 2/3, Qwen2, Qwen3, Mistral, Gemma 3's text model) from an HF
-    config.json. `layer_types` (Gemma 3): each layer full or sliding; without it `sliding_window` is all's."""
+    """A decoder-only model's shape (Llama 2/3, Qwen2, Qwen3, Qwen3-MoE, Mistral, Mixtral, Phi-3, Gemma 3's text
+    model) from an HF config.json. `layer_types` (Gemma 3): each layer full or sliding; without it `sliding_window` is all's."""
 
     architecture: str
     vocab_size: int
@@ -164,12 +168,13 @@ class ModelConfig:
     layer_types: tuple[str, ...] = ()   # Gemma 3: full_attention | sliding_attention per layer; () all alike
     rope_local_theta: float | None = None   # Gemma 3: the sliding layers' rope base (no scaling)
     query_pre_attn_scalar: float | None = None   # Gemma 3: attention scale is its -1/2 power (else head_dim's)
-    num_experts: int = 0                # Qwen3-MoE: experts of a sparse layer's MLP (0: every MLP dense)
+    num_experts: int = 0                # Qwen3-MoE, Mixtral: experts of a sparse layer's MLP (0: every MLP dense)
     num_experts_per_tok: int = 0        # the experts each token is routed to (top-k of the router's softmax)
     moe_intermediate_size: int = 0      # each expert's intermediate size
     norm_topk_prob: bool = False        # the top-k weights renormalised to sum to 1
     decoder_sparse_step: int = 1        # every this many layers is sparse ...
     mlp_only_layers: tuple[int, ...] = ()   # ... except these, dense
+    moe_float_weights: bool = False     # Mixtral: the top-k weights stay float32 (Qwen3-MoE's: the model's dtype)
     text_weights_prefix: str = ""       # a multimodal checkpoint's text model: its weights' prefix (the rest skipped)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -299,8 +304,10 @@ class ModelConfig:
         hidden = read_int(cfg, "hidden_size")
         num_layers = read_int(cfg, "num_hidden_layers")
         family = gemma3_fields(cfg, num_layers) if arch == "Gemma3ForCausalLM" else \
-            qwen_window_fields(cfg, arch, num_layers) if arch.startswith("Qwen") else {}   # layer types, windows
-        moe = qwen3_moe_fields(cfg) if arch == "Qwen3MoeForCausalLM" else {}
+            qwen_window_fields(cfg, arch, num_layers) if arch.startswith("Qwen") else \
+            phi3_fields(cfg) if arch == "Phi3ForCausalLM" else {}   # layer types, windows
+        moe = qwen3_moe_fields(cfg) if arch == "Qwen3MoeForCausalLM" else \
+            mixtral_fields(cfg) if arch == "MixtralForCausalLM" else {}
         rope_theta, rope_scaling = RopeScaling.from_hf_config(*family.pop("full_rope", (cfg,)))
         sliding_window = None
         if arch == "MistralForCausalLM":   # absent: MistralConfig's 4096; null: none
@@ -316,7 +323,7 @@ class ModelConfig:
                               num_heads if "num_key_value_heads" in cfg else DEFAULT_KV_HEADS.get(arch, num_heads)),
             head_dim=read_int(cfg, "head_dim", 128 if arch == "Qwen3ForCausalLM" else hidden // num_heads),  # Qwen3: 128
             rms_norm_eps=read_float(cfg, "rms_norm_eps", 1e-6),
-            rope_theta=rope_theta if rope_theta is not None else 10000.0,
+            rope_theta=rope_theta if rope_theta is not None else DEFAULT_ROPE_THETA.get(arch, 10000.0),
             rope_scaling=rope_scaling,
             max_position_embeddings=read_int(cfg, "max_position_embeddings"),
             tie_word_embeddings=read_bool(cfg, "tie_word_embeddings", False),

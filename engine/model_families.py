@@ -1,6 +1,7 @@
 """The config.json fields of the architectures past Llama's shape, as `ModelConfig` fields: Gemma 3's layer types,
-rope bases and norms (`gemma3_fields`), Qwen3-MoE's experts (`qwen3_moe_fields`), and the sliding layers of Qwen2,
-Qwen3 and Qwen3-MoE (`qwen_window_fields`). What we do not serve is refused with a `ConfigError` naming the key."""
+rope bases and norms (`gemma3_fields`), Qwen3-MoE's and Mixtral's experts (`qwen3_moe_fields`, `mixtral_fields`),
+Phi-3's window and rope (`phi3_fields`), and the sliding layers of Qwen2, Qwen3 and Qwen3-MoE
+(`qwen_window_fields`). What we do not serve is refused with a `ConfigError` naming the key."""
 
 from __future__ import annotations
 
@@ -60,13 +61,46 @@ def qwen3_moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(only, list) or not all(is_int(i) and i >= 0 for i in only):
         raise ConfigError(f"mlp_only_layers: must be a list of layer indices, got {only!r}")
     experts = read_int(cfg, "num_experts", None) or read_int(cfg, "num_local_experts", 128)   # transformers 5's name
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise ConfigError(f"hidden_act: Qwen3-MoE's experts are served with silu only (the fused MoE kernel's), "
-                          f"got {cfg['hidden_act']!r}")
+    _check_silu(cfg, "Qwen3-MoE")
     return {"num_experts": experts, "num_experts_per_tok": read_int(cfg, "num_experts_per_tok", 8),
             "moe_intermediate_size": read_int(cfg, "moe_intermediate_size", 768),
             "norm_topk_prob": read_bool(cfg, "norm_topk_prob", False),
             "decoder_sparse_step": read_int(cfg, "decoder_sparse_step", 1), "mlp_only_layers": tuple(only)}
+
+
+def mixtral_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Mixtral's experts (transformers' `MixtralConfig` names and defaults): every layer sparse, each expert's
+    size `intermediate_size`, the top k always renormalised and kept in float32 (each expert's weighted output
+    rounded once, after the product), and a sliding window over every layer only where `sliding_window` is set."""
+    _check_silu(cfg, "Mixtral")
+    experts = read_int(cfg, "num_local_experts", None)
+    return {"num_experts": read_int(cfg, "num_experts", 8) if experts is None else experts,   # the attribute map's
+            "num_experts_per_tok": read_int(cfg, "num_experts_per_tok", 2),
+            "moe_intermediate_size": read_int(cfg, "intermediate_size"), "norm_topk_prob": True,
+            "moe_float_weights": True, "sliding_window": read_int(cfg, "sliding_window", None)}
+
+
+def phi3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Phi-3's (and Phi-4's) fields as transformers' `Phi3Config` reads them: a sliding window over every layer
+    where `sliding_window` is set. Its rope rotates `partial_rotary_factor` of each head whatever the rope
+    type (Phi-4-mini's 0.75), and it reads `su` and `yarn` as its `longrope`: neither is served, refused
+    by the key that asks for it."""
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = read_object(cfg, key)
+        if rope and rope_type(rope) in ("longrope", "su", "yarn"):
+            raise ConfigError(f"{key}.rope_type: Phi-3's longrope ({rope_type(rope)!r}, read as longrope) is not "
+                              "supported; serve a checkpoint with the default rope (Phi-3-*-4k, Phi-4)")
+        if rope and read_float(rope, "partial_rotary_factor", 1.0, path=f"{key}.") != 1.0:
+            raise ConfigError(f"{key}.partial_rotary_factor: rotating part of each head is not supported")
+    if read_float(cfg, "partial_rotary_factor", 1.0) != 1.0:
+        raise ConfigError("partial_rotary_factor: rotating part of each head is not supported")
+    return {"sliding_window": read_int(cfg, "sliding_window", None)}
+
+
+def _check_silu(cfg: dict[str, Any], family: str) -> None:
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"hidden_act: {family}'s experts are served with silu only (the fused MoE kernel's), "
+                          f"got {cfg['hidden_act']!r}")
 
 
 def qwen_window_fields(cfg: dict[str, Any], arch: str, num_layers: int) -> dict[str, Any]:

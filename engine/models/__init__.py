@@ -3,7 +3,8 @@
 The Llama family (Llama 2/3, Qwen2, Qwen3, Mistral) is `engine.model.LlamaForCausalLM`; a variant that
 changes the layer itself has a module here, built from the same shared layers (`engine.layers`) and the
 same weight loading and tensor-parallel cuts: `gemma3` (Gemma 3's text model), `qwen3_moe` (Qwen3-MoE's
-sparse layers).
+sparse layers), `mixtral` (Mixtral: those experts on every layer, under its checkpoints' names), `phi3` (Phi-3
+and Phi-4: the Llama layer, its checkpoints' fused q/k/v and gate/up split as they are read).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from engine.model_config import ModelConfig
 from engine.layers import RotaryEmbedding
 from engine.model import LlamaForCausalLM
 from engine.models.gemma3 import Gemma3ForCausalLM
+from engine.models.mixtral import MixtralForCausalLM
+from engine.models.phi3 import Phi3ForCausalLM
 from engine.models.qwen3_moe import Qwen3MoeForCausalLM
 from engine.parallel import Collectives, ShardShape
 from kernels.fused import get_fused_ops
@@ -23,7 +26,9 @@ from kernels.fused import get_fused_ops
 __all__ = ["build_model", "model_class"]
 
 _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma3ForCausalLM": Gemma3ForCausalLM,
-                                                "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM}
+                                                "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+                                                "MixtralForCausalLM": MixtralForCausalLM,
+                                                "Phi3ForCausalLM": Phi3ForCausalLM}
 
 
 def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:

@@ -56,7 +56,7 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives, ops: ModuleType) -> None:
         super().__init__()
         self.comm, self.num_experts, self.top_k = comm, config.num_experts, config.num_experts_per_tok
-        self.norm_topk_prob = config.norm_topk_prob
+        self.norm_topk_prob, self.float_weights = config.norm_topk_prob, config.moe_float_weights
         inter, hidden = shard.moe_intermediate_size, config.hidden_size
         self.gate = nn.Linear(hidden, config.num_experts, bias=False)           # the router
         self.w13 = nn.Parameter(torch.empty(config.num_experts, 2 * inter, hidden))
@@ -66,12 +66,13 @@ class SparseMoeBlock(nn.Module):
         self._grouped = True   # the grouped matmul until it fails for this dtype / device
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [num_tokens, hidden] -> (weights [num_tokens, top_k] in x's dtype, experts [num_tokens, top_k])."""
+        """x: [num_tokens, hidden] -> (weights [num_tokens, top_k] in x's dtype, float32 for Mixtral,
+        experts [num_tokens, top_k])."""
         logits = self.gate(x)                                                    # [num_tokens, num_experts]
         weights, experts = torch.topk(F.softmax(logits, dim=-1, dtype=torch.float), self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights /= weights.sum(dim=-1, keepdim=True)
-        return weights.to(logits.dtype), experts
+        return (weights if self.float_weights else weights.to(logits.dtype)), experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, hidden]
@@ -94,7 +95,7 @@ class SparseMoeBlock(nn.Module):
         for e in hits.sum(dim=(1, 2)).nonzero().flatten().tolist():              # the experts used, in order
             slot, token = torch.where(hits[e])
             h = F.linear(self.act_fn(F.linear(x[token], self.w13[e])), self.w2[e])
-            out.index_add_(0, token, h * weights[token, slot, None])
+            out.index_add_(0, token, (h * weights[token, slot, None]).to(x.dtype))
         return self.comm.all_reduce(out)
 
     def _grouped_forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
@@ -109,7 +110,7 @@ class SparseMoeBlock(nn.Module):
         h = GROUPED_MM(x[token], self.w13.transpose(1, 2), offs=ends.to(torch.int32))   # [pairs, 2 x inter]
         h = GROUPED_MM(self.act_fn(h), self.w2.transpose(1, 2), offs=ends.to(torch.int32))   # [pairs, hidden]
         out = torch.zeros_like(x)
-        return out.index_add_(0, token, h * weights.flatten()[order, None])
+        return out.index_add_(0, token, (h * weights.flatten()[order, None]).to(x.dtype))
 
 
 def _fused_moe_for(ops: ModuleType) -> Callable[..., torch.Tensor] | None:
@@ -139,16 +140,16 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
             layer.mlp = SparseMoeBlock(self.config, self.shard, self.comm, ops)
         return layer
 
-    def _destination(self, name: str) -> tuple[str, Callable[[torch.Tensor], torch.Tensor]]:
+    def _destination(self, name: str, hf_name: str) -> tuple[str, Callable[[torch.Tensor], torch.Tensor]]:
         if ".mlp.experts." not in name:
-            return super()._destination(name)
+            return super()._destination(name, hf_name)
         prefix, rest = name.split(".mlp.experts.", 1)                 # "layers.3", "17.gate_proj.weight"
         expert, _, proj = rest.partition(".")   # a fused checkpoint's "gate_up_proj": no expert index, refused
         inter = self.shard.moe_intermediate_size
         if not expert.isdigit() or proj not in ("gate_proj.weight", "up_proj.weight", "down_proj.weight"):
-            raise WeightLoadError(f"{name}: not a tensor of {self.config.architecture} with this config")
+            raise WeightLoadError(f"{hf_name}: not a tensor of {self.config.architecture} with this config")
         if int(expert) >= self.config.num_experts:
-            raise WeightLoadError(f"{name}: expert {int(expert)} of a config with num_experts "
+            raise WeightLoadError(f"{hf_name}: expert {int(expert)} of a config with num_experts "
                                   f"{self.config.num_experts}")
         e, mlp = int(expert), f"{prefix}.mlp"
         if proj == "down_proj.weight":

@@ -605,6 +605,70 @@ def test_defaults_are_transformers_config_classes():
         ModelConfig.from_hf_config({**moe, "hidden_act": "gelu_pytorch_tanh"})
 
 
+def test_mixtral_as_its_model_card_writes_it_and_its_defaults_as_transformers_reads_them():
+    """Mixtral-8x7B's config: 8 experts of 14,336 on every layer, 2 a token, renormalised, their weights kept in
+    float32; 46.7 B parameters. Keys a config.json leaves out read as transformers' MixtralConfig reads them
+    (rope_theta 1e6, 8 KV heads, 8 experts, 2 a token, a context of 131,072, no sliding window)."""
+    transformers = pytest.importorskip("transformers")
+    card = {"architectures": ["MixtralForCausalLM"], "vocab_size": 32000, "hidden_size": 4096,
+            "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+            "num_local_experts": 8, "num_experts_per_tok": 2, "rope_theta": 1e6, "max_position_embeddings": 32768,
+            "sliding_window": None, "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
+    cfg = ModelConfig.from_hf_config(card)
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (8, 2, 14336)
+    assert cfg.norm_topk_prob and cfg.moe_float_weights and not cfg.qk_norm and cfg.sliding_window is None
+    assert all(cfg.is_sparse_layer(i) for i in range(32))
+    assert cfg.num_params() == 46_702_792_704
+    bare = {k: card[k] for k in ("architectures", "vocab_size", "hidden_size", "intermediate_size",
+                                 "num_hidden_layers", "num_attention_heads")}
+    ours = ModelConfig.from_hf_config(bare)
+    theirs = transformers.MixtralConfig(**{k: v for k, v in bare.items() if k != "architectures"})
+    assert (ours.rope_theta, ours.num_kv_heads, ours.num_experts, ours.num_experts_per_tok,
+            ours.max_position_embeddings, ours.sliding_window) == \
+        (theirs.rope_parameters["rope_theta"], theirs.num_key_value_heads, theirs.num_local_experts,
+         theirs.num_experts_per_tok, theirs.max_position_embeddings, theirs.sliding_window)
+    assert ModelConfig.from_hf_config({**bare, "sliding_window": 4096}).layer_window(31) == 4096
+    assert ModelConfig.from_hf_config({**bare, "num_experts": 4}).num_experts == 4   # the attribute map's name
+    with pytest.raises(ConfigError, match="^hidden_act: Mixtral's experts are served with silu only"):
+        ModelConfig.from_hf_config({**bare, "hidden_act": "gelu_pytorch_tanh"})
+    with pytest.raises(ConfigError, match="num_experts_per_tok: 3 is over num_experts 2"):
+        ModelConfig.from_hf_config({**bare, "num_local_experts": 2, "num_experts_per_tok": 3})
+
+
+def test_phi3_as_its_model_cards_write_it_and_its_longrope_and_partial_rotary_refused_by_key():
+    """Phi-3-mini-4k's config (3.82 B parameters, a window of 2,047 over every layer) and Phi-4's (14.7 B); keys
+    left out read as transformers' Phi3Config reads them. Phi3Config reads `su` and `yarn` as its longrope and
+    rotates `partial_rotary_factor` of each head under any rope (Phi-4-mini's 0.75): each refused by its key."""
+    transformers = pytest.importorskip("transformers")
+    mini = {"architectures": ["Phi3ForCausalLM"], "vocab_size": 32064, "hidden_size": 3072, "intermediate_size": 8192,
+            "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 4096,
+            "original_max_position_embeddings": 4096, "rope_theta": 10000.0, "rope_scaling": None,
+            "sliding_window": 2047, "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
+    cfg = ModelConfig.from_hf_config(mini)
+    assert cfg.num_params() == 3_821_079_552 and cfg.layer_window(0) == cfg.layer_window(31) == 2047
+    phi4 = {**mini, "vocab_size": 100352, "hidden_size": 5120, "intermediate_size": 17920, "num_hidden_layers": 40,
+            "num_attention_heads": 40, "num_key_value_heads": 10, "max_position_embeddings": 16384,
+            "rope_theta": 250000.0, "sliding_window": None}
+    cfg = ModelConfig.from_hf_config(phi4)
+    assert cfg.num_params() == 14_659_507_200 and cfg.sliding_window is None and cfg.rope_theta == 250000.0
+    bare = {k: mini[k] for k in ("architectures", "vocab_size", "hidden_size", "intermediate_size",
+                                 "num_hidden_layers", "num_attention_heads")}
+    ours = ModelConfig.from_hf_config(bare)
+    theirs = transformers.Phi3Config(**{k: v for k, v in bare.items() if k != "architectures"})
+    assert (ours.rope_theta, ours.num_kv_heads, ours.max_position_embeddings, ours.sliding_window) == \
+        (theirs.rope_parameters["rope_theta"], theirs.num_key_value_heads, theirs.max_position_embeddings,
+         theirs.sliding_window)
+    longrope = {"rope_type": "longrope", "short_factor": [1.0] * 48, "long_factor": [2.0] * 48}
+    for change, named in [({"rope_scaling": longrope}, r"^rope_scaling\.rope_type: Phi-3's longrope"),
+                          ({"rope_scaling": {"type": "su"}}, r"^rope_scaling\.rope_type: Phi-3's longrope \('su'"),
+                          ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, r"^rope_scaling\.rope_type: .*'yarn'"),
+                          ({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.75}},
+                           r"^rope_parameters\.partial_rotary_factor: rotating part"),
+                          ({"partial_rotary_factor": 0.75}, r"^partial_rotary_factor: rotating part")]:
+        with pytest.raises(ConfigError, match=named):
+            ModelConfig.from_hf_config({**mini, **change})
+
+
 def test_a_namesake_kernels_first_on_the_path_is_refused_by_name(tmp_path):
     """A module named `kernels` found before ours (Hugging Face's distribution of that name): importing the
     engine fails at once, naming it and the fix, not on a name missing deep in one of its modules."""

@@ -120,6 +120,13 @@ TINY_MODELS = [
     ("qwen3", dict(head_dim=32, use_sliding_window=True, sliding_window=8,
                    layer_types=["sliding_attention", "full_attention"])),
     ("qwen3_moe", {**QWEN3_MOE, "use_sliding_window": True, "sliding_window": 8}),
+    # Mixtral: 8 experts of 48 (its intermediate_size), 2 a token; then 4 of 3 a token, a window of 8
+    ("mixtral", dict(intermediate_size=48, num_local_experts=8, num_experts_per_tok=2, head_dim=32)),
+    ("mixtral", dict(intermediate_size=48, num_local_experts=4, num_experts_per_tok=3, num_key_value_heads=4,
+                     head_dim=16, sliding_window=8, tie_word_embeddings=True, rope_parameters=YARN)),
+    # Phi-3: q/k/v and gate/up stored fused; then grouped KV heads, a window of 8 and a tied head
+    ("phi3", dict(num_key_value_heads=4, pad_token_id=0)),
+    ("phi3", dict(sliding_window=8, tie_word_embeddings=True, pad_token_id=0)),
 ]
 # Every architecture on the default CPU linears; the other linears on one dense and one MoE model (the
 # linears do not depend on the architecture around them).
@@ -218,13 +225,19 @@ def test_a_tied_config_whose_checkpoint_stores_another_head_serves_that_head(tmp
     assert planned(redundant).tie_word_embeddings
 
 
-@pytest.mark.parametrize("arch, overrides", [("llama", {}), ("qwen3_moe", QWEN3_MOE)])
+MLP_NAMES = {"llama": ("model.layers.0.mlp", "gate_proj", "up_proj", "down_proj"),   # a layer's MLP, its tensors
+             "qwen3_moe": ("model.layers.0.mlp.experts.1", "gate_proj", "up_proj", "down_proj"),
+             "mixtral": ("model.layers.0.block_sparse_moe.experts.1", "w1", "w3", "w2")}
+
+
+@pytest.mark.parametrize("arch, overrides", [("llama", {}), ("qwen3_moe", QWEN3_MOE), ("mixtral", TINY_MODELS[-2][1])])
 def test_a_checkpoint_that_stores_a_tensor_twice_or_lacks_one_is_refused_by_name(tmp_path, builtin_path, arch,
                                                                                  overrides):
     """A missing tensor is named. A tensor stored twice (two files of one folder, or an expert written as
     `experts.0` and `experts.00`) is refused, also when it fills the room of a missing one: counting filled
     elements alone would take it for the missing tensor and serve uninitialised memory. An expert past
-    num_experts is named too, and float8 weights (a quantized checkpoint) are refused, not cast."""
+    num_experts is named too (by the checkpoint's own name: Mixtral's `block_sparse_moe.experts.{e}.w1`), and
+    float8 weights (a quantized checkpoint) are refused, not cast."""
     from engine.model import WeightLoadError
     from engine.model_config import ModelConfig
 
@@ -240,24 +253,25 @@ def test_a_checkpoint_that_stores_a_tensor_twice_or_lacks_one_is_refused_by_name
                  state["model.layers.0.self_attn.q_proj.weight"].to(torch.float8_e4m3fn)}
     with pytest.raises(WeightLoadError, match="q_proj.weight: torch.float8_e4m3fn weights .*not supported"):
         load(quantized)   # a float8 checkpoint without its quantization_config: no silent cast
-    mlp = "model.layers.0.mlp.experts.1" if arch == "qwen3_moe" else "model.layers.0.mlp"
-    lacking = {n: t for n, t in state.items() if n != f"{mlp}.up_proj.weight"}
+    mlp, gate, up, down = MLP_NAMES[arch]
+    lacking = {n: t for n, t in state.items() if n != f"{mlp}.{up}.weight"}
     with pytest.raises(WeightLoadError, match="missing weights: layers.0.mlp") as refused:
-        load(lacking)   # the fused parameter named with the tensors that filled its other parts: not up_proj
-    assert f"{mlp}.gate_proj.weight" in str(refused.value) and ".up_proj" not in str(refused.value), refused.value
-    twice = list(lacking.items()) + [(f"{mlp}.gate_proj.weight", state[f"{mlp}.gate_proj.weight"])]
-    with pytest.raises(WeightLoadError, match=f"{mlp}.gate_proj.weight: fills the part .* stored twice"):
+        load(lacking)   # the fused parameter named with the tensors that filled its other parts: not the up one
+    assert f"{mlp}.{gate}.weight" in str(refused.value) and f".{up}" not in str(refused.value), refused.value
+    twice = list(lacking.items()) + [(f"{mlp}.{gate}.weight", state[f"{mlp}.{gate}.weight"])]
+    with pytest.raises(WeightLoadError, match=f"{mlp}.{gate}.weight: fills the part .* stored twice"):
         build_model(config, torch.float32, "cpu").load_weights(twice)
-    if arch == "qwen3_moe":
-        padded = "model.layers.0.mlp.experts.01.down_proj.weight"
-        with pytest.raises(WeightLoadError, match="experts.01.down_proj.weight: fills the part"):
-            load({**state, padded: state["model.layers.0.mlp.experts.1.down_proj.weight"]})
-        past = f"model.layers.0.mlp.experts.{config.num_experts}.down_proj.weight"
-        with pytest.raises(WeightLoadError, match=f"expert {config.num_experts} of a config with num_experts"):
-            load({**state, past: state["model.layers.0.mlp.experts.1.down_proj.weight"]})
+    if arch != "llama":
+        experts = mlp.removesuffix(".1")
+        padded = f"{experts}.01.{down}.weight"
+        with pytest.raises(WeightLoadError, match=f"experts.01.{down}.weight: fills the part"):
+            load({**state, padded: state[f"{mlp}.{down}.weight"]})
+        past = f"{experts}.{config.num_experts}.{down}.weight"
+        with pytest.raises(WeightLoadError, match=f"{past}: expert {config.num_experts} of a config with num_exp"):
+            load({**state, past: state[f"{mlp}.{down}.weight"]})
         fused = "model.layers.0.mlp.experts.gate_up_proj"   # transformers' fused layout: named, not a ValueError
-        with pytest.raises(WeightLoadError, match="experts.gate_up_proj: not a tensor of Qwen3MoeForCausalLM"):
-            load({**state, fused: state["model.layers.0.mlp.experts.1.down_proj.weight"]})
+        with pytest.raises(WeightLoadError, match=f"experts.gate_up_proj: not a tensor of {config.architecture}"):
+            load({**state, fused: state[f"{mlp}.{down}.weight"]})
 
 
 @pytest.mark.parametrize("own_head", [False, True])
@@ -405,3 +419,67 @@ def test_the_grouped_experts_equal_the_expert_loop(monkeypatch):
         with pytest.raises(torch.OutOfMemoryError):   # a step too large now: raised, the grouped matmul kept
             block(x)
         assert block._grouped is True
+
+
+def test_a_phi3_checkpoint_is_read_through_its_fused_tensors_and_a_wrong_one_is_named(tmp_path, builtin_path):
+    """Phi-3 stores each layer's q/k/v and gate/up fused: read split, so a fused tensor of the wrong rows is named
+    with the rows the config expects, and a part also stored on its own (a q_proj beside the qkv_proj) is a tensor
+    stored twice, not a silent overwrite."""
+    from engine.model import WeightLoadError
+    from engine.model_config import ModelConfig
+
+    folder = make_tiny_model(tmp_path / "phi3", "phi3", builtin_path, pad_token_id=0)
+    state = dict(iter_weights(folder))
+    qkv = "model.layers.1.self_attn.qkv_proj.weight"
+    assert qkv in state and "model.layers.1.mlp.gate_up_proj.weight" in state   # the checkpoint's own layout
+    config = ModelConfig.from_folder(folder)
+
+    def load(tensors):
+        build_model(config, torch.float32, "cpu").load_weights(tensors.items())
+
+    load(state)
+    with pytest.raises(WeightLoadError, match=rf"{qkv}: shape \(112, 64\) does not match the config \(128 rows: "
+                                              r"q_proj 64 \+ k_proj 32 \+ v_proj 32\)"):
+        load({**state, qkv: state[qkv][:112]})
+    with pytest.raises(WeightLoadError, match="fills the part .* stored twice"):
+        load({**state, "model.layers.1.self_attn.q_proj.weight": state[qkv][:64]})
+
+
+@pytest.mark.parametrize("arch", ["Qwen3MoeForCausalLM", "MixtralForCausalLM"])
+def test_a_bfloat16_expert_layer_rounds_as_transformers_does(arch):
+    """One sparse layer in bfloat16, on the loop over the experts hit, against transformers' own block with the
+    same weights: equal to the bit. Qwen3-MoE rounds the router's weights to bfloat16 before the products,
+    Mixtral keeps them float32 and rounds each product (`moe_float_weights`): Mixtral's block run with Qwen3-MoE's
+    rounding differs from transformers'."""
+    import transformers
+
+    from engine.model_config import ModelConfig
+    from engine.models.qwen3_moe import SparseMoeBlock
+    from engine.parallel import Collectives, ShardShape
+    from kernels import fused
+
+    shape = dict(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                 num_experts_per_tok=3)
+    if arch == "MixtralForCausalLM":
+        hf_config = transformers.MixtralConfig(**shape, intermediate_size=16, num_local_experts=8)
+        hf_block = transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock(hf_config)
+    else:
+        hf_config = transformers.Qwen3MoeConfig(**shape, intermediate_size=64, moe_intermediate_size=16, num_experts=8,
+                                                norm_topk_prob=True)
+        hf_block = transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock(hf_config)
+    config = ModelConfig.from_hf_config({**hf_config.to_dict(), "architectures": [arch]})
+    assert config.moe_float_weights == (arch == "MixtralForCausalLM")
+    block = SparseMoeBlock(config, ShardShape.of(config), Collectives(), fused).to(torch.bfloat16)
+    block._grouped = False   # the loop: transformers' order of the sums
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for ours, theirs in ((block.gate.weight, hf_block.gate.weight), (block.w13, hf_block.experts.gate_up_proj),
+                             (block.w2, hf_block.experts.down_proj)):
+            ours.copy_(torch.randn(ours.shape, generator=gen) * 0.3)
+            theirs.data = ours.detach().clone()
+        x = torch.randn(37, 32, generator=gen).to(torch.bfloat16)
+        expected = hf_block.to(torch.bfloat16)(x[None])[0]
+        assert torch.equal(block(x), expected)
+        if arch == "MixtralForCausalLM":
+            block.float_weights = False
+            assert not torch.equal(block(x), expected)

@@ -79,6 +79,22 @@ def test_fused_moe_equals_the_loop_over_the_experts(dtype, tokens, hidden, inter
                                msg=lambda m: f"seed {seed}: {m}")
 
 
+def test_fused_moe_takes_float32_router_weights_beside_bfloat16_activations():
+    """Mixtral's router leaves its top-k weights in float32 (`ModelConfig.moe_float_weights`): the kernels read
+    them as they are, each pair's product unrounded, the token's sum rounded once to bfloat16."""
+    seed = _make_seed()
+    gen = torch.Generator().manual_seed(seed)
+    tokens, hidden, inter, experts, top_k = 6, 40, 24, 8, 3
+    x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16)
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden ** 0.5).to(torch.bfloat16)
+    w2 = (torch.randn(experts, hidden, inter, generator=gen) / inter ** 0.5).to(torch.bfloat16)
+    weights, chosen = torch.randn(tokens, experts, generator=gen).softmax(-1).topk(top_k, dim=-1)
+    out = fused_moe(x, w13, w2, weights, chosen)
+    assert weights.dtype == torch.float32 and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), _loop(x, w13, w2, weights, chosen), atol=3e-2, rtol=3e-2,
+                               msg=lambda m: f"seed {seed}: {m}")
+
+
 def test_block_rows_follow_the_pairs_per_expert():
     assert moe_block_m(8, 128) == 16 and moe_block_m(64 * 8, 128) == 16 and moe_block_m(4096, 128) == 64
 

@@ -1,0 +1,43 @@
+"""Phi-3 and Phi-4 (`Phi3ForCausalLM`): the Llama layer, its checkpoints storing q/k/v and gate/up fused.
+
+Its checkpoints keep each layer's `self_attn.qkv_proj` ([q + 2 x kv rows, hidden]: the query heads' rows,
+then the key heads', then the value heads') and `mlp.gate_up_proj` ([2 x intermediate, hidden]: gate rows,
+then up rows), the layout our model fuses them into. `read_tensor` splits each into the q/k/v and gate/up
+tensors a Llama checkpoint stores, so one loading serves both (each part cut to a rank's heads and rows under
+tensor parallelism, a part filled twice or left out refused by name). What Phi-3 changes beside the
+tensors is config (`engine.model_families.phi3_fields`: its sliding window; its longrope and partial rotary
+refused by key).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from engine.model import LlamaForCausalLM, WeightLoadError
+
+__all__ = ["Phi3ForCausalLM"]
+
+
+class Phi3ForCausalLM(LlamaForCausalLM):
+    """The Llama model, its fused checkpoint tensors split as they are read."""
+
+    def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
+        """`layers.N.self_attn.qkv_proj.weight` as its q_proj, k_proj and v_proj rows (a bias as well), and
+        `layers.N.mlp.gate_up_proj.weight` as gate_proj and up_proj; anything else as it is."""
+        c = self.config
+        q, kv, inter = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
+        for fused, parts in ((".self_attn.qkv_proj.", (("q_proj", q), ("k_proj", kv), ("v_proj", kv))),
+                             (".mlp.gate_up_proj.", (("gate_proj", inter), ("up_proj", inter)))):
+            if fused not in name:
+                continue
+            rows = sum(size for _, size in parts)
+            if tensor.shape[0] != rows:
+                raise WeightLoadError(f"{hf_name}: shape {tuple(tensor.shape)} does not match the config "
+                                      f"({rows} rows: {' + '.join(f'{part} {size}' for part, size in parts)})")
+            head, _, suffix = name.partition(fused)
+            module = fused.strip(".").split(".")[0]
+            return [(f"{head}.{module}.{part}.{suffix}", piece)
+                    for (part, _), piece in zip(parts, tensor.split([size for _, size in parts]))]
+        return ((name, tensor),)
