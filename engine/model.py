@@ -62,6 +62,7 @@ class Attention(nn.Module):
         self.k_norm = head_norm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.rotary_emb = rotary_emb
         self.scale = config.attention_scale
+        self.softcap = config.attn_logit_softcapping or 0.0   # Gemma 2: each score capped (0: none)
         self.sliding_window = config.layer_window(layer)
         # An FP8 cache stores K / k_scale and V / v_scale (the checkpoint's, else measured at start by
         # engine.kv_scales, else 1.0); other caches ignore them. kv_observer: that measurement's hook.
@@ -82,7 +83,7 @@ class Attention(nn.Module):
             self.kv_observer(k, v)
         backend.store_kv(k, v, k_cache, v_cache, meta, k_scale=self.k_scale, v_scale=self.v_scale)
         out = backend.paged_attention(q, k_cache, v_cache, meta, self.scale, self.sliding_window,
-                                      k_scale=self.k_scale, v_scale=self.v_scale)
+                                      k_scale=self.k_scale, v_scale=self.v_scale, softcap=self.softcap)
         return self.comm.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
 
 
@@ -222,6 +223,8 @@ class LlamaForCausalLM(nn.Module):
             logits = F.linear(hidden, self.embed_tokens.weight)
         if self.shard.size > 1:
             logits = self.comm.all_gather_last(logits)[:, :self.shard.vocab_size]
+        if (cap := self.config.final_logit_softcapping) is not None:   # Gemma 2: cap x tanh(logits / cap)
+            logits = torch.tanh(logits / cap) * cap
         return logits
 
     # --- weights ---------------------------------------------------------------------------

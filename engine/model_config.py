@@ -15,11 +15,13 @@ import torch
 
 from engine.config import ConfigError, quantizes_kv_cache_only
 from engine.config_values import REQUIRED, read_bool, read_float, read_int, read_object, read_token_ids, rope_type
-from engine.model_families import (LAYER_TYPES, gemma3_fields, mixtral_fields, phi3_fields, qwen3_moe_fields,
-                                   qwen_window_fields)
+from engine.model_families import (LAYER_TYPES, gemma2_fields, gemma3_fields, mixtral_fields, phi3_fields,
+                                   qwen3_moe_fields, qwen_window_fields)
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM",
-                           "Qwen3MoeForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", "Gemma3ForCausalLM")
+                           "Qwen3MoeForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM",
+                           "Gemma3ForCausalLM")
+GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")   # Gemma's layer: four norms, scaled embeddings
 # Multimodal checkpoints served as their text model: architecture -> (the text model's, its weights' prefix)
 TEXT_MODELS = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "language_model.")}
 # transformers' Gemma3TextConfig defaults where they differ from the keys' defaults here: a composite checkpoint's
@@ -29,11 +31,17 @@ GEMMA3_TEXT_DEFAULTS = {
     "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 131_072,
     "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0, "query_pre_attn_scalar": 256, "sliding_window": 4096,
     "bos_token_id": 2, "eos_token_id": 1}
+# transformers' Gemma2Config defaults where they differ from the keys' defaults here (as GEMMA3_TEXT_DEFAULTS)
+GEMMA2_DEFAULTS = {
+    "vocab_size": 256_000, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "query_pre_attn_scalar": 256,
+    "sliding_window": 4096, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "bos_token_id": 2,
+    "eos_token_id": 1}
 # transformers' config classes' max_position_embeddings (the context served, and YaRN's original context where its
 # scaling names none) and num_key_value_heads (else one per query head), for a config.json without them
 DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32_768, "MistralForCausalLM": 131_072,
                          "Qwen3ForCausalLM": 32_768, "Qwen3MoeForCausalLM": 32_768, "MixtralForCausalLM": 131_072,
-                         "Phi3ForCausalLM": 4096, "Gemma3ForCausalLM": 131_072}
+                         "Phi3ForCausalLM": 4096, "Gemma2ForCausalLM": 8192, "Gemma3ForCausalLM": 131_072}
 DEFAULT_KV_HEADS = {"Qwen2ForCausalLM": 32, "MistralForCausalLM": 8, "Qwen3ForCausalLM": 32, "Qwen3MoeForCausalLM": 4,
                     "MixtralForCausalLM": 8}
 DEFAULT_ROPE_THETA = {"MixtralForCausalLM": 1_000_000.0}   # else 10,000 (a config.json naming no rope_theta)
@@ -144,8 +152,8 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A decoder-only model's shape (Llama 2/3, Qwen2, Qwen3, Qwen3-MoE, Mistral, Mixtral, Phi-3, Gemma 3's text
-    model) from an HF config.json. `layer_types` (Gemma 3): each layer full or sliding; without it `sliding_window` is all's."""
+    """A decoder-only model's shape (Llama 2/3, Qwen2, Qwen3, Qwen3-MoE, Mistral, Mixtral, Phi-3, Gemma 2, Gemma 3's
+    text model) from an HF config.json. `layer_types` (Gemma 3): each layer full or sliding; without it `sliding_window` is all's."""
 
     architecture: str
     vocab_size: int
@@ -175,6 +183,8 @@ class ModelConfig:
     decoder_sparse_step: int = 1        # every this many layers is sparse ...
     mlp_only_layers: tuple[int, ...] = ()   # ... except these, dense
     moe_float_weights: bool = False     # Mixtral: the top-k weights stay float32 (Qwen3-MoE's: the model's dtype)
+    attn_logit_softcapping: float | None = None    # Gemma 2: each attention score s becomes cap x tanh(s / cap)
+    final_logit_softcapping: float | None = None   # Gemma 2: so does each logit of the head
     text_weights_prefix: str = ""       # a multimodal checkpoint's text model: its weights' prefix (the rest skipped)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -227,7 +237,7 @@ class ModelConfig:
         rope = self.rope_scaling
         if rope.rope_type == "yarn":
             return max(self.max_position_embeddings, int(rope.original_max_position_embeddings * rope.factor))
-        scaled = rope.rope_type == "linear" and self.architecture != "Gemma3ForCausalLM"
+        scaled = rope.rope_type == "linear" and self.architecture not in GEMMA_ARCHITECTURES
         return int(self.max_position_embeddings * rope.factor) if scaled else self.max_position_embeddings
 
     @property
@@ -252,8 +262,9 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
 
     def rotary_cache_bytes(self, dtype: torch.dtype) -> int:
-        """Bytes of the rotary cos/sin caches each rank holds: [context_length, head_dim] each (Gemma 3: two)."""
-        return (2 if self.architecture == "Gemma3ForCausalLM" else 1) * self.context_length * self.head_dim * dtype.itemsize
+        """Bytes of the rotary cos/sin caches each rank holds: [context_length, head_dim] each (Gemma: two)."""
+        gemma = self.architecture in GEMMA_ARCHITECTURES
+        return (2 if gemma else 1) * self.context_length * self.head_dim * dtype.itemsize
 
     def num_params(self) -> int:
         """Parameters of the whole model (one rank's: engine.parallel.ShardShape.num_params)."""
@@ -270,7 +281,7 @@ class ModelConfig:
             attn += q + 2 * kv + (h if self.architecture != "Qwen2ForCausalLM" else 0)
         mlp = 3 * h * i + (2 * i + h if self.mlp_bias else 0)
         experts = self.num_experts * (3 * h * moe_i + h)   # every expert, and the router
-        norms = 4 if self.architecture == "Gemma3ForCausalLM" else 2   # Gemma 3: around the MLP too
+        norms = 4 if self.architecture in GEMMA_ARCHITECTURES else 2   # Gemma: around the MLP too
         per_layer = attn + norms * h + (2 * d if self.qk_norm else 0)
         mlps = sum(experts if self.is_sparse_layer(layer) else mlp for layer in range(self.num_layers))
         head = 0 if self.tie_word_embeddings else v * h
@@ -296,14 +307,15 @@ class ModelConfig:
         if isinstance(arch, str) and arch in TEXT_MODELS:
             return cls._from_text_config(cfg, arch)
         _check_architecture(arch)
-        if arch == "Gemma3ForCausalLM":
-            cfg = GEMMA3_TEXT_DEFAULTS | cfg
+        if arch in GEMMA_ARCHITECTURES:
+            cfg = (GEMMA2_DEFAULTS if arch == "Gemma2ForCausalLM" else GEMMA3_TEXT_DEFAULTS) | cfg
         if cfg.get("max_position_embeddings") is None:
             cfg = {**cfg, "max_position_embeddings": DEFAULT_MAX_POSITIONS[arch]}
         num_heads = read_int(cfg, "num_attention_heads")
         hidden = read_int(cfg, "hidden_size")
         num_layers = read_int(cfg, "num_hidden_layers")
         family = gemma3_fields(cfg, num_layers) if arch == "Gemma3ForCausalLM" else \
+            gemma2_fields(cfg, num_layers) if arch == "Gemma2ForCausalLM" else \
             qwen_window_fields(cfg, arch, num_layers) if arch.startswith("Qwen") else \
             phi3_fields(cfg) if arch == "Phi3ForCausalLM" else {}   # layer types, windows
         moe = qwen3_moe_fields(cfg) if arch == "Qwen3MoeForCausalLM" else \

@@ -1,7 +1,8 @@
 """The config.json fields of the architectures past Llama's shape, as `ModelConfig` fields: Gemma 3's layer types,
-rope bases and norms (`gemma3_fields`), Qwen3-MoE's and Mixtral's experts (`qwen3_moe_fields`, `mixtral_fields`),
-Phi-3's window and rope (`phi3_fields`), and the sliding layers of Qwen2, Qwen3 and Qwen3-MoE
-(`qwen_window_fields`). What we do not serve is refused with a `ConfigError` naming the key."""
+rope bases and norms (`gemma3_fields`), Gemma 2's layers and soft-capping (`gemma2_fields`), Qwen3-MoE's and
+Mixtral's experts (`qwen3_moe_fields`, `mixtral_fields`), Phi-3's window and rope (`phi3_fields`), and the sliding
+layers of Qwen2, Qwen3 and Qwen3-MoE (`qwen_window_fields`). What we do not serve is refused with a `ConfigError`
+naming the key."""
 
 from __future__ import annotations
 
@@ -19,12 +20,9 @@ def gemma3_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
     (`layer_types`, or every `sliding_window_pattern`-th layer full), the full layers' rope (with its
     scaling: `rope_parameters.full_attention`, or `rope_theta` + `rope_scaling`) and the sliding ones'
     base (`rope_parameters.sliding_attention`, or `rope_local_base_freq`). Returns ModelConfig fields, and
-    under "full_rope" the arguments of RopeScaling.from_hf_config. What we do not serve is refused."""
-    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if cfg.get(key) is not None:
-            raise ConfigError(f"{key}: logit soft-capping (Gemma 2) is not supported, got {cfg[key]!r}")
-    if cfg.get("use_bidirectional_attention"):
-        raise ConfigError("use_bidirectional_attention: only causal attention is served")
+    under "full_rope" the arguments of RopeScaling.from_hf_config; the soft-capping Gemma3TextConfig takes
+    (none by default, applied where set, as Gemma 2's). What we do not serve is refused."""
+    _check_causal(cfg)
     layer_types = _layer_types(cfg, lambda: _every_nth_full(cfg, num_layers))
     params, local = read_object(cfg, "rope_parameters"), {}
     # the full layers' yarn takes its own original context, else max_position_embeddings (never the top level's:
@@ -52,7 +50,33 @@ def gemma3_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
             read_float(cfg, "rope_local_base_freq", 10000.0),
             "query_pre_attn_scalar": float(read_int(cfg, "head_dim", 256)) if scalar is None else scalar,
             "hidden_act": cfg.get("hidden_activation") or "gelu_pytorch_tanh",   # Gemma3TextConfig reads no hidden_act
-            "tie_word_embeddings": read_bool(cfg, "tie_word_embeddings", True), "full_rope": full_rope}
+            "tie_word_embeddings": read_bool(cfg, "tie_word_embeddings", True), "full_rope": full_rope,
+            **_softcaps(cfg)}
+
+
+def gemma2_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """Gemma 2 (with `engine.model_config.GEMMA2_DEFAULTS` under the file's keys): Gemma 3's layer without the
+    q/k norms, one rope for every layer, each attention score and each logit soft-capped (cap x tanh(x / cap);
+    a null cap: none), and its layer types, sliding on every other layer from the first by default."""
+    _check_causal(cfg)
+    for key in ("rope_parameters", "rope_scaling"):   # the sliding layers' rope takes no scaling (gemma3's class)
+        if (rope := read_object(cfg, key)) and rope_type(rope) != "default":
+            raise ConfigError(f"{key}.rope_type: Gemma 2 is served with its default rope, got {rope_type(rope)!r}")
+    kinds = _layer_types(cfg, lambda: ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                                       for i in range(num_layers)])
+    return {"layer_types": tuple(kinds), "sliding_window": read_int(cfg, "sliding_window", None),
+            "query_pre_attn_scalar": read_float(cfg, "query_pre_attn_scalar", None),
+            "hidden_act": cfg.get("hidden_activation") or "gelu_pytorch_tanh",   # Gemma2Config reads no hidden_act
+            "tie_word_embeddings": read_bool(cfg, "tie_word_embeddings", True), **_softcaps(cfg)}
+
+
+def _softcaps(cfg: dict[str, Any]) -> dict[str, Any]:
+    return {key: read_float(cfg, key, None) for key in ("attn_logit_softcapping", "final_logit_softcapping")}
+
+
+def _check_causal(cfg: dict[str, Any]) -> None:
+    if cfg.get("use_bidirectional_attention"):
+        raise ConfigError("use_bidirectional_attention: only causal attention is served")
 
 
 def qwen3_moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -94,7 +94,8 @@ class _Forward:
         windows = sorted({layer.self_attn.sliding_window or 0 for layer in self.model.layers})   # 0: none
         dtype = self.model.embed_tokens.weight.dtype   # the model's; the cache's may be FP8
         count = sum(compile_kernels(attn.num_heads, attn.num_kv_heads, attn.config.head_dim, self.kv_cache.block_size,
-                                    dtype, self.device, window or None, kv_dtype=self.kv_cache.dtype)
+                                    dtype, self.device, window or None, kv_dtype=self.kv_cache.dtype,
+                                    softcap=attn.softcap)
                     for window in windows)
         log.info("compiled %d attention kernel variants in %.1fs", count, time.perf_counter() - started)
 

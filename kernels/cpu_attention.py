@@ -154,16 +154,17 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float, sliding_window: int | None = None, *, k_scale: float = 1.0,
-                    v_scale: float = 1.0) -> torch.Tensor:
+                    v_scale: float = 1.0, softcap: float = 0.0) -> torch.Tensor:
     """`kernels.reference.paged_attention`'s contract; decode tokens by the C kernel where it can take them
-    (not from an FP8 cache, which the reference reads).
+    (not from an FP8 cache, nor with capped scores: the reference reads those).
 
     query: [num_tokens, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
     returns: [num_tokens, num_heads, head_dim]
     """
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    if not decode_attention(query, k_cache, v_cache, meta, scale, sliding_window, out):
+    if softcap or not decode_attention(query, k_cache, v_cache, meta, scale, sliding_window, out):
         reference_decode_attention(query, k_cache, v_cache, meta, scale, sliding_window, out, k_scale=k_scale,
-                                   v_scale=v_scale)
-    prefill_attention(query, k_cache, v_cache, meta, scale, sliding_window, out, k_scale=k_scale, v_scale=v_scale)
+                                   v_scale=v_scale, softcap=softcap)
+    prefill_attention(query, k_cache, v_cache, meta, scale, sliding_window, out, k_scale=k_scale, v_scale=v_scale,
+                      softcap=softcap)
     return out

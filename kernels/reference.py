@@ -15,6 +15,10 @@ rectangle, no causal skipping): 3-4x slower at 2,048-token chunks, and 69% of a 
 A sliding window that cuts into the chunk's keys takes one flash call over the keys some query sees,
 with an additive mask. Off the CPU (the yardstick on CUDA), or with a torch whose CPU kernel fails
 the probe in `_cpu_flash_works`, chunks run SDPA with a boolean mask.
+
+`softcap` (Gemma 2's attention logit soft-capping: each score q.k x scale replaced by
+softcap x tanh(score / softcap) before the mask and the softmax) has no SDPA kernel: capped rows and
+chunks run `_capped_attention`, the scores materialised, as transformers' eager attention does.
 """
 
 from __future__ import annotations
@@ -247,17 +251,30 @@ def _prefill_cpu_flash(chunk: _PrefillChunk, q: torch.Tensor, k: torch.Tensor, v
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, sliding_window: int | None = None, *,
-                    k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                    k_scale: float = 1.0, v_scale: float = 1.0, softcap: float = 0.0) -> torch.Tensor:
     """Causal attention of each new token over its sequence's cached K/V (new tokens included); an FP8
-    cache's values read as `dequantize_kv` gives them (times k_scale / v_scale, in the query's dtype).
+    cache's values read as `dequantize_kv` gives them (times k_scale / v_scale, in the query's dtype);
+    `softcap` > 0 caps each score at softcap x tanh(score / softcap) (Gemma 2), 0 leaves them.
 
     query: [num_tokens, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
     returns: [num_tokens, num_heads, head_dim]
     """
     out = torch.empty_like(query)
-    decode_attention(query, k_cache, v_cache, meta, scale, sliding_window, out, k_scale=k_scale, v_scale=v_scale)
-    prefill_attention(query, k_cache, v_cache, meta, scale, sliding_window, out, k_scale=k_scale, v_scale=v_scale)
+    decode_attention(query, k_cache, v_cache, meta, scale, sliding_window, out, k_scale=k_scale, v_scale=v_scale,
+                     softcap=softcap)
+    prefill_attention(query, k_cache, v_cache, meta, scale, sliding_window, out, k_scale=k_scale, v_scale=v_scale,
+                      softcap=softcap)
     return out
+
+
+def _capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float,
+                      softcap: float) -> torch.Tensor:
+    """SDPA's contract (q [..., L, d], k and v [..., S, d], a boolean `allowed` mask) with each score capped
+    at softcap x tanh(score / softcap) before the mask; the softmax in float32, rounded to q's dtype before
+    it weighs v (transformers' eager attention)."""
+    scores = torch.tanh(q @ k.transpose(-1, -2) * scale / softcap) * softcap
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return scores.softmax(-1, dtype=torch.float32).to(q.dtype) @ v
 
 
 def _flat_caches(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor):
@@ -270,7 +287,7 @@ def _flat_caches(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                      scale: float, sliding_window: int | None, out: torch.Tensor, *,
-                     k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+                     k_scale: float = 1.0, v_scale: float = 1.0, softcap: float = 0.0) -> None:
     """`paged_attention` of the step's decode tokens (query length 1), written into their rows of `out`."""
     num_heads, head_dim, num_kv_heads, group, k_flat, v_flat = _flat_caches(query, k_cache, v_cache)
     for rows, slots, allowed in _step_plan(meta, sliding_window)["decode"]:
@@ -282,17 +299,18 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         v = v_flat.index_select(0, flat_slots).view(n, max_len, num_kv_heads, head_dim)
         k = dequantize_kv(k, query.dtype, k_scale).transpose(1, 2)   # [n, kv_heads, max_len, d]
         v = dequantize_kv(v, query.dtype, v_scale).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)
+        o = _capped_attention(q, k, v, allowed, scale, softcap) if softcap else \
+            F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)
         out.index_copy_(0, rows, o.reshape(n, num_heads, head_dim))
 
 
 def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                       scale: float, sliding_window: int | None, out: torch.Tensor, *,
-                      k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+                      k_scale: float = 1.0, v_scale: float = 1.0, softcap: float = 0.0) -> None:
     """`paged_attention` of the step's prefill chunks (query length > 1), written into their rows of `out`."""
     num_heads, head_dim, num_kv_heads, group, k_flat, v_flat = _flat_caches(query, k_cache, v_cache)
     plan = _step_plan(meta, sliding_window)
-    cpu_flash = bool(plan["prefill"]) and _use_cpu_flash(query)
+    cpu_flash = bool(plan["prefill"]) and not softcap and _use_cpu_flash(query)
     for chunk in plan["prefill"]:
         start, q_len = chunk.start, chunk.q_len
         k = dequantize_kv(k_flat.index_select(0, chunk.slots), query.dtype, k_scale)   # [keys, kv_heads, d]
@@ -303,14 +321,16 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         q = query[start:start + q_len].view(q_len, num_kv_heads, group, head_dim)
         q = q.permute(1, 2, 0, 3).reshape(num_kv_heads, group * q_len, head_dim)
         mask = chunk.allowed().repeat(group, 1)                     # rows ordered (group, q_len)
-        o = F.scaled_dot_product_attention(q, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale)
+        o = _capped_attention(q, k.transpose(0, 1), v.transpose(0, 1), mask, scale, softcap) if softcap else \
+            F.scaled_dot_product_attention(q, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale)
         o = o.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3)
         out[start:start + q_len] = o.reshape(q_len, num_heads, head_dim)
 
 
 def dense_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
-                           sliding_window: int | None = None) -> torch.Tensor:
-    """Plain attention of one contiguous sequence; the yardstick the paged versions are tested against.
+                           sliding_window: int | None = None, softcap: float = 0.0) -> torch.Tensor:
+    """Plain attention of one contiguous sequence; the yardstick the paged versions are tested against
+    (`softcap` > 0: each score capped at softcap x tanh(score / softcap)).
 
     query: [q_len, num_heads, d], the last q_len positions; key, value: [s_len, num_kv_heads, d]
     """
@@ -321,6 +341,8 @@ def dense_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
     v = value.repeat_interleave(group, dim=1).transpose(0, 1).float()
     q = query.transpose(0, 1).float()
     scores = (q @ k.transpose(1, 2)) * scale                        # [heads, q_len, s_len]
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     q_pos = torch.arange(s_len - q_len, s_len)[:, None]
     k_pos = torch.arange(s_len)[None, :]
     allowed = k_pos <= q_pos

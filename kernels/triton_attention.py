@@ -29,6 +29,11 @@ An FP8 cache (float8_e4m3fn, `KV_FP8`): each K/V tile is loaded as FP8 and read 
 type (`triton_kv_store.dequantize_e4m3`), before the dots; the split partials and their reduce do not
 change. Other caches compile as before (the scales are passed and not used).
 
+Capped scores (`softcap` > 0, Gemma 2; `SOFTCAP`): the launch passes qk_scale = scale / softcap and
+softcap x log2 e, and each score becomes tanh(q.k x qk_scale) x that (tanh as 2 sigmoid(2x) - 1), in the
+log2 units the online softmax works in; `capped_scales` gives the pair for both kernels. Uncapped
+launches compile as before.
+
 Any head_dim: both kernels here, like the prefill kernel, work on `HEAD_DIM_PAD =
 padded_head_dim(head_dim)` lanes (the next power of two, at least 16) and mask the lanes past the
 real `HEAD_DIM`: loaded as 0, so they add nothing to the dots and sums, and never stored (the split
@@ -49,14 +54,13 @@ import triton.language as tl
 from kernels.metadata import AttentionMetadata
 from kernels.reference import FP8_KV_DTYPE
 from kernels.triton_kv_store import _store_kv_kernel, dequantize_e4m3, store_kv
-from kernels.triton_prefill import (_prefill_attention_kernel, aligned_int32, check_attention_args, dot_dtype,
-                                    is_interpreted, padded_head_dim, prefill_attention)
+from kernels.triton_prefill import (_prefill_attention_kernel, aligned_int32, capped_scales, check_attention_args,
+                                    dot_dtype, is_interpreted, padded_head_dim, prefill_attention)
 
 # This module is the Triton backend (`kernels.get_backend`): store_kv comes along with it.
 __all__ = ["paged_attention", "store_kv", "choose_num_splits", "compile_kernels", "compiled_variants",
            "launch_variants"]
 
-LOG2_E = 1.4426950408889634
 # Chunks of at least this many new tokens run through `kernels.triton_prefill` (see above).
 PREFILL_MIN_QUERY_LEN = 64
 # A split segment covers at least this many KV positions: shorter ones cost more in the reduce
@@ -73,7 +77,7 @@ def _paged_attention_kernel(
     query_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     part_m_ptr, part_l_ptr, part_acc_ptr,
     block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, tile_seq_ptr, tile_q_start_ptr, tile_row_ptr,
-    qk_scale, k_scale, v_scale, window, num_heads, num_splits,
+    qk_scale, softcap, k_scale, v_scale, window, num_heads, num_splits,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -82,7 +86,7 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     USE_WINDOW: tl.constexpr, SPLIT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    KV_FP8: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     # grid: (num_tiles, num_kv_heads, num_splits)
     tile = tl.program_id(0)
@@ -143,6 +147,8 @@ def _paged_attention_kernel(
         if KV_FP8:
             k = dequantize_e4m3(k, k_scale, query_ptr.dtype.element_ty)
         s = tl.dot(q, k.to(DOT_DTYPE), input_precision=DOT_PRECISION) * qk_scale   # [BLOCK_M, BLOCK_N], log2 units
+        if SOFTCAP:
+            s = (2.0 * tl.sigmoid(2.0 * s) - 1.0) * softcap
         allowed = kv_mask[None, :] & (kv_pos[None, :] <= q_pos[:, None])
         if USE_WINDOW:
             allowed = allowed & (kv_pos[None, :] > q_pos[:, None] - window)
@@ -303,10 +309,11 @@ def _row_tokens(meta: AttentionMetadata, plan: dict) -> torch.Tensor:
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, sliding_window: int | None = None, *,
                     k_scale: float = 1.0, v_scale: float = 1.0, num_splits: int | None = None,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, softcap: float = 0.0) -> torch.Tensor:
     """Causal attention of each new token over its sequence's cached K/V (new tokens included); an FP8
     cache (float8_e4m3fn) is read as `reference.dequantize_kv` gives it (times k_scale / v_scale, rounded to
-    the query's dtype), other caches ignore the scales.
+    the query's dtype), other caches ignore the scales; `softcap` > 0 caps each score at
+    softcap x tanh(score / softcap).
 
     query: [num_tokens, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
     (strided views allowed, head_dim contiguous and of any size: the kernels pad it to a power of two
@@ -327,7 +334,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if num_tokens == 0:
         return out
     prefill_attention(query, k_cache, v_cache, meta, scale, sliding_window, out, k_scale=k_scale, v_scale=v_scale,
-                      min_query_len=PREFILL_MIN_QUERY_LEN)
+                      min_query_len=PREFILL_MIN_QUERY_LEN, softcap=softcap)
     if plan["num_rows"] == 0:
         return out
 
@@ -359,14 +366,14 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         query, k_cache, v_cache, out,
         part_m, part_l, part_acc,
         meta.block_tables, meta.query_start_loc, meta.seq_lens, tile_seq, tile_q_start, tile_row,
-        scale * LOG2_E, float(k_scale), float(v_scale), sliding_window or 0, num_heads, num_splits,
+        *capped_scales(scale, softcap), float(k_scale), float(v_scale), sliding_window or 0, num_heads, num_splits,
         *query.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
         meta.block_tables.stride(0),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         USE_WINDOW=sliding_window is not None, SPLIT=split,
         DOT_DTYPE=dtype, DOT_PRECISION="ieee" if dtype == tl.float32 else "tf32",
-        KV_FP8=k_cache.dtype == FP8_KV_DTYPE,
+        KV_FP8=k_cache.dtype == FP8_KV_DTYPE, SOFTCAP=softcap > 0,
         num_warps=num_warps,
     )
     if split:
@@ -403,15 +410,16 @@ def launch_variants(num_heads: int, num_kv_heads: int, head_dim: int, element_si
 
 
 def compile_kernels(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
-                    device: torch.device, sliding_window: int | None = None, kv_dtype: torch.dtype | None = None
-                    ) -> int:
+                    device: torch.device, sliding_window: int | None = None, kv_dtype: torch.dtype | None = None,
+                    softcap: float = 0.0) -> int:
     """Launch store_kv and paged attention once per `launch_variants` entry on made-up tokens, so Triton
     compiles every variant (or loads it from its cache) before the engine serves, not at the first step
     that needs it: on a fresh GPU machine each compile stalled a step for 0.15-1.4 s, 16 times in the
     first 48 s of serving (docs/PERF.md). The tensors are scratch ones laid out as the model's (query
     and key contiguous in `dtype`, the model's; value a view of the fused projection; a cache of [blocks,
     block_size, heads, head_dim] in `kv_dtype`, default `dtype`: an FP8 cache's kernels are variants of their
-    own). The scales are runtime arguments: one variant serves any. Returns the number of launches."""
+    own; so are capped scores', `softcap` > 0). The scales are runtime arguments: one variant serves any.
+    Returns the number of launches."""
     assert dtype in (torch.float16, torch.bfloat16, torch.float32), \
         f"dtype {dtype}: the model's (the query's); an FP8 cache's goes in kv_dtype"
     kv_dtype = dtype if kv_dtype is None else kv_dtype
@@ -427,7 +435,8 @@ def compile_kernels(num_heads: int, num_kv_heads: int, head_dim: int, block_size
         key = torch.randn(query_len, num_kv_heads, head_dim, dtype=dtype, device=device)
         query = torch.randn(query_len, num_heads, head_dim, dtype=dtype, device=device)
         store_kv(key, value, cache[0], cache[1], meta)
-        paged_attention(query, cache[0], cache[1], meta, head_dim ** -0.5, sliding_window, num_splits=num_splits)
+        paged_attention(query, cache[0], cache[1], meta, head_dim ** -0.5, sliding_window, num_splits=num_splits,
+                        softcap=softcap)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return len(variants)

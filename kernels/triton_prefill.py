@@ -57,11 +57,12 @@ SHARED_MEMORY_MARGIN = 8 * 1024
 def _attend_kv_range(
     acc, l_i, m_i, q, q_pos,
     table_ptr, k_head_ptr, v_head_ptr,
-    kv_from, kv_to, kv_end, qk_scale, window,
+    kv_from, kv_to, kv_end, qk_scale, softcap, window,
     stride_kb, stride_ks, stride_vb, stride_vs, k_scale, v_scale,
     MASKED: tl.constexpr, USE_WINDOW: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     P_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """Online softmax over the keys [kv_from, kv_to), BLOCK_N at a time (kv_from aligned to BLOCK_N).
     MASKED: the causal diagonal (and kv_end, the tile's last key + 1) cuts into these tiles; else
@@ -90,6 +91,8 @@ def _attend_kv_range(
             k = dequantize_e4m3(k, k_scale, P_DTYPE)
         # s: [BLOCK_M, BLOCK_N], log2 units
         s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * qk_scale
+        if SOFTCAP:   # qk_scale = scale / softcap; softcap: softcap x log2 e (`capped_scales`)
+            s = (2.0 * tl.sigmoid(2.0 * s) - 1.0) * softcap
         if MASKED:
             allowed = kv_valid[None, :] & (kv_pos[None, :] <= q_pos[:, None])
             if USE_WINDOW:
@@ -124,7 +127,7 @@ def _attend_kv_range(
 def _prefill_attention_kernel(
     query_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, tile_seq_ptr, tile_q_start_ptr,
-    qk_scale, k_scale, v_scale, window,
+    qk_scale, softcap, k_scale, v_scale, window,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -132,7 +135,7 @@ def _prefill_attention_kernel(
     stride_bt,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, USE_WINDOW: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     # grid: (num_heads, num_tiles); head_dim is contiguous everywhere (the launcher asserts it)
     head = tl.program_id(0)
@@ -174,17 +177,17 @@ def _prefill_attention_kernel(
     k_head_ptr = k_cache_ptr + kv_head * stride_kh
     v_head_ptr = v_cache_ptr + kv_head * stride_vh
     acc, l_i, m_i = _attend_kv_range(
-        acc, l_i, m_i, q, q_pos, table_ptr, k_head_ptr, v_head_ptr, kv_lo, kv_diag, kv_end, qk_scale, window,
+        acc, l_i, m_i, q, q_pos, table_ptr, k_head_ptr, v_head_ptr, kv_lo, kv_diag, kv_end, qk_scale, softcap, window,
         stride_kb, stride_ks, stride_vb, stride_vs, k_scale, v_scale,
         MASKED=False, USE_WINDOW=USE_WINDOW, BLOCK_N=BLOCK_N, BLOCK_SIZE=BLOCK_SIZE, HEAD_DIM=HEAD_DIM,
         HEAD_DIM_PAD=HEAD_DIM_PAD, P_DTYPE=query_ptr.dtype.element_ty, DOT_DTYPE=DOT_DTYPE,
-        DOT_PRECISION=DOT_PRECISION, KV_FP8=KV_FP8)
+        DOT_PRECISION=DOT_PRECISION, KV_FP8=KV_FP8, SOFTCAP=SOFTCAP)
     acc, l_i, m_i = _attend_kv_range(
-        acc, l_i, m_i, q, q_pos, table_ptr, k_head_ptr, v_head_ptr, kv_diag, kv_end, kv_end, qk_scale, window,
+        acc, l_i, m_i, q, q_pos, table_ptr, k_head_ptr, v_head_ptr, kv_diag, kv_end, kv_end, qk_scale, softcap, window,
         stride_kb, stride_ks, stride_vb, stride_vs, k_scale, v_scale,
         MASKED=True, USE_WINDOW=USE_WINDOW, BLOCK_N=BLOCK_N, BLOCK_SIZE=BLOCK_SIZE, HEAD_DIM=HEAD_DIM,
         HEAD_DIM_PAD=HEAD_DIM_PAD, P_DTYPE=query_ptr.dtype.element_ty, DOT_DTYPE=DOT_DTYPE,
-        DOT_PRECISION=DOT_PRECISION, KV_FP8=KV_FP8)
+        DOT_PRECISION=DOT_PRECISION, KV_FP8=KV_FP8, SOFTCAP=SOFTCAP)
 
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]   # l_i = 0 only on padding rows
     tl.store(out_ptr + token[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
@@ -192,6 +195,14 @@ def _prefill_attention_kernel(
 
 
 @functools.cache
+def capped_scales(scale: float, softcap: float) -> tuple[float, float]:
+    """The kernels' (qk_scale, softcap) arguments: (scale x log2 e, unused) for plain scores; for capped ones
+    (scale / softcap, softcap x log2 e), each score then tanh(q.k x qk_scale) x that, in log2 units."""
+    if softcap < 0:
+        raise ValueError(f"softcap: must be 0 (none) or positive, got {softcap}")
+    return (scale * LOG2_E, 0.0) if not softcap else (scale / softcap, softcap * LOG2_E)
+
+
 def _shared_memory_bytes(device: torch.device) -> int:
     """Shared memory one block may use on `device` (opt-in maximum); DEFAULT_SHARED_MEMORY off CUDA."""
     if device.type != "cuda":
@@ -319,7 +330,8 @@ def dot_dtype(dtype: torch.dtype):
 
 def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       meta: AttentionMetadata, scale: float, sliding_window: int | None, out: torch.Tensor, *,
-                      k_scale: float = 1.0, v_scale: float = 1.0, min_query_len: int = 2) -> int:
+                      k_scale: float = 1.0, v_scale: float = 1.0, min_query_len: int = 2,
+                      softcap: float = 0.0) -> int:
     """Causal attention of the chunks of at least `min_query_len` new tokens, written into their rows of
     `out` (the other rows are left as they are). Returns the number of tiles launched (0: no launch). An FP8
     cache (float8_e4m3fn) is read as `reference.dequantize_kv` gives it (times k_scale / v_scale, rounded to
@@ -344,7 +356,7 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     _prefill_attention_kernel[(num_heads, num_tiles)](
         query, k_cache, v_cache, out,
         meta.block_tables, meta.query_start_loc, meta.seq_lens, tile_seq, tile_q_start,
-        scale * LOG2_E, float(k_scale), float(v_scale), sliding_window or 0,
+        *capped_scales(scale, softcap), float(k_scale), float(v_scale), sliding_window or 0,
         query.stride(0), query.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -353,7 +365,7 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         GROUP=num_heads // num_kv_heads, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_SIZE=k_cache.shape[1],
         HEAD_DIM=head_dim, HEAD_DIM_PAD=padded_head_dim(head_dim), USE_WINDOW=sliding_window is not None,
         DOT_DTYPE=dtype, DOT_PRECISION="ieee" if dtype == tl.float32 else "tf32",
-        KV_FP8=k_cache.dtype == FP8_KV_DTYPE,
+        KV_FP8=k_cache.dtype == FP8_KV_DTYPE, SOFTCAP=softcap > 0,
         num_warps=num_warps, num_stages=num_stages,
     )
     return num_tiles

@@ -2,7 +2,7 @@
 
 The Llama family (Llama 2/3, Qwen2, Qwen3, Mistral) is `engine.model.LlamaForCausalLM`; a variant that
 changes the layer itself has a module here, built from the same shared layers (`engine.layers`) and the
-same weight loading and tensor-parallel cuts: `gemma3` (Gemma 3's text model), `qwen3_moe` (Qwen3-MoE's
+same weight loading and tensor-parallel cuts: `gemma3` (Gemma 3's text model, and Gemma 2's), `qwen3_moe` (Qwen3-MoE's
 sparse layers), `mixtral` (Mixtral: those experts on every layer, under its checkpoints' names), `phi3` (Phi-3
 and Phi-4: the Llama layer, its checkpoints' fused q/k/v and gate/up split as they are read).
 """
@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from engine.config import ConfigError
-from engine.model_config import ModelConfig
+from engine.model_config import GEMMA_ARCHITECTURES, ModelConfig
 from engine.layers import RotaryEmbedding
 from engine.model import LlamaForCausalLM
 from engine.models.gemma3 import Gemma3ForCausalLM
@@ -25,7 +25,8 @@ from kernels.fused import get_fused_ops
 
 __all__ = ["build_model", "model_class"]
 
-_VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma3ForCausalLM": Gemma3ForCausalLM,
+_VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCausalLM,   # its layer, uncapped
+                                                "Gemma3ForCausalLM": Gemma3ForCausalLM,
                                                 "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
                                                 "MixtralForCausalLM": MixtralForCausalLM,
                                                 "Phi3ForCausalLM": Phi3ForCausalLM}
@@ -51,11 +52,11 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | 
 
 
 def check_dtype(config: ModelConfig, dtype: torch.dtype) -> None:
-    """ConfigError naming `dtype` for a model that cannot run in it: Gemma 3 in float16, whose activations
+    """ConfigError naming `dtype` for a model that cannot run in it: Gemma 2 or 3 in float16, whose activations
     overflow it (inf, then NaN; vLLM refuses it too). The capacity plan applies it too, naming the device."""
-    if config.architecture == "Gemma3ForCausalLM" and dtype == torch.float16:
-        raise ConfigError("dtype: Gemma 3's activations overflow float16 (inf, then NaN); use bfloat16 "
-                          "(a GPU of compute capability 8.0 or newer) or float32")
+    if config.architecture in GEMMA_ARCHITECTURES and dtype == torch.float16:
+        raise ConfigError(f"dtype: Gemma {config.architecture[5]}'s activations overflow float16 (inf, then NaN); "
+                          "use bfloat16 (a GPU of compute capability 8.0 or newer) or float32")
 
 
 def _allocate(model: nn.Module, dtype: torch.dtype, device: torch.device | str) -> None:

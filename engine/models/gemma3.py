@@ -13,6 +13,10 @@
 
 It runs on the module path on every backend (the CPU flat loop is the Llama layer's). Every layer keeps
 its whole context in the paged cache, sliding ones too: a sliding layer only reads its window.
+
+Gemma 2 (`Gemma2ForCausalLM`) is this class too, with its config (`engine.model_families.gemma2_fields`): no
+q/k norms (the config's `qk_norm` off), one rope base for every layer, and soft-capping of the attention
+scores (`Attention.softcap`, applied by the kernels) and of the logits (`LlamaForCausalLM.compute_logits`).
 """
 
 from __future__ import annotations

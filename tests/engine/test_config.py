@@ -386,8 +386,8 @@ def test_qwen3_moe_as_its_model_card_writes_it():
 
 
 @pytest.mark.parametrize("change,named", [
-    ({"final_logit_softcapping": 30.0}, "final_logit_softcapping: logit soft-capping"),
-    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping: logit soft-capping"),
+    ({"final_logit_softcapping": "30"}, "final_logit_softcapping: expected a number, got '30'"),
+    ({"attn_logit_softcapping": -50.0}, "attn_logit_softcapping: must be a positive finite number"),
     ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
     ({"rope_parameters": {"sliding_attention": {"rope_type": "linear", "factor": 2.0},
                           "full_attention": {"rope_type": "default", "rope_theta": 1e6}}},
@@ -667,6 +667,39 @@ def test_phi3_as_its_model_cards_write_it_and_its_longrope_and_partial_rotary_re
                           ({"partial_rotary_factor": 0.75}, r"^partial_rotary_factor: rotating part")]:
         with pytest.raises(ConfigError, match=named):
             ModelConfig.from_hf_config({**mini, **change})
+
+
+def test_gemma2_as_its_model_card_writes_it_and_its_defaults_as_transformers_reads_them():
+    """gemma-2-9b's config: 9.24 B parameters, every other layer sliding over 4,096 positions, scores capped at 50
+    and logits at 30. A config.json that leaves keys out reads them as transformers' Gemma2Config does; a scaled
+    rope is refused (the sliding layers' rope takes none)."""
+    transformers = pytest.importorskip("transformers")
+    card = {"architectures": ["Gemma2ForCausalLM"], "vocab_size": 256000, "hidden_size": 3584,
+            "intermediate_size": 14336, "num_hidden_layers": 42, "num_attention_heads": 16, "num_key_value_heads": 8,
+            "head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096, "attn_logit_softcapping": 50.0,
+            "final_logit_softcapping": 30.0, "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-6}
+    cfg = ModelConfig.from_hf_config(card)
+    assert cfg.num_params() == 9_241_705_984 and cfg.tie_word_embeddings and not cfg.qk_norm
+    assert [cfg.layer_window(i) for i in range(3)] == [4096, None, 4096]
+    assert (cfg.attn_logit_softcapping, cfg.final_logit_softcapping, cfg.attention_scale) == (50.0, 30.0, 1 / 16)
+    bare = {"architectures": ["Gemma2ForCausalLM"]}
+    ours = ModelConfig.from_hf_config(bare)
+    theirs = transformers.Gemma2Config()
+    assert (ours.vocab_size, ours.hidden_size, ours.num_layers, ours.num_kv_heads, ours.head_dim,
+            ours.max_position_embeddings, ours.rope_theta, ours.sliding_window, ours.attn_logit_softcapping,
+            ours.final_logit_softcapping, ours.hidden_act, ours.layer_types, ours.eos_token_ids) == \
+        (theirs.vocab_size, theirs.hidden_size, theirs.num_hidden_layers, theirs.num_key_value_heads,
+         theirs.head_dim, theirs.max_position_embeddings, theirs.rope_parameters["rope_theta"],
+         theirs.sliding_window, theirs.attn_logit_softcapping, theirs.final_logit_softcapping,
+         theirs.hidden_activation, tuple(theirs.layer_types), (theirs.eos_token_id,))
+    uncapped = ModelConfig.from_hf_config({**card, "attn_logit_softcapping": None, "final_logit_softcapping": None})
+    assert uncapped.attn_logit_softcapping is uncapped.final_logit_softcapping is None
+    with pytest.raises(ConfigError, match=r"^rope_scaling\.rope_type: Gemma 2 is served with its default rope"):
+        ModelConfig.from_hf_config({**card, "rope_scaling": {"rope_type": "linear", "factor": 2.0}})
+    from engine.models import check_dtype
+
+    with pytest.raises(ConfigError, match=r"^dtype: Gemma 2's activations overflow float16"):
+        check_dtype(cfg, torch.float16)
 
 
 def test_a_namesake_kernels_first_on_the_path_is_refused_by_name(tmp_path):

@@ -127,6 +127,11 @@ TINY_MODELS = [
     # Phi-3: q/k/v and gate/up stored fused; then grouped KV heads, a window of 8 and a tied head
     ("phi3", dict(num_key_value_heads=4, pad_token_id=0)),
     ("phi3", dict(sliding_window=8, tie_word_embeddings=True, pad_token_id=0)),
+    # Gemma 2: its default layer types (sliding, full, sliding; a window of 8) and soft-capping low enough to bend
+    # these scores and logits; then its own caps (50, 30), grouped KV heads and an untied head
+    ("gemma2", dict(num_hidden_layers=3, head_dim=32, sliding_window=8, query_pre_attn_scalar=24,
+                    attn_logit_softcapping=2.0, final_logit_softcapping=5.0)),
+    ("gemma2", dict(head_dim=16, sliding_window=8, tie_word_embeddings=False, num_key_value_heads=1)),
 ]
 # Every architecture on the default CPU linears; the other linears on one dense and one MoE model (the
 # linears do not depend on the architecture around them).
@@ -419,6 +424,28 @@ def test_the_grouped_experts_equal_the_expert_loop(monkeypatch):
         with pytest.raises(torch.OutOfMemoryError):   # a step too large now: raised, the grouped matmul kept
             block(x)
         assert block._grouped is True
+
+
+def test_gemma2_logprobs_are_transformers_capped_ones(tmp_path, builtin_path):
+    """Greedy tokens cannot show the head's soft-cap (tanh keeps the order): the logprobs do. A prompt's logprobs
+    equal transformers' log-softmax of its capped logits (a cap of 5 bends these), and differ without the cap."""
+    import dataclasses
+
+    import transformers
+
+    folder = make_tiny_model(tmp_path / "gemma2", "gemma2", builtin_path, **TINY_MODELS[-2][1])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    prompt = [1, *range(40, 70)]
+    with torch.no_grad():
+        want = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, :-1], dim=-1)
+    want = want.gather(1, torch.tensor(prompt[1:])[:, None]).squeeze(1)
+    engine = LLMEngine.from_args(str(folder), dtype="float32", block_size=8, num_blocks=64, progress=False)
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    got = torch.tensor(engine.generate([prompt], params)[0].prompt_logprobs)
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=0)
+    engine.model.config = dataclasses.replace(engine.model.config, final_logit_softcapping=None)
+    uncapped = torch.tensor(engine.generate([prompt], params)[0].prompt_logprobs)
+    assert (uncapped - want).abs().max() > 0.1
 
 
 def test_a_phi3_checkpoint_is_read_through_its_fused_tensors_and_a_wrong_one_is_named(tmp_path, builtin_path):

@@ -218,12 +218,15 @@ QWEN3 = {"head_dim": 32, "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
                    "norm_topk_prob": True, "mlp_only_layers": [1]}, None),
     ("mixtral", {"intermediate_size": 48, "num_local_experts": 4, "num_experts_per_tok": 2}, True),
     ("phi3", {"pad_token_id": 0}, None),
+    ("gemma2", {"head_dim": 32, "sliding_window": 8, "attn_logit_softcapping": 2.0, "final_logit_softcapping": 5.0},
+     None),
 ])
 def test_two_ranks_generate_what_one_does(tmp_path, builtin_path, prompts, arch, overrides, overlap):
     # A tiny random model with even head counts (4 heads, 2 KV heads); Qwen2 adds q/k/v biases; Qwen3
     # q/k head norms (whole on every rank) and YaRN; Qwen3-MoE splits each expert's intermediate size
     # (the router whole on every rank), its layer 1 dense; Mixtral the same on every layer, read from its own
-    # tensor names; Phi-3 cuts each rank's heads and rows out of the fused q/k/v and gate/up it stores. Qwen3's
+    # tensor names; Phi-3 cuts each rank's heads and rows out of the fused q/k/v and gate/up it stores; Gemma 2
+    # caps each rank's scores and the gathered logits. Qwen3's
     # and Mixtral's groups overlap their steps: the other rank fills the placeholders of each step's inputs
     # from rank 0's sampled ids (engine.overlap).
     path = str(make_tiny_model(tmp_path / arch, arch, builtin_path, **overrides))

@@ -77,18 +77,18 @@ def path(request, monkeypatch):
 
 
 def _run_and_check(seq_lens, query_lens, num_heads, num_kv_heads, head_dim=16, block_size=16,
-                   dtype=torch.float32, sliding_window=None, label=""):
+                   dtype=torch.float32, sliding_window=None, label="", softcap=0.0):
     seed = _make_seed()
     meta, k_cache, v_cache, keys, values, query = _make_step(
         seq_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed)
     scale = head_dim ** -0.5
-    out = reference.paged_attention(query, k_cache, v_cache, meta, scale, sliding_window)
+    out = reference.paged_attention(query, k_cache, v_cache, meta, scale, sliding_window, softcap=softcap)
     assert out.dtype == dtype and out.shape == query.shape
     assert not out.isnan().any(), f"seed {seed} {label}: NaN in the output"
     atol, rtol = TOLERANCES[dtype]
     start = 0
     for i, (k, v, q_len) in enumerate(zip(keys, values, query_lens)):
-        want = reference.dense_causal_attention(query[start:start + q_len], k, v, scale, sliding_window)
+        want = reference.dense_causal_attention(query[start:start + q_len], k, v, scale, sliding_window, softcap)
         torch.testing.assert_close(out[start:start + q_len], want, atol=atol, rtol=rtol,
                                    msg=lambda m: f"seed {seed} {label} sequence {i}: {m}")
         start += q_len
@@ -114,6 +114,13 @@ def test_several_prefill_chunks_and_decodes_in_one_step(path, poisoned_output):
     seq_lens = [530, 41, 1, 300, 77, 2, 90]
     query_lens = [130, 41, 1, 1, 60, 2, 1]      # chunks with and without prefixes, decode rows between
     _run_and_check(seq_lens, query_lens, 6, 2, head_dim=32, block_size=16, label=path)
+
+
+@pytest.mark.parametrize("sliding_window", [None, 9])
+def test_capped_scores_in_prefill_chunks_and_decodes(sliding_window, path, poisoned_output):
+    """Gemma 2's soft-capping (a cap of 0.5 bends these scores): decodes and chunks, over a cached prefix."""
+    _run_and_check([40, 23, 70, 5], [1, 23, 30, 1], 6, 2, sliding_window=sliding_window, softcap=0.5,
+                   label=f"softcap window={sliding_window}")
 
 
 def test_a_long_decode_does_not_pad_the_short_ones(path, poisoned_output):

@@ -103,7 +103,7 @@ def _make_attention_case(seq_lens, query_lens, num_heads, num_kv_heads, head_dim
     return query, k_cache, v_cache, meta
 
 
-def _reference_attention(query, k_cache, v_cache, meta, scale, sliding_window, k_scale=1.0, v_scale=1.0):
+def _reference_attention(query, k_cache, v_cache, meta, scale, sliding_window, k_scale=1.0, v_scale=1.0, softcap=0.0):
     """The torch reference in float32, on a fresh copy of the metadata (its plan cache is its own), over
     the cached values as the reference's attention reads them for this query (`reference.dequantize_kv`:
     an FP8 cache's times its scale, rounded to the query's dtype; any other cache's as they are)."""
@@ -111,11 +111,11 @@ def _reference_attention(query, k_cache, v_cache, meta, scale, sliding_window, k
                               meta.block_size, meta.query_lens_list, meta.seq_lens_list)
     k = reference.dequantize_kv(k_cache, query.dtype, k_scale).float().contiguous()
     v = reference.dequantize_kv(v_cache, query.dtype, v_scale).float().contiguous()
-    return reference.paged_attention(query.float(), k, v, fresh, scale, sliding_window)
+    return reference.paged_attention(query.float(), k, v, fresh, scale, sliding_window, softcap=softcap)
 
 
 def _assert_attention_matches(backend, case, seed, sliding_window=None, num_splits=None, label="",
-                              k_scale=1.0, v_scale=1.0):
+                              k_scale=1.0, v_scale=1.0, softcap=0.0):
     query, k_cache, v_cache, meta = case
     head_dim = query.shape[-1]
     scale = head_dim ** -0.5
@@ -123,10 +123,10 @@ def _assert_attention_matches(backend, case, seed, sliding_window=None, num_spli
     out_rows = torch.full((*query.shape[:2], query.stride(1)), float("nan"), dtype=query.dtype, device=query.device)
     out = out_rows[..., :head_dim]
     got = backend.paged_attention(query, k_cache, v_cache, meta, scale, sliding_window, k_scale=k_scale,
-                                  v_scale=v_scale, num_splits=num_splits, out=out)
+                                  v_scale=v_scale, num_splits=num_splits, out=out, softcap=softcap)
     assert got is out
-    want = _reference_attention(query, k_cache, v_cache, meta, scale, sliding_window, k_scale, v_scale)
-    where = f"seed={seed} {label} window={sliding_window} splits={num_splits}"
+    want = _reference_attention(query, k_cache, v_cache, meta, scale, sliding_window, k_scale, v_scale, softcap)
+    where = f"seed={seed} {label} window={sliding_window} splits={num_splits} softcap={softcap}"
     if k_cache.dtype == FP8:
         where += f" fp8 cache k_scale={k_scale} v_scale={v_scale}"
     assert not out.isnan().any(), f"{where}: output rows left unwritten (NaN) at " \
@@ -343,6 +343,30 @@ def test_paged_attention_mixed_batch_matches_reference(dtype, num_heads, num_kv_
                                 head_pad=_head_pad(head_dim))
     _assert_attention_matches(triton_attention, case, seed, sliding_window, num_splits,
                               label=f"{dtype} heads={num_heads}/{num_kv_heads} d={head_dim} bs={block_size}")
+
+
+# Capped scores (Gemma 2's soft-capping) at a cap that bends them (scores of about 1 against a cap of 0.8):
+# single pass and split-K, with a window, GQA, a padded head_dim; the reference's answer moves with the cap.
+@pytest.mark.parametrize("dtype,num_heads,num_kv_heads,head_dim,block_size,sliding_window,num_splits", [
+    (torch.float32, 4, 2, 64, 16, None, None),
+    (torch.bfloat16, 6, 2, 40, 8, 20, 3),
+    (torch.float16, 2, 2, 128, 32, None, 2),
+])
+def test_paged_attention_with_capped_scores_matches_reference(dtype, num_heads, num_kv_heads, head_dim, block_size,
+                                                              sliding_window, num_splits):
+    seed = _make_seed()
+    seq_lens, query_lens = _mixed_batch(block_size)
+    case = _make_attention_case(seq_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed,
+                                head_pad=_head_pad(head_dim))
+    case[0].mul_(4.0)   # scores of a few units: the cap of 0.8 flattens them
+    _assert_attention_matches(triton_attention, case, seed, sliding_window, num_splits, softcap=0.8,
+                              label=f"{dtype} heads={num_heads}/{num_kv_heads} d={head_dim} bs={block_size}")
+    query, k_cache, v_cache, meta = case
+    capped, plain = (_reference_attention(query, k_cache, v_cache, meta, head_dim ** -0.5, sliding_window,
+                                          softcap=cap) for cap in (0.8, 0.0))
+    assert (capped - plain).abs().max() > 0.1, f"seed={seed}: the cap changed nothing"
+    with pytest.raises(ValueError, match="softcap: must be 0 .*or positive, got -1.0"):
+        triton_attention.paged_attention(query, k_cache, v_cache, meta, 0.125, softcap=-1.0)
 
 
 @pytest.mark.parametrize("num_splits,head_dim", [(1, 64), (3, 64), (8, 64), (1, 80), (3, 80)])
@@ -596,14 +620,16 @@ class _KeyRecorder:
         return launch
 
 
-@pytest.mark.parametrize("window,head_dim,kv_dtype", [(None, 64, None), (1024, 64, None), (None, 80, None),
-                                                     (1024, 64, FP8)])
-def test_every_launch_a_step_makes_is_a_variant_compile_kernels_compiled(monkeypatch, window, head_dim, kv_dtype):
+@pytest.mark.parametrize("window,head_dim,kv_dtype,softcap", [(None, 64, None, 0.0), (1024, 64, None, 0.0),
+                                                             (None, 80, None, 0.0), (1024, 64, FP8, 0.0),
+                                                             (1024, 64, None, 50.0)])
+def test_every_launch_a_step_makes_is_a_variant_compile_kernels_compiled(monkeypatch, window, head_dim, kv_dtype,
+                                                                         softcap):
     """Each launch of steps of any shape (decodes and chunks of any mix, short chunks in the paged kernel
     and long ones in the prefill kernel, split or not, a query and K/V sliced out of one fused projection
     as the model does) has the compile key of a launch that `compile_kernels` made, so no step compiles
-    while serving, at head_dim 80 too (padded to 128 in the kernels), and over an FP8 cache at any scales
-    (runtime arguments). On a GPU an odd tile count left the tiles' second row 4 bytes off 16-byte
+    while serving, at head_dim 80 too (padded to 128 in the kernels), over an FP8 cache at any scales
+    (runtime arguments), and with soft-capped scores (Gemma 2's variant). On a GPU an odd tile count left the tiles' second row 4 bytes off 16-byte
     alignment, and Triton compiled that pointer's variant anew."""
     jit = pytest.importorskip("triton.runtime.jit")
     compiler = pytest.importorskip("triton.backends.compiler")
@@ -613,7 +639,7 @@ def test_every_launch_a_step_makes_is_a_variant_compile_kernels_compiled(monkeyp
         compiler.BaseBackend, arg, False, specialize, True))
     num_heads, num_kv_heads, block_size = 9, 3, 16                      # the builtin model's attention
     triton_attention.compile_kernels(num_heads, num_kv_heads, head_dim, block_size, torch.bfloat16,
-                                     torch.device("cpu"), window, kv_dtype=kv_dtype)
+                                     torch.device("cpu"), window, kv_dtype=kv_dtype, softcap=softcap)
     keys.phase = "step"
     rng = random.Random(_make_seed())
     width = (num_heads + 2 * num_kv_heads) * head_dim
@@ -631,7 +657,8 @@ def test_every_launch_a_step_makes_is_a_variant_compile_kernels_compiled(monkeyp
         k_scale, v_scale = rng.choice([1.0, 0.5, 0.037]), rng.choice([1.0, 2.0, 0.11])
         triton_attention.store_kv(key, value, cache[0], cache[1], meta, k_scale=k_scale, v_scale=v_scale)
         triton_attention.paged_attention(query, cache[0], cache[1], meta, 0.125, window, k_scale=k_scale,
-                                         v_scale=v_scale, num_splits=rng.choice([None, 1, 2, 3, 5, 8, 17, 64]))
+                                         v_scale=v_scale, num_splits=rng.choice([None, 1, 2, 3, 5, 8, 17, 64]),
+                                         softcap=softcap)
     assert keys.launched["step"] == keys.launched["compile"] == {
         "_paged_attention_kernel", "_reduce_splits_kernel", "_store_kv_kernel", "_prefill_attention_kernel"}
     new = [key for key, phase in keys.keys.items() if phase == "step"]
@@ -646,7 +673,7 @@ def test_the_runner_compiles_kernels_on_cuda_only():
     from engine.model_runner import _Forward
 
     calls = []
-    attn = SimpleNamespace(num_heads=6, num_kv_heads=2, sliding_window=None,
+    attn = SimpleNamespace(num_heads=6, num_kv_heads=2, sliding_window=None, softcap=50.0,
                            config=SimpleNamespace(head_dim=64, sliding_window=None))
     model = SimpleNamespace(layers=[SimpleNamespace(self_attn=attn)],
                             embed_tokens=SimpleNamespace(weight=torch.empty(0, dtype=torch.bfloat16)))
@@ -657,7 +684,8 @@ def test_the_runner_compiles_kernels_on_cuda_only():
     assert calls == []                                      # the CPU runs the torch reference or the interpreter
     runner.device = torch.device("cuda", 0)
     _Forward.compile_kernels(runner)
-    assert calls == [((6, 2, 64, 16, torch.bfloat16, torch.device("cuda", 0), None), {"kv_dtype": torch.float8_e4m3fn})]
+    assert calls == [((6, 2, 64, 16, torch.bfloat16, torch.device("cuda", 0), None),
+                      {"kv_dtype": torch.float8_e4m3fn, "softcap": 50.0})]   # the model's variants
     runner.backend = reference                              # a backend with nothing to compile
     _Forward.compile_kernels(runner)
     assert len(calls) == 1
@@ -679,7 +707,7 @@ def _build_kernel_for_sm90(kernel, constexprs: dict, pointers: dict, **options):
     """Compile `kernel` for sm_90 with Triton's own compiler and no device (run with TRITON_INTERPRET=0),
     specialized as a launch on the engine's tensors is: every pointer (element type from `pointers` by
     argument name, else int32) and stride 16-byte aligned but the arguments the kernel does not specialize
-    on, `qk_scale` / `k_scale` / `v_scale` float32, other scalars int32. Returns (the build, {"registers",
+    on, `qk_scale` / `softcap` / `k_scale` / `v_scale` float32, other scalars int32. Returns (the build, {"registers",
     "stack"} from cuobjdump where Triton ships it)."""
     import re
 
@@ -693,7 +721,7 @@ def _build_kernel_for_sm90(kernel, constexprs: dict, pointers: dict, **options):
         elif name.endswith("_ptr"):
             signature[name] = f"*{pointers.get(name, 'i32')}"
             attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name in ("qk_scale", "k_scale", "v_scale"):
+        elif name in ("qk_scale", "softcap", "k_scale", "v_scale"):
             signature[name] = "fp32"
         else:
             signature[name] = "i32"
@@ -715,9 +743,9 @@ def _build_kernel_for_sm90(kernel, constexprs: dict, pointers: dict, **options):
 
 
 def _build_fp8_kernels_for_sm90() -> dict:
-    """Build the store and the paged kernel (one pass and split, the decode configuration) over an FP8 cache
-    for sm_90, bf16 model, head_dim 128; report the PTX instructions that carry the FP8 contract, and the
-    store's stack."""
+    """Build the store and the paged kernel (one pass and split, the decode configuration; the split one with
+    soft-capped scores) over an FP8 cache for sm_90, bf16 model, head_dim 128; report the PTX instructions that
+    carry the FP8 contract, and the store's stack."""
     import re
 
     def instructions(built, pattern):
@@ -733,7 +761,7 @@ def _build_fp8_kernels_for_sm90() -> dict:
             triton_attention._paged_attention_kernel,
             dict(GROUP=4, GROUP_PAD=4, BLOCK_Q=4, BLOCK_M=16, BLOCK_N=64, BLOCK_SIZE=16, HEAD_DIM=128,
                  HEAD_DIM_PAD=128, USE_WINDOW=True, SPLIT=split, DOT_DTYPE=triton_prefill.dot_dtype(torch.bfloat16),
-                 DOT_PRECISION="tf32", KV_FP8=True),
+                 DOT_PRECISION="tf32", KV_FP8=True, SOFTCAP=split),
             {"query_ptr": "bf16", "out_ptr": "bf16", "k_cache_ptr": "fp8e4nv", "v_cache_ptr": "fp8e4nv",
              "part_m_ptr": "fp32", "part_l_ptr": "fp32", "part_acc_ptr": "fp32"}, num_warps=4)
         report[f"paged_split_{split}"] = instructions(paged, r"cvt\.rn[.\w]*e4m3[.\w]*") + \

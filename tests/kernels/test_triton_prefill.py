@@ -84,6 +84,16 @@ def test_mixed_prefill_and_decode_step_matches_reference(dtype, num_heads, num_k
     assert sorted(set(tile_seq.tolist())) == chunks, f"seed={seed}: prefill tiles {tile_seq.tolist()}"
 
 
+@pytest.mark.parametrize("dtype,head_dim,sliding_window", [(torch.float32, 64, None), (torch.bfloat16, 80, 50)])
+def test_a_step_with_capped_scores_matches_reference(dtype, head_dim, sliding_window):
+    """Gemma 2's soft-capping through the prefill kernel (the long chunks) and the paged one (the rest)."""
+    seed = _make_seed()
+    seq_lens, query_lens = _mixed_step(16)
+    case = _make_attention_case(seq_lens, query_lens, 4, 2, head_dim, 16, dtype, seed, head_pad=_head_pad(head_dim))
+    case[0].mul_(4.0)   # scores of a few units against a cap of 0.8
+    _assert_attention_matches(triton_attention, case, seed, sliding_window, softcap=0.8, label=f"{dtype} d={head_dim}")
+
+
 # FP8 caches: bf16, float32 and fp16 queries, scales at 1, below (some K or V past 448 * scale saturate) and
 # above (powers of two with bf16: see test_triton.py's docstring), with and without a sliding window, a padded
 # head_dim, on the step of long and short chunks and decodes.
@@ -230,10 +240,12 @@ def test_launcher_rejects_what_the_kernel_does_not_handle():
 
 # --- built ahead of time for an H100, no GPU needed ------------------------------------------------
 
-def _build_for_sm90(dtype_name: str, head_dim: int, use_window: bool, kv_fp8: bool = False) -> dict:
+def _build_for_sm90(dtype_name: str, head_dim: int, use_window: bool, kv_fp8: bool = False,
+                    softcap: bool = False) -> dict:
     """Compile the prefill kernel for sm_90 with Triton's own compiler and no device (run with
     TRITON_INTERPRET=0), specialized as a launch on the engine's tensors is (16-byte aligned pointers and
-    strides, the block table's row width not), over a cache in the query's dtype or an FP8 one (`kv_fp8`);
+    strides, the block table's row width not), over a cache in the query's dtype or an FP8 one (`kv_fp8`),
+    the scores soft-capped or not (`softcap`);
     report what the build holds: shared memory, the count of wgmma (Hopper tensor-core) instructions, the
     K/V copies' sizes, and registers and stack from cuobjdump."""
     import re
@@ -243,7 +255,8 @@ def _build_for_sm90(dtype_name: str, head_dim: int, use_window: bool, kv_fp8: bo
     block_m, block_n, num_warps, num_stages = triton_prefill.prefill_config(head_dim, dtype.itemsize)
     constexprs = dict(GROUP=4, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_SIZE=16, HEAD_DIM=head_dim,
                       HEAD_DIM_PAD=triton_prefill.padded_head_dim(head_dim), USE_WINDOW=use_window,
-                      DOT_DTYPE=triton_prefill.dot_dtype(dtype), DOT_PRECISION="tf32", KV_FP8=kv_fp8)
+                      DOT_DTYPE=triton_prefill.dot_dtype(dtype), DOT_PRECISION="tf32", KV_FP8=kv_fp8,
+                      SOFTCAP=softcap)
     short = {"bfloat16": "bf16", "float16": "fp16"}[dtype_name]
     pointers = {"query_ptr": short, "out_ptr": short, "k_cache_ptr": "fp8e4nv" if kv_fp8 else short,
                 "v_cache_ptr": "fp8e4nv" if kv_fp8 else short}
@@ -254,19 +267,20 @@ def _build_for_sm90(dtype_name: str, head_dim: int, use_window: bool, kv_fp8: bo
     return report
 
 
-# the default run builds a head dim not a power of two and the FP8 cache with a window; the others are slow
-@pytest.mark.parametrize("dtype,head_dim,use_window,kv_fp8", [
-    pytest.param("bfloat16", 128, False, False, marks=pytest.mark.slow),
-    pytest.param("float16", 64, True, False, marks=pytest.mark.slow), ("bfloat16", 96, False, False),
-    pytest.param("float16", 192, True, False, marks=pytest.mark.slow), ("bfloat16", 128, True, True)])
-def test_prefill_kernel_builds_for_h100_with_tensor_cores(dtype, head_dim, use_window, kv_fp8):
+# the default run builds a head dim not a power of two with capped scores and the FP8 cache with a window; the
+# others are slow
+@pytest.mark.parametrize("dtype,head_dim,use_window,kv_fp8,softcap", [
+    pytest.param("bfloat16", 128, False, False, False, marks=pytest.mark.slow),
+    pytest.param("float16", 64, True, False, False, marks=pytest.mark.slow), ("bfloat16", 96, False, False, True),
+    pytest.param("float16", 192, True, False, False, marks=pytest.mark.slow), ("bfloat16", 128, True, True, False)])
+def test_prefill_kernel_builds_for_h100_with_tensor_cores(dtype, head_dim, use_window, kv_fp8, softcap):
     """What the interpreter cannot show: the kernel compiles for sm_90, its dots are wgmma, its K/V tiles
     arrive in 16-byte asynchronous copies, and it neither spills nor outgrows an H100's shared memory;
-    at head_dim 96 and 192 too, padded to 128 and 256 (the masked lanes keep the copies 16 bytes wide), and
-    over an FP8 cache (its tiles dequantized to bf16 in registers before the wgmma)."""
+    at head_dim 96 and 192 too, padded to 128 and 256 (the masked lanes keep the copies 16 bytes wide), over
+    an FP8 cache (its tiles dequantized to bf16 in registers before the wgmma), and with soft-capped scores."""
     pytest.importorskip("triton.compiler")
     code = ("import json; from tests.kernels.test_triton_prefill import _build_for_sm90; "
-            f"print(json.dumps(_build_for_sm90({dtype!r}, {head_dim}, {use_window}, {kv_fp8})))")
+            f"print(json.dumps(_build_for_sm90({dtype!r}, {head_dim}, {use_window}, {kv_fp8}, {softcap})))")
     report = json.loads(_run_compiled(code, timeout=300).strip().splitlines()[-1])
     assert report["wgmma"] > 0, report
     assert report["kv_copy_bytes"] == ["0x10"], report
