@@ -22,8 +22,10 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
                            "Qwen3MoeForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM",
                            "Gemma3ForCausalLM")
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")   # Gemma's layer: four norms, scaled embeddings
-# Multimodal checkpoints served as their text model: architecture -> (the text model's, its weights' prefix)
-TEXT_MODELS = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "language_model.")}
+# Multimodal checkpoints served as their text model: architecture -> (the text model's, its weights' prefix, the
+# text_config's model_type where it names one: another family's text model is refused by that key)
+TEXT_MODELS = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "language_model.", "gemma3_text"),
+               "Mistral3ForConditionalGeneration": ("MistralForCausalLM", "language_model.", "mistral")}
 # transformers' Gemma3TextConfig defaults where they differ from the keys' defaults here: a composite checkpoint's
 # text_config is saved as its difference from them (gemma-3-4b-it's names no head count, head_dim or vocabulary)
 GEMMA3_TEXT_DEFAULTS = {
@@ -351,10 +353,13 @@ class ModelConfig:
     @classmethod
     def _from_text_config(cls, cfg: dict[str, Any], arch: str) -> "ModelConfig":
         """A multimodal checkpoint (`arch` in TEXT_MODELS) as its `text_config`'s model; errors say `text_config.`."""
-        text_arch, prefix = TEXT_MODELS[arch]
+        text_arch, prefix, model_type = TEXT_MODELS[arch]
         text = read_object(cfg, "text_config")
         if text is None:
             raise ConfigError(f"text_config: missing from config.json ({arch} is served as its text model)")
+        if text.get("model_type", model_type) != model_type:
+            raise ConfigError(f"text_config.model_type: {arch}'s text model is served as {model_type!r} "
+                              f"({text_arch}), got {text['model_type']!r}")
         eos = read_token_ids(text, "eos_token_id", path="text_config.") if text.get("eos_token_id") is not None \
             else read_token_ids(cfg, "eos_token_id")   # the text model's, else the checkpoint's
         tied = {"tie_word_embeddings": read_bool(cfg, "tie_word_embeddings", True)} if "tie_word_embeddings" in cfg \

@@ -320,6 +320,51 @@ def test_a_multimodal_gemma3_checkpoint_serves_its_text_model(tmp_path, builtin_
     assert_all_free(engine)
 
 
+def test_a_multimodal_mistral3_checkpoint_serves_its_text_model(tmp_path, builtin_path):
+    """Mistral Small 3.1's kind of checkpoint (`Mistral3ForConditionalGeneration`: a Pixtral vision tower and a
+    projector beside a Mistral text model under `language_model.`): served as its text model, greedy text
+    token-identical to transformers' multimodal model on text input; another family's text_config is refused."""
+    import shutil
+
+    import transformers
+
+    from engine.config import ConfigError
+    from engine.model_config import ModelConfig
+
+    text = transformers.MistralConfig(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                      max_position_embeddings=512, initializer_range=0.2, rms_norm_eps=1e-5,
+                                      sliding_window=None, rope_theta=1e6)
+    vision = transformers.PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                              num_attention_heads=2, head_dim=16, image_size=28, patch_size=14)
+    config = transformers.Mistral3Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                                         tie_word_embeddings=False)
+    torch.manual_seed(0)
+    hf = transformers.Mistral3ForConditionalGeneration(config).eval()
+    with torch.no_grad():   # the text model's matrices with a large std (its norms stay 1): no greedy ties
+        for param in [*hf.model.language_model.parameters(), hf.lm_head.weight]:
+            if param.dim() > 1:
+                param.normal_(0.0, 0.2)
+    folder = tmp_path / "mistral3"
+    hf.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(builtin_path / name, folder / name)
+    engine = LLMEngine.from_args(str(folder), dtype="float32", block_size=8, num_blocks=64, progress=False)
+    assert (engine.model_config.architecture, engine.model_config.text_weights_prefix) == \
+        ("MistralForCausalLM", "language_model.")
+    assert engine.weights_bytes == sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (5, 17, 40)]
+    outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == _hf_greedy(hf, prompt, 16, eos_ids=None)
+    assert_all_free(engine)
+    saved = json.loads((folder / "config.json").read_text())
+    saved["text_config"]["model_type"] = "ministral3"
+    with pytest.raises(ConfigError, match=r"^text_config\.model_type: .* served as 'mistral' .*got 'ministral3'"):
+        ModelConfig.from_hf_config(saved)
+
+
 # --- slow: the builtin model under every block size x preemption mode x prefix-cache state --------
 
 SWEEP_TOKENS = 64
