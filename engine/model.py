@@ -1,6 +1,6 @@
 """One model file for the Llama family: Llama 2/3 (llama3 and YaRN rope scaling), Qwen2 (q/k/v bias), Qwen3
 (each q and k head RMS-normed before rotary), Mistral (sliding window); grouped-query attention; tied or
-untied embeddings. The variants in `engine.models` (Gemma 3, Qwen3-MoE, Mixtral, Phi-3) build on it.
+untied embeddings. The variants in `engine.models` (Gemma 2 and 3, Qwen3-MoE, Mixtral, Phi-3, Granite) build on it.
 
 The forward pass takes the whole step's tokens flat, `[num_tokens]`, sequence after sequence, with no
 padding; attention reads and writes the paged KV cache through `AttentionMetadata`. Only the rows
@@ -225,6 +225,8 @@ class LlamaForCausalLM(nn.Module):
             logits = self.comm.all_gather_last(logits)[:, :self.shard.vocab_size]
         if (cap := self.config.final_logit_softcapping) is not None:   # Gemma 2: cap x tanh(logits / cap)
             logits = torch.tanh(logits / cap) * cap
+        if self.config.logits_scaling != 1.0:   # Granite
+            logits = logits / self.config.logits_scaling
         return logits
 
     # --- weights ---------------------------------------------------------------------------

@@ -15,12 +15,12 @@ import torch
 
 from engine.config import ConfigError, quantizes_kv_cache_only
 from engine.config_values import REQUIRED, read_bool, read_float, read_int, read_object, read_token_ids, rope_type
-from engine.model_families import (LAYER_TYPES, gemma2_fields, gemma3_fields, mixtral_fields, phi3_fields,
-                                   qwen3_moe_fields, qwen_window_fields)
+from engine.model_families import (LAYER_TYPES, gemma2_fields, gemma3_fields, granite_fields, mixtral_fields,
+                                   phi3_fields, qwen3_moe_fields, qwen_window_fields)
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM",
-                           "Qwen3MoeForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM",
-                           "Gemma3ForCausalLM")
+                           "Qwen3MoeForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", "GraniteForCausalLM",
+                           "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")   # Gemma's layer: four norms, scaled embeddings
 # Multimodal checkpoints served as their text model: architecture -> (the text model's, its weights' prefix, the
 # text_config's model_type where it names one: another family's text model is refused by that key)
@@ -43,7 +43,8 @@ GEMMA2_DEFAULTS = {
 # scaling names none) and num_key_value_heads (else one per query head), for a config.json without them
 DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32_768, "MistralForCausalLM": 131_072,
                          "Qwen3ForCausalLM": 32_768, "Qwen3MoeForCausalLM": 32_768, "MixtralForCausalLM": 131_072,
-                         "Phi3ForCausalLM": 4096, "Gemma2ForCausalLM": 8192, "Gemma3ForCausalLM": 131_072}
+                         "Phi3ForCausalLM": 4096, "GraniteForCausalLM": 2048, "Gemma2ForCausalLM": 8192,
+                         "Gemma3ForCausalLM": 131_072}
 DEFAULT_KV_HEADS = {"Qwen2ForCausalLM": 32, "MistralForCausalLM": 8, "Qwen3ForCausalLM": 32, "Qwen3MoeForCausalLM": 4,
                     "MixtralForCausalLM": 8}
 DEFAULT_ROPE_THETA = {"MixtralForCausalLM": 1_000_000.0}   # else 10,000 (a config.json naming no rope_theta)
@@ -154,8 +155,9 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A decoder-only model's shape (Llama 2/3, Qwen2, Qwen3, Qwen3-MoE, Mistral, Mixtral, Phi-3, Gemma 2, Gemma 3's
-    text model) from an HF config.json. `layer_types` (Gemma 3): each layer full or sliding; without it `sliding_window` is all's."""
+    """A decoder-only model's shape (Llama 2/3, Qwen2, Qwen3, Qwen3-MoE, Mistral, Mixtral, Phi-3, Granite, Gemma 2,
+    Gemma 3's text model) from an HF config.json. `layer_types` (Gemma): each layer full or sliding; without it
+    `sliding_window` is all's."""
 
     architecture: str
     vocab_size: int
@@ -187,6 +189,10 @@ class ModelConfig:
     moe_float_weights: bool = False     # Mixtral: the top-k weights stay float32 (Qwen3-MoE's: the model's dtype)
     attn_logit_softcapping: float | None = None    # Gemma 2: each attention score s becomes cap x tanh(s / cap)
     final_logit_softcapping: float | None = None   # Gemma 2: so does each logit of the head
+    embedding_multiplier: float = 1.0   # Granite: the embeddings' factor
+    attention_multiplier: float | None = None   # Granite: q.k's factor, in place of the attention scale below
+    residual_multiplier: float = 1.0    # Granite: each sublayer's output's factor before the residual add
+    logits_scaling: float = 1.0         # Granite: the logits are divided by it
     text_weights_prefix: str = ""       # a multimodal checkpoint's text model: its weights' prefix (the rest skipped)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -244,7 +250,10 @@ class ModelConfig:
 
     @property
     def attention_scale(self) -> float:
-        """What q.k is multiplied by: query_pre_attn_scalar ** -0.5 (Gemma 3), else head_dim ** -0.5."""
+        """What q.k is multiplied by: Granite's attention_multiplier, query_pre_attn_scalar ** -0.5 (Gemma), else
+        head_dim ** -0.5."""
+        if self.attention_multiplier is not None:
+            return self.attention_multiplier
         return (self.query_pre_attn_scalar if self.query_pre_attn_scalar is not None else self.head_dim) ** -0.5
 
     @property
@@ -319,7 +328,8 @@ class ModelConfig:
         family = gemma3_fields(cfg, num_layers) if arch == "Gemma3ForCausalLM" else \
             gemma2_fields(cfg, num_layers) if arch == "Gemma2ForCausalLM" else \
             qwen_window_fields(cfg, arch, num_layers) if arch.startswith("Qwen") else \
-            phi3_fields(cfg) if arch == "Phi3ForCausalLM" else {}   # layer types, windows
+            phi3_fields(cfg) if arch == "Phi3ForCausalLM" else \
+            granite_fields(cfg) if arch == "GraniteForCausalLM" else {}   # layer types, windows, scalars
         moe = qwen3_moe_fields(cfg) if arch == "Qwen3MoeForCausalLM" else \
             mixtral_fields(cfg) if arch == "MixtralForCausalLM" else {}
         rope_theta, rope_scaling = RopeScaling.from_hf_config(*family.pop("full_rope", (cfg,)))

@@ -1,8 +1,8 @@
 """The config.json fields of the architectures past Llama's shape, as `ModelConfig` fields: Gemma 3's layer types,
 rope bases and norms (`gemma3_fields`), Gemma 2's layers and soft-capping (`gemma2_fields`), Qwen3-MoE's and
-Mixtral's experts (`qwen3_moe_fields`, `mixtral_fields`), Phi-3's window and rope (`phi3_fields`), and the sliding
-layers of Qwen2, Qwen3 and Qwen3-MoE (`qwen_window_fields`). What we do not serve is refused with a `ConfigError`
-naming the key."""
+Mixtral's experts (`qwen3_moe_fields`, `mixtral_fields`), Phi-3's window and rope (`phi3_fields`), Granite's
+scalars (`granite_fields`), and the sliding layers of Qwen2, Qwen3 and Qwen3-MoE (`qwen_window_fields`). What
+we do not serve is refused with a `ConfigError` naming the key."""
 
 from __future__ import annotations
 
@@ -119,6 +119,16 @@ def phi3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     if read_float(cfg, "partial_rotary_factor", 1.0) != 1.0:
         raise ConfigError("partial_rotary_factor: rotating part of each head is not supported")
     return {"sliding_window": read_int(cfg, "sliding_window", None)}
+
+
+def granite_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Granite's four scalars (transformers' `GraniteConfig` names, 1 by default): the embeddings times
+    `embedding_multiplier`, q.k times `attention_multiplier` (in place of head_dim ** -0.5), each sublayer's output
+    times `residual_multiplier` before it joins the residual stream, the logits over `logits_scaling`."""
+    return {"embedding_multiplier": read_float(cfg, "embedding_multiplier", 1.0),
+            "attention_multiplier": read_float(cfg, "attention_multiplier", 1.0),
+            "residual_multiplier": read_float(cfg, "residual_multiplier", 1.0),
+            "logits_scaling": read_float(cfg, "logits_scaling", 1.0)}
 
 
 def _check_silu(cfg: dict[str, Any], family: str) -> None:

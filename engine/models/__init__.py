@@ -4,7 +4,8 @@ The Llama family (Llama 2/3, Qwen2, Qwen3, Mistral) is `engine.model.LlamaForCau
 changes the layer itself has a module here, built from the same shared layers (`engine.layers`) and the
 same weight loading and tensor-parallel cuts: `gemma3` (Gemma 3's text model, and Gemma 2's), `qwen3_moe` (Qwen3-MoE's
 sparse layers), `mixtral` (Mixtral: those experts on every layer, under its checkpoints' names), `phi3` (Phi-3
-and Phi-4: the Llama layer, its checkpoints' fused q/k/v and gate/up split as they are read).
+and Phi-4: the Llama layer, its checkpoints' fused q/k/v and gate/up split as they are read), `granite`
+(Granite 3: the Llama layer and its four scalars).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from engine.model_config import GEMMA_ARCHITECTURES, ModelConfig
 from engine.layers import RotaryEmbedding
 from engine.model import LlamaForCausalLM
 from engine.models.gemma3 import Gemma3ForCausalLM
+from engine.models.granite import GraniteForCausalLM
 from engine.models.mixtral import MixtralForCausalLM
 from engine.models.phi3 import Phi3ForCausalLM
 from engine.models.qwen3_moe import Qwen3MoeForCausalLM
@@ -29,7 +31,8 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "Gemma3ForCausalLM": Gemma3ForCausalLM,
                                                 "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
                                                 "MixtralForCausalLM": MixtralForCausalLM,
-                                                "Phi3ForCausalLM": Phi3ForCausalLM}
+                                                "Phi3ForCausalLM": Phi3ForCausalLM,
+                                                "GraniteForCausalLM": GraniteForCausalLM}
 
 
 def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:

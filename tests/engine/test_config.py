@@ -702,6 +702,28 @@ def test_gemma2_as_its_model_card_writes_it_and_its_defaults_as_transformers_rea
         check_dtype(cfg, torch.float16)
 
 
+def test_granite_as_its_model_card_writes_it_and_its_defaults_as_transformers_reads_them():
+    """granite-3.3-8b's config: 8.17 B parameters (a tied head) and its four scalars; a config.json without them
+    reads each as 1 (transformers' GraniteConfig), the attention scale then its own, not head_dim ** -0.5."""
+    transformers = pytest.importorskip("transformers")
+    card = {"architectures": ["GraniteForCausalLM"], "vocab_size": 49159, "hidden_size": 4096,
+            "intermediate_size": 12800, "num_hidden_layers": 40, "num_attention_heads": 32, "num_key_value_heads": 8,
+            "max_position_embeddings": 131072, "rope_theta": 10000000.0, "tie_word_embeddings": True,
+            "embedding_multiplier": 12.0, "attention_multiplier": 0.0078125, "residual_multiplier": 0.22,
+            "logits_scaling": 16.0, "rms_norm_eps": 1e-5}
+    cfg = ModelConfig.from_hf_config(card)
+    assert cfg.num_params() == 8_170_864_640
+    assert (cfg.embedding_multiplier, cfg.attention_scale, cfg.residual_multiplier, cfg.logits_scaling) == \
+        (12.0, 0.0078125, 0.22, 16.0)
+    bare = {k: v for k, v in card.items() if not k.endswith(("multiplier", "scaling"))}
+    ours = ModelConfig.from_hf_config(bare)
+    theirs = transformers.GraniteConfig(**{k: v for k, v in bare.items() if k != "architectures"})
+    assert (ours.embedding_multiplier, ours.attention_scale, ours.residual_multiplier, ours.logits_scaling) == \
+        (theirs.embedding_multiplier, theirs.attention_multiplier, theirs.residual_multiplier, theirs.logits_scaling)
+    with pytest.raises(ConfigError, match="^residual_multiplier: must be a positive finite number, got 0"):
+        ModelConfig.from_hf_config({**card, "residual_multiplier": 0})
+
+
 def test_a_namesake_kernels_first_on_the_path_is_refused_by_name(tmp_path):
     """A module named `kernels` found before ours (Hugging Face's distribution of that name): importing the
     engine fails at once, naming it and the fix, not on a name missing deep in one of its modules."""

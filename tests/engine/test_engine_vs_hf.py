@@ -92,6 +92,13 @@ GEMMA3 = dict(num_hidden_layers=3, head_dim=32, sliding_window=8, query_pre_attn
                                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}})
 
 
+MIXTRAL = dict(intermediate_size=48, num_local_experts=4, num_experts_per_tok=3, num_key_value_heads=4, head_dim=16,
+               sliding_window=8, tie_word_embeddings=True, rope_parameters=YARN)
+GEMMA2 = dict(num_hidden_layers=3, head_dim=32, sliding_window=8, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
+              final_logit_softcapping=5.0)
+GRANITE = dict(embedding_multiplier=3.0, attention_multiplier=0.05, residual_multiplier=0.5, logits_scaling=2.0,
+               tie_word_embeddings=True)
+
 TINY_MODELS = [
     ("llama", dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 32})),
@@ -122,16 +129,16 @@ TINY_MODELS = [
     ("qwen3_moe", {**QWEN3_MOE, "use_sliding_window": True, "sliding_window": 8}),
     # Mixtral: 8 experts of 48 (its intermediate_size), 2 a token; then 4 of 3 a token, a window of 8
     ("mixtral", dict(intermediate_size=48, num_local_experts=8, num_experts_per_tok=2, head_dim=32)),
-    ("mixtral", dict(intermediate_size=48, num_local_experts=4, num_experts_per_tok=3, num_key_value_heads=4,
-                     head_dim=16, sliding_window=8, tie_word_embeddings=True, rope_parameters=YARN)),
+    ("mixtral", MIXTRAL),
     # Phi-3: q/k/v and gate/up stored fused; then grouped KV heads, a window of 8 and a tied head
     ("phi3", dict(num_key_value_heads=4, pad_token_id=0)),
     ("phi3", dict(sliding_window=8, tie_word_embeddings=True, pad_token_id=0)),
     # Gemma 2: its default layer types (sliding, full, sliding; a window of 8) and soft-capping low enough to bend
     # these scores and logits; then its own caps (50, 30), grouped KV heads and an untied head
-    ("gemma2", dict(num_hidden_layers=3, head_dim=32, sliding_window=8, query_pre_attn_scalar=24,
-                    attn_logit_softcapping=2.0, final_logit_softcapping=5.0)),
+    ("gemma2", GEMMA2),
     ("gemma2", dict(head_dim=16, sliding_window=8, tie_word_embeddings=False, num_key_value_heads=1)),
+    # Granite: its four scalars away from 1 (the logits' scaling shows in logprobs only: below)
+    ("granite", GRANITE),
 ]
 # Every architecture on the default CPU linears; the other linears on one dense and one MoE model (the
 # linears do not depend on the architecture around them).
@@ -235,7 +242,7 @@ MLP_NAMES = {"llama": ("model.layers.0.mlp", "gate_proj", "up_proj", "down_proj"
              "mixtral": ("model.layers.0.block_sparse_moe.experts.1", "w1", "w3", "w2")}
 
 
-@pytest.mark.parametrize("arch, overrides", [("llama", {}), ("qwen3_moe", QWEN3_MOE), ("mixtral", TINY_MODELS[-2][1])])
+@pytest.mark.parametrize("arch, overrides", [("llama", {}), ("qwen3_moe", QWEN3_MOE), ("mixtral", MIXTRAL)])
 def test_a_checkpoint_that_stores_a_tensor_twice_or_lacks_one_is_refused_by_name(tmp_path, builtin_path, arch,
                                                                                  overrides):
     """A missing tensor is named. A tensor stored twice (two files of one folder, or an expert written as
@@ -471,14 +478,18 @@ def test_the_grouped_experts_equal_the_expert_loop(monkeypatch):
         assert block._grouped is True
 
 
-def test_gemma2_logprobs_are_transformers_capped_ones(tmp_path, builtin_path):
-    """Greedy tokens cannot show the head's soft-cap (tanh keeps the order): the logprobs do. A prompt's logprobs
-    equal transformers' log-softmax of its capped logits (a cap of 5 bends these), and differ without the cap."""
+@pytest.mark.parametrize("arch,overrides,knob,off", [
+    ("gemma2", GEMMA2, "final_logit_softcapping", None), ("granite", GRANITE, "logits_scaling", 1.0)])
+def test_what_the_head_does_to_the_logits_shows_in_transformers_logprobs(tmp_path, builtin_path, arch, overrides,
+                                                                        knob, off):
+    """Greedy tokens cannot show Gemma 2's soft-cap of the logits or Granite's scaling (both keep the order): the
+    logprobs do. A prompt's logprobs equal transformers' log-softmax of its logits (a cap of 5 and a scaling of 2
+    bend these), and differ without the head's transform."""
     import dataclasses
 
     import transformers
 
-    folder = make_tiny_model(tmp_path / "gemma2", "gemma2", builtin_path, **TINY_MODELS[-2][1])
+    folder = make_tiny_model(tmp_path / arch, arch, builtin_path, **overrides)
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     prompt = [1, *range(40, 70)]
     with torch.no_grad():
@@ -488,7 +499,7 @@ def test_gemma2_logprobs_are_transformers_capped_ones(tmp_path, builtin_path):
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
     got = torch.tensor(engine.generate([prompt], params)[0].prompt_logprobs)
     torch.testing.assert_close(got, want, atol=2e-4, rtol=0)
-    engine.model.config = dataclasses.replace(engine.model.config, final_logit_softcapping=None)
+    engine.model.config = dataclasses.replace(engine.model.config, **{knob: off})
     uncapped = torch.tensor(engine.generate([prompt], params)[0].prompt_logprobs)
     assert (uncapped - want).abs().max() > 0.1
 
