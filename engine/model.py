@@ -73,9 +73,7 @@ class Attention(nn.Module):
                 meta: AttentionMetadata, backend) -> torch.Tensor:
         num_heads, num_kv_heads = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(hidden).view(-1, num_heads + 2 * num_kv_heads, self.config.head_dim)  # [T, heads, d]
-        if self.q_norm is not None:   # Qwen3: in place, before rotary
-            self.q_norm(qkv[:, :num_heads])
-            self.k_norm(qkv[:, num_heads:num_heads + num_kv_heads])
+        self.norm_qk(qkv)
         self.rotary_emb(qkv[:, :num_heads + num_kv_heads], rope_rows)  # q and k, in place
         q, k, v = qkv.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
         k_cache, v_cache = kv_cache
@@ -85,6 +83,14 @@ class Attention(nn.Module):
         out = backend.paged_attention(q, k_cache, v_cache, meta, self.scale, self.sliding_window,
                                       k_scale=self.k_scale, v_scale=self.v_scale, softcap=self.softcap)
         return self.comm.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
+
+
+    def norm_qk(self, qkv: torch.Tensor) -> None:
+        """The q and k heads of qkv [T, heads, d] normed in place before rotary, where the model norms them (Qwen3,
+        Gemma: each head by `head_norm`; OLMo 2 overrides it: the whole projection)."""
+        if self.q_norm is not None:
+            self.q_norm(qkv[:, :self.num_heads])
+            self.k_norm(qkv[:, self.num_heads:self.num_heads + self.num_kv_heads])
 
 
 class MLP(nn.Module):

@@ -20,7 +20,7 @@ from engine.model_families import (LAYER_TYPES, gemma2_fields, gemma3_fields, gr
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM",
                            "Qwen3MoeForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", "GraniteForCausalLM",
-                           "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+                           "Olmo2ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")   # Gemma's layer: four norms, scaled embeddings
 # Multimodal checkpoints served as their text model: architecture -> (the text model's, its weights' prefix, the
 # text_config's model_type where it names one: another family's text model is refused by that key)
@@ -43,8 +43,10 @@ GEMMA2_DEFAULTS = {
 # scaling names none) and num_key_value_heads (else one per query head), for a config.json without them
 DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32_768, "MistralForCausalLM": 131_072,
                          "Qwen3ForCausalLM": 32_768, "Qwen3MoeForCausalLM": 32_768, "MixtralForCausalLM": 131_072,
-                         "Phi3ForCausalLM": 4096, "GraniteForCausalLM": 2048, "Gemma2ForCausalLM": 8192,
-                         "Gemma3ForCausalLM": 131_072}
+                         "Phi3ForCausalLM": 4096, "GraniteForCausalLM": 2048, "Olmo2ForCausalLM": 2048,
+                         "Gemma2ForCausalLM": 8192, "Gemma3ForCausalLM": 131_072}
+# their rms_norm_eps, where it is not 1e-6
+DEFAULT_RMS_NORM_EPS = {"MixtralForCausalLM": 1e-5, "Phi3ForCausalLM": 1e-5, "Olmo2ForCausalLM": 1e-5}
 DEFAULT_KV_HEADS = {"Qwen2ForCausalLM": 32, "MistralForCausalLM": 8, "Qwen3ForCausalLM": 32, "Qwen3MoeForCausalLM": 4,
                     "MixtralForCausalLM": 8}
 DEFAULT_ROPE_THETA = {"MixtralForCausalLM": 1_000_000.0}   # else 10,000 (a config.json naming no rope_theta)
@@ -155,8 +157,8 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A decoder-only model's shape (Llama 2/3, Qwen2, Qwen3, Qwen3-MoE, Mistral, Mixtral, Phi-3, Granite, Gemma 2,
-    Gemma 3's text model) from an HF config.json. `layer_types` (Gemma): each layer full or sliding; without it
+    """A decoder-only model's shape (Llama 2/3, Qwen2, Qwen3, Qwen3-MoE, Mistral, Mixtral, Phi-3, Granite, OLMo 2,
+    Gemma 2, Gemma 3's text model) from an HF config.json. `layer_types` (Gemma): each layer full or sliding; without it
     `sliding_window` is all's."""
 
     architecture: str
@@ -294,6 +296,8 @@ class ModelConfig:
         experts = self.num_experts * (3 * h * moe_i + h)   # every expert, and the router
         norms = 4 if self.architecture in GEMMA_ARCHITECTURES else 2   # Gemma: around the MLP too
         per_layer = attn + norms * h + (2 * d if self.qk_norm else 0)
+        if self.architecture == "Olmo2ForCausalLM":   # q and k normed whole: a weight per channel
+            per_layer += q + kv
         mlps = sum(experts if self.is_sparse_layer(layer) else mlp for layer in range(self.num_layers))
         head = 0 if self.tie_word_embeddings else v * h
         return v * h + self.num_layers * per_layer + mlps + h + head
@@ -346,7 +350,7 @@ class ModelConfig:
             num_kv_heads=read_int(cfg, "num_key_value_heads",   # null: one per head, as transformers reads None
                               num_heads if "num_key_value_heads" in cfg else DEFAULT_KV_HEADS.get(arch, num_heads)),
             head_dim=read_int(cfg, "head_dim", 128 if arch == "Qwen3ForCausalLM" else hidden // num_heads),  # Qwen3: 128
-            rms_norm_eps=read_float(cfg, "rms_norm_eps", 1e-6),
+            rms_norm_eps=read_float(cfg, "rms_norm_eps", DEFAULT_RMS_NORM_EPS.get(arch, 1e-6)),
             rope_theta=rope_theta if rope_theta is not None else DEFAULT_ROPE_THETA.get(arch, 10000.0),
             rope_scaling=rope_scaling,
             max_position_embeddings=read_int(cfg, "max_position_embeddings"),

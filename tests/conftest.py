@@ -99,7 +99,8 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
            "mistral": transformers.MistralConfig, "qwen3": transformers.Qwen3Config,
            "gemma3": transformers.Gemma3TextConfig, "qwen3_moe": transformers.Qwen3MoeConfig,
            "mixtral": transformers.MixtralConfig, "phi3": transformers.Phi3Config,
-           "gemma2": transformers.Gemma2Config, "granite": transformers.GraniteConfig}[arch]
+           "gemma2": transformers.Gemma2Config, "granite": transformers.GraniteConfig,
+           "olmo2": transformers.Olmo2Config}[arch]
     config = cls(**common)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)

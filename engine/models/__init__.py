@@ -5,7 +5,7 @@ changes the layer itself has a module here, built from the same shared layers (`
 same weight loading and tensor-parallel cuts: `gemma3` (Gemma 3's text model, and Gemma 2's), `qwen3_moe` (Qwen3-MoE's
 sparse layers), `mixtral` (Mixtral: those experts on every layer, under its checkpoints' names), `phi3` (Phi-3
 and Phi-4: the Llama layer, its checkpoints' fused q/k/v and gate/up split as they are read), `granite`
-(Granite 3: the Llama layer and its four scalars).
+(Granite 3: the Llama layer and its four scalars), `olmo2` (OLMo 2: post-norm layers, q/k normed whole).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from engine.model import LlamaForCausalLM
 from engine.models.gemma3 import Gemma3ForCausalLM
 from engine.models.granite import GraniteForCausalLM
 from engine.models.mixtral import MixtralForCausalLM
+from engine.models.olmo2 import Olmo2ForCausalLM
 from engine.models.phi3 import Phi3ForCausalLM
 from engine.models.qwen3_moe import Qwen3MoeForCausalLM
 from engine.parallel import Collectives, ShardShape
@@ -32,7 +33,8 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
                                                 "MixtralForCausalLM": MixtralForCausalLM,
                                                 "Phi3ForCausalLM": Phi3ForCausalLM,
-                                                "GraniteForCausalLM": GraniteForCausalLM}
+                                                "GraniteForCausalLM": GraniteForCausalLM,
+                                                "Olmo2ForCausalLM": Olmo2ForCausalLM}
 
 
 def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:

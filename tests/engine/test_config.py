@@ -724,6 +724,24 @@ def test_granite_as_its_model_card_writes_it_and_its_defaults_as_transformers_re
         ModelConfig.from_hf_config({**card, "residual_multiplier": 0})
 
 
+def test_olmo2_as_its_model_card_writes_it_and_the_eps_each_class_defaults_to():
+    """OLMo-2-1124-7B's config: 7.30 B parameters, its q/k norms a weight per channel of the whole projection. A
+    config.json without rms_norm_eps takes its class's (transformers': 1e-5 for OLMo 2, Mixtral and Phi-3)."""
+    transformers = pytest.importorskip("transformers")
+    card = {"architectures": ["Olmo2ForCausalLM"], "vocab_size": 100352, "hidden_size": 4096,
+            "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+            "max_position_embeddings": 4096, "rope_theta": 500000.0, "rms_norm_eps": 1e-6}
+    cfg = ModelConfig.from_hf_config(card)
+    assert cfg.num_params() == 7_298_617_344 and not cfg.qk_norm
+    for arch, config_class in (("Olmo2ForCausalLM", transformers.Olmo2Config),
+                               ("MixtralForCausalLM", transformers.MixtralConfig),
+                               ("Phi3ForCausalLM", transformers.Phi3Config),
+                               ("LlamaForCausalLM", transformers.LlamaConfig)):
+        bare = {**LLAMA, "architectures": [arch]}
+        theirs = config_class(**{k: v for k, v in bare.items() if k != "architectures"})
+        assert ModelConfig.from_hf_config(bare).rms_norm_eps == theirs.rms_norm_eps, arch
+
+
 def test_a_namesake_kernels_first_on_the_path_is_refused_by_name(tmp_path):
     """A module named `kernels` found before ours (Hugging Face's distribution of that name): importing the
     engine fails at once, naming it and the fix, not on a name missing deep in one of its modules."""

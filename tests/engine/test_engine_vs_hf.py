@@ -139,6 +139,8 @@ TINY_MODELS = [
     ("gemma2", dict(head_dim=16, sliding_window=8, tie_word_embeddings=False, num_key_value_heads=1)),
     # Granite: its four scalars away from 1 (the logits' scaling shows in logprobs only: below)
     ("granite", GRANITE),
+    # OLMo 2: post-norm layers, q/k normed over the whole projection (grouped KV heads), a tied head
+    ("olmo2", dict(tie_word_embeddings=True)),
 ]
 # Every architecture on the default CPU linears; the other linears on one dense and one MoE model (the
 # linears do not depend on the architecture around them).

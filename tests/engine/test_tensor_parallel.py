@@ -222,13 +222,15 @@ QWEN3 = {"head_dim": 32, "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
      None),
     ("granite", {"embedding_multiplier": 3.0, "attention_multiplier": 0.05, "residual_multiplier": 0.5,
                  "logits_scaling": 2.0}, None),
+    ("olmo2", {"num_key_value_heads": 1}, None),
 ])
 def test_two_ranks_generate_what_one_does(tmp_path, builtin_path, prompts, arch, overrides, overlap):
     # A tiny random model with even head counts (4 heads, 2 KV heads); Qwen2 adds q/k/v biases; Qwen3
     # q/k head norms (whole on every rank) and YaRN; Qwen3-MoE splits each expert's intermediate size
     # (the router whole on every rank), its layer 1 dense; Mixtral the same on every layer, read from its own
     # tensor names; Phi-3 cuts each rank's heads and rows out of the fused q/k/v and gate/up it stores; Gemma 2
-    # caps each rank's scores and the gathered logits; Granite scales the summed outputs and embeddings. Qwen3's
+    # caps each rank's scores and the gathered logits; Granite scales the summed outputs and embeddings; OLMo 2
+    # norms q and k over every rank's heads (its one KV head on both ranks, counted once). Qwen3's
     # and Mixtral's groups overlap their steps: the other rank fills the placeholders of each step's inputs
     # from rank 0's sampled ids (engine.overlap).
     path = str(make_tiny_model(tmp_path / arch, arch, builtin_path, **overrides))

@@ -1,0 +1,128 @@
+"""OLMo 2 (`Olmo2ForCausalLM`): the Llama layer turned post-norm, and q/k normed over the whole projection.
+
+- no norm before a sublayer: each sublayer's output is normed (`post_attention_layernorm`,
+  `post_feedforward_layernorm`) and then added to the residual stream; the model's final norm as Llama's.
+  The stream travels as in the Llama layer, (a sublayer's output, the stream before its add), so the last add
+  is fused into the final norm;
+- `q_norm` and `k_norm` are RMSNorms over all of a token's query (key) heads at once, [heads x head_dim], not
+  per head, before rotary. Under tensor parallelism a rank holds its heads' slice of each weight and the sum of
+  squares is summed over the ranks (a KV head held by several ranks counted once);
+- every norm is transformers' `Olmo2RMSNorm`: float32 throughout, times the weight, one rounding at the end.
+
+It runs on the module path (the CPU's flat loop is the Llama layer's).
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+from torch import nn
+
+from engine.layers import RopeRows
+from engine.model import MLP, Attention, LlamaForCausalLM, WeightLoadError
+from engine.model_config import ModelConfig
+from engine.parallel import Collectives, ShardShape
+from kernels import AttentionMetadata
+
+__all__ = ["Olmo2ForCausalLM"]
+
+
+def _olmo2_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return (weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps))).to(x.dtype)
+
+
+class Olmo2RMSNorm(nn.Module):
+    """OLMo 2's RMSNorm (`_olmo2_norm`), the residual add fused as `engine.layers.RMSNorm`'s: `forward(x)` ->
+    normed; `forward(x, residual)` -> `(normed, residual)`, the stream `x + residual` (added in x's dtype)."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return _olmo2_norm(x, self.weight, self.eps)
+        residual = residual.add_(x)
+        return _olmo2_norm(residual, self.weight, self.eps), residual
+
+
+class WideRMSNorm(nn.Module):
+    """An RMSNorm over the whole width of `heads` heads ([T, heads, d] as [T, heads x d]), written back in place;
+    this rank holds `heads` of the model's `num_heads` (`replicas` ranks hold each of them): the sum of squares is
+    summed over the ranks and divided by the replicas, so the mean is the whole projection's."""
+
+    def __init__(self, heads: int, head_dim: int, eps: float, comm: Collectives, num_heads: int,
+                 replicas: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(heads * head_dim))
+        self.eps, self.comm, self.width, self.replicas = eps, comm, num_heads * head_dim, replicas
+
+    def forward(self, heads: torch.Tensor) -> None:
+        x = heads.reshape(heads.shape[0], -1)   # a view: a token's heads lie side by side in the fused qkv
+        if self.comm.size == 1:
+            heads.copy_(_olmo2_norm(x, self.weight, self.eps).view_as(heads))
+            return
+        xf = x.float()
+        squares = self.comm.all_reduce(xf.pow(2).sum(-1, keepdim=True)) / self.replicas
+        heads.copy_((self.weight * (xf * torch.rsqrt(squares / self.width + self.eps))).to(x.dtype).view_as(heads))
+
+
+class Olmo2Attention(Attention):
+    """Llama's attention with the whole-projection q/k norms."""
+
+    def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives, rotary_emb, layer: int) -> None:
+        super().__init__(config, shard, comm, rotary_emb, layer)
+        d, eps = config.head_dim, config.rms_norm_eps
+        kv_replicas = max(1, shard.size // config.num_kv_heads)   # ranks holding each KV head
+        self.q_norm = WideRMSNorm(shard.num_heads, d, eps, comm, config.num_heads, 1)
+        self.k_norm = WideRMSNorm(shard.num_kv_heads, d, eps, comm, config.num_kv_heads, kv_replicas)
+
+
+class Olmo2DecoderLayer(nn.Module):
+    """One post-norm OLMo 2 block (see the module docstring)."""
+
+    def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives, rotary_emb, ops: ModuleType,
+                 layer: int) -> None:
+        super().__init__()
+        self.self_attn = Olmo2Attention(config, shard, comm, rotary_emb, layer)
+        self.post_attention_layernorm = Olmo2RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config, shard, comm, ops)
+        self.post_feedforward_layernorm = Olmo2RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope_rows: RopeRows,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, backend
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden: the previous layer's MLP output (the embeddings for the first, residual None), residual the
+        stream before its add -> (this layer's MLP output, the stream before its add)."""
+        if residual is not None:
+            hidden = residual.add_(hidden)
+        hidden = hidden + self.post_attention_layernorm(self.self_attn(hidden, rope_rows, kv_cache, meta, backend))
+        return self.post_feedforward_layernorm(self.mlp(hidden)), hidden
+
+
+class Olmo2ForCausalLM(LlamaForCausalLM):
+    """The Llama model with OLMo 2's layers and norms; q_norm / k_norm weights cut per rank by heads."""
+
+    supports_flat_forward = False
+
+    def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
+        return Olmo2DecoderLayer(self.config, self.shard, self.comm, self.rotary_emb, ops, index)
+
+    def make_norm(self, ops: ModuleType) -> nn.Module:
+        return Olmo2RMSNorm(self.config.hidden_size, self.config.rms_norm_eps)
+
+    def _shard_of(self, hf_name: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A rank's heads of the q/k norms' weights; the rest as the Llama model's."""
+        shard, c = self.shard, self.config
+        if shard.size == 1 or not name.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight")):
+            return super()._shard_of(hf_name, name, tensor)
+        d = c.head_dim
+        full, start, length = (c.num_heads * d, shard.head_start * d, shard.num_heads * d) if ".q_norm." in name \
+            else (c.num_kv_heads * d, shard.kv_head_start * d, shard.num_kv_heads * d)
+        if tensor.shape != (full,):
+            raise WeightLoadError(f"{hf_name}: shape {tuple(tensor.shape)} does not match the config ({full},)")
+        return tensor.narrow(0, start, length)
