@@ -16,11 +16,11 @@ import torch
 from engine.config import ConfigError, quantizes_kv_cache_only
 from engine.config_values import REQUIRED, read_bool, read_float, read_int, read_object, read_token_ids, rope_type
 from engine.model_families import (LAYER_TYPES, gemma2_fields, gemma3_fields, granite_fields, mixtral_fields,
-                                   phi3_fields, qwen3_moe_fields, qwen_window_fields)
+                                   phi3_fields, qwen3_moe_fields, qwen_window_fields, smollm3_fields)
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM",
                            "Qwen3MoeForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", "GraniteForCausalLM",
-                           "Olmo2ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+                           "Olmo2ForCausalLM", "SmolLM3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")   # Gemma's layer: four norms, scaled embeddings
 # Multimodal checkpoints served as their text model: architecture -> (the text model's, its weights' prefix, the
 # text_config's model_type where it names one: another family's text model is refused by that key)
@@ -44,12 +44,14 @@ GEMMA2_DEFAULTS = {
 DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32_768, "MistralForCausalLM": 131_072,
                          "Qwen3ForCausalLM": 32_768, "Qwen3MoeForCausalLM": 32_768, "MixtralForCausalLM": 131_072,
                          "Phi3ForCausalLM": 4096, "GraniteForCausalLM": 2048, "Olmo2ForCausalLM": 2048,
+                         "SmolLM3ForCausalLM": 32_768,
                          "Gemma2ForCausalLM": 8192, "Gemma3ForCausalLM": 131_072}
 # their rms_norm_eps, where it is not 1e-6
 DEFAULT_RMS_NORM_EPS = {"MixtralForCausalLM": 1e-5, "Phi3ForCausalLM": 1e-5, "Olmo2ForCausalLM": 1e-5}
 DEFAULT_KV_HEADS = {"Qwen2ForCausalLM": 32, "MistralForCausalLM": 8, "Qwen3ForCausalLM": 32, "Qwen3MoeForCausalLM": 4,
-                    "MixtralForCausalLM": 8}
-DEFAULT_ROPE_THETA = {"MixtralForCausalLM": 1_000_000.0}   # else 10,000 (a config.json naming no rope_theta)
+                    "MixtralForCausalLM": 8, "SmolLM3ForCausalLM": 4}
+# their rope_theta where config.json names none (else 10,000)
+DEFAULT_ROPE_THETA = {"MixtralForCausalLM": 1_000_000.0, "SmolLM3ForCausalLM": 2_000_000.0}
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 # dynamic NTK: its base moves only past max_position_embeddings, which caps its context here: the default rope's
 SUPPORTED_ROPE_TYPES = ("default", "dynamic", "linear", "llama3", "yarn")
@@ -158,7 +160,7 @@ class RopeScaling:
 @dataclass(frozen=True)
 class ModelConfig:
     """A decoder-only model's shape (Llama 2/3, Qwen2, Qwen3, Qwen3-MoE, Mistral, Mixtral, Phi-3, Granite, OLMo 2,
-    Gemma 2, Gemma 3's text model) from an HF config.json. `layer_types` (Gemma): each layer full or sliding; without it
+    SmolLM3, Gemma 2, Gemma 3's text model) from an HF config.json. `layer_types` (Gemma): each layer full or sliding; without it
     `sliding_window` is all's."""
 
     architecture: str
@@ -195,6 +197,7 @@ class ModelConfig:
     attention_multiplier: float | None = None   # Granite: q.k's factor, in place of the attention scale below
     residual_multiplier: float = 1.0    # Granite: each sublayer's output's factor before the residual add
     logits_scaling: float = 1.0         # Granite: the logits are divided by it
+    no_rope_layers: tuple[int, ...] = ()   # SmolLM3: 1 where a layer rotates q and k, 0 where not (NoPE); (): all do
     text_weights_prefix: str = ""       # a multimodal checkpoint's text model: its weights' prefix (the rest skipped)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -333,7 +336,8 @@ class ModelConfig:
             gemma2_fields(cfg, num_layers) if arch == "Gemma2ForCausalLM" else \
             qwen_window_fields(cfg, arch, num_layers) if arch.startswith("Qwen") else \
             phi3_fields(cfg) if arch == "Phi3ForCausalLM" else \
-            granite_fields(cfg) if arch == "GraniteForCausalLM" else {}   # layer types, windows, scalars
+            granite_fields(cfg) if arch == "GraniteForCausalLM" else \
+            smollm3_fields(cfg, num_layers) if arch == "SmolLM3ForCausalLM" else {}   # layer types, windows, scalars
         moe = qwen3_moe_fields(cfg) if arch == "Qwen3MoeForCausalLM" else \
             mixtral_fields(cfg) if arch == "MixtralForCausalLM" else {}
         rope_theta, rope_scaling = RopeScaling.from_hf_config(*family.pop("full_rope", (cfg,)))

@@ -1,8 +1,8 @@
 """The config.json fields of the architectures past Llama's shape, as `ModelConfig` fields: Gemma 3's layer types,
 rope bases and norms (`gemma3_fields`), Gemma 2's layers and soft-capping (`gemma2_fields`), Qwen3-MoE's and
 Mixtral's experts (`qwen3_moe_fields`, `mixtral_fields`), Phi-3's window and rope (`phi3_fields`), Granite's
-scalars (`granite_fields`), and the sliding layers of Qwen2, Qwen3 and Qwen3-MoE (`qwen_window_fields`). What
-we do not serve is refused with a `ConfigError` naming the key."""
+scalars (`granite_fields`), SmolLM3's NoPE layers (`smollm3_fields`), and the sliding layers of Qwen2, Qwen3 and
+Qwen3-MoE (`qwen_window_fields`). What we do not serve is refused with a `ConfigError` naming the key."""
 
 from __future__ import annotations
 
@@ -129,6 +129,26 @@ def granite_fields(cfg: dict[str, Any]) -> dict[str, Any]:
             "attention_multiplier": read_float(cfg, "attention_multiplier", 1.0),
             "residual_multiplier": read_float(cfg, "residual_multiplier", 1.0),
             "logits_scaling": read_float(cfg, "logits_scaling", 1.0)}
+
+
+def smollm3_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """SmolLM3's NoPE layers as transformers' `SmolLM3Config` reads them: `no_rope_layers` (1 where a layer
+    rotates q and k, 0 where it does not), by default every `no_rope_layer_interval`-th layer (4) without; a
+    sliding window only under `use_sliding_window` with a `sliding_window`, on the layers `layer_types` says (by
+    default the NoPE ones); the head tied by default."""
+    rope = cfg.get("no_rope_layers")
+    if rope is None:
+        interval = read_int(cfg, "no_rope_layer_interval", 4)
+        rope = [int((i + 1) % interval != 0) for i in range(num_layers)]
+    if not isinstance(rope, list) or len(rope) != num_layers or any(r not in (0, 1) or r is True or r is False
+                                                                    for r in rope):
+        raise ConfigError(f"no_rope_layers: a 0 or 1 for each of the {num_layers} layers, got {rope!r:.80}")
+    fields = {"no_rope_layers": tuple(rope), "tie_word_embeddings": read_bool(cfg, "tie_word_embeddings", True)}
+    window = read_int(cfg, "sliding_window", None)
+    if not read_bool(cfg, "use_sliding_window", False) or window is None:
+        return fields
+    kinds = _layer_types(cfg, lambda: ["full_attention" if r else "sliding_attention" for r in rope])
+    return {**fields, "sliding_window": window, "layer_types": tuple(kinds)}
 
 
 def _check_silu(cfg: dict[str, Any], family: str) -> None:

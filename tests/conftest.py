@@ -100,7 +100,7 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
            "gemma3": transformers.Gemma3TextConfig, "qwen3_moe": transformers.Qwen3MoeConfig,
            "mixtral": transformers.MixtralConfig, "phi3": transformers.Phi3Config,
            "gemma2": transformers.Gemma2Config, "granite": transformers.GraniteConfig,
-           "olmo2": transformers.Olmo2Config}[arch]
+           "olmo2": transformers.Olmo2Config, "smollm3": transformers.SmolLM3Config}[arch]
     config = cls(**common)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)

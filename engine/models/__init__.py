@@ -5,7 +5,7 @@ changes the layer itself has a module here, built from the same shared layers (`
 same weight loading and tensor-parallel cuts: `gemma3` (Gemma 3's text model, and Gemma 2's), `qwen3_moe` (Qwen3-MoE's
 sparse layers), `mixtral` (Mixtral: those experts on every layer, under its checkpoints' names), `phi3` (Phi-3
 and Phi-4: the Llama layer, its checkpoints' fused q/k/v and gate/up split as they are read), `granite`
-(Granite 3: the Llama layer and its four scalars), `olmo2` (OLMo 2: post-norm layers, q/k normed whole).
+(Granite 3: the Llama layer and its four scalars), `olmo2` (OLMo 2: post-norm layers, q/k normed whole), `smollm3` (SmolLM3: NoPE layers).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from engine.models.granite import GraniteForCausalLM
 from engine.models.mixtral import MixtralForCausalLM
 from engine.models.olmo2 import Olmo2ForCausalLM
 from engine.models.phi3 import Phi3ForCausalLM
+from engine.models.smollm3 import SmolLM3ForCausalLM
 from engine.models.qwen3_moe import Qwen3MoeForCausalLM
 from engine.parallel import Collectives, ShardShape
 from kernels.fused import get_fused_ops
@@ -34,7 +35,8 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "MixtralForCausalLM": MixtralForCausalLM,
                                                 "Phi3ForCausalLM": Phi3ForCausalLM,
                                                 "GraniteForCausalLM": GraniteForCausalLM,
-                                                "Olmo2ForCausalLM": Olmo2ForCausalLM}
+                                                "Olmo2ForCausalLM": Olmo2ForCausalLM,
+                                                "SmolLM3ForCausalLM": SmolLM3ForCausalLM}
 
 
 def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:

@@ -742,6 +742,33 @@ def test_olmo2_as_its_model_card_writes_it_and_the_eps_each_class_defaults_to():
         assert ModelConfig.from_hf_config(bare).rms_norm_eps == theirs.rms_norm_eps, arch
 
 
+def test_smollm3_as_its_model_card_writes_it_and_its_defaults_as_transformers_reads_them():
+    """SmolLM3-3B's config: 3.08 B parameters (a tied head), every fourth layer without rope. A config.json that
+    leaves keys out reads them as transformers' SmolLM3Config does; a NoPE list of the wrong length or values is
+    refused by name."""
+    transformers = pytest.importorskip("transformers")
+    nope = [int((i + 1) % 4 != 0) for i in range(36)]
+    card = {"architectures": ["SmolLM3ForCausalLM"], "vocab_size": 128256, "hidden_size": 2048,
+            "intermediate_size": 11008, "num_hidden_layers": 36, "num_attention_heads": 16, "num_key_value_heads": 4,
+            "max_position_embeddings": 65536, "rope_theta": 5000000.0, "no_rope_layers": nope,
+            "tie_word_embeddings": True}
+    cfg = ModelConfig.from_hf_config(card)
+    assert cfg.num_params() == 3_075_098_624 and cfg.no_rope_layers == tuple(nope) and cfg.sliding_window is None
+    bare = {k: card[k] for k in ("architectures", "vocab_size", "hidden_size", "intermediate_size",
+                                 "num_hidden_layers", "num_attention_heads")}
+    ours = ModelConfig.from_hf_config(bare)
+    theirs = transformers.SmolLM3Config(**{k: v for k, v in bare.items() if k != "architectures"})
+    assert (ours.rope_theta, ours.num_kv_heads, ours.max_position_embeddings, ours.tie_word_embeddings,
+            ours.no_rope_layers) == (theirs.rope_parameters["rope_theta"], theirs.num_key_value_heads,
+                                     theirs.max_position_embeddings, theirs.tie_word_embeddings,
+                                     tuple(theirs.no_rope_layers))
+    windowed = ModelConfig.from_hf_config({**bare, "use_sliding_window": True, "sliding_window": 4096})
+    assert [windowed.layer_window(i) for i in range(4)] == [None, None, None, 4096]   # on the NoPE layers
+    for bad in (nope[:-1], [*nope[:-1], 2], [*nope[:-1], True]):
+        with pytest.raises(ConfigError, match="^no_rope_layers: a 0 or 1 for each of the 36 layers"):
+            ModelConfig.from_hf_config({**card, "no_rope_layers": bad})
+
+
 def test_a_namesake_kernels_first_on_the_path_is_refused_by_name(tmp_path):
     """A module named `kernels` found before ours (Hugging Face's distribution of that name): importing the
     engine fails at once, naming it and the fix, not on a name missing deep in one of its modules."""

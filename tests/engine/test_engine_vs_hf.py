@@ -141,6 +141,10 @@ TINY_MODELS = [
     ("granite", GRANITE),
     # OLMo 2: post-norm layers, q/k normed over the whole projection (grouped KV heads), a tied head
     ("olmo2", dict(tie_word_embeddings=True)),
+    # SmolLM3: every other layer without rope; then its default NoPE rule (every 4th) and a window on those layers
+    ("smollm3", dict(no_rope_layers=[1, 0], pad_token_id=0)),
+    ("smollm3", dict(num_hidden_layers=4, use_sliding_window=True, sliding_window=8, tie_word_embeddings=False,
+                     pad_token_id=0)),
 ]
 # Every architecture on the default CPU linears; the other linears on one dense and one MoE model (the
 # linears do not depend on the architecture around them).

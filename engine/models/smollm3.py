@@ -1,0 +1,42 @@
+"""SmolLM3 (`SmolLM3ForCausalLM`): the Llama layer, some layers without rotary embeddings (NoPE).
+
+`ModelConfig.no_rope_layers` (`engine.model_families.smollm3_fields`) says which layers rotate q and k: by
+default every fourth layer does not (SmolLM3-3B's 3 of 4 with rope). A NoPE layer's attention gets `NoRope`
+in place of the model's rotary embedding: no cos/sin rows, q and k left as projected. It runs on the module
+path (the CPU's flat loop rotates every layer).
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+from torch import nn
+
+from engine.model import LlamaForCausalLM
+
+__all__ = ["NoRope", "SmolLM3ForCausalLM"]
+
+
+class NoRope(nn.Module):
+    """A rotary embedding that rotates nothing: the attention of a NoPE layer."""
+
+    def rows(self, positions: torch.Tensor) -> None:
+        return None
+
+    def forward(self, query_key: torch.Tensor, rows: None) -> None:
+        return None
+
+
+class SmolLM3ForCausalLM(LlamaForCausalLM):
+    """The Llama model with NoPE layers (see the module docstring)."""
+
+    supports_flat_forward = False
+
+    def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
+        layer = super().make_layer(index, ops)
+        if self.config.no_rope_layers and not self.config.no_rope_layers[index]:
+            if index == 0 or not hasattr(self, "no_rope"):
+                self.no_rope = NoRope()
+            layer.self_attn.rotary_emb = self.no_rope
+        return layer
