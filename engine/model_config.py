@@ -15,8 +15,7 @@ import torch
 
 from engine.config import ConfigError, quantizes_kv_cache_only
 from engine.config_values import REQUIRED, read_bool, read_float, read_int, read_object, read_token_ids, rope_type
-from engine.model_families import (LAYER_TYPES, gemma2_fields, gemma3_fields, granite_fields, mixtral_fields,
-                                   phi3_fields, qwen3_moe_fields, qwen_window_fields, smollm3_fields)
+from engine.model_families import LAYER_TYPES, family_fields
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM",
                            "Qwen3MoeForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", "GraniteForCausalLM",
@@ -332,14 +331,7 @@ class ModelConfig:
         num_heads = read_int(cfg, "num_attention_heads")
         hidden = read_int(cfg, "hidden_size")
         num_layers = read_int(cfg, "num_hidden_layers")
-        family = gemma3_fields(cfg, num_layers) if arch == "Gemma3ForCausalLM" else \
-            gemma2_fields(cfg, num_layers) if arch == "Gemma2ForCausalLM" else \
-            qwen_window_fields(cfg, arch, num_layers) if arch.startswith("Qwen") else \
-            phi3_fields(cfg) if arch == "Phi3ForCausalLM" else \
-            granite_fields(cfg) if arch == "GraniteForCausalLM" else \
-            smollm3_fields(cfg, num_layers) if arch == "SmolLM3ForCausalLM" else {}   # layer types, windows, scalars
-        moe = qwen3_moe_fields(cfg) if arch == "Qwen3MoeForCausalLM" else \
-            mixtral_fields(cfg) if arch == "MixtralForCausalLM" else {}
+        family = family_fields(cfg, arch, num_layers)   # layer types, windows, experts, scalars
         rope_theta, rope_scaling = RopeScaling.from_hf_config(*family.pop("full_rope", (cfg,)))
         sliding_window = None
         if arch == "MistralForCausalLM":   # absent: MistralConfig's 4096; null: none
@@ -366,7 +358,7 @@ class ModelConfig:
             hidden_act=cfg.get("hidden_act", "silu"),
             bos_token_id=read_int(cfg, "bos_token_id", None, minimum=0),
             eos_token_ids=read_token_ids(cfg, "eos_token_id"),
-        ), **family, **moe})
+        ), **family})
 
     @classmethod
     def _from_text_config(cls, cfg: dict[str, Any], arch: str) -> "ModelConfig":

@@ -15,6 +15,26 @@ from engine.config_values import is_int, read_bool, read_float, read_int, read_o
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
+def family_fields(cfg: dict[str, Any], arch: str, num_layers: int) -> dict[str, Any]:
+    """The `ModelConfig` fields past Llama's shape that `arch`'s config.json gives (none for Llama and Mistral)."""
+    if arch == "Gemma3ForCausalLM":
+        return gemma3_fields(cfg, num_layers)
+    if arch == "Gemma2ForCausalLM":
+        return gemma2_fields(cfg, num_layers)
+    if arch.startswith("Qwen"):
+        return {**qwen_window_fields(cfg, arch, num_layers),
+                **(qwen3_moe_fields(cfg) if arch == "Qwen3MoeForCausalLM" else {})}
+    if arch == "MixtralForCausalLM":
+        return mixtral_fields(cfg)
+    if arch == "Phi3ForCausalLM":
+        return phi3_fields(cfg)
+    if arch == "GraniteForCausalLM":
+        return granite_fields(cfg)
+    if arch == "SmolLM3ForCausalLM":
+        return smollm3_fields(cfg, num_layers)
+    return {}
+
+
 def gemma3_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
     """Gemma 3's text model, as transformers 5 writes it or as earlier ones did: each layer's attention type
     (`layer_types`, or every `sliding_window_pattern`-th layer full), the full layers' rope (with its
