@@ -828,6 +828,37 @@ def _check_gpu_kernels(dtype_name: str, num_heads: int, num_kv_heads: int, head_
         assert not new, f"{len(new)} variants compiled after compile_kernels:\n" + "\n".join(sorted(new))
 
 
+def _check_gpu_capped_kernels(dtype_name: str, num_heads: int, num_kv_heads: int, head_dim: int,
+                              block_size: int) -> None:
+    """The gpu test of soft-capped scores (Gemma 2's cap of 50, a window of 4,096 as its sliding layers'), run
+    compiled as `_check_gpu_kernels` is: decodes (split and not) and a step with a long chunk, the queries scaled
+    so the cap bends the scores; every variant compiled before (none during)."""
+    assert not triton_attention.INTERPRETED, "the compiled check ran under Triton's interpreter"
+    dtype, seed = getattr(torch, dtype_name), _make_seed()
+    for window in (None, 4096):
+        triton_attention.compile_kernels(num_heads, num_kv_heads, head_dim, block_size, dtype, torch.device("cuda"),
+                                         window, softcap=50.0)
+    compiled = triton_attention.compiled_variants()
+    decode = ([4096, 3000, 8191, 17], [1, 1, 1, 1])
+    mixed = ([4096, 1500, 8191, 1, 700] + [1000] * 20, [1, 511, 1, 1, 700] + [1] * 20)
+    for (lens, q_lens), window in [(decode, None), (decode, 4096), (mixed, None), (mixed, 4096)]:
+        case = _make_attention_case(lens, q_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed,
+                                    device="cuda")
+        case[0].mul_(32.0)   # scores of tens: the cap of 50 bends them
+        _assert_attention_matches(triton_attention, case, seed, window, softcap=50.0,
+                                  label=f"{dtype} {num_heads}/{num_kv_heads} d={head_dim} lens={lens[:5]}")
+    if compiled is not None:
+        new = triton_attention.compiled_variants() - compiled
+        assert not new, f"{len(new)} variants compiled after compile_kernels:\n" + "\n".join(sorted(new))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_kernels_with_capped_scores_match_reference():
+    _run_compiled("from tests.kernels.test_triton import _check_gpu_capped_kernels; "
+                  "_check_gpu_capped_kernels('bfloat16', 16, 8, 128, 16)", timeout=600)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
