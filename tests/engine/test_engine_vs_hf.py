@@ -299,8 +299,6 @@ def test_a_multimodal_gemma3_checkpoint_serves_its_text_model(tmp_path, builtin_
     greedy text token-identical to transformers' multimodal model on text input. `own_head`: the top-level
     config unties the head (transformers reads the flag there) and the checkpoint is in transformers 5's own
     layout, the head a top-level `lm_head.weight` (it was skipped and the embedding served as the head)."""
-    import shutil
-
     import transformers
 
     text_config = transformers.Gemma3TextConfig(vocab_size=512, hidden_size=64, intermediate_size=160,
@@ -317,12 +315,20 @@ def test_a_multimodal_gemma3_checkpoint_serves_its_text_model(tmp_path, builtin_
     assert own_head != torch.equal(hf.lm_head.weight, hf.model.language_model.embed_tokens.weight)
     folder = tmp_path / "gemma3-mm"
     hf.save_pretrained(folder, **({"save_original_format": False} if own_head else {}))
+    _assert_serves_its_text_model(hf, folder, builtin_path, "Gemma3ForCausalLM")
+
+
+def _assert_serves_its_text_model(hf, folder, builtin_path, text_arch: str) -> None:
+    """The multimodal checkpoint `hf` saved in `folder` serves as its text model `text_arch` (the tensors under
+    `language_model.`), and its greedy text equals transformers' multimodal model's on text input."""
+    import shutil
+
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(builtin_path / name, folder / name)
     engine = LLMEngine.from_args(str(folder), dtype="float32", block_size=8, num_blocks=64, max_num_batched_tokens=64,
                                  progress=False)
-    assert engine.model_config.architecture == "Gemma3ForCausalLM"
-    assert engine.model_config.text_weights_prefix == "language_model."
+    assert (engine.model_config.architecture, engine.model_config.text_weights_prefix) == \
+        (text_arch, "language_model.")
     # the weights it reports holding are the text model's (the checkpoint on disk holds the vision tower too)
     assert engine.weights_bytes == sum(p.numel() * p.element_size() for p in engine.model.parameters())
     gen = torch.Generator().manual_seed(1)
@@ -337,8 +343,6 @@ def test_a_multimodal_mistral3_checkpoint_serves_its_text_model(tmp_path, builti
     """Mistral Small 3.1's kind of checkpoint (`Mistral3ForConditionalGeneration`: a Pixtral vision tower and a
     projector beside a Mistral text model under `language_model.`): served as its text model, greedy text
     token-identical to transformers' multimodal model on text input; another family's text_config is refused."""
-    import shutil
-
     import transformers
 
     from engine.config import ConfigError
@@ -360,18 +364,7 @@ def test_a_multimodal_mistral3_checkpoint_serves_its_text_model(tmp_path, builti
                 param.normal_(0.0, 0.2)
     folder = tmp_path / "mistral3"
     hf.save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(builtin_path / name, folder / name)
-    engine = LLMEngine.from_args(str(folder), dtype="float32", block_size=8, num_blocks=64, progress=False)
-    assert (engine.model_config.architecture, engine.model_config.text_weights_prefix) == \
-        ("MistralForCausalLM", "language_model.")
-    assert engine.weights_bytes == sum(p.numel() * p.element_size() for p in engine.model.parameters())
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (5, 17, 40)]
-    outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
-    for prompt, out in zip(prompts, outs):
-        assert out.outputs[0].token_ids == _hf_greedy(hf, prompt, 16, eos_ids=None)
-    assert_all_free(engine)
+    _assert_serves_its_text_model(hf, folder, builtin_path, "MistralForCausalLM")
     saved = json.loads((folder / "config.json").read_text())
     saved["text_config"]["model_type"] = "ministral3"
     with pytest.raises(ConfigError, match=r"^text_config\.model_type: .* served as 'mistral' .*got 'ministral3'"):

@@ -311,6 +311,8 @@ def test_launchers_refuse_an_fp8_they_do_not_handle():
         with pytest.raises(AssertionError, match="scale is positive and finite"):
             triton_attention.paged_attention(torch.zeros(1, 4, 64), k_cache, v_cache, meta, 0.125, k_scale=k_scale,
                                              v_scale=v_scale)
+    with pytest.raises(ValueError, match="softcap: must be 0 .*or positive, got -1.0"):
+        triton_attention.paged_attention(torch.zeros(1, 4, 64), k_cache, v_cache, meta, 0.125, softcap=-1.0)
     with pytest.raises(AssertionError, match="key dtype"):
         triton_kv_store.store_kv(key.to(FP8), key.to(FP8), k_cache, v_cache, meta)
     with pytest.raises(AssertionError, match="query dtype"):
@@ -322,51 +324,38 @@ def test_launchers_refuse_an_fp8_they_do_not_handle():
 
 # Every GQA ratio (1, 3, 8), head dim (64, 128; 40, 96 and 8, padded in the kernels to 64, 128 and 16),
 # block size (8, 16, 32) and dtype at least once, with and without a sliding window, single pass and
-# forced split-K, each on a mixed prefill + decode batch.
-@pytest.mark.parametrize("dtype,num_heads,num_kv_heads,head_dim,block_size,sliding_window,num_splits", [
-    (torch.float32, 2, 2, 64, 8, None, None),
-    (torch.float16, 6, 2, 128, 16, None, 3),
-    (torch.bfloat16, 8, 1, 64, 32, 7, None),
-    (torch.float32, 3, 1, 64, 32, 70, 4),
-    (torch.float16, 8, 1, 128, 8, None, None),
-    (torch.bfloat16, 2, 2, 128, 16, 20, 2),
-    (torch.float16, 6, 2, 40, 16, None, None),
-    (torch.float32, 3, 1, 96, 8, 30, 3),
-    (torch.bfloat16, 2, 1, 96, 32, None, 2),
-    (torch.float32, 2, 2, 8, 8, None, 2),
+# forced split-K, each on a mixed prefill + decode batch; the last three with capped scores (Gemma 2's
+# soft-capping) at a cap that bends them (queries x 4: scores of a few units against a cap of 0.8).
+@pytest.mark.parametrize("dtype,num_heads,num_kv_heads,head_dim,block_size,sliding_window,num_splits,softcap", [
+    (torch.float32, 2, 2, 64, 8, None, None, 0.0),
+    (torch.float16, 6, 2, 128, 16, None, 3, 0.0),
+    (torch.bfloat16, 8, 1, 64, 32, 7, None, 0.0),
+    (torch.float32, 3, 1, 64, 32, 70, 4, 0.0),
+    (torch.float16, 8, 1, 128, 8, None, None, 0.0),
+    (torch.bfloat16, 2, 2, 128, 16, 20, 2, 0.0),
+    (torch.float16, 6, 2, 40, 16, None, None, 0.0),
+    (torch.float32, 3, 1, 96, 8, 30, 3, 0.0),
+    (torch.bfloat16, 2, 1, 96, 32, None, 2, 0.0),
+    (torch.float32, 2, 2, 8, 8, None, 2, 0.0),
+    (torch.float32, 4, 2, 64, 16, None, None, 0.8),
+    (torch.bfloat16, 6, 2, 40, 8, 20, 3, 0.8),
+    (torch.float16, 2, 2, 128, 32, None, 2, 0.8),
 ])
 def test_paged_attention_mixed_batch_matches_reference(dtype, num_heads, num_kv_heads, head_dim, block_size,
-                                                       sliding_window, num_splits):
+                                                       sliding_window, num_splits, softcap):
     seed = _make_seed()
     seq_lens, query_lens = _mixed_batch(block_size)
     case = _make_attention_case(seq_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed,
                                 head_pad=_head_pad(head_dim))
-    _assert_attention_matches(triton_attention, case, seed, sliding_window, num_splits,
+    if softcap:
+        case[0].mul_(4.0)
+    _assert_attention_matches(triton_attention, case, seed, sliding_window, num_splits, softcap=softcap,
                               label=f"{dtype} heads={num_heads}/{num_kv_heads} d={head_dim} bs={block_size}")
-
-
-# Capped scores (Gemma 2's soft-capping) at a cap that bends them (scores of about 1 against a cap of 0.8):
-# single pass and split-K, with a window, GQA, a padded head_dim; the reference's answer moves with the cap.
-@pytest.mark.parametrize("dtype,num_heads,num_kv_heads,head_dim,block_size,sliding_window,num_splits", [
-    (torch.float32, 4, 2, 64, 16, None, None),
-    (torch.bfloat16, 6, 2, 40, 8, 20, 3),
-    (torch.float16, 2, 2, 128, 32, None, 2),
-])
-def test_paged_attention_with_capped_scores_matches_reference(dtype, num_heads, num_kv_heads, head_dim, block_size,
-                                                              sliding_window, num_splits):
-    seed = _make_seed()
-    seq_lens, query_lens = _mixed_batch(block_size)
-    case = _make_attention_case(seq_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed,
-                                head_pad=_head_pad(head_dim))
-    case[0].mul_(4.0)   # scores of a few units: the cap of 0.8 flattens them
-    _assert_attention_matches(triton_attention, case, seed, sliding_window, num_splits, softcap=0.8,
-                              label=f"{dtype} heads={num_heads}/{num_kv_heads} d={head_dim} bs={block_size}")
-    query, k_cache, v_cache, meta = case
-    capped, plain = (_reference_attention(query, k_cache, v_cache, meta, head_dim ** -0.5, sliding_window,
-                                          softcap=cap) for cap in (0.8, 0.0))
-    assert (capped - plain).abs().max() > 0.1, f"seed={seed}: the cap changed nothing"
-    with pytest.raises(ValueError, match="softcap: must be 0 .*or positive, got -1.0"):
-        triton_attention.paged_attention(query, k_cache, v_cache, meta, 0.125, softcap=-1.0)
+    if softcap:   # the reference's answer moves with the cap
+        query, k_cache, v_cache, meta = case
+        capped, plain = (_reference_attention(query, k_cache, v_cache, meta, head_dim ** -0.5, sliding_window,
+                                              softcap=cap) for cap in (softcap, 0.0))
+        assert (capped - plain).abs().max() > 0.1, f"seed={seed}: the cap changed nothing"
 
 
 @pytest.mark.parametrize("num_splits,head_dim", [(1, 64), (3, 64), (8, 64), (1, 80), (3, 80)])
