@@ -5,10 +5,10 @@ module tree, not the arithmetic: each layer went through eleven `nn.Module` call
 slices and the C kernels' per-call layout checks, ~110 us a layer before any arithmetic (32 layers:
 3.5 ms of a step). `CpuForward` runs the same layers with what a layer needs and nothing else:
 
-    norm (C) -> qkv matmul [-> q/k head norms (Qwen3)] -> rotary (C) -> K/V store (C) -> decode attention (C)
-    [-> prefill chunks]
-    -> o matmul [-> all-reduce] -> add + norm (C) -> gate/up matmul -> SiLU x mul (C) -> down matmul
-    [-> all-reduce]
+    norm (C) -> qkv matmul [-> q/k head norms (Qwen3)] -> rotary (C; not on SmolLM3's NoPE layers) -> K/V
+    store (C) -> decode attention (C) [-> prefill chunks]
+    -> o matmul [-> all-reduce] [x Granite's residual multiplier] -> add + norm (C) -> gate/up matmul
+    -> SiLU x mul (C) -> down matmul [-> all-reduce] [x the multiplier]
 
 into buffers allocated once per forward and reused by every layer (each layer's outputs are consumed
 by the next op), with the layouts checked once per forward instead of once per call. The matmuls are
@@ -53,11 +53,13 @@ def _linear(module: nn.Module) -> Linear:
 
 
 class _Layer:
-    __slots__ = ("norm1", "eps1", "qkv", "q_norm", "k_norm", "window", "o", "norm2", "eps2", "gate_up", "down")
+    __slots__ = ("norm1", "eps1", "qkv", "q_norm", "k_norm", "rope", "window", "o", "norm2", "eps2", "gate_up",
+                 "down")
 
     def __init__(self, layer: nn.Module) -> None:
         self.norm1, self.eps1 = layer.input_layernorm.weight, layer.input_layernorm.eps
         self.q_norm, self.k_norm = layer.self_attn.q_norm, layer.self_attn.k_norm   # Qwen3's, else None
+        self.rope = hasattr(layer.self_attn.rotary_emb, "cos_sin_cache")   # SmolLM3's NoPE layers rotate nothing
         self.window = layer.self_attn.sliding_window or 0   # its own: Qwen's lower layers attend to all
         self.norm2, self.eps2 = layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps
         self.qkv = _linear(layer.self_attn.qkv_proj)
@@ -79,6 +81,7 @@ class CpuForward:
         self.q_size, self.kv_size = attn.q_size, attn.kv_size
         self.hidden_size, self.intermediate = config.hidden_size, model.layers[0].mlp.intermediate_size
         self.scale = attn.scale
+        self.residual_multiplier = config.residual_multiplier   # Granite's: each sublayer's output times it
         self.rms_norm = getattr(fused_lib, f"rms_norm_{suffix}")
         self.rotary = getattr(fused_lib, f"rotary_{suffix}")
         self.silu_and_mul = getattr(fused_lib, f"silu_and_mul_{suffix}")
@@ -176,6 +179,7 @@ class CpuForward:
         rms_norm, rotary, store_kv, decode, silu_and_mul = (self.rms_norm, self.rotary, self.store_kv, self.decode,
                                                             self.silu_and_mul)
         all_reduce, inter = self.all_reduce, self.intermediate
+        scaled = self.residual_multiplier if self.residual_multiplier != 1.0 else None
 
         layer_input = None   # the previous layer's output (down_proj's), added into the residual by the norm
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
@@ -190,7 +194,8 @@ class CpuForward:
             if layer.q_norm is not None:                  # each q and k head normed, in place
                 layer.q_norm(step.heads[:, :self.num_heads])
                 layer.k_norm(step.heads[:, self.num_heads:self.num_heads + self.num_kv_heads])
-            rotary(qkv_ptr, cos_sin_ptr, *step.rotary_tail)
+            if layer.rope:
+                rotary(qkv_ptr, cos_sin_ptr, *step.rotary_tail)
             if store_kv(step.k_ptr, step.v_ptr, k_cache.data_ptr(), v_cache.data_ptr(), slots_ptr, *step.store_tail):
                 raise IndexError(f"store_kv: a slot past the cache's {step.num_slots} slots")
             if decode_head is not None and decode(qkv_ptr, k_cache.data_ptr(), v_cache.data_ptr(), out_ptr,
@@ -201,12 +206,16 @@ class CpuForward:
             hidden = layer.o(step.attn_flat, step.o)
             if all_reduce is not None:
                 hidden = all_reduce(hidden)
+            if scaled is not None:
+                hidden.mul_(scaled)
             rms_norm(hidden.data_ptr(), residual_ptr, layer.norm2.data_ptr(), normed_ptr, *norm_tail, layer.eps2)
             gate_up = layer.gate_up(normed, step.gate_up)
             silu_and_mul(gate_up.data_ptr(), step.act.data_ptr(), step.num_tokens, inter, gate_up.stride(0), inter)
             layer_input = layer.down(step.act, step.down)
             if all_reduce is not None:
                 layer_input = all_reduce(layer_input)
+            if scaled is not None:
+                layer_input.mul_(scaled)
         out = torch.empty_like(normed)
         rms_norm(layer_input.data_ptr(), residual_ptr, self.final_norm.data_ptr(), out.data_ptr(), *norm_tail,
                  self.final_eps)

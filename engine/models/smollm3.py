@@ -2,8 +2,8 @@
 
 `ModelConfig.no_rope_layers` (`engine.model_families.smollm3_fields`) says which layers rotate q and k: by
 default every fourth layer does not (SmolLM3-3B's 3 of 4 with rope). A NoPE layer's attention gets `NoRope`
-in place of the model's rotary embedding: no cos/sin rows, q and k left as projected. It runs on the module
-path (the CPU's flat loop rotates every layer).
+in place of the model's rotary embedding: no cos/sin rows, q and k left as projected. On the CPU backend
+the flat loop (`engine.cpu_forward`) runs it, skipping those layers' rotary call.
 """
 
 from __future__ import annotations
@@ -30,8 +30,6 @@ class NoRope(nn.Module):
 
 class SmolLM3ForCausalLM(LlamaForCausalLM):
     """The Llama model with NoPE layers (see the module docstring)."""
-
-    supports_flat_forward = False
 
     def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
         layer = super().make_layer(index, ops)

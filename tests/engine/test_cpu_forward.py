@@ -1,7 +1,8 @@
 """`engine.cpu_forward.CpuForward`, the CPU backend's flat loop over the decoder layers, against the
 module path it replaces: the same C kernels and the same BLAS calls, so the same numbers, bit for bit,
 and the same K/V written to the cache. Decode-only and mixed steps, float32 and bfloat16, the Llama
-family's variants (q/k/v bias, o_proj bias, a sliding window), packed linears; and where it stands aside.
+family's variants (q/k/v bias, o_proj bias, a sliding window, Granite's multipliers, SmolLM3's NoPE layers),
+packed linears; and where it stands aside.
 """
 
 from __future__ import annotations
@@ -30,6 +31,12 @@ def _config(variant: str) -> ModelConfig:
         hf = transformers.Qwen2Config(**COMMON, architectures=["Qwen2ForCausalLM"])
     elif variant == "mistral":  # a sliding window shorter than the contexts
         hf = transformers.MistralConfig(**COMMON, sliding_window=10, architectures=["MistralForCausalLM"])
+    elif variant == "granite":  # each sublayer's output scaled before the residual add
+        hf = transformers.GraniteConfig(**COMMON, embedding_multiplier=3.0, attention_multiplier=0.05,
+                                        residual_multiplier=0.5, logits_scaling=2.0, architectures=["GraniteForCausalLM"])
+    elif variant == "smollm3":  # its middle layer without rope (NoPE)
+        hf = transformers.SmolLM3Config(**COMMON, no_rope_layers=[1, 0, 1], pad_token_id=0,
+                                        architectures=["SmolLM3ForCausalLM"])
     else:
         hf = transformers.LlamaConfig(**COMMON, attention_bias=variant == "llama-bias",
                                       architectures=["LlamaForCausalLM"])
@@ -83,7 +90,7 @@ def _assert_same(got, want) -> None:
         assert torch.equal(fk, k) and torch.equal(fv, v), f"layer {layer}: the caches differ"
 
 
-@pytest.mark.parametrize("variant", ["llama", "llama-bias", "qwen2", "mistral"])
+@pytest.mark.parametrize("variant", ["llama", "llama-bias", "qwen2", "mistral", "granite", "smollm3"])
 @pytest.mark.parametrize("decode_only", [True, False], ids=["decode", "mixed"])
 def test_the_flat_loop_is_the_module_path_bit_for_bit(variant, decode_only):
     model = build_model(_config(variant), torch.float32, "cpu")
