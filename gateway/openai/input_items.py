@@ -6,6 +6,7 @@ message its parts in the shape of its role (`input_text`, an assistant's `output
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -14,6 +15,14 @@ from gateway.openai.objects import list_object, page_ascending, page_limit
 
 MAX_LIMIT = 100   # OpenAI's range for `limit`: 1..100, 20 by default
 _PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+_ITEM_ID = re.compile(r"(?:msg|fc|fco|rs|item)_([0-9a-f]+)_(\d+)")   # `item_view`'s ids
+
+
+def input_item_place(item_id: str) -> tuple[str, int] | None:
+    """(the response id, the item's index in its conversation) an input item's id (`item_view`'s) names; None
+    for an id of another shape (an output item's)."""
+    found = _ITEM_ID.fullmatch(item_id)
+    return None if found is None else (f"resp_{found[1]}", int(found[2]))
 
 
 def input_items_page(items: Sequence[dict[str, Any]], response_id: str,

@@ -22,7 +22,7 @@ from gateway.completion import Completion, constrained, with_model_defaults
 from gateway.handlers import parsed, read_json
 from gateway.openai import objects
 from gateway.openai.errors import ApiError, bad_request
-from gateway.openai.input_items import input_items_page
+from gateway.openai.input_items import input_item_place, input_items_page, item_view
 from gateway.openai.responses import (ResponsesAnswer, ResponsesRequest, parse_responses, response_error,
                                       response_object)
 from gateway.openai.sampling_fields import check_context
@@ -92,6 +92,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     received = time.perf_counter()
     body = await read_json(request)
     owner, tenant = _owner(request), gateway.admission.tenant_of(request)
+    body = await _referenced(request, body, owner)
     prior = await _prior(request, body, owner)
     asked = await parsed(gateway, parse_responses, body, gateway.config.gateway.limits, prior)
     kept = request.app.get(RESPONSES)
@@ -182,6 +183,42 @@ async def _prior(request: web.Request, body: Any, owner: str) -> list[dict[str, 
         raise bad_request("previous_response_id", f"response {previous!r} was {stored.status} before it had any "
                           "output, so it has no turn to continue; send its input again instead")
     return stored.items + [_as_input(item) for item in stored.response["output"]]
+
+
+async def _referenced(request: web.Request, body: Any, owner: str) -> Any:
+    """`body` with each `item_reference` of its `input` replaced by the kept item it names (`_kept_item`): an
+    input item by the id its response's input_items list gives it, an output item by its own id, as the next
+    turn takes it back. One that names none of the key's kept items is a 400 naming `input[i].id`."""
+    items = body.get("input") if isinstance(body, dict) else None
+    if not isinstance(items, list) or not any(isinstance(item, dict) and item.get("type") == "item_reference"
+                                              for item in items):
+        return body
+    kept, resolved = _kept(request, "input"), []
+    for i, item in enumerate(items):
+        if not isinstance(item, dict) or item.get("type") != "item_reference":
+            resolved.append(item)
+            continue
+        item_id = item.get("id")
+        if not isinstance(item_id, str) or not item_id:
+            raise bad_request(f"input[{i}].id", "an item_reference names a kept item by its id (a string)")
+        found = await kept.db(_kept_item, kept.store, item_id, owner) if item_id.isprintable() else None
+        if found is None:
+            raise bad_request(f"input[{i}].id", f"no item {item_id[:80]!r} in this key's kept responses")
+        resolved.append(found)
+    return {**body, "input": resolved}
+
+
+def _kept_item(store: ResponseStore, item_id: str, owner: str) -> dict[str, Any] | None:
+    """The kept item `item_id` names, as an input item (on the store's thread); None if there is none."""
+    if (place := input_item_place(item_id)) is not None:
+        stored = store.get(place[0], owner=owner)
+        index = place[1]
+        if stored is None or index >= len(stored.items) or item_view(stored.items[index], stored.id, index)["id"] != \
+                item_id:
+            return None
+        return stored.items[index]
+    output = store.output_item(item_id, owner=owner)
+    return None if output is None else _as_input(output)
 
 
 def _as_input(item: dict[str, Any]) -> dict[str, Any]:

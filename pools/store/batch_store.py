@@ -57,7 +57,9 @@ the failed state (`failed_at`, `errors`), `file_chunks` and `finalizing`; 4 adds
 before keeps its lines), `output_expires_seconds` to `batches`, `expires_at` and `deleted_at` to `files`
 (files stored before never expire) and the index `files_by_expiry`; 6 adds `sent_at` to `lines`; 7 adds
 `expired_at` to `batches` (`expire_next`); 8 adds `parent`, `num_items` and `removed` to `responses` (a
-continuation keeps only its own items: `pools.store.response_store`). A store is refused by older code
+continuation keeps only its own items: `pools.store.response_store`); 9 adds `response_items`, the kept
+responses' output items by id (those of the responses kept before are indexed at the migration). A store is
+refused by older code
 (its version), so a downgrade needs the store file from before the upgrade. A version-2 row keeps its
 tenant as its tenant, and its owner is `legacy_owner(tenant)` (the gateway: `Tenants.legacy_owner`,
 whose rule keeps a row reachable by the key or shared tenant that reached it before wherever the

@@ -20,6 +20,9 @@ gateway stopped is found by `unfinished` and run again.
 Ownership as in the batch store: every method a client reaches takes `owner`, and another owner's
 response is exactly one that does not exist (None, False).
 
+A response's output items are indexed by id (`response_items`, owner first), so that a later request's
+`item_reference` input finds one (`output_item`); a removed response's go with it.
+
 Retention (`RetentionSpec`, YAML `gateway.stored_responses`): an owner's oldest finished responses
 past `max_per_owner` are removed as a new one of theirs is written (in its transaction, by the
 owner's index); `purge` removes finished responses older than `retention_days` (by the age index)
@@ -42,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from pools.store.batch_input import is_text
-from pools.store.schema import StoreFile
+from pools.store.schema import StoreFile, index_output_items
 from pools.config.gateway_spec import RetentionSpec
 
 __all__ = ["FINISHED", "ResponseStore", "StoredResponse"]
@@ -103,6 +106,7 @@ class ResponseStore(StoreFile):
                        "response, parent, num_items) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                        (response["id"], owner, tenant, response["created_at"], response["status"], int(background),
                         json.dumps(request), json.dumps(items[inherited:]), json.dumps(response), parent, len(items)))
+            index_output_items(db, response["id"], owner, response)
             _remove(db, f"owner=? AND {_DONE} AND seq <= (SELECT seq FROM responses WHERE owner=? AND removed=0 AND "
                         f"{_DONE} ORDER BY seq DESC LIMIT 1 OFFSET ?)",
                     (owner, *FINISHED, owner, *FINISHED, self.retention.max_per_owner))
@@ -114,6 +118,9 @@ class ResponseStore(StoreFile):
             cursor = db.execute(f"UPDATE responses SET status=?, response=? WHERE id=? AND removed=0 AND status NOT "
                                 f"IN ({', '.join('?' * len(unless))})",
                                 (response["status"], json.dumps(response), response["id"], *unless))
+            if cursor.rowcount == 1:
+                (owner,) = db.execute("SELECT owner FROM responses WHERE id=?", (response["id"],)).fetchone()
+                index_output_items(db, response["id"], owner, response)
         return cursor.rowcount == 1
 
     def get(self, response_id: str, *, owner: str) -> StoredResponse | None:
@@ -125,6 +132,18 @@ class ResponseStore(StoreFile):
             row = self._db.execute(f"SELECT {_ROW} FROM responses WHERE id=? AND owner=? AND removed=0",
                                    (response_id, owner)).fetchone()
             return None if row is None else self._stored(row)
+
+    def output_item(self, item_id: str, *, owner: str) -> dict[str, Any] | None:
+        """The output item `item_id` of one of the owner's kept responses (the latest that has one of that id),
+        as its Response holds it; None: no such item, another owner's, or its response removed."""
+        if not is_text(item_id):
+            return None
+        with self._lock:
+            row = self._db.execute("SELECT r.response FROM response_items AS i JOIN responses AS r ON r.id = "
+                                   "i.response_id WHERE i.owner=? AND i.item_id=? AND r.removed=0",
+                                   (owner, item_id)).fetchone()
+        output = [] if row is None else json.loads(row[0]).get("output") or []
+        return next((item for item in output if item.get("id") == item_id), None)
 
     def delete(self, response_id: str, *, owner: str) -> bool:
         """Remove the response; False if there is none (or it is another owner's, or the id is not `is_text`)."""
@@ -165,6 +184,7 @@ def _remove(db: sqlite3.Connection, where: str, params: tuple) -> int:
     ids = [response_id for (response_id,) in db.execute(f"SELECT id FROM responses WHERE removed=0 AND ({where})",
                                                          params)]
     db.executemany("UPDATE responses SET removed=1, request='{}', response='{}' WHERE id=?", ((i,) for i in ids))
+    db.executemany("DELETE FROM response_items WHERE response_id=?", ((i,) for i in ids))
     _collect(db, ids)
     return len(ids)
 

@@ -1,11 +1,14 @@
-"""The gateway store's SQLite schema (version 8) and its in-place migration from versions 1 to 7
+"""The gateway store's SQLite schema (version 9) and its in-place migration from versions 1 to 8
 (`pools.store.batch_store` explains what each version holds and how old rows get their owner). The Batch API's
-tables and, from version 4, the Responses API's stored responses (`pools.store.response_store`) share the file."""
+tables and, from version 4, the Responses API's stored responses (`pools.store.response_store`) share the file;
+version 9 indexes each stored response's output items by id (`response_items`, filled from the responses an older
+store holds when it migrates)."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 import sqlite3
 import threading
@@ -51,7 +54,10 @@ TABLES = (   # the tables as version 3 creates them (see the module docstring fo
     background INTEGER NOT NULL,        -- 1: run by the gateway, resumed after a restart
     request TEXT NOT NULL,              -- the request body (JSON), as a background run needs it
     items TEXT NOT NULL,                -- the conversation's input items, earlier turns' included (JSON)
-    response TEXT NOT NULL)             -- the Response object (JSON) as it stands""")
+    response TEXT NOT NULL)             -- the Response object (JSON) as it stands""",
+    """CREATE TABLE IF NOT EXISTS response_items (   -- version 9: a kept response's output items by id
+    owner TEXT NOT NULL, item_id TEXT NOT NULL, response_id TEXT NOT NULL,
+    PRIMARY KEY (owner, item_id))""")
 ADDED_COLUMNS = (   # (table, column, definition) added to an older store's tables; DDL takes no parameters
     ("files", "tenant", "TEXT NOT NULL DEFAULT {default_tenant}"),
     ("batches", "tenant", "TEXT NOT NULL DEFAULT {default_tenant}"),
@@ -80,8 +86,9 @@ INDEXES = ("DROP INDEX IF EXISTS batches_by_tenant",   # version 2's; batches ar
             "CREATE INDEX IF NOT EXISTS responses_by_parent ON responses (parent) WHERE parent IS NOT NULL",
             # a conversation's chain walked in the index alone (`parent` is past the row's long columns)
             "CREATE INDEX IF NOT EXISTS responses_chain ON responses (id, parent)",
-            "CREATE INDEX IF NOT EXISTS files_by_expiry ON files (expires_at) WHERE deleted_at IS NULL")
-SCHEMA_VERSION = 8
+            "CREATE INDEX IF NOT EXISTS files_by_expiry ON files (expires_at) WHERE deleted_at IS NULL",
+            "CREATE INDEX IF NOT EXISTS response_items_by_response ON response_items (response_id)")
+SCHEMA_VERSION = 9
 
 
 def opened(make: Callable[[], T], path: Path) -> T:
@@ -214,4 +221,17 @@ def migrate(db: sqlite3.Connection, path: Path, default_tenant: str, legacy_owne
                    "batches.tenant) WHERE owner = ''")
     for statement in INDEXES:
         db.execute(statement)
+    if version < 9:   # the output items of the responses kept before the index existed
+        for response_id, owner, response in db.execute("SELECT id, owner, response FROM responses WHERE removed=0"
+                                                       ).fetchall():
+            index_output_items(db, response_id, owner, json.loads(response))
     db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+
+
+def index_output_items(db: sqlite3.Connection, response_id: str, owner: str, response: dict[str, Any]) -> None:
+    """Index the output items of `response` (a Response object) by their ids, for `item_reference` inputs; an id
+    the owner's index holds already now names this response's item (the latest)."""
+    ids = [item["id"] for item in response.get("output") or () if isinstance(item, dict) and
+           isinstance(item.get("id"), str)]
+    db.executemany("INSERT OR REPLACE INTO response_items (owner, item_id, response_id) VALUES (?, ?, ?)",
+                   ((owner, item_id, response_id) for item_id in ids))

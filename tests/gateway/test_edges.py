@@ -333,3 +333,6 @@ async def test_without_a_data_dir_every_response_id_is_unknown(front):
     with pytest.raises(openai.BadRequestError) as info:
         await sdk.responses.create(model=FRONT, input="hi", background=True)
     assert info.value.param == "background"
+    with pytest.raises(openai.BadRequestError) as info:   # no kept item to refer to
+        await sdk.responses.create(model=FRONT, input=[{"type": "item_reference", "id": "msg_x"}])
+    assert info.value.param == "input" and "keeps no responses" in info.value.message

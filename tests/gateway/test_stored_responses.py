@@ -105,6 +105,40 @@ async def test_a_conversation_continues_from_its_kept_turns_and_hits_the_prefix_
         await client.responses.retrieve(unkept.id)
 
 
+async def test_an_item_reference_brings_a_kept_item_into_a_new_conversation(live_builtin_server) -> None:
+    """`{"type": "item_reference", "id"}` inputs: an input item by the id the input_items list gave it and an
+    output item by its own id, in their places, make the prompt that `previous_response_id` makes; another
+    key's item, an unknown id, and a deleted response's item are 400s naming `input[i].id`."""
+    client, other = _client(live_builtin_server), _client(live_builtin_server, "key-b")
+    kwargs = dict(model=MODEL, temperature=0)
+    first = await client.responses.create(input="My name is Ada. Say hello.", max_output_tokens=6, **kwargs)
+    (asked,) = [item async for item in client.responses.input_items.list(first.id)]
+    answer = first.output[-1]
+    second = await client.responses.create(input=[{"type": "item_reference", "id": asked.id},
+                                                  {"type": "item_reference", "id": answer.id},
+                                                  {"role": "user", "content": "What is my name?"}],
+                                           max_output_tokens=4, **kwargs)
+    items = [item async for item in client.responses.input_items.list(second.id, order="asc")]
+    assert [(item.type, item.role) for item in items] == [("message", "user"), ("message", "assistant"),
+                                                          ("message", "user")]
+    assert [item.content[0].text for item in items[:2]] == ["My name is Ada. Say hello.", first.output_text]
+    continued = await client.responses.create(input="What is my name?", previous_response_id=first.id,
+                                              max_output_tokens=4, **kwargs)
+    assert second.usage.input_tokens == continued.usage.input_tokens   # the same prompt
+    for who, ref in ((other, answer.id), (other, asked.id), (client, "msg_nothing")):
+        with pytest.raises(openai.BadRequestError) as info:
+            await who.responses.create(input=[{"role": "user", "content": "hi"}, {"type": "item_reference",
+                                                                                  "id": ref}],
+                                       max_output_tokens=2, **kwargs)
+        assert info.value.body["param"] == "input[1].id", info.value.body
+    await client.responses.delete(first.id)
+    for ref in (answer.id, asked.id):
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.responses.create(input=[{"type": "item_reference", "id": ref}], max_output_tokens=2,
+                                          **kwargs)
+        assert info.value.body["param"] == "input[0].id", info.value.body
+
+
 def test_every_kind_of_kept_input_item_lists_as_the_sdk_reads_it() -> None:
     """A call, its result, a reasoning item, a message of parts, a developer message: each a `ResponseItem`
     with the id of its place (the same on every call)."""

@@ -217,3 +217,47 @@ def test_a_removal_reads_its_own_chain_not_every_removed_row_the_store_keeps(tmp
                                           for k in range(2000) for n in range(3)))
     assert _work_of_one_delete(store) <= 2 * quiet + 10
     assert store.delete("r7_2", owner="o") and _rows(store) == 3 * 2000 - 3
+
+
+def _with_output(response_id: str, *item_ids: str, status: str = "completed") -> dict:
+    return {**_response(response_id, status), "output": [
+        {"type": "message", "id": item_id, "role": "assistant", "status": "completed",
+         "content": [{"type": "output_text", "text": f"from {response_id}", "annotations": []}]}
+        for item_id in item_ids]}
+
+
+def test_output_items_are_found_by_id_for_their_owner_until_their_response_goes(tmp_path) -> None:
+    """`item_reference` reads an output item of a kept response by its id: the owner's alone, the latest response
+    that has that id, an item a background run adds when it finishes, none once its response is deleted."""
+    store = _open(tmp_path)
+    store.put(_with_output("resp_a", "msg_1", "msg_2"), owner="o", tenant="t", request={}, items=[])
+    store.put(_with_output("resp_b", "msg_3"), owner="p", tenant="t", request={}, items=[])
+    assert store.output_item("msg_2", owner="o")["content"][0]["text"] == "from resp_a"
+    assert store.output_item("msg_3", owner="o") is None and store.output_item("msg_9", owner="o") is None
+    assert store.output_item("msg_\udcff", owner="o") is None
+    store.put(_response("resp_c", "queued"), owner="o", tenant="t", request={}, items=[], background=True)
+    assert store.output_item("msg_4", owner="o") is None
+    assert store.update(_with_output("resp_c", "msg_4", "msg_1"))   # finished: its items, msg_1 now its own
+    assert store.output_item("msg_4", owner="o")["content"][0]["text"] == "from resp_c"
+    assert store.output_item("msg_1", owner="o")["content"][0]["text"] == "from resp_c"
+    assert store.delete("resp_c", owner="o")
+    assert store.output_item("msg_4", owner="o") is None and store.output_item("msg_1", owner="o") is None
+    assert store.output_item("msg_2", owner="o") is not None   # resp_a's own stay
+
+
+def test_a_version_8_store_indexes_the_output_items_it_kept(tmp_path) -> None:
+    """A store from before `response_items` (version 8): its kept responses' output items are indexed when it
+    migrates, so a reference to them is found after the upgrade."""
+    import sqlite3
+
+    store = _open(tmp_path)
+    store.put(_with_output("resp_a", "msg_1"), owner="o", tenant="t", request={}, items=[])
+    store.close()
+    with sqlite3.connect(tmp_path / "store.sqlite3") as db:   # as version 8 left it
+        db.execute("DROP TABLE response_items")
+        db.execute("PRAGMA user_version=8")
+    BatchStore(tmp_path / "store.sqlite3", default_tenant="default").close()   # migrates
+    store = ResponseStore(tmp_path / "store.sqlite3")
+    assert store.output_item("msg_1", owner="o")["id"] == "msg_1"
+    with sqlite3.connect(tmp_path / "store.sqlite3") as db:
+        assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 9
