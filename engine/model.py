@@ -1,6 +1,7 @@
 """One model file for the Llama family: Llama 2/3 (llama3 and YaRN rope scaling), Qwen2 (q/k/v bias), Qwen3
 (each q and k head RMS-normed before rotary), Mistral (sliding window); grouped-query attention; tied or
-untied embeddings. The variants in `engine.models` (Gemma 2 and 3, Qwen3-MoE, Mixtral, Phi-3, Granite) build on it.
+untied embeddings. The variants in `engine.models` (Gemma 2 and 3, Qwen3-MoE, Mixtral, Phi-3, Granite, OLMo 2,
+SmolLM3) build on it.
 
 The forward pass takes the whole step's tokens flat, `[num_tokens]`, sequence after sequence, with no
 padding; attention reads and writes the paged KV cache through `AttentionMetadata`. Only the rows
@@ -83,7 +84,6 @@ class Attention(nn.Module):
         out = backend.paged_attention(q, k_cache, v_cache, meta, self.scale, self.sliding_window,
                                       k_scale=self.k_scale, v_scale=self.v_scale, softcap=self.softcap)
         return self.comm.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
-
 
     def norm_qk(self, qkv: torch.Tensor) -> None:
         """The q and k heads of qkv [T, heads, d] normed in place before rotary, where the model norms them (Qwen3,

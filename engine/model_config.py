@@ -159,8 +159,8 @@ class RopeScaling:
 @dataclass(frozen=True)
 class ModelConfig:
     """A decoder-only model's shape (Llama 2/3, Qwen2, Qwen3, Qwen3-MoE, Mistral, Mixtral, Phi-3, Granite, OLMo 2,
-    SmolLM3, Gemma 2, Gemma 3's text model) from an HF config.json. `layer_types` (Gemma): each layer full or sliding; without it
-    `sliding_window` is all's."""
+    SmolLM3, Gemma 2, Gemma 3's text model) from an HF config.json. `layer_types` (Gemma): each layer full or
+    sliding; without it `sliding_window` is all's."""
 
     architecture: str
     vocab_size: int

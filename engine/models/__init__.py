@@ -2,10 +2,11 @@
 
 The Llama family (Llama 2/3, Qwen2, Qwen3, Mistral) is `engine.model.LlamaForCausalLM`; a variant that
 changes the layer itself has a module here, built from the same shared layers (`engine.layers`) and the
-same weight loading and tensor-parallel cuts: `gemma3` (Gemma 3's text model, and Gemma 2's), `qwen3_moe` (Qwen3-MoE's
-sparse layers), `mixtral` (Mixtral: those experts on every layer, under its checkpoints' names), `phi3` (Phi-3
-and Phi-4: the Llama layer, its checkpoints' fused q/k/v and gate/up split as they are read), `granite`
-(Granite 3: the Llama layer and its four scalars), `olmo2` (OLMo 2: post-norm layers, q/k normed whole), `smollm3` (SmolLM3: NoPE layers).
+same weight loading and tensor-parallel cuts: `gemma3` (Gemma 3's text model, and Gemma 2's), `qwen3_moe`
+(Qwen3-MoE's sparse layers), `mixtral` (Mixtral: those experts on every layer, under its checkpoints' names),
+`phi3` (Phi-3 and Phi-4: the Llama layer, its checkpoints' fused q/k/v and gate/up split as they are read),
+`granite` (Granite 3: the Llama layer and its four scalars), `olmo2` (OLMo 2: post-norm layers, q/k normed
+whole), `smollm3` (SmolLM3: NoPE layers).
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 granite_fields`): the embeddings times `embedding_multiplier`, q.k times `attention_multiplier` (the config's
 `attention_scale`), each sublayer's output times `residual_multiplier` before it joins the residual stream
 (`GraniteDecoderLayer`: the product first, then the add the next norm fuses, transformers' order), and the logits
-over `logits_scaling` (`LlamaForCausalLM.compute_logits`). On the CPU backend the flat loop (`engine.cpu_forward`) runs it, the
-residual multiplier applied there the same way.
+over `logits_scaling` (`LlamaForCausalLM.compute_logits`). On the CPU backend the flat loop (`engine.cpu_forward`)
+runs it, the residual multiplier applied there the same way.
 """
 
 from __future__ import annotations

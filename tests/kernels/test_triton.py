@@ -614,12 +614,12 @@ class _KeyRecorder:
                                                              (1024, 64, None, 50.0)])
 def test_every_launch_a_step_makes_is_a_variant_compile_kernels_compiled(monkeypatch, window, head_dim, kv_dtype,
                                                                          softcap):
-    """Each launch of steps of any shape (decodes and chunks of any mix, short chunks in the paged kernel
-    and long ones in the prefill kernel, split or not, a query and K/V sliced out of one fused projection
-    as the model does) has the compile key of a launch that `compile_kernels` made, so no step compiles
-    while serving, at head_dim 80 too (padded to 128 in the kernels), over an FP8 cache at any scales
-    (runtime arguments), and with soft-capped scores (Gemma 2's variant). On a GPU an odd tile count left the tiles' second row 4 bytes off 16-byte
-    alignment, and Triton compiled that pointer's variant anew."""
+    """Each launch of steps of any shape (decodes and chunks of any mix, short chunks in the paged kernel and long
+    ones in the prefill kernel, split or not, a query and K/V sliced out of one fused projection as the model
+    does) has the compile key of a launch that `compile_kernels` made, so no step compiles while serving, at
+    head_dim 80 too (padded to 128 in the kernels), over an FP8 cache at any scales (runtime arguments), and
+    with soft-capped scores (Gemma 2's variant). On a GPU an odd tile count left the tiles' second row 4 bytes
+    off 16-byte alignment, and Triton compiled that pointer's variant anew."""
     jit = pytest.importorskip("triton.runtime.jit")
     compiler = pytest.importorskip("triton.backends.compiler")
     if not hasattr(jit, "native_specialize_impl"):
