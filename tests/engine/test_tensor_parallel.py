@@ -223,6 +223,10 @@ QWEN3 = {"head_dim": 32, "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
     ("granite", {"embedding_multiplier": 3.0, "attention_multiplier": 0.05, "residual_multiplier": 0.5,
                  "logits_scaling": 2.0}, None),
     ("olmo2", {"num_key_value_heads": 1}, None),
+    ("gemma3", {"num_hidden_layers": 3, "head_dim": 32, "sliding_window": 8, "query_pre_attn_scalar": 24,
+                "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}, None),
+    ("mistral", {"sliding_window": 12}, None),
+    ("smollm3", {"no_rope_layers": [1, 0], "pad_token_id": 0}, None),
 ])
 def test_two_ranks_generate_what_one_does(tmp_path, builtin_path, prompts, arch, overrides, overlap):
     # A tiny random model with even head counts (4 heads, 2 KV heads); Qwen2 adds q/k/v biases; Qwen3
@@ -230,7 +234,8 @@ def test_two_ranks_generate_what_one_does(tmp_path, builtin_path, prompts, arch,
     # (the router whole on every rank), its layer 1 dense; Mixtral the same on every layer, read from its own
     # tensor names; Phi-3 cuts each rank's heads and rows out of the fused q/k/v and gate/up it stores; Gemma 2
     # caps each rank's scores and the gathered logits; Granite scales the summed outputs and embeddings; OLMo 2
-    # norms q and k over every rank's heads (its one KV head on both ranks, counted once). Qwen3's
+    # norms q and k over every rank's heads (its one KV head on both ranks, counted once); Gemma 3 its q/k head
+    # norms whole on each rank and two ropes, Mistral and SmolLM3 a window and NoPE layers per rank. Qwen3's
     # and Mixtral's groups overlap their steps: the other rank fills the placeholders of each step's inputs
     # from rank 0's sampled ids (engine.overlap).
     path = str(make_tiny_model(tmp_path / arch, arch, builtin_path, **overrides))
