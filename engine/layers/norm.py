@@ -63,26 +63,42 @@ def _gemma_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())).type_as(x)
 
 
-class GemmaRMSNorm(nn.Module):
-    """Gemma's RMSNorm (`_gemma_norm`: scale 1 + weight, so a zero weight is the identity), with the
-    residual add fused as `RMSNorm`'s: `forward(x)` -> normed; `forward(x, residual)` -> `(normed,
-    residual)`, the residual stream `x + residual` (added in x's dtype, in place)."""
+class FloatRMSNorm(nn.Module):
+    """An RMSNorm in torch ops, its statistics and its weight in float32 and one rounding to x's dtype at the
+    end (`norm`: OLMo 2's, transformers' `Olmo2RMSNorm`), with the residual add fused as `RMSNorm`'s:
+    `forward(x)` -> normed; `forward(x, residual)` -> `(normed, residual)`, the residual stream `x + residual`
+    (added in x's dtype, in place). A subclass changes `norm` and the weight's start (`init`)."""
+
+    init = 1.0
+
+    @staticmethod
+    def norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        xf = x.float()
+        return (weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps))).to(x.dtype)
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.zeros(hidden_size))
+        self.weight = nn.Parameter(torch.full((hidden_size,), self.init))
         self.eps = eps
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         # x, residual: [num_tokens, hidden_size]
         if residual is None:
-            return _gemma_norm(x, self.weight, self.eps)
+            return self.norm(x, self.weight, self.eps)
         residual.add_(x)
-        return _gemma_norm(residual, self.weight, self.eps), residual
+        return self.norm(residual, self.weight, self.eps), residual
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+class GemmaRMSNorm(FloatRMSNorm):
+    """Gemma's RMSNorm (`_gemma_norm`: scale 1 + weight, so a zero weight is the identity), the residual add
+    fused as `FloatRMSNorm`'s."""
+
+    init = 0.0
+    norm = staticmethod(_gemma_norm)
 
 
 class GemmaHeadRMSNorm(HeadRMSNorm):

@@ -7,7 +7,8 @@
 - `q_norm` and `k_norm` are RMSNorms over all of a token's query (key) heads at once, [heads x head_dim], not
   per head, before rotary. Under tensor parallelism a rank holds its heads' slice of each weight and the sum of
   squares is summed over the ranks (a KV head held by several ranks counted once);
-- every norm is transformers' `Olmo2RMSNorm`: float32 throughout, times the weight, one rounding at the end.
+- every norm is transformers' `Olmo2RMSNorm` (`engine.layers.FloatRMSNorm`): float32 throughout, times the
+  weight, one rounding at the end.
 
 It runs on the module path (the CPU's flat loop is the Llama layer's).
 """
@@ -19,35 +20,13 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from engine.layers import RopeRows
+from engine.layers import FloatRMSNorm, RopeRows
 from engine.model import MLP, Attention, LlamaForCausalLM, WeightLoadError
 from engine.model_config import ModelConfig
 from engine.parallel import Collectives, ShardShape
 from kernels import AttentionMetadata
 
 __all__ = ["Olmo2ForCausalLM"]
-
-
-def _olmo2_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    return (weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps))).to(x.dtype)
-
-
-class Olmo2RMSNorm(nn.Module):
-    """OLMo 2's RMSNorm (`_olmo2_norm`), the residual add fused as `engine.layers.RMSNorm`'s: `forward(x)` ->
-    normed; `forward(x, residual)` -> `(normed, residual)`, the stream `x + residual` (added in x's dtype)."""
-
-    def __init__(self, hidden_size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            return _olmo2_norm(x, self.weight, self.eps)
-        residual = residual.add_(x)
-        return _olmo2_norm(residual, self.weight, self.eps), residual
 
 
 class WideRMSNorm(nn.Module):
@@ -64,7 +43,7 @@ class WideRMSNorm(nn.Module):
     def forward(self, heads: torch.Tensor) -> None:
         x = heads.reshape(heads.shape[0], -1)   # a view: a token's heads lie side by side in the fused qkv
         if self.comm.size == 1:
-            heads.copy_(_olmo2_norm(x, self.weight, self.eps).view_as(heads))
+            heads.copy_(FloatRMSNorm.norm(x, self.weight, self.eps).view_as(heads))
             return
         xf = x.float()
         squares = self.comm.all_reduce(xf.pow(2).sum(-1, keepdim=True)) / self.replicas
@@ -89,9 +68,9 @@ class Olmo2DecoderLayer(nn.Module):
                  layer: int) -> None:
         super().__init__()
         self.self_attn = Olmo2Attention(config, shard, comm, rotary_emb, layer)
-        self.post_attention_layernorm = Olmo2RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = FloatRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config, shard, comm, ops)
-        self.post_feedforward_layernorm = Olmo2RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_feedforward_layernorm = FloatRMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope_rows: RopeRows,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, backend
@@ -113,7 +92,7 @@ class Olmo2ForCausalLM(LlamaForCausalLM):
         return Olmo2DecoderLayer(self.config, self.shard, self.comm, self.rotary_emb, ops, index)
 
     def make_norm(self, ops: ModuleType) -> nn.Module:
-        return Olmo2RMSNorm(self.config.hidden_size, self.config.rms_norm_eps)
+        return FloatRMSNorm(self.config.hidden_size, self.config.rms_norm_eps)
 
     def _shard_of(self, hf_name: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """A rank's heads of the q/k norms' weights; the rest as the Llama model's."""
