@@ -154,17 +154,18 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float, sliding_window: int | None = None, *, k_scale: float = 1.0,
-                    v_scale: float = 1.0, softcap: float = 0.0) -> torch.Tensor:
+                    v_scale: float = 1.0, softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """`kernels.reference.paged_attention`'s contract; decode tokens by the C kernel where it can take them
-    (not from an FP8 cache, nor with capped scores: the reference reads those).
+    (not from an FP8 cache, nor with capped scores or attention sinks: the reference reads those).
 
     query: [num_tokens, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
     returns: [num_tokens, num_heads, head_dim]
     """
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    if softcap or not decode_attention(query, k_cache, v_cache, meta, scale, sliding_window, out):
+    eager = bool(softcap) or sinks is not None
+    if eager or not decode_attention(query, k_cache, v_cache, meta, scale, sliding_window, out):
         reference_decode_attention(query, k_cache, v_cache, meta, scale, sliding_window, out, k_scale=k_scale,
-                                   v_scale=v_scale, softcap=softcap)
+                                   v_scale=v_scale, softcap=softcap, sinks=sinks)
     prefill_attention(query, k_cache, v_cache, meta, scale, sliding_window, out, k_scale=k_scale, v_scale=v_scale,
-                      softcap=softcap)
+                      softcap=softcap, sinks=sinks)
     return out

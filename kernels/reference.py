@@ -17,8 +17,10 @@ with an additive mask. Off the CPU (the yardstick on CUDA), or with a torch whos
 the probe in `_cpu_flash_works`, chunks run SDPA with a boolean mask.
 
 `softcap` (Gemma 2's attention logit soft-capping: each score q.k x scale replaced by
-softcap x tanh(score / softcap) before the mask and the softmax) has no SDPA kernel: capped rows and
-chunks run `_capped_attention`, the scores materialised, as transformers' eager attention does.
+softcap x tanh(score / softcap) before the mask and the softmax) and `sinks` (GPT-OSS's attention sinks: a
+learned logit per query head that joins every softmax's denominator and weighs no value, so a row may attend
+to less than all of its keys) have no SDPA kernel: those rows and chunks run `_eager_attention`, the scores
+materialised, as transformers' eager attention does.
 """
 
 from __future__ import annotations
@@ -251,30 +253,47 @@ def _prefill_cpu_flash(chunk: _PrefillChunk, q: torch.Tensor, k: torch.Tensor, v
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, sliding_window: int | None = None, *,
-                    k_scale: float = 1.0, v_scale: float = 1.0, softcap: float = 0.0) -> torch.Tensor:
+                    k_scale: float = 1.0, v_scale: float = 1.0, softcap: float = 0.0,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of each new token over its sequence's cached K/V (new tokens included); an FP8
     cache's values read as `dequantize_kv` gives them (times k_scale / v_scale, in the query's dtype);
-    `softcap` > 0 caps each score at softcap x tanh(score / softcap) (Gemma 2), 0 leaves them.
+    `softcap` > 0 caps each score at softcap x tanh(score / softcap) (Gemma 2), 0 leaves them; `sinks`
+    ([num_heads], GPT-OSS) adds exp(sinks[head]) to each softmax's denominator.
 
     query: [num_tokens, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
     returns: [num_tokens, num_heads, head_dim]
     """
     out = torch.empty_like(query)
     decode_attention(query, k_cache, v_cache, meta, scale, sliding_window, out, k_scale=k_scale, v_scale=v_scale,
-                     softcap=softcap)
+                     softcap=softcap, sinks=sinks)
     prefill_attention(query, k_cache, v_cache, meta, scale, sliding_window, out, k_scale=k_scale, v_scale=v_scale,
-                      softcap=softcap)
+                      softcap=softcap, sinks=sinks)
     return out
 
 
-def _capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float,
-                      softcap: float) -> torch.Tensor:
+def check_sinks(sinks: torch.Tensor | None, query: torch.Tensor) -> None:
+    """A ValueError unless `sinks` is None or one floating-point logit per query head, on the query's device."""
+    if sinks is not None and (sinks.shape != (query.shape[1],) or not sinks.is_floating_point()
+                              or sinks.device != query.device):
+        raise ValueError(f"sinks: one logit per query head ({query.shape[1]}) on {query.device}, got "
+                         f"{tuple(sinks.shape)} {sinks.dtype} on {sinks.device}")
+
+
+def _eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float,
+                     softcap: float, sinks: torch.Tensor | None) -> torch.Tensor:
     """SDPA's contract (q [..., L, d], k and v [..., S, d], a boolean `allowed` mask) with each score capped
-    at softcap x tanh(score / softcap) before the mask; the softmax in float32, rounded to q's dtype before
-    it weighs v (transformers' eager attention)."""
-    scores = torch.tanh(q @ k.transpose(-1, -2) * scale / softcap) * softcap
+    at softcap x tanh(score / softcap) before the mask where `softcap` > 0, and `sinks` (broadcast to
+    [..., L, 1]: each row's sink logit) joining the softmax as one more column that weighs no value; the
+    softmax in float32, rounded to q's dtype before it weighs v (transformers' eager attention)."""
+    scores = q @ k.transpose(-1, -2) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~allowed, float("-inf"))
-    return scores.softmax(-1, dtype=torch.float32).to(q.dtype) @ v
+    if sinks is None:
+        return scores.softmax(-1, dtype=torch.float32).to(q.dtype) @ v
+    sink = sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)
+    probs = torch.cat([scores, sink], dim=-1).softmax(-1, dtype=torch.float32)[..., :-1]
+    return probs.to(q.dtype) @ v
 
 
 def _flat_caches(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor):
@@ -287,9 +306,12 @@ def _flat_caches(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                      scale: float, sliding_window: int | None, out: torch.Tensor, *,
-                     k_scale: float = 1.0, v_scale: float = 1.0, softcap: float = 0.0) -> None:
+                     k_scale: float = 1.0, v_scale: float = 1.0, softcap: float = 0.0,
+                     sinks: torch.Tensor | None = None) -> None:
     """`paged_attention` of the step's decode tokens (query length 1), written into their rows of `out`."""
+    check_sinks(sinks, query)
     num_heads, head_dim, num_kv_heads, group, k_flat, v_flat = _flat_caches(query, k_cache, v_cache)
+    row_sinks = None if sinks is None else sinks.view(1, num_kv_heads, group, 1)
     for rows, slots, allowed in _step_plan(meta, sliding_window)["decode"]:
         n, max_len = slots.shape
         # index_select, not advanced indexing: several times faster for row gathers on CPU
@@ -299,18 +321,21 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         v = v_flat.index_select(0, flat_slots).view(n, max_len, num_kv_heads, head_dim)
         k = dequantize_kv(k, query.dtype, k_scale).transpose(1, 2)   # [n, kv_heads, max_len, d]
         v = dequantize_kv(v, query.dtype, v_scale).transpose(1, 2)
-        o = _capped_attention(q, k, v, allowed, scale, softcap) if softcap else \
+        o = _eager_attention(q, k, v, allowed, scale, softcap, row_sinks) if softcap or sinks is not None else \
             F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)
         out.index_copy_(0, rows, o.reshape(n, num_heads, head_dim))
 
 
 def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                       scale: float, sliding_window: int | None, out: torch.Tensor, *,
-                      k_scale: float = 1.0, v_scale: float = 1.0, softcap: float = 0.0) -> None:
+                      k_scale: float = 1.0, v_scale: float = 1.0, softcap: float = 0.0,
+                      sinks: torch.Tensor | None = None) -> None:
     """`paged_attention` of the step's prefill chunks (query length > 1), written into their rows of `out`."""
+    check_sinks(sinks, query)
     num_heads, head_dim, num_kv_heads, group, k_flat, v_flat = _flat_caches(query, k_cache, v_cache)
     plan = _step_plan(meta, sliding_window)
-    cpu_flash = bool(plan["prefill"]) and not softcap and _use_cpu_flash(query)
+    eager = bool(softcap) or sinks is not None
+    cpu_flash = bool(plan["prefill"]) and not eager and _use_cpu_flash(query)
     for chunk in plan["prefill"]:
         start, q_len = chunk.start, chunk.q_len
         k = dequantize_kv(k_flat.index_select(0, chunk.slots), query.dtype, k_scale)   # [keys, kv_heads, d]
@@ -321,16 +346,21 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         q = query[start:start + q_len].view(q_len, num_kv_heads, group, head_dim)
         q = q.permute(1, 2, 0, 3).reshape(num_kv_heads, group * q_len, head_dim)
         mask = chunk.allowed().repeat(group, 1)                     # rows ordered (group, q_len)
-        o = _capped_attention(q, k.transpose(0, 1), v.transpose(0, 1), mask, scale, softcap) if softcap else \
-            F.scaled_dot_product_attention(q, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale)
+        if eager:   # rows ordered (group, q_len): each query head's sink repeated over its rows
+            row_sinks = None if sinks is None else sinks.view(num_kv_heads, group, 1).repeat_interleave(q_len, 1)
+            o = _eager_attention(q, k.transpose(0, 1), v.transpose(0, 1), mask, scale, softcap, row_sinks)
+        else:
+            o = F.scaled_dot_product_attention(q, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale)
         o = o.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3)
         out[start:start + q_len] = o.reshape(q_len, num_heads, head_dim)
 
 
 def dense_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
-                           sliding_window: int | None = None, softcap: float = 0.0) -> torch.Tensor:
+                           sliding_window: int | None = None, softcap: float = 0.0,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Plain attention of one contiguous sequence; the yardstick the paged versions are tested against
-    (`softcap` > 0: each score capped at softcap x tanh(score / softcap)).
+    (`softcap` > 0: each score capped at softcap x tanh(score / softcap); `sinks` [num_heads]: each head's
+    sink logit in the softmax, weighing no value).
 
     query: [q_len, num_heads, d], the last q_len positions; key, value: [s_len, num_kv_heads, d]
     """
@@ -349,4 +379,7 @@ def dense_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
     if sliding_window is not None:
         allowed &= k_pos > q_pos - sliding_window
     scores = scores.masked_fill(~allowed, float("-inf"))
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.float().view(num_heads, 1, 1).expand(num_heads, q_len, 1)], dim=-1)
+        return (scores.softmax(-1)[..., :-1] @ v).transpose(0, 1).to(query.dtype)
     return (scores.softmax(-1) @ v).transpose(0, 1).to(query.dtype)

@@ -34,6 +34,11 @@ softcap x log2 e, and each score becomes tanh(q.k x qk_scale) x that (tanh as 2 
 log2 units the online softmax works in; `capped_scales` gives the pair for both kernels. Uncapped
 launches compile as before.
 
+Attention sinks (`sinks`, GPT-OSS; `SINKS`): one logit per query head that joins the softmax's denominator and
+weighs no value. The running max and sum are left as they are over the keys; at the end each row's sum gains
+exp2(sink x log2 e - max) (in the split reduce, against the combined max), so a row's weights sum to less than 1.
+Launches without sinks compile as before.
+
 Any head_dim: both kernels here, like the prefill kernel, work on `HEAD_DIM_PAD =
 padded_head_dim(head_dim)` lanes (the next power of two, at least 16) and mask the lanes past the
 real `HEAD_DIM`: loaded as 0, so they add nothing to the dots and sums, and never stored (the split
@@ -54,8 +59,9 @@ import triton.language as tl
 from kernels.metadata import AttentionMetadata
 from kernels.reference import FP8_KV_DTYPE
 from kernels.triton_kv_store import _store_kv_kernel, dequantize_e4m3, store_kv
-from kernels.triton_prefill import (_prefill_attention_kernel, aligned_int32, capped_scales, check_attention_args,
-                                    dot_dtype, is_interpreted, padded_head_dim, prefill_attention)
+from kernels.triton_prefill import (_prefill_attention_kernel, aligned_int32, capped_scales,
+                                    check_attention_args, dot_dtype, is_interpreted, padded_head_dim,
+                                    prefill_attention)
 
 # This module is the Triton backend (`kernels.get_backend`): store_kv comes along with it.
 __all__ = ["paged_attention", "store_kv", "choose_num_splits", "compile_kernels", "compiled_variants",
@@ -75,7 +81,7 @@ MAX_SPLITS = 64
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _paged_attention_kernel(
     query_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-    part_m_ptr, part_l_ptr, part_acc_ptr,
+    part_m_ptr, part_l_ptr, part_acc_ptr, sinks_ptr,
     block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, tile_seq_ptr, tile_q_start_ptr, tile_row_ptr,
     qk_scale, softcap, k_scale, v_scale, window, num_heads, num_splits,
     stride_qt, stride_qh, stride_qd,
@@ -86,7 +92,7 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     USE_WINDOW: tl.constexpr, SPLIT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    KV_FP8: tl.constexpr, SOFTCAP: tl.constexpr,
+    KV_FP8: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
 ):
     # grid: (num_tiles, num_kv_heads, num_splits)
     tile = tl.program_id(0)
@@ -178,6 +184,9 @@ def _paged_attention_kernel(
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc,
                  mask=row_valid[:, None] & mask_d[None, :])
     else:
+        if SINKS:   # each head's sink logit joins the sum (in log2 units, against the row's max)
+            sink = tl.load(sinks_ptr + head, mask=row_valid, other=0.0).to(tl.float32) * 1.4426950408889634
+            l_i += tl.where(row_valid, tl.exp2(sink - m_i), 0.0)
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]   # l_i = 0 only on padding rows
         tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
                  o.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & mask_d[None, :])
@@ -185,10 +194,10 @@ def _paged_attention_kernel(
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _reduce_splits_kernel(
-    part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, row_token_ptr,
+    part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, row_token_ptr, sinks_ptr,
     num_heads, num_splits,
     stride_ot, stride_oh, stride_od,
-    NUM_SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    NUM_SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, SINKS: tl.constexpr,
 ):
     # grid: (num_rows, num_heads); combines the split partials of one of the paged kernel's rows into
     # the output of its token (`row_token_ptr`).
@@ -205,6 +214,8 @@ def _reduce_splits_kernel(
     m_max = tl.max(m, axis=0)
     w = tl.exp2(m - m_max)                              # empty segments (m = -inf) weigh 0
     l_sum = tl.sum(l * w, axis=0)
+    if SINKS:   # the head's sink logit joins the sum, against the combined max (log2 units)
+        l_sum += tl.exp2(tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634 - m_max)
     acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=mask_s[:, None] & mask_d[None, :],
                   other=0.0)
     o = tl.sum(acc * w[:, None], axis=0) / l_sum
@@ -309,11 +320,13 @@ def _row_tokens(meta: AttentionMetadata, plan: dict) -> torch.Tensor:
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, sliding_window: int | None = None, *,
                     k_scale: float = 1.0, v_scale: float = 1.0, num_splits: int | None = None,
-                    out: torch.Tensor | None = None, softcap: float = 0.0) -> torch.Tensor:
+                    out: torch.Tensor | None = None, softcap: float = 0.0,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of each new token over its sequence's cached K/V (new tokens included); an FP8
     cache (float8_e4m3fn) is read as `reference.dequantize_kv` gives it (times k_scale / v_scale, rounded to
     the query's dtype), other caches ignore the scales; `softcap` > 0 caps each score at
-    softcap x tanh(score / softcap).
+    softcap x tanh(score / softcap); `sinks` ([num_heads], contiguous) adds exp(sinks[head]) to each
+    softmax's denominator.
 
     query: [num_tokens, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
     (strided views allowed, head_dim contiguous and of any size: the kernels pad it to a power of two
@@ -324,7 +337,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     """
     if out is None:
         out = torch.empty_like(query)
-    check_attention_args(query, k_cache, v_cache, meta, out, sliding_window, k_scale, v_scale)
+    check_attention_args(query, k_cache, v_cache, meta, out, sliding_window, k_scale, v_scale, sinks)
     num_tokens, num_heads, head_dim = query.shape
     head_dim_pad = padded_head_dim(head_dim)
     num_kv_heads = k_cache.shape[2]
@@ -334,7 +347,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if num_tokens == 0:
         return out
     prefill_attention(query, k_cache, v_cache, meta, scale, sliding_window, out, k_scale=k_scale, v_scale=v_scale,
-                      min_query_len=PREFILL_MIN_QUERY_LEN, softcap=softcap)
+                      min_query_len=PREFILL_MIN_QUERY_LEN, softcap=softcap, sinks=sinks)
     if plan["num_rows"] == 0:
         return out
 
@@ -364,7 +377,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     grid = (num_tiles, num_kv_heads, num_splits)
     _paged_attention_kernel[grid](
         query, k_cache, v_cache, out,
-        part_m, part_l, part_acc,
+        part_m, part_l, part_acc, query if sinks is None else sinks,
         meta.block_tables, meta.query_start_loc, meta.seq_lens, tile_seq, tile_q_start, tile_row,
         *capped_scales(scale, softcap), float(k_scale), float(v_scale), sliding_window or 0, num_heads, num_splits,
         *query.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
@@ -373,15 +386,15 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         BLOCK_N=block_n, BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         USE_WINDOW=sliding_window is not None, SPLIT=split,
         DOT_DTYPE=dtype, DOT_PRECISION="ieee" if dtype == tl.float32 else "tf32",
-        KV_FP8=k_cache.dtype == FP8_KV_DTYPE, SOFTCAP=softcap > 0,
+        KV_FP8=k_cache.dtype == FP8_KV_DTYPE, SOFTCAP=softcap > 0, SINKS=sinks is not None,
         num_warps=num_warps,
     )
     if split:
         row_tokens = _row_tokens(meta, plan)
         _reduce_splits_kernel[(row_tokens.shape[0], num_heads)](
-            part_m, part_l, part_acc, out, row_tokens, num_heads, num_splits, *out.stride(),
-            NUM_SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-            num_warps=1 if head_dim_pad <= 64 else 2,
+            part_m, part_l, part_acc, out, row_tokens, query if sinks is None else sinks, num_heads, num_splits,
+            *out.stride(), NUM_SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=head_dim_pad, SINKS=sinks is not None, num_warps=1 if head_dim_pad <= 64 else 2,
         )
     return out
 
@@ -411,15 +424,15 @@ def launch_variants(num_heads: int, num_kv_heads: int, head_dim: int, element_si
 
 def compile_kernels(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
                     device: torch.device, sliding_window: int | None = None, kv_dtype: torch.dtype | None = None,
-                    softcap: float = 0.0) -> int:
+                    softcap: float = 0.0, sinks: bool = False) -> int:
     """Launch store_kv and paged attention once per `launch_variants` entry on made-up tokens, so Triton
     compiles every variant (or loads it from its cache) before the engine serves, not at the first step
     that needs it: on a fresh GPU machine each compile stalled a step for 0.15-1.4 s, 16 times in the
     first 48 s of serving (docs/PERF.md). The tensors are scratch ones laid out as the model's (query
     and key contiguous in `dtype`, the model's; value a view of the fused projection; a cache of [blocks,
     block_size, heads, head_dim] in `kv_dtype`, default `dtype`: an FP8 cache's kernels are variants of their
-    own; so are capped scores', `softcap` > 0). The scales are runtime arguments: one variant serves any.
-    Returns the number of launches."""
+    own; so are capped scores', `softcap` > 0, and attention sinks', `sinks`). The scales and the sink logits
+    are runtime arguments: one variant serves any. Returns the number of launches."""
     assert dtype in (torch.float16, torch.bfloat16, torch.float32), \
         f"dtype {dtype}: the model's (the query's); an FP8 cache's goes in kv_dtype"
     kv_dtype = dtype if kv_dtype is None else kv_dtype
@@ -428,6 +441,7 @@ def compile_kernels(num_heads: int, num_kv_heads: int, head_dim: int, block_size
     num_blocks = triton.cdiv(seq_len, block_size)
     cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device).to(kv_dtype)
     table = list(range(num_blocks))
+    sink_logits = torch.randn(num_heads, dtype=dtype, device=device) if sinks else None
     for query_len, num_splits in variants:
         meta = AttentionMetadata.build([table], [query_len], [seq_len], block_size, device)
         qkv = torch.randn(query_len, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, device=device)
@@ -436,7 +450,7 @@ def compile_kernels(num_heads: int, num_kv_heads: int, head_dim: int, block_size
         query = torch.randn(query_len, num_heads, head_dim, dtype=dtype, device=device)
         store_kv(key, value, cache[0], cache[1], meta)
         paged_attention(query, cache[0], cache[1], meta, head_dim ** -0.5, sliding_window, num_splits=num_splits,
-                        softcap=softcap)
+                        softcap=softcap, sinks=sink_logits)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return len(variants)

@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from kernels.metadata import AttentionMetadata
-from kernels.reference import FP8_KV_DTYPE
+from kernels.reference import FP8_KV_DTYPE, check_sinks
 from kernels.transfer import to_device_tensor
 from kernels.triton_kv_store import check_kv_dtype, dequantize_e4m3
 
@@ -125,7 +125,7 @@ def _attend_kv_range(
 # serves every step of a model (`kernels.triton_attention.compile_kernels` compiles it before serving).
 @triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_attention_kernel(
-    query_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    query_ptr, k_cache_ptr, v_cache_ptr, out_ptr, sinks_ptr,
     block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, tile_seq_ptr, tile_q_start_ptr,
     qk_scale, softcap, k_scale, v_scale, window,
     stride_qt, stride_qh,
@@ -136,6 +136,7 @@ def _prefill_attention_kernel(
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, USE_WINDOW: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, SOFTCAP: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     # grid: (num_heads, num_tiles); head_dim is contiguous everywhere (the launcher asserts it)
     head = tl.program_id(0)
@@ -189,6 +190,9 @@ def _prefill_attention_kernel(
         HEAD_DIM_PAD=HEAD_DIM_PAD, P_DTYPE=query_ptr.dtype.element_ty, DOT_DTYPE=DOT_DTYPE,
         DOT_PRECISION=DOT_PRECISION, KV_FP8=KV_FP8, SOFTCAP=SOFTCAP)
 
+    if SINKS:   # the head's sink logit joins each row's sum (log2 units, against the row's max)
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
+        l_i += tl.where(row_valid, tl.exp2(sink - m_i), 0.0)
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]   # l_i = 0 only on padding rows
     tl.store(out_ptr + token[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & mask_d[None, :])
@@ -280,11 +284,14 @@ def aligned_int32(rows: list[list[int]], device: torch.device) -> list[torch.Ten
 
 def check_attention_args(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          meta: AttentionMetadata, out: torch.Tensor, sliding_window: int | None,
-                         k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+                         k_scale: float = 1.0, v_scale: float = 1.0, sinks: torch.Tensor | None = None) -> None:
     """Assert what the paged-attention kernels assume of their arguments: shapes that fit each other and
     the metadata, a float16/bfloat16/float32 query and out, a float cache or an FP8 (float8_e4m3fn) one with
     positive finite scales (`triton_kv_store.check_kv_dtype`), head_dim contiguous (of any size: the kernels
-    pad it to `padded_head_dim`), int32 metadata arrays with contiguous rows, one device."""
+    pad it to `padded_head_dim`), int32 metadata arrays with contiguous rows, one device; sinks, where given,
+    one contiguous logit per query head (a ValueError otherwise, `reference.check_sinks`)."""
+    check_sinks(sinks, query)
+    assert sinks is None or sinks.is_contiguous(), "sinks: contiguous"
     num_tokens, num_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     assert k_cache.shape == v_cache.shape == (num_blocks, block_size, num_kv_heads, head_dim), \
@@ -331,18 +338,18 @@ def dot_dtype(dtype: torch.dtype):
 def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       meta: AttentionMetadata, scale: float, sliding_window: int | None, out: torch.Tensor, *,
                       k_scale: float = 1.0, v_scale: float = 1.0, min_query_len: int = 2,
-                      softcap: float = 0.0) -> int:
+                      softcap: float = 0.0, sinks: torch.Tensor | None = None) -> int:
     """Causal attention of the chunks of at least `min_query_len` new tokens, written into their rows of
     `out` (the other rows are left as they are). Returns the number of tiles launched (0: no launch). An FP8
     cache (float8_e4m3fn) is read as `reference.dequantize_kv` gives it (times k_scale / v_scale, rounded to
-    the query's dtype); other caches ignore the scales.
+    the query's dtype); other caches ignore the scales. `softcap` and `sinks`: as `reference.paged_attention`'s.
 
     query, out: [num_tokens, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, num_kv_heads,
     head_dim] (strided views allowed, head_dim contiguous and of any size: padded to a power of two inside
     the kernel, masked). Each chunk's keys are its sequence's cached prefix (all visible) and its own tokens
     (causal); `sliding_window` keeps the last that many positions.
     """
-    check_attention_args(query, k_cache, v_cache, meta, out, sliding_window, k_scale, v_scale)
+    check_attention_args(query, k_cache, v_cache, meta, out, sliding_window, k_scale, v_scale, sinks)
     assert min_query_len >= 1, f"min_query_len {min_query_len}"
     _, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
@@ -354,7 +361,7 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         return 0
     dtype = dot_dtype(query.dtype)
     _prefill_attention_kernel[(num_heads, num_tiles)](
-        query, k_cache, v_cache, out,
+        query, k_cache, v_cache, out, query if sinks is None else sinks,
         meta.block_tables, meta.query_start_loc, meta.seq_lens, tile_seq, tile_q_start,
         *capped_scales(scale, softcap), float(k_scale), float(v_scale), sliding_window or 0,
         query.stride(0), query.stride(1),
@@ -365,7 +372,7 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         GROUP=num_heads // num_kv_heads, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_SIZE=k_cache.shape[1],
         HEAD_DIM=head_dim, HEAD_DIM_PAD=padded_head_dim(head_dim), USE_WINDOW=sliding_window is not None,
         DOT_DTYPE=dtype, DOT_PRECISION="ieee" if dtype == tl.float32 else "tf32",
-        KV_FP8=k_cache.dtype == FP8_KV_DTYPE, SOFTCAP=softcap > 0,
+        KV_FP8=k_cache.dtype == FP8_KV_DTYPE, SOFTCAP=softcap > 0, SINKS=sinks is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
     return num_tiles

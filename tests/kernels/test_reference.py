@@ -77,18 +77,18 @@ def path(request, monkeypatch):
 
 
 def _run_and_check(seq_lens, query_lens, num_heads, num_kv_heads, head_dim=16, block_size=16,
-                   dtype=torch.float32, sliding_window=None, label="", softcap=0.0):
+                   dtype=torch.float32, sliding_window=None, label="", softcap=0.0, sinks=None):
     seed = _make_seed()
     meta, k_cache, v_cache, keys, values, query = _make_step(
         seq_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed)
     scale = head_dim ** -0.5
-    out = reference.paged_attention(query, k_cache, v_cache, meta, scale, sliding_window, softcap=softcap)
+    out = reference.paged_attention(query, k_cache, v_cache, meta, scale, sliding_window, softcap=softcap, sinks=sinks)
     assert out.dtype == dtype and out.shape == query.shape
     assert not out.isnan().any(), f"seed {seed} {label}: NaN in the output"
     atol, rtol = TOLERANCES[dtype]
     start = 0
     for i, (k, v, q_len) in enumerate(zip(keys, values, query_lens)):
-        want = reference.dense_causal_attention(query[start:start + q_len], k, v, scale, sliding_window, softcap)
+        want = reference.dense_causal_attention(query[start:start + q_len], k, v, scale, sliding_window, softcap, sinks)
         torch.testing.assert_close(out[start:start + q_len], want, atol=atol, rtol=rtol,
                                    msg=lambda m: f"seed {seed} {label} sequence {i}: {m}")
         start += q_len
@@ -121,6 +121,35 @@ def test_capped_scores_in_prefill_chunks_and_decodes(sliding_window, path, poiso
     """Gemma 2's soft-capping (a cap of 0.5 bends these scores): decodes and chunks, over a cached prefix."""
     _run_and_check([40, 23, 70, 5], [1, 23, 30, 1], 6, 2, sliding_window=sliding_window, softcap=0.5,
                    label=f"softcap window={sliding_window}")
+
+
+@pytest.mark.parametrize("sliding_window", [None, 9])
+def test_attention_sinks_in_prefill_chunks_and_decodes(sliding_window, path, poisoned_output):
+    """GPT-OSS's attention sinks (a logit per head in each softmax's denominator), with capped scores too."""
+    sinks = torch.tensor([-3.0, 0.5, 2.0, 4.0, -0.5, 1.0])
+    for softcap in (0.0, 0.5):
+        _run_and_check([40, 23, 70, 5], [1, 23, 30, 1], 6, 2, sliding_window=sliding_window, softcap=softcap,
+                       sinks=sinks, label=f"sinks softcap={softcap} window={sliding_window}")
+
+
+def test_dense_attention_with_sinks_is_the_softmax_with_one_more_column():
+    """The yardstick itself: a sink is a key whose value is zero; a sink far below the scores changes nothing."""
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(7, 4, 8, generator=gen) for _ in range(3))
+    sinks = torch.tensor([-1.0, 0.0, 1.5, 3.0])
+    got = reference.dense_causal_attention(q, k, v, 0.3, sinks=sinks)
+    # one more position before the sequence: key whose score is the sink (q.k x scale = sink), value zero
+    k_sink = torch.zeros(1, 4, 8)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * 0.3
+    scores = scores.masked_fill(~torch.ones(7, 7, dtype=torch.bool).tril(), float("-inf"))
+    weights = torch.cat([sinks.view(4, 1, 1).expand(4, 7, 1), scores], -1).softmax(-1)
+    want = torch.einsum("hqk,khd->qhd", weights, torch.cat([k_sink, v]))
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(reference.dense_causal_attention(q, k, v, 0.3, sinks=torch.full((4,), -1e4)),
+                               reference.dense_causal_attention(q, k, v, 0.3))
+    with pytest.raises(ValueError, match=r"sinks: one logit per query head \(4\)"):
+        reference.paged_attention(q, k.view(7, 1, 4, 8), v.view(7, 1, 4, 8),
+                                  AttentionMetadata.build([list(range(7))], [7], [7], 1), 0.3, sinks=sinks[:3])
 
 
 def test_a_long_decode_does_not_pad_the_short_ones(path, poisoned_output):

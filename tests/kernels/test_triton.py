@@ -103,7 +103,8 @@ def _make_attention_case(seq_lens, query_lens, num_heads, num_kv_heads, head_dim
     return query, k_cache, v_cache, meta
 
 
-def _reference_attention(query, k_cache, v_cache, meta, scale, sliding_window, k_scale=1.0, v_scale=1.0, softcap=0.0):
+def _reference_attention(query, k_cache, v_cache, meta, scale, sliding_window, k_scale=1.0, v_scale=1.0, softcap=0.0,
+                         sinks=None):
     """The torch reference in float32, on a fresh copy of the metadata (its plan cache is its own), over
     the cached values as the reference's attention reads them for this query (`reference.dequantize_kv`:
     an FP8 cache's times its scale, rounded to the query's dtype; any other cache's as they are)."""
@@ -111,11 +112,12 @@ def _reference_attention(query, k_cache, v_cache, meta, scale, sliding_window, k
                               meta.block_size, meta.query_lens_list, meta.seq_lens_list)
     k = reference.dequantize_kv(k_cache, query.dtype, k_scale).float().contiguous()
     v = reference.dequantize_kv(v_cache, query.dtype, v_scale).float().contiguous()
-    return reference.paged_attention(query.float(), k, v, fresh, scale, sliding_window, softcap=softcap)
+    return reference.paged_attention(query.float(), k, v, fresh, scale, sliding_window, softcap=softcap,
+                                     sinks=None if sinks is None else sinks.float())
 
 
 def _assert_attention_matches(backend, case, seed, sliding_window=None, num_splits=None, label="",
-                              k_scale=1.0, v_scale=1.0, softcap=0.0):
+                              k_scale=1.0, v_scale=1.0, softcap=0.0, sinks=None):
     query, k_cache, v_cache, meta = case
     head_dim = query.shape[-1]
     scale = head_dim ** -0.5
@@ -123,10 +125,12 @@ def _assert_attention_matches(backend, case, seed, sliding_window=None, num_spli
     out_rows = torch.full((*query.shape[:2], query.stride(1)), float("nan"), dtype=query.dtype, device=query.device)
     out = out_rows[..., :head_dim]
     got = backend.paged_attention(query, k_cache, v_cache, meta, scale, sliding_window, k_scale=k_scale,
-                                  v_scale=v_scale, num_splits=num_splits, out=out, softcap=softcap)
+                                  v_scale=v_scale, num_splits=num_splits, out=out, softcap=softcap, sinks=sinks)
     assert got is out
-    want = _reference_attention(query, k_cache, v_cache, meta, scale, sliding_window, k_scale, v_scale, softcap)
-    where = f"seed={seed} {label} window={sliding_window} splits={num_splits} softcap={softcap}"
+    want = _reference_attention(query, k_cache, v_cache, meta, scale, sliding_window, k_scale, v_scale, softcap,
+                                sinks)
+    where = f"seed={seed} {label} window={sliding_window} splits={num_splits} softcap={softcap} " \
+            f"sinks={sinks is not None}"
     if k_cache.dtype == FP8:
         where += f" fp8 cache k_scale={k_scale} v_scale={v_scale}"
     assert not out.isnan().any(), f"{where}: output rows left unwritten (NaN) at " \
@@ -356,6 +360,34 @@ def test_paged_attention_mixed_batch_matches_reference(dtype, num_heads, num_kv_
         capped, plain = (_reference_attention(query, k_cache, v_cache, meta, head_dim ** -0.5, sliding_window,
                                               softcap=cap) for cap in (softcap, 0.0))
         assert (capped - plain).abs().max() > 0.1, f"seed={seed}: the cap changed nothing"
+
+
+def sink_logits(num_heads: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
+    """[num_heads] attention-sink logits of the size of the test cases' scores (a few units), some far below
+    them (a sink that takes almost nothing) and some above (one that takes most of a row's weight)."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    return (torch.randn(num_heads, generator=gen) * 3.0).to(dtype)
+
+
+# GPT-OSS's attention sinks on mixed batches: single pass and split-K (the sink joins the reduce's sum), GQA
+# groups of 1 and 3, a sliding window, a padded head_dim, each dtype.
+@pytest.mark.parametrize("dtype,num_heads,num_kv_heads,head_dim,block_size,sliding_window,num_splits", [
+    (torch.float32, 4, 2, 64, 16, None, None),
+    (torch.bfloat16, 6, 2, 40, 8, 20, 3),
+    (torch.float16, 3, 1, 64, 32, None, 2),
+])
+def test_paged_attention_with_sinks_matches_reference(dtype, num_heads, num_kv_heads, head_dim, block_size,
+                                                      sliding_window, num_splits):
+    seed = _make_seed()
+    case = _make_attention_case(*_mixed_batch(block_size), num_heads, num_kv_heads, head_dim, block_size, dtype, seed,
+                                head_pad=_head_pad(head_dim))
+    sinks = sink_logits(num_heads, seed, dtype)
+    _assert_attention_matches(triton_attention, case, seed, sliding_window, num_splits, sinks=sinks,
+                              label=f"{dtype} heads={num_heads}/{num_kv_heads} d={head_dim} bs={block_size}")
+    query, k_cache, v_cache, meta = case
+    sunk, plain = (_reference_attention(query, k_cache, v_cache, meta, head_dim ** -0.5, sliding_window, sinks=s)
+                   for s in (sinks, None))
+    assert (sunk - plain).abs().max() > 0.1, f"seed={seed}: the sinks changed nothing"
 
 
 @pytest.mark.parametrize("num_splits,head_dim", [(1, 64), (3, 64), (8, 64), (1, 80), (3, 80)])
@@ -733,7 +765,7 @@ def _build_kernel_for_sm90(kernel, constexprs: dict, pointers: dict, **options):
 
 def _build_fp8_kernels_for_sm90() -> dict:
     """Build the store and the paged kernel (one pass and split, the decode configuration; the split one with
-    soft-capped scores) over an FP8 cache for sm_90, bf16 model, head_dim 128; report the PTX instructions that
+    soft-capped scores and attention sinks) over an FP8 cache for sm_90, bf16 model, head_dim 128; report the PTX instructions that
     carry the FP8 contract, and the store's stack."""
     import re
 
@@ -750,8 +782,9 @@ def _build_fp8_kernels_for_sm90() -> dict:
             triton_attention._paged_attention_kernel,
             dict(GROUP=4, GROUP_PAD=4, BLOCK_Q=4, BLOCK_M=16, BLOCK_N=64, BLOCK_SIZE=16, HEAD_DIM=128,
                  HEAD_DIM_PAD=128, USE_WINDOW=True, SPLIT=split, DOT_DTYPE=triton_prefill.dot_dtype(torch.bfloat16),
-                 DOT_PRECISION="tf32", KV_FP8=True, SOFTCAP=split),
-            {"query_ptr": "bf16", "out_ptr": "bf16", "k_cache_ptr": "fp8e4nv", "v_cache_ptr": "fp8e4nv",
+                 DOT_PRECISION="tf32", KV_FP8=True, SOFTCAP=split, SINKS=split),
+            {"query_ptr": "bf16", "out_ptr": "bf16", "sinks_ptr": "bf16", "k_cache_ptr": "fp8e4nv",
+             "v_cache_ptr": "fp8e4nv",
              "part_m_ptr": "fp32", "part_l_ptr": "fp32", "part_acc_ptr": "fp32"}, num_warps=4)
         report[f"paged_split_{split}"] = instructions(paged, r"cvt\.rn[.\w]*e4m3[.\w]*") + \
             instructions(paged, r"mma\.sync\.aligned\.m16n8k16[.\w]*bf16[.\w]*")

@@ -35,6 +35,7 @@ from tests.kernels.test_triton import (  # noqa: E402
     _make_seed,
     _reference_attention,
     _run_compiled,
+    sink_logits,
 )
 
 MIN_LEN = triton_attention.PREFILL_MIN_QUERY_LEN
@@ -92,6 +93,15 @@ def test_a_step_with_capped_scores_matches_reference(dtype, head_dim, sliding_wi
     case = _make_attention_case(seq_lens, query_lens, 4, 2, head_dim, 16, dtype, seed, head_pad=_head_pad(head_dim))
     case[0].mul_(4.0)   # scores of a few units against a cap of 0.8
     _assert_attention_matches(triton_attention, case, seed, sliding_window, softcap=0.8, label=f"{dtype} d={head_dim}")
+
+
+@pytest.mark.parametrize("dtype,head_dim,sliding_window", [(torch.float32, 64, None), (torch.bfloat16, 80, 50)])
+def test_a_step_with_attention_sinks_matches_reference(dtype, head_dim, sliding_window):
+    """GPT-OSS's attention sinks through the prefill kernel (the long chunks) and the paged one (the rest)."""
+    seed = _make_seed()
+    case = _make_attention_case(*_mixed_step(16), 4, 2, head_dim, 16, dtype, seed, head_pad=_head_pad(head_dim))
+    _assert_attention_matches(triton_attention, case, seed, sliding_window, sinks=sink_logits(4, seed, dtype),
+                              label=f"{dtype} d={head_dim}")
 
 
 # FP8 caches: bf16, float32 and fp16 queries, scales at 1, below (some K or V past 448 * scale saturate) and
@@ -245,7 +255,7 @@ def _build_for_sm90(dtype_name: str, head_dim: int, use_window: bool, kv_fp8: bo
     """Compile the prefill kernel for sm_90 with Triton's own compiler and no device (run with
     TRITON_INTERPRET=0), specialized as a launch on the engine's tensors is (16-byte aligned pointers and
     strides, the block table's row width not), over a cache in the query's dtype or an FP8 one (`kv_fp8`),
-    the scores soft-capped or not (`softcap`);
+    the scores soft-capped and the heads' attention sinks in the sum, or neither (`softcap`);
     report what the build holds: shared memory, the count of wgmma (Hopper tensor-core) instructions, the
     K/V copies' sizes, and registers and stack from cuobjdump."""
     import re
@@ -256,9 +266,9 @@ def _build_for_sm90(dtype_name: str, head_dim: int, use_window: bool, kv_fp8: bo
     constexprs = dict(GROUP=4, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_SIZE=16, HEAD_DIM=head_dim,
                       HEAD_DIM_PAD=triton_prefill.padded_head_dim(head_dim), USE_WINDOW=use_window,
                       DOT_DTYPE=triton_prefill.dot_dtype(dtype), DOT_PRECISION="tf32", KV_FP8=kv_fp8,
-                      SOFTCAP=softcap)
+                      SOFTCAP=softcap, SINKS=softcap)
     short = {"bfloat16": "bf16", "float16": "fp16"}[dtype_name]
-    pointers = {"query_ptr": short, "out_ptr": short, "k_cache_ptr": "fp8e4nv" if kv_fp8 else short,
+    pointers = {"query_ptr": short, "out_ptr": short, "sinks_ptr": short, "k_cache_ptr": "fp8e4nv" if kv_fp8 else short,
                 "v_cache_ptr": "fp8e4nv" if kv_fp8 else short}
     built, report = _build_kernel_for_sm90(kernel, constexprs, pointers, num_warps=num_warps, num_stages=num_stages)
     ptx = built.asm["ptx"]
@@ -277,7 +287,8 @@ def test_prefill_kernel_builds_for_h100_with_tensor_cores(dtype, head_dim, use_w
     """What the interpreter cannot show: the kernel compiles for sm_90, its dots are wgmma, its K/V tiles
     arrive in 16-byte asynchronous copies, and it neither spills nor outgrows an H100's shared memory;
     at head_dim 96 and 192 too, padded to 128 and 256 (the masked lanes keep the copies 16 bytes wide), over
-    an FP8 cache (its tiles dequantized to bf16 in registers before the wgmma), and with soft-capped scores."""
+    an FP8 cache (its tiles dequantized to bf16 in registers before the wgmma), and with soft-capped scores and
+    attention sinks."""
     pytest.importorskip("triton.compiler")
     code = ("import json; from tests.kernels.test_triton_prefill import _build_for_sm90; "
             f"print(json.dumps(_build_for_sm90({dtype!r}, {head_dim}, {use_window}, {kv_fp8}, {softcap})))")
