@@ -1,7 +1,7 @@
 """One model file for the Llama family: Llama 2/3 (llama3 and YaRN rope scaling), Qwen2 (q/k/v bias), Qwen3
 (each q and k head RMS-normed before rotary), Mistral (sliding window); grouped-query attention; tied or
 untied embeddings. The variants in `engine.models` (Gemma 2 and 3, Qwen3-MoE, Mixtral, Phi-3, Granite, OLMo 2,
-SmolLM3) build on it.
+SmolLM3, GPT-OSS) build on it.
 
 The forward pass takes the whole step's tokens flat, `[num_tokens]`, sequence after sequence, with no
 padding; attention reads and writes the paged KV cache through `AttentionMetadata`. Only the rows
@@ -64,6 +64,8 @@ class Attention(nn.Module):
         self.rotary_emb = rotary_emb
         self.scale = config.attention_scale
         self.softcap = config.attn_logit_softcapping or 0.0   # Gemma 2: each score capped (0: none)
+        # GPT-OSS: this rank's heads' sink logits, each in its head's softmax denominator (None: no sinks)
+        self.sinks = nn.Parameter(torch.empty(shard.num_heads)) if config.attention_sinks else None
         self.sliding_window = config.layer_window(layer)
         # An FP8 cache stores K / k_scale and V / v_scale (the checkpoint's, else measured at start by
         # engine.kv_scales, else 1.0); other caches ignore them. kv_observer: that measurement's hook.
@@ -82,7 +84,8 @@ class Attention(nn.Module):
             self.kv_observer(k, v)
         backend.store_kv(k, v, k_cache, v_cache, meta, k_scale=self.k_scale, v_scale=self.v_scale)
         out = backend.paged_attention(q, k_cache, v_cache, meta, self.scale, self.sliding_window,
-                                      k_scale=self.k_scale, v_scale=self.v_scale, softcap=self.softcap)
+                                      k_scale=self.k_scale, v_scale=self.v_scale, softcap=self.softcap,
+                                      sinks=self.sinks)
         return self.comm.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
 
     def norm_qk(self, qkv: torch.Tensor) -> None:

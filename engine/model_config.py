@@ -19,7 +19,8 @@ from engine.model_families import LAYER_TYPES, family_fields
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM",
                            "Qwen3MoeForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", "GraniteForCausalLM",
-                           "Olmo2ForCausalLM", "SmolLM3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+                           "Olmo2ForCausalLM", "SmolLM3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+                           "GptOssForCausalLM")
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")   # Gemma's layer: four norms, scaled embeddings
 # Multimodal checkpoints served as their text model: architecture -> (the text model's, its weights' prefix, the
 # text_config's model_type where it names one: another family's text model is refused by that key)
@@ -43,14 +44,18 @@ GEMMA2_DEFAULTS = {
 DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32_768, "MistralForCausalLM": 131_072,
                          "Qwen3ForCausalLM": 32_768, "Qwen3MoeForCausalLM": 32_768, "MixtralForCausalLM": 131_072,
                          "Phi3ForCausalLM": 4096, "GraniteForCausalLM": 2048, "Olmo2ForCausalLM": 2048,
-                         "SmolLM3ForCausalLM": 32_768,
+                         "SmolLM3ForCausalLM": 32_768, "GptOssForCausalLM": 131_072,
                          "Gemma2ForCausalLM": 8192, "Gemma3ForCausalLM": 131_072}
 # their rms_norm_eps, where it is not 1e-6
-DEFAULT_RMS_NORM_EPS = {"MixtralForCausalLM": 1e-5, "Phi3ForCausalLM": 1e-5, "Olmo2ForCausalLM": 1e-5}
+DEFAULT_RMS_NORM_EPS = {"MixtralForCausalLM": 1e-5, "Phi3ForCausalLM": 1e-5, "Olmo2ForCausalLM": 1e-5,
+                        "GptOssForCausalLM": 1e-5}
 DEFAULT_KV_HEADS = {"Qwen2ForCausalLM": 32, "MistralForCausalLM": 8, "Qwen3ForCausalLM": 32, "Qwen3MoeForCausalLM": 4,
-                    "MixtralForCausalLM": 8, "SmolLM3ForCausalLM": 4}
+                    "MixtralForCausalLM": 8, "SmolLM3ForCausalLM": 4, "GptOssForCausalLM": 8}
+# their head_dim where config.json names none (else hidden_size / num_attention_heads)
+DEFAULT_HEAD_DIM = {"Qwen3ForCausalLM": 128, "GptOssForCausalLM": 64}
 # their rope_theta where config.json names none (else 10,000)
-DEFAULT_ROPE_THETA = {"MixtralForCausalLM": 1_000_000.0, "SmolLM3ForCausalLM": 2_000_000.0}
+DEFAULT_ROPE_THETA = {"MixtralForCausalLM": 1_000_000.0, "SmolLM3ForCausalLM": 2_000_000.0,
+                      "GptOssForCausalLM": 150_000.0}
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 # dynamic NTK: its base moves only past max_position_embeddings, which caps its context here: the default rope's
 SUPPORTED_ROPE_TYPES = ("default", "dynamic", "linear", "llama3", "yarn")
@@ -159,7 +164,7 @@ class RopeScaling:
 @dataclass(frozen=True)
 class ModelConfig:
     """A decoder-only model's shape (Llama 2/3, Qwen2, Qwen3, Qwen3-MoE, Mistral, Mixtral, Phi-3, Granite, OLMo 2,
-    SmolLM3, Gemma 2, Gemma 3's text model) from an HF config.json. `layer_types` (Gemma): each layer full or
+    SmolLM3, Gemma 2, Gemma 3's text model, GPT-OSS) from an HF config.json. `layer_types` (Gemma): each layer full or
     sliding; without it `sliding_window` is all's."""
 
     architecture: str
@@ -197,6 +202,10 @@ class ModelConfig:
     residual_multiplier: float = 1.0    # Granite: each sublayer's output's factor before the residual add
     logits_scaling: float = 1.0         # Granite: the logits are divided by it
     no_rope_layers: tuple[int, ...] = ()   # SmolLM3: 1 where a layer rotates q and k, 0 where not (NoPE); (): all do
+    attention_sinks: bool = False       # GPT-OSS: a learned logit per query head in every softmax's denominator
+    moe_bias: bool = False              # GPT-OSS: the router and each expert's projections carry biases
+    swiglu_limit: float | None = None   # GPT-OSS: the experts' SwiGLU clamped at it (None: plain SiLU x up)
+    swiglu_alpha: float = 1.702         # ... and its sigmoid's gain
     text_weights_prefix: str = ""       # a multimodal checkpoint's text model: its weights' prefix (the rest skipped)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -296,8 +305,10 @@ class ModelConfig:
             attn += q + 2 * kv + (h if self.architecture != "Qwen2ForCausalLM" else 0)
         mlp = 3 * h * i + (2 * i + h if self.mlp_bias else 0)
         experts = self.num_experts * (3 * h * moe_i + h)   # every expert, and the router
+        if self.moe_bias:   # GPT-OSS: each expert's gate/up and down biases, the router's
+            experts += self.num_experts * (2 * moe_i + h + 1)
         norms = 4 if self.architecture in GEMMA_ARCHITECTURES else 2   # Gemma: around the MLP too
-        per_layer = attn + norms * h + (2 * d if self.qk_norm else 0)
+        per_layer = attn + norms * h + (2 * d if self.qk_norm else 0) + (heads if self.attention_sinks else 0)
         if self.architecture == "Olmo2ForCausalLM":   # q and k normed whole: a weight per channel
             per_layer += q + kv
         mlps = sum(experts if self.is_sparse_layer(layer) else mlp for layer in range(self.num_layers))
@@ -317,7 +328,9 @@ class ModelConfig:
         old = cfg.get("compression_config")   # llm-compressor's older key: quantized where it has groups or a method
         key = "compression_config" if cfg.get("quantization_config") is None and isinstance(old, dict) and {
             "config_groups", "quant_method", "kv_cache_scheme"} & set(old) else "quantization_config"
-        if (quant := cfg.get(key)) is not None and not quantizes_kv_cache_only(quant):
+        if (quant := cfg.get(key)) is not None and not quantizes_kv_cache_only(quant) \
+                and not (arch == "GptOssForCausalLM" and isinstance(quant, dict) and quant.get("quant_method") == "mxfp4"):
+            # GPT-OSS's MXFP4 experts: dequantized to the model's dtype as they are read (engine.models.gpt_oss)
             method = quant.get("quant_method", "unnamed") if isinstance(quant, dict) else repr(quant)
             raise ConfigError(f"{key}: quantized checkpoints ({method}) are not supported; serve "
                               "the model's bfloat16 checkpoint (an FP8 KV cache is the device key kv_cache_dtype)")
@@ -345,7 +358,7 @@ class ModelConfig:
             num_heads=num_heads,
             num_kv_heads=read_int(cfg, "num_key_value_heads",   # null: one per head, as transformers reads None
                               num_heads if "num_key_value_heads" in cfg else DEFAULT_KV_HEADS.get(arch, num_heads)),
-            head_dim=read_int(cfg, "head_dim", 128 if arch == "Qwen3ForCausalLM" else hidden // num_heads),  # Qwen3: 128
+            head_dim=read_int(cfg, "head_dim", DEFAULT_HEAD_DIM.get(arch, hidden // num_heads)),
             rms_norm_eps=read_float(cfg, "rms_norm_eps", DEFAULT_RMS_NORM_EPS.get(arch, 1e-6)),
             rope_theta=rope_theta if rope_theta is not None else DEFAULT_ROPE_THETA.get(arch, 10000.0),
             rope_scaling=rope_scaling,

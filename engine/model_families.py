@@ -1,8 +1,8 @@
 """The config.json fields of the architectures past Llama's shape, as `ModelConfig` fields: Gemma 3's layer types,
 rope bases and norms (`gemma3_fields`), Gemma 2's layers and soft-capping (`gemma2_fields`), Qwen3-MoE's and
 Mixtral's experts (`qwen3_moe_fields`, `mixtral_fields`), Phi-3's window and rope (`phi3_fields`), Granite's
-scalars (`granite_fields`), SmolLM3's NoPE layers (`smollm3_fields`), and the sliding layers of Qwen2, Qwen3 and
-Qwen3-MoE (`qwen_window_fields`). What we do not serve is refused with a `ConfigError` naming the key."""
+scalars (`granite_fields`), SmolLM3's NoPE layers (`smollm3_fields`), GPT-OSS's experts, sinks and layers
+(`gpt_oss_fields`), and the sliding layers of Qwen2, Qwen3 and Qwen3-MoE (`qwen_window_fields`). What we do not serve is refused with a `ConfigError` naming the key."""
 
 from __future__ import annotations
 
@@ -32,6 +32,8 @@ def family_fields(cfg: dict[str, Any], arch: str, num_layers: int) -> dict[str, 
         return granite_fields(cfg)
     if arch == "SmolLM3ForCausalLM":
         return smollm3_fields(cfg, num_layers)
+    if arch == "GptOssForCausalLM":
+        return gpt_oss_fields(cfg, num_layers)
     return {}
 
 
@@ -169,6 +171,32 @@ def smollm3_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
         return fields
     kinds = _layer_types(cfg, lambda: ["full_attention" if r else "sliding_attention" for r in rope])
     return {**fields, "sliding_window": window, "layer_types": tuple(kinds)}
+
+
+# transformers' GptOssConfig's rope where config.json names none: YaRN, 32 x 4,096 positions
+GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 4096}
+
+
+def gpt_oss_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """GPT-OSS as transformers' `GptOssConfig` reads it: every layer a mixture of `num_local_experts` experts of
+    `intermediate_size`, `num_experts_per_tok` a token (the softmax of the router's top logits), each a SwiGLU
+    clamped at `swiglu_limit` with gain `swiglu_alpha`, biases on the router, the experts and q/k/v/o
+    (`attention_bias`, on by default); a sink logit per head; sliding (`sliding_window`, 128) and full layers
+    alternating from a sliding first unless `layer_types` says otherwise; YaRN by default (`GPT_OSS_ROPE`).
+    Returns ModelConfig fields, and under "full_rope" the arguments of RopeScaling.from_hf_config."""
+    kinds = _layer_types(cfg, lambda: ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                                       for i in range(num_layers)])
+    rope = cfg if cfg.get("rope_scaling") or read_object(cfg, "rope_parameters") else \
+        {**cfg, "rope_parameters": {**GPT_OSS_ROPE, "rope_theta": read_float(cfg, "rope_theta", 150_000.0)}}
+    experts = read_int(cfg, "num_local_experts", None)
+    return {"num_experts": read_int(cfg, "num_experts", 128) if experts is None else experts,
+            "num_experts_per_tok": read_int(cfg, "num_experts_per_tok", 4),
+            "moe_intermediate_size": read_int(cfg, "intermediate_size"), "moe_bias": True, "attention_sinks": True,
+            "swiglu_limit": read_float(cfg, "swiglu_limit", 7.0), "swiglu_alpha": read_float(cfg, "swiglu_alpha", 1.702),
+            "attention_bias": read_bool(cfg, "attention_bias", True), "hidden_act": "silu",   # the experts' own act
+            "layer_types": tuple(kinds), "sliding_window": read_int(cfg, "sliding_window", 128),
+            "full_rope": (rope,)}
 
 
 def _check_silu(cfg: dict[str, Any], family: str) -> None:

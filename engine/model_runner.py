@@ -95,7 +95,7 @@ class _Forward:
         dtype = self.model.embed_tokens.weight.dtype   # the model's; the cache's may be FP8
         count = sum(compile_kernels(attn.num_heads, attn.num_kv_heads, attn.config.head_dim, self.kv_cache.block_size,
                                     dtype, self.device, window or None, kv_dtype=self.kv_cache.dtype,
-                                    softcap=attn.softcap)
+                                    softcap=attn.softcap, sinks=attn.sinks is not None)
                     for window in windows)
         log.info("compiled %d attention kernel variants in %.1fs", count, time.perf_counter() - started)
 

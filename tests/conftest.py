@@ -100,10 +100,16 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
            "gemma3": transformers.Gemma3TextConfig, "qwen3_moe": transformers.Qwen3MoeConfig,
            "mixtral": transformers.MixtralConfig, "phi3": transformers.Phi3Config,
            "gemma2": transformers.Gemma2Config, "granite": transformers.GraniteConfig,
-           "olmo2": transformers.Olmo2Config, "smollm3": transformers.SmolLM3Config}[arch]
+           "olmo2": transformers.Olmo2Config, "smollm3": transformers.SmolLM3Config,
+           "gpt_oss": transformers.GptOssConfig}[arch]
     config = cls(**common)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if arch == "gpt_oss":   # transformers starts the biases at zero, which would hide one read wrong; sinks near it
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith(("bias", "sinks")):
+                    param.normal_(0.0, 1.0)
     model.save_pretrained(folder, max_shard_size="100KB")
     for name in TOKENIZER_FILES:
         if (builtin / name).exists():

@@ -1,4 +1,5 @@
-"""The gate activation times up over the fused gate/up projection's output: SiLU (Llama), GELU-tanh (Gemma)."""
+"""The gate activation times up over the fused gate/up projection's output: SiLU (Llama), GELU-tanh (Gemma), and
+GPT-OSS's clamped SwiGLU."""
 
 from __future__ import annotations
 
@@ -33,3 +34,22 @@ class GeluTanhAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh") * up
+
+
+class ClampedSwiGLU(nn.Module):
+    """x: [num_tokens, 2 * size] (gate, then up) -> (up + 1) x gate x sigmoid(alpha x gate): [num_tokens, size], the
+    gate clamped at `limit` from above and up at +-limit first (GPT-OSS's experts, transformers' `_apply_gate` with
+    its interleaved gate/up columns taken apart when the weights are read), in x's dtype throughout."""
+
+    def __init__(self, alpha: float, limit: float) -> None:
+        super().__init__()
+        self.alpha, self.limit = alpha, limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+    def extra_repr(self) -> str:
+        return f"alpha={self.alpha}, limit={self.limit}"

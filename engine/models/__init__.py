@@ -6,7 +6,8 @@ same weight loading and tensor-parallel cuts: `gemma3` (Gemma 3's text model, an
 (Qwen3-MoE's sparse layers), `mixtral` (Mixtral: those experts on every layer, under its checkpoints' names),
 `phi3` (Phi-3 and Phi-4: the Llama layer, its checkpoints' fused q/k/v and gate/up split as they are read),
 `granite` (Granite 3: the Llama layer and its four scalars), `olmo2` (OLMo 2: post-norm layers, q/k normed
-whole), `smollm3` (SmolLM3: NoPE layers).
+whole), `smollm3` (SmolLM3: NoPE layers), `gpt_oss` (GPT-OSS: attention sinks, biased experts with a clamped
+SwiGLU, MXFP4 experts dequantized as they are read).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from engine.model_config import GEMMA_ARCHITECTURES, ModelConfig
 from engine.layers import RotaryEmbedding
 from engine.model import LlamaForCausalLM
 from engine.models.gemma3 import Gemma3ForCausalLM
+from engine.models.gpt_oss import GptOssForCausalLM
 from engine.models.granite import GraniteForCausalLM
 from engine.models.mixtral import MixtralForCausalLM
 from engine.models.olmo2 import Olmo2ForCausalLM
@@ -37,7 +39,8 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "Phi3ForCausalLM": Phi3ForCausalLM,
                                                 "GraniteForCausalLM": GraniteForCausalLM,
                                                 "Olmo2ForCausalLM": Olmo2ForCausalLM,
-                                                "SmolLM3ForCausalLM": SmolLM3ForCausalLM}
+                                                "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
+                                                "GptOssForCausalLM": GptOssForCausalLM}
 
 
 def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:

@@ -58,11 +58,18 @@ class SparseMoeBlock(nn.Module):
         self.comm, self.num_experts, self.top_k = comm, config.num_experts, config.num_experts_per_tok
         self.norm_topk_prob, self.float_weights = config.norm_topk_prob, config.moe_float_weights
         inter, hidden = shard.moe_intermediate_size, config.hidden_size
-        self.gate = nn.Linear(hidden, config.num_experts, bias=False)           # the router
+        self.gate = nn.Linear(hidden, config.num_experts, bias=config.moe_bias)   # the router
         self.w13 = nn.Parameter(torch.empty(config.num_experts, 2 * inter, hidden))
         self.w2 = nn.Parameter(torch.empty(config.num_experts, hidden, inter))
         self.act_fn = SiluAndMul(ops)
         self.fused_moe = _fused_moe_for(ops)   # the Triton kernels, with the Triton ops; else None
+        # GPT-OSS (`moe_bias`): each expert's gate/up and down biases, added after each product (the down one on
+        # one rank only: the ranks' partial outputs are summed); its experts run the grouped matmuls or the loop
+        self.b13 = self.b2 = None
+        if config.moe_bias:
+            self.b13 = nn.Parameter(torch.empty(config.num_experts, 2 * inter))
+            self.b2 = nn.Parameter(torch.empty(config.num_experts, hidden))
+            self.fused_moe = None
         self._grouped = True   # the grouped matmul until it fails for this dtype / device
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,7 +101,8 @@ class SparseMoeBlock(nn.Module):
         hits = F.one_hot(experts, self.num_experts).permute(2, 1, 0)             # [num_experts, top_k, num_tokens]
         for e in hits.sum(dim=(1, 2)).nonzero().flatten().tolist():              # the experts used, in order
             slot, token = torch.where(hits[e])
-            h = F.linear(self.act_fn(F.linear(x[token], self.w13[e])), self.w2[e])
+            h = _biased(F.linear(x[token], self.w13[e]), self.b13, e)
+            h = _biased(F.linear(self.act_fn(h), self.w2[e]), self.b2, e)
             out.index_add_(0, token, (h * weights[token, slot, None]).to(x.dtype))
         return self.comm.all_reduce(out)
 
@@ -107,10 +115,19 @@ class SparseMoeBlock(nn.Module):
         token = order // self.top_k
         counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device)
         ends = counts.scatter_add_(0, flat.to(torch.int32).long(), torch.ones_like(flat, dtype=torch.int32)).cumsum(0)
+        pair_expert = flat[order]
         h = GROUPED_MM(x[token], self.w13.transpose(1, 2), offs=ends.to(torch.int32))   # [pairs, 2 x inter]
+        h = _biased(h, self.b13, pair_expert)
         h = GROUPED_MM(self.act_fn(h), self.w2.transpose(1, 2), offs=ends.to(torch.int32))   # [pairs, hidden]
+        h = _biased(h, self.b2, pair_expert)
         out = torch.zeros_like(x)
         return out.index_add_(0, token, (h * weights.flatten()[order, None]).to(x.dtype))
+
+
+def _biased(h: torch.Tensor, bias: torch.Tensor | None, expert: int | torch.Tensor) -> torch.Tensor:
+    """h plus the rows of `bias` its experts own (`expert`: one index, or each row's), rounded as transformers'
+    product-then-add is; h itself where the experts have no bias."""
+    return h if bias is None else h + bias[expert]
 
 
 def _fused_moe_for(ops: ModuleType) -> Callable[..., torch.Tensor] | None:
@@ -127,6 +144,7 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
     the experts' tensors routed into `w13` / `w2` and cut per rank."""
 
     supports_flat_forward = False
+    moe_block: type[SparseMoeBlock] = SparseMoeBlock   # a sparse layer's MLP (GPT-OSS: its own subclass)
 
     @property
     def graph_safe(self) -> bool:
@@ -137,7 +155,7 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
     def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
         layer = super().make_layer(index, ops)
         if self.config.is_sparse_layer(index):
-            layer.mlp = SparseMoeBlock(self.config, self.shard, self.comm, ops)
+            layer.mlp = self.moe_block(self.config, self.shard, self.comm, ops)
         return layer
 
     def _destination(self, name: str, hf_name: str) -> tuple[str, Callable[[torch.Tensor], torch.Tensor]]:
@@ -146,24 +164,29 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
         prefix, rest = name.split(".mlp.experts.", 1)                 # "layers.3", "17.gate_proj.weight"
         expert, _, proj = rest.partition(".")   # a fused checkpoint's "gate_up_proj": no expert index, refused
         inter = self.shard.moe_intermediate_size
-        if not expert.isdigit() or proj not in ("gate_proj.weight", "up_proj.weight", "down_proj.weight"):
+        weight, _, kind = proj.partition(".")
+        if not expert.isdigit() or weight not in ("gate_proj", "up_proj", "down_proj") \
+                or kind not in (("weight", "bias") if self.config.moe_bias else ("weight",)):
             raise WeightLoadError(f"{hf_name}: not a tensor of {self.config.architecture} with this config")
         if int(expert) >= self.config.num_experts:
             raise WeightLoadError(f"{hf_name}: expert {int(expert)} of a config with num_experts "
                                   f"{self.config.num_experts}")
         e, mlp = int(expert), f"{prefix}.mlp"
-        if proj == "down_proj.weight":
-            return f"{mlp}.w2", lambda data: data[e]
-        offset = 0 if proj == "gate_proj.weight" else inter
-        return f"{mlp}.w13", lambda data: data[e].narrow(0, offset, inter)
+        if weight == "down_proj":   # GPT-OSS's biases: b13 [experts, 2 x inter] and b2 [experts, hidden]
+            return (f"{mlp}.w2" if kind == "weight" else f"{mlp}.b2"), lambda data: data[e]
+        offset = 0 if weight == "gate_proj" else inter
+        return (f"{mlp}.w13" if kind == "weight" else f"{mlp}.b13"), lambda data: data[e].narrow(0, offset, inter)
 
     def _shard_of(self, hf_name: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """An expert's slice of the intermediate size: gate/up rows, down columns; the rest as Qwen3's."""
+        """An expert's slice of the intermediate size: gate/up rows (and biases), down columns, the down bias on
+        rank 0 alone (added once, after the ranks' sum); the rest as Qwen3's."""
         shard = self.shard
         if shard.size == 1 or ".mlp.experts." not in name:
             return super()._shard_of(hf_name, name, tensor)
+        if name.endswith("down_proj.bias"):
+            return tensor if shard.rank == 0 else torch.zeros_like(tensor)
         dim, inter = (1 if name.endswith("down_proj.weight") else 0), self.config.moe_intermediate_size
-        if tensor.dim() != 2 or tensor.shape[dim] != inter:
+        if tensor.dim() != (1 if name.endswith(".bias") else 2) or tensor.shape[dim] != inter:
             raise WeightLoadError(f"{hf_name}: shape {tuple(tensor.shape)} does not match the config "
                                   f"({inter} along dimension {dim})")
         return tensor.narrow(dim, shard.rank * shard.moe_intermediate_size, shard.moe_intermediate_size)

@@ -779,3 +779,54 @@ def test_a_namesake_kernels_first_on_the_path_is_refused_by_name(tmp_path):
                          text=True, env={**os.environ, "PYTHONPATH": str(root)}, timeout=120)
     assert run.returncode == 1
     assert str(tmp_path / "kernels" / "__init__.py") in run.stderr and "pip uninstall kernels" in run.stderr
+
+
+GPT_OSS_20B = {"architectures": ["GptOssForCausalLM"], "attention_bias": True, "eos_token_id": 200002,
+               "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880,
+               "initial_context_length": 4096, "intermediate_size": 2880,
+               "layer_types": ["sliding_attention", "full_attention"] * 12, "max_position_embeddings": 131072,
+               "num_attention_heads": 64, "num_experts_per_tok": 4, "num_hidden_layers": 24, "num_key_value_heads": 8,
+               "num_local_experts": 32, "pad_token_id": 199999, "rms_norm_eps": 1e-05,
+               "quantization_config": {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                                  "model.embed_tokens", "lm_head"],
+                                       "quant_method": "mxfp4"},
+               "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                                "original_max_position_embeddings": 4096, "rope_type": "yarn", "truncate": False},
+               "rope_theta": 150000, "sliding_window": 128, "swiglu_limit": 7.0, "tie_word_embeddings": False,
+               "vocab_size": 201088}
+
+
+def test_gpt_oss_as_its_model_card_writes_it_and_its_defaults_as_transformers_reads_them():
+    """gpt-oss-20b's config (MXFP4 experts, dequantized as they are read): 32 experts of 2,880 on every layer, 4 a
+    token, biases and sinks, sliding and full layers alternating, YaRN over 4,096 x 32 positions; its parameter count
+    is transformers' model's, built on the meta device from the same config. A config.json that leaves keys out reads
+    them as GptOssConfig does; another quantization method is still refused by name."""
+    transformers = pytest.importorskip("transformers")
+    cfg = ModelConfig.from_hf_config(GPT_OSS_20B)
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (32, 4, 2880)
+    assert cfg.attention_sinks and cfg.moe_bias and cfg.attention_bias and cfg.swiglu_limit == 7.0
+    assert [cfg.layer_window(i) for i in range(3)] == [128, None, 128] and cfg.context_length == 131072
+    assert (cfg.rope_scaling.rope_type, cfg.rope_scaling.truncate, cfg.rope_theta) == ("yarn", False, 150000.0)
+    hf_config = transformers.GptOssConfig(**{k: v for k, v in GPT_OSS_20B.items()
+                                             if k not in ("architectures", "quantization_config", "rope_scaling")},
+                                          rope_parameters={**GPT_OSS_20B["rope_scaling"], "rope_theta": 150000.0})
+    with torch.device("meta"):
+        hf = transformers.GptOssForCausalLM(hf_config)
+    assert cfg.num_params() == sum(p.numel() for p in hf.parameters()) == 20_914_757_184   # "21 B"
+    bare = {k: GPT_OSS_20B[k] for k in ("architectures", "vocab_size", "hidden_size", "intermediate_size",
+                                        "num_hidden_layers", "num_attention_heads")}
+    ours = ModelConfig.from_hf_config(bare)
+    theirs = transformers.GptOssConfig(**{k: v for k, v in bare.items() if k != "architectures"})
+    rope = theirs.rope_parameters
+    assert (ours.num_kv_heads, ours.head_dim, ours.num_experts, ours.num_experts_per_tok, ours.sliding_window,
+            ours.layer_types, ours.rope_theta, ours.rope_scaling.factor, ours.rope_scaling.truncate,
+            ours.rope_scaling.original_max_position_embeddings, ours.max_position_embeddings, ours.rms_norm_eps,
+            ours.swiglu_alpha, ours.swiglu_limit, ours.attention_bias) == \
+        (theirs.num_key_value_heads, theirs.head_dim, theirs.num_local_experts, theirs.num_experts_per_tok,
+         theirs.sliding_window, tuple(theirs.layer_types), rope["rope_theta"], rope["factor"], rope["truncate"],
+         rope["original_max_position_embeddings"], theirs.max_position_embeddings, theirs.rms_norm_eps,
+         theirs.swiglu_alpha, theirs.swiglu_limit, theirs.attention_bias)
+    with pytest.raises(ConfigError, match=r"^quantization_config: quantized checkpoints \(fp8\) are not supported"):
+        ModelConfig.from_hf_config({**GPT_OSS_20B, "quantization_config": {"quant_method": "fp8"}})
+    with pytest.raises(ConfigError, match=r"^quantization_config: quantized checkpoints \(mxfp4\) are not supported"):
+        ModelConfig.from_hf_config({**LLAMA, "quantization_config": {"quant_method": "mxfp4"}})

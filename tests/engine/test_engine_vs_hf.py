@@ -96,6 +96,10 @@ MIXTRAL = dict(intermediate_size=48, num_local_experts=4, num_experts_per_tok=3,
                sliding_window=8, tie_word_embeddings=True, rope_parameters=YARN)
 GEMMA2 = dict(num_hidden_layers=3, head_dim=32, sliding_window=8, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
               final_logit_softcapping=5.0)
+# GPT-OSS: 4 experts of 48, 2 a token; a window of 8 on its sliding layers; its own YaRN (truncate false); a clamp
+# that bends these activations
+GPT_OSS = dict(intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=8,
+               num_hidden_layers=3, swiglu_limit=1.5)
 GRANITE = dict(embedding_multiplier=3.0, attention_multiplier=0.05, residual_multiplier=0.5, logits_scaling=2.0,
                tie_word_embeddings=True)
 
@@ -145,6 +149,9 @@ TINY_MODELS = [
     ("smollm3", dict(no_rope_layers=[1, 0], pad_token_id=0)),
     ("smollm3", dict(num_hidden_layers=4, use_sliding_window=True, sliding_window=8, tie_word_embeddings=False,
                      pad_token_id=0)),
+    # GPT-OSS: sinks, biased experts with a clamped SwiGLU, sliding and full layers; then grouped KV heads of 4
+    ("gpt_oss", GPT_OSS),
+    ("gpt_oss", {**GPT_OSS, "num_key_value_heads": 1, "num_attention_heads": 4, "layer_types": ["full_attention"] * 3}),
 ]
 # Every architecture on the default CPU linears; the other linears on one dense and one MoE model (the
 # linears do not depend on the architecture around them).
@@ -565,3 +572,99 @@ def test_a_bfloat16_expert_layer_rounds_as_transformers_does(arch):
         if arch == "MixtralForCausalLM":
             block.float_weights = False
             assert not torch.equal(block(x), expected)
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_a_bfloat16_gpt_oss_expert_layer_rounds_as_transformers_does(grouped):
+    """GPT-OSS's sparse layer in bfloat16 against transformers' `GptOssMLP` with the same weights, read through
+    the engine's loading (the router renamed, the stacked, interleaved gate/up columns taken apart): equal to
+    the bit on the loop over the experts hit (the softmax of the top logits in bfloat16, each bias added after its
+    product, the clamp); the grouped matmuls to bfloat16 rounding."""
+    import transformers
+
+    from engine.model_config import ModelConfig
+
+    hf_config = transformers.GptOssConfig(vocab_size=100, hidden_size=32, intermediate_size=16, num_hidden_layers=1,
+                                          num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                          num_local_experts=8, num_experts_per_tok=3, swiglu_limit=1.0)
+    hf_block = transformers.models.gpt_oss.modeling_gpt_oss.GptOssMLP(hf_config)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in hf_block.parameters():
+            param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
+    config = ModelConfig.from_hf_config({**hf_config.to_dict(), "architectures": ["GptOssForCausalLM"]})
+    model = build_model(config, torch.bfloat16, "cpu")
+    block = model.layers[0].mlp
+    names = {f"layers.0.mlp.{name}": tensor for name, tensor in hf_block.state_dict().items()}
+    reads = [read for name, tensor in names.items() for read in model.read_tensor(name, name, tensor)]
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, tensor in reads:
+            target, part = model._destination(name, name)
+            part(params[target].data).copy_(tensor)
+    block._grouped = grouped
+    x = torch.randn(37, 32, generator=gen).to(torch.bfloat16)
+    expected = hf_block.to(torch.bfloat16)(x[None])[0][0]
+    if grouped:
+        torch.testing.assert_close(block(x), expected, atol=0.05, rtol=0.02)
+    else:
+        assert torch.equal(block(x), expected)
+
+
+def _mxfp4(shape: tuple[int, ...], gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random MXFP4 blocks [..., rows, groups, 16] and scales [..., rows, groups] for weights of `shape` [..., rows,
+    columns]: every e2m1 code, scales from 2^-8 to 2^-3 (weights up to 0.75, as the tiny models' are)."""
+    *rows, cols = shape
+    blocks = torch.randint(0, 256, (*rows, cols // 32, 16), generator=gen, dtype=torch.int32).to(torch.uint8)
+    scales = torch.randint(119, 125, (*rows, cols // 32), generator=gen, dtype=torch.int32).to(torch.uint8)
+    return blocks, scales
+
+
+def test_an_mxfp4_gpt_oss_checkpoint_serves_what_transformers_dequantizes(tmp_path, builtin_path):
+    """OpenAI's GPT-OSS checkpoints store the experts in MXFP4 (`*_blocks` / `*_scales`): dequantized as they are
+    read, they are transformers' own dequantization (`convert_moe_packed_tensors`) to the bit, in float32 and
+    bfloat16, and the engine serves the checkpoint greedy token for token with transformers' model holding those
+    weights. A blocks tensor without its scales, or of the wrong shape, is refused by name."""
+    import transformers
+    from safetensors.torch import save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from engine.model import WeightLoadError
+    from engine.model_config import ModelConfig
+    from engine.models.gpt_oss import dequantize_mxfp4
+
+    # MXFP4 scales groups of 32 inputs: an intermediate size of 64
+    folder = make_tiny_model(tmp_path / "gpt_oss", "gpt_oss", builtin_path, **{**GPT_OSS, "intermediate_size": 64})
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    state = {name: tensor.clone() for name, tensor in iter_weights(folder)}
+    gen = torch.Generator().manual_seed(7)
+    for path in [p for p in state if p.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        stacked = state.pop(path)                                      # [experts, in, out]
+        blocks, scales = _mxfp4((stacked.shape[0], stacked.shape[2], stacked.shape[1]), gen)
+        state[f"{path}_blocks"], state[f"{path}_scales"] = blocks, scales
+        theirs = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)   # [experts, in, out]
+        assert torch.equal(dequantize_mxfp4(blocks, scales, torch.float32).transpose(1, 2), theirs)
+        assert torch.equal(dequantize_mxfp4(blocks, scales).transpose(1, 2),
+                           convert_moe_packed_tensors(blocks, scales, dtype=torch.bfloat16))
+        with torch.no_grad():
+            hf.get_parameter(path).copy_(theirs)
+    for shard in folder.glob("model*.safetensors*"):
+        shard.unlink()
+    save_file(state, folder / "model.safetensors")
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (folder / "config.json").write_text(json.dumps(config))
+    engine = LLMEngine.from_args(str(folder), dtype="float32", block_size=8, num_blocks=64, progress=False)
+    prompts = [[1, *range(40, 70)], [5, 9, 200, 3]]
+    outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == _hf_greedy(hf, prompt, 12, eos_ids=None)
+    model_config = ModelConfig.from_folder(folder)
+    blocks = "model.layers.1.mlp.experts.down_proj_blocks"
+    with pytest.raises(WeightLoadError, match=r"missing weights: model.layers.1.mlp.experts.down_proj_scales \(MXFP4: its "
+                                              r"blocks came alone\)"):
+        build_model(model_config, torch.float32, "cpu").load_weights(
+            (k, v) for k, v in state.items() if k != blocks.replace("blocks", "scales"))
+    with pytest.raises(WeightLoadError, match=rf"{blocks.replace('blocks', 'scales')}: MXFP4 blocks .* got \(4, 64, 2, 8\)"):
+        build_model(model_config, torch.float32, "cpu").load_weights(
+            {**state, blocks: state[blocks][..., :8]}.items())

@@ -694,7 +694,7 @@ def test_the_runner_compiles_kernels_on_cuda_only():
     from engine.model_runner import _Forward
 
     calls = []
-    attn = SimpleNamespace(num_heads=6, num_kv_heads=2, sliding_window=None, softcap=50.0,
+    attn = SimpleNamespace(num_heads=6, num_kv_heads=2, sliding_window=None, softcap=50.0, sinks=torch.zeros(6),
                            config=SimpleNamespace(head_dim=64, sliding_window=None))
     model = SimpleNamespace(layers=[SimpleNamespace(self_attn=attn)],
                             embed_tokens=SimpleNamespace(weight=torch.empty(0, dtype=torch.bfloat16)))
@@ -706,7 +706,7 @@ def test_the_runner_compiles_kernels_on_cuda_only():
     runner.device = torch.device("cuda", 0)
     _Forward.compile_kernels(runner)
     assert calls == [((6, 2, 64, 16, torch.bfloat16, torch.device("cuda", 0), None),
-                      {"kv_dtype": torch.float8_e4m3fn, "softcap": 50.0})]   # the model's variants
+                      {"kv_dtype": torch.float8_e4m3fn, "softcap": 50.0, "sinks": True})]   # the model's variants
     runner.backend = reference                              # a backend with nothing to compile
     _Forward.compile_kernels(runner)
     assert len(calls) == 1
@@ -851,23 +851,26 @@ def _check_gpu_kernels(dtype_name: str, num_heads: int, num_kv_heads: int, head_
 
 
 def _check_gpu_capped_kernels(dtype_name: str, num_heads: int, num_kv_heads: int, head_dim: int,
-                              block_size: int) -> None:
-    """The gpu test of soft-capped scores (Gemma 2's cap of 50, a window of 4,096 as its sliding layers'), run
-    compiled as `_check_gpu_kernels` is: decodes (split and not) and a step with a long chunk, the queries scaled
-    so the cap bends the scores; every variant compiled before (none during)."""
+                              block_size: int, softcap: float = 50.0, sinks: bool = False, window: int = 4096) -> None:
+    """The gpu test of soft-capped scores (Gemma 2's cap of 50, a window of 4,096 as its sliding layers') or of
+    attention sinks (GPT-OSS's, a window of 128), run compiled as `_check_gpu_kernels` is: decodes (split and not)
+    and a step with a long chunk, the queries scaled so the cap bends the scores; every variant compiled before
+    (none during)."""
     assert not triton_attention.INTERPRETED, "the compiled check ran under Triton's interpreter"
     dtype, seed = getattr(torch, dtype_name), _make_seed()
-    for window in (None, 4096):
+    for each in (None, window):
         triton_attention.compile_kernels(num_heads, num_kv_heads, head_dim, block_size, dtype, torch.device("cuda"),
-                                         window, softcap=50.0)
+                                         each, softcap=softcap, sinks=sinks)
     compiled = triton_attention.compiled_variants()
+    logits = sink_logits(num_heads, seed, dtype).cuda() if sinks else None
     decode = ([4096, 3000, 8191, 17], [1, 1, 1, 1])
     mixed = ([4096, 1500, 8191, 1, 700] + [1000] * 20, [1, 511, 1, 1, 700] + [1] * 20)
-    for (lens, q_lens), window in [(decode, None), (decode, 4096), (mixed, None), (mixed, 4096)]:
+    for (lens, q_lens), each in [(decode, None), (decode, window), (mixed, None), (mixed, window)]:
         case = _make_attention_case(lens, q_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed,
                                     device="cuda")
-        case[0].mul_(32.0)   # scores of tens: the cap of 50 bends them
-        _assert_attention_matches(triton_attention, case, seed, window, softcap=50.0,
+        if softcap:
+            case[0].mul_(32.0)   # scores of tens: the cap of 50 bends them
+        _assert_attention_matches(triton_attention, case, seed, each, softcap=softcap, sinks=logits,
                                   label=f"{dtype} {num_heads}/{num_kv_heads} d={head_dim} lens={lens[:5]}")
     if compiled is not None:
         new = triton_attention.compiled_variants() - compiled
@@ -876,9 +879,11 @@ def _check_gpu_capped_kernels(dtype_name: str, num_heads: int, num_kv_heads: int
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_gpu_kernels_with_capped_scores_match_reference():
+@pytest.mark.parametrize("shape", ["16, 8, 128, 16", "64, 8, 64, 16, softcap=0.0, sinks=True, window=128"],
+                         ids=["gemma2-capped", "gpt-oss-sinks"])
+def test_gpu_kernels_with_capped_scores_or_sinks_match_reference(shape):
     _run_compiled("from tests.kernels.test_triton import _check_gpu_capped_kernels; "
-                  "_check_gpu_capped_kernels('bfloat16', 16, 8, 128, 16)", timeout=600)
+                  f"_check_gpu_capped_kernels('bfloat16', {shape})", timeout=600)
 
 
 @pytest.mark.gpu

@@ -1,0 +1,163 @@
+"""GPT-OSS (`GptOssForCausalLM`): Llama's attention with biases and a sink logit per head, and on every layer a
+mixture of experts.
+
+- attention: q/k/v/o carry biases; each query head's learned sink (`self_attn.sinks`) joins its softmax's
+  denominator and weighs no value (`Attention.sinks`, applied by every backend's kernels), so a row may give its
+  keys less than all of its weight; sliding (a window of 128) and full layers alternate (`layer_types`), one rope
+  for both (YaRN by default);
+- norms: float32 statistics and weight, one rounding (`FloatRMSNorm`, transformers' `GptOssRMSNorm`);
+- experts: Qwen3-MoE's `SparseMoeBlock` (grouped matmuls or the loop over the experts hit; the Triton MoE kernels
+  take no biases, so not those, and decode steps are not captured in CUDA graphs) with GPT-OSS's router (a bias;
+  the top k of the logits, then their softmax in the model's dtype), each expert's biases, and its SwiGLU
+  clamped at `swiglu_limit` (`ClampedSwiGLU`).
+
+Weights: the router `mlp.router` is the block's `gate`; the experts come stacked, `mlp.experts.gate_up_proj`
+[experts, hidden, 2 x intermediate] with gate and up columns interleaved (gate, up, gate, ...), `down_proj`
+[experts, intermediate, hidden], and their biases: read as each expert's gate/up/down tensors
+(`read_tensor`), which the Qwen3-MoE loading places and cuts per rank. OpenAI's checkpoints store the experts'
+weights in MXFP4 (`gate_up_proj_blocks` / `_scales`: 4-bit e2m1 values two to a byte, the low nibble first, and
+one power-of-two scale, e8m0, per 32 along the input dimension, in [out, in] orientation); they are dequantized
+to the model's dtype as they are read (`dequantize_mxfp4`), exactly (every such value is a bfloat16), so the
+model holds and the capacity plan counts them at its dtype's bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.layers import ClampedSwiGLU, FloatRMSNorm
+from engine.model import WeightLoadError
+from engine.model_config import ModelConfig
+from engine.models.qwen3_moe import Qwen3MoeForCausalLM, SparseMoeBlock
+from engine.parallel import Collectives, ShardShape
+from kernels import fused
+
+__all__ = ["GptOssForCausalLM", "GptOssMoeBlock", "dequantize_mxfp4"]
+
+# e2m1: sign, two exponent bits, one mantissa bit; code -> value
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+_STACKED = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """MXFP4 weights as `dtype`: blocks [..., rows, groups, 16] uint8 (two e2m1 codes a byte, the low nibble the
+    even column), scales [..., rows, groups] uint8 (e8m0: 2 ** (scale - 127) for each group of 32 columns) ->
+    [..., rows, groups x 32]. One expert at a time, so the work space is one expert's float32 copy."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.shape[-1] != 16 \
+            or blocks.shape[:-1] != scales.shape:
+        raise ValueError(f"MXFP4 blocks [..., groups, 16] and scales [..., groups], both uint8: got "
+                         f"{tuple(blocks.shape)} {blocks.dtype} and {tuple(scales.shape)} {scales.dtype}")
+    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32)
+    out = torch.empty(*blocks.shape[:-2], blocks.shape[-2] * 32, dtype=dtype)
+    rows, groups = scales.shape[-2:] if scales.dim() > 1 else (1, scales.shape[-1])
+    for part, part_scales, dest in zip(blocks.reshape(-1, rows, groups, 16), scales.reshape(-1, rows, groups),
+                                       out.view(-1, rows, groups * 32)):
+        codes = torch.stack([part & 0x0F, part >> 4], dim=-1).long()             # [rows, groups, 16, 2]
+        values = lut[codes].flatten(-3)                                          # [rows, groups x 32]
+        exponents = part_scales.to(torch.int32).sub(127).repeat_interleave(32, dim=-1)
+        dest.copy_(torch.ldexp(values, exponents.float()))
+    return out
+
+
+class GptOssMoeBlock(SparseMoeBlock):
+    """`SparseMoeBlock` with GPT-OSS's routing and clamped SwiGLU (its biases come with `moe_bias`)."""
+
+    def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives, ops: ModuleType) -> None:
+        super().__init__(config, shard, comm, ops)
+        self.act_fn = ClampedSwiGLU(config.swiglu_alpha, config.swiglu_limit)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The top k of the router's logits and their softmax, in x's dtype (transformers' `GptOssTopKRouter`)."""
+        top, experts = torch.topk(self.gate(x), self.top_k, dim=-1)
+        return F.softmax(top, dim=-1, dtype=top.dtype), experts
+
+
+class GptOssForCausalLM(Qwen3MoeForCausalLM):
+    """GPT-OSS (see the module docstring): Qwen3-MoE's model and loading, with float32 norms, sinks, GPT-OSS's
+    experts and its checkpoints' stacked (or MXFP4) expert tensors."""
+
+    moe_block = GptOssMoeBlock
+
+    def __init__(self, config: ModelConfig, shard: ShardShape | None = None, comm: Collectives | None = None,
+                 ops: ModuleType = fused) -> None:
+        super().__init__(config, shard, comm, ops)
+        self._mxfp4: dict[str, dict[str, torch.Tensor]] = {}   # a stacked tensor's blocks or scales, until both came
+
+    def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
+        layer = super().make_layer(index, ops)
+        layer.input_layernorm = FloatRMSNorm(self.config.hidden_size, self.config.rms_norm_eps)
+        layer.post_attention_layernorm = FloatRMSNorm(self.config.hidden_size, self.config.rms_norm_eps)
+        return layer
+
+    def make_norm(self, ops: ModuleType) -> nn.Module:
+        return FloatRMSNorm(self.config.hidden_size, self.config.rms_norm_eps)
+
+    def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
+        """`mlp.router.*` read as the block's `mlp.gate.*`; a stacked expert tensor as each expert's (its MXFP4
+        blocks and scales once both are read, dequantized); anything else as it is."""
+        if ".mlp.router." in name:
+            return ((name.replace(".mlp.router.", ".mlp.gate.", 1), tensor),)
+        head, sep, stored = name.partition(".mlp.experts.")
+        if not sep or "." in stored:
+            return ((name, tensor),)
+        if stored.endswith(("_blocks", "_scales")):
+            base, _, part = stored.rpartition("_")
+            key = hf_name.rpartition("_")[0]   # the stored tensor's name, as an error names it
+            pending = self._mxfp4.setdefault(key, {})
+            pending[part] = tensor
+            if len(pending) < 2:
+                return ()
+            del self._mxfp4[key]
+            try:
+                tensor = dequantize_mxfp4(pending["blocks"], pending["scales"]).transpose(1, 2)
+            except ValueError as exc:
+                raise WeightLoadError(f"{hf_name}: {exc}") from None
+            stored = base
+        if stored not in _STACKED:
+            raise WeightLoadError(f"{hf_name}: not a tensor of {self.config.architecture} with this config")
+        return self._per_expert(hf_name, f"{head}.mlp.experts", stored, tensor)
+
+    def _per_expert(self, hf_name: str, prefix: str, stored: str, tensor: torch.Tensor
+                    ) -> Iterable[tuple[str, torch.Tensor]]:
+        """A stacked expert tensor as each expert's, in the Qwen3-MoE names (`{prefix}.{e}.gate_proj.weight` ...):
+        the gate/up columns (or bias entries) interleaved, gate first; weights transposed to [out, in]."""
+        bias = stored.endswith("_bias")
+        if tensor.dim() != (2 if bias else 3) or tensor.shape[0] != self.config.num_experts:
+            raise WeightLoadError(f"{hf_name}: shape {tuple(tensor.shape)} is not {self.config.num_experts} "
+                                  f"experts' {'bias' if bias else 'weight'}")
+        kind = "bias" if bias else "weight"
+        for e, t in enumerate(tensor):
+            if stored.startswith("down_proj"):
+                yield f"{prefix}.{e}.down_proj.{kind}", t if bias else t.t()
+            else:
+                gate, up = t[..., 0::2], t[..., 1::2]
+                yield f"{prefix}.{e}.gate_proj.{kind}", gate if bias else gate.t()
+                yield f"{prefix}.{e}.up_proj.{kind}", up if bias else up.t()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """The Llama model's loading; an MXFP4 tensor whose blocks or scales never came is named."""
+        self._mxfp4.clear()
+        super().load_weights(self._pairs_checked(weights))
+
+    def _pairs_checked(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+        yield from weights
+        if self._mxfp4:   # before the loading's own check, which would name the parameter left unfilled
+            name, parts = next(iter(self._mxfp4.items()))
+            alone = next(iter(parts))
+            raise WeightLoadError(f"checkpoint is missing weights: {name}_{'scales' if alone == 'blocks' else 'blocks'}"
+                                  f" (MXFP4: its {alone} came alone)")
+
+    def _shard_of(self, hf_name: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's heads' sinks; the rest as Qwen3-MoE's."""
+        shard = self.shard
+        if shard.size == 1 or not name.endswith("self_attn.sinks"):
+            return super()._shard_of(hf_name, name, tensor)
+        if tuple(tensor.shape) != (self.config.num_heads,):
+            raise WeightLoadError(f"{hf_name}: shape {tuple(tensor.shape)} does not match the config "
+                                  f"({self.config.num_heads} heads)")
+        return tensor.narrow(0, shard.head_start, shard.num_heads)
