@@ -54,6 +54,7 @@ from gateway.openai import objects
 from gateway.openai.chat import ChatRequest
 from gateway.openai.completions import CompletionRequest
 from gateway.openai.errors import ApiError, drain_cut, shutting_down
+from gateway.openai.harmony import template_speaks_harmony
 from gateway.openai.reasoning import think_mode
 from gateway.openai.sampling_fields import check_context, check_vocabulary
 from gateway.client_writes import ClientGone
@@ -356,10 +357,13 @@ def poison_error(request_id: str, deaths: int, last: ApiError) -> ApiError:
 async def constrained(gateway: Gateway, req: ChatRequest | CompletionRequest, pool: Pool, ids: list[int]
                       ) -> tuple[ChatRequest | CompletionRequest, str | None]:
     """(`req` with the grammar on its reply in a local `pool`, where a thinking model's chat reply starts:
-    `think_mode`, None for a completion), once the grammar library has checked that grammar (a 400 naming
+    `think_mode`, "harmony" for a model whose template writes harmony channels, None for a completion), once the grammar library has checked that grammar (a 400 naming
     its field if it cannot be enforced). The prompt's token `ids` say where the reply starts: its grammar
     and its reasoning split both follow it. A reply that may call keeps special tokens where its format's
     markers are special tokens of the pool's (`ToolFormat.markers_skipped`): its calls are read from its text."""
+    if isinstance(req, ChatRequest) and template_speaks_harmony(
+            pool.tokenizer.chat_template_source(use_tools=req.tools is not None)):
+        return _harmony(req), "harmony"   # its channels split the reply (gateway.openai.harmony)
     think = think_mode(pool.tokenizer, ids, req.tools is not None, req.continued) if isinstance(req, ChatRequest) \
         else None
     # the request's own constraint first, under its own field (a tool grammar may hold it as the JSON reply)
@@ -370,6 +374,19 @@ async def constrained(gateway: Gateway, req: ChatRequest | CompletionRequest, po
             format_for(pool.tokenizer, req.tools).markers_skipped(pool.tokenizer):
         req = dataclasses.replace(req, params=dataclasses.replace(req.params, skip_special_tokens=False))
     return req, think
+
+
+def _harmony(req: ChatRequest) -> ChatRequest:
+    """A chat for a harmony model (`gateway.openai.harmony`): its reply decoded with the channel markers, which
+    the splitter reads. Its function calls and a grammar on its reply are not served: a 400 naming the field."""
+    if req.offers_calls:
+        raise ApiError(400, "tools: this model answers in the harmony format, whose function calls are not "
+                            "served here; send the request without tools", param="tools")
+    if req.params.structured is not None:
+        param = req.structured_param or "response_format"
+        raise ApiError(400, f"{param}: this model answers in the harmony format, whose replies take no grammar "
+                            "here; send the request without it", param=param)
+    return dataclasses.replace(req, params=dataclasses.replace(req.params, skip_special_tokens=False))
 
 
 def with_model_defaults(req: ChatRequest | CompletionRequest, pools: list[Pool]) -> ChatRequest | CompletionRequest:

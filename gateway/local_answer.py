@@ -43,6 +43,7 @@ from gateway.monitoring.metrics import GatewayMetrics, HeldLatencies
 from gateway.openai.chat import ChatRequest
 from gateway.openai.completions import CompletionRequest
 from gateway.openai.errors import ApiError, drain_cut, engine_error, renamed_field
+from gateway.openai.harmony import HarmonySplitter
 from gateway.openai.reasoning import ReasoningSplitter, think_end_id
 from gateway.openai.tool_formats import format_for
 from gateway.openai.tools import ToolCallStream, ToolFormat
@@ -127,7 +128,10 @@ class LocalResponse:
     def _split_reasoning(self) -> None:
         """On a pool whose chat template thinks (`think` given), each choice's reply split into reasoning and content;
         it starts inside the think block when the prompt opened one (a grammar on it lets it think first)."""
-        if self.think is not None:
+        if self.think == "harmony":   # a harmony reply: its channels say (gateway.openai.harmony)
+            for choice in self.choices.values():
+                choice.reasoning = HarmonySplitter()
+        elif self.think is not None:
             for choice in self.choices.values():
                 choice.reasoning = ReasoningSplitter(self.think == "opened", think_end_id(choice.pool.tokenizer),
                                                      continued=getattr(self.req, "continued", None) is not None)

@@ -1,0 +1,114 @@
+"""Replies in the harmony format (GPT-OSS; `gateway/openai/harmony.py`): the splitter alone (markers cut anywhere,
+several messages, a preamble, a reply cut inside the analysis, a reply that is not harmony), then through the
+unchanged `openai` SDK against an in-process gateway whose model's chat template writes harmony messages, on a
+scripted engine: chat completions and the Responses API, whole and streamed; tools and a response format refused
+by name."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from gateway.openai.harmony import HarmonySplitter, header_channel, template_speaks_harmony
+from tests.gateway.test_reasoning import _chat_stream, _gateway, _ScriptedEngine
+
+# harmony turns as GPT-OSS's template writes them (a system message first; the generation prompt opens the
+# assistant's message, whose header the model writes)
+HARMONY = ("{{ '<|start|>system<|message|>Reasoning: ' + (reasoning_effort or 'medium') + '<|end|>' }}"
+           "{% for m in messages %}{% if m.role == 'assistant' %}"
+           "{{ '<|start|>assistant<|channel|>final<|message|>' + m.content + '<|end|>' }}"
+           "{% else %}{{ '<|start|>' + m.role + '<|message|>' + m.content + '<|end|>' }}{% endif %}{% endfor %}"
+           "{% if add_generation_prompt %}{{ '<|start|>assistant' }}{% endif %}")
+MESSAGES = [{"role": "user", "content": "What is 2 + 2?"}]
+# the markers cut across deltas; the reasoning: the five deltas up to the analysis message's end
+REPLY = ["<|channel|>", "analysis<|mess", "age|>I should", " add.", "<|end|><|start|>", "assistant<|channel|>final",
+         "<|message|>It is", " 4."]
+
+
+def _split(text: str, cuts: list[int]) -> tuple[list[tuple[str, str]], HarmonySplitter]:
+    splitter, bounds = HarmonySplitter(), [0, *cuts, len(text)]
+    parts = [splitter.feed(text[a:b], 1) for a, b in zip(bounds, bounds[1:])]
+    return parts + [splitter.finish()], splitter
+
+
+@pytest.mark.parametrize("text,reasoning,content", [
+    ("<|channel|>analysis<|message|>I add.<|end|><|start|>assistant<|channel|>final<|message|>It is 4.", "I add.",
+     "It is 4."),
+    ("<|channel|>final<|message|>It is 4.", "", "It is 4."),                            # no analysis
+    # two analysis messages, then a preamble on the commentary channel (the user sees it) and the answer
+    ("<|channel|>analysis<|message|>A.<|end|><|start|>assistant<|channel|>analysis<|message|> B.<|end|>"
+     "<|start|>assistant<|channel|>commentary<|message|>Let me see. <|end|><|start|>assistant<|channel|>final"
+     "<|message|>4", "A. B.", "Let me see. 4"),
+    ("<|channel|>analysis<|message|>I add 2 and <|e", "I add 2 and <|e", ""),           # cut by max_tokens
+    ("It is 4.", "", "It is 4."),                                                      # no harmony: as written
+    ("<|channel|>final<|message|>x < y <| z", "", "x < y <| z"),                       # a marker's start is text
+])
+def test_every_cut_of_a_reply_splits_as_the_whole_does(text, reasoning, content) -> None:
+    whole, splitter = _split(text, [])
+    assert (splitter.reasoning, splitter.content) == (reasoning, content)
+    assert ("".join(r for r, _ in whole), "".join(c for _, c in whole)) == (reasoning, content)
+    for cut in range(1, len(text)):
+        for cuts in ([cut], [cut, min(cut + 7, len(text))]):
+            parts, _ = _split(text, cuts)
+            assert ("".join(r for r, _ in parts), "".join(c for _, c in parts)) == (reasoning, content), cuts
+            assert not any("<|message|>" in r + c or "<|channel|>" in r + c for r, c in parts)
+
+
+def test_reasoning_tokens_and_the_tokens_before_the_content() -> None:
+    splitter = HarmonySplitter()
+    got = [splitter.feed(piece, 1) for piece in REPLY]
+    assert "".join(r for r, _ in got) == "I should add." and "".join(c for _, c in got) == "It is 4."
+    assert splitter.reasoning_tokens == 5 and splitter.num_tokens_before_content == 6 and splitter.phase == "content"
+    open_ended = HarmonySplitter()
+    for piece in REPLY[:4]:
+        open_ended.feed(piece, 1)
+    assert open_ended.phase == "thinking" and open_ended.reasoning_tokens == 4
+    assert header_channel(" to=functions.get<|channel|>commentary <|constrain|>json") == "commentary"
+    assert header_channel("assistant<|channel|>final") == "final" and header_channel("assistant") is None
+    assert template_speaks_harmony(HARMONY) and not template_speaks_harmony("{{ '<think>' }}")
+
+
+async def test_chat_and_responses_split_a_harmony_reply(aiohttp_client, tmp_path, tiny_model, monkeypatch) -> None:
+    sdk, _ = await _gateway(aiohttp_client, tmp_path, tiny_model, HARMONY)
+    engine = _ScriptedEngine(monkeypatch)
+    engine.pieces = REPLY
+    whole = await sdk.chat.completions.create(model="thinker", messages=MESSAGES, max_tokens=16)
+    message = whole.choices[0].message
+    assert (message.reasoning_content, message.content) == ("I should add.", "It is 4.")
+    assert whole.usage.completion_tokens == 8 and whole.usage.completion_tokens_details.reasoning_tokens == 5
+    chunks = await _chat_stream(sdk, messages=MESSAGES, max_tokens=16, stream_options={"include_usage": True})
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    reasoning = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
+    assert reasoning == "I should add." and "".join(d.content or "" for d in deltas) == "It is 4."
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == 5
+    response = await sdk.responses.create(model="thinker", input="What is 2 + 2?")
+    assert [item.type for item in response.output] == ["reasoning", "message"]
+    assert response.output[0].content[0].text == "I should add." and response.output_text == "It is 4."
+    assert response.output[0].status == "completed"
+    events = [e async for e in await sdk.responses.create(model="thinker", input="What is 2 + 2?", stream=True)]
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == "I should add."
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "It is 4."
+
+
+async def test_a_harmony_reply_is_decoded_with_its_markers_and_tools_or_a_format_are_refused(
+        aiohttp_client, tmp_path, tiny_model, monkeypatch) -> None:
+    from engine.client import AsyncEngineClient
+
+    sdk, _ = await _gateway(aiohttp_client, tmp_path, tiny_model, HARMONY)
+    engine = _ScriptedEngine(monkeypatch)
+    engine.pieces = REPLY
+    scripted, params_seen = AsyncEngineClient.generate, []
+
+    def generate(client, prompt, params=None, **kwargs):
+        params_seen.append(params)
+        return scripted(client, prompt, params, **kwargs)
+
+    monkeypatch.setattr(AsyncEngineClient, "generate", generate)
+    await sdk.chat.completions.create(model="thinker", messages=MESSAGES, max_tokens=16)
+    assert params_seen[-1].skip_special_tokens is False   # the channel markers reach the splitter
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    for kwargs, param in (({"tools": tools}, "tools"),
+                          ({"response_format": {"type": "json_object"}}, "response_format")):
+        with pytest.raises(openai.BadRequestError) as info:
+            await sdk.chat.completions.create(model="thinker", messages=MESSAGES, **kwargs)
+        assert info.value.body["param"] == param and "harmony" in info.value.body["message"]
