@@ -378,10 +378,15 @@ async def constrained(gateway: Gateway, req: ChatRequest | CompletionRequest, po
 
 def _harmony(req: ChatRequest) -> ChatRequest:
     """A chat for a harmony model (`gateway.openai.harmony`): its reply decoded with the channel markers, which
-    the splitter reads. Its function calls and a grammar on its reply are not served: a 400 naming the field."""
-    if req.offers_calls:
-        raise ApiError(400, "tools: this model answers in the harmony format, whose function calls are not "
-                            "served here; send the request without tools", param="tools")
+    the splitter reads (its calls written as the hermes format's, which the tool parsing reads). A grammar on its
+    reply is not served: a forced or allowed-tools tool choice, a strict tool, a response format: a 400 naming
+    the field."""
+    if req.tools and (req.tool_choice.mode in ("required", "function") or req.tool_choice.allowed is not None):
+        raise ApiError(400, "tool_choice: this model answers in the harmony format, whose replies take no "
+                            "grammar here; only \"auto\" and \"none\" are served", param="tool_choice")
+    if req.tools and any(tool.strict for tool in req.callable_tools):
+        raise ApiError(400, "tools: this model answers in the harmony format, whose replies take no grammar "
+                            "here: strict tools are not served (send them with strict false)", param="tools")
     if req.params.structured is not None:
         param = req.structured_param or "response_format"
         raise ApiError(400, f"{param}: this model answers in the harmony format, whose replies take no grammar "

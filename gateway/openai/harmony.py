@@ -7,10 +7,16 @@ generation prompt's `<|start|>assistant`, each next one opened by `<|start|>assi
 without a recipient a preamble the user sees (content too). The markers are special tokens: a harmony reply is
 decoded with them (`skip_special_tokens` false) for this splitter to read, and they are in neither part.
 
+A function call is a message to a recipient, `to=functions.NAME` in its header (on the commentary channel, its
+text the arguments' JSON, ended by `<|call|>`, a stop token): the splitter writes it into the content as the
+pool's tool format reads calls, `<tool_call>\n{"name": NAME, "arguments": ARGUMENTS}\n</tool_call>` (hermes:
+`gateway.openai.tool_formats` gives a harmony template that format), so the calls are parsed, streamed and counted
+as every other format's, whole and streamed alike. Recipients other than `functions.*` (the built-in browser and
+python tools, which this gateway does not run) are written the same way, under their whole name.
+
 A pool's model speaks harmony when its chat template writes channels (`template_speaks_harmony`; a chat's think
-mode is then "harmony", `gateway.completion.constrained`). Its function calls (`to=functions.NAME` on the commentary channel, ended by
-`<|call|>`) and a grammar on its reply are not served: a request offering tools or asking for a response format
-is answered 400 naming the field (`gateway.completion.constrained`).
+mode is then "harmony", `gateway.completion.constrained`). A grammar on its reply (a response format, a forced or
+strict tool choice) is not served: refused with a 400 naming the field.
 
 `HarmonySplitter` has `gateway.openai.reasoning.ReasoningSplitter`'s interface: `feed` each delta, `finish` at the
 end; `reasoning`, `content`, `phase` ("content" once the reasoning ended), `reasoning_tokens` and
@@ -19,6 +25,8 @@ end; `reasoning`, `content`, `phase` ("content" once the reasoning ended), `reas
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Sequence
 
 from gateway.openai.reasoning import partial_tag
@@ -26,6 +34,8 @@ from gateway.openai.reasoning import partial_tag
 START, MESSAGE, CHANNEL = "<|start|>", "<|message|>", "<|channel|>"
 ENDS = ("<|end|>", "<|return|>", "<|call|>")   # what ends a message's text
 REASONING_CHANNEL = "analysis"
+CALL_START, CALL_END = "<tool_call>\n", "\n</tool_call>"   # a call as the hermes format writes it
+_RECIPIENT = re.compile(r"\bto=([^\s<]+)")
 
 
 def template_speaks_harmony(source: str) -> bool:
@@ -41,6 +51,12 @@ def header_channel(header: str) -> str | None:
     return words[0] if found and words else None
 
 
+def header_recipient(header: str) -> str | None:
+    """The recipient a message's header names (`to=functions.get_weather`: a function call), None for the user."""
+    found = _RECIPIENT.search(header)
+    return found[1] if found else None
+
+
 class HarmonySplitter:
     """One harmony reply, split as its text arrives (see the module docstring). Phases of the parse: "header" (a
     message's header, until `<|message|>`), "body" (its text, until an end marker) and "between" (after an end,
@@ -52,6 +68,7 @@ class HarmonySplitter:
         self._header = ""
         self._held = ""             # body text that may be the start of an end marker
         self.channel: str | None = None
+        self._call: str | None = None   # the function the message being read calls (None: no call)
         self.reasoning = ""
         self.content = ""
         self._reasoning_ended = False
@@ -88,7 +105,7 @@ class HarmonySplitter:
                     text = ""
                     continue
                 text, self._header = self._header[at + len(MESSAGE):], self._header[:at]
-                self._open(header_channel(self._header))
+                content += self._open(header_channel(self._header), header_recipient(self._header))
                 touched |= self.channel == REASONING_CHANNEL
             else:
                 part, text = self._body(text)
@@ -96,7 +113,7 @@ class HarmonySplitter:
                 if self.channel == REASONING_CHANNEL:
                     reasoning += part
                 else:
-                    content += part
+                    content += part + (self._close_call() if self._state == "between" else "")
         if touched:
             self.num_reasoning_tokens += self._undecided_tokens
         if self._state != "header" or touched:
@@ -106,11 +123,23 @@ class HarmonySplitter:
         self.reasoning, self.content = self.reasoning + reasoning, self.content + content
         return reasoning, content
 
-    def _open(self, channel: str | None) -> None:
-        """A message's header ended: its text goes to the part its channel says from now on."""
+    def _open(self, channel: str | None, recipient: str | None) -> str:
+        """A message's header ended: its text goes to the part its channel says from now on; a call's opens in the
+        content (the text returned) as the hermes format writes it, its arguments to follow."""
         self._header, self.channel, self._state = "", channel, "body"
-        if channel != REASONING_CHANNEL:
+        if recipient is not None:
+            self.channel = None   # a call's arguments are the content's, whatever its channel
+            self._call = recipient.removeprefix("functions.")
+        if self.channel != REASONING_CHANNEL:
             self._reasoning_ended = self._reasoning_ended or bool(self.reasoning)
+        return "" if self._call is None else f'{CALL_START}{{"name": {json.dumps(self._call)}, "arguments": '
+
+    def _close_call(self) -> str:
+        """The end of the call being read, as the hermes format writes it ("" when none is)."""
+        if self._call is None:
+            return ""
+        self._call = None
+        return "}" + CALL_END
 
     def _body(self, text: str) -> tuple[str, str]:
         """(the message text that can go out now, what follows its end marker); text that may be the start of
@@ -135,6 +164,6 @@ class HarmonySplitter:
             self.channel = None
         elif self._state != "body":
             return "", ""
-        parts = (held, "") if self.channel == REASONING_CHANNEL else ("", held)
+        parts = (held, "") if self.channel == REASONING_CHANNEL else ("", held + self._close_call())
         self.reasoning, self.content = self.reasoning + parts[0], self.content + parts[1]
         return parts

@@ -1,15 +1,15 @@
 """Replies in the harmony format (GPT-OSS; `gateway/openai/harmony.py`): the splitter alone (markers cut anywhere,
 several messages, a preamble, a reply cut inside the analysis, a reply that is not harmony), then through the
 unchanged `openai` SDK against an in-process gateway whose model's chat template writes harmony messages, on a
-scripted engine: chat completions and the Responses API, whole and streamed; tools and a response format refused
-by name."""
+scripted engine: chat completions and the Responses API, whole and streamed, with a function call too; a grammar
+on the reply (a response format, a forced or strict tool) refused by name."""
 
 from __future__ import annotations
 
 import openai
 import pytest
 
-from gateway.openai.harmony import HarmonySplitter, header_channel, template_speaks_harmony
+from gateway.openai.harmony import HarmonySplitter, header_channel, header_recipient, template_speaks_harmony
 from tests.gateway.test_reasoning import _chat_stream, _gateway, _ScriptedEngine
 
 # harmony turns as GPT-OSS's template writes them (a system message first; the generation prompt opens the
@@ -107,8 +107,50 @@ async def test_a_harmony_reply_is_decoded_with_its_markers_and_tools_or_a_format
     await sdk.chat.completions.create(model="thinker", messages=MESSAGES, max_tokens=16)
     assert params_seen[-1].skip_special_tokens is False   # the channel markers reach the splitter
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
-    for kwargs, param in (({"tools": tools}, "tools"),
+    strict = [{"type": "function", "function": {**tools[0]["function"], "strict": True}}]
+    for kwargs, param in (({"tools": tools, "tool_choice": "required"}, "tool_choice"), ({"tools": strict}, "tools"),
                           ({"response_format": {"type": "json_object"}}, "response_format")):
         with pytest.raises(openai.BadRequestError) as info:
             await sdk.chat.completions.create(model="thinker", messages=MESSAGES, **kwargs)
         assert info.value.body["param"] == param and "harmony" in info.value.body["message"]
+
+
+# a call after the analysis: the header names its recipient and the JSON constraint, the arguments come in pieces,
+# `<|call|>` (a stop token) is not in the text
+CALL = ["<|channel|>analysis<|message|>", "I need the weather.", "<|end|>", "<|start|>assistant to=functions.get_",
+        "weather<|channel|>commentary <|constrain|>json", "<|message|>", '{"city": ', '"Oslo"}']
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}]
+
+
+def test_a_call_is_written_as_the_hermes_format_reads_it() -> None:
+    for cuts in ([], [40], [61, 62]):
+        text = "".join(CALL)
+        parts, splitter = _split(text, cuts)
+        assert splitter.reasoning == "I need the weather."
+        assert splitter.content == '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    splitter = HarmonySplitter()   # a call whose message ended before the reply did (a call on the final channel)
+    splitter.feed("<|channel|>final to=functions.f <|constrain|>json<|message|>{}<|end|>")
+    assert splitter.content == '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
+    assert header_recipient(" to=functions.get<|channel|>commentary") == "functions.get"
+    assert header_recipient("assistant<|channel|>final") is None
+
+
+async def test_a_harmony_call_is_a_tool_call_whole_and_streamed(aiohttp_client, tmp_path, tiny_model,
+                                                                monkeypatch) -> None:
+    sdk, _ = await _gateway(aiohttp_client, tmp_path, tiny_model, HARMONY)
+    engine = _ScriptedEngine(monkeypatch)
+    engine.pieces = CALL
+    whole = (await sdk.chat.completions.create(model="thinker", messages=MESSAGES, tools=TOOLS)).choices[0]
+    assert whole.finish_reason == "tool_calls" and whole.message.reasoning_content == "I need the weather."
+    assert whole.message.content is None
+    assert [(c.function.name, c.function.arguments) for c in whole.message.tool_calls] == [
+        ("get_weather", '{"city": "Oslo"}')]
+    deltas = [c.choices[0].delta for c in await _chat_stream(sdk, messages=MESSAGES, tools=TOOLS) if c.choices]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == "I need the weather."
+    assert not "".join(d.content or "" for d in deltas)
+    assert "".join(call.function.arguments or "" for d in deltas for call in d.tool_calls or []) == '{"city": "Oslo"}'
+    response = await sdk.responses.create(model="thinker", input="Weather in Oslo?", tools=[
+        {"type": "function", "name": "get_weather", "parameters": TOOLS[0]["function"]["parameters"], "strict": False}])
+    assert [item.type for item in response.output] == ["reasoning", "function_call"]
+    assert (response.output[1].name, response.output[1].arguments) == ("get_weather", '{"city": "Oslo"}')
