@@ -54,7 +54,7 @@ from gateway.openai import objects
 from gateway.openai.chat import ChatRequest
 from gateway.openai.completions import CompletionRequest
 from gateway.openai.errors import ApiError, drain_cut, shutting_down
-from gateway.openai.harmony import template_speaks_harmony
+from gateway.openai.harmony import stop_ids as harmony_stop_ids, template_speaks_harmony
 from gateway.openai.reasoning import think_mode
 from gateway.openai.sampling_fields import check_context, check_vocabulary
 from gateway.client_writes import ClientGone
@@ -363,7 +363,7 @@ async def constrained(gateway: Gateway, req: ChatRequest | CompletionRequest, po
     markers are special tokens of the pool's (`ToolFormat.markers_skipped`): its calls are read from its text."""
     if isinstance(req, ChatRequest) and template_speaks_harmony(
             pool.tokenizer.chat_template_source(use_tools=req.tools is not None)):
-        return _harmony(req), "harmony"   # its channels split the reply (gateway.openai.harmony)
+        return _harmony(req, pool), "harmony"   # its channels split the reply (gateway.openai.harmony)
     think = think_mode(pool.tokenizer, ids, req.tools is not None, req.continued) if isinstance(req, ChatRequest) \
         else None
     # the request's own constraint first, under its own field (a tool grammar may hold it as the JSON reply)
@@ -376,9 +376,10 @@ async def constrained(gateway: Gateway, req: ChatRequest | CompletionRequest, po
     return req, think
 
 
-def _harmony(req: ChatRequest) -> ChatRequest:
+def _harmony(req: ChatRequest, pool: Pool) -> ChatRequest:
     """A chat for a harmony model (`gateway.openai.harmony`): its reply decoded with the channel markers, which
-    the splitter reads (its calls written as the hermes format's, which the tool parsing reads). A grammar on its
+    the splitter reads (its calls written as the hermes format's, which the tool parsing reads), stopped at
+    `<|return|>` and `<|call|>` (`harmony.stop_ids`). A grammar on its
     reply is not served: a forced or allowed-tools tool choice, a strict tool, a response format: a 400 naming
     the field."""
     if req.tools and (req.tool_choice.mode in ("required", "function") or req.tool_choice.allowed is not None):
@@ -391,7 +392,9 @@ def _harmony(req: ChatRequest) -> ChatRequest:
         param = req.structured_param or "response_format"
         raise ApiError(400, f"{param}: this model answers in the harmony format, whose replies take no grammar "
                             "here; send the request without it", param=param)
-    return dataclasses.replace(req, params=dataclasses.replace(req.params, skip_special_tokens=False))
+    stops = tuple(dict.fromkeys((*req.params.stop_token_ids, *harmony_stop_ids(pool.tokenizer))))
+    return dataclasses.replace(req, params=dataclasses.replace(req.params, skip_special_tokens=False,
+                                                               stop_token_ids=stops))
 
 
 def with_model_defaults(req: ChatRequest | CompletionRequest, pools: list[Pool]) -> ChatRequest | CompletionRequest:

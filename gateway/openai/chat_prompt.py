@@ -31,6 +31,7 @@ from typing import Any
 
 from engine.chat_template import content_text
 from gateway.openai.call_scan import loads
+from gateway.openai.harmony import template_speaks_harmony
 from gateway.openai.tool_formats import tool_format
 from gateway.openai.tool_specs import Tool
 from pools.tokencount import TokenCounter
@@ -154,10 +155,12 @@ def _strings(value: Any) -> Iterator[str]:
 
 def template_knows_tools(template: str) -> bool:
     """Whether a chat template renders tools and calls in a format `gateway.openai.tool_formats.tool_format`
-    takes: hermes' `<tool_call>` (Qwen's JSON calls in it, or Qwen3-Coder's XML form), or Llama 3's JSON calls.
+    takes: hermes' `<tool_call>` (Qwen's JSON calls in it, or Qwen3-Coder's XML form), or Llama 3's JSON calls,
+    or harmony's (GPT-OSS: its calls to `functions.NAME`, which `gateway.openai.harmony` writes in hermes' form).
     One that writes another (Mistral's `[TOOL_CALLS]`, whose history also asks for 9-character call ids) takes
     them the fallback's way, as one that knows none."""
-    return "<tool_call>" in template or ('"parameters"' in template and "tools" in template)
+    return "<tool_call>" in template or ('"parameters"' in template and "tools" in template) or \
+        template_speaks_harmony(template)
 
 
 def template_roles(messages: list[dict[str, Any]], template: str) -> list[dict[str, Any]]:

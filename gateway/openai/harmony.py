@@ -25,6 +25,7 @@ end; `reasoning`, `content`, `phase` ("content" once the reasoning ended), `reas
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Sequence
@@ -36,6 +37,15 @@ ENDS = ("<|end|>", "<|return|>", "<|call|>")   # what ends a message's text
 REASONING_CHANNEL = "analysis"
 CALL_START, CALL_END = "<tool_call>\n", "\n</tool_call>"   # a call as the hermes format writes it
 _RECIPIENT = re.compile(r"\bto=([^\s<]+)")
+
+
+@functools.lru_cache(maxsize=16)
+def stop_ids(tokenizer) -> tuple[int, ...]:
+    """The ids of `<|return|>` and `<|call|>` where the vocabulary has each as one token: a harmony reply stops at
+    either (vLLM stops at both too), whatever generation_config.json lists as EOS (some copies of gpt-oss-20b's
+    list `<|return|>` alone, and a reply that called a function would go on to write its result)."""
+    ids = [tokenizer.encode(marker, add_special_tokens=False) for marker in ENDS[1:]]
+    return tuple(found[0] for found in ids if len(found) == 1)
 
 
 def template_speaks_harmony(source: str) -> bool:

@@ -9,12 +9,15 @@ from __future__ import annotations
 import openai
 import pytest
 
+from engine.tokenizer import Tokenizer
 from gateway.openai.harmony import HarmonySplitter, header_channel, header_recipient, template_speaks_harmony
 from tests.gateway.test_reasoning import _chat_stream, _gateway, _ScriptedEngine
 
 # harmony turns as GPT-OSS's template writes them (a system message first; the generation prompt opens the
 # assistant's message, whose header the model writes)
 HARMONY = ("{{ '<|start|>system<|message|>Reasoning: ' + (reasoning_effort or 'medium') + '<|end|>' }}"
+           "{% if tools %}{{ '<|start|>developer<|message|># Tools: ' + tools | map(attribute='function') "
+           "| map(attribute='name') | join(', ') + '<|end|>' }}{% endif %}"
            "{% for m in messages %}{% if m.role == 'assistant' %}"
            "{{ '<|start|>assistant<|channel|>final<|message|>' + m.content + '<|end|>' }}"
            "{% else %}{{ '<|start|>' + m.role + '<|message|>' + m.content + '<|end|>' }}{% endif %}{% endfor %}"
@@ -104,8 +107,11 @@ async def test_a_harmony_reply_is_decoded_with_its_markers_and_tools_or_a_format
         return scripted(client, prompt, params, **kwargs)
 
     monkeypatch.setattr(AsyncEngineClient, "generate", generate)
-    await sdk.chat.completions.create(model="thinker", messages=MESSAGES, max_tokens=16)
+    monkeypatch.setattr("gateway.completion.harmony_stop_ids", lambda tokenizer: (49150, 49151))   # (this vocabulary's)
+    await sdk.chat.completions.create(model="thinker", messages=MESSAGES, max_tokens=16,
+                                      extra_body={"stop_token_ids": [5, 49150]})
     assert params_seen[-1].skip_special_tokens is False   # the channel markers reach the splitter
+    assert params_seen[-1].stop_token_ids == (5, 49150, 49151)   # <|return|> and <|call|> stop it, the request's too
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
     strict = [{"type": "function", "function": {**tools[0]["function"], "strict": True}}]
     for kwargs, param in (({"tools": tools, "tool_choice": "required"}, "tool_choice"), ({"tools": strict}, "tools"),
@@ -123,6 +129,16 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
     "type": "object", "properties": {"city": {"type": "string"}}}}}]
 
 
+def test_a_harmony_reply_stops_at_return_and_call_where_each_is_one_token() -> None:
+    from gateway.openai.harmony import stop_ids
+
+    class Vocabulary:   # <|return|> one token, <|call|> not one in this vocabulary
+        def encode(self, text, add_special_tokens=True):
+            return {"<|return|>": [200002], "<|call|>": [27, 91, 6460, 91, 29]}[text]
+
+    assert stop_ids(Vocabulary()) == (200002,)
+
+
 def test_a_call_is_written_as_the_hermes_format_reads_it() -> None:
     for cuts in ([], [40], [61, 62]):
         text = "".join(CALL)
@@ -138,7 +154,7 @@ def test_a_call_is_written_as_the_hermes_format_reads_it() -> None:
 
 async def test_a_harmony_call_is_a_tool_call_whole_and_streamed(aiohttp_client, tmp_path, tiny_model,
                                                                 monkeypatch) -> None:
-    sdk, _ = await _gateway(aiohttp_client, tmp_path, tiny_model, HARMONY)
+    sdk, folder = await _gateway(aiohttp_client, tmp_path, tiny_model, HARMONY)
     engine = _ScriptedEngine(monkeypatch)
     engine.pieces = CALL
     whole = (await sdk.chat.completions.create(model="thinker", messages=MESSAGES, tools=TOOLS)).choices[0]
@@ -146,6 +162,8 @@ async def test_a_harmony_call_is_a_tool_call_whole_and_streamed(aiohttp_client, 
     assert whole.message.content is None
     assert [(c.function.name, c.function.arguments) for c in whole.message.tool_calls] == [
         ("get_weather", '{"city": "Oslo"}')]
+    prompt = Tokenizer.from_folder(folder).decode(engine.prompts[-1], skip_special_tokens=False)
+    assert "# Tools: get_weather<|end|>" in prompt and "<tool_call>" not in prompt   # the template's own tools
     deltas = [c.choices[0].delta for c in await _chat_stream(sdk, messages=MESSAGES, tools=TOOLS) if c.choices]
     assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == "I need the weather."
     assert not "".join(d.content or "" for d in deltas)
