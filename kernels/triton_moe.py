@@ -8,10 +8,13 @@ the block's pairs (FlashInfer's and vLLM's fused MoE lay their work out the same
 back to the host: every shape follows from T, k and the expert count, so a decode step's launches can be
 captured in a CUDA graph.
 
-    h   = x[pair // k] @ w13[e]^T             [P, 2 x inter]   (gate rows, then up rows)
-    a   = silu(gate) * up                     [P, inter]        (`kernels.triton_fused.silu_and_mul`)
-    y   = (a[pair] @ w2[e]^T) x weight[pair]  [P, hidden]       float32
-    out = sum over a token's k pairs of y     [T, hidden]       rounded once to x's dtype
+    h   = x[pair // k] @ w13[e]^T (+ b13[e])            [P, 2 x inter]   (gate rows, then up rows)
+    a   = act(h): silu(gate) * up by default            [P, inter]        (`kernels.triton_fused.silu_and_mul`)
+    y   = (a[pair] @ w2[e]^T (+ b2[e])) x weight[pair]  [P, hidden]       float32
+    out = sum over a token's k pairs of y               [T, hidden]       rounded once to x's dtype
+
+The biases (GPT-OSS's experts; `HAS_BIAS`) are added to the float32 products before their one rounding, and
+the activation is any elementwise torch function of h (GPT-OSS's clamped SwiGLU), launched between the GEMMs.
 
 `y` stays in float32 and each pair writes its own row (at its place in the unsorted order), so the sum
 over a token's experts has no atomics and is the same from run to run. Products accumulate in float32
@@ -21,6 +24,8 @@ w13 [E, 2 x inter, hidden], w2 [E, hidden, inter]; any sizes (tiles masked at th
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import triton
@@ -34,10 +39,10 @@ __all__ = ["fused_moe", "moe_align", "moe_block_m"]
 
 @triton.jit(do_not_specialize=["num_pairs"])   # one compiled variant whatever a step's pair count
 def _moe_gemm_kernel(
-    a_ptr, w_ptr, out_ptr, weight_ptr, sorted_pairs_ptr, block_expert_ptr,
+    a_ptr, w_ptr, out_ptr, weight_ptr, bias_ptr, sorted_pairs_ptr, block_expert_ptr,
     num_pairs, N, K, row_div,
-    stride_am, stride_we, stride_wn, stride_wk, stride_om,
-    MUL_WEIGHT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    stride_am, stride_we, stride_wn, stride_wk, stride_om, stride_be,
+    MUL_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # grid: (blocks of BLOCK_M pairs, cdiv(N, BLOCK_N)); a block's pairs all go to one expert.
@@ -60,6 +65,8 @@ def _moe_gemm_kernel(
         a = tl.load(a_ptr + rows[:, None] * stride_am + ks[None, :], mask=valid[:, None] & mask_k[None, :], other=0.0)
         w = tl.load(w_base + ks[:, None] * stride_wk, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
         acc = tl.dot(a.to(DOT_DTYPE), w.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)   # [BLOCK_M, BLOCK_N]
+    if HAS_BIAS:   # the expert's bias row, contiguous: [E, N]
+        acc += tl.load(bias_ptr + expert * stride_be + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     if MUL_WEIGHT:
         acc = acc * tl.load(weight_ptr + pairs, mask=valid, other=0.0).to(tl.float32)[:, None]
     out = out_ptr + pairs[:, None].to(tl.int64) * stride_om + offs_n[None, :]
@@ -95,32 +102,40 @@ def moe_align(experts: torch.Tensor, num_experts: int, block_m: int) -> tuple[to
 
 
 def _gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, sorted_pairs: torch.Tensor,
-          block_expert: torch.Tensor, block_m: int, row_div: int, weights: torch.Tensor | None) -> None:
-    """out[pair] = a[pair // row_div] @ w[expert of pair]^T (times weights[pair] when given)."""
+          block_expert: torch.Tensor, block_m: int, row_div: int, weights: torch.Tensor | None,
+          bias: torch.Tensor | None = None) -> None:
+    """out[pair] = a[pair // row_div] @ w[expert of pair]^T (plus bias[expert] when given; times weights[pair]
+    when given)."""
     num_pairs, n, k = out.shape[0], w.shape[1], w.shape[2]
     dtype = dot_dtype(a.dtype)
     block_n = min(128, max(16, triton.next_power_of_2(n)))
     block_k = min(64, max(16, triton.next_power_of_2(k)))
     grid = (block_expert.shape[0], triton.cdiv(n, block_n))
     _moe_gemm_kernel[grid](
-        a, w, out, weights if weights is not None else out, sorted_pairs, block_expert,
-        num_pairs, n, k, row_div,
-        a.stride(0), w.stride(0), w.stride(1), w.stride(2), out.stride(0),
-        MUL_WEIGHT=weights is not None, DOT_DTYPE=dtype, DOT_PRECISION="ieee" if dtype == tl.float32 else "tf32",
+        a, w, out, weights if weights is not None else out, bias if bias is not None else out, sorted_pairs,
+        block_expert, num_pairs, n, k, row_div,
+        a.stride(0), w.stride(0), w.stride(1), w.stride(2), out.stride(0), bias.stride(0) if bias is not None else 0,
+        MUL_WEIGHT=weights is not None, HAS_BIAS=bias is not None, DOT_DTYPE=dtype, DOT_PRECISION="ieee" if dtype == tl.float32 else "tf32",
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=4 if block_m * block_n < 64 * 128 else 8,
     )
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-              experts: torch.Tensor) -> torch.Tensor:
+              experts: torch.Tensor, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+              act: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul) -> torch.Tensor:
     """x: [T, hidden]; w13: [E, 2 x inter, hidden]; w2: [E, hidden, inter]; weights, experts: [T, k] (the
-    router's) -> [T, hidden] in x's dtype: each token's experts' SiLU-gated MLPs, weighted and summed."""
+    router's) -> [T, hidden] in x's dtype: each token's experts' gated MLPs, weighted and summed. b13 [E, 2 x
+    inter] and b2 [E, hidden]: the experts' biases (GPT-OSS's), where they have them; act: the gate's activation
+    times up, [P, 2 x inter] -> [P, inter] (SiLU x up by default)."""
     num_tokens, top_k = experts.shape
     num_experts, two_inter, hidden = w13.shape
     assert x.dim() == 2 and x.shape[1] == hidden and x.stride(1) == 1, f"x {tuple(x.shape)}, hidden {hidden}"
     assert w2.shape == (num_experts, hidden, two_inter // 2), f"w2 {tuple(w2.shape)} against w13 {tuple(w13.shape)}"
     assert w13.stride(2) == 1 and w2.stride(2) == 1, "expert weights need contiguous rows"
+    for name, bias, size in (("b13", b13, two_inter), ("b2", b2, hidden)):
+        assert bias is None or (bias.shape == (num_experts, size) and bias.stride(1) == 1), \
+            f"{name} {tuple(bias.shape)}: [{num_experts}, {size}] with contiguous rows"
     out = torch.zeros_like(x)
     if num_tokens == 0:
         return out
@@ -128,8 +143,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     block_m = moe_block_m(num_pairs, num_experts)
     sorted_pairs, block_expert = moe_align(experts, num_experts, block_m)
     h = torch.empty(num_pairs, two_inter, dtype=x.dtype, device=x.device)
-    _gemm(x, w13, h, sorted_pairs, block_expert, block_m, top_k, None)
-    act = silu_and_mul(h)                                                      # [P, inter]
+    _gemm(x, w13, h, sorted_pairs, block_expert, block_m, top_k, None, b13)
+    gated = act(h).contiguous()                                                # [P, inter]
     y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
-    _gemm(act, w2, y, sorted_pairs, block_expert, block_m, 1, weights.flatten().contiguous())
+    _gemm(gated, w2, y, sorted_pairs, block_expert, block_m, 1, weights.flatten().contiguous(), b2)
     return out.copy_(y.view(num_tokens, top_k, hidden).sum(dim=1))

@@ -294,9 +294,8 @@ def _no_room_for_kv(dkey: str, dev: DeviceSpec, memory: int, source: str, model:
 
 def _graph_reserve(model: ModelConfig, dev: DeviceSpec, device_type: str, tp: int, dtype: torch.dtype) -> int:
     """Bytes per GPU for the decode graphs where the engine captures them (CUDA, not `enforce_eager`): the largest
-    batch it captures (`MAX_GRAPH_BATCH`: the pools' sizes come from what is left), of one rank's shard. None for a
-    model with biased experts (GPT-OSS): no Triton MoE kernel takes them, so its decode steps are never captured."""
-    if device_type != "cuda" or dev.enforce_eager or model.moe_bias:
+    batch it captures (`MAX_GRAPH_BATCH`: the pools' sizes come from what is left), of one rank's shard."""
+    if device_type != "cuda" or dev.enforce_eager:
         return 0
     shard = ShardShape.of(model, 0, tp)
     return graph_memory_bytes(model.hidden_size, shard.num_heads * model.head_dim, shard.num_kv_heads * model.head_dim,

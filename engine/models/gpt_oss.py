@@ -6,10 +6,11 @@ mixture of experts.
   keys less than all of its weight; sliding (a window of 128) and full layers alternate (`layer_types`), one rope
   for both (YaRN by default);
 - norms: float32 statistics and weight, one rounding (`FloatRMSNorm`, transformers' `GptOssRMSNorm`);
-- experts: Qwen3-MoE's `SparseMoeBlock` (grouped matmuls or the loop over the experts hit; the Triton MoE kernels
-  take no biases, so not those, and decode steps are not captured in CUDA graphs) with GPT-OSS's router (a bias;
-  the top k of the logits, then their softmax in the model's dtype), each expert's biases, and its SwiGLU
-  clamped at `swiglu_limit` (`ClampedSwiGLU`).
+- experts: Qwen3-MoE's `SparseMoeBlock` (the Triton grouped GEMMs with the Triton ops, their biases added in
+  the kernels and the activation launched between them, so decode steps are captured in CUDA graphs; elsewhere
+  the grouped matmuls or the loop over the experts hit) with GPT-OSS's router (a bias; the top k of the logits,
+  then their softmax in the model's dtype), each expert's biases, and its SwiGLU clamped at `swiglu_limit`
+  (`ClampedSwiGLU`).
 
 Weights: the router `mlp.router` is the block's `gate`; the experts come stacked, `mlp.experts.gate_up_proj`
 [experts, hidden, 2 x intermediate] with gate and up columns interleaved (gate, up, gate, ...), `down_proj`

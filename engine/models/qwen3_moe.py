@@ -64,12 +64,11 @@ class SparseMoeBlock(nn.Module):
         self.act_fn = SiluAndMul(ops)
         self.fused_moe = _fused_moe_for(ops)   # the Triton kernels, with the Triton ops; else None
         # GPT-OSS (`moe_bias`): each expert's gate/up and down biases, added after each product (the down one on
-        # one rank only: the ranks' partial outputs are summed); its experts run the grouped matmuls or the loop
+        # one rank only: the ranks' partial outputs are summed)
         self.b13 = self.b2 = None
         if config.moe_bias:
             self.b13 = nn.Parameter(torch.empty(config.num_experts, 2 * inter))
             self.b2 = nn.Parameter(torch.empty(config.num_experts, hidden))
-            self.fused_moe = None
         self._grouped = True   # the grouped matmul until it fails for this dtype / device
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,7 +84,8 @@ class SparseMoeBlock(nn.Module):
         # x: [num_tokens, hidden]
         weights, experts = self.route(x)
         if self.fused_moe is not None:
-            return self.comm.all_reduce(self.fused_moe(x, self.w13, self.w2, weights, experts))
+            return self.comm.all_reduce(self.fused_moe(x, self.w13, self.w2, weights, experts, self.b13, self.b2,
+                                                       self.act_fn))
         if GROUPED_MM is not None and self._grouped:
             try:
                 grouped = self._grouped_forward(x, weights, experts)

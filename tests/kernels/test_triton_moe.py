@@ -26,15 +26,17 @@ from tests.kernels.test_reference import _make_seed  # noqa: E402
 TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (3e-2, 3e-2)}
 
 
-def _loop(x, w13, w2, weights, experts):
-    """Each token's experts one at a time, in float32: the sums the kernels must give."""
+def _loop(x, w13, w2, weights, experts, b13=None, b2=None, act=lambda gate, up: F.silu(gate) * up):
+    """Each token's experts one at a time, in float32: the sums the kernels must give (with the experts' biases
+    and another activation where given)."""
     x, w13, w2, weights = x.float(), w13.float(), w2.float(), weights.float()
     out = torch.zeros_like(x)
     for t in range(x.shape[0]):
         for slot in range(experts.shape[1]):
             e = int(experts[t, slot])
-            gate, up = (x[t] @ w13[e].T).chunk(2)
-            out[t] += (F.silu(gate) * up) @ w2[e].T * weights[t, slot]
+            h = x[t] @ w13[e].T + (b13[e].float() if b13 is not None else 0.0)
+            y = act(*h.chunk(2)) @ w2[e].T + (b2[e].float() if b2 is not None else 0.0)
+            out[t] += y * weights[t, slot]
     return out
 
 
@@ -95,36 +97,67 @@ def test_fused_moe_takes_float32_router_weights_beside_bfloat16_activations():
                                msg=lambda m: f"seed {seed}: {m}")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_moe_with_biases_and_a_clamped_swiglu_equals_the_loop(dtype):
+    """GPT-OSS's experts: a bias on each expert's gate/up and down products, added in the kernels before their
+    rounding, and its clamped SwiGLU launched between the GEMMs; a clamp that bends these activations."""
+    from engine.layers import ClampedSwiGLU
+
+    seed = _make_seed()
+    gen = torch.Generator().manual_seed(seed)
+    tokens, hidden, inter, experts, top_k = 9, 40, 24, 8, 3
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden ** 0.5).to(dtype)
+    w2 = (torch.randn(experts, hidden, inter, generator=gen) / inter ** 0.5).to(dtype)
+    b13, b2 = torch.randn(experts, 2 * inter, generator=gen).to(dtype), torch.randn(experts, hidden, generator=gen).to(dtype)
+    weights, chosen = torch.randn(tokens, experts, generator=gen).softmax(-1).topk(top_k, dim=-1)
+    act = ClampedSwiGLU(1.702, 0.8)
+    out = fused_moe(x, w13, w2, weights.to(dtype), chosen, b13, b2, act)
+    want = _loop(x, w13, w2, weights.to(dtype), chosen, b13, b2, lambda gate, up: act(torch.cat([gate, up])))
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(out.float(), want, atol=atol * 2, rtol=rtol, msg=lambda m: f"seed {seed}: {m}")
+    plain = _loop(x, w13, w2, weights.to(dtype), chosen, b13, b2)
+    assert (plain - want).abs().max() > 0.1, f"seed {seed}: the clamp changed nothing"
+
+
 def test_block_rows_follow_the_pairs_per_expert():
     assert moe_block_m(8, 128) == 16 and moe_block_m(64 * 8, 128) == 16 and moe_block_m(4096, 128) == 64
 
 
 MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True,
        "mlp_only_layers": [1], "head_dim": 32}
+# GPT-OSS: biased experts, a clamped SwiGLU, attention sinks, sliding and full layers
+GPT_OSS = {"intermediate_size": 48, "num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 16,
+           "sliding_window": 8, "swiglu_limit": 1.5}
+MODELS = [("qwen3_moe", MOE), ("gpt_oss", GPT_OSS)]
 
 
-def test_an_moe_engine_on_the_triton_ops_runs_its_sparse_layers_through_fused_moe(tmp_path, builtin_path, monkeypatch):
-    """The default run's view of the test below: on the Triton ops each sparse layer (not the dense one)
+@pytest.mark.parametrize("arch,overrides", MODELS)
+def test_an_moe_engine_on_the_triton_ops_runs_its_sparse_layers_through_fused_moe(tmp_path, builtin_path, monkeypatch,
+                                                                                  arch, overrides):
+    """The default run's view of the test below: on the Triton ops each sparse layer (not a dense one)
     takes `fused_moe`, which CUDA graphs may capture; on the torch ops none does (the loop over the experts)."""
     from engine.model_config import ModelConfig
     from engine.models import build_model
     from tests.conftest import make_tiny_model
 
-    config = ModelConfig.from_folder(make_tiny_model(tmp_path / "moe", "qwen3_moe", builtin_path, **MOE))
+    config = ModelConfig.from_folder(make_tiny_model(tmp_path / "moe", arch, builtin_path, **overrides))
     for backend, fused in (("triton", fused_moe), ("torch", None)):
         monkeypatch.setenv("CLIFFGUARD_ATTENTION_BACKEND", backend)
         model = build_model(config, torch.float32, "cpu")
         sparse = [layer.mlp for layer in model.layers if hasattr(layer.mlp, "w13")]
-        assert len(sparse) == len(model.layers) - len(MOE["mlp_only_layers"]) > 0
+        assert len(sparse) == len(model.layers) - len(overrides.get("mlp_only_layers", [])) > 0
         assert all(mlp.fused_moe is fused for mlp in sparse) and model.graph_safe == (fused is not None)
 
 
 @pytest.mark.slow   # ~16 s through the interpreter; the wiring is shown above, fused_moe equals the loop, and the
 # MoE engine (torch ops) equals transformers in tests/engine/test_engine_vs_hf.py
+@pytest.mark.parametrize("arch,overrides", MODELS)
 def test_an_moe_engine_on_the_triton_kernels_decodes_as_transformers_and_replays_graphs(tmp_path, builtin_path,
-                                                                                       monkeypatch):
-    """Qwen3-MoE on the Triton ops runs its experts through `fused_moe`: greedy tokens equal transformers',
-    and with its decode steps replayed from recorded graphs (what a CUDA graph freezes) they stay equal."""
+                                                                                       monkeypatch, arch, overrides):
+    """Qwen3-MoE and GPT-OSS on the Triton ops run their experts through `fused_moe` (GPT-OSS's attention its
+    sinks through the Triton attention): greedy tokens equal transformers', and with the decode steps replayed
+    from recorded graphs (what a CUDA graph freezes) they stay equal."""
     from transformers import AutoModelForCausalLM
 
     from engine.config import CacheConfig, EngineConfig, PoolConfig, SchedulerConfig
@@ -134,7 +167,7 @@ def test_an_moe_engine_on_the_triton_kernels_decodes_as_transformers_and_replays
     from tests.engine.graph_recorder import RecordingGraphBackend
 
     monkeypatch.setenv("CLIFFGUARD_ATTENTION_BACKEND", "triton")
-    path = make_tiny_model(tmp_path / "moe", "qwen3_moe", builtin_path, **MOE)
+    path = make_tiny_model(tmp_path / "moe", arch, builtin_path, **overrides)
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (6, 19)]
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -184,7 +217,7 @@ def test_on_cuda_an_moe_model_is_captured_in_graphs_and_decodes_as_eager(tmp_pat
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    path = make_tiny_model(tmp_path / "moe", "qwen3_moe", builtin_path, **MOE)
+    path = make_tiny_model(tmp_path / "moe", arch, builtin_path, **overrides)
     rng = random.Random(9)
     prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (5, 17, 30, 41)]
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (6, 20, 11, 30)]
