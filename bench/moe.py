@@ -1,7 +1,8 @@
 """`cliffguard bench moe`: one Qwen3-MoE layer's experts, each way the engine can run them.
 
-A `SparseMoeBlock` of Qwen3-30B-A3B's shape by default (hidden 2048, 128 experts of 768, 8 a token), random
-weights, run at each of `--tokens` batch sizes on the same inputs and routing: the Triton kernels where the
+A `SparseMoeBlock` of Qwen3-30B-A3B's shape by default (hidden 2048, 128 experts of 768, 8 a token), or with
+`--gpt-oss` GPT-OSS's block (`GptOssMoeBlock`: a biased router, biased experts, the clamped SwiGLU) of
+gpt-oss-20b's shape (hidden 2880, 32 experts of 2880, 4 a token), random weights, run at each of `--tokens` batch sizes on the same inputs and routing: the Triton kernels where the
 block has them (CUDA: `kernels.triton_moe`, two grouped GEMMs over the pairs sorted by expert), the grouped
 matmuls where torch has them (`torch._grouped_mm`; nothing read back from the device either), and the loop
 over the experts hit (transformers' way, which reads which experts are hit). Reported: the median
@@ -27,28 +28,49 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto",
                    help="auto (bfloat16 on CUDA and on a CPU that computes it natively, else float32) | float32 "
                         "| bfloat16")
-    p.add_argument("--hidden-size", type=int, default=2048, help="hidden size (Qwen3-30B-A3B's 2048)")
-    p.add_argument("--experts", type=int, default=128, help="experts (128)")
-    p.add_argument("--top-k", type=int, default=8, help="experts a token (8)")
-    p.add_argument("--moe-intermediate-size", type=int, default=768, help="each expert's intermediate size (768)")
+    p.add_argument("--gpt-oss", action="store_true",
+                   help="GPT-OSS's experts (biases, clamped SwiGLU) at gpt-oss-20b's shape unless sizes are given")
+    p.add_argument("--hidden-size", type=int, default=None, help="hidden size (Qwen3-30B-A3B's 2048; gpt-oss: 2880)")
+    p.add_argument("--experts", type=int, default=None, help="experts (128; gpt-oss: 32)")
+    p.add_argument("--top-k", type=int, default=None, help="experts a token (8; gpt-oss: 4)")
+    p.add_argument("--moe-intermediate-size", type=int, default=None,
+                   help="each expert's intermediate size (768; gpt-oss: 2880)")
     p.add_argument("--tokens", default="1,16,64,256", help="batch sizes in tokens, comma-separated")
     p.add_argument("--repeats", type=int, default=10, help="timed calls per size and path (median)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
 
 
+# (hidden, experts, top k, each expert's intermediate size) by default
+SHAPES = {False: (2048, 128, 8, 768), True: (2880, 32, 4, 2880)}
+
+
+def _sizes(args: argparse.Namespace) -> None:
+    """The sizes left unset take the model's shape (Qwen3-30B-A3B's, or gpt-oss-20b's with --gpt-oss)."""
+    for name, default in zip(("hidden_size", "experts", "top_k", "moe_intermediate_size"), SHAPES[args.gpt_oss]):
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+
+
 def _block(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
     from engine.model_config import ModelConfig
+    from engine.models.gpt_oss import GptOssMoeBlock
     from engine.models.qwen3_moe import SparseMoeBlock
     from engine.parallel import Collectives, ShardShape
     from kernels.fused import get_fused_ops
 
-    config = ModelConfig.from_hf_config({
-        "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 1024, "hidden_size": args.hidden_size,
-        "intermediate_size": 4 * args.hidden_size, "num_hidden_layers": 1, "num_attention_heads": 8,
-        "num_key_value_heads": 8, "head_dim": args.hidden_size // 8, "num_experts": args.experts,
-        "num_experts_per_tok": args.top_k, "moe_intermediate_size": args.moe_intermediate_size,
-        "norm_topk_prob": True})
-    block = SparseMoeBlock(config, ShardShape.of(config), Collectives(), get_fused_ops(device, dtype))
+    shape = {"vocab_size": 1024, "hidden_size": args.hidden_size, "num_hidden_layers": 1, "num_attention_heads": 8,
+             "num_key_value_heads": 8, "head_dim": args.hidden_size // 8, "num_experts_per_tok": args.top_k}
+    if args.gpt_oss:
+        config = ModelConfig.from_hf_config({**shape, "architectures": ["GptOssForCausalLM"],
+                                             "intermediate_size": args.moe_intermediate_size,
+                                             "num_local_experts": args.experts})
+    else:
+        config = ModelConfig.from_hf_config({**shape, "architectures": ["Qwen3MoeForCausalLM"],
+                                             "intermediate_size": 4 * args.hidden_size, "num_experts": args.experts,
+                                             "moe_intermediate_size": args.moe_intermediate_size,
+                                             "norm_topk_prob": True})
+    kind = GptOssMoeBlock if args.gpt_oss else SparseMoeBlock
+    block = kind(config, ShardShape.of(config), Collectives(), get_fused_ops(device, dtype))
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for param in block.parameters():
@@ -103,6 +125,7 @@ def run(args: argparse.Namespace) -> int:
     from engine.config import EngineConfig
 
     sizes = int_list(args.tokens, "--tokens", 1, "batch sizes must be >= 1")
+    _sizes(args)
     if not 1 <= args.top_k <= args.experts:
         raise ValueError(f"--top-k: must be 1..--experts ({args.experts}), got {args.top_k}")
     if args.repeats < 1:
@@ -118,13 +141,15 @@ def run(args: argparse.Namespace) -> int:
         paths = _paths(block, torch.randn(2, args.hidden_size).to(device, dtype))
         rows = [_row(block, paths, torch.randn(n, args.hidden_size, generator=torch.Generator().manual_seed(n)
                                                ).to(device, dtype), device, args.repeats) for n in sizes]
-    result = {"device": str(device), "dtype": str(dtype).removeprefix("torch."), "hidden_size": args.hidden_size,
+    result = {"device": str(device), "dtype": str(dtype).removeprefix("torch."),
+              "block": "gpt_oss" if args.gpt_oss else "qwen3_moe", "hidden_size": args.hidden_size,
               "experts": args.experts, "top_k": args.top_k, "moe_intermediate_size": args.moe_intermediate_size,
               "paths": list(paths), "rows": rows}
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    print(f"one MoE layer on {device} ({result['dtype']}): hidden {args.hidden_size}, {args.experts} experts of "
+    print(f"one {result['block']} MoE layer on {device} ({result['dtype']}): hidden {args.hidden_size}, "
+          f"{args.experts} experts of "
           f"{args.moe_intermediate_size}, {args.top_k} a token; {', '.join(paths)}")
     for r in rows:
         cells = [f"{name} {r[f'{name}_ms']:8.2f} ms ({r[f'{name}_tokens_per_s']:9.0f} tok/s"

@@ -21,17 +21,20 @@ def _parse(*argv: str) -> argparse.Namespace:
     return parser.parse_args(list(argv))
 
 
-@pytest.mark.parametrize("backend", ["cpu", "triton"])
-def test_it_times_every_path_on_the_same_routing(capsys, monkeypatch, backend):
-    # With the Triton ops (CUDA's; here through the interpreter) the block has the Triton kernels too.
+@pytest.mark.parametrize("backend,gpt_oss", [("cpu", False), ("triton", False), ("triton", True)])
+def test_it_times_every_path_on_the_same_routing(capsys, monkeypatch, backend, gpt_oss):
+    # With the Triton ops (CUDA's; here through the interpreter) the block has the Triton kernels too; GPT-OSS's
+    # block (biases, clamped SwiGLU) runs them as well.
     if backend == "triton":
         pytest.importorskip("triton")
     monkeypatch.setenv("CLIFFGUARD_ATTENTION_BACKEND", backend)
     args = _parse("--device", "cpu", "--dtype", "float32", "--hidden-size", "64", "--experts", "8", "--top-k", "2",
-                  "--moe-intermediate-size", "32", "--tokens", "1,8", "--repeats", "1", "--json")
+                  "--moe-intermediate-size", "32", "--tokens", "1,8", "--repeats", "1", "--json",
+                  *(["--gpt-oss"] if gpt_oss else []))
     assert moe.run(args) == 0
     result = json.loads(capsys.readouterr().out)
     assert [r["tokens"] for r in result["rows"]] == [1, 8] and result["dtype"] == "float32"
+    assert result["block"] == ("gpt_oss" if gpt_oss else "qwen3_moe")
     fast = ["triton", "grouped"] if backend == "triton" else ["grouped"]
     assert result["paths"] == [*fast, "loop"]
     for row in result["rows"]:
@@ -52,3 +55,11 @@ def test_bad_options_are_named(argv, named):
 def test_a_device_this_machine_lacks_is_named():
     with pytest.raises(ValueError, match="--device: cuda:7"):   # not torch's AssertionError from a capability query
         moe.run(_parse("--device", "cuda:7"))
+
+
+def test_sizes_left_unset_are_the_models_layer():
+    for argv, want in (((), (2048, 128, 8, 768)), (("--gpt-oss",), (2880, 32, 4, 2880)),
+                       (("--gpt-oss", "--experts", "16"), (2880, 16, 4, 2880))):
+        args = _parse(*argv)
+        moe._sizes(args)   # Qwen3-30B-A3B's layer, gpt-oss-20b's with --gpt-oss; a size given is kept
+        assert (args.hidden_size, args.experts, args.top_k, args.moe_intermediate_size) == want, argv
