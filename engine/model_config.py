@@ -20,7 +20,8 @@ from engine.model_families import LAYER_TYPES, family_fields
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM",
                            "Qwen3MoeForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", "GraniteForCausalLM",
                            "Olmo2ForCausalLM", "SmolLM3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
-                           "GptOssForCausalLM")
+                           "GptOssForCausalLM", "Qwen2MoeForCausalLM")
+QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")   # their attention bias: q/k/v's, not o_proj's
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")   # Gemma's layer: four norms, scaled embeddings
 # Multimodal checkpoints served as their text model: architecture -> (the text model's, its weights' prefix, the
 # text_config's model_type where it names one: another family's text model is refused by that key)
@@ -44,13 +45,14 @@ GEMMA2_DEFAULTS = {
 DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32_768, "MistralForCausalLM": 131_072,
                          "Qwen3ForCausalLM": 32_768, "Qwen3MoeForCausalLM": 32_768, "MixtralForCausalLM": 131_072,
                          "Phi3ForCausalLM": 4096, "GraniteForCausalLM": 2048, "Olmo2ForCausalLM": 2048,
-                         "SmolLM3ForCausalLM": 32_768, "GptOssForCausalLM": 131_072,
+                         "SmolLM3ForCausalLM": 32_768, "GptOssForCausalLM": 131_072, "Qwen2MoeForCausalLM": 32_768,
                          "Gemma2ForCausalLM": 8192, "Gemma3ForCausalLM": 131_072}
 # their rms_norm_eps, where it is not 1e-6
 DEFAULT_RMS_NORM_EPS = {"MixtralForCausalLM": 1e-5, "Phi3ForCausalLM": 1e-5, "Olmo2ForCausalLM": 1e-5,
                         "GptOssForCausalLM": 1e-5}
 DEFAULT_KV_HEADS = {"Qwen2ForCausalLM": 32, "MistralForCausalLM": 8, "Qwen3ForCausalLM": 32, "Qwen3MoeForCausalLM": 4,
-                    "MixtralForCausalLM": 8, "SmolLM3ForCausalLM": 4, "GptOssForCausalLM": 8}
+                    "MixtralForCausalLM": 8, "SmolLM3ForCausalLM": 4, "GptOssForCausalLM": 8,
+                    "Qwen2MoeForCausalLM": 16}
 # their head_dim where config.json names none (else hidden_size / num_attention_heads)
 DEFAULT_HEAD_DIM = {"Qwen3ForCausalLM": 128, "GptOssForCausalLM": 64}
 # their rope_theta where config.json names none (else 10,000)
@@ -164,7 +166,7 @@ class RopeScaling:
 @dataclass(frozen=True)
 class ModelConfig:
     """A decoder-only model's shape (Llama 2/3, Qwen2, Qwen3, Qwen3-MoE, Mistral, Mixtral, Phi-3, Granite, OLMo 2,
-    SmolLM3, Gemma 2, Gemma 3's text model, GPT-OSS) from an HF config.json. `layer_types` (Gemma): each layer full or
+    SmolLM3, Gemma 2, Gemma 3's text model, GPT-OSS, Qwen2-MoE) from an HF config.json. `layer_types` (Gemma): each layer full or
     sliding; without it `sliding_window` is all's."""
 
     architecture: str
@@ -195,6 +197,7 @@ class ModelConfig:
     decoder_sparse_step: int = 1        # every this many layers is sparse ...
     mlp_only_layers: tuple[int, ...] = ()   # ... except these, dense
     moe_float_weights: bool = False     # Mixtral: the top-k weights stay float32 (Qwen3-MoE's: the model's dtype)
+    shared_expert_intermediate_size: int = 0   # Qwen2-MoE: a sparse layer's shared expert, gated (0: none)
     attn_logit_softcapping: float | None = None    # Gemma 2: each attention score s becomes cap x tanh(s / cap)
     final_logit_softcapping: float | None = None   # Gemma 2: so does each logit of the head
     embedding_multiplier: float = 1.0   # Granite: the embeddings' factor
@@ -293,20 +296,23 @@ class ModelConfig:
     def num_params(self) -> int:
         """Parameters of the whole model (one rank's: engine.parallel.ShardShape.num_params)."""
         return self.count_params(self.num_heads, self.num_kv_heads, self.intermediate_size,
-                                 self.moe_intermediate_size, self.vocab_size)
+                                 self.moe_intermediate_size, self.vocab_size, self.shared_expert_intermediate_size)
 
-    def count_params(self, heads: int, kv_heads: int, i: int, moe_i: int, v: int) -> int:
+    def count_params(self, heads: int, kv_heads: int, i: int, moe_i: int, v: int, shared_i: int = 0) -> int:
         """Parameters of this model's layers built with `heads` query heads, `kv_heads` KV heads, `i` MLP
-        rows, `moe_i` rows per expert and `v` vocab rows (engine.model); the norms and the router whole."""
+        rows, `moe_i` rows per expert, `shared_i` rows of the shared expert and `v` vocab rows (engine.model);
+        the norms, the router and the shared expert's gate whole."""
         h, d = self.hidden_size, self.head_dim
         q, kv = heads * d, kv_heads * d
         attn = h * (q + 2 * kv) + q * h
         if self.attention_bias:   # q/k/v; o_proj too except in Qwen2 (engine.model.Attention)
-            attn += q + 2 * kv + (h if self.architecture != "Qwen2ForCausalLM" else 0)
+            attn += q + 2 * kv + (h if self.architecture not in QKV_BIAS_ONLY else 0)
         mlp = 3 * h * i + (2 * i + h if self.mlp_bias else 0)
         experts = self.num_experts * (3 * h * moe_i + h)   # every expert, and the router
         if self.moe_bias:   # GPT-OSS: each expert's gate/up and down biases, the router's
             experts += self.num_experts * (2 * moe_i + h + 1)
+        if self.shared_expert_intermediate_size:   # Qwen2-MoE: the shared expert and its gate
+            experts += 3 * h * shared_i + h
         norms = 4 if self.architecture in GEMMA_ARCHITECTURES else 2   # Gemma: around the MLP too
         per_layer = attn + norms * h + (2 * d if self.qk_norm else 0) + (heads if self.attention_sinks else 0)
         if self.architecture == "Olmo2ForCausalLM":   # q and k normed whole: a weight per channel
@@ -364,7 +370,7 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=read_int(cfg, "max_position_embeddings"),
             tie_word_embeddings=read_bool(cfg, "tie_word_embeddings", False),
-            attention_bias=arch == "Qwen2ForCausalLM" or read_bool(cfg, "attention_bias", False),
+            attention_bias=arch == "Qwen2ForCausalLM" or read_bool(cfg, "attention_bias", False),   # Qwen2-MoE: family
             mlp_bias=read_bool(cfg, "mlp_bias", False),
             sliding_window=sliding_window,
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),

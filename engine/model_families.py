@@ -1,6 +1,6 @@
 """The config.json fields of the architectures past Llama's shape, as `ModelConfig` fields: Gemma 3's layer types,
 rope bases and norms (`gemma3_fields`), Gemma 2's layers and soft-capping (`gemma2_fields`), Qwen3-MoE's and
-Mixtral's experts (`qwen3_moe_fields`, `mixtral_fields`), Phi-3's window and rope (`phi3_fields`), Granite's
+Mixtral's experts (`qwen3_moe_fields`, `mixtral_fields`), Qwen2-MoE's and its shared expert (`qwen2_moe_fields`), Phi-3's window and rope (`phi3_fields`), Granite's
 scalars (`granite_fields`), SmolLM3's NoPE layers (`smollm3_fields`), GPT-OSS's experts, sinks and layers
 (`gpt_oss_fields`), and the sliding layers of Qwen2, Qwen3 and Qwen3-MoE (`qwen_window_fields`). What we do not serve is refused with a `ConfigError` naming the key."""
 
@@ -21,6 +21,8 @@ def family_fields(cfg: dict[str, Any], arch: str, num_layers: int) -> dict[str, 
         return gemma3_fields(cfg, num_layers)
     if arch == "Gemma2ForCausalLM":
         return gemma2_fields(cfg, num_layers)
+    if arch == "Qwen2MoeForCausalLM":
+        return qwen2_moe_fields(cfg, num_layers)
     if arch.startswith("Qwen"):
         return {**qwen_window_fields(cfg, arch, num_layers),
                 **(qwen3_moe_fields(cfg) if arch == "Qwen3MoeForCausalLM" else {})}
@@ -101,17 +103,36 @@ def _check_causal(cfg: dict[str, Any]) -> None:
         raise ConfigError("use_bidirectional_attention: only causal attention is served")
 
 
-def qwen3_moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Qwen3-MoE's expert fields (transformers' `Qwen3MoeConfig` names and defaults)."""
+def qwen3_moe_fields(cfg: dict[str, Any], family: str = "Qwen3-MoE") -> dict[str, Any]:
+    """Qwen3-MoE's expert fields (transformers' `Qwen3MoeConfig` names and defaults); `family` names the model in
+    errors."""
     only = cfg.get("mlp_only_layers") or []
     if not isinstance(only, list) or not all(is_int(i) and i >= 0 for i in only):
         raise ConfigError(f"mlp_only_layers: must be a list of layer indices, got {only!r}")
     experts = read_int(cfg, "num_experts", None) or read_int(cfg, "num_local_experts", 128)   # transformers 5's name
-    _check_silu(cfg, "Qwen3-MoE")
+    _check_silu(cfg, family)
     return {"num_experts": experts, "num_experts_per_tok": read_int(cfg, "num_experts_per_tok", 8),
             "moe_intermediate_size": read_int(cfg, "moe_intermediate_size", 768),
             "norm_topk_prob": read_bool(cfg, "norm_topk_prob", False),
             "decoder_sparse_step": read_int(cfg, "decoder_sparse_step", 1), "mlp_only_layers": tuple(only)}
+
+
+def qwen2_moe_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """Qwen2-MoE's fields (transformers' `Qwen2MoeConfig` names and defaults): Qwen3-MoE's experts (60 of 1,408, 4
+    a token, not renormalised by default) beside a shared expert of `shared_expert_intermediate_size` (5,632) that
+    every token takes, gated by a sigmoid; q/k/v biases (`qkv_bias`, on by default); a window only under
+    `use_sliding_window`, on the layers `layer_types` says (by default every other one from the first, below
+    `max_window_layers`)."""
+    fields = {**qwen3_moe_fields({"num_experts": 60, "num_experts_per_tok": 4, "moe_intermediate_size": 1408} | {
+        key: value for key, value in cfg.items() if value is not None}, "Qwen2-MoE"),
+              "attention_bias": read_bool(cfg, "qkv_bias", True),
+              "shared_expert_intermediate_size": read_int(cfg, "shared_expert_intermediate_size", 5632)}
+    if not read_bool(cfg, "use_sliding_window", False):
+        return fields
+    first = read_int(cfg, "max_window_layers", 28, minimum=0)
+    kinds = _layer_types(cfg, lambda: ["sliding_attention" if (i + 1) % 2 and i < first else "full_attention"
+                                       for i in range(num_layers)])
+    return {**fields, "sliding_window": read_int(cfg, "sliding_window", 4096), "layer_types": tuple(kinds)}
 
 
 def mixtral_fields(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -83,6 +83,7 @@ class ShardShape:
     moe_intermediate_size: int   # rows of each expert's gate and up (0: no experts)
     vocab_rows: int           # rows of the embedding and LM head shards (ceil(V / size))
     vocab_size: int           # the model's whole vocabulary
+    shared_expert_intermediate_size: int = 0   # rows of the shared expert's gate and up (Qwen2-MoE; 0: none)
 
     @classmethod
     def of(cls, model: ModelConfig, rank: int = 0, size: int = 1) -> ShardShape:
@@ -99,7 +100,8 @@ class ShardShape:
         return cls(rank=rank, size=size, num_heads=heads, num_kv_heads=kv_heads, head_start=rank * heads,
                    kv_head_start=kv_start, intermediate_size=model.intermediate_size // size,
                    moe_intermediate_size=model.moe_intermediate_size // size,
-                   vocab_rows=ceil_div(model.vocab_size, size), vocab_size=model.vocab_size)
+                   vocab_rows=ceil_div(model.vocab_size, size), vocab_size=model.vocab_size,
+                   shared_expert_intermediate_size=model.shared_expert_intermediate_size // size)
 
     @property
     def vocab_start(self) -> int:
@@ -115,7 +117,7 @@ class ShardShape:
         them), its MLP and expert rows, its padded vocab rows; the norms, the router and the row-parallel
         biases whole on every rank (`engine.model`). What the capacity plan sets aside for its weights."""
         return model.count_params(self.num_heads, self.num_kv_heads, self.intermediate_size,
-                                  self.moe_intermediate_size, self.vocab_rows)
+                                  self.moe_intermediate_size, self.vocab_rows, self.shared_expert_intermediate_size)
 
     def kv_bytes_per_token(self, model: ModelConfig, dtype: torch.dtype) -> int:
         """This rank's S_KV: 2 x num_layers x its KV heads x head_dim x dtype bytes."""
@@ -132,12 +134,10 @@ def check_tensor_parallel(model: ModelConfig, size: int, key: str = "tensor_para
     if model.num_kv_heads % size and size % model.num_kv_heads:
         raise ConfigError(f"{key}: {size} neither divides nor is a multiple of the model's "
                           f"{model.num_kv_heads} KV heads")
-    if model.intermediate_size % size:
-        raise ConfigError(f"{key}: {size} does not divide the model's intermediate_size "
-                          f"{model.intermediate_size}")
-    if model.moe_intermediate_size % size:
-        raise ConfigError(f"{key}: {size} does not divide the model's moe_intermediate_size "
-                          f"{model.moe_intermediate_size} (each expert is split across the ranks)")
+    for name in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
+        if getattr(model, name) % size:
+            raise ConfigError(f"{key}: {size} does not divide the model's {name} {getattr(model, name)}"
+                              + (" (each expert is split across the ranks)" if name == "moe_intermediate_size" else ""))
 
 
 @dataclass

@@ -3,7 +3,7 @@
 The Llama family (Llama 2/3, Qwen2, Qwen3, Mistral) is `engine.model.LlamaForCausalLM`; a variant that
 changes the layer itself has a module here, built from the same shared layers (`engine.layers`) and the
 same weight loading and tensor-parallel cuts: `gemma3` (Gemma 3's text model, and Gemma 2's), `qwen3_moe`
-(Qwen3-MoE's sparse layers), `mixtral` (Mixtral: those experts on every layer, under its checkpoints' names),
+(Qwen3-MoE's sparse layers, and Qwen2-MoE's with their shared expert), `mixtral` (Mixtral: those experts on every layer, under its checkpoints' names),
 `phi3` (Phi-3 and Phi-4: the Llama layer, its checkpoints' fused q/k/v and gate/up split as they are read),
 `granite` (Granite 3: the Llama layer and its four scalars), `olmo2` (OLMo 2: post-norm layers, q/k normed
 whole), `smollm3` (SmolLM3: NoPE layers), `gpt_oss` (GPT-OSS: attention sinks, biased experts with a clamped
@@ -40,7 +40,8 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "GraniteForCausalLM": GraniteForCausalLM,
                                                 "Olmo2ForCausalLM": Olmo2ForCausalLM,
                                                 "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
-                                                "GptOssForCausalLM": GptOssForCausalLM}
+                                                "GptOssForCausalLM": GptOssForCausalLM,
+                                                "Qwen2MoeForCausalLM": Qwen3MoeForCausalLM}   # its experts, no q/k norms
 
 
 def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from types import ModuleType
 
 import torch
@@ -39,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.layers import SiluAndMul
-from engine.model import LlamaForCausalLM, WeightLoadError
+from engine.model import MLP, LlamaForCausalLM, WeightLoadError
 from engine.model_config import ModelConfig
 from engine.parallel import Collectives, ShardShape
 
@@ -69,6 +70,13 @@ class SparseMoeBlock(nn.Module):
         if config.moe_bias:
             self.b13 = nn.Parameter(torch.empty(config.num_experts, 2 * inter))
             self.b2 = nn.Parameter(torch.empty(config.num_experts, hidden))
+        # Qwen2-MoE: a shared expert every token takes (this rank's rows, its output not yet summed over the
+        # ranks: the block sums once) and its gate, whole on every rank
+        self.shared_expert = self.shared_expert_gate = None
+        if shard.shared_expert_intermediate_size:
+            self.shared_expert = MLP(config, replace(shard, intermediate_size=shard.shared_expert_intermediate_size),
+                                     Collectives(), ops)
+            self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
         self._grouped = True   # the grouped matmul until it fails for this dtype / device
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,22 +89,27 @@ class SparseMoeBlock(nn.Module):
         return (weights if self.float_weights else weights.to(logits.dtype)), experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [num_tokens, hidden]
-        weights, experts = self.route(x)
+        # x: [num_tokens, hidden]. The collective once, at the end: a rank whose grouped matmul fell back to the
+        # loop must not reduce twice.
+        out = self._experts(x, *self.route(x))
+        if self.shared_expert is not None:   # Qwen2-MoE: transformers' order, the routed sum plus the gated shared
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return self.comm.all_reduce(out)
+
+    def _experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted sum (this rank's part): the Triton kernels, else the grouped matmuls, else
+        the loop over the experts hit."""
         if self.fused_moe is not None:
-            return self.comm.all_reduce(self.fused_moe(x, self.w13, self.w2, weights, experts, self.b13, self.b2,
-                                                       self.act_fn))
+            return self.fused_moe(x, self.w13, self.w2, weights, experts, self.b13, self.b2, self.act_fn)
         if GROUPED_MM is not None and self._grouped:
             try:
-                grouped = self._grouped_forward(x, weights, experts)
+                return self._grouped_forward(x, weights, experts)
             except torch.OutOfMemoryError:
                 raise   # a step too large for the device now: not a reason to leave the grouped matmul
             except RuntimeError as exc:   # a dtype or layout the grouped matmul lacks here: the loop from now on
                 log.warning("Qwen3-MoE experts: the grouped matmul failed on %s %s (%s); looping over the "
                             "experts from now on", x.device, x.dtype, (str(exc) or type(exc).__name__).splitlines()[0])
                 self._grouped = False
-            else:   # the collective once, outside: a rank that fell back must not reduce twice
-                return self.comm.all_reduce(grouped)
         out = torch.zeros_like(x)
         hits = F.one_hot(experts, self.num_experts).permute(2, 1, 0)             # [num_experts, top_k, num_tokens]
         for e in hits.sum(dim=(1, 2)).nonzero().flatten().tolist():              # the experts used, in order
@@ -104,7 +117,7 @@ class SparseMoeBlock(nn.Module):
             h = _biased(F.linear(x[token], self.w13[e]), self.b13, e)
             h = _biased(F.linear(self.act_fn(h), self.w2[e]), self.b2, e)
             out.index_add_(0, token, (h * weights[token, slot, None]).to(x.dtype))
-        return self.comm.all_reduce(out)
+        return out
 
     def _grouped_forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """The same sums without asking the device anything: the (token, expert) pairs sorted by expert, two
@@ -159,6 +172,13 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
         return layer
 
     def _destination(self, name: str, hf_name: str) -> tuple[str, Callable[[torch.Tensor], torch.Tensor]]:
+        if ".mlp.shared_expert." in name:   # Qwen2-MoE's: gate and up into its fused rows, as a dense MLP's
+            head, _, proj = name.partition(".mlp.shared_expert.")
+            size = self.shard.shared_expert_intermediate_size
+            if proj in ("gate_proj.weight", "up_proj.weight"):
+                offset = 0 if proj.startswith("gate") else size
+                return f"{head}.mlp.shared_expert.gate_up_proj.weight", lambda data: data.narrow(0, offset, size)
+            return name, lambda data: data
         if ".mlp.experts." not in name:
             return super()._destination(name, hf_name)
         prefix, rest = name.split(".mlp.experts.", 1)                 # "layers.3", "17.gate_proj.weight"
@@ -181,6 +201,13 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
         """An expert's slice of the intermediate size: gate/up rows (and biases), down columns, the down bias on
         rank 0 alone (added once, after the ranks' sum); the rest as Qwen3's."""
         shard = self.shard
+        if shard.size > 1 and ".mlp.shared_expert." in name:   # its rows cut as a dense MLP's
+            dim, full = (1 if "down_proj" in name else 0), self.config.shared_expert_intermediate_size
+            if tensor.dim() != 2 or tensor.shape[dim] != full:
+                raise WeightLoadError(f"{hf_name}: shape {tuple(tensor.shape)} does not match the config "
+                                      f"({full} along dimension {dim})")
+            size = shard.shared_expert_intermediate_size
+            return tensor.narrow(dim, shard.rank * size, size)
         if shard.size == 1 or ".mlp.experts." not in name:
             return super()._shard_of(hf_name, name, tensor)
         if name.endswith("down_proj.bias"):

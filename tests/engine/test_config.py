@@ -787,8 +787,9 @@ GPT_OSS_20B = {"architectures": ["GptOssForCausalLM"], "attention_bias": True, "
                "layer_types": ["sliding_attention", "full_attention"] * 12, "max_position_embeddings": 131072,
                "num_attention_heads": 64, "num_experts_per_tok": 4, "num_hidden_layers": 24, "num_key_value_heads": 8,
                "num_local_experts": 32, "pad_token_id": 199999, "rms_norm_eps": 1e-05,
-               "quantization_config": {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
-                                                                  "model.embed_tokens", "lm_head"],
+               "quantization_config": {"modules_to_not_convert": ["model.layers.*.self_attn",
+                                                                  "model.layers.*.mlp.router", "model.embed_tokens",
+                                                                  "lm_head"],
                                        "quant_method": "mxfp4"},
                "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
                                 "original_max_position_embeddings": 4096, "rope_type": "yarn", "truncate": False},
@@ -830,3 +831,45 @@ def test_gpt_oss_as_its_model_card_writes_it_and_its_defaults_as_transformers_re
         ModelConfig.from_hf_config({**GPT_OSS_20B, "quantization_config": {"quant_method": "fp8"}})
     with pytest.raises(ConfigError, match=r"^quantization_config: quantized checkpoints \(mxfp4\) are not supported"):
         ModelConfig.from_hf_config({**LLAMA, "quantization_config": {"quant_method": "mxfp4"}})
+
+
+def test_qwen2_moe_as_its_model_card_writes_it_and_its_defaults_as_transformers_reads_them():
+    """Qwen1.5-MoE-A2.7B's config: 60 experts of 1,408, 4 a token, a shared expert of 5,632 on every layer, q/k/v
+    biases; its parameter count is transformers' model's, built on the meta device from the same config. Keys left
+    out read as Qwen2MoeConfig reads them, its sliding rule too; a tensor-parallel size that does not divide the
+    shared expert is refused by name."""
+    transformers = pytest.importorskip("transformers")
+    from engine.parallel import ShardShape
+
+    card = {"architectures": ["Qwen2MoeForCausalLM"], "vocab_size": 151936, "hidden_size": 2048,
+            "intermediate_size": 5632, "num_hidden_layers": 24, "num_attention_heads": 16, "num_key_value_heads": 16,
+            "num_experts": 60, "num_experts_per_tok": 4, "moe_intermediate_size": 1408,
+            "shared_expert_intermediate_size": 5632, "decoder_sparse_step": 1, "norm_topk_prob": False,
+            "max_position_embeddings": 8192, "rope_theta": 1000000.0, "use_sliding_window": False,
+            "sliding_window": 32768, "max_window_layers": 21, "tie_word_embeddings": False, "rms_norm_eps": 1e-06}
+    cfg = ModelConfig.from_hf_config(card)
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
+            cfg.shared_expert_intermediate_size) == (60, 4, 1408, 5632)
+    assert cfg.attention_bias and not cfg.qk_norm and not cfg.norm_topk_prob and cfg.sliding_window is None
+    with torch.device("meta"):
+        hf = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+            **{k: v for k, v in card.items() if k != "architectures"}))
+    assert cfg.num_params() == sum(p.numel() for p in hf.parameters()) == 14_315_784_192   # "14.3 B"
+    bare = {k: card[k] for k in ("architectures", "vocab_size", "hidden_size", "intermediate_size",
+                                 "num_hidden_layers", "num_attention_heads")}
+    ours, theirs = ModelConfig.from_hf_config(bare), transformers.Qwen2MoeConfig(
+        **{k: v for k, v in bare.items() if k != "architectures"})
+    assert (ours.num_kv_heads, ours.num_experts, ours.num_experts_per_tok, ours.moe_intermediate_size,
+            ours.shared_expert_intermediate_size, ours.norm_topk_prob, ours.max_position_embeddings,
+            ours.attention_bias) == (theirs.num_key_value_heads, theirs.num_experts, theirs.num_experts_per_tok,
+                                     theirs.moe_intermediate_size, theirs.shared_expert_intermediate_size,
+                                     theirs.norm_topk_prob, theirs.max_position_embeddings, theirs.qkv_bias)
+    sliding = {**bare, "use_sliding_window": True, "sliding_window": 4096, "max_window_layers": 3}
+    kinds = transformers.Qwen2MoeConfig(**{k: v for k, v in sliding.items() if k != "architectures"}).layer_types
+    assert ModelConfig.from_hf_config(sliding).layer_types == tuple(kinds)
+    assert ModelConfig.from_hf_config({**bare, "qkv_bias": False}).attention_bias is False
+    with pytest.raises(ConfigError, match="^tensor_parallel_size: 3 does not divide the model's "
+                                          "shared_expert_intermediate_size 5632"):
+        ShardShape.of(ModelConfig.from_hf_config({**card, "num_attention_heads": 24, "num_key_value_heads": 24,
+                                                  "head_dim": 64, "intermediate_size": 5631,
+                                                  "moe_intermediate_size": 1407}), 0, 3)

@@ -100,6 +100,8 @@ GEMMA2 = dict(num_hidden_layers=3, head_dim=32, sliding_window=8, query_pre_attn
 # that bends these activations
 GPT_OSS = dict(intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=8,
                num_hidden_layers=3, swiglu_limit=1.5)
+QWEN2_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                 mlp_only_layers=[1], num_key_value_heads=4)
 GRANITE = dict(embedding_multiplier=3.0, attention_multiplier=0.05, residual_multiplier=0.5, logits_scaling=2.0,
                tie_word_embeddings=True)
 
@@ -152,6 +154,11 @@ TINY_MODELS = [
     # GPT-OSS: sinks, biased experts with a clamped SwiGLU, sliding and full layers; then grouped KV heads of 4
     ("gpt_oss", GPT_OSS),
     ("gpt_oss", {**GPT_OSS, "num_key_value_heads": 1, "num_attention_heads": 4, "layer_types": ["full_attention"] * 3}),
+    # Qwen2-MoE: 8 experts of 32, 2 a token, beside a gated shared expert of 48; q/k/v biases; layer 1 dense;
+    # then its sliding rule (even layers below max_window_layers) and renormalised top k
+    ("qwen2_moe", QWEN2_MOE),
+    ("qwen2_moe", {**QWEN2_MOE, "num_hidden_layers": 3, "mlp_only_layers": [], "norm_topk_prob": True,
+                   "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2}),
 ]
 # Every architecture on the default CPU linears; the other linears on one dense and one MoE model (the
 # linears do not depend on the architecture around them).
