@@ -11,7 +11,7 @@ import pytest
 
 from engine.tokenizer import Tokenizer
 from gateway.openai.harmony import HarmonySplitter, header_channel, header_recipient, template_speaks_harmony
-from tests.gateway.test_reasoning import _chat_stream, _gateway, _ScriptedEngine
+from tests.gateway.test_reasoning import _chat_stream, _gateway, _ScriptedEngine, assert_split_whole_and_streamed
 
 # harmony turns as GPT-OSS's template writes them (a system message first; the generation prompt opens the
 # assistant's message, whose header the model writes)
@@ -75,15 +75,7 @@ async def test_chat_and_responses_split_a_harmony_reply(aiohttp_client, tmp_path
     sdk, _ = await _gateway(aiohttp_client, tmp_path, tiny_model, HARMONY)
     engine = _ScriptedEngine(monkeypatch)
     engine.pieces = REPLY
-    whole = await sdk.chat.completions.create(model="thinker", messages=MESSAGES, max_tokens=16)
-    message = whole.choices[0].message
-    assert (message.reasoning_content, message.content) == ("I should add.", "It is 4.")
-    assert whole.usage.completion_tokens == 8 and whole.usage.completion_tokens_details.reasoning_tokens == 5
-    chunks = await _chat_stream(sdk, messages=MESSAGES, max_tokens=16, stream_options={"include_usage": True})
-    deltas = [c.choices[0].delta for c in chunks if c.choices]
-    reasoning = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
-    assert reasoning == "I should add." and "".join(d.content or "" for d in deltas) == "It is 4."
-    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == 5
+    await assert_split_whole_and_streamed(sdk, "I should add.", "It is 4.", 8, 5)
     response = await sdk.responses.create(model="thinker", input="What is 2 + 2?")
     assert [item.type for item in response.output] == ["reasoning", "message"]
     assert response.output[0].content[0].text == "I should add." and response.output_text == "It is 4."

@@ -229,25 +229,34 @@ async def _chat_stream(sdk, **kwargs) -> list:
     return [c async for c in await sdk.chat.completions.create(model="thinker", stream=True, **kwargs)]
 
 
+async def assert_split_whole_and_streamed(sdk, reasoning: str, content: str, tokens: int, reasoning_tokens: int) -> list:
+    """One chat answered whole, then streamed with usage: each splits into `reasoning` and `content`, `tokens` of
+    which `reasoning_tokens` are the reasoning's, and ends by "stop". Returns the streamed deltas."""
+    whole = await sdk.chat.completions.create(model="thinker", messages=MESSAGES, max_tokens=16)
+    message = whole.choices[0].message
+    assert (message.reasoning_content, message.content) == (reasoning, content)
+    assert (whole.usage.completion_tokens, whole.usage.completion_tokens_details.reasoning_tokens) == (
+        tokens, reasoning_tokens)
+    chunks = await _chat_stream(sdk, messages=MESSAGES, max_tokens=16, stream_options={"include_usage": True})
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == reasoning
+    assert "".join(d.content or "" for d in deltas) == content
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == reasoning_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    return deltas
+
+
 async def test_chat_whole_and_streamed_split_reasoning_from_content(aiohttp_client, tmp_path, tiny_model,
                                                                    monkeypatch) -> None:
     sdk, _ = await _gateway(aiohttp_client, tmp_path, tiny_model, MODEL_OPENS)
     engine = _ScriptedEngine(monkeypatch)
     engine.pieces = THOUGHT
-    whole = await sdk.chat.completions.create(model="thinker", messages=MESSAGES, max_tokens=16)
-    message = whole.choices[0].message
-    assert (message.reasoning_content, message.content) == ("I should add.", "It is 4.")
-    assert whole.usage.completion_tokens == 6 and whole.usage.completion_tokens_details.reasoning_tokens == 4
-    chunks = await _chat_stream(sdk, messages=MESSAGES, max_tokens=16, stream_options={"include_usage": True})
-    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    deltas = await assert_split_whole_and_streamed(sdk, "I should add.", "It is 4.", 6, 4)
     reasoning = [getattr(d, "reasoning_content", None) or "" for d in deltas]
     content = [d.content or "" for d in deltas]
-    assert "".join(reasoning) == "I should add." and "".join(content) == "It is 4."
     assert not any("think" in piece or "<" in piece for piece in reasoning + content)
     first_content = next(i for i, piece in enumerate(content) if piece)
     assert not any(reasoning[first_content:]) and any(reasoning)
-    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == 4
-    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
 
     # the prompt ends inside the last message, which opened a block: the reply goes on inside it
     engine.pieces = [" should", " add.</think>", "\n\nIt is 4."]
