@@ -2,7 +2,8 @@
 
 A `SparseMoeBlock` of Qwen3-30B-A3B's shape by default (hidden 2048, 128 experts of 768, 8 a token), or with
 `--gpt-oss` GPT-OSS's block (`GptOssMoeBlock`: a biased router, biased experts, the clamped SwiGLU) of
-gpt-oss-20b's shape (hidden 2880, 32 experts of 2880, 4 a token), random weights, run at each of `--tokens` batch sizes on the same inputs and routing: the Triton kernels where the
+gpt-oss-20b's shape (hidden 2880, 32 experts of 2880, 4 a token), random weights, run at each of `--tokens`
+batch sizes on the same inputs and routing: the Triton kernels where the
 block has them (CUDA: `kernels.triton_moe`, two grouped GEMMs over the pairs sorted by expert), the grouped
 matmuls where torch has them (`torch._grouped_mm`; nothing read back from the device either), and the loop
 over the experts hit (transformers' way, which reads which experts are hit). Reported: the median

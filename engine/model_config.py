@@ -334,9 +334,10 @@ class ModelConfig:
         old = cfg.get("compression_config")   # llm-compressor's older key: quantized where it has groups or a method
         key = "compression_config" if cfg.get("quantization_config") is None and isinstance(old, dict) and {
             "config_groups", "quant_method", "kv_cache_scheme"} & set(old) else "quantization_config"
-        if (quant := cfg.get(key)) is not None and not quantizes_kv_cache_only(quant) \
-                and not (arch == "GptOssForCausalLM" and isinstance(quant, dict) and quant.get("quant_method") == "mxfp4"):
-            # GPT-OSS's MXFP4 experts: dequantized to the model's dtype as they are read (engine.models.gpt_oss)
+        quant = cfg.get(key)
+        # GPT-OSS's MXFP4 experts are served: dequantized to the model's dtype as they are read (engine.models.gpt_oss)
+        mxfp4 = arch == "GptOssForCausalLM" and isinstance(quant, dict) and quant.get("quant_method") == "mxfp4"
+        if quant is not None and not quantizes_kv_cache_only(quant) and not mxfp4:
             method = quant.get("quant_method", "unnamed") if isinstance(quant, dict) else repr(quant)
             raise ConfigError(f"{key}: quantized checkpoints ({method}) are not supported; serve "
                               "the model's bfloat16 checkpoint (an FP8 KV cache is the device key kv_cache_dtype)")

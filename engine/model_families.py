@@ -1,8 +1,9 @@
-"""The config.json fields of the architectures past Llama's shape, as `ModelConfig` fields: Gemma 3's layer types,
-rope bases and norms (`gemma3_fields`), Gemma 2's layers and soft-capping (`gemma2_fields`), Qwen3-MoE's and
-Mixtral's experts (`qwen3_moe_fields`, `mixtral_fields`), Qwen2-MoE's and its shared expert (`qwen2_moe_fields`), Phi-3's window and rope (`phi3_fields`), Granite's
-scalars (`granite_fields`), SmolLM3's NoPE layers (`smollm3_fields`), GPT-OSS's experts, sinks and layers
-(`gpt_oss_fields`), and the sliding layers of Qwen2, Qwen3 and Qwen3-MoE (`qwen_window_fields`). What we do not serve is refused with a `ConfigError` naming the key."""
+"""The config.json fields of the architectures past Llama's shape, as `ModelConfig` fields: Gemma 3's layer types, rope
+bases and norms (`gemma3_fields`), Gemma 2's layers and soft-capping (`gemma2_fields`), Qwen3-MoE's and Mixtral's
+experts (`qwen3_moe_fields`, `mixtral_fields`), Qwen2-MoE's and its shared expert (`qwen2_moe_fields`), Phi-3's
+window and rope (`phi3_fields`), Granite's scalars (`granite_fields`), SmolLM3's NoPE layers (`smollm3_fields`),
+GPT-OSS's experts, sinks and layers (`gpt_oss_fields`), and the sliding layers of Qwen2, Qwen3 and Qwen3-MoE
+(`qwen_window_fields`). What we do not serve is refused with a `ConfigError` naming the key."""
 
 from __future__ import annotations
 
@@ -214,7 +215,8 @@ def gpt_oss_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
     return {"num_experts": read_int(cfg, "num_experts", 128) if experts is None else experts,
             "num_experts_per_tok": read_int(cfg, "num_experts_per_tok", 4),
             "moe_intermediate_size": read_int(cfg, "intermediate_size"), "moe_bias": True, "attention_sinks": True,
-            "swiglu_limit": read_float(cfg, "swiglu_limit", 7.0), "swiglu_alpha": read_float(cfg, "swiglu_alpha", 1.702),
+            "swiglu_limit": read_float(cfg, "swiglu_limit", 7.0),
+            "swiglu_alpha": read_float(cfg, "swiglu_alpha", 1.702),
             "attention_bias": read_bool(cfg, "attention_bias", True), "hidden_act": "silu",   # the experts' own act
             "layer_types": tuple(kinds), "sliding_window": read_int(cfg, "sliding_window", 128),
             "full_rope": (rope,)}

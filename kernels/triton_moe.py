@@ -115,7 +115,8 @@ def _gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, sorted_pairs: tor
         a, w, out, weights if weights is not None else out, bias if bias is not None else out, sorted_pairs,
         block_expert, num_pairs, n, k, row_div,
         a.stride(0), w.stride(0), w.stride(1), w.stride(2), out.stride(0), bias.stride(0) if bias is not None else 0,
-        MUL_WEIGHT=weights is not None, HAS_BIAS=bias is not None, DOT_DTYPE=dtype, DOT_PRECISION="ieee" if dtype == tl.float32 else "tf32",
+        MUL_WEIGHT=weights is not None, HAS_BIAS=bias is not None, DOT_DTYPE=dtype,
+        DOT_PRECISION="ieee" if dtype == tl.float32 else "tf32",
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=4 if block_m * block_n < 64 * 128 else 8,
     )

@@ -229,7 +229,8 @@ async def _chat_stream(sdk, **kwargs) -> list:
     return [c async for c in await sdk.chat.completions.create(model="thinker", stream=True, **kwargs)]
 
 
-async def assert_split_whole_and_streamed(sdk, reasoning: str, content: str, tokens: int, reasoning_tokens: int) -> list:
+async def assert_split_whole_and_streamed(sdk, reasoning: str, content: str, tokens: int,
+                                          reasoning_tokens: int) -> list:
     """One chat answered whole, then streamed with usage: each splits into `reasoning` and `content`, `tokens` of
     which `reasoning_tokens` are the reasoning's, and ends by "stop". Returns the streamed deltas."""
     whole = await sdk.chat.completions.create(model="thinker", messages=MESSAGES, max_tokens=16)
