@@ -371,22 +371,25 @@ def sink_logits(num_heads: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
 
 # GPT-OSS's attention sinks on mixed batches: single pass and split-K (the sink joins the reduce's sum), GQA
 # groups of 1 and 3, a sliding window, a padded head_dim, each dtype.
-@pytest.mark.parametrize("dtype,num_heads,num_kv_heads,head_dim,block_size,sliding_window,num_splits", [
-    (torch.float32, 4, 2, 64, 16, None, None),
-    (torch.bfloat16, 6, 2, 40, 8, 20, 3),
-    (torch.float16, 3, 1, 64, 32, None, 2),
+@pytest.mark.parametrize("dtype,num_heads,num_kv_heads,head_dim,block_size,sliding_window,num_splits,kv_fp8", [
+    (torch.float32, 4, 2, 64, 16, None, None, False),
+    (torch.bfloat16, 6, 2, 40, 8, 20, 3, False),
+    (torch.float16, 3, 1, 64, 32, None, 2, False),
+    (torch.bfloat16, 4, 1, 64, 16, 20, 2, True),   # over an FP8 cache at non-unit scales
 ])
 def test_paged_attention_with_sinks_matches_reference(dtype, num_heads, num_kv_heads, head_dim, block_size,
-                                                      sliding_window, num_splits):
+                                                      sliding_window, num_splits, kv_fp8):
     seed = _make_seed()
+    scales = dict(kv_dtype=FP8, k_scale=0.0625, v_scale=0.5) if kv_fp8 else {}
     case = _make_attention_case(*_mixed_batch(block_size), num_heads, num_kv_heads, head_dim, block_size, dtype, seed,
-                                head_pad=_head_pad(head_dim))
+                                head_pad=_head_pad(head_dim), **scales)
     sinks = sink_logits(num_heads, seed, dtype)
-    _assert_attention_matches(triton_attention, case, seed, sliding_window, num_splits, sinks=sinks,
+    scales.pop("kv_dtype", None)
+    _assert_attention_matches(triton_attention, case, seed, sliding_window, num_splits, sinks=sinks, **scales,
                               label=f"{dtype} heads={num_heads}/{num_kv_heads} d={head_dim} bs={block_size}")
     query, k_cache, v_cache, meta = case
-    sunk, plain = (_reference_attention(query, k_cache, v_cache, meta, head_dim ** -0.5, sliding_window, sinks=s)
-                   for s in (sinks, None))
+    sunk, plain = (_reference_attention(query, k_cache, v_cache, meta, head_dim ** -0.5, sliding_window, **scales,
+                                        sinks=s) for s in (sinks, None))
     assert (sunk - plain).abs().max() > 0.1, f"seed={seed}: the sinks changed nothing"
 
 
