@@ -236,6 +236,8 @@ class LlamaForCausalLM(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         if self.config.logits_scaling != 1.0:   # Granite
             logits = logits / self.config.logits_scaling
+        if self.config.logit_scale != 1.0:   # Cohere
+            logits = logits * self.config.logit_scale
         return logits
 
     # --- weights ---------------------------------------------------------------------------

@@ -20,7 +20,8 @@ from engine.model_families import LAYER_TYPES, family_fields
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM",
                            "Qwen3MoeForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", "GraniteForCausalLM",
                            "Olmo2ForCausalLM", "SmolLM3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
-                           "GptOssForCausalLM", "Qwen2MoeForCausalLM")
+                           "GptOssForCausalLM", "Qwen2MoeForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM")
+COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")   # one LayerNorm a layer, a parallel block
 QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")   # their attention bias: q/k/v's, not o_proj's
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")   # Gemma's layer: four norms, scaled embeddings
 # Multimodal checkpoints served as their text model: architecture -> (the text model's, its weights' prefix, the
@@ -46,6 +47,7 @@ DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32_768, "
                          "Qwen3ForCausalLM": 32_768, "Qwen3MoeForCausalLM": 32_768, "MixtralForCausalLM": 131_072,
                          "Phi3ForCausalLM": 4096, "GraniteForCausalLM": 2048, "Olmo2ForCausalLM": 2048,
                          "SmolLM3ForCausalLM": 32_768, "GptOssForCausalLM": 131_072, "Qwen2MoeForCausalLM": 32_768,
+                         "CohereForCausalLM": 8192, "Cohere2ForCausalLM": 8192,
                          "Gemma2ForCausalLM": 8192, "Gemma3ForCausalLM": 131_072}
 # their rms_norm_eps, where it is not 1e-6
 DEFAULT_RMS_NORM_EPS = {"MixtralForCausalLM": 1e-5, "Phi3ForCausalLM": 1e-5, "Olmo2ForCausalLM": 1e-5,
@@ -166,8 +168,8 @@ class RopeScaling:
 @dataclass(frozen=True)
 class ModelConfig:
     """A decoder-only model's shape (Llama 2/3, Qwen2, Qwen3, Qwen3-MoE, Mistral, Mixtral, Phi-3, Granite, OLMo 2,
-    SmolLM3, Gemma 2, Gemma 3's text model, GPT-OSS, Qwen2-MoE) from an HF config.json. `layer_types` (Gemma): each layer full or
-    sliding; without it `sliding_window` is all's."""
+    SmolLM3, Gemma 2, Gemma 3's text model, GPT-OSS, Qwen2-MoE, Cohere's Command R and R7B) from an HF config.json.
+    `layer_types` (Gemma): each layer full or sliding; without it `sliding_window` is all's."""
 
     architecture: str
     vocab_size: int
@@ -204,6 +206,7 @@ class ModelConfig:
     attention_multiplier: float | None = None   # Granite: q.k's factor, in place of the attention scale below
     residual_multiplier: float = 1.0    # Granite: each sublayer's output's factor before the residual add
     logits_scaling: float = 1.0         # Granite: the logits are divided by it
+    logit_scale: float = 1.0            # Cohere: the logits are multiplied by it
     no_rope_layers: tuple[int, ...] = ()   # SmolLM3: 1 where a layer rotates q and k, 0 where not (NoPE); (): all do
     attention_sinks: bool = False       # GPT-OSS: a learned logit per query head in every softmax's denominator
     moe_bias: bool = False              # GPT-OSS: the router and each expert's projections carry biases
@@ -314,6 +317,7 @@ class ModelConfig:
         if self.shared_expert_intermediate_size:   # Qwen2-MoE: the shared expert and its gate
             experts += 3 * h * shared_i + h
         norms = 4 if self.architecture in GEMMA_ARCHITECTURES else 2   # Gemma: around the MLP too
+        norms = 1 if self.architecture in COHERE_ARCHITECTURES else norms   # Cohere: one before both sublayers
         per_layer = attn + norms * h + (2 * d if self.qk_norm else 0) + (heads if self.attention_sinks else 0)
         if self.architecture == "Olmo2ForCausalLM":   # q and k normed whole: a weight per channel
             per_layer += q + kv

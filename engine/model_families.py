@@ -37,6 +37,8 @@ def family_fields(cfg: dict[str, Any], arch: str, num_layers: int) -> dict[str, 
         return smollm3_fields(cfg, num_layers)
     if arch == "GptOssForCausalLM":
         return gpt_oss_fields(cfg, num_layers)
+    if arch in ("CohereForCausalLM", "Cohere2ForCausalLM"):
+        return cohere_fields(cfg, arch, num_layers)
     return {}
 
 
@@ -220,6 +222,25 @@ def gpt_oss_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
             "attention_bias": read_bool(cfg, "attention_bias", True), "hidden_act": "silu",   # the experts' own act
             "layer_types": tuple(kinds), "sliding_window": read_int(cfg, "sliding_window", 128),
             "full_rope": (rope,)}
+
+
+def cohere_fields(cfg: dict[str, Any], arch: str, num_layers: int) -> dict[str, Any]:
+    """Command R's and R7B's fields (transformers' `CohereConfig` and `Cohere2Config` names and defaults): the
+    LayerNorms' `layer_norm_eps`, the logits' `logit_scale` (0.0625), a tied head; per-head q/k norms
+    (`use_qk_norm`) refused. Cohere 2: sliding layers (`sliding_window`, 4096) and full ones as `layer_types` says
+    (by default every `sliding_window_pattern`-th, 4th, full), the full ones without rope."""
+    if read_bool(cfg, "use_qk_norm", False):
+        raise ConfigError("use_qk_norm: Cohere's per-head q/k LayerNorms (Command R+) are not supported")
+    fields = {"rms_norm_eps": read_float(cfg, "layer_norm_eps", 1e-5),
+              "logit_scale": read_float(cfg, "logit_scale", 0.0625),
+              "tie_word_embeddings": read_bool(cfg, "tie_word_embeddings", True)}
+    if arch == "CohereForCausalLM":
+        return fields
+    pattern = read_int(cfg, "sliding_window_pattern", 4)
+    kinds = _layer_types(cfg, lambda: ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                       for i in range(num_layers)])
+    return {**fields, "sliding_window": read_int(cfg, "sliding_window", 4096), "layer_types": tuple(kinds),
+            "no_rope_layers": tuple(int(kind == "sliding_attention") for kind in kinds)}
 
 
 def _check_silu(cfg: dict[str, Any], family: str) -> None:

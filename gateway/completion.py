@@ -356,11 +356,12 @@ def poison_error(request_id: str, deaths: int, last: ApiError) -> ApiError:
 
 async def constrained(gateway: Gateway, req: ChatRequest | CompletionRequest, pool: Pool, ids: list[int]
                       ) -> tuple[ChatRequest | CompletionRequest, str | None]:
-    """(`req` with the grammar on its reply in a local `pool`, where a thinking model's chat reply starts:
-    `think_mode`, "harmony" for a model whose template writes harmony channels, None for a completion), once the grammar library has checked that grammar (a 400 naming
-    its field if it cannot be enforced). The prompt's token `ids` say where the reply starts: its grammar
-    and its reasoning split both follow it. A reply that may call keeps special tokens where its format's
-    markers are special tokens of the pool's (`ToolFormat.markers_skipped`): its calls are read from its text."""
+    """(`req` with the grammar on its reply in a local `pool`, where a thinking model's chat reply starts: `think_mode`,
+    "harmony" for a model whose template writes harmony channels, None for a completion), once the grammar library
+    has checked that grammar (a 400 naming its field if it cannot be enforced). The prompt's token `ids` say where
+    the reply starts: its grammar and its reasoning split both follow it. A reply that may call keeps special tokens
+    where its format's markers are special tokens of the pool's (`ToolFormat.markers_skipped`): its calls are read
+    from its text."""
     if isinstance(req, ChatRequest) and template_speaks_harmony(
             pool.tokenizer.chat_template_source(use_tools=req.tools is not None)):
         return _harmony(req, pool), "harmony"   # its channels split the reply (gateway.openai.harmony)

@@ -101,7 +101,8 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
            "mixtral": transformers.MixtralConfig, "phi3": transformers.Phi3Config,
            "gemma2": transformers.Gemma2Config, "granite": transformers.GraniteConfig,
            "olmo2": transformers.Olmo2Config, "smollm3": transformers.SmolLM3Config,
-           "gpt_oss": transformers.GptOssConfig, "qwen2_moe": transformers.Qwen2MoeConfig}[arch]
+           "gpt_oss": transformers.GptOssConfig, "qwen2_moe": transformers.Qwen2MoeConfig,
+           "cohere": transformers.CohereConfig, "cohere2": transformers.Cohere2Config}[arch]
     config = cls(**common)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)

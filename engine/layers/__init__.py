@@ -7,5 +7,6 @@ from engine.layers.activation import ClampedSwiGLU, GeluTanhAndMul, SiluAndMul
 from engine.layers.norm import FloatRMSNorm, GemmaHeadRMSNorm, GemmaRMSNorm, HeadRMSNorm, RMSNorm
 from engine.layers.rotary import RopeRows, RotaryEmbedding
 
-__all__ = ["ClampedSwiGLU", "FloatRMSNorm", "GeluTanhAndMul", "GemmaHeadRMSNorm", "GemmaRMSNorm", "HeadRMSNorm", "RMSNorm", "RopeRows",
+__all__ = ["ClampedSwiGLU", "FloatRMSNorm", "GeluTanhAndMul", "GemmaHeadRMSNorm", "GemmaRMSNorm", "HeadRMSNorm",
+           "RMSNorm", "RopeRows",
            "RotaryEmbedding", "SiluAndMul"]

@@ -3,11 +3,13 @@
 The Llama family (Llama 2/3, Qwen2, Qwen3, Mistral) is `engine.model.LlamaForCausalLM`; a variant that
 changes the layer itself has a module here, built from the same shared layers (`engine.layers`) and the
 same weight loading and tensor-parallel cuts: `gemma3` (Gemma 3's text model, and Gemma 2's), `qwen3_moe`
-(Qwen3-MoE's sparse layers, and Qwen2-MoE's with their shared expert), `mixtral` (Mixtral: those experts on every layer, under its checkpoints' names),
+(Qwen3-MoE's sparse layers, and Qwen2-MoE's with their shared expert), `mixtral` (Mixtral: those experts on every
+layer, under its checkpoints' names),
 `phi3` (Phi-3 and Phi-4: the Llama layer, its checkpoints' fused q/k/v and gate/up split as they are read),
 `granite` (Granite 3: the Llama layer and its four scalars), `olmo2` (OLMo 2: post-norm layers, q/k normed
 whole), `smollm3` (SmolLM3: NoPE layers), `gpt_oss` (GPT-OSS: attention sinks, biased experts with a clamped
-SwiGLU, MXFP4 experts dequantized as they are read).
+SwiGLU, MXFP4 experts dequantized as they are read), `cohere` (Command R and R7B: parallel layers, LayerNorms, q/k
+rows reordered for the engine's rotary).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from engine.config import ConfigError
 from engine.model_config import GEMMA_ARCHITECTURES, ModelConfig
 from engine.layers import RotaryEmbedding
 from engine.model import LlamaForCausalLM
+from engine.models.cohere import CohereForCausalLM
 from engine.models.gemma3 import Gemma3ForCausalLM
 from engine.models.gpt_oss import GptOssForCausalLM
 from engine.models.granite import GraniteForCausalLM
@@ -41,7 +44,9 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "Olmo2ForCausalLM": Olmo2ForCausalLM,
                                                 "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
                                                 "GptOssForCausalLM": GptOssForCausalLM,
-                                                "Qwen2MoeForCausalLM": Qwen3MoeForCausalLM}   # its experts, no q/k norms
+                                                "Qwen2MoeForCausalLM": Qwen3MoeForCausalLM,   # no q/k norms
+                                                "CohereForCausalLM": CohereForCausalLM,
+                                                "Cohere2ForCausalLM": CohereForCausalLM}   # its full layers NoPE
 
 
 def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:

@@ -873,3 +873,41 @@ def test_qwen2_moe_as_its_model_card_writes_it_and_its_defaults_as_transformers_
         ShardShape.of(ModelConfig.from_hf_config({**card, "num_attention_heads": 24, "num_key_value_heads": 24,
                                                   "head_dim": 64, "intermediate_size": 5631,
                                                   "moe_intermediate_size": 1407}), 0, 3)
+
+
+def test_cohere_as_its_model_cards_write_it_and_its_defaults_as_transformers_reads_them():
+    """Command R's config (35 B parameters, one LayerNorm a layer, a tied head, logits times 0.0625) and Command
+    R7B's (sliding layers with rope, every 4th full without); each parameter count is transformers' model's, built
+    on the meta device from the same config. Keys left out read as CohereConfig / Cohere2Config read them; per-head
+    q/k norms (Command R+) refused by key."""
+    transformers = pytest.importorskip("transformers")
+    command_r = {"architectures": ["CohereForCausalLM"], "vocab_size": 256000, "hidden_size": 8192,
+                 "intermediate_size": 22528, "num_hidden_layers": 40, "num_attention_heads": 64,
+                 "num_key_value_heads": 64, "max_position_embeddings": 131072, "rope_theta": 8000000.0,
+                 "layer_norm_eps": 1e-05, "logit_scale": 0.0625, "use_qk_norm": False}
+    r7b = {"architectures": ["Cohere2ForCausalLM"], "vocab_size": 256000, "hidden_size": 4096,
+           "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+           "max_position_embeddings": 8192, "rope_theta": 50000.0, "layer_norm_eps": 1e-05, "logit_scale": 0.25,
+           "sliding_window": 4096, "sliding_window_pattern": 4}
+    for card, config_class, model_class in ((command_r, "CohereConfig", "CohereForCausalLM"),
+                                            (r7b, "Cohere2Config", "Cohere2ForCausalLM")):
+        cfg = ModelConfig.from_hf_config(card)
+        with torch.device("meta"):
+            hf = getattr(transformers, model_class)(getattr(transformers, config_class)(
+                **{k: v for k, v in card.items() if k != "architectures"}))
+        assert cfg.num_params() == sum(p.numel() for p in hf.parameters()), model_class
+        assert cfg.tie_word_embeddings and cfg.logit_scale == card["logit_scale"]
+        bare = {k: card[k] for k in ("architectures", "vocab_size", "hidden_size", "intermediate_size",
+                                     "num_hidden_layers", "num_attention_heads")}
+        ours, theirs = ModelConfig.from_hf_config(bare), getattr(transformers, config_class)(
+            **{k: v for k, v in bare.items() if k != "architectures"})
+        assert (ours.logit_scale, ours.rms_norm_eps, ours.max_position_embeddings, ours.num_kv_heads,
+                ours.tie_word_embeddings) == (theirs.logit_scale, theirs.layer_norm_eps, theirs.max_position_embeddings,
+                                              theirs.num_key_value_heads or theirs.num_attention_heads,
+                                              theirs.tie_word_embeddings), model_class
+        if model_class == "Cohere2ForCausalLM":
+            assert ours.layer_types == tuple(theirs.layer_types) and ours.sliding_window == theirs.sliding_window
+            assert ours.no_rope_layers == tuple(int(t == "sliding_attention") for t in theirs.layer_types)
+    assert ModelConfig.from_hf_config(command_r).num_params() == 34_980_831_232   # "35 B"
+    with pytest.raises(ConfigError, match="^use_qk_norm: Cohere's per-head q/k LayerNorms"):
+        ModelConfig.from_hf_config({**command_r, "use_qk_norm": True})

@@ -156,6 +156,11 @@ TINY_MODELS = [
     ("gpt_oss", {**GPT_OSS, "num_key_value_heads": 1, "num_attention_heads": 4, "layer_types": ["full_attention"] * 3}),
     # Qwen2-MoE: 8 experts of 32, 2 a token, beside a gated shared expert of 48; q/k/v biases; layer 1 dense;
     # then its sliding rule (even layers below max_window_layers) and renormalised top k
+    # Command R: parallel layers, LayerNorms, interleaved rotary, logits scaled; then q/k/v/o biases and grouped KV
+    # heads; Command R7B: sliding layers (a window of 8) with rope, every 4th full and without
+    ("cohere", dict(logit_scale=0.5, head_dim=16, rope_parameters=YARN)),
+    ("cohere", dict(attention_bias=True, num_key_value_heads=1, tie_word_embeddings=False)),
+    ("cohere2", dict(num_hidden_layers=4, sliding_window=8, logit_scale=0.5)),
     ("qwen2_moe", QWEN2_MOE),
     ("qwen2_moe", {**QWEN2_MOE, "num_hidden_layers": 3, "mlp_only_layers": [], "norm_topk_prob": True,
                    "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2}),
@@ -492,12 +497,13 @@ def test_the_grouped_experts_equal_the_expert_loop(monkeypatch):
 
 
 @pytest.mark.parametrize("arch,overrides,knob,off", [
-    ("gemma2", GEMMA2, "final_logit_softcapping", None), ("granite", GRANITE, "logits_scaling", 1.0)])
+    ("gemma2", GEMMA2, "final_logit_softcapping", None), ("granite", GRANITE, "logits_scaling", 1.0),
+    ("cohere", dict(logit_scale=0.5), "logit_scale", 1.0)])
 def test_what_the_head_does_to_the_logits_shows_in_transformers_logprobs(tmp_path, builtin_path, arch, overrides,
                                                                         knob, off):
-    """Greedy tokens cannot show Gemma 2's soft-cap of the logits or Granite's scaling (both keep the order): the
-    logprobs do. A prompt's logprobs equal transformers' log-softmax of its logits (a cap of 5 and a scaling of 2
-    bend these), and differ without the head's transform."""
+    """Greedy tokens cannot show Gemma 2's soft-cap of the logits or Granite's and Cohere's scaling (all keep the
+    order): the logprobs do. A prompt's logprobs equal transformers' log-softmax of its logits (a cap of 5 and the
+    scalings bend these), and differ without the head's transform."""
     import dataclasses
 
     import transformers
@@ -668,10 +674,11 @@ def test_an_mxfp4_gpt_oss_checkpoint_serves_what_transformers_dequantizes(tmp_pa
         assert out.outputs[0].token_ids == _hf_greedy(hf, prompt, 12, eos_ids=None)
     model_config = ModelConfig.from_folder(folder)
     blocks = "model.layers.1.mlp.experts.down_proj_blocks"
-    with pytest.raises(WeightLoadError, match=r"missing weights: model.layers.1.mlp.experts.down_proj_scales \(MXFP4: its "
-                                              r"blocks came alone\)"):
+    with pytest.raises(WeightLoadError, match=r"missing weights: model.layers.1.mlp.experts.down_proj_scales "
+                                              r"\(MXFP4: its blocks came alone\)"):
         build_model(model_config, torch.float32, "cpu").load_weights(
             (k, v) for k, v in state.items() if k != blocks.replace("blocks", "scales"))
-    with pytest.raises(WeightLoadError, match=rf"{blocks.replace('blocks', 'scales')}: MXFP4 blocks .* got \(4, 64, 2, 8\)"):
+    scales = blocks.replace("blocks", "scales")
+    with pytest.raises(WeightLoadError, match=rf"{scales}: MXFP4 blocks .* got \(4, 64, 2, 8\)"):
         build_model(model_config, torch.float32, "cpu").load_weights(
             {**state, blocks: state[blocks][..., :8]}.items())

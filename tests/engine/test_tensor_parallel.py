@@ -227,6 +227,8 @@ QWEN3 = {"head_dim": 32, "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
                 "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}, None),
     ("mistral", {"sliding_window": 12}, None),
     ("smollm3", {"no_rope_layers": [1, 0], "pad_token_id": 0}, None),
+    ("cohere", {"attention_bias": True, "logit_scale": 0.5}, None),
+    ("cohere2", {"num_hidden_layers": 4, "sliding_window": 8}, None),
     ("qwen2_moe", {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                    "shared_expert_intermediate_size": 48, "num_key_value_heads": 4}, None),
     ("gpt_oss", {"intermediate_size": 48, "num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 16,
@@ -241,7 +243,8 @@ def test_two_ranks_generate_what_one_does(tmp_path, builtin_path, prompts, arch,
     # norms q and k over every rank's heads (its one KV head on both ranks, counted once); Gemma 3 its q/k head
     # norms whole on each rank and two ropes, Mistral and SmolLM3 a window and NoPE layers per rank; GPT-OSS cuts
     # each rank's heads' sinks and each expert's biases (the down one added on rank 0 alone); Qwen2-MoE its shared
-    # expert's rows (its gate whole on every rank, the gated partial outputs summed with the experts'). Qwen3's
+    # expert's rows (its gate whole on every rank, the gated partial outputs summed with the experts'); Cohere each
+    # rank's heads of the q/k rows it reorders, and o_proj's bias once. Qwen3's
     # and Mixtral's groups overlap their steps: the other rank fills the placeholders of each step's inputs
     # from rank 0's sampled ids (engine.overlap).
     path = str(make_tiny_model(tmp_path / arch, arch, builtin_path, **overrides))

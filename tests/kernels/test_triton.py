@@ -768,8 +768,8 @@ def _build_kernel_for_sm90(kernel, constexprs: dict, pointers: dict, **options):
 
 def _build_fp8_kernels_for_sm90() -> dict:
     """Build the store and the paged kernel (one pass and split, the decode configuration; the split one with
-    soft-capped scores and attention sinks) over an FP8 cache for sm_90, bf16 model, head_dim 128; report the PTX instructions that
-    carry the FP8 contract, and the store's stack."""
+    soft-capped scores and attention sinks) over an FP8 cache for sm_90, bf16 model, head_dim 128; report the PTX
+    instructions that carry the FP8 contract, and the store's stack."""
     import re
 
     def instructions(built, pattern):

@@ -1,0 +1,103 @@
+"""Cohere's Command R family: `CohereForCausalLM` (Command R, Aya) and `Cohere2ForCausalLM` (Command R7B, Command A).
+
+The layer is parallel: one LayerNorm (`CohereLayerNorm`: float32, mean-centred, a weight and no bias) feeds both
+the attention and the MLP, and both outputs join the stream, x + attention + mlp (transformers' order: the
+attention's output added first; the layer hands `(mlp, x + attention)` on, so the next layer's fused add makes
+the same sum). The logits are multiplied by `logit_scale` (`LlamaForCausalLM.compute_logits`); the head is tied by
+default.
+
+Cohere's rotary pairs each even dimension of a head with the next odd one (GPT-J's interleaved form), where the
+engine's rotary embedding pairs dimension i with i + head_dim / 2. A dot product does not see an order applied to
+both of its vectors: `read_tensor` reorders each q and k head's rows (and biases) evens first, then odds, as the
+weights are read, so the engine's rotary is Cohere's and q.k, hence every score, is unchanged (V and o_proj keep
+their order). Cohere 2 rotates on its sliding layers only: its full layers are NoPE (`ModelConfig.no_rope_layers`,
+SmolLM3's `NoRope`). Per-head q/k LayerNorms (`use_qk_norm`, Command R+) are not served (refused by key).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from types import ModuleType
+
+import torch
+from torch import nn
+
+from engine.layers import FloatRMSNorm, RopeRows
+from engine.model import MLP, Attention, LlamaForCausalLM
+from engine.model_config import ModelConfig
+from engine.models.smollm3 import NoRope
+from engine.parallel import Collectives, ShardShape
+from kernels import AttentionMetadata
+
+__all__ = ["CohereForCausalLM", "CohereLayerNorm", "interleaved_to_halves"]
+
+
+def _layer_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' `CohereLayerNorm`: in float32, mean-centred, times the weight, one rounding to x's dtype."""
+    xf = x.float()
+    centred = xf - xf.mean(-1, keepdim=True)
+    return (weight.float() * (centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + eps))).to(x.dtype)
+
+
+class CohereLayerNorm(FloatRMSNorm):
+    """Cohere's LayerNorm (no bias), the residual add fused as `FloatRMSNorm`'s."""
+
+    norm = staticmethod(_layer_norm)
+
+
+def interleaved_to_halves(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """A q or k projection's rows (or bias) [heads x head_dim, ...] reordered in each head: its even dimensions, then
+    its odd ones, so that rotating halves (i with i + head_dim / 2) rotates the pairs Cohere's rotary pairs (2i,
+    2i + 1). The same order on q and k leaves every q.k as it was."""
+    heads = rows.shape[0] // head_dim
+    grouped = rows.reshape(heads, head_dim // 2, 2, *rows.shape[1:])
+    return grouped.transpose(1, 2).reshape(rows.shape)
+
+
+class CohereDecoderLayer(nn.Module):
+    """One parallel block (see the module docstring)."""
+
+    def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives, rotary_emb: nn.Module,
+                 ops: ModuleType, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = CohereLayerNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, shard, comm, rotary_emb, layer)
+        self.mlp = MLP(config, shard, comm, ops)
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope_rows: RopeRows,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, backend
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden: [num_tokens, hidden_size], the previous layer's MLP output (the embeddings, with residual None,
+        for the first) -> (this layer's MLP output, the stream with its attention output added)."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        residual = residual + self.self_attn(hidden, rope_rows, kv_cache, meta, backend)
+        return self.mlp(hidden), residual
+
+
+class CohereForCausalLM(LlamaForCausalLM):
+    """Command R and Command R7B (see the module docstring): the Llama model's loading, cuts and head, with
+    Cohere's parallel layers, LayerNorms and q/k rows reordered as they are read."""
+
+    supports_flat_forward = False
+
+    def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
+        rotary = self.rotary_emb
+        if self.config.no_rope_layers and not self.config.no_rope_layers[index]:   # Cohere 2's full layers
+            if not hasattr(self, "no_rope"):
+                self.no_rope = NoRope()
+            rotary = self.no_rope
+        return CohereDecoderLayer(self.config, self.shard, self.comm, rotary, ops, index)
+
+    def make_norm(self, ops: ModuleType) -> nn.Module:
+        return CohereLayerNorm(self.config.hidden_size, self.config.rms_norm_eps)
+
+    def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
+        """A q or k projection's weight or bias with each head's rows evens first (`interleaved_to_halves`), where
+        its rows are whole heads (a wrong shape is named by the loading, as for any model); the rest as stored."""
+        if (".self_attn.q_proj." in name or ".self_attn.k_proj." in name) and \
+                tensor.dim() >= 1 and tensor.shape[0] % self.config.head_dim == 0:
+            tensor = interleaved_to_halves(tensor, self.config.head_dim)
+        return ((name, tensor),)
