@@ -187,7 +187,7 @@ class ModelConfig:
     attention_bias: bool = False        # q/k/v projections carry a bias (Qwen2: always)
     mlp_bias: bool = False
     sliding_window: int | None = None   # Mistral: keys older than this many positions are not attended
-    qk_norm: bool = False               # Qwen3, Gemma 3: each query and key head RMS-normed before rotary
+    qk_norm: bool = False               # Qwen3, Gemma 3 (Command R+: LayerNormed): each q and k head normed before rotary
     hidden_act: str = "silu"            # the MLP's gate activation: silu | gelu_pytorch_tanh (Gemma 3)
     layer_types: tuple[str, ...] = ()   # Gemma 3: full_attention | sliding_attention per layer; () all alike
     rope_local_theta: float | None = None   # Gemma 3: the sliding layers' rope base (no scaling)
@@ -318,7 +318,9 @@ class ModelConfig:
             experts += 3 * h * shared_i + h
         norms = 4 if self.architecture in GEMMA_ARCHITECTURES else 2   # Gemma: around the MLP too
         norms = 1 if self.architecture in COHERE_ARCHITECTURES else norms   # Cohere: one before both sublayers
-        per_layer = attn + norms * h + (2 * d if self.qk_norm else 0) + (heads if self.attention_sinks else 0)
+        # q/k norms: a weight per channel of a head (Cohere: each head its own)
+        qk = (q + kv if self.architecture in COHERE_ARCHITECTURES else 2 * d) if self.qk_norm else 0
+        per_layer = attn + norms * h + qk + (heads if self.attention_sinks else 0)
         if self.architecture == "Olmo2ForCausalLM":   # q and k normed whole: a weight per channel
             per_layer += q + kv
         mlps = sum(experts if self.is_sparse_layer(layer) else mlp for layer in range(self.num_layers))

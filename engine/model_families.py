@@ -226,12 +226,11 @@ def gpt_oss_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
 
 def cohere_fields(cfg: dict[str, Any], arch: str, num_layers: int) -> dict[str, Any]:
     """Command R's and R7B's fields (transformers' `CohereConfig` and `Cohere2Config` names and defaults): the
-    LayerNorms' `layer_norm_eps`, the logits' `logit_scale` (0.0625), a tied head; per-head q/k norms
-    (`use_qk_norm`) refused. Cohere 2: sliding layers (`sliding_window`, 4096) and full ones as `layer_types` says
-    (by default every `sliding_window_pattern`-th, 4th, full), the full ones without rope."""
-    if read_bool(cfg, "use_qk_norm", False):
-        raise ConfigError("use_qk_norm: Cohere's per-head q/k LayerNorms (Command R+) are not supported")
+    LayerNorms' `layer_norm_eps`, the logits' `logit_scale` (0.0625), a tied head, Command R's per-head q/k
+    LayerNorms where `use_qk_norm` (Command R+). Cohere 2: sliding layers (`sliding_window`, 4096) and full ones as
+    `layer_types` says (by default every `sliding_window_pattern`-th, 4th, full), the full ones without rope."""
     fields = {"rms_norm_eps": read_float(cfg, "layer_norm_eps", 1e-5),
+              "qk_norm": arch == "CohereForCausalLM" and read_bool(cfg, "use_qk_norm", False),
               "logit_scale": read_float(cfg, "logit_scale", 0.0625),
               "tie_word_embeddings": read_bool(cfg, "tie_word_embeddings", True)}
     if arch == "CohereForCausalLM":

@@ -11,7 +11,8 @@ engine's rotary embedding pairs dimension i with i + head_dim / 2. A dot product
 both of its vectors: `read_tensor` reorders each q and k head's rows (and biases) evens first, then odds, as the
 weights are read, so the engine's rotary is Cohere's and q.k, hence every score, is unchanged (V and o_proj keep
 their order). Cohere 2 rotates on its sliding layers only: its full layers are NoPE (`ModelConfig.no_rope_layers`,
-SmolLM3's `NoRope`). Per-head q/k LayerNorms (`use_qk_norm`, Command R+) are not served (refused by key).
+SmolLM3's `NoRope`). Command R+'s q/k LayerNorms (`use_qk_norm`) have a weight per head (`CohereHeadLayerNorm`,
+this rank's heads), reordered as the rows are.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 from torch import nn
 
 from engine.layers import FloatRMSNorm, RopeRows
-from engine.model import MLP, Attention, LlamaForCausalLM
+from engine.model import MLP, Attention, LlamaForCausalLM, WeightLoadError
 from engine.model_config import ModelConfig
 from engine.models.smollm3 import NoRope
 from engine.parallel import Collectives, ShardShape
@@ -54,6 +55,19 @@ def interleaved_to_halves(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
     return grouped.transpose(1, 2).reshape(rows.shape)
 
 
+class CohereHeadLayerNorm(nn.Module):
+    """Cohere's LayerNorm over each head of a [num_tokens, num_heads, head_dim] view, a weight of its own for each
+    head ([num_heads, head_dim]: this rank's), written back in place (Command R+'s q_norm and k_norm, before rotary)."""
+
+    def __init__(self, num_heads: int, head_dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(num_heads, head_dim))
+        self.eps = eps
+
+    def forward(self, heads: torch.Tensor) -> None:
+        heads.copy_(_layer_norm(heads, self.weight, self.eps))
+
+
 class CohereDecoderLayer(nn.Module):
     """One parallel block (see the module docstring)."""
 
@@ -62,6 +76,9 @@ class CohereDecoderLayer(nn.Module):
         super().__init__()
         self.input_layernorm = CohereLayerNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, shard, comm, rotary_emb, layer)
+        if config.qk_norm:   # Command R+: a weight per head
+            self.self_attn.q_norm = CohereHeadLayerNorm(shard.num_heads, config.head_dim, config.rms_norm_eps)
+            self.self_attn.k_norm = CohereHeadLayerNorm(shard.num_kv_heads, config.head_dim, config.rms_norm_eps)
         self.mlp = MLP(config, shard, comm, ops)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope_rows: RopeRows,
@@ -96,8 +113,26 @@ class CohereForCausalLM(LlamaForCausalLM):
 
     def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
         """A q or k projection's weight or bias with each head's rows evens first (`interleaved_to_halves`), where
-        its rows are whole heads (a wrong shape is named by the loading, as for any model); the rest as stored."""
-        if (".self_attn.q_proj." in name or ".self_attn.k_proj." in name) and \
-                tensor.dim() >= 1 and tensor.shape[0] % self.config.head_dim == 0:
-            tensor = interleaved_to_halves(tensor, self.config.head_dim)
+        its rows are whole heads (a wrong shape is named by the loading, as for any model), and a q/k norm's weight
+        [heads, head_dim] alike; the rest as stored."""
+        d = self.config.head_dim
+        if any(f".self_attn.{part}." in name for part in ("q_proj", "k_proj")) and tensor.dim() >= 1 \
+                and tensor.shape[0] % d == 0:
+            tensor = interleaved_to_halves(tensor, d)
+        elif any(f".self_attn.{part}." in name for part in ("q_norm", "k_norm")) and tensor.dim() == 2 \
+                and tensor.shape[-1] == d:
+            tensor = interleaved_to_halves(tensor.reshape(-1), d).reshape(tensor.shape)
         return ((name, tensor),)
+
+    def _shard_of(self, hf_name: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Command R+'s q/k norms cut to this rank's heads (its KV heads: replicated where the ranks outnumber
+        them); the rest as the Llama model's."""
+        shard, c = self.shard, self.config
+        if shard.size == 1 or not name.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight")):
+            return super()._shard_of(hf_name, name, tensor)
+        heads, start, count = (c.num_heads, shard.head_start, shard.num_heads) if ".q_norm." in name else \
+            (c.num_kv_heads, shard.kv_head_start, shard.num_kv_heads)
+        if tuple(tensor.shape) != (heads, c.head_dim):
+            raise WeightLoadError(f"{hf_name}: shape {tuple(tensor.shape)} does not match the config's "
+                                  f"{(heads, c.head_dim)}")
+        return tensor.narrow(0, start, count)

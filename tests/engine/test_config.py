@@ -878,8 +878,8 @@ def test_qwen2_moe_as_its_model_card_writes_it_and_its_defaults_as_transformers_
 def test_cohere_as_its_model_cards_write_it_and_its_defaults_as_transformers_reads_them():
     """Command R's config (35 B parameters, one LayerNorm a layer, a tied head, logits times 0.0625) and Command
     R7B's (sliding layers with rope, every 4th full without); each parameter count is transformers' model's, built
-    on the meta device from the same config. Keys left out read as CohereConfig / Cohere2Config read them; per-head
-    q/k norms (Command R+) refused by key."""
+    on the meta device from the same config, Command R+'s per-head q/k norms too. Keys left out read as CohereConfig
+    / Cohere2Config read them."""
     transformers = pytest.importorskip("transformers")
     command_r = {"architectures": ["CohereForCausalLM"], "vocab_size": 256000, "hidden_size": 8192,
                  "intermediate_size": 22528, "num_hidden_layers": 40, "num_attention_heads": 64,
@@ -909,5 +909,9 @@ def test_cohere_as_its_model_cards_write_it_and_its_defaults_as_transformers_rea
             assert ours.layer_types == tuple(theirs.layer_types) and ours.sliding_window == theirs.sliding_window
             assert ours.no_rope_layers == tuple(int(t == "sliding_attention") for t in theirs.layer_types)
     assert ModelConfig.from_hf_config(command_r).num_params() == 34_980_831_232   # "35 B"
-    with pytest.raises(ConfigError, match="^use_qk_norm: Cohere's per-head q/k LayerNorms"):
-        ModelConfig.from_hf_config({**command_r, "use_qk_norm": True})
+    plus = {**command_r, "use_qk_norm": True, "num_key_value_heads": 8, "num_hidden_layers": 2}
+    with torch.device("meta"):
+        hf = transformers.CohereForCausalLM(transformers.CohereConfig(
+            **{k: v for k, v in plus.items() if k != "architectures"}))
+    assert ModelConfig.from_hf_config(plus).num_params() == sum(p.numel() for p in hf.parameters())
+    assert ModelConfig.from_hf_config(plus).qk_norm and not ModelConfig.from_hf_config({**r7b, "use_qk_norm": True}).qk_norm

@@ -159,7 +159,7 @@ TINY_MODELS = [
     # Command R: parallel layers, LayerNorms, interleaved rotary, logits scaled; then q/k/v/o biases and grouped KV
     # heads; Command R7B: sliding layers (a window of 8) with rope, every 4th full and without
     ("cohere", dict(logit_scale=0.5, head_dim=16, rope_parameters=YARN)),
-    ("cohere", dict(attention_bias=True, num_key_value_heads=1, tie_word_embeddings=False)),
+    ("cohere", dict(attention_bias=True, num_key_value_heads=1, tie_word_embeddings=False, use_qk_norm=True)),
     ("cohere2", dict(num_hidden_layers=4, sliding_window=8, logit_scale=0.5)),
     ("qwen2_moe", QWEN2_MOE),
     ("qwen2_moe", {**QWEN2_MOE, "num_hidden_layers": 3, "mlp_only_layers": [], "norm_topk_prob": True,
