@@ -187,7 +187,7 @@ class ModelConfig:
     attention_bias: bool = False        # q/k/v projections carry a bias (Qwen2: always)
     mlp_bias: bool = False
     sliding_window: int | None = None   # Mistral: keys older than this many positions are not attended
-    qk_norm: bool = False               # Qwen3, Gemma 3 (Command R+: LayerNormed): each q and k head normed before rotary
+    qk_norm: bool = False               # Qwen3, Gemma 3, Command R+: each q and k head normed before rotary
     hidden_act: str = "silu"            # the MLP's gate activation: silu | gelu_pytorch_tanh (Gemma 3)
     layer_types: tuple[str, ...] = ()   # Gemma 3: full_attention | sliding_attention per layer; () all alike
     rope_local_theta: float | None = None   # Gemma 3: the sliding layers' rope base (no scaling)
