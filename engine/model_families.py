@@ -39,6 +39,10 @@ def family_fields(cfg: dict[str, Any], arch: str, num_layers: int) -> dict[str, 
         return gpt_oss_fields(cfg, num_layers)
     if arch in ("CohereForCausalLM", "Cohere2ForCausalLM"):
         return cohere_fields(cfg, arch, num_layers)
+    if arch == "Ernie4_5ForCausalLM":   # Ernie4_5Config: one switch for every projection's bias, a tied head
+        bias = read_bool(cfg, "use_bias", False)
+        return {"attention_bias": bias, "mlp_bias": bias, "tie_word_embeddings": read_bool(cfg, "tie_word_embeddings",
+                                                                                         True)}
     return {}
 
 

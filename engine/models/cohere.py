@@ -30,7 +30,7 @@ from engine.models.smollm3 import NoRope
 from engine.parallel import Collectives, ShardShape
 from kernels import AttentionMetadata
 
-__all__ = ["CohereForCausalLM", "CohereLayerNorm", "interleaved_to_halves"]
+__all__ = ["CohereForCausalLM", "CohereLayerNorm", "InterleavedRotaryWeights", "interleaved_to_halves"]
 
 
 def _layer_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -94,7 +94,25 @@ class CohereDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
-class CohereForCausalLM(LlamaForCausalLM):
+class InterleavedRotaryWeights(LlamaForCausalLM):
+    """A model whose rotary pairs dimensions 2i and 2i + 1 (Cohere's, ERNIE 4.5's): its q and k rows (and biases,
+    and per-head q/k norm weights) reordered evens first as they are read (see the module docstring)."""
+
+    def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
+        """A q or k projection's weight or bias with each head's rows evens first (`interleaved_to_halves`), where
+        its rows are whole heads (a wrong shape is named by the loading, as for any model), and a q/k norm's weight
+        [heads, head_dim] alike; the rest as stored."""
+        d = self.config.head_dim
+        if any(f".self_attn.{part}." in name for part in ("q_proj", "k_proj")) and tensor.dim() >= 1 \
+                and tensor.shape[0] % d == 0:
+            tensor = interleaved_to_halves(tensor, d)
+        elif any(f".self_attn.{part}." in name for part in ("q_norm", "k_norm")) and tensor.dim() == 2 \
+                and tensor.shape[-1] == d:
+            tensor = interleaved_to_halves(tensor.reshape(-1), d).reshape(tensor.shape)
+        return ((name, tensor),)
+
+
+class CohereForCausalLM(InterleavedRotaryWeights):
     """Command R and Command R7B (see the module docstring): the Llama model's loading, cuts and head, with
     Cohere's parallel layers, LayerNorms and q/k rows reordered as they are read."""
 
@@ -110,19 +128,6 @@ class CohereForCausalLM(LlamaForCausalLM):
 
     def make_norm(self, ops: ModuleType) -> nn.Module:
         return CohereLayerNorm(self.config.hidden_size, self.config.rms_norm_eps)
-
-    def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
-        """A q or k projection's weight or bias with each head's rows evens first (`interleaved_to_halves`), where
-        its rows are whole heads (a wrong shape is named by the loading, as for any model), and a q/k norm's weight
-        [heads, head_dim] alike; the rest as stored."""
-        d = self.config.head_dim
-        if any(f".self_attn.{part}." in name for part in ("q_proj", "k_proj")) and tensor.dim() >= 1 \
-                and tensor.shape[0] % d == 0:
-            tensor = interleaved_to_halves(tensor, d)
-        elif any(f".self_attn.{part}." in name for part in ("q_norm", "k_norm")) and tensor.dim() == 2 \
-                and tensor.shape[-1] == d:
-            tensor = interleaved_to_halves(tensor.reshape(-1), d).reshape(tensor.shape)
-        return ((name, tensor),)
 
     def _shard_of(self, hf_name: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """Command R+'s q/k norms cut to this rank's heads (its KV heads: replicated where the ranks outnumber

@@ -916,3 +916,29 @@ def test_cohere_as_its_model_cards_write_it_and_its_defaults_as_transformers_rea
     assert ModelConfig.from_hf_config(plus).num_params() == sum(p.numel() for p in hf.parameters())
     assert ModelConfig.from_hf_config(plus).qk_norm
     assert not ModelConfig.from_hf_config({**r7b, "use_qk_norm": True}).qk_norm   # Cohere2Config reads no such key
+
+
+def test_ernie45_as_its_model_card_writes_it_and_its_defaults_as_transformers_reads_them():
+    """ERNIE-4.5-0.3B's config: its parameter count is transformers' model's, built on the meta device from the same
+    config (every projection biased where `use_bias`, a tied head). Keys left out read as Ernie4_5Config reads them."""
+    transformers = pytest.importorskip("transformers")
+    card = {"architectures": ["Ernie4_5ForCausalLM"], "vocab_size": 103424, "hidden_size": 1024,
+            "intermediate_size": 3072, "num_hidden_layers": 18, "num_attention_heads": 16, "num_key_value_heads": 2,
+            "head_dim": 128, "max_position_embeddings": 131072, "rope_theta": 500000, "rms_norm_eps": 1e-05,
+            "tie_word_embeddings": True, "use_bias": False}
+    for use_bias in (False, True):
+        cfg = ModelConfig.from_hf_config({**card, "use_bias": use_bias})
+        with torch.device("meta"):
+            hf = transformers.Ernie4_5ForCausalLM(transformers.Ernie4_5Config(
+                **{k: v for k, v in card.items() if k not in ("architectures", "use_bias")}, use_bias=use_bias))
+        assert cfg.num_params() == sum(p.numel() for p in hf.parameters()), use_bias
+        assert cfg.attention_bias == cfg.mlp_bias == use_bias
+    assert ModelConfig.from_hf_config(card).num_params() == 360_748_032   # "0.36 B"
+    bare = {k: card[k] for k in ("architectures", "vocab_size", "hidden_size", "intermediate_size",
+                                 "num_hidden_layers", "num_attention_heads")}
+    ours = ModelConfig.from_hf_config(bare)
+    theirs = transformers.Ernie4_5Config(**{k: v for k, v in bare.items() if k != "architectures"})
+    assert (ours.num_kv_heads, ours.head_dim, ours.rope_theta, ours.rms_norm_eps, ours.max_position_embeddings,
+            ours.tie_word_embeddings) == (theirs.num_key_value_heads, theirs.head_dim,
+                                          theirs.rope_parameters["rope_theta"], theirs.rms_norm_eps,
+                                          theirs.max_position_embeddings, theirs.tie_word_embeddings)

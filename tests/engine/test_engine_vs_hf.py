@@ -161,6 +161,9 @@ TINY_MODELS = [
     ("cohere", dict(logit_scale=0.5, head_dim=16, rope_parameters=YARN)),
     ("cohere", dict(attention_bias=True, num_key_value_heads=1, tie_word_embeddings=False, use_qk_norm=True)),
     ("cohere2", dict(num_hidden_layers=4, sliding_window=8, logit_scale=0.5)),
+    # ERNIE 4.5: the Llama layer, interleaved rotary; then every projection biased, an untied head
+    ("ernie4_5", dict(head_dim=16, num_key_value_heads=1)),
+    ("ernie4_5", dict(use_bias=True, tie_word_embeddings=False, num_key_value_heads=2)),
     ("qwen2_moe", QWEN2_MOE),
     ("qwen2_moe", {**QWEN2_MOE, "num_hidden_layers": 3, "mlp_only_layers": [], "norm_topk_prob": True,
                    "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2}),
