@@ -21,10 +21,12 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
                            "Qwen3MoeForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", "GraniteForCausalLM",
                            "Olmo2ForCausalLM", "SmolLM3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
                            "GptOssForCausalLM", "Qwen2MoeForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM",
-                           "Ernie4_5ForCausalLM")
+                           "Ernie4_5ForCausalLM", "Glm4ForCausalLM")
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")   # one LayerNorm a layer, a parallel block
-QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")   # their attention bias: q/k/v's, not o_proj's
+# their attention bias: q/k/v's, not o_proj's
+QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Glm4ForCausalLM")
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")   # Gemma's layer: four norms, scaled embeddings
+FOUR_NORMS = (*GEMMA_ARCHITECTURES, "Glm4ForCausalLM")   # a norm on each sublayer's output too
 # Multimodal checkpoints served as their text model: architecture -> (the text model's, its weights' prefix, the
 # text_config's model_type where it names one: another family's text model is refused by that key)
 TEXT_MODELS = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "language_model.", "gemma3_text"),
@@ -49,15 +51,17 @@ DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32_768, "
                          "Phi3ForCausalLM": 4096, "GraniteForCausalLM": 2048, "Olmo2ForCausalLM": 2048,
                          "SmolLM3ForCausalLM": 32_768, "GptOssForCausalLM": 131_072, "Qwen2MoeForCausalLM": 32_768,
                          "CohereForCausalLM": 8192, "Cohere2ForCausalLM": 8192, "Ernie4_5ForCausalLM": 131_072,
+                         "Glm4ForCausalLM": 131_072,
                          "Gemma2ForCausalLM": 8192, "Gemma3ForCausalLM": 131_072}
 # their rms_norm_eps, where it is not 1e-6
 DEFAULT_RMS_NORM_EPS = {"MixtralForCausalLM": 1e-5, "Phi3ForCausalLM": 1e-5, "Olmo2ForCausalLM": 1e-5,
-                        "GptOssForCausalLM": 1e-5, "Ernie4_5ForCausalLM": 1e-5}
+                        "GptOssForCausalLM": 1e-5, "Ernie4_5ForCausalLM": 1e-5, "Glm4ForCausalLM": 1.5625e-7}
 DEFAULT_KV_HEADS = {"Qwen2ForCausalLM": 32, "MistralForCausalLM": 8, "Qwen3ForCausalLM": 32, "Qwen3MoeForCausalLM": 4,
                     "MixtralForCausalLM": 8, "SmolLM3ForCausalLM": 4, "GptOssForCausalLM": 8,
-                    "Qwen2MoeForCausalLM": 16, "Ernie4_5ForCausalLM": 2}
+                    "Qwen2MoeForCausalLM": 16, "Ernie4_5ForCausalLM": 2, "Glm4ForCausalLM": 2}
 # their head_dim where config.json names none (else hidden_size / num_attention_heads)
-DEFAULT_HEAD_DIM = {"Qwen3ForCausalLM": 128, "GptOssForCausalLM": 64, "Ernie4_5ForCausalLM": 128}
+DEFAULT_HEAD_DIM = {"Qwen3ForCausalLM": 128, "GptOssForCausalLM": 64, "Ernie4_5ForCausalLM": 128,
+                    "Glm4ForCausalLM": 128}
 # their rope_theta where config.json names none (else 10,000)
 DEFAULT_ROPE_THETA = {"MixtralForCausalLM": 1_000_000.0, "SmolLM3ForCausalLM": 2_000_000.0,
                       "GptOssForCausalLM": 150_000.0, "Ernie4_5ForCausalLM": 500_000.0}
@@ -169,8 +173,8 @@ class RopeScaling:
 @dataclass(frozen=True)
 class ModelConfig:
     """A decoder-only model's shape (Llama 2/3, Qwen2, Qwen3, Qwen3-MoE, Mistral, Mixtral, Phi-3, Granite, OLMo 2,
-    SmolLM3, Gemma 2, Gemma 3's text model, GPT-OSS, Qwen2-MoE, Cohere's Command R and R7B, ERNIE 4.5) from an HF
-    config.json.
+    SmolLM3, Gemma 2, Gemma 3's text model, GPT-OSS, Qwen2-MoE, Cohere's Command R and R7B, ERNIE 4.5, GLM-4) from an
+    HF config.json.
     `layer_types` (Gemma): each layer full or sliding; without it `sliding_window` is all's."""
 
     architecture: str
@@ -209,6 +213,7 @@ class ModelConfig:
     residual_multiplier: float = 1.0    # Granite: each sublayer's output's factor before the residual add
     logits_scaling: float = 1.0         # Granite: the logits are divided by it
     logit_scale: float = 1.0            # Cohere: the logits are multiplied by it
+    partial_rotary_factor: float = 1.0  # GLM-4: the share of each head the rotary turns (the default rope only)
     no_rope_layers: tuple[int, ...] = ()   # SmolLM3: 1 where a layer rotates q and k, 0 where not (NoPE); (): all do
     attention_sinks: bool = False       # GPT-OSS: a learned logit per query head in every softmax's denominator
     moe_bias: bool = False              # GPT-OSS: the router and each expert's projections carry biases
@@ -229,6 +234,10 @@ class ModelConfig:
             raise ConfigError(f"num_key_value_heads: {self.num_kv_heads} does not divide num_attention_heads {self.num_heads}")
         if self.head_dim % 2:
             raise ConfigError(f"head_dim: must be even for rotary embeddings, got {self.head_dim}")
+        if self.rotary_dim < self.head_dim and (self.rotary_dim % 2 or self.rotary_dim <= 0
+                                                or self.rope_scaling.rope_type != "default"):
+            raise ConfigError(f"partial_rotary_factor: {self.partial_rotary_factor} of head_dim {self.head_dim} is "
+                              "served as an even count of dimensions, with the default rope only")
         if self.hidden_act not in SUPPORTED_ACTIVATIONS:
             raise ConfigError(f"hidden_act: unsupported {self.hidden_act!r}; supported: {', '.join(SUPPORTED_ACTIVATIONS)}")
         if self.sliding_window is not None and self.sliding_window <= 0:
@@ -278,6 +287,12 @@ class ModelConfig:
         return (self.query_pre_attn_scalar if self.query_pre_attn_scalar is not None else self.head_dim) ** -0.5
 
     @property
+    def rotary_dim(self) -> int:
+        """The dimensions of a head the rotary turns: all but where `partial_rotary_factor` says less (transformers'
+        int(head_dim x factor))."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
     def num_queries_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
 
@@ -318,7 +333,7 @@ class ModelConfig:
             experts += self.num_experts * (2 * moe_i + h + 1)
         if self.shared_expert_intermediate_size:   # Qwen2-MoE: the shared expert and its gate
             experts += 3 * h * shared_i + h
-        norms = 4 if self.architecture in GEMMA_ARCHITECTURES else 2   # Gemma: around the MLP too
+        norms = 4 if self.architecture in FOUR_NORMS else 2   # Gemma, GLM-4: on the sublayers' outputs too
         norms = 1 if self.architecture in COHERE_ARCHITECTURES else norms   # Cohere: one before both sublayers
         # q/k norms: a weight per channel of a head (Cohere: each head its own)
         qk = (q + kv if self.architecture in COHERE_ARCHITECTURES else 2 * d) if self.qk_norm else 0

@@ -39,6 +39,8 @@ def family_fields(cfg: dict[str, Any], arch: str, num_layers: int) -> dict[str, 
         return gpt_oss_fields(cfg, num_layers)
     if arch in ("CohereForCausalLM", "Cohere2ForCausalLM"):
         return cohere_fields(cfg, arch, num_layers)
+    if arch == "Glm4ForCausalLM":
+        return glm4_fields(cfg)
     if arch == "Ernie4_5ForCausalLM":   # Ernie4_5Config: one switch for every projection's bias, a tied head
         bias = read_bool(cfg, "use_bias", False)
         return {"attention_bias": bias, "mlp_bias": bias, "tie_word_embeddings": read_bool(cfg, "tie_word_embeddings",
@@ -244,6 +246,15 @@ def cohere_fields(cfg: dict[str, Any], arch: str, num_layers: int) -> dict[str, 
                                        for i in range(num_layers)])
     return {**fields, "sliding_window": read_int(cfg, "sliding_window", 4096), "layer_types": tuple(kinds),
             "no_rope_layers": tuple(int(kind == "sliding_attention") for kind in kinds)}
+
+
+def glm4_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """GLM-4's fields (transformers' `Glm4Config` names and defaults): half of each head rotated
+    (`partial_rotary_factor`, at the top level or in the rope's parameters; 0.5 by default), q/k/v biases
+    (`attention_bias`, on by default)."""
+    rope = read_object(cfg, "rope_parameters") or read_object(cfg, "rope_scaling") or {}
+    factor = read_float(rope, "partial_rotary_factor", read_float(cfg, "partial_rotary_factor", 0.5))
+    return {"partial_rotary_factor": factor, "attention_bias": read_bool(cfg, "attention_bias", True)}
 
 
 def _check_silu(cfg: dict[str, Any], family: str) -> None:

@@ -103,7 +103,7 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
            "olmo2": transformers.Olmo2Config, "smollm3": transformers.SmolLM3Config,
            "gpt_oss": transformers.GptOssConfig, "qwen2_moe": transformers.Qwen2MoeConfig,
            "cohere": transformers.CohereConfig, "cohere2": transformers.Cohere2Config,
-           "ernie4_5": transformers.Ernie4_5Config}[arch]
+           "ernie4_5": transformers.Ernie4_5Config, "glm4": transformers.Glm4Config}[arch]
     config = cls(**common)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)

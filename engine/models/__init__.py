@@ -9,7 +9,8 @@ layer, under its checkpoints' names),
 `granite` (Granite 3: the Llama layer and its four scalars), `olmo2` (OLMo 2: post-norm layers, q/k normed
 whole), `smollm3` (SmolLM3: NoPE layers), `gpt_oss` (GPT-OSS: attention sinks, biased experts with a clamped
 SwiGLU, MXFP4 experts dequantized as they are read), `cohere` (Command R and R7B: parallel layers, LayerNorms, q/k
-rows reordered for the engine's rotary), `ernie` (ERNIE 4.5: the Llama layer, its interleaved rotary served so too).
+rows reordered for the engine's rotary), `ernie` (ERNIE 4.5: the Llama layer, its interleaved rotary served so
+too), `glm4` (GLM-4: sandwich norms, a partial interleaved rotary served by zero frequencies and reordered q/k rows).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from engine.model import LlamaForCausalLM
 from engine.models.cohere import CohereForCausalLM
 from engine.models.ernie import Ernie45ForCausalLM
 from engine.models.gemma3 import Gemma3ForCausalLM
+from engine.models.glm4 import Glm4ForCausalLM
 from engine.models.gpt_oss import GptOssForCausalLM
 from engine.models.granite import GraniteForCausalLM
 from engine.models.mixtral import MixtralForCausalLM
@@ -48,7 +50,8 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "Qwen2MoeForCausalLM": Qwen3MoeForCausalLM,   # no q/k norms
                                                 "CohereForCausalLM": CohereForCausalLM,
                                                 "Cohere2ForCausalLM": CohereForCausalLM,   # its full layers NoPE
-                                                "Ernie4_5ForCausalLM": Ernie45ForCausalLM}
+                                                "Ernie4_5ForCausalLM": Ernie45ForCausalLM,
+                                                "Glm4ForCausalLM": Glm4ForCausalLM}
 
 
 def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:

@@ -38,18 +38,23 @@ __all__ = ["Gemma3ForCausalLM"]
 
 class Gemma3DecoderLayer(nn.Module):
     """One Gemma 3 block; the residual stream travels beside the hidden states as in the Llama layer, so
-    the residual adds are fused into the input and pre-feed-forward norms."""
+    the residual adds are fused into the input and pre-feed-forward norms. A subclass changes the norm
+    (`make_norm`: GLM-4's layer is this one with Llama's RMSNorm, `engine.models.glm4`)."""
 
     def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives, rotary_emb: RotaryEmbedding,
                  ops: ModuleType, layer: int) -> None:
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
-        self.input_layernorm = GemmaRMSNorm(h, eps)
+        self.input_layernorm = self.make_norm(h, eps, ops)
         self.self_attn = Attention(config, shard, comm, rotary_emb, layer, GemmaHeadRMSNorm)
-        self.post_attention_layernorm = GemmaRMSNorm(h, eps)
-        self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps)
+        self.post_attention_layernorm = self.make_norm(h, eps, ops)
+        self.pre_feedforward_layernorm = self.make_norm(h, eps, ops)
         self.mlp = MLP(config, shard, comm, ops)
-        self.post_feedforward_layernorm = GemmaRMSNorm(h, eps)
+        self.post_feedforward_layernorm = self.make_norm(h, eps, ops)
+
+    @staticmethod
+    def make_norm(hidden_size: int, eps: float, ops: ModuleType) -> nn.Module:
+        return GemmaRMSNorm(hidden_size, eps)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope_rows: RopeRows,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, backend

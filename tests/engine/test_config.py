@@ -942,3 +942,35 @@ def test_ernie45_as_its_model_card_writes_it_and_its_defaults_as_transformers_re
             ours.tie_word_embeddings) == (theirs.num_key_value_heads, theirs.head_dim,
                                           theirs.rope_parameters["rope_theta"], theirs.rms_norm_eps,
                                           theirs.max_position_embeddings, theirs.tie_word_embeddings)
+
+
+def test_glm4_as_its_model_card_writes_it_and_its_defaults_as_transformers_reads_them():
+    """GLM-4-9B-0414's config: its parameter count is transformers' model's, built on the meta device from the same
+    config (four norms a layer, q/k/v biases); half of each head rotated: the engine's frequencies are GLM's for
+    the rotated half and zero after. Keys left out read as Glm4Config reads them; a partial rotary beside a scaled
+    rope is refused by key."""
+    transformers = pytest.importorskip("transformers")
+    from engine.layers.rotary import rope_inv_freq
+
+    card = {"architectures": ["Glm4ForCausalLM"], "vocab_size": 151552, "hidden_size": 4096,
+            "intermediate_size": 13696, "num_hidden_layers": 40, "num_attention_heads": 32, "num_key_value_heads": 2,
+            "head_dim": 128, "partial_rotary_factor": 0.5, "max_position_embeddings": 32768, "rope_theta": 10000.0,
+            "rms_norm_eps": 1e-05, "attention_bias": True, "tie_word_embeddings": False, "pad_token_id": 151329}
+    cfg = ModelConfig.from_hf_config(card)
+    hf_config = transformers.Glm4Config(**{k: v for k, v in card.items() if k != "architectures"})
+    with torch.device("meta"):
+        hf = transformers.Glm4ForCausalLM(hf_config)
+    assert cfg.num_params() == sum(p.numel() for p in hf.parameters()) == 9_400_279_040   # "9.4 B"
+    assert cfg.rotary_dim == 64 and cfg.attention_bias
+    theirs = transformers.models.glm4.modeling_glm4.Glm4RotaryEmbedding(hf_config).inv_freq
+    torch.testing.assert_close(rope_inv_freq(cfg), torch.cat([theirs, torch.zeros(32)]))
+    bare = {k: card[k] for k in ("architectures", "vocab_size", "hidden_size", "intermediate_size",
+                                 "num_hidden_layers", "num_attention_heads")}
+    ours = ModelConfig.from_hf_config(bare)
+    default = transformers.Glm4Config(**{k: v for k, v in bare.items() if k != "architectures"})
+    assert (ours.num_kv_heads, ours.head_dim, ours.rms_norm_eps, ours.attention_bias, ours.partial_rotary_factor,
+            ours.max_position_embeddings) == (default.num_key_value_heads, default.head_dim, default.rms_norm_eps,
+                                              default.attention_bias, default.rope_parameters["partial_rotary_factor"],
+                                              default.max_position_embeddings)
+    with pytest.raises(ConfigError, match="partial_rotary_factor"):
+        ModelConfig.from_hf_config({**card, "rope_scaling": {"rope_type": "linear", "factor": 2.0}})

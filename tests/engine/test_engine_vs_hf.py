@@ -164,6 +164,10 @@ TINY_MODELS = [
     # ERNIE 4.5: the Llama layer, interleaved rotary; then every projection biased, an untied head
     ("ernie4_5", dict(head_dim=16, num_key_value_heads=1)),
     ("ernie4_5", dict(use_bias=True, tie_word_embeddings=False, num_key_value_heads=2)),
+    # GLM-4: sandwich norms, half of each head rotated (interleaved), q/k/v biases, fused gate/up stored; then a
+    # quarter rotated and one KV head
+    ("glm4", dict(head_dim=32, pad_token_id=0)),
+    ("glm4", dict(partial_rotary_factor=0.25, num_key_value_heads=1, pad_token_id=0)),
     ("qwen2_moe", QWEN2_MOE),
     ("qwen2_moe", {**QWEN2_MOE, "num_hidden_layers": 3, "mlp_only_layers": [], "norm_topk_prob": True,
                    "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2}),
