@@ -24,11 +24,7 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     """[head_dim // 2] inverse frequencies (float32, on the CPU), with the config's scaling applied. A partial rotary
     (`ModelConfig.rotary_dim` < head_dim, GLM-4's) has the frequencies of its rotary dimensions first and zeros
     after: cos 1 and sin 0, so those pairs pass unchanged (the model's loading brings the rotated pairs first)."""
-    if config.rotary_dim < config.head_dim:   # the default rope only (ModelConfig refuses a scaled one)
-        dim = config.rotary_dim
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
-        return torch.cat([inv_freq, torch.zeros(config.head_dim // 2 - dim // 2, device="cpu")])
-    dim = config.head_dim
+    dim = config.rotary_dim   # head_dim but for a partial rotary, which ModelConfig serves with the default rope only
     # On the CPU whatever device is the default: on the meta device the division's Python kernel would
     # import torch._dynamo (over a second of a worker's start).
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
@@ -49,6 +45,8 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         inv_freq = torch.where(is_medium, blended, scaled)
     elif scaling.rope_type == "yarn":
         inv_freq = _yarn_inv_freq(config)
+    if dim < config.head_dim:   # the pairs past the rotary dimensions turn at frequency 0
+        inv_freq = torch.cat([inv_freq, torch.zeros(config.head_dim // 2 - dim // 2, device="cpu")])
     return inv_freq
 
 

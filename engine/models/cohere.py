@@ -26,7 +26,7 @@ from torch import nn
 from engine.layers import FloatRMSNorm, RopeRows
 from engine.model import MLP, Attention, LlamaForCausalLM, WeightLoadError
 from engine.model_config import ModelConfig
-from engine.models.smollm3 import NoRope
+from engine.models.smollm3 import layer_rotary
 from engine.parallel import Collectives, ShardShape
 from kernels import AttentionMetadata
 
@@ -46,13 +46,17 @@ class CohereLayerNorm(FloatRMSNorm):
     norm = staticmethod(_layer_norm)
 
 
-def interleaved_to_halves(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """A q or k projection's rows (or bias) [heads x head_dim, ...] reordered in each head: its even dimensions, then
-    its odd ones, so that rotating halves (i with i + head_dim / 2) rotates the pairs Cohere's rotary pairs (2i,
-    2i + 1). The same order on q and k leaves every q.k as it was."""
+def interleaved_to_halves(rows: torch.Tensor, head_dim: int, rotary_dim: int | None = None) -> torch.Tensor:
+    """A q or k projection's rows (or bias) [heads x head_dim, ...] reordered in each head for a rotary that turns its
+    first `rotary_dim` dimensions (all by default) in pairs (2i, 2i + 1) and passes the rest: the pairs' first members
+    (0, 2, .. rotary_dim - 2), the first half of the passed dimensions, the pairs' second members, the passed ones'
+    second half. Rotating halves (i with i + head_dim / 2, the passed ones at frequency 0: GLM-4's partial rotary)
+    then rotates the pairs the model's rotary pairs. The same order on q and k leaves every q.k as it was."""
+    rotary_dim = head_dim if rotary_dim is None else rotary_dim
+    passed, rest = torch.arange(rotary_dim, head_dim), (head_dim - rotary_dim) // 2
+    order = torch.cat([torch.arange(0, rotary_dim, 2), passed[:rest], torch.arange(1, rotary_dim, 2), passed[rest:]])
     heads = rows.shape[0] // head_dim
-    grouped = rows.reshape(heads, head_dim // 2, 2, *rows.shape[1:])
-    return grouped.transpose(1, 2).reshape(rows.shape)
+    return rows.reshape(heads, head_dim, *rows.shape[1:])[:, order].reshape(rows.shape)
 
 
 class CohereHeadLayerNorm(nn.Module):
@@ -95,21 +99,22 @@ class CohereDecoderLayer(nn.Module):
 
 
 class InterleavedRotaryWeights(LlamaForCausalLM):
-    """A model whose rotary pairs dimensions 2i and 2i + 1 (Cohere's, ERNIE 4.5's): its q and k rows (and biases,
-    and per-head q/k norm weights) reordered evens first as they are read (see the module docstring)."""
+    """A model whose rotary pairs dimensions 2i and 2i + 1 (Cohere's, ERNIE 4.5's, GLM-4's on its `rotary_dim`): its
+    q and k rows (and biases, and per-head q/k norm weights) reordered as they are read (see the module docstring)."""
 
     def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
-        """A q or k projection's weight or bias with each head's rows evens first (`interleaved_to_halves`), where
-        its rows are whole heads (a wrong shape is named by the loading, as for any model), and a q/k norm's weight
-        [heads, head_dim] alike; the rest as stored."""
-        d = self.config.head_dim
-        if any(f".self_attn.{part}." in name for part in ("q_proj", "k_proj")) and tensor.dim() >= 1 \
-                and tensor.shape[0] % d == 0:
-            tensor = interleaved_to_halves(tensor, d)
-        elif any(f".self_attn.{part}." in name for part in ("q_norm", "k_norm")) and tensor.dim() == 2 \
-                and tensor.shape[-1] == d:
-            tensor = interleaved_to_halves(tensor.reshape(-1), d).reshape(tensor.shape)
-        return ((name, tensor),)
+        """The tensors as the next class reads them (GLM-4's: Phi-3's split of a fused one), each q or k projection's
+        weight or bias with each head's rows reordered (`interleaved_to_halves`), where its rows are whole heads (a
+        wrong shape is named by the loading, as for any model), and a q/k norm's weight [heads, head_dim] alike."""
+        d, r = self.config.head_dim, self.config.rotary_dim
+        for read, piece in super().read_tensor(hf_name, name, tensor):
+            if any(f".self_attn.{part}." in read for part in ("q_proj", "k_proj")) and piece.dim() >= 1 \
+                    and piece.shape[0] % d == 0:
+                piece = interleaved_to_halves(piece, d, r)
+            elif any(f".self_attn.{part}." in read for part in ("q_norm", "k_norm")) and piece.dim() == 2 \
+                    and piece.shape[-1] == d:
+                piece = interleaved_to_halves(piece.reshape(-1), d, r).reshape(piece.shape)
+            yield read, piece
 
 
 class CohereForCausalLM(InterleavedRotaryWeights):
@@ -118,13 +123,8 @@ class CohereForCausalLM(InterleavedRotaryWeights):
 
     supports_flat_forward = False
 
-    def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
-        rotary = self.rotary_emb
-        if self.config.no_rope_layers and not self.config.no_rope_layers[index]:   # Cohere 2's full layers
-            if not hasattr(self, "no_rope"):
-                self.no_rope = NoRope()
-            rotary = self.no_rope
-        return CohereDecoderLayer(self.config, self.shard, self.comm, rotary, ops, index)
+    def make_layer(self, index: int, ops: ModuleType) -> nn.Module:   # Cohere 2's full layers: NoPE
+        return CohereDecoderLayer(self.config, self.shard, self.comm, layer_rotary(self, index), ops, index)
 
     def make_norm(self, ops: ModuleType) -> nn.Module:
         return CohereLayerNorm(self.config.hidden_size, self.config.rms_norm_eps)

@@ -15,7 +15,7 @@ from torch import nn
 
 from engine.model import LlamaForCausalLM
 
-__all__ = ["NoRope", "SmolLM3ForCausalLM"]
+__all__ = ["NoRope", "SmolLM3ForCausalLM", "layer_rotary"]
 
 
 class NoRope(nn.Module):
@@ -28,13 +28,20 @@ class NoRope(nn.Module):
         return None
 
 
+def layer_rotary(model: LlamaForCausalLM, index: int) -> nn.Module:
+    """The rotary embedding of `model`'s layer `index`: the model's, or on a NoPE layer (`no_rope_layers`: SmolLM3's,
+    Cohere 2's full layers) the model's one `NoRope`, made with the first NoPE layer."""
+    if not model.config.no_rope_layers or model.config.no_rope_layers[index]:
+        return model.rotary_emb
+    if not hasattr(model, "no_rope"):
+        model.no_rope = NoRope()
+    return model.no_rope
+
+
 class SmolLM3ForCausalLM(LlamaForCausalLM):
     """The Llama model with NoPE layers (see the module docstring)."""
 
     def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
         layer = super().make_layer(index, ops)
-        if self.config.no_rope_layers and not self.config.no_rope_layers[index]:
-            if index == 0 or not hasattr(self, "no_rope"):
-                self.no_rope = NoRope()
-            layer.self_attn.rotary_emb = self.no_rope
+        layer.self_attn.rotary_emb = layer_rotary(self, index)
         return layer
