@@ -161,7 +161,7 @@ class LlamaForCausalLM(nn.Module):
         # init, whose meta kernel imports torch._dynamo (over a second of every worker's start).
         self.embed_tokens = nn.Embedding(shard.vocab_rows, config.hidden_size,
                                          _weight=torch.empty(shard.vocab_rows, config.hidden_size))
-        self.rotary_emb = RotaryEmbedding(config, ops)
+        self.rotary_emb = self.make_rotary(ops)
         self.layers = nn.ModuleList(self.make_layer(i, ops) for i in range(config.num_layers))
         self.norm = self.make_norm(ops)
         if not config.tie_word_embeddings:
@@ -169,6 +169,9 @@ class LlamaForCausalLM(nn.Module):
         self._flat: tuple[object, object] | None = None   # (backend, its engine.cpu_forward.CpuForward or None)
         self.kv_scales_from_checkpoint = False   # an FP8 cache's scales: the checkpoint's (`_kv_scale`), not measured
         self.kv_scales_read: set[tuple[int, str]] = set()   # (layer, "k_scale" / "v_scale") the checkpoint brought
+
+    def make_rotary(self, ops: ModuleType) -> RotaryEmbedding:
+        return RotaryEmbedding(self.config, ops)
 
     def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
         return DecoderLayer(self.config, self.shard, self.comm, self.rotary_emb, ops, index)
@@ -352,7 +355,7 @@ class LlamaForCausalLM(nn.Module):
         """Where checkpoint tensor `name` (without "model."; `hf_name` as stored, which errors name) goes: our
         parameter's name, and the part of it (a view of its data) the tensor fills: q/k/v into the fused qkv_proj's
         rows, gate/up into gate_up_proj's, in this rank's sizes; anything else the whole parameter of the same name."""
-        q, kv = self.layers[0].self_attn.q_size, self.layers[0].self_attn.kv_size
+        q, kv = self.shard.num_heads * self.config.head_dim, self.shard.num_kv_heads * self.config.head_dim
         inter = self.shard.intermediate_size
         fused = {  # HF suffix -> (our suffix, row offset, rows)
             "self_attn.q_proj": ("self_attn.qkv_proj", 0, q),

@@ -7,6 +7,7 @@ anything else is refused with a `ConfigError` naming the key, before any weight 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -15,16 +16,17 @@ import torch
 
 from engine.config import ConfigError, quantizes_kv_cache_only
 from engine.config_values import REQUIRED, read_bool, read_float, read_int, read_object, read_token_ids, rope_type
-from engine.model_families import LAYER_TYPES, family_fields
+from engine.model_families import LAYER_TYPES, MOE_ROUTERS, MlaShape, family_fields
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM",
                            "Qwen3MoeForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", "GraniteForCausalLM",
                            "Olmo2ForCausalLM", "SmolLM3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
                            "GptOssForCausalLM", "Qwen2MoeForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM",
-                           "Ernie4_5ForCausalLM", "Glm4ForCausalLM")
+                           "Ernie4_5ForCausalLM", "Glm4ForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
+                           "Glm4MoeForCausalLM")
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")   # one LayerNorm a layer, a parallel block
 # their attention bias: q/k/v's, not o_proj's
-QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Glm4ForCausalLM")
+QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM")
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")   # Gemma's layer: four norms, scaled embeddings
 FOUR_NORMS = (*GEMMA_ARCHITECTURES, "Glm4ForCausalLM")   # a norm on each sublayer's output too
 # Multimodal checkpoints served as their text model: architecture -> (the text model's, its weights' prefix, the
@@ -51,14 +53,16 @@ DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32_768, "
                          "Phi3ForCausalLM": 4096, "GraniteForCausalLM": 2048, "Olmo2ForCausalLM": 2048,
                          "SmolLM3ForCausalLM": 32_768, "GptOssForCausalLM": 131_072, "Qwen2MoeForCausalLM": 32_768,
                          "CohereForCausalLM": 8192, "Cohere2ForCausalLM": 8192, "Ernie4_5ForCausalLM": 131_072,
-                         "Glm4ForCausalLM": 131_072,
+                         "Glm4ForCausalLM": 131_072, "DeepseekV2ForCausalLM": 2048, "DeepseekV3ForCausalLM": 4096,
+                         "Glm4MoeForCausalLM": 131_072,
                          "Gemma2ForCausalLM": 8192, "Gemma3ForCausalLM": 131_072}
 # their rms_norm_eps, where it is not 1e-6
 DEFAULT_RMS_NORM_EPS = {"MixtralForCausalLM": 1e-5, "Phi3ForCausalLM": 1e-5, "Olmo2ForCausalLM": 1e-5,
-                        "GptOssForCausalLM": 1e-5, "Ernie4_5ForCausalLM": 1e-5, "Glm4ForCausalLM": 1.5625e-7}
+                        "GptOssForCausalLM": 1e-5, "Ernie4_5ForCausalLM": 1e-5, "Glm4ForCausalLM": 1.5625e-7,
+                        "Glm4MoeForCausalLM": 1e-5}
 DEFAULT_KV_HEADS = {"Qwen2ForCausalLM": 32, "MistralForCausalLM": 8, "Qwen3ForCausalLM": 32, "Qwen3MoeForCausalLM": 4,
                     "MixtralForCausalLM": 8, "SmolLM3ForCausalLM": 4, "GptOssForCausalLM": 8,
-                    "Qwen2MoeForCausalLM": 16, "Ernie4_5ForCausalLM": 2, "Glm4ForCausalLM": 2}
+                    "Qwen2MoeForCausalLM": 16, "Ernie4_5ForCausalLM": 2, "Glm4ForCausalLM": 2, "Glm4MoeForCausalLM": 8}
 # their head_dim where config.json names none (else hidden_size / num_attention_heads)
 DEFAULT_HEAD_DIM = {"Qwen3ForCausalLM": 128, "GptOssForCausalLM": 64, "Ernie4_5ForCausalLM": 128,
                     "Glm4ForCausalLM": 128}
@@ -173,8 +177,8 @@ class RopeScaling:
 @dataclass(frozen=True)
 class ModelConfig:
     """A decoder-only model's shape (Llama 2/3, Qwen2, Qwen3, Qwen3-MoE, Mistral, Mixtral, Phi-3, Granite, OLMo 2,
-    SmolLM3, Gemma 2, Gemma 3's text model, GPT-OSS, Qwen2-MoE, Cohere's Command R and R7B, ERNIE 4.5, GLM-4) from an
-    HF config.json.
+    SmolLM3, Gemma 2, Gemma 3's text model, GPT-OSS, Qwen2-MoE, Cohere's Command R and R7B, ERNIE 4.5, GLM-4, GLM-4.5,
+    DeepSeek V2 and V3) from an HF config.json.
     `layer_types` (Gemma): each layer full or sliding; without it `sliding_window` is all's."""
 
     architecture: str
@@ -219,6 +223,11 @@ class ModelConfig:
     moe_bias: bool = False              # GPT-OSS: the router and each expert's projections carry biases
     swiglu_limit: float | None = None   # GPT-OSS: the experts' SwiGLU clamped at it (None: plain SiLU x up)
     swiglu_alpha: float = 1.702         # ... and its sigmoid's gain
+    mla: MlaShape | None = None         # DeepSeek: latent attention (head_dim the cache's, one KV head; None: none)
+    moe_router: str = "softmax"         # how experts are picked (MOE_ROUTERS): the softmax's top k, or DeepSeek's
+    moe_groups: tuple[int, int] = (1, 1)   # DeepSeek: the experts' groups, and how many a token's experts come from
+    routed_scaling_factor: float = 1.0  # DeepSeek: the routed experts' weights' factor
+    shared_expert_gated: bool = True    # Qwen2-MoE's shared expert is gated; DeepSeek's are not
     text_weights_prefix: str = ""       # a multimodal checkpoint's text model: its weights' prefix (the rest skipped)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -252,6 +261,8 @@ class ModelConfig:
             for name in ("num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
                 if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
                     raise ConfigError(f"{name}: must be a positive integer with experts, got {getattr(self, name)!r}")
+            if self.moe_router not in MOE_ROUTERS:
+                raise ConfigError(f"moe_router: one of {', '.join(MOE_ROUTERS)}, got {self.moe_router!r}")
             if self.num_experts_per_tok > self.num_experts:
                 raise ConfigError(f"num_experts_per_tok: {self.num_experts_per_tok} is over num_experts {self.num_experts}")
 
@@ -284,6 +295,11 @@ class ModelConfig:
         head_dim ** -0.5."""
         if self.attention_multiplier is not None:
             return self.attention_multiplier
+        if self.mla is not None:   # DeepSeek: its q.k's dimensions, and YaRN's mscale_all_dim squared (transformers')
+            rope, scale = self.rope_scaling, (self.mla.qk_nope_head_dim + self.mla.qk_rope_head_dim) ** -0.5
+            if rope.rope_type != "default" and rope.mscale_all_dim and rope.factor > 1:
+                scale *= (0.1 * rope.mscale_all_dim * math.log(rope.factor) + 1.0) ** 2
+            return scale
         return (self.query_pre_attn_scalar if self.query_pre_attn_scalar is not None else self.head_dim) ** -0.5
 
     @property
@@ -304,14 +320,29 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def kv_planes(self) -> int:
+        """What the cache holds of a token per KV head: K and V (2), or DeepSeek's latent alone (1: keys and values
+        are read from it)."""
+        return 1 if self.mla is not None else 2
+
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        """S_KV = 2 x num_layers x num_kv_heads x head_dim x dtype_bytes."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
+        """S_KV = kv_planes x num_layers x num_kv_heads x head_dim x dtype_bytes (2 planes: K and V)."""
+        return self.kv_planes * self.num_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
 
     def rotary_cache_bytes(self, dtype: torch.dtype) -> int:
-        """Bytes of the rotary cos/sin caches each rank holds: [context_length, head_dim] each (Gemma: two)."""
+        """Bytes of the rotary cos/sin caches each rank holds: [context_length, rotated dims] each (Gemma: two)."""
         gemma = self.architecture in GEMMA_ARCHITECTURES
-        return (2 if gemma else 1) * self.context_length * self.head_dim * dtype.itemsize
+        dims = self.mla.qk_rope_head_dim if self.mla is not None else self.head_dim
+        return (2 if gemma else 1) * self.context_length * dims * dtype.itemsize
+
+    @property
+    def num_float32_params(self) -> int:
+        """Parameters held in float32 whatever the model's dtype: DeepSeek's routers (weight, V3's correction bias)."""
+        if not self.moe_router.startswith("deepseek"):
+            return 0
+        per_layer = self.num_experts * (self.hidden_size + (self.moe_router == "deepseek_v3"))
+        return per_layer * sum(self.is_sparse_layer(layer) for layer in range(self.num_layers))
 
     def num_params(self) -> int:
         """Parameters of the whole model (one rank's: engine.parallel.ShardShape.num_params)."""
@@ -327,12 +358,16 @@ class ModelConfig:
         attn = h * (q + 2 * kv) + q * h
         if self.attention_bias:   # q/k/v; o_proj too except in Qwen2 (engine.model.Attention)
             attn += q + 2 * kv + (h if self.architecture not in QKV_BIAS_ONLY else 0)
+        if self.mla is not None:
+            attn = self.mla.num_params(h, heads, self.attention_bias)
         mlp = 3 * h * i + (2 * i + h if self.mlp_bias else 0)
         experts = self.num_experts * (3 * h * moe_i + h)   # every expert, and the router
         if self.moe_bias:   # GPT-OSS: each expert's gate/up and down biases, the router's
             experts += self.num_experts * (2 * moe_i + h + 1)
-        if self.shared_expert_intermediate_size:   # Qwen2-MoE: the shared expert and its gate
-            experts += 3 * h * shared_i + h
+        if self.shared_expert_intermediate_size:   # Qwen2-MoE: the shared expert and its gate (DeepSeek: ungated)
+            experts += 3 * h * shared_i + (h if self.shared_expert_gated else 0)
+        if self.moe_router == "deepseek_v3":   # the router's correction bias (a float32 buffer in transformers)
+            experts += self.num_experts
         norms = 4 if self.architecture in FOUR_NORMS else 2   # Gemma, GLM-4: on the sublayers' outputs too
         norms = 1 if self.architecture in COHERE_ARCHITECTURES else norms   # Cohere: one before both sublayers
         # q/k norms: a weight per channel of a head (Cohere: each head its own)

@@ -2,18 +2,57 @@
 bases and norms (`gemma3_fields`), Gemma 2's layers and soft-capping (`gemma2_fields`), Qwen3-MoE's and Mixtral's
 experts (`qwen3_moe_fields`, `mixtral_fields`), Qwen2-MoE's and its shared expert (`qwen2_moe_fields`), Phi-3's
 window and rope (`phi3_fields`), Granite's scalars (`granite_fields`), SmolLM3's NoPE layers (`smollm3_fields`),
-GPT-OSS's experts, sinks and layers (`gpt_oss_fields`), and the sliding layers of Qwen2, Qwen3 and Qwen3-MoE
-(`qwen_window_fields`). What we do not serve is refused with a `ConfigError` naming the key."""
+GPT-OSS's experts, sinks and layers (`gpt_oss_fields`), DeepSeek V2's and V3's latent attention (`MlaShape`) and
+grouped routers (`deepseek_fields`), and the sliding layers of Qwen2, Qwen3 and Qwen3-MoE (`qwen_window_fields`).
+What we do not serve is refused with a `ConfigError` naming the key."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from engine.config import ConfigError
 from engine.config_values import is_int, read_bool, read_float, read_int, read_object, rope_type
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
+# how a sparse layer picks its experts: a softmax's top k (Qwen, Mixtral, GPT-OSS), DeepSeek V2's softmax within the
+# groups of the best expert scores, DeepSeek V3's sigmoid (plus a correction bias) within the groups of the best
+# top-2 sums
+MOE_ROUTERS = ("softmax", "deepseek_v2", "deepseek_v3")
+DEEPSEEK_TOPK_METHODS = {"DeepseekV2ForCausalLM": ("greedy", "group_limited_greedy"),
+                         "DeepseekV3ForCausalLM": ("noaux_tc",)}
+
+
+@dataclass(frozen=True)
+class MlaShape:
+    """DeepSeek's multi-head latent attention: queries through a `q_lora_rank` bottleneck (0: one projection),
+    keys and values from one latent of `kv_lora_rank` per token, which with the token's rotated `qk_rope_head_dim`
+    key is all the cache holds (`engine.models.deepseek`); each head's q.k over `qk_nope_head_dim` +
+    `qk_rope_head_dim` dimensions, its value `v_head_dim`. `rope_interleave`: the checkpoint's rotary pairs are
+    (2i, 2i + 1) (DeepSeek's own; the rows are reordered as they are read)."""
+
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool = True
+
+    @property
+    def cache_dim(self) -> int:
+        """What a token leaves in the cache: its latent and its rotated key (576 for DeepSeek V3)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def num_params(self, hidden: int, heads: int, bias: bool) -> int:
+        """One layer's attention with `heads` query heads: q (through its bottleneck and norm, or one projection),
+        the latent's projection and norm (whole on every rank), the latent's per-head up-projection, o_proj."""
+        qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+        r, latent = self.q_lora_rank, self.kv_lora_rank
+        q = hidden * r + r + r * heads * qk if r else hidden * heads * qk
+        kv = hidden * self.cache_dim + latent + latent * heads * (self.qk_nope_head_dim + self.v_head_dim)
+        biases = (r + self.cache_dim + hidden) if bias else 0   # q_a, kv_a and o_proj's (DeepSeek's attention_bias)
+        return q + kv + heads * self.v_head_dim * hidden + biases
 
 
 def family_fields(cfg: dict[str, Any], arch: str, num_layers: int) -> dict[str, Any]:
@@ -41,6 +80,10 @@ def family_fields(cfg: dict[str, Any], arch: str, num_layers: int) -> dict[str, 
         return cohere_fields(cfg, arch, num_layers)
     if arch == "Glm4ForCausalLM":
         return glm4_fields(cfg)
+    if arch in DEEPSEEK_TOPK_METHODS:
+        return deepseek_fields(cfg, arch)
+    if arch == "Glm4MoeForCausalLM":
+        return glm4_moe_fields(cfg)
     if arch == "Ernie4_5ForCausalLM":   # Ernie4_5Config: one switch for every projection's bias, a tied head
         bias = read_bool(cfg, "use_bias", False)
         return {"attention_bias": bias, "mlp_bias": bias, "tie_word_embeddings": read_bool(cfg, "tie_word_embeddings",
@@ -255,6 +298,80 @@ def glm4_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     rope = read_object(cfg, "rope_parameters") or read_object(cfg, "rope_scaling") or {}
     factor = read_float(rope, "partial_rotary_factor", read_float(cfg, "partial_rotary_factor", 0.5))
     return {"partial_rotary_factor": factor, "attention_bias": read_bool(cfg, "attention_bias", True)}
+
+
+def deepseek_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+    """DeepSeek V2's and V3's fields (transformers' `DeepseekV2Config` / `DeepseekV3Config` names and defaults): the
+    latent attention (`MlaShape`; the cache holds one 'KV head' of its latent and rotated key) and the experts
+    (`_grouped_experts`), V3's router the sigmoid with its correction bias (`topk_method: noaux_tc`), V2's the softmax,
+    in groups where `topk_method: group_limited_greedy`. Unlike transformers, V2 renormalises its top k where
+    `norm_topk_prob` says so (DeepSeek's and vLLM's reading; DeepSeek's V2 configs say not)."""
+    v3 = arch == "DeepseekV3ForCausalLM"
+    method = cfg.get("topk_method") or ("noaux_tc" if v3 else "greedy")
+    if method not in DEEPSEEK_TOPK_METHODS[arch]:
+        raise ConfigError(f"topk_method: {arch} is served with {' or '.join(DEEPSEEK_TOPK_METHODS[arch])}, "
+                          f"got {method!r}")
+    scoring = cfg.get("scoring_func") or ("sigmoid" if v3 else "softmax")
+    if scoring != ("sigmoid" if v3 else "softmax"):
+        raise ConfigError(f"scoring_func: {arch}'s router is served with {'sigmoid' if v3 else 'softmax'}, "
+                          f"got {scoring!r}")
+    if read_int(cfg, "moe_layer_freq", 1) != 1:
+        raise ConfigError(f"moe_layer_freq: {arch} is served with every layer past first_k_dense_replace sparse (1), "
+                          f"got {cfg['moe_layer_freq']!r}")
+    _check_silu(cfg, "DeepSeek")
+    q_lora = 0 if "q_lora_rank" in cfg and cfg["q_lora_rank"] is None else read_int(cfg, "q_lora_rank", 1536)
+    mla = MlaShape(q_lora_rank=q_lora,   # null: one q projection (DeepSeek-V2-Lite)
+                   kv_lora_rank=read_int(cfg, "kv_lora_rank", 512),
+                   qk_nope_head_dim=read_int(cfg, "qk_nope_head_dim", 128),
+                   qk_rope_head_dim=read_int(cfg, "qk_rope_head_dim", 64),
+                   v_head_dim=read_int(cfg, "v_head_dim", 128),
+                   rope_interleave=read_bool(cfg, "rope_interleave", True) if v3 else True)
+    if mla.qk_rope_head_dim % 2:
+        raise ConfigError(f"qk_rope_head_dim: must be even for rotary embeddings, got {mla.qk_rope_head_dim}")
+    defaults = dict(n_routed_experts=256, moe_intermediate_size=2048, num_experts_per_tok=8, n_group=8, topk_group=4,
+                    norm_topk_prob=True, first_k_dense_replace=3, routed_scaling_factor=2.5, n_shared_experts=1) if v3 \
+        else dict(n_routed_experts=64, moe_intermediate_size=1407, num_experts_per_tok=6, n_group=1, topk_group=1,
+                  norm_topk_prob=False, first_k_dense_replace=0, routed_scaling_factor=1.0, n_shared_experts=2)
+    experts = _grouped_experts(cfg, defaults, "deepseek_v3" if v3 else "deepseek_v2",
+                               grouped=v3 or method == "group_limited_greedy")
+    return {"mla": mla, "head_dim": mla.cache_dim, "num_kv_heads": 1, **experts}
+
+
+def glm4_moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """GLM-4.5's fields (transformers' `Glm4MoeConfig` names and defaults): half of each head rotated
+    (`partial_rotary_factor`, 0.5), Qwen3's q/k norms where `use_qk_norm`, q/k/v biases where `attention_bias`;
+    DeepSeek V3's experts (`_grouped_experts`: 128 of 1408, 8 a token from one group, renormalised, the first layer
+    dense, one shared expert)."""
+    _check_silu(cfg, "GLM-4.5")
+    rope = read_object(cfg, "rope_parameters") or read_object(cfg, "rope_scaling") or {}
+    factor = read_float(rope, "partial_rotary_factor", read_float(cfg, "partial_rotary_factor", 0.5))
+    defaults = dict(n_routed_experts=128, moe_intermediate_size=1408, num_experts_per_tok=8, n_group=1, topk_group=1,
+                    norm_topk_prob=True, first_k_dense_replace=1, routed_scaling_factor=1.0, n_shared_experts=1)
+    return {"partial_rotary_factor": factor, "qk_norm": read_bool(cfg, "use_qk_norm", False),
+            "attention_bias": read_bool(cfg, "attention_bias", False),
+            **_grouped_experts(cfg, defaults, "deepseek_v3", grouped=True)}
+
+
+def _grouped_experts(cfg: dict[str, Any], defaults: dict[str, Any], router: str, grouped: bool) -> dict[str, Any]:
+    """DeepSeek's experts as their config keys say (`defaults`: the family's config class's): `n_routed_experts` of
+    `moe_intermediate_size`, `num_experts_per_tok` a token from the `topk_group` best of `n_group` groups (one group
+    where not `grouped`), weighted in float32 times `routed_scaling_factor` (renormalised where `norm_topk_prob`);
+    `n_shared_experts` of them every token takes, ungated; the first `first_k_dense_replace` layers dense."""
+    def read(key: str, minimum: int = 1) -> int:
+        return read_int(cfg, key, defaults[key], minimum=minimum)
+
+    experts, moe_i, top_k = read("n_routed_experts"), read("moe_intermediate_size"), read("num_experts_per_tok")
+    groups, topk_group = (read("n_group"), read("topk_group")) if grouped else (1, 1)
+    if experts % groups or topk_group > groups or top_k > topk_group * (experts // groups):
+        raise ConfigError(f"n_group: {groups} groups of {experts} experts, {topk_group} chosen a token, cannot hold "
+                          f"num_experts_per_tok {top_k}")
+    return {"num_experts": experts, "num_experts_per_tok": top_k, "moe_intermediate_size": moe_i,
+            "norm_topk_prob": read_bool(cfg, "norm_topk_prob", defaults["norm_topk_prob"]),
+            "mlp_only_layers": tuple(range(read("first_k_dense_replace", minimum=0))),
+            "moe_router": router, "moe_groups": (groups, topk_group),
+            "routed_scaling_factor": read_float(cfg, "routed_scaling_factor", defaults["routed_scaling_factor"]),
+            "shared_expert_intermediate_size": moe_i * read("n_shared_experts", minimum=0),
+            "shared_expert_gated": False, "moe_float_weights": True}
 
 
 def _check_silu(cfg: dict[str, Any], family: str) -> None:

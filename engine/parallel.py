@@ -120,8 +120,8 @@ class ShardShape:
                                   self.moe_intermediate_size, self.vocab_rows, self.shared_expert_intermediate_size)
 
     def kv_bytes_per_token(self, model: ModelConfig, dtype: torch.dtype) -> int:
-        """This rank's S_KV: 2 x num_layers x its KV heads x head_dim x dtype bytes."""
-        return 2 * model.num_layers * self.num_kv_heads * model.head_dim * dtype.itemsize
+        """This rank's S_KV: kv_planes (K and V: 2) x num_layers x its KV heads x head_dim x dtype bytes."""
+        return model.kv_planes * model.num_layers * self.num_kv_heads * model.head_dim * dtype.itemsize
 
 
 def check_tensor_parallel(model: ModelConfig, size: int, key: str = "tensor_parallel_size") -> None:

@@ -456,7 +456,7 @@ class RooflineStepTime:
         self.weights_bytes = model.num_params() * dtype_bytes - self.expert_bytes   # read whole every step
         kv_bytes = dtype_bytes if kv_dtype_bytes is None else kv_dtype_bytes   # an FP8 cache: 1
         heads = -(-model.num_kv_heads // tp) * tp   # the group's: a head each GPU where TP > KV heads (replicated)
-        self.kv_bytes_per_token = 2 * model.num_layers * heads * model.head_dim * kv_bytes
+        self.kv_bytes_per_token = model.kv_planes * model.num_layers * heads * model.head_dim * kv_bytes
         windows = [w for layer in range(model.num_layers) if (w := model.layer_window(layer))]
         self.window, self.num_windowed = (windows[0] if windows else None), len(windows)   # Gemma 3's, Mistral's
 

@@ -2,8 +2,10 @@
 
 Per device (with tensor parallelism T the weights and the KV heads are split over T GPUs):
 
-    S_KV        = 2 x num_layers x num_kv_heads x head_dim x dtype_bytes          (per token, whole model)
-    weights     = num_params x dtype_bytes                                          (not file sizes)
+    S_KV        = 2 x num_layers x num_kv_heads x head_dim x dtype_bytes          (per token, whole model;
+                  DeepSeek's latent attention: 1 x num_layers x 1 x its latent and rotated key)
+    weights     = num_params x dtype_bytes                                          (not file sizes; DeepSeek's
+                  float32 routers at 4 bytes)
     graphs      = one rank's decode CUDA graphs (`graph_memory_bytes`; 0 off CUDA or enforce_eager)
     weights / T = one rank's parameters x dtype_bytes: its share of every matrix, K/V projections
                   replicated with their heads, norms and row-parallel biases whole (`ShardShape.num_params`)
@@ -230,9 +232,10 @@ def plan_capacity(config: CliffguardConfig, model_configs: Mapping[str, ModelCon
         kv_heads = _kv_heads_per_device(model, tp, dtype, dkey)
         kv_dtype = kv_cache_dtype(dev.kv_cache_dtype, dtype)   # fp8: one byte an element
         s_kv = model.kv_bytes_per_token(kv_dtype)
-        s_kv_dev = 2 * model.num_layers * kv_heads * model.head_dim * kv_dtype.itemsize
-        weights = model.num_params() * dtype.itemsize
-        weights_dev = ShardShape.of(model, 0, tp).num_params(model) * dtype.itemsize   # each rank alike
+        s_kv_dev = model.kv_planes * model.num_layers * kv_heads * model.head_dim * kv_dtype.itemsize
+        wide = model.num_float32_params * (4 - dtype.itemsize)   # DeepSeek's routers stay float32 (whole on each rank)
+        weights = model.num_params() * dtype.itemsize + wide
+        weights_dev = ShardShape.of(model, 0, tp).num_params(model) * dtype.itemsize + wide   # each rank alike
         graphs_dev = _graph_reserve(model, dev, device_type, tp, dtype)
         loaded_dev = weights_dev + model.rotary_cache_bytes(dtype)   # what the engine finds loaded: the rope's too
         kv_dev = formula.kv_cache_bytes(memory, loaded_dev, dev.memory_utilization) - graphs_dev

@@ -103,15 +103,23 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
            "olmo2": transformers.Olmo2Config, "smollm3": transformers.SmolLM3Config,
            "gpt_oss": transformers.GptOssConfig, "qwen2_moe": transformers.Qwen2MoeConfig,
            "cohere": transformers.CohereConfig, "cohere2": transformers.Cohere2Config,
-           "ernie4_5": transformers.Ernie4_5Config, "glm4": transformers.Glm4Config}[arch]
+           "ernie4_5": transformers.Ernie4_5Config, "glm4": transformers.Glm4Config,
+           "deepseek_v2": transformers.DeepseekV2Config, "deepseek_v3": transformers.DeepseekV3Config,
+           "glm4_moe": transformers.Glm4MoeConfig}[arch]
     config = cls(**common)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    if arch == "gpt_oss":   # transformers starts the biases at zero, which would hide one read wrong; sinks near it
+    # transformers starts the biases at zero, which would hide one read wrong; sinks near it
+    if arch in ("gpt_oss", "deepseek_v3", "glm4_moe"):
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if name.endswith(("bias", "sinks")):
                     param.normal_(0.0, 1.0)
+    if arch in ("deepseek_v3", "glm4_moe"):   # the router's correction bias (a buffer) starts at zero too
+        with torch.no_grad():
+            for name, buffer in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    buffer.normal_(0.0, 0.5)
     model.save_pretrained(folder, max_shard_size="100KB")
     for name in TOKENIZER_FILES:
         if (builtin / name).exists():

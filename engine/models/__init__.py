@@ -10,7 +10,9 @@ layer, under its checkpoints' names),
 whole), `smollm3` (SmolLM3: NoPE layers), `gpt_oss` (GPT-OSS: attention sinks, biased experts with a clamped
 SwiGLU, MXFP4 experts dequantized as they are read), `cohere` (Command R and R7B: parallel layers, LayerNorms, q/k
 rows reordered for the engine's rotary), `ernie` (ERNIE 4.5: the Llama layer, its interleaved rotary served so
-too), `glm4` (GLM-4: sandwich norms, a partial interleaved rotary served by zero frequencies and reordered q/k rows).
+too), `glm4` (GLM-4: sandwich norms, a partial interleaved rotary served by zero frequencies and reordered q/k rows),
+`deepseek` (DeepSeek V2 and V3: latent attention over a cache of one latent a token, grouped routers, shared experts;
+GLM-4.5, in `glm4`, takes their experts).
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ from engine.model_config import GEMMA_ARCHITECTURES, ModelConfig
 from engine.layers import RotaryEmbedding
 from engine.model import LlamaForCausalLM
 from engine.models.cohere import CohereForCausalLM
+from engine.models.deepseek import DeepseekForCausalLM
 from engine.models.ernie import Ernie45ForCausalLM
 from engine.models.gemma3 import Gemma3ForCausalLM
-from engine.models.glm4 import Glm4ForCausalLM
+from engine.models.glm4 import Glm4ForCausalLM, Glm4MoeForCausalLM
 from engine.models.gpt_oss import GptOssForCausalLM
 from engine.models.granite import GraniteForCausalLM
 from engine.models.mixtral import MixtralForCausalLM
@@ -51,7 +54,10 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "CohereForCausalLM": CohereForCausalLM,
                                                 "Cohere2ForCausalLM": CohereForCausalLM,   # its full layers NoPE
                                                 "Ernie4_5ForCausalLM": Ernie45ForCausalLM,
-                                                "Glm4ForCausalLM": Glm4ForCausalLM}
+                                                "Glm4ForCausalLM": Glm4ForCausalLM,
+                                                "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
+                                                "DeepseekV2ForCausalLM": DeepseekForCausalLM,
+                                                "DeepseekV3ForCausalLM": DeepseekForCausalLM}
 
 
 def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:
@@ -84,12 +90,14 @@ def check_dtype(config: ModelConfig, dtype: torch.dtype) -> None:
 def _allocate(model: nn.Module, dtype: torch.dtype, device: torch.device | str) -> None:
     """Each (meta) parameter replaced by an empty one of `dtype` on `device`, a shared one once: what
     `to_empty(device).to(dtype)` does, without its Python meta kernels, whose first use imports
-    torch._dynamo and sympy (1.5 s of every worker's start on a CPU)."""
+    torch._dynamo and sympy (1.5 s of every worker's start on a CPU). A module with `float32_parameters` (DeepSeek's
+    router) keeps its parameters in float32 whatever the model's dtype."""
     made: dict[int, nn.Parameter] = {}
     for module in model.modules():
+        kind = torch.float32 if getattr(module, "float32_parameters", False) else dtype
         for name, param in module._parameters.items():
             if param is not None:
                 if id(param) not in made:
-                    made[id(param)] = nn.Parameter(torch.empty(param.shape, dtype=dtype, device=device),
+                    made[id(param)] = nn.Parameter(torch.empty(param.shape, dtype=kind, device=device),
                                                    requires_grad=param.requires_grad)
                 module._parameters[name] = made[id(param)]

@@ -46,15 +46,20 @@ class CohereLayerNorm(FloatRMSNorm):
     norm = staticmethod(_layer_norm)
 
 
-def interleaved_to_halves(rows: torch.Tensor, head_dim: int, rotary_dim: int | None = None) -> torch.Tensor:
+def interleaved_to_halves(rows: torch.Tensor, head_dim: int, rotary_dim: int | None = None,
+                          interleaved: bool = True) -> torch.Tensor:
     """A q or k projection's rows (or bias) [heads x head_dim, ...] reordered in each head for a rotary that turns its
     first `rotary_dim` dimensions (all by default) in pairs (2i, 2i + 1) and passes the rest: the pairs' first members
     (0, 2, .. rotary_dim - 2), the first half of the passed dimensions, the pairs' second members, the passed ones'
     second half. Rotating halves (i with i + head_dim / 2, the passed ones at frequency 0: GLM-4's partial rotary)
-    then rotates the pairs the model's rotary pairs. The same order on q and k leaves every q.k as it was."""
+    then rotates the pairs the model's rotary pairs. The same order on q and k leaves every q.k as it was.
+    `interleaved` False: the model pairs i with i + rotary_dim / 2 in its first `rotary_dim` (GLM-4.5's partial
+    rotary); the pairs' members keep their order and the passed dimensions move between them."""
     rotary_dim = head_dim if rotary_dim is None else rotary_dim
-    passed, rest = torch.arange(rotary_dim, head_dim), (head_dim - rotary_dim) // 2
-    order = torch.cat([torch.arange(0, rotary_dim, 2), passed[:rest], torch.arange(1, rotary_dim, 2), passed[rest:]])
+    passed, rest, half = torch.arange(rotary_dim, head_dim), (head_dim - rotary_dim) // 2, rotary_dim // 2
+    first, second = (torch.arange(0, rotary_dim, 2), torch.arange(1, rotary_dim, 2)) if interleaved else \
+        (torch.arange(half), torch.arange(half, rotary_dim))
+    order = torch.cat([first, passed[:rest], second, passed[rest:]])
     heads = rows.shape[0] // head_dim
     return rows.reshape(heads, head_dim, *rows.shape[1:])[:, order].reshape(rows.shape)
 

@@ -1,5 +1,6 @@
 """GLM-4 (`Glm4ForCausalLM`, GLM-4-0414): the Llama layer with a norm on each sublayer's output too, half of each head
-rotated, GLM's interleaved rotary, q/k/v biases, and Phi-3's fused gate/up tensor in its checkpoints.
+rotated, GLM's interleaved rotary, q/k/v biases, and Phi-3's fused gate/up tensor in its checkpoints. GLM-4.5
+(`Glm4MoeForCausalLM`, GLM-4.5, 4.5-Air, 4.6) at the end.
 
 - A layer is Gemma's sandwich with Llama's RMSNorm (`Glm4DecoderLayer`): input norm, attention, its output normed
   (`post_self_attn_layernorm`) before it joins the stream; the MLP's input norm (`post_attention_layernorm`), the
@@ -11,6 +12,13 @@ rotated, GLM's interleaved rotary, q/k/v biases, and Phi-3's fused gate/up tenso
   their frequencies and the passed dimensions on the ones it leaves (Cohere's `InterleavedRotaryWeights` on
   `rotary_dim`). The same order on q and k leaves every q.k unchanged; V and o_proj keep theirs.
 - `mlp.gate_up_proj` is split as it is read (Phi-3's `read_tensor`).
+
+GLM-4.5 (`Glm4MoeForCausalLM`) is another model: the Llama layer (two norms), Qwen3's per-head q/k norms where
+`use_qk_norm`, q/k/v biases where `attention_bias`, half of each head rotated with rotate-half pairs (i with
+i + rotary_dim / 2), and past the first `first_k_dense_replace` layers DeepSeek V3's experts (`DeepseekMoeBlock`:
+the grouped sigmoid router with its correction bias, ungated shared experts). Its partial rotary is served as
+GLM-4's: the passed dimensions moved between the rotated halves (`interleaved_to_halves(..., interleaved=False)`),
+q/k rows, biases and q/k norm weights alike.
 """
 
 from __future__ import annotations
@@ -22,11 +30,13 @@ import torch
 from torch import nn
 
 from engine.layers import RMSNorm
-from engine.models.cohere import InterleavedRotaryWeights
+from engine.models.cohere import InterleavedRotaryWeights, interleaved_to_halves
+from engine.models.deepseek import DeepseekMoeBlock, moe_checkpoint_name
 from engine.models.gemma3 import Gemma3DecoderLayer
 from engine.models.phi3 import Phi3ForCausalLM
+from engine.models.qwen3_moe import Qwen3MoeForCausalLM
 
-__all__ = ["Glm4ForCausalLM"]
+__all__ = ["Glm4ForCausalLM", "Glm4MoeForCausalLM"]
 
 
 class Glm4DecoderLayer(Gemma3DecoderLayer):
@@ -57,3 +67,20 @@ class Glm4ForCausalLM(InterleavedRotaryWeights, Phi3ForCausalLM):
         the same places (`_NORMS`)."""
         for read, piece in super().read_tensor(hf_name, name, tensor):
             yield ".".join(_NORMS.get(part, part) for part in read.split(".")), piece
+
+
+class Glm4MoeForCausalLM(Qwen3MoeForCausalLM):
+    """GLM-4.5 (see the module docstring): Qwen3-MoE's model with DeepSeek V3's experts, its checkpoints read as
+    DeepSeek's (`moe_checkpoint_name`), q/k rows reordered for its partial rotary."""
+
+    moe_block = DeepseekMoeBlock
+
+    def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
+        name = moe_checkpoint_name(self.config, name)
+        if name is None:
+            return ()
+        d, r = self.config.head_dim, self.config.rotary_dim
+        heads = any(f".self_attn.{part}." in name for part in ("q_proj", "k_proj", "q_norm", "k_norm"))
+        if r < d and heads and tensor.dim() >= 1 and tensor.shape[0] % d == 0:   # else the loading names its shape
+            tensor = interleaved_to_halves(tensor, d, r, interleaved=False)
+        return ((name, tensor),)

@@ -72,11 +72,13 @@ class SparseMoeBlock(nn.Module):
             self.b2 = nn.Parameter(torch.empty(config.num_experts, hidden))
         # Qwen2-MoE: a shared expert every token takes (this rank's rows, its output not yet summed over the
         # ranks: the block sums once) and its gate, whole on every rank
+        # (DeepSeek's shared experts: one MLP of their rows together, ungated)
         self.shared_expert = self.shared_expert_gate = None
         if shard.shared_expert_intermediate_size:
             self.shared_expert = MLP(config, replace(shard, intermediate_size=shard.shared_expert_intermediate_size),
                                      Collectives(), ops)
-            self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+            if config.shared_expert_gated:
+                self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
         self._grouped = True   # the grouped matmul until it fails for this dtype / device
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,8 +94,11 @@ class SparseMoeBlock(nn.Module):
         # x: [num_tokens, hidden]. The collective once, at the end: a rank whose grouped matmul fell back to the
         # loop must not reduce twice.
         out = self._experts(x, *self.route(x))
-        if self.shared_expert is not None:   # Qwen2-MoE: transformers' order, the routed sum plus the gated shared
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        if self.shared_expert is not None:   # transformers' order: the routed sum plus the (gated) shared expert
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
         return self.comm.all_reduce(out)
 
     def _experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:

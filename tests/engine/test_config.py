@@ -1,6 +1,7 @@
 """Config validation: every bad value is named in the error."""
 
 import copy
+import dataclasses
 import json
 import os
 import subprocess
@@ -974,3 +975,100 @@ def test_glm4_as_its_model_card_writes_it_and_its_defaults_as_transformers_reads
                                               default.max_position_embeddings)
     with pytest.raises(ConfigError, match="partial_rotary_factor"):
         ModelConfig.from_hf_config({**card, "rope_scaling": {"rope_type": "linear", "factor": 2.0}})
+
+
+DEEPSEEK_V3_CARD = {
+    "architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
+    "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128,
+    "n_shared_experts": 1, "n_routed_experts": 256, "num_experts_per_tok": 8, "first_k_dense_replace": 3,
+    "moe_layer_freq": 1, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+    "v_head_dim": 128, "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4, "norm_topk_prob": True,
+    "scoring_func": "sigmoid", "routed_scaling_factor": 2.5, "max_position_embeddings": 163840, "rope_theta": 10000,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "rms_norm_eps": 1e-06, "num_nextn_predict_layers": 1, "tie_word_embeddings": False, "bos_token_id": 0,
+    "eos_token_id": 1, "hidden_act": "silu", "attention_bias": False}
+DEEPSEEK_V2_LITE_CARD = {
+    "architectures": ["DeepseekV2ForCausalLM"], "vocab_size": 102400, "hidden_size": 2048, "intermediate_size": 10944,
+    "moe_intermediate_size": 1408, "num_hidden_layers": 27, "num_attention_heads": 16, "num_key_value_heads": 16,
+    "n_shared_experts": 2, "n_routed_experts": 64, "num_experts_per_tok": 6, "first_k_dense_replace": 1,
+    "moe_layer_freq": 1, "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+    "v_head_dim": 128, "topk_method": "greedy", "n_group": 1, "topk_group": 1, "norm_topk_prob": False,
+    "scoring_func": "softmax", "routed_scaling_factor": 1.0, "max_position_embeddings": 163840, "rope_theta": 10000,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "rms_norm_eps": 1e-06, "tie_word_embeddings": False, "bos_token_id": 100000, "eos_token_id": 100001,
+    "hidden_act": "silu", "attention_bias": False}
+
+
+@pytest.mark.parametrize("card,billions", [(DEEPSEEK_V3_CARD, 671.0), (DEEPSEEK_V2_LITE_CARD, 15.7)],
+                         ids=["v3", "v2-lite"])
+def test_deepseek_as_its_model_cards_write_it_reads_as_transformers_does(card, billions):
+    """DeepSeek-V3's and DeepSeek-V2-Lite's configs: the parameter count is transformers' model's (built on the meta
+    device from the same config; plus V3's correction biases, buffers there), 671 B and 15.7 B as DeepSeek states
+    them; the cache holds one latent and rotated key a token (576 values a layer, not 2 x 128 heads x 192); the
+    attention scale is transformers' (YaRN's mscale_all_dim squared), the rotary's frequencies and factor too."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from engine.layers.rotary import rope_attention_factor, rope_inv_freq
+
+    cfg = ModelConfig.from_hf_config(card)
+    v3 = card["architectures"][0] == "DeepseekV3ForCausalLM"
+    hf_config = (transformers.DeepseekV3Config if v3 else transformers.DeepseekV2Config)(
+        **{k: v for k, v in card.items() if k != "architectures"})
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(hf_config)
+    buffers = sum(b.numel() for name, b in hf.named_buffers() if name.endswith("e_score_correction_bias"))
+    assert cfg.num_params() == sum(p.numel() for p in hf.parameters()) + buffers
+    assert round(cfg.num_params() / 1e9, 1) == billions
+    assert (cfg.num_kv_heads, cfg.head_dim, cfg.kv_planes) == (1, 576, 1)
+    assert cfg.kv_bytes_per_token(torch.bfloat16) == card["num_hidden_layers"] * 576 * 2
+    assert cfg.mlp_only_layers == tuple(range(card["first_k_dense_replace"]))
+    attention = hf.model.layers[0].self_attn
+    assert cfg.attention_scale == pytest.approx(attention.scaling, rel=1e-12)
+    inv_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](hf_config, "cpu")
+    rope = dataclasses.replace(cfg, head_dim=64)   # the rotary's: engine.models.deepseek's make_rotary
+    torch.testing.assert_close(rope_inv_freq(rope), inv_freq)
+    assert rope_attention_factor(rope) == pytest.approx(factor)
+    assert cfg.context_length == 163840 and cfg.rotary_cache_bytes(torch.bfloat16) == 163840 * 64 * 2
+
+
+@pytest.mark.parametrize("change,named", [
+    ({"topk_method": "group_limited_greedy"}, "topk_method"),
+    ({"scoring_func": "softmax"}, "scoring_func"),
+    ({"moe_layer_freq": 2}, "moe_layer_freq"),
+    ({"n_group": 3}, "n_group"),
+    ({"topk_group": 1, "num_experts_per_tok": 40}, "n_group"),
+    ({"hidden_act": "gelu_pytorch_tanh"}, "hidden_act"),
+    ({"qk_rope_head_dim": 63}, "qk_rope_head_dim"),
+    ({"kv_lora_rank": 0}, "kv_lora_rank"),
+])
+def test_what_we_do_not_serve_of_deepseek_is_refused_by_name(change, named):
+    with pytest.raises(ConfigError, match=named):
+        ModelConfig.from_hf_config({**DEEPSEEK_V3_CARD, **change})
+
+
+def test_glm4_5_air_as_its_model_card_writes_it_reads_as_transformers_does():
+    """GLM-4.5-Air's config: the parameter count is transformers' model's on the meta device (plus the routers'
+    correction biases, buffers there), 106.9 B (Z.ai states 106 B); half of each head rotated, q/k/v biases; DeepSeek
+    V3's router and shared expert; its MTP layer is not counted (transformers builds none)."""
+    transformers = pytest.importorskip("transformers")
+    card = {"architectures": ["Glm4MoeForCausalLM"], "attention_bias": True, "head_dim": 128, "hidden_size": 4096,
+            "partial_rotary_factor": 0.5, "intermediate_size": 10944, "max_position_embeddings": 131072,
+            "moe_intermediate_size": 1408, "norm_topk_prob": True, "num_attention_heads": 96, "n_group": 1,
+            "topk_group": 1, "n_routed_experts": 128, "n_shared_experts": 1, "routed_scaling_factor": 1.0,
+            "num_experts_per_tok": 8, "first_k_dense_replace": 1, "num_hidden_layers": 46, "num_key_value_heads": 8,
+            "rms_norm_eps": 1e-05, "rope_theta": 1000000, "num_nextn_predict_layers": 1, "tie_word_embeddings": False,
+            "use_qk_norm": False, "vocab_size": 151552, "pad_token_id": 151329, "eos_token_id": [151329, 151336, 151338]}
+    cfg = ModelConfig.from_hf_config(card)
+    hf_config = transformers.Glm4MoeConfig(**{k: v for k, v in card.items() if k != "architectures"})
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(hf_config)
+    buffers = sum(b.numel() for name, b in hf.named_buffers() if name.endswith("e_score_correction_bias"))
+    assert cfg.num_params() == sum(p.numel() for p in hf.parameters()) + buffers
+    assert round(cfg.num_params() / 1e9, 1) == 106.9
+    assert (cfg.rotary_dim, cfg.moe_router, cfg.mlp_only_layers, cfg.shared_expert_intermediate_size) == \
+        (64, "deepseek_v3", (0,), 1408)
+    with pytest.raises(ConfigError, match="n_group"):
+        ModelConfig.from_hf_config({**card, "n_group": 3})

@@ -102,6 +102,13 @@ GPT_OSS = dict(intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
                num_hidden_layers=3, swiglu_limit=1.5)
 QWEN2_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
                  mlp_only_layers=[1], num_key_value_heads=4)
+# DeepSeek: 8 experts of 32 in 2 groups (a token's from 1), 2 a token, beside shared experts; layer 0 dense; latent
+# attention over a latent of 32 and a rotated key of 8 (heads of 16 + 8, values of 16)
+DEEPSEEK = dict(num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                first_k_dense_replace=1, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                n_group=2, topk_group=1, num_hidden_layers=3)
+GLM4_MOE = dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
+                n_group=2, topk_group=1, num_hidden_layers=3, pad_token_id=0)
 GRANITE = dict(embedding_multiplier=3.0, attention_multiplier=0.05, residual_multiplier=0.5, logits_scaling=2.0,
                tie_word_embeddings=True)
 
@@ -171,6 +178,18 @@ TINY_MODELS = [
     ("qwen2_moe", QWEN2_MOE),
     ("qwen2_moe", {**QWEN2_MOE, "num_hidden_layers": 3, "mlp_only_layers": [], "norm_topk_prob": True,
                    "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2}),
+    # DeepSeek V2: one q projection, the softmax router limited to the best group, two shared experts; V3: q through
+    # its bottleneck, the sigmoid router's correction bias, biases on q_a, kv_a and o, YaRN with DeepSeek's mscales
+    # (past 32 positions); then
+    # rotating halves, one group and no renormalisation
+    ("deepseek_v2", {**DEEPSEEK, "q_lora_rank": None, "topk_method": "group_limited_greedy", "n_shared_experts": 2}),
+    ("deepseek_v3", {**DEEPSEEK, "q_lora_rank": 48, "attention_bias": True, "rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+        "mscale": 0.707, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}}),
+    ("deepseek_v3", {**DEEPSEEK, "q_lora_rank": 48, "rope_interleave": False, "n_group": 1, "topk_group": 1,
+                     "norm_topk_prob": False, "first_k_dense_replace": 0}),
+    # GLM-4.5: half of each head rotated (rotate-half pairs), q/k norms and q/k/v biases, DeepSeek V3's experts
+    ("glm4_moe", {**GLM4_MOE, "use_qk_norm": True, "attention_bias": True}),
 ]
 # Every architecture on the default CPU linears; the other linears on one dense and one MoE model (the
 # linears do not depend on the architecture around them).
@@ -191,8 +210,9 @@ def test_tiny_random_models_match_transformers(tmp_path, monkeypatch, builtin_pa
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     engine = LLMEngine.from_args(str(folder), dtype="float32", block_size=8, num_blocks=64, max_num_batched_tokens=64,
                                  progress=False)
-    assert engine.model_config.num_params() == sum(p.numel() for p in hf.parameters())   # the capacity plan's count
-    packed = isinstance(engine.model.layers[0].self_attn.qkv_proj, PackedLinear)
+    buffers = sum(b.numel() for name, b in hf.named_buffers() if name.endswith("e_score_correction_bias"))
+    assert engine.model_config.num_params() == sum(p.numel() for p in hf.parameters()) + buffers   # the plan's count
+    packed = isinstance(engine.model.layers[0].self_attn.o_proj, PackedLinear)
     assert packed == (cpu_linear == "onednn" and torch.backends.mkldnn.is_available())
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (1, 5, 17, 40, 9)]
@@ -689,3 +709,35 @@ def test_an_mxfp4_gpt_oss_checkpoint_serves_what_transformers_dequantizes(tmp_pa
     with pytest.raises(WeightLoadError, match=rf"{scales}: MXFP4 blocks .* got \(4, 64, 2, 8\)"):
         build_model(model_config, torch.float32, "cpu").load_weights(
             {**state, blocks: state[blocks][..., :8]}.items())
+
+
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_a_latent_cache_holds_one_plane_and_serves_preemption_prefix_hits_and_forks(tmp_path, builtin_path, kv):
+    """DeepSeek's cache holds each token's latent and rotated key once: one plane of one 'KV head' of
+    kv_lora_rank + qk_rope_head_dim, and S_KV says as much. Under pressure (swap preemption, prefix hits, n = 2 forks
+    copying on write) every request ends, every block comes back, and with the model's cache the greedy outputs are
+    transformers'; an FP8 cache of it (its one scale for K and V) serves alike."""
+    import transformers
+
+    folder = make_tiny_model(tmp_path / "ds", "deepseek_v3", builtin_path, **{**DEEPSEEK, "q_lora_rank": 48})
+    pool = PoolConfig(num_blocks=14, scheduler=SchedulerConfig(max_num_batched_tokens=64, preemption_mode="swap",
+                                                               swap_space_bytes=8 << 20))
+    engine = LLMEngine(EngineConfig(model=str(folder), device="cpu", dtype="float32", cache=CacheConfig(block_size=8),
+                                    pools=(pool,), kv_cache_dtype=kv), progress=False)
+    assert engine.kv_cache.data.shape == (3, 1, 14, 8, 1, 40)
+    assert engine.kv_bytes_per_token == 3 * 40 * (1 if kv == "fp8" else 4)
+    attn = engine.model.layers[0].self_attn
+    assert attn.k_scale == attn.v_scale
+    shared = list(range(40, 72))
+    prompts = [shared + [90 + i] for i in range(3)] + [[5, 6, 7, 8]]
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    params = [greedy, greedy, SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=24, ignore_eos=True), greedy]
+    outs = engine.generate(prompts, params)
+    stats, bm = engine.schedulers["default"].stats, engine.schedulers["default"].block_manager
+    assert stats.num_swap_preemptions > 0 and bm.num_prefix_hits > 0
+    assert [len(c.token_ids) for o in outs for c in o.outputs] == [24] * 5
+    assert_all_free(engine)
+    if kv == "auto":
+        hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        for i in (0, 1, 3):
+            assert outs[i].outputs[0].token_ids == _hf_greedy(hf, prompts[i], 24, eos_ids=None)

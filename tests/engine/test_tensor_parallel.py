@@ -235,6 +235,13 @@ QWEN3 = {"head_dim": 32, "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
                    "shared_expert_intermediate_size": 48, "num_key_value_heads": 4}, None),
     ("gpt_oss", {"intermediate_size": 48, "num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 16,
                  "sliding_window": 8, "swiglu_limit": 1.5}, None),
+    ("deepseek_v3", {"num_key_value_heads": 4, "n_routed_experts": 8, "num_experts_per_tok": 2,
+                     "moe_intermediate_size": 32, "first_k_dense_replace": 1, "kv_lora_rank": 32, "q_lora_rank": 48,
+                     "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "n_group": 2, "topk_group": 1,
+                     "attention_bias": True}, True),
+    ("glm4_moe", {"n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                  "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1, "use_qk_norm": True,
+                  "attention_bias": True, "pad_token_id": 0}, None),
 ])
 def test_two_ranks_generate_what_one_does(tmp_path, builtin_path, prompts, arch, overrides, overlap):
     # A tiny random model with even head counts (4 heads, 2 KV heads); Qwen2 adds q/k/v biases; Qwen3
@@ -246,8 +253,10 @@ def test_two_ranks_generate_what_one_does(tmp_path, builtin_path, prompts, arch,
     # norms whole on each rank and two ropes, Mistral and SmolLM3 a window and NoPE layers per rank; GPT-OSS cuts
     # each rank's heads' sinks and each expert's biases (the down one added on rank 0 alone); Qwen2-MoE its shared
     # expert's rows (its gate whole on every rank, the gated partial outputs summed with the experts'); Cohere each
-    # rank's heads of the q/k rows it reorders, and o_proj's bias once. Qwen3's
-    # and Mixtral's groups overlap their steps: the other rank fills the placeholders of each step's inputs
+    # rank's heads of the q/k rows it reorders, and o_proj's bias once; DeepSeek V3 each rank's heads' rows of q and of
+    # the latent's up-projection (the latent, its cache and the float32 router whole on every rank); GLM-4.5 each
+    # rank's heads of the q/k rows it reorders for its partial rotary, and the same experts. Qwen3's
+    # Mixtral's and DeepSeek's groups overlap their steps: the other rank fills the placeholders of each step's inputs
     # from rank 0's sampled ids (engine.overlap).
     path = str(make_tiny_model(tmp_path / arch, arch, builtin_path, **overrides))
     reference = _generate(_engine(path, 1), prompts)

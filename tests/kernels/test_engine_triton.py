@@ -112,3 +112,23 @@ def test_engine_on_triton_kernels_with_an_fp8_cache_matches_the_reference(tiny, 
         assert_all_free(engine)
     assert sum(prefill_tiles) > 0, "no chunk went through the prefill kernel"
     assert results["triton"] == results["torch"]
+
+
+def test_engine_on_triton_kernels_serves_deepseeks_latent_cache_as_the_reference(tmp_path, builtin_path, monkeypatch):
+    """DeepSeek's latent attention: one cache plane, read as both K and V, of one 'KV head' of 40 (a latent of 32 and
+    a rotated key of 8) under 4 query heads of that size; the Triton store writes it (twice, the same rows) and the
+    decode and prefill kernels read it, giving the torch backend's greedy tokens."""
+    path = make_tiny_model(tmp_path / "ds", "deepseek_v3", builtin_path, num_key_value_heads=4, n_routed_experts=4,
+                           num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1, kv_lora_rank=32,
+                           q_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_group=1,
+                           topk_group=1)
+    rng = random.Random(13)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (70, 5)]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    results = {}
+    for backend in ("torch", "triton"):
+        engine = _engine(path, backend, monkeypatch, num_blocks=16, max_num_batched_tokens=96)
+        assert tuple(engine.kv_cache.data.shape[1:]) == (1, 16, 8, 1, 40)
+        results[backend] = [out.outputs[0].token_ids for out in engine.generate(prompts, params)]
+        assert_all_free(engine)
+    assert results["triton"] == results["torch"]

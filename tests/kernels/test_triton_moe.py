@@ -130,7 +130,11 @@ MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, 
 # GPT-OSS: biased experts, a clamped SwiGLU, attention sinks, sliding and full layers
 GPT_OSS = {"intermediate_size": 48, "num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 16,
            "sliding_window": 8, "swiglu_limit": 1.5}
-MODELS = [("qwen3_moe", MOE), ("gpt_oss", GPT_OSS)]
+# DeepSeek V3: its float32 router (grouped sigmoid), ungated shared experts, latent attention through the Triton kernels
+DEEPSEEK = {"num_key_value_heads": 4, "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+            "first_k_dense_replace": 1, "kv_lora_rank": 32, "q_lora_rank": 48, "qk_nope_head_dim": 16,
+            "qk_rope_head_dim": 8, "v_head_dim": 16, "n_group": 2, "topk_group": 1}
+MODELS = [("qwen3_moe", MOE), ("gpt_oss", GPT_OSS), ("deepseek_v3", DEEPSEEK)]
 
 
 @pytest.mark.parametrize("arch,overrides", MODELS)
@@ -147,7 +151,7 @@ def test_an_moe_engine_on_the_triton_ops_runs_its_sparse_layers_through_fused_mo
         monkeypatch.setenv("CLIFFGUARD_ATTENTION_BACKEND", backend)
         model = build_model(config, torch.float32, "cpu")
         sparse = [layer.mlp for layer in model.layers if hasattr(layer.mlp, "w13")]
-        assert len(sparse) == len(model.layers) - len(overrides.get("mlp_only_layers", [])) > 0
+        assert len(sparse) == sum(map(config.is_sparse_layer, range(config.num_layers))) > 0
         assert all(mlp.fused_moe is fused for mlp in sparse) and model.graph_safe == (fused is not None)
 
 
@@ -210,7 +214,8 @@ def test_on_cuda_fused_moe_at_qwen3_30b_a3b_shape_equals_the_loop(tokens):
 
 
 @pytest.mark.gpu
-def test_on_cuda_an_moe_model_is_captured_in_graphs_and_decodes_as_eager(tmp_path, builtin_path):
+@pytest.mark.parametrize("arch,overrides", MODELS)
+def test_on_cuda_an_moe_model_is_captured_in_graphs_and_decodes_as_eager(tmp_path, builtin_path, arch, overrides):
     from engine.config import CacheConfig, EngineConfig, PoolConfig, SchedulerConfig
     from engine.llm_engine import LLMEngine
     from engine.sampling import SamplingParams

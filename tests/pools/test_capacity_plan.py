@@ -449,15 +449,19 @@ def test_the_examples_measure_their_gpus_where_they_are_served():
     ("qwen3-32b-2xh100-fp8.yaml", 80 * GiB, 65_524_246_528, "float8_e4m3fn"),
     ("qwen3-30b-a3b-h200.yaml", 141 * GiB, 61_064_245_248, "bfloat16"),
     ("gpt-oss-20b-h100.yaml", 80 * GiB, 41_829_514_368, "bfloat16"),
+    ("deepseek-v2-lite-h100.yaml", 80 * GiB, 31_419_784_192, "bfloat16"),
 ])
-def test_the_qwen3_and_gpt_oss_examples_plan(name, vram, dense_bytes, kv):
+def test_the_example_files_plan(name, vram, dense_bytes, kv):
     """The example files plan from the config.json beside them: Qwen3-32B's weights (YaRN to 131,072
-    positions) with an FP8 cache, Qwen3-30B-A3B's every expert, and gpt-oss-20b's (MXFP4 on disk) in bfloat16."""
+    positions) with an FP8 cache, Qwen3-30B-A3B's every expert, gpt-oss-20b's (MXFP4 on disk) in bfloat16, and
+    DeepSeek-V2-Lite's (its routers in float32) with its latent cache: 31,104 B a token."""
     data = yaml.safe_load((REPO / "config" / "examples" / name).read_text())
     config = parse_config(data, env={}, base_dir=REPO / "config" / "examples")
     plan = plan_capacity(config, resolve_model_configs(config), vram_bytes=vram)
     (device,) = plan.devices.values()
     assert device.weights_bytes == dense_bytes and device.kv_cache_dtype == kv
+    if name.startswith("deepseek"):
+        assert device.kv_bytes_per_token == 27 * 576 * 2
     assert all(p.max_num_seqs >= 1 for p in plan.pools.values())
     if kv == "float8_e4m3fn":   # the same file with a bfloat16 cache: half the blocks
         data["devices"]["h100x2"]["kv_cache_dtype"] = "auto"

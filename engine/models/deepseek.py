@@ -1,0 +1,231 @@
+"""DeepSeek V2 and V3 (`DeepseekV2ForCausalLM`, `DeepseekV3ForCausalLM`; DeepSeek-R1 and Kimi K2 are V3's shape):
+multi-head latent attention over a cache of one latent a token, and mixtures of experts beside shared experts, their
+router grouped.
+
+Attention (`MlaAttention`, the config's `MlaShape`). A token's keys and values are all made from one latent `c` of
+`kv_lora_rank` (normed) and one rotated key `k_pe` of `qk_rope_head_dim` shared by the heads: head h's key is
+[W_UK[h] c, k_pe], its value W_UV[h] c, with `kv_b_proj` = [W_UK; W_UV] per head. The cache holds [c, k_pe] alone, a
+single 'KV head' of `cache_dim` (576 for V3, against 2 x 128 heads x 192 expanded), in one plane
+(`ModelConfig.kv_planes`: the layer's K cache is its V cache). Attention is computed in the latent space ("absorbed",
+as vLLM's and SGLang's MLA backends decode): each head's query becomes [W_UK[h]^T q_nope, q_pe], so that q.k is the
+model's, over `cache_dim` dimensions; the paged kernels attend it as grouped-query attention with one KV head whose
+values are the cache rows themselves, and each head's output, the weighted sum of latents (its first
+`kv_lora_rank` dimensions), goes through W_UV[h]. The same kernels, any backend, an FP8 cache alike; q.k and the
+softmax are the model's, the products' order not transformers' (equal to it in float32 up to rounding: the greedy
+tokens of the tiny-model tests; in bfloat16 as vLLM's). The scale is DeepSeek's: (qk_nope + qk_rope)^-1/2, times
+YaRN's mscale_all_dim factor squared.
+
+The rotary turns q_pe and k_pe only (`make_rotary`: head_dim `qk_rope_head_dim`). DeepSeek's checkpoints rotate
+interleaved pairs (2i, 2i + 1) (V2 always, V3 where `rope_interleave`): the rows that make q_pe and k_pe are
+reordered as they are read, so rotating halves turns the same pairs and q.k is unchanged.
+
+Experts (`DeepseekMoeBlock`): Qwen3-MoE's experts and kernels, the shared experts one ungated MLP of their rows
+together, and the router in float32 (`DeepseekRouter`, kept float32 as transformers keeps it): V2's softmax, V3's
+sigmoid plus a correction bias that only picks; the experts picked from the `topk_group` of `n_group` groups with the
+best scores (V2: a group's best expert; V3: its best two's sum), the top k of them weighted by their scores
+(renormalised where `norm_topk_prob`), times `routed_scaling_factor`, in float32 (Mixtral's `moe_float_weights`).
+
+Tensor parallelism: each rank holds its query heads' rows of q and of `kv_b_proj` and their o_proj columns; the latent
+projection (and its norm) is whole on every rank, so is the cache (one KV head, replicated); the experts split as
+Qwen3-MoE's. Checkpoints' multi-token-prediction layers (past `num_hidden_layers`) are skipped, as transformers skips
+them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import replace
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.layers import RMSNorm, RopeRows, RotaryEmbedding
+from engine.model import WeightLoadError
+from engine.model_config import ModelConfig
+from engine.models.cohere import interleaved_to_halves
+from engine.models.qwen3_moe import Qwen3MoeForCausalLM, SparseMoeBlock
+from engine.parallel import Collectives, ShardShape
+from kernels import AttentionMetadata
+
+__all__ = ["DeepseekForCausalLM", "DeepseekMoeBlock", "MlaAttention", "moe_checkpoint_name"]
+
+LATENT_NORM_EPS = 1e-6   # transformers' DeepseekV3RMSNorm default: q_a_layernorm and kv_a_layernorm take no config eps
+
+
+class LatentUpProjection(nn.Module):
+    """`kv_b_proj` as [heads, qk_nope_head_dim + v_head_dim, kv_lora_rank]: per head W_UK (its first rows) and W_UV.
+    Not an `nn.Linear`: nothing multiplies the latents by it whole (`kernels.cpu_linear` packs no copy of it)."""
+
+    def __init__(self, heads: int, rows: int, latent: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(heads, rows, latent))
+
+
+class MlaAttention(nn.Module):
+    """One layer's latent attention (the module docstring), this rank's heads; `rotary_emb` the model's over
+    `qk_rope_head_dim`. The attributes the engine reads of every attention: num_heads, num_kv_heads (1),
+    sliding_window, softcap, sinks, k_scale / v_scale (an FP8 cache's, equal: K and V are the same rows)."""
+
+    def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives, rotary_emb: RotaryEmbedding,
+                 ops: ModuleType) -> None:
+        super().__init__()
+        mla, hidden, bias = config.mla, config.hidden_size, config.attention_bias
+        self.config, self.comm, self.mla, self.rotary_emb = config, comm, mla, rotary_emb
+        self.num_heads, self.num_kv_heads = shard.num_heads, 1
+        self.sliding_window, self.softcap, self.sinks = None, 0.0, None
+        self.scale = config.attention_scale
+        self.k_scale = self.v_scale = 1.0
+        self.kv_observer = None
+        qk = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+        if mla.q_lora_rank:
+            self.q_a_proj = nn.Linear(hidden, mla.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(mla.q_lora_rank, LATENT_NORM_EPS, ops)
+            self.q_b_proj = nn.Linear(mla.q_lora_rank, self.num_heads * qk, bias=False)
+        else:
+            self.q_proj = nn.Linear(hidden, self.num_heads * qk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, mla.cache_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, LATENT_NORM_EPS, ops)
+        self.kv_b_proj = LatentUpProjection(self.num_heads, mla.qk_nope_head_dim + mla.v_head_dim, mla.kv_lora_rank)
+        self.o_proj = nn.Linear(self.num_heads * mla.v_head_dim, hidden, bias=bias)
+
+    def forward(self, hidden: torch.Tensor, rope_rows: RopeRows, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata, backend) -> torch.Tensor:
+        mla, heads = self.mla, self.num_heads
+        nope, latent = mla.qk_nope_head_dim, mla.kv_lora_rank
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden))) if mla.q_lora_rank else self.q_proj(hidden)
+        q = q.view(-1, heads, nope + mla.qk_rope_head_dim)                     # [T, heads, nope + rope]
+        kv = self.kv_a_proj_with_mqa(hidden)                                     # [T, latent + rope]
+        pe = torch.cat([q[..., nope:], kv[:, None, latent:]], dim=1)            # q_pe and k_pe: [T, heads + 1, rope]
+        self.rotary_emb(pe, rope_rows)
+        w = self.kv_b_proj.weight                                                # [heads, nope + v, latent]
+        q_latent = torch.bmm(q[..., :nope].transpose(0, 1), w[:, :nope]).transpose(0, 1)   # [T, heads, latent]
+        query = torch.cat([q_latent, pe[:, :heads]], dim=-1)                    # [T, heads, cache_dim]
+        entry = torch.cat([self.kv_a_layernorm(kv[:, :latent].contiguous()), pe[:, heads]], dim=-1)[:, None]
+        cache = kv_cache[0]                                                      # the K and V of the layer: one
+        if self.kv_observer is not None:
+            self.kv_observer(entry, entry)
+        backend.store_kv(entry, entry, cache, cache, meta, k_scale=self.k_scale, v_scale=self.v_scale)
+        out = backend.paged_attention(query, cache, cache, meta, self.scale, None, k_scale=self.k_scale,
+                                      v_scale=self.v_scale)                      # [T, heads, cache_dim]
+        out = torch.bmm(out[..., :latent].transpose(0, 1), w[:, nope:].transpose(1, 2)).transpose(0, 1)
+        return self.comm.all_reduce(self.o_proj(out.reshape(-1, heads * mla.v_head_dim)))
+
+
+class DeepseekRouter(nn.Module):
+    """The router's weight [num_experts, hidden] and V3's `e_score_correction_bias`, in float32 whatever the model's
+    dtype (`engine.models.build_model` reads `float32_parameters`)."""
+
+    float32_parameters = True
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
+        self.e_score_correction_bias = nn.Parameter(torch.empty(config.num_experts)) \
+            if config.moe_router == "deepseek_v3" else None
+
+
+class DeepseekMoeBlock(SparseMoeBlock):
+    """Qwen3-MoE's experts with DeepSeek's router (the module docstring) and ungated shared experts."""
+
+    def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives, ops: ModuleType) -> None:
+        super().__init__(config, shard, comm, ops)
+        self.gate = DeepseekRouter(config)
+        self.sigmoid = config.moe_router == "deepseek_v3"
+        self.num_groups, self.topk_group = config.moe_groups
+        self.routed_scaling_factor = config.routed_scaling_factor
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [num_tokens, hidden] -> (weights [num_tokens, top_k] float32, experts [num_tokens, top_k]), as
+        transformers' DeepseekV2TopkRouter / DeepseekV3TopkRouter pick and weigh them."""
+        logits = F.linear(x.float(), self.gate.weight)                          # [num_tokens, num_experts]
+        scores = logits.sigmoid() if self.sigmoid else logits.softmax(dim=-1)
+        choice = scores + self.gate.e_score_correction_bias if self.sigmoid else scores
+        if self.num_groups > 1:
+            grouped = choice.view(-1, self.num_groups, self.num_experts // self.num_groups)
+            group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1) if self.sigmoid else grouped.max(dim=-1).values
+            groups = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+            keep = torch.zeros_like(group_scores).scatter_(1, groups, 1.0).bool()
+            keep = keep.repeat_interleave(self.num_experts // self.num_groups, dim=-1)
+            choice = choice.masked_fill(~keep, float("-inf") if self.sigmoid else 0.0)
+        experts = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, experts)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.routed_scaling_factor, experts
+
+
+class DeepseekForCausalLM(Qwen3MoeForCausalLM):
+    """DeepSeek V2 / V3: Qwen3-MoE's model with `MlaAttention` layers and `DeepseekMoeBlock`s past the first
+    `first_k_dense_replace` (dense) layers; the loading reorders the rotary rows and cuts the latent attention."""
+
+    moe_block = DeepseekMoeBlock
+
+    def make_rotary(self, ops: ModuleType) -> RotaryEmbedding:
+        return RotaryEmbedding(replace(self.config, head_dim=self.config.mla.qk_rope_head_dim), ops)
+
+    def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
+        layer = super().make_layer(index, ops)
+        layer.self_attn = MlaAttention(self.config, self.shard, self.comm, self.rotary_emb, ops)
+        return layer
+
+    def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
+        """The shared experts under Qwen2-MoE's name (one MLP); q's and the latent projection's rotary rows from
+        interleaved pairs to halves; the multi-token-prediction layers (past the model's) skipped."""
+        name = moe_checkpoint_name(self.config, name)
+        if name is None:
+            return ()
+        mla = self.config.mla
+        if mla.rope_interleave:
+            if name.endswith(("self_attn.q_proj.weight", "self_attn.q_b_proj.weight")):
+                tensor = rope_rows_to_halves(tensor, mla.qk_nope_head_dim + mla.qk_rope_head_dim, mla.qk_rope_head_dim)
+            elif ".self_attn.kv_a_proj_with_mqa." in name:
+                tensor = rope_rows_to_halves(tensor, mla.cache_dim, mla.qk_rope_head_dim)
+        return ((name, tensor),)
+
+    def _destination(self, name: str, hf_name: str) -> tuple[str, Callable[[torch.Tensor], torch.Tensor]]:
+        if ".self_attn." not in name:
+            return super()._destination(name, hf_name)
+        if name.endswith("kv_b_proj.weight"):   # [heads x (nope + v), latent] into [heads, nope + v, latent]
+            return name, lambda data: data.view(-1, data.shape[-1])
+        return name, lambda data: data
+
+    def _shard_of(self, hf_name: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's heads' rows of q_proj / q_b_proj and kv_b_proj, their o_proj columns (its bias on rank 0); the
+        latent projections and norms whole; the rest as Qwen3-MoE's."""
+        shard, mla = self.shard, self.config.mla
+        if shard.size == 1 or ".self_attn." not in name:
+            return super()._shard_of(hf_name, name, tensor)
+        qk, heads = mla.qk_nope_head_dim + mla.qk_rope_head_dim, self.config.num_heads
+        per_head = {"q_proj.weight": (0, qk), "q_b_proj.weight": (0, qk), "o_proj.weight": (1, mla.v_head_dim),
+                    "kv_b_proj.weight": (0, mla.qk_nope_head_dim + mla.v_head_dim)}
+        kind = ".".join(name.split(".")[-2:])
+        if kind == "o_proj.bias":
+            return tensor if shard.rank == 0 else torch.zeros_like(tensor)
+        if kind not in per_head:
+            return tensor
+        dim, rows = per_head[kind]
+        if tensor.dim() != 2 or tensor.shape[dim] != heads * rows:
+            raise WeightLoadError(f"{hf_name}: shape {tuple(tensor.shape)} does not match the config "
+                                  f"({heads * rows} along dimension {dim})")
+        return tensor.narrow(dim, shard.head_start * rows, shard.num_heads * rows)
+
+
+def moe_checkpoint_name(config: ModelConfig, name: str) -> str | None:
+    """A DeepSeek or GLM-4.5 checkpoint tensor's name as Qwen3-MoE's loading reads it: the shared experts under
+    Qwen2-MoE's name (one MLP); None for a layer past the model's (multi-token prediction), which is skipped."""
+    parts = name.split(".")
+    if parts[0] == "layers" and parts[1].isdigit() and int(parts[1]) >= config.num_layers:
+        return None
+    return name.replace(".mlp.shared_experts.", ".mlp.shared_expert.")
+
+
+def rope_rows_to_halves(rows: torch.Tensor, group: int, rope: int) -> torch.Tensor:
+    """rows [n x group, ...] (a projection's rows, or its bias): in each group the last `rope` rows, rotary pairs
+    (2i, 2i + 1), reordered as `interleaved_to_halves` orders a head (evens, then odds), whose halves the engine's
+    rotary turns."""
+    groups = rows.reshape(rows.shape[0] // group, group, *rows.shape[1:]).clone()
+    tail = groups[:, group - rope:]
+    groups[:, group - rope:] = interleaved_to_halves(tail.reshape(-1, *rows.shape[1:]), rope).reshape(tail.shape)
+    return groups.reshape(rows.shape)
