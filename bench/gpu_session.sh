@@ -20,7 +20,8 @@
 # output with graphs against without (test_cuda_graphs.py), no stream synchronize in a step's launch (test_overlap.py)
 # and the FP8 KV cache's and the MoE layer's kernels on the GPU (test_triton*.py, compiled: TRITON_INTERPRET=0); the
 # moe step times the MoE experts' three ways (Triton, grouped matmuls, loop); the kernels_fp8 step the kernels on
-# an FP8 KV cache (its decode bandwidth, in its own bytes); the kvcache step (not a default: it needs real
+# an FP8 KV cache (its decode bandwidth, in its own bytes), the kernels_mla step on DeepSeek's latent cache (one plane
+# read as K and V, head_dim 576, 16 query heads: `bench kernels --latent`); the kvcache step (not a default: it needs real
 # weights, KVCACHE_MODEL, which a device machine cannot be given) an FP8 cache's agreement on CUDA. The tests
 # step reads the builtin's tokenizer from .gpu/smollm2 (CLIFFGUARD_BUILTIN_DIR: its tiny models take only the
 # tokenizer). The device machine lacks msgspec (the worker protocol): carry
@@ -32,7 +33,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFL
 PY=${PY:-python3}
 CLI="$PY -m gateway.cli"
 # A device call is at most 600 s: the default steps (GPU_STEPS unset) are the first call's; the second call is
-# GPU_STEPS="sync eager hostcost moe". Each step is killed past STEP_TIMEOUT seconds (default 300; simulate,
+# GPU_STEPS="sync eager hostcost moe kernels_mla". Each step is killed past STEP_TIMEOUT seconds (default 300; simulate,
 # chaos and isolation 540, so run each of those alone): a hung step costs its own time, not the call's.
 step() { local name=$1; shift; echo "=== $name: $*"; local t0=$SECONDS;
          timeout -k 10 "${STEP_TIMEOUT:-300}" "$@" >"$OUT/$name.log" 2>&1; local rc=$?;
@@ -67,6 +68,7 @@ for what in ${GPU_STEPS:-tests kernels kernels_fp8 engine}; do
                tests/kernels/test_engine_triton.py ;;
     kernels) step bench_kernels $CLI bench kernels ;;
     kernels_fp8) step bench_kernels_fp8 $CLI bench kernels --kv-dtype fp8 ;;
+    kernels_mla) step bench_kernels_mla $CLI bench kernels --latent ;;
     hostcost) step bench_hostcost $CLI bench hostcost --device cuda --lengths 100,1000 --tokenizer .gpu/smollm2 ;;
     engine)  step bench_engine $CLI bench engine --model .gpu/llama-3-8b --random-weights --dtype bfloat16 ;;
     eager)   step bench_engine_eager $CLI bench engine --model .gpu/llama-3-8b --random-weights --dtype bfloat16 \

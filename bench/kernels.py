@@ -13,6 +13,9 @@
 
 `--kv-dtype fp8` runs the same on an FP8 cache (float8_e4m3fn: half a bfloat16 cache's bytes), its K/V read
 and written as the engine's `kv_cache_dtype: fp8` does (scales 1.0); the bandwidth counts its bytes.
+`--latent` runs DeepSeek's latent attention as the engine does (`engine.models.deepseek`): one cache plane whose
+rows are both K and V, one KV head of the latent and rotated key (head_dim 576) under 16 query heads (DeepSeek-V3's
+128 over 8 ranks); decode's bytes count that plane once, store_kv's its two writes (K and V: the same rows).
 
 One layer's K/V lives in a `KVCache` (the engine's `[L, 2, num_blocks, block_size, kv_heads, head_dim]`
 tensor) big enough for the largest shape; every case gets block tables shuffled over all of its blocks.
@@ -61,6 +64,7 @@ DEFAULTS = {
     "num_heads": (32, 4),
     "num_kv_heads": (8, 2),
     "head_dim": (128, 32),
+    "latent": ((16, 1, 576), (4, 1, 40)),   # --latent's heads, KV heads and head_dim
     "iters": (20, 1),
     "warmup": (3, 0),
 }
@@ -90,6 +94,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, choices=BLOCK_SIZES, default=16, help="tokens per KV block (16)")
     p.add_argument("--kv-dtype", choices=("auto", "fp8"), default="auto",
                    help="the KV cache's: auto (--dtype's, default) | fp8 (float8_e4m3fn: its bytes counted)")
+    p.add_argument("--latent", action="store_true",
+                   help="DeepSeek's latent attention: one cache plane read as K and V, one KV head; default heads "
+                   "16, head_dim 576 (dry run 4, 40)")
     p.add_argument("--num-splits", type=positive_int, default=None,
                    help="passed to the Triton paged_attention (default: its own choice)")
     p.add_argument("--iters", type=positive_int, default=None, help="timed calls per case, the median counts (20)")
@@ -133,15 +140,21 @@ class Setup:
     iters: int
     warmup: int
     kv_dtype: torch.dtype | None = None   # the cache's, where it is not `dtype` (FP8)
+    latent: bool = False                  # one plane, its rows both K and V (DeepSeek's latent attention)
 
     @property
     def scale(self) -> float:
         return self.head_dim ** -0.5
 
     @property
+    def plane_bytes_per_token(self) -> int:
+        """One token's K (or V) in one layer, in the cache's dtype."""
+        return self.num_kv_heads * self.head_dim * (self.kv_dtype or self.dtype).itemsize
+
+    @property
     def kv_bytes_per_token(self) -> int:
-        """K and V of one token in one layer, in the cache's dtype."""
-        return 2 * self.num_kv_heads * self.head_dim * (self.kv_dtype or self.dtype).itemsize
+        """What the cache holds of one token in one layer: K and V, or the latent plane alone."""
+        return (1 if self.latent else 2) * self.plane_bytes_per_token
 
 
 def triton_available() -> bool:
@@ -191,12 +204,15 @@ def parse_shapes(text: str, option: str) -> list[tuple[int, int]]:
 
 def _make_cache(setup: Setup, num_blocks: int):
     """One layer's K/V as the engine holds them, filled with N(0, 1)."""
-    from engine.model_config import ModelConfig
     from engine.kv_cache import KVCache
+    from engine.model_config import ModelConfig
+    from engine.model_families import MlaShape
 
+    # a latent cache: one plane (only the cache's dimension counts of the attention's shape)
+    mla = MlaShape(0, setup.head_dim - 8, 8, 8, 8) if setup.latent else None
     model = ModelConfig(architecture="LlamaForCausalLM", vocab_size=1, hidden_size=setup.num_heads * setup.head_dim,
                         intermediate_size=1, num_layers=1, num_heads=setup.num_heads,
-                        num_kv_heads=setup.num_kv_heads, head_dim=setup.head_dim)
+                        num_kv_heads=setup.num_kv_heads, head_dim=setup.head_dim, mla=mla)
     cache = KVCache(model, num_blocks, setup.block_size, setup.kv_dtype or setup.dtype, setup.device)
     for part in cache.data.view(-1).split(1 << 26):   # N(0, 1) drawn in float32 (FP8 has no normal_), in parts
         part.copy_(torch.randn(part.shape, device=part.device))
@@ -273,7 +289,7 @@ def _sdpa_seconds(setup: Setup, batch: int, seq_len: int, flush) -> tuple[float,
     shape = (batch, setup.num_heads, seq_len, setup.head_dim)
     q = torch.randn(shape, device=setup.device).to(setup.dtype)
     k = torch.randn(batch, setup.num_kv_heads, seq_len, setup.head_dim, device=setup.device).to(setup.dtype)
-    v = torch.randn_like(k)
+    v = k if setup.latent else torch.randn_like(k)
     group = setup.num_heads // setup.num_kv_heads
     k_exp, v_exp = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     variants = {
@@ -320,15 +336,15 @@ def bench_store(setup: Setup, num_seqs: int, new_tokens: int, rng: random.Random
     meta = _make_meta(setup, num_blocks, [new_tokens] * num_seqs, seq_lens, rng)
     num_tokens = num_seqs * new_tokens
     key = torch.randn(num_tokens, setup.num_kv_heads, setup.head_dim, device=setup.device).to(setup.dtype)
-    value = torch.randn_like(key)
+    value = key if setup.latent else torch.randn_like(key)   # a latent cache: the engine stores the rows as both
     want = cache.data.clone()
-    reference.store_kv(key, value, want[0, 0], want[0, 1], meta)
+    reference.store_kv(key, value, want[0, 0], want[0, -1], meta)
     k_cache, v_cache = cache.layers[0]
     setup.backend.store_kv(key, value, k_cache, v_cache, meta)
     ok = torch.equal(cache.raw, raw(want))   # as bytes: FP8 has no equal on every device
     seconds = _median_time(setup, lambda: setup.backend.store_kv(key, value, k_cache, v_cache, meta), flush)
-    # K/V read in their dtype, written in the cache's (an FP8 cache: a byte a value), the slots read
-    nbytes = 2 * key.numel() * key.element_size() + num_tokens * setup.kv_bytes_per_token \
+    # K/V read in their dtype, written in the cache's (an FP8 cache: a byte a value; a latent one twice), the slots
+    nbytes = 2 * key.numel() * key.element_size() + num_tokens * 2 * setup.plane_bytes_per_token \
         + meta.slot_mapping.numel() * 8
     return {"num_seqs": num_seqs, "new_tokens": new_tokens, "ok": ok, "ms": seconds * 1e3, "bytes": nbytes,
             "gbps": nbytes / seconds / 1e9, "of_copy": nbytes / seconds / copy_bw}
@@ -356,15 +372,27 @@ def _setting(args: argparse.Namespace, name: str):
     return value if value is not None else DEFAULTS[name][1 if args.dry_run else 0]
 
 
+def _heads(args: argparse.Namespace) -> tuple[int, int, int]:
+    """(query heads, KV heads, head_dim) the options give, `--latent`'s defaults where it is on and they say nothing;
+    ValueError naming the option they break."""
+    num_heads, num_kv_heads, head_dim = (_setting(args, name) for name in ("num_heads", "num_kv_heads", "head_dim"))
+    if args.latent:
+        num_heads, num_kv_heads, head_dim = (given if given is not None else default for given, default in zip(
+            (args.num_heads, args.num_kv_heads, args.head_dim), DEFAULTS["latent"][1 if args.dry_run else 0]))
+        if num_kv_heads != 1 or head_dim <= 8:
+            raise ValueError(f"--latent: one KV head of more than 8 dimensions, got {num_kv_heads} of {head_dim}")
+    if num_heads % num_kv_heads:   # (each >= 1: the options' type)
+        raise ValueError(f"--num-kv-heads: {num_kv_heads} does not divide --num-heads {num_heads}")
+    return num_heads, num_kv_heads, head_dim
+
+
 def run(args: argparse.Namespace) -> int:
     from engine.config import kv_cache_dtype, parse_dtype
 
     decode_shapes = parse_shapes(_setting(args, "decode_shapes"), "--decode-shapes")
     prefill_shapes = parse_shapes(_setting(args, "prefill_shapes"), "--prefill-shapes")
     store_shapes = parse_shapes(_setting(args, "store_shapes"), "--store-shapes")
-    num_heads, num_kv_heads = _setting(args, "num_heads"), _setting(args, "num_kv_heads")
-    if num_heads % num_kv_heads:   # (each >= 1: the options' type)
-        raise ValueError(f"--num-kv-heads: {num_kv_heads} does not divide --num-heads {num_heads}")
+    num_heads, num_kv_heads, head_dim = _heads(args)
     iters, warmup = _setting(args, "iters"), _setting(args, "warmup")
     device = _resolve_device(args)
     if device is None:
@@ -375,8 +403,8 @@ def run(args: argparse.Namespace) -> int:
         torch.bfloat16 if device.type == "cuda" else torch.float32)
     backend = load_backend(args.backend, device)
     kv_dtype = None if args.kv_dtype == "auto" else kv_cache_dtype(args.kv_dtype, dtype)
-    setup = Setup(device, dtype, backend, num_heads, num_kv_heads, _setting(args, "head_dim"), args.block_size,
-                  args.num_splits, iters, warmup, kv_dtype)
+    setup = Setup(device, dtype, backend, num_heads, num_kv_heads, head_dim, args.block_size,
+                  args.num_splits, iters, warmup, kv_dtype, args.latent)
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
 
@@ -396,6 +424,7 @@ def run(args: argparse.Namespace) -> int:
               "source": backend.source, "dtype": str(dtype).removeprefix("torch."),
               "kv_dtype": str(kv_dtype or dtype).removeprefix("torch."), "num_heads": num_heads,
               "num_kv_heads": num_kv_heads, "head_dim": setup.head_dim, "block_size": setup.block_size,
+              "latent": setup.latent, "tolerance": TOLERANCE[dtype],
               "iters": iters, "copy_gbps": copy_bw / 1e9, "matmul_tflops": matmul_rate / 1e12}
     need = [math.ceil(c / setup.block_size) * b for b, c in decode_shapes + prefill_shapes]
     num_blocks = max(need, default=1) * 5 // 4 + 1
@@ -412,7 +441,9 @@ def run(args: argparse.Namespace) -> int:
             print(note, file=sys.stderr)
         print(json.dumps(result, indent=2))
     else:
-        _print_report(result, note)
+        from bench.kernels_report import print_report
+
+        print_report(result, note)
     return 0 if result["all_ok"] else 1
 
 
@@ -421,7 +452,8 @@ def _goals(result: dict, *, judged: bool) -> dict:
     (prompts of at least PREFILL_GOAL_MIN_LEN tokens)."""
     large = [r["of_copy"] for r in result["decode"] if r["large"]]
     ratios = [r["ratio"] for r in result["prefill"] if r["goal"]]
-    return {"judged": judged, "decode_min_of_copy": min(large) if large else None,
+    return {"judged": judged, "decode_goal": DECODE_GOAL, "large_bytes": LARGE_BYTES, "prefill_goal": PREFILL_GOAL,
+            "prefill_goal_min_len": PREFILL_GOAL_MIN_LEN, "decode_min_of_copy": min(large) if large else None,
             "decode_met": bool(large) and min(large) >= DECODE_GOAL,
             "prefill_min_ratio": min(ratios) if ratios else None,
             "prefill_met": bool(ratios) and min(ratios) >= PREFILL_GOAL}
@@ -439,61 +471,3 @@ def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"cpu ({torch.get_num_threads()} threads)"
-
-
-def _mark(ok: bool) -> str:
-    return "✓" if ok else "✗"
-
-
-def _print_report(r: dict, note: str) -> None:
-    from engine.config import parse_dtype
-
-    if note:
-        print(note)
-    print(f"kernels: {r['backend']} ({r['source']}) on {r['device']}, {r['dtype']}, KV cache {r['kv_dtype']}; "
-          f"{r['num_heads']} query heads, "
-          f"{r['num_kv_heads']} KV heads, head_dim {r['head_dim']}, block {r['block_size']}; median of "
-          f"{r['iters']} calls")
-    print(f"ceilings measured in this run: copy {r['copy_gbps']:.1f} GB/s (dst.copy_(src), read + write), "
-          f"matmul {r['matmul_tflops']:.3g} TFLOP/s ({r['dtype']})")
-    print(f"check: finite and max |ours - reference| <= {TOLERANCE[parse_dtype(r['dtype'])]:g} x max |reference| "
-          "(store_kv: equal)")
-
-    print(f"\ndecode paged attention (one layer, query length 1, block tables shuffled over "
-          f"{r['cache_blocks']} blocks); bytes = K/V read + Q read + O written")
-    print(f"{'batch x context':>16} {'check':>5} {'max err':>9} {'ms':>9} {'MB':>9} {'GB/s':>9} {'of copy':>8}")
-    for d in r["decode"]:
-        print(f"{d['batch']:>6} x {d['context']:<7} {_mark(d['ok']):>5} {d['max_abs_err']:9.2e} {d['ms']:9.3f} "
-              f"{d['bytes'] / 1e6:9.1f} {d['gbps']:9.1f} {d['of_copy']:7.1%}{' *' if d['large'] else ''}")
-    g = r["goals"]
-    if not g["judged"]:
-        print(f"goal >= {DECODE_GOAL:.0%} of copy bandwidth on the large cases: not judged in a dry run")
-    elif g["decode_min_of_copy"] is None:
-        print(f"goal >= {DECODE_GOAL:.0%} of copy bandwidth on the large cases (*, >= {LARGE_BYTES >> 20} MiB "
-              "moved): no such case in this run")
-    else:
-        print(f"goal >= {DECODE_GOAL:.0%} of copy bandwidth on the large cases (*, >= {LARGE_BYTES >> 20} MiB "
-              f"moved): {'met' if g['decode_met'] else 'NOT met'} (lowest {g['decode_min_of_copy']:.1%})")
-
-    print("\nprefill paged attention (one layer, causal, whole prompt as one chunk, K/V already in the cache) "
-          "vs SDPA (is_causal=True, contiguous K/V); x SDPA: our speed over SDPA's (SDPA ms / ours ms)")
-    print(f"{'batch x seq_len':>16} {'kernel':>9} {'check':>5} {'max err':>9} {'ours ms':>9} {'TFLOP/s':>8} "
-          f"{'SDPA ms':>9} {'TFLOP/s':>8} {'x SDPA':>9} {'of matmul':>9}  SDPA variant")
-    for p in r["prefill"]:
-        print(f"{p['batch']:>6} x {p['seq_len']:<7} {p['kernel']:>9} {_mark(p['ok']):>5} {p['max_abs_err']:9.2e} "
-              f"{p['ms']:9.3f} {p['tflops']:8.2f} {p['sdpa_ms']:9.3f} {p['sdpa_tflops']:8.2f} {p['ratio']:8.2f}x "
-              f"{p['of_matmul']:9.1%}  {p['sdpa_variant']}{' *' if p['goal'] else ''}")
-    goal = f"goal >= {PREFILL_GOAL}x SDPA on the prompts of >= {PREFILL_GOAL_MIN_LEN} tokens (*)"
-    if not g["judged"]:
-        print(f"{goal}: not judged in a dry run")
-    elif g["prefill_min_ratio"] is None:
-        print(f"{goal}: no such case in this run")
-    else:
-        print(f"{goal}: {'met' if g['prefill_met'] else 'NOT met'} (lowest {g['prefill_min_ratio']:.2f}x)")
-
-    print("\nstore_kv (K/V of the new tokens into shuffled slots); bytes = K/V read + written + slots read")
-    print(f"{'seqs x new':>16} {'check':>5} {'ms':>9} {'MB':>9} {'GB/s':>9} {'of copy':>8}")
-    for s in r["store_kv"]:
-        print(f"{s['num_seqs']:>6} x {s['new_tokens']:<7} {_mark(s['ok']):>5} {s['ms']:9.3f} {s['bytes'] / 1e6:9.2f} "
-              f"{s['gbps']:9.1f} {s['of_copy']:7.1%}")
-    print(f"\nchecks against kernels.reference: {'all ✓' if r['all_ok'] else 'FAILED (✗ above)'}")

@@ -23,12 +23,13 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
                            "Olmo2ForCausalLM", "SmolLM3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
                            "GptOssForCausalLM", "Qwen2MoeForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM",
                            "Ernie4_5ForCausalLM", "Glm4ForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
-                           "Glm4MoeForCausalLM")
+                           "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM")
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")   # one LayerNorm a layer, a parallel block
 # their attention bias: q/k/v's, not o_proj's
 QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM")
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")   # Gemma's layer: four norms, scaled embeddings
 FOUR_NORMS = (*GEMMA_ARCHITECTURES, "Glm4ForCausalLM")   # a norm on each sublayer's output too
+WIDE_QK_NORM = ("Olmo2ForCausalLM", "MiniMaxM2ForCausalLM")   # q and k normed over the whole projection
 # Multimodal checkpoints served as their text model: architecture -> (the text model's, its weights' prefix, the
 # text_config's model_type where it names one: another family's text model is refused by that key)
 TEXT_MODELS = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "language_model.", "gemma3_text"),
@@ -54,7 +55,7 @@ DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32_768, "
                          "SmolLM3ForCausalLM": 32_768, "GptOssForCausalLM": 131_072, "Qwen2MoeForCausalLM": 32_768,
                          "CohereForCausalLM": 8192, "Cohere2ForCausalLM": 8192, "Ernie4_5ForCausalLM": 131_072,
                          "Glm4ForCausalLM": 131_072, "DeepseekV2ForCausalLM": 2048, "DeepseekV3ForCausalLM": 4096,
-                         "Glm4MoeForCausalLM": 131_072,
+                         "Glm4MoeForCausalLM": 131_072, "MiniMaxM2ForCausalLM": 196_608,
                          "Gemma2ForCausalLM": 8192, "Gemma3ForCausalLM": 131_072}
 # their rms_norm_eps, where it is not 1e-6
 DEFAULT_RMS_NORM_EPS = {"MixtralForCausalLM": 1e-5, "Phi3ForCausalLM": 1e-5, "Olmo2ForCausalLM": 1e-5,
@@ -62,13 +63,15 @@ DEFAULT_RMS_NORM_EPS = {"MixtralForCausalLM": 1e-5, "Phi3ForCausalLM": 1e-5, "Ol
                         "Glm4MoeForCausalLM": 1e-5}
 DEFAULT_KV_HEADS = {"Qwen2ForCausalLM": 32, "MistralForCausalLM": 8, "Qwen3ForCausalLM": 32, "Qwen3MoeForCausalLM": 4,
                     "MixtralForCausalLM": 8, "SmolLM3ForCausalLM": 4, "GptOssForCausalLM": 8,
-                    "Qwen2MoeForCausalLM": 16, "Ernie4_5ForCausalLM": 2, "Glm4ForCausalLM": 2, "Glm4MoeForCausalLM": 8}
+                    "Qwen2MoeForCausalLM": 16, "Ernie4_5ForCausalLM": 2, "Glm4ForCausalLM": 2, "Glm4MoeForCausalLM": 8,
+                    "MiniMaxM2ForCausalLM": 8}
 # their head_dim where config.json names none (else hidden_size / num_attention_heads)
 DEFAULT_HEAD_DIM = {"Qwen3ForCausalLM": 128, "GptOssForCausalLM": 64, "Ernie4_5ForCausalLM": 128,
-                    "Glm4ForCausalLM": 128}
+                    "Glm4ForCausalLM": 128, "MiniMaxM2ForCausalLM": 128}
 # their rope_theta where config.json names none (else 10,000)
 DEFAULT_ROPE_THETA = {"MixtralForCausalLM": 1_000_000.0, "SmolLM3ForCausalLM": 2_000_000.0,
-                      "GptOssForCausalLM": 150_000.0, "Ernie4_5ForCausalLM": 500_000.0}
+                      "GptOssForCausalLM": 150_000.0, "Ernie4_5ForCausalLM": 500_000.0,
+                      "MiniMaxM2ForCausalLM": 5_000_000.0}
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 # dynamic NTK: its base moves only past max_position_embeddings, which caps its context here: the default rope's
 SUPPORTED_ROPE_TYPES = ("default", "dynamic", "linear", "llama3", "yarn")
@@ -178,7 +181,7 @@ class RopeScaling:
 class ModelConfig:
     """A decoder-only model's shape (Llama 2/3, Qwen2, Qwen3, Qwen3-MoE, Mistral, Mixtral, Phi-3, Granite, OLMo 2,
     SmolLM3, Gemma 2, Gemma 3's text model, GPT-OSS, Qwen2-MoE, Cohere's Command R and R7B, ERNIE 4.5, GLM-4, GLM-4.5,
-    DeepSeek V2 and V3) from an HF config.json.
+    DeepSeek V2 and V3, MiniMax-M2) from an HF config.json.
     `layer_types` (Gemma): each layer full or sliding; without it `sliding_window` is all's."""
 
     architecture: str
@@ -339,7 +342,7 @@ class ModelConfig:
     @property
     def num_float32_params(self) -> int:
         """Parameters held in float32 whatever the model's dtype: DeepSeek's routers (weight, V3's correction bias)."""
-        if not self.moe_router.startswith("deepseek"):
+        if self.moe_router not in ("deepseek_v2", "deepseek_v3"):
             return 0
         per_layer = self.num_experts * (self.hidden_size + (self.moe_router == "deepseek_v3"))
         return per_layer * sum(self.is_sparse_layer(layer) for layer in range(self.num_layers))
@@ -366,14 +369,14 @@ class ModelConfig:
             experts += self.num_experts * (2 * moe_i + h + 1)
         if self.shared_expert_intermediate_size:   # Qwen2-MoE: the shared expert and its gate (DeepSeek: ungated)
             experts += 3 * h * shared_i + (h if self.shared_expert_gated else 0)
-        if self.moe_router == "deepseek_v3":   # the router's correction bias (a float32 buffer in transformers)
+        if self.moe_router in ("deepseek_v3", "minimax_m2"):   # the router's correction bias (a buffer in transformers)
             experts += self.num_experts
         norms = 4 if self.architecture in FOUR_NORMS else 2   # Gemma, GLM-4: on the sublayers' outputs too
         norms = 1 if self.architecture in COHERE_ARCHITECTURES else norms   # Cohere: one before both sublayers
         # q/k norms: a weight per channel of a head (Cohere: each head its own)
         qk = (q + kv if self.architecture in COHERE_ARCHITECTURES else 2 * d) if self.qk_norm else 0
         per_layer = attn + norms * h + qk + (heads if self.attention_sinks else 0)
-        if self.architecture == "Olmo2ForCausalLM":   # q and k normed whole: a weight per channel
+        if self.architecture in WIDE_QK_NORM:   # q and k normed whole: a weight per channel
             per_layer += q + kv
         mlps = sum(experts if self.is_sparse_layer(layer) else mlp for layer in range(self.num_layers))
         head = 0 if self.tie_word_embeddings else v * h

@@ -19,7 +19,7 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 # how a sparse layer picks its experts: a softmax's top k (Qwen, Mixtral, GPT-OSS), DeepSeek V2's softmax within the
 # groups of the best expert scores, DeepSeek V3's sigmoid (plus a correction bias) within the groups of the best
 # top-2 sums
-MOE_ROUTERS = ("softmax", "deepseek_v2", "deepseek_v3")
+MOE_ROUTERS = ("softmax", "deepseek_v2", "deepseek_v3", "minimax_m2")   # MiniMax-M2's: V3's, in the model's dtype
 DEEPSEEK_TOPK_METHODS = {"DeepseekV2ForCausalLM": ("greedy", "group_limited_greedy"),
                          "DeepseekV3ForCausalLM": ("noaux_tc",)}
 
@@ -84,6 +84,8 @@ def family_fields(cfg: dict[str, Any], arch: str, num_layers: int) -> dict[str, 
         return deepseek_fields(cfg, arch)
     if arch == "Glm4MoeForCausalLM":
         return glm4_moe_fields(cfg)
+    if arch == "MiniMaxM2ForCausalLM":
+        return minimax_m2_fields(cfg)
     if arch == "Ernie4_5ForCausalLM":   # Ernie4_5Config: one switch for every projection's bias, a tied head
         bias = read_bool(cfg, "use_bias", False)
         return {"attention_bias": bias, "mlp_bias": bias, "tie_word_embeddings": read_bool(cfg, "tie_word_embeddings",
@@ -350,6 +352,31 @@ def glm4_moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     return {"partial_rotary_factor": factor, "qk_norm": read_bool(cfg, "use_qk_norm", False),
             "attention_bias": read_bool(cfg, "attention_bias", False),
             **_grouped_experts(cfg, defaults, "deepseek_v3", grouped=True)}
+
+
+def minimax_m2_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """MiniMax-M2's fields (transformers' `MiniMaxM2Config` names and defaults): every layer `num_local_experts` (256)
+    of `intermediate_size` (1536), `num_experts_per_tok` (8) a token, picked as DeepSeek V3's without groups and
+    renormalised; the first `rotary_dim` (or `partial_rotary_factor` of) each head rotated; q and k normed over the
+    whole projection, as transformers always norms them (a config saying otherwise is refused)."""
+    _check_silu(cfg, "MiniMax-M2")
+    if cfg.get("use_qk_norm", True) is not True or cfg.get("qk_norm_type", "per_layer") != "per_layer":
+        raise ConfigError(f"qk_norm_type: MiniMax-M2 is served with use_qk_norm true and qk_norm_type 'per_layer' "
+                          f"(q and k normed over the whole projection, as transformers does), got "
+                          f"{cfg.get('use_qk_norm')!r} and {cfg.get('qk_norm_type')!r}")
+    if cfg.get("scoring_func", "sigmoid") != "sigmoid" or read_int(cfg, "shared_intermediate_size", 0, minimum=0):
+        raise ConfigError(f"scoring_func: MiniMax-M2 is served with the sigmoid router and no shared expert (as "
+                          f"transformers runs it), got {cfg.get('scoring_func')!r} and shared_intermediate_size "
+                          f"{cfg.get('shared_intermediate_size')!r}")
+    head_dim = read_int(cfg, "head_dim", 128)
+    rope = read_object(cfg, "rope_parameters") or {}
+    rotary = read_int(cfg, "rotary_dim", None)
+    factor = rotary / head_dim if rotary is not None else read_float(rope, "partial_rotary_factor", 1.0)
+    experts = read_int(cfg, "num_local_experts", 256)
+    return {"partial_rotary_factor": factor, "num_experts": experts,
+            "num_experts_per_tok": read_int(cfg, "num_experts_per_tok", 8),
+            "moe_intermediate_size": read_int(cfg, "intermediate_size", 1536), "norm_topk_prob": True,
+            "moe_router": "minimax_m2", "moe_float_weights": True}
 
 
 def _grouped_experts(cfg: dict[str, Any], defaults: dict[str, Any], router: str, grouped: bool) -> dict[str, Any]:

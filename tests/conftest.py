@@ -105,7 +105,7 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
            "cohere": transformers.CohereConfig, "cohere2": transformers.Cohere2Config,
            "ernie4_5": transformers.Ernie4_5Config, "glm4": transformers.Glm4Config,
            "deepseek_v2": transformers.DeepseekV2Config, "deepseek_v3": transformers.DeepseekV3Config,
-           "glm4_moe": transformers.Glm4MoeConfig}[arch]
+           "glm4_moe": transformers.Glm4MoeConfig, "minimax_m2": transformers.MiniMaxM2Config}[arch]
     config = cls(**common)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -115,7 +115,7 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
             for name, param in model.named_parameters():
                 if name.endswith(("bias", "sinks")):
                     param.normal_(0.0, 1.0)
-    if arch in ("deepseek_v3", "glm4_moe"):   # the router's correction bias (a buffer) starts at zero too
+    if arch in ("deepseek_v3", "glm4_moe", "minimax_m2"):   # the router's correction bias (a buffer): zero too
         with torch.no_grad():
             for name, buffer in model.named_buffers():
                 if name.endswith("e_score_correction_bias"):

@@ -12,7 +12,8 @@ SwiGLU, MXFP4 experts dequantized as they are read), `cohere` (Command R and R7B
 rows reordered for the engine's rotary), `ernie` (ERNIE 4.5: the Llama layer, its interleaved rotary served so
 too), `glm4` (GLM-4: sandwich norms, a partial interleaved rotary served by zero frequencies and reordered q/k rows),
 `deepseek` (DeepSeek V2 and V3: latent attention over a cache of one latent a token, grouped routers, shared experts;
-GLM-4.5, in `glm4`, takes their experts).
+GLM-4.5, in `glm4`, takes their experts), `minimax_m2` (MiniMax-M2: Mixtral's names, OLMo 2's whole-projection
+q/k norms, GLM-4.5's partial rotary, DeepSeek V3's router without groups).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from engine.models.gemma3 import Gemma3ForCausalLM
 from engine.models.glm4 import Glm4ForCausalLM, Glm4MoeForCausalLM
 from engine.models.gpt_oss import GptOssForCausalLM
 from engine.models.granite import GraniteForCausalLM
+from engine.models.minimax_m2 import MiniMaxM2ForCausalLM
 from engine.models.mixtral import MixtralForCausalLM
 from engine.models.olmo2 import Olmo2ForCausalLM
 from engine.models.phi3 import Phi3ForCausalLM
@@ -56,6 +58,7 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "Ernie4_5ForCausalLM": Ernie45ForCausalLM,
                                                 "Glm4ForCausalLM": Glm4ForCausalLM,
                                                 "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
+                                                "MiniMaxM2ForCausalLM": MiniMaxM2ForCausalLM,
                                                 "DeepseekV2ForCausalLM": DeepseekForCausalLM,
                                                 "DeepseekV3ForCausalLM": DeepseekForCausalLM}
 

@@ -114,16 +114,16 @@ class MlaAttention(nn.Module):
 
 
 class DeepseekRouter(nn.Module):
-    """The router's weight [num_experts, hidden] and V3's `e_score_correction_bias`, in float32 whatever the model's
-    dtype (`engine.models.build_model` reads `float32_parameters`)."""
-
-    float32_parameters = True
+    """The router's weight [num_experts, hidden] and V3's `e_score_correction_bias` (MiniMax-M2's too), in float32
+    whatever the model's dtype (`engine.models.build_model` reads `float32_parameters`), as transformers holds
+    DeepSeek's; MiniMax-M2's in the model's dtype, as transformers holds it."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
+        self.float32_parameters = config.moe_router != "minimax_m2"
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
         self.e_score_correction_bias = nn.Parameter(torch.empty(config.num_experts)) \
-            if config.moe_router == "deepseek_v3" else None
+            if config.moe_router in ("deepseek_v3", "minimax_m2") else None
 
 
 class DeepseekMoeBlock(SparseMoeBlock):
@@ -132,14 +132,16 @@ class DeepseekMoeBlock(SparseMoeBlock):
     def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives, ops: ModuleType) -> None:
         super().__init__(config, shard, comm, ops)
         self.gate = DeepseekRouter(config)
-        self.sigmoid = config.moe_router == "deepseek_v3"
+        self.sigmoid = config.moe_router in ("deepseek_v3", "minimax_m2")
         self.num_groups, self.topk_group = config.moe_groups
         self.routed_scaling_factor = config.routed_scaling_factor
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [num_tokens, hidden] -> (weights [num_tokens, top_k] float32, experts [num_tokens, top_k]), as
-        transformers' DeepseekV2TopkRouter / DeepseekV3TopkRouter pick and weigh them."""
-        logits = F.linear(x.float(), self.gate.weight)                          # [num_tokens, num_experts]
+        transformers' DeepseekV2TopkRouter / DeepseekV3TopkRouter (MiniMaxM2TopKRouter: its logits in the model's
+        dtype) pick and weigh them."""
+        weight = self.gate.weight                                               # [num_experts, hidden]
+        logits = F.linear(x.float(), weight) if self.gate.float32_parameters else F.linear(x, weight).float()
         scores = logits.sigmoid() if self.sigmoid else logits.softmax(dim=-1)
         choice = scores + self.gate.e_score_correction_bias if self.sigmoid else scores
         if self.num_groups > 1:

@@ -26,13 +26,16 @@ from engine.model_config import ModelConfig
 from engine.parallel import Collectives, ShardShape
 from kernels import AttentionMetadata
 
-__all__ = ["Olmo2ForCausalLM"]
+__all__ = ["Olmo2Attention", "Olmo2ForCausalLM", "RoundedWideRMSNorm", "wide_norm_shard"]
 
 
 class WideRMSNorm(nn.Module):
     """An RMSNorm over the whole width of `heads` heads ([T, heads, d] as [T, heads x d]), written back in place;
     this rank holds `heads` of the model's `num_heads` (`replicas` ranks hold each of them): the sum of squares is
-    summed over the ranks and divided by the replicas, so the mean is the whole projection's."""
+    summed over the ranks and divided by the replicas, so the mean is the whole projection's. OLMo 2's: the weight
+    times the float32 row, one rounding (`weight_first` False: MiniMax-M2's, the row rounded, then the weight)."""
+
+    weight_first = True
 
     def __init__(self, heads: int, head_dim: int, eps: float, comm: Collectives, num_heads: int,
                  replicas: int) -> None:
@@ -42,23 +45,32 @@ class WideRMSNorm(nn.Module):
 
     def forward(self, heads: torch.Tensor) -> None:
         x = heads.reshape(heads.shape[0], -1)   # a view: a token's heads lie side by side in the fused qkv
-        if self.comm.size == 1:
+        if self.comm.size == 1 and self.weight_first:
             heads.copy_(FloatRMSNorm.norm(x, self.weight, self.eps).view_as(heads))
             return
         xf = x.float()
         squares = self.comm.all_reduce(xf.pow(2).sum(-1, keepdim=True)) / self.replicas
-        heads.copy_((self.weight * (xf * torch.rsqrt(squares / self.width + self.eps))).to(x.dtype).view_as(heads))
+        normed = xf * torch.rsqrt(squares / self.width + self.eps)
+        out = (self.weight * normed).to(x.dtype) if self.weight_first else self.weight * normed.to(x.dtype)
+        heads.copy_(out.view_as(heads))
+
+
+class RoundedWideRMSNorm(WideRMSNorm):
+    """MiniMax-M2's whole-projection q/k norm: transformers' Llama-order RMSNorm (the row rounded, then the weight)."""
+
+    weight_first = False
 
 
 class Olmo2Attention(Attention):
-    """Llama's attention with the whole-projection q/k norms."""
+    """Llama's attention with the whole-projection q/k norms (`wide_norm`: their class)."""
 
-    def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives, rotary_emb, layer: int) -> None:
+    def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives, rotary_emb, layer: int,
+                 wide_norm: type[WideRMSNorm] = WideRMSNorm) -> None:
         super().__init__(config, shard, comm, rotary_emb, layer)
         d, eps = config.head_dim, config.rms_norm_eps
         kv_replicas = max(1, shard.size // config.num_kv_heads)   # ranks holding each KV head
-        self.q_norm = WideRMSNorm(shard.num_heads, d, eps, comm, config.num_heads, 1)
-        self.k_norm = WideRMSNorm(shard.num_kv_heads, d, eps, comm, config.num_kv_heads, kv_replicas)
+        self.q_norm = wide_norm(shard.num_heads, d, eps, comm, config.num_heads, 1)
+        self.k_norm = wide_norm(shard.num_kv_heads, d, eps, comm, config.num_kv_heads, kv_replicas)
 
 
 class Olmo2DecoderLayer(nn.Module):
@@ -96,12 +108,16 @@ class Olmo2ForCausalLM(LlamaForCausalLM):
 
     def _shard_of(self, hf_name: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """A rank's heads of the q/k norms' weights; the rest as the Llama model's."""
-        shard, c = self.shard, self.config
-        if shard.size == 1 or not name.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight")):
+        if self.shard.size == 1 or not name.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight")):
             return super()._shard_of(hf_name, name, tensor)
-        d = c.head_dim
-        full, start, length = (c.num_heads * d, shard.head_start * d, shard.num_heads * d) if ".q_norm." in name \
-            else (c.num_kv_heads * d, shard.kv_head_start * d, shard.num_kv_heads * d)
-        if tensor.shape != (full,):
-            raise WeightLoadError(f"{hf_name}: shape {tuple(tensor.shape)} does not match the config ({full},)")
-        return tensor.narrow(0, start, length)
+        return wide_norm_shard(self.config, self.shard, hf_name, name, tensor)
+
+
+def wide_norm_shard(c: ModelConfig, shard: ShardShape, hf_name: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's heads of a whole-projection q or k norm's weight [heads x head_dim] (OLMo 2's, MiniMax-M2's)."""
+    d = c.head_dim
+    full, start, length = (c.num_heads * d, shard.head_start * d, shard.num_heads * d) if ".q_norm." in name \
+        else (c.num_kv_heads * d, shard.kv_head_start * d, shard.num_kv_heads * d)
+    if tensor.shape != (full,):
+        raise WeightLoadError(f"{hf_name}: shape {tuple(tensor.shape)} does not match the config ({full},)")
+    return tensor.narrow(0, start, length)

@@ -97,6 +97,24 @@ def test_an_fp8_cache_is_checked_and_its_bytes_counted(backend, capsys):
     assert results["fp8"]["decode"][0]["bytes"] - q_and_o == (results["auto"]["decode"][0]["bytes"] - q_and_o) // 4
 
 
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=TRITON)])
+def test_a_latent_cache_is_read_as_k_and_v_and_its_one_plane_counted(backend, capsys):
+    """`--latent`: DeepSeek's one-plane cache (rows both K and V, one KV head of 40 under 4 query heads in a dry
+    run), checked against the reference; decode counts the plane once, store_kv its two writes."""
+    assert _run_kernels("--dry-run", "--json", "--backend", backend, "--latent", "--decode-shapes", "2x20",
+                        "--prefill-shapes", "1x18", "--store-shapes", "2x3") == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["all_ok"] and result["latent"] and (result["num_heads"], result["num_kv_heads"],
+                                                      result["head_dim"]) == (4, 1, 40)
+    assert result["decode"][0]["bytes"] == 2 * 20 * 40 * 4 + 2 * 2 * 4 * 40 * 4   # the plane once; Q and O
+    assert result["store_kv"][0]["bytes"] == 2 * (6 * 40 * 4) + 6 * 2 * 40 * 4 + 6 * 8
+    assert _run_kernels("--dry-run", "--backend", backend, "--latent", "--decode-shapes", "2x20",
+                        "--prefill-shapes", "1x18", "--store-shapes", "2x3") == 0
+    assert "latent: one plane" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="--latent"):
+        _run_kernels("--dry-run", "--latent", "--num-kv-heads", "2")
+
+
 def test_a_wrong_kernel_is_flagged_and_fails_the_run(monkeypatch, capsys):
     def off_by_a_bit(query, k_cache, v_cache, meta, scale, **kwargs):
         out = reference.paged_attention(query, k_cache, v_cache, meta, scale)

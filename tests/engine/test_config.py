@@ -1001,6 +1001,21 @@ DEEPSEEK_V2_LITE_CARD = {
     "hidden_act": "silu", "attention_bias": False}
 
 
+def _meta_model(config_class, card: dict):
+    """(transformers' config of `card`, its model built on the meta device: shapes without memory)."""
+    import transformers
+
+    hf_config = config_class(**{k: v for k, v in card.items() if k != "architectures"})
+    with torch.device("meta"):
+        return hf_config, transformers.AutoModelForCausalLM.from_config(hf_config)
+
+
+def _params_and_router_biases(hf) -> int:
+    """transformers' parameter count, plus its routers' correction biases (buffers there, parameters here)."""
+    buffers = sum(b.numel() for name, b in hf.named_buffers() if name.endswith("e_score_correction_bias"))
+    return sum(p.numel() for p in hf.parameters()) + buffers
+
+
 @pytest.mark.parametrize("card,billions", [(DEEPSEEK_V3_CARD, 671.0), (DEEPSEEK_V2_LITE_CARD, 15.7)],
                          ids=["v3", "v2-lite"])
 def test_deepseek_as_its_model_cards_write_it_reads_as_transformers_does(card, billions):
@@ -1015,12 +1030,8 @@ def test_deepseek_as_its_model_cards_write_it_reads_as_transformers_does(card, b
 
     cfg = ModelConfig.from_hf_config(card)
     v3 = card["architectures"][0] == "DeepseekV3ForCausalLM"
-    hf_config = (transformers.DeepseekV3Config if v3 else transformers.DeepseekV2Config)(
-        **{k: v for k, v in card.items() if k != "architectures"})
-    with torch.device("meta"):
-        hf = transformers.AutoModelForCausalLM.from_config(hf_config)
-    buffers = sum(b.numel() for name, b in hf.named_buffers() if name.endswith("e_score_correction_bias"))
-    assert cfg.num_params() == sum(p.numel() for p in hf.parameters()) + buffers
+    hf_config, hf = _meta_model(transformers.DeepseekV3Config if v3 else transformers.DeepseekV2Config, card)
+    assert cfg.num_params() == _params_and_router_biases(hf)
     assert round(cfg.num_params() / 1e9, 1) == billions
     assert (cfg.num_kv_heads, cfg.head_dim, cfg.kv_planes) == (1, 576, 1)
     assert cfg.kv_bytes_per_token(torch.bfloat16) == card["num_hidden_layers"] * 576 * 2
@@ -1062,13 +1073,35 @@ def test_glm4_5_air_as_its_model_card_writes_it_reads_as_transformers_does():
             "rms_norm_eps": 1e-05, "rope_theta": 1000000, "num_nextn_predict_layers": 1, "tie_word_embeddings": False,
             "use_qk_norm": False, "vocab_size": 151552, "pad_token_id": 151329, "eos_token_id": [151329, 151336, 151338]}
     cfg = ModelConfig.from_hf_config(card)
-    hf_config = transformers.Glm4MoeConfig(**{k: v for k, v in card.items() if k != "architectures"})
-    with torch.device("meta"):
-        hf = transformers.AutoModelForCausalLM.from_config(hf_config)
-    buffers = sum(b.numel() for name, b in hf.named_buffers() if name.endswith("e_score_correction_bias"))
-    assert cfg.num_params() == sum(p.numel() for p in hf.parameters()) + buffers
+    assert cfg.num_params() == _params_and_router_biases(_meta_model(transformers.Glm4MoeConfig, card)[1])
     assert round(cfg.num_params() / 1e9, 1) == 106.9
     assert (cfg.rotary_dim, cfg.moe_router, cfg.mlp_only_layers, cfg.shared_expert_intermediate_size) == \
         (64, "deepseek_v3", (0,), 1408)
     with pytest.raises(ConfigError, match="n_group"):
         ModelConfig.from_hf_config({**card, "n_group": 3})
+
+
+MINIMAX_M2_CARD = {
+    "architectures": ["MiniMaxM2ForCausalLM"], "head_dim": 128, "hidden_act": "silu", "hidden_size": 3072,
+    "intermediate_size": 1536, "max_position_embeddings": 196608, "num_attention_heads": 48,
+    "num_experts_per_tok": 8, "num_hidden_layers": 62, "num_key_value_heads": 8, "num_local_experts": 256,
+    "num_mtp_modules": 3, "qk_norm_type": "per_layer", "rms_norm_eps": 1e-06, "rope_theta": 5000000,
+    "rotary_dim": 64, "scoring_func": "sigmoid", "shared_intermediate_size": 0, "tie_word_embeddings": False,
+    "use_mtp": True, "use_qk_norm": True, "use_routing_bias": True, "vocab_size": 200064}
+
+
+def test_minimax_m2_as_its_model_card_writes_it_reads_as_transformers_does():
+    """MiniMax-M2's config (its FP8 quantization_config left out: the engine serves a bfloat16 copy): the parameter
+    count is transformers' model's on the meta device (plus the routers' correction biases, buffers there), 229 B
+    (MiniMax states 230 B); half of each head rotated (`rotary_dim` 64); the keys transformers reads otherwise are
+    refused by name."""
+    transformers = pytest.importorskip("transformers")
+    cfg = ModelConfig.from_hf_config(MINIMAX_M2_CARD)
+    assert cfg.num_params() == _params_and_router_biases(_meta_model(transformers.MiniMaxM2Config, MINIMAX_M2_CARD)[1])
+    assert round(cfg.num_params() / 1e9) == 229
+    assert (cfg.rotary_dim, cfg.moe_router, cfg.num_experts, cfg.moe_intermediate_size, cfg.rope_theta) == \
+        (64, "minimax_m2", 256, 1536, 5e6)
+    for change in ({"qk_norm_type": "per_head"}, {"use_qk_norm": False}, {"scoring_func": "softmax"},
+                   {"shared_intermediate_size": 1024}):
+        with pytest.raises(ConfigError, match="qk_norm_type" if "qk" in str(change) else "scoring_func"):
+            ModelConfig.from_hf_config({**MINIMAX_M2_CARD, **change})

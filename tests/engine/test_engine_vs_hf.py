@@ -190,6 +190,9 @@ TINY_MODELS = [
                      "norm_topk_prob": False, "first_k_dense_replace": 0}),
     # GLM-4.5: half of each head rotated (rotate-half pairs), q/k norms and q/k/v biases, DeepSeek V3's experts
     ("glm4_moe", {**GLM4_MOE, "use_qk_norm": True, "attention_bias": True}),
+    # MiniMax-M2: q/k normed over the whole projection, a quarter of each head rotated, V3's picks without groups
+    ("minimax_m2", dict(intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, head_dim=16, rotary_dim=4,
+                        num_hidden_layers=3)),
 ]
 # Every architecture on the default CPU linears; the other linears on one dense and one MoE model (the
 # linears do not depend on the architecture around them).

@@ -226,3 +226,74 @@ def test_a_decode_layer_on_triton_is_ten_launches(monkeypatch):
                                "add_rms_norm", "mm", "silu_and_mul", "mm"]
     assert counter.calls == ["add_rms_norm", "linear", "view", "slice", "rotary", "split_with_sizes", "store_kv",
                              "attention", "reshape", "linear", "add_rms_norm", "linear", "silu_and_mul", "linear"]
+
+
+@pytest.mark.parametrize("kind", ["olmo2", "minimax_m2"])
+def test_a_whole_projection_qk_norm_rounds_as_transformers_in_bfloat16(kind):
+    """OLMo 2's q/k norm multiplies the float32 row by its weight and rounds once; MiniMax-M2's rounds the row,
+    then multiplies (Llama's order): each is its own transformers norm to the bit in bfloat16."""
+    from engine.models.olmo2 import RoundedWideRMSNorm, WideRMSNorm
+    from transformers.models.minimax_m2.modeling_minimax_m2 import MiniMaxM2RMSNorm
+    from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 4, 16, generator=gen).to(torch.bfloat16)
+    ours = (RoundedWideRMSNorm if kind == "minimax_m2" else WideRMSNorm)(4, 16, 1e-6, Collectives(), 4, 1)
+    theirs = (MiniMaxM2RMSNorm if kind == "minimax_m2" else Olmo2RMSNorm)(64, eps=1e-6)
+    with torch.no_grad():
+        theirs.weight.copy_(torch.randn(64, generator=gen) * 0.5 + 1)
+        ours = ours.to(torch.bfloat16)
+        theirs = theirs.to(torch.bfloat16)
+        ours.weight.copy_(theirs.weight)
+        got = x.clone()
+        ours(got)
+        assert torch.equal(got.reshape(7, 64), theirs(x.reshape(7, 64)))
+
+
+# transformers' config class, its router's class and our architecture name, for each router
+_ROUTERS = {"deepseek_v3": ("DeepseekV3Config", "deepseek_v3.modeling_deepseek_v3.DeepseekV3TopkRouter",
+                            "DeepseekV3ForCausalLM", dict(n_routed_experts=16, n_group=4, topk_group=2,
+                                                          routed_scaling_factor=2.5)),
+            "deepseek_v2": ("DeepseekV2Config", "deepseek_v2.modeling_deepseek_v2.DeepseekV2TopkRouter",
+                            "DeepseekV2ForCausalLM", dict(n_routed_experts=16, n_group=4, topk_group=2,
+                                                          topk_method="group_limited_greedy",
+                                                          routed_scaling_factor=16.0)),
+            "minimax_m2": ("MiniMaxM2Config", "minimax_m2.modeling_minimax_m2.MiniMaxM2TopKRouter",
+                           "MiniMaxM2ForCausalLM", dict(num_local_experts=16))}
+
+
+@pytest.mark.parametrize("arch", list(_ROUTERS))
+def test_deepseeks_and_minimaxs_routers_pick_and_weigh_as_transformers_in_bfloat16(arch):
+    """DeepSeek's routers in float32 (transformers keeps their weight and correction bias so), MiniMax-M2's logits in
+    the model's dtype: on bfloat16 tokens each picks transformers' experts (as sets) with transformers' weights."""
+    import importlib
+
+    import transformers
+
+    from engine.models.deepseek import DeepseekMoeBlock
+
+    config_class, router_path, architecture, experts = _ROUTERS[arch]
+    module, router_class = router_path.rsplit(".", 1)
+    hf_config = getattr(transformers, config_class)(hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
+                                                    num_hidden_layers=1, num_experts_per_tok=4, **experts)
+    hf_router = getattr(importlib.import_module(f"transformers.models.{module}"), router_class)(hf_config)
+    config = ModelConfig.from_hf_config({**hf_config.to_dict(), "architectures": [architecture]})
+    dtype = torch.bfloat16 if arch == "minimax_m2" else torch.float32   # the router's, in each
+    gen = torch.Generator().manual_seed(3)
+    weight, bias = torch.randn(16, 64, generator=gen) * 0.2, torch.randn(16, generator=gen) * 0.5
+    with torch.device("meta"):
+        block = DeepseekMoeBlock(config, ShardShape.of(config), Collectives(), fused)
+    block.gate.weight = torch.nn.Parameter(weight.to(dtype))
+    if block.gate.e_score_correction_bias is not None:
+        block.gate.e_score_correction_bias = torch.nn.Parameter(bias.to(dtype))
+    x = torch.randn(33, 64, generator=gen).to(torch.bfloat16)
+    with torch.no_grad():
+        hf_router.weight.copy_(weight)
+        hf_router.to(dtype)
+        if arch == "deepseek_v3":
+            hf_router.e_score_correction_bias.copy_(bias)
+        _, want_weights, want = hf_router(x, bias.to(dtype)) if arch == "minimax_m2" else hf_router(x)
+        weights, got = block.route(x)
+    got, want = got.sort(dim=-1), want.sort(dim=-1)
+    assert torch.equal(got.values, want.values)
+    assert torch.equal(weights.gather(1, got.indices), want_weights.float().gather(1, want.indices))

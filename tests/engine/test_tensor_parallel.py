@@ -242,6 +242,8 @@ QWEN3 = {"head_dim": 32, "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
     ("glm4_moe", {"n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                   "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1, "use_qk_norm": True,
                   "attention_bias": True, "pad_token_id": 0}, None),
+    ("minimax_m2", {"intermediate_size": 32, "num_local_experts": 8, "num_experts_per_tok": 2, "head_dim": 16,
+                    "rotary_dim": 8}, None),
 ])
 def test_two_ranks_generate_what_one_does(tmp_path, builtin_path, prompts, arch, overrides, overlap):
     # A tiny random model with even head counts (4 heads, 2 KV heads); Qwen2 adds q/k/v biases; Qwen3
@@ -255,7 +257,8 @@ def test_two_ranks_generate_what_one_does(tmp_path, builtin_path, prompts, arch,
     # expert's rows (its gate whole on every rank, the gated partial outputs summed with the experts'); Cohere each
     # rank's heads of the q/k rows it reorders, and o_proj's bias once; DeepSeek V3 each rank's heads' rows of q and of
     # the latent's up-projection (the latent, its cache and the float32 router whole on every rank); GLM-4.5 each
-    # rank's heads of the q/k rows it reorders for its partial rotary, and the same experts. Qwen3's
+    # rank's heads of the q/k rows it reorders for its partial rotary, and the same experts; MiniMax-M2 its
+    # whole-projection q/k norms' sums of squares over the ranks (a KV head on each). Qwen3's
     # Mixtral's and DeepSeek's groups overlap their steps: the other rank fills the placeholders of each step's inputs
     # from rank 0's sampled ids (engine.overlap).
     path = str(make_tiny_model(tmp_path / arch, arch, builtin_path, **overrides))

@@ -114,6 +114,8 @@ def test_engine_on_triton_kernels_with_an_fp8_cache_matches_the_reference(tiny, 
     assert results["triton"] == results["torch"]
 
 
+@pytest.mark.slow   # ~6 s through the interpreter; the Triton store and kernels on a latent cache (K and V the same
+# plane) are checked against the reference by tests/bench/test_kernels_bench.py, the whole model in test_triton_moe.py
 def test_engine_on_triton_kernels_serves_deepseeks_latent_cache_as_the_reference(tmp_path, builtin_path, monkeypatch):
     """DeepSeek's latent attention: one cache plane, read as both K and V, of one 'KV head' of 40 (a latent of 32 and
     a rotated key of 8) under 4 query heads of that size; the Triton store writes it (twice, the same rows) and the
