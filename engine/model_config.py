@@ -23,13 +23,14 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
                            "Olmo2ForCausalLM", "SmolLM3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
                            "GptOssForCausalLM", "Qwen2MoeForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM",
                            "Ernie4_5ForCausalLM", "Glm4ForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
-                           "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM")
+                           "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM", "Olmo3ForCausalLM")
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")   # one LayerNorm a layer, a parallel block
 # their attention bias: q/k/v's, not o_proj's
 QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM")
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")   # Gemma's layer: four norms, scaled embeddings
 FOUR_NORMS = (*GEMMA_ARCHITECTURES, "Glm4ForCausalLM")   # a norm on each sublayer's output too
-WIDE_QK_NORM = ("Olmo2ForCausalLM", "MiniMaxM2ForCausalLM")   # q and k normed over the whole projection
+# q and k normed over the whole projection
+WIDE_QK_NORM = ("Olmo2ForCausalLM", "Olmo3ForCausalLM", "MiniMaxM2ForCausalLM")
 # Multimodal checkpoints served as their text model: architecture -> (the text model's, its weights' prefix, the
 # text_config's model_type where it names one: another family's text model is refused by that key)
 TEXT_MODELS = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "language_model.", "gemma3_text"),
@@ -52,6 +53,7 @@ GEMMA2_DEFAULTS = {
 DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32_768, "MistralForCausalLM": 131_072,
                          "Qwen3ForCausalLM": 32_768, "Qwen3MoeForCausalLM": 32_768, "MixtralForCausalLM": 131_072,
                          "Phi3ForCausalLM": 4096, "GraniteForCausalLM": 2048, "Olmo2ForCausalLM": 2048,
+                         "Olmo3ForCausalLM": 2048,
                          "SmolLM3ForCausalLM": 32_768, "GptOssForCausalLM": 131_072, "Qwen2MoeForCausalLM": 32_768,
                          "CohereForCausalLM": 8192, "Cohere2ForCausalLM": 8192, "Ernie4_5ForCausalLM": 131_072,
                          "Glm4ForCausalLM": 131_072, "DeepseekV2ForCausalLM": 2048, "DeepseekV3ForCausalLM": 4096,
@@ -59,6 +61,7 @@ DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32_768, "
                          "Gemma2ForCausalLM": 8192, "Gemma3ForCausalLM": 131_072}
 # their rms_norm_eps, where it is not 1e-6
 DEFAULT_RMS_NORM_EPS = {"MixtralForCausalLM": 1e-5, "Phi3ForCausalLM": 1e-5, "Olmo2ForCausalLM": 1e-5,
+                        "Olmo3ForCausalLM": 1e-5,
                         "GptOssForCausalLM": 1e-5, "Ernie4_5ForCausalLM": 1e-5, "Glm4ForCausalLM": 1.5625e-7,
                         "Glm4MoeForCausalLM": 1e-5}
 DEFAULT_KV_HEADS = {"Qwen2ForCausalLM": 32, "MistralForCausalLM": 8, "Qwen3ForCausalLM": 32, "Qwen3MoeForCausalLM": 4,
@@ -181,7 +184,7 @@ class RopeScaling:
 class ModelConfig:
     """A decoder-only model's shape (Llama 2/3, Qwen2, Qwen3, Qwen3-MoE, Mistral, Mixtral, Phi-3, Granite, OLMo 2,
     SmolLM3, Gemma 2, Gemma 3's text model, GPT-OSS, Qwen2-MoE, Cohere's Command R and R7B, ERNIE 4.5, GLM-4, GLM-4.5,
-    DeepSeek V2 and V3, MiniMax-M2) from an HF config.json.
+    DeepSeek V2 and V3, MiniMax-M2, OLMo 3) from an HF config.json.
     `layer_types` (Gemma): each layer full or sliding; without it `sliding_window` is all's."""
 
     architecture: str

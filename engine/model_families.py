@@ -61,6 +61,8 @@ def family_fields(cfg: dict[str, Any], arch: str, num_layers: int) -> dict[str, 
         return gemma3_fields(cfg, num_layers)
     if arch == "Gemma2ForCausalLM":
         return gemma2_fields(cfg, num_layers)
+    if arch == "Olmo3ForCausalLM":
+        return olmo3_fields(cfg, num_layers)
     if arch == "Qwen2MoeForCausalLM":
         return qwen2_moe_fields(cfg, num_layers)
     if arch.startswith("Qwen"):
@@ -102,6 +104,35 @@ def gemma3_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
     (none by default, applied where set, as Gemma 2's). What we do not serve is refused."""
     _check_causal(cfg)
     layer_types = _layer_types(cfg, lambda: _every_nth_full(cfg, num_layers))
+    full_rope, local_theta = _per_type_rope(cfg, "Gemma 3")
+    scalar = read_float(cfg, "query_pre_attn_scalar", None)
+    return {"layer_types": tuple(layer_types), "sliding_window": read_int(cfg, "sliding_window", None), "qk_norm": True,
+            "rope_local_theta": local_theta if local_theta is not None else
+            read_float(cfg, "rope_local_base_freq", 10000.0),
+            "query_pre_attn_scalar": float(read_int(cfg, "head_dim", 256)) if scalar is None else scalar,
+            "hidden_act": cfg.get("hidden_activation") or "gelu_pytorch_tanh",   # Gemma3TextConfig reads no hidden_act
+            "tie_word_embeddings": read_bool(cfg, "tie_word_embeddings", True), "full_rope": full_rope,
+            **_softcaps(cfg)}
+
+
+def olmo3_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """OLMo 3's fields (transformers' `Olmo3Config` names and defaults): OLMo 2's layer, sliding layers (a window of
+    `sliding_window`, 4096) and full ones (`layer_types`, by default every 4th full), each type its own rope as Gemma
+    3's (`rope_parameters.<type>`, or `rope_theta` with a legacy `rope_scaling` for the full layers; 500,000)."""
+    layer_types = _layer_types(cfg, lambda: ["sliding_attention" if (i + 1) % 4 else "full_attention"
+                                             for i in range(num_layers)])
+    full_rope, local_theta = _per_type_rope(cfg, "OLMo 3")
+    top_theta = read_float(cfg, "rope_theta", 500_000.0)
+    return {"layer_types": tuple(layer_types), "sliding_window": read_int(cfg, "sliding_window", 4096),
+            "rope_local_theta": top_theta if local_theta is None else local_theta,
+            "full_rope": ({**full_rope[0], "rope_theta": top_theta}, *full_rope[1:])}
+
+
+def _per_type_rope(cfg: dict[str, Any], family: str) -> tuple[tuple[Any, ...], float | None]:
+    """Gemma 3's and OLMo 3's rope per layer type, as transformers 5 writes it or as earlier ones did: (the
+    arguments of RopeScaling.from_hf_config for the full layers' rope, with its scaling:
+    `rope_parameters.full_attention`, or `rope_theta` + `rope_scaling`; the sliding layers' base where
+    `rope_parameters.sliding_attention` names one). The sliding layers' rope is the default one, else refused."""
     params, local = read_object(cfg, "rope_parameters"), {}
     # the full layers' yarn takes its own original context, else max_position_embeddings (never the top level's:
     # transformers moves a legacy rope_scaling into rope_parameters.full_attention too)
@@ -112,24 +143,16 @@ def gemma3_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
         local = read_object(params, "sliding_attention", name="rope_parameters.sliding_attention") or {}
         full = read_object(params, "full_attention", name=(full_name := "rope_parameters.full_attention"))
         full_rope = ({**top, "rope_parameters": full}, full_name)
-    elif params:   # transformers' Gemma3TextConfig reads only the layer types' entries: the rest would be dropped
-        raise ConfigError(f"rope_parameters: Gemma 3 takes one entry per layer type (full_attention, "
+    elif params:   # transformers reads only the layer types' entries: the rest would be dropped
+        raise ConfigError(f"rope_parameters: {family} takes one entry per layer type (full_attention, "
                           f"sliding_attention), got {sorted(params)}")
     if isinstance(full, dict) and full.get("truncate", True) is not True:   # transformers reads it beside the types
-        raise ConfigError(f"{full_name}.truncate: Gemma 3's yarn is served with truncate true "
+        raise ConfigError(f"{full_name}.truncate: {family}'s yarn is served with truncate true "
                           f"(transformers reads no layer type's own), got {full['truncate']!r}")
     if rope_type(local) != "default":
         raise ConfigError(f"rope_parameters.sliding_attention.rope_type: only 'default' is supported for the "
                           f"sliding layers, got {rope_type(local)!r}")
-    local_theta = read_float(local, "rope_theta", None, path="rope_parameters.sliding_attention.")
-    scalar = read_float(cfg, "query_pre_attn_scalar", None)
-    return {"layer_types": tuple(layer_types), "sliding_window": read_int(cfg, "sliding_window", None), "qk_norm": True,
-            "rope_local_theta": local_theta if local_theta is not None else
-            read_float(cfg, "rope_local_base_freq", 10000.0),
-            "query_pre_attn_scalar": float(read_int(cfg, "head_dim", 256)) if scalar is None else scalar,
-            "hidden_act": cfg.get("hidden_activation") or "gelu_pytorch_tanh",   # Gemma3TextConfig reads no hidden_act
-            "tie_word_embeddings": read_bool(cfg, "tie_word_embeddings", True), "full_rope": full_rope,
-            **_softcaps(cfg)}
+    return full_rope, read_float(local, "rope_theta", None, path="rope_parameters.sliding_attention.")
 
 
 def gemma2_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:

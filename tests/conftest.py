@@ -105,7 +105,8 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
            "cohere": transformers.CohereConfig, "cohere2": transformers.Cohere2Config,
            "ernie4_5": transformers.Ernie4_5Config, "glm4": transformers.Glm4Config,
            "deepseek_v2": transformers.DeepseekV2Config, "deepseek_v3": transformers.DeepseekV3Config,
-           "glm4_moe": transformers.Glm4MoeConfig, "minimax_m2": transformers.MiniMaxM2Config}[arch]
+           "glm4_moe": transformers.Glm4MoeConfig, "minimax_m2": transformers.MiniMaxM2Config,
+           "olmo3": transformers.Olmo3Config}[arch]
     config = cls(**common)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)

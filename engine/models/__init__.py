@@ -6,7 +6,7 @@ same weight loading and tensor-parallel cuts: `gemma3` (Gemma 3's text model, an
 (Qwen3-MoE's sparse layers, and Qwen2-MoE's with their shared expert), `mixtral` (Mixtral: those experts on every
 layer, under its checkpoints' names),
 `phi3` (Phi-3 and Phi-4: the Llama layer, its checkpoints' fused q/k/v and gate/up split as they are read),
-`granite` (Granite 3: the Llama layer and its four scalars), `olmo2` (OLMo 2: post-norm layers, q/k normed
+`granite` (Granite 3: the Llama layer and its four scalars), `olmo2` (OLMo 2 and 3: post-norm layers, q/k normed
 whole), `smollm3` (SmolLM3: NoPE layers), `gpt_oss` (GPT-OSS: attention sinks, biased experts with a clamped
 SwiGLU, MXFP4 experts dequantized as they are read), `cohere` (Command R and R7B: parallel layers, LayerNorms, q/k
 rows reordered for the engine's rotary), `ernie` (ERNIE 4.5: the Llama layer, its interleaved rotary served so
@@ -34,7 +34,7 @@ from engine.models.gpt_oss import GptOssForCausalLM
 from engine.models.granite import GraniteForCausalLM
 from engine.models.minimax_m2 import MiniMaxM2ForCausalLM
 from engine.models.mixtral import MixtralForCausalLM
-from engine.models.olmo2 import Olmo2ForCausalLM
+from engine.models.olmo2 import Olmo2ForCausalLM, Olmo3ForCausalLM
 from engine.models.phi3 import Phi3ForCausalLM
 from engine.models.smollm3 import SmolLM3ForCausalLM
 from engine.models.qwen3_moe import Qwen3MoeForCausalLM
@@ -50,6 +50,7 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "Phi3ForCausalLM": Phi3ForCausalLM,
                                                 "GraniteForCausalLM": GraniteForCausalLM,
                                                 "Olmo2ForCausalLM": Olmo2ForCausalLM,
+                                                "Olmo3ForCausalLM": Olmo3ForCausalLM,
                                                 "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
                                                 "GptOssForCausalLM": GptOssForCausalLM,
                                                 "Qwen2MoeForCausalLM": Qwen3MoeForCausalLM,   # no q/k norms

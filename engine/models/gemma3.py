@@ -31,9 +31,9 @@ from engine.model_config import ModelConfig, RopeScaling
 from engine.layers import GemmaHeadRMSNorm, GemmaRMSNorm, RopeRows, RotaryEmbedding
 from engine.model import MLP, Attention, LlamaForCausalLM
 from engine.parallel import Collectives, ShardShape
-from kernels import AttentionMetadata, fused
+from kernels import AttentionMetadata
 
-__all__ = ["Gemma3ForCausalLM"]
+__all__ = ["Gemma3ForCausalLM", "sliding_rotary"]
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -77,20 +77,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     supports_flat_forward = False
     norm_init = 0.0
 
-    def __init__(self, config: ModelConfig, shard: ShardShape | None = None, comm: Collectives | None = None,
-                 ops: ModuleType = fused) -> None:
-        # The sliding layers' rope: their own base, no scaling, over the model's whole context (made with the
-        # first layer, which takes it).
-        self._local_config = replace(config, rope_theta=config.rope_local_theta or config.rope_theta,
-                                     rope_scaling=RopeScaling(), max_position_embeddings=config.context_length)
-        super().__init__(config, shard, comm, ops)
-
     def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
-        if index == 0:
-            self.rotary_local = RotaryEmbedding(self._local_config, ops)
-        sliding = self.config.layer_window(index) is not None
-        return Gemma3DecoderLayer(self.config, self.shard, self.comm,
-                                  self.rotary_local if sliding else self.rotary_emb, ops, index)
+        return Gemma3DecoderLayer(self.config, self.shard, self.comm, sliding_rotary(self, index, ops), ops, index)
 
     def make_norm(self, ops: ModuleType) -> nn.Module:
         return GemmaRMSNorm(self.config.hidden_size, self.config.rms_norm_eps)
@@ -100,3 +88,17 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         model multiplies by 34.0 at hidden size 1152, not 33.94), as transformers does."""
         hidden = super().embed(input_ids)
         return hidden * float(torch.tensor(self.config.hidden_size ** 0.5).to(hidden.dtype))
+
+
+def sliding_rotary(model: LlamaForCausalLM, index: int, ops: ModuleType) -> RotaryEmbedding:
+    """The rotary of `model`'s layer `index`: the model's (the full layers', with their scaling), or on a sliding
+    layer the sliding layers' own (`rope_local_theta`, no scaling, over the model's whole context: Gemma 3's, OLMo
+    3's), made with the first sliding layer."""
+    if model.config.layer_window(index) is None:
+        return model.rotary_emb
+    if "rotary_local" not in model._modules:
+        c = model.config
+        model.rotary_local = RotaryEmbedding(replace(c, rope_theta=c.rope_local_theta or c.rope_theta,
+                                                     rope_scaling=RopeScaling(),
+                                                     max_position_embeddings=c.context_length), ops)
+    return model.rotary_local

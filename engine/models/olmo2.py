@@ -1,4 +1,5 @@
-"""OLMo 2 (`Olmo2ForCausalLM`): the Llama layer turned post-norm, and q/k normed over the whole projection.
+"""OLMo 2 (`Olmo2ForCausalLM`): the Llama layer turned post-norm, and q/k normed over the whole projection; OLMo 3
+(`Olmo3ForCausalLM`) the same layers, sliding and full, each type its own rope (Gemma 3's `sliding_rotary`).
 
 - no norm before a sublayer: each sublayer's output is normed (`post_attention_layernorm`,
   `post_feedforward_layernorm`) and then added to the residual stream; the model's final norm as Llama's.
@@ -23,10 +24,11 @@ from torch import nn
 from engine.layers import FloatRMSNorm, RopeRows
 from engine.model import MLP, Attention, LlamaForCausalLM, WeightLoadError
 from engine.model_config import ModelConfig
+from engine.models.gemma3 import sliding_rotary
 from engine.parallel import Collectives, ShardShape
 from kernels import AttentionMetadata
 
-__all__ = ["Olmo2Attention", "Olmo2ForCausalLM", "RoundedWideRMSNorm", "wide_norm_shard"]
+__all__ = ["Olmo2Attention", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "RoundedWideRMSNorm", "wide_norm_shard"]
 
 
 class WideRMSNorm(nn.Module):
@@ -121,3 +123,10 @@ def wide_norm_shard(c: ModelConfig, shard: ShardShape, hf_name: str, name: str, 
     if tensor.shape != (full,):
         raise WeightLoadError(f"{hf_name}: shape {tuple(tensor.shape)} does not match the config ({full},)")
     return tensor.narrow(0, start, length)
+
+
+class Olmo3ForCausalLM(Olmo2ForCausalLM):
+    """OLMo 3: OLMo 2's model, its sliding layers (`layer_types`) turned by their own rope (`sliding_rotary`)."""
+
+    def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
+        return Olmo2DecoderLayer(self.config, self.shard, self.comm, sliding_rotary(self, index, ops), ops, index)

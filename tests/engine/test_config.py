@@ -1105,3 +1105,32 @@ def test_minimax_m2_as_its_model_card_writes_it_reads_as_transformers_does():
                    {"shared_intermediate_size": 1024}):
         with pytest.raises(ConfigError, match="qk_norm_type" if "qk" in str(change) else "scoring_func"):
             ModelConfig.from_hf_config({**MINIMAX_M2_CARD, **change})
+
+
+def test_olmo3_reads_each_layer_types_rope_as_transformers_does():
+    """OLMo 3's config as its long-context releases write it (a legacy `rope_scaling` with `rope_theta`): the full
+    layers take the YaRN, the sliding ones the default rope at the same base, every 4th layer full; the per-type
+    form reads the same; the parameter count is transformers' model's."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from engine.layers.rotary import rope_inv_freq
+
+    card = {"architectures": ["Olmo3ForCausalLM"], "vocab_size": 100278, "hidden_size": 4096,
+            "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+            "max_position_embeddings": 65536, "rms_norm_eps": 1e-06, "rope_theta": 500000, "sliding_window": 4096,
+            "rope_scaling": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 8192,
+                             "attention_factor": 1.2079441541679836, "beta_fast": 32, "beta_slow": 1},
+            "tie_word_embeddings": False}
+    cfg = ModelConfig.from_hf_config(card)
+    hf_config, hf = _meta_model(transformers.Olmo3Config, card)
+    assert cfg.num_params() == sum(p.numel() for p in hf.parameters())
+    assert cfg.layer_types == tuple(hf_config.layer_types) and cfg.layer_types[3] == "full_attention"
+    assert (cfg.sliding_window, cfg.rope_local_theta, cfg.rope_scaling.rope_type) == (4096, 500000.0, "yarn")
+    theirs, factor = ROPE_INIT_FUNCTIONS["yarn"](hf_config, "cpu", layer_type="full_attention")
+    torch.testing.assert_close(rope_inv_freq(cfg), theirs)
+    assert cfg.rope_scaling.attention_factor == factor
+    per_type = {k: v for k, v in card.items() if k not in ("rope_scaling", "rope_theta")}
+    per_type["rope_parameters"] = {"full_attention": {**card["rope_scaling"], "rope_theta": 500000.0},
+                                   "sliding_attention": {"rope_type": "default", "rope_theta": 500000.0}}
+    assert ModelConfig.from_hf_config(per_type) == cfg

@@ -154,6 +154,10 @@ TINY_MODELS = [
     ("granite", GRANITE),
     # OLMo 2: post-norm layers, q/k normed over the whole projection (grouped KV heads), a tied head
     ("olmo2", dict(tie_word_embeddings=True)),
+    # OLMo 3: three sliding layers (a window of 8) with their own rope base, then a full one with YaRN
+    ("olmo3", dict(num_hidden_layers=4, sliding_window=8, rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {**YARN, "rope_theta": 500000.0}})),
     # SmolLM3: every other layer without rope; then its default NoPE rule (every 4th) and a window on those layers
     ("smollm3", dict(no_rope_layers=[1, 0], pad_token_id=0)),
     ("smollm3", dict(num_hidden_layers=4, use_sliding_window=True, sliding_window=8, tie_word_embeddings=False,
