@@ -450,11 +450,13 @@ def test_the_examples_measure_their_gpus_where_they_are_served():
     ("qwen3-30b-a3b-h200.yaml", 141 * GiB, 61_064_245_248, "bfloat16"),
     ("gpt-oss-20b-h100.yaml", 80 * GiB, 41_829_514_368, "bfloat16"),
     ("deepseek-v2-lite-h100.yaml", 80 * GiB, 31_419_784_192, "bfloat16"),
+    ("glm-4.5-air-2xh200-fp8.yaml", 141 * GiB, 213_751_699_968, "float8_e4m3fn"),
 ])
 def test_the_example_files_plan(name, vram, dense_bytes, kv):
     """The example files plan from the config.json beside them: Qwen3-32B's weights (YaRN to 131,072
-    positions) with an FP8 cache, Qwen3-30B-A3B's every expert, gpt-oss-20b's (MXFP4 on disk) in bfloat16, and
-    DeepSeek-V2-Lite's (its routers in float32) with its latent cache: 31,104 B a token."""
+    positions) with an FP8 cache, Qwen3-30B-A3B's every expert, gpt-oss-20b's (MXFP4 on disk) in bfloat16,
+    DeepSeek-V2-Lite's (its routers in float32) with its latent cache: 31,104 B a token, and GLM-4.5-Air's on two
+    H200s (its routers in float32 too) with an FP8 cache."""
     data = yaml.safe_load((REPO / "config" / "examples" / name).read_text())
     config = parse_config(data, env={}, base_dir=REPO / "config" / "examples")
     plan = plan_capacity(config, resolve_model_configs(config), vram_bytes=vram)
@@ -464,7 +466,7 @@ def test_the_example_files_plan(name, vram, dense_bytes, kv):
         assert device.kv_bytes_per_token == 27 * 576 * 2
     assert all(p.max_num_seqs >= 1 for p in plan.pools.values())
     if kv == "float8_e4m3fn":   # the same file with a bfloat16 cache: half the blocks
-        data["devices"]["h100x2"]["kv_cache_dtype"] = "auto"
+        data["devices"][next(iter(data["devices"]))]["kv_cache_dtype"] = "auto"
         bf16 = plan_capacity(parse_config(data, env={}, base_dir=REPO / "config" / "examples"),
                              resolve_model_configs(config), vram_bytes=vram)
         assert all(p.num_blocks >= 1.9 * bf16.pools[n].num_blocks for n, p in plan.pools.items())
