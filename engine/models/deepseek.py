@@ -5,7 +5,7 @@ router grouped.
 Attention (`MlaAttention`, the config's `MlaShape`). A token's keys and values are all made from one latent `c` of
 `kv_lora_rank` (normed) and one rotated key `k_pe` of `qk_rope_head_dim` shared by the heads: head h's key is
 [W_UK[h] c, k_pe], its value W_UV[h] c, with `kv_b_proj` = [W_UK; W_UV] per head. The cache holds [c, k_pe] alone, a
-single 'KV head' of `cache_dim` (576 for V3, against 2 x 128 heads x 192 expanded), in one plane
+single 'KV head' of `cache_dim` (576 for V3, against 128 heads x (192 + 128) expanded), in one plane
 (`ModelConfig.kv_planes`: the layer's K cache is its V cache). Attention is computed in the latent space ("absorbed",
 as vLLM's and SGLang's MLA backends decode): each head's query becomes [W_UK[h]^T q_nope, q_pe], so that q.k is the
 model's, over `cache_dim` dimensions; the paged kernels attend it as grouped-query attention with one KV head whose
