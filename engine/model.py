@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.fp8_weights import SCALE_SUFFIX, dequantize_fp8_blocks
 from engine.model_config import QKV_BIAS_ONLY, ModelConfig
 from engine.layers import GeluTanhAndMul, HeadRMSNorm, RMSNorm, RopeRows, RotaryEmbedding, SiluAndMul
 from engine.parallel import Collectives, ShardShape
@@ -339,11 +340,22 @@ class LlamaForCausalLM(nn.Module):
 
     def _read_tensors(self, weights: Iterable[tuple[str, torch.Tensor]],
                       prefix: str) -> Iterator[tuple[str, str, torch.Tensor]]:
-        """The checkpoint's tensors as (stored name, name read, tensor), the text model's alone (`prefix`)."""
+        """The checkpoint's tensors as (stored name, name read, tensor), the text model's alone (`prefix`); an FP8
+        checkpoint's weights dequantized once their scales are read too (`dequantized`)."""
+        pending: dict[str, dict[str, torch.Tensor]] = {}
         for hf_name, tensor in weights:
+            if self.config.fp8_weight_block is not None:
+                hf_name, tensor = dequantized(hf_name, tensor, pending, self.config.fp8_weight_block)
+                if tensor is None:
+                    continue
             name = model_tensor_name(hf_name, prefix)
             if name is not None:   # else the vision tower, the projector
                 yield from ((hf_name, *read) for read in self.read_tensor(hf_name, name, tensor))
+        if pending:   # an FP8 weight without its scales, or scales without their weight
+            key, pair = next(iter(pending.items()))
+            have = next(iter(pair))
+            missing = ".weight" if have == SCALE_SUFFIX else SCALE_SUFFIX
+            raise WeightLoadError(f"{key}{missing}: missing beside {key}{have} (an FP8 weight needs its scales)")
 
     def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
         """A checkpoint tensor (`name` without "model."; `hf_name` as stored, which errors name) as this
@@ -414,6 +426,27 @@ class LlamaForCausalLM(nn.Module):
                     param.fill_(self.norm_init)
                 else:
                     param.copy_(torch.randn(param.shape, generator=gen) * std)
+
+
+def dequantized(hf_name: str, tensor: torch.Tensor, pending: dict[str, dict[str, torch.Tensor]],
+                block: tuple[int, int]) -> tuple[str, torch.Tensor | None]:
+    """An FP8 checkpoint's tensor as loading reads it: an FP8 `X.weight` or its `X.weight_scale_inv` held in `pending`
+    until the other comes (None), then the weight dequantized (`engine.fp8_weights`); any other tensor itself."""
+    if hf_name.endswith(SCALE_SUFFIX):
+        key, part = hf_name[:-len(SCALE_SUFFIX)], SCALE_SUFFIX
+    elif hf_name.endswith(".weight") and tensor.dtype == torch.float8_e4m3fn:
+        key, part = hf_name[:-len(".weight")], ".weight"
+    else:
+        return hf_name, tensor
+    pair = pending.setdefault(key, {})
+    pair[part] = tensor
+    if len(pair) < 2:
+        return hf_name, None
+    del pending[key]
+    try:
+        return f"{key}.weight", dequantize_fp8_blocks(pair[".weight"], pair[SCALE_SUFFIX], block)
+    except ValueError as exc:
+        raise WeightLoadError(f"{key}.weight: {exc}") from None
 
 
 def _missing(name: str, filled_by: list[str]) -> str:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from engine.config import ConfigError, quantizes_kv_cache_only
+from engine.fp8_weights import fp8_weight_block
 from engine.config_values import REQUIRED, read_bool, read_float, read_int, read_object, read_token_ids, rope_type
 from engine.model_families import LAYER_TYPES, MOE_ROUTERS, MlaShape, family_fields
 
@@ -235,6 +236,7 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0  # DeepSeek: the routed experts' weights' factor
     shared_expert_gated: bool = True    # Qwen2-MoE's shared expert is gated; DeepSeek's are not
     text_weights_prefix: str = ""       # a multimodal checkpoint's text model: its weights' prefix (the rest skipped)
+    fp8_weight_block: tuple[int, int] | None = None   # an FP8 checkpoint's scale blocks: dequantized as read
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -401,7 +403,8 @@ class ModelConfig:
         quant = cfg.get(key)
         # GPT-OSS's MXFP4 experts are served: dequantized to the model's dtype as they are read (engine.models.gpt_oss)
         mxfp4 = arch == "GptOssForCausalLM" and isinstance(quant, dict) and quant.get("quant_method") == "mxfp4"
-        if quant is not None and not quantizes_kv_cache_only(quant) and not mxfp4:
+        fp8_block = fp8_weight_block(quant, key)   # FP8 block-scaled weights: dequantized as read (engine.fp8_weights)
+        if quant is not None and not quantizes_kv_cache_only(quant) and not mxfp4 and fp8_block is None:
             method = quant.get("quant_method", "unnamed") if isinstance(quant, dict) else repr(quant)
             raise ConfigError(f"{key}: quantized checkpoints ({method}) are not supported; serve "
                               "the model's bfloat16 checkpoint (an FP8 KV cache is the device key kv_cache_dtype)")
@@ -442,6 +445,7 @@ class ModelConfig:
             hidden_act=cfg.get("hidden_act", "silu"),
             bos_token_id=read_int(cfg, "bos_token_id", None, minimum=0),
             eos_token_ids=read_token_ids(cfg, "eos_token_id"),
+            fp8_weight_block=fp8_block,
         ), **family})
 
     @classmethod

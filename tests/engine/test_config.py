@@ -34,9 +34,10 @@ LLAMA = {"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size"
     ({"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True, "layer_types": "sliding"}, "layer_types"),
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"vocab_size": None}, "vocab_size"),
-    # a quantized checkpoint's weights are no float model's: refused before they are read as one
+    # a quantized checkpoint's weights are no float model's: refused before they are read as one (FP8 weights with
+    # block scales are dequantized as read: per-tensor ones are not)
     ({"quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic"}},
-     r"quantization_config: quantized checkpoints \(fp8\) are not supported"),
+     r"quantization_config.weight_block_size: FP8 checkpoints are served with block scales"),
     ({"quantization_config": {"quant_method": "compressed-tensors"}}, r"quantization_config: .*compressed-tensors"),
     ({"quantization_config": {"quant_method": "compressed-tensors", "kv_cache_scheme": {"num_bits": 8},
                               "config_groups": {"group_0": {"weights": {"num_bits": 8}}}}},
@@ -828,8 +829,8 @@ def test_gpt_oss_as_its_model_card_writes_it_and_its_defaults_as_transformers_re
          theirs.sliding_window, tuple(theirs.layer_types), rope["rope_theta"], rope["factor"], rope["truncate"],
          rope["original_max_position_embeddings"], theirs.max_position_embeddings, theirs.rms_norm_eps,
          theirs.swiglu_alpha, theirs.swiglu_limit, theirs.attention_bias)
-    with pytest.raises(ConfigError, match=r"^quantization_config: quantized checkpoints \(fp8\) are not supported"):
-        ModelConfig.from_hf_config({**GPT_OSS_20B, "quantization_config": {"quant_method": "fp8"}})
+    with pytest.raises(ConfigError, match=r"^quantization_config: quantized checkpoints \(gptq\) are not supported"):
+        ModelConfig.from_hf_config({**GPT_OSS_20B, "quantization_config": {"quant_method": "gptq"}})
     with pytest.raises(ConfigError, match=r"^quantization_config: quantized checkpoints \(mxfp4\) are not supported"):
         ModelConfig.from_hf_config({**LLAMA, "quantization_config": {"quant_method": "mxfp4"}})
 

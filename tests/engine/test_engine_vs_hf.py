@@ -748,3 +748,70 @@ def test_a_latent_cache_holds_one_plane_and_serves_preemption_prefix_hits_and_fo
         hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         for i in (0, 1, 3):
             assert outs[i].outputs[0].token_ids == _hf_greedy(hf, prompts[i], 24, eos_ids=None)
+
+
+def _fp8_checkpoint(folder, block: tuple[int, int]) -> None:
+    """The tiny checkpoint in `folder` rewritten as DeepSeek's and Qwen's FP8 releases store theirs: each layer's
+    projection an e4m3 `weight` and a float32 `weight_scale_inv` per block (the block's largest value over 448; the
+    last blocks partial), the scales in a shard of their own (pairs that cross files), `quantization_config` saying
+    so."""
+    from safetensors.torch import load_file, save_file
+
+    weights = {}
+    for path in [*folder.glob("*.safetensors"), *folder.glob("*.safetensors.index.json")]:
+        if path.suffix == ".safetensors":
+            weights.update(load_file(path))
+        path.unlink()
+    quantized, scales = {}, {}
+    for name, w in weights.items():
+        if not (name.endswith("proj.weight") and ".layers." in name):
+            quantized[name] = w
+            continue
+        rows, cols = w.shape
+        grid = (-(-rows // block[0]), -(-cols // block[1]))
+        padded = torch.zeros(grid[0] * block[0], grid[1] * block[1])
+        padded[:rows, :cols] = w
+        scale = padded.reshape(grid[0], block[0], grid[1], block[1]).abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
+        expanded = scale.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+        quantized[name] = (w / expanded).to(torch.float8_e4m3fn)
+        scales[name + "_scale_inv"] = scale
+    files = {"model-00001-of-00002.safetensors": quantized, "model-00002-of-00002.safetensors": scales}
+    for file, tensors in files.items():
+        save_file(tensors, str(folder / file))
+    index = {"metadata": {}, "weight_map": {n: f for f, tensors in files.items() for n in tensors}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                  "weight_block_size": list(block)}
+    (folder / "config.json").write_text(json.dumps(cfg))
+
+
+def test_an_fp8_block_scaled_checkpoint_serves_what_transformers_dequantizes(tmp_path, builtin_path):
+    """An FP8 checkpoint with block scales (blocks of 16 x 32), its scales in another shard than its weights: the
+    engine dequantizes each weight as its scales arrive and decodes greedily as transformers' own FP8 loading (which
+    dequantizes on a machine without FP8 matmuls); a weight without its scales, or scales of the wrong shape, are
+    refused by name. (Partial blocks, which transformers' dequantizing refuses and DeepSeek's 576-row latent
+    projection has: tests/engine/test_weights.py.)"""
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    from engine.model import WeightLoadError
+
+    folder = make_tiny_model(tmp_path / "fp8", "qwen3", builtin_path, head_dim=16)
+    _fp8_checkpoint(folder, (16, 32))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    engine = LLMEngine.from_args(str(folder), dtype="float32", block_size=8, num_blocks=64, progress=False)
+    assert engine.model_config.fp8_weight_block == (16, 32)
+    prompts = [[5, 9, 200, 31, 7], list(range(40, 77))]
+    outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == [_hf_greedy(hf, p, 12, eos_ids=None) for p in prompts]
+    shard, index = folder / "model-00002-of-00002.safetensors", folder / "model.safetensors.index.json"
+    scales, weight_map = load_file(shard), json.loads(index.read_text())
+    name = "model.layers.1.mlp.down_proj.weight_scale_inv"
+    for broken, message in (({k: v for k, v in scales.items() if k != name}, "down_proj.weight_scale_inv: missing"),
+                            ({**scales, name: scales[name][:, :2].contiguous()}, "takes scales of shape")):
+        save_file(broken, str(shard))
+        index.write_text(json.dumps({**weight_map, "weight_map": {
+            n: f for n, f in weight_map["weight_map"].items() if n in broken or f != shard.name}}))
+        with pytest.raises(WeightLoadError, match=message):
+            LLMEngine.from_args(str(folder), dtype="float32", block_size=8, num_blocks=64, progress=False)

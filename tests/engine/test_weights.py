@@ -440,3 +440,27 @@ def test_an_index_naming_a_tensor_its_shard_lacks_is_named(tmp_path: Path) -> No
         {"weight_map": {"a": "model-00001-of-00001.safetensors", "b": "model-00001-of-00001.safetensors"}}))
     with pytest.raises(ValueError, match=r"model-00001-of-00001\.safetensors: has no tensor 'b'"):
         weights_bytes(tmp_path)
+
+
+def test_fp8_blocks_dequantize_value_by_value_partial_blocks_too():
+    """Each FP8 value times its own block's scale, the last row and column blocks partial (DeepSeek V3's latent
+    projection has 576 rows in blocks of 128); scales of another grid are refused; a config's block is read as
+    two positive integers, e4m3 only."""
+    from engine.config import ConfigError
+    from engine.fp8_weights import dequantize_fp8_blocks, fp8_weight_block
+
+    gen = torch.Generator().manual_seed(0)
+    weight = (torch.randn(37, 50, generator=gen) * 100).to(torch.float8_e4m3fn)
+    scale = torch.rand(3, 4, generator=gen) + 0.5   # blocks of 16 x 16: 3 x 4, the last ones partial
+    got = dequantize_fp8_blocks(weight, scale, (16, 16))
+    want = torch.tensor([[float(weight[r, c].float()) * float(scale[r // 16, c // 16]) for c in range(50)]
+                         for r in range(37)])
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match=r"takes scales of shape \(3, 4\)"):
+        dequantize_fp8_blocks(weight, scale[:, :3], (16, 16))
+    assert fp8_weight_block({"quant_method": "fp8", "weight_block_size": [128, 128]}, "q") == (128, 128)
+    assert fp8_weight_block({"quant_method": "mxfp4"}, "q") is None
+    for bad in ({"weight_block_size": None}, {"weight_block_size": [128]}, {"weight_block_size": [128, True]},
+                {"weight_block_size": [128, 128], "fmt": "e5m2"}):
+        with pytest.raises(ConfigError, match="quantization_config"):
+            fp8_weight_block({"quant_method": "fp8", **bad}, "quantization_config")
