@@ -160,14 +160,18 @@ def test_each_streamed_choice_finishes_once_when_samples_end_in_different_steps(
         assert finishes == {0: 1, 1: 1, 2: 1}, (seed, finishes)
 
 
-def test_echo_scores_a_prompt_as_transformers_does(sdk, hf_smollm2, builtin_path):
+def test_echo_scores_a_prompt_as_transformers_does(sdk, builtin_path):
     """lm-evaluation-harness's loglikelihood request (token ids, `echo`, `max_tokens: 0`, `logprobs: 1`): the prompt
     as the text, each token's logprob as transformers' log-softmax gives it (the first null), nothing generated.
-    Then the same prompt as a string, echoed before a generated answer, streamed and whole alike."""
+    Then the same prompt as a string, echoed before a generated answer, streamed and whole alike. transformers runs
+    the checkpoint the gateway serves (the builtin's conversion: a second's load, where its GGUF's takes 20 s; the
+    conversion equals transformers' GGUF loading in tests/engine/test_weights.py, slow)."""
     import torch
+    from transformers import AutoModelForCausalLM
 
     from engine.tokenizer import Tokenizer
 
+    hf_smollm2 = AutoModelForCausalLM.from_pretrained(builtin_path, dtype=torch.float32).eval()
     ids = Tokenizer.from_folder(builtin_path).encode("The capital of France is Paris. The capital of Italy is")
     scored = sdk.completions.create(model=MODEL, prompt=ids, echo=True, max_tokens=0, logprobs=1, temperature=0)
     choice, lp = scored.choices[0], scored.choices[0].logprobs
