@@ -96,3 +96,23 @@ class CallScanner:
         self.pos = max(self.pos, len(text)) if scan.end is None else scan.end
         self.depth, self.key, self.in_value, self.string_at, self.escaped = depth, key, in_value, string_at, escaped
         return scan
+
+
+class TagSearch:
+    """Where a tag first occurs at or after a place of a reply that only grows (a stream's so far, or a whole
+    one), each tag's last search kept: a search from a place between where the last one began and what it found
+    answers at once, and one that found nothing goes on from where the text it searched ended. A reply's deltas
+    cost what they add, and markers read inside a span searched before cost nothing more."""
+
+    def __init__(self) -> None:
+        self._found: dict[str, tuple[int, int, int]] = {}   # tag -> (searched from, first place or -1, text length)
+
+    def find(self, text: str, tag: str, pos: int) -> int:
+        """The first place of `tag` in `text` at or after `pos` (-1: none)."""
+        known = self._found.get(tag)
+        if known is not None and known[0] <= pos <= known[1]:
+            return known[1]
+        start = max(pos, known[2] - len(tag) + 1) if known is not None and known[1] < 0 and known[0] <= pos else pos
+        found = text.find(tag, start)
+        self._found[tag] = (pos, found, len(text))
+        return found

@@ -41,9 +41,11 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
+from gateway.openai.call_scan import TagSearch
 from gateway.openai.reasoning import partial_tag
 from gateway.openai.tool_grammar import CallSyntax, literal, rebased, schema_text
 from gateway.openai.tools import CallScan, ToolCall, ToolFormat, beside_calls
@@ -58,7 +60,6 @@ _SPACES = re.compile(r"\s*")
 # told from it)
 _VALUE = (r'(/(?s:.)*/ & ~/(?s:.)*\n(<\/parameter>|<\/function>|<parameter=)(?s:.)*/ & '
           r'~/(?s:.)*<\/parameter>\s*(<parameter=|<\/function>)(?s:.)*/) "\n</parameter>\n"')
-_CLOSE = '"\\n</parameter>\\n"'
 _REGEX_META = set("\\.+*?()|[]{}^$#&-~/")   # escaped in a grammar's /regex/ (any other character stands for itself)
 # (name, its arguments in order as (key, where the value starts, where it ends), its end or None: open)
 Function = tuple[str, list[tuple[str, int, int]], int | None]
@@ -85,7 +86,7 @@ class _Reader:
 
     def __init__(self, text: str, final: bool = True) -> None:
         self.text, self.final = text, final   # final: the whole reply (else a stream's so far: it may go on)
-        self._found: dict[str, tuple[int, int, int]] = {}   # tag -> (searched from, first place or -1, text length)
+        self._search = TagSearch()
         self.ran_out = False   # a call read ran to the reply's end open: no later one can close (`XmlFormat._read`)
         # argument tag position -> (the arguments read from there on, the function's end): reading from a place
         # depends on the text alone, so a read that reaches a place read before (a marker inside a value of a call
@@ -111,15 +112,8 @@ class _Reader:
         self.text, self.ran_out = text, False
 
     def find(self, tag: str, pos: int) -> int:
-        """The first place of `tag` at or after `pos` (-1: none): a search from before `pos` answers when it found
-        one at or after `pos`; one that found none goes on from where the text it searched ended."""
-        known = self._found.get(tag)
-        if known is not None and known[0] <= pos and known[1] >= pos:
-            return known[1]
-        start = max(pos, known[2] - len(tag) + 1) if known is not None and known[1] < 0 and known[0] <= pos else pos
-        found = self.text.find(tag, start)
-        self._found[tag] = (pos, found, len(self.text))
-        return found
+        """The first place of `tag` at or after `pos` (-1: none), as `TagSearch` finds it."""
+        return self._search.find(self.text, tag, pos)
 
     def next_call(self, pos: int) -> int:
         """Where the next call may begin from `pos`: a `<tool_call>`, or a `<function=` without it; -1: none."""
@@ -379,32 +373,52 @@ class XmlFormat(ToolFormat):
     def body(self, functions: list[tuple[str, dict[str, Any]]]) -> str:
         rules = ["body: " + " | ".join(f"fn{i}" for i in range(len(functions)))]
         for i, (name, schema) in enumerate(functions):
-            items = _argument_rules(schema, f"{i}", rules)
+            items = argument_rules(schema, f"{i}", rules, TAGS)
             rules.append(f"fn{i}: {literal(f'{FUNCTION}{name}>{chr(10)}')} {items} {literal(FUNCTION_END)}")
-        rules += [f'anyparam: "{PARAMETER}" PNAME ">\\n" VALUE', f"PNAME: /[^>\\n]{{1,{MAX_NAME - 1}}}/",
-                  f"VALUE: {_VALUE}"]
+        rules += [*TAGS.any_argument("anyparam", "PNAME"), f"VALUE: {_VALUE}"]
         return "\n".join(rules) + "\n"
 
 
-def _argument_rules(schema: dict[str, Any], tag: str, rules: list[str]) -> str:
-    """What a function's body holds between its tags (its arguments' rules appended to `rules`)."""
+@dataclass(frozen=True)
+class ArgumentTags:
+    """How a format of tagged arguments writes one, for its grammars (`argument_rules`): the text before a key's
+    name and between it and the value, the text that closes a value (the format's `VALUE` lexeme of any text
+    ends in it too), the characters an undeclared key's name may not hold, and whether a key or a string value
+    reads back as written (`carried`, `reads_back`)."""
+
+    key_open: str
+    key_close: str
+    close: str
+    name_excluded: str
+    carried: Callable[[Any], bool]
+    reads_back: Callable[[str], bool]
+
+    def any_argument(self, rule: str, name: str) -> list[str]:
+        """The rules of an argument of any name (`name`: its lexeme's name) and any text value."""
+        return [f"{rule}: {literal(self.key_open)} {name} {literal(self.key_close)} VALUE",
+                f"{name}: /[^{self.name_excluded}]{{1,{MAX_NAME - 1}}}/"]
+
+
+def argument_rules(schema: dict[str, Any], tag: str, rules: list[str], tags: ArgumentTags) -> str:
+    """What a function's body holds between its tags (its arguments' rules appended to `rules`); an argument of
+    any name is rule `anyparam`, the caller's."""
     properties = schema.get("properties")
-    if not isinstance(properties, dict) or not all(_carried(key) for key in properties):
+    if not isinstance(properties, dict) or not all(tags.carried(key) for key in properties):
         return "anyparam*"
     required = set(schema.get("required") or ())
     items = []
     for j, (key, prop) in enumerate(properties.items()):
         items.append(f"p{tag}_{j}" + ("" if key in required else "?"))
         if is_text(prop, schema):
-            value = _text_rule(resolved(prop, schema))
+            value = _text_rule(resolved(prop, schema), tags)
         else:
             rules.append(f"v{tag}_{j}: %json {schema_text(_standalone(prop, schema))}")
-            value = f"v{tag}_{j} {_CLOSE}"
-        rules.append(f"p{tag}_{j}: {literal(f'{PARAMETER}{key}>{chr(10)}')} {value}")
+            value = f"v{tag}_{j} {literal(tags.close)}"
+        rules.append(f"p{tag}_{j}: {literal(tags.key_open + key + tags.key_close)} {value}")
     if schema.get("additionalProperties") is not False and properties:   # others after them, under other names
         declared = "|".join("".join("\\" + c if c in _REGEX_META else c for c in key) for key in properties)
-        rules += [f'extra{tag}: "{PARAMETER}" XNAME{tag} ">\\n" VALUE',
-                  f"XNAME{tag}: /[^>\\n]{{1,{MAX_NAME - 1}}}/ & ~/({declared})/"]
+        extra, name = tags.any_argument(f"extra{tag}", f"XNAME{tag}")
+        rules += [extra, f"{name} & ~/({declared})/"]
         items.append(f"extra{tag}*")
     elif schema.get("additionalProperties") is not False:
         items.append("anyparam*")
@@ -416,19 +430,22 @@ def _carried(key: Any) -> bool:
     return isinstance(key, str) and 0 < len(key) < MAX_NAME and key == key.strip() and not {">", "\n"} & set(key)
 
 
-def _text_rule(prop: Any) -> str:
+def _text_rule(prop: Any, tags: ArgumentTags) -> str:
     """A value written as text: one of its `enum` strings, its `const`, or any text; and its closing tag."""
     choices = prop.get("enum") if isinstance(prop, dict) else None
     if isinstance(prop, dict) and isinstance(prop.get("const"), str):
         choices = [prop["const"]]
-    if isinstance(choices, list) and choices and all(isinstance(v, str) and _reads_back(v) for v in choices):
-        return "(" + " | ".join(literal(v) if v else '""' for v in choices) + f") {_CLOSE}"
+    if isinstance(choices, list) and choices and all(isinstance(v, str) and tags.reads_back(v) for v in choices):
+        return "(" + " | ".join(literal(v) if v else '""' for v in choices) + f") {literal(tags.close)}"
     return "VALUE"
 
 
 def _reads_back(value: str) -> bool:
     """Whether a string value written as text reads back whole (no newline and tag in it: `_Reader._value_end`)."""
     return not any(f"\n{tag}" in value for tag in (PARAMETER_END, FUNCTION_END, PARAMETER))
+
+
+TAGS = ArgumentTags(PARAMETER, ">\n", "\n</parameter>\n", ">\\n", _carried, _reads_back)
 
 
 _ROOT = "#/$defs/__arguments"   # where a property's `%json` finds the whole arguments schema its refs point into
