@@ -305,6 +305,11 @@ class EngineConfig:
             raise ConfigError(f"device: {self.device!r} requested but no CUDA device is available")
         return device
 
+    @property
+    def max_model_lens(self) -> tuple[int, ...]:
+        """Each pool's longest sequence (0: the model's context), for `ModelConfig.serving`."""
+        return tuple(pool.scheduler.max_model_len for pool in self.pools)
+
     def rank_devices(self) -> list[torch.device]:
         """The torch device of each rank: rank r on GPU `gpu_ids[r]`, or the device's index + r; every
         rank of a CPU device on the CPU."""

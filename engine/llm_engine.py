@@ -64,7 +64,7 @@ class LLMEngine:
         self.kv_dtype = config.resolved_kv_dtype(self.device)   # the model's, or float8_e4m3fn
         started = time.perf_counter()
         self.model_path = resolve_model(config.model, cache_dir=config.cache_dir)
-        self.model_config = ModelConfig.from_folder(self.model_path)
+        self.model_config = ModelConfig.from_folder(self.model_path).serving(config.max_model_lens)
         self.shard = ShardShape.of(self.model_config, 0, config.tensor_parallel_size)
         # With tensor parallelism the other ranks start now and load their shards while this one loads its own.
         self.group = (TensorParallelGroup.start(config, rank_devices, follower_main) if config.tensor_parallel_size > 1

@@ -1,4 +1,4 @@
-"""The model's shape, read from an HF config.json: `ModelConfig` and its rope scaling (`RopeScaling`).
+"""The model's shape, read from an HF config.json: `ModelConfig` (its rope scaling: `engine.rope_config`).
 
 What we serve is listed here (architectures, activations, rope types, layer types); a config asking for
 anything else is refused with a `ConfigError` naming the key, before any weight is read.
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -16,8 +17,9 @@ import torch
 
 from engine.config import ConfigError, quantizes_kv_cache_only
 from engine.fp8_weights import fp8_weight_block
-from engine.config_values import REQUIRED, read_bool, read_float, read_int, read_object, read_token_ids, rope_type
+from engine.config_values import read_bool, read_float, read_int, read_object, read_token_ids
 from engine.model_families import LAYER_TYPES, MOE_ROUTERS, MlaShape, family_fields
+from engine.rope_config import RopeScaling
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM",
                            "Qwen3MoeForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", "GraniteForCausalLM",
@@ -77,110 +79,6 @@ DEFAULT_ROPE_THETA = {"MixtralForCausalLM": 1_000_000.0, "SmolLM3ForCausalLM": 2
                       "GptOssForCausalLM": 150_000.0, "Ernie4_5ForCausalLM": 500_000.0,
                       "MiniMaxM2ForCausalLM": 5_000_000.0}
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
-# dynamic NTK: its base moves only past max_position_embeddings, which caps its context here: the default rope's
-SUPPORTED_ROPE_TYPES = ("default", "dynamic", "linear", "llama3", "yarn")
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """Rotary scaling as in the HF config's `rope_scaling` (or `rope_parameters`). `llama3` reads the freq
-    factors; `yarn` the betas and the attention factor (None: from `factor`, `mscale`, `mscale_all_dim`)."""
-
-    rope_type: str = "default"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    attention_factor: float | None = None
-    mscale: float | None = None
-    mscale_all_dim: float | None = None
-    truncate: bool = True
-
-    def __post_init__(self) -> None:
-        if self.rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ConfigError(
-                f"rope_scaling.rope_type: unsupported {self.rope_type!r}; "
-                f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
-        if self.factor <= 0:
-            raise ConfigError(f"rope_scaling.factor: must be > 0, got {self.factor}")
-        if self.original_max_position_embeddings <= 0:
-            raise ConfigError(f"rope_scaling.original_max_position_embeddings: must be > 0, "
-                              f"got {self.original_max_position_embeddings}")
-        if self.attention_factor is not None and self.attention_factor <= 0:
-            raise ConfigError(f"rope_scaling.attention_factor: must be > 0, got {self.attention_factor}")
-        if self.rope_type == "llama3" and not 0 < self.low_freq_factor < self.high_freq_factor:
-            raise ConfigError(f"rope_scaling.high_freq_factor: llama3 needs 0 < low_freq_factor < high_freq_factor, "
-                              f"got {self.low_freq_factor} and {self.high_freq_factor}")
-
-    @classmethod
-    def from_hf_config(cls, cfg: dict[str, Any], params_name: str = "rope_parameters",
-                       ) -> tuple[float | None, "RopeScaling"]:
-        """(rope_theta or None, scaling) from an HF config dict: `rope_theta` + `rope_scaling`, or the `rope_parameters`
-        entry transformers >= 5 writes instead (`params_name`: its key path in errors). Both given are refused unless
-        `rope_scaling` read alone says what `rope_parameters` does: transformers then reads `rope_scaling` alone (with
-        the top level's `rope_theta`), rarely what a config edited by hand means. The type may be spelled `type`;
-        `partial_rotary_factor` with a scaled rope is refused. A bad value is a ConfigError naming its key."""
-        rope_theta = read_float(cfg, "rope_theta", None)
-        raw, name = cfg.get("rope_scaling"), "rope_scaling"
-        params = read_object(cfg, "rope_parameters", name=params_name)
-        if params is None and isinstance(raw, dict):   # transformers reads rope_scaling as rope_parameters: its own
-            rope_theta = read_float(raw, "rope_theta", rope_theta, path="rope_scaling.")   # rope_theta first
-        if params is not None and isinstance(raw, dict) and raw:   # each read alone: the same, or refused
-            alone, ours = (cls.from_hf_config({k: v for k, v in cfg.items() if k != drop}, params_name)
-                           for drop in ("rope_parameters", "rope_scaling"))
-            if alone != ours:
-                raise ConfigError(f"rope_scaling: config.json also has {params_name}, which says otherwise (transformers "
-                                  f"reads rope_scaling alone, or Gemma 3's over it); keep one: the scaling's keys "
-                                  f"belong in {params_name}")
-            return ours
-        if params is not None:
-            rope_theta = read_float(params, "rope_theta", rope_theta, path=f"{params_name}.")
-            if rope_type(params) != "default":
-                raw, name = params, params_name
-        if not raw:
-            return rope_theta, cls()
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{name}: must be a mapping, got {raw!r}")
-        try:
-            return rope_theta, cls._from_mapping(cfg, raw, f"{name}.")
-        except ConfigError as exc:   # RopeScaling's own checks say rope_scaling.: name the key it came from
-            message = str(exc)
-            if name == "rope_scaling" or not message.startswith("rope_scaling."):
-                raise
-            raise ConfigError(f"{name}.{message.removeprefix('rope_scaling.')}") from None
-
-    @classmethod
-    def _from_mapping(cls, cfg: dict[str, Any], raw: dict[str, Any], path: str) -> "RopeScaling":
-        # transformers' order: a top-level original_max_position_embeddings (Phi-3's habit), the scaling's
-        # own, else max_position_embeddings
-        original = read_int(cfg, "original_max_position_embeddings", None)
-        if original is None:
-            original = read_int(raw, "original_max_position_embeddings",
-                                read_int(cfg, "max_position_embeddings", 8192), path=path)
-        where, part = (path, raw) if raw.get("partial_rotary_factor") is not None else ("", cfg)   # the key it has
-        if rope_type(raw) != "default" and read_float(part, "partial_rotary_factor", 1.0, path=where) != 1.0:
-            raise ConfigError(f"{where}partial_rotary_factor: rotating part of each head is not supported")
-        kind = rope_type(raw)   # yarn without a factor: the context's growth (transformers'); linear, llama3 need one
-        growth = REQUIRED if kind in ("dynamic", "linear", "llama3") else \
-            read_int(cfg, "max_position_embeddings", original) / original
-        factor = read_float(raw, "factor", growth, path=path)
-        return cls(
-            rope_type=rope_type(raw),
-            factor=factor,
-            low_freq_factor=read_float(raw, "low_freq_factor", 1.0, path=path),
-            high_freq_factor=read_float(raw, "high_freq_factor", 4.0, path=path),
-            original_max_position_embeddings=original,
-            beta_fast=read_float(raw, "beta_fast", 32.0, path=path),
-            beta_slow=read_float(raw, "beta_slow", 1.0, path=path),
-            attention_factor=read_float(raw, "attention_factor", None, path=path),
-            mscale=read_float(raw, "mscale", None, positive=False, path=path),
-            mscale_all_dim=read_float(raw, "mscale_all_dim", None, positive=False, path=path),
-            truncate=read_bool(raw, "truncate", True, path=path),
-        )
-
-
 @dataclass(frozen=True)
 class ModelConfig:
     """A decoder-only model's shape (Llama 2/3, Qwen2, Qwen3, Qwen3-MoE, Mistral, Mixtral, Phi-3, Granite, OLMo 2,
@@ -252,9 +150,13 @@ class ModelConfig:
         if self.head_dim % 2:
             raise ConfigError(f"head_dim: must be even for rotary embeddings, got {self.head_dim}")
         if self.rotary_dim < self.head_dim and (self.rotary_dim % 2 or self.rotary_dim <= 0
-                                                or self.rope_scaling.rope_type != "default"):
+                                                or self.rope_scaling.rope_type not in ("default", "longrope")):
             raise ConfigError(f"partial_rotary_factor: {self.partial_rotary_factor} of head_dim {self.head_dim} is "
-                              "served as an even count of dimensions, with the default rope only")
+                              "served as an even count of dimensions, with the default rope or longrope only")
+        for key in ("short_factor", "long_factor") if self.rope_scaling.rope_type == "longrope" else ():
+            if len(getattr(self.rope_scaling, key)) != self.rotary_dim // 2:
+                raise ConfigError(f"rope_scaling.{key}: longrope needs one factor a rotary frequency "
+                                  f"({self.rotary_dim // 2}), got {len(getattr(self.rope_scaling, key))}")
         if self.hidden_act not in SUPPORTED_ACTIVATIONS:
             raise ConfigError(f"hidden_act: unsupported {self.hidden_act!r}; supported: {', '.join(SUPPORTED_ACTIVATIONS)}")
         if self.sliding_window is not None and self.sliding_window <= 0:
@@ -284,6 +186,16 @@ class ModelConfig:
         if self.layer_types and self.layer_types[layer] == "full_attention":
             return None
         return self.sliding_window
+
+    def serving(self, max_model_lens: Iterable[int]) -> ModelConfig:
+        """This config as an engine serves it, its pools' `max_model_len`s given (0: the model's context): a
+        longrope turns every sequence by its long factors where one pool serves past the original context, by
+        its short ones otherwise (vLLM's rule by max_model_len: a sequence's cached keys never go stale as it grows)."""
+        rope = self.rope_scaling
+        if rope.rope_type != "longrope":
+            return self
+        longest = max((n or self.context_length for n in max_model_lens), default=self.context_length)
+        return replace(self, rope_scaling=replace(rope, long=longest > rope.original_max_position_embeddings))
 
     @property
     def context_length(self) -> int:

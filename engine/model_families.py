@@ -226,19 +226,17 @@ def mixtral_fields(cfg: dict[str, Any]) -> dict[str, Any]:
 
 def phi3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     """Phi-3's (and Phi-4's) fields as transformers' `Phi3Config` reads them: a sliding window over every layer
-    where `sliding_window` is set. Its rope rotates `partial_rotary_factor` of each head whatever the rope
-    type (Phi-4-mini's 0.75), and it reads `su` and `yarn` as its `longrope`: neither is served, refused
-    by the key that asks for it."""
+    where `sliding_window` is set, and a rope that turns `partial_rotary_factor` of each head whatever its type
+    (Phi-4-mini's 0.75 of a longrope). `Phi3Config` reads the rope types `su` and `yarn` as `longrope`: those
+    spellings are refused by key, `longrope` itself served."""
     for key in ("rope_parameters", "rope_scaling"):
         rope = read_object(cfg, key)
-        if rope and rope_type(rope) in ("longrope", "su", "yarn"):
-            raise ConfigError(f"{key}.rope_type: Phi-3's longrope ({rope_type(rope)!r}, read as longrope) is not "
-                              "supported; serve a checkpoint with the default rope (Phi-3-*-4k, Phi-4)")
-        if rope and read_float(rope, "partial_rotary_factor", 1.0, path=f"{key}.") != 1.0:
-            raise ConfigError(f"{key}.partial_rotary_factor: rotating part of each head is not supported")
-    if read_float(cfg, "partial_rotary_factor", 1.0) != 1.0:
-        raise ConfigError("partial_rotary_factor: rotating part of each head is not supported")
-    return {"sliding_window": read_int(cfg, "sliding_window", None)}
+        if rope and rope_type(rope) in ("su", "yarn"):
+            raise ConfigError(f"{key}.rope_type: Phi-3 reads {rope_type(rope)!r} as 'longrope' (its factors' "
+                              "meaning): write rope_type 'longrope' to serve it")
+    rope = read_object(cfg, "rope_parameters") or read_object(cfg, "rope_scaling") or {}
+    factor = read_float(rope, "partial_rotary_factor", read_float(cfg, "partial_rotary_factor", 1.0))
+    return {"sliding_window": read_int(cfg, "sliding_window", None), "partial_rotary_factor": factor}
 
 
 def granite_fields(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -264,7 +264,7 @@ class FollowerRunner(_Forward):
 
         dtype = config.resolved_dtype(device)
         path = resolve_model(config.model, cache_dir=config.cache_dir)
-        model_config = ModelConfig.from_folder(path)
+        model_config = ModelConfig.from_folder(path).serving(config.max_model_lens)
         shard = ShardShape.of(model_config, rank, size)
         model = build_model(model_config, dtype, device, shard, collectives)
         if config.random_weights:

@@ -24,7 +24,7 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     """[head_dim // 2] inverse frequencies (float32, on the CPU), with the config's scaling applied. A partial rotary
     (`ModelConfig.rotary_dim` < head_dim, GLM-4's) has the frequencies of its rotary dimensions first and zeros
     after: cos 1 and sin 0, so those pairs pass unchanged (the model's loading brings the rotated pairs first)."""
-    dim = config.rotary_dim   # head_dim but for a partial rotary, which ModelConfig serves with the default rope only
+    dim = config.rotary_dim   # head_dim but for a partial rotary (served with the default rope or longrope only)
     # On the CPU whatever device is the default: on the meta device the division's Python kernel would
     # import torch._dynamo (over a second of a worker's start).
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
@@ -45,6 +45,10 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         inv_freq = torch.where(is_medium, blended, scaled)
     elif scaling.rope_type == "yarn":
         inv_freq = _yarn_inv_freq(config)
+    elif scaling.rope_type == "longrope":   # each frequency divided by its factor of the set the engine turns by
+        factors = torch.tensor(scaling.long_factor if scaling.long else scaling.short_factor, device="cpu")
+        shape = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+        inv_freq = 1.0 / (factors * config.rope_theta ** shape)   # transformers' order of operations
     if dim < config.head_dim:   # the pairs past the rotary dimensions turn at frequency 0
         inv_freq = torch.cat([inv_freq, torch.zeros(config.head_dim // 2 - dim // 2, device="cpu")])
     return inv_freq
@@ -73,13 +77,17 @@ def _yarn_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 def rope_attention_factor(config: ModelConfig) -> float:
-    """What scales cos and sin (YaRN's attention factor, given or inferred from `factor` and the mscales);
-    1.0 for every other rope type."""
+    """What scales cos and sin (YaRN's attention factor, given or inferred from `factor` and the mscales;
+    LongRoPE's, given or sqrt(1 + ln factor / ln original context), both of its sets alike); 1.0 for every other
+    rope type."""
     scaling = config.rope_scaling
-    if scaling.rope_type != "yarn":
+    if scaling.rope_type not in ("yarn", "longrope"):
         return 1.0
     if scaling.attention_factor is not None:
         return scaling.attention_factor
+    if scaling.rope_type == "longrope":
+        original = scaling.original_max_position_embeddings
+        return 1.0 if scaling.factor <= 1 else math.sqrt(1 + math.log(scaling.factor) / math.log(original))
 
     def mscale(scale: float, m: float = 1.0) -> float:
         return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
@@ -91,15 +99,18 @@ def rope_attention_factor(config: ModelConfig) -> float:
 
 def rope_cos_sin_cache(config: ModelConfig) -> torch.Tensor:
     """[context_length, head_dim] float32 on the CPU: row p is cos(p * inv_freq), then
-    sin(p * inv_freq), both times the rope type's attention factor (transformers computes the same
-    products, in float32, every forward)."""
+    sin(p * inv_freq), both times the rope type's attention factor on the rotary's pairs (transformers computes the
+    same products, in float32, every forward)."""
     inv_freq = rope_inv_freq(config)
     positions = torch.arange(config.context_length, dtype=torch.float32, device="cpu")
     freqs = positions[:, None] * inv_freq[None, :]                  # [max_positions, head_dim // 2]
     factor = rope_attention_factor(config)
     if factor == 1.0:
         return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
-    return torch.cat((freqs.cos() * factor, freqs.sin() * factor), dim=-1)
+    # the pairs a partial rotary leaves alone keep cos 1 and sin 0: transformers scales the turned part only
+    scale = torch.ones(config.head_dim // 2, device="cpu")
+    scale[:config.rotary_dim // 2] = factor
+    return torch.cat((freqs.cos() * scale, freqs.sin() * scale), dim=-1)
 
 
 class RotaryEmbedding(nn.Module):

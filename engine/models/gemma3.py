@@ -27,7 +27,8 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from engine.model_config import ModelConfig, RopeScaling
+from engine.model_config import ModelConfig
+from engine.rope_config import RopeScaling
 from engine.layers import GemmaHeadRMSNorm, GemmaRMSNorm, RopeRows, RotaryEmbedding
 from engine.model import MLP, Attention, LlamaForCausalLM
 from engine.parallel import Collectives, ShardShape

@@ -30,14 +30,13 @@ import torch
 from torch import nn
 
 from engine.layers import RMSNorm
-from engine.model_config import ModelConfig
-from engine.models.cohere import InterleavedRotaryWeights, interleaved_to_halves
+from engine.models.cohere import InterleavedRotaryWeights
 from engine.models.deepseek import DeepseekMoeBlock, moe_checkpoint_name
 from engine.models.gemma3 import Gemma3DecoderLayer
-from engine.models.phi3 import Phi3ForCausalLM
+from engine.models.phi3 import Phi3ForCausalLM, partial_rotary_rows
 from engine.models.qwen3_moe import Qwen3MoeForCausalLM
 
-__all__ = ["Glm4ForCausalLM", "Glm4MoeForCausalLM", "partial_rotary_rows"]
+__all__ = ["Glm4ForCausalLM", "Glm4MoeForCausalLM"]
 
 
 class Glm4DecoderLayer(Gemma3DecoderLayer):
@@ -79,15 +78,3 @@ class Glm4MoeForCausalLM(Qwen3MoeForCausalLM):
     def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
         name = moe_checkpoint_name(self.config, name)
         return () if name is None else ((name, partial_rotary_rows(self.config, name, tensor)),)
-
-
-def partial_rotary_rows(config: ModelConfig, name: str, tensor: torch.Tensor) -> torch.Tensor:
-    """A q or k projection's rows (or bias), or its q/k norm's weight (a head's, or the whole projection's), reordered
-    in each head for a partial rotate-half rotary (GLM-4.5's, MiniMax-M2's: the first `rotary_dim` of a head turned,
-    i with i + rotary_dim / 2) where the config rotates part of each head; the tensor itself otherwise (and where its
-    rows are not whole heads: the loading names its shape)."""
-    d, r = config.head_dim, config.rotary_dim
-    heads = any(f".self_attn.{part}." in name for part in ("q_proj", "k_proj", "q_norm", "k_norm"))
-    if r < d and heads and tensor.dim() >= 1 and tensor.shape[0] % d == 0:
-        return interleaved_to_halves(tensor, d, r, interleaved=False)
-    return tensor

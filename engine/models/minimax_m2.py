@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from engine.models.deepseek import DeepseekMoeBlock
-from engine.models.glm4 import partial_rotary_rows
+from engine.models.phi3 import partial_rotary_rows
 from engine.models.mixtral import MixtralForCausalLM
 from engine.models.olmo2 import Olmo2Attention, RoundedWideRMSNorm, wide_norm_shard
 

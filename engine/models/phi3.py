@@ -5,8 +5,8 @@ then the key heads', then the value heads') and `mlp.gate_up_proj` ([2 x interme
 then up rows), the layout our model fuses them into. `read_tensor` splits each into the q/k/v and gate/up
 tensors a Llama checkpoint stores, so one loading serves both (each part cut to a rank's heads and rows under
 tensor parallelism, a part filled twice or left out refused by name). What Phi-3 changes beside the
-tensors is config (`engine.model_families.phi3_fields`: its sliding window; its longrope and partial rotary
-refused by key).
+tensors is config (`engine.model_families.phi3_fields`: its sliding window, its partial rotary, whose q/k rows are
+reordered as read as GLM-4.5's are; its longrope: `engine.rope_config`).
 """
 
 from __future__ import annotations
@@ -16,16 +16,19 @@ from collections.abc import Iterable
 import torch
 
 from engine.model import LlamaForCausalLM, WeightLoadError
+from engine.model_config import ModelConfig
+from engine.models.cohere import interleaved_to_halves
 
-__all__ = ["Phi3ForCausalLM"]
+__all__ = ["Phi3ForCausalLM", "partial_rotary_rows"]
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
     """The Llama model, its fused checkpoint tensors split as they are read."""
 
     def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
-        """`layers.N.self_attn.qkv_proj.weight` as its q_proj, k_proj and v_proj rows (a bias as well), and
-        `layers.N.mlp.gate_up_proj.weight` as gate_proj and up_proj; anything else as it is."""
+        """`layers.N.self_attn.qkv_proj.weight` as its q_proj, k_proj and v_proj rows (a bias as well; q and k
+        reordered for a partial rotary), and `layers.N.mlp.gate_up_proj.weight` as gate_proj and up_proj; anything
+        else as it is."""
         c = self.config
         q, kv, inter = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
         for fused, parts in ((".self_attn.qkv_proj.", (("q_proj", q), ("k_proj", kv), ("v_proj", kv))),
@@ -38,6 +41,19 @@ class Phi3ForCausalLM(LlamaForCausalLM):
                                       f"({rows} rows: {' + '.join(f'{part} {size}' for part, size in parts)})")
             head, _, suffix = name.partition(fused)
             module = fused.strip(".").split(".")[0]
-            return [(f"{head}.{module}.{part}.{suffix}", piece)
-                    for (part, _), piece in zip(parts, tensor.split([size for _, size in parts]))]
+            names = [f"{head}.{module}.{part}.{suffix}" for part, _ in parts]
+            return [(name, partial_rotary_rows(c, name, piece))   # Phi-4-mini's q/k rows: its partial rotary's
+                    for name, piece in zip(names, tensor.split([size for _, size in parts]))]
         return ((name, tensor),)
+
+
+def partial_rotary_rows(config: ModelConfig, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """A q or k projection's rows (or bias), or its q/k norm's weight (a head's, or the whole projection's),
+    reordered in each head for a partial rotate-half rotary (Phi-4-mini's, GLM-4.5's, MiniMax-M2's: the first
+    `rotary_dim` of a head turned, i with i + rotary_dim / 2) where the config rotates part of each head; the tensor
+    itself otherwise (and where its rows are not whole heads: the loading names its shape)."""
+    d, r = config.head_dim, config.rotary_dim
+    heads = any(f".self_attn.{part}." in name for part in ("q_proj", "k_proj", "q_norm", "k_norm"))
+    if r < d and heads and tensor.dim() >= 1 and tensor.shape[0] % d == 0:
+        return interleaved_to_halves(tensor, d, r, interleaved=False)
+    return tensor

@@ -26,8 +26,12 @@ LLAMA = {"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size"
     ({"architectures": []}, "architectures"),
     ({"num_key_value_heads": 3}, "num_key_value_heads: 3 does not divide"),
     ({"hidden_size": -1}, "hidden_size"),
+    ({"rope_scaling": {"rope_type": "ntk", "factor": 4.0}},
+     "rope_scaling.rope_type: unsupported 'ntk'; supported: default, dynamic, linear, llama3, yarn, longrope"),
     ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}},
-     "rope_scaling.rope_type: unsupported 'longrope'; supported: default, dynamic, linear, llama3, yarn"),
+     r"rope_scaling.short_factor: longrope needs a list of positive numbers, got None"),
+    ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 7}},
+     r"rope_scaling.long_factor: longrope needs one factor a rotary frequency \(8\), got 7"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "attention_factor": -1}}, "rope_scaling.attention_factor"),
     ({"architectures": ["Qwen3ForCausalLM"], "use_sliding_window": True, "layer_types": ["sliding_attention"]},
      "layer_types: one of full_attention, sliding_attention for each of the"),
@@ -464,8 +468,10 @@ def test_rope_and_multimodal_errors_name_the_key_the_value_came_from():
     multimodal checkpoint's top-level eos_token_id is read (and named) only where its text model has none."""
     base = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
             "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 100}
-    with pytest.raises(ConfigError, match=r"^rope_parameters\.rope_type: unsupported 'longrope'"):
-        ModelConfig.from_hf_config({**base, "rope_parameters": {"rope_type": "longrope"}})
+    with pytest.raises(ConfigError, match=r"^rope_parameters\.rope_type: unsupported 'ntk'"):
+        ModelConfig.from_hf_config({**base, "rope_parameters": {"rope_type": "ntk"}})
+    with pytest.raises(ConfigError, match=r"^rope_parameters\.long_factor: longrope needs a list"):
+        ModelConfig.from_hf_config({**base, "rope_parameters": {"rope_type": "longrope", "short_factor": [1.0]}})
     with pytest.raises(ConfigError, match=r"^rope_parameters\.factor: must be a positive finite number"):
         ModelConfig.from_hf_config({**base, "rope_parameters": {"rope_type": "yarn", "factor": -1}})
     with pytest.raises(ConfigError, match=r"^rope_scaling\.high_freq_factor: llama3 needs"):
@@ -637,10 +643,11 @@ def test_mixtral_as_its_model_card_writes_it_and_its_defaults_as_transformers_re
         ModelConfig.from_hf_config({**bare, "num_local_experts": 2, "num_experts_per_tok": 3})
 
 
-def test_phi3_as_its_model_cards_write_it_and_its_longrope_and_partial_rotary_refused_by_key():
-    """Phi-3-mini-4k's config (3.82 B parameters, a window of 2,047 over every layer) and Phi-4's (14.7 B); keys
-    left out read as transformers' Phi3Config reads them. Phi3Config reads `su` and `yarn` as its longrope and
-    rotates `partial_rotary_factor` of each head under any rope (Phi-4-mini's 0.75): each refused by its key."""
+def test_phi3_as_its_model_cards_write_it_phi4_minis_longrope_over_part_of_each_head_too():
+    """Phi-3-mini-4k's config (3.82 B parameters, a window of 2,047 over every layer), Phi-4's (14.7 B) and
+    Phi-4-mini's (3.84 B: a longrope over 0.75 of each head, from 4,096 positions to 131,072); keys left out read as
+    transformers' Phi3Config reads them. Phi3Config reads the rope types `su` and `yarn` as its longrope: those
+    spellings refused by key."""
     transformers = pytest.importorskip("transformers")
     mini = {"architectures": ["Phi3ForCausalLM"], "vocab_size": 32064, "hidden_size": 3072, "intermediate_size": 8192,
             "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 4096,
@@ -660,15 +667,25 @@ def test_phi3_as_its_model_cards_write_it_and_its_longrope_and_partial_rotary_re
     assert (ours.rope_theta, ours.num_kv_heads, ours.max_position_embeddings, ours.sliding_window) == \
         (theirs.rope_parameters["rope_theta"], theirs.num_key_value_heads, theirs.max_position_embeddings,
          theirs.sliding_window)
-    longrope = {"rope_type": "longrope", "short_factor": [1.0] * 48, "long_factor": [2.0] * 48}
-    for change, named in [({"rope_scaling": longrope}, r"^rope_scaling\.rope_type: Phi-3's longrope"),
-                          ({"rope_scaling": {"type": "su"}}, r"^rope_scaling\.rope_type: Phi-3's longrope \('su'"),
+    longrope = {"type": "longrope", "short_factor": [1.0 + i / 48 for i in range(48)],
+                "long_factor": [1.0 + i for i in range(48)]}
+    mini4 = {**mini, "vocab_size": 200064, "num_attention_heads": 24, "num_key_value_heads": 8,
+             "max_position_embeddings": 131072, "partial_rotary_factor": 0.75, "rope_scaling": longrope,
+             "sliding_window": 262144, "tie_word_embeddings": True}
+    cfg = ModelConfig.from_hf_config(mini4)
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(transformers.Phi3Config(
+            **{k: v for k, v in mini4.items() if k != "architectures"}))
+    assert cfg.num_params() == sum(p.numel() for p in hf.parameters()) == 3_836_021_760
+    assert (cfg.rotary_dim, cfg.context_length, cfg.rope_scaling.factor) == (96, 131072, 32.0)
+    assert cfg.serving([0]).rope_scaling.long and cfg.serving([4096, 2048]).rope_scaling.long is False
+    assert cfg.serving([4096, 8192]).rope_scaling.long   # one pool past the original context: every sequence long
+    for change, named in [({"rope_scaling": {"type": "su"}}, r"^rope_scaling\.rope_type: Phi-3 reads 'su' as"),
                           ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, r"^rope_scaling\.rope_type: .*'yarn'"),
-                          ({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.75}},
-                           r"^rope_parameters\.partial_rotary_factor: rotating part"),
-                          ({"partial_rotary_factor": 0.75}, r"^partial_rotary_factor: rotating part")]:
+                          ({"rope_scaling": {**longrope, "short_factor": [1.0] * 64}},
+                           r"^rope_scaling\.short_factor: longrope needs one factor a rotary frequency \(48\)")]:
         with pytest.raises(ConfigError, match=named):
-            ModelConfig.from_hf_config({**mini, **change})
+            ModelConfig.from_hf_config({**mini4, **change})
 
 
 def test_gemma2_as_its_model_card_writes_it_and_its_defaults_as_transformers_reads_them():

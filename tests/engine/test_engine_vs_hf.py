@@ -557,6 +557,34 @@ def test_what_the_head_does_to_the_logits_shows_in_transformers_logprobs(tmp_pat
     assert (uncapped - want).abs().max() > 0.1
 
 
+# Phi-4-mini's rope on the tiny model: a longrope over 0.75 of each head (6 of its 8 frequency pairs), from an
+# original context of 32 positions to 512, its embeddings tied
+PHI4_MINI = dict(pad_token_id=0, tie_word_embeddings=True, original_max_position_embeddings=32, rope_parameters={
+    "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+    "short_factor": [1.0 + 0.15 * i for i in range(6)], "long_factor": [2.0 + 1.7 * i for i in range(6)]})
+
+
+def test_a_longrope_turns_by_the_set_transformers_picks_for_what_each_pool_serves(tmp_path, builtin_path):
+    """transformers turns each forward by LongRoPE's short factors while the sequence is within the original
+    context, by its long ones past it; the engine turns every sequence of a pool by one set (a key cached under
+    the short set would go stale as the sequence grew): the short set where every pool stays within the original
+    context, which transformers uses on prompts and outputs that fit in it; the long set where a pool serves past
+    it, which transformers uses on prompts that start past it. Greedy, token-identical either way (the partial
+    rotary's attention factor on the turned pairs only: it scaled the pairs left alone too)."""
+    import transformers
+
+    folder = make_tiny_model(tmp_path / "phi4", "phi3", builtin_path, **PHI4_MINI)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(5)
+    for max_model_len, lengths, long in ((32, (3, 9, 15), False), (0, (40, 33, 60), True)):
+        engine = LLMEngine.from_args(str(folder), dtype="float32", block_size=8, num_blocks=64,
+                                     max_num_batched_tokens=64, max_model_len=max_model_len, progress=False)
+        assert engine.model_config.rope_scaling.long is long
+        prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in lengths]
+        outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+        assert [o.outputs[0].token_ids for o in outs] == [_hf_greedy(hf, p, 12, eos_ids=None) for p in prompts]
+
+
 def test_a_phi3_checkpoint_is_read_through_its_fused_tensors_and_a_wrong_one_is_named(tmp_path, builtin_path):
     """Phi-3 stores each layer's q/k/v and gate/up fused: read split, so a fused tensor of the wrong rows is named
     with the rows the config expects, and a part also stored on its own (a q_proj beside the qkv_proj) is a tensor

@@ -220,7 +220,9 @@ QWEN3 = {"head_dim": 32, "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
     ("qwen3_moe", {**QWEN3, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                    "norm_topk_prob": True, "mlp_only_layers": [1]}, None),
     ("mixtral", {"intermediate_size": 48, "num_local_experts": 4, "num_experts_per_tok": 2}, True),
-    ("phi3", {"pad_token_id": 0}, None),
+    ("phi3", {"pad_token_id": 0, "original_max_position_embeddings": 32, "rope_parameters": {
+        "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+        "short_factor": [1.0 + 0.15 * i for i in range(6)], "long_factor": [2.0 + 1.7 * i for i in range(6)]}}, None),
     ("gemma2", {"head_dim": 32, "sliding_window": 8, "attn_logit_softcapping": 2.0, "final_logit_softcapping": 5.0},
      None),
     ("granite", {"embedding_multiplier": 3.0, "attention_multiplier": 0.05, "residual_multiplier": 0.5,
@@ -247,17 +249,18 @@ def test_two_ranks_generate_what_one_does(tmp_path, builtin_path, prompts, arch,
     # A tiny random model with even head counts (4 heads, 2 KV heads); Qwen3 q/k head norms (whole on every rank)
     # and YaRN; Qwen3-MoE splits each expert's intermediate size (the router whole on every rank), its layer 1
     # dense; Mixtral the same on every layer, read from its own tensor names; Phi-3 cuts each rank's heads and rows
-    # out of the fused q/k/v and gate/up it stores; Gemma 2 caps each rank's scores and the gathered logits; Granite
-    # scales the summed outputs and embeddings; OLMo 3 norms q and k over every rank's heads (its one KV head on
-    # both ranks, counted once) beside its windowed layers; Gemma 3 its q/k head norms whole on each rank and two
-    # ropes; GPT-OSS cuts each rank's heads' sinks and each expert's biases (the down one added on rank 0 alone);
-    # Qwen2-MoE its shared expert's rows (its gate whole on every rank, the gated partial outputs summed with the
-    # experts'); Cohere each rank's heads of the q/k rows it reorders, and o_proj's bias once (Cohere 2 its NoPE
-    # full layers); DeepSeek V3 each rank's heads' rows of q and of the latent's up-projection (the latent, its
-    # cache and the float32 router whole on every rank); MiniMax-M2 its whole-projection q/k norms' sums of squares
-    # over the ranks beside the rows it reorders for its partial rotary (GLM-4.5's parts: Qwen3's head norms,
-    # GLM-4's reordered rows, DeepSeek's experts). Qwen3's, Mixtral's and DeepSeek's groups overlap their steps:
-    # the other rank fills the placeholders of each step's inputs from rank 0's sampled ids (engine.overlap).
+    # out of the fused q/k/v and gate/up it stores (Phi-4-mini's rope: q/k rows reordered for a partial longrope);
+    # Gemma 2 caps each rank's scores and the gathered logits; Granite scales the summed outputs and embeddings;
+    # OLMo 3 norms q and k over every rank's heads (its one KV head on both ranks, counted once) beside its windowed
+    # layers; Gemma 3 its q/k head norms whole on each rank and two ropes; GPT-OSS cuts each rank's heads' sinks and
+    # each expert's biases (the down one added on rank 0 alone); Qwen2-MoE its shared expert's rows (its gate whole
+    # on every rank, the gated partial outputs summed with the experts'); Cohere each rank's heads of the q/k rows
+    # it reorders, and o_proj's bias once (Cohere 2 its NoPE full layers); DeepSeek V3 each rank's heads' rows of q
+    # and of the latent's up-projection (the latent, its cache and the float32 router whole on every rank);
+    # MiniMax-M2 its whole-projection q/k norms' sums of squares over the ranks beside the rows it reorders for its
+    # partial rotary (GLM-4.5's parts: Qwen3's head norms, GLM-4's reordered rows, DeepSeek's experts). Qwen3's,
+    # Mixtral's and DeepSeek's groups overlap their steps: the other rank fills the placeholders of each step's
+    # inputs from rank 0's sampled ids (engine.overlap).
     # six tokens each: a wrong cut shows at once, and each step of two gloo ranks costs ~80 ms on a 2-core machine
     path = str(make_tiny_model(tmp_path / arch, arch, builtin_path, **overrides))
     params = dataclasses.replace(GREEDY, max_tokens=6)
