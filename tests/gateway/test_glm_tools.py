@@ -8,7 +8,6 @@ calls."""
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
@@ -21,7 +20,7 @@ from gateway.openai.tools import HermesFormat, ToolCallStream
 from gateway.openai.xml_tools import XmlFormat
 from tests.gateway.conftest import accepts
 from tests.gateway.test_tools import prose_markers_stream
-from tests.gateway.test_xml_tools import SEARCH, WEATHER
+from tests.gateway.test_xml_tools import SEARCH, WEATHER, forced_call_over_http, streamed_arguments
 
 # how GLM-4.5's template writes a history's calls (GLM-4.7's: the same without the newlines around the tags); HF's
 # template options (trim_blocks, lstrip_blocks) drop the newline after each block tag
@@ -184,33 +183,13 @@ POOL_TEMPLATE = (
 async def test_a_pool_whose_template_writes_the_form_answers_forced_calls_whole_and_streamed(aiohttp_client, tmp_path,
                                                                                             tiny_model):
     """Over HTTP, a pool of the tiny model whose template writes the GLM form: tool_choice "required" writes a
-    call the grammar keeps in the form, read back as the call OpenAI's answer holds (and the same streamed)."""
-    import shutil
-
-    from tests.gateway.conftest import chat_pool_yaml, start_gateway
-
-    model = tmp_path / "model"
-    shutil.copytree(tiny_model, model)
-    (model / "chat_template.jinja").write_text(POOL_TEMPLATE)
-    client, _ = await start_gateway(aiohttp_client, tmp_path, chat_pool_yaml(model, max_model_len=512))
+    call the grammar keeps in the form, read back as the call OpenAI's answer holds (and the same streamed), a
+    JSON value read as its type."""
     unit = {"type": "function", "function": {"name": "set_unit", "strict": True, "parameters": {
-        "type": "object", "required": ["unit", "metric"], "additionalProperties": False,
-        "properties": {"unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}, "metric": {"type": "boolean"}}}}}
-    body = {"model": "model", "messages": [{"role": "user", "content": "Use celsius."}], "tools": [unit],
-            "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 120, "temperature": 0}
-    r = await client.post("/v1/chat/completions", json=body)
-    assert r.status == 200, await r.text()
-    choice = (await r.json())["choices"][0]
-    calls = choice["message"]["tool_calls"]
-    assert choice["finish_reason"] == "tool_calls" and [c["function"]["name"] for c in calls] == ["set_unit"], choice
-    args = json.loads(calls[0]["function"]["arguments"])
+        "type": "object", "required": ["unit", "metric"], "additionalProperties": False, "properties": {
+            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}, "metric": {"type": "boolean"}}}}}
+    args = await forced_call_over_http(aiohttp_client, tmp_path, tiny_model, POOL_TEMPLATE, unit, 120)
     assert args["unit"] in ("celsius", "fahrenheit") and isinstance(args["metric"], bool)
-    assert "<tool_call>" not in (choice["message"]["content"] or "")
-    r = await client.post("/v1/chat/completions", json={**body, "stream": True})
-    streamed = [json.loads(line[6:]) for line in (await r.text()).splitlines() if line.startswith("data: {")]
-    deltas = [d for chunk in streamed for c in chunk["choices"] for d in c["delta"].get("tool_calls") or ()]
-    assert [d["function"]["name"] for d in deltas if "id" in d] == ["set_unit"] and {d["index"] for d in deltas} == {0}
-    assert "".join(d["function"]["arguments"] for d in deltas) == calls[0]["function"]["arguments"]
 
 
 def test_a_long_call_streamed_a_few_characters_at_a_time_costs_what_each_delta_adds(form):
@@ -221,15 +200,6 @@ def test_a_long_call_streamed_a_few_characters_at_a_time_costs_what_each_delta_a
     plain = ("def g(y):\n    return y * 2\n" * 8000)[:200_000]
     text = "Writing.\n" + _glm(("search", {"query": code}), ("search", {"limit": 1, "query": plain}),
                                template=template)
-    stream, args = ToolCallStream(fmt, forced=False), {}
-    started = time.process_time()
-    for end in range(40, len(text) + 40, 40):
-        stream.content_delta(text[:end])
-        for entry in stream.call_deltas(text[:end]):
-            args[entry["index"]] = args.get(entry["index"], "") + entry["function"]["arguments"]
-    took = time.process_time() - started
-    rest, entries, count = stream.finish(text)
-    for entry in entries:
-        args[entry["index"]] = args.get(entry["index"], "") + entry["function"]["arguments"]
+    args, took = streamed_arguments(fmt, text, 40)
     assert [json.loads(args[0]), json.loads(args[1])] == [{"query": code}, {"limit": 1, "query": plain}]
     assert took < 5.0, took

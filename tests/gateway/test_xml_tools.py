@@ -352,51 +352,66 @@ async def test_a_pool_whose_template_writes_the_form_answers_forced_calls_whole_
                                                                                             tiny_model):
     """Over HTTP, a pool of the tiny model whose template writes the XML form: tool_choice "required" writes a
     call the grammar keeps in the form, read back as the call OpenAI's answer holds (and the same streamed)."""
+    unit = {"type": "function", "function": {"name": "set_unit", "strict": True, "parameters": {
+        "type": "object", "required": ["unit"], "additionalProperties": False,
+        "properties": {"unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}}}}
+    args = await forced_call_over_http(aiohttp_client, tmp_path, tiny_model, POOL_TEMPLATE, unit, 60)
+    assert args["unit"] in ("celsius", "fahrenheit")
+
+
+async def forced_call_over_http(aiohttp_client, tmp_path, tiny_model, template: str, tool: dict,
+                                max_tokens: int) -> dict:
+    """A pool of the tiny model under `template` asked for a forced call of `tool`, whole and streamed: the one
+    call, in a choice without the markup as content, the streamed arguments the whole answer's; its arguments."""
     import shutil
 
     from tests.gateway.conftest import chat_pool_yaml, start_gateway
 
     model = tmp_path / "model"
     shutil.copytree(tiny_model, model)
-    (model / "chat_template.jinja").write_text(POOL_TEMPLATE)
+    (model / "chat_template.jinja").write_text(template)
     client, _ = await start_gateway(aiohttp_client, tmp_path, chat_pool_yaml(model, max_model_len=512))
-    unit = {"type": "function", "function": {"name": "set_unit", "strict": True, "parameters": {
-        "type": "object", "required": ["unit"], "additionalProperties": False,
-        "properties": {"unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}}}}
-    body = {"model": "model", "messages": [{"role": "user", "content": "Use celsius."}], "tools": [unit],
-            "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 60, "temperature": 0}
+    name = tool["function"]["name"]
+    body = {"model": "model", "messages": [{"role": "user", "content": "Use celsius."}], "tools": [tool],
+            "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": max_tokens, "temperature": 0}
     r = await client.post("/v1/chat/completions", json=body)
     assert r.status == 200, await r.text()
     choice = (await r.json())["choices"][0]
     calls = choice["message"]["tool_calls"]
-    assert choice["finish_reason"] == "tool_calls" and [c["function"]["name"] for c in calls] == ["set_unit"]
-    assert json.loads(calls[0]["function"]["arguments"])["unit"] in ("celsius", "fahrenheit")
+    assert choice["finish_reason"] == "tool_calls" and [c["function"]["name"] for c in calls] == [name], choice
     assert "<tool_call>" not in (choice["message"]["content"] or "")
     r = await client.post("/v1/chat/completions", json={**body, "stream": True})
     streamed = [json.loads(line[6:]) for line in (await r.text()).splitlines() if line.startswith("data: {")]
     deltas = [d for chunk in streamed for c in chunk["choices"] for d in c["delta"].get("tool_calls") or ()]
-    assert [d["function"]["name"] for d in deltas if "id" in d] == ["set_unit"] and {d["index"] for d in deltas} == {0}
+    assert [d["function"]["name"] for d in deltas if "id" in d] == [name] and {d["index"] for d in deltas} == {0}
     assert "".join(d["function"]["arguments"] for d in deltas) == calls[0]["function"]["arguments"]
+    return json.loads(calls[0]["function"]["arguments"])
 
 
 def test_a_long_call_streamed_a_few_characters_at_a_time_costs_what_each_delta_adds(fmt):
     """Two calls of 200 KB arguments (a file a coding agent writes) streamed 40 characters at a time: the reader
     goes on from where it stopped and each argument's JSON is built once (each delta read the whole reply again,
     and made every argument's JSON again)."""
-    import time
-
     code = ("def f(x):\n    return '</parameter>' if x else None\n" * 4000)[:200_000]
     plain = ("def g(y):\n    return y * 2\n" * 8000)[:200_000]   # a long value after a short one (write_file's)
     text = "Writing.\n" + _xml(("search", {"query": code}), ("search", {"limit": 1, "query": plain}))
+    args, took = streamed_arguments(fmt, text, 40)
+    assert [json.loads(args[0]), json.loads(args[1])] == [{"query": code}, {"limit": 1, "query": plain}]
+    assert took < 5.0, took
+
+
+def streamed_arguments(fmt, text: str, step: int) -> tuple[dict[int, str], float]:
+    """`text` streamed `step` characters at a time through a `ToolCallStream`: each call's arguments as the
+    stream sent them (by index), and the CPU seconds its looks took (the end's `finish` left out)."""
+    import time
+
     stream, args = ToolCallStream(fmt, forced=False), {}
-    started = time.perf_counter()
-    for end in range(40, len(text) + 40, 40):
+    started = time.process_time()   # CPU time: a loaded machine adds less
+    for end in range(step, len(text) + step, step):
         stream.content_delta(text[:end])
         for entry in stream.call_deltas(text[:end]):
             args[entry["index"]] = args.get(entry["index"], "") + entry["function"]["arguments"]
-    took = time.perf_counter() - started
-    rest, entries, count = stream.finish(text)
-    for entry in entries:
+    took = time.process_time() - started
+    for entry in stream.finish(text)[1]:
         args[entry["index"]] = args.get(entry["index"], "") + entry["function"]["arguments"]
-    assert [json.loads(args[0]), json.loads(args[1])] == [{"query": code}, {"limit": 1, "query": plain}]
-    assert took < 5.0, took
+    return args, took
