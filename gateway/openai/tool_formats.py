@@ -1,10 +1,10 @@
 """Which tool-call format a pool's chat template writes: `tool_format` of a template's source, `format_for` of a
 pool's tokenizer. The formats: `gateway.openai.tools` (hermes, llama3_json), `gateway.openai.xml_tools`
-(qwen3_xml) and `gateway.openai.glm_tools` (glm45)."""
+(qwen3_xml) and `gateway.openai.tagged_tools` (glm45, minimax_m2)."""
 
 from __future__ import annotations
 
-from gateway.openai.glm_tools import GlmFormat, writes_glm_calls
+from gateway.openai.tagged_tools import MINIMAX_FORM, TaggedFormat, glm_form, writes_glm_calls, writes_minimax_calls
 from gateway.openai.tool_specs import Tool
 from gateway.openai.tools import HermesFormat, Llama3JsonFormat, ToolFormat
 from gateway.openai.xml_tools import XmlFormat, writes_xml_calls
@@ -13,7 +13,9 @@ from gateway.openai.xml_tools import XmlFormat, writes_xml_calls
 def tool_format(template: str, tools: list[Tool]) -> ToolFormat:
     """The format a chat template writes tool calls in (hermes when it knows no tools: `render` asks for it)."""
     if writes_glm_calls(template):   # before hermes and the XML form: their calls are inside `<tool_call>` too
-        return GlmFormat(tools, compact="\n<arg_key>" not in template)
+        return TaggedFormat(tools, glm_form(compact="\n<arg_key>" not in template))
+    if writes_minimax_calls(template):
+        return TaggedFormat(tools, MINIMAX_FORM)
     if writes_xml_calls(template):
         return XmlFormat(tools)
     if "<tool_call>" in template:
