@@ -132,8 +132,8 @@ def shield_controls(payload: Any, counter: TokenCounter) -> tuple[Any, dict[str,
     def shielded(value: Any) -> Any:
         if isinstance(value, str):
             return pattern.sub(lambda m: placeholder[m.group()], value)
-        if isinstance(value, dict):
-            return {shielded(k): shielded(v) for k, v in value.items()}
+        if isinstance(value, dict):   # its own kind kept (`HistoryArguments`)
+            return type(value)({shielded(k): shielded(v) for k, v in value.items()})
         if isinstance(value, (list, tuple)):
             return type(value)(shielded(v) for v in value)
         return value
@@ -229,8 +229,21 @@ def fallback_messages(messages: list[dict[str, Any]], tools: list[Tool] | None, 
     return out
 
 
+class HistoryArguments(dict):
+    """A history call's arguments as a template takes them: a dict (`items()`, `| tojson`), which a template that
+    joins them to text with `+` (DeepSeek V3's and R1's: `'<｜tool▁sep｜>' + tool['function']['arguments']`, written
+    for the JSON text OpenAI sends) gets as that JSON, where a plain dict would fail the render."""
+
+    def __radd__(self, other: Any) -> Any:
+        return other + json.dumps(self, ensure_ascii=False) if isinstance(other, str) else NotImplemented
+
+    def __add__(self, other: Any) -> Any:
+        return json.dumps(self, ensure_ascii=False) + other if isinstance(other, str) else NotImplemented
+
+
 def _value_or_text(text: str) -> Any:   # history's arguments: their JSON; {} for none ("", null: vLLM's); else text
-    return {} if text.strip() in ("", "null") else text if (value := loads(text)) is None else value
+    value = {} if text.strip() in ("", "null") else text if (value := loads(text)) is None else value
+    return HistoryArguments(value) if isinstance(value, dict) else value
 
 
 def _arguments_text(text: str) -> str:

@@ -218,7 +218,8 @@ class _Turn:
 
     form: TagForm
     start: int
-    calls: list[_Call] = field(default_factory=list)
+    call_type: type = _Call   # how a function is read (`gateway.openai.deepseek_tools`: JSON arguments)
+    calls: list[Any] = field(default_factory=list)
     at: int = 0
     end: int | None = None
     dead: bool = False
@@ -227,7 +228,7 @@ class _Turn:
         form = self.form
         if form.block is None:   # the turn is its function
             if not self.calls:
-                self.calls.append(_Call(form, self.start))
+                self.calls.append(self.call_type(form, self.start))
             call = self.calls[0]
             call.read_on(text, search)
             self.end, self.dead = call.end, call.dead
@@ -245,7 +246,7 @@ class _Turn:
             if text.startswith(form.block[1], at):
                 self.end, self.dead = at + len(form.block[1]), not self.calls
             elif text.startswith(form.function, at):
-                self.calls.append(_Call(form, at))
+                self.calls.append(self.call_type(form, at))
             else:
                 self.dead = not _may_begin(text, at, (form.block[1], form.function))
                 return
@@ -255,8 +256,8 @@ class _Reading:
     """A reply's turns as read so far, by their places, one `TagSearch`, and how far each look past markers in
     prose went (`TaggedFormat._next_open`). A stream keeps one (`scanners`, key -1)."""
 
-    def __init__(self, form: TagForm) -> None:
-        self.form = form
+    def __init__(self, form: TagForm, call_type: type = _Call) -> None:
+        self.form, self.call_type = form, call_type
         self.turns: dict[int, _Turn] = {}
         self.search = TagSearch()
         self.skips: dict[int, int] = {}
@@ -266,13 +267,15 @@ class _Reading:
     def turn(self, text: str, start: int) -> _Turn:
         turn = self.turns.get(start)
         if turn is None:
-            turn = self.turns[start] = _Turn(self.form, start)
+            turn = self.turns[start] = _Turn(self.form, start, self.call_type)
         turn.read_on(text, self.search)
         return turn
 
 
 class TaggedFormat(ToolFormat):
     """A `TagForm`'s calls: read, streamed, and written by the grammars."""
+
+    call_type: type = _Call
 
     def __init__(self, tools: list[Tool], form: TagForm) -> None:
         super().__init__(tools)
@@ -289,7 +292,7 @@ class TaggedFormat(ToolFormat):
 
     def _read(self, text: str) -> tuple[str | None, list[ToolCall], _Turn | None]:
         """`parse`, and the turn open at the reply's end (None: none is)."""
-        reading, calls, kept, last, pos = _Reading(self.form), [], [], 0, 0
+        reading, calls, kept, last, pos = self._reading(None), [], [], 0, 0
         open_turn = None
         while (found := reading.search.find(text, self.start, pos)) >= 0:
             turn = reading.turn(text, found)
@@ -299,24 +302,25 @@ class TaggedFormat(ToolFormat):
             if turn.dead or any(call.name not in self.tools for call in turn.calls):
                 pos = found + len(self.start) if turn.dead else turn.end
                 continue
-            calls += [ToolCall(call.name, self._json(call, text, reading), start=call.start) for call in turn.calls]
+            calls += [ToolCall(call.name, self._arguments(call, text, reading), start=call.start)
+                      for call in turn.calls]
             kept.append(text[last:found])
             last = pos = turn.end
         return (beside_calls("".join(kept) + text[last:]) if calls else text), calls, open_turn
 
     def parse_reply(self, text: str, cut: bool = False) -> tuple[str | None, list[ToolCall]]:
-        """`parse`; a reply max_tokens cut inside a turn ends in its calls whose names are whole and offered, of the
-        arguments closed so far (`ToolCall.cut`: the last); one whose name is not whole or not offered ends them
+        """`parse`; a reply max_tokens cut inside a turn ends in its calls a stream began (`_begun`) of functions
+        offered, of the arguments closed so far (`ToolCall.cut`: the last); one not begun or not offered ends them
         (a stream held that text back: it was never content)."""
         content, calls, open_turn = self._read(text)
         if not cut or open_turn is None:
             return content, calls
         content, calls, _ = self._read(text[:open_turn.start])
-        reading = _Reading(self.form)
+        reading = self._reading(None)
         for call in open_turn.calls:
-            if call.name not in self.tools:
+            if call.name not in self.tools or not self._begun(call):
                 break
-            calls.append(ToolCall(call.name, self._json(call, text, reading), cut=call.end is None,
+            calls.append(ToolCall(call.name, self._arguments(call, text, reading), cut=call.end is None,
                                   start=call.start))
         return (beside_calls(content or "") if calls else content), calls
 
@@ -329,11 +333,7 @@ class TaggedFormat(ToolFormat):
             for call in turn.calls:
                 if call.name is None:
                     return
-                shape = (len(call.args), call.end is not None)
-                if reading.written.get(call.start, (None,))[0] != shape:
-                    reading.written[call.start] = (shape, self._json(call, text, reading))
-                yield CallScan(name=call.name, args_start=0, args_text=reading.written[call.start][1],
-                               end=call.end, start=call.start)
+                yield self._scan(call, text, reading)
                 if call.end is None:
                     return
             if turn.end is None:
@@ -348,9 +348,9 @@ class TaggedFormat(ToolFormat):
     def _reading(self, scanners: dict[int, Any] | None) -> _Reading:
         """A stream's reading of its reply so far (its `scanners`, key -1); a fresh one without."""
         if scanners is None:
-            return _Reading(self.form)
+            return _Reading(self.form, self.call_type)
         if -1 not in scanners:
-            scanners[-1] = _Reading(self.form)
+            scanners[-1] = _Reading(self.form, self.call_type)
         return scanners[-1]
 
     def _next_open(self, text: str, pos: int, reading: _Reading) -> int:
@@ -365,7 +365,21 @@ class TaggedFormat(ToolFormat):
         reading.skips[first] = found if found >= 0 else pos
         return found
 
-    def _json(self, call: _Call, text: str, reading: _Reading) -> str:
+    @staticmethod
+    def _begun(call: Any) -> bool:
+        """Whether a stream has begun the call (its name whole and a tag after it: it has, once read so far)."""
+        return call.name is not None
+
+    def _scan(self, call: Any, text: str, reading: _Reading) -> CallScan:
+        """A stream's view of a call whose name is whole: the JSON of its arguments closed so far, made anew only
+        when one more closes."""
+        shape = (len(call.args), call.end is not None)
+        if reading.written.get(call.start, (None,))[0] != shape:
+            reading.written[call.start] = (shape, self._arguments(call, text, reading))
+        return CallScan(name=call.name, args_start=0, args_text=reading.written[call.start][1], end=call.end,
+                        start=call.start)
+
+    def _arguments(self, call: Any, text: str, reading: _Reading) -> str:
         """The JSON object of a call's closed arguments, each read as its schema says (the first of a key wins:
         what a stream sent stays a prefix of the whole), closed where the call is."""
         tool = self.tools.get(call.name or "")

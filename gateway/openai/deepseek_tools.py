@@ -1,0 +1,175 @@
+"""DeepSeek's tool calls: a turn's calls in one block of its marker tokens, each a function's name and its arguments
+as the JSON object OpenAI sends, in two forms:
+
+- **deepseek_v31** (vLLM's `deepseek_v31` parser), DeepSeek-V3.1's template:
+
+      <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>
+
+- **deepseek_v3** (vLLM's `deepseek_v3` parser), DeepSeek-V3-0324's and R1-0528's: the call's type before the
+  separator, the name on its line, the arguments in a fenced JSON block:
+
+      <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather
+      ```json
+      {"city": "Paris"}
+      ```<｜tool▁call▁end｜><｜tool▁calls▁end｜>
+
+Found by `<｜tool▁calls▁begin｜>` in the template, the fence telling the forms apart (`deepseek_format`). The turns
+are read as `gateway.openai.tagged_tools` reads MiniMax-M2's blocks, each function by `_JsonCall`: its name (one
+word), then its arguments' object, read as the reply grows (`CallScanner`: strings and nesting), which must be a
+JSON object, then its closing markers, blanks allowed between them; anything else where they belong makes the turn
+prose. A call's `arguments` are the model's own text of the object, sent in pieces as it is written (a stream
+begins the call at its `{`), as hermes' are. The grammars of forced and strict calls write the template's form, the
+arguments under each function's schema (a history's arguments, which the templates join to text with `+`, are given
+as their JSON: `gateway.openai.chat_prompt.HistoryArguments`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.openai.call_scan import CallScanner, TagSearch, loads
+from gateway.openai.reasoning import partial_tag
+from gateway.openai.tagged_tools import TaggedFormat, TagForm, _may_begin, _past_blanks, _Reading
+from gateway.openai.tool_grammar import ANY_OBJECT, literal, schema_text
+from gateway.openai.tool_specs import Tool
+from gateway.openai.tools import CallScan
+from gateway.openai.xml_tools import MAX_NAME
+
+CALLS, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+CALL, SEP, CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
+FENCE, FENCE_END = "```json", "```"   # deepseek_v3's, around the arguments
+_NOT_IN_NAMES = " \t\r\n<>{}\"`"
+
+
+def writes_deepseek_calls(template: str) -> bool:
+    """Whether a chat template writes its calls in one of DeepSeek's forms."""
+    return CALLS in template
+
+
+def deepseek_form(fenced: bool) -> TagForm:
+    """DeepSeek-V3's form (`fenced`: the type, the name on its line, the arguments in a JSON fence) or V3.1's."""
+    return TagForm("deepseek_v3" if fenced else "deepseek_v31", CALL, SEP, CALL_END, "", "", "", "",
+                   block=(CALLS, CALLS_END), line="")
+
+
+@dataclass
+class _JsonCall:
+    """One function of a DeepSeek turn as far as read (`stage`: 0 its name, 1 the fence's opening, 2 its arguments,
+    3 the fence's closing, 4 its end marker), where reading goes on, where its arguments' object begins and ends,
+    its end (None: open), and `dead`: text where a marker or the object belongs."""
+
+    form: TagForm
+    start: int
+    name: str | None = None
+    stage: int = 0
+    at: int = 0
+    args_start: int | None = None
+    args_end: int | None = None
+    end: int | None = None
+    dead: bool = False
+    scanner: CallScanner | None = None
+
+    @property
+    def fenced(self) -> bool:
+        return self.form.name == "deepseek_v3"
+
+    def read_on(self, text: str, search: TagSearch) -> None:
+        steps = (self._name, self._fence, self._arguments, self._fence_end, self._end)
+        while self.end is None and not self.dead and steps[self.stage](text):
+            self.stage += 1 if self.fenced or self.stage not in (0, 2) else 2   # V3.1 has no fence
+
+    def _name(self, text: str) -> bool:
+        """The name: after the call's type and the separator, to its line's end (deepseek_v3); up to the
+        separator (deepseek_v31)."""
+        begin = self.start + len(CALL)
+        if self.fenced:
+            kind = self._word(text, begin, SEP)
+            if kind is None:
+                return False
+            found = self._word(text, kind[1], "\n")
+        else:
+            found = self._word(text, begin, SEP)
+        if found is not None:
+            self.name, self.at = found[0], found[1]
+        return found is not None
+
+    def _word(self, text: str, begin: int, close: str) -> tuple[str, int] | None:
+        """The word from `begin` up to `close` and where `close` ends (None: not yet written, or dead)."""
+        end = text.find(close, begin, begin + MAX_NAME + len(close))
+        head = text[begin:end if end >= 0 else begin + MAX_NAME]
+        if end < 0 and begin + len(head) == len(text):   # the reply may end inside the close
+            head = head[:len(head) - partial_tag(head, close)]
+        self.dead = any(c in head for c in _NOT_IN_NAMES) or end == begin or \
+            end < 0 and len(text) >= begin + MAX_NAME + len(close)
+        return None if self.dead or end < 0 else (head, end + len(close))
+
+    def _expect(self, text: str, tag: str) -> bool:
+        """`tag` after blanks: read past it (False: not yet written, or something else is: dead)."""
+        at = self.at = _past_blanks(text, self.at)
+        if text.startswith(tag, at):
+            self.at = at + len(tag)
+            return True
+        self.dead = not _may_begin(text, at, (tag,))
+        return False
+
+    def _fence(self, text: str) -> bool:
+        return self._expect(text, FENCE)
+
+    def _arguments(self, text: str) -> bool:
+        """The arguments' object, to where it closes (dead: not an object, or not JSON)."""
+        if self.scanner is None:
+            if not self._expect(text, "{"):
+                return False
+            self.args_start = self.at - 1
+            self.scanner = CallScanner(self.args_start, ())
+        end = self.scanner.read(text).end
+        if end is None:
+            return False
+        self.dead = not isinstance(loads(text[self.args_start:end]), dict)
+        self.args_end = self.at = end
+        return not self.dead
+
+    def _fence_end(self, text: str) -> bool:
+        return self._expect(text, FENCE_END)
+
+    def _end(self, text: str) -> bool:
+        if self._expect(text, CALL_END):
+            self.end = self.at
+        return False
+
+
+class DeepseekFormat(TaggedFormat):
+    """DeepSeek's calls (the module's notes): `TaggedFormat`'s turns, each function read by `_JsonCall`."""
+
+    call_type = _JsonCall
+
+    def __init__(self, tools: list[Tool], fenced: bool) -> None:
+        super().__init__(tools, deepseek_form(fenced))
+
+    @staticmethod
+    def _begun(call: Any) -> bool:
+        """Whether a stream has begun the call: once its arguments' `{` is written."""
+        return call.args_start is not None
+
+    def _scan(self, call: Any, text: str, reading: _Reading) -> CallScan:
+        """A stream's view of a call: its arguments' text as written so far, from its `{` (none before)."""
+        return CallScan(name=call.name, args_start=call.args_start, args_end=call.args_end, end=call.end,
+                        start=call.start)
+
+    def _arguments(self, call: Any, text: str, reading: _Reading) -> str:
+        """The model's own text of a call's arguments (as far as written, where max_tokens cut it)."""
+        if call.args_start is None:
+            return ""
+        return text[call.args_start:call.args_end if call.args_end is not None else len(text)]
+
+    def body(self, functions: list[tuple[str, dict[str, Any]]]) -> str:
+        rules = ["body: " + " | ".join(f"fn{i}" for i in range(len(functions)))]
+        head, tail = ("function" + SEP, "\n" + FENCE + "\n"), "\n" + FENCE_END
+        for i, (name, schema) in enumerate(functions):
+            strict = {**(schema if schema else ANY_OBJECT), "x-guidance": {"lenient": True}}
+            rules.append(f"args{i}: %json {schema_text(strict)}")
+            if self.form.name == "deepseek_v3":
+                rules.append(f"fn{i}: {literal(head[0] + name + head[1])} args{i} {literal(tail)}")
+            else:
+                rules.append(f"fn{i}: {literal(name + SEP)} args{i}")
+        return "\n".join(rules) + "\n"
