@@ -348,7 +348,7 @@ class LlamaForCausalLM(nn.Module):
                 hf_name, tensor = dequantized(hf_name, tensor, pending, self.config.fp8_weight_block)
                 if tensor is None:
                     continue
-            name = model_tensor_name(hf_name, prefix)
+            name = model_tensor_name(hf_name, prefix, self.config.bare_text_weights)
             if name is not None:   # else the vision tower, the projector
                 yield from ((hf_name, *read) for read in self.read_tensor(hf_name, name, tensor))
         if pending:   # an FP8 weight without its scales, or scales without their weight

@@ -17,7 +17,7 @@ import torch
 
 from engine.config import ConfigError, quantizes_kv_cache_only
 from engine.fp8_weights import fp8_weight_block
-from engine.config_values import read_bool, read_float, read_int, read_object, read_token_ids
+from engine.config_values import read_bool, read_float, read_int, read_object, read_token_ids, rope_type
 from engine.model_families import LAYER_TYPES, MOE_ROUTERS, MlaShape, family_fields
 from engine.rope_config import RopeScaling
 
@@ -35,9 +35,28 @@ FOUR_NORMS = (*GEMMA_ARCHITECTURES, "Glm4ForCausalLM")   # a norm on each sublay
 # q and k normed over the whole projection
 WIDE_QK_NORM = ("Olmo2ForCausalLM", "Olmo3ForCausalLM", "MiniMaxM2ForCausalLM")
 # Multimodal checkpoints served as their text model: architecture -> (the text model's, its weights' prefix, the
-# text_config's model_type where it names one: another family's text model is refused by that key)
+# text_config's model_type where it names one: another family's text model is refused by that key). Qwen's VL models
+# rotate by MRoPE, whose three position ids (time, height, width) are one and the same on text: the text model's rope
+# (`rope_type: mrope` read as the default, `mrope_section` ignored); Qwen2-VL's and Qwen2.5-VL's hub checkpoints keep
+# the text model at `model.` and the vision tower at `visual.` (the layout before transformers 5's), and their
+# config.json the text model's keys at the top
 TEXT_MODELS = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "language_model.", "gemma3_text"),
-               "Mistral3ForConditionalGeneration": ("MistralForCausalLM", "language_model.", "mistral")}
+               "Mistral3ForConditionalGeneration": ("MistralForCausalLM", "language_model.", "mistral"),
+               "Qwen2VLForConditionalGeneration": ("Qwen2ForCausalLM", "language_model.", "qwen2_vl_text"),
+               "Qwen2_5_VLForConditionalGeneration": ("Qwen2ForCausalLM", "language_model.", "qwen2_5_vl_text"),
+               "Qwen3VLForConditionalGeneration": ("Qwen3ForCausalLM", "language_model.", "qwen3_vl_text")}
+# transformers' text config defaults of Qwen's VL models where they differ from the text architecture's here (a
+# composite checkpoint's text_config may be saved as its difference from them, as Gemma 3's)
+_QWEN2_VL_TEXT = {"vocab_size": 152_064, "hidden_size": 8192, "intermediate_size": 29_568, "num_hidden_layers": 80,
+                  "num_attention_heads": 64, "num_key_value_heads": 8, "max_position_embeddings": 32_768,
+                  "rms_norm_eps": 1e-5, "rope_theta": 1_000_000.0, "bos_token_id": 151_643, "eos_token_id": 151_645}
+TEXT_DEFAULTS = {"Qwen2VLForConditionalGeneration": _QWEN2_VL_TEXT,
+                 "Qwen2_5_VLForConditionalGeneration": _QWEN2_VL_TEXT,
+                 "Qwen3VLForConditionalGeneration": {
+                     "vocab_size": 151_936, "hidden_size": 4096, "intermediate_size": 22_016, "num_hidden_layers": 32,
+                     "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 128,
+                     "max_position_embeddings": 128_000, "rms_norm_eps": 1e-6, "rope_theta": 500_000.0}}
+FLAT_TEXT_CONFIGS = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
 # transformers' Gemma3TextConfig defaults where they differ from the keys' defaults here: a composite checkpoint's
 # text_config is saved as its difference from them (gemma-3-4b-it's names no head count, head_dim or vocabulary)
 GEMMA3_TEXT_DEFAULTS = {
@@ -134,6 +153,7 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0  # DeepSeek: the routed experts' weights' factor
     shared_expert_gated: bool = True    # Qwen2-MoE's shared expert is gated; DeepSeek's are not
     text_weights_prefix: str = ""       # a multimodal checkpoint's text model: its weights' prefix (the rest skipped)
+    bare_text_weights: bool = False     # ... or at `model.` itself, the vision tower at `visual.` (Qwen2.5-VL's)
     fp8_weight_block: tuple[int, int] | None = None   # an FP8 checkpoint's scale blocks: dequantized as read
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -365,8 +385,11 @@ class ModelConfig:
         """A multimodal checkpoint (`arch` in TEXT_MODELS) as its `text_config`'s model; errors say `text_config.`."""
         text_arch, prefix, model_type = TEXT_MODELS[arch]
         text = read_object(cfg, "text_config")
+        if text is None and arch in FLAT_TEXT_CONFIGS:   # the text model's keys at the top (its hub checkpoints')
+            text = {k: v for k, v in cfg.items() if k not in ("vision_config", "architectures", "model_type")}
         if text is None:
             raise ConfigError(f"text_config: missing from config.json ({arch} is served as its text model)")
+        text = _mrope_as_default(TEXT_DEFAULTS.get(arch, {}) | text)
         if text.get("model_type", model_type) != model_type:
             raise ConfigError(f"text_config.model_type: {arch}'s text model is served as {model_type!r} "
                               f"({text_arch}), got {text['model_type']!r}")
@@ -378,7 +401,7 @@ class ModelConfig:
             config = cls.from_hf_config({**text, **tied, "architectures": [text_arch], "eos_token_id": list(eos)})
         except ConfigError as exc:
             raise ConfigError(f"text_config.{exc}") from None
-        return replace(config, text_weights_prefix=prefix)
+        return replace(config, text_weights_prefix=prefix, bare_text_weights=arch in FLAT_TEXT_CONFIGS)
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "ModelConfig":
@@ -398,3 +421,14 @@ def _check_architecture(arch: Any) -> None:
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ConfigError(f"architectures: unsupported architecture {arch!r}; "
                           f"supported: {', '.join((*SUPPORTED_ARCHITECTURES, *TEXT_MODELS))}")
+
+
+def _mrope_as_default(text: dict[str, Any]) -> dict[str, Any]:
+    """A Qwen VL text config whose rope is `mrope` (Qwen2-VL's, Qwen2.5-VL's spelling) as the default rope, as
+    transformers reads it: on text, MRoPE's three positions are one (`TEXT_MODELS`)."""
+    out = dict(text)
+    for key in ("rope_scaling", "rope_parameters"):
+        rope = out.get(key)
+        if isinstance(rope, dict) and rope_type(rope) == "mrope":
+            out[key] = {**{k: v for k, v in rope.items() if k != "type"}, "rope_type": "default"}
+    return out

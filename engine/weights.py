@@ -154,19 +154,22 @@ def weights_bytes(folder: Path) -> int:
     return total
 
 
-def model_tensor_name(hf_name: str, text_prefix: str = "") -> str | None:
+def model_tensor_name(hf_name: str, text_prefix: str = "", bare_text: bool = False) -> str | None:
     """A checkpoint tensor's name in the model, without "model." (`text_prefix`: a multimodal checkpoint's
     text model, `ModelConfig.text_weights_prefix`, whose head transformers 5's own layout keeps at the top:
-    `lm_head.weight`); None for a tensor outside the text model."""
+    `lm_head.weight`; `bare_text`: or, the layout before it, at `model.` beside a vision tower at `visual.`,
+    `ModelConfig.bare_text_weights`); None for a tensor outside the text model."""
     name = hf_name.removeprefix("model.")
     if text_prefix and hf_name != "lm_head.weight":
+        if bare_text and hf_name.startswith("model.") and not name.startswith((text_prefix, "visual.")):
+            return name
         if not name.startswith(text_prefix):
             return None
         name = name.removeprefix(text_prefix).removeprefix("model.")
     return name
 
 
-def stores_own_head(folder: Path, tie_word_embeddings: bool, text_prefix: str = "") -> bool:
+def stores_own_head(folder: Path, tie_word_embeddings: bool, text_prefix: str = "", bare_text: bool = False) -> bool:
     """Whether a checkpoint whose config ties the head to the embedding stores an `lm_head.weight` that is
     not the embedding table: the engine serves that head (`LlamaForCausalLM._untie`, as transformers 5
     does), so the capacity plan counts it. Read from the headers, and the two tensors only when both are
@@ -177,7 +180,7 @@ def stores_own_head(folder: Path, tie_word_embeddings: bool, text_prefix: str = 
     if not tie_word_embeddings or not (folder / _INDEX_FILE).is_file() and not any(folder.glob("*.safetensors")):
         return False
     if not (folder / _SINGLE_FILE).is_file() and (folder / _INDEX_FILE).is_file():
-        shards = {model_tensor_name(name, text_prefix): folder / shard
+        shards = {model_tensor_name(name, text_prefix, bare_text): folder / shard
                   for name, shard in _weight_map(folder / _INDEX_FILE).items()}
         if "lm_head.weight" not in shards or "embed_tokens.weight" not in shards:
             return False   # no head, or the table stored as the head alone (`LlamaForCausalLM._tie_from_head`)
@@ -186,7 +189,7 @@ def stores_own_head(folder: Path, tie_word_embeddings: bool, text_prefix: str = 
     where: dict[str, tuple[Path, str]] = {}
     for path, names in _tensor_names_by_file(folder).items():
         for hf_name in names or (k for k in _read_header(path) if k != "__metadata__"):
-            name = model_tensor_name(hf_name, text_prefix)
+            name = model_tensor_name(hf_name, text_prefix, bare_text)
             if name in ("lm_head.weight", "embed_tokens.weight"):
                 where[name] = (path, hf_name)
     if len(where) < 2:

@@ -33,7 +33,7 @@ def resolve_model_configs(config: CliffguardConfig, model_config: str | None = N
         path = model_folder(p.model, key, folders)
         try:
             model = ModelConfig.from_folder(path)
-            if stores_own_head(path, model.tie_word_embeddings, model.text_weights_prefix):
+            if stores_own_head(path, model.tie_word_embeddings, model.text_weights_prefix, model.bare_text_weights):
                 model = replace(model, tie_word_embeddings=False)   # the head the engine serves: counted
         except (FileNotFoundError, ValueError) as exc:
             raise SpecError(f"{key}: {exc}") from None

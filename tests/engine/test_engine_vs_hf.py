@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 
 import pytest
 import torch
@@ -583,6 +584,74 @@ def test_a_longrope_turns_by_the_set_transformers_picks_for_what_each_pool_serve
         prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in lengths]
         outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
         assert [o.outputs[0].token_ids for o in outs] == [_hf_greedy(hf, p, 12, eos_ids=None) for p in prompts]
+
+
+def _tiny_qwen_vl(folder, builtin_path, kind: str):
+    """A tiny Qwen VL checkpoint (`kind`: qwen2_5_vl or qwen3_vl), built by transformers' own config classes and
+    model, its vision tower too, saved in transformers 5's layout, with the builtin tokenizer beside it; MRoPE's
+    sections over the heads' 8 frequency pairs. Returns transformers' model."""
+    import shutil
+
+    import transformers
+
+    text = dict(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5, initializer_range=0.2,
+                bos_token_id=1, eos_token_id=2)
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=64)
+    if kind == "qwen2_5_vl":
+        config = transformers.Qwen2_5_VLConfig(
+            text_config={**text, "rope_parameters": {"rope_type": "mrope", "mrope_section": [2, 3, 3],
+                                                     "rope_theta": 10000.0}},
+            vision_config={**vision, "fullatt_block_indexes": [0]}, initializer_range=0.2)
+    else:
+        config = transformers.Qwen3VLConfig(
+            text_config={**text, "head_dim": 16, "rope_parameters": {
+                "rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True, "rope_theta": 10000.0}},
+            vision_config={**vision, "deepstack_visual_indexes": [0]}, initializer_range=0.2)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForImageTextToText.from_config(config, dtype=torch.float32).eval()
+    model.save_pretrained(folder, max_shard_size="100KB")
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (builtin_path / name).exists():
+            shutil.copy(builtin_path / name, folder / name)
+    return model
+
+
+@pytest.mark.parametrize("kind", ["qwen2_5_vl", "qwen3_vl"])
+def test_a_qwen_vl_checkpoint_serves_its_text_model_as_transformers_runs_it_on_text(tmp_path, builtin_path, kind):
+    """Qwen2.5-VL and Qwen3-VL as their text models (Qwen2's, Qwen3's): on text MRoPE's three positions are one, so
+    the text model's rope is theirs. Greedy, token-identical to transformers' own VL model given the prompt's ids,
+    from transformers 5's layout (`model.language_model.`) and, for Qwen2.5-VL, from its hub checkpoints' (the text
+    model at `model.`, the vision tower at `visual.`, the text keys at config.json's top)."""
+    from safetensors.torch import save_file
+
+    folder = tmp_path / kind
+    hf = _tiny_qwen_vl(folder, builtin_path, kind)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (4, 23, 41)]
+    want = [_hf_greedy(hf, p, 12, eos_ids=None) for p in prompts]
+    folders = [folder]
+    if kind == "qwen2_5_vl":
+        flat = tmp_path / "hub"
+        shutil.copytree(folder, flat)
+        weights = {n.replace("model.language_model.", "model.").replace("model.visual.", "visual."): t.contiguous()
+                   for n, t in iter_weights(folder)}
+        for path in [*flat.glob("*.safetensors"), *flat.glob("*.safetensors.index.json")]:
+            path.unlink()
+        save_file(weights, str(flat / "model.safetensors"))
+        cfg = json.loads((flat / "config.json").read_text())   # the rope as the hub's configs spell it: mrope
+        text = {k: v for k, v in cfg["text_config"].items() if k != "rope_parameters"}
+        (flat / "config.json").write_text(json.dumps({
+            **{k: v for k, v in cfg.items() if k != "text_config"}, **text, "model_type": "qwen2_5_vl",
+            "rope_theta": 10000.0, "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}}))
+        folders.append(flat)
+    for path in folders:
+        engine = LLMEngine.from_args(str(path), dtype="float32", block_size=8, num_blocks=64, progress=False)
+        assert engine.model_config.architecture == ("Qwen2ForCausalLM" if kind == "qwen2_5_vl" else "Qwen3ForCausalLM")
+        text_params = sum(p.numel() for n, p in hf.named_parameters() if ".visual." not in f".{n}")
+        assert engine.model_config.num_params() == text_params
+        outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+        assert [o.outputs[0].token_ids for o in outs] == want, path
 
 
 def test_a_phi3_checkpoint_is_read_through_its_fused_tensors_and_a_wrong_one_is_named(tmp_path, builtin_path):
