@@ -44,7 +44,8 @@ TEXT_MODELS = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "language
                "Mistral3ForConditionalGeneration": ("MistralForCausalLM", "language_model.", "mistral"),
                "Qwen2VLForConditionalGeneration": ("Qwen2ForCausalLM", "language_model.", "qwen2_vl_text"),
                "Qwen2_5_VLForConditionalGeneration": ("Qwen2ForCausalLM", "language_model.", "qwen2_5_vl_text"),
-               "Qwen3VLForConditionalGeneration": ("Qwen3ForCausalLM", "language_model.", "qwen3_vl_text")}
+               "Qwen3VLForConditionalGeneration": ("Qwen3ForCausalLM", "language_model.", "qwen3_vl_text"),
+               "Qwen3VLMoeForConditionalGeneration": ("Qwen3MoeForCausalLM", "language_model.", "qwen3_vl_moe_text")}
 # transformers' text config defaults of Qwen's VL models where they differ from the text architecture's here (a
 # composite checkpoint's text_config may be saved as its difference from them, as Gemma 3's)
 _QWEN2_VL_TEXT = {"vocab_size": 152_064, "hidden_size": 8192, "intermediate_size": 29_568, "num_hidden_layers": 80,
@@ -55,7 +56,12 @@ TEXT_DEFAULTS = {"Qwen2VLForConditionalGeneration": _QWEN2_VL_TEXT,
                  "Qwen3VLForConditionalGeneration": {
                      "vocab_size": 151_936, "hidden_size": 4096, "intermediate_size": 22_016, "num_hidden_layers": 32,
                      "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 128,
-                     "max_position_embeddings": 128_000, "rms_norm_eps": 1e-6, "rope_theta": 500_000.0}}
+                     "max_position_embeddings": 128_000, "rms_norm_eps": 1e-6, "rope_theta": 500_000.0},
+                 "Qwen3VLMoeForConditionalGeneration": {   # its router always renormalises the top k
+                     "vocab_size": 151_936, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 24,
+                     "num_attention_heads": 16, "num_key_value_heads": 16, "max_position_embeddings": 128_000,
+                     "rms_norm_eps": 1e-6, "rope_theta": 500_000.0, "moe_intermediate_size": 1408,
+                     "num_experts_per_tok": 4, "num_experts": 60, "norm_topk_prob": True}}
 FLAT_TEXT_CONFIGS = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
 # transformers' Gemma3TextConfig defaults where they differ from the keys' defaults here: a composite checkpoint's
 # text_config is saved as its difference from them (gemma-3-4b-it's names no head count, head_dim or vocabulary)
@@ -154,6 +160,7 @@ class ModelConfig:
     shared_expert_gated: bool = True    # Qwen2-MoE's shared expert is gated; DeepSeek's are not
     text_weights_prefix: str = ""       # a multimodal checkpoint's text model: its weights' prefix (the rest skipped)
     bare_text_weights: bool = False     # ... or at `model.` itself, the vision tower at `visual.` (Qwen2.5-VL's)
+    stacked_experts: bool = False       # each layer's experts stacked in two tensors (Qwen3-VL-MoE's checkpoints)
     fp8_weight_block: tuple[int, int] | None = None   # an FP8 checkpoint's scale blocks: dequantized as read
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -389,7 +396,7 @@ class ModelConfig:
             text = {k: v for k, v in cfg.items() if k not in ("vision_config", "architectures", "model_type")}
         if text is None:
             raise ConfigError(f"text_config: missing from config.json ({arch} is served as its text model)")
-        text = _mrope_as_default(TEXT_DEFAULTS.get(arch, {}) | text)
+        text = TEXT_DEFAULTS.get(arch, {}) | _vl_text_keys(text)
         if text.get("model_type", model_type) != model_type:
             raise ConfigError(f"text_config.model_type: {arch}'s text model is served as {model_type!r} "
                               f"({text_arch}), got {text['model_type']!r}")
@@ -401,7 +408,8 @@ class ModelConfig:
             config = cls.from_hf_config({**text, **tied, "architectures": [text_arch], "eos_token_id": list(eos)})
         except ConfigError as exc:
             raise ConfigError(f"text_config.{exc}") from None
-        return replace(config, text_weights_prefix=prefix, bare_text_weights=arch in FLAT_TEXT_CONFIGS)
+        return replace(config, text_weights_prefix=prefix, bare_text_weights=arch in FLAT_TEXT_CONFIGS,
+                       stacked_experts=arch == "Qwen3VLMoeForConditionalGeneration")
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "ModelConfig":
@@ -423,10 +431,13 @@ def _check_architecture(arch: Any) -> None:
                           f"supported: {', '.join((*SUPPORTED_ARCHITECTURES, *TEXT_MODELS))}")
 
 
-def _mrope_as_default(text: dict[str, Any]) -> dict[str, Any]:
-    """A Qwen VL text config whose rope is `mrope` (Qwen2-VL's, Qwen2.5-VL's spelling) as the default rope, as
-    transformers reads it: on text, MRoPE's three positions are one (`TEXT_MODELS`)."""
+def _vl_text_keys(text: dict[str, Any]) -> dict[str, Any]:
+    """A Qwen VL text config as its text model reads it: a rope of type `mrope` (Qwen2-VL's, Qwen2.5-VL's spelling)
+    the default rope, as transformers reads it (on text, MRoPE's three positions are one: `TEXT_MODELS`); Qwen3-VL-MoE's
+    `num_local_experts`, the name transformers saves its `num_experts` under, as `num_experts`."""
     out = dict(text)
+    if "num_local_experts" in out and "num_experts" not in out:
+        out["num_experts"] = out.pop("num_local_experts")
     for key in ("rope_scaling", "rope_parameters"):
         rope = out.get(key)
         if isinstance(rope, dict) and rope_type(rope) == "mrope":

@@ -121,24 +121,7 @@ class GptOssForCausalLM(Qwen3MoeForCausalLM):
             stored = base
         if stored not in _STACKED:
             raise WeightLoadError(f"{hf_name}: not a tensor of {self.config.architecture} with this config")
-        return self._per_expert(hf_name, f"{head}.mlp.experts", stored, tensor)
-
-    def _per_expert(self, hf_name: str, prefix: str, stored: str, tensor: torch.Tensor
-                    ) -> Iterable[tuple[str, torch.Tensor]]:
-        """A stacked expert tensor as each expert's, in the Qwen3-MoE names (`{prefix}.{e}.gate_proj.weight` ...):
-        the gate/up columns (or bias entries) interleaved, gate first; weights transposed to [out, in]."""
-        bias = stored.endswith("_bias")
-        if tensor.dim() != (2 if bias else 3) or tensor.shape[0] != self.config.num_experts:
-            raise WeightLoadError(f"{hf_name}: shape {tuple(tensor.shape)} is not {self.config.num_experts} "
-                                  f"experts' {'bias' if bias else 'weight'}")
-        kind = "bias" if bias else "weight"
-        for e, t in enumerate(tensor):
-            if stored.startswith("down_proj"):
-                yield f"{prefix}.{e}.down_proj.{kind}", t if bias else t.t()
-            else:
-                gate, up = t[..., 0::2], t[..., 1::2]
-                yield f"{prefix}.{e}.gate_proj.{kind}", gate if bias else gate.t()
-                yield f"{prefix}.{e}.up_proj.{kind}", up if bias else up.t()
+        return self.per_expert(hf_name, f"{head}.mlp.experts", stored, tensor, interleaved=True)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """The Llama model's loading; an MXFP4 tensor whose blocks or scales never came is named."""

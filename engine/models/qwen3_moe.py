@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from types import ModuleType
 
@@ -175,6 +175,39 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
         if self.config.is_sparse_layer(index):
             layer.mlp = self.moe_block(self.config, self.shard, self.comm, ops)
         return layer
+
+    def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
+        """A Qwen3-VL-MoE checkpoint's stacked experts (`ModelConfig.stacked_experts`: each layer's
+        `mlp.experts.gate_up_proj` [experts, hidden, 2 x inter], gate then up, and `down_proj` [experts, inter,
+        hidden], as its hub checkpoints store them; transposed, as transformers 5 saves its own) as each expert's;
+        anything else as it is."""
+        head, sep, stored = name.partition(".mlp.experts.")
+        if not (self.config.stacked_experts and sep and stored in ("gate_up_proj", "down_proj")):
+            return ((name, tensor),)
+        hidden, inter = self.config.hidden_size, self.config.moe_intermediate_size
+        ours = (2 * inter, hidden) if stored == "gate_up_proj" else (hidden, inter)   # transformers' own, [out, in]
+        if tensor.dim() == 3 and tuple(tensor.shape[1:]) == ours and ours[0] != ours[1]:
+            tensor = tensor.transpose(1, 2)   # as transformers 5 saves it: [in, out] as the hub's checkpoints store it
+        return self.per_expert(hf_name, f"{head}.mlp.experts", stored, tensor, interleaved=False)
+
+    def per_expert(self, hf_name: str, prefix: str, stored: str, tensor: torch.Tensor, interleaved: bool
+                   ) -> Iterable[tuple[str, torch.Tensor]]:
+        """A stacked expert tensor as each expert's, in the Qwen3-MoE names (`{prefix}.{e}.gate_proj.weight` ...):
+        the gate/up columns (or bias entries) `interleaved`, gate first (GPT-OSS's), or in halves, gate first
+        (Qwen3-VL-MoE's); weights transposed to [out, in]."""
+        bias = stored.endswith("_bias")
+        if tensor.dim() != (2 if bias else 3) or tensor.shape[0] != self.config.num_experts:
+            raise WeightLoadError(f"{hf_name}: shape {tuple(tensor.shape)} is not {self.config.num_experts} "
+                                  f"experts' {'bias' if bias else 'weight'}")
+        kind = "bias" if bias else "weight"
+        for e, t in enumerate(tensor):
+            if stored.startswith("down_proj"):
+                yield f"{prefix}.{e}.down_proj.{kind}", t if bias else t.t()
+            else:
+                half = t.shape[-1] // 2
+                gate, up = (t[..., 0::2], t[..., 1::2]) if interleaved else (t[..., :half], t[..., half:])
+                yield f"{prefix}.{e}.gate_proj.{kind}", gate if bias else gate.t()
+                yield f"{prefix}.{e}.up_proj.{kind}", up if bias else up.t()
 
     def _destination(self, name: str, hf_name: str) -> tuple[str, Callable[[torch.Tensor], torch.Tensor]]:
         if ".mlp.shared_expert." in name:   # Qwen2-MoE's: gate and up into its fused rows, as a dense MLP's
