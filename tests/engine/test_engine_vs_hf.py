@@ -587,9 +587,9 @@ def test_a_longrope_turns_by_the_set_transformers_picks_for_what_each_pool_serve
 
 
 def _tiny_qwen_vl(folder, builtin_path, kind: str):
-    """A tiny Qwen VL checkpoint (`kind`: qwen2_5_vl, qwen3_vl or qwen3_vl_moe), built by transformers' own config classes and
-    model, its vision tower too, saved in transformers 5's layout, with the builtin tokenizer beside it; MRoPE's
-    sections over the heads' 8 frequency pairs. Returns transformers' model."""
+    """A tiny Qwen VL checkpoint (`kind`: qwen2_5_vl, qwen3_vl or qwen3_vl_moe), built by transformers' own config
+    classes and model, its vision tower too, saved in transformers 5's layout, with the builtin tokenizer beside
+    it; MRoPE's sections over the heads' 8 frequency pairs. Returns transformers' model."""
     import shutil
 
     import transformers
@@ -605,8 +605,8 @@ def _tiny_qwen_vl(folder, builtin_path, kind: str):
             vision_config={**vision, "fullatt_block_indexes": [0]}, initializer_range=0.2)
     elif kind == "qwen3_vl_moe":   # 8 experts of 24, 2 a token; its experts stored stacked
         config = transformers.Qwen3VLMoeConfig(
-            text_config={**text, "head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 24,
-                         "tie_word_embeddings": False, "rope_parameters": {
+            text_config={**text, "head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2,
+                         "moe_intermediate_size": 24, "tie_word_embeddings": False, "rope_parameters": {
                              "rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True,
                              "rope_theta": 10000.0}},
             vision_config={**vision, "deepstack_visual_indexes": [0]}, initializer_range=0.2, tie_word_embeddings=False)
@@ -627,10 +627,11 @@ def _tiny_qwen_vl(folder, builtin_path, kind: str):
 @pytest.mark.parametrize("kind", ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
 def test_a_qwen_vl_checkpoint_serves_its_text_model_as_transformers_runs_it_on_text(tmp_path, builtin_path, kind):
     """Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE as their text models (Qwen2's, Qwen3's, Qwen3-MoE's, its experts read
-    from the stacked tensors it stores): on text MRoPE's three positions are one, so the text model's rope is theirs. Greedy, token-identical to transformers' own VL model given the prompt's ids,
-    from transformers 5's layout (`model.language_model.`) and from the hub checkpoints' (Qwen2.5-VL's: the text
-    model at `model.`, the vision tower at `visual.`, the text keys at config.json's top; Qwen3-VL-MoE's: each
-    stacked expert tensor [experts, in, out])."""
+    from the stacked tensors it stores): on text MRoPE's three positions are one, so the text model's rope is
+    theirs. Greedy, token-identical to transformers' own VL model given the prompt's ids, from transformers 5's
+    layout (`model.language_model.`) and from the hub checkpoints' (Qwen2.5-VL's: the text model at `model.`, the
+    vision tower at `visual.`, the text keys at config.json's top; Qwen3-VL-MoE's: each stacked expert tensor
+    [experts, in, out])."""
     from safetensors.torch import save_file
 
     folder = tmp_path / kind
@@ -653,7 +654,7 @@ def test_a_qwen_vl_checkpoint_serves_its_text_model_as_transformers_runs_it_on_t
             **{k: v for k, v in cfg.items() if k != "text_config"}, **text, "model_type": "qwen2_5_vl",
             "rope_theta": 10000.0, "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}}))
         folders.append(flat)
-    if kind == "qwen3_vl_moe":   # its hub checkpoints' experts: [experts, in, out], where transformers 5 saves [out, in]
+    if kind == "qwen3_vl_moe":   # the hub checkpoints' experts [experts, in, out]; transformers 5 saves [out, in]
         hub = tmp_path / "hub"
         shutil.copytree(folder, hub)
         weights = {n: (t.transpose(1, 2) if ".mlp.experts." in n else t).contiguous() for n, t in iter_weights(folder)}
