@@ -25,8 +25,8 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
                            "Qwen3MoeForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", "GraniteForCausalLM",
                            "Olmo2ForCausalLM", "SmolLM3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
                            "GptOssForCausalLM", "Qwen2MoeForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM",
-                           "Ernie4_5ForCausalLM", "Glm4ForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
-                           "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM", "Olmo3ForCausalLM")
+                           "Ernie4_5ForCausalLM", "Ernie4_5_MoeForCausalLM", "Glm4ForCausalLM", "DeepseekV2ForCausalLM",
+                           "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM", "Olmo3ForCausalLM")
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")   # one LayerNorm a layer, a parallel block
 # their attention bias: q/k/v's, not o_proj's
 QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM")
@@ -84,17 +84,20 @@ DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32_768, "
                          "Olmo3ForCausalLM": 2048,
                          "SmolLM3ForCausalLM": 32_768, "GptOssForCausalLM": 131_072, "Qwen2MoeForCausalLM": 32_768,
                          "CohereForCausalLM": 8192, "Cohere2ForCausalLM": 8192, "Ernie4_5ForCausalLM": 131_072,
+                         "Ernie4_5_MoeForCausalLM": 131_072,
                          "Glm4ForCausalLM": 131_072, "DeepseekV2ForCausalLM": 2048, "DeepseekV3ForCausalLM": 4096,
                          "Glm4MoeForCausalLM": 131_072, "MiniMaxM2ForCausalLM": 196_608,
                          "Gemma2ForCausalLM": 8192, "Gemma3ForCausalLM": 131_072}
 # their rms_norm_eps, where it is not 1e-6
 DEFAULT_RMS_NORM_EPS = {"MixtralForCausalLM": 1e-5, "Phi3ForCausalLM": 1e-5, "Olmo2ForCausalLM": 1e-5,
                         "Olmo3ForCausalLM": 1e-5,
-                        "GptOssForCausalLM": 1e-5, "Ernie4_5ForCausalLM": 1e-5, "Glm4ForCausalLM": 1.5625e-7,
+                        "GptOssForCausalLM": 1e-5, "Ernie4_5ForCausalLM": 1e-5, "Ernie4_5_MoeForCausalLM": 1e-5,
+                        "Glm4ForCausalLM": 1.5625e-7,
                         "Glm4MoeForCausalLM": 1e-5}
 DEFAULT_KV_HEADS = {"Qwen2ForCausalLM": 32, "MistralForCausalLM": 8, "Qwen3ForCausalLM": 32, "Qwen3MoeForCausalLM": 4,
                     "MixtralForCausalLM": 8, "SmolLM3ForCausalLM": 4, "GptOssForCausalLM": 8,
-                    "Qwen2MoeForCausalLM": 16, "Ernie4_5ForCausalLM": 2, "Glm4ForCausalLM": 2, "Glm4MoeForCausalLM": 8,
+                    "Qwen2MoeForCausalLM": 16, "Ernie4_5ForCausalLM": 2, "Ernie4_5_MoeForCausalLM": 4,
+                    "Glm4ForCausalLM": 2, "Glm4MoeForCausalLM": 8,
                     "MiniMaxM2ForCausalLM": 8}
 # their head_dim where config.json names none (else hidden_size / num_attention_heads)
 DEFAULT_HEAD_DIM = {"Qwen3ForCausalLM": 128, "GptOssForCausalLM": 64, "Ernie4_5ForCausalLM": 128,
@@ -102,6 +105,7 @@ DEFAULT_HEAD_DIM = {"Qwen3ForCausalLM": 128, "GptOssForCausalLM": 64, "Ernie4_5F
 # their rope_theta where config.json names none (else 10,000)
 DEFAULT_ROPE_THETA = {"MixtralForCausalLM": 1_000_000.0, "SmolLM3ForCausalLM": 2_000_000.0,
                       "GptOssForCausalLM": 150_000.0, "Ernie4_5ForCausalLM": 500_000.0,
+                      "Ernie4_5_MoeForCausalLM": 500_000.0,
                       "MiniMaxM2ForCausalLM": 5_000_000.0}
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 @dataclass(frozen=True)
@@ -285,10 +289,11 @@ class ModelConfig:
 
     @property
     def num_float32_params(self) -> int:
-        """Parameters held in float32 whatever the model's dtype: DeepSeek's routers (weight, V3's correction bias)."""
-        if self.moe_router not in ("deepseek_v2", "deepseek_v3"):
+        """Parameters held in float32 whatever the model's dtype: DeepSeek's and ERNIE 4.5's routers (weight, the
+        correction bias of V3's and ERNIE's)."""
+        if self.moe_router not in ("deepseek_v2", "deepseek_v3", "ernie4_5"):
             return 0
-        per_layer = self.num_experts * (self.hidden_size + (self.moe_router == "deepseek_v3"))
+        per_layer = self.num_experts * (self.hidden_size + (self.moe_router != "deepseek_v2"))
         return per_layer * sum(self.is_sparse_layer(layer) for layer in range(self.num_layers))
 
     def num_params(self) -> int:
@@ -313,7 +318,7 @@ class ModelConfig:
             experts += self.num_experts * (2 * moe_i + h + 1)
         if self.shared_expert_intermediate_size:   # Qwen2-MoE: the shared expert and its gate (DeepSeek: ungated)
             experts += 3 * h * shared_i + (h if self.shared_expert_gated else 0)
-        if self.moe_router in ("deepseek_v3", "minimax_m2"):   # the router's correction bias (a buffer in transformers)
+        if self.moe_router in ("deepseek_v3", "minimax_m2", "ernie4_5"):   # the router's correction bias
             experts += self.num_experts
         norms = 4 if self.architecture in FOUR_NORMS else 2   # Gemma, GLM-4: on the sublayers' outputs too
         norms = 1 if self.architecture in COHERE_ARCHITECTURES else norms   # Cohere: one before both sublayers

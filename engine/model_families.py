@@ -19,7 +19,8 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 # how a sparse layer picks its experts: a softmax's top k (Qwen, Mixtral, GPT-OSS), DeepSeek V2's softmax within the
 # groups of the best expert scores, DeepSeek V3's sigmoid (plus a correction bias) within the groups of the best
 # top-2 sums
-MOE_ROUTERS = ("softmax", "deepseek_v2", "deepseek_v3", "minimax_m2")   # MiniMax-M2's: V3's, in the model's dtype
+# MiniMax-M2's: V3's, in the model's dtype; ERNIE 4.5's: the softmax's top k after a correction bias
+MOE_ROUTERS = ("softmax", "deepseek_v2", "deepseek_v3", "minimax_m2", "ernie4_5")
 DEEPSEEK_TOPK_METHODS = {"DeepseekV2ForCausalLM": ("greedy", "group_limited_greedy"),
                          "DeepseekV3ForCausalLM": ("noaux_tc",)}
 
@@ -88,6 +89,8 @@ def family_fields(cfg: dict[str, Any], arch: str, num_layers: int) -> dict[str, 
         return glm4_moe_fields(cfg)
     if arch == "MiniMaxM2ForCausalLM":
         return minimax_m2_fields(cfg)
+    if arch == "Ernie4_5_MoeForCausalLM":
+        return ernie4_5_moe_fields(cfg, num_layers)
     if arch == "Ernie4_5ForCausalLM":   # Ernie4_5Config: one switch for every projection's bias, a tied head
         bias = read_bool(cfg, "use_bias", False)
         return {"attention_bias": bias, "mlp_bias": bias, "tie_word_embeddings": read_bool(cfg, "tie_word_embeddings",
@@ -398,6 +401,27 @@ def minimax_m2_fields(cfg: dict[str, Any]) -> dict[str, Any]:
             "num_experts_per_tok": read_int(cfg, "num_experts_per_tok", 8),
             "moe_intermediate_size": read_int(cfg, "intermediate_size", 1536), "norm_topk_prob": True,
             "moe_router": "minimax_m2", "moe_float_weights": True}
+
+
+def ernie4_5_moe_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """ERNIE 4.5's MoE fields (transformers' `Ernie4_5_MoeConfig` names and defaults): `moe_num_experts` (64) of
+    `moe_intermediate_size` (1536), `moe_k` (6) a token by the softmax's top k after each expert's correction bias
+    (weighed without it, renormalised), beside `moe_num_shared_experts` (2) every token takes, ungated; layer i's
+    MLP the experts where i + 1 is a multiple of `moe_layer_interval` and i lies from `moe_layer_start_index` to
+    `moe_layer_end_index` (-1: the last layer). Its released checkpoints have no biases: `use_bias` is refused."""
+    _check_silu(cfg, "ERNIE 4.5")
+    if read_bool(cfg, "use_bias", False):
+        raise ConfigError("use_bias: ERNIE 4.5's MoE models are served without biases (as its checkpoints), got true")
+    experts, moe_i = read_int(cfg, "moe_num_experts", 64), read_int(cfg, "moe_intermediate_size", 1536)
+    start, interval = read_int(cfg, "moe_layer_start_index", 1, minimum=0), read_int(cfg, "moe_layer_interval", 1)
+    end = read_int(cfg, "moe_layer_end_index", -1, minimum=-1)
+    end = num_layers - 1 if end == -1 else end
+    sparse = [i for i in range(num_layers) if (i + 1) % interval == 0 and start <= i <= end]
+    return {"num_experts": experts, "num_experts_per_tok": read_int(cfg, "moe_k", 6), "moe_intermediate_size": moe_i,
+            "norm_topk_prob": True, "moe_router": "ernie4_5",
+            "mlp_only_layers": tuple(i for i in range(num_layers) if i not in sparse),
+            "shared_expert_intermediate_size": moe_i * read_int(cfg, "moe_num_shared_experts", 2, minimum=0),
+            "shared_expert_gated": False, "tie_word_embeddings": read_bool(cfg, "tie_word_embeddings", True)}
 
 
 def _grouped_experts(cfg: dict[str, Any], defaults: dict[str, Any], router: str, grouped: bool) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from engine.layers import RotaryEmbedding
 from engine.model import LlamaForCausalLM
 from engine.models.cohere import CohereForCausalLM
 from engine.models.deepseek import DeepseekForCausalLM
-from engine.models.ernie import Ernie45ForCausalLM
+from engine.models.ernie import Ernie45ForCausalLM, Ernie45MoeForCausalLM
 from engine.models.gemma3 import Gemma3ForCausalLM
 from engine.models.glm4 import Glm4ForCausalLM, Glm4MoeForCausalLM
 from engine.models.gpt_oss import GptOssForCausalLM
@@ -57,6 +57,7 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "CohereForCausalLM": CohereForCausalLM,
                                                 "Cohere2ForCausalLM": CohereForCausalLM,   # its full layers NoPE
                                                 "Ernie4_5ForCausalLM": Ernie45ForCausalLM,
+                                                "Ernie4_5_MoeForCausalLM": Ernie45MoeForCausalLM,
                                                 "Glm4ForCausalLM": Glm4ForCausalLM,
                                                 "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
                                                 "MiniMaxM2ForCausalLM": MiniMaxM2ForCausalLM,

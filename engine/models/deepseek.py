@@ -123,7 +123,7 @@ class DeepseekRouter(nn.Module):
         self.float32_parameters = config.moe_router != "minimax_m2"
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
         self.e_score_correction_bias = nn.Parameter(torch.empty(config.num_experts)) \
-            if config.moe_router in ("deepseek_v3", "minimax_m2") else None
+            if config.moe_router in ("deepseek_v3", "minimax_m2", "ernie4_5") else None
 
 
 class DeepseekMoeBlock(SparseMoeBlock):
@@ -133,17 +133,18 @@ class DeepseekMoeBlock(SparseMoeBlock):
         super().__init__(config, shard, comm, ops)
         self.gate = DeepseekRouter(config)
         self.sigmoid = config.moe_router in ("deepseek_v3", "minimax_m2")
+        self.biased = self.sigmoid or config.moe_router == "ernie4_5"   # ERNIE 4.5's: on the softmax's scores
         self.num_groups, self.topk_group = config.moe_groups
         self.routed_scaling_factor = config.routed_scaling_factor
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [num_tokens, hidden] -> (weights [num_tokens, top_k] float32, experts [num_tokens, top_k]), as
         transformers' DeepseekV2TopkRouter / DeepseekV3TopkRouter (MiniMaxM2TopKRouter: its logits in the model's
-        dtype) pick and weigh them."""
+        dtype; Ernie4_5_MoeTopKRouter: the softmax's, picked after the correction bias) pick and weigh them."""
         weight = self.gate.weight                                               # [num_experts, hidden]
         logits = F.linear(x.float(), weight) if self.gate.float32_parameters else F.linear(x, weight).float()
         scores = logits.sigmoid() if self.sigmoid else logits.softmax(dim=-1)
-        choice = scores + self.gate.e_score_correction_bias if self.sigmoid else scores
+        choice = scores + self.gate.e_score_correction_bias if self.biased else scores
         if self.num_groups > 1:
             grouped = choice.view(-1, self.num_groups, self.num_experts // self.num_groups)
             group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1) if self.sigmoid else grouped.max(dim=-1).values

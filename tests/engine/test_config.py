@@ -1152,3 +1152,27 @@ def test_olmo3_reads_each_layer_types_rope_as_transformers_does():
     per_type["rope_parameters"] = {"full_attention": {**card["rope_scaling"], "rope_theta": 500000.0},
                                    "sliding_attention": {"rope_type": "default", "rope_theta": 500000.0}}
     assert ModelConfig.from_hf_config(per_type) == cfg
+
+
+def test_ernie4_5_moe_as_its_model_card_writes_it_and_its_sparse_layers_as_transformers_reads_them():
+    """ERNIE-4.5-21B-A3B's config: 21.8 B parameters (transformers' own model's count, the routers' correction biases
+    with them), 64 experts of 1536, 6 a token, two shared, every layer past the first sparse; the sparse layers as
+    transformers' decoder layers pick them (an interval and an end); biases refused by key."""
+    transformers = pytest.importorskip("transformers")
+    card = {"architectures": ["Ernie4_5_MoeForCausalLM"], "vocab_size": 103424, "hidden_size": 2560,
+            "intermediate_size": 12288, "num_hidden_layers": 28, "num_attention_heads": 20, "num_key_value_heads": 4,
+            "max_position_embeddings": 131072, "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "use_bias": False,
+            "tie_word_embeddings": True, "moe_num_experts": 64, "moe_k": 6, "moe_intermediate_size": 1536,
+            "moe_num_shared_experts": 2, "moe_layer_start_index": 1, "moe_layer_interval": 1}
+    for change in ({}, {"moe_layer_interval": 2, "moe_layer_end_index": 20, "num_hidden_layers": 24}):
+        config = {**card, **change}
+        ours = ModelConfig.from_hf_config(config)
+        theirs = transformers.Ernie4_5_MoeConfig(**{k: v for k, v in config.items() if k != "architectures"})
+        with torch.device("meta"):
+            hf = transformers.AutoModelForCausalLM.from_config(theirs)
+        assert ours.num_params() == sum(p.numel() for p in hf.parameters())
+        assert [ours.is_sparse_layer(i) for i in range(ours.num_layers)] == [
+            type(layer.mlp).__name__.endswith("SparseMoeBlock") for layer in hf.model.layers]
+    assert ModelConfig.from_hf_config(card).num_params() == 21_825_437_888
+    with pytest.raises(ConfigError, match=r"^use_bias: ERNIE 4.5's MoE models are served without biases"):
+        ModelConfig.from_hf_config({**card, "use_bias": True})

@@ -198,6 +198,10 @@ TINY_MODELS = [
     # MiniMax-M2: q/k normed over the whole projection, a quarter of each head rotated, V3's picks without groups
     ("minimax_m2", dict(intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, head_dim=16, rotary_dim=4,
                         num_hidden_layers=3)),
+    # ERNIE 4.5's MoE: 8 experts of 32, 2 a token by the softmax's top k after the correction bias, one shared expert
+    # of 32, layer 0 dense; its interleaved rotary
+    ("ernie4_5_moe", dict(moe_num_experts=8, moe_k=2, moe_intermediate_size=32, moe_num_shared_experts=1,
+                          num_hidden_layers=3)),
 ]
 # Every architecture on the default CPU linears; the other linears on one dense and one MoE model (the
 # linears do not depend on the architecture around them).
