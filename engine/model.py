@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.fp8_weights import SCALE_SUFFIX, dequantize_fp8_blocks
-from engine.model_config import QKV_BIAS_ONLY, ModelConfig
+from engine.model_config import ModelConfig
 from engine.layers import GeluTanhAndMul, HeadRMSNorm, RMSNorm, RopeRows, RotaryEmbedding, SiluAndMul
 from engine.parallel import Collectives, ShardShape
 from engine.weights import model_tensor_name
@@ -57,9 +57,7 @@ class Attention(nn.Module):
         self.q_size = shard.num_heads * config.head_dim
         self.kv_size = shard.num_kv_heads * config.head_dim
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        # Llama's attention_bias covers o_proj too; Qwen2 and Qwen2-MoE bias q/k/v only.
-        o_bias = config.attention_bias and config.architecture not in QKV_BIAS_ONLY
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
         self.q_norm = head_norm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = head_norm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.rotary_emb = rotary_emb

@@ -26,7 +26,8 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
                            "Olmo2ForCausalLM", "SmolLM3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
                            "GptOssForCausalLM", "Qwen2MoeForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM",
                            "Ernie4_5ForCausalLM", "Ernie4_5_MoeForCausalLM", "Glm4ForCausalLM", "DeepseekV2ForCausalLM",
-                           "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM", "Olmo3ForCausalLM")
+                           "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM", "Olmo3ForCausalLM",
+                           "SeedOssForCausalLM")
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")   # one LayerNorm a layer, a parallel block
 # their attention bias: q/k/v's, not o_proj's
 QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM")
@@ -84,7 +85,7 @@ DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32_768, "
                          "Olmo3ForCausalLM": 2048,
                          "SmolLM3ForCausalLM": 32_768, "GptOssForCausalLM": 131_072, "Qwen2MoeForCausalLM": 32_768,
                          "CohereForCausalLM": 8192, "Cohere2ForCausalLM": 8192, "Ernie4_5ForCausalLM": 131_072,
-                         "Ernie4_5_MoeForCausalLM": 131_072,
+                         "Ernie4_5_MoeForCausalLM": 131_072, "SeedOssForCausalLM": 524_288,
                          "Glm4ForCausalLM": 131_072, "DeepseekV2ForCausalLM": 2048, "DeepseekV3ForCausalLM": 4096,
                          "Glm4MoeForCausalLM": 131_072, "MiniMaxM2ForCausalLM": 196_608,
                          "Gemma2ForCausalLM": 8192, "Gemma3ForCausalLM": 131_072}
@@ -97,11 +98,11 @@ DEFAULT_RMS_NORM_EPS = {"MixtralForCausalLM": 1e-5, "Phi3ForCausalLM": 1e-5, "Ol
 DEFAULT_KV_HEADS = {"Qwen2ForCausalLM": 32, "MistralForCausalLM": 8, "Qwen3ForCausalLM": 32, "Qwen3MoeForCausalLM": 4,
                     "MixtralForCausalLM": 8, "SmolLM3ForCausalLM": 4, "GptOssForCausalLM": 8,
                     "Qwen2MoeForCausalLM": 16, "Ernie4_5ForCausalLM": 2, "Ernie4_5_MoeForCausalLM": 4,
-                    "Glm4ForCausalLM": 2, "Glm4MoeForCausalLM": 8,
+                    "Glm4ForCausalLM": 2, "Glm4MoeForCausalLM": 8, "SeedOssForCausalLM": 8,
                     "MiniMaxM2ForCausalLM": 8}
 # their head_dim where config.json names none (else hidden_size / num_attention_heads)
 DEFAULT_HEAD_DIM = {"Qwen3ForCausalLM": 128, "GptOssForCausalLM": 64, "Ernie4_5ForCausalLM": 128,
-                    "Glm4ForCausalLM": 128, "MiniMaxM2ForCausalLM": 128}
+                    "Glm4ForCausalLM": 128, "MiniMaxM2ForCausalLM": 128, "SeedOssForCausalLM": 128}
 # their rope_theta where config.json names none (else 10,000)
 DEFAULT_ROPE_THETA = {"MixtralForCausalLM": 1_000_000.0, "SmolLM3ForCausalLM": 2_000_000.0,
                       "GptOssForCausalLM": 150_000.0, "Ernie4_5ForCausalLM": 500_000.0,
@@ -129,6 +130,7 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     attention_bias: bool = False        # q/k/v projections carry a bias (Qwen2: always)
+    attention_out_bias: bool | None = None   # Seed-OSS: o_proj's apart from q/k/v's (None: `o_proj_bias`'s rule)
     mlp_bias: bool = False
     sliding_window: int | None = None   # Mistral: keys older than this many positions are not attended
     qk_norm: bool = False               # Qwen3, Gemma 3, Command R+: each q and k head normed before rotary
@@ -288,6 +290,14 @@ class ModelConfig:
         return (2 if gemma else 1) * self.context_length * dims * dtype.itemsize
 
     @property
+    def o_proj_bias(self) -> bool:
+        """Whether o_proj carries a bias: Llama's `attention_bias` covers it, Qwen2's and GLM's q/k/v alone;
+        Seed-OSS says apart (`attention_out_bias`)."""
+        if self.attention_out_bias is not None:
+            return self.attention_out_bias
+        return self.attention_bias and self.architecture not in QKV_BIAS_ONLY
+
+    @property
     def num_float32_params(self) -> int:
         """Parameters held in float32 whatever the model's dtype: DeepSeek's and ERNIE 4.5's routers (weight, the
         correction bias of V3's and ERNIE's)."""
@@ -308,8 +318,7 @@ class ModelConfig:
         h, d = self.hidden_size, self.head_dim
         q, kv = heads * d, kv_heads * d
         attn = h * (q + 2 * kv) + q * h
-        if self.attention_bias:   # q/k/v; o_proj too except in Qwen2 (engine.model.Attention)
-            attn += q + 2 * kv + (h if self.architecture not in QKV_BIAS_ONLY else 0)
+        attn += (q + 2 * kv if self.attention_bias else 0) + (h if self.o_proj_bias else 0)
         if self.mla is not None:
             attn = self.mla.num_params(h, heads, self.attention_bias)
         mlp = 3 * h * i + (2 * i + h if self.mlp_bias else 0)

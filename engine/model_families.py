@@ -89,6 +89,9 @@ def family_fields(cfg: dict[str, Any], arch: str, num_layers: int) -> dict[str, 
         return glm4_moe_fields(cfg)
     if arch == "MiniMaxM2ForCausalLM":
         return minimax_m2_fields(cfg)
+    if arch == "SeedOssForCausalLM":   # SeedOssConfig: q/k/v biased by default, o_proj by its own switch
+        return {"attention_bias": read_bool(cfg, "attention_bias", True),
+                "attention_out_bias": read_bool(cfg, "attention_out_bias", False)}
     if arch == "Ernie4_5_MoeForCausalLM":
         return ernie4_5_moe_fields(cfg, num_layers)
     if arch == "Ernie4_5ForCausalLM":   # Ernie4_5Config: one switch for every projection's bias, a tied head

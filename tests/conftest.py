@@ -104,7 +104,7 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
            "gpt_oss": transformers.GptOssConfig, "qwen2_moe": transformers.Qwen2MoeConfig,
            "cohere": transformers.CohereConfig, "cohere2": transformers.Cohere2Config,
            "ernie4_5": transformers.Ernie4_5Config, "glm4": transformers.Glm4Config,
-           "ernie4_5_moe": transformers.Ernie4_5_MoeConfig,
+           "ernie4_5_moe": transformers.Ernie4_5_MoeConfig, "seed_oss": transformers.SeedOssConfig,
            "deepseek_v2": transformers.DeepseekV2Config, "deepseek_v3": transformers.DeepseekV3Config,
            "glm4_moe": transformers.Glm4MoeConfig, "minimax_m2": transformers.MiniMaxM2Config,
            "olmo3": transformers.Olmo3Config}[arch]
@@ -112,7 +112,7 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # transformers starts the biases at zero, which would hide one read wrong; sinks near it
-    if arch in ("gpt_oss", "deepseek_v3", "glm4_moe", "ernie4_5_moe"):
+    if arch in ("gpt_oss", "deepseek_v3", "glm4_moe", "ernie4_5_moe", "seed_oss"):
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if name.endswith(("bias", "sinks")):

@@ -58,6 +58,7 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "Cohere2ForCausalLM": CohereForCausalLM,   # its full layers NoPE
                                                 "Ernie4_5ForCausalLM": Ernie45ForCausalLM,
                                                 "Ernie4_5_MoeForCausalLM": Ernie45MoeForCausalLM,
+                                                "SeedOssForCausalLM": LlamaForCausalLM,
                                                 "Glm4ForCausalLM": Glm4ForCausalLM,
                                                 "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
                                                 "MiniMaxM2ForCausalLM": MiniMaxM2ForCausalLM,

@@ -1176,3 +1176,23 @@ def test_ernie4_5_moe_as_its_model_card_writes_it_and_its_sparse_layers_as_trans
     assert ModelConfig.from_hf_config(card).num_params() == 21_825_437_888
     with pytest.raises(ConfigError, match=r"^use_bias: ERNIE 4.5's MoE models are served without biases"):
         ModelConfig.from_hf_config({**card, "use_bias": True})
+
+
+def test_seed_oss_as_its_model_card_writes_it_and_its_biases_as_transformers_reads_them():
+    """Seed-OSS-36B's config: 36.2 B parameters (transformers' own model's count), 80 heads of 128 over a hidden size
+    of 5120, q/k/v biased and o_proj not; keys left out read as SeedOssConfig reads them."""
+    transformers = pytest.importorskip("transformers")
+    card = {"architectures": ["SeedOssForCausalLM"], "vocab_size": 155136, "hidden_size": 5120,
+            "intermediate_size": 27648, "num_hidden_layers": 64, "num_attention_heads": 80, "num_key_value_heads": 8,
+            "head_dim": 128, "max_position_embeddings": 524288, "rope_theta": 10000000.0, "rms_norm_eps": 1e-6,
+            "attention_bias": True, "attention_out_bias": False, "mlp_bias": False, "tie_word_embeddings": False}
+    for config in (card, {k: card[k] for k in ("architectures", "vocab_size", "hidden_size", "intermediate_size",
+                                               "num_hidden_layers", "num_attention_heads")}):
+        ours = ModelConfig.from_hf_config(config)
+        theirs = transformers.SeedOssConfig(**{k: v for k, v in config.items() if k != "architectures"})
+        with torch.device("meta"):
+            hf = transformers.AutoModelForCausalLM.from_config(theirs)
+        assert ours.num_params() == sum(p.numel() for p in hf.parameters())
+        assert (ours.head_dim, ours.num_kv_heads, ours.attention_bias, ours.o_proj_bias) == (
+            theirs.head_dim, theirs.num_key_value_heads, theirs.attention_bias, theirs.attention_out_bias)
+    assert ModelConfig.from_hf_config(card).num_params() == 36_151_104_512

@@ -202,6 +202,9 @@ TINY_MODELS = [
     # of 32, layer 0 dense; its interleaved rotary
     ("ernie4_5_moe", dict(moe_num_experts=8, moe_k=2, moe_intermediate_size=32, moe_num_shared_experts=1,
                           num_hidden_layers=3)),
+    # Seed-OSS: heads wider than hidden / heads, q/k/v biases, o_proj's by its own switch (off, then on)
+    ("seed_oss", dict(head_dim=32, pad_token_id=0)),
+    ("seed_oss", dict(head_dim=16, attention_out_bias=True, pad_token_id=0)),
 ]
 # Every architecture on the default CPU linears; the other linears on one dense and one MoE model (the
 # linears do not depend on the architecture around them).
