@@ -18,7 +18,10 @@
       </invoke>
       </minimax:tool_call>
 
-  found by `<invoke name="` beside `<minimax:tool_call>` (`writes_minimax_calls`).
+  found by `<invoke name="` beside `<minimax:tool_call>` (`writes_minimax_calls`);
+- **seed_oss** (vLLM's `seed_oss` parser), Seed-OSS's template, each call in a block of its own, Qwen3-Coder's tags
+  with each value up to its closing tag (`<seed:tool_call>`, `<function=NAME>`, `<parameter=KEY>VALUE</parameter>`,
+  `</function>`, `</seed:tool_call>`), found by `<function=` beside `<seed:tool_call>` (`writes_seed_calls`).
 
 **Reading** (`_Call.read_on`, `_Turn.read_on`, one pass: a stream's call is read on from where its last look
 stopped, and each tag is searched for once, `TagSearch`, so a delta costs what it adds). A name is GLM's one word on
@@ -93,11 +96,18 @@ def glm_form(compact: bool = False) -> TagForm:
 
 MINIMAX_FORM = TagForm("minimax_m2", '<invoke name="', '">', "</invoke>", '<parameter name="', '">', "",
                        "</parameter>", block=("<minimax:tool_call>", "</minimax:tool_call>"))
+SEED_FORM = TagForm("seed_oss", "<function=", ">", "</function>", "<parameter=", ">", "", "</parameter>",
+                    block=("<seed:tool_call>", "</seed:tool_call>"))
 
 
 def writes_glm_calls(template: str) -> bool:
     """Whether a chat template writes its calls in GLM's form (`<tool_call>` and `<arg_key>`)."""
     return "<arg_key>" in template and "<tool_call>" in template
+
+
+def writes_seed_calls(template: str) -> bool:
+    """Whether a chat template writes its calls in Seed-OSS's form (`<function=` in its `<seed:tool_call>` block)."""
+    return "<function=" in template and "<seed:tool_call>" in template
 
 
 def writes_minimax_calls(template: str) -> bool:
@@ -284,8 +294,9 @@ class TaggedFormat(ToolFormat):
         self.syntax = CallSyntax(f"{block[0]}{line}{form.function}" if block else form.function,
                                  f"{form.function_end}{line}{block[1]}" if block else form.function_end, line,
                                  "arguments", rf"/(?s:.)*/ & ~/(?s:.)*{form.opener}(?s:.)*/")
+        excluded = '"<\\n' + (form.key_close[:1] if form.key_close[:1] not in '"<' else "")   # a name ends at its close
         self._tags = ArgumentTags(form.key, form.key_close + (line + form.value if form.value else ""),
-                                  form.value_end + line, '"<\\n', self._carried, self._reads_back)
+                                  form.value_end + line, excluded, self._carried, self._reads_back)
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         return self._read(text)[:2]

@@ -1,12 +1,13 @@
 """Which tool-call format a pool's chat template writes: `tool_format` of a template's source, `format_for` of a
 pool's tokenizer. The formats: `gateway.openai.tools` (hermes, llama3_json), `gateway.openai.xml_tools`
-(qwen3_xml), `gateway.openai.tagged_tools` (glm45, minimax_m2) and `gateway.openai.deepseek_tools` (deepseek_v3,
-deepseek_v31)."""
+(qwen3_xml), `gateway.openai.tagged_tools` (glm45, minimax_m2, seed_oss) and `gateway.openai.deepseek_tools`
+(deepseek_v3, deepseek_v31)."""
 
 from __future__ import annotations
 
 from gateway.openai.deepseek_tools import FENCE, DeepseekFormat, writes_deepseek_calls
-from gateway.openai.tagged_tools import MINIMAX_FORM, TaggedFormat, glm_form, writes_glm_calls, writes_minimax_calls
+from gateway.openai.tagged_tools import (MINIMAX_FORM, SEED_FORM, TaggedFormat, glm_form, writes_glm_calls,
+                                        writes_minimax_calls, writes_seed_calls)
 from gateway.openai.tool_specs import Tool
 from gateway.openai.tools import HermesFormat, Llama3JsonFormat, ToolFormat
 from gateway.openai.xml_tools import XmlFormat, writes_xml_calls
@@ -18,6 +19,8 @@ def tool_format(template: str, tools: list[Tool]) -> ToolFormat:
         return TaggedFormat(tools, glm_form(compact="\n<arg_key>" not in template))
     if writes_minimax_calls(template):
         return TaggedFormat(tools, MINIMAX_FORM)
+    if writes_seed_calls(template):   # before the XML form: its functions' tags are Qwen3-Coder's
+        return TaggedFormat(tools, SEED_FORM)
     if writes_deepseek_calls(template):
         return DeepseekFormat(tools, fenced=FENCE in template)
     if writes_xml_calls(template):

@@ -1,4 +1,4 @@
-"""The tool-call formats of arguments in tags (`glm45`: GLM-4.5's, GLM-4.6's, GLM-4.7's; `minimax_m2`: MiniMax-M2's):
+"""The tool-call formats of arguments in tags (`glm45`: GLM-4.5's to GLM-4.7's; `minimax_m2`: MiniMax-M2's; `seed_oss`):
 found from the template, their calls read with each argument as its schema's type (what the template writes for a
 history's call reads back as that call), the text before them content, a stream that sends the text as it comes and
 each call as its arguments close, a reply max_tokens cut inside a call, and the grammars of forced and strict calls,
@@ -47,7 +47,15 @@ MINIMAX_TEMPLATE = (
     "{%- for k, v in tc.arguments.items() %}{{- '<parameter name=\"' + k + '\">' }}"
     "{{- v | tojson(ensure_ascii=False) if v is not string else v }}{{- '</parameter>\\n' }}{%- endfor %}"
     "{{- '</invoke>\\n' }}{%- endfor %}{{- '</minimax:tool_call>' }}{%- endif %}{%- endfor %}")
-TEMPLATES = {"glm45": CALLS_TEMPLATE, "glm47": COMPACT_TEMPLATE, "minimax_m2": MINIMAX_TEMPLATE}
+# how Seed-OSS's template writes them: each call a block of Qwen3-Coder's tags, each value up to its closing tag
+SEED_TEMPLATE = (
+    "{%- for m in messages %}{%- for tc in m.tool_calls %}"
+    "{{- '<seed:tool_call>\\n<function=' + tc.function.name + '>\\n' }}"
+    "{%- for k, v in tc.function.arguments.items() %}{{- '<parameter=' + k + '>' }}"
+    "{{- v | tojson(ensure_ascii=False) if v is not string else v }}{{- '</parameter>\\n' }}{%- endfor %}"
+    "{{- '</function>\\n</seed:tool_call>' }}{%- endfor %}{%- endfor %}")
+TEMPLATES = {"glm45": CALLS_TEMPLATE, "glm47": COMPACT_TEMPLATE, "minimax_m2": MINIMAX_TEMPLATE,
+             "seed_oss": SEED_TEMPLATE}
 
 
 def _calls(template: str, *calls: tuple[str, dict]) -> str:
@@ -83,12 +91,17 @@ def test_a_template_that_writes_tagged_arguments_takes_its_form_and_others_keep_
     assert _calls(MINIMAX_TEMPLATE, ("search", {"query": "q"}), ("search", {"limit": 2})) == \
         '<minimax:tool_call>\n<invoke name="search">\n<parameter name="query">q</parameter>\n</invoke>\n' \
         '<invoke name="search">\n<parameter name="limit">2</parameter>\n</invoke>\n</minimax:tool_call>'
+    assert _calls(SEED_TEMPLATE, ("search", {"query": "q"})) == \
+        "<seed:tool_call>\n<function=search>\n<parameter=query>q</parameter>\n</function>\n</seed:tool_call>"
+    assert isinstance(tool_format(SEED_TEMPLATE, tools), TaggedFormat)   # not Qwen3-Coder's, whose tags it has
 
 
 LOOSE = {   # blanks around the tags, as models write them at times (vLLM's parsers read them too); a key stripped
     "<tool_call>": "<tool_call> search \n\n<arg_key> query </arg_key>  <arg_value>q</arg_value>\n\n</tool_call>",
     "<minimax:tool_call>": '<minimax:tool_call>  <invoke name="search">\n\n<parameter name=" query ">q</parameter>'
-                           '</invoke>\n\n</minimax:tool_call>'}
+                           '</invoke>\n\n</minimax:tool_call>',
+    "<seed:tool_call>": "<seed:tool_call>  <function=search>\n\n<parameter= query >q</parameter></function>\n\n"
+                        "</seed:tool_call>"}
 
 
 def test_the_calls_a_template_writes_read_back_as_those_calls_each_argument_its_type(form):
@@ -119,7 +132,12 @@ NOT_CALLS = {
         "Wrap calls in <minimax:tool_call> tags.", '<minimax:tool_call>\n<invoke name="a b"></invoke>',
         '<minimax:tool_call></minimax:tool_call>', '<invoke name="search"></invoke>',   # no call, no block
         '<minimax:tool_call><invoke name="search">\nlike this</invoke></minimax:tool_call>',
-        '<minimax:tool_call><invoke name="search"><parameter name="query">q</parameter></invoke>']}
+        '<minimax:tool_call><invoke name="search"><parameter name="query">q</parameter></invoke>'],
+    "<seed:tool_call>": [
+        "<seed:tool_call>\n<function=nope>\n</function>\n</seed:tool_call>", "Wrap calls in <seed:tool_call> tags.",
+        "<seed:tool_call>\n<function=search>\nlike this</function>\n</seed:tool_call>",
+        "<seed:tool_call>\n<function=search>\n<parameter=query>q</parameter>\n</function>\n",   # never closed
+        "<function=search>\n</function>"]}                                                 # no block
 
 
 def test_what_is_not_a_call_of_an_offered_function_stays_content(form):
@@ -185,7 +203,8 @@ def test_a_marker_in_prose_holds_back_no_text_after_it_in_a_stream(form):
     prose_markers_stream(fmt, f"Put a call in a {fmt.start} tag, then go on.\n", f"{fmt.start} ok.\n")
 
 
-OTHER = {CALLS_TEMPLATE: COMPACT_TEMPLATE, COMPACT_TEMPLATE: CALLS_TEMPLATE, MINIMAX_TEMPLATE: CALLS_TEMPLATE}
+OTHER = {CALLS_TEMPLATE: COMPACT_TEMPLATE, COMPACT_TEMPLATE: CALLS_TEMPLATE, MINIMAX_TEMPLATE: CALLS_TEMPLATE,
+         SEED_TEMPLATE: MINIMAX_TEMPLATE}
 
 
 def test_the_grammars_write_the_form_a_strict_functions_arguments_under_its_schema(form, lltokenizer):
