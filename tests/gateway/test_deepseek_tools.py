@@ -12,15 +12,15 @@ import json
 import pytest
 
 from engine.chat_template import render
-from engine.structured import check
 from gateway.openai.chat_prompt import native_messages
 from gateway.openai.deepseek_tools import CALLS, DeepseekFormat
 from gateway.openai.tool_formats import tool_format
 from gateway.openai.tool_specs import parse_tools
-from gateway.openai.tools import HermesFormat, ToolCallStream
-from tests.gateway.conftest import accepts
+from gateway.openai.tools import HermesFormat
+from tests.gateway.test_tagged_tools import check_form_grammars
 from tests.gateway.test_tools import prose_markers_stream
-from tests.gateway.test_xml_tools import SEARCH, WEATHER, forced_call_over_http, streamed_arguments
+from tests.gateway.test_xml_tools import (SEARCH, WEATHER, forced_call_over_http, streamed_arguments,
+                                          streamed_by_character)
 
 # how DeepSeek's templates write a history's calls: the arguments joined to the text with `+`, as the JSON text
 # OpenAI sends (V3.1's; V3-0324's and R1-0528's with the type, the name on its line and a JSON fence)
@@ -105,18 +105,9 @@ def test_a_stream_sends_the_text_then_each_calls_arguments_as_written_adding_up_
     text = "Checking." + _calls(template, ("get_weather", {"city": "Rome }\\\"", "days": 1}),
                                 ("search", {"query": "a", "limit": 2}))
     text = text[:text.rindex('"limit"') + 4] if cut else text
-    stream, sent, args, names = ToolCallStream(fmt, forced=False), "", {}, {}
-    for end in range(1, len(text) + 1):
-        sent += stream.content_delta(text[:end])
-        for entry in stream.call_deltas(text[:end]):
-            if "id" in entry:
-                names[entry["index"]] = entry["function"]["name"]
-            args[entry["index"]] = args.get(entry["index"], "") + entry["function"]["arguments"]
-    rest, entries, count = stream.finish(text, cut=cut)
-    for entry in entries:
-        args[entry["index"]] = args.get(entry["index"], "") + entry["function"]["arguments"]
+    sent, args, names, count = streamed_by_character(fmt, text, cut)
     content, calls = fmt.parse_reply(text, cut=cut)
-    assert sent + rest == content == "Checking." and count == len(calls) == 2
+    assert sent == content == "Checking." and count == len(calls) == 2
     assert names == {0: "get_weather", 1: "search"} and [args[0], args[1]] == [c.arguments for c in calls]
     assert [c.cut for c in calls] == [False, cut] and args[1] == ('{"query": "a", "lim' if cut else
                                                                    '{"query": "a", "limit": 2}')
@@ -131,24 +122,9 @@ def test_a_reply_cut_before_a_calls_arguments_drops_it_and_a_marker_in_prose_hol
 
 def test_the_grammars_write_the_form_a_strict_functions_arguments_under_its_schema(form, lltokenizer):
     fmt, template = form
-    tools = parse_tools([WEATHER, SEARCH])
-    forced, auto = fmt.grammar(tools, True), fmt.auto_grammar(tools, True)
-    for grammar in (forced, auto):
-        check(grammar)
-    good = _calls(template, ("get_weather", {"city": "New York", "days": 2, "unit": "f"}))
-    search = _calls(template, ("search", {"query": "anything", "other": "any"}))
-    for text in (good, search, good + search):
-        assert accepts(lltokenizer, forced, text) and accepts(lltokenizer, auto, text), text
-        assert fmt.parse(text)[1], text
-    for bad in ({"city": "Paris"}, {"city": "Paris", "days": "two"}, {"city": "Paris", "days": 1, "extra": 1}):
-        assert not accepts(lltokenizer, forced, _calls(template, ("get_weather", bad))), bad
-    for text in ("", "Sunny.", "Let me check." + good):
-        assert accepts(lltokenizer, auto, text) and not accepts(lltokenizer, forced, text), text
-    assert not accepts(lltokenizer, fmt.grammar(tools, False), good + search)
-    assert not accepts(lltokenizer, auto, f"a {CALLS} b")
-    other = _calls(TEMPLATES["deepseek_v3" if fmt.name == "deepseek_v31" else "deepseek_v31"],
-                   ("get_weather", {"city": "Paris", "days": 0}))
-    assert not accepts(lltokenizer, forced, other)   # the grammar writes its own template's form
+    other = TEMPLATES["deepseek_v3" if fmt.name == "deepseek_v31" else "deepseek_v31"]
+    check_form_grammars(fmt, lambda *calls: _calls(template, *calls), lltokenizer,
+                        _calls(other, ("get_weather", {"city": "Paris", "days": 0})))
 
 
 POOL_TEMPLATE = (

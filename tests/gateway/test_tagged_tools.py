@@ -16,11 +16,12 @@ from engine.structured import check
 from gateway.openai.tagged_tools import TaggedFormat
 from gateway.openai.tool_formats import tool_format
 from gateway.openai.tool_specs import parse_tools
-from gateway.openai.tools import HermesFormat, ToolCallStream
+from gateway.openai.tools import HermesFormat
 from gateway.openai.xml_tools import XmlFormat
 from tests.gateway.conftest import accepts
 from tests.gateway.test_tools import prose_markers_stream
-from tests.gateway.test_xml_tools import SEARCH, WEATHER, forced_call_over_http, streamed_arguments
+from tests.gateway.test_xml_tools import (SEARCH, WEATHER, forced_call_over_http, streamed_arguments,
+                                          streamed_by_character)
 
 # how GLM-4.5's template writes a history's calls (GLM-4.7's: the same without the newlines around the tags); HF's
 # template options (trim_blocks, lstrip_blocks) drop the newline after each block tag
@@ -157,20 +158,13 @@ def test_a_stream_sends_the_text_then_each_call_as_its_arguments_close_adding_up
     value = f"{fmt.form.value}a{fmt.form.value_end}"
     text = text.replace(value, value + _argument(fmt, "query", "b"))
     text = text[:text.rindex("2" + fmt.form.value_end) + 1] if cut else text
-    stream, sent, args, names = ToolCallStream(fmt, forced=False), "", {}, {}
-    for end in range(1, len(text) + 1):
-        sent += stream.content_delta(text[:end])
-        for entry in stream.call_deltas(text[:end]):
-            if "id" in entry:
-                names[entry["index"]] = entry["function"]["name"]
-            args[entry["index"]] = args.get(entry["index"], "") + entry["function"]["arguments"]
+    def each(end: int, args: dict[int, str]) -> None:
         if end == text.index(f"{fmt.form.key}days"):
             assert args == {0: '{"city": "Rome </arg_key> <arg_value>"'}           # the first argument, whole
-    rest, entries, count = stream.finish(text, cut=cut)
-    for entry in entries:
-        args[entry["index"]] = args.get(entry["index"], "") + entry["function"]["arguments"]
+
+    sent, args, names, count = streamed_by_character(fmt, text, cut, each)
     content, calls = fmt.parse_reply(text, cut=cut)
-    assert sent + rest == content == "Checking." and count == len(calls) == 2
+    assert sent == content == "Checking." and count == len(calls) == 2
     assert names == {0: "get_weather", 1: "search"} and [args[0], args[1]] == [c.arguments for c in calls]
     assert [c.cut for c in calls] == [False, cut]
     assert json.loads(args[1] + ("}" if cut else "")) == ({"query": "a"} if cut else {"query": "a", "limit": 2})
@@ -209,25 +203,31 @@ OTHER = {CALLS_TEMPLATE: COMPACT_TEMPLATE, COMPACT_TEMPLATE: CALLS_TEMPLATE, MIN
 
 def test_the_grammars_write_the_form_a_strict_functions_arguments_under_its_schema(form, lltokenizer):
     fmt, template = form
+    check_form_grammars(fmt, lambda *calls: _calls(template, *calls), lltokenizer,
+                        _calls(OTHER[template], ("get_weather", {"city": "Paris", "days": 0})))
+
+
+def check_form_grammars(fmt, render, lltokenizer, other: str) -> None:
+    """The grammars of forced and strict calls on a format (`render`: a turn of calls as its template writes it)
+    take the calls of offered functions, a strict one's arguments under its schema and any name beside the others';
+    `auto` takes text, or text and then calls, forced neither; `other`, a call in another form, is refused."""
     tools = parse_tools([WEATHER, SEARCH])
     forced, auto = fmt.grammar(tools, True), fmt.auto_grammar(tools, True)
     for grammar in (forced, auto):
         check(grammar)
-    good = _calls(template, ("get_weather", {"city": "New\nYork </arg_key>", "days": 2, "unit": "f",
-                                             "where": {"a": [1]}}))
-    search = _calls(template, ("search", {"query": "anything", "other": "any name"}))
-    joined = good + fmt.form.line + search
-    for text in (good, _calls(template, ("get_weather", {"city": "Paris", "days": 0})), search, joined):
+    good = render(("get_weather", {"city": "New\nYork </arg_key>", "days": 2, "unit": "f", "where": {"a": [1]}}))
+    search = render(("search", {"query": "anything", "other": "any name"}))
+    joined = good + fmt.syntax.separator + search
+    for text in (good, render(("get_weather", {"city": "Paris", "days": 0})), search, joined):
         assert accepts(lltokenizer, forced, text) and accepts(lltokenizer, auto, text), text
         assert fmt.parse(text)[1], text
     for bad in ({"city": "Paris"}, {"city": "Paris", "days": "two"}, {"city": "Paris", "days": 1, "unit": "k"},
                 {"days": 1, "city": "Paris"}, {"city": "Paris", "days": 1, "extra": 1}):
-        assert not accepts(lltokenizer, forced, _calls(template, ("get_weather", bad))), bad
+        assert not accepts(lltokenizer, forced, render(("get_weather", bad))), bad
     for text in ("", "Sunny.", "Let me check.\n" + good):        # text, or text and then calls, under auto only
         assert accepts(lltokenizer, auto, text) and not accepts(lltokenizer, forced, text), text
     assert not accepts(lltokenizer, fmt.grammar(tools, False), joined)
     assert not accepts(lltokenizer, auto, f"a {fmt.start} b")
-    other = _calls(OTHER[template], ("get_weather", {"city": "Paris", "days": 0}))
     assert not accepts(lltokenizer, forced, other)   # the grammar writes its own template's form
 
 

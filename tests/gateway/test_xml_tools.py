@@ -155,6 +155,23 @@ def test_a_stream_sends_the_text_then_each_call_as_its_arguments_close_adding_up
                                 ("search", {"query": "a</parameter>", "limit": 2}))
     text = text.replace("a</parameter>\n</parameter>\n", "a</parameter><parameter=query>\nb\n</parameter>\n")
     text = text[:text.rindex("\n</parameter>") - 1] if cut else text
+    def each(end: int, args: dict[int, str]) -> None:
+        assert all("Rome</parameter> x" in a or "city" not in a for a in args.values())
+        if end == text.index('<parameter=days>'):
+            assert args == {0: '{"city": "Rome</parameter> x"'}                    # the first argument, whole
+
+    sent, args, names, count = streamed_by_character(fmt, text, bool(cut), each)
+    content, calls = fmt.parse_reply(text, cut=bool(cut))
+    assert sent == content == "Checking." and count == len(calls) == 2 and names == {0: "get_weather", 1: "search"}
+    assert [args[0], args[1]] == [c.arguments for c in calls]
+    # the second call's query closed by a closing tag without its newline, a tag after it (split across deltas)
+    assert json.loads(args[1]) == ({"query": "a"} if cut else {"query": "a", "limit": 2})
+
+
+def streamed_by_character(fmt, text: str, cut: bool, each=None) -> tuple[str, dict[int, str], dict[int, str], int]:
+    """`text` streamed one character at a time through a `ToolCallStream`, then finished (`cut`: by max_tokens):
+    (the content it sent, each call's arguments as sent and its name, by index, the calls it counted); `each(end,
+    args)` sees the arguments so far after each delta."""
     stream, sent, args, names = ToolCallStream(fmt, forced=False), "", {}, {}
     for end in range(1, len(text) + 1):
         sent += stream.content_delta(text[:end])
@@ -162,18 +179,12 @@ def test_a_stream_sends_the_text_then_each_call_as_its_arguments_close_adding_up
             if "id" in entry:
                 names[entry["index"]] = entry["function"]["name"]
             args[entry["index"]] = args.get(entry["index"], "") + entry["function"]["arguments"]
-            assert "Rome</parameter> x" in args[entry["index"]] or "city" not in args[entry["index"]]
-        if end == text.index('<parameter=days>'):
-            assert args == {0: '{"city": "Rome</parameter> x"'}                    # the first argument, whole
-    rest, entries, count = stream.finish(text, cut=bool(cut))
+        if each is not None:
+            each(end, args)
+    rest, entries, count = stream.finish(text, cut=cut)
     for entry in entries:
         args[entry["index"]] = args.get(entry["index"], "") + entry["function"]["arguments"]
-    content, calls = fmt.parse_reply(text, cut=bool(cut))
-    assert sent + rest == content == "Checking." and count == len(calls) == 2 and names == {0: "get_weather",
-                                                                                            1: "search"}
-    assert [args[0], args[1]] == [c.arguments for c in calls]
-    # the second call's query closed by a closing tag without its newline, a tag after it (split across deltas)
-    assert json.loads(args[1]) == ({"query": "a"} if cut else {"query": "a", "limit": 2})
+    return sent + rest, args, names, count
 
 
 def test_a_reply_cut_inside_a_call_ends_in_that_call_as_far_as_its_arguments_are_whole(fmt):
