@@ -240,9 +240,15 @@ def phi3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         if rope and rope_type(rope) in ("su", "yarn"):
             raise ConfigError(f"{key}.rope_type: Phi-3 reads {rope_type(rope)!r} as 'longrope' (its factors' "
                               "meaning): write rope_type 'longrope' to serve it")
+    return {"sliding_window": read_int(cfg, "sliding_window", None),
+            "partial_rotary_factor": _partial_rotary_factor(cfg, 1.0)}
+
+
+def _partial_rotary_factor(cfg: dict[str, Any], default: float) -> float:
+    """The share of each head the rotary turns, as Phi-3's and GLM's config classes read it: the rope's parameters'
+    `partial_rotary_factor` (`rope_parameters`, else `rope_scaling`), else the top level's, else `default`."""
     rope = read_object(cfg, "rope_parameters") or read_object(cfg, "rope_scaling") or {}
-    factor = read_float(rope, "partial_rotary_factor", read_float(cfg, "partial_rotary_factor", 1.0))
-    return {"sliding_window": read_int(cfg, "sliding_window", None), "partial_rotary_factor": factor}
+    return read_float(rope, "partial_rotary_factor", read_float(cfg, "partial_rotary_factor", default))
 
 
 def granite_fields(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -324,9 +330,8 @@ def glm4_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     """GLM-4's fields (transformers' `Glm4Config` names and defaults): half of each head rotated
     (`partial_rotary_factor`, at the top level or in the rope's parameters; 0.5 by default), q/k/v biases
     (`attention_bias`, on by default)."""
-    rope = read_object(cfg, "rope_parameters") or read_object(cfg, "rope_scaling") or {}
-    factor = read_float(rope, "partial_rotary_factor", read_float(cfg, "partial_rotary_factor", 0.5))
-    return {"partial_rotary_factor": factor, "attention_bias": read_bool(cfg, "attention_bias", True)}
+    return {"partial_rotary_factor": _partial_rotary_factor(cfg, 0.5),
+            "attention_bias": read_bool(cfg, "attention_bias", True)}
 
 
 def deepseek_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
@@ -372,8 +377,7 @@ def glm4_moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     DeepSeek V3's experts (`_grouped_experts`: 128 of 1408, 8 a token from one group, renormalised, the first layer
     dense, one shared expert)."""
     _check_silu(cfg, "GLM-4.5")
-    rope = read_object(cfg, "rope_parameters") or read_object(cfg, "rope_scaling") or {}
-    factor = read_float(rope, "partial_rotary_factor", read_float(cfg, "partial_rotary_factor", 0.5))
+    factor = _partial_rotary_factor(cfg, 0.5)
     defaults = dict(n_routed_experts=128, moe_intermediate_size=1408, num_experts_per_tok=8, n_group=1, topk_group=1,
                     norm_topk_prob=True, first_k_dense_replace=1, routed_scaling_factor=1.0, n_shared_experts=1)
     return {"partial_rotary_factor": factor, "qk_norm": read_bool(cfg, "use_qk_norm", False),
