@@ -27,7 +27,8 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     dim = config.rotary_dim   # head_dim but for a partial rotary (served with the default rope or longrope only)
     # On the CPU whatever device is the default: on the meta device the division's Python kernel would
     # import torch._dynamo (over a second of a worker's start).
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+    inv_freq = 1.0 / (config.rope_theta ** exponents)
     scaling = config.rope_scaling
     if scaling.rope_type == "linear":
         inv_freq = inv_freq / scaling.factor
@@ -47,8 +48,7 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         inv_freq = _yarn_inv_freq(config)
     elif scaling.rope_type == "longrope":   # each frequency divided by its factor of the set the engine turns by
         factors = torch.tensor(scaling.long_factor if scaling.long else scaling.short_factor, device="cpu")
-        shape = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
-        inv_freq = 1.0 / (factors * config.rope_theta ** shape)   # transformers' order of operations
+        inv_freq = 1.0 / (factors * config.rope_theta ** exponents)   # transformers' order of operations
     if dim < config.head_dim:   # the pairs past the rotary dimensions turn at frequency 0
         inv_freq = torch.cat([inv_freq, torch.zeros(config.head_dim // 2 - dim // 2, device="cpu")])
     return inv_freq
