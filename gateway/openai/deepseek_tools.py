@@ -28,12 +28,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.openai.call_scan import CallScanner, TagSearch, loads
-from gateway.openai.reasoning import partial_tag
-from gateway.openai.tagged_tools import TaggedFormat, TagForm, _may_begin, _past_blanks, _Reading
+from gateway.openai.tagged_tools import TaggedFormat, TagForm, _may_begin, _past_blanks, _Reading, word_before
 from gateway.openai.tool_grammar import ANY_OBJECT, literal, schema_text
 from gateway.openai.tool_specs import Tool
 from gateway.openai.tools import CallScan
-from gateway.openai.xml_tools import MAX_NAME
 
 CALLS, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CALL, SEP, CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
@@ -95,13 +93,8 @@ class _JsonCall:
 
     def _word(self, text: str, begin: int, close: str) -> tuple[str, int] | None:
         """The word from `begin` up to `close` and where `close` ends (None: not yet written, or dead)."""
-        end = text.find(close, begin, begin + MAX_NAME + len(close))
-        head = text[begin:end if end >= 0 else begin + MAX_NAME]
-        if end < 0 and begin + len(head) == len(text):   # the reply may end inside the close
-            head = head[:len(head) - partial_tag(head, close)]
-        self.dead = any(c in head for c in _NOT_IN_NAMES) or end == begin or \
-            end < 0 and len(text) >= begin + MAX_NAME + len(close)
-        return None if self.dead or end < 0 else (head, end + len(close))
+        self.dead, found = word_before(text, begin, close, _NOT_IN_NAMES)
+        return found
 
     def _expect(self, text: str, tag: str) -> bool:
         """`tag` after blanks: read past it (False: not yet written, or something else is: dead)."""

@@ -127,6 +127,18 @@ def _may_begin(text: str, pos: int, tags: tuple[str, ...]) -> bool:
     return pos + len(rest) == len(text) and any(tag.startswith(rest) for tag in tags)
 
 
+def word_before(text: str, begin: int, close: str, excluded: str) -> tuple[bool, tuple[str, int] | None]:
+    """The word from `begin` up to `close`, as far as the reply is written: (dead, (the word, where `close` ends), or
+    None while it is not whole). Dead: a character of `excluded` in it (the reply may end inside the close), an empty
+    word, or no close within `MAX_NAME`."""
+    end = text.find(close, begin, begin + MAX_NAME + len(close))
+    head = text[begin:end if end >= 0 else begin + MAX_NAME]
+    if end < 0 and begin + len(head) == len(text):
+        head = head[:len(head) - partial_tag(head, close)]
+    dead = any(c in head for c in excluded) or end == begin or end < 0 and len(text) >= begin + MAX_NAME + len(close)
+    return dead, None if dead or end < 0 else (head, end + len(close))
+
+
 @dataclass
 class _Call:
     """One function as far as its reply is read: its name once whole and a tag follows it, its arguments closed
@@ -195,14 +207,9 @@ class _Call:
     def _attribute(self, text: str) -> tuple[str, int] | None:
         """MiniMax's name: the attribute's text up to its close on the tag's line (dead: a blank, `<` or quote in
         it, or none within `MAX_NAME`)."""
-        begin, close = self.start + len(self.form.function), self.form.name_close or ""
-        end = text.find(close, begin, begin + MAX_NAME + len(close))
-        head = text[begin:end if end >= 0 else begin + MAX_NAME]
-        if end < 0 and begin + len(head) == len(text):   # the reply may end inside the close
-            head = head[:len(head) - partial_tag(head, close)]
-        self.dead = any(c in head for c in f'{_BLANKS}<"') or end < 0 and len(text) >= begin + MAX_NAME + len(close) \
-            or end == begin
-        return None if self.dead or end < 0 else (head, end + len(close))
+        self.dead, found = word_before(text, self.start + len(self.form.function), self.form.name_close or "",
+                                       _BLANKS + '<"')
+        return found
 
     def _key(self, text: str, at: int) -> bool:
         """Read the key at `at` and open its value (False: not written yet, or the call is dead)."""
