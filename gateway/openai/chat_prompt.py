@@ -5,20 +5,22 @@
   message; where it follows a system message at the start (the Responses API's `instructions`, then a developer
   item) the two are one system message, as templates that take a single leading system message need. A
   template that names the role gets it as sent.
-- **Tools**: a template that knows tools renders them and the calls in the history itself (the calls'
-  arguments as the JSON they hold: `native_messages`), where it writes calls in a format we parse
-  (`template_knows_tools`); for one that knows none (SmolLM2's, Gemma 3's) or writes another (Mistral's),
-  `fallback_messages` lists the tools in a system message of ours (before the first user message's text where
-  the template refuses a system message: Gemma 2's, `takes_system`), writes the history's calls in the hermes
-  form and the results as user turns (the results of one turn's calls together in one user turn, as Qwen's
-  template groups them, a user message right after them joined to that turn: templates that alternate roles,
+- **Tools**: a template that writes calls in a format we parse (`gateway.openai.tool_formats.written_format`, or
+  harmony's) renders the tools and the calls in the history itself (the calls' arguments as the JSON they hold,
+  their ids as the template takes them: `native_messages`); where it lists no tools (DeepSeek-V3.1's, whose model
+  card leaves that to the application: `lists_tools`), a system message of ours lists them and shows a call in the
+  template's own form (`with_listing`). For one that knows none (SmolLM2's, Gemma 3's) or writes another (Granite
+  3's `<|tool_call|>`), `fallback_messages` lists the tools in a system message of ours (before the first user
+  message's text where the template refuses a system message: Gemma 2's, `takes_system`), writes the history's calls
+  in the hermes form and the results as user turns (the results of one turn's calls together in one user turn, as
+  Qwen's template groups them, a user message right after them joined to that turn: templates that alternate roles,
   Gemma 3's, refuse two user turns in a row), so the model answers in the form `gateway.openai.tools.HermesFormat`
-  parses. Under `tool_choice: "none"` the tools are still listed (a reply may speak of them), with no way
-  to call them: the gateway reads no call from such a reply, so the model is told to answer in text (and a
-  grammar keeps it to text that starts no call: `gateway.completion.with_grammar`). A template whose calls are
-  bare JSON (Llama 3.1's: "respond with a JSON for a function call") gets no tools under "none": its own
-  instructions would have the reply write a call, which no grammar can keep out (a JSON reply is text too) and
-  the gateway would pass on as content (vLLM's `--exclude-tools-when-tool-choice-none`).
+  parses. Under `tool_choice: "none"` the tools are still listed (a reply may speak of them), with no way to call
+  them: the gateway reads no call from such a reply, so the model is told to answer in text (and a grammar keeps it
+  to text that starts no call: `gateway.completion.with_grammar`). A template whose calls are bare JSON (Llama
+  3.1's: "respond with a JSON for a function call") gets no tools under "none": its own instructions would have the
+  reply write a call, which no grammar can keep out (a JSON reply is text too) and the gateway would pass on as
+  content (vLLM's `--exclude-tools-when-tool-choice-none`).
 """
 
 from __future__ import annotations
@@ -26,13 +28,13 @@ from __future__ import annotations
 import itertools
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from engine.chat_template import content_text
 from gateway.openai.call_scan import loads
 from gateway.openai.harmony import template_speaks_harmony
-from gateway.openai.tool_formats import tool_format
+from gateway.openai.tool_formats import written_format
 from gateway.openai.tool_specs import Tool
 from pools.tokencount import TokenCounter
 
@@ -41,6 +43,10 @@ _SYSTEM_TOOLS = (
     "<tools>\n{tools}\n</tools>\n"
     "To call one, reply with its name and arguments as a JSON object between <tool_call> and </tool_call>:\n"
     "<tool_call>\n{{\"name\": \"<function name>\", \"arguments\": {{<the arguments>}}}}\n</tool_call>")
+_SYSTEM_TOOLS_FORM = (   # a template that writes calls in a form we read but lists no tools (DeepSeek-V3.1's)
+    "You can call functions to answer. These are the functions, as JSON schemas, between <tools> and </tools>:\n"
+    "<tools>\n{tools}\n</tools>\n"
+    "To call one, reply with its name and arguments in this form:\n{form}")
 _SYSTEM_TOOLS_NO_CALLS = (   # tool_choice "none"
     "These are the functions of this conversation, as JSON schemas, between <tools> and </tools>:\n"
     "<tools>\n{tools}\n</tools>\n"
@@ -84,14 +90,38 @@ def template_inputs(tokenizer, messages: list[dict[str, Any]], tools: list[Tool]
     messages = template_roles(messages, source)
     if tools is None and not any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
         return messages, None
-    if template_knows_tools(source):
-        listed = tools and (calls or not tool_format(source, tools).syntax.is_bare)   # module's notes
-        return native_messages(messages), [t.as_template_dict() for t in tools] if listed else None
-    return fallback_messages(messages, tools, calls, takes_system(tokenizer)), None
+    harmony, fmt = template_speaks_harmony(source), written_format(source, tools or [])
+    if fmt is None and not harmony:
+        return fallback_messages(messages, tools, calls, takes_system(tokenizer)), None
+    native = native_messages(messages, fmt.history_id if fmt is not None else None)
+    if not tools or not calls and fmt is not None and fmt.syntax.is_bare:   # module's notes
+        return native, None
+    if harmony or lists_tools(tokenizer):
+        return native, [t.as_template_dict() for t in tools]
+    return with_listing(native, tools, calls, takes_system(tokenizer), fmt.example()), None
 
 
 _TAKES_SYSTEM: dict[str, bool] = {}   # template source -> whether it renders a system message (a few pools' templates)
 _PROBE = "cliffguard-system-probe"
+
+
+_LISTS_TOOLS: dict[str, bool] = {}   # template source -> whether it lists the tools it is given
+_PROBE_TOOL = {"type": "function", "function": {"name": "cliffguard_probe_tool", "description": "probe",
+                                                "parameters": {"type": "object", "properties": {}}}}
+
+
+def lists_tools(tokenizer) -> bool:
+    """Whether the template with tools shows the model the tools it is given (DeepSeek-V3.1's writes calls and
+    results but never lists a tool: its model card asks the application to); tried once a template."""
+    source = tokenizer.chat_template_source(use_tools=True)
+    if (known := _LISTS_TOOLS.get(source)) is None:
+        try:
+            known = "cliffguard_probe_tool" in tokenizer.apply_chat_template(
+                [{"role": "user", "content": "u"}], tools=[_PROBE_TOOL], add_generation_prompt=True)
+        except Exception:  # noqa: BLE001 - whatever the template raised: the listing is ours then
+            known = False
+        _LISTS_TOOLS[source] = known
+    return known
 
 
 def takes_system(tokenizer) -> bool:
@@ -153,16 +183,6 @@ def _strings(value: Any) -> Iterator[str]:
             stack.extend(item)
 
 
-def template_knows_tools(template: str) -> bool:
-    """Whether a chat template renders tools and calls in a format `gateway.openai.tool_formats.tool_format`
-    takes: hermes' `<tool_call>` (Qwen's JSON calls in it, or Qwen3-Coder's XML form), or Llama 3's JSON calls,
-    or harmony's (GPT-OSS: its calls to `functions.NAME`, which `gateway.openai.harmony` writes in hermes' form).
-    One that writes another (Mistral's `[TOOL_CALLS]`, whose history also asks for 9-character call ids) takes
-    them the fallback's way, as one that knows none."""
-    return "<tool_call>" in template or ('"parameters"' in template and "tools" in template) or \
-        template_speaks_harmony(template)
-
-
 def template_roles(messages: list[dict[str, Any]], template: str) -> list[dict[str, Any]]:
     """`messages` with the developer role as a template that never names it takes it (the module's notes)."""
     if "developer" in template or not any(m["role"] == "developer" for m in messages):
@@ -176,16 +196,21 @@ def template_roles(messages: list[dict[str, Any]], template: str) -> list[dict[s
     return out
 
 
-def native_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def native_messages(messages: list[dict[str, Any]], history_id: Callable[[Any], Any] | None = None) \
+        -> list[dict[str, Any]]:
     """The history as HF templates with tool support take it: tool call arguments as the JSON they hold (as
-    vLLM parses them); text that is not JSON (a model's broken call, sent back) stays text, never replaced."""
+    vLLM parses them); text that is not JSON (a model's broken call, sent back) stays text, never replaced.
+    `history_id`: each call's id and each result's `tool_call_id` as the template takes them (Mistral's: 9
+    letters and digits, `gateway.openai.mistral_tools.history_id`)."""
     out = []
     for m in messages:
         if m.get("tool_calls"):
-            calls = [{"id": c["id"], "type": "function", "function": {
+            calls = [{"id": history_id(c["id"]) if history_id else c["id"], "type": "function", "function": {
                 "name": c["function"]["name"], "arguments": _value_or_text(c["function"]["arguments"])}}
                 for c in m["tool_calls"]]
             m = {**m, "tool_calls": calls}
+        elif history_id and m["role"] == "tool" and "tool_call_id" in m:
+            m = {**m, "tool_call_id": history_id(m["tool_call_id"])}
         out.append(m)
     return out
 
@@ -217,15 +242,28 @@ def fallback_messages(messages: list[dict[str, Any]], tools: list[Tool] | None, 
         else:
             out.append({**{k: v for k, v in m.items() if k not in ("tool_calls", "tool_call_id")}, "content": content})
     out = [{k: v for k, v in m.items() if k != "tool_results"} for m in out]
-    if tools:
-        listing = "\n".join(json.dumps(t.as_template_dict(), ensure_ascii=False) for t in tools)
-        system = (_SYSTEM_TOOLS if calls else _SYSTEM_TOOLS_NO_CALLS).format(tools=listing)
-        if out and out[0]["role"] in ("system", "developer"):
-            out[0] = {**out[0], "content": f"{content_text(out[0]['content'])}\n\n{system}"}
-        elif not system_role and (first := next((i for i, m in enumerate(out) if m["role"] == "user"), None)) is not None:
-            out[first] = {**out[first], "content": f"{system}\n\n{content_text(out[first]['content'])}"}
-        else:
-            out.insert(0, {"role": "system" if system_role else "user", "content": system})
+    return with_listing(out, tools, calls, system_role) if tools else out
+
+
+def with_listing(messages: list[dict[str, Any]], tools: list[Tool], calls: bool, system_role: bool,
+                 form: str | None = None) -> list[dict[str, Any]]:
+    """`messages` with a system message of ours listing `tools` (merged into a leading system message; before the
+    first user message's text where the template refuses a system message, `system_role` False): how to call them
+    in hermes' form, or in `form` (a call in the template's own form, where it writes calls but lists no tools),
+    or that none can be called (`calls` False)."""
+    out = list(messages)
+    listing = "\n".join(json.dumps(t.as_template_dict(), ensure_ascii=False) for t in tools)
+    if not calls:
+        system = _SYSTEM_TOOLS_NO_CALLS.format(tools=listing)
+    else:
+        system = _SYSTEM_TOOLS.format(tools=listing) if form is None else \
+            _SYSTEM_TOOLS_FORM.format(tools=listing, form=form)
+    if out and out[0]["role"] in ("system", "developer"):
+        out[0] = {**out[0], "content": f"{content_text(out[0]['content'])}\n\n{system}"}
+    elif not system_role and (first := next((i for i, m in enumerate(out) if m["role"] == "user"), None)) is not None:
+        out[first] = {**out[first], "content": f"{system}\n\n{content_text(out[first]['content'])}"}
+    else:
+        out.insert(0, {"role": "system" if system_role else "user", "content": system})
     return out
 
 

@@ -78,15 +78,15 @@ class _JsonCall:
 
     def _name(self, text: str) -> bool:
         """The name: after the call's type and the separator, to its line's end (deepseek_v3); up to the
-        separator (deepseek_v31)."""
-        begin = self.start + len(CALL)
+        separator (deepseek_v31, and a form of the same shape: `gateway.openai.mistral_tools`)."""
+        begin, close = self.start + len(self.form.function), self.form.name_close or ""
         if self.fenced:
-            kind = self._word(text, begin, SEP)
+            kind = self._word(text, begin, close)
             if kind is None:
                 return False
             found = self._word(text, kind[1], "\n")
         else:
-            found = self._word(text, begin, SEP)
+            found = self._word(text, begin, close)
         if found is not None:
             self.name, self.at = found[0], found[1]
         return found is not None
@@ -126,18 +126,19 @@ class _JsonCall:
         return self._expect(text, FENCE_END)
 
     def _end(self, text: str) -> bool:
-        if self._expect(text, CALL_END):
+        """Its end marker after blanks; a form without one ends with the arguments' object."""
+        if not self.form.function_end:
+            self.end = self.args_end
+        elif self._expect(text, self.form.function_end):
             self.end = self.at
         return False
 
 
-class DeepseekFormat(TaggedFormat):
-    """DeepSeek's calls (the module's notes): `TaggedFormat`'s turns, each function read by `_JsonCall`."""
+class JsonTagFormat(TaggedFormat):
+    """Calls in a `TagForm`'s markers whose arguments are one JSON object (DeepSeek's, the module's notes; Mistral's
+    `[ARGS]` form, `gateway.openai.mistral_tools`): `TaggedFormat`'s turns, each function read by `_JsonCall`."""
 
     call_type = _JsonCall
-
-    def __init__(self, tools: list[Tool], fenced: bool) -> None:
-        super().__init__(tools, deepseek_form(fenced))
 
     @staticmethod
     def _begun(call: Any) -> bool:
@@ -157,12 +158,29 @@ class DeepseekFormat(TaggedFormat):
 
     def body(self, functions: list[tuple[str, dict[str, Any]]]) -> str:
         rules = ["body: " + " | ".join(f"fn{i}" for i in range(len(functions)))]
-        head, tail = ("function" + SEP, "\n" + FENCE + "\n"), "\n" + FENCE_END
         for i, (name, schema) in enumerate(functions):
             strict = {**(schema if schema else ANY_OBJECT), "x-guidance": {"lenient": True}}
             rules.append(f"args{i}: %json {schema_text(strict)}")
-            if self.form.name == "deepseek_v3":
-                rules.append(f"fn{i}: {literal(head[0] + name + head[1])} args{i} {literal(tail)}")
-            else:
-                rules.append(f"fn{i}: {literal(name + SEP)} args{i}")
+            head, tail = self._around(name)
+            rules.append(" ".join(filter(None, (f"fn{i}:", literal(head), f"args{i}", literal(tail)))))
         return "\n".join(rules) + "\n"
+
+    def _around(self, name: str) -> tuple[str, str]:
+        """What a call of `name` writes before its arguments' object (after the opening marker) and after it."""
+        return name + (self.form.name_close or ""), ""
+
+    def example(self) -> str:
+        head, tail = self._around("<function name>")
+        return f"{self.syntax.open}{head}{{<its arguments>}}{tail}{self.syntax.close}"
+
+
+class DeepseekFormat(JsonTagFormat):
+    """DeepSeek's calls (the module's notes)."""
+
+    def __init__(self, tools: list[Tool], fenced: bool) -> None:
+        super().__init__(tools, deepseek_form(fenced))
+
+    def _around(self, name: str) -> tuple[str, str]:
+        if self.form.name == "deepseek_v3":
+            return f"function{SEP}{name}\n{FENCE}\n", f"\n{FENCE_END}"
+        return super()._around(name)

@@ -49,7 +49,7 @@ from typing import Any
 
 from gateway.openai.call_scan import TagSearch
 from gateway.openai.reasoning import partial_tag
-from gateway.openai.tool_grammar import CallSyntax, literal
+from gateway.openai.tool_grammar import CallSyntax, literal, regex_text
 from gateway.openai.tool_specs import Tool
 from gateway.openai.tools import CallScan, ToolCall, ToolFormat, beside_calls
 from gateway.openai.xml_tools import MAX_NAME, ArgumentTags, argument_rules
@@ -300,7 +300,7 @@ class TaggedFormat(ToolFormat):
         block, line = form.block, form.line
         self.syntax = CallSyntax(f"{block[0]}{line}{form.function}" if block else form.function,
                                  f"{form.function_end}{line}{block[1]}" if block else form.function_end, line,
-                                 "arguments", rf"/(?s:.)*/ & ~/(?s:.)*{form.opener}(?s:.)*/")
+                                 "arguments", rf"/(?s:.)*/ & ~/(?s:.)*{regex_text(form.opener)}(?s:.)*/")
         excluded = '"<\\n' + (form.key_close[:1] if form.key_close[:1] not in '"<' else "")   # a name ends at its close
         self._tags = ArgumentTags(form.key, form.key_close + (line + form.value if form.value else ""),
                                   form.value_end + line, excluded, self._carried, self._reads_back)
@@ -415,6 +415,13 @@ class TaggedFormat(ToolFormat):
                     f"{json.dumps(key, ensure_ascii=False)}: {json.dumps(value, ensure_ascii=False)}"
             written.append(item)
         return "{" + ", ".join(written) + ("}" if call.end is not None else "")
+
+    def example(self) -> str:
+        form = self.form
+        value = f"{form.line}{form.value}" if form.value else ""
+        argument = f"{form.key}<argument name>{form.key_close}{value}<its value>{form.value_end}"
+        return f"{self.syntax.open}<function name>{form.name_close or ''}{form.line}{argument}{form.line}" \
+               f"{self.syntax.close}"
 
     def body(self, functions: list[tuple[str, dict[str, Any]]]) -> str:
         form = self.form

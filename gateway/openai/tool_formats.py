@@ -1,11 +1,12 @@
 """Which tool-call format a pool's chat template writes: `tool_format` of a template's source, `format_for` of a
 pool's tokenizer. The formats: `gateway.openai.tools` (hermes, llama3_json), `gateway.openai.xml_tools`
-(qwen3_xml), `gateway.openai.tagged_tools` (glm45, minimax_m2, seed_oss) and `gateway.openai.deepseek_tools`
-(deepseek_v3, deepseek_v31)."""
+(qwen3_xml), `gateway.openai.tagged_tools` (glm45, minimax_m2, seed_oss), `gateway.openai.deepseek_tools`
+(deepseek_v3, deepseek_v31) and `gateway.openai.mistral_tools` (mistral, mistral_args)."""
 
 from __future__ import annotations
 
 from gateway.openai.deepseek_tools import FENCE, DeepseekFormat, writes_deepseek_calls
+from gateway.openai.mistral_tools import mistral_format, writes_mistral_calls
 from gateway.openai.tagged_tools import (MINIMAX_FORM, SEED_FORM, TaggedFormat, glm_form, writes_glm_calls,
                                         writes_minimax_calls, writes_seed_calls)
 from gateway.openai.tool_specs import Tool
@@ -14,7 +15,14 @@ from gateway.openai.xml_tools import XmlFormat, writes_xml_calls
 
 
 def tool_format(template: str, tools: list[Tool]) -> ToolFormat:
-    """The format a chat template writes tool calls in (hermes when it knows no tools: `render` asks for it)."""
+    """The format a chat template writes tool calls in (hermes when it writes none we read: `render` asks for it)."""
+    return written_format(template, tools) or HermesFormat(tools)
+
+
+def written_format(template: str, tools: list[Tool]) -> ToolFormat | None:
+    """The format a chat template writes tool calls in, where it writes one we read (None: it writes none)."""
+    if writes_mistral_calls(template):
+        return mistral_format(template, tools)
     if writes_glm_calls(template):   # before hermes and the XML form: their calls are inside `<tool_call>` too
         return TaggedFormat(tools, glm_form(compact="\n<arg_key>" not in template))
     if writes_minimax_calls(template):
@@ -29,7 +37,7 @@ def tool_format(template: str, tools: list[Tool]) -> ToolFormat:
         return HermesFormat(tools)
     if '"parameters"' in template and "tools" in template:
         return Llama3JsonFormat(tools)
-    return HermesFormat(tools)
+    return None
 
 
 def format_for(tokenizer, tools: list[Tool]) -> ToolFormat:

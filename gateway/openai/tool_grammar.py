@@ -40,19 +40,21 @@ ANY_OBJECT: dict[str, Any] = {"type": "object"}   # the arguments of a function 
 class CallSyntax:
     """How a format writes its calls, for a grammar: the literal text before and after each call's JSON
     object ("" where a call is the bare object), the text between two calls, the key of the arguments,
-    and `text`, a Lark lexeme (regex, llguidance's `&` and `~` allowed) of plain text that never starts
-    a call."""
+    `text`, a Lark lexeme (regex, llguidance's `&` and `~` allowed) of plain text that never starts
+    a call, and the text before a turn's first call and after its last (Mistral's array: `[TOOL_CALLS] [`, `]`)."""
 
     open: str
     close: str
     separator: str
     args_key: str
     text: str
+    first: str = ""
+    last: str = ""
 
     @property
     def is_bare(self) -> bool:
         """A call is a bare JSON object: a JSON reply could not be told from one."""
-        return not self.open
+        return not (self.open or self.first)
 
 
 def _call_schema(functions: Sequence[tuple[str, dict[str, Any]]], args_key: str) -> dict[str, Any]:
@@ -141,8 +143,8 @@ def auto_grammar(syntax: CallSyntax, functions: Sequence[tuple[str, dict[str, An
         if not syntax.is_bare:   # some text, then the first call's marker, then as forced
             more = f" ({literal(syntax.separator)} call)*" if parallel else ""
             choices += " | led"
-            text += (f"\nled: LEAD body {literal(syntax.close)}{more}\n"
-                     f"LEAD: (({lexeme}) & /(?s:.)+/) {literal(syntax.open)}")
+            text += (f"\nled: LEAD body {literal(syntax.close)}{more} {literal(syntax.last)}\n"
+                     f"LEAD: (({lexeme}) & /(?s:.)+/) {literal(syntax.first + syntax.open)}")
     else:
         text = f"text: %json {schema_text(_reply_schema(reply))}"
     return StructuredOutput("grammar", f"start: {head}({choices})\n{block}{text}\n"
@@ -180,7 +182,8 @@ def _calls(syntax: CallSyntax, functions: Sequence[tuple[str, dict[str, Any]]], 
            body: str | None = None) -> str:
     """The Lark rules `calls` (one call, or one or more joined by the separator), `call` and `body` (given, or
     the JSON object of a call)."""
-    calls = f"calls: call ({literal(syntax.separator)} call)*" if parallel else "calls: call"
+    calls = f"calls: {literal(syntax.first)} call ({literal(syntax.separator)} call)* {literal(syntax.last)}" \
+        if parallel else f"calls: {literal(syntax.first)} call {literal(syntax.last)}"
     call = " ".join(filter(None, (literal(syntax.open), "body", literal(syntax.close))))
     if body is None:
         # lenient: a strict tool's schema was checked as strict (`tools_from`); what is left unenforced is another's

@@ -39,11 +39,16 @@ from gateway.openai.tool_specs import Tool
 _SPACES = re.compile(r"\s*")   # what `str.lstrip` drops, matched where it starts without a copy of the rest
 
 
+def openai_call_id() -> str:
+    """A call id as OpenAI writes them."""
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 @dataclass
 class ToolCall:
     name: str
     arguments: str            # JSON text, as OpenAI sends it (a call cut by max_tokens: as far as it got)
-    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+    id: str = field(default_factory=openai_call_id)
     cut: bool = False         # max_tokens ended the reply inside it
     start: int = field(default=-1, compare=False)   # where in the reply its JSON object begins
 
@@ -77,6 +82,8 @@ class ToolFormat:
     text_before_calls = True   # prose may precede the calls (hermes); llama3_json's reply is calls or text
     parallel_calls = True      # a reply may hold several calls (`parallel_tool_calls`); llama3_json's one
     markers: tuple[str, ...] = ()   # text around the calls that `parse` needs (hermes' tags)
+    call_id = staticmethod(openai_call_id)   # the id of a call the model writes
+    history_id = staticmethod(lambda call_id: call_id)   # a history's call id as the template takes it
 
     def __init__(self, tools: list[Tool]) -> None:
         self.tools = {t.name: t for t in tools}
@@ -114,6 +121,13 @@ class ToolFormat:
         functions = [(t.name, t.parameters if t.strict else ANY_OBJECT) for t in tools]
         return auto_grammar(self.syntax, functions, parallel and self.parallel_calls, reply, think,
                             self.body(functions))
+
+    def example(self) -> str:
+        """A call in this format, placeholders for its function's name and arguments: how a system message of ours
+        asks for calls where the template writes them but lists no tools (`gateway.openai.chat_prompt`)."""
+        syntax = self.syntax
+        return (f'{syntax.first}{syntax.open}{{"name": "<function name>", "{syntax.args_key}": {{<its arguments>}}}}'
+                f'{syntax.close}{syntax.last}')
 
     def body(self, functions: list[tuple[str, dict[str, Any]]]) -> str | None:
         """The Lark rules of what a call holds (rule `body`) where that is no JSON object; None: it is one."""
@@ -391,7 +405,7 @@ class ToolCallStream:
             if k == len(self.calls):
                 if not start or scan.name not in self.fmt.tools or scan.args_start is None:
                     break        # its name or its arguments' start not written yet (or it names no tool offered)
-                call = _StreamedCall(f"call_{uuid.uuid4().hex[:24]}", scan.name, scan.start)
+                call = _StreamedCall(self.fmt.call_id(), scan.name, scan.start)
                 self.calls.append(call)
                 out[k] = {"index": k, "id": call.id, "type": "function",
                           "function": {"name": call.name, "arguments": ""}}

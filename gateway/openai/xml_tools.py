@@ -249,6 +249,10 @@ class XmlFormat(ToolFormat):
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         return self._read(text)[:2]
 
+    def example(self) -> str:
+        return f"{START}\n{FUNCTION}<function name>>\n{PARAMETER}<argument name>>\n<its value>\n{PARAMETER_END}\n" \
+               f"{FUNCTION_END}\n{END}"
+
     def _read(self, text: str) -> tuple[str | None, list[ToolCall], int | None]:
         """`parse`, and where the call open at the reply's end begins (None: none is)."""
         reader, calls, kept, last, pos, open_at = _Reader(text), [], [], 0, 0, None

@@ -9,6 +9,7 @@ The model folders are the tiny model's files (linked) with another chat template
 from __future__ import annotations
 
 import functools
+import re
 import json
 import os
 import threading
@@ -270,19 +271,48 @@ def test_parallel_calls_and_their_results_for_a_template_without_tools_that_alte
 
 MISTRAL_LIKE = (   # Mistral v0.3's way with tools: [AVAILABLE_TOOLS], [TOOL_CALLS] of 9-character ids
     "{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
-    "{% for m in messages %}{% if m.tool_calls %}{% for c in m.tool_calls %}{% if c.id | length != 9 %}"
-    "{{ raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{% endif %}{% endfor %}"
-    "[TOOL_CALLS]{{ m.tool_calls | tojson }}</s>{% elif m.role == 'tool' %}[TOOL_RESULTS]{{ m.content }}"
-    "[/TOOL_RESULTS]{% elif m.role == 'user' %}[INST] {{ m.content }}[/INST]{% else %}{{ m.content }}</s>"
-    "{% endif %}{% endfor %}")
+    "{% for m in messages %}{% if m.tool_calls %}[TOOL_CALLS] [{% for c in m.tool_calls %}{% if c.id | length != 9 %}"
+    "{{ raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{% endif %}"
+    "{% set out = c.function | tojson %}{{ out[:-1] }}, \"id\": \"{{ c.id }}\"}}{% if not loop.last %}, {% endif %}"
+    "{% endfor %}]</s>{% elif m.role == 'tool' %}{% if m.tool_call_id | length != 9 %}"
+    "{{ raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{% endif %}"
+    "[TOOL_RESULTS] {\"content\": {{ m.content }}, \"call_id\": \"{{ m.tool_call_id }}\"}[/TOOL_RESULTS]"
+    "{% elif m.role == 'user' %}[INST] {{ m.content }}[/INST]{% else %}{{ m.content }}</s>{% endif %}{% endfor %}")
+
+
+def test_a_template_that_writes_mistrals_calls_renders_its_tools_and_its_history_of_9_character_ids(
+        tiny_model: Path, tmp_path: Path) -> None:
+    """Mistral's template lists the tools and writes the history's calls itself (read back in its form:
+    `gateway.openai.mistral_tools`), and refuses a call id other than 9 letters and digits: OpenAI's ids reach it as
+    9 characters of their own, the same in a call and in its result, two ids two of them; one of 9 as it is."""
+    folder = _make_folder(tmp_path / "mistral", tiny_model, MISTRAL_LIKE)
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
+    calls = [{"id": f"call_0123456789abcdef0123456{i}", "type": "function",
+              "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}} for i in range(2)]
+    calls.append({"id": "abcDEF123", "type": "function", "function": {"name": "weather", "arguments": "{}"}})
+    messages = [USER, {"role": "assistant", "content": None, "tool_calls": calls},
+                *({"role": "tool", "tool_call_id": c["id"], "content": f'"{i} C"'} for i, c in enumerate(calls))]
+    text = Tokenizer.from_folder(folder).decode(_render(folder, {"messages": messages, "tools": tools}),
+                                                skip_special_tokens=False)
+    assert text.startswith('[AVAILABLE_TOOLS][{"type": "function", "function": {"name": "weather"')
+    assert "<tools>" not in text
+    ids = re.findall(r'"id": "(\w+)"', text)
+    assert re.findall(r'"call_id": "(\w+)"', text) == ids and len(set(ids)) == 3 and ids[2] == "abcDEF123"
+    assert all(len(i) == 9 and i.isalnum() for i in ids)
+    assert '[TOOL_CALLS] [{"name": "weather", "arguments": {"city": "Oslo"}, "id": "' in text
+
+
+GRANITE_LIKE = (   # calls in a form we do not read (Granite 3's `<|tool_call|>` list)
+    "{% if tools %}<|tools|>{{ tools | tojson }}{% endif %}{% for m in messages %}{% if m.tool_calls %}"
+    "<|tool_call|>{{ m.tool_calls | tojson }}{% elif m.role == 'tool' %}<|tool_response|>{{ m.content }}"
+    "{% else %}{{ m.role }}: {{ m.content }}\n{% endif %}{% endfor %}")
 
 
 def test_a_template_whose_tool_calls_we_cannot_parse_takes_tools_the_fallbacks_way(
         tiny_model: Path, tmp_path: Path) -> None:
-    """Mistral's template writes calls as `[TOOL_CALLS]` (which we would not parse: the reply's calls came back as
-    text) and refuses an OpenAI call id: its tools and calls go the way of a template without tools, in the hermes
-    form the reply is parsed in, and a history with a call renders."""
-    folder = _make_folder(tmp_path / "mistral", tiny_model, MISTRAL_LIKE)
+    """A template that writes calls in a form we do not read (the reply's calls would come back as text): its tools
+    and calls go the way of a template without tools, in the hermes form the reply is parsed in."""
+    folder = _make_folder(tmp_path / "granite", tiny_model, GRANITE_LIKE)
     tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
     calls = [{"id": "call_0123456789abcdef01234567", "type": "function",
               "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}]
@@ -290,8 +320,40 @@ def test_a_template_whose_tool_calls_we_cannot_parse_takes_tools_the_fallbacks_w
                 {"role": "tool", "tool_call_id": calls[0]["id"], "content": "12 C"}]
     text = Tokenizer.from_folder(folder).decode(_render(folder, {"messages": messages, "tools": tools}),
                                                 skip_special_tokens=False)
-    assert "[AVAILABLE_TOOLS]" not in text and "[TOOL_CALLS]" not in text
+    assert "<|tools|>" not in text and "<|tool_call|>" not in text
     assert "<tools>" in text and '<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}' in text
+
+
+DEEPSEEK_V31_LIKE = (   # DeepSeek-V3.1's: its calls and results in its markers, and no tool listed anywhere
+    "{% for m in messages %}{% if m.role == 'system' %}{{ m.content }}{% elif m.role == 'user' %}<｜User｜>"
+    "{{ m.content }}{% elif m.tool_calls %}<｜Assistant｜><｜tool▁calls▁begin｜>{% for t in m.tool_calls %}"
+    "<｜tool▁call▁begin｜>{{ t.function.name + '<｜tool▁sep｜>' + t.function.arguments }}<｜tool▁call▁end｜>"
+    "{% endfor %}<｜tool▁calls▁end｜><｜end▁of▁sentence｜>{% elif m.role == 'tool' %}<｜tool▁output▁begin｜>"
+    "{{ m.content }}<｜tool▁output▁end｜>{% endif %}{% endfor %}<｜Assistant｜>")
+
+
+def test_a_template_that_writes_calls_in_a_form_we_read_but_lists_no_tools_gets_them_listed_in_that_form(
+        tiny_model: Path, tmp_path: Path) -> None:
+    """DeepSeek-V3.1's template writes the history's calls in its markers but never shows the model a tool: a
+    system message of ours lists them and asks for calls in the template's own form (the form the reply is read
+    in), the history's calls and results the template's own; under tool_choice "none" the listing says no call can
+    be made."""
+    folder = _make_folder(tmp_path / "deepseek", tiny_model, DEEPSEEK_V31_LIKE)
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
+    calls = [{"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}]
+    messages = [{"role": "system", "content": "Be brief."}, USER,
+                {"role": "assistant", "content": None, "tool_calls": calls},
+                {"role": "tool", "tool_call_id": "call_1", "content": "12 C"}]
+    tokenizer = Tokenizer.from_folder(folder)
+    text = tokenizer.decode(_render(folder, {"messages": messages, "tools": tools}), skip_special_tokens=False)
+    assert text.startswith("Be brief.\n\nYou can call functions") and '{"name": "weather"' in text
+    assert "in this form:\n<｜tool▁calls▁begin｜><｜tool▁call▁begin｜><function name><｜tool▁sep｜>{<its arguments>}" in text
+    assert '<｜tool▁call▁begin｜>weather<｜tool▁sep｜>{"city": "Oslo"}<｜tool▁call▁end｜>' in text
+    assert "<｜tool▁output▁begin｜>12 C<｜tool▁output▁end｜>" in text and "<tool_call>" not in text
+    req = parse_chat({"model": "m", "messages": messages, "tools": tools})
+    text = tokenizer.decode(_render_and_count(_pool(folder), req.messages, req.tools, {}, calls=False),
+                            skip_special_tokens=False)
+    assert "None of them can be called in this reply" in text and "in this form" not in text
 
 
 # --- where the rendering runs, and a template's own error --------------------------------------------------------

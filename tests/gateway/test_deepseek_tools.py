@@ -102,7 +102,14 @@ def test_a_stream_sends_the_text_then_each_calls_arguments_as_written_adding_up_
     """Character by character: the text before the calls as it comes; a call once its arguments' `{` is written,
     then their text in pieces; `cut`: max_tokens ends the reply inside the second call's arguments."""
     fmt, template = form
-    text = "Checking." + _calls(template, ("get_weather", {"city": "Rome }\\\"", "days": 1}),
+    json_calls_stream(fmt, lambda *calls: _calls(template, *calls), cut)
+
+
+def json_calls_stream(fmt, render, cut: bool) -> str:
+    """A reply of text and two calls (`render`: a turn of calls as the template writes it) streamed character by
+    character adds up to the whole answer: the text as content, each call's arguments the model's own JSON text
+    (`cut`: max_tokens ends the reply inside the second's); the reply."""
+    text = "Checking." + render(("get_weather", {"city": "Rome }]\\\"", "days": 1}),
                                 ("search", {"query": "a", "limit": 2}))
     text = text[:text.rindex('"limit"') + 4] if cut else text
     sent, args, names, count = streamed_by_character(fmt, text, cut)
@@ -111,6 +118,7 @@ def test_a_stream_sends_the_text_then_each_calls_arguments_as_written_adding_up_
     assert names == {0: "get_weather", 1: "search"} and [args[0], args[1]] == [c.arguments for c in calls]
     assert [c.cut for c in calls] == [False, cut] and args[1] == ('{"query": "a", "lim' if cut else
                                                                    '{"query": "a", "limit": 2}')
+    return text
 
 
 def test_a_reply_cut_before_a_calls_arguments_drops_it_and_a_marker_in_prose_holds_back_nothing(form):

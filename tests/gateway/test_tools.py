@@ -456,7 +456,7 @@ def test_tool_choice_none_lists_no_tools_to_a_template_whose_calls_are_bare_json
         {"role": "tool", "tool_call_id": "c1", "content": "3 C"}]
     tools = parse_tools(TOOLS)
     for source, listed_under_none in ((llama, False), (hermes, True)):
-        tokenizer = type("Tokenizer", (), {"chat_template_source": lambda self, use_tools: source})()
+        tokenizer = _TemplateTokenizer(source)
         assert template_inputs(tokenizer, messages, tools)[1] == [t.as_template_dict() for t in tools]
         rendered, listed = template_inputs(tokenizer, messages, tools, calls=False)
         assert (listed is not None) == listed_under_none and rendered[1]["tool_calls"], source

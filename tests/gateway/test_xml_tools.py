@@ -7,6 +7,7 @@ token on the builtin tokenizer. A chat over a pool whose template writes this fo
 from __future__ import annotations
 
 import json
+import re
 
 import jinja2
 import pytest
@@ -371,9 +372,10 @@ async def test_a_pool_whose_template_writes_the_form_answers_forced_calls_whole_
 
 
 async def forced_call_over_http(aiohttp_client, tmp_path, tiny_model, template: str, tool: dict,
-                                max_tokens: int) -> dict:
+                                max_tokens: int, call_id: str = r"call_[0-9a-f]{24}", after=None) -> dict:
     """A pool of the tiny model under `template` asked for a forced call of `tool`, whole and streamed: the one
-    call, in a choice without the markup as content, the streamed arguments the whole answer's; its arguments."""
+    call, in a choice without the markup as content, the streamed arguments the whole answer's, each id of the
+    form `call_id` (a regular expression); its arguments. `after(client, body, call)`: more requests on the pool."""
     import shutil
 
     from tests.gateway.conftest import chat_pool_yaml, start_gateway
@@ -396,6 +398,9 @@ async def forced_call_over_http(aiohttp_client, tmp_path, tiny_model, template: 
     deltas = [d for chunk in streamed for c in chunk["choices"] for d in c["delta"].get("tool_calls") or ()]
     assert [d["function"]["name"] for d in deltas if "id" in d] == [name] and {d["index"] for d in deltas} == {0}
     assert "".join(d["function"]["arguments"] for d in deltas) == calls[0]["function"]["arguments"]
+    assert all(re.fullmatch(call_id, i) for i in [calls[0]["id"], *(d["id"] for d in deltas if "id" in d)]), calls
+    if after is not None:
+        await after(client, body, calls[0])
     return json.loads(calls[0]["function"]["arguments"])
 
 
