@@ -55,7 +55,7 @@ from gateway.openai.chat import ChatRequest
 from gateway.openai.completions import CompletionRequest
 from gateway.openai.errors import ApiError, drain_cut, shutting_down
 from gateway.openai.harmony import stop_ids as harmony_stop_ids, template_speaks_harmony
-from gateway.openai.reasoning import think_mode
+from gateway.openai.reasoning import Think, think_mode
 from gateway.openai.sampling_fields import check_context, check_vocabulary
 from gateway.client_writes import ClientGone
 from gateway.admission import Placed
@@ -154,7 +154,7 @@ class Completion:
             raise _relayed_error(response)
         return json.loads(response.body)
 
-    async def _run_cuttable(self, req: ChatRequest | CompletionRequest, think: str | None) -> LocalResponse:
+    async def _run_cuttable(self, req: ChatRequest | CompletionRequest, think: Think | str | None) -> LocalResponse:
         """`_run_local`, which the gateway cuts if it still runs when its drain ends (an HTTP request's: a
         background one or a batch line is kept unfinished for the next start): waiting for its device or its
         credits, a 503 `server_shutting_down`; running, that error as its answer (`LocalResponse.run`)."""
@@ -197,7 +197,7 @@ class Completion:
         finally:
             self.gateway.cuttable.discard(task)
 
-    async def _run_local(self, req: ChatRequest | CompletionRequest, think: str | None) -> LocalResponse:
+    async def _run_local(self, req: ChatRequest | CompletionRequest, think: Think | str | None) -> LocalResponse:
         """Wait for each pool's device, hold the credits on the replicas placement picks, run the request
         there (`think`: where a thinking model's reply starts, `LocalResponse`); again (on another replica,
         or the restarted worker) if a worker died before the client saw anything (HTTP only), until two
@@ -355,7 +355,7 @@ def poison_error(request_id: str, deaths: int, last: ApiError) -> ApiError:
 
 
 async def constrained(gateway: Gateway, req: ChatRequest | CompletionRequest, pool: Pool, ids: list[int]
-                      ) -> tuple[ChatRequest | CompletionRequest, str | None]:
+                      ) -> tuple[ChatRequest | CompletionRequest, Think | str | None]:
     """(`req` with the grammar on its reply in a local `pool`, where a thinking model's chat reply starts: `think_mode`,
     "harmony" for a model whose template writes harmony channels, None for a completion), once the grammar library
     has checked that grammar (a 400 naming its field if it cannot be enforced). The prompt's token `ids` say where
@@ -408,7 +408,7 @@ def with_model_defaults(req: ChatRequest | CompletionRequest, pools: list[Pool])
 
 
 def with_grammar(req: ChatRequest | CompletionRequest, pool: Pool,
-                 think: str | None = None) -> ChatRequest | CompletionRequest:
+                 think: Think | str | None = None) -> ChatRequest | CompletionRequest:
     """A chat whose tool_choice is "required" or a named function (or `allowed_tools`, "auto" too: of those
     tools), constrained to the pool's tool-call
     format by a grammar of the allowed functions' schemas (it takes the place of any response_format:
@@ -447,7 +447,7 @@ def with_grammar(req: ChatRequest | CompletionRequest, pool: Pool,
                                structured_param=param)
 
 
-def _calls_grammar(req: ChatRequest, pool: Pool, mode: str, think: str | None) -> StructuredOutput:
+def _calls_grammar(req: ChatRequest, pool: Pool, mode: str, think: Think | str | None) -> StructuredOutput:
     """Calls only ("required", a named function), or text or calls ("auto"), of the tools it may call
     (`allowed_tools`: a grammar under "auto" too, so that no other is called)."""
     fmt = format_for(pool.tokenizer, req.tools)

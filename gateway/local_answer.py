@@ -44,7 +44,7 @@ from gateway.openai.chat import ChatRequest
 from gateway.openai.completions import CompletionRequest
 from gateway.openai.errors import ApiError, drain_cut, engine_error, renamed_field
 from gateway.openai.harmony import HarmonySplitter
-from gateway.openai.reasoning import ReasoningSplitter, think_end_id
+from gateway.openai.reasoning import ReasoningSplitter, Think, think_end_id
 from gateway.openai.tool_formats import format_for
 from gateway.openai.tools import ToolCallStream, ToolFormat
 from gateway.engine_streams import Routed, engine_request_id, merged
@@ -91,7 +91,8 @@ class LocalResponse:
 
     def __init__(self, request: web.Request | None, req: ChatRequest | CompletionRequest, routed: Routed, *,
                  placed: dict[str, Placed], received: float, metrics: GatewayMetrics, write_timeout: float = 30.0,
-                 tenant: str = "default", buffers: ResponseBuffers | None = None, think: str | None = None) -> None:
+                 tenant: str = "default", buffers: ResponseBuffers | None = None,
+                 think: Think | str | None = None) -> None:
         self.request, self.req, self.routed, self.placed = request, req, routed, placed
         self.chat, self.received, self.metrics = isinstance(req, ChatRequest), received, metrics
         self.latencies = HeldLatencies()   # observed once no rerun can replace this run (`retryable`)
@@ -133,8 +134,10 @@ class LocalResponse:
                 choice.reasoning = HarmonySplitter()
         elif self.think is not None:
             for choice in self.choices.values():
-                choice.reasoning = ReasoningSplitter(self.think == "opened", think_end_id(choice.pool.tokenizer),
-                                                     continued=getattr(self.req, "continued", None) is not None)
+                choice.reasoning = ReasoningSplitter(self.think.opened,
+                                                     think_end_id(choice.pool.tokenizer, self.think.end),
+                                                     continued=getattr(self.req, "continued", None) is not None,
+                                                     tags=self.think.tags)
 
     def reasoning_tokens(self) -> int | None:
         """The output tokens of the choices' reasoning (None when the model does not think)."""

@@ -1,10 +1,11 @@
-"""Reasoning output of models that think in `<think>…</think>` (Qwen3, QwQ, DeepSeek-R1 distills), split
-from the answer as vLLM's reasoning parsers do: the text inside the block is `reasoning_content`, what
-follows `</think>` is `content`, and the tags are in neither.
+"""Reasoning output of models that think in `<think>…</think>` (Qwen3, QwQ, DeepSeek-R1 distills, GLM-4.5,
+MiniMax-M2), `<seed:think>…</seed:think>` (Seed-OSS) or `[THINK]…[/THINK]` (Magistral), split from the answer as
+vLLM's reasoning parsers do: the text inside the block is `reasoning_content`, what follows the closing tag is
+`content`, and the tags are in neither.
 
-A pool's model thinks when its chat template mentions `<think>`, `</think>` or `enable_thinking`
-(`template_thinks`). Its reply may open the block itself (Qwen3 writes `<think>` first), or start inside
-it when the template's generation prompt opened it (DeepSeek-R1's, Qwen3-Thinking-2507's end in
+A pool's model thinks when its chat template mentions one of these tags or `enable_thinking` (`think_tags`, the
+first family's tags it names: `Think.tags`). Its reply may open the block itself (Qwen3 writes `<think>` first),
+or start inside it when the template's generation prompt opened it (DeepSeek-R1's, Qwen3-Thinking-2507's end in
 `<think>\\n`: `prompt_opens_think`). A reply that does neither is all content (Qwen3 under
 `enable_thinking: false`, whose prompt holds an empty block already). A reply cut inside the block (by
 `max_tokens`) is all reasoning. The whitespace around the tags is dropped (the template's separators: after
@@ -22,45 +23,87 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import msgspec
 
 THINK_START, THINK_END = "<think>", "</think>"
+THINK_TAGS = (THINK_START, THINK_END)
+# each family's tags, the first a template names winning: Seed-OSS's, Magistral's (Mistral's tokens), then `<think>`
+_FAMILIES_TAGS = (("<seed:think>", "</seed:think>"), ("[THINK]", "[/THINK]"), THINK_TAGS)
 _PROMPT_TAIL_TOKENS = 16   # the prompt's last tokens decoded to see whether it ends inside a think block
 
 
+@dataclass(frozen=True)
+class Think:
+    """Where a thinking model's chat reply starts (`opened`: inside a block the prompt opened; else it may open one
+    first) and the tags its template thinks in."""
+
+    opened: bool
+    tags: tuple[str, str] = THINK_TAGS
+
+    @property
+    def start(self) -> str:
+        return self.tags[0]
+
+    @property
+    def end(self) -> str:
+        return self.tags[1]
+
+
+def as_think(think: Think | str | None) -> Think | None:
+    """`think` as a `Think`: one, or a mode's name ("opened", "optional") under the `<think>` tags, or None."""
+    if think is None or isinstance(think, Think):
+        return think
+    if think not in ("optional", "opened"):
+        raise ValueError(f"think: one of optional, opened or None, got {think!r}")
+    return Think(think == "opened")
+
+
 @functools.lru_cache(maxsize=64)
+def think_tags(source: str) -> tuple[str, str] | None:
+    """The tags a chat template's model thinks in (None: it does not think): those it writes or strips (Seed-OSS's
+    `<seed:think>`, Magistral's `[THINK]`, else `<think>`), or `<think>`'s where it takes `enable_thinking`."""
+    for start, end in _FAMILIES_TAGS:
+        if start in source or end in source:
+            return start, end
+    return THINK_TAGS if "enable_thinking" in source else None
+
+
 def template_thinks(source: str) -> bool:
     """Whether a chat template is a thinking model's: it writes or strips think blocks, or takes
     `enable_thinking`."""
-    return THINK_START in source or THINK_END in source or "enable_thinking" in source
+    return think_tags(source) is not None
 
 
-def prompt_opens_think(tokenizer, prompt_ids: Sequence[int]) -> bool:
-    """Whether the rendered prompt ends in an open `<think>` (the template opened the block, so the
-    reply starts inside it)."""
+def prompt_opens_think(tokenizer, prompt_ids: Sequence[int], start: str = THINK_START) -> bool:
+    """Whether the rendered prompt ends in an open think block (`start`: its tag; the template opened the block, so
+    the reply starts inside it)."""
     tail = tokenizer.decode(list(prompt_ids[-_PROMPT_TAIL_TOKENS:]), skip_special_tokens=False)
-    return tail.rstrip().endswith(THINK_START)
+    return tail.rstrip().endswith(start)
 
 
-def think_mode(tokenizer, prompt_ids: Sequence[int], use_tools: bool, continued: str | None = None) -> str | None:
-    """Where a chat reply of this prompt starts: None (the template does not think), "opened" (the prompt
-    opened a think block: the reply starts inside it) or "optional" (the reply may open one first). A
+def think_mode(tokenizer, prompt_ids: Sequence[int], use_tools: bool, continued: str | None = None) -> Think | None:
+    """Where a chat reply of this prompt starts, and its template's tags: None (the template does not think),
+    opened (the prompt opened a think block: the reply starts inside it), or not (the reply may open one first). A
     grammar on the reply lets it think first, as this says (`gateway.openai.tool_grammar`). `continued`: the
     text of the message the prompt ends inside (`continue_final_message`); where it holds a think tag, its
     last says (a block it opens and leaves open, `<think>\nLet me`, is where the reply goes on)."""
-    if not template_thinks(tokenizer.chat_template_source(use_tools=use_tools)):
+    tags = think_tags(tokenizer.chat_template_source(use_tools=use_tools))
+    if tags is None:
         return None
-    if continued is not None and (THINK_START in continued or THINK_END in continued):
-        return "opened" if continued.rfind(THINK_START) > continued.rfind(THINK_END) else "optional"
-    return "opened" if prompt_opens_think(tokenizer, prompt_ids) else "optional"
+    start, end = tags
+    if continued is not None and (start in continued or end in continued):
+        return Think(continued.rfind(start) > continued.rfind(end), tags)
+    return Think(prompt_opens_think(tokenizer, prompt_ids, start), tags)
 
 
 @functools.lru_cache(maxsize=16)
-def think_end_id(tokenizer) -> int | None:
-    """The id of `</think>` where the vocabulary writes it as one token (Qwen3's, the R1 distills'), else None."""
-    ids = tokenizer.encode(THINK_END, add_special_tokens=False)
+def think_end_id(tokenizer, end: str = THINK_END) -> int | None:
+    """The id of the closing tag `end` where the vocabulary writes it as one token (Qwen3's `</think>`, the R1
+    distills'), else None."""
+    ids = tokenizer.encode(end, add_special_tokens=False)
     return ids[0] if len(ids) == 1 else None
 
 
@@ -89,8 +132,10 @@ class ReasoningSplitter:
     it. `continued`: the reply goes on from the prompt's last message, whose text its own first characters
     follow (no separator of the template's to drop). One per choice, on the event loop."""
 
-    def __init__(self, starts_inside: bool, end_id: int | None = None, continued: bool = False) -> None:
+    def __init__(self, starts_inside: bool, end_id: int | None = None, continued: bool = False,
+                 tags: tuple[str, str] = THINK_TAGS) -> None:
         self.starts_inside = starts_inside
+        self.start, self.end = tags
         self.end_id = end_id
         self._strip_reasoning = starts_inside and not continued   # the reasoning's first whitespace: a separator
         self._strip_content = False                                # ... the content's: after `</think>` only
@@ -118,21 +163,21 @@ class ReasoningSplitter:
         while text:
             if self.phase == "opening":
                 stripped = text.lstrip()
-                if stripped.startswith(THINK_START):
-                    text, self.phase, touched = stripped[len(THINK_START):], "thinking", True
+                if stripped.startswith(self.start):
+                    text, self.phase, touched = stripped[len(self.start):], "thinking", True
                     self._strip_reasoning = True
-                elif THINK_START.startswith(stripped):   # whitespace, or a start of the tag: wait
+                elif self.start.startswith(stripped):   # whitespace, or a start of the tag: wait
                     self._held, text = text, ""
                 else:
                     self.phase = "thinking" if self.starts_inside else "content"
             elif self.phase == "thinking":
                 touched = True
-                end = text.find(THINK_END)
+                end = text.find(self.end)
                 if end >= 0:
                     reasoning += text[:end].rstrip()
-                    text, self.phase, self._strip_content = text[end + len(THINK_END):], "content", True
+                    text, self.phase, self._strip_content = text[end + len(self.end):], "content", True
                     continue
-                cut = len(text) - partial_tag(text, THINK_END)
+                cut = len(text) - partial_tag(text, self.end)
                 cut = len(text[:cut].rstrip())   # whitespace that may be the last before `</think>`: held too
                 reasoning += text[:cut]
                 text, self._held = "", text[cut:]
@@ -206,9 +251,10 @@ def reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
             "content": [{"type": "reasoning_text", "text": text}]}
 
 
-def split_reasoning(text: str, starts_inside: bool = False) -> tuple[str | None, str | None]:
+def split_reasoning(text: str, starts_inside: bool = False, tags: tuple[str, str] = THINK_TAGS
+                    ) -> tuple[str | None, str | None]:
     """A whole reply as (reasoning, content), each None when empty."""
-    splitter = ReasoningSplitter(starts_inside)
+    splitter = ReasoningSplitter(starts_inside, tags=tags)
     splitter.feed(text)
     splitter.finish()
     return splitter.reasoning or None, splitter.content or None

@@ -13,12 +13,13 @@ formats and the requests live in `gateway.openai.tools`.
   the calls and the first call's opening marker are one lexeme (`LEAD`): a lexeme of text alone would
   have taken the marker's first characters as text before the marker could be told from it.
 
-A thinking model (`gateway.openai.reasoning`) writes its `<think>…</think>` block before the reply, and a
-grammar of the reply alone would forbid it (or, with the template's generation prompt inside the block,
-make the model answer there). `think` says where the reply starts: "optional" (it may open a block
-first), "opened" (the prompt opened one: the reply thinks and then closes it), None (no thinking). The
-block is one lexeme, any text without `</think>`, whitespace around it included; plain text may not
-begin with `<think>` (so a block is always read as one, and no second block follows the first).
+A thinking model (`gateway.openai.reasoning`) writes its `<think>…</think>` block (its template's tags:
+`Think.tags`) before the reply, and a grammar of the reply alone would forbid it (or, with the template's
+generation prompt inside the block, make the model answer there). `think` says where the reply starts: a
+`Think` not `opened` (or "optional": it may open a block first), `opened` (or "opened": the prompt opened one:
+the reply thinks and then closes it), None (no thinking). The block is one lexeme, any text without the closing
+tag, whitespace around it included; plain text may not begin with the opening tag (so a block is always read as
+one, and no second block follows the first).
 `thinking_first` puts the same block before a JSON reply (response_format alone). As vLLM does with a
 reasoning parser, only what follows the block is constrained."""
 
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.structured import JSON_OPTIONS, StructuredOutput
-from gateway.openai.reasoning import THINK_END, THINK_START
+from gateway.openai.reasoning import Think, as_think
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}   # the arguments of a function that is not strict
 
@@ -97,7 +98,6 @@ def rebased(schema: Any, at: str) -> Any:
     return out
 
 
-THINK_MODES = ("optional", "opened")
 
 
 def regex_text(text: str) -> str:
@@ -105,23 +105,23 @@ def regex_text(text: str) -> str:
     return re.escape(text).replace("/", r"\/")
 
 
-# the thought: any text without the closing tag (llguidance's lexeme operators `&` and `~`)
-_THOUGHT = rf'(/(?s:.)*/ & ~/(?s:.)*{regex_text(THINK_END)}(?s:.)*/) {json.dumps(THINK_END)} /\s*/'
+def _thought(end: str) -> str:
+    """The thought: any text without the closing tag `end` (llguidance's lexeme operators `&` and `~`), then it."""
+    return rf'(/(?s:.)*/ & ~/(?s:.)*{regex_text(end)}(?s:.)*/) {json.dumps(end, ensure_ascii=False)} /\s*/'
 
 
-def _think(think: str | None) -> tuple[str, str]:
+def _think(think: Think | str | None) -> tuple[str, str]:
     """(what `start` begins with, the lexeme it names) for a reply that starts as `think` says."""
+    think = as_think(think)
     if think is None:
         return "", ""
-    if think not in THINK_MODES:
-        raise ValueError(f"think: one of {', '.join(THINK_MODES)} or None, got {think!r}")
-    if think == "opened":
-        return "THOUGHT ", f"THOUGHT: {_THOUGHT}\n"
-    return "THINK? ", f"THINK: /\\s*/ {json.dumps(THINK_START)} {_THOUGHT}\n"
+    if think.opened:
+        return "THOUGHT ", f"THOUGHT: {_thought(think.end)}\n"
+    return "THINK? ", f"THINK: /\\s*/ {json.dumps(think.start, ensure_ascii=False)} {_thought(think.end)}\n"
 
 
 def forced_grammar(syntax: CallSyntax, functions: Sequence[tuple[str, dict[str, Any]]],
-                   parallel: bool, think: str | None = None, body: str | None = None) -> StructuredOutput:
+                   parallel: bool, think: Think | str | None = None, body: str | None = None) -> StructuredOutput:
     """Calls only: one, or (parallel) one or more (after a think block, as `think` says). `body`: the Lark rules
     of what a call holds between its markers (rule `body`), for a format whose calls are not JSON objects
     (`gateway.openai.xml_tools`); None: the JSON object of a function's name and arguments."""
@@ -130,7 +130,7 @@ def forced_grammar(syntax: CallSyntax, functions: Sequence[tuple[str, dict[str, 
 
 
 def auto_grammar(syntax: CallSyntax, functions: Sequence[tuple[str, dict[str, Any]]], parallel: bool,
-                 reply: StructuredOutput | None = None, think: str | None = None,
+                 reply: StructuredOutput | None = None, think: Think | str | None = None,
                  body: str | None = None) -> StructuredOutput:
     """Plain text that never starts a call (or, given `reply`, a JSON object or schema's JSON), or calls, after
     plain text where the format opens a call with a marker (`reply` not given) (after a think block, as `think`
@@ -151,20 +151,21 @@ def auto_grammar(syntax: CallSyntax, functions: Sequence[tuple[str, dict[str, An
                                        f"{_calls(syntax, functions, parallel, body)}")
 
 
-def text_grammar(syntax: CallSyntax, think: str | None = None) -> StructuredOutput:
+def text_grammar(syntax: CallSyntax, think: Think | str | None = None) -> StructuredOutput:
     """Plain text that never starts a call (after a think block, as `think` says): tool_choice "none", where
     the template taught the model the format's calls."""
     head, block = _think(think)
     return StructuredOutput("grammar", f"start: {head}text\n{block}text: TEXT\nTEXT: {_text_lexeme(syntax, think)}\n")
 
 
-def _text_lexeme(syntax: CallSyntax, think: str | None) -> str:
-    """The format's plain text, which a thinking model's may not begin with `<think>` (the block is read as
+def _text_lexeme(syntax: CallSyntax, think: Think | str | None) -> str:
+    """The format's plain text, which a thinking model's may not begin with its opening tag (the block is read as
     one, and no second block follows it)."""
-    return syntax.text if think is None else rf"({syntax.text}) & ~/\s*{regex_text(THINK_START)}(?s:.)*/"
+    think = as_think(think)
+    return syntax.text if think is None else rf"({syntax.text}) & ~/\s*{regex_text(think.start)}(?s:.)*/"
 
 
-def thinking_first(reply: StructuredOutput, think: str) -> StructuredOutput:
+def thinking_first(reply: StructuredOutput, think: Think | str) -> StructuredOutput:
     """A JSON reply (response_format: a JSON object or a schema's JSON) after a think block, as `think`
     says."""
     head, block = _think(think)

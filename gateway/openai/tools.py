@@ -32,7 +32,7 @@ from typing import Any
 from engine.structured import StructuredOutput
 from gateway.openai.call_scan import CallScan, CallScanner, scan_call
 from gateway.openai.errors import nested_over
-from gateway.openai.reasoning import partial_tag
+from gateway.openai.reasoning import Think, partial_tag
 from gateway.openai.tool_grammar import ANY_OBJECT, CallSyntax, auto_grammar, forced_grammar
 from gateway.openai.tool_specs import Tool
 
@@ -107,14 +107,14 @@ class ToolFormat:
         `parallel_tool_calls` is false or the format takes one call a turn (`parallel_calls`)."""
         return calls if parallel and self.parallel_calls else calls[:1]
 
-    def grammar(self, tools: list[Tool], parallel: bool, think: str | None = None) -> StructuredOutput:
+    def grammar(self, tools: list[Tool], parallel: bool, think: Think | str | None = None) -> StructuredOutput:
         """Calls of `tools` only (tool_choice "required" or named), each under its schema; `think`: where a
         thinking model's reply starts (`gateway.openai.tool_grammar`)."""
         functions = [(t.name, t.parameters) for t in tools]
         return forced_grammar(self.syntax, functions, parallel and self.parallel_calls, think, self.body(functions))
 
     def auto_grammar(self, tools: list[Tool], parallel: bool, reply: StructuredOutput | None = None,
-                     think: str | None = None) -> StructuredOutput:
+                     think: Think | str | None = None) -> StructuredOutput:
         """tool_choice "auto" with strict tools: plain text that never starts a call (`reply`'s JSON where
         given), or calls (after such text, where a marker opens a call: hermes), a strict tool's arguments
         under its schema, another's any JSON object."""

@@ -21,9 +21,9 @@ from engine.tokenizer import Tokenizer
 from gateway import local_answer
 from gateway.openai.chat import parse_chat
 from gateway.openai.errors import ApiError
-from gateway.openai.reasoning import ReasoningSplitter, split_reasoning, template_thinks
+from gateway.openai.reasoning import THINK_TAGS, ReasoningSplitter, split_reasoning, template_thinks, think_tags
 from gateway.openai.responses import parse_responses
-from tests.gateway.conftest import chat_pool_yaml, start_gateway
+from tests.gateway.conftest import accepts, chat_pool_yaml, start_gateway
 # ChatML turns, an assistant's reasoning_content in its think block (as Qwen3's template writes it)
 _TURNS = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}{% if m.reasoning_content is defined %}"
           "{{ '<think>\\n' + m.reasoning_content + '\\n</think>\\n\\n' }}{% endif %}"
@@ -272,7 +272,7 @@ async def test_chat_whole_and_streamed_split_reasoning_from_content(aiohttp_clie
         extra_body={"continue_final_message": True, "add_generation_prompt": False})
     assert (continued.choices[0].message.reasoning_content, continued.choices[0].message.content) == (None, " Paris.")
     # `</think>` as one token (here the third, id 302) whose text came late: the reasoning counted up to it
-    monkeypatch.setattr(local_answer, "think_end_id", lambda tokenizer: 302)
+    monkeypatch.setattr(local_answer, "think_end_id", lambda tokenizer, end: 302)
     engine.pieces = ["<think>", "I add.", "", "", "</think>\n\nIt is 4."]
     late = await sdk.chat.completions.create(model="thinker", messages=MESSAGES, max_tokens=16, stop=["User:"])
     assert (late.choices[0].message.reasoning_content, late.choices[0].message.content) == ("I add.", "It is 4.")
@@ -295,18 +295,67 @@ async def test_a_tool_call_after_the_reasoning_is_parsed_from_the_content(aiohtt
     engine = _ScriptedEngine(monkeypatch)
     engine.pieces = ["<think>", "I need the weather.", "</think>\n\n", "<tool_call>\n", '{"name": "get_weather", ',
                      '"arguments": {"city": "Oslo"}}', "\n</tool_call>"]
-    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string"}}}}}]
-    whole = (await sdk.chat.completions.create(model="thinker", messages=MESSAGES, tools=tools)).choices[0]
+    await _reasoning_then_call(sdk)
+
+
+WEATHER_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}]
+
+
+async def _reasoning_then_call(sdk) -> None:
+    """A reply (scripted) that thinks "I need the weather." and then calls get_weather for Oslo, answered whole and
+    streamed: the thought as `reasoning_content`, the call a tool call, no content."""
+    whole = (await sdk.chat.completions.create(model="thinker", messages=MESSAGES, tools=WEATHER_TOOLS)).choices[0]
     assert whole.finish_reason == "tool_calls" and whole.message.reasoning_content == "I need the weather."
     assert whole.message.content is None
     assert [(c.function.name, c.function.arguments) for c in whole.message.tool_calls] == [
         ("get_weather", '{"city": "Oslo"}')]
-    deltas = [c.choices[0].delta for c in await _chat_stream(sdk, messages=MESSAGES, tools=tools) if c.choices]
+    deltas = [c.choices[0].delta for c in await _chat_stream(sdk, messages=MESSAGES, tools=WEATHER_TOOLS)
+              if c.choices]
     assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == "I need the weather."
     assert not "".join(d.content or "" for d in deltas)
     arguments = "".join(call.function.arguments or "" for d in deltas for call in d.tool_calls or [])
     assert arguments == '{"city": "Oslo"}'
+
+
+# Seed-OSS's shape: the model thinks in `<seed:think>` tags and calls in its `<seed:tool_call>` blocks
+SEED_THINKS = ("{% if tools %}<|im_start|>system\nCall as <seed:tool_call>\n<function=NAME>\n<parameter=KEY>VALUE"
+               "</parameter>\n</function>\n</seed:tool_call>: {% for t in tools %}{{ t.function.name }} {% endfor %}"
+               "<|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n"
+               "{% if m.reasoning_content is defined %}<seed:think>{{ m.reasoning_content }}</seed:think>{% endif %}"
+               "{{ m.content }}<|im_end|>\n{% endfor %}"
+               "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_templates_own_think_tags_are_the_ones_split():
+    """Seed-OSS thinks in `<seed:think>`, Magistral in `[THINK]`, Qwen3 and most in `<think>` (or a template that
+    only takes `enable_thinking`): each reply is split at its template's tags, another family's are its text."""
+    assert think_tags(SEED_THINKS) == ("<seed:think>", "</seed:think>") and think_tags(MODEL_OPENS) == THINK_TAGS
+    assert think_tags("{{ '[THINK]' + m.thinking + '[/THINK]' }}") == ("[THINK]", "[/THINK]")
+    assert think_tags("{% if enable_thinking %}x{% endif %}") == THINK_TAGS and think_tags("{{ m.content }}") is None
+    seed = ("<seed:think>", "</seed:think>")
+    assert split_reasoning(" <seed:think>\nI add.\n</seed:think>\n\nIt is 4.", tags=seed) == ("I add.", "It is 4.")
+    assert split_reasoning("[THINK]I add.[/THINK]It is 4.", tags=("[THINK]", "[/THINK]")) == ("I add.", "It is 4.")
+    assert split_reasoning("<think>I add.</think>It is 4.", tags=seed) == (None, "<think>I add.</think>It is 4.")
+    splitter, parts = ReasoningSplitter(True, tags=seed), []
+    for piece in "I add.</seed:th", "ink>It is 4.":
+        parts.append(splitter.feed(piece))
+    assert parts == [("I add.", ""), ("", "It is 4.")]
+
+
+async def test_a_model_thinking_in_its_own_tags_answers_its_reasoning_and_its_calls_apart(
+        aiohttp_client, tmp_path, tiny_model, monkeypatch, lltokenizer) -> None:
+    """Seed-OSS's shape over the openai SDK: the `<seed:think>` block is `reasoning_content` (whole and streamed), the
+    call after it in its own form a tool call; a forced call's grammar lets the model think in its tags first."""
+    sdk, _ = await _gateway(aiohttp_client, tmp_path, tiny_model, SEED_THINKS)
+    engine = _ScriptedEngine(monkeypatch)
+    engine.pieces = ["<seed:think>", "I need the ", "weather.</seed:", "think>\n", "<seed:tool_call>\n<function=",
+                     "get_weather>\n<parameter=city>Oslo</parameter>\n", "</function>\n</seed:tool_call>"]
+    await _reasoning_then_call(sdk)
+    await sdk.chat.completions.create(model="thinker", messages=MESSAGES, tools=WEATHER_TOOLS, tool_choice="required")
+    grammar, call = engine.structured[-1], "".join(engine.pieces[4:])
+    assert accepts(lltokenizer, grammar, "<seed:think>I need the weather.</seed:think>\n" + call)
+    assert not accepts(lltokenizer, grammar, "<think>I need the weather.</think>\n" + call)
 
 
 @functools.cache
