@@ -1,7 +1,8 @@
 """The model's tokenizer and chat template, read from an HF-style folder without importing transformers.
 
-`Tokenizer.from_folder` reads tokenizer.json with the `tokenizers` library and tokenizer_config.json (plus the optional
-generation_config.json, config.json and chat_template.jinja) itself, and reproduces the parts of transformers' (v5)
+`Tokenizer.from_folder` reads tokenizer.json (or a tiktoken vocabulary, Kimi K2's: `engine.tiktoken_vocab`) with the
+`tokenizers` library and tokenizer_config.json (plus the optional generation_config.json, config.json and
+chat_template.jinja) itself, and reproduces the parts of transformers' (v5)
 `TokenizersBackend` that change ids or text, so that encode, decode and the chat template give what
 `AutoTokenizer.from_pretrained(folder)` gives:
 
@@ -14,8 +15,7 @@ generation_config.json, config.json and chat_template.jinja) itself, and reprodu
 - chat templates render as transformers renders them (`engine.chat_template`), with the special tokens as variables.
 
 Model-specific tokenizer classes that transformers rebuilds from vocab and merges (a `LlamaTokenizer` with `legacy`
-flags, say) are read from tokenizer.json as it is.
-"""
+flags, say) are read from tokenizer.json as it is."""
 
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ from tokenizers import Tokenizer as _Backend
 
 from engine.chat_template import TEMPLATE_FUNCTIONS, check_messages, compile_chat_template, render
 from engine.text import OutputText
+from engine.tiktoken_vocab import tiktoken_backend
 
 __all__ = ["TEMPLATE_FUNCTIONS", "IncrementalDetokenizer", "Tokenizer"]
 
@@ -108,22 +109,21 @@ class Tokenizer:
     def from_folder(cls, folder: str | os.PathLike) -> Tokenizer:
         """Load tokenizer.json and the folder's configs; a missing tokenizer.json is a FileNotFoundError, an
         unreadable one a ValueError."""
-        folder = Path(folder)
-        path = folder / "tokenizer.json"
-        if not path.is_file():
+        folder, path = Path(folder), Path(folder) / "tokenizer.json"
+        config = _with_special_tokens_map(_read_json(folder / "tokenizer_config.json"),
+                                          _read_json(folder / "special_tokens_map.json"))
+        backend = None if path.is_file() else tiktoken_backend(folder, config)   # Kimi's: engine.tiktoken_vocab
+        if backend is None and not path.is_file():
             raise FileNotFoundError(f"tokenizer.json: not found in model folder {folder}")
         try:
-            backend = _Backend.from_file(str(path))
+            backend = backend or _Backend.from_file(str(path))
         except Exception as exc:   # noqa: BLE001 - the tokenizers library raises a bare Exception on a bad file
             raise ValueError(f"tokenizer.json: {path} is not a tokenizer the tokenizers library reads ({exc}); "
                              "a Git LFS pointer or a damaged download?") from None
         backend.no_truncation()
         backend.no_padding()
-        config = _with_special_tokens_map(_read_json(folder / "tokenizer_config.json"),
-                                          _read_json(folder / "special_tokens_map.json"))
         _add_config_tokens(backend, config)
         backend.encode_special_tokens = bool(config.get("split_special_tokens", False))
-
         model_eos_ids = []  # eos_token_id: an int or a list, in either file
         for name in ("generation_config.json", "config.json"):
             value = _read_json(folder / name).get("eos_token_id")
