@@ -196,21 +196,25 @@ def template_roles(messages: list[dict[str, Any]], template: str) -> list[dict[s
     return out
 
 
-def native_messages(messages: list[dict[str, Any]], history_id: Callable[[Any], Any] | None = None) \
+def native_messages(messages: list[dict[str, Any]], history_id: Callable[..., Any] | None = None) \
         -> list[dict[str, Any]]:
     """The history as HF templates with tool support take it: tool call arguments as the JSON they hold (as
     vLLM parses them); text that is not JSON (a model's broken call, sent back) stays text, never replaced.
-    `history_id`: each call's id and each result's `tool_call_id` as the template takes them (Mistral's: 9
-    letters and digits, `gateway.openai.mistral_tools.history_id`)."""
-    out = []
+    `history_id(id, name, index)`: each call's id as the template takes it (given its function and its place among
+    the history's calls: Mistral's 9 letters and digits, Kimi's `functions.NAME:INDEX`), each result's
+    `tool_call_id` its call's."""
+    out, ids = [], {}
     for m in messages:
         if m.get("tool_calls"):
-            calls = [{"id": history_id(c["id"]) if history_id else c["id"], "type": "function", "function": {
-                "name": c["function"]["name"], "arguments": _value_or_text(c["function"]["arguments"])}}
-                for c in m["tool_calls"]]
+            calls = []
+            for c in m["tool_calls"]:
+                name = c["function"]["name"]
+                ids[c["id"]] = history_id(c["id"], name, len(ids)) if history_id else c["id"]
+                calls.append({"id": ids[c["id"]], "type": "function", "function": {
+                    "name": name, "arguments": _value_or_text(c["function"]["arguments"])}})
             m = {**m, "tool_calls": calls}
         elif history_id and m["role"] == "tool" and "tool_call_id" in m:
-            m = {**m, "tool_call_id": history_id(m["tool_call_id"])}
+            m = {**m, "tool_call_id": ids.get(m["tool_call_id"]) or history_id(m["tool_call_id"])}
         out.append(m)
     return out
 

@@ -156,14 +156,20 @@ class JsonTagFormat(TaggedFormat):
             return ""
         return text[call.args_start:call.args_end if call.args_end is not None else len(text)]
 
+    grammar_rules: tuple[str, ...] = ()   # Lark rules `_head` names (Kimi's call index)
+
     def body(self, functions: list[tuple[str, dict[str, Any]]]) -> str:
-        rules = ["body: " + " | ".join(f"fn{i}" for i in range(len(functions)))]
+        rules = ["body: " + " | ".join(f"fn{i}" for i in range(len(functions))), *self.grammar_rules]
         for i, (name, schema) in enumerate(functions):
             strict = {**(schema if schema else ANY_OBJECT), "x-guidance": {"lenient": True}}
             rules.append(f"args{i}: %json {schema_text(strict)}")
-            head, tail = self._around(name)
-            rules.append(" ".join(filter(None, (f"fn{i}:", literal(head), f"args{i}", literal(tail)))))
+            tail = literal(self._around(name)[1])
+            rules.append(" ".join(filter(None, (f"fn{i}:", self._head(name), f"args{i}", tail))))
         return "\n".join(rules) + "\n"
+
+    def _head(self, name: str) -> str:
+        """The Lark expression of what a call of `name` writes before its arguments (after the opening marker)."""
+        return literal(self._around(name)[0])
 
     def _around(self, name: str) -> tuple[str, str]:
         """What a call of `name` writes before its arguments' object (after the opening marker) and after it."""

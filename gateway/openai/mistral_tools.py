@@ -59,9 +59,9 @@ def mistral_call_id() -> str:
     return "".join(secrets.choice(_ALPHANUMERIC) for _ in range(9))
 
 
-def history_id(call_id: Any) -> Any:
+def history_id(call_id: Any, name: str | None = None, index: int | None = None) -> Any:
     """A history's call id as Mistral's templates take it: one of 9 letters and digits as it is, any other string
-    9 of its own, the same each time (a digest of it)."""
+    9 of its own, the same each time (a digest of it; the call's function and place aside)."""
     if not isinstance(call_id, str) or (len(call_id) == 9 and call_id.isascii() and call_id.isalnum()):
         return call_id
     number = int.from_bytes(hashlib.sha256(call_id.encode()).digest()[:8], "big")

@@ -83,7 +83,8 @@ class ToolFormat:
     parallel_calls = True      # a reply may hold several calls (`parallel_tool_calls`); llama3_json's one
     markers: tuple[str, ...] = ()   # text around the calls that `parse` needs (hermes' tags)
     call_id = staticmethod(openai_call_id)   # the id of a call the model writes
-    history_id = staticmethod(lambda call_id: call_id)   # a history's call id as the template takes it
+    # a history's call id as the template takes it, given its function's name and its place among the history's calls
+    history_id = staticmethod(lambda call_id, name=None, index=None: call_id)
 
     def __init__(self, tools: list[Tool]) -> None:
         self.tools = {t.name: t for t in tools}
@@ -121,6 +122,10 @@ class ToolFormat:
         functions = [(t.name, t.parameters if t.strict else ANY_OBJECT) for t in tools]
         return auto_grammar(self.syntax, functions, parallel and self.parallel_calls, reply, think,
                             self.body(functions))
+
+    def stream_call_id(self, text: str, start: int) -> str:
+        """The id a stream gives the call beginning at `start` of the reply `text` (Kimi's: the one written there)."""
+        return self.call_id()
 
     def example(self) -> str:
         """A call in this format, placeholders for its function's name and arguments: how a system message of ours
@@ -405,7 +410,7 @@ class ToolCallStream:
             if k == len(self.calls):
                 if not start or scan.name not in self.fmt.tools or scan.args_start is None:
                     break        # its name or its arguments' start not written yet (or it names no tool offered)
-                call = _StreamedCall(self.fmt.call_id(), scan.name, scan.start)
+                call = _StreamedCall(self.fmt.stream_call_id(text, scan.start), scan.name, scan.start)
                 self.calls.append(call)
                 out[k] = {"index": k, "id": call.id, "type": "function",
                           "function": {"name": call.name, "arguments": ""}}
