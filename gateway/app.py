@@ -1,11 +1,10 @@
 """The aiohttp application: OpenAI-compatible endpoints in front of the pools.
 
 `create_app` builds the app from a `gateway.runtime.Gateway` (everything planned and loaded that can fail before a
-socket opens): the routes (`gateway.handlers`, the Responses API's `gateway.openai.response_endpoints`; with a data
-dir also the Batch API, `gateway.batch.endpoints`, and the kept responses), the error, browser
-(`gateway.browser_guard`) and auth middlewares, and the `cleanup_ctx` that owns the device workers and the one
-`UpstreamClient` (`gateway.upstream.connection`). Workers load in the background: `/health` answers at once,
-`/ready` once every device is loaded, and requests that arrive earlier wait for their pool instead of being refused.
+socket opens): the routes (`gateway.handlers`, `gateway.tokenize_endpoints`, `gateway.openai.response_endpoints`;
+with a data dir the Batch API, `gateway.batch.endpoints`, and kept responses), the error, browser and auth
+middlewares, the `cleanup_ctx` that owns the device workers and the `UpstreamClient`. Workers load in the
+background: `/health` answers at once, `/ready` once every device is loaded; requests that arrive earlier wait.
 
 Every error is answered in the OpenAI format `{"error": {message, type, param, code}}`: the
 middleware does it for the handlers, `GatewayRunner` for aiohttp's own HTTP parser errors (a bad
@@ -32,7 +31,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMethod, HttpProcessingError
 from aiohttp.web_protocol import RequestHandler
 
-from gateway import handlers
+from gateway import handlers, tokenize_endpoints
 from gateway.batch import endpoints as batches
 from gateway.monitoring import dashboard
 from gateway.openai import response_endpoints
@@ -68,6 +67,7 @@ def create_app(gateway: Gateway, *, data_dir: Path | str | None = None,
     if data_dir is not None:
         batches.setup(app, data_dir, batch_executor)
     response_endpoints.setup(app, data_dir)   # after the batch store: its file holds the responses' table
+    tokenize_endpoints.setup(app)   # /tokenize, /detokenize
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)
     app.router.add_post("/v1/completions", handlers.completions)
     app.router.add_get("/v1/models", handlers.list_models)

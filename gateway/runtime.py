@@ -377,12 +377,15 @@ class Gateway:
         return [await self.route_prompt(model, p, "prompt" if len(prompts) == 1 else f"prompt[{i}]")
                 for i, p in enumerate(prompts)]
 
-    async def route_prompt(self, model: str, prompt: str | list[int], param: str = "prompt") -> tuple[Pool, list[int]]:
-        """Count a completion prompt (text between what the tokenizer adds around it, or token ids, each in the
-        pool's vocabulary as vLLM checks them) and route it; errors name `param`."""
+    async def route_prompt(self, model: str, prompt: str | list[int], param: str = "prompt",
+                           around: bool = True) -> tuple[Pool, list[int]]:
+        """Count a completion prompt (text between what the tokenizer adds around it, `around` False: the text's
+        own ids alone; or token ids, each in the pool's vocabulary as vLLM checks them) and route it; errors name
+        `param`."""
         if isinstance(prompt, list):   # a long one is checked off the event loop too (a few MB of ids: seconds)
             return await self._route(model, param, len(prompt), lambda pool: _known_ids(pool, prompt, param))
-        return await self._route(model, param, len(prompt), self._timed(lambda pool: pool.prompt_ids(prompt)))
+        return await self._route(model, param, len(prompt), self._timed(
+            lambda pool: pool.prompt_ids(prompt) if around else pool.counter.encode(prompt)))
 
     async def _route(self, model: str, param: str, size: int, tokenize: Callable[[Pool], list[int]],
                      key: Callable[[Pool], Hashable] | None = None) -> tuple[Pool, list[int]]:
