@@ -31,7 +31,7 @@ from gateway.openai.call_scan import CallScanner, TagSearch, loads
 from gateway.openai.tagged_tools import TaggedFormat, TagForm, _may_begin, _past_blanks, _Reading, word_before
 from gateway.openai.tool_grammar import ANY_OBJECT, literal, schema_text
 from gateway.openai.tool_specs import Tool
-from gateway.openai.tools import CallScan
+from gateway.openai.tools import CallScan, ToolCall
 
 CALLS, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CALL, SEP, CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
@@ -157,6 +157,14 @@ class JsonTagFormat(TaggedFormat):
         return text[call.args_start:call.args_end if call.args_end is not None else len(text)]
 
     grammar_rules: tuple[str, ...] = ()   # Lark rules `_head` names (Kimi's call index)
+
+    def parse_reply(self, text: str, cut: bool = False) -> tuple[str | None, list[ToolCall]]:
+        """`TaggedFormat.parse_reply`, each call under the id a stream gives it (`stream_call_id`: Kimi's and
+        Mistral's the one the model wrote)."""
+        content, calls = super().parse_reply(text, cut)
+        for call in calls:
+            call.id = self.stream_call_id(text, call.start)
+        return content, calls
 
     def body(self, functions: list[tuple[str, dict[str, Any]]]) -> str:
         rules = ["body: " + " | ".join(f"fn{i}" for i in range(len(functions))), *self.grammar_rules]

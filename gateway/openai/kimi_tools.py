@@ -24,7 +24,7 @@ from gateway.openai.deepseek_tools import JsonTagFormat, _JsonCall
 from gateway.openai.tagged_tools import TagForm
 from gateway.openai.tool_grammar import literal
 from gateway.openai.tool_specs import Tool
-from gateway.openai.tools import ToolCall, openai_call_id
+from gateway.openai.tools import openai_call_id
 
 SECTION, SECTION_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
 CALL, ARGUMENT, CALL_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
@@ -73,12 +73,6 @@ class KimiFormat(JsonTagFormat):
 
     def __init__(self, tools: list[Tool]) -> None:
         super().__init__(tools, KIMI_FORM)
-
-    def parse_reply(self, text: str, cut: bool = False) -> tuple[str | None, list[ToolCall]]:
-        content, calls = super().parse_reply(text, cut)
-        for call in calls:
-            call.id = self.stream_call_id(text, call.start)
-        return content, calls
 
     def stream_call_id(self, text: str, start: int) -> str:
         """The id the model wrote for the call at `start`, where it has Kimi's shape (else an OpenAI id)."""

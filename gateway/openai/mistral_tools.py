@@ -15,7 +15,9 @@ telling them apart: `mistral_format`):
 
       [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]search[ARGS]{"query": "q"}
 
-  read and written as DeepSeek V3.1's form (`gateway.openai.deepseek_tools.JsonTagFormat`).
+  read and written as DeepSeek V3.1's form (`gateway.openai.deepseek_tools.JsonTagFormat`); where the template
+  writes each call's id after its name (`get_weather[CALL_ID]a1B2c3D4e[ARGS]{...}`, mistral_common's v11 way), the
+  model writes one too, and the call is answered under it.
 
 **Call ids.** Mistral's templates refuse a history whose call ids are not 9 letters and digits (v0.3's raises; later
 ones keep the last 9 characters, so two ids may become one). These formats answer with such ids (`mistral_call_id`,
@@ -29,17 +31,18 @@ import json
 import secrets
 import string
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from gateway.openai.call_scan import CallScan, CallScanner
-from gateway.openai.deepseek_tools import JsonTagFormat
+from gateway.openai.deepseek_tools import JsonTagFormat, _JsonCall
 from gateway.openai.reasoning import partial_tag
 from gateway.openai.tagged_tools import TagForm
-from gateway.openai.tool_grammar import CallSyntax, regex_text
+from gateway.openai.tool_grammar import CallSyntax, literal, regex_text
 from gateway.openai.tool_specs import Tool
 from gateway.openai.tools import _SPACES, ToolCall, ToolFormat, _decode, beside_calls
 
-MARKER, ARGS = "[TOOL_CALLS]", "[ARGS]"
+MARKER, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 _ALPHANUMERIC = string.ascii_letters + string.digits
 ARGS_FORM = TagForm("mistral_args", MARKER, ARGS, "", "", "", "", "", line="")
 
@@ -51,7 +54,7 @@ def writes_mistral_calls(template: str) -> bool:
 
 def mistral_format(template: str, tools: list[Tool]) -> ToolFormat:
     """The Mistral form a template writes: `[ARGS]` after each call's name, or the array of objects."""
-    return MistralArgsFormat(tools) if ARGS in template else MistralFormat(tools)
+    return MistralArgsFormat(tools, with_ids=CALL_ID in template) if ARGS in template else MistralFormat(tools)
 
 
 def mistral_call_id() -> str:
@@ -62,7 +65,7 @@ def mistral_call_id() -> str:
 def history_id(call_id: Any, name: str | None = None, index: int | None = None) -> Any:
     """A history's call id as Mistral's templates take it: one of 9 letters and digits as it is, any other string
     9 of its own, the same each time (a digest of it; the call's function and place aside)."""
-    if not isinstance(call_id, str) or (len(call_id) == 9 and call_id.isascii() and call_id.isalnum()):
+    if not isinstance(call_id, str) or _is_mistral_id(call_id):
         return call_id
     number = int.from_bytes(hashlib.sha256(call_id.encode()).digest()[:8], "big")
     return "".join(_ALPHANUMERIC[number // 62 ** k % 62] for k in range(9))
@@ -74,18 +77,48 @@ def _with_mistral_ids(calls: list[ToolCall]) -> list[ToolCall]:
     return calls
 
 
-class MistralArgsFormat(JsonTagFormat):
-    """Mistral's `[ARGS]` form (the module's notes)."""
+def _is_mistral_id(call_id: str) -> bool:
+    return len(call_id) == 9 and call_id.isascii() and call_id.isalnum()
 
+
+@dataclass
+class _ArgsCall(_JsonCall):
+    """A function of the `[ARGS]` form: its name, and the id written after it (`[CALL_ID]`) where there is one."""
+
+    call_id: str | None = None
+
+    def _name(self, text: str) -> bool:
+        if not super()._name(text):
+            return False
+        self.name, _, written = (self.name or "").partition(CALL_ID)
+        self.call_id = written or None
+        return True
+
+
+class MistralArgsFormat(JsonTagFormat):
+    """Mistral's `[ARGS]` form (the module's notes); `with_ids`: its template writes each call's id after its name
+    (`NAME[CALL_ID]ID[ARGS]`, as mistral_common's v11 tokenizer does), which the model then writes too: the call is
+    answered under it, and the grammars write one of 9 letters and digits."""
+
+    call_type = _ArgsCall
     call_id = staticmethod(mistral_call_id)
     history_id = staticmethod(history_id)
 
-    def __init__(self, tools: list[Tool]) -> None:
+    def __init__(self, tools: list[Tool], with_ids: bool = False) -> None:
         super().__init__(tools, ARGS_FORM)
+        self.with_ids = with_ids
+        self.grammar_rules = ("CALLID: /[A-Za-z0-9]{9}/",) if with_ids else ()
 
-    def parse_reply(self, text: str, cut: bool = False) -> tuple[str | None, list[ToolCall]]:
-        content, calls = super().parse_reply(text, cut)
-        return content, _with_mistral_ids(calls)
+    def stream_call_id(self, text: str, start: int) -> str:
+        """The id written after the call's name where it is one of 9 letters and digits, else a new one."""
+        begin = text.find(CALL_ID, start, text.find(ARGS, start))
+        written = text[begin + len(CALL_ID):text.find(ARGS, begin)] if begin >= 0 else ""
+        return written if _is_mistral_id(written) else mistral_call_id()
+
+    def _head(self, name: str) -> str:
+        if not self.with_ids:
+            return super()._head(name)
+        return f"{literal(name + CALL_ID)} CALLID {literal(ARGS)}"
 
 
 class MistralFormat(ToolFormat):

@@ -53,7 +53,10 @@ V11_TEMPLATE = (
     "{%- endif %}{{- '[TOOL_CALLS]' + tool.function.name + '[ARGS]' + arguments }}{%- endfor %}{{- eos_token }}"
     "{%- elif m.role == 'tool' %}{{- '[TOOL_RESULTS]' + m.content | string + '[/TOOL_RESULTS]' }}"
     "{%- endif %}{%- endfor %}")
-TEMPLATES = {"mistral": V3_TEMPLATE, "mistral_args": V11_TEMPLATE}
+# the same with each call's id after its name (mistral_common's v11 way, in templates converted from it)
+V11_IDS_TEMPLATE = V11_TEMPLATE.replace("tool.function.name + '[ARGS]'", "tool.function.name + '[CALL_ID]' + tool.id "
+                                                                         "+ '[ARGS]'")
+TEMPLATES = {"mistral": V3_TEMPLATE, "mistral_args": V11_TEMPLATE, "mistral_args_ids": V11_IDS_TEMPLATE}
 
 
 def _calls(template: str, *calls: tuple[str, dict]) -> str:
@@ -69,7 +72,7 @@ def _calls(template: str, *calls: tuple[str, dict]) -> str:
 @pytest.fixture(scope="module", params=list(TEMPLATES))
 def form(request):
     found = tool_format(TEMPLATES[request.param], parse_tools([WEATHER, SEARCH]))
-    assert found.name == request.param and isinstance(found, (MistralFormat, MistralArgsFormat))
+    assert request.param.startswith(found.name) and isinstance(found, (MistralFormat, MistralArgsFormat))
     return found, TEMPLATES[request.param]
 
 
@@ -97,6 +100,8 @@ def test_the_calls_a_template_writes_read_back_as_those_calls_under_9_character_
     assert content == "Let me look." and [(c.name, json.loads(c.arguments)) for c in calls] == [
         ("get_weather", args), ("search", {"query": "x"})]
     assert all(_is_mistral_id(c.id) for c in calls) and calls[0].id != calls[1].id
+    if "[CALL_ID]" in template:   # answered under the ids the model wrote
+        assert [c.id for c in calls] == [history_id("call_0"), history_id("call_1")]
     loose = text.replace("[TOOL_CALLS] [{", "[TOOL_CALLS]\n [ \n{").replace("}, {", "} ,\n {")
     assert [(c.name, c.arguments) for c in fmt.parse(loose)[1]] == [(c.name, c.arguments) for c in calls]
 
@@ -124,8 +129,9 @@ def test_a_stream_sends_the_text_then_each_calls_arguments_as_written_adding_up_
     second call's arguments."""
     fmt, template = form
     text = json_calls_stream(fmt, lambda *calls: _calls(template, *calls), cut)
-    stream = ToolCallStream(fmt, forced=True)
-    assert all(_is_mistral_id(entry["id"]) for entry in stream.call_deltas(text) if "id" in entry)
+    ids = [entry["id"] for entry in ToolCallStream(fmt, forced=True).call_deltas(text) if "id" in entry]
+    assert all(map(_is_mistral_id, ids)) and len(ids) == 2
+    assert "[CALL_ID]" not in template or ids == [history_id("call_0"), history_id("call_1")]
 
 
 def test_a_reply_cut_before_a_calls_arguments_drops_it_and_a_marker_in_prose_holds_back_nothing(form):
@@ -135,10 +141,12 @@ def test_a_reply_cut_before_a_calls_arguments_drops_it_and_a_marker_in_prose_hol
     prose_markers_stream(fmt, f"Put calls after {MARKER} markers, then go on.\n", f"{MARKER} ok.\n")
 
 
-def test_the_args_forms_grammars_write_it_a_strict_functions_arguments_under_its_schema(lltokenizer):
-    fmt = tool_format(V11_TEMPLATE, parse_tools([WEATHER, SEARCH]))
-    check_form_grammars(fmt, lambda *calls: _calls(V11_TEMPLATE, *calls), lltokenizer,
-                        _calls(V3_TEMPLATE, ("get_weather", {"city": "Paris", "days": 0})))
+@pytest.mark.parametrize("template", [V11_TEMPLATE, V11_IDS_TEMPLATE])
+def test_the_args_forms_grammars_write_it_a_strict_functions_arguments_under_its_schema(lltokenizer, template):
+    fmt = tool_format(template, parse_tools([WEATHER, SEARCH]))
+    other = V11_TEMPLATE if template == V11_IDS_TEMPLATE else V3_TEMPLATE   # the ids' form asks for an id
+    check_form_grammars(fmt, lambda *calls: _calls(template, *calls), lltokenizer,
+                        _calls(other, ("get_weather", {"city": "Paris", "days": 0})))
 
 
 def test_the_array_forms_grammars_write_one_array_of_calls_a_strict_functions_arguments_under_its_schema(lltokenizer):
