@@ -7,7 +7,9 @@ and its special tokens follow the vocabulary, `NUM_SPECIAL` of them, named by to
 `added_tokens_decoder` (the others `<|reserved_token_{id}|>`), as the class builds them. tiktoken merges, inside a
 piece, the adjacent pair whose concatenation has the lowest rank, after looking the whole piece up; the BPE here
 has the same ids, a merge rule for each way a token splits into two tokens, ordered by the token's rank, and looks
-the whole piece up first (`ignore_merges`), as transformers' converter of tiktoken vocabularies does.
+the whole piece up first (`ignore_merges`), as transformers' converter of tiktoken vocabularies does. The class
+also hands its template the tools with their keys sorted at every depth (`sorted_keys`): so does
+`engine.tokenizer.Tokenizer.apply_chat_template` for such a folder.
 """
 
 from __future__ import annotations
@@ -34,6 +36,16 @@ PATTERNS = {"TikTokenTokenizer": "|".join([
     r"\s*[\r\n]+",
     r"\s+(?!\S)",
     r"\s+"])}
+
+
+SORTS_TOOLS = ("TikTokenTokenizer",)   # classes whose chat template gets the tools' keys sorted at every depth
+
+
+def sorted_keys(value: Any) -> Any:
+    """`value` (JSON) with every object's keys in sorted order, as Moonshot's class hands tools to its template."""
+    if isinstance(value, dict):
+        return {key: sorted_keys(value[key]) for key in sorted(value)}
+    return [sorted_keys(item) for item in value] if isinstance(value, list) else value
 
 
 @functools.cache

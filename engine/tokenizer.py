@@ -33,7 +33,7 @@ from tokenizers import Tokenizer as _Backend
 
 from engine.chat_template import TEMPLATE_FUNCTIONS, check_messages, compile_chat_template, render
 from engine.text import OutputText
-from engine.tiktoken_vocab import tiktoken_backend
+from engine.tiktoken_vocab import SORTS_TOOLS, sorted_keys, tiktoken_backend
 
 __all__ = ["TEMPLATE_FUNCTIONS", "IncrementalDetokenizer", "Tokenizer"]
 
@@ -53,6 +53,7 @@ class Tokenizer:
         self._backend = backend
         self.folder = folder
         self._chat_templates = chat_templates
+        self._sorts_tools = config.get("tokenizer_class") in SORTS_TOOLS
         self._special_tokens_map = _special_tokens_map(config)  # chat template variables: bos_token, eos_token, ...
         self._clean_up_tokenization_spaces = bool(config.get("clean_up_tokenization_spaces", False)) and (
             type(backend.model).__name__ != "BPE"
@@ -221,6 +222,8 @@ class Tokenizer:
         check_messages(messages)
         source = self._chat_template(use_tools=kwargs.get("tools") is not None)
         variables = {"tools": None, "documents": None, **self._special_tokens_map, **kwargs}
+        if self._sorts_tools and variables["tools"]:   # Moonshot's class renders them with every key sorted
+            variables["tools"] = sorted_keys(variables["tools"])
         return render(source, messages, add_generation_prompt, continue_final_message, variables)
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
@@ -228,26 +231,23 @@ class Tokenizer:
         return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
 
     def chat_template_source(self, use_tools: bool = False) -> str:
-        """The text of the template `apply_chat_template` renders ("" when the folder has none)."""
-        if not self._chat_templates:
-            return ""
-        name = "tool_use" if use_tools and "tool_use" in self._chat_templates else "default"
-        return self._chat_templates.get(name, "")
+        """The text of the template `apply_chat_template` renders ("" when the folder has none): "tool_use" when
+        tools are given and it exists, else "default" (HF's choice)."""
+        return self._chat_templates.get("tool_use" if use_tools and "tool_use" in self._chat_templates else "default",
+                                        "")
 
     def _chat_template(self, use_tools: bool) -> str:
-        """The template's text, checked to compile: "tool_use" when tools are given and it exists, else
-        "default" (HF's choice)."""
+        """`chat_template_source`, checked to compile."""
         if not self._chat_templates:
             raise ValueError(f"chat template: model folder {self.folder} has none; send a completion prompt instead")
-        name = "tool_use" if use_tools and "tool_use" in self._chat_templates else "default"
-        if name not in self._chat_templates:
+        if not (source := self.chat_template_source(use_tools)):
             raise ValueError(f"chat template: model folder {self.folder} has several ({sorted(self._chat_templates)})"
                              " and no 'default' one")
         try:
-            compile_chat_template(self._chat_templates[name])
+            compile_chat_template(source)
         except jinja2.TemplateSyntaxError as exc:
             raise ValueError(f"chat template: {self.folder}: line {exc.lineno}: {exc.message}") from exc
-        return self._chat_templates[name]
+        return source
 
 
 class IncrementalDetokenizer:

@@ -65,7 +65,8 @@ def kimi_folder(tmp_path_factory) -> tuple[Path, tiktoken.Encoding]:
     decoder = {str(len(ranks) + i): {"content": name, "special": True} for i, name in NAMED.items()}
     (folder / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "TikTokenTokenizer", "added_tokens_decoder": decoder, "bos_token": "[BOS]",
-        "eos_token": "[EOS]", "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]}}))
+        "eos_token": "[EOS]", "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]},
+        "chat_template": "{{ tools | tojson }}{% for m in messages %}{{ m.content }}{% endfor %}"}))
     specials = {NAMED.get(i - len(ranks), f"<|reserved_token_{i}|>"): i
                 for i in range(len(ranks), len(ranks) + NUM_SPECIAL)}
     return folder, tiktoken.Encoding("kimi", pat_str=KIMI_PATTERN, mergeable_ranks=ranks, special_tokens=specials)
@@ -100,3 +101,13 @@ def test_a_tiktoken_folder_of_a_class_whose_pieces_are_unknown_is_refused_by_its
     (tmp_path / VOCAB_FILE).write_text("not base64!! 0\n")
     with pytest.raises(ValueError, match="tiktoken.model: line 1"):
         Tokenizer.from_folder(tmp_path)
+
+
+def test_the_tools_reach_a_kimi_template_with_their_keys_sorted_as_moonshots_class_hands_them(kimi_folder):
+    folder, _ = kimi_folder
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"zeta": {"type": "string"}, "alpha": {"type": "integer"}}}}}]
+    rendered = Tokenizer.from_folder(folder).apply_chat_template([{"role": "user", "content": "!"}], tools=tools)
+    listed = json.loads(rendered[:-1])
+    assert list(listed[0]) == ["function", "type"] and list(listed[0]["function"]) == ["name", "parameters"]
+    assert list(listed[0]["function"]["parameters"]["properties"]) == ["alpha", "zeta"]
