@@ -67,6 +67,11 @@ class _JsonCall:
     dead: bool = False
     scanner: CallScanner | None = None
 
+    @staticmethod
+    def function_name(written: str) -> str:
+        """The function a call's written name names (Kimi's id, Mistral's name and id: theirs say)."""
+        return written
+
     @property
     def fenced(self) -> bool:
         return self.form.name == "deepseek_v3"
@@ -88,7 +93,7 @@ class _JsonCall:
         else:
             found = self._word(text, begin, close)
         if found is not None:
-            self.name, self.at = found[0], found[1]
+            self.name, self.at = self.function_name(found[0]), found[1]
         return found is not None
 
     def _word(self, text: str, begin: int, close: str) -> tuple[str, int] | None:

@@ -17,7 +17,6 @@ marker in the template (`writes_kimi_calls`); read, streamed and written as Deep
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from typing import Any
 
 from gateway.openai.deepseek_tools import JsonTagFormat, _JsonCall
@@ -51,17 +50,11 @@ def history_id(call_id: Any, name: str | None = None, index: int | None = None) 
     return f"functions.{name}:{index}"
 
 
-@dataclass
 class _KimiCall(_JsonCall):
-    """A Kimi function: its id where DeepSeek's name is, the name read from it (`call_id`: the id as written)."""
+    """A Kimi function: its id where DeepSeek's name is, the name read from it (`KimiFormat.stream_call_id`: the
+    id)."""
 
-    call_id: str | None = None
-
-    def _name(self, text: str) -> bool:
-        if not super()._name(text):
-            return False
-        self.call_id, self.name = self.name, function_name(self.name or "")
-        return True
+    function_name = staticmethod(function_name)
 
 
 class KimiFormat(JsonTagFormat):

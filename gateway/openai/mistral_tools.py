@@ -31,7 +31,6 @@ import json
 import secrets
 import string
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 from gateway.openai.call_scan import CallScan, CallScanner
@@ -81,18 +80,13 @@ def _is_mistral_id(call_id: str) -> bool:
     return len(call_id) == 9 and call_id.isascii() and call_id.isalnum()
 
 
-@dataclass
 class _ArgsCall(_JsonCall):
-    """A function of the `[ARGS]` form: its name, and the id written after it (`[CALL_ID]`) where there is one."""
+    """A function of the `[ARGS]` form: its name, before the id written after it (`[CALL_ID]`) where there is one
+    (`MistralArgsFormat.stream_call_id`: the id)."""
 
-    call_id: str | None = None
-
-    def _name(self, text: str) -> bool:
-        if not super()._name(text):
-            return False
-        self.name, _, written = (self.name or "").partition(CALL_ID)
-        self.call_id = written or None
-        return True
+    @staticmethod
+    def function_name(written: str) -> str:
+        return written.partition(CALL_ID)[0]
 
 
 class MistralArgsFormat(JsonTagFormat):
