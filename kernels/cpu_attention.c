@@ -2,7 +2,8 @@
  * the cache blocks through the block table (no gather copy). Launched by kernels/cpu_attention.py, which
  * compiles this file once per machine and checks every argument before the call.
  *
- * Each decode row's query heads (up to HEAD_CHUNK at a time) walk the sequence (its sliding window only)
+ * Each decode row's query heads (up to HEAD_CHUNK at a time) walk the sequence (its sliding window only, or
+ * with chunked attention its own chunk: `window` < 0 is a chunk of -window positions, see first_key)
  * in tiles of positions, an online (flash-decoding) softmax carried from tile to tile, K and V read once:
  *   scores:  W positions at a time, for every head while those K rows are in L1 (the heads of a GQA group
  *            one after another on the same rows, bfloat16 rows widened once for them); each position's
@@ -354,6 +355,14 @@ static inline __attribute__((always_inline)) void NAME(                         
 #define ATTEND_ARGS q, o, h0, nh, group, k, v, table, first, len, block_size, row, scale, qs, acc, next_table,  \
                     next_first, next_len
 
+/* The first position a decode row of `len` positions attends to: its last `window` with window > 0 (a sliding
+ * window), its own chunk's first with window < 0 (Llama 4's chunked attention, chunks of -window positions:
+ * ((len - 1) / chunk) x chunk), 0 with window 0. */
+static inline int64_t first_key(int64_t len, int64_t window) {
+    if (window < 0) return (len - 1) / -window * -window;
+    return window > 0 && len > window ? len - window : 0;
+}
+
 /* The kernel over a list of decode rows (the exported calls below hand it all of them, or a run each thread):
  * every row and chunk of its query heads, with head_dim a constant in the specialised copies of ATTEND (the
  * switch is outside every loop over positions). */
@@ -383,18 +392,18 @@ static int NAME##_rows(DECODE_PARAMS(T)) {                                      
     float *acc = qs + chunk * head_dim;                                                                      \
     for (int64_t i = 0; i < num_decode; i++) {                                                               \
         const int64_t len = seq_lens[seqs[i]];                                                               \
-        const int64_t first = (window > 0 && len > window) ? len - window : 0;                             \
+        const int64_t first = first_key(len, window);                                                        \
         const int32_t *table = block_tables + (int64_t)seqs[i] * max_blocks;                                \
         const int32_t *next_table = NULL;                                                                    \
         int64_t next_first = 0, next_len = 0;                                                                \
         if (chunk >= num_heads && i + 1 < num_decode) {   /* its first tile, prefetched during this row */ \
             next_len = seq_lens[seqs[i + 1]];                                                                \
-            next_first = window > 0 && next_len > window ? next_len - window : 0;                           \
+            next_first = first_key(next_len, window);                                                        \
             next_table = block_tables + (int64_t)seqs[i + 1] * max_blocks;                                   \
         }                                                                                                    \
         if (chunk < num_heads && i + 1 < num_decode) {   /* head chunks: the next row's first rows at once */ \
             const int64_t next_len = seq_lens[seqs[i + 1]], row_bytes = row * (int64_t)sizeof(T);             \
-            const int64_t next_first = window > 0 && next_len > window ? next_len - window : 0;            \
+            const int64_t next_first = first_key(next_len, window);                                          \
             const int64_t fit = TILE_BYTES / row_bytes > 1 ? TILE_BYTES / row_bytes : 1;                     \
             const int64_t count = next_len - next_first < fit ? next_len - next_first : fit;                \
             prefetch_positions(k_cache, v_cache, block_tables + (int64_t)seqs[i + 1] * max_blocks, next_first, \
@@ -446,7 +455,7 @@ int decode_threads(void) {   /* the threads a split may use: 0 in a build withou
 }
 
 static inline int64_t keys_read(int64_t len, int64_t window) {   /* the positions a decode row attends to */
-    return window > 0 && len > window ? window : len;
+    return len - first_key(len, window);
 }
 
 /* cuts[0..parts]: run r is rows [cuts[r], cuts[r + 1]), none empty; a cut where the K/V read so far first

@@ -110,12 +110,14 @@ def decode_plan(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | 
 
 
 def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                     scale: float, sliding_window: int | None, out: torch.Tensor) -> bool:
+                     scale: float, sliding_window: int | None, out: torch.Tensor, chunk: int | None = None) -> bool:
     """The step's decode tokens through the C kernel, into their rows of `out`; False (nothing done) when
-    the kernel cannot take them (no compiler, a dtype it lacks, tensors not laid out as it reads them)."""
+    the kernel cannot take them (no compiler, a dtype it lacks, tensors not laid out as it reads them, a window
+    and a chunk both). The kernel's `window` argument: the sliding window, or -chunk (chunked attention)."""
     function = _FUNCTIONS.get(query.dtype)
     library = load_library() if function is not None else None
-    if library is None or k_cache.dtype != query.dtype or v_cache.dtype != query.dtype:
+    if library is None or k_cache.dtype != query.dtype or v_cache.dtype != query.dtype \
+            or (sliding_window is not None and chunk is not None):
         return False
     tensors = (k_cache, v_cache, out, meta.block_tables, meta.seq_lens)
     rows_ok = query.stride(2) == 1 and query.stride(1) == query.shape[2]   # tokens may be strided (a qkv slice)
@@ -135,7 +137,8 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     status = getattr(library, function)(
         query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), meta.block_tables.data_ptr(),
         meta.seq_lens.data_ptr(), rows.data_ptr(), seqs.data_ptr(), len(rows), query.stride(0), num_heads,
-        num_kv_heads, head_dim, block_size, meta.block_tables.shape[1], scale, sliding_window or 0)
+        num_kv_heads, head_dim, block_size, meta.block_tables.shape[1], scale,
+        -chunk if chunk is not None else sliding_window or 0)
     if status != 0:
         raise MemoryError("cpu_attention: the kernel could not allocate its score buffer")
     return True
@@ -154,7 +157,8 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float, sliding_window: int | None = None, *, k_scale: float = 1.0,
-                    v_scale: float = 1.0, softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                    v_scale: float = 1.0, softcap: float = 0.0, sinks: torch.Tensor | None = None,
+                    chunk: int | None = None) -> torch.Tensor:
     """`kernels.reference.paged_attention`'s contract; decode tokens by the C kernel where it can take them
     (not from an FP8 cache, nor with capped scores or attention sinks: the reference reads those).
 
@@ -163,9 +167,9 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     """
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     eager = bool(softcap) or sinks is not None
-    if eager or not decode_attention(query, k_cache, v_cache, meta, scale, sliding_window, out):
+    if eager or not decode_attention(query, k_cache, v_cache, meta, scale, sliding_window, out, chunk):
         reference_decode_attention(query, k_cache, v_cache, meta, scale, sliding_window, out, k_scale=k_scale,
-                                   v_scale=v_scale, softcap=softcap, sinks=sinks)
+                                   v_scale=v_scale, softcap=softcap, sinks=sinks, chunk=chunk)
     prefill_attention(query, k_cache, v_cache, meta, scale, sliding_window, out, k_scale=k_scale, v_scale=v_scale,
-                      softcap=softcap, sinks=sinks)
+                      softcap=softcap, sinks=sinks, chunk=chunk)
     return out

@@ -13,7 +13,9 @@ one causal pass over the whole prompt. SDPA given an explicit `[q_len, s_len]` m
 runs its math path instead (float32 scores materialised, mask and softmax passes over the whole
 rectangle, no causal skipping): 3-4x slower at 2,048-token chunks, and 69% of a 2,500-token prefill.
 A sliding window that cuts into the chunk's keys takes one flash call over the keys some query sees,
-with an additive mask. Off the CPU (the yardstick on CUDA), or with a torch whose CPU kernel fails
+with an additive mask; so does chunked attention (Llama 4's `attention_chunk_size`: a query at position p
+sees the keys from p - p % chunk to p, its own chunk of the sequence) where a chunk boundary falls among
+the chunk's queries. Off the CPU (the yardstick on CUDA), or with a torch whose CPU kernel fails
 the probe in `_cpu_flash_works`, chunks run SDPA with a boolean mask.
 
 `softcap` (Gemma 2's attention logit soft-capping: each score q.k x scale replaced by
@@ -96,6 +98,7 @@ class _PrefillChunk:
     key_start: int
     slots: torch.Tensor                      # [s_len - key_start] int64
     sliding_window: int | None               # None: causal over the keys, nothing else masked
+    chunk: int | None                        # Llama 4's chunked attention: keys of the query's own chunk
     _masks: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -113,6 +116,8 @@ class _PrefillChunk:
             mask = k_pos <= q_pos
             if self.sliding_window is not None:
                 mask &= k_pos > q_pos - self.sliding_window
+            if self.chunk is not None:
+                mask &= k_pos >= q_pos - q_pos % self.chunk
             self._masks["bool"] = mask
         return mask
 
@@ -143,7 +148,8 @@ def _length_groups(rows: list[int], lengths: list[int]) -> list[list[int]]:
 
 
 def _decode_call(meta: AttentionMetadata, decode: list[int], starts: list[int], s_lens: list[int],
-                 sliding_window: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 sliding_window: int | None, chunk: int | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One batched decode call: the rows' query positions, their slots padded to the longest context,
     and which of those each row may attend to."""
     device = meta.block_tables.device
@@ -153,6 +159,8 @@ def _decode_call(meta: AttentionMetadata, decode: list[int], starts: list[int], 
     allowed = pos[None, :] < lens[:, None]                      # [n_decode, max_len]
     if sliding_window is not None:
         allowed &= pos[None, :] > (lens[:, None] - 1 - sliding_window)
+    if chunk is not None:   # the decode token's own chunk: from (len - 1) // chunk x chunk
+        allowed &= pos[None, :] >= (lens[:, None] - 1) // chunk * chunk
     slots = _context_slots(meta, decode, max_len)
     # Positions past a sequence's length read its first slot: masked out, but finite, since
     # 0 x NaN from a never-written slot would poison the weighted sum.
@@ -161,19 +169,21 @@ def _decode_call(meta: AttentionMetadata, decode: list[int], starts: list[int], 
             allowed[:, None, None, :])                           # [n_decode, 1, 1, max_len]
 
 
-def _step_plan(meta: AttentionMetadata, sliding_window: int | None) -> dict:
-    """Per-step gather indices and masks, computed once and shared by every layer of the same window
-    (Gemma 3's sliding and full layers each have theirs)."""
-    key = ("torch", sliding_window)
+def _step_plan(meta: AttentionMetadata, sliding_window: int | None, chunk: int | None = None) -> dict:
+    """Per-step gather indices and masks, computed once and shared by every layer of the same window and
+    chunk (Gemma 3's sliding and full layers each have theirs, Llama 4's chunked and full ones too)."""
+    key = ("torch", sliding_window, chunk)
     plan = meta.backend_cache.get(key)
     if plan is not None:
         return plan
+    if chunk is not None and chunk <= 0:
+        raise ValueError(f"chunk: a positive number of positions, got {chunk}")
     q_lens, s_lens = meta.query_lens_list, meta.seq_lens_list
     starts = [0]
     for q_len in q_lens:
         starts.append(starts[-1] + q_len)
     decode = [i for i, q in enumerate(q_lens) if q == 1]
-    plan = {"decode": [_decode_call(meta, group, starts, s_lens, sliding_window)
+    plan = {"decode": [_decode_call(meta, group, starts, s_lens, sliding_window, chunk)
                        for group in _length_groups(decode, s_lens)],
             "prefill": []}
     for i, (q_len, s_len) in enumerate(zip(q_lens, s_lens)):
@@ -184,9 +194,13 @@ def _step_plan(meta: AttentionMetadata, sliding_window: int | None) -> dict:
         # into the keys of later queries (window < s_len), else the chunk is plain causal.
         windowed = sliding_window is not None and sliding_window < s_len
         key_start = max(0, prefix_len - sliding_window + 1) if windowed else 0
+        # Chunked: the first query's chunk starts the keys; a mask only if a boundary falls among the queries
+        chunked = chunk is not None and prefix_len // chunk != (s_len - 1) // chunk
+        if chunk is not None:
+            key_start = max(key_start, prefix_len // chunk * chunk)
         slots = _context_slots(meta, [i], s_len)[0][key_start:]
         plan["prefill"].append(_PrefillChunk(starts[i], q_len, s_len, key_start, slots,
-                                             sliding_window if windowed else None))
+                                             sliding_window if windowed else None, chunk if chunked else None))
     meta.backend_cache[key] = plan
     return plan
 
@@ -238,7 +252,7 @@ def _prefill_cpu_flash(chunk: _PrefillChunk, q: torch.Tensor, k: torch.Tensor, v
     q = q.transpose(0, 1)[None]                                     # [1, heads, q_len, d]
     k = k.transpose(0, 1)[None]                                     # [1, kv_heads, keys, d]
     v = v.transpose(0, 1)[None]
-    if chunk.sliding_window is not None:
+    if chunk.sliding_window is not None or chunk.chunk is not None:
         out, _ = _cpu_flash(q, k, v, scale, mask=chunk.additive_mask(q.dtype))
         return out[0].transpose(0, 1)
     prefix = chunk.prefix_len
@@ -254,8 +268,10 @@ def _prefill_cpu_flash(chunk: _PrefillChunk, q: torch.Tensor, k: torch.Tensor, v
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, sliding_window: int | None = None, *,
                     k_scale: float = 1.0, v_scale: float = 1.0, softcap: float = 0.0,
-                    sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention of each new token over its sequence's cached K/V (new tokens included); an FP8
+                    sinks: torch.Tensor | None = None, chunk: int | None = None) -> torch.Tensor:
+    """Causal attention of each new token over its sequence's cached K/V (new tokens included), the last
+    `sliding_window` positions only where given, the query's own `chunk` of positions (p - p % chunk to p,
+    Llama 4's chunked attention) where given; an FP8
     cache's values read as `dequantize_kv` gives them (times k_scale / v_scale, in the query's dtype);
     `softcap` > 0 caps each score at softcap x tanh(score / softcap) (Gemma 2), 0 leaves them; `sinks`
     ([num_heads], GPT-OSS) adds exp(sinks[head]) to each softmax's denominator.
@@ -265,9 +281,9 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     """
     out = torch.empty_like(query)
     decode_attention(query, k_cache, v_cache, meta, scale, sliding_window, out, k_scale=k_scale, v_scale=v_scale,
-                     softcap=softcap, sinks=sinks)
+                     softcap=softcap, sinks=sinks, chunk=chunk)
     prefill_attention(query, k_cache, v_cache, meta, scale, sliding_window, out, k_scale=k_scale, v_scale=v_scale,
-                      softcap=softcap, sinks=sinks)
+                      softcap=softcap, sinks=sinks, chunk=chunk)
     return out
 
 
@@ -307,12 +323,12 @@ def _flat_caches(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                      scale: float, sliding_window: int | None, out: torch.Tensor, *,
                      k_scale: float = 1.0, v_scale: float = 1.0, softcap: float = 0.0,
-                     sinks: torch.Tensor | None = None) -> None:
+                     sinks: torch.Tensor | None = None, chunk: int | None = None) -> None:
     """`paged_attention` of the step's decode tokens (query length 1), written into their rows of `out`."""
     check_sinks(sinks, query)
     num_heads, head_dim, num_kv_heads, group, k_flat, v_flat = _flat_caches(query, k_cache, v_cache)
     row_sinks = None if sinks is None else sinks.view(1, num_kv_heads, group, 1)
-    for rows, slots, allowed in _step_plan(meta, sliding_window)["decode"]:
+    for rows, slots, allowed in _step_plan(meta, sliding_window, chunk)["decode"]:
         n, max_len = slots.shape
         # index_select, not advanced indexing: several times faster for row gathers on CPU
         q = query.index_select(0, rows).view(n, num_kv_heads, group, head_dim)  # [n, kv_heads, group, d]
@@ -329,11 +345,11 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                       scale: float, sliding_window: int | None, out: torch.Tensor, *,
                       k_scale: float = 1.0, v_scale: float = 1.0, softcap: float = 0.0,
-                      sinks: torch.Tensor | None = None) -> None:
+                      sinks: torch.Tensor | None = None, chunk: int | None = None) -> None:
     """`paged_attention` of the step's prefill chunks (query length > 1), written into their rows of `out`."""
     check_sinks(sinks, query)
     num_heads, head_dim, num_kv_heads, group, k_flat, v_flat = _flat_caches(query, k_cache, v_cache)
-    plan = _step_plan(meta, sliding_window)
+    plan = _step_plan(meta, sliding_window, chunk)
     eager = bool(softcap) or sinks is not None
     cpu_flash = bool(plan["prefill"]) and not eager and _use_cpu_flash(query)
     for chunk in plan["prefill"]:
@@ -357,10 +373,10 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 
 def dense_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
                            sliding_window: int | None = None, softcap: float = 0.0,
-                           sinks: torch.Tensor | None = None) -> torch.Tensor:
+                           sinks: torch.Tensor | None = None, chunk: int | None = None) -> torch.Tensor:
     """Plain attention of one contiguous sequence; the yardstick the paged versions are tested against
     (`softcap` > 0: each score capped at softcap x tanh(score / softcap); `sinks` [num_heads]: each head's
-    sink logit in the softmax, weighing no value).
+    sink logit in the softmax, weighing no value; `chunk`: a query at p sees keys p - p % chunk .. p).
 
     query: [q_len, num_heads, d], the last q_len positions; key, value: [s_len, num_kv_heads, d]
     """
@@ -378,6 +394,8 @@ def dense_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
     allowed = k_pos <= q_pos
     if sliding_window is not None:
         allowed &= k_pos > q_pos - sliding_window
+    if chunk is not None:
+        allowed &= k_pos >= q_pos - q_pos % chunk
     scores = scores.masked_fill(~allowed, float("-inf"))
     if sinks is not None:
         scores = torch.cat([scores, sinks.float().view(num_heads, 1, 1).expand(num_heads, q_len, 1)], dim=-1)

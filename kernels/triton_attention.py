@@ -17,7 +17,8 @@ tile and one KV head, and works on the `BLOCK_M = BLOCK_Q * GROUP_PAD` rows made
 query head of the KV head's group) pair, so each K/V tile is loaded once for the whole GQA group.
 It walks the sequence's K/V `BLOCK_N` positions at a time straight out of the cache blocks, through
 the block table, with an online softmax (causal among the new tokens, the cached prefix fully
-visible, optionally a sliding window).
+visible, optionally a sliding window, or chunked attention: `USE_CHUNK`, a query at p sees p - p % chunk
+to p, and a tile starts at its first query's chunk).
 
 Flash-decoding: when the tiles x KV heads are too few to fill the device (a few long decodes), each
 tile's KV range is also split into `num_splits` segments (grid axis 2). Each program then writes
@@ -83,7 +84,7 @@ def _paged_attention_kernel(
     query_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     part_m_ptr, part_l_ptr, part_acc_ptr, sinks_ptr,
     block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, tile_seq_ptr, tile_q_start_ptr, tile_row_ptr,
-    qk_scale, softcap, k_scale, v_scale, window, num_heads, num_splits,
+    qk_scale, softcap, k_scale, v_scale, window, chunk, num_heads, num_splits,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -92,7 +93,7 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     USE_WINDOW: tl.constexpr, SPLIT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    KV_FP8: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
+    KV_FP8: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, USE_CHUNK: tl.constexpr = False,
 ):
     # grid: (num_tiles, num_kv_heads, num_splits)
     tile = tl.program_id(0)
@@ -126,7 +127,9 @@ def _paged_attention_kernel(
     kv_start = 0
     if USE_WINDOW:
         kv_start = tl.maximum(context_len + tile_q - window + 1, 0)
-        kv_start = (kv_start // BLOCK_N) * BLOCK_N
+    if USE_CHUNK:   # the tile's first query's chunk (the later queries' start no earlier)
+        kv_start = tl.maximum(kv_start, (context_len + tile_q) // chunk * chunk)
+    kv_start = (kv_start // BLOCK_N) * BLOCK_N
     num_kv_tiles = tl.cdiv(kv_end - kv_start, BLOCK_N)
     if SPLIT:
         per_split = tl.cdiv(num_kv_tiles, num_splits)
@@ -158,6 +161,8 @@ def _paged_attention_kernel(
         allowed = kv_mask[None, :] & (kv_pos[None, :] <= q_pos[:, None])
         if USE_WINDOW:
             allowed = allowed & (kv_pos[None, :] > q_pos[:, None] - window)
+        if USE_CHUNK:
+            allowed = allowed & (kv_pos[None, :] >= q_pos[:, None] - q_pos[:, None] % chunk)
         s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # a row with nothing allowed yet
@@ -276,7 +281,7 @@ def _step_plan(meta: AttentionMetadata, block_q: int | None = None) -> dict:
 
     backend_cache["triton"]: {"num_query_tokens" (the whole step), "seqs", "num_rows", "max_query_len",
     "max_seq_len" (over this kernel's sequences), ("tiles", block_q): (tile_seq, tile_q_start, tile_row),
-    "row_tokens", ("num_splits", block_q, num_kv_heads, sliding_window): int}
+    "row_tokens", ("num_splits", block_q, num_kv_heads, sliding_window, chunk): int}
     tile_seq, tile_q_start, tile_row: [num_tiles] int32 — the sequence of each tile, its first query within
     the sequence and that query's row; row_tokens: [num_rows] int32, each row's token.
     """
@@ -321,12 +326,12 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     meta: AttentionMetadata, scale: float, sliding_window: int | None = None, *,
                     k_scale: float = 1.0, v_scale: float = 1.0, num_splits: int | None = None,
                     out: torch.Tensor | None = None, softcap: float = 0.0,
-                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+                    sinks: torch.Tensor | None = None, chunk: int | None = None) -> torch.Tensor:
     """Causal attention of each new token over its sequence's cached K/V (new tokens included); an FP8
     cache (float8_e4m3fn) is read as `reference.dequantize_kv` gives it (times k_scale / v_scale, rounded to
     the query's dtype), other caches ignore the scales; `softcap` > 0 caps each score at
     softcap x tanh(score / softcap); `sinks` ([num_heads], contiguous) adds exp(sinks[head]) to each
-    softmax's denominator.
+    softmax's denominator; `chunk` keeps each query's own chunk of positions (p - p % chunk to p).
 
     query: [num_tokens, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
     (strided views allowed, head_dim contiguous and of any size: the kernels pad it to a power of two
@@ -337,7 +342,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     """
     if out is None:
         out = torch.empty_like(query)
-    check_attention_args(query, k_cache, v_cache, meta, out, sliding_window, k_scale, v_scale, sinks)
+    check_attention_args(query, k_cache, v_cache, meta, out, sliding_window, k_scale, v_scale, sinks, chunk)
     num_tokens, num_heads, head_dim = query.shape
     head_dim_pad = padded_head_dim(head_dim)
     num_kv_heads = k_cache.shape[2]
@@ -347,7 +352,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if num_tokens == 0:
         return out
     prefill_attention(query, k_cache, v_cache, meta, scale, sliding_window, out, k_scale=k_scale, v_scale=v_scale,
-                      min_query_len=PREFILL_MIN_QUERY_LEN, softcap=softcap, sinks=sinks)
+                      min_query_len=PREFILL_MIN_QUERY_LEN, softcap=softcap, sinks=sinks, chunk=chunk)
     if plan["num_rows"] == 0:
         return out
 
@@ -356,11 +361,14 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         group, plan["max_query_len"], head_dim, query.element_size())
     tile_seq, tile_q_start, tile_row = _step_plan(meta, block_q)[("tiles", block_q)]
     num_tiles = tile_seq.shape[0]
-    if num_splits is None:   # a sliding layer's split count from the positions its window reads
-        splits_key = ("num_splits", block_q, num_kv_heads, sliding_window)
+    if num_splits is None:   # a sliding (chunked) layer's split count from the positions its window (chunk) reads
+        splits_key = ("num_splits", block_q, num_kv_heads, sliding_window, chunk)
         if splits_key not in plan:
-            span = plan["max_seq_len"] if sliding_window is None else \
-                min(plan["max_seq_len"], sliding_window + plan["max_query_len"] - 1)
+            span = plan["max_seq_len"]
+            if sliding_window is not None:
+                span = min(span, sliding_window + plan["max_query_len"] - 1)
+            if chunk is not None:
+                span = min(span, chunk + plan["max_query_len"] - 1)
             plan[splits_key] = choose_num_splits(num_tiles * num_kv_heads, span, query.device)
         num_splits = plan[splits_key]
     assert num_splits >= 1, f"num_splits {num_splits}"
@@ -379,7 +387,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         query, k_cache, v_cache, out,
         part_m, part_l, part_acc, query if sinks is None else sinks,
         meta.block_tables, meta.query_start_loc, meta.seq_lens, tile_seq, tile_q_start, tile_row,
-        *capped_scales(scale, softcap), float(k_scale), float(v_scale), sliding_window or 0, num_heads, num_splits,
+        *capped_scales(scale, softcap), float(k_scale), float(v_scale), sliding_window or 0, chunk or 1, num_heads,
+        num_splits,
         *query.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
         meta.block_tables.stride(0),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_M=block_m,
@@ -387,7 +396,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         USE_WINDOW=sliding_window is not None, SPLIT=split,
         DOT_DTYPE=dtype, DOT_PRECISION="ieee" if dtype == tl.float32 else "tf32",
         KV_FP8=k_cache.dtype == FP8_KV_DTYPE, SOFTCAP=softcap > 0, SINKS=sinks is not None,
-        num_warps=num_warps,
+        USE_CHUNK=chunk is not None, num_warps=num_warps,
     )
     if split:
         row_tokens = _row_tokens(meta, plan)
@@ -424,15 +433,15 @@ def launch_variants(num_heads: int, num_kv_heads: int, head_dim: int, element_si
 
 def compile_kernels(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
                     device: torch.device, sliding_window: int | None = None, kv_dtype: torch.dtype | None = None,
-                    softcap: float = 0.0, sinks: bool = False) -> int:
+                    softcap: float = 0.0, sinks: bool = False, chunk: int | None = None) -> int:
     """Launch store_kv and paged attention once per `launch_variants` entry on made-up tokens, so Triton
     compiles every variant (or loads it from its cache) before the engine serves, not at the first step
     that needs it: on a fresh GPU machine each compile stalled a step for 0.15-1.4 s, 16 times in the
     first 48 s of serving (docs/PERF.md). The tensors are scratch ones laid out as the model's (query
     and key contiguous in `dtype`, the model's; value a view of the fused projection; a cache of [blocks,
     block_size, heads, head_dim] in `kv_dtype`, default `dtype`: an FP8 cache's kernels are variants of their
-    own; so are capped scores', `softcap` > 0, and attention sinks', `sinks`). The scales and the sink logits
-    are runtime arguments: one variant serves any. Returns the number of launches."""
+    own; so are capped scores', `softcap` > 0, attention sinks', `sinks`, and chunked attention's, `chunk`).
+    The scales, the sink logits and the chunk's size are runtime arguments: one variant serves any. Returns the number of launches."""
     assert dtype in (torch.float16, torch.bfloat16, torch.float32), \
         f"dtype {dtype}: the model's (the query's); an FP8 cache's goes in kv_dtype"
     kv_dtype = dtype if kv_dtype is None else kv_dtype
@@ -450,7 +459,7 @@ def compile_kernels(num_heads: int, num_kv_heads: int, head_dim: int, block_size
         query = torch.randn(query_len, num_heads, head_dim, dtype=dtype, device=device)
         store_kv(key, value, cache[0], cache[1], meta)
         paged_attention(query, cache[0], cache[1], meta, head_dim ** -0.5, sliding_window, num_splits=num_splits,
-                        softcap=softcap, sinks=sink_logits)
+                        softcap=softcap, sinks=sink_logits, chunk=chunk)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return len(variants)

@@ -7,8 +7,9 @@ cache blocks through the block table. QK^T and PV are `tl.dot`s on [BLOCK_M, HEA
 float32 (exp2, the scale folded with log2 e). The walk has two parts:
 
 - the tiles wholly before the tile's first query: the cached prefix and the chunk's earlier tokens,
-  visible to every row, so no mask is computed (but a sliding window's lower edge, when there is one;
-  the tiles wholly outside every row's window are not visited);
+  visible to every row, so no mask is computed (but a sliding window's lower edge, when there is one,
+  or chunked attention's, `USE_CHUNK`: a query at p sees p - p % chunk to p; the tiles wholly outside
+  every row's window or chunk are not visited);
 - the tiles the causal diagonal crosses, up to the tile's last query: masked. The tiles past the
   diagonal are not visited, so a chunk costs about half its square plus its prefix.
 
@@ -57,16 +58,16 @@ SHARED_MEMORY_MARGIN = 8 * 1024
 def _attend_kv_range(
     acc, l_i, m_i, q, q_pos,
     table_ptr, k_head_ptr, v_head_ptr,
-    kv_from, kv_to, kv_end, qk_scale, softcap, window,
+    kv_from, kv_to, kv_end, qk_scale, softcap, window, chunk,
     stride_kb, stride_ks, stride_vb, stride_vs, k_scale, v_scale,
-    MASKED: tl.constexpr, USE_WINDOW: tl.constexpr,
+    MASKED: tl.constexpr, USE_WINDOW: tl.constexpr, USE_CHUNK: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     P_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
     SOFTCAP: tl.constexpr,
 ):
     """Online softmax over the keys [kv_from, kv_to), BLOCK_N at a time (kv_from aligned to BLOCK_N).
     MASKED: the causal diagonal (and kv_end, the tile's last key + 1) cuts into these tiles; else
-    every key is visible to every row and below kv_end, and only a window masks. The head_dim lanes
+    every key is visible to every row and below kv_end, and only a window or a chunk masks. The head_dim lanes
     past HEAD_DIM (up to HEAD_DIM_PAD) load as 0 and add nothing to the dots. P_DTYPE: the query's type,
     which P and an FP8 cache's dequantized K/V (KV_FP8: times k_scale / v_scale) are rounded to."""
     offs_n = tl.arange(0, BLOCK_N)
@@ -97,11 +98,16 @@ def _attend_kv_range(
             allowed = kv_valid[None, :] & (kv_pos[None, :] <= q_pos[:, None])
             if USE_WINDOW:
                 allowed = allowed & (kv_pos[None, :] > q_pos[:, None] - window)
+            if USE_CHUNK:
+                allowed = allowed & (kv_pos[None, :] >= q_pos[:, None] - q_pos[:, None] % chunk)
             s = tl.where(allowed, s, float("-inf"))
-        elif USE_WINDOW:
-            s = tl.where(kv_pos[None, :] > q_pos[:, None] - window, s, float("-inf"))
+        else:
+            if USE_WINDOW:
+                s = tl.where(kv_pos[None, :] > q_pos[:, None] - window, s, float("-inf"))
+            if USE_CHUNK:
+                s = tl.where(kv_pos[None, :] >= q_pos[:, None] - q_pos[:, None] % chunk, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        if MASKED or USE_WINDOW:
+        if MASKED or USE_WINDOW or USE_CHUNK:
             m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)      # a row with nothing visible yet
         else:
             m_new_safe = m_new
@@ -127,7 +133,7 @@ def _attend_kv_range(
 def _prefill_attention_kernel(
     query_ptr, k_cache_ptr, v_cache_ptr, out_ptr, sinks_ptr,
     block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, tile_seq_ptr, tile_q_start_ptr,
-    qk_scale, softcap, k_scale, v_scale, window,
+    qk_scale, softcap, k_scale, v_scale, window, chunk,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -136,7 +142,7 @@ def _prefill_attention_kernel(
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, USE_WINDOW: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, SOFTCAP: tl.constexpr,
-    SINKS: tl.constexpr,
+    SINKS: tl.constexpr, USE_CHUNK: tl.constexpr = False,
 ):
     # grid: (num_heads, num_tiles); head_dim is contiguous everywhere (the launcher asserts it)
     head = tl.program_id(0)
@@ -169,7 +175,10 @@ def _prefill_attention_kernel(
     kv_diag = (diag // BLOCK_N) * BLOCK_N
     kv_lo = 0
     if USE_WINDOW:
-        kv_lo = (tl.maximum(diag - window + 1, 0) // BLOCK_N) * BLOCK_N
+        kv_lo = tl.maximum(diag - window + 1, 0)
+    if USE_CHUNK:   # the tile's first query's chunk
+        kv_lo = tl.maximum(kv_lo, diag // chunk * chunk)
+    kv_lo = (kv_lo // BLOCK_N) * BLOCK_N
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -179,15 +188,15 @@ def _prefill_attention_kernel(
     v_head_ptr = v_cache_ptr + kv_head * stride_vh
     acc, l_i, m_i = _attend_kv_range(
         acc, l_i, m_i, q, q_pos, table_ptr, k_head_ptr, v_head_ptr, kv_lo, kv_diag, kv_end, qk_scale, softcap, window,
-        stride_kb, stride_ks, stride_vb, stride_vs, k_scale, v_scale,
-        MASKED=False, USE_WINDOW=USE_WINDOW, BLOCK_N=BLOCK_N, BLOCK_SIZE=BLOCK_SIZE, HEAD_DIM=HEAD_DIM,
-        HEAD_DIM_PAD=HEAD_DIM_PAD, P_DTYPE=query_ptr.dtype.element_ty, DOT_DTYPE=DOT_DTYPE,
+        chunk, stride_kb, stride_ks, stride_vb, stride_vs, k_scale, v_scale,
+        MASKED=False, USE_WINDOW=USE_WINDOW, USE_CHUNK=USE_CHUNK, BLOCK_N=BLOCK_N, BLOCK_SIZE=BLOCK_SIZE,
+        HEAD_DIM=HEAD_DIM, HEAD_DIM_PAD=HEAD_DIM_PAD, P_DTYPE=query_ptr.dtype.element_ty, DOT_DTYPE=DOT_DTYPE,
         DOT_PRECISION=DOT_PRECISION, KV_FP8=KV_FP8, SOFTCAP=SOFTCAP)
     acc, l_i, m_i = _attend_kv_range(
         acc, l_i, m_i, q, q_pos, table_ptr, k_head_ptr, v_head_ptr, kv_diag, kv_end, kv_end, qk_scale, softcap, window,
-        stride_kb, stride_ks, stride_vb, stride_vs, k_scale, v_scale,
-        MASKED=True, USE_WINDOW=USE_WINDOW, BLOCK_N=BLOCK_N, BLOCK_SIZE=BLOCK_SIZE, HEAD_DIM=HEAD_DIM,
-        HEAD_DIM_PAD=HEAD_DIM_PAD, P_DTYPE=query_ptr.dtype.element_ty, DOT_DTYPE=DOT_DTYPE,
+        chunk, stride_kb, stride_ks, stride_vb, stride_vs, k_scale, v_scale,
+        MASKED=True, USE_WINDOW=USE_WINDOW, USE_CHUNK=USE_CHUNK, BLOCK_N=BLOCK_N, BLOCK_SIZE=BLOCK_SIZE,
+        HEAD_DIM=HEAD_DIM, HEAD_DIM_PAD=HEAD_DIM_PAD, P_DTYPE=query_ptr.dtype.element_ty, DOT_DTYPE=DOT_DTYPE,
         DOT_PRECISION=DOT_PRECISION, KV_FP8=KV_FP8, SOFTCAP=SOFTCAP)
 
     if SINKS:   # the head's sink logit joins each row's sum (log2 units, against the row's max)
@@ -284,7 +293,8 @@ def aligned_int32(rows: list[list[int]], device: torch.device) -> list[torch.Ten
 
 def check_attention_args(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          meta: AttentionMetadata, out: torch.Tensor, sliding_window: int | None,
-                         k_scale: float = 1.0, v_scale: float = 1.0, sinks: torch.Tensor | None = None) -> None:
+                         k_scale: float = 1.0, v_scale: float = 1.0, sinks: torch.Tensor | None = None,
+                         chunk: int | None = None) -> None:
     """Assert what the paged-attention kernels assume of their arguments: shapes that fit each other and
     the metadata, a float16/bfloat16/float32 query and out, a float cache or an FP8 (float8_e4m3fn) one with
     positive finite scales (`triton_kv_store.check_kv_dtype`), head_dim contiguous (of any size: the kernels
@@ -315,6 +325,7 @@ def check_attention_args(query: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     for name, t in (("query", query), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
         assert t.stride(-1) == 1, f"{name}: head_dim must be contiguous, strides {t.stride()}"
     assert sliding_window is None or sliding_window > 0, f"sliding_window {sliding_window}"
+    assert chunk is None or chunk > 0, f"chunk {chunk}"
 
 
 def is_interpreted(kernel) -> bool:
@@ -338,7 +349,7 @@ def dot_dtype(dtype: torch.dtype):
 def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       meta: AttentionMetadata, scale: float, sliding_window: int | None, out: torch.Tensor, *,
                       k_scale: float = 1.0, v_scale: float = 1.0, min_query_len: int = 2,
-                      softcap: float = 0.0, sinks: torch.Tensor | None = None) -> int:
+                      softcap: float = 0.0, sinks: torch.Tensor | None = None, chunk: int | None = None) -> int:
     """Causal attention of the chunks of at least `min_query_len` new tokens, written into their rows of
     `out` (the other rows are left as they are). Returns the number of tiles launched (0: no launch). An FP8
     cache (float8_e4m3fn) is read as `reference.dequantize_kv` gives it (times k_scale / v_scale, rounded to
@@ -347,9 +358,10 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     query, out: [num_tokens, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, num_kv_heads,
     head_dim] (strided views allowed, head_dim contiguous and of any size: padded to a power of two inside
     the kernel, masked). Each chunk's keys are its sequence's cached prefix (all visible) and its own tokens
-    (causal); `sliding_window` keeps the last that many positions.
+    (causal); `sliding_window` keeps the last that many positions, `chunk` each query's own chunk (p - p % chunk
+    to p).
     """
-    check_attention_args(query, k_cache, v_cache, meta, out, sliding_window, k_scale, v_scale, sinks)
+    check_attention_args(query, k_cache, v_cache, meta, out, sliding_window, k_scale, v_scale, sinks, chunk)
     assert min_query_len >= 1, f"min_query_len {min_query_len}"
     _, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
@@ -363,7 +375,7 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     _prefill_attention_kernel[(num_heads, num_tiles)](
         query, k_cache, v_cache, out, query if sinks is None else sinks,
         meta.block_tables, meta.query_start_loc, meta.seq_lens, tile_seq, tile_q_start,
-        *capped_scales(scale, softcap), float(k_scale), float(v_scale), sliding_window or 0,
+        *capped_scales(scale, softcap), float(k_scale), float(v_scale), sliding_window or 0, chunk or 1,
         query.stride(0), query.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -373,6 +385,6 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         HEAD_DIM=head_dim, HEAD_DIM_PAD=padded_head_dim(head_dim), USE_WINDOW=sliding_window is not None,
         DOT_DTYPE=dtype, DOT_PRECISION="ieee" if dtype == tl.float32 else "tf32",
         KV_FP8=k_cache.dtype == FP8_KV_DTYPE, SOFTCAP=softcap > 0, SINKS=sinks is not None,
-        num_warps=num_warps, num_stages=num_stages,
+        USE_CHUNK=chunk is not None, num_warps=num_warps, num_stages=num_stages,
     )
     return num_tiles

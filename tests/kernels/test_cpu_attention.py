@@ -51,7 +51,7 @@ def _make_step(seq_lens, query_lens, num_heads, num_kv_heads, head_dim, block_si
 
 
 def _assert_matches_dense(seq_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size, dtype,
-                          window=None, strided=False):
+                          window=None, strided=False, chunk=None):
     seed = _seed()
     query, k_cache, v_cache, meta, dense = _make_step(seq_lens, query_lens, num_heads, num_kv_heads, head_dim,
                                                       block_size, dtype, seed)
@@ -60,15 +60,15 @@ def _assert_matches_dense(seq_lens, query_lens, num_heads, num_kv_heads, head_di
         fused[:, :num_heads] = query
         query = fused[:, :num_heads]
     scale = head_dim ** -0.5
-    out = cpu_attention.paged_attention(query, k_cache, v_cache, meta, scale, window)
+    out = cpu_attention.paged_attention(query, k_cache, v_cache, meta, scale, window, chunk=chunk)
     where = f"seed={seed} lens={seq_lens} queries={query_lens} heads={num_heads}/{num_kv_heads} d={head_dim} " \
-            f"block={block_size} {dtype} window={window}"
+            f"block={block_size} {dtype} window={window} chunk={chunk}"
     assert not out.isnan().any(), f"{where}: NaN in the output (a poisoned slot read, or a row unwritten)"
     atol, rtol = TOLERANCES[dtype]
     start = 0
     for (k, v), q_len in zip(dense, query_lens):
         want = reference.dense_causal_attention(query[start:start + q_len].float(), k.float(), v.float(), scale,
-                                                window)
+                                                window, chunk=chunk)
         torch.testing.assert_close(out[start:start + q_len].float(), want, atol=atol, rtol=rtol,
                                    msg=lambda m: f"{where}\n{m}")
         start += q_len
@@ -89,6 +89,18 @@ def test_a_query_of_strided_tokens():
 @pytest.mark.parametrize("window", [1, 7, 40])
 def test_sliding_window(window):
     _assert_matches_dense([3, 20, 41, 130], [1, 1, 1, 1], 4, 2, 32, 16, torch.float32, window)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk", [1, 8, 16, 50, 1000])
+def test_chunked_attention_by_the_kernel(chunk, dtype, monkeypatch):
+    """Llama 4's chunked attention in the C kernel (its window argument -chunk): rows at a chunk's first
+    position (one key), its last, past several chunks; the kernel, not the reference, ran them."""
+    def refused(*args, **kwargs):
+        raise AssertionError("the decode rows went to the reference")
+
+    monkeypatch.setattr(cpu_attention, "reference_decode_attention", refused)
+    _assert_matches_dense([1, 16, 17, 41, 130, 200], [1] * 6, 6, 2, 32, 8, dtype, chunk=chunk, strided=True)
 
 
 def test_bfloat16_cache():

@@ -77,18 +77,20 @@ def path(request, monkeypatch):
 
 
 def _run_and_check(seq_lens, query_lens, num_heads, num_kv_heads, head_dim=16, block_size=16,
-                   dtype=torch.float32, sliding_window=None, label="", softcap=0.0, sinks=None):
+                   dtype=torch.float32, sliding_window=None, label="", softcap=0.0, sinks=None, chunk=None):
     seed = _make_seed()
     meta, k_cache, v_cache, keys, values, query = _make_step(
         seq_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed)
     scale = head_dim ** -0.5
-    out = reference.paged_attention(query, k_cache, v_cache, meta, scale, sliding_window, softcap=softcap, sinks=sinks)
+    out = reference.paged_attention(query, k_cache, v_cache, meta, scale, sliding_window, softcap=softcap, sinks=sinks,
+                                    chunk=chunk)
     assert out.dtype == dtype and out.shape == query.shape
     assert not out.isnan().any(), f"seed {seed} {label}: NaN in the output"
     atol, rtol = TOLERANCES[dtype]
     start = 0
     for i, (k, v, q_len) in enumerate(zip(keys, values, query_lens)):
-        want = reference.dense_causal_attention(query[start:start + q_len], k, v, scale, sliding_window, softcap, sinks)
+        want = reference.dense_causal_attention(query[start:start + q_len], k, v, scale, sliding_window, softcap, sinks,
+                                                chunk)
         torch.testing.assert_close(out[start:start + q_len], want, atol=atol, rtol=rtol,
                                    msg=lambda m: f"seed {seed} {label} sequence {i}: {m}")
         start += q_len
@@ -176,6 +178,32 @@ def test_a_long_decode_does_not_pad_the_short_ones(path, poisoned_output):
 def test_sliding_window_prefill(sliding_window, seq_len, q_len, path, poisoned_output):
     _run_and_check([seq_len, 9], [q_len, 1], 6, 2, head_dim=32, block_size=8, sliding_window=sliding_window,
                    label=path)
+
+
+@pytest.mark.parametrize("chunk,seq_lens,query_lens", [
+    (8, [40, 23, 70, 5, 16, 17], [40, 1, 30, 1, 1, 1]),   # chunks cut the prefills; decodes at and past a boundary
+    (16, [300, 9, 64], [100, 1, 64]),      # a long prefix: the keys before the first query's chunk never read
+    (5, [33, 12], [4, 12]),                # a chunk of queries inside one attention chunk, after a prefix
+    (1, [20, 7], [10, 1]),                 # each query sees only itself
+    (512, [300, 40], [120, 1]),            # a chunk longer than every sequence: plain causal
+])
+def test_chunked_attention(chunk, seq_lens, query_lens, path, poisoned_output):
+    """Llama 4's chunked attention (a query at p sees p - p % chunk .. p) against the dense yardstick, with
+    capped scores and sinks too (the eager path)."""
+    _run_and_check(seq_lens, query_lens, 6, 2, head_dim=32, block_size=8, chunk=chunk, label=f"{path} chunk={chunk}")
+    _run_and_check(seq_lens, query_lens, 6, 2, head_dim=32, block_size=8, chunk=chunk, softcap=0.7,
+                   sinks=torch.randn(6), label=f"{path} chunk={chunk} eager")
+
+
+def test_chunked_attention_dense_mask():
+    """The yardstick's own mask, by hand: a query at 9 with chunks of 4 sees 8 and 9 only."""
+    query, key = torch.zeros(1, 1, 4), torch.zeros(12, 1, 4)
+    value = torch.arange(12.0).view(12, 1, 1).expand(12, 1, 4).contiguous()
+    out = reference.dense_causal_attention(query, key[:10], value[:10], 1.0, chunk=4)   # query at position 9
+    torch.testing.assert_close(out, torch.full((1, 1, 4), 8.5))
+    with pytest.raises(ValueError, match="chunk"):
+        meta, k_cache, v_cache, _, _, q = _make_step([9], [1], 2, 2, 16, 8, torch.float32, 0)
+        reference.paged_attention(q, k_cache, v_cache, meta, 0.25, chunk=0)
 
 
 @pytest.mark.parametrize("sliding_window", [None, 33])

@@ -104,7 +104,7 @@ def _make_attention_case(seq_lens, query_lens, num_heads, num_kv_heads, head_dim
 
 
 def _reference_attention(query, k_cache, v_cache, meta, scale, sliding_window, k_scale=1.0, v_scale=1.0, softcap=0.0,
-                         sinks=None):
+                         sinks=None, chunk=None):
     """The torch reference in float32, on a fresh copy of the metadata (its plan cache is its own), over
     the cached values as the reference's attention reads them for this query (`reference.dequantize_kv`:
     an FP8 cache's times its scale, rounded to the query's dtype; any other cache's as they are)."""
@@ -113,11 +113,11 @@ def _reference_attention(query, k_cache, v_cache, meta, scale, sliding_window, k
     k = reference.dequantize_kv(k_cache, query.dtype, k_scale).float().contiguous()
     v = reference.dequantize_kv(v_cache, query.dtype, v_scale).float().contiguous()
     return reference.paged_attention(query.float(), k, v, fresh, scale, sliding_window, softcap=softcap,
-                                     sinks=None if sinks is None else sinks.float())
+                                     sinks=None if sinks is None else sinks.float(), chunk=chunk)
 
 
 def _assert_attention_matches(backend, case, seed, sliding_window=None, num_splits=None, label="",
-                              k_scale=1.0, v_scale=1.0, softcap=0.0, sinks=None):
+                              k_scale=1.0, v_scale=1.0, softcap=0.0, sinks=None, chunk=None):
     query, k_cache, v_cache, meta = case
     head_dim = query.shape[-1]
     scale = head_dim ** -0.5
@@ -125,12 +125,13 @@ def _assert_attention_matches(backend, case, seed, sliding_window=None, num_spli
     out_rows = torch.full((*query.shape[:2], query.stride(1)), float("nan"), dtype=query.dtype, device=query.device)
     out = out_rows[..., :head_dim]
     got = backend.paged_attention(query, k_cache, v_cache, meta, scale, sliding_window, k_scale=k_scale,
-                                  v_scale=v_scale, num_splits=num_splits, out=out, softcap=softcap, sinks=sinks)
+                                  v_scale=v_scale, num_splits=num_splits, out=out, softcap=softcap, sinks=sinks,
+                                  chunk=chunk)
     assert got is out
     want = _reference_attention(query, k_cache, v_cache, meta, scale, sliding_window, k_scale, v_scale, softcap,
-                                sinks)
+                                sinks, chunk)
     where = f"seed={seed} {label} window={sliding_window} splits={num_splits} softcap={softcap} " \
-            f"sinks={sinks is not None}"
+            f"sinks={sinks is not None} chunk={chunk}"
     if k_cache.dtype == FP8:
         where += f" fp8 cache k_scale={k_scale} v_scale={v_scale}"
     assert not out.isnan().any(), f"{where}: output rows left unwritten (NaN) at " \
@@ -391,6 +392,33 @@ def test_paged_attention_with_sinks_matches_reference(dtype, num_heads, num_kv_h
     sunk, plain = (_reference_attention(query, k_cache, v_cache, meta, head_dim ** -0.5, sliding_window, **scales,
                                         sinks=s) for s in (sinks, None))
     assert (sunk - plain).abs().max() > 0.1, f"seed={seed}: the sinks changed nothing"
+
+
+# Llama 4's chunked attention: decode rows at, just past and far past chunk boundaries, a short chunk of queries
+# across a boundary (this module's kernel), a 100-token prefill over a prefix, boundaries inside both (the
+# prefill kernel's unmasked and diagonal tiles), single pass and split-K; sinks and an FP8 cache once each.
+@pytest.mark.parametrize("dtype,num_heads,num_kv_heads,head_dim,block_size,chunk,num_splits,extra", [
+    (torch.float32, 4, 2, 64, 8, 16, None, ""),
+    (torch.bfloat16, 6, 2, 40, 16, 24, 3, ""),
+    (torch.float16, 8, 1, 64, 32, 40, 2, "sinks"),
+    (torch.bfloat16, 4, 2, 64, 16, 7, None, "fp8"),
+])
+def test_paged_attention_chunked_matches_reference(dtype, num_heads, num_kv_heads, head_dim, block_size, chunk,
+                                                   num_splits, extra):
+    seed = _make_seed()
+    seq_lens = [chunk, chunk + 1, 5 * chunk + 3, chunk + 9, 150, 3 * chunk + 1]
+    query_lens = [1, 1, 1, 14, 100, 3 * chunk + 1]
+    scales = dict(kv_dtype=FP8, k_scale=0.0625, v_scale=0.5) if extra == "fp8" else {}
+    case = _make_attention_case(seq_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed,
+                                head_pad=_head_pad(head_dim), **scales)
+    scales.pop("kv_dtype", None)
+    sinks = sink_logits(num_heads, seed, dtype) if extra == "sinks" else None
+    _assert_attention_matches(triton_attention, case, seed, None, num_splits, sinks=sinks, chunk=chunk, **scales,
+                              label=f"{dtype} heads={num_heads}/{num_kv_heads} d={head_dim} bs={block_size}")
+    query, k_cache, v_cache, meta = case
+    chunked, plain = (_reference_attention(query, k_cache, v_cache, meta, head_dim ** -0.5, None, **scales,
+                                           chunk=c) for c in (chunk, None))
+    assert (chunked - plain).abs().max() > 0.1, f"seed={seed}: the chunks changed nothing"
 
 
 @pytest.mark.parametrize("num_splits,head_dim", [(1, 64), (3, 64), (8, 64), (1, 80), (3, 80)])
