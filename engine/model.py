@@ -66,6 +66,7 @@ class Attention(nn.Module):
         # GPT-OSS: this rank's heads' sink logits, each in its head's softmax denominator (None: no sinks)
         self.sinks = nn.Parameter(torch.empty(shard.num_heads)) if config.attention_sinks else None
         self.sliding_window = config.layer_window(layer)
+        self.chunk = config.layer_chunk(layer)   # Llama 4's chunked layers: a query sees its chunk of positions
         # An FP8 cache stores K / k_scale and V / v_scale (the checkpoint's, else measured at start by
         # engine.kv_scales, else 1.0); other caches ignore them. kv_observer: that measurement's hook.
         self.k_scale = self.v_scale = 1.0
@@ -84,7 +85,7 @@ class Attention(nn.Module):
         backend.store_kv(k, v, k_cache, v_cache, meta, k_scale=self.k_scale, v_scale=self.v_scale)
         out = backend.paged_attention(q, k_cache, v_cache, meta, self.scale, self.sliding_window,
                                       k_scale=self.k_scale, v_scale=self.v_scale, softcap=self.softcap,
-                                      sinks=self.sinks)
+                                      sinks=self.sinks, chunk=self.chunk)
         return self.comm.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
 
     def norm_qk(self, qkv: torch.Tensor) -> None:

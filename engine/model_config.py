@@ -27,7 +27,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
                            "GptOssForCausalLM", "Qwen2MoeForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM",
                            "Ernie4_5ForCausalLM", "Ernie4_5_MoeForCausalLM", "Glm4ForCausalLM", "DeepseekV2ForCausalLM",
                            "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM", "Olmo3ForCausalLM",
-                           "SeedOssForCausalLM")
+                           "SeedOssForCausalLM", "Llama4ForCausalLM")
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")   # one LayerNorm a layer, a parallel block
 # their attention bias: q/k/v's, not o_proj's
 QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM")
@@ -46,7 +46,8 @@ TEXT_MODELS = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "language
                "Qwen2VLForConditionalGeneration": ("Qwen2ForCausalLM", "language_model.", "qwen2_vl_text"),
                "Qwen2_5_VLForConditionalGeneration": ("Qwen2ForCausalLM", "language_model.", "qwen2_5_vl_text"),
                "Qwen3VLForConditionalGeneration": ("Qwen3ForCausalLM", "language_model.", "qwen3_vl_text"),
-               "Qwen3VLMoeForConditionalGeneration": ("Qwen3MoeForCausalLM", "language_model.", "qwen3_vl_moe_text")}
+               "Qwen3VLMoeForConditionalGeneration": ("Qwen3MoeForCausalLM", "language_model.", "qwen3_vl_moe_text"),
+               "Llama4ForConditionalGeneration": ("Llama4ForCausalLM", "language_model.", "llama4_text")}
 # transformers' text config defaults of Qwen's VL models where they differ from the text architecture's here (a
 # composite checkpoint's text_config may be saved as its difference from them, as Gemma 3's)
 _QWEN2_VL_TEXT = {"vocab_size": 152_064, "hidden_size": 8192, "intermediate_size": 29_568, "num_hidden_layers": 80,
@@ -79,6 +80,10 @@ GEMMA2_DEFAULTS = {
     "eos_token_id": 1}
 # transformers' config classes' max_position_embeddings (the context served, and YaRN's original context where its
 # scaling names none) and num_key_value_heads (else one per query head), for a config.json without them
+# the keys a family's config class gives where config.json names none (Llama 4: its expert size, which
+# `engine.llama4_config` reads)
+FAMILY_DEFAULTS = {"Gemma2ForCausalLM": GEMMA2_DEFAULTS, "Gemma3ForCausalLM": GEMMA3_TEXT_DEFAULTS,
+                   "Llama4ForCausalLM": {"intermediate_size": 8192}}
 DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32_768, "MistralForCausalLM": 131_072,
                          "Qwen3ForCausalLM": 32_768, "Qwen3MoeForCausalLM": 32_768, "MixtralForCausalLM": 131_072,
                          "Phi3ForCausalLM": 4096, "GraniteForCausalLM": 2048, "Olmo2ForCausalLM": 2048,
@@ -88,32 +93,33 @@ DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32_768, "
                          "Ernie4_5_MoeForCausalLM": 131_072, "SeedOssForCausalLM": 524_288,
                          "Glm4ForCausalLM": 131_072, "DeepseekV2ForCausalLM": 2048, "DeepseekV3ForCausalLM": 4096,
                          "Glm4MoeForCausalLM": 131_072, "MiniMaxM2ForCausalLM": 196_608,
-                         "Gemma2ForCausalLM": 8192, "Gemma3ForCausalLM": 131_072}
+                         "Gemma2ForCausalLM": 8192, "Gemma3ForCausalLM": 131_072, "Llama4ForCausalLM": 131_072}
 # their rms_norm_eps, where it is not 1e-6
 DEFAULT_RMS_NORM_EPS = {"MixtralForCausalLM": 1e-5, "Phi3ForCausalLM": 1e-5, "Olmo2ForCausalLM": 1e-5,
                         "Olmo3ForCausalLM": 1e-5,
                         "GptOssForCausalLM": 1e-5, "Ernie4_5ForCausalLM": 1e-5, "Ernie4_5_MoeForCausalLM": 1e-5,
                         "Glm4ForCausalLM": 1.5625e-7,
-                        "Glm4MoeForCausalLM": 1e-5}
+                        "Glm4MoeForCausalLM": 1e-5, "Llama4ForCausalLM": 1e-5}
 DEFAULT_KV_HEADS = {"Qwen2ForCausalLM": 32, "MistralForCausalLM": 8, "Qwen3ForCausalLM": 32, "Qwen3MoeForCausalLM": 4,
                     "MixtralForCausalLM": 8, "SmolLM3ForCausalLM": 4, "GptOssForCausalLM": 8,
                     "Qwen2MoeForCausalLM": 16, "Ernie4_5ForCausalLM": 2, "Ernie4_5_MoeForCausalLM": 4,
                     "Glm4ForCausalLM": 2, "Glm4MoeForCausalLM": 8, "SeedOssForCausalLM": 8,
-                    "MiniMaxM2ForCausalLM": 8}
+                    "MiniMaxM2ForCausalLM": 8, "Llama4ForCausalLM": 8}
 # their head_dim where config.json names none (else hidden_size / num_attention_heads)
 DEFAULT_HEAD_DIM = {"Qwen3ForCausalLM": 128, "GptOssForCausalLM": 64, "Ernie4_5ForCausalLM": 128,
+                    "Llama4ForCausalLM": 128,
                     "Glm4ForCausalLM": 128, "MiniMaxM2ForCausalLM": 128, "SeedOssForCausalLM": 128}
 # their rope_theta where config.json names none (else 10,000)
 DEFAULT_ROPE_THETA = {"MixtralForCausalLM": 1_000_000.0, "SmolLM3ForCausalLM": 2_000_000.0,
                       "GptOssForCausalLM": 150_000.0, "Ernie4_5ForCausalLM": 500_000.0,
                       "Ernie4_5_MoeForCausalLM": 500_000.0,
-                      "MiniMaxM2ForCausalLM": 5_000_000.0}
+                      "MiniMaxM2ForCausalLM": 5_000_000.0, "Llama4ForCausalLM": 500_000.0}
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 @dataclass(frozen=True)
 class ModelConfig:
     """A decoder-only model's shape (Llama 2/3, Qwen2, Qwen3, Qwen3-MoE, Mistral, Mixtral, Phi-3, Granite, OLMo 2,
     SmolLM3, Gemma 2, Gemma 3's text model, GPT-OSS, Qwen2-MoE, Cohere's Command R and R7B, ERNIE 4.5, GLM-4, GLM-4.5,
-    DeepSeek V2 and V3, MiniMax-M2, OLMo 3) from an HF config.json.
+    DeepSeek V2 and V3, MiniMax-M2, OLMo 3, Llama 4's text model) from an HF config.json.
     `layer_types` (Gemma): each layer full or sliding; without it `sliding_window` is all's."""
 
     architecture: str
@@ -155,6 +161,9 @@ class ModelConfig:
     logit_scale: float = 1.0            # Cohere: the logits are multiplied by it
     partial_rotary_factor: float = 1.0  # GLM-4: the share of each head the rotary turns (the default rope only)
     no_rope_layers: tuple[int, ...] = ()   # SmolLM3: 1 where a layer rotates q and k, 0 where not (NoPE); (): all do
+    attention_chunk_size: int | None = None   # Llama 4: a chunked_attention layer's query sees its chunk alone
+    qk_l2_norm: bool = False            # Llama 4: each q and k head of a rotating layer L2-normed after the rotary
+    attn_temperature: tuple[float, float] | None = None   # Llama 4's NoPE layers' q scale: (floor_scale, attn_scale)
     attention_sinks: bool = False       # GPT-OSS: a learned logit per query head in every softmax's denominator
     moe_bias: bool = False              # GPT-OSS: the router and each expert's projections carry biases
     swiglu_limit: float | None = None   # GPT-OSS: the experts' SwiGLU clamped at it (None: plain SiLU x up)
@@ -200,6 +209,10 @@ class ModelConfig:
                               f"layers, got {list(self.layer_types)}")
         if "sliding_attention" in self.layer_types and self.sliding_window is None:
             raise ConfigError("sliding_window: layer_types has sliding layers and no sliding_window")
+        if self.attention_chunk_size is not None and self.attention_chunk_size <= 0:
+            raise ConfigError(f"attention_chunk_size: must be positive, got {self.attention_chunk_size}")
+        if "chunked_attention" in self.layer_types and self.attention_chunk_size is None:
+            raise ConfigError("attention_chunk_size: layer_types has chunked layers and no attention_chunk_size")
         if self.num_experts:
             for name in ("num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
                 if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
@@ -216,9 +229,15 @@ class ModelConfig:
 
     def layer_window(self, layer: int) -> int | None:
         """The keys layer `layer` attends: its last `sliding_window` positions, or all (None)."""
-        if self.layer_types and self.layer_types[layer] == "full_attention":
+        if self.layer_types and self.layer_types[layer] != "sliding_attention":
             return None
         return self.sliding_window
+
+    def layer_chunk(self, layer: int) -> int | None:
+        """Llama 4's chunked attention: a query of layer `layer` at p sees p - p % chunk .. p (the chunk's size), or
+        None (not a chunked layer)."""
+        return self.attention_chunk_size if self.layer_types and self.layer_types[layer] == "chunked_attention" \
+            else None
 
     def serving(self, max_model_lens: Iterable[int]) -> ModelConfig:
         """This config as an engine serves it, its pools' `max_model_len`s given (0: the model's context): a
@@ -364,8 +383,7 @@ class ModelConfig:
         if isinstance(arch, str) and arch in TEXT_MODELS:
             return cls._from_text_config(cfg, arch)
         _check_architecture(arch)
-        if arch in GEMMA_ARCHITECTURES:
-            cfg = (GEMMA2_DEFAULTS if arch == "Gemma2ForCausalLM" else GEMMA3_TEXT_DEFAULTS) | cfg
+        cfg = FAMILY_DEFAULTS.get(arch, {}) | cfg
         if cfg.get("max_position_embeddings") is None:
             cfg = {**cfg, "max_position_embeddings": DEFAULT_MAX_POSITIONS[arch]}
         num_heads = read_int(cfg, "num_attention_heads")
@@ -410,7 +428,7 @@ class ModelConfig:
             text = {k: v for k, v in cfg.items() if k not in ("vision_config", "architectures", "model_type")}
         if text is None:
             raise ConfigError(f"text_config: missing from config.json ({arch} is served as its text model)")
-        text = TEXT_DEFAULTS.get(arch, {}) | _vl_text_keys(text)
+        text = TEXT_DEFAULTS.get(arch, {}) | (_vl_text_keys(text) if arch.startswith("Qwen") else text)
         if text.get("model_type", model_type) != model_type:
             raise ConfigError(f"text_config.model_type: {arch}'s text model is served as {model_type!r} "
                               f"({text_arch}), got {text['model_type']!r}")
@@ -423,7 +441,7 @@ class ModelConfig:
         except ConfigError as exc:
             raise ConfigError(f"text_config.{exc}") from None
         return replace(config, text_weights_prefix=prefix, bare_text_weights=arch in FLAT_TEXT_CONFIGS,
-                       stacked_experts=arch == "Qwen3VLMoeForConditionalGeneration")
+                       stacked_experts=config.stacked_experts or arch == "Qwen3VLMoeForConditionalGeneration")
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "ModelConfig":

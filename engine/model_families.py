@@ -14,13 +14,14 @@ from typing import Any
 
 from engine.config import ConfigError
 from engine.config_values import is_int, read_bool, read_float, read_int, read_object, rope_type
+from engine.llama4_config import llama4_fields
 
-LAYER_TYPES = ("full_attention", "sliding_attention")
+LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")   # chunked: Llama 4's (`llama4_config`)
 # how a sparse layer picks its experts: a softmax's top k (Qwen, Mixtral, GPT-OSS), DeepSeek V2's softmax within the
 # groups of the best expert scores, DeepSeek V3's sigmoid (plus a correction bias) within the groups of the best
 # top-2 sums
-# MiniMax-M2's: V3's, in the model's dtype; ERNIE 4.5's: the softmax's top k after a correction bias
-MOE_ROUTERS = ("softmax", "deepseek_v2", "deepseek_v3", "minimax_m2", "ernie4_5")
+# MiniMax-M2's: V3's, in the model's dtype; ERNIE 4.5's: the softmax's top k after a correction bias; Llama 4's
+MOE_ROUTERS = ("softmax", "deepseek_v2", "deepseek_v3", "minimax_m2", "ernie4_5", "llama4")
 DEEPSEEK_TOPK_METHODS = {"DeepseekV2ForCausalLM": ("greedy", "group_limited_greedy"),
                          "DeepseekV3ForCausalLM": ("noaux_tc",)}
 
@@ -94,6 +95,8 @@ def family_fields(cfg: dict[str, Any], arch: str, num_layers: int) -> dict[str, 
                 "attention_out_bias": read_bool(cfg, "attention_out_bias", False)}
     if arch == "Ernie4_5_MoeForCausalLM":
         return ernie4_5_moe_fields(cfg, num_layers)
+    if arch == "Llama4ForCausalLM":
+        return llama4_fields(cfg, num_layers)
     if arch == "Ernie4_5ForCausalLM":   # Ernie4_5Config: one switch for every projection's bias, a tied head
         bias = read_bool(cfg, "use_bias", False)
         return {"attention_bias": bias, "mlp_bias": bias, "tie_word_embeddings": read_bool(cfg, "tie_word_embeddings",

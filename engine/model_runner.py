@@ -91,12 +91,13 @@ class _Forward:
             return
         attn = self.model.layers[0].self_attn
         started = time.perf_counter()
-        windows = sorted({layer.self_attn.sliding_window or 0 for layer in self.model.layers})   # 0: none
+        masks = sorted({(layer.self_attn.sliding_window or 0, getattr(layer.self_attn, "chunk", None) or 0)
+                        for layer in self.model.layers})   # (window, chunk); 0: none
         dtype = self.model.embed_tokens.weight.dtype   # the model's; the cache's may be FP8
         count = sum(compile_kernels(attn.num_heads, attn.num_kv_heads, attn.config.head_dim, self.kv_cache.block_size,
                                     dtype, self.device, window or None, kv_dtype=self.kv_cache.dtype,
-                                    softcap=attn.softcap, sinks=attn.sinks is not None)
-                    for window in windows)
+                                    softcap=attn.softcap, sinks=attn.sinks is not None, chunk=chunk or None)
+                    for window, chunk in masks)
         log.info("compiled %d attention kernel variants in %.1fs", count, time.perf_counter() - started)
 
     def graphs_apply(self, enforce_eager: bool) -> bool:

@@ -50,8 +50,8 @@ class RopeScaling:
                               f"got {self.original_max_position_embeddings}")
         if self.attention_factor is not None and self.attention_factor <= 0:
             raise ConfigError(f"rope_scaling.attention_factor: must be > 0, got {self.attention_factor}")
-        if self.rope_type == "llama3" and not 0 < self.low_freq_factor < self.high_freq_factor:
-            raise ConfigError(f"rope_scaling.high_freq_factor: llama3 needs 0 < low_freq_factor < high_freq_factor, "
+        if self.rope_type == "llama3" and not 0 < self.low_freq_factor <= self.high_freq_factor:   # Llama 4: equal
+            raise ConfigError(f"rope_scaling.high_freq_factor: llama3 needs 0 < low_freq_factor <= high_freq_factor, "
                               f"got {self.low_freq_factor} and {self.high_freq_factor}")
 
     @classmethod

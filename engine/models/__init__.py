@@ -13,7 +13,8 @@ rows reordered for the engine's rotary), `ernie` (ERNIE 4.5: the Llama layer, it
 too), `glm4` (GLM-4: sandwich norms, a partial interleaved rotary served by zero frequencies and reordered q/k rows),
 `deepseek` (DeepSeek V2 and V3: latent attention over a cache of one latent a token, grouped routers, shared experts;
 GLM-4.5, in `glm4`, takes their experts), `minimax_m2` (MiniMax-M2: Mixtral's names, OLMo 2's whole-projection
-q/k norms, GLM-4.5's partial rotary, DeepSeek V3's router without groups).
+q/k norms, GLM-4.5's partial rotary, DeepSeek V3's router without groups), `llama4` (Llama 4's text model: chunked
+attention, NoPE layers with query temperature, q/k L2-normed after an interleaved rotary, sigmoid-scaled experts).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from engine.models.ernie import Ernie45ForCausalLM, Ernie45MoeForCausalLM
 from engine.models.gemma3 import Gemma3ForCausalLM
 from engine.models.glm4 import Glm4ForCausalLM, Glm4MoeForCausalLM
 from engine.models.gpt_oss import GptOssForCausalLM
+from engine.models.llama4 import Llama4ForCausalLM
 from engine.models.granite import GraniteForCausalLM
 from engine.models.minimax_m2 import MiniMaxM2ForCausalLM
 from engine.models.mixtral import MixtralForCausalLM
@@ -63,7 +65,8 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
                                                 "MiniMaxM2ForCausalLM": MiniMaxM2ForCausalLM,
                                                 "DeepseekV2ForCausalLM": DeepseekForCausalLM,
-                                                "DeepseekV3ForCausalLM": DeepseekForCausalLM}
+                                                "DeepseekV3ForCausalLM": DeepseekForCausalLM,
+                                                "Llama4ForCausalLM": Llama4ForCausalLM}
 
 
 def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:

@@ -34,7 +34,7 @@ LLAMA = {"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size"
      r"rope_scaling.long_factor: longrope needs one factor a rotary frequency \(8\), got 7"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "attention_factor": -1}}, "rope_scaling.attention_factor"),
     ({"architectures": ["Qwen3ForCausalLM"], "use_sliding_window": True, "layer_types": ["sliding_attention"]},
-     "layer_types: one of full_attention, sliding_attention for each of the"),
+     "layer_types: one of full_attention, sliding_attention, chunked_attention for each of the"),
     ({"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True, "layer_types": "sliding"}, "layer_types"),
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"vocab_size": None}, "vocab_size"),
@@ -98,7 +98,7 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 
     ({"rope_scaling": {**LLAMA3_ROPE, "original_max_position_embeddings": "8k"}},
      "rope_scaling.original_max_position_embeddings: must be a positive integer, got '8k'"),
     ({"rope_scaling": {**LLAMA3_ROPE, "low_freq_factor": float("nan")}}, "rope_scaling.low_freq_factor: must be"),
-    ({"rope_scaling": {**LLAMA3_ROPE, "high_freq_factor": 1.0}}, "rope_scaling.high_freq_factor: llama3 needs"),
+    ({"rope_scaling": {**LLAMA3_ROPE, "high_freq_factor": 0.5}}, "rope_scaling.high_freq_factor: llama3 needs"),
     ({"rope_scaling": {**YARN, "beta_fast": -1}}, "rope_scaling.beta_fast: must be a positive finite number"),
     ({"rope_scaling": {**YARN, "mscale": "x"}}, "rope_scaling.mscale: expected a number, got 'x'"),
     ({"rope_scaling": {**YARN, "truncate": "no"}}, "rope_scaling.truncate: must be true or false, got 'no'"),
@@ -1196,3 +1196,69 @@ def test_seed_oss_as_its_model_card_writes_it_and_its_biases_as_transformers_rea
         assert (ours.head_dim, ours.num_kv_heads, ours.attention_bias, ours.o_proj_bias) == (
             theirs.head_dim, theirs.num_key_value_heads, theirs.attention_bias, theirs.attention_out_bias)
     assert ModelConfig.from_hf_config(card).num_params() == 36_151_104_512
+
+
+# Llama 4 Scout's text_config as its model card writes it (the keys the engine reads; its no_rope_layers empty: the
+# default rule, and attn_temperature_tuning 4: on)
+LLAMA4_SCOUT_TEXT = {
+    "model_type": "llama4_text", "vocab_size": 202048, "hidden_size": 5120, "intermediate_size": 8192,
+    "intermediate_size_mlp": 16384, "num_hidden_layers": 48, "num_attention_heads": 40, "num_key_value_heads": 8,
+    "head_dim": 128, "num_local_experts": 16, "num_experts_per_tok": 1, "interleave_moe_layer_step": 1,
+    "moe_layers": list(range(48)), "no_rope_layers": [], "attention_chunk_size": 8192, "attn_temperature_tuning": 4,
+    "floor_scale": 8192, "attn_scale": 0.1, "use_qk_norm": True, "rms_norm_eps": 1e-05, "rope_theta": 500000.0,
+    "rope_scaling": {"factor": 16.0, "high_freq_factor": 1.0, "low_freq_factor": 1.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "max_position_embeddings": 10485760, "bos_token_id": 200000, "eos_token_id": [200001, 200007, 200008],
+    "hidden_act": "silu", "attention_bias": False, "tie_word_embeddings": False}
+
+
+def test_llama4_scout_as_its_model_card_writes_it_reads_as_transformers_does():
+    """Llama 4 Scout's multimodal config served as its text model: 107.8 B parameters (transformers' own text model's
+    count: 16 experts and a shared one on every layer), chunks of 8,192 on three layers of four, every fourth NoPE
+    with its queries' temperature; the llama3 rope with equal frequency factors is transformers'. Maverick's rule
+    (dense and sparse layers alternating) and the defaults read as Llama4TextConfig reads them."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from engine.layers.rotary import rope_inv_freq
+
+    card = {"architectures": ["Llama4ForConditionalGeneration"], "text_config": LLAMA4_SCOUT_TEXT,
+            "vision_config": {"model_type": "llama4_vision_model", "hidden_size": 1408}}
+    cfg = ModelConfig.from_hf_config(card)
+    assert (cfg.architecture, cfg.text_weights_prefix, cfg.stacked_experts) == ("Llama4ForCausalLM", "language_model.",
+                                                                                 True)
+    text = {**LLAMA4_SCOUT_TEXT, "architectures": ["Llama4ForCausalLM"], "attn_temperature_tuning": True}
+    del text["model_type"]   # (transformers 5's strict class takes true alone)
+    hf_config, hf = _meta_model(transformers.Llama4TextConfig, text)
+    assert cfg.num_params() == sum(p.numel() for p in hf.parameters()) == 107_769_861_120
+    assert cfg.layer_types == tuple(hf_config.layer_types) and cfg.no_rope_layers == tuple(hf_config.no_rope_layers)
+    assert [cfg.layer_chunk(i) for i in range(4)] == [8192, 8192, 8192, None]
+    assert [cfg.layer_window(i) for i in range(4)] == [None] * 4
+    assert (cfg.attn_temperature, cfg.qk_l2_norm, cfg.eos_token_ids) == ((8192.0, 0.1), True, (200001, 200007, 200008))
+    inv_freq, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_config, "cpu")
+    torch.testing.assert_close(rope_inv_freq(cfg), inv_freq)
+    bare = {k: text[k] for k in ("architectures", "vocab_size", "hidden_size", "num_hidden_layers",
+                                 "num_attention_heads")} | {"interleave_moe_layer_step": 2}
+    ours, (theirs, hf) = ModelConfig.from_hf_config(bare), _meta_model(transformers.Llama4TextConfig, bare)
+    assert ours.num_params() == sum(p.numel() for p in hf.parameters())
+    assert [ours.is_sparse_layer(i) for i in range(ours.num_layers)] == [
+        i in theirs.moe_layers for i in range(theirs.num_hidden_layers)]
+    assert (ours.intermediate_size, ours.moe_intermediate_size, ours.num_experts, ours.attention_chunk_size,
+            ours.head_dim, ours.rope_theta) == (theirs.intermediate_size_mlp, theirs.intermediate_size,
+                                                theirs.num_local_experts, theirs.attention_chunk_size,
+                                                theirs.head_dim, theirs.rope_parameters["rope_theta"])
+
+
+@pytest.mark.parametrize("change,named", [
+    ({"attention_chunk_size": None, "layer_types": ["chunked_attention"] * 48}, "attention_chunk_size"),
+    ({"attention_chunk_size": 0}, "attention_chunk_size"),
+    ({"no_rope_layers": [1, 0]}, "no_rope_layers"),
+    ({"moe_layers": [48]}, "moe_layers"),
+    ({"layer_types": "chunked_attention"}, "layer_types"),
+    ({"hidden_act": "gelu_pytorch_tanh"}, "hidden_act"),
+    ({"attn_temperature_tuning": "yes"}, "attn_temperature_tuning"),
+])
+def test_what_we_do_not_serve_of_llama4_is_refused_by_name(change, named):
+    with pytest.raises(ConfigError, match=f"^text_config.{named}"):
+        ModelConfig.from_hf_config({"architectures": ["Llama4ForConditionalGeneration"],
+                                    "text_config": {**LLAMA4_SCOUT_TEXT, **change}})

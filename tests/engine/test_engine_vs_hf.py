@@ -110,6 +110,14 @@ DEEPSEEK = dict(num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2
                 n_group=2, topk_group=1, num_hidden_layers=3)
 GLM4_MOE = dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
                 n_group=2, topk_group=1, num_hidden_layers=3, pad_token_id=0)
+# Llama 4: chunks of 8 positions (the prompts and outputs cross several) on the rotating layers, q/k L2-normed after
+# the interleaved rotary; every 4th layer NoPE with its queries' temperature (a floor of 4 positions, so it moves);
+# 4 experts of 48, the top one a token scaling its input, beside a shared expert; Scout's llama3 rope (its low and
+# high frequency factors equal)
+LLAMA4 = dict(intermediate_size=48, intermediate_size_mlp=96, num_local_experts=4, num_experts_per_tok=1, head_dim=16,
+              num_hidden_layers=4, attention_chunk_size=8, floor_scale=4, attn_scale=0.5,
+              rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                               "high_freq_factor": 1.0, "original_max_position_embeddings": 16})
 GRANITE = dict(embedding_multiplier=3.0, attention_multiplier=0.05, residual_multiplier=0.5, logits_scaling=2.0,
                tie_word_embeddings=True)
 
@@ -205,6 +213,12 @@ TINY_MODELS = [
     # Seed-OSS: heads wider than hidden / heads, q/k/v biases, o_proj's by its own switch (off, then on)
     ("seed_oss", dict(head_dim=32, pad_token_id=0)),
     ("seed_oss", dict(head_dim=16, attention_out_bias=True, pad_token_id=0)),
+    # Llama 4: Scout's layers (every one sparse); then Maverick's (dense and sparse layers alternating), two experts a
+    # token, no q/k norm, no temperature, one KV head
+    ("llama4", LLAMA4),
+    ("llama4", {**LLAMA4, "interleave_moe_layer_step": 2, "num_experts_per_tok": 2, "use_qk_norm": False,
+                "attn_temperature_tuning": False, "num_key_value_heads": 1,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
 ]
 # Every architecture on the default CPU linears; the other linears on one dense and one MoE model (the
 # linears do not depend on the architecture around them).
@@ -377,6 +391,28 @@ def test_a_multimodal_gemma3_checkpoint_serves_its_text_model(tmp_path, builtin_
     folder = tmp_path / "gemma3-mm"
     hf.save_pretrained(folder, **({"save_original_format": False} if own_head else {}))
     _assert_serves_its_text_model(hf, folder, builtin_path, "Gemma3ForCausalLM")
+
+
+def test_a_multimodal_llama4_checkpoint_serves_its_text_model(tmp_path, builtin_path):
+    """Llama 4's checkpoints are `Llama4ForConditionalGeneration` (a vision tower and projector beside the text model
+    under `language_model.`, its experts stacked): served as the text model, greedy text token-identical to
+    transformers' (its text model's: transformers 5.24's multimodal forward fails on text alone, building its
+    output from a field the text model's output lacks)."""
+    import transformers
+
+    text_config = transformers.Llama4TextConfig(vocab_size=512, hidden_size=64, num_attention_heads=4,
+                                                num_key_value_heads=2, max_position_embeddings=512,
+                                                initializer_range=0.2, bos_token_id=1, eos_token_id=2,
+                                                **{**LLAMA4, "interleave_moe_layer_step": 2})
+    vision = transformers.Llama4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=28, patch_size=14,
+                                             vision_output_dim=32, projector_input_dim=32, projector_output_dim=32)
+    config = transformers.Llama4Config(text_config=text_config.to_dict(), vision_config=vision.to_dict())
+    torch.manual_seed(0)
+    hf = transformers.Llama4ForConditionalGeneration(config).eval()
+    folder = tmp_path / "llama4-mm"
+    hf.save_pretrained(folder)
+    _assert_serves_its_text_model(hf.language_model, folder, builtin_path, "Llama4ForCausalLM")
 
 
 def _assert_serves_its_text_model(hf, folder, builtin_path, text_arch: str) -> None:

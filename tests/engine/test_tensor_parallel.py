@@ -244,6 +244,9 @@ QWEN3 = {"head_dim": 32, "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
                      "attention_bias": True}, True),
     ("minimax_m2", {"intermediate_size": 32, "num_local_experts": 8, "num_experts_per_tok": 2, "head_dim": 16,
                     "rotary_dim": 8}, None),
+    ("llama4", {"intermediate_size": 32, "intermediate_size_mlp": 64, "num_local_experts": 4, "head_dim": 16,
+                "num_hidden_layers": 4, "interleave_moe_layer_step": 2, "attention_chunk_size": 8, "floor_scale": 4,
+                "attn_scale": 0.5}, None),
 ])
 def test_two_ranks_generate_what_one_does(tmp_path, builtin_path, prompts, arch, overrides, overlap):
     # A tiny random model with even head counts (4 heads, 2 KV heads); Qwen3 q/k head norms (whole on every rank)
@@ -258,7 +261,9 @@ def test_two_ranks_generate_what_one_does(tmp_path, builtin_path, prompts, arch,
     # it reorders, and o_proj's bias once (Cohere 2 its NoPE full layers); DeepSeek V3 each rank's heads' rows of q
     # and of the latent's up-projection (the latent, its cache and the float32 router whole on every rank);
     # MiniMax-M2 its whole-projection q/k norms' sums of squares over the ranks beside the rows it reorders for its
-    # partial rotary (GLM-4.5's parts: Qwen3's head norms, GLM-4's reordered rows, DeepSeek's experts). Qwen3's,
+    # partial rotary (GLM-4.5's parts: Qwen3's head norms, GLM-4's reordered rows, DeepSeek's experts); Llama 4 each
+    # rank's heads of its reordered q/k rows, their chunks, its NoPE layers' query temperature on each rank's heads,
+    # its experts' and shared expert's rows beside dense layers. Qwen3's,
     # Mixtral's and DeepSeek's groups overlap their steps: the other rank fills the placeholders of each step's
     # inputs from rank 0's sampled ids (engine.overlap).
     # six tokens each: a wrong cut shows at once, and each step of two gloo ranks costs ~80 ms on a 2-core machine

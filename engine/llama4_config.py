@@ -1,0 +1,65 @@
+"""Llama 4's config.json fields (transformers' `Llama4TextConfig` names and defaults) as `ModelConfig` fields.
+
+A Llama 4 text model (Scout, Maverick) has three kinds of layer at once:
+- attention: most layers rotate q and k (`no_rope_layers[i]` 1) and attend within chunks of
+  `attention_chunk_size` positions (`chunked_attention`: a query at p sees p - p % chunk .. p), their q and k
+  heads L2-normed after the rotary (`use_qk_norm`, no weight); every `no_rope_layer_interval`-th (4) is NoPE,
+  attends to everything, and scales its queries by log1p(floor((p + 1) / floor_scale)) x attn_scale + 1
+  (`attn_temperature_tuning`);
+- MLP: the `moe_layers` (by default every `interleave_moe_layer_step`-th: Scout all, Maverick every other) are
+  `num_local_experts` experts of `intermediate_size` beside a shared expert of the same size, the rest dense
+  MLPs of `intermediate_size_mlp`;
+- the router: the top `num_experts_per_tok` of its logits, each through a sigmoid, scales the token going into its
+  expert (not the expert's output).
+What we do not serve is refused with a `ConfigError` naming the key.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.config import ConfigError
+from engine.config_values import read_bool, read_float, read_int
+
+
+def llama4_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """The `ModelConfig` fields of a Llama 4 text config (see the module docstring)."""
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"hidden_act: Llama 4's experts are served with silu only, got {cfg['hidden_act']!r}")
+    rope = _layer_flags(cfg, "no_rope_layers", num_layers, lambda i: int(
+        (i + 1) % read_int(cfg, "no_rope_layer_interval", 4) != 0))
+    step = read_int(cfg, "interleave_moe_layer_step", 1)
+    moe = cfg.get("moe_layers")
+    moe = list(range(step - 1, num_layers, step)) if moe is None else moe
+    if not isinstance(moe, list) or any(not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < num_layers
+                                        for i in moe):
+        raise ConfigError(f"moe_layers: a list of layer indices below {num_layers}, got {moe!r:.80}")
+    chunk = read_int(cfg, "attention_chunk_size", None) if "attention_chunk_size" in cfg else 8192   # null: none
+    kinds = cfg.get("layer_types")
+    if kinds is None:
+        kinds = ["chunked_attention" if r and chunk is not None else "full_attention" for r in rope]
+    if not isinstance(kinds, list):
+        raise ConfigError(f"layer_types: a list, full_attention or chunked_attention for each layer, got {kinds!r:.80}")
+    experts = read_int(cfg, "num_local_experts", 16)
+    expert_size = read_int(cfg, "intermediate_size", 8192)
+    tuned = cfg.get("attn_temperature_tuning", True)   # Scout's card writes 4: transformers tests its truth
+    if tuned is not None and not isinstance(tuned, (bool, int)):
+        raise ConfigError(f"attn_temperature_tuning: must be true or false, got {tuned!r:.40}")
+    return {"intermediate_size": read_int(cfg, "intermediate_size_mlp", 16384),
+            "num_experts": experts, "num_experts_per_tok": read_int(cfg, "num_experts_per_tok", 1),
+            "moe_intermediate_size": expert_size, "decoder_sparse_step": 1,
+            "mlp_only_layers": tuple(i for i in range(num_layers) if i not in moe),
+            "shared_expert_intermediate_size": expert_size, "shared_expert_gated": False, "moe_router": "llama4",
+            "stacked_experts": True, "no_rope_layers": tuple(rope), "layer_types": tuple(kinds),
+            "attention_chunk_size": chunk, "qk_l2_norm": read_bool(cfg, "use_qk_norm", True),
+            "attn_temperature": (read_float(cfg, "floor_scale", 8192.0), read_float(cfg, "attn_scale", 0.1))
+            if tuned or tuned is None else None}
+
+
+def _layer_flags(cfg: dict[str, Any], key: str, num_layers: int, default) -> list[int]:
+    """config.json's list of a 0 or 1 per layer under `key`, else `default(i)` for each layer."""
+    flags = cfg.get(key) or [default(i) for i in range(num_layers)]   # transformers: an empty list is the default
+    if not isinstance(flags, list) or len(flags) != num_layers or any(f not in (0, 1) or isinstance(f, bool)
+                                                                       for f in flags):
+        raise ConfigError(f"{key}: a 0 or 1 for each of the {num_layers} layers, got {flags!r:.80}")
+    return flags
