@@ -177,6 +177,7 @@ class ModelConfig:
     bare_text_weights: bool = False     # ... or at `model.` itself, the vision tower at `visual.` (Qwen2.5-VL's)
     stacked_experts: bool = False       # each layer's experts stacked in two tensors (Qwen3-VL-MoE's checkpoints)
     fp8_weight_block: tuple[int, int] | None = None   # an FP8 checkpoint's scale blocks: dequantized as read
+    rotary_positions: int = 0           # the rotary cache's rows as served (`serving`: the longest pool's); 0: all
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -239,15 +240,18 @@ class ModelConfig:
         return self.attention_chunk_size if self.layer_types and self.layer_types[layer] == "chunked_attention" \
             else None
 
-    def serving(self, max_model_lens: Iterable[int]) -> ModelConfig:
-        """This config as an engine serves it, its pools' `max_model_len`s given (0: the model's context): a
-        longrope turns every sequence by its long factors where one pool serves past the original context, by
-        its short ones otherwise (vLLM's rule by max_model_len: a sequence's cached keys never go stale as it grows)."""
+    def serving(self, max_model_lens: Iterable[int | None]) -> ModelConfig:
+        """This config as an engine serves it, its pools' `max_model_len`s given (0 or None: the model's context): the
+        rotary cache holds the longest pool's positions, not the whole context (Llama 4 Scout's is 10,485,760: a
+        2.7 GB bfloat16 table, built from a 5.4 GB float32 one); a longrope turns every sequence by its long factors
+        where one pool serves past the original context, by its short ones otherwise (vLLM's rule by max_model_len:
+        a sequence's cached keys never go stale as it grows)."""
+        longest = max((n or self.context_length for n in max_model_lens), default=self.context_length)
+        served = replace(self, rotary_positions=longest if longest < self.context_length else 0)
         rope = self.rope_scaling
         if rope.rope_type != "longrope":
-            return self
-        longest = max((n or self.context_length for n in max_model_lens), default=self.context_length)
-        return replace(self, rope_scaling=replace(rope, long=longest > rope.original_max_position_embeddings))
+            return served
+        return replace(served, rope_scaling=replace(rope, long=longest > rope.original_max_position_embeddings))
 
     @property
     def context_length(self) -> int:
@@ -303,10 +307,11 @@ class ModelConfig:
         return self.kv_planes * self.num_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
 
     def rotary_cache_bytes(self, dtype: torch.dtype) -> int:
-        """Bytes of the rotary cos/sin caches each rank holds: [context_length, rotated dims] each (Gemma: two)."""
+        """Bytes of the rotary cos/sin caches each rank holds: [rotary_positions or context_length, rotated dims]
+        each (Gemma: two)."""
         gemma = self.architecture in GEMMA_ARCHITECTURES
         dims = self.mla.qk_rope_head_dim if self.mla is not None else self.head_dim
-        return (2 if gemma else 1) * self.context_length * dims * dtype.itemsize
+        return (2 if gemma else 1) * (self.rotary_positions or self.context_length) * dims * dtype.itemsize
 
     @property
     def o_proj_bias(self) -> bool:

@@ -237,7 +237,8 @@ def plan_capacity(config: CliffguardConfig, model_configs: Mapping[str, ModelCon
         weights = model.num_params() * dtype.itemsize + wide
         weights_dev = ShardShape.of(model, 0, tp).num_params(model) * dtype.itemsize + wide   # each rank alike
         graphs_dev = _graph_reserve(model, dev, device_type, tp, dtype)
-        loaded_dev = weights_dev + model.rotary_cache_bytes(dtype)   # what the engine finds loaded: the rope's too
+        # what the engine finds loaded: the rope's too, over the positions its pools serve
+        loaded_dev = weights_dev + model.serving(p.max_model_len for _, p in members).rotary_cache_bytes(dtype)
         kv_dev = formula.kv_cache_bytes(memory, loaded_dev, dev.memory_utilization) - graphs_dev
         if kv_dev <= 0:
             raise _no_room_for_kv(dkey, dev, memory, source, p0.model, weights_dev, dtype, graphs_dev, kv_dev)

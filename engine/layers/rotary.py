@@ -1,7 +1,7 @@
 """Rotary position embedding (rotate-half layout) from a cos/sin cache computed once, at build.
 
-The cache holds every position of the model's context (`ModelConfig.context_length`; the engine refuses
-longer sequences), with the config's rope scaling applied to the frequencies. The model gathers the step's rows once per
+The cache holds every position the engine serves (`ModelConfig.rotary_positions`: its longest pool's
+`max_model_len`, else the model's context, `ModelConfig.context_length`; the engine refuses longer sequences), with the config's rope scaling applied to the frequencies. The model gathers the step's rows once per
 forward (`RotaryEmbedding.rows`) and every layer turns its q and k with them in place.
 """
 
@@ -98,11 +98,11 @@ def rope_attention_factor(config: ModelConfig) -> float:
 
 
 def rope_cos_sin_cache(config: ModelConfig) -> torch.Tensor:
-    """[context_length, head_dim] float32 on the CPU: row p is cos(p * inv_freq), then
+    """[rotary_positions or context_length, head_dim] float32 on the CPU: row p is cos(p * inv_freq), then
     sin(p * inv_freq), both times the rope type's attention factor on the rotary's pairs (transformers computes the
     same products, in float32, every forward)."""
     inv_freq = rope_inv_freq(config)
-    positions = torch.arange(config.context_length, dtype=torch.float32, device="cpu")
+    positions = torch.arange(config.rotary_positions or config.context_length, dtype=torch.float32, device="cpu")
     freqs = positions[:, None] * inv_freq[None, :]                  # [max_positions, head_dim // 2]
     factor = rope_attention_factor(config)
     if factor == 1.0:

@@ -1262,3 +1262,23 @@ def test_what_we_do_not_serve_of_llama4_is_refused_by_name(change, named):
     with pytest.raises(ConfigError, match=f"^text_config.{named}"):
         ModelConfig.from_hf_config({"architectures": ["Llama4ForConditionalGeneration"],
                                     "text_config": {**LLAMA4_SCOUT_TEXT, **change}})
+
+
+def test_the_rotary_cache_holds_the_positions_the_pools_serve():
+    """An engine's rotary table holds its longest pool's positions, not the model's whole context (Scout's 10,485,760
+    rows would be 2.7 GB in bfloat16); the rows it holds are the whole table's, and the capacity plan counts them."""
+    from engine.layers.rotary import rope_cos_sin_cache
+
+    scout = ModelConfig.from_hf_config({"architectures": ["Llama4ForConditionalGeneration"],
+                                        "text_config": LLAMA4_SCOUT_TEXT})
+    assert scout.context_length == 10_485_760
+    assert scout.serving([8192, 131072]).rotary_cache_bytes(torch.bfloat16) == 131072 * 128 * 2
+    for whole in ([0], [8192, None], []):   # a pool of the model's context: every row
+        assert scout.serving(whole).rotary_positions == 0
+        assert scout.serving(whole).rotary_cache_bytes(torch.bfloat16) == 10_485_760 * 128 * 2
+    small = ModelConfig.from_hf_config({"architectures": ["LlamaForCausalLM"], "vocab_size": 32, "hidden_size": 64,
+                                        "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4,
+                                        "max_position_embeddings": 4096})
+    table = rope_cos_sin_cache(small.serving([100]))
+    assert table.shape == (100, 16)
+    torch.testing.assert_close(table, rope_cos_sin_cache(small)[:100], rtol=0, atol=0)

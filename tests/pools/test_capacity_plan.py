@@ -254,7 +254,7 @@ def test_engine_configs_carry_the_planned_numbers(builtin_path):
     assert [pc.slo for pc in engine.pools] == [p.slo for p in config.pools]   # service classes pass through
     # hand arithmetic for SmolLM2 (30 layers, 3 KV heads of 64, float32) on 2 GiB
     s_kv = 2 * 30 * 3 * 64 * 4
-    kv = int(0.9 * 2 * GiB) - model.num_params() * 4 - model.context_length * 64 * 4   # weights, rotary cache
+    kv = int(0.9 * 2 * GiB) - model.num_params() * 4 - 1024 * 64 * 4   # weights, the rotary cache of 1,024 positions
     assert plan.pools["chat"].num_blocks == int(0.4 * kv) // (s_kv * 16)
     assert plan.pools["rag"].formula_max_num_seqs == int(0.6 * kv) // (s_kv * 900) == 20
     # 900 tokens hold 57 blocks of 16 (912 slots): the pool's blocks hold 19 such requests, not the formula's 20
@@ -393,7 +393,7 @@ def test_each_gpu_sets_aside_its_decode_graphs_memory_unless_enforce_eager(tp):
     assert plans[False].graph_bytes_per_device == reserve and plans[True].graph_bytes_per_device == 0
     assert plans[True].kv_space_bytes_per_device - plans[False].kv_space_bytes_per_device == reserve
     assert plans[False].kv_space_bytes_per_device == \
-        int(0.9 * 8 * GiB) - ShardShape.of(model, 0, tp).num_params(model) * 2 - model.context_length * 64 * 2 - reserve
+        int(0.9 * 8 * GiB) - ShardShape.of(model, 0, tp).num_params(model) * 2 - 1024 * 64 * 2 - reserve   # 1,024: rope
     data["devices"]["default"]["enforce_eager"] = "yes"
     with pytest.raises(SpecError, match="enforce_eager"):
         parse_config(data, env={})
@@ -747,7 +747,7 @@ def test_an_eager_plan_fits_what_the_engine_finds_loaded(monkeypatch, arch):
         "architectures": [arch], "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
         "max_position_embeddings": 2048, "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8})
-    net = build_model(model, torch.bfloat16, "cpu")
+    net = build_model(model.serving([1024]), torch.bfloat16, "cpu")   # as an engine of the pools' 1,024 positions
     loaded = sum(t.numel() * t.element_size() for t in (*net.parameters(), *net.buffers()))
     data = _small_config()
     data["devices"]["default"] = {"device": "cuda", "memory": "64MiB", "enforce_eager": True}
