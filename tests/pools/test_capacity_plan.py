@@ -451,12 +451,14 @@ def test_the_examples_measure_their_gpus_where_they_are_served():
     ("gpt-oss-20b-h100.yaml", 80 * GiB, 41_829_514_368, "bfloat16"),
     ("deepseek-v2-lite-h100.yaml", 80 * GiB, 31_419_784_192, "bfloat16"),
     ("glm-4.5-air-2xh200-fp8.yaml", 141 * GiB, 213_751_699_968, "float8_e4m3fn"),
+    ("llama-4-scout-2xh200-fp8.yaml", 141 * GiB, 215_539_722_240, "float8_e4m3fn"),
 ])
 def test_the_example_files_plan(name, vram, dense_bytes, kv):
     """The example files plan from the config.json beside them: Qwen3-32B's weights (YaRN to 131,072
     positions) with an FP8 cache, Qwen3-30B-A3B's every expert, gpt-oss-20b's (MXFP4 on disk) in bfloat16,
-    DeepSeek-V2-Lite's (its routers in float32) with its latent cache: 31,104 B a token, and GLM-4.5-Air's on two
-    H200s (its routers in float32 too) with an FP8 cache."""
+    DeepSeek-V2-Lite's (its routers in float32) with its latent cache: 31,104 B a token, GLM-4.5-Air's on two
+    H200s (its routers in float32 too) with an FP8 cache, and Llama 4 Scout's text model on two H200s (a multimodal
+    config.json; its rotary table the rag pool's 131,072 positions, not 10,485,760)."""
     data = yaml.safe_load((REPO / "config" / "examples" / name).read_text())
     config = parse_config(data, env={}, base_dir=REPO / "config" / "examples")
     plan = plan_capacity(config, resolve_model_configs(config), vram_bytes=vram)
