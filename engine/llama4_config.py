@@ -1,4 +1,5 @@
-"""Llama 4's config.json fields (transformers' `Llama4TextConfig` names and defaults) as `ModelConfig` fields.
+"""Llama 4's config.json fields (transformers' `Llama4TextConfig` names and defaults) as `ModelConfig` fields, and
+Ministral 3's (`Ministral3Config`), whose queries take Llama 4's attention scaling on every layer.
 
 A Llama 4 text model (Scout, Maverick) has three kinds of layer at once:
 - attention: most layers rotate q and k (`no_rope_layers[i]` 1) and attend within chunks of
@@ -63,3 +64,25 @@ def _layer_flags(cfg: dict[str, Any], key: str, num_layers: int, default) -> lis
                                                                        for f in flags):
         raise ConfigError(f"{key}: a 0 or 1 for each of the {num_layers} layers, got {flags!r:.80}")
     return flags
+
+
+# transformers' Ministral3Config's rope where config.json names none: YaRN, 16 x 16,384 positions, and the queries'
+# scaling (`llama_4_scaling_beta`)
+MINISTRAL3_ROPE = {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 16.0,
+                   "original_max_position_embeddings": 16384, "beta_fast": 32.0, "beta_slow": 1.0,
+                   "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.1}
+
+
+def ministral3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Ministral 3's fields: Mistral's layer (a sliding window only where `sliding_window` is set), each query times
+    1 + beta x log(1 + floor(p / original_max_position_embeddings)) after the rotary, beta the rope's
+    `llama_4_scaling_beta` (none where it names none), and transformers' rope where config.json names none."""
+    rope_key = "rope_parameters" if cfg.get("rope_parameters") is not None or cfg.get("rope_scaling") is None \
+        else "rope_scaling"
+    if cfg.get(rope_key) is None:
+        cfg = {**cfg, "rope_parameters": MINISTRAL3_ROPE}
+    rope = cfg[rope_key]
+    beta = read_float(rope, "llama_4_scaling_beta", None, positive=False, path=f"{rope_key}.") \
+        if isinstance(rope, dict) else None
+    return {"sliding_window": read_int(cfg, "sliding_window", None), "llama4_scaling_beta": beta or None,
+            "full_rope": (cfg,)}

@@ -27,7 +27,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
                            "GptOssForCausalLM", "Qwen2MoeForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM",
                            "Ernie4_5ForCausalLM", "Ernie4_5_MoeForCausalLM", "Glm4ForCausalLM", "DeepseekV2ForCausalLM",
                            "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM", "Olmo3ForCausalLM",
-                           "SeedOssForCausalLM", "Llama4ForCausalLM")
+                           "SeedOssForCausalLM", "Llama4ForCausalLM", "Ministral3ForCausalLM")
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")   # one LayerNorm a layer, a parallel block
 # their attention bias: q/k/v's, not o_proj's
 QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM")
@@ -48,6 +48,9 @@ TEXT_MODELS = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "language
                "Qwen3VLForConditionalGeneration": ("Qwen3ForCausalLM", "language_model.", "qwen3_vl_text"),
                "Qwen3VLMoeForConditionalGeneration": ("Qwen3MoeForCausalLM", "language_model.", "qwen3_vl_moe_text"),
                "Llama4ForConditionalGeneration": ("Llama4ForCausalLM", "language_model.", "llama4_text")}
+# a multimodal architecture whose text model is another by its text_config's model_type (Mistral 3's from December
+# 2025 on: Ministral 3, Devstral 2, Mistral Small 4)
+TEXT_MODEL_TYPES = {("Mistral3ForConditionalGeneration", "ministral3"): "Ministral3ForCausalLM"}
 # transformers' text config defaults of Qwen's VL models where they differ from the text architecture's here (a
 # composite checkpoint's text_config may be saved as its difference from them, as Gemma 3's)
 _QWEN2_VL_TEXT = {"vocab_size": 152_064, "hidden_size": 8192, "intermediate_size": 29_568, "num_hidden_layers": 80,
@@ -93,21 +96,22 @@ DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32_768, "
                          "Ernie4_5_MoeForCausalLM": 131_072, "SeedOssForCausalLM": 524_288,
                          "Glm4ForCausalLM": 131_072, "DeepseekV2ForCausalLM": 2048, "DeepseekV3ForCausalLM": 4096,
                          "Glm4MoeForCausalLM": 131_072, "MiniMaxM2ForCausalLM": 196_608,
-                         "Gemma2ForCausalLM": 8192, "Gemma3ForCausalLM": 131_072, "Llama4ForCausalLM": 131_072}
+                         "Gemma2ForCausalLM": 8192, "Gemma3ForCausalLM": 131_072, "Llama4ForCausalLM": 131_072,
+                         "Ministral3ForCausalLM": 262_144}
 # their rms_norm_eps, where it is not 1e-6
 DEFAULT_RMS_NORM_EPS = {"MixtralForCausalLM": 1e-5, "Phi3ForCausalLM": 1e-5, "Olmo2ForCausalLM": 1e-5,
                         "Olmo3ForCausalLM": 1e-5,
                         "GptOssForCausalLM": 1e-5, "Ernie4_5ForCausalLM": 1e-5, "Ernie4_5_MoeForCausalLM": 1e-5,
                         "Glm4ForCausalLM": 1.5625e-7,
-                        "Glm4MoeForCausalLM": 1e-5, "Llama4ForCausalLM": 1e-5}
+                        "Glm4MoeForCausalLM": 1e-5, "Llama4ForCausalLM": 1e-5, "Ministral3ForCausalLM": 1e-5}
 DEFAULT_KV_HEADS = {"Qwen2ForCausalLM": 32, "MistralForCausalLM": 8, "Qwen3ForCausalLM": 32, "Qwen3MoeForCausalLM": 4,
                     "MixtralForCausalLM": 8, "SmolLM3ForCausalLM": 4, "GptOssForCausalLM": 8,
                     "Qwen2MoeForCausalLM": 16, "Ernie4_5ForCausalLM": 2, "Ernie4_5_MoeForCausalLM": 4,
                     "Glm4ForCausalLM": 2, "Glm4MoeForCausalLM": 8, "SeedOssForCausalLM": 8,
-                    "MiniMaxM2ForCausalLM": 8, "Llama4ForCausalLM": 8}
+                    "MiniMaxM2ForCausalLM": 8, "Llama4ForCausalLM": 8, "Ministral3ForCausalLM": 8}
 # their head_dim where config.json names none (else hidden_size / num_attention_heads)
 DEFAULT_HEAD_DIM = {"Qwen3ForCausalLM": 128, "GptOssForCausalLM": 64, "Ernie4_5ForCausalLM": 128,
-                    "Llama4ForCausalLM": 128,
+                    "Llama4ForCausalLM": 128, "Ministral3ForCausalLM": 128,
                     "Glm4ForCausalLM": 128, "MiniMaxM2ForCausalLM": 128, "SeedOssForCausalLM": 128}
 # their rope_theta where config.json names none (else 10,000)
 DEFAULT_ROPE_THETA = {"MixtralForCausalLM": 1_000_000.0, "SmolLM3ForCausalLM": 2_000_000.0,
@@ -164,6 +168,7 @@ class ModelConfig:
     attention_chunk_size: int | None = None   # Llama 4: a chunked_attention layer's query sees its chunk alone
     qk_l2_norm: bool = False            # Llama 4: each q and k head of a rotating layer L2-normed after the rotary
     attn_temperature: tuple[float, float] | None = None   # Llama 4's NoPE layers' q scale: (floor_scale, attn_scale)
+    llama4_scaling_beta: float | None = None   # Ministral 3: every query x 1 + beta log(1 + floor(p / original))
     attention_sinks: bool = False       # GPT-OSS: a learned logit per query head in every softmax's denominator
     moe_bias: bool = False              # GPT-OSS: the router and each expert's projections carry biases
     swiglu_limit: float | None = None   # GPT-OSS: the experts' SwiGLU clamped at it (None: plain SiLU x up)
@@ -429,6 +434,8 @@ class ModelConfig:
         """A multimodal checkpoint (`arch` in TEXT_MODELS) as its `text_config`'s model; errors say `text_config.`."""
         text_arch, prefix, model_type = TEXT_MODELS[arch]
         text = read_object(cfg, "text_config")
+        if text is not None and (arch, text.get("model_type")) in TEXT_MODEL_TYPES:
+            text_arch, model_type = TEXT_MODEL_TYPES[arch, text["model_type"]], text["model_type"]
         if text is None and arch in FLAT_TEXT_CONFIGS:   # the text model's keys at the top (its hub checkpoints')
             text = {k: v for k, v in cfg.items() if k not in ("vision_config", "architectures", "model_type")}
         if text is None:

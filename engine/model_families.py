@@ -14,7 +14,7 @@ from typing import Any
 
 from engine.config import ConfigError
 from engine.config_values import is_int, read_bool, read_float, read_int, read_object, rope_type
-from engine.llama4_config import llama4_fields
+from engine.llama4_config import llama4_fields, ministral3_fields
 
 LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")   # chunked: Llama 4's (`llama4_config`)
 # how a sparse layer picks its experts: a softmax's top k (Qwen, Mixtral, GPT-OSS), DeepSeek V2's softmax within the
@@ -95,8 +95,8 @@ def family_fields(cfg: dict[str, Any], arch: str, num_layers: int) -> dict[str, 
                 "attention_out_bias": read_bool(cfg, "attention_out_bias", False)}
     if arch == "Ernie4_5_MoeForCausalLM":
         return ernie4_5_moe_fields(cfg, num_layers)
-    if arch == "Llama4ForCausalLM":
-        return llama4_fields(cfg, num_layers)
+    if arch in ("Llama4ForCausalLM", "Ministral3ForCausalLM"):
+        return llama4_fields(cfg, num_layers) if arch == "Llama4ForCausalLM" else ministral3_fields(cfg)
     if arch == "Ernie4_5ForCausalLM":   # Ernie4_5Config: one switch for every projection's bias, a tied head
         bias = read_bool(cfg, "use_bias", False)
         return {"attention_bias": bias, "mlp_bias": bias, "tie_word_embeddings": read_bool(cfg, "tie_word_embeddings",

@@ -14,7 +14,8 @@ too), `glm4` (GLM-4: sandwich norms, a partial interleaved rotary served by zero
 `deepseek` (DeepSeek V2 and V3: latent attention over a cache of one latent a token, grouped routers, shared experts;
 GLM-4.5, in `glm4`, takes their experts), `minimax_m2` (MiniMax-M2: Mixtral's names, OLMo 2's whole-projection
 q/k norms, GLM-4.5's partial rotary, DeepSeek V3's router without groups), `llama4` (Llama 4's text model: chunked
-attention, NoPE layers with query temperature, q/k L2-normed after an interleaved rotary, sigmoid-scaled experts).
+attention, NoPE layers with query temperature, q/k L2-normed after an interleaved rotary, sigmoid-scaled experts),
+`ministral3` (Ministral 3: Mistral's layer with Llama 4's query scaling on every layer).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from engine.models.gemma3 import Gemma3ForCausalLM
 from engine.models.glm4 import Glm4ForCausalLM, Glm4MoeForCausalLM
 from engine.models.gpt_oss import GptOssForCausalLM
 from engine.models.llama4 import Llama4ForCausalLM
+from engine.models.ministral3 import Ministral3ForCausalLM
 from engine.models.granite import GraniteForCausalLM
 from engine.models.minimax_m2 import MiniMaxM2ForCausalLM
 from engine.models.mixtral import MixtralForCausalLM
@@ -66,7 +68,8 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "MiniMaxM2ForCausalLM": MiniMaxM2ForCausalLM,
                                                 "DeepseekV2ForCausalLM": DeepseekForCausalLM,
                                                 "DeepseekV3ForCausalLM": DeepseekForCausalLM,
-                                                "Llama4ForCausalLM": Llama4ForCausalLM}
+                                                "Llama4ForCausalLM": Llama4ForCausalLM,
+                                                "Ministral3ForCausalLM": Ministral3ForCausalLM}
 
 
 def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:

@@ -1282,3 +1282,34 @@ def test_the_rotary_cache_holds_the_positions_the_pools_serve():
     table = rope_cos_sin_cache(small.serving([100]))
     assert table.shape == (100, 16)
     torch.testing.assert_close(table, rope_cos_sin_cache(small)[:100], rtol=0, atol=0)
+
+
+def test_ministral3_reads_as_transformers_does_and_its_mistral3_checkpoint_serves_it():
+    """Ministral3Config's defaults (Ministral-3-8B's shape: 34 layers, YaRN x 16 from 16,384 positions, the queries'
+    llama_4_scaling_beta 0.1) read as transformers reads them: the parameter count of its model, the rotary's
+    frequencies and factor; a Mistral3ForConditionalGeneration whose text_config is ministral3 serves it (its text
+    keys under text_config.), a mistral one Mistral's."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from engine.layers.rotary import rope_attention_factor, rope_inv_freq
+
+    bare = {"architectures": ["Ministral3ForCausalLM"]}
+    ours = ModelConfig.from_hf_config(bare | {"vocab_size": 131072, "hidden_size": 4096, "intermediate_size": 14336,
+                                              "num_hidden_layers": 34, "num_attention_heads": 32})
+    theirs, hf = _meta_model(transformers.Ministral3Config, bare)
+    assert ours.num_params() == sum(p.numel() for p in hf.parameters())
+    assert (ours.num_kv_heads, ours.head_dim, ours.context_length, ours.sliding_window, ours.llama4_scaling_beta) == (
+        theirs.num_key_value_heads, theirs.head_dim, 262144, None, 0.1)
+    inv_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](theirs, "cpu")
+    torch.testing.assert_close(rope_inv_freq(ours), inv_freq)
+    assert rope_attention_factor(ours) == pytest.approx(factor)
+    text = {"model_type": "ministral3", "vocab_size": 131072, "hidden_size": 4096, "intermediate_size": 14336,
+            "num_hidden_layers": 34, "num_attention_heads": 32}
+    for model_type, arch in (("ministral3", "Ministral3ForCausalLM"), ("mistral", "MistralForCausalLM")):
+        served = ModelConfig.from_hf_config({"architectures": ["Mistral3ForConditionalGeneration"],
+                                             "text_config": {**text, "model_type": model_type}})
+        assert (served.architecture, served.text_weights_prefix) == (arch, "language_model.")
+    with pytest.raises(ConfigError, match=r"^text_config\.rope_parameters\.llama_4_scaling_beta"):
+        ModelConfig.from_hf_config({"architectures": ["Mistral3ForConditionalGeneration"], "text_config": {
+            **text, "rope_parameters": {"rope_type": "yarn", "factor": 16.0, "llama_4_scaling_beta": "0.1"}}})

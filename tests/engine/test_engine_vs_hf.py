@@ -118,6 +118,11 @@ LLAMA4 = dict(intermediate_size=48, intermediate_size_mlp=96, num_local_experts=
               num_hidden_layers=4, attention_chunk_size=8, floor_scale=4, attn_scale=0.5,
               rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                                "high_freq_factor": 1.0, "original_max_position_embeddings": 16})
+# Ministral 3: its YaRN (mscale and mscale_all_dim) from 8 positions, so the queries' scaling (beta 0.5) moves every
+# 8 positions of the prompts and outputs
+MINISTRAL3 = dict(head_dim=16, rope_parameters={
+    "type": "yarn", "rope_theta": 1000000.0, "factor": 16.0, "original_max_position_embeddings": 8, "beta_fast": 32.0,
+    "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.5, "max_position_embeddings": 512})
 GRANITE = dict(embedding_multiplier=3.0, attention_multiplier=0.05, residual_multiplier=0.5, logits_scaling=2.0,
                tie_word_embeddings=True)
 
@@ -219,6 +224,9 @@ TINY_MODELS = [
     ("llama4", {**LLAMA4, "interleave_moe_layer_step": 2, "num_experts_per_tok": 2, "use_qk_norm": False,
                 "attn_temperature_tuning": False, "num_key_value_heads": 1,
                 "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
+    # Ministral 3: every query scaled by its position after the rotary; then a window of 8 and one KV head
+    ("ministral3", MINISTRAL3),
+    ("ministral3", {**MINISTRAL3, "sliding_window": 8, "num_key_value_heads": 1, "tie_word_embeddings": True}),
 ]
 # Every architecture on the default CPU linears; the other linears on one dense and one MoE model (the
 # linears do not depend on the architecture around them).
@@ -463,9 +471,33 @@ def test_a_multimodal_mistral3_checkpoint_serves_its_text_model(tmp_path, builti
     hf.save_pretrained(folder)
     _assert_serves_its_text_model(hf, folder, builtin_path, "MistralForCausalLM")
     saved = json.loads((folder / "config.json").read_text())
-    saved["text_config"]["model_type"] = "ministral3"
-    with pytest.raises(ConfigError, match=r"^text_config\.model_type: .* served as 'mistral' .*got 'ministral3'"):
+    saved["text_config"]["model_type"] = "llama"
+    with pytest.raises(ConfigError, match=r"^text_config\.model_type: .* served as 'mistral' .*got 'llama'"):
         ModelConfig.from_hf_config(saved)
+
+
+def test_a_multimodal_mistral3_checkpoint_of_a_ministral3_text_model_serves_it(tmp_path, builtin_path):
+    """Mistral 3's checkpoints from December 2025 on (Ministral 3, Devstral 2: `Mistral3ForConditionalGeneration`
+    whose text_config is `ministral3`) serve their Ministral 3 text model, its queries' scaling too: greedy text
+    token-identical to transformers' multimodal model on text input."""
+    import transformers
+
+    text = transformers.Ministral3Config(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                         initializer_range=0.2, rms_norm_eps=1e-5, **MINISTRAL3)
+    vision = transformers.PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                              num_attention_heads=2, head_dim=16, image_size=28, patch_size=14)
+    config = transformers.Mistral3Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                                         tie_word_embeddings=False)
+    torch.manual_seed(0)
+    hf = transformers.Mistral3ForConditionalGeneration(config).eval()
+    with torch.no_grad():   # the text model's matrices with a large std (its norms stay 1): no greedy ties
+        for param in [*hf.model.language_model.parameters(), hf.lm_head.weight]:
+            if param.dim() > 1:
+                param.normal_(0.0, 0.2)
+    folder = tmp_path / "ministral3"
+    hf.save_pretrained(folder)
+    _assert_serves_its_text_model(hf, folder, builtin_path, "Ministral3ForCausalLM")
 
 
 # --- slow: the builtin model under every block size x preemption mode x prefix-cache state --------

@@ -247,6 +247,9 @@ QWEN3 = {"head_dim": 32, "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
     ("llama4", {"intermediate_size": 32, "intermediate_size_mlp": 64, "num_local_experts": 4, "head_dim": 16,
                 "num_hidden_layers": 4, "interleave_moe_layer_step": 2, "attention_chunk_size": 8, "floor_scale": 4,
                 "attn_scale": 0.5}, None),
+    ("ministral3", {"head_dim": 16, "rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 1000000.0, "factor": 16.0, "original_max_position_embeddings": 8,
+        "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.5}}, None),
 ])
 def test_two_ranks_generate_what_one_does(tmp_path, builtin_path, prompts, arch, overrides, overlap):
     # A tiny random model with even head counts (4 heads, 2 KV heads); Qwen3 q/k head norms (whole on every rank)
@@ -263,7 +266,8 @@ def test_two_ranks_generate_what_one_does(tmp_path, builtin_path, prompts, arch,
     # MiniMax-M2 its whole-projection q/k norms' sums of squares over the ranks beside the rows it reorders for its
     # partial rotary (GLM-4.5's parts: Qwen3's head norms, GLM-4's reordered rows, DeepSeek's experts); Llama 4 each
     # rank's heads of its reordered q/k rows, their chunks, its NoPE layers' query temperature on each rank's heads,
-    # its experts' and shared expert's rows beside dense layers. Qwen3's,
+    # its experts' and shared expert's rows beside dense layers; Ministral 3 its query scaling on each rank's heads.
+    # Qwen3's,
     # Mixtral's and DeepSeek's groups overlap their steps: the other rank fills the placeholders of each step's
     # inputs from rank 0's sampled ids (engine.overlap).
     # six tokens each: a wrong cut shows at once, and each step of two gloo ranks costs ~80 ms on a 2-core machine
