@@ -206,7 +206,7 @@ def _make_cache(setup: Setup, num_blocks: int):
     """One layer's K/V as the engine holds them, filled with N(0, 1)."""
     from engine.kv_cache import KVCache
     from engine.model_config import ModelConfig
-    from engine.model_families import MlaShape
+    from engine.mla_config import MlaShape
 
     # a latent cache: one plane (only the cache's dimension counts of the attention's shape)
     mla = MlaShape(0, setup.head_dim - 8, 8, 8, 8) if setup.latent else None

@@ -18,7 +18,8 @@ import torch
 from engine.config import ConfigError, quantizes_kv_cache_only
 from engine.fp8_weights import fp8_weight_block
 from engine.config_values import read_bool, read_float, read_int, read_object, read_token_ids, rope_type
-from engine.model_families import LAYER_TYPES, MOE_ROUTERS, MlaShape, family_fields
+from engine.mla_config import MlaShape
+from engine.model_families import LAYER_TYPES, MOE_ROUTERS, family_fields
 from engine.rope_config import RopeScaling
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM",
@@ -27,7 +28,8 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
                            "GptOssForCausalLM", "Qwen2MoeForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM",
                            "Ernie4_5ForCausalLM", "Ernie4_5_MoeForCausalLM", "Glm4ForCausalLM", "DeepseekV2ForCausalLM",
                            "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM", "Olmo3ForCausalLM",
-                           "SeedOssForCausalLM", "Llama4ForCausalLM", "Ministral3ForCausalLM")
+                           "SeedOssForCausalLM", "Llama4ForCausalLM", "Ministral3ForCausalLM",
+                           "Glm4MoeLiteForCausalLM")
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")   # one LayerNorm a layer, a parallel block
 # their attention bias: q/k/v's, not o_proj's
 QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM")
@@ -97,13 +99,14 @@ DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32_768, "
                          "Glm4ForCausalLM": 131_072, "DeepseekV2ForCausalLM": 2048, "DeepseekV3ForCausalLM": 4096,
                          "Glm4MoeForCausalLM": 131_072, "MiniMaxM2ForCausalLM": 196_608,
                          "Gemma2ForCausalLM": 8192, "Gemma3ForCausalLM": 131_072, "Llama4ForCausalLM": 131_072,
-                         "Ministral3ForCausalLM": 262_144}
+                         "Ministral3ForCausalLM": 262_144, "Glm4MoeLiteForCausalLM": 202_752}
 # their rms_norm_eps, where it is not 1e-6
 DEFAULT_RMS_NORM_EPS = {"MixtralForCausalLM": 1e-5, "Phi3ForCausalLM": 1e-5, "Olmo2ForCausalLM": 1e-5,
                         "Olmo3ForCausalLM": 1e-5,
                         "GptOssForCausalLM": 1e-5, "Ernie4_5ForCausalLM": 1e-5, "Ernie4_5_MoeForCausalLM": 1e-5,
                         "Glm4ForCausalLM": 1.5625e-7,
-                        "Glm4MoeForCausalLM": 1e-5, "Llama4ForCausalLM": 1e-5, "Ministral3ForCausalLM": 1e-5}
+                        "Glm4MoeForCausalLM": 1e-5, "Llama4ForCausalLM": 1e-5, "Ministral3ForCausalLM": 1e-5,
+                        "Glm4MoeLiteForCausalLM": 1e-5}
 DEFAULT_KV_HEADS = {"Qwen2ForCausalLM": 32, "MistralForCausalLM": 8, "Qwen3ForCausalLM": 32, "Qwen3MoeForCausalLM": 4,
                     "MixtralForCausalLM": 8, "SmolLM3ForCausalLM": 4, "GptOssForCausalLM": 8,
                     "Qwen2MoeForCausalLM": 16, "Ernie4_5ForCausalLM": 2, "Ernie4_5_MoeForCausalLM": 4,

@@ -9,12 +9,12 @@ What we do not serve is refused with a `ConfigError` naming the key."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from engine.config import ConfigError
 from engine.config_values import is_int, read_bool, read_float, read_int, read_object, rope_type
 from engine.llama4_config import llama4_fields, ministral3_fields
+from engine.mla_config import MLA_DEFAULTS, read_mla
 
 LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")   # chunked: Llama 4's (`llama4_config`)
 # how a sparse layer picks its experts: a softmax's top k (Qwen, Mixtral, GPT-OSS), DeepSeek V2's softmax within the
@@ -23,38 +23,7 @@ LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")   # c
 # MiniMax-M2's: V3's, in the model's dtype; ERNIE 4.5's: the softmax's top k after a correction bias; Llama 4's
 MOE_ROUTERS = ("softmax", "deepseek_v2", "deepseek_v3", "minimax_m2", "ernie4_5", "llama4")
 DEEPSEEK_TOPK_METHODS = {"DeepseekV2ForCausalLM": ("greedy", "group_limited_greedy"),
-                         "DeepseekV3ForCausalLM": ("noaux_tc",)}
-
-
-@dataclass(frozen=True)
-class MlaShape:
-    """DeepSeek's multi-head latent attention: queries through a `q_lora_rank` bottleneck (0: one projection),
-    keys and values from one latent of `kv_lora_rank` per token, which with the token's rotated `qk_rope_head_dim`
-    key is all the cache holds (`engine.models.deepseek`); each head's q.k over `qk_nope_head_dim` +
-    `qk_rope_head_dim` dimensions, its value `v_head_dim`. `rope_interleave`: the checkpoint's rotary pairs are
-    (2i, 2i + 1) (DeepSeek's own; the rows are reordered as they are read)."""
-
-    q_lora_rank: int
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
-    rope_interleave: bool = True
-
-    @property
-    def cache_dim(self) -> int:
-        """What a token leaves in the cache: its latent and its rotated key (576 for DeepSeek V3)."""
-        return self.kv_lora_rank + self.qk_rope_head_dim
-
-    def num_params(self, hidden: int, heads: int, bias: bool) -> int:
-        """One layer's attention with `heads` query heads: q (through its bottleneck and norm, or one projection),
-        the latent's projection and norm (whole on every rank), the latent's per-head up-projection, o_proj."""
-        qk = self.qk_nope_head_dim + self.qk_rope_head_dim
-        r, latent = self.q_lora_rank, self.kv_lora_rank
-        q = hidden * r + r + r * heads * qk if r else hidden * heads * qk
-        kv = hidden * self.cache_dim + latent + latent * heads * (self.qk_nope_head_dim + self.v_head_dim)
-        biases = (r + self.cache_dim + hidden) if bias else 0   # q_a, kv_a and o_proj's (DeepSeek's attention_bias)
-        return q + kv + heads * self.v_head_dim * hidden + biases
+                         "DeepseekV3ForCausalLM": ("noaux_tc",), "Glm4MoeLiteForCausalLM": ("noaux_tc",)}
 
 
 def family_fields(cfg: dict[str, Any], arch: str, num_layers: int) -> dict[str, Any]:
@@ -343,7 +312,7 @@ def deepseek_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
     (`_grouped_experts`), V3's router the sigmoid with its correction bias (`topk_method: noaux_tc`), V2's the softmax,
     in groups where `topk_method: group_limited_greedy`. Unlike transformers, V2 renormalises its top k where
     `norm_topk_prob` says so (DeepSeek's and vLLM's reading; DeepSeek's V2 configs say not)."""
-    v3 = arch == "DeepseekV3ForCausalLM"
+    v3 = arch != "DeepseekV2ForCausalLM"   # V3's router and keys: GLM-4.7-Flash's too (`Glm4MoeLiteForCausalLM`)
     method = cfg.get("topk_method") or ("noaux_tc" if v3 else "greedy")
     if method not in DEEPSEEK_TOPK_METHODS[arch]:
         raise ConfigError(f"topk_method: {arch} is served with {' or '.join(DEEPSEEK_TOPK_METHODS[arch])}, "
@@ -356,22 +325,36 @@ def deepseek_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
         raise ConfigError(f"moe_layer_freq: {arch} is served with every layer past first_k_dense_replace sparse (1), "
                           f"got {cfg['moe_layer_freq']!r}")
     _check_silu(cfg, "DeepSeek")
-    q_lora = 0 if "q_lora_rank" in cfg and cfg["q_lora_rank"] is None else read_int(cfg, "q_lora_rank", 1536)
-    mla = MlaShape(q_lora_rank=q_lora,   # null: one q projection (DeepSeek-V2-Lite)
-                   kv_lora_rank=read_int(cfg, "kv_lora_rank", 512),
-                   qk_nope_head_dim=read_int(cfg, "qk_nope_head_dim", 128),
-                   qk_rope_head_dim=read_int(cfg, "qk_rope_head_dim", 64),
-                   v_head_dim=read_int(cfg, "v_head_dim", 128),
-                   rope_interleave=read_bool(cfg, "rope_interleave", True) if v3 else True)
-    if mla.qk_rope_head_dim % 2:
-        raise ConfigError(f"qk_rope_head_dim: must be even for rotary embeddings, got {mla.qk_rope_head_dim}")
+    mla = read_mla(cfg, MLA_DEFAULTS[arch], interleave_key=v3)
     defaults = dict(n_routed_experts=256, moe_intermediate_size=2048, num_experts_per_tok=8, n_group=8, topk_group=4,
                     norm_topk_prob=True, first_k_dense_replace=3, routed_scaling_factor=2.5, n_shared_experts=1) if v3 \
         else dict(n_routed_experts=64, moe_intermediate_size=1407, num_experts_per_tok=6, n_group=1, topk_group=1,
                   norm_topk_prob=False, first_k_dense_replace=0, routed_scaling_factor=1.0, n_shared_experts=2)
+    if arch == "Glm4MoeLiteForCausalLM":
+        defaults, cfg = GLM4_MOE_LITE_EXPERTS, {**cfg, "first_k_dense_replace": _dense_first(cfg)}
     experts = _grouped_experts(cfg, defaults, "deepseek_v3" if v3 else "deepseek_v2",
                                grouped=v3 or method == "group_limited_greedy")
     return {"mla": mla, "head_dim": mla.cache_dim, "num_kv_heads": 1, **experts}
+
+
+# Glm4MoeLiteConfig's experts where config.json names none: 64 of 1,536, 4 a token, one shared, the first layer dense
+GLM4_MOE_LITE_EXPERTS = dict(n_routed_experts=64, moe_intermediate_size=1536, num_experts_per_tok=4, n_group=1,
+                             topk_group=1, norm_topk_prob=True, first_k_dense_replace=1, routed_scaling_factor=1.8,
+                             n_shared_experts=1)
+
+
+def _dense_first(cfg: dict[str, Any]) -> int:
+    """GLM-4.7-Flash's dense layers as `mlp_layer_types` says them (default: the first alone), as how many come first:
+    the sparse layers after them (what the engine serves; another order is refused by name)."""
+    kinds = cfg.get("mlp_layer_types")
+    if kinds is None:
+        return 1
+    dense = kinds.count("dense") if isinstance(kinds, list) else -1
+    if dense < 0 or kinds != ["dense"] * dense + ["sparse"] * (len(kinds) - dense) \
+            or len(kinds) != read_int(cfg, "num_hidden_layers"):
+        raise ConfigError(f"mlp_layer_types: dense layers first, then sparse ones, one for each layer, "
+                          f"got {kinds!r:.80}")
+    return dense
 
 
 def glm4_moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:

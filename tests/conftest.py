@@ -108,17 +108,17 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
            "deepseek_v2": transformers.DeepseekV2Config, "deepseek_v3": transformers.DeepseekV3Config,
            "glm4_moe": transformers.Glm4MoeConfig, "minimax_m2": transformers.MiniMaxM2Config,
            "olmo3": transformers.Olmo3Config, "llama4": transformers.Llama4TextConfig,
-           "ministral3": transformers.Ministral3Config}[arch]
+           "ministral3": transformers.Ministral3Config, "glm4_moe_lite": transformers.Glm4MoeLiteConfig}[arch]
     config = cls(**common)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # transformers starts the biases at zero, which would hide one read wrong; sinks near it
-    if arch in ("gpt_oss", "deepseek_v3", "glm4_moe", "ernie4_5_moe", "seed_oss"):
+    if arch in ("gpt_oss", "deepseek_v3", "glm4_moe", "ernie4_5_moe", "seed_oss", "glm4_moe_lite"):
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if name.endswith(("bias", "sinks")):
                     param.normal_(0.0, 1.0)
-    if arch in ("deepseek_v3", "glm4_moe", "minimax_m2"):   # the router's correction bias (a buffer): zero too
+    if arch in ("deepseek_v3", "glm4_moe", "minimax_m2", "glm4_moe_lite"):   # the router's correction bias (a buffer)
         with torch.no_grad():
             for name, buffer in model.named_buffers():
                 if name.endswith("e_score_correction_bias"):

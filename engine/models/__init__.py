@@ -69,7 +69,8 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "DeepseekV2ForCausalLM": DeepseekForCausalLM,
                                                 "DeepseekV3ForCausalLM": DeepseekForCausalLM,
                                                 "Llama4ForCausalLM": Llama4ForCausalLM,
-                                                "Ministral3ForCausalLM": Ministral3ForCausalLM}
+                                                "Ministral3ForCausalLM": Ministral3ForCausalLM,
+                                                "Glm4MoeLiteForCausalLM": DeepseekForCausalLM}   # GLM-4.7-Flash
 
 
 def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:

@@ -1313,3 +1313,28 @@ def test_ministral3_reads_as_transformers_does_and_its_mistral3_checkpoint_serve
     with pytest.raises(ConfigError, match=r"^text_config\.rope_parameters\.llama_4_scaling_beta"):
         ModelConfig.from_hf_config({"architectures": ["Mistral3ForConditionalGeneration"], "text_config": {
             **text, "rope_parameters": {"rope_type": "yarn", "factor": 16.0, "llama_4_scaling_beta": "0.1"}}})
+
+
+def test_glm4_7_flash_reads_as_transformers_does():
+    """GLM-4.7-Flash (`Glm4MoeLiteForCausalLM`, Glm4MoeLiteConfig's defaults: its shape): DeepSeek V3's latent attention
+    (a latent of 512 and a rotated key of 64: 576 values a layer in the cache) and router, 64 experts of 1,536, 4 a
+    token beside a shared one, the first layer dense; the parameter count is transformers' model's. Dense layers
+    after a sparse one are refused by name."""
+    transformers = pytest.importorskip("transformers")
+
+    bare = {"architectures": ["Glm4MoeLiteForCausalLM"]}
+    hf_config, hf = _meta_model(transformers.Glm4MoeLiteConfig, bare)
+    cfg = ModelConfig.from_hf_config(bare | {k: getattr(hf_config, k) for k in (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")})
+    assert cfg.num_params() == _params_and_router_biases(hf)
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.mlp_only_layers,
+            cfg.routed_scaling_factor, cfg.kv_planes, cfg.head_dim) == (64, 4, 1536, (0,), 1.8, 1, 576)
+    assert cfg.mla.q_lora_rank == 768 and cfg.mla.v_head_dim == 256 and cfg.mla.qk_nope_head_dim == 192
+    layers = hf_config.num_hidden_layers
+    assert ModelConfig.from_hf_config({**bare, "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128,
+                                       "num_hidden_layers": 3, "num_attention_heads": 4,
+                                       "mlp_layer_types": ["dense", "dense", "sparse"]}).mlp_only_layers == (0, 1)
+    with pytest.raises(ConfigError, match="^mlp_layer_types: dense layers first"):
+        ModelConfig.from_hf_config({**bare, "num_hidden_layers": layers, "vocab_size": 1000, "hidden_size": 64,
+                                    "intermediate_size": 128, "num_attention_heads": 4,
+                                    "mlp_layer_types": ["sparse", "dense"] + ["sparse"] * (layers - 2)})

@@ -227,6 +227,10 @@ TINY_MODELS = [
     # Ministral 3: every query scaled by its position after the rotary; then a window of 8 and one KV head
     ("ministral3", MINISTRAL3),
     ("ministral3", {**MINISTRAL3, "sliding_window": 8, "num_key_value_heads": 1, "tie_word_embeddings": True}),
+    # GLM-4.7-Flash: DeepSeek V3's latent attention and router under GLM's names, its first layer dense
+    ("glm4_moe_lite", dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, kv_lora_rank=32,
+                           q_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, num_hidden_layers=3,
+                           num_key_value_heads=4)),
 ]
 # Every architecture on the default CPU linears; the other linears on one dense and one MoE model (the
 # linears do not depend on the architecture around them).

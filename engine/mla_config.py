@@ -1,0 +1,63 @@
+"""DeepSeek's multi-head latent attention as a config.json gives it (`MlaShape`, `read_mla`): DeepSeek V2's and V3's
+(Kimi K2's, DeepSeek-R1's) and GLM-4.7-Flash's (`Glm4MoeLiteForCausalLM`), each family's defaults its transformers
+config class's."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from engine.config import ConfigError
+from engine.config_values import read_bool, read_int
+
+# each family's latent shape where config.json names none: (q_lora_rank, kv_lora_rank, qk_nope_head_dim,
+# qk_rope_head_dim, v_head_dim)
+MLA_DEFAULTS = {"DeepseekV2ForCausalLM": (1536, 512, 128, 64, 128), "DeepseekV3ForCausalLM": (1536, 512, 128, 64, 128),
+                "Glm4MoeLiteForCausalLM": (768, 512, 192, 64, 256)}
+
+
+@dataclass(frozen=True)
+class MlaShape:
+    """DeepSeek's multi-head latent attention: queries through a `q_lora_rank` bottleneck (0: one projection),
+    keys and values from one latent of `kv_lora_rank` per token, which with the token's rotated `qk_rope_head_dim`
+    key is all the cache holds (`engine.models.deepseek`); each head's q.k over `qk_nope_head_dim` +
+    `qk_rope_head_dim` dimensions, its value `v_head_dim`. `rope_interleave`: the checkpoint's rotary pairs are
+    (2i, 2i + 1) (DeepSeek's own; the rows are reordered as they are read)."""
+
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool = True
+
+    @property
+    def cache_dim(self) -> int:
+        """What a token leaves in the cache: its latent and its rotated key (576 for DeepSeek V3)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def num_params(self, hidden: int, heads: int, bias: bool) -> int:
+        """One layer's attention with `heads` query heads: q (through its bottleneck and norm, or one projection),
+        the latent's projection and norm (whole on every rank), the latent's per-head up-projection, o_proj."""
+        qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+        r, latent = self.q_lora_rank, self.kv_lora_rank
+        q = hidden * r + r + r * heads * qk if r else hidden * heads * qk
+        kv = hidden * self.cache_dim + latent + latent * heads * (self.qk_nope_head_dim + self.v_head_dim)
+        biases = (r + self.cache_dim + hidden) if bias else 0   # q_a, kv_a and o_proj's (DeepSeek's attention_bias)
+        return q + kv + heads * self.v_head_dim * hidden + biases
+
+
+def read_mla(cfg: dict[str, Any], defaults: tuple[int, int, int, int, int], interleave_key: bool) -> MlaShape:
+    """The latent shape config.json gives (`defaults`: its family's, `MLA_DEFAULTS`); `q_lora_rank` null: one q
+    projection (DeepSeek-V2-Lite); `rope_interleave` read where `interleave_key` (V3's and GLM's), else True."""
+    q_lora, latent, nope, rope, v = defaults
+    mla = MlaShape(q_lora_rank=0 if "q_lora_rank" in cfg and cfg["q_lora_rank"] is None else
+                   read_int(cfg, "q_lora_rank", q_lora),
+                   kv_lora_rank=read_int(cfg, "kv_lora_rank", latent),
+                   qk_nope_head_dim=read_int(cfg, "qk_nope_head_dim", nope),
+                   qk_rope_head_dim=read_int(cfg, "qk_rope_head_dim", rope),
+                   v_head_dim=read_int(cfg, "v_head_dim", v),
+                   rope_interleave=read_bool(cfg, "rope_interleave", True) if interleave_key else True)
+    if mla.qk_rope_head_dim % 2:
+        raise ConfigError(f"qk_rope_head_dim: must be even for rotary embeddings, got {mla.qk_rope_head_dim}")
+    return mla
