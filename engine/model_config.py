@@ -29,7 +29,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
                            "Ernie4_5ForCausalLM", "Ernie4_5_MoeForCausalLM", "Glm4ForCausalLM", "DeepseekV2ForCausalLM",
                            "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM", "Olmo3ForCausalLM",
                            "SeedOssForCausalLM", "Llama4ForCausalLM", "Ministral3ForCausalLM",
-                           "Glm4MoeLiteForCausalLM")
+                           "Glm4MoeLiteForCausalLM", "GraniteMoeHybridForCausalLM")
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")   # one LayerNorm a layer, a parallel block
 # their attention bias: q/k/v's, not o_proj's
 QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM")
@@ -88,7 +88,8 @@ GEMMA2_DEFAULTS = {
 # the keys a family's config class gives where config.json names none (Llama 4: its expert size, which
 # `engine.llama4_config` reads)
 FAMILY_DEFAULTS = {"Gemma2ForCausalLM": GEMMA2_DEFAULTS, "Gemma3ForCausalLM": GEMMA3_TEXT_DEFAULTS,
-                   "Llama4ForCausalLM": {"intermediate_size": 8192}}
+                   "Llama4ForCausalLM": {"intermediate_size": 8192},
+                   "GraniteMoeHybridForCausalLM": {"intermediate_size": 11008}}   # its MLP's: shared_intermediate_size
 DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32_768, "MistralForCausalLM": 131_072,
                          "Qwen3ForCausalLM": 32_768, "Qwen3MoeForCausalLM": 32_768, "MixtralForCausalLM": 131_072,
                          "Phi3ForCausalLM": 4096, "GraniteForCausalLM": 2048, "Olmo2ForCausalLM": 2048,
@@ -99,7 +100,8 @@ DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32_768, "
                          "Glm4ForCausalLM": 131_072, "DeepseekV2ForCausalLM": 2048, "DeepseekV3ForCausalLM": 4096,
                          "Glm4MoeForCausalLM": 131_072, "MiniMaxM2ForCausalLM": 196_608,
                          "Gemma2ForCausalLM": 8192, "Gemma3ForCausalLM": 131_072, "Llama4ForCausalLM": 131_072,
-                         "Ministral3ForCausalLM": 262_144, "Glm4MoeLiteForCausalLM": 202_752}
+                         "Ministral3ForCausalLM": 262_144, "Glm4MoeLiteForCausalLM": 202_752,
+                         "GraniteMoeHybridForCausalLM": 2048}
 # their rms_norm_eps, where it is not 1e-6
 DEFAULT_RMS_NORM_EPS = {"MixtralForCausalLM": 1e-5, "Phi3ForCausalLM": 1e-5, "Olmo2ForCausalLM": 1e-5,
                         "Olmo3ForCausalLM": 1e-5,

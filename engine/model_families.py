@@ -13,6 +13,7 @@ from typing import Any
 
 from engine.config import ConfigError
 from engine.config_values import is_int, read_bool, read_float, read_int, read_object, rope_type
+from engine.granite_config import granite_fields
 from engine.llama4_config import llama4_fields, ministral3_fields
 from engine.mla_config import MLA_DEFAULTS, read_mla
 
@@ -43,8 +44,8 @@ def family_fields(cfg: dict[str, Any], arch: str, num_layers: int) -> dict[str, 
         return mixtral_fields(cfg)
     if arch == "Phi3ForCausalLM":
         return phi3_fields(cfg)
-    if arch == "GraniteForCausalLM":
-        return granite_fields(cfg)
+    if arch in ("GraniteForCausalLM", "GraniteMoeHybridForCausalLM"):
+        return granite_fields(cfg, arch, num_layers)
     if arch == "SmolLM3ForCausalLM":
         return smollm3_fields(cfg, num_layers)
     if arch == "GptOssForCausalLM":
@@ -221,16 +222,6 @@ def _partial_rotary_factor(cfg: dict[str, Any], default: float) -> float:
     `partial_rotary_factor` (`rope_parameters`, else `rope_scaling`), else the top level's, else `default`."""
     rope = read_object(cfg, "rope_parameters") or read_object(cfg, "rope_scaling") or {}
     return read_float(rope, "partial_rotary_factor", read_float(cfg, "partial_rotary_factor", default))
-
-
-def granite_fields(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Granite's four scalars (transformers' `GraniteConfig` names, 1 by default): the embeddings times
-    `embedding_multiplier`, q.k times `attention_multiplier` (in place of head_dim ** -0.5), each sublayer's output
-    times `residual_multiplier` before it joins the residual stream, the logits over `logits_scaling`."""
-    return {"embedding_multiplier": read_float(cfg, "embedding_multiplier", 1.0),
-            "attention_multiplier": read_float(cfg, "attention_multiplier", 1.0),
-            "residual_multiplier": read_float(cfg, "residual_multiplier", 1.0),
-            "logits_scaling": read_float(cfg, "logits_scaling", 1.0)}
 
 
 def smollm3_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:

@@ -108,7 +108,8 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
            "deepseek_v2": transformers.DeepseekV2Config, "deepseek_v3": transformers.DeepseekV3Config,
            "glm4_moe": transformers.Glm4MoeConfig, "minimax_m2": transformers.MiniMaxM2Config,
            "olmo3": transformers.Olmo3Config, "llama4": transformers.Llama4TextConfig,
-           "ministral3": transformers.Ministral3Config, "glm4_moe_lite": transformers.Glm4MoeLiteConfig}[arch]
+           "ministral3": transformers.Ministral3Config, "glm4_moe_lite": transformers.Glm4MoeLiteConfig,
+           "granitemoehybrid": transformers.GraniteMoeHybridConfig}[arch]
     config = cls(**common)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)

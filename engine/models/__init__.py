@@ -35,7 +35,7 @@ from engine.models.glm4 import Glm4ForCausalLM, Glm4MoeForCausalLM
 from engine.models.gpt_oss import GptOssForCausalLM
 from engine.models.llama4 import Llama4ForCausalLM
 from engine.models.ministral3 import Ministral3ForCausalLM
-from engine.models.granite import GraniteForCausalLM
+from engine.models.granite import GraniteForCausalLM, GraniteMoeHybridForCausalLM
 from engine.models.minimax_m2 import MiniMaxM2ForCausalLM
 from engine.models.mixtral import MixtralForCausalLM
 from engine.models.olmo2 import Olmo2ForCausalLM, Olmo3ForCausalLM
@@ -70,7 +70,8 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "DeepseekV3ForCausalLM": DeepseekForCausalLM,
                                                 "Llama4ForCausalLM": Llama4ForCausalLM,
                                                 "Ministral3ForCausalLM": Ministral3ForCausalLM,
-                                                "Glm4MoeLiteForCausalLM": DeepseekForCausalLM}   # GLM-4.7-Flash
+                                                "Glm4MoeLiteForCausalLM": DeepseekForCausalLM,   # GLM-4.7-Flash
+                                                "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM}
 
 
 def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:

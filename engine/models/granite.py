@@ -1,13 +1,19 @@
-"""Granite (`GraniteForCausalLM`, IBM's Granite 3): the Llama layer and four scalars (`engine.model_families.
+"""Granite (`GraniteForCausalLM`, IBM's Granite 3): the Llama layer and four scalars (`engine.granite_config.
 granite_fields`): the embeddings times `embedding_multiplier`, q.k times `attention_multiplier` (the config's
 `attention_scale`), each sublayer's output times `residual_multiplier` before it joins the residual stream
 (`GraniteDecoderLayer`: the product first, then the add the next norm fuses, transformers' order), and the logits
 over `logits_scaling` (`LlamaForCausalLM.compute_logits`). On the CPU backend the flat loop (`engine.cpu_forward`)
 runs it, the residual multiplier applied there the same way.
+
+Granite 4's transformers (`GraniteMoeHybridForCausalLM` with attention on every layer and no experts: Granite-4.0-
+Micro, -1B, -350M) are Granite 3's model: the MLP is its `shared_mlp` (`input_linear` [2 x intermediate, hidden],
+gate rows then up rows, read as gate_proj and up_proj; `output_linear` as down_proj), and without
+`position_embedding_type: rope` every layer is NoPE (SmolLM3's `NoRope`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from types import ModuleType
 
 import torch
@@ -15,9 +21,10 @@ from torch import nn
 
 from engine.layers import RopeRows
 from engine.model import DecoderLayer, LlamaForCausalLM
+from engine.models.smollm3 import layer_rotary
 from kernels import AttentionMetadata
 
-__all__ = ["GraniteForCausalLM"]
+__all__ = ["GraniteForCausalLM", "GraniteMoeHybridForCausalLM"]
 
 
 class GraniteDecoderLayer(DecoderLayer):
@@ -44,3 +51,22 @@ class GraniteForCausalLM(LlamaForCausalLM):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return super().embed(input_ids) * self.config.embedding_multiplier
+
+
+class GraniteMoeHybridForCausalLM(GraniteForCausalLM):
+    """Granite 4 as a transformer (see the module docstring): Granite 3's model, its shared MLP's tensors read as the
+    Llama MLP's, NoPE layers where the config turns no rotary."""
+
+    def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
+        layer = super().make_layer(index, ops)
+        layer.self_attn.rotary_emb = layer_rotary(self, index)
+        return layer
+
+    def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
+        head, sep, part = name.partition(".shared_mlp.")
+        if sep and part == "input_linear.weight":   # gate rows, then up rows
+            half = tensor.shape[0] // 2
+            return ((f"{head}.mlp.gate_proj.weight", tensor[:half]), (f"{head}.mlp.up_proj.weight", tensor[half:]))
+        if sep and part == "output_linear.weight":
+            return ((f"{head}.mlp.down_proj.weight", tensor),)
+        return ((name, tensor),)

@@ -1338,3 +1338,27 @@ def test_glm4_7_flash_reads_as_transformers_does():
         ModelConfig.from_hf_config({**bare, "num_hidden_layers": layers, "vocab_size": 1000, "hidden_size": 64,
                                     "intermediate_size": 128, "num_attention_heads": 4,
                                     "mlp_layer_types": ["sparse", "dense"] + ["sparse"] * (layers - 2)})
+
+
+def test_granite4_transformers_read_as_transformers_does_and_its_hybrids_are_refused_by_name():
+    """Granite 4's transformers (GraniteMoeHybridConfig with attention on every layer, no experts: Granite-4.0-Micro's
+    kind) read as transformers reads them: the parameter count of its model, its MLP the shared one; its Mamba layers,
+    experts, or a config without layer_types (all Mamba, transformers' default) are refused by name."""
+    transformers = pytest.importorskip("transformers")
+
+    card = {"architectures": ["GraniteMoeHybridForCausalLM"], "vocab_size": 100352, "hidden_size": 2560,
+            "num_hidden_layers": 40, "num_attention_heads": 40, "num_key_value_heads": 8,
+            "shared_intermediate_size": 8192, "num_local_experts": 0, "position_embedding_type": "rope",
+            "layer_types": ["attention"] * 40, "embedding_multiplier": 12.0, "attention_multiplier": 0.0078125,
+            "residual_multiplier": 0.22, "logits_scaling": 10.0, "tie_word_embeddings": True}
+    ours = ModelConfig.from_hf_config(card)
+    _, hf = _meta_model(transformers.GraniteMoeHybridConfig, card)
+    assert ours.num_params() == sum(p.numel() for p in hf.parameters())
+    assert (ours.intermediate_size, ours.no_rope_layers, ours.embedding_multiplier, ours.attention_scale) == (
+        8192, (), 12.0, 0.0078125)
+    assert ModelConfig.from_hf_config({**card, "position_embedding_type": None}).no_rope_layers == (0,) * 40
+    for change, named in (({"layer_types": ["mamba"] * 36 + ["attention"] * 4}, "layer_types: Granite 4's Mamba"),
+                          ({"num_local_experts": 32}, "num_local_experts"), ({"layer_types": None}, "layer_types"),
+                          ({"position_embedding_type": "alibi"}, "position_embedding_type")):
+        with pytest.raises(ConfigError, match=f"^{named}"):
+            ModelConfig.from_hf_config({**card, **change})

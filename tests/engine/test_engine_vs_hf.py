@@ -231,6 +231,12 @@ TINY_MODELS = [
     ("glm4_moe_lite", dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, kv_lora_rank=32,
                            q_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, num_hidden_layers=3,
                            num_key_value_heads=4)),
+    # Granite 4 as a transformer: Granite 3's scalars, its shared MLP stored fused, the rotary (the old layer type
+    # names); then every layer NoPE (transformers' default position_embedding_type) and grouped KV heads
+    ("granitemoehybrid", {**GRANITE, "layer_types": ["attention", "attention"], "num_local_experts": 0,
+                          "shared_intermediate_size": 96, "position_embedding_type": "rope"}),
+    ("granitemoehybrid", {"layer_types": ["full_attention"] * 2, "num_local_experts": 0,
+                          "shared_intermediate_size": 96, "attention_multiplier": 0.25, "num_key_value_heads": 1}),
 ]
 # Every architecture on the default CPU linears; the other linears on one dense and one MoE model (the
 # linears do not depend on the architecture around them).

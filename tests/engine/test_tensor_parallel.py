@@ -253,6 +253,9 @@ QWEN3 = {"head_dim": 32, "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
     ("glm4_moe_lite", {"num_key_value_heads": 4, "n_routed_experts": 8, "num_experts_per_tok": 2,
                        "moe_intermediate_size": 32, "kv_lora_rank": 32, "q_lora_rank": 48, "qk_nope_head_dim": 16,
                        "qk_rope_head_dim": 8, "v_head_dim": 16, "mlp_layer_types": ["dense", "sparse"]}, None),
+    ("granitemoehybrid", {"layer_types": ["attention", "attention"], "num_local_experts": 0,
+                          "shared_intermediate_size": 96, "position_embedding_type": "rope",
+                          "attention_multiplier": 0.25}, None),
 ])
 def test_two_ranks_generate_what_one_does(tmp_path, builtin_path, prompts, arch, overrides, overlap):
     # A tiny random model with even head counts (4 heads, 2 KV heads); Qwen3 q/k head norms (whole on every rank)
