@@ -35,6 +35,8 @@ def family_fields(cfg: dict[str, Any], arch: str, num_layers: int) -> dict[str, 
         return gemma2_fields(cfg, num_layers)
     if arch == "Olmo3ForCausalLM":
         return olmo3_fields(cfg, num_layers)
+    if arch == "Exaone4ForCausalLM":
+        return exaone4_fields(cfg, num_layers)
     if arch == "Qwen2MoeForCausalLM":
         return qwen2_moe_fields(cfg, num_layers)
     if arch.startswith("Qwen"):
@@ -105,6 +107,22 @@ def olmo3_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
     return {"layer_types": tuple(layer_types), "sliding_window": read_int(cfg, "sliding_window", 4096),
             "rope_local_theta": top_theta if local_theta is None else local_theta,
             "full_rope": ({**full_rope[0], "rope_theta": top_theta}, *full_rope[1:])}
+
+
+def exaone4_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """EXAONE 4's fields (transformers' `Exaone4Config` names and defaults): OLMo 2's post-norm layer with Qwen3's q/k
+    norms per head; with a `sliding_window` (4096) its sliding layers (`layer_types`, by default all but every
+    `sliding_window_pattern`-th, 4) rotate and its full ones are NoPE; without one every layer is full and rotates."""
+    window = read_int(cfg, "sliding_window", None) if "sliding_window" in cfg else 4096
+    if window is None:
+        return {"qk_norm": True}
+    pattern = cfg.get("sliding_window_pattern", 4)
+    if cfg.get("layer_types") is None and not is_int(pattern):
+        raise ConfigError(f"sliding_window_pattern: a count of layers where layer_types is absent, got {pattern!r:.40}")
+    kinds = _layer_types(cfg, lambda: ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                       for i in range(num_layers)])
+    return {"qk_norm": True, "sliding_window": window, "layer_types": tuple(kinds),
+            "no_rope_layers": tuple(int(kind == "sliding_attention") for kind in kinds)}
 
 
 def _per_type_rope(cfg: dict[str, Any], family: str) -> tuple[tuple[Any, ...], float | None]:

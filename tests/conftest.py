@@ -109,7 +109,7 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
            "glm4_moe": transformers.Glm4MoeConfig, "minimax_m2": transformers.MiniMaxM2Config,
            "olmo3": transformers.Olmo3Config, "llama4": transformers.Llama4TextConfig,
            "ministral3": transformers.Ministral3Config, "glm4_moe_lite": transformers.Glm4MoeLiteConfig,
-           "granitemoehybrid": transformers.GraniteMoeHybridConfig}[arch]
+           "granitemoehybrid": transformers.GraniteMoeHybridConfig, "exaone4": transformers.Exaone4Config}[arch]
     config = cls(**common)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -38,7 +38,7 @@ from engine.models.ministral3 import Ministral3ForCausalLM
 from engine.models.granite import GraniteForCausalLM, GraniteMoeHybridForCausalLM
 from engine.models.minimax_m2 import MiniMaxM2ForCausalLM
 from engine.models.mixtral import MixtralForCausalLM
-from engine.models.olmo2 import Olmo2ForCausalLM, Olmo3ForCausalLM
+from engine.models.olmo2 import Exaone4ForCausalLM, Olmo2ForCausalLM, Olmo3ForCausalLM
 from engine.models.phi3 import Phi3ForCausalLM
 from engine.models.smollm3 import SmolLM3ForCausalLM
 from engine.models.qwen3_moe import Qwen3MoeForCausalLM
@@ -71,7 +71,8 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "Llama4ForCausalLM": Llama4ForCausalLM,
                                                 "Ministral3ForCausalLM": Ministral3ForCausalLM,
                                                 "Glm4MoeLiteForCausalLM": DeepseekForCausalLM,   # GLM-4.7-Flash
-                                                "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM}
+                                                "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,
+                                                "Exaone4ForCausalLM": Exaone4ForCausalLM}
 
 
 def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:

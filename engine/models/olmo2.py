@@ -1,5 +1,7 @@
 """OLMo 2 (`Olmo2ForCausalLM`): the Llama layer turned post-norm, and q/k normed over the whole projection; OLMo 3
-(`Olmo3ForCausalLM`) the same layers, sliding and full, each type its own rope (Gemma 3's `sliding_rotary`).
+(`Olmo3ForCausalLM`) the same layers, sliding and full, each type its own rope (Gemma 3's `sliding_rotary`); EXAONE 4
+(`Exaone4ForCausalLM`) the post-norm layer with Llama's norms and Qwen3's q/k norms per head, its full layers NoPE
+where it has sliding ones (`Exaone4DecoderLayer`).
 
 - no norm before a sublayer: each sublayer's output is normed (`post_attention_layernorm`,
   `post_feedforward_layernorm`) and then added to the residual stream; the model's final norm as Llama's.
@@ -21,14 +23,16 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from engine.layers import FloatRMSNorm, RopeRows
+from engine.layers import FloatRMSNorm, RMSNorm, RopeRows
 from engine.model import MLP, Attention, LlamaForCausalLM, WeightLoadError
 from engine.model_config import ModelConfig
 from engine.models.gemma3 import sliding_rotary
+from engine.models.smollm3 import layer_rotary
 from engine.parallel import Collectives, ShardShape
 from kernels import AttentionMetadata
 
-__all__ = ["Olmo2Attention", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "RoundedWideRMSNorm", "wide_norm_shard"]
+__all__ = ["Exaone4ForCausalLM", "Olmo2Attention", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "RoundedWideRMSNorm",
+           "wide_norm_shard"]
 
 
 class WideRMSNorm(nn.Module):
@@ -130,3 +134,26 @@ class Olmo3ForCausalLM(Olmo2ForCausalLM):
 
     def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
         return Olmo2DecoderLayer(self.config, self.shard, self.comm, sliding_rotary(self, index, ops), ops, index)
+
+
+class Exaone4DecoderLayer(Olmo2DecoderLayer):
+    """OLMo 2's post-norm block with transformers' `Exaone4RMSNorm` (Llama's order) on each sublayer's output and
+    the Llama attention's q/k norms per head (`ModelConfig.qk_norm`)."""
+
+    def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives, rotary_emb, ops: ModuleType,
+                 layer: int) -> None:
+        nn.Module.__init__(self)
+        self.self_attn = Attention(config, shard, comm, rotary_emb, layer)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.mlp = MLP(config, shard, comm, ops)
+        self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+
+
+class Exaone4ForCausalLM(LlamaForCausalLM):
+    """EXAONE 4: the Llama model with `Exaone4DecoderLayer`s, each turned by the model's rotary or, on a full layer
+    beside sliding ones, none (`no_rope_layers`: SmolLM3's `NoRope`)."""
+
+    supports_flat_forward = False
+
+    def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
+        return Exaone4DecoderLayer(self.config, self.shard, self.comm, layer_rotary(self, index), ops, index)

@@ -1362,3 +1362,23 @@ def test_granite4_transformers_read_as_transformers_does_and_its_hybrids_are_ref
                           ({"position_embedding_type": "alibi"}, "position_embedding_type")):
         with pytest.raises(ConfigError, match=f"^{named}"):
             ModelConfig.from_hf_config({**card, **change})
+
+
+def test_exaone4_reads_as_transformers_does():
+    """EXAONE 4's config (EXAONE-4.0-32B's shape: 64 layers, every 4th full and NoPE beside sliding ones of 4,096):
+    the parameter count of transformers' model, its layer types; without a window every layer full and rotating; a
+    pattern given as letters without layer_types is refused by name."""
+    transformers = pytest.importorskip("transformers")
+
+    card = {"architectures": ["Exaone4ForCausalLM"], "vocab_size": 102400, "hidden_size": 5120,
+            "intermediate_size": 27392, "num_hidden_layers": 64, "num_attention_heads": 40, "num_key_value_heads": 8,
+            "head_dim": 128, "sliding_window": 4096, "sliding_window_pattern": 4, "max_position_embeddings": 131072}
+    ours = ModelConfig.from_hf_config(card)
+    theirs, hf = _meta_model(transformers.Exaone4Config, card)
+    assert ours.num_params() == sum(p.numel() for p in hf.parameters())
+    assert ours.layer_types == tuple(theirs.layer_types) and ours.qk_norm
+    assert ours.no_rope_layers == tuple(int(kind == "sliding_attention") for kind in theirs.layer_types)
+    full = ModelConfig.from_hf_config({**card, "sliding_window": None})
+    assert (full.layer_types, full.no_rope_layers, full.sliding_window) == ((), (), None)
+    with pytest.raises(ConfigError, match="^sliding_window_pattern: a count of layers"):
+        ModelConfig.from_hf_config({**card, "sliding_window_pattern": "LLLG"})

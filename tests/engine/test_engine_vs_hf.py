@@ -237,6 +237,10 @@ TINY_MODELS = [
                           "shared_intermediate_size": 96, "position_embedding_type": "rope"}),
     ("granitemoehybrid", {"layer_types": ["full_attention"] * 2, "num_local_experts": 0,
                           "shared_intermediate_size": 96, "attention_multiplier": 0.25, "num_key_value_heads": 1}),
+    # EXAONE 4: post-norm layers, q/k normed per head; three sliding layers (a window of 8) that rotate, then a full
+    # NoPE one; then no window: every layer full and rotating, a tied head
+    ("exaone4", dict(num_hidden_layers=4, sliding_window=8, head_dim=16)),
+    ("exaone4", dict(sliding_window=None, layer_types=["full_attention"] * 2, head_dim=16, tie_word_embeddings=True)),
 ]
 # Every architecture on the default CPU linears; the other linears on one dense and one MoE model (the
 # linears do not depend on the architecture around them).
