@@ -153,7 +153,7 @@ def _per_type_rope(cfg: dict[str, Any], family: str) -> tuple[tuple[Any, ...], f
 
 
 def gemma2_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
-    """Gemma 2 (with `engine.model_config.GEMMA2_DEFAULTS` under the file's keys): Gemma 3's layer without the
+    """Gemma 2 (with `engine.model_defaults.GEMMA2_DEFAULTS` under the file's keys): Gemma 3's layer without the
     q/k norms, one rope for every layer, each attention score and each logit soft-capped (cap x tanh(x / cap);
     a null cap: none), and its layer types, sliding on every other layer from the first by default."""
     _check_causal(cfg)

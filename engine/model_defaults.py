@@ -1,0 +1,77 @@
+"""What transformers' config classes give where a config.json names nothing: each served architecture's defaults
+(`engine.model_config.ModelConfig.from_hf_config` reads a key absent or null as its class would), and those of the
+multimodal checkpoints' text configs."""
+
+from __future__ import annotations
+
+# transformers' text config defaults of Qwen's VL models where they differ from the text architecture's here (a
+# composite checkpoint's text_config may be saved as its difference from them, as Gemma 3's)
+_QWEN2_VL_TEXT = {"vocab_size": 152_064, "hidden_size": 8192, "intermediate_size": 29_568, "num_hidden_layers": 80,
+                  "num_attention_heads": 64, "num_key_value_heads": 8, "max_position_embeddings": 32_768,
+                  "rms_norm_eps": 1e-5, "rope_theta": 1_000_000.0, "bos_token_id": 151_643, "eos_token_id": 151_645}
+TEXT_DEFAULTS = {"Qwen2VLForConditionalGeneration": _QWEN2_VL_TEXT,
+                 "Qwen2_5_VLForConditionalGeneration": _QWEN2_VL_TEXT,
+                 "Qwen3VLForConditionalGeneration": {
+                     "vocab_size": 151_936, "hidden_size": 4096, "intermediate_size": 22_016, "num_hidden_layers": 32,
+                     "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 128,
+                     "max_position_embeddings": 128_000, "rms_norm_eps": 1e-6, "rope_theta": 500_000.0},
+                 "Qwen3VLMoeForConditionalGeneration": {   # its router always renormalises the top k
+                     "vocab_size": 151_936, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 24,
+                     "num_attention_heads": 16, "num_key_value_heads": 16, "max_position_embeddings": 128_000,
+                     "rms_norm_eps": 1e-6, "rope_theta": 500_000.0, "moe_intermediate_size": 1408,
+                     "num_experts_per_tok": 4, "num_experts": 60, "norm_topk_prob": True}}
+# transformers' Gemma3TextConfig defaults where they differ from the keys' defaults here: a composite checkpoint's
+# text_config is saved as its difference from them (gemma-3-4b-it's names no head count, head_dim or vocabulary)
+GEMMA3_TEXT_DEFAULTS = {
+    "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 131_072,
+    "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+    "bos_token_id": 2, "eos_token_id": 1}
+# transformers' Gemma2Config defaults where they differ from the keys' defaults here (as GEMMA3_TEXT_DEFAULTS)
+GEMMA2_DEFAULTS = {
+    "vocab_size": 256_000, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "query_pre_attn_scalar": 256,
+    "sliding_window": 4096, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "bos_token_id": 2,
+    "eos_token_id": 1}
+# the keys a family's config class gives where config.json names none (Llama 4: its expert size, which
+# `engine.llama4_config` reads)
+FAMILY_DEFAULTS = {"Gemma2ForCausalLM": GEMMA2_DEFAULTS, "Gemma3ForCausalLM": GEMMA3_TEXT_DEFAULTS,
+                   "Llama4ForCausalLM": {"intermediate_size": 8192},
+                   "GraniteMoeHybridForCausalLM": {"intermediate_size": 11008}}   # its MLP's: shared_intermediate_size
+# transformers' config classes' max_position_embeddings (the context served, and YaRN's original context where its
+# scaling names none), for a config.json without it
+DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32_768, "MistralForCausalLM": 131_072,
+                         "Qwen3ForCausalLM": 32_768, "Qwen3MoeForCausalLM": 32_768, "MixtralForCausalLM": 131_072,
+                         "Phi3ForCausalLM": 4096, "GraniteForCausalLM": 2048, "Olmo2ForCausalLM": 2048,
+                         "Olmo3ForCausalLM": 2048,
+                         "SmolLM3ForCausalLM": 32_768, "GptOssForCausalLM": 131_072, "Qwen2MoeForCausalLM": 32_768,
+                         "CohereForCausalLM": 8192, "Cohere2ForCausalLM": 8192, "Ernie4_5ForCausalLM": 131_072,
+                         "Ernie4_5_MoeForCausalLM": 131_072, "SeedOssForCausalLM": 524_288,
+                         "Glm4ForCausalLM": 131_072, "DeepseekV2ForCausalLM": 2048, "DeepseekV3ForCausalLM": 4096,
+                         "Glm4MoeForCausalLM": 131_072, "MiniMaxM2ForCausalLM": 196_608,
+                         "Gemma2ForCausalLM": 8192, "Gemma3ForCausalLM": 131_072, "Llama4ForCausalLM": 131_072,
+                         "Ministral3ForCausalLM": 262_144, "Glm4MoeLiteForCausalLM": 202_752,
+                         "GraniteMoeHybridForCausalLM": 2048, "Exaone4ForCausalLM": 2048}
+# their rms_norm_eps, where it is not 1e-6
+DEFAULT_RMS_NORM_EPS = {"MixtralForCausalLM": 1e-5, "Phi3ForCausalLM": 1e-5, "Olmo2ForCausalLM": 1e-5,
+                        "Olmo3ForCausalLM": 1e-5,
+                        "GptOssForCausalLM": 1e-5, "Ernie4_5ForCausalLM": 1e-5, "Ernie4_5_MoeForCausalLM": 1e-5,
+                        "Glm4ForCausalLM": 1.5625e-7,
+                        "Glm4MoeForCausalLM": 1e-5, "Llama4ForCausalLM": 1e-5, "Ministral3ForCausalLM": 1e-5,
+                        "Glm4MoeLiteForCausalLM": 1e-5, "Exaone4ForCausalLM": 1e-5}
+# their num_key_value_heads where config.json names none (else one per query head)
+DEFAULT_KV_HEADS = {"Qwen2ForCausalLM": 32, "MistralForCausalLM": 8, "Qwen3ForCausalLM": 32, "Qwen3MoeForCausalLM": 4,
+                    "MixtralForCausalLM": 8, "SmolLM3ForCausalLM": 4, "GptOssForCausalLM": 8,
+                    "Qwen2MoeForCausalLM": 16, "Ernie4_5ForCausalLM": 2, "Ernie4_5_MoeForCausalLM": 4,
+                    "Glm4ForCausalLM": 2, "Glm4MoeForCausalLM": 8, "SeedOssForCausalLM": 8,
+                    "MiniMaxM2ForCausalLM": 8, "Llama4ForCausalLM": 8, "Ministral3ForCausalLM": 8,
+                    "Exaone4ForCausalLM": 32}
+# their head_dim where config.json names none (else hidden_size / num_attention_heads)
+DEFAULT_HEAD_DIM = {"Qwen3ForCausalLM": 128, "GptOssForCausalLM": 64, "Ernie4_5ForCausalLM": 128,
+                    "Llama4ForCausalLM": 128, "Ministral3ForCausalLM": 128,
+                    "Glm4ForCausalLM": 128, "MiniMaxM2ForCausalLM": 128, "SeedOssForCausalLM": 128}
+# their rope_theta where config.json names none (else 10,000)
+DEFAULT_ROPE_THETA = {"MixtralForCausalLM": 1_000_000.0, "SmolLM3ForCausalLM": 2_000_000.0,
+                      "GptOssForCausalLM": 150_000.0, "Ernie4_5ForCausalLM": 500_000.0,
+                      "Ernie4_5_MoeForCausalLM": 500_000.0,
+                      "MiniMaxM2ForCausalLM": 5_000_000.0, "Llama4ForCausalLM": 500_000.0}
