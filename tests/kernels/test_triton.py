@@ -737,10 +737,16 @@ def test_the_runner_compiles_kernels_on_cuda_only():
     runner.device = torch.device("cuda", 0)
     _Forward.compile_kernels(runner)
     assert calls == [((6, 2, 64, 16, torch.bfloat16, torch.device("cuda", 0), None),
-                      {"kv_dtype": torch.float8_e4m3fn, "softcap": 50.0, "sinks": True})]   # the model's variants
+                      {"kv_dtype": torch.float8_e4m3fn, "softcap": 50.0, "sinks": True, "chunk": None})]   # its variants
+    # Llama 4's: chunked layers beside full ones, a variant each
+    chunked = SimpleNamespace(**{**vars(attn), "chunk": 8192})
+    model.layers = [SimpleNamespace(self_attn=chunked), SimpleNamespace(self_attn=attn)]
+    calls.clear()
+    _Forward.compile_kernels(runner)
+    assert [kwargs["chunk"] for _, kwargs in calls] == [None, 8192]
     runner.backend = reference                              # a backend with nothing to compile
     _Forward.compile_kernels(runner)
-    assert len(calls) == 1
+    assert len(calls) == 2
 
 
 # --- built ahead of time for an H100, no GPU needed ------------------------------------------------
