@@ -344,7 +344,8 @@ class LlamaForCausalLM(nn.Module):
         pending: dict[str, dict[str, torch.Tensor]] = {}
         for hf_name, tensor in weights:
             if self.config.fp8_weight_block is not None:
-                hf_name, tensor = dequantized(hf_name, tensor, pending, self.config.fp8_weight_block)
+                hf_name, tensor = dequantized(hf_name, tensor, pending, self.config.fp8_weight_block,
+                                              self.config.fp8_scale_suffix)
                 if tensor is None:
                     continue
             name = model_tensor_name(hf_name, prefix, self.config.bare_text_weights)
@@ -353,7 +354,7 @@ class LlamaForCausalLM(nn.Module):
         if pending:   # an FP8 weight without its scales, or scales without their weight
             key, pair = next(iter(pending.items()))
             have = next(iter(pair))
-            missing = ".weight" if have == SCALE_SUFFIX else SCALE_SUFFIX
+            missing = ".weight" if have != ".weight" else self.config.fp8_scale_suffix
             raise WeightLoadError(f"{key}{missing}: missing beside {key}{have} (an FP8 weight needs its scales)")
 
     def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
@@ -428,11 +429,15 @@ class LlamaForCausalLM(nn.Module):
 
 
 def dequantized(hf_name: str, tensor: torch.Tensor, pending: dict[str, dict[str, torch.Tensor]],
-                block: tuple[int, int]) -> tuple[str, torch.Tensor | None]:
-    """An FP8 checkpoint's tensor as loading reads it: an FP8 `X.weight` or its `X.weight_scale_inv` held in `pending`
-    until the other comes (None), then the weight dequantized (`engine.fp8_weights`); any other tensor itself."""
-    if hf_name.endswith(SCALE_SUFFIX):
-        key, part = hf_name[:-len(SCALE_SUFFIX)], SCALE_SUFFIX
+                block: tuple[int, int], suffix: str = SCALE_SUFFIX) -> tuple[str, torch.Tensor | None]:
+    """An FP8 checkpoint's tensor as loading reads it: an FP8 `X.weight` or its scales `X<suffix>` (`weight_scale_inv`,
+    or llm-compressor's `weight_scale`) held in `pending` until the other comes (None), then the weight dequantized
+    (`engine.fp8_weights`); a static activation scale (`X.input_scale`, llm-compressor's) skipped (None); any other
+    tensor itself."""
+    if suffix != SCALE_SUFFIX and hf_name.endswith(".input_scale"):
+        return hf_name, None
+    if hf_name.endswith(suffix):
+        key, part = hf_name[:-len(suffix)], suffix
     elif hf_name.endswith(".weight") and tensor.dtype == torch.float8_e4m3fn:
         key, part = hf_name[:-len(".weight")], ".weight"
     else:
@@ -443,7 +448,7 @@ def dequantized(hf_name: str, tensor: torch.Tensor, pending: dict[str, dict[str,
         return hf_name, None
     del pending[key]
     try:
-        return f"{key}.weight", dequantize_fp8_blocks(pair[".weight"], pair[SCALE_SUFFIX], block)
+        return f"{key}.weight", dequantize_fp8_blocks(pair[".weight"], pair[suffix], block)
     except ValueError as exc:
         raise WeightLoadError(f"{key}.weight: {exc}") from None
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from engine.config import ConfigError, quantizes_kv_cache_only
-from engine.fp8_weights import fp8_weight_block
+from engine.fp8_weights import SCALE_SUFFIX, fp8_weights
 from engine.config_values import read_bool, read_float, read_int, read_object, read_token_ids, rope_type
 from engine.mla_config import MlaShape
 from engine.model_defaults import (DEFAULT_HEAD_DIM, DEFAULT_KV_HEADS, DEFAULT_MAX_POSITIONS, DEFAULT_RMS_NORM_EPS,
@@ -121,6 +121,7 @@ class ModelConfig:
     bare_text_weights: bool = False     # ... or at `model.` itself, the vision tower at `visual.` (Qwen2.5-VL's)
     stacked_experts: bool = False       # each layer's experts stacked in two tensors (Qwen3-VL-MoE's checkpoints)
     fp8_weight_block: tuple[int, int] | None = None   # an FP8 checkpoint's scale blocks: dequantized as read
+    fp8_scale_suffix: str = SCALE_SUFFIX   # ... its scales' name past the weight's (llm-compressor's: .weight_scale)
     rotary_positions: int = 0           # the rotary cache's rows as served (`serving`: the longest pool's); 0: all
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -324,8 +325,8 @@ class ModelConfig:
         quant = cfg.get(key)
         # GPT-OSS's MXFP4 experts are served: dequantized to the model's dtype as they are read (engine.models.gpt_oss)
         mxfp4 = arch == "GptOssForCausalLM" and isinstance(quant, dict) and quant.get("quant_method") == "mxfp4"
-        fp8_block = fp8_weight_block(quant, key)   # FP8 block-scaled weights: dequantized as read (engine.fp8_weights)
-        if quant is not None and not quantizes_kv_cache_only(quant) and not mxfp4 and fp8_block is None:
+        fp8 = fp8_weights(quant, key)   # FP8 weights and their scales: dequantized as read (engine.fp8_weights)
+        if quant is not None and not quantizes_kv_cache_only(quant) and not mxfp4 and fp8 is None:
             method = quant.get("quant_method", "unnamed") if isinstance(quant, dict) else repr(quant)
             raise ConfigError(f"{key}: quantized checkpoints ({method}) are not supported; serve "
                               "the model's bfloat16 checkpoint (an FP8 KV cache is the device key kv_cache_dtype)")
@@ -365,7 +366,8 @@ class ModelConfig:
             hidden_act=cfg.get("hidden_act", "silu"),
             bos_token_id=read_int(cfg, "bos_token_id", None, minimum=0),
             eos_token_ids=read_token_ids(cfg, "eos_token_id"),
-            fp8_weight_block=fp8_block,
+            fp8_weight_block=fp8[0] if fp8 else None,
+            fp8_scale_suffix=fp8[1] if fp8 else SCALE_SUFFIX,
         ), **family})
 
     @classmethod

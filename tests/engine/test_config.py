@@ -45,7 +45,7 @@ LLAMA = {"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size"
     ({"quantization_config": {"quant_method": "compressed-tensors"}}, r"quantization_config: .*compressed-tensors"),
     ({"quantization_config": {"quant_method": "compressed-tensors", "kv_cache_scheme": {"num_bits": 8},
                               "config_groups": {"group_0": {"weights": {"num_bits": 8}}}}},
-     r"quantization_config: .*compressed-tensors"),   # weights quantized too
+     r"quantization_config.format: compressed-tensors checkpoints are served as FP8 weights"),   # not float ones
     ({"quantization_config": {"quant_method": "modelopt", "quant_algo": "FP8", "kv_cache_quant_algo": "FP8"}},
      r"quantization_config: .*modelopt"),
     ({"quantization_config": {"quant_method": "compressed-tensors",   # a KV cache of 8-bit integers: not e4m3

@@ -1019,3 +1019,75 @@ def test_an_fp8_block_scaled_checkpoint_serves_what_transformers_dequantizes(tmp
             n: f for n, f in weight_map["weight_map"].items() if n in broken or f != shard.name}}))
         with pytest.raises(WeightLoadError, match=message):
             LLMEngine.from_args(str(folder), dtype="float32", block_size=8, num_blocks=64, progress=False)
+
+
+def _compressed_fp8_checkpoint(folder, strategy: str) -> dict[str, torch.Tensor]:
+    """The tiny checkpoint in `folder` rewritten as llm-compressor's FP8 releases store theirs (compressed-tensors,
+    float-quantized): each layer's projection an e4m3 `weight` and its `weight_scale` (each output channel's largest
+    value over 448, [rows, 1]; the tensor's, [1], beside a static activation scheme's `input_scale`; or each 16 x 32
+    block's), the head left in float. Returns each projection's weight as the format defines it: values x scales."""
+    from safetensors.torch import load_file, save_file
+
+    weights = {}
+    for path in [*folder.glob("*.safetensors"), *folder.glob("*.safetensors.index.json")]:
+        if path.suffix == ".safetensors":
+            weights.update(load_file(path))
+        path.unlink()
+    stored, dequantized = {}, {}
+    for name, w in weights.items():
+        if not (name.endswith("proj.weight") and ".layers." in name):
+            stored[name] = w
+            continue
+        if strategy == "channel":
+            scale = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 448.0
+            expanded = scale
+        elif strategy == "tensor":
+            scale = (w.abs().amax().clamp(min=1e-12) / 448.0).reshape(1)
+            expanded = scale
+            stored[name.removesuffix("weight") + "input_scale"] = torch.tensor([0.5])
+        else:
+            scale = w.reshape(w.shape[0] // 16, 16, w.shape[1] // 32, 32).abs().amax(dim=(1, 3)) / 448.0
+            expanded = scale.repeat_interleave(16, 0).repeat_interleave(32, 1)
+        stored[name] = (w / expanded).to(torch.float8_e4m3fn)
+        stored[name + "_scale"] = scale
+        dequantized[name] = stored[name].float() * expanded
+    save_file(stored, str(folder / "model.safetensors"))
+    cfg = json.loads((folder / "config.json").read_text())
+    weights_scheme = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": strategy,
+                      **({"block_structure": [16, 32]} if strategy == "block" else {})}
+    cfg["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+        "ignore": ["lm_head"], "config_groups": {"group_0": {
+            "targets": ["Linear"], "weights": weights_scheme,
+            "input_activations": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor",
+                                  "dynamic": strategy != "tensor"}}}}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return dequantized
+
+
+@pytest.mark.parametrize("strategy", ["channel", "tensor", "block"])
+def test_an_llm_compressor_fp8_checkpoint_serves_its_dequantized_weights(tmp_path, builtin_path, strategy):
+    """llm-compressor's FP8 checkpoints (compressed-tensors, float-quantized: per-channel scales, as the -FP8-dynamic
+    releases; per-tensor ones with static activation scales, which are not read; 16 x 32 blocks): the engine serves
+    each weight as its values times its scales, greedy token-identical to transformers' model holding those weights;
+    a weight without its scale is refused by name."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    from engine.model import WeightLoadError
+
+    folder = make_tiny_model(tmp_path / "fp8", "llama", builtin_path, intermediate_size=128)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, weight in _compressed_fp8_checkpoint(folder, strategy).items():
+            hf.get_parameter(name).copy_(weight)
+    engine = LLMEngine.from_args(str(folder), dtype="float32", block_size=8, num_blocks=64, progress=False)
+    assert engine.model_config.fp8_scale_suffix == ".weight_scale"
+    prompts = [[5, 9, 200, 31, 7], list(range(40, 77))]
+    outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == [_hf_greedy(hf, p, 12, eos_ids=None) for p in prompts]
+    tensors = load_file(folder / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight_scale"]
+    save_file(tensors, str(folder / "model.safetensors"))
+    with pytest.raises(WeightLoadError, match="layers.1.mlp.up_proj.weight_scale: missing"):
+        LLMEngine.from_args(str(folder), dtype="float32", block_size=8, num_blocks=64, progress=False)

@@ -464,3 +464,45 @@ def test_fp8_blocks_dequantize_value_by_value_partial_blocks_too():
                 {"weight_block_size": [128, 128], "fmt": "e5m2"}):
         with pytest.raises(ConfigError, match="quantization_config"):
             fp8_weight_block({"quant_method": "fp8", **bad}, "quantization_config")
+
+
+def test_llm_compressors_fp8_weights_read_per_channel_per_tensor_and_per_block():
+    """compressed-tensors' float-quantized weights: a channel's scale [rows, 1] (or [rows]) times its row, a tensor's
+    ([] or [1]) times every value, a block's as the block-scaled format's; the config's scheme read as one block, its
+    scales named `weight_scale`; integer, asymmetric, mixed or other formats refused by the key that says so."""
+    from engine.config import ConfigError
+    from engine.fp8_weights import WHOLE, dequantize_fp8_blocks, fp8_weights
+
+    gen = torch.Generator().manual_seed(0)
+    weight = (torch.randn(6, 5, generator=gen) * 100).to(torch.float8_e4m3fn)
+    rows = torch.rand(6, 1, generator=gen) + 0.5
+    for channel in (rows, rows.flatten()):
+        assert torch.equal(dequantize_fp8_blocks(weight, channel, (1, WHOLE)), weight.float() * rows)
+    for tensor in (torch.tensor(0.25), torch.tensor([0.25])):
+        assert torch.equal(dequantize_fp8_blocks(weight, tensor, (WHOLE, WHOLE)), weight.float() * 0.25)
+    with pytest.raises(ValueError, match=r"in blocks of \[1, all\] takes scales of shape \(6, 1\)"):
+        dequantize_fp8_blocks(weight, rows[:5], (1, WHOLE))
+
+    def config(**weights):
+        scheme = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel", **weights}
+        return {"quant_method": "compressed-tensors", "format": "float-quantized",
+                "config_groups": {"group_0": {"targets": ["Linear"], "weights": scheme}}}
+
+    assert fp8_weights(config(), "q") == ((1, WHOLE), ".weight_scale")
+    assert fp8_weights(config(strategy="tensor"), "q") == ((WHOLE, WHOLE), ".weight_scale")
+    assert fp8_weights(config(strategy="block", block_structure=[128, 128]), "q") == ((128, 128), ".weight_scale")
+    assert fp8_weights({"quant_method": "fp8", "weight_block_size": [128, 128]}, "q") == ((128, 128),
+                                                                                        ".weight_scale_inv")
+    assert fp8_weights({"quant_method": "compressed-tensors", "kv_cache_scheme": {}}, "q") is None   # KV alone
+    two = config()
+    two["config_groups"]["group_1"] = {"weights": {**two["config_groups"]["group_0"]["weights"], "strategy": "tensor"}}
+    for bad, named in ((config(type="int"), "q.config_groups.group_0.weights: served are 8-bit float"),
+                       (config(num_bits=4), "q.config_groups.group_0.weights"),
+                       (config(symmetric=False), "q.config_groups.group_0.weights"),
+                       (config(strategy="group", group_size=128), "q.config_groups.group_0.weights.strategy"),
+                       (config(strategy="block"), "q.config_groups.group_0.weights.strategy"),
+                       ({**config(), "format": "pack-quantized"}, "q.format"),
+                       ({**config(), "sparsity_config": {"format": "sparse-24"}}, "q.sparsity_config"),
+                       (two, "q.config_groups: one weight scheme")):
+        with pytest.raises(ConfigError, match=f"^{named}"):
+            fp8_weights(bad, "q")
