@@ -1,9 +1,10 @@
 """The config.json fields of the architectures past Llama's shape, as `ModelConfig` fields: Gemma 3's layer types, rope
 bases and norms (`gemma3_fields`), Gemma 2's layers and soft-capping (`gemma2_fields`), Qwen3-MoE's and Mixtral's
 experts (`qwen3_moe_fields`, `mixtral_fields`), Qwen2-MoE's and its shared expert (`qwen2_moe_fields`), Phi-3's
-window and rope (`phi3_fields`), Granite's scalars (`granite_fields`), SmolLM3's NoPE layers (`smollm3_fields`),
-GPT-OSS's experts, sinks and layers (`gpt_oss_fields`), DeepSeek V2's and V3's latent attention (`MlaShape`) and
-grouped routers (`deepseek_fields`), and the sliding layers of Qwen2, Qwen3 and Qwen3-MoE (`qwen_window_fields`).
+window and rope (`phi3_fields`), SmolLM3's NoPE layers (`smollm3_fields`), GPT-OSS's experts, sinks and layers
+(`gpt_oss_fields`), DeepSeek V2's, V3's and GLM-4.7-Flash's latent attention (`engine.mla_config`) and grouped routers
+(`deepseek_fields`), EXAONE 4's layers (`exaone4_fields`), and the sliding layers of Qwen2, Qwen3 and Qwen3-MoE
+(`qwen_window_fields`); Granite's in `engine.granite_config`, Llama 4's and Ministral 3's in `engine.llama4_config`.
 What we do not serve is refused with a `ConfigError` naming the key."""
 
 from __future__ import annotations

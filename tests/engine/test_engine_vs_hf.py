@@ -458,19 +458,22 @@ def _assert_serves_its_text_model(hf, folder, builtin_path, text_arch: str) -> N
     assert_all_free(engine)
 
 
-def test_a_multimodal_mistral3_checkpoint_serves_its_text_model(tmp_path, builtin_path):
-    """Mistral Small 3.1's kind of checkpoint (`Mistral3ForConditionalGeneration`: a Pixtral vision tower and a
-    projector beside a Mistral text model under `language_model.`): served as its text model, greedy text
-    token-identical to transformers' multimodal model on text input; another family's text_config is refused."""
+@pytest.mark.parametrize("text_type", ["mistral", "ministral3"])
+def test_a_multimodal_mistral3_checkpoint_serves_its_text_model(tmp_path, builtin_path, text_type):
+    """Mistral 3's multimodal checkpoints (`Mistral3ForConditionalGeneration`: a Pixtral vision tower and a projector
+    beside a text model under `language_model.`): Mistral Small 3.1's, a Mistral text model, and those from December
+    2025 on (Ministral 3, Devstral 2), whose text_config is `ministral3` (its queries' scaling too), each served as
+    its text model, greedy text token-identical to transformers' multimodal model on text input; another family's
+    text_config is refused."""
     import transformers
 
     from engine.config import ConfigError
     from engine.model_config import ModelConfig
 
-    text = transformers.MistralConfig(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                                      max_position_embeddings=512, initializer_range=0.2, rms_norm_eps=1e-5,
-                                      sliding_window=None, rope_theta=1e6)
+    shape = dict(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2, rms_norm_eps=1e-5)
+    text = transformers.MistralConfig(**shape, head_dim=32, sliding_window=None, rope_theta=1e6) \
+        if text_type == "mistral" else transformers.Ministral3Config(**shape, **MINISTRAL3)
     vision = transformers.PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                               num_attention_heads=2, head_dim=16, image_size=28, patch_size=14)
     config = transformers.Mistral3Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
@@ -481,37 +484,14 @@ def test_a_multimodal_mistral3_checkpoint_serves_its_text_model(tmp_path, builti
         for param in [*hf.model.language_model.parameters(), hf.lm_head.weight]:
             if param.dim() > 1:
                 param.normal_(0.0, 0.2)
-    folder = tmp_path / "mistral3"
+    folder = tmp_path / text_type
     hf.save_pretrained(folder)
-    _assert_serves_its_text_model(hf, folder, builtin_path, "MistralForCausalLM")
+    _assert_serves_its_text_model(hf, folder, builtin_path,
+                                  "MistralForCausalLM" if text_type == "mistral" else "Ministral3ForCausalLM")
     saved = json.loads((folder / "config.json").read_text())
     saved["text_config"]["model_type"] = "llama"
     with pytest.raises(ConfigError, match=r"^text_config\.model_type: .* served as 'mistral' .*got 'llama'"):
         ModelConfig.from_hf_config(saved)
-
-
-def test_a_multimodal_mistral3_checkpoint_of_a_ministral3_text_model_serves_it(tmp_path, builtin_path):
-    """Mistral 3's checkpoints from December 2025 on (Ministral 3, Devstral 2: `Mistral3ForConditionalGeneration`
-    whose text_config is `ministral3`) serve their Ministral 3 text model, its queries' scaling too: greedy text
-    token-identical to transformers' multimodal model on text input."""
-    import transformers
-
-    text = transformers.Ministral3Config(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                                         initializer_range=0.2, rms_norm_eps=1e-5, **MINISTRAL3)
-    vision = transformers.PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                              num_attention_heads=2, head_dim=16, image_size=28, patch_size=14)
-    config = transformers.Mistral3Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
-                                         tie_word_embeddings=False)
-    torch.manual_seed(0)
-    hf = transformers.Mistral3ForConditionalGeneration(config).eval()
-    with torch.no_grad():   # the text model's matrices with a large std (its norms stay 1): no greedy ties
-        for param in [*hf.model.language_model.parameters(), hf.lm_head.weight]:
-            if param.dim() > 1:
-                param.normal_(0.0, 0.2)
-    folder = tmp_path / "ministral3"
-    hf.save_pretrained(folder)
-    _assert_serves_its_text_model(hf, folder, builtin_path, "Ministral3ForCausalLM")
 
 
 # --- slow: the builtin model under every block size x preemption mode x prefix-cache state --------
@@ -954,18 +934,26 @@ def test_a_latent_cache_holds_one_plane_and_serves_preemption_prefix_hits_and_fo
             assert outs[i].outputs[0].token_ids == _hf_greedy(hf, prompts[i], 24, eos_ids=None)
 
 
-def _fp8_checkpoint(folder, block: tuple[int, int]) -> None:
-    """The tiny checkpoint in `folder` rewritten as DeepSeek's and Qwen's FP8 releases store theirs: each layer's
-    projection an e4m3 `weight` and a float32 `weight_scale_inv` per block (the block's largest value over 448; the
-    last blocks partial), the scales in a shard of their own (pairs that cross files), `quantization_config` saying
-    so."""
-    from safetensors.torch import load_file, save_file
+def _taken_weights(folder) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint in `folder`, its safetensors files and index removed (to be written anew)."""
+    from safetensors.torch import load_file
 
     weights = {}
     for path in [*folder.glob("*.safetensors"), *folder.glob("*.safetensors.index.json")]:
         if path.suffix == ".safetensors":
             weights.update(load_file(path))
         path.unlink()
+    return weights
+
+
+def _fp8_checkpoint(folder, block: tuple[int, int]) -> None:
+    """The tiny checkpoint in `folder` rewritten as DeepSeek's and Qwen's FP8 releases store theirs: each layer's
+    projection an e4m3 `weight` and a float32 `weight_scale_inv` per block (the block's largest value over 448; the
+    last blocks partial), the scales in a shard of their own (pairs that cross files), `quantization_config` saying
+    so."""
+    from safetensors.torch import save_file
+
+    weights = _taken_weights(folder)
     quantized, scales = {}, {}
     for name, w in weights.items():
         if not (name.endswith("proj.weight") and ".layers." in name):
@@ -1026,13 +1014,9 @@ def _compressed_fp8_checkpoint(folder, strategy: str) -> dict[str, torch.Tensor]
     float-quantized): each layer's projection an e4m3 `weight` and its `weight_scale` (each output channel's largest
     value over 448, [rows, 1]; the tensor's, [1], beside a static activation scheme's `input_scale`; or each 16 x 32
     block's), the head left in float. Returns each projection's weight as the format defines it: values x scales."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
-    weights = {}
-    for path in [*folder.glob("*.safetensors"), *folder.glob("*.safetensors.index.json")]:
-        if path.suffix == ".safetensors":
-            weights.update(load_file(path))
-        path.unlink()
+    weights = _taken_weights(folder)
     stored, dequantized = {}, {}
     for name, w in weights.items():
         if not (name.endswith("proj.weight") and ".layers." in name):
