@@ -76,8 +76,7 @@ class Attention(nn.Module):
                 meta: AttentionMetadata, backend) -> torch.Tensor:
         num_heads, num_kv_heads = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(hidden).view(-1, num_heads + 2 * num_kv_heads, self.config.head_dim)  # [T, heads, d]
-        self.norm_qk(qkv)
-        self.rotary_emb(qkv[:, :num_heads + num_kv_heads], rope_rows)  # q and k, in place
+        self.position_qk(qkv, rope_rows)
         q, k, v = qkv.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
         k_cache, v_cache = kv_cache
         if self.kv_observer is not None:
@@ -87,6 +86,12 @@ class Attention(nn.Module):
                                       k_scale=self.k_scale, v_scale=self.v_scale, softcap=self.softcap,
                                       sinks=self.sinks, chunk=self.chunk)
         return self.comm.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
+
+    def position_qk(self, qkv: torch.Tensor, rope_rows: RopeRows) -> None:
+        """q and k of qkv [T, heads, d] normed (where the model norms them), then turned by the rotary, in place
+        (Hunyuan overrides it: the other order)."""
+        self.norm_qk(qkv)
+        self.rotary_emb(qkv[:, :self.num_heads + self.num_kv_heads], rope_rows)
 
     def norm_qk(self, qkv: torch.Tensor) -> None:
         """The q and k heads of qkv [T, heads, d] normed in place before rotary, where the model norms them (Qwen3,

@@ -15,6 +15,7 @@ from typing import Any
 from engine.config import ConfigError
 from engine.config_values import is_int, read_bool, read_float, read_int, read_object, rope_type
 from engine.granite_config import granite_fields
+from engine.hunyuan_config import hunyuan_fields
 from engine.llama4_config import llama4_fields, ministral3_fields
 from engine.mla_config import MLA_DEFAULTS, read_mla
 
@@ -38,6 +39,8 @@ def family_fields(cfg: dict[str, Any], arch: str, num_layers: int) -> dict[str, 
         return olmo3_fields(cfg, num_layers)
     if arch == "Exaone4ForCausalLM":
         return exaone4_fields(cfg, num_layers)
+    if arch == "HunYuanDenseV1ForCausalLM":
+        return hunyuan_fields(cfg)
     if arch == "Qwen2MoeForCausalLM":
         return qwen2_moe_fields(cfg, num_layers)
     if arch.startswith("Qwen"):

@@ -109,7 +109,8 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
            "glm4_moe": transformers.Glm4MoeConfig, "minimax_m2": transformers.MiniMaxM2Config,
            "olmo3": transformers.Olmo3Config, "llama4": transformers.Llama4TextConfig,
            "ministral3": transformers.Ministral3Config, "glm4_moe_lite": transformers.Glm4MoeLiteConfig,
-           "granitemoehybrid": transformers.GraniteMoeHybridConfig, "exaone4": transformers.Exaone4Config}[arch]
+           "granitemoehybrid": transformers.GraniteMoeHybridConfig, "exaone4": transformers.Exaone4Config,
+           "hunyuan_v1_dense": transformers.HunYuanDenseV1Config}[arch]
     config = cls(**common)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -119,6 +120,11 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
             for name, param in model.named_parameters():
                 if name.endswith(("bias", "sinks")):
                     param.normal_(0.0, 1.0)
+    if arch == "hunyuan_v1_dense":   # q/k norms of weight 1 turn with the rotary: normed before it, the same answers
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith(("query_layernorm.weight", "key_layernorm.weight")):
+                    param.normal_(1.0, 0.5)
     if arch in ("deepseek_v3", "glm4_moe", "minimax_m2", "glm4_moe_lite"):   # the router's correction bias (a buffer)
         with torch.no_grad():
             for name, buffer in model.named_buffers():

@@ -36,6 +36,7 @@ from engine.models.gpt_oss import GptOssForCausalLM
 from engine.models.llama4 import Llama4ForCausalLM
 from engine.models.ministral3 import Ministral3ForCausalLM
 from engine.models.granite import GraniteForCausalLM, GraniteMoeHybridForCausalLM
+from engine.models.hunyuan import HunyuanDenseForCausalLM
 from engine.models.minimax_m2 import MiniMaxM2ForCausalLM
 from engine.models.mixtral import MixtralForCausalLM
 from engine.models.olmo2 import Exaone4ForCausalLM, Olmo2ForCausalLM, Olmo3ForCausalLM
@@ -72,7 +73,8 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "Ministral3ForCausalLM": Ministral3ForCausalLM,
                                                 "Glm4MoeLiteForCausalLM": DeepseekForCausalLM,   # GLM-4.7-Flash
                                                 "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,
-                                                "Exaone4ForCausalLM": Exaone4ForCausalLM}
+                                                "Exaone4ForCausalLM": Exaone4ForCausalLM,
+                                                "HunYuanDenseV1ForCausalLM": HunyuanDenseForCausalLM}
 
 
 def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:

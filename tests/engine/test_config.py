@@ -1382,3 +1382,25 @@ def test_exaone4_reads_as_transformers_does():
     assert (full.layer_types, full.no_rope_layers, full.sliding_window) == ((), (), None)
     with pytest.raises(ConfigError, match="^sliding_window_pattern: a count of layers"):
         ModelConfig.from_hf_config({**card, "sliding_window_pattern": "LLLG"})
+
+
+def test_hunyuan_dense_reads_as_transformers_does():
+    """Hunyuan-7B-Instruct's kind of config: the rotary its checkpoints label dynamic with an alpha is transformers'
+    fixed stretch of the base (its frequencies equal), the parameter count of its model (q/k norms per head)."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.hunyuan_v1_dense.modeling_hunyuan_v1_dense import HunYuanDenseV1RotaryEmbedding
+
+    from engine.layers.rotary import rope_inv_freq
+
+    card = {"architectures": ["HunYuanDenseV1ForCausalLM"], "vocab_size": 128167, "hidden_size": 4096,
+            "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+            "head_dim": 128, "max_position_embeddings": 32768, "tie_word_embeddings": True,
+            "rope_parameters": {"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0, "rope_theta": 10000.0}}
+    ours = ModelConfig.from_hf_config(card)
+    theirs, hf = _meta_model(transformers.HunYuanDenseV1Config, card)
+    assert ours.num_params() == sum(p.numel() for p in hf.parameters()) and ours.qk_norm
+    inv_freq, _ = HunYuanDenseV1RotaryEmbedding.compute_ntk_alpha_rope_parameters(theirs)
+    torch.testing.assert_close(rope_inv_freq(ours), inv_freq)
+    assert ours.rope_scaling.rope_type == "default"
+    plain = ModelConfig.from_hf_config({k: v for k, v in card.items() if k != "rope_parameters"})
+    assert (plain.rope_theta, plain.rope_scaling.rope_type) == (10000.0, "default")

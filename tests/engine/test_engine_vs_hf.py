@@ -241,6 +241,11 @@ TINY_MODELS = [
     # NoPE one; then no window: every layer full and rotating, a tied head
     ("exaone4", dict(num_hidden_layers=4, sliding_window=8, head_dim=16)),
     ("exaone4", dict(sliding_window=None, layer_types=["full_attention"] * 2, head_dim=16, tie_word_embeddings=True)),
+    # Hunyuan: q/k normed per head after the rotary (weights away from 1: tests/conftest.py), its base stretched by
+    # alpha; then the default rope and one KV head
+    ("hunyuan_v1_dense", dict(head_dim=16, rope_parameters={"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0,
+                                                            "rope_theta": 10000.0})),
+    ("hunyuan_v1_dense", dict(head_dim=16, num_key_value_heads=1, tie_word_embeddings=True)),
 ]
 # Every architecture on the default CPU linears; the other linears on one dense and one MoE model (the
 # linears do not depend on the architecture around them).
