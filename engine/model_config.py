@@ -32,14 +32,14 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
                            "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM", "Olmo3ForCausalLM",
                            "SeedOssForCausalLM", "Llama4ForCausalLM", "Ministral3ForCausalLM",
                            "Glm4MoeLiteForCausalLM", "GraniteMoeHybridForCausalLM", "Exaone4ForCausalLM",
-                           "HunYuanDenseV1ForCausalLM")
+                           "HunYuanDenseV1ForCausalLM", "OlmoeForCausalLM")
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")   # one LayerNorm a layer, a parallel block
 # their attention bias: q/k/v's, not o_proj's
 QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM")
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")   # Gemma's layer: four norms, scaled embeddings
 FOUR_NORMS = (*GEMMA_ARCHITECTURES, "Glm4ForCausalLM")   # a norm on each sublayer's output too
 # q and k normed over the whole projection
-WIDE_QK_NORM = ("Olmo2ForCausalLM", "Olmo3ForCausalLM", "MiniMaxM2ForCausalLM")
+WIDE_QK_NORM = ("Olmo2ForCausalLM", "Olmo3ForCausalLM", "MiniMaxM2ForCausalLM", "OlmoeForCausalLM")
 # Multimodal checkpoints served as their text model: architecture -> (the text model's, its weights' prefix, the
 # text_config's model_type where it names one: another family's text model is refused by that key). Qwen's VL models
 # rotate by MRoPE, whose three position ids (time, height, width) are one and the same on text: the text model's rope
@@ -109,6 +109,7 @@ class ModelConfig:
     qk_l2_norm: bool = False            # Llama 4: each q and k head of a rotating layer L2-normed after the rotary
     attn_temperature: tuple[float, float] | None = None   # Llama 4's NoPE layers' q scale: (floor_scale, attn_scale)
     llama4_scaling_beta: float | None = None   # Ministral 3: every query x 1 + beta log(1 + floor(p / original))
+    clip_qkv: float | None = None       # OLMoE: q, k and v clamped to +-clip_qkv after the q/k norms (None: not)
     attention_sinks: bool = False       # GPT-OSS: a learned logit per query head in every softmax's denominator
     moe_bias: bool = False              # GPT-OSS: the router and each expert's projections carry biases
     swiglu_limit: float | None = None   # GPT-OSS: the experts' SwiGLU clamped at it (None: plain SiLU x up)

@@ -41,6 +41,10 @@ def family_fields(cfg: dict[str, Any], arch: str, num_layers: int) -> dict[str, 
         return exaone4_fields(cfg, num_layers)
     if arch == "HunYuanDenseV1ForCausalLM":
         return hunyuan_fields(cfg)
+    if arch == "OlmoeForCausalLM":   # OlmoeConfig: 64 experts of intermediate_size, 8 a token, on every layer
+        return {**qwen3_moe_fields({"num_experts": 64, "num_experts_per_tok": 8, **cfg, "mlp_only_layers": [],
+                                    "moe_intermediate_size": read_int(cfg, "intermediate_size")}, "OLMoE"),
+                "clip_qkv": read_float(cfg, "clip_qkv", None)}
     if arch == "Qwen2MoeForCausalLM":
         return qwen2_moe_fields(cfg, num_layers)
     if arch.startswith("Qwen"):

@@ -39,7 +39,7 @@ from engine.models.granite import GraniteForCausalLM, GraniteMoeHybridForCausalL
 from engine.models.hunyuan import HunyuanDenseForCausalLM
 from engine.models.minimax_m2 import MiniMaxM2ForCausalLM
 from engine.models.mixtral import MixtralForCausalLM
-from engine.models.olmo2 import Exaone4ForCausalLM, Olmo2ForCausalLM, Olmo3ForCausalLM
+from engine.models.olmo2 import Exaone4ForCausalLM, Olmo2ForCausalLM, Olmo3ForCausalLM, OlmoeForCausalLM
 from engine.models.phi3 import Phi3ForCausalLM
 from engine.models.smollm3 import SmolLM3ForCausalLM
 from engine.models.qwen3_moe import Qwen3MoeForCausalLM
@@ -74,7 +74,8 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "Glm4MoeLiteForCausalLM": DeepseekForCausalLM,   # GLM-4.7-Flash
                                                 "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,
                                                 "Exaone4ForCausalLM": Exaone4ForCausalLM,
-                                                "HunYuanDenseV1ForCausalLM": HunyuanDenseForCausalLM}
+                                                "HunYuanDenseV1ForCausalLM": HunyuanDenseForCausalLM,
+                                                "OlmoeForCausalLM": OlmoeForCausalLM}
 
 
 def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:

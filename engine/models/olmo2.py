@@ -1,7 +1,8 @@
 """OLMo 2 (`Olmo2ForCausalLM`): the Llama layer turned post-norm, and q/k normed over the whole projection; OLMo 3
 (`Olmo3ForCausalLM`) the same layers, sliding and full, each type its own rope (Gemma 3's `sliding_rotary`); EXAONE 4
 (`Exaone4ForCausalLM`) the post-norm layer with Llama's norms and Qwen3's q/k norms per head, its full layers NoPE
-where it has sliding ones (`Exaone4DecoderLayer`).
+where it has sliding ones (`Exaone4DecoderLayer`); OLMoE (`OlmoeForCausalLM`) the Llama layer with Qwen3-MoE's
+experts and OLMo 2's whole-projection q/k norms in Llama's order, clamped where `clip_qkv` (`OlmoeAttention`).
 
 - no norm before a sublayer: each sublayer's output is normed (`post_attention_layernorm`,
   `post_feedforward_layernorm`) and then added to the residual stream; the model's final norm as Llama's.
@@ -27,12 +28,13 @@ from engine.layers import FloatRMSNorm, RMSNorm, RopeRows
 from engine.model import MLP, Attention, LlamaForCausalLM, WeightLoadError
 from engine.model_config import ModelConfig
 from engine.models.gemma3 import sliding_rotary
+from engine.models.qwen3_moe import Qwen3MoeForCausalLM
 from engine.models.smollm3 import layer_rotary
 from engine.parallel import Collectives, ShardShape
 from kernels import AttentionMetadata
 
-__all__ = ["Exaone4ForCausalLM", "Olmo2Attention", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "RoundedWideRMSNorm",
-           "wide_norm_shard"]
+__all__ = ["Exaone4ForCausalLM", "OlmoeAttention", "OlmoeForCausalLM", "Olmo2Attention", "Olmo2ForCausalLM", "Olmo3ForCausalLM",
+           "RoundedWideRMSNorm", "wide_norm_shard"]
 
 
 class WideRMSNorm(nn.Module):
@@ -77,6 +79,19 @@ class Olmo2Attention(Attention):
         kv_replicas = max(1, shard.size // config.num_kv_heads)   # ranks holding each KV head
         self.q_norm = wide_norm(shard.num_heads, d, eps, comm, config.num_heads, 1)
         self.k_norm = wide_norm(shard.num_kv_heads, d, eps, comm, config.num_kv_heads, kv_replicas)
+
+
+class OlmoeAttention(Olmo2Attention):
+    """OLMoE's attention: the whole-projection q/k norms in Llama's order (`RoundedWideRMSNorm`), then, where the
+    config says `clip_qkv`, q, k and v clamped to +-clip_qkv before the rotary (transformers' order)."""
+
+    def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives, rotary_emb, layer: int) -> None:
+        super().__init__(config, shard, comm, rotary_emb, layer, RoundedWideRMSNorm)
+
+    def norm_qk(self, qkv: torch.Tensor) -> None:
+        super().norm_qk(qkv)
+        if self.config.clip_qkv is not None:
+            qkv.clamp_(-self.config.clip_qkv, self.config.clip_qkv)
 
 
 class Olmo2DecoderLayer(nn.Module):
@@ -157,3 +172,18 @@ class Exaone4ForCausalLM(LlamaForCausalLM):
 
     def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
         return Exaone4DecoderLayer(self.config, self.shard, self.comm, layer_rotary(self, index), ops, index)
+
+
+class OlmoeForCausalLM(Qwen3MoeForCausalLM):
+    """OLMoE: Qwen3-MoE's experts on every layer (the softmax's top 8 of 64, not renormalised by default) under the
+    Llama layer, with `OlmoeAttention`; its q/k norms' weights cut per rank as OLMo 2's."""
+
+    def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
+        layer = super().make_layer(index, ops)
+        layer.self_attn = OlmoeAttention(self.config, self.shard, self.comm, self.rotary_emb, index)
+        return layer
+
+    def _shard_of(self, hf_name: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if self.shard.size > 1 and name.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight")):
+            return wide_norm_shard(self.config, self.shard, hf_name, name, tensor)
+        return super()._shard_of(hf_name, name, tensor)

@@ -1404,3 +1404,20 @@ def test_hunyuan_dense_reads_as_transformers_does():
     assert ours.rope_scaling.rope_type == "default"
     plain = ModelConfig.from_hf_config({k: v for k, v in card.items() if k != "rope_parameters"})
     assert (plain.rope_theta, plain.rope_scaling.rope_type) == (10000.0, "default")
+
+
+def test_olmoe_reads_as_transformers_does():
+    """OLMoE-1B-7B's config: 64 experts of its intermediate_size (1,024), 8 a token, not renormalised, on every layer;
+    q and k normed over the whole projection; 6.9 B parameters as transformers' model counts them."""
+    transformers = pytest.importorskip("transformers")
+
+    card = {"architectures": ["OlmoeForCausalLM"], "vocab_size": 50304, "hidden_size": 2048,
+            "intermediate_size": 1024, "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 16,
+            "num_experts": 64, "num_experts_per_tok": 8, "max_position_embeddings": 4096, "clip_qkv": None,
+            "rope_theta": 10000.0, "norm_topk_prob": False}
+    ours = ModelConfig.from_hf_config(card)
+    _, hf = _meta_model(transformers.OlmoeConfig, card)
+    assert ours.num_params() == sum(p.numel() for p in hf.parameters())
+    assert round(ours.num_params() / 1e9, 1) == 6.9
+    assert (ours.num_experts, ours.num_experts_per_tok, ours.moe_intermediate_size, ours.norm_topk_prob,
+            ours.mlp_only_layers, ours.clip_qkv) == (64, 8, 1024, False, (), None)

@@ -259,6 +259,7 @@ QWEN3 = {"head_dim": 32, "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
     ("exaone4", {"num_hidden_layers": 4, "sliding_window": 8, "head_dim": 16}, None),
     ("hunyuan_v1_dense", {"head_dim": 16, "rope_parameters": {"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0,
                                                               "rope_theta": 10000.0}}, None),
+    ("olmoe", {"intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2, "clip_qkv": 0.5}, None),
 ])
 def test_two_ranks_generate_what_one_does(tmp_path, builtin_path, prompts, arch, overrides, overlap):
     # A tiny random model with even head counts (4 heads, 2 KV heads); Qwen3 q/k head norms (whole on every rank)
