@@ -7,7 +7,9 @@
 - llm-compressor's (`quant_method: compressed-tensors`, `format: float-quantized`: the `-FP8` and `-FP8-dynamic`
   releases of Llama, Qwen, Mistral models): `X.weight` in float8_e4m3fn and `X.weight_scale`, one scale per output
   channel ([rows, 1], `strategy: channel`), one for the whole tensor (`strategy: tensor`) or one per block
-  (`strategy: block`, `block_structure`); a static activation scheme's `X.input_scale` is not read.
+  (`strategy: block`, `block_structure`); a static activation scheme's `X.input_scale` is not read;
+- FBGEMM's (`quant_method: fbgemm_fp8`: Meta's `-FP8` releases of Llama 3.1 405B): `X.weight` and a `X.weight_scale`
+  per output channel ([rows, 1]), the modules it does not convert left in float.
 
 The weight is the FP8 values times their scale, as transformers dequantizes it where no GPU runs FP8 matmuls. The
 model then holds, and the capacity plan counts, weights of its dtype (bfloat16: twice the checkpoint's bytes); the
@@ -36,6 +38,8 @@ def fp8_weights(quant: Any, key: str) -> tuple[tuple[int, int], str] | None:
     block = fp8_weight_block(quant, key)
     if block is not None:
         return block, SCALE_SUFFIX
+    if isinstance(quant, dict) and quant.get("quant_method") == "fbgemm_fp8":
+        return _STRATEGY_BLOCKS["channel"], ".weight_scale"
     block = _compressed_fp8_block(quant, key)
     return None if block is None else (block, ".weight_scale")
 

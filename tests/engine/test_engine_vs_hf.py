@@ -1021,7 +1021,7 @@ def test_an_fp8_block_scaled_checkpoint_serves_what_transformers_dequantizes(tmp
 
 def _compressed_fp8_checkpoint(folder, strategy: str) -> dict[str, torch.Tensor]:
     """The tiny checkpoint in `folder` rewritten as llm-compressor's FP8 releases store theirs (compressed-tensors,
-    float-quantized): each layer's projection an e4m3 `weight` and its `weight_scale` (each output channel's largest
+    float-quantized; `fbgemm`: as FBGEMM's, its per-channel scales): each layer's projection an e4m3 `weight` and its `weight_scale` (each output channel's largest
     value over 448, [rows, 1]; the tensor's, [1], beside a static activation scheme's `input_scale`; or each 16 x 32
     block's), the head left in float. Returns each projection's weight as the format defines it: values x scales."""
     from safetensors.torch import save_file
@@ -1032,7 +1032,7 @@ def _compressed_fp8_checkpoint(folder, strategy: str) -> dict[str, torch.Tensor]
         if not (name.endswith("proj.weight") and ".layers." in name):
             stored[name] = w
             continue
-        if strategy == "channel":
+        if strategy in ("channel", "fbgemm"):
             scale = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 448.0
             expanded = scale
         elif strategy == "tensor":
@@ -1047,6 +1047,11 @@ def _compressed_fp8_checkpoint(folder, strategy: str) -> dict[str, torch.Tensor]
         dequantized[name] = stored[name].float() * expanded
     save_file(stored, str(folder / "model.safetensors"))
     cfg = json.loads((folder / "config.json").read_text())
+    if strategy == "fbgemm":   # FBGEMM's: per-channel scales, the modules it leaves in float named
+        cfg["quantization_config"] = {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0,
+                                      "modules_to_not_convert": ["lm_head"]}
+        (folder / "config.json").write_text(json.dumps(cfg))
+        return dequantized
     weights_scheme = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": strategy,
                       **({"block_structure": [16, 32]} if strategy == "block" else {})}
     cfg["quantization_config"] = {
@@ -1059,12 +1064,12 @@ def _compressed_fp8_checkpoint(folder, strategy: str) -> dict[str, torch.Tensor]
     return dequantized
 
 
-@pytest.mark.parametrize("strategy", ["channel", "tensor", "block"])
+@pytest.mark.parametrize("strategy", ["channel", "tensor", "block", "fbgemm"])
 def test_an_llm_compressor_fp8_checkpoint_serves_its_dequantized_weights(tmp_path, builtin_path, strategy):
     """llm-compressor's FP8 checkpoints (compressed-tensors, float-quantized: per-channel scales, as the -FP8-dynamic
-    releases; per-tensor ones with static activation scales, which are not read; 16 x 32 blocks): the engine serves
-    each weight as its values times its scales, greedy token-identical to transformers' model holding those weights;
-    a weight without its scale is refused by name."""
+    releases; per-tensor ones with static activation scales, which are not read; 16 x 32 blocks) and FBGEMM's
+    (`fbgemm_fp8`: per-channel scales): the engine serves each weight as its values times its scales, greedy
+    token-identical to transformers' model holding those weights; a weight without its scale is refused by name."""
     import transformers
     from safetensors.torch import load_file, save_file
 

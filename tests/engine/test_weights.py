@@ -494,6 +494,8 @@ def test_llm_compressors_fp8_weights_read_per_channel_per_tensor_and_per_block()
     assert fp8_weights({"quant_method": "fp8", "weight_block_size": [128, 128]}, "q") == ((128, 128),
                                                                                         ".weight_scale_inv")
     assert fp8_weights({"quant_method": "compressed-tensors", "kv_cache_scheme": {}}, "q") is None   # KV alone
+    assert fp8_weights({"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0}, "q") == ((1, WHOLE),
+                                                                                              ".weight_scale")
     two = config()
     two["config_groups"]["group_1"] = {"weights": {**two["config_groups"]["group_0"]["weights"], "strategy": "tensor"}}
     for bad, named in ((config(type="int"), "q.config_groups.group_0.weights: served are 8-bit float"),
