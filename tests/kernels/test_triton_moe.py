@@ -134,7 +134,12 @@ GPT_OSS = {"intermediate_size": 48, "num_local_experts": 4, "num_experts_per_tok
 DEEPSEEK = {"num_key_value_heads": 4, "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
             "first_k_dense_replace": 1, "kv_lora_rank": 32, "q_lora_rank": 48, "qk_nope_head_dim": 16,
             "qk_rope_head_dim": 8, "v_head_dim": 16, "n_group": 2, "topk_group": 1}
-MODELS = [("qwen3_moe", MOE), ("gpt_oss", GPT_OSS), ("deepseek_v3", DEEPSEEK)]
+# Llama 4: its experts take their tokens scaled (the kernels see each pair at weight 1) beside dense layers, its
+# rotating layers attend within chunks of 8 (the prompts and outputs cross them), its NoPE layer's queries scaled
+LLAMA4 = {"intermediate_size": 48, "intermediate_size_mlp": 96, "num_local_experts": 4, "head_dim": 16,
+          "num_hidden_layers": 4, "interleave_moe_layer_step": 2, "attention_chunk_size": 8, "floor_scale": 4,
+          "attn_scale": 0.5}
+MODELS = [("qwen3_moe", MOE), ("gpt_oss", GPT_OSS), ("deepseek_v3", DEEPSEEK), ("llama4", LLAMA4)]
 
 
 @pytest.mark.parametrize("arch,overrides", MODELS)
@@ -161,7 +166,8 @@ def test_an_moe_engine_on_the_triton_ops_runs_its_sparse_layers_through_fused_mo
 def test_an_moe_engine_on_the_triton_kernels_decodes_as_transformers_and_replays_graphs(tmp_path, builtin_path,
                                                                                        monkeypatch, arch, overrides):
     """Qwen3-MoE and GPT-OSS on the Triton ops run their experts through `fused_moe` (GPT-OSS's attention its
-    sinks through the Triton attention): greedy tokens equal transformers', and with the decode steps replayed
+    sinks, Llama 4's attention its chunks, through the Triton attention): greedy tokens equal transformers', and
+    with the decode steps replayed
     from recorded graphs (what a CUDA graph freezes) they stay equal."""
     from transformers import AutoModelForCausalLM
 
