@@ -165,10 +165,9 @@ def test_an_moe_engine_on_the_triton_ops_runs_its_sparse_layers_through_fused_mo
 @pytest.mark.parametrize("arch,overrides", MODELS)
 def test_an_moe_engine_on_the_triton_kernels_decodes_as_transformers_and_replays_graphs(tmp_path, builtin_path,
                                                                                        monkeypatch, arch, overrides):
-    """Qwen3-MoE and GPT-OSS on the Triton ops run their experts through `fused_moe` (GPT-OSS's attention its
-    sinks, Llama 4's attention its chunks, through the Triton attention): greedy tokens equal transformers', and
-    with the decode steps replayed
-    from recorded graphs (what a CUDA graph freezes) they stay equal."""
+    """Qwen3-MoE, GPT-OSS, DeepSeek V3 and Llama 4 on the Triton ops run their experts through `fused_moe` (GPT-OSS's
+    attention its sinks, Llama 4's its chunks, through the Triton attention): greedy tokens equal transformers', and
+    with the decode steps replayed from recorded graphs (what a CUDA graph freezes) they stay equal."""
     from transformers import AutoModelForCausalLM
 
     from engine.config import CacheConfig, EngineConfig, PoolConfig, SchedulerConfig
