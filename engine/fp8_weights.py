@@ -3,7 +3,8 @@
 - with block scales (`quantization_config.quant_method: fp8`, `weight_block_size`: DeepSeek V3's and R1's, Kimi K2's,
   MiniMax-M2's, Qwen3's `-FP8` releases): each quantized projection is stored as `X.weight` in float8_e4m3fn and
   `X.weight_scale_inv` in float32, one scale per `weight_block_size` block of the weight ([128, 128]: rows,
-  columns; the last blocks may be partial);
+  columns; the last blocks may be partial); without `weight_block_size` (Mistral's FP8 releases: Ministral 3,
+  Devstral 2) one scale for the tensor, and a static scheme's `X.activation_scale`, not read;
 - llm-compressor's (`quant_method: compressed-tensors`, `format: float-quantized`: the `-FP8` and `-FP8-dynamic`
   releases of Llama, Qwen, Mistral models): `X.weight` in float8_e4m3fn and `X.weight_scale`, one scale per output
   channel ([rows, 1], `strategy: channel`), one for the whole tensor (`strategy: tensor`) or one per block
@@ -85,10 +86,12 @@ def fp8_weight_block(quant: Any, key: str) -> tuple[int, int] | None:
     if not isinstance(quant, dict) or quant.get("quant_method") != "fp8":
         return None
     block = quant.get("weight_block_size")
+    if block is None:   # transformers' per-tensor FP8: one scale a weight
+        return _STRATEGY_BLOCKS["tensor"]
     if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and not isinstance(b, bool)
                                                                  and b > 0 for b in block)):
-        raise ConfigError(f"{key}.weight_block_size: FP8 checkpoints are served with block scales, two positive "
-                          f"integers (DeepSeek's [128, 128]), got {block!r}")
+        raise ConfigError(f"{key}.weight_block_size: two positive integers (DeepSeek's [128, 128]) or null (a scale "
+                          f"for the tensor), got {block!r}")
     if quant.get("fmt", "e4m3") != "e4m3":
         raise ConfigError(f"{key}.fmt: FP8 weights are read as e4m3, got {quant['fmt']!r}")
     return block[0], block[1]

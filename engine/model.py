@@ -437,9 +437,9 @@ def dequantized(hf_name: str, tensor: torch.Tensor, pending: dict[str, dict[str,
                 block: tuple[int, int], suffix: str = SCALE_SUFFIX) -> tuple[str, torch.Tensor | None]:
     """An FP8 checkpoint's tensor as loading reads it: an FP8 `X.weight` or its scales `X<suffix>` (`weight_scale_inv`,
     or llm-compressor's `weight_scale`) held in `pending` until the other comes (None), then the weight dequantized
-    (`engine.fp8_weights`); a static activation scale (`X.input_scale`, llm-compressor's) skipped (None); any other
-    tensor itself."""
-    if suffix != SCALE_SUFFIX and hf_name.endswith(".input_scale"):
+    (`engine.fp8_weights`); a static activation scale (`X.input_scale`, llm-compressor's; `X.activation_scale`,
+    transformers' per-tensor FP8's) skipped (None); any other tensor itself."""
+    if hf_name.endswith((".input_scale", ".activation_scale")):   # a static activation scheme's: not read
         return hf_name, None
     if hf_name.endswith(suffix):
         key, part = hf_name[:-len(suffix)], suffix

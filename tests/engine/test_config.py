@@ -39,9 +39,9 @@ LLAMA = {"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size"
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"vocab_size": None}, "vocab_size"),
     # a quantized checkpoint's weights are no float model's: refused before they are read as one (FP8 weights with
-    # block scales are dequantized as read: per-tensor ones are not)
-    ({"quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic"}},
-     r"quantization_config.weight_block_size: FP8 checkpoints are served with block scales"),
+    # block or per-tensor scales are dequantized as read)
+    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128]}},
+     r"quantization_config.weight_block_size: two positive integers"),
     ({"quantization_config": {"quant_method": "compressed-tensors"}}, r"quantization_config: .*compressed-tensors"),
     ({"quantization_config": {"quant_method": "compressed-tensors", "kv_cache_scheme": {"num_bits": 8},
                               "config_groups": {"group_0": {"weights": {"num_bits": 8}}}}},

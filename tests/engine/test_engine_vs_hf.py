@@ -956,7 +956,7 @@ def _taken_weights(folder) -> dict[str, torch.Tensor]:
     return weights
 
 
-def _fp8_checkpoint(folder, block: tuple[int, int]) -> None:
+def _fp8_checkpoint(folder, block: tuple[int, int] | None) -> None:
     """The tiny checkpoint in `folder` rewritten as DeepSeek's and Qwen's FP8 releases store theirs: each layer's
     projection an e4m3 `weight` and a float32 `weight_scale_inv` per block (the block's largest value over 448; the
     last blocks partial), the scales in a shard of their own (pairs that cross files), `quantization_config` saying
@@ -968,6 +968,12 @@ def _fp8_checkpoint(folder, block: tuple[int, int]) -> None:
     for name, w in weights.items():
         if not (name.endswith("proj.weight") and ".layers." in name):
             quantized[name] = w
+            continue
+        if block is None:   # one scale for the tensor (a 0-d float32, as transformers saves it), a static input's
+            scale = w.abs().amax().clamp(min=1e-12) / 448.0
+            quantized[name] = (w / scale).to(torch.float8_e4m3fn)
+            scales[name + "_scale_inv"] = scale.reshape(())
+            scales[name.removesuffix("weight") + "activation_scale"] = torch.tensor(0.5)
             continue
         rows, cols = w.shape
         grid = (-(-rows // block[0]), -(-cols // block[1]))
@@ -983,9 +989,25 @@ def _fp8_checkpoint(folder, block: tuple[int, int]) -> None:
     index = {"metadata": {}, "weight_map": {n: f for f, tensors in files.items() for n in tensors}}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     cfg = json.loads((folder / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
-                                  "weight_block_size": list(block)}
+    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic" if block else "static",
+                                  "fmt": "e4m3", "weight_block_size": list(block) if block else None}
     (folder / "config.json").write_text(json.dumps(cfg))
+
+
+def test_a_per_tensor_fp8_checkpoint_serves_what_transformers_dequantizes(tmp_path, builtin_path):
+    """An FP8 checkpoint of one scale a weight and a static activation scale (`weight_block_size` null: Mistral's FP8
+    releases' kind, as transformers saves it): each weight its values times its scale (the activation scales not
+    read), greedy token-identical to transformers' own FP8 loading of it."""
+    import transformers
+
+    folder = make_tiny_model(tmp_path / "fp8", "llama", builtin_path, head_dim=16)
+    _fp8_checkpoint(folder, None)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    engine = LLMEngine.from_args(str(folder), dtype="float32", block_size=8, num_blocks=64, progress=False)
+    assert engine.model_config.fp8_weight_block == (2 ** 31 - 1,) * 2
+    prompts = [[5, 9, 200, 31, 7], list(range(40, 77))]
+    outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == [_hf_greedy(hf, p, 12, eos_ids=None) for p in prompts]
 
 
 def test_an_fp8_block_scaled_checkpoint_serves_what_transformers_dequantizes(tmp_path, builtin_path):

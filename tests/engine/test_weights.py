@@ -460,7 +460,8 @@ def test_fp8_blocks_dequantize_value_by_value_partial_blocks_too():
         dequantize_fp8_blocks(weight, scale[:, :3], (16, 16))
     assert fp8_weight_block({"quant_method": "fp8", "weight_block_size": [128, 128]}, "q") == (128, 128)
     assert fp8_weight_block({"quant_method": "mxfp4"}, "q") is None
-    for bad in ({"weight_block_size": None}, {"weight_block_size": [128]}, {"weight_block_size": [128, True]},
+    assert fp8_weight_block({"quant_method": "fp8", "weight_block_size": None}, "q") == (2 ** 31 - 1,) * 2   # tensor
+    for bad in ({"weight_block_size": [128]}, {"weight_block_size": [128, True]},
                 {"weight_block_size": [128, 128], "fmt": "e5m2"}):
         with pytest.raises(ConfigError, match="quantization_config"):
             fp8_weight_block({"quant_method": "fp8", **bad}, "quantization_config")
