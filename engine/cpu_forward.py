@@ -103,7 +103,7 @@ class CpuForward:
         if not model.supports_flat_forward or backend is not cpu_attention or model.config.hidden_act != "silu" \
                 or model.layers[0].input_layernorm.ops is not cpu_fused:
             return None
-        chunked = any(getattr(layer.self_attn, "chunk", None) for layer in model.layers)
+        chunked = any(layer.self_attn.chunk for layer in model.layers)
         if model.embed_tokens.weight.device.type != "cpu" or chunked:
             return None   # chunked layers (Llama 4's): the modules' attention takes their chunk
         fused_lib, attention_lib = cpu_fused.load_library(), cpu_attention.load_library()

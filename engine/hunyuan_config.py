@@ -10,8 +10,8 @@ from typing import Any
 from engine.config_values import read_float, read_int, rope_type
 
 
-def hunyuan_fields(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The `ModelConfig` fields of a Hunyuan dense config (see the module docstring)."""
+def hunyuan_fields(cfg: dict[str, Any], num_layers: int = 0) -> dict[str, Any]:
+    """The `ModelConfig` fields of a Hunyuan dense config (see the module docstring; every layer alike)."""
     fields: dict[str, Any] = {"qk_norm": True}
     key = "rope_parameters" if isinstance(cfg.get("rope_parameters"), dict) else "rope_scaling"
     rope = cfg.get(key)

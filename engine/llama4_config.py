@@ -73,7 +73,7 @@ MINISTRAL3_ROPE = {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 16.0,
                    "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.1}
 
 
-def ministral3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+def ministral3_fields(cfg: dict[str, Any], num_layers: int = 0) -> dict[str, Any]:
     """Ministral 3's fields: Mistral's layer (a sliding window only where `sliding_window` is set), each query times
     1 + beta x log(1 + floor(p / original_max_position_embeddings)) after the rotary, beta the rope's
     `llama_4_scaling_beta` (none where it names none), and transformers' rope where config.json names none."""

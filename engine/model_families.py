@@ -25,6 +25,9 @@ LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")   # c
 # top-2 sums
 # MiniMax-M2's: V3's, in the model's dtype; ERNIE 4.5's: the softmax's top k after a correction bias; Llama 4's
 MOE_ROUTERS = ("softmax", "deepseek_v2", "deepseek_v3", "minimax_m2", "ernie4_5", "llama4")
+# the families whose fields are read in a module of their own, each reader taking (config.json, its layer count)
+OWN_MODULE_FIELDS: dict[str, Callable[[dict[str, Any], int], dict[str, Any]]] = {"Llama4ForCausalLM": llama4_fields,
+    "Ministral3ForCausalLM": ministral3_fields, "HunYuanDenseV1ForCausalLM": hunyuan_fields}
 DEEPSEEK_TOPK_METHODS = {"DeepseekV2ForCausalLM": ("greedy", "group_limited_greedy"),
                          "DeepseekV3ForCausalLM": ("noaux_tc",), "Glm4MoeLiteForCausalLM": ("noaux_tc",)}
 
@@ -39,8 +42,6 @@ def family_fields(cfg: dict[str, Any], arch: str, num_layers: int) -> dict[str, 
         return olmo3_fields(cfg, num_layers)
     if arch == "Exaone4ForCausalLM":
         return exaone4_fields(cfg, num_layers)
-    if arch == "HunYuanDenseV1ForCausalLM":
-        return hunyuan_fields(cfg)
     if arch == "OlmoeForCausalLM":   # OlmoeConfig: 64 experts of intermediate_size, 8 a token, on every layer
         return {**qwen3_moe_fields({"num_experts": 64, "num_experts_per_tok": 8, **cfg, "mlp_only_layers": [],
                                     "moe_intermediate_size": read_int(cfg, "intermediate_size")}, "OLMoE"),
@@ -75,8 +76,8 @@ def family_fields(cfg: dict[str, Any], arch: str, num_layers: int) -> dict[str, 
                 "attention_out_bias": read_bool(cfg, "attention_out_bias", False)}
     if arch == "Ernie4_5_MoeForCausalLM":
         return ernie4_5_moe_fields(cfg, num_layers)
-    if arch in ("Llama4ForCausalLM", "Ministral3ForCausalLM"):
-        return llama4_fields(cfg, num_layers) if arch == "Llama4ForCausalLM" else ministral3_fields(cfg)
+    if arch in OWN_MODULE_FIELDS:
+        return OWN_MODULE_FIELDS[arch](cfg, num_layers)
     if arch == "Ernie4_5ForCausalLM":   # Ernie4_5Config: one switch for every projection's bias, a tied head
         bias = read_bool(cfg, "use_bias", False)
         return {"attention_bias": bias, "mlp_bias": bias, "tie_word_embeddings": read_bool(cfg, "tie_word_embeddings",

@@ -91,7 +91,7 @@ class _Forward:
             return
         attn = self.model.layers[0].self_attn
         started = time.perf_counter()
-        masks = sorted({(layer.self_attn.sliding_window or 0, getattr(layer.self_attn, "chunk", None) or 0)
+        masks = sorted({(layer.self_attn.sliding_window or 0, layer.self_attn.chunk or 0)
                         for layer in self.model.layers})   # (window, chunk); 0: none
         dtype = self.model.embed_tokens.weight.dtype   # the model's; the cache's may be FP8
         count = sum(compile_kernels(attn.num_heads, attn.num_kv_heads, attn.config.head_dim, self.kv_cache.block_size,

@@ -66,7 +66,7 @@ class LatentUpProjection(nn.Module):
 class MlaAttention(nn.Module):
     """One layer's latent attention (the module docstring), this rank's heads; `rotary_emb` the model's over
     `qk_rope_head_dim`. The attributes the engine reads of every attention: num_heads, num_kv_heads (1),
-    sliding_window, softcap, sinks, k_scale / v_scale (an FP8 cache's, equal: K and V are the same rows)."""
+    sliding_window, chunk, softcap, sinks, k_scale / v_scale (an FP8 cache's, equal: K and V are the same rows)."""
 
     def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives, rotary_emb: RotaryEmbedding,
                  ops: ModuleType) -> None:
@@ -74,7 +74,7 @@ class MlaAttention(nn.Module):
         mla, hidden, bias = config.mla, config.hidden_size, config.attention_bias
         self.config, self.comm, self.mla, self.rotary_emb = config, comm, mla, rotary_emb
         self.num_heads, self.num_kv_heads = shard.num_heads, 1
-        self.sliding_window, self.softcap, self.sinks = None, 0.0, None
+        self.sliding_window, self.chunk, self.softcap, self.sinks = None, None, 0.0, None
         self.scale = config.attention_scale
         self.k_scale = self.v_scale = 1.0
         self.kv_observer = None

@@ -725,7 +725,8 @@ def test_the_runner_compiles_kernels_on_cuda_only():
     from engine.model_runner import _Forward
 
     calls = []
-    attn = SimpleNamespace(num_heads=6, num_kv_heads=2, sliding_window=None, softcap=50.0, sinks=torch.zeros(6),
+    attn = SimpleNamespace(num_heads=6, num_kv_heads=2, sliding_window=None, chunk=None, softcap=50.0,
+                           sinks=torch.zeros(6),
                            config=SimpleNamespace(head_dim=64, sliding_window=None))
     model = SimpleNamespace(layers=[SimpleNamespace(self_attn=attn)],
                             embed_tokens=SimpleNamespace(weight=torch.empty(0, dtype=torch.bfloat16)))
@@ -737,7 +738,7 @@ def test_the_runner_compiles_kernels_on_cuda_only():
     runner.device = torch.device("cuda", 0)
     _Forward.compile_kernels(runner)
     assert calls == [((6, 2, 64, 16, torch.bfloat16, torch.device("cuda", 0), None),
-                      {"kv_dtype": torch.float8_e4m3fn, "softcap": 50.0, "sinks": True, "chunk": None})]   # its variants
+                      {"kv_dtype": torch.float8_e4m3fn, "softcap": 50.0, "sinks": True, "chunk": None})]
     # Llama 4's: chunked layers beside full ones, a variant each
     chunked = SimpleNamespace(**{**vars(attn), "chunk": 8192})
     model.layers = [SimpleNamespace(self_attn=chunked), SimpleNamespace(self_attn=attn)]
