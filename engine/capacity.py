@@ -2,7 +2,10 @@
 
     KV bytes      = memory_utilization x memory - weights            (0.9 x VRAM - weights by default)
     blocks        = floor(pool KV bytes / (S_KV x block_size))
-    max_num_seqs  = floor(pool KV bytes / (S_KV x avg_len))
+    max_num_seqs  = floor(pool KV bytes / (S_KV x avg_len + S_state))
+
+S_state: the bytes a running sequence holds whatever its length (the state of linear-attention layers, Qwen3.5's;
+0 for a transformer); a pool's blocks are then what its max_num_seqs states leave.
 
 `pools.capacity_plan` plans every pool with these functions before anything loads (`cliffguard capacity`,
 `serve`, `generate`, the benchmarks); the engine calls `kv_cache_bytes` once more after loading,
@@ -32,6 +35,6 @@ def num_blocks(pool_kv_bytes: int, kv_bytes_per_token: int, block_size: int) -> 
     return pool_kv_bytes // (kv_bytes_per_token * block_size)
 
 
-def max_num_seqs(pool_kv_bytes: int, kv_bytes_per_token: int, avg_len: int) -> int:
-    """Requests of `avg_len` tokens (prompt + output) whose K/V fit in `pool_kv_bytes` at once."""
-    return pool_kv_bytes // (kv_bytes_per_token * avg_len)
+def max_num_seqs(pool_kv_bytes: int, kv_bytes_per_token: int, avg_len: int, state_bytes: int = 0) -> int:
+    """Requests of `avg_len` tokens (prompt + output) whose K/V (and states) fit in `pool_kv_bytes` at once."""
+    return pool_kv_bytes // (kv_bytes_per_token * avg_len + state_bytes)

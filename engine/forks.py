@@ -15,14 +15,23 @@ class SampleForks:
     here, in no scheduler, until that prefill ends. Then they fork its blocks (shared, copied on
     write) and sample their first token from its logits row, each with its own generator. Until then
     the first sample's `num_pending_forks` keeps room for them under its pool's `max_num_seqs`.
+
+    Without `share_prefill` (a model whose linear-attention layers keep a state per sequence, which shared blocks
+    do not carry) every sample is queued to the scheduler at once and prefills the prompt itself.
     """
 
-    def __init__(self, schedulers: dict[str, Scheduler]) -> None:
+    def __init__(self, schedulers: dict[str, Scheduler], share_prefill: bool = True) -> None:
         self._schedulers = schedulers
+        self._share_prefill = share_prefill
         self._pending: dict[str, list[Sequence]] = {}   # request id -> samples 1.. not forked yet
 
     def submit(self, seqs: list[Sequence]) -> None:
-        """Queue a new request's samples: the first to its pool's scheduler, the others here."""
+        """Queue a new request's samples: the first to its pool's scheduler, the others here (or all to the
+        scheduler, without `share_prefill`)."""
+        if not self._share_prefill:
+            for seq in seqs:
+                self._schedulers[seq.pool].add(seq)
+            return
         first = seqs[0]
         first.num_pending_forks = len(seqs) - 1
         if first.num_pending_forks:

@@ -142,7 +142,9 @@ class InputBatch:
             seq_lens=s_lens.to(torch.int32),
             block_size=self.block_size,
             query_lens_list=list(query_lens),
-            seq_lens_list=list(seq_lens))
+            seq_lens_list=list(seq_lens),
+            rows=row_t,
+            rows_list=list(rows))
         return ids, pos, meta
 
     def _grow(self, rows: int | None = None, blocks: int | None = None) -> None:

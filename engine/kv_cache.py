@@ -20,8 +20,9 @@ from kernels.transfer import to_device, to_device_tensor
 class KVCache:
     """`num_blocks` blocks of `block_size` slots of K and V for each layer.
 
-    data: [num_layers, planes, num_blocks, block_size, num_kv_heads, head_dim], planes K and V (DeepSeek's latent
-    attention: one, both the layer's K and its V: `ModelConfig.kv_planes`), in `dtype`: the model's, or
+    data: [num_kv_layers, planes, num_blocks, block_size, num_kv_heads, head_dim], planes K and V (DeepSeek's latent
+    attention: one, both the layer's K and its V: `ModelConfig.kv_planes`; the layers with K/V alone,
+    `ModelConfig.kv_layers`: Qwen3.5's linear-attention layers keep none), in `dtype`: the model's, or
     float8_e4m3fn for an FP8 cache (`kv_cache_dtype: fp8`; the kernels store and read it with per-layer
     scales). `raw` is the same memory as the block copies move it (bytes for FP8, which has no
     index_copy on a CPU). `num_kv_heads`: this rank's under tensor parallelism (default: the model's).
@@ -35,10 +36,10 @@ class KVCache:
         self.block_size = block_size
         self.dtype = dtype
         # Zeroed, so that a slot no step has written yet holds finite values.
-        self.data = zeros((model.num_layers, model.kv_planes, num_blocks, block_size,
+        self.data = zeros((model.num_kv_layers, model.kv_planes, num_blocks, block_size,
                            num_kv_heads or model.num_kv_heads, model.head_dim), dtype, torch.device(device))
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (self.data[i, 0], self.data[i, -1]) for i in range(model.num_layers)]
+            (self.data[i, 0], self.data[i, -1]) for i in range(model.num_kv_layers)]
         self.raw = raw(self.data)
 
     @property
@@ -106,7 +107,7 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
 class SwapSpace:
     """A pool's CPU block pool for swapped-out K/V: the same layout as the device's KVCache.
 
-    data: [num_layers, planes, num_blocks, block_size, num_kv_heads, head_dim] in CPU memory (pinned when the
+    data: [num_kv_layers, planes, num_blocks, block_size, num_kv_heads, head_dim] in CPU memory (pinned when the
     device is CUDA, so copies run at full PCIe bandwidth). Block ids come from the pool's CPU
     `BlockManager`; this class only moves bytes.
     """

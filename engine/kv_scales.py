@@ -52,11 +52,11 @@ def calibrate_kv_scales(engine: Any) -> dict[str, tuple[float, float]] | None:
     docstring). Returns {"k": (min, max), "v": (min, max)} of the scales set, or None when nothing was
     measured: not an FP8 cache, `calculate_kv_scales` false, scales from the checkpoint, or too few free
     blocks. Rank 0 of a tensor-parallel group measures with its other ranks (the module docstring)."""
-    attns = [layer.self_attn for layer in engine.model.layers]
+    attns = attentions(engine.model)
     if engine.kv_dtype != FP8_KV_DTYPE:
         return None
     if engine.model.kv_scales_from_checkpoint:   # its 1.0s too: they were chosen
-        unscaled = [f"{i}.{attr}" for i in range(len(attns)) for attr in ("k_scale", "v_scale")
+        unscaled = [f"{i}.{attr}" for i in attns for attr in ("k_scale", "v_scale")
                     if (i, attr) not in engine.model.kv_scales_read]
         if unscaled:   # none is measured once the checkpoint brings any: those it lacks stay 1.0, as in vLLM
             log.warning("the checkpoint's FP8 KV scales leave %d of %d at 1.0 (layers %s): the cache stores those "
@@ -81,18 +81,23 @@ def calibrate_kv_scales(engine: Any) -> dict[str, tuple[float, float]] | None:
     finally:
         bm.free(seq.block_table)
         engine.runner.release(seq)
-    ranges = {name: (min(getattr(a, f"{name}_scale") for a in attns), max(getattr(a, f"{name}_scale") for a in attns))
-              for name in ("k", "v")}
+    ranges = {name: (min(getattr(a, f"{name}_scale") for a in attns.values()),
+                     max(getattr(a, f"{name}_scale") for a in attns.values())) for name in ("k", "v")}
     log.info("FP8 KV cache: scales measured on a %d-token text: k %.3g..%.3g, v %.3g..%.3g", len(ids),
              *ranges["k"], *ranges["v"])
     return ranges
+
+
+def attentions(model: Any) -> dict[int, Any]:
+    """Each layer's attention that stores K/V, by layer index (Qwen3.5's linear-attention layers have none)."""
+    return {i: layer.self_attn for i, layer in enumerate(model.layers) if hasattr(layer, "self_attn")}
 
 
 def measure_kv_scales(model: Any, run: Callable[[], object]) -> None:
     """Set every layer's k_scale / v_scale from what `run()` (a forward pass of this rank's) stores: its
     largest |K| and |V| per layer, the MAX over the model's tensor-parallel group (every rank calls this
     for the same plan), put at `SCALE_RANGE`."""
-    attns = [layer.self_attn for layer in model.layers]
+    attns = list(attentions(model).values())
     device = model.embed_tokens.weight.device
     amax = torch.zeros(len(attns), 2, dtype=torch.float32, device=device)   # on the device: no read per layer
 

@@ -1,9 +1,9 @@
 """`LLMEngine`: the synchronous engine of one device: weights, one KV tensor, and one scheduler per pool.
 
-`step()` = `_schedule` (the step composer, `engine.composer`: interactive pools first, throughput
-pools' chunks sized to the step's latency target) -> `_execute` (one merged forward pass, n > 1
-forks, sampling) -> `_postprocess` (stop checks, detokenization, outputs). It runs in the device
-worker process (`engine.worker`); use it directly for offline batch work (`generate`).
+`step()` = `_schedule` (the step composer, `engine.composer`: interactive pools first, throughput pools' chunks
+sized to the step's latency target) -> `_execute` (one merged forward pass, n > 1 forks, sampling) -> `_postprocess`
+(stop checks, detokenization, outputs). It runs in the device worker process (`engine.worker`); use it directly for
+offline batch work (`generate`).
 
 A request with a structured output (`SamplingParams.structured`) waits outside its scheduler until its grammar is
 built on a grammar thread (`engine.structured.GrammarCompiler`); each of its sequences then carries a matcher that
@@ -125,7 +125,7 @@ class LLMEngine:
         self.default_pool = config.pools[0].name
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.draw_sampling_seed()))
         self.requests: dict[str, RequestState] = {}
-        self._forks = SampleForks(self.schedulers)
+        self._forks = SampleForks(self.schedulers, share_prefill=self.model_config.gated_delta is None)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids))
         self._building = PendingGrammars(self.grammars)   # requests whose grammar is being built
         self.overlap = overlap_applies(config.async_scheduling, self.device)
@@ -139,9 +139,7 @@ class LLMEngine:
         self.byte_detokenizer = self.tokenizer.byte_tables is not None   # the tables built now, not on a request
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
         self.model = build_model(self.model_config, self.dtype, self.device, self.shard, self.group.collectives)
-        if self.config.random_weights:
-            self.model.init_random(seed=self.config.seed)
-        else:
+        self.model.init_random(seed=self.config.seed) if self.config.random_weights else \
             self.model.load_weights(iter_weights(self.model_path))
         # what this rank holds in its dtype (not the checkpoint's size: another dtype's, every rank's, a vision tower)
         self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -149,7 +147,8 @@ class LLMEngine:
             pack_linears(self.model)
 
     def _make_scheduler(self, pool: PoolConfig, first_block: int) -> Scheduler:
-        """The scheduler of one pool: its block range from `first_block` on, and its CPU swap space."""
+        """The scheduler of one pool: its block range from `first_block` on, its swap space (`ModelConfig.serving_pool`)."""
+        pool = self.model_config.serving_pool(pool)
         max_model_len = pool.scheduler.max_model_len or self.model_config.context_length
         if max_model_len > self.model_config.context_length:
             raise ConfigError(f"pools.{pool.name}.max_model_len: {max_model_len} exceeds the model's context "

@@ -15,9 +15,10 @@ from typing import Any
 
 import torch
 
-from engine.config import ConfigError, quantizes_kv_cache_only
+from engine.config import ConfigError, PoolConfig, quantizes_kv_cache_only
 from engine.fp8_weights import SCALE_SUFFIX, fp8_weights
 from engine.config_values import read_bool, read_float, read_int, read_object, read_token_ids, rope_type
+from engine.gated_delta_config import GatedDeltaShape, serving_pool
 from engine.mla_config import MlaShape
 from engine.model_defaults import (DEFAULT_HEAD_DIM, DEFAULT_KV_HEADS, DEFAULT_MAX_POSITIONS, DEFAULT_RMS_NORM_EPS,
                                    DEFAULT_ROPE_THETA, FAMILY_DEFAULTS, TEXT_DEFAULTS)
@@ -32,7 +33,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
                            "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM", "Olmo3ForCausalLM",
                            "SeedOssForCausalLM", "Llama4ForCausalLM", "Ministral3ForCausalLM",
                            "Glm4MoeLiteForCausalLM", "GraniteMoeHybridForCausalLM", "Exaone4ForCausalLM",
-                           "HunYuanDenseV1ForCausalLM", "OlmoeForCausalLM")
+                           "HunYuanDenseV1ForCausalLM", "OlmoeForCausalLM", "Qwen3_5ForCausalLM")
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")   # one LayerNorm a layer, a parallel block
 # their attention bias: q/k/v's, not o_proj's
 QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM")
@@ -52,7 +53,8 @@ TEXT_MODELS = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "language
                "Qwen2_5_VLForConditionalGeneration": ("Qwen2ForCausalLM", "language_model.", "qwen2_5_vl_text"),
                "Qwen3VLForConditionalGeneration": ("Qwen3ForCausalLM", "language_model.", "qwen3_vl_text"),
                "Qwen3VLMoeForConditionalGeneration": ("Qwen3MoeForCausalLM", "language_model.", "qwen3_vl_moe_text"),
-               "Llama4ForConditionalGeneration": ("Llama4ForCausalLM", "language_model.", "llama4_text")}
+               "Llama4ForConditionalGeneration": ("Llama4ForCausalLM", "language_model.", "llama4_text"),
+               "Qwen3_5ForConditionalGeneration": ("Qwen3_5ForCausalLM", "language_model.", "qwen3_5_text")}
 # a multimodal architecture whose text model is another by its text_config's model_type (Mistral 3's from December
 # 2025 on: Ministral 3, Devstral 2, Mistral Small 4)
 TEXT_MODEL_TYPES = {("Mistral3ForConditionalGeneration", "ministral3"): "Ministral3ForCausalLM"}
@@ -114,6 +116,8 @@ class ModelConfig:
     moe_bias: bool = False              # GPT-OSS: the router and each expert's projections carry biases
     swiglu_limit: float | None = None   # GPT-OSS: the experts' SwiGLU clamped at it (None: plain SiLU x up)
     swiglu_alpha: float = 1.702         # ... and its sigmoid's gain
+    gated_delta: GatedDeltaShape | None = None   # Qwen3.5: its linear_attention layers' shape (None: none)
+    attn_output_gate: bool = False      # Qwen3.5: attention's output x sigmoid(a gate q_proj makes beside each head)
     mla: MlaShape | None = None         # DeepSeek: latent attention (head_dim the cache's, one KV head; None: none)
     moe_router: str = "softmax"         # how experts are picked (MOE_ROUTERS): the softmax's top k, or DeepSeek's
     moe_groups: tuple[int, int] = (1, 1)   # DeepSeek: the experts' groups, and how many a token's experts come from
@@ -151,9 +155,10 @@ class ModelConfig:
             raise ConfigError(f"hidden_act: unsupported {self.hidden_act!r}; supported: {', '.join(SUPPORTED_ACTIVATIONS)}")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ConfigError(f"sliding_window: must be positive, got {self.sliding_window}")
+        kinds = LAYER_TYPES + (("linear_attention",) if self.gated_delta is not None else ())   # Qwen3.5's
         if self.layer_types and (len(self.layer_types) != self.num_layers
-                                 or any(t not in LAYER_TYPES for t in self.layer_types)):
-            raise ConfigError(f"layer_types: one of {', '.join(LAYER_TYPES)} for each of the {self.num_layers} "
+                                 or any(t not in kinds for t in self.layer_types)):
+            raise ConfigError(f"layer_types: one of {', '.join(kinds)} for each of the {self.num_layers} "
                               f"layers, got {list(self.layer_types)}")
         if "sliding_attention" in self.layer_types and self.sliding_window is None:
             raise ConfigError("sliding_window: layer_types has sliding layers and no sliding_window")
@@ -199,6 +204,11 @@ class ModelConfig:
         if rope.rope_type != "longrope":
             return served
         return replace(served, rope_scaling=replace(rope, long=longest > rope.original_max_position_embeddings))
+
+    def serving_pool(self, pool: PoolConfig) -> PoolConfig:
+        """`pool` as this model serves it: with linear-attention layers (a state per sequence), without prefix caching
+        and swap (`engine.gated_delta_config.serving_pool`)."""
+        return serving_pool(pool, self.gated_delta is not None)
 
     @property
     def context_length(self) -> int:
@@ -250,8 +260,28 @@ class ModelConfig:
         return 1 if self.mla is not None else 2
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        """S_KV = kv_planes x num_layers x num_kv_heads x head_dim x dtype_bytes (2 planes: K and V)."""
-        return self.kv_planes * self.num_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
+        """S_KV = kv_planes x num_kv_layers x num_kv_heads x head_dim x dtype_bytes (2 planes: K and V)."""
+        return self.kv_planes * self.num_kv_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """The layers that keep K/V in the paged cache: all but linear-attention ones (Qwen3.5's), which keep a
+        state per sequence instead (`state_bytes_per_seq`). The cache's layer i is layer kv_layers[i]'s."""
+        return tuple(i for i in range(self.num_layers) if not self.is_linear_layer(i))
+
+    @property
+    def num_kv_layers(self) -> int:
+        return len(self.kv_layers)
+
+    def is_linear_layer(self, layer: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[layer] == "linear_attention"
+
+    def state_bytes_per_seq(self, dtype: torch.dtype) -> int:
+        """Bytes of the state each running sequence holds for the linear-attention layers (0: none), whatever its
+        length: the capacity plan counts it per sequence beside S_KV x its length."""
+        if self.gated_delta is None:
+            return 0
+        return (self.num_layers - self.num_kv_layers) * self.gated_delta.state_bytes(dtype.itemsize)
 
     def rotary_cache_bytes(self, dtype: torch.dtype) -> int:
         """Bytes of the rotary cos/sin caches each rank holds: [rotary_positions or context_length, rotated dims]
@@ -307,9 +337,13 @@ class ModelConfig:
         per_layer = attn + norms * h + qk + (heads if self.attention_sinks else 0)
         if self.architecture in WIDE_QK_NORM:   # q and k normed whole: a weight per channel
             per_layer += q + kv
+        if self.attn_output_gate:   # Qwen3.5: q_proj makes a gate beside each query head
+            per_layer += h * q + (q if self.attention_bias else 0)
         mlps = sum(experts if self.is_sparse_layer(layer) else mlp for layer in range(self.num_layers))
         head = 0 if self.tie_word_embeddings else v * h
-        return v * h + self.num_layers * per_layer + mlps + h + head
+        linear = 0 if self.gated_delta is None else \
+            (self.num_layers - self.num_kv_layers) * (self.gated_delta.num_params(h) + norms * h)
+        return v * h + self.num_kv_layers * per_layer + linear + mlps + h + head
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelConfig":

@@ -37,7 +37,11 @@ GEMMA2_DEFAULTS = {
 # `engine.llama4_config` reads)
 FAMILY_DEFAULTS = {"Gemma2ForCausalLM": GEMMA2_DEFAULTS, "Gemma3ForCausalLM": GEMMA3_TEXT_DEFAULTS,
                    "Llama4ForCausalLM": {"intermediate_size": 8192},
-                   "GraniteMoeHybridForCausalLM": {"intermediate_size": 11008}}   # its MLP's: shared_intermediate_size
+                   "GraniteMoeHybridForCausalLM": {"intermediate_size": 11008},   # its MLP's: shared_intermediate_size
+                   "Qwen3_5ForCausalLM": {   # Qwen3_5TextConfig's
+                       "vocab_size": 248_320, "hidden_size": 4096, "intermediate_size": 12_288, "num_hidden_layers": 32,
+                       "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 256,
+                       "max_position_embeddings": 32_768}}
 # transformers' config classes' max_position_embeddings (the context served, and YaRN's original context where its
 # scaling names none), for a config.json without it
 DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32_768, "MistralForCausalLM": 131_072,

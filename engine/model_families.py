@@ -1,11 +1,9 @@
 """The config.json fields of the architectures past Llama's shape, as `ModelConfig` fields: Gemma 3's layer types, rope
-bases and norms (`gemma3_fields`), Gemma 2's layers and soft-capping (`gemma2_fields`), Qwen3-MoE's and Mixtral's
-experts (`qwen3_moe_fields`, `mixtral_fields`), Qwen2-MoE's and its shared expert (`qwen2_moe_fields`), Phi-3's
-window and rope (`phi3_fields`), SmolLM3's NoPE layers (`smollm3_fields`), GPT-OSS's experts, sinks and layers
-(`gpt_oss_fields`), DeepSeek V2's, V3's and GLM-4.7-Flash's latent attention (`engine.mla_config`) and grouped routers
-(`deepseek_fields`), EXAONE 4's layers (`exaone4_fields`), and the sliding layers of Qwen2, Qwen3 and Qwen3-MoE
-(`qwen_window_fields`); Granite's in `engine.granite_config`, Llama 4's and Ministral 3's in `engine.llama4_config`.
-What we do not serve is refused with a `ConfigError` naming the key."""
+bases and norms (`gemma3_fields`), Gemma 2's layers and soft-capping, Qwen3-MoE's, Mixtral's and Qwen2-MoE's experts,
+Phi-3's window and rope, SmolLM3's NoPE layers, GPT-OSS's experts, sinks and layers, DeepSeek V2's, V3's and
+GLM-4.7-Flash's latent attention (`engine.mla_config`) and grouped routers, EXAONE 4's layers, the sliding layers of
+Qwen2, Qwen3 and Qwen3-MoE (`qwen_window_fields`); Granite's, Llama 4's and Ministral 3's, Qwen3.5's in
+`engine.granite_config`, `llama4_config`, `gated_delta_config`. What we do not serve is refused naming the key."""
 
 from __future__ import annotations
 
@@ -14,26 +12,30 @@ from typing import Any
 
 from engine.config import ConfigError
 from engine.config_values import is_int, read_bool, read_float, read_int, read_object, rope_type
+from engine.gated_delta_config import qwen3_5_fields
 from engine.granite_config import granite_fields
 from engine.hunyuan_config import hunyuan_fields
 from engine.llama4_config import llama4_fields, ministral3_fields
 from engine.mla_config import MLA_DEFAULTS, read_mla
 
-LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")   # chunked: Llama 4's (`llama4_config`)
+# chunked: Llama 4's (`llama4_config`); Qwen3.5's linear_attention: `gated_delta_config` (its models' alone)
+LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 # how a sparse layer picks its experts: a softmax's top k (Qwen, Mixtral, GPT-OSS), DeepSeek V2's softmax within the
-# groups of the best expert scores, DeepSeek V3's sigmoid (plus a correction bias) within the groups of the best
-# top-2 sums
-# MiniMax-M2's: V3's, in the model's dtype; ERNIE 4.5's: the softmax's top k after a correction bias; Llama 4's
+# groups of the best expert scores, DeepSeek V3's sigmoid (plus a correction bias) within the groups of the best top-2
+# sums; MiniMax-M2's: V3's, in the model's dtype; ERNIE 4.5's: the softmax's top k after a correction bias; Llama 4's
 MOE_ROUTERS = ("softmax", "deepseek_v2", "deepseek_v3", "minimax_m2", "ernie4_5", "llama4")
 # the families whose fields are read in a module of their own, each reader taking (config.json, its layer count)
 OWN_MODULE_FIELDS: dict[str, Callable[[dict[str, Any], int], dict[str, Any]]] = {"Llama4ForCausalLM": llama4_fields,
-    "Ministral3ForCausalLM": ministral3_fields, "HunYuanDenseV1ForCausalLM": hunyuan_fields}
+    "Ministral3ForCausalLM": ministral3_fields, "HunYuanDenseV1ForCausalLM": hunyuan_fields, "Qwen3_5ForCausalLM":
+    qwen3_5_fields}
 DEEPSEEK_TOPK_METHODS = {"DeepseekV2ForCausalLM": ("greedy", "group_limited_greedy"),
                          "DeepseekV3ForCausalLM": ("noaux_tc",), "Glm4MoeLiteForCausalLM": ("noaux_tc",)}
 
 
 def family_fields(cfg: dict[str, Any], arch: str, num_layers: int) -> dict[str, Any]:
     """The `ModelConfig` fields past Llama's shape that `arch`'s config.json gives (none for Llama and Mistral)."""
+    if arch in OWN_MODULE_FIELDS:
+        return OWN_MODULE_FIELDS[arch](cfg, num_layers)
     if arch == "Gemma3ForCausalLM":
         return gemma3_fields(cfg, num_layers)
     if arch == "Gemma2ForCausalLM":
@@ -76,12 +78,10 @@ def family_fields(cfg: dict[str, Any], arch: str, num_layers: int) -> dict[str, 
                 "attention_out_bias": read_bool(cfg, "attention_out_bias", False)}
     if arch == "Ernie4_5_MoeForCausalLM":
         return ernie4_5_moe_fields(cfg, num_layers)
-    if arch in OWN_MODULE_FIELDS:
-        return OWN_MODULE_FIELDS[arch](cfg, num_layers)
     if arch == "Ernie4_5ForCausalLM":   # Ernie4_5Config: one switch for every projection's bias, a tied head
         bias = read_bool(cfg, "use_bias", False)
-        return {"attention_bias": bias, "mlp_bias": bias, "tie_word_embeddings": read_bool(cfg, "tie_word_embeddings",
-                                                                                         True)}
+        return {"attention_bias": bias, "mlp_bias": bias,
+                "tie_word_embeddings": read_bool(cfg, "tie_word_embeddings", True)}
     return {}
 
 

@@ -22,7 +22,7 @@ from engine.model_config import ModelConfig
 from engine.cuda_graphs import CudaGraphBackend, DecodeGraphs, GraphBackend
 from engine.input_batch import InputBatch
 from engine.kv_cache import KVCache, SwapSpace
-from engine.kv_scales import measure_kv_scales
+from engine.kv_scales import attentions, measure_kv_scales
 from engine.model import LlamaForCausalLM
 from engine.models import build_model
 from engine import prompt_logprobs
@@ -89,10 +89,10 @@ class _Forward:
         compile_kernels = getattr(self.backend, "compile_kernels", None)
         if compile_kernels is None or self.device.type != "cuda":
             return
-        attn = self.model.layers[0].self_attn
+        attns = list(attentions(self.model).values())
+        attn = attns[0]
         started = time.perf_counter()
-        masks = sorted({(layer.self_attn.sliding_window or 0, layer.self_attn.chunk or 0)
-                        for layer in self.model.layers})   # (window, chunk); 0: none
+        masks = sorted({(a.sliding_window or 0, a.chunk or 0) for a in attns})   # (window, chunk); 0: none
         dtype = self.model.embed_tokens.weight.dtype   # the model's; the cache's may be FP8
         count = sum(compile_kernels(attn.num_heads, attn.num_kv_heads, attn.config.head_dim, self.kv_cache.block_size,
                                     dtype, self.device, window or None, kv_dtype=self.kv_cache.dtype,
@@ -143,6 +143,8 @@ class ModelRunner(_Forward):
         self.tensor_parallel = self.group.size > 1
         self.swap_spaces: dict[str, SwapSpace] = {}
         self.input_batch = InputBatch(max_rows, max_blocks, kv_cache.block_size, device)
+        if hasattr(model, "reserve_states"):   # linear-attention layers: a state per row, made now
+            model.reserve_states(max_rows)
         self.prompt_spans = prompt_logprobs.PromptSpans()
         self._moves: list[tuple[str, str, list[tuple[int, int]]]] = []   # for the followers' next plan
 

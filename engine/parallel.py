@@ -120,8 +120,8 @@ class ShardShape:
                                   self.moe_intermediate_size, self.vocab_rows, self.shared_expert_intermediate_size)
 
     def kv_bytes_per_token(self, model: ModelConfig, dtype: torch.dtype) -> int:
-        """This rank's S_KV: kv_planes (K and V: 2) x num_layers x its KV heads x head_dim x dtype bytes."""
-        return model.kv_planes * model.num_layers * self.num_kv_heads * model.head_dim * dtype.itemsize
+        """This rank's S_KV: kv_planes (K and V: 2) x num_kv_layers x its KV heads x head_dim x dtype bytes."""
+        return model.kv_planes * model.num_kv_layers * self.num_kv_heads * model.head_dim * dtype.itemsize
 
 
 def check_tensor_parallel(model: ModelConfig, size: int, key: str = "tensor_parallel_size") -> None:
@@ -134,6 +134,8 @@ def check_tensor_parallel(model: ModelConfig, size: int, key: str = "tensor_para
     if model.num_kv_heads % size and size % model.num_kv_heads:
         raise ConfigError(f"{key}: {size} neither divides nor is a multiple of the model's "
                           f"{model.num_kv_heads} KV heads")
+    if model.gated_delta is not None and size > 1:
+        raise ConfigError(f"{key}: {size} ranks; {model.architecture}'s linear-attention layers are served on one rank")
     for name in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
         if getattr(model, name) % size:
             raise ConfigError(f"{key}: {size} does not divide the model's {name} {getattr(model, name)}"

@@ -32,6 +32,10 @@ class AttentionMetadata:
     query_lens_list: list[int]
     seq_lens_list: list[int]
     has_invalid_slots: bool = False
+    # rows: [num_seqs] int64, each sequence's row of the persistent batch (engine.input_batch), where a model with
+    # linear-attention layers keeps its state; None where the metadata was built without one. rows_list: as ints.
+    rows: torch.Tensor | None = None
+    rows_list: list[int] = field(default_factory=list)
     # Scratch space a backend may fill once per step and reuse across layers (e.g. gather indices).
     backend_cache: dict[str, Any] = field(default_factory=dict)
 

@@ -32,6 +32,7 @@ import torch
 
 import engine.capacity as formula
 from engine.cuda_graphs import MAX_GRAPH_BATCH, graph_memory_bytes
+from engine.gated_delta_config import NOT_SWAPPED
 from engine.config import (CacheConfig, ConfigError, EngineConfig, PoolConfig, auto_dtype, ceil_div, dtype_name,
                            kv_cache_dtype, parse_dtype)
 from engine.model_config import ModelConfig
@@ -102,9 +103,10 @@ class PoolPlan:
     kv_cache_bytes_per_device: int   # this pool's budget on each GPU
     tensor_parallel_size: int
     num_blocks: int
-    formula_max_num_seqs: int        # floor(pool KV / (S_KV x avg_len))
+    formula_max_num_seqs: int        # floor(pool KV / (S_KV x avg_len + S_state))
     max_num_seqs: int                # the formula's, or the config's override (per replica)
     replicas: int = 1                # the device's: each holds this pool's blocks and runs max_num_seqs
+    state_bytes_per_seq: int = 0     # S_state: a running sequence's linear-attention state (Qwen3.5's); 0: none
 
     @property
     def pool_max_num_seqs(self) -> int:
@@ -232,7 +234,7 @@ def plan_capacity(config: CliffguardConfig, model_configs: Mapping[str, ModelCon
         kv_heads = _kv_heads_per_device(model, tp, dtype, dkey)
         kv_dtype = kv_cache_dtype(dev.kv_cache_dtype, dtype)   # fp8: one byte an element
         s_kv = model.kv_bytes_per_token(kv_dtype)
-        s_kv_dev = model.kv_planes * model.num_layers * kv_heads * model.head_dim * kv_dtype.itemsize
+        s_kv_dev = model.kv_planes * model.num_kv_layers * kv_heads * model.head_dim * kv_dtype.itemsize
         wide = model.num_float32_params * (4 - dtype.itemsize)   # DeepSeek's routers stay float32 (whole on each rank)
         weights = model.num_params() * dtype.itemsize + wide
         weights_dev = ShardShape.of(model, 0, tp).num_params(model) * dtype.itemsize + wide   # each rank alike
@@ -244,7 +246,7 @@ def plan_capacity(config: CliffguardConfig, model_configs: Mapping[str, ModelCon
             raise _no_room_for_kv(dkey, dev, memory, source, p0.model, weights_dev, dtype, graphs_dev, kv_dev)
         shares = sum((Fraction(p.kv_share) for _, p in members if p.kv_share is not None), Fraction(0))
         device_pools = [_plan_pool(i, p, model, s_kv, s_kv_dev, _pool_bytes(p, kv_dev, shares), tp, warnings,
-                                   dev.replicas) for i, p in members]
+                                   dev.replicas, model.state_bytes_per_seq(dtype)) for i, p in members]
         _check_device_budget(dev_name, members, device_pools, kv_dev)
         if device_type == "cuda" and (short := headroom_warning(dev, memory, model.vocab_size, dtype.itemsize, [
                 (pp.max_num_seqs, pp.spec.max_num_batched_tokens) for pp in device_pools])) is not None:
@@ -309,7 +311,7 @@ def _graph_reserve(model: ModelConfig, dev: DeviceSpec, device_type: str, tp: in
 
 
 def _plan_pool(i: int, p: PoolSpec, model: ModelConfig, s_kv: int, s_kv_dev: int, pool_kv: int, tp: int,
-               warnings: list[str], replicas: int = 1) -> PoolPlan:
+               warnings: list[str], replicas: int = 1, s_state: int = 0) -> PoolPlan:
     key = f"pools[{i}]"
     context = model.context_length
     if p.max_model_len is not None and p.max_model_len > context:
@@ -328,17 +330,17 @@ def _plan_pool(i: int, p: PoolSpec, model: ModelConfig, s_kv: int, s_kv_dev: int
         budget_key, budget = f"{key}.kv_share", f"{p.kv_share}"
     else:
         budget_key, budget = f"{key}.kv_cache_bytes", fmt_bytes(p.kv_cache_bytes)
-    num_blocks = formula.num_blocks(pool_kv, s_kv_dev, p.block_size)
+    num_blocks = formula.num_blocks(pool_kv - _states_bytes(p, pool_kv, s_kv_dev, s_state), s_kv_dev, p.block_size)
     per_request = ceil_div(max_model_len, p.block_size)
     if num_blocks < per_request:
         raise SpecError(f"{budget_key}: {budget} gives pool {p.name!r} {fmt_bytes(pool_kv)} per GPU = {num_blocks} "
                         f"blocks of {p.block_size} tokens; one request of max_model_len {max_model_len} needs "
                         f"{per_request}: raise the budget or lower {key}.max_model_len")
-    _check_swap_space(key, p, s_kv_dev)
+    _check_swap_space(key, p, s_kv_dev, s_state)
     if p.avg_len > max_model_len:
         warnings.append(f"{key}.avg_len: {p.avg_len} is above max_model_len {max_model_len}, which no request "
                         f"exceeds: max_num_seqs is planned for fewer requests than fit (set avg_len <= max_model_len)")
-    by_formula = formula.max_num_seqs(pool_kv, s_kv_dev, p.avg_len)
+    by_formula = formula.max_num_seqs(pool_kv, s_kv_dev, p.avg_len, s_state)
     held = ceil_div(p.avg_len, p.block_size)     # a request holds whole blocks: avg_len 17 holds 32 tokens
     if p.max_num_seqs is None:
         if (max_num_seqs := min(by_formula, num_blocks // held)) == 0:
@@ -362,11 +364,23 @@ def _plan_pool(i: int, p: PoolSpec, model: ModelConfig, s_kv: int, s_kv_dev: int
     return PoolPlan(
         spec=p, max_model_len=max_model_len, kv_bytes_per_token=s_kv, kv_bytes_per_token_per_device=s_kv_dev,
         kv_cache_bytes_per_device=pool_kv, tensor_parallel_size=tp, num_blocks=num_blocks,
-        formula_max_num_seqs=by_formula, max_num_seqs=max_num_seqs, replicas=replicas)
+        formula_max_num_seqs=by_formula, max_num_seqs=max_num_seqs, replicas=replicas, state_bytes_per_seq=s_state)
 
 
-def _check_swap_space(key: str, p: PoolSpec, s_kv_dev: int) -> None:
-    """A pool that may swap needs room for one KV block (S_KV of a GPU x block_size) in its swap space."""
+def _states_bytes(p: PoolSpec, pool_kv: int, s_kv_dev: int, s_state: int) -> int:
+    """What the states of the pool's running sequences take of its bytes (a model with linear-attention layers:
+    S_state for each of max_num_seqs, the config's or the formula's; 0 otherwise); its blocks get the rest."""
+    if not s_state:
+        return 0
+    seqs = p.max_num_seqs if p.max_num_seqs is not None else formula.max_num_seqs(pool_kv, s_kv_dev, p.avg_len, s_state)
+    return min(seqs * s_state, pool_kv)
+
+
+def _check_swap_space(key: str, p: PoolSpec, s_kv_dev: int, s_state: int = 0) -> None:
+    """A pool that may swap needs room for one KV block (S_KV of a GPU x block_size) in its swap space; a model with
+    a state per sequence (linear-attention layers) is not swapped (`engine.gated_delta_config.serving_pool`)."""
+    if s_state and p.uses_swap:
+        raise SpecError(f"{key}.preemption_mode: {p.preemption_mode!r} {NOT_SWAPPED}")
     block = s_kv_dev * p.block_size
     if p.uses_swap and 0 < p.swap_space_bytes < block:
         raise SpecError(f"{key}.swap_space: {fmt_bytes(p.swap_space_bytes)} holds no KV block of {fmt_bytes(block)} "

@@ -15,7 +15,8 @@ too), `glm4` (GLM-4: sandwich norms, a partial interleaved rotary served by zero
 GLM-4.5, in `glm4`, takes their experts), `minimax_m2` (MiniMax-M2: Mixtral's names, OLMo 2's whole-projection
 q/k norms, GLM-4.5's partial rotary, DeepSeek V3's router without groups), `llama4` (Llama 4's text model: chunked
 attention, NoPE layers with query temperature, q/k L2-normed after an interleaved rotary, sigmoid-scaled experts),
-`ministral3` (Ministral 3: Mistral's layer with Llama 4's query scaling on every layer).
+`ministral3` (Ministral 3: Mistral's layer with Llama 4's query scaling on every layer), `qwen3_5` (Qwen3.5: Gated
+DeltaNet layers over a per-sequence state between gated full-attention layers).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from engine.models.mixtral import MixtralForCausalLM
 from engine.models.olmo2 import Exaone4ForCausalLM, Olmo2ForCausalLM, Olmo3ForCausalLM, OlmoeForCausalLM
 from engine.models.phi3 import Phi3ForCausalLM
 from engine.models.smollm3 import SmolLM3ForCausalLM
+from engine.models.qwen3_5 import Qwen3_5ForCausalLM
 from engine.models.qwen3_moe import Qwen3MoeForCausalLM
 from engine.parallel import Collectives, ShardShape
 from kernels.fused import get_fused_ops
@@ -75,7 +77,8 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,
                                                 "Exaone4ForCausalLM": Exaone4ForCausalLM,
                                                 "HunYuanDenseV1ForCausalLM": HunyuanDenseForCausalLM,
-                                                "OlmoeForCausalLM": OlmoeForCausalLM}
+                                                "OlmoeForCausalLM": OlmoeForCausalLM,
+                                                "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM}
 
 
 def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:

@@ -1421,3 +1421,32 @@ def test_olmoe_reads_as_transformers_does():
     assert round(ours.num_params() / 1e9, 1) == 6.9
     assert (ours.num_experts, ours.num_experts_per_tok, ours.moe_intermediate_size, ours.norm_topk_prob,
             ours.mlp_only_layers, ours.clip_qkv) == (64, 8, 1024, False, (), None)
+
+
+def test_qwen3_5_reads_as_transformers_does():
+    """Qwen3.5 as its checkpoints come (`Qwen3_5ForConditionalGeneration`, the text model's keys in `text_config`),
+    here transformers' own defaults: three Gated DeltaNet layers to a full one, the full layers' q_proj twice as
+    wide (the gates), a quarter of each head rotated; the parameter count is transformers' text model's, S_KV counts
+    the 8 full layers alone, and each sequence's state the 24 linear ones'."""
+    transformers = pytest.importorskip("transformers")
+
+    ours = ModelConfig.from_hf_config({"architectures": ["Qwen3_5ForConditionalGeneration"],
+                                       "text_config": {"model_type": "qwen3_5_text"}})
+    _, hf = _meta_model(transformers.Qwen3_5TextConfig, {})
+    assert ours.num_params() == sum(p.numel() for p in hf.parameters())
+    assert (ours.architecture, ours.text_weights_prefix, ours.num_kv_layers, ours.rotary_dim) == \
+        ("Qwen3_5ForCausalLM", "language_model.", 8, 64)
+    assert ours.kv_layers == tuple(range(3, 32, 4))
+    assert ours.kv_bytes_per_token(torch.bfloat16) == 2 * 8 * 4 * 256 * 2
+    shape = ours.gated_delta   # conv: 3 taps of q, k (16 heads of 128) and v (32 of 128); the 32 heads' 128 x 128
+    assert ours.state_bytes_per_seq(torch.bfloat16) == 24 * ((2 * 16 * 128 + 32 * 128) * 3 * 2 + 32 * 128 * 128 * 4)
+    assert (shape.num_k_heads, shape.num_v_heads, shape.conv_kernel) == (16, 32, 4)
+    with pytest.raises(ConfigError, match=r"^text_config\.layer_types: full_attention or linear_attention"):
+        ModelConfig.from_hf_config({"architectures": ["Qwen3_5ForConditionalGeneration"], "text_config": {
+            "model_type": "qwen3_5_text", "num_hidden_layers": 2, "layer_types": ["sliding_attention"] * 2}})
+    with pytest.raises(ConfigError, match=r"^layer_types: one of full_attention, sliding_attention, chunked_attention "):
+        ModelConfig.from_hf_config({"architectures": ["Gemma3ForCausalLM"], "num_hidden_layers": 2,   # Qwen3.5's only
+                                    "layer_types": ["linear_attention", "full_attention"]})
+    with pytest.raises(ConfigError, match=r"^linear_num_value_heads: 6 is not a multiple of linear_num_key_heads 4"):
+        ModelConfig.from_hf_config({"architectures": ["Qwen3_5ForCausalLM"], "linear_num_key_heads": 4,
+                                    "linear_num_value_heads": 6})

@@ -123,6 +123,8 @@ LLAMA4 = dict(intermediate_size=48, intermediate_size_mlp=96, num_local_experts=
 MINISTRAL3 = dict(head_dim=16, rope_parameters={
     "type": "yarn", "rope_theta": 1000000.0, "factor": 16.0, "original_max_position_embeddings": 8, "beta_fast": 32.0,
     "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.5, "max_position_embeddings": 512})
+QWEN3_5 = dict(num_hidden_layers=4, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+               linear_key_head_dim=16, linear_value_head_dim=8)
 GRANITE = dict(embedding_multiplier=3.0, attention_multiplier=0.05, residual_multiplier=0.5, logits_scaling=2.0,
                tie_word_embeddings=True)
 
@@ -251,6 +253,13 @@ TINY_MODELS = [
     ("olmoe", dict(intermediate_size=32, num_experts=8, num_experts_per_tok=2)),
     ("olmoe", dict(intermediate_size=32, num_experts=8, num_experts_per_tok=3, norm_topk_prob=True, clip_qkv=0.5,
                    num_key_value_heads=4)),
+    # Qwen3.5: three Gated DeltaNet layers (a state per sequence; prompts past the 64-token chunk and past a step's
+    # 64 tokens) and a gated full-attention one, q/k normed, a quarter of each head rotated; then linear, full,
+    # linear with one value head a key head, q/k/v biases, half of each head rotated and a tied head
+    ("qwen3_5", QWEN3_5),
+    ("qwen3_5", {**QWEN3_5, "num_hidden_layers": 3, "layer_types": ["linear_attention", "full_attention",
+                 "linear_attention"], "linear_num_value_heads": 2, "attention_bias": True, "tie_word_embeddings": True,
+                 "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}}),
 ]
 # Every architecture on the default CPU linears; the other linears on one dense and one MoE model (the
 # linears do not depend on the architecture around them).
@@ -273,10 +282,12 @@ def test_tiny_random_models_match_transformers(tmp_path, monkeypatch, builtin_pa
                                  progress=False)
     buffers = sum(b.numel() for name, b in hf.named_buffers() if name.endswith("e_score_correction_bias"))
     assert engine.model_config.num_params() == sum(p.numel() for p in hf.parameters()) + buffers   # the plan's count
-    packed = isinstance(engine.model.layers[0].self_attn.o_proj, PackedLinear)
+    attn = next(layer.self_attn for layer in engine.model.layers if hasattr(layer, "self_attn"))
+    packed = isinstance(attn.o_proj, PackedLinear)
     assert packed == (cpu_linear == "onednn" and torch.backends.mkldnn.is_available())
     gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (1, 5, 17, 40, 9)]
+    lengths = (1, 5, 17, 40, 9) + ((100,) if arch == "qwen3_5" else ())   # past a linear layer's chunk of 64
+    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in lengths]
     outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     for prompt, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == _hf_greedy(hf, prompt, 16, eos_ids=None)

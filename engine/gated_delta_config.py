@@ -1,0 +1,113 @@
+"""Hybrid models whose layers are mostly linear attention (Gated DeltaNet) with a full-attention layer every few:
+Qwen3.5's text model (dense) as transformers' `Qwen3_5TextConfig` reads its config.json.
+
+A linear-attention layer (`layer_types` "linear_attention") holds no K/V per token: each running sequence carries
+a fixed-size state for it (`GatedDeltaShape.state_bytes`), which the capacity plan counts per sequence beside the
+KV of the full-attention layers (`ModelConfig.kv_layers`). What we do not serve is refused with a `ConfigError`
+naming the key."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from engine.config import ConfigError, PoolConfig
+from engine.config_values import read_float, read_int, read_object
+
+# why a pool of such a model cannot swap (the engine's and the capacity plan's refusal)
+NOT_SWAPPED = ("swaps K/V blocks, but this model's linear-attention layers keep a state per sequence that is not "
+               "swapped: use recompute")
+SSM_STATE_BYTES = 4   # the recurrent state is float32 whatever the model's dtype: it sums every token of a sequence
+
+
+@dataclass(frozen=True)
+class GatedDeltaShape:
+    """One linear-attention layer's shape: `num_k_heads` query/key heads of `k_head_dim`, `num_v_heads` value heads
+    of `v_head_dim` (a multiple of the key heads: each key head serves that many consecutive value heads), the
+    causal convolution's `conv_kernel` taps over q, k and v."""
+
+    num_k_heads: int
+    num_v_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    conv_kernel: int
+
+    def __post_init__(self) -> None:
+        if self.num_v_heads % self.num_k_heads:
+            raise ConfigError(f"linear_num_value_heads: {self.num_v_heads} is not a multiple of linear_num_key_heads "
+                              f"{self.num_k_heads}")
+        if self.conv_kernel < 2:
+            raise ConfigError(f"linear_conv_kernel_dim: must be >= 2, got {self.conv_kernel}")
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.k_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.v_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """The convolution's channels: q, k and v."""
+        return 2 * self.key_dim + self.value_dim
+
+    def num_params(self, hidden_size: int) -> int:
+        """in_proj_qkv, in_proj_z, in_proj_b and in_proj_a; the convolution; dt_bias and A_log; the gated norm;
+        out_proj."""
+        h = hidden_size
+        projections = h * (self.conv_dim + self.value_dim + 2 * self.num_v_heads) + self.value_dim * h
+        return projections + self.conv_dim * self.conv_kernel + 2 * self.num_v_heads + self.v_head_dim
+
+    def state_bytes(self, itemsize: int) -> int:
+        """One sequence's state in one layer: the convolution's last kernel - 1 inputs (in the model's dtype,
+        `itemsize` bytes) and the float32 recurrent matrix of every value head."""
+        return self.conv_dim * (self.conv_kernel - 1) * itemsize + \
+            self.num_v_heads * self.k_head_dim * self.v_head_dim * SSM_STATE_BYTES
+
+
+def qwen3_5_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """Qwen3.5's text model: `layer_types` (by default every `full_attention_interval`-th layer (4) full, the rest
+    linear), the linear layers' shape, gated full-attention layers with q/k norms and a rotary over
+    `partial_rotary_factor` (0.25) of each head."""
+    kinds = cfg.get("layer_types")
+    if kinds is None:
+        interval = read_int(cfg, "full_attention_interval", 4)
+        kinds = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)]
+    elif not isinstance(kinds, list) or any(k not in ("full_attention", "linear_attention") for k in kinds):
+        raise ConfigError(f"layer_types: full_attention or linear_attention for each layer, got {kinds!r:.120}")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"hidden_act: Qwen3.5's layers are served with silu only, got {cfg['hidden_act']!r}")
+    shape = GatedDeltaShape(num_k_heads=read_int(cfg, "linear_num_key_heads", 16),
+                            num_v_heads=read_int(cfg, "linear_num_value_heads", 32),
+                            k_head_dim=read_int(cfg, "linear_key_head_dim", 128),
+                            v_head_dim=read_int(cfg, "linear_value_head_dim", 128),
+                            conv_kernel=read_int(cfg, "linear_conv_kernel_dim", 4))
+    rope = read_object(cfg, "rope_parameters") or read_object(cfg, "rope_scaling") or {}
+    factor = read_float(rope, "partial_rotary_factor", read_float(cfg, "partial_rotary_factor", 0.25))
+    return {"layer_types": tuple(kinds), "gated_delta": shape, "attn_output_gate": True, "qk_norm": True,
+            "partial_rotary_factor": factor, "full_rope": (hybrid_rope(cfg),)}
+
+
+def hybrid_rope(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The config with its rope's multimodal keys dropped: Qwen3.5's MRoPE (`mrope_section`, `mrope_interleaved`)
+    turns text as the plain rope does (its three position ids are one on text)."""
+    out = dict(cfg)
+    for key in ("rope_parameters", "rope_scaling"):
+        if isinstance(rope := out.get(key), dict):
+            out[key] = {k: v for k, v in rope.items() if k not in ("mrope_section", "mrope_interleaved")}
+    return out
+
+
+
+def serving_pool(pool: PoolConfig, stateful: bool) -> PoolConfig:
+    """A pool as a model serves it: itself, or for a model whose linear-attention layers keep a state per running
+    sequence (`stateful`: `engine.layers.gated_delta_net`), without prefix caching (a cached prefix's K/V alone
+    cannot resume a sequence) and with a swapping preemption mode refused, naming the pool's key: that state is not
+    swapped, a victim is recomputed."""
+    sc = pool.scheduler
+    if not stateful:
+        return pool
+    if sc.uses_swap:
+        raise ConfigError(f"pools.{pool.name}.preemption_mode: {sc.preemption_mode!r} {NOT_SWAPPED}")
+    return replace(pool, scheduler=replace(sc, enable_prefix_caching=False))

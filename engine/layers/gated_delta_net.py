@@ -1,0 +1,157 @@
+"""Gated DeltaNet, the linear attention of Qwen3.5's (and Qwen3-Next's) `linear_attention` layers, and the
+per-sequence state those layers keep in place of K/V (`RecurrentStates`).
+
+A running sequence's state lives in the rows of the state tensors that match its row of the persistent batch
+(`engine.input_batch`: a sequence holds one row for as long as it runs; `AttentionMetadata.rows`). A sequence
+whose step starts at position 0 (its prefill's first chunk, a recompute after preemption) starts from zeros,
+so a row left by an earlier holder is never read. Nothing else keeps the state: a sequence that stops running
+loses it, which is why a model with these layers is served without prefix caching and swap (its K/V alone
+would not bring a sequence back: `engine.llm_engine`), and why samples of one request prefill apart.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.gated_delta_config import GatedDeltaShape
+from kernels import AttentionMetadata
+from kernels import gated_delta
+
+
+class RecurrentStates:
+    """Each linear layer's state for `num_rows` rows of the persistent batch: conv [rows, conv_dim, kernel - 1]
+    in the model's dtype, ssm [rows, num_v_heads, k_head_dim, v_head_dim] float32. Grows (doubling) when the
+    persistent batch hands out a row past it. Owned by the model; one forward pass at a time."""
+
+    def __init__(self, shape: GatedDeltaShape, num_layers: int, dtype: torch.dtype, device: torch.device,
+                 num_rows: int = 0) -> None:
+        self.shape, self.num_layers, self.dtype, self.device = shape, num_layers, dtype, device
+        self.conv: list[torch.Tensor] = []
+        self.ssm: list[torch.Tensor] = []
+        self.num_rows = 0
+        if num_rows:
+            self.reserve(num_rows)
+
+    def reserve(self, num_rows: int) -> None:
+        """Room for rows 0 .. num_rows - 1 (the states held so far kept)."""
+        if num_rows <= self.num_rows:
+            return
+        s = self.shape
+        conv = (num_rows, s.conv_dim, s.conv_kernel - 1)
+        ssm = (num_rows, s.num_v_heads, s.k_head_dim, s.v_head_dim)
+        old = self.num_rows
+        self.conv = [_grown(self.conv[i] if old else None, conv, self.dtype, self.device)
+                     for i in range(self.num_layers)]
+        self.ssm = [_grown(self.ssm[i] if old else None, ssm, torch.float32, self.device)
+                    for i in range(self.num_layers)]
+        self.num_rows = num_rows
+
+    def for_step(self, meta: AttentionMetadata) -> None:
+        """Make room for the step's rows (host ints: no device read)."""
+        if meta.rows is None:
+            raise ValueError("a model with linear-attention layers needs the persistent batch's rows in its metadata")
+        top = max(meta.rows_list, default=-1) + 1
+        if top > self.num_rows:
+            self.reserve(max(top, 2 * self.num_rows))
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.conv, *self.ssm))
+
+
+def _grown(old: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    new = torch.zeros(shape, dtype=dtype, device=device)
+    if old is not None:
+        new[:old.shape[0]] = old
+    return new
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm of each value head's output (weight, not 1 + weight), times SiLU of its gate z, in transformers'
+    order of roundings (`Qwen3_5RMSNormGated`)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        # x, z: [num_tokens, num_v_heads, v_head_dim]
+        xf = x.float()
+        normed = self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return (normed * F.silu(z.float())).to(x.dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """One linear-attention layer. in_proj: the checkpoint's in_proj_qkv, in_proj_z, in_proj_b and in_proj_a as
+    one GEMM (rows in that order); the causal convolution over q, k and v; the gated delta rule
+    (`kernels.gated_delta`) from each sequence's state; the gated norm; out_proj."""
+
+    def __init__(self, shape: GatedDeltaShape, hidden_size: int, eps: float, layer: int) -> None:
+        super().__init__()
+        s = self.shape = shape
+        self.layer = layer                      # its index among the model's linear layers (its state's)
+        self.in_proj = nn.Linear(hidden_size, s.conv_dim + s.value_dim + 2 * s.num_v_heads, bias=False)
+        self.conv1d = nn.Module()
+        self.conv1d.weight = nn.Parameter(torch.empty(s.conv_dim, 1, s.conv_kernel))
+        self.dt_bias = nn.Parameter(torch.empty(s.num_v_heads))
+        self.A_log = nn.Parameter(torch.empty(s.num_v_heads))
+        self.norm = GatedRMSNorm(s.v_head_dim, eps)
+        self.out_proj = nn.Linear(s.value_dim, hidden_size, bias=False)
+
+    def forward(self, hidden: torch.Tensor, meta: AttentionMetadata, states: RecurrentStates) -> torch.Tensor:
+        """hidden: [num_tokens, hidden_size], the step's tokens sequence after sequence -> [num_tokens, hidden_size];
+        each sequence's state read from and written back to its row."""
+        s = self.shape
+        mixed, z, b, a = self.in_proj(hidden).split([s.conv_dim, s.value_dim, s.num_v_heads, s.num_v_heads], dim=-1)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)        # log decay, <= 0
+        conv, ssm = states.conv[self.layer], states.ssm[self.layer]
+        weight = self.conv1d.weight[:, 0]
+        if all(n == 1 for n in meta.query_lens_list):
+            out = self._decode(mixed, g, beta, weight, conv, ssm, meta)
+        else:
+            out = self._per_sequence(mixed, g, beta, weight, conv, ssm, meta)
+        out = self.norm(out.to(hidden.dtype), z.unflatten(-1, (s.num_v_heads, s.v_head_dim)))
+        return self.out_proj(out.flatten(1))
+
+    def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        s = self.shape
+        q, k, v = x.split([s.key_dim, s.key_dim, s.value_dim], dim=-1)
+        return (q.unflatten(-1, (s.num_k_heads, s.k_head_dim)), k.unflatten(-1, (s.num_k_heads, s.k_head_dim)),
+                v.unflatten(-1, (s.num_v_heads, s.v_head_dim)))
+
+    def _decode(self, mixed, g, beta, weight, conv, ssm, meta: AttentionMetadata) -> torch.Tensor:
+        """One token of each sequence, all at once: the rows gathered, stepped, scattered back."""
+        rows = meta.rows
+        keep = (meta.seq_lens > 1).unsqueeze(-1).unsqueeze(-1)     # a 1-token prompt starts from zeros
+        x, conv_new = gated_delta.causal_conv_step(mixed, weight, conv.index_select(0, rows) * keep)
+        q, k, v = self._split(x)
+        out, ssm_new = gated_delta.recurrent_step(q, k, v, g, beta, ssm.index_select(0, rows) * keep.unsqueeze(-1))
+        conv.index_copy_(0, rows, conv_new.to(conv.dtype))
+        ssm.index_copy_(0, rows, ssm_new)
+        return out
+
+    def _per_sequence(self, mixed, g, beta, weight, conv, ssm, meta: AttentionMetadata) -> torch.Tensor:
+        """Sequence after sequence (a step with prefill chunks): each from its state, or zeros where its step
+        starts at position 0."""
+        outs, start = [], 0
+        for row, n, seq_len in zip(meta.rows_list, meta.query_lens_list, meta.seq_lens_list):
+            span = slice(start, start + n)
+            start += n
+            fresh = seq_len == n
+            conv_in = torch.zeros_like(conv[row]) if fresh else conv[row]
+            ssm_in = torch.zeros_like(ssm[row]) if fresh else ssm[row]
+            x, conv_out = gated_delta.causal_conv(mixed[span], weight, conv_in)
+            q, k, v = self._split(x)
+            if n == 1:
+                out, ssm_out = gated_delta.recurrent_step(q, k, v, g[span], beta[span], ssm_in.unsqueeze(0))
+                ssm_out = ssm_out[0]
+            else:
+                out, ssm_out = gated_delta.chunked(q, k, v, g[span], beta[span], ssm_in)
+            conv[row] = conv_out
+            ssm[row] = ssm_out
+            outs.append(out)
+        return torch.cat(outs)

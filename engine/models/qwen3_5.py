@@ -1,0 +1,166 @@
+"""Qwen3.5's text model (`Qwen3_5ForCausalLM`, and `Qwen3_5ForConditionalGeneration`'s language model): a hybrid of
+Gated DeltaNet layers (`engine.layers.gated_delta_net`: linear attention over a per-sequence state) and, every
+few layers (`layer_types`), gated full attention over the paged KV cache:
+- the full layers' q_proj makes each head's query and a gate side by side; the attention's output is multiplied
+  by the gate's sigmoid before o_proj (`GatedAttention`: the gates read into the fused qkv_proj's last rows);
+- q and k heads normed (1 + weight) before a rotary over a quarter of each head (`partial_rotary_factor`), pairing
+  i with i + rotary_dim / 2 (q and k rows and norm weights reordered as read, `partial_rotary_rows`);
+- every norm is Gemma's (1 + weight) but the linear layers' gated output norm;
+- the KV cache holds the full layers alone (`ModelConfig.kv_layers`), the states the linear ones.
+The module path runs it (no CPU flat loop, no decode graphs: the state's rows are gathered by the step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from types import ModuleType
+
+import torch
+from torch import nn
+
+from engine.layers import GemmaHeadRMSNorm, GemmaRMSNorm, RopeRows, RotaryEmbedding
+from engine.layers.gated_delta_net import GatedDeltaNet, RecurrentStates
+from engine.model import MLP, Attention, LlamaForCausalLM
+from engine.model_config import ModelConfig
+from engine.models.phi3 import partial_rotary_rows
+from engine.parallel import Collectives, ShardShape
+from kernels import AttentionMetadata, fused
+
+__all__ = ["GatedAttention", "Qwen3_5ForCausalLM"]
+
+
+class GatedAttention(Attention):
+    """Attention whose output is gated per channel: qkv_proj's rows are q, k, v, then the gates."""
+
+    def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives, rotary_emb: RotaryEmbedding,
+                 layer: int) -> None:
+        super().__init__(config, shard, comm, rotary_emb, layer, GemmaHeadRMSNorm)
+        self.qkv_proj = nn.Linear(config.hidden_size, 2 * self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+
+    def forward(self, hidden: torch.Tensor, rope_rows: RopeRows, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata, backend) -> torch.Tensor:
+        heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.config.head_dim
+        projected = self.qkv_proj(hidden)
+        qkv = projected[:, :self.q_size + 2 * self.kv_size].unflatten(-1, (heads + 2 * kv_heads, d))
+        self.position_qk(qkv, rope_rows)
+        q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
+        k_cache, v_cache = kv_cache
+        if self.kv_observer is not None:
+            self.kv_observer(k, v)
+        backend.store_kv(k, v, k_cache, v_cache, meta, k_scale=self.k_scale, v_scale=self.v_scale)
+        out = backend.paged_attention(q, k_cache, v_cache, meta, self.scale, self.sliding_window,
+                                      k_scale=self.k_scale, v_scale=self.v_scale)
+        gate = projected[:, self.q_size + 2 * self.kv_size:]
+        return self.comm.all_reduce(self.o_proj(out.reshape(-1, self.q_size) * torch.sigmoid(gate)))
+
+
+class HybridLayer(nn.Module):
+    """A pre-norm block whose token mixer is Gated DeltaNet (`linear_attn`) or gated attention (`self_attn`)."""
+
+    def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives, rotary_emb: RotaryEmbedding,
+                 ops: ModuleType, layer: int, linear_index: int) -> None:
+        super().__init__()
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(h, eps)
+        if config.is_linear_layer(layer):
+            self.linear_attn = GatedDeltaNet(config.gated_delta, h, eps, linear_index)
+        else:
+            self.self_attn = GatedAttention(config, shard, comm, rotary_emb, layer)
+        self.post_attention_layernorm = GemmaRMSNorm(h, eps)
+        self.mlp = MLP(config, shard, comm, ops)
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, mix: Callable[[torch.Tensor], torch.Tensor]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """mix: the token mixer with the step's inputs bound -> (this layer's output, the residual stream)."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = self.post_attention_layernorm(mix(hidden), residual)
+        return self.mlp(hidden), residual
+
+
+class Qwen3_5ForCausalLM(LlamaForCausalLM):
+    """Qwen3.5's text model (see the module docstring): Llama's loading and head, hybrid layers, and the linear
+    layers' states (`states`, made at the first forward or by `reserve_states`)."""
+
+    supports_flat_forward = False
+    graph_safe = False   # a decode step gathers and scatters the states by row (the eager path runs it)
+    norm_init = 0.0
+
+    def __init__(self, config: ModelConfig, shard: ShardShape | None = None, comm: Collectives | None = None,
+                 ops: ModuleType = fused) -> None:
+        self._linear_index: dict[int, int] = {}
+        for layer in range(config.num_layers):
+            if config.is_linear_layer(layer):
+                self._linear_index[layer] = len(self._linear_index)
+        super().__init__(config, shard, comm, ops)
+        self.states: RecurrentStates | None = None
+
+    def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
+        return HybridLayer(self.config, self.shard, self.comm, self.rotary_emb, ops, index,
+                           self._linear_index.get(index, -1))
+
+    def make_norm(self, ops: ModuleType) -> nn.Module:
+        return GemmaRMSNorm(self.config.hidden_size, self.config.rms_norm_eps)
+
+    def reserve_states(self, num_rows: int) -> None:
+        """States for `num_rows` rows of the persistent batch, made now on the model's device (the engine reserves
+        its pools' max_num_seqs at start; the capacity plan counted them)."""
+        weight = self.embed_tokens.weight
+        if self.states is None:
+            self.states = RecurrentStates(self.config.gated_delta, len(self._linear_index), weight.dtype,
+                                          weight.device)
+        self.states.reserve(num_rows)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                backend) -> torch.Tensor:
+        """kv_caches: the full layers' alone, in layer order (the cache's layers are `ModelConfig.kv_layers`)."""
+        if self.states is None:
+            self.reserve_states(1)
+        self.states.for_step(meta)
+        hidden, residual = self.embed(input_ids), None
+        rope_rows = self.rotary_emb.rows(positions)
+        caches = iter(kv_caches)
+        for layer in self.layers:
+            if hasattr(layer, "linear_attn"):
+                def mix(x, attn=layer.linear_attn):
+                    return attn(x, meta, self.states)
+            else:
+                def mix(x, attn=layer.self_attn, kv=next(caches)):
+                    return attn(x, rope_rows, kv, meta, backend)
+            hidden, residual = layer(hidden, residual, mix)
+        return self.norm(hidden, residual)[0]
+
+    def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
+        """q_proj's rows interleave each head's query and gate: the queries read as q_proj, the gates as `q_gate`
+        (qkv_proj's last rows); q and k rows (and their norms' weights) reordered for the partial rotary
+        (`partial_rotary_rows`)."""
+        if ".self_attn.q_proj." in name:
+            parts = tensor.unflatten(0, (-1, 2, self.config.head_dim))
+            return ((name, partial_rotary_rows(self.config, name, parts[:, 0].flatten(0, 1))),
+                    (name.replace(".q_proj.", ".q_gate."), parts[:, 1].flatten(0, 1)))
+        return ((name, partial_rotary_rows(self.config, name, tensor)),)
+
+    def _destination(self, name: str, hf_name: str) -> tuple[str, Callable[[torch.Tensor], torch.Tensor]]:
+        c = self.config
+        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        if ".self_attn.q_gate." in name:
+            return name.replace(".q_gate.", ".qkv_proj."), lambda data: data.narrow(0, q + 2 * kv, q)
+        s = c.gated_delta
+        rows = {"in_proj_qkv": (0, s.conv_dim), "in_proj_z": (s.conv_dim, s.value_dim),
+                "in_proj_b": (s.conv_dim + s.value_dim, s.num_v_heads),
+                "in_proj_a": (s.conv_dim + s.value_dim + s.num_v_heads, s.num_v_heads)}
+        for part, (offset, size) in rows.items():
+            if f".linear_attn.{part}." in name:
+                return name.replace(part, "in_proj"), lambda data, o=offset, n=size: data.narrow(0, o, n)
+        return super()._destination(name, hf_name)
+
+    def init_random(self, seed: int = 0, std: float = 0.02) -> None:
+        """Random weights, the norms at the identity: Gemma's (1 + weight) at 0, the gated norms' at 1."""
+        super().init_random(seed, std)
+        with torch.no_grad():
+            for layer in self.layers:
+                if hasattr(layer, "linear_attn"):
+                    layer.linear_attn.norm.weight.fill_(1.0)

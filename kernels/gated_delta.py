@@ -1,0 +1,105 @@
+"""The gated delta rule (Gated DeltaNet, the linear attention of Qwen3-Next and Qwen3.5), and the short causal
+convolution before it, in torch: the CPU path and the yardstick for a fused kernel.
+
+A linear-attention layer keeps no K/V per token; each sequence carries a fixed-size state instead:
+- `conv`: the last `kernel - 1` inputs of the depthwise causal convolution, [channels, kernel - 1];
+- `ssm`: the recurrent matrix S, [num_v_heads, k_head_dim, v_head_dim] (float32).
+
+For each token t (q and k L2-normed, q scaled by k_head_dim ** -0.5; g <= 0 the log of the state's decay, beta in
+(0, 1) the write strength):
+
+    S   = exp(g_t) S
+    S  += k_t (beta_t (v_t - S^T k_t))^T          (the delta rule: write what S does not yet predict)
+    o_t = S^T q_t
+
+`recurrent_step` runs one token of many sequences at once (decode). `chunked` runs one sequence's new tokens
+in chunks of 64 (prefill): within a chunk the updates are condensed into triangular solves and matrix
+products (the WY form of the delta rule), so a prompt costs T / 64 sequential steps, not T.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+CHUNK = 64
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum x^2 + eps) along the last dimension (the flash-linear-attention library's form)."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def causal_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's new inputs through the depthwise causal convolution and SiLU.
+
+    x: [num_tokens, channels]; weight: [channels, kernel]; state: [channels, kernel - 1], the inputs before x
+    (zeros for a new sequence) -> (out [num_tokens, channels] in x's dtype, the new state)."""
+    window = torch.cat([state.to(x.dtype), x.t()], dim=1)                  # [channels, kernel - 1 + num_tokens]
+    out = F.conv1d(window.unsqueeze(0), weight.unsqueeze(1), groups=weight.shape[0])[0]
+    return F.silu(out).t(), window[:, window.shape[1] - state.shape[1]:]
+
+
+def causal_conv_step(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One new input of each of many sequences. x: [num_seqs, channels]; state: [num_seqs, channels, kernel - 1]
+    -> (out [num_seqs, channels], the new states)."""
+    window = torch.cat([state.to(x.dtype), x.unsqueeze(-1)], dim=-1)       # [num_seqs, channels, kernel]
+    return F.silu((window * weight).sum(-1)), window[..., 1:]
+
+
+def _prepare(q: torch.Tensor, k: torch.Tensor, num_v_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """q, k [..., num_k_heads, k_head_dim] -> float32, one per value head (each key head serves
+    num_v_heads / num_k_heads consecutive value heads), L2-normed, q scaled by k_head_dim ** -0.5."""
+    groups = num_v_heads // k.shape[-2]
+    q, k = (t.float().repeat_interleave(groups, dim=-2) if groups > 1 else t.float() for t in (q, k))
+    return l2norm(q) * q.shape[-1] ** -0.5, l2norm(k)
+
+
+def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                   ssm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of each of many sequences.
+
+    q, k: [num_seqs, num_k_heads, k_head_dim]; v: [num_seqs, num_v_heads, v_head_dim]; g, beta: [num_seqs,
+    num_v_heads]; ssm: [num_seqs, num_v_heads, k_head_dim, v_head_dim] float32 -> (out [num_seqs, num_v_heads,
+    v_head_dim] float32, the new states)."""
+    q, k = _prepare(q, k, v.shape[-2])
+    state = ssm * g.float().exp()[..., None, None]
+    predicted = (state * k.unsqueeze(-1)).sum(-2)                           # S^T k: [num_seqs, heads, v_head_dim]
+    delta = (v.float() - predicted) * beta.float().unsqueeze(-1)
+    state = state + k.unsqueeze(-1) * delta.unsqueeze(-2)
+    return (state * q.unsqueeze(-1)).sum(-2), state
+
+
+def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+            ssm: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's new tokens, from its state.
+
+    q, k: [num_tokens, num_k_heads, k_head_dim]; v: [num_tokens, num_v_heads, v_head_dim]; g, beta: [num_tokens,
+    num_v_heads]; ssm: [num_v_heads, k_head_dim, v_head_dim] float32 -> (out [num_tokens, num_v_heads, v_head_dim]
+    float32, the state after the last token)."""
+    num_tokens = v.shape[0]
+    q, k = _prepare(q, k, v.shape[-2])
+    pad = -num_tokens % chunk
+    # [heads, chunks, chunk, dim]; padded tokens have g = 0 and beta = 0: they change nothing
+    q, k, v = (F.pad(t.transpose(0, 1), (0, 0, 0, pad)).unflatten(1, (-1, chunk)) for t in (q, k, v.float()))
+    g, beta = (F.pad(t.float().t(), (0, pad)).unflatten(1, (-1, chunk)) for t in (g, beta))
+    decay = g.cumsum(-1)                                                     # log decay from the chunk's start
+    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=v.device).tril()
+    # exp(decay_i - decay_j) for j <= i, else 0
+    pair = (decay.unsqueeze(-1) - decay.unsqueeze(-2)).masked_fill(~lower, float("-inf")).exp()
+    k_beta = k * beta.unsqueeze(-1)
+    system = (k_beta @ k.transpose(-1, -2)) * pair                           # strictly lower part: the WY system
+    u = torch.linalg.solve_triangular(system, v * beta.unsqueeze(-1), upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, k_beta * decay.exp().unsqueeze(-1), upper=False, unitriangular=True)
+    scores = (q @ k.transpose(-1, -2)) * pair                                # within the chunk, causal
+    q_decayed = q * decay.exp().unsqueeze(-1)
+    k_to_end = k * (decay[..., -1:] - decay).exp().unsqueeze(-1)
+    chunk_decay = decay[..., -1].exp()[..., None, None]
+    out = torch.empty_like(v)
+    state = ssm.float()
+    for i in range(v.shape[1]):
+        new = u[:, i] - w[:, i] @ state                                      # what the state does not predict
+        out[:, i] = q_decayed[:, i] @ state + scores[:, i] @ new
+        state = state * chunk_decay[:, i] + k_to_end[:, i].transpose(-1, -2) @ new
+    return out.flatten(1, 2)[:, :num_tokens].transpose(0, 1), state

@@ -1,0 +1,130 @@
+"""Hybrid models whose linear-attention layers keep a state per sequence (Qwen3.5): that state through the engine's
+life of a sequence. A preempted sequence recomputes it, n > 1 samples prefill apart, a prompt served twice does
+not resume from cached blocks its state is not in; swap and tensor parallelism are refused by key; the capacity
+plan counts each running sequence's state. Greedy parity on tiny models is in test_engine_vs_hf.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import CacheConfig, ConfigError, EngineConfig, PoolConfig, SchedulerConfig
+from engine.llm_engine import LLMEngine
+from engine.model_config import ModelConfig
+from engine.parallel import check_tensor_parallel
+from engine.sampling import SamplingParams
+from pools.capacity_plan import plan_capacity
+from pools.config.spec import SpecError
+from pools.config.yaml_file import parse_config
+from tests.conftest import assert_all_free, make_tiny_model
+from tests.engine.test_engine_vs_hf import QWEN3_5   # three Gated DeltaNet layers, then a full-attention one
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, builtin_path):
+    folder = make_tiny_model(tmp_path_factory.mktemp("qwen3_5"), "qwen3_5", builtin_path, **QWEN3_5)
+    return folder, transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                          max_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def _prompts(seed: int, lengths) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 512, (n,), generator=gen).tolist() for n in lengths]
+
+
+def _engine(folder, num_blocks: int = 64, **scheduler) -> LLMEngine:
+    pool = PoolConfig(num_blocks=num_blocks, scheduler=SchedulerConfig(max_num_batched_tokens=64, **scheduler))
+    return LLMEngine(EngineConfig(model=str(folder), dtype="float32", cache=CacheConfig(block_size=8), pools=(pool,)),
+                     progress=False)
+
+
+def test_preempted_sequences_recompute_their_state(tiny):
+    """A pool of 12 blocks (96 tokens) for six requests of 20-30 + 16 tokens: sequences are preempted and come back
+    by recompute, their state rebuilt from position 0 in a row another sequence held meanwhile."""
+    folder, hf = tiny
+    engine = _engine(folder, num_blocks=12)
+    prompts = _prompts(3, (20, 27, 22, 30, 25, 21))
+    outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    assert engine.schedulers["default"].stats.num_recompute_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs] == [_hf_greedy(hf, p, 16) for p in prompts]
+    assert_all_free(engine)
+
+
+def test_no_prefix_cache_and_samples_prefill_apart(tiny):
+    """The pool serves without prefix caching (a prompt's cached K/V would resume it without its state): the same
+    prompt served twice and three greedy samples of one request all equal transformers' answer."""
+    folder, hf = tiny
+    engine = _engine(folder)
+    assert not engine.schedulers["default"].block_manager.enable_prefix_caching
+    prompt = _prompts(4, (33,))[0]
+    want = _hf_greedy(hf, prompt, 12)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    assert engine.generate([prompt], params)[0].outputs[0].token_ids == want
+    again = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, n=3))[0]
+    assert [o.token_ids for o in again.outputs] == [want] * 3
+    assert_all_free(engine)
+
+
+def test_swap_and_tensor_parallelism_are_refused_by_key(tiny):
+    folder, _ = tiny
+    with pytest.raises(ConfigError, match=r"^pools\.default\.preemption_mode: 'swap' swaps K/V blocks.*recompute"):
+        _engine(folder, preemption_mode="swap", swap_space_bytes=1 << 20)
+    model = ModelConfig.from_folder(folder)
+    with pytest.raises(ConfigError, match=r"^tensor_parallel_size: 2 ranks; Qwen3_5ForCausalLM's linear-attention"):
+        check_tensor_parallel(model, 2)
+
+
+def test_capacity_plan_counts_each_sequence_state(tiny):
+    """S_KV counts the full-attention layer alone; each running sequence also holds its three linear layers' state
+    (conv: 3 taps of q, k, v in float32; the recurrent matrices: 4 heads of 16 x 8, float32), set aside before the
+    pool's blocks; a swapping pool is refused before anything loads."""
+    folder, _ = tiny
+    model = ModelConfig.from_folder(folder)
+    state = 3 * ((2 * 2 * 16 + 4 * 8) * 3 * 4 + 4 * 16 * 8 * 4)
+    assert model.state_bytes_per_seq(torch.float32) == state
+    assert model.kv_bytes_per_token(torch.float32) == 2 * 1 * 2 * 16 * 4
+    pool = {"name": "chat", "model": "tiny", "kv_cache_bytes": "1MiB", "avg_len": 192, "max_model_len": 512}
+    data = {"devices": {"default": {"device": "cpu", "memory": "2GiB", "dtype": "float32"}}, "pools": [pool]}
+    plan = plan_capacity(parse_config(data, env={}), {"tiny": model}).pools["chat"]
+    s_kv, budget = 256, 1 << 20
+    assert plan.max_num_seqs == budget // (s_kv * 192 + state) == 17 and plan.state_bytes_per_seq == state
+    assert plan.num_blocks == (budget - 17 * state) // (s_kv * 16)   # blocks of 16 tokens (the spec's default)
+    swapping = {**pool, "preemption_mode": "swap", "swap_space": "1MiB"}
+    with pytest.raises(SpecError, match=r"^pools\[0\]\.preemption_mode: 'swap' swaps K/V blocks"):
+        plan_capacity(parse_config({**data, "pools": [swapping]}, env={}), {"tiny": model})
+
+
+def test_a_multimodal_qwen3_5_checkpoint_serves_its_text_model(tmp_path, builtin_path):
+    """Qwen3.5's checkpoints are `Qwen3_5ForConditionalGeneration` (a vision tower beside the text model under
+    `language_model.`): served as the text model, greedy text token-identical to transformers' text model."""
+    import shutil
+
+    text = transformers.Qwen3_5TextConfig(vocab_size=512, hidden_size=64, intermediate_size=160, num_attention_heads=4,
+                                          num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2,
+                                          rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, **QWEN3_5)
+    vision = transformers.models.qwen3_5.configuration_qwen3_5.Qwen3_5VisionConfig(
+        depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+    config = transformers.Qwen3_5Config(text_config=text.to_dict(), vision_config=vision.to_dict())
+    torch.manual_seed(0)
+    hf = transformers.Qwen3_5ForConditionalGeneration(config).eval()
+    folder = tmp_path / "qwen3_5-mm"
+    hf.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(builtin_path / name, folder / name)
+    engine = _engine(folder)
+    assert (engine.model_config.architecture, engine.model_config.text_weights_prefix) == \
+        ("Qwen3_5ForCausalLM", "language_model.")
+    text_model = transformers.Qwen3_5ForCausalLM(text).eval()
+    text_model.model.load_state_dict(hf.model.language_model.state_dict())
+    text_model.lm_head.load_state_dict(hf.lm_head.state_dict())
+    prompts = _prompts(5, (5, 17, 40))
+    outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == [_hf_greedy(text_model, p, 16) for p in prompts]
