@@ -89,6 +89,17 @@ def qwen3_5_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
             "partial_rotary_factor": factor, "full_rope": (hybrid_rope(cfg),)}
 
 
+def qwen3_5_moe_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """Qwen3.5-MoE's text model: Qwen3.5's layers with experts on every layer (`num_experts` of
+    `moe_intermediate_size`, `num_experts_per_tok` a token by the softmax's top k, renormalised) beside a shared
+    expert its sigmoid gate scales (Qwen2-MoE's block); experts stored per expert or stacked."""
+    return {**qwen3_5_fields(cfg, num_layers), "num_experts": read_int(cfg, "num_experts", 256),
+            "num_experts_per_tok": read_int(cfg, "num_experts_per_tok", 8),
+            "moe_intermediate_size": read_int(cfg, "moe_intermediate_size", 512),
+            "shared_expert_intermediate_size": read_int(cfg, "shared_expert_intermediate_size", 512),
+            "norm_topk_prob": True, "stacked_experts": True}
+
+
 def hybrid_rope(cfg: dict[str, Any]) -> dict[str, Any]:
     """The config with its rope's multimodal keys dropped: Qwen3.5's MRoPE (`mrope_section`, `mrope_interleaved`)
     turns text as the plain rope does (its three position ids are one on text)."""

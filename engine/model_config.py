@@ -33,7 +33,8 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
                            "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM", "Olmo3ForCausalLM",
                            "SeedOssForCausalLM", "Llama4ForCausalLM", "Ministral3ForCausalLM",
                            "Glm4MoeLiteForCausalLM", "GraniteMoeHybridForCausalLM", "Exaone4ForCausalLM",
-                           "HunYuanDenseV1ForCausalLM", "OlmoeForCausalLM", "Qwen3_5ForCausalLM")
+                           "HunYuanDenseV1ForCausalLM", "OlmoeForCausalLM", "Qwen3_5ForCausalLM",
+                           "Qwen3_5MoeForCausalLM")
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")   # one LayerNorm a layer, a parallel block
 # their attention bias: q/k/v's, not o_proj's
 QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM")
@@ -54,7 +55,8 @@ TEXT_MODELS = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "language
                "Qwen3VLForConditionalGeneration": ("Qwen3ForCausalLM", "language_model.", "qwen3_vl_text"),
                "Qwen3VLMoeForConditionalGeneration": ("Qwen3MoeForCausalLM", "language_model.", "qwen3_vl_moe_text"),
                "Llama4ForConditionalGeneration": ("Llama4ForCausalLM", "language_model.", "llama4_text"),
-               "Qwen3_5ForConditionalGeneration": ("Qwen3_5ForCausalLM", "language_model.", "qwen3_5_text")}
+               "Qwen3_5ForConditionalGeneration": ("Qwen3_5ForCausalLM", "language_model.", "qwen3_5_text"),
+               "Qwen3_5MoeForConditionalGeneration": ("Qwen3_5MoeForCausalLM", "language_model.", "qwen3_5_moe_text")}
 # a multimodal architecture whose text model is another by its text_config's model_type (Mistral 3's from December
 # 2025 on: Ministral 3, Devstral 2, Mistral Small 4)
 TEXT_MODEL_TYPES = {("Mistral3ForConditionalGeneration", "ministral3"): "Ministral3ForCausalLM"}

@@ -23,10 +23,11 @@ from engine.layers.gated_delta_net import GatedDeltaNet, RecurrentStates
 from engine.model import MLP, Attention, LlamaForCausalLM
 from engine.model_config import ModelConfig
 from engine.models.phi3 import partial_rotary_rows
+from engine.models.qwen3_moe import Qwen3MoeForCausalLM
 from engine.parallel import Collectives, ShardShape
 from kernels import AttentionMetadata, fused
 
-__all__ = ["GatedAttention", "Qwen3_5ForCausalLM"]
+__all__ = ["GatedAttention", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"]
 
 
 class GatedAttention(Attention):
@@ -141,7 +142,8 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
             parts = tensor.unflatten(0, (-1, 2, self.config.head_dim))
             return ((name, partial_rotary_rows(self.config, name, parts[:, 0].flatten(0, 1))),
                     (name.replace(".q_proj.", ".q_gate."), parts[:, 1].flatten(0, 1)))
-        return ((name, partial_rotary_rows(self.config, name, tensor)),)
+        return ((read, partial_rotary_rows(self.config, read, piece))
+                for read, piece in super().read_tensor(hf_name, name, tensor))
 
     def _destination(self, name: str, hf_name: str) -> tuple[str, Callable[[torch.Tensor], torch.Tensor]]:
         c = self.config
@@ -164,3 +166,14 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
             for layer in self.layers:
                 if hasattr(layer, "linear_attn"):
                     layer.linear_attn.norm.weight.fill_(1.0)
+
+
+class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM, Qwen3MoeForCausalLM):
+    """Qwen3.5-MoE's text model: Qwen3.5's layers, each MLP Qwen2-MoE's sparse block (`SparseMoeBlock`: routed
+    experts beside a gated shared expert), its experts read per expert or stacked (`Qwen3MoeForCausalLM`)."""
+
+    def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
+        layer = super().make_layer(index, ops)
+        if self.config.is_sparse_layer(index):
+            layer.mlp = self.moe_block(self.config, self.shard, self.comm, ops)
+        return layer

@@ -1450,3 +1450,20 @@ def test_qwen3_5_reads_as_transformers_does():
     with pytest.raises(ConfigError, match=r"^linear_num_value_heads: 6 is not a multiple of linear_num_key_heads 4"):
         ModelConfig.from_hf_config({"architectures": ["Qwen3_5ForCausalLM"], "linear_num_key_heads": 4,
                                     "linear_num_value_heads": 6})
+
+
+def test_qwen3_5_moe_reads_as_transformers_does():
+    """Qwen3.5-MoE as transformers' defaults write it (Qwen3.5-35B-A3B's shape): Qwen3.5's layers, each MLP 256
+    experts of 512, 8 a token, beside a gated shared expert of 512; 35 B parameters as transformers' text model
+    counts them, 10 full-attention layers in S_KV."""
+    transformers = pytest.importorskip("transformers")
+
+    ours = ModelConfig.from_hf_config({"architectures": ["Qwen3_5MoeForConditionalGeneration"],
+                                       "text_config": {"model_type": "qwen3_5_moe_text"}})
+    _, hf = _meta_model(transformers.Qwen3_5MoeTextConfig, {})
+    assert ours.num_params() == sum(p.numel() for p in hf.parameters())
+    assert round(ours.num_params() / 1e9) == 35
+    assert (ours.architecture, ours.num_experts, ours.num_experts_per_tok, ours.moe_intermediate_size,
+            ours.shared_expert_intermediate_size, ours.norm_topk_prob, ours.num_kv_layers) == \
+        ("Qwen3_5MoeForCausalLM", 256, 8, 512, 512, True, 10)
+    assert all(ours.is_sparse_layer(layer) for layer in range(ours.num_layers))

@@ -260,6 +260,9 @@ TINY_MODELS = [
     ("qwen3_5", {**QWEN3_5, "num_hidden_layers": 3, "layer_types": ["linear_attention", "full_attention",
                  "linear_attention"], "linear_num_value_heads": 2, "attention_bias": True, "tie_word_embeddings": True,
                  "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}}),
+    # Qwen3.5-MoE: those layers, each MLP 8 experts of 32 (2 a token, renormalised) beside a gated shared expert of 48
+    ("qwen3_5_moe", {**QWEN3_5, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                     "shared_expert_intermediate_size": 48}),
 ]
 # Every architecture on the default CPU linears; the other linears on one dense and one MoE model (the
 # linears do not depend on the architecture around them).
@@ -286,7 +289,7 @@ def test_tiny_random_models_match_transformers(tmp_path, monkeypatch, builtin_pa
     packed = isinstance(attn.o_proj, PackedLinear)
     assert packed == (cpu_linear == "onednn" and torch.backends.mkldnn.is_available())
     gen = torch.Generator().manual_seed(1)
-    lengths = (1, 5, 17, 40, 9) + ((100,) if arch == "qwen3_5" else ())   # past a linear layer's chunk of 64
+    lengths = (1, 5, 17, 40, 9) + ((100,) if arch.startswith("qwen3_5") else ())   # past a linear layer's chunk
     prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in lengths]
     outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     for prompt, out in zip(prompts, outs):

@@ -102,27 +102,32 @@ def test_capacity_plan_counts_each_sequence_state(tiny):
         plan_capacity(parse_config({**data, "pools": [swapping]}, env={}), {"tiny": model})
 
 
-def test_a_multimodal_qwen3_5_checkpoint_serves_its_text_model(tmp_path, builtin_path):
-    """Qwen3.5's checkpoints are `Qwen3_5ForConditionalGeneration` (a vision tower beside the text model under
-    `language_model.`): served as the text model, greedy text token-identical to transformers' text model."""
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_a_multimodal_qwen3_5_checkpoint_serves_its_text_model(tmp_path, builtin_path, moe):
+    """Qwen3.5's checkpoints are `Qwen3_5ForConditionalGeneration` and `Qwen3_5MoeForConditionalGeneration` (a
+    vision tower beside the text model under `language_model.`): served as the text model, greedy text token-identical
+    to transformers' text model holding the same weights."""
     import shutil
 
-    text = transformers.Qwen3_5TextConfig(vocab_size=512, hidden_size=64, intermediate_size=160, num_attention_heads=4,
-                                          num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2,
-                                          rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, **QWEN3_5)
-    vision = transformers.models.qwen3_5.configuration_qwen3_5.Qwen3_5VisionConfig(
-        depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
-    config = transformers.Qwen3_5Config(text_config=text.to_dict(), vision_config=vision.to_dict())
+    family = "Qwen3_5Moe" if moe else "Qwen3_5"
+    experts = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+    text = getattr(transformers, f"{family}TextConfig")(
+        vocab_size=512, hidden_size=64, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=512, initializer_range=0.2, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
+        **QWEN3_5, **(experts if moe else {}))
+    vision = getattr(transformers, f"{family}VisionConfig")(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                                                            out_hidden_size=64)
+    config = getattr(transformers, f"{family}Config")(text_config=text.to_dict(), vision_config=vision.to_dict())
     torch.manual_seed(0)
-    hf = transformers.Qwen3_5ForConditionalGeneration(config).eval()
+    hf = getattr(transformers, f"{family}ForConditionalGeneration")(config).eval()
     folder = tmp_path / "qwen3_5-mm"
     hf.save_pretrained(folder)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(builtin_path / name, folder / name)
     engine = _engine(folder)
     assert (engine.model_config.architecture, engine.model_config.text_weights_prefix) == \
-        ("Qwen3_5ForCausalLM", "language_model.")
-    text_model = transformers.Qwen3_5ForCausalLM(text).eval()
+        (f"{family}ForCausalLM", "language_model.")
+    text_model = getattr(transformers, f"{family}ForCausalLM")(text).eval()
     text_model.model.load_state_dict(hf.model.language_model.state_dict())
     text_model.lm_head.load_state_dict(hf.lm_head.state_dict())
     prompts = _prompts(5, (5, 17, 40))
