@@ -1,5 +1,6 @@
 """Hybrid models whose layers are mostly linear attention (Gated DeltaNet) with a full-attention layer every few:
-Qwen3.5's text model (dense) as transformers' `Qwen3_5TextConfig` reads its config.json.
+Qwen3.5's text models (dense and MoE) and Qwen3-Next, as transformers' `Qwen3_5TextConfig`, `Qwen3_5MoeTextConfig` and
+`Qwen3NextConfig` read their config.json.
 
 A linear-attention layer (`layer_types` "linear_attention") holds no K/V per token: each running sequence carries
 a fixed-size state for it (`GatedDeltaShape.state_bytes`), which the capacity plan counts per sequence beside the
@@ -12,7 +13,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from engine.config import ConfigError, PoolConfig
-from engine.config_values import read_float, read_int, read_object
+from engine.config_values import read_bool, read_float, read_int, read_object
 
 # why a pool of such a model cannot swap (the engine's and the capacity plan's refusal)
 NOT_SWAPPED = ("swaps K/V blocks, but this model's linear-attention layers keep a state per sequence that is not "
@@ -100,6 +101,18 @@ def qwen3_5_moe_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
             "norm_topk_prob": True, "stacked_experts": True}
 
 
+def qwen3_next_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """Qwen3-Next's: Qwen3.5-MoE's layers, the experts on every `decoder_sparse_step`-th layer (1) but
+    `mlp_only_layers` (whose MLP is dense, of `intermediate_size`), renormalised where `norm_topk_prob` (true);
+    transformers' `Qwen3NextConfig` defaults (512 experts, 10 a token)."""
+    only = cfg.get("mlp_only_layers") or []
+    if not isinstance(only, list) or any(not isinstance(i, int) or isinstance(i, bool) for i in only):
+        raise ConfigError(f"mlp_only_layers: a list of layer indices, got {only!r:.80}")
+    return {**qwen3_5_moe_fields({"num_experts": 512, "num_experts_per_tok": 10, **cfg}, num_layers),
+            "norm_topk_prob": read_bool(cfg, "norm_topk_prob", True), "stacked_experts": False,
+            "decoder_sparse_step": read_int(cfg, "decoder_sparse_step", 1), "mlp_only_layers": tuple(only)}
+
+
 def hybrid_rope(cfg: dict[str, Any]) -> dict[str, Any]:
     """The config with its rope's multimodal keys dropped: Qwen3.5's MRoPE (`mrope_section`, `mrope_interleaved`)
     turns text as the plain rope does (its three position ids are one on text)."""
@@ -110,6 +123,11 @@ def hybrid_rope(cfg: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+
+
+# the architectures these readers serve, each taking (config.json, its layer count)
+HYBRID_FIELDS = {"Qwen3_5ForCausalLM": qwen3_5_fields, "Qwen3_5MoeForCausalLM": qwen3_5_moe_fields,
+                 "Qwen3NextForCausalLM": qwen3_next_fields}
 
 def serving_pool(pool: PoolConfig, stateful: bool) -> PoolConfig:
     """A pool as a model serves it: itself, or for a model whose linear-attention layers keep a state per running

@@ -45,6 +45,10 @@ FAMILY_DEFAULTS = {"Gemma2ForCausalLM": GEMMA2_DEFAULTS, "Gemma3ForCausalLM": GE
                    "Qwen3_5MoeForCausalLM": {   # Qwen3_5MoeTextConfig's; its MLPs are all experts (no intermediate_size)
                        "vocab_size": 248_320, "hidden_size": 2048, "intermediate_size": 512, "num_hidden_layers": 40,
                        "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
+                       "max_position_embeddings": 32_768},
+                   "Qwen3NextForCausalLM": {   # Qwen3NextConfig's
+                       "vocab_size": 151_936, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 48,
+                       "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
                        "max_position_embeddings": 32_768}}
 # transformers' config classes' max_position_embeddings (the context served, and YaRN's original context where its
 # scaling names none), for a config.json without it

@@ -12,7 +12,7 @@ from typing import Any
 
 from engine.config import ConfigError
 from engine.config_values import is_int, read_bool, read_float, read_int, read_object, rope_type
-from engine.gated_delta_config import qwen3_5_fields, qwen3_5_moe_fields
+from engine.gated_delta_config import HYBRID_FIELDS
 from engine.granite_config import granite_fields
 from engine.hunyuan_config import hunyuan_fields
 from engine.llama4_config import llama4_fields, ministral3_fields
@@ -26,8 +26,7 @@ LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 MOE_ROUTERS = ("softmax", "deepseek_v2", "deepseek_v3", "minimax_m2", "ernie4_5", "llama4")
 # the families whose fields are read in a module of their own, each reader taking (config.json, its layer count)
 OWN_MODULE_FIELDS: dict[str, Callable[[dict[str, Any], int], dict[str, Any]]] = {"Llama4ForCausalLM": llama4_fields,
-    "Ministral3ForCausalLM": ministral3_fields, "HunYuanDenseV1ForCausalLM": hunyuan_fields,
-    "Qwen3_5ForCausalLM": qwen3_5_fields, "Qwen3_5MoeForCausalLM": qwen3_5_moe_fields}
+    "Ministral3ForCausalLM": ministral3_fields, "HunYuanDenseV1ForCausalLM": hunyuan_fields, **HYBRID_FIELDS}
 DEEPSEEK_TOPK_METHODS = {"DeepseekV2ForCausalLM": ("greedy", "group_limited_greedy"),
                          "DeepseekV3ForCausalLM": ("noaux_tc",), "Glm4MoeLiteForCausalLM": ("noaux_tc",)}
 

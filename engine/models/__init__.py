@@ -43,7 +43,7 @@ from engine.models.mixtral import MixtralForCausalLM
 from engine.models.olmo2 import Exaone4ForCausalLM, Olmo2ForCausalLM, Olmo3ForCausalLM, OlmoeForCausalLM
 from engine.models.phi3 import Phi3ForCausalLM
 from engine.models.smollm3 import SmolLM3ForCausalLM
-from engine.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
+from engine.models.qwen3_5 import Qwen3NextForCausalLM, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
 from engine.models.qwen3_moe import Qwen3MoeForCausalLM
 from engine.parallel import Collectives, ShardShape
 from kernels.fused import get_fused_ops
@@ -79,7 +79,8 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "HunYuanDenseV1ForCausalLM": HunyuanDenseForCausalLM,
                                                 "OlmoeForCausalLM": OlmoeForCausalLM,
                                                 "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
-                                                "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM}
+                                                "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
+                                                "Qwen3NextForCausalLM": Qwen3NextForCausalLM}
 
 
 def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:

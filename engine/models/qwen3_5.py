@@ -27,7 +27,7 @@ from engine.models.qwen3_moe import Qwen3MoeForCausalLM
 from engine.parallel import Collectives, ShardShape
 from kernels import AttentionMetadata, fused
 
-__all__ = ["GatedAttention", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"]
+__all__ = ["GatedAttention", "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"]
 
 
 class GatedAttention(Attention):
@@ -177,3 +177,23 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM, Qwen3MoeForCausalLM):
         if self.config.is_sparse_layer(index):
             layer.mlp = self.moe_block(self.config, self.shard, self.comm, ops)
         return layer
+
+
+class Qwen3NextForCausalLM(Qwen3_5MoeForCausalLM):
+    """Qwen3-Next: Qwen3.5-MoE's model (dense MLPs on `mlp_only_layers`), its linear layers' input projections stored
+    fused per key head (`in_proj_qkvz`: each key head's q, k, then its value heads' v and z; `in_proj_ba`: its value
+    heads' b, then a), read as Qwen3.5's four."""
+
+    def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
+        s = self.config.gated_delta
+        per_key = s.num_v_heads // s.num_k_heads
+        if ".linear_attn.in_proj_qkvz." in name:
+            groups = tensor.unflatten(0, (s.num_k_heads, -1))
+            parts = groups.split([s.k_head_dim, s.k_head_dim, per_key * s.v_head_dim, per_key * s.v_head_dim], dim=1)
+            return ((name.replace("in_proj_qkvz", "in_proj_qkv"), torch.cat([p.flatten(0, 1) for p in parts[:3]])),
+                    (name.replace("in_proj_qkvz", "in_proj_z"), parts[3].flatten(0, 1)))
+        if ".linear_attn.in_proj_ba." in name:
+            b, a = tensor.unflatten(0, (s.num_k_heads, -1)).split([per_key, per_key], dim=1)
+            return ((name.replace("in_proj_ba", "in_proj_b"), b.flatten(0, 1)),
+                    (name.replace("in_proj_ba", "in_proj_a"), a.flatten(0, 1)))
+        return super().read_tensor(hf_name, name, tensor)

@@ -1467,3 +1467,21 @@ def test_qwen3_5_moe_reads_as_transformers_does():
             ours.shared_expert_intermediate_size, ours.norm_topk_prob, ours.num_kv_layers) == \
         ("Qwen3_5MoeForCausalLM", 256, 8, 512, 512, True, 10)
     assert all(ours.is_sparse_layer(layer) for layer in range(ours.num_layers))
+
+
+def test_qwen3_next_reads_as_transformers_does():
+    """Qwen3-Next as transformers' defaults write it (Qwen3-Next-80B-A3B's shape): 512 experts of 512, 10 a token,
+    beside a gated shared expert, on all 48 layers; 80 B parameters as transformers counts them; `mlp_only_layers`
+    dense, and a list of anything else refused by key."""
+    transformers = pytest.importorskip("transformers")
+
+    ours = ModelConfig.from_hf_config({"architectures": ["Qwen3NextForCausalLM"]})
+    _, hf = _meta_model(transformers.Qwen3NextConfig, {})
+    assert ours.num_params() == sum(p.numel() for p in hf.parameters())
+    assert round(ours.num_params() / 1e9) == 80
+    assert (ours.num_experts, ours.num_experts_per_tok, ours.norm_topk_prob, ours.num_kv_layers) == (512, 10, True, 12)
+    dense = ModelConfig.from_hf_config({"architectures": ["Qwen3NextForCausalLM"], "mlp_only_layers": [0, 5],
+                                        "norm_topk_prob": False, "num_hidden_layers": 8})
+    assert [dense.is_sparse_layer(i) for i in range(8)] == [False, True, True, True, True, False, True, True]
+    with pytest.raises(ConfigError, match=r"^mlp_only_layers: a list of layer indices"):
+        ModelConfig.from_hf_config({"architectures": ["Qwen3NextForCausalLM"], "mlp_only_layers": "0"})

@@ -263,6 +263,13 @@ TINY_MODELS = [
     # Qwen3.5-MoE: those layers, each MLP 8 experts of 32 (2 a token, renormalised) beside a gated shared expert of 48
     ("qwen3_5_moe", {**QWEN3_5, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                      "shared_expert_intermediate_size": 48}),
+    # Qwen3-Next: the same, its linear layers' projections stored fused per key head (2 value heads a key head);
+    # then 1 value head a key head, layer 2 dense and the top 3 not renormalised
+    ("qwen3_next", {**QWEN3_5, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                    "shared_expert_intermediate_size": 48}),
+    ("qwen3_next", {**QWEN3_5, "num_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 32,
+                    "shared_expert_intermediate_size": 48, "linear_num_value_heads": 2, "mlp_only_layers": [2],
+                    "norm_topk_prob": False}),
 ]
 # Every architecture on the default CPU linears; the other linears on one dense and one MoE model (the
 # linears do not depend on the architecture around them).
@@ -289,7 +296,7 @@ def test_tiny_random_models_match_transformers(tmp_path, monkeypatch, builtin_pa
     packed = isinstance(attn.o_proj, PackedLinear)
     assert packed == (cpu_linear == "onednn" and torch.backends.mkldnn.is_available())
     gen = torch.Generator().manual_seed(1)
-    lengths = (1, 5, 17, 40, 9) + ((100,) if arch.startswith("qwen3_5") else ())   # past a linear layer's chunk
+    lengths = (1, 5, 17, 40, 9) + ((100,) if arch in ("qwen3_5", "qwen3_5_moe", "qwen3_next") else ())   # past 64
     prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in lengths]
     outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     for prompt, out in zip(prompts, outs):
