@@ -40,6 +40,11 @@ class GatedDeltaShape:
         if self.conv_kernel < 2:
             raise ConfigError(f"linear_conv_kernel_dim: must be >= 2, got {self.conv_kernel}")
 
+    def per_rank(self, size: int) -> GatedDeltaShape:
+        """The shape one of `size` tensor-parallel ranks holds: its share of the key heads and of their value heads
+        (`engine.parallel.check_tensor_parallel` has checked that they divide)."""
+        return replace(self, num_k_heads=self.num_k_heads // size, num_v_heads=self.num_v_heads // size)
+
     @property
     def key_dim(self) -> int:
         return self.num_k_heads * self.k_head_dim

@@ -278,12 +278,14 @@ class ModelConfig:
     def is_linear_layer(self, layer: int) -> bool:
         return bool(self.layer_types) and self.layer_types[layer] == "linear_attention"
 
-    def state_bytes_per_seq(self, dtype: torch.dtype) -> int:
+    def state_bytes_per_seq(self, dtype: torch.dtype, tensor_parallel_size: int = 1) -> int:
         """Bytes of the state each running sequence holds for the linear-attention layers (0: none), whatever its
-        length: the capacity plan counts it per sequence beside S_KV x its length."""
+        length, on each of `tensor_parallel_size` ranks: the capacity plan counts it per sequence beside S_KV x its
+        length."""
         if self.gated_delta is None:
             return 0
-        return (self.num_layers - self.num_kv_layers) * self.gated_delta.state_bytes(dtype.itemsize)
+        shape = self.gated_delta.per_rank(tensor_parallel_size)
+        return (self.num_layers - self.num_kv_layers) * shape.state_bytes(dtype.itemsize)
 
     def rotary_cache_bytes(self, dtype: torch.dtype) -> int:
         """Bytes of the rotary cos/sin caches each rank holds: [rotary_positions or context_length, rotated dims]
@@ -343,8 +345,8 @@ class ModelConfig:
             per_layer += h * q + (q if self.attention_bias else 0)
         mlps = sum(experts if self.is_sparse_layer(layer) else mlp for layer in range(self.num_layers))
         head = 0 if self.tie_word_embeddings else v * h
-        linear = 0 if self.gated_delta is None else \
-            (self.num_layers - self.num_kv_layers) * (self.gated_delta.num_params(h) + norms * h)
+        linear = 0 if self.gated_delta is None else (self.num_layers - self.num_kv_layers) * (   # a rank's heads
+            self.gated_delta.per_rank(self.num_heads // heads).num_params(h) + norms * h)
         return v * h + self.num_kv_layers * per_layer + linear + mlps + h + head
 
     @classmethod

@@ -134,8 +134,9 @@ def check_tensor_parallel(model: ModelConfig, size: int, key: str = "tensor_para
     if model.num_kv_heads % size and size % model.num_kv_heads:
         raise ConfigError(f"{key}: {size} neither divides nor is a multiple of the model's "
                           f"{model.num_kv_heads} KV heads")
-    if model.gated_delta is not None and size > 1:
-        raise ConfigError(f"{key}: {size} ranks; {model.architecture}'s linear-attention layers are served on one rank")
+    if model.gated_delta is not None and model.gated_delta.num_k_heads % size:
+        raise ConfigError(f"{key}: {size} does not divide the model's {model.gated_delta.num_k_heads} linear-attention "
+                          "key heads (linear_num_key_heads)")
     for name in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
         if getattr(model, name) % size:
             raise ConfigError(f"{key}: {size} does not divide the model's {name} {getattr(model, name)}"

@@ -246,7 +246,7 @@ def plan_capacity(config: CliffguardConfig, model_configs: Mapping[str, ModelCon
             raise _no_room_for_kv(dkey, dev, memory, source, p0.model, weights_dev, dtype, graphs_dev, kv_dev)
         shares = sum((Fraction(p.kv_share) for _, p in members if p.kv_share is not None), Fraction(0))
         device_pools = [_plan_pool(i, p, model, s_kv, s_kv_dev, _pool_bytes(p, kv_dev, shares), tp, warnings,
-                                   dev.replicas, model.state_bytes_per_seq(dtype)) for i, p in members]
+                                   dev.replicas, model.state_bytes_per_seq(dtype, tp)) for i, p in members]
         _check_device_budget(dev_name, members, device_pools, kv_dev)
         if device_type == "cuda" and (short := headroom_warning(dev, memory, model.vocab_size, dtype.itemsize, [
                 (pp.max_num_seqs, pp.spec.max_num_batched_tokens) for pp in device_pools])) is not None:

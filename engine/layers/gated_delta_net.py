@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.gated_delta_config import GatedDeltaShape
+from engine.parallel import Collectives
 from kernels import AttentionMetadata
 from kernels import gated_delta
 
@@ -87,12 +88,15 @@ class GatedRMSNorm(nn.Module):
 class GatedDeltaNet(nn.Module):
     """One linear-attention layer. in_proj: the checkpoint's in_proj_qkv, in_proj_z, in_proj_b and in_proj_a as
     one GEMM (rows in that order); the causal convolution over q, k and v; the gated delta rule
-    (`kernels.gated_delta`) from each sequence's state; the gated norm; out_proj."""
+    (`kernels.gated_delta`) from each sequence's state; the gated norm; out_proj. Under tensor parallelism each rank
+    holds its key heads and their value heads (column-parallel in_proj, its heads' states, row-parallel out_proj)."""
 
-    def __init__(self, shape: GatedDeltaShape, hidden_size: int, eps: float, layer: int) -> None:
+    def __init__(self, shape: GatedDeltaShape, hidden_size: int, eps: float, layer: int,
+                 comm: Collectives | None = None) -> None:
         super().__init__()
-        s = self.shape = shape
+        s = self.shape = shape                  # this rank's heads under tensor parallelism
         self.layer = layer                      # its index among the model's linear layers (its state's)
+        self.comm = comm or Collectives()       # out_proj's partial outputs summed over the ranks
         self.in_proj = nn.Linear(hidden_size, s.conv_dim + s.value_dim + 2 * s.num_v_heads, bias=False)
         self.conv1d = nn.Module()
         self.conv1d.weight = nn.Parameter(torch.empty(s.conv_dim, 1, s.conv_kernel))
@@ -115,7 +119,7 @@ class GatedDeltaNet(nn.Module):
         else:
             out = self._per_sequence(mixed, g, beta, weight, conv, ssm, meta)
         out = self.norm(out.to(hidden.dtype), z.unflatten(-1, (s.num_v_heads, s.v_head_dim)))
-        return self.out_proj(out.flatten(1))
+        return self.comm.all_reduce(self.out_proj(out.flatten(1)))
 
     def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         s = self.shape

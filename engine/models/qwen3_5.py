@@ -20,7 +20,7 @@ from torch import nn
 
 from engine.layers import GemmaHeadRMSNorm, GemmaRMSNorm, RopeRows, RotaryEmbedding
 from engine.layers.gated_delta_net import GatedDeltaNet, RecurrentStates
-from engine.model import MLP, Attention, LlamaForCausalLM
+from engine.model import MLP, Attention, LlamaForCausalLM, WeightLoadError
 from engine.model_config import ModelConfig
 from engine.models.phi3 import partial_rotary_rows
 from engine.models.qwen3_moe import Qwen3MoeForCausalLM
@@ -64,7 +64,7 @@ class HybridLayer(nn.Module):
         h, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(h, eps)
         if config.is_linear_layer(layer):
-            self.linear_attn = GatedDeltaNet(config.gated_delta, h, eps, linear_index)
+            self.linear_attn = GatedDeltaNet(config.gated_delta.per_rank(shard.size), h, eps, linear_index, comm)
         else:
             self.self_attn = GatedAttention(config, shard, comm, rotary_emb, layer)
         self.post_attention_layernorm = GemmaRMSNorm(h, eps)
@@ -110,8 +110,8 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
         its pools' max_num_seqs at start; the capacity plan counted them)."""
         weight = self.embed_tokens.weight
         if self.states is None:
-            self.states = RecurrentStates(self.config.gated_delta, len(self._linear_index), weight.dtype,
-                                          weight.device)
+            self.states = RecurrentStates(self.config.gated_delta.per_rank(self.shard.size), len(self._linear_index),
+                                          weight.dtype, weight.device)
         self.states.reserve(num_rows)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -146,11 +146,12 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
                 for read, piece in super().read_tensor(hf_name, name, tensor))
 
     def _destination(self, name: str, hf_name: str) -> tuple[str, Callable[[torch.Tensor], torch.Tensor]]:
-        c = self.config
-        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        """The gates into qkv_proj's last rows, the linear layers' four projections into in_proj (this rank's)."""
+        c, shard = self.config, self.shard
+        q, kv = shard.num_heads * c.head_dim, shard.num_kv_heads * c.head_dim
         if ".self_attn.q_gate." in name:
             return name.replace(".q_gate.", ".qkv_proj."), lambda data: data.narrow(0, q + 2 * kv, q)
-        s = c.gated_delta
+        s = c.gated_delta.per_rank(shard.size)
         rows = {"in_proj_qkv": (0, s.conv_dim), "in_proj_z": (s.conv_dim, s.value_dim),
                 "in_proj_b": (s.conv_dim + s.value_dim, s.num_v_heads),
                 "in_proj_a": (s.conv_dim + s.value_dim + s.num_v_heads, s.num_v_heads)}
@@ -158,6 +159,29 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
             if f".linear_attn.{part}." in name:
                 return name.replace(part, "in_proj"), lambda data, o=offset, n=size: data.narrow(0, o, n)
         return super()._destination(name, hf_name)
+
+    def _shard_of(self, hf_name: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part: the gates as q_proj's rows (its heads); of a linear layer its key heads' q and k and its
+        value heads' v, z, b, a, decay parameters and out_proj columns (the gated norm whole)."""
+        if self.shard.size == 1:
+            return tensor
+        if ".self_attn.q_gate." in name:
+            return super()._shard_of(hf_name, name.replace(".q_gate.", ".q_proj."), tensor)
+        if ".linear_attn." not in name or name.endswith("norm.weight"):
+            return super()._shard_of(hf_name, name, tensor)
+        s, rank, size = self.config.gated_delta, self.shard.rank, self.shard.size
+        qkv = [(s.key_dim, 0), (s.key_dim, s.key_dim), (s.value_dim, 2 * s.key_dim)]   # (full, offset) of each part
+        parts = {"in_proj_qkv": (0, qkv), "conv1d": (0, qkv), "in_proj_z": (0, [(s.value_dim, 0)]),
+                 "in_proj_b": (0, [(s.num_v_heads, 0)]), "in_proj_a": (0, [(s.num_v_heads, 0)]),
+                 "dt_bias": (0, [(s.num_v_heads, 0)]), "A_log": (0, [(s.num_v_heads, 0)]),
+                 "out_proj": (1, [(s.value_dim, 0)])}
+        part = name.split(".linear_attn.")[1].split(".")[0]
+        dim, pieces = parts[part]
+        if tensor.dim() <= dim or tensor.shape[dim] != sum(full for full, _ in pieces):
+            raise WeightLoadError(f"{hf_name}: shape {tuple(tensor.shape)} does not match the config "
+                                  f"({sum(full for full, _ in pieces)} along dimension {dim})")
+        return torch.cat([tensor.narrow(dim, offset + rank * (full // size), full // size) for full, offset in pieces],
+                         dim=dim)
 
     def init_random(self, seed: int = 0, std: float = 0.02) -> None:
         """Random weights, the norms at the identity: Gemma's (1 + weight) at 0, the gated norms' at 1."""

@@ -1,7 +1,7 @@
 """Hybrid models whose linear-attention layers keep a state per sequence (Qwen3.5): that state through the engine's
 life of a sequence. A preempted sequence recomputes it, n > 1 samples prefill apart, a prompt served twice does
-not resume from cached blocks its state is not in; swap and tensor parallelism are refused by key; the capacity
-plan counts each running sequence's state. Greedy parity on tiny models is in test_engine_vs_hf.py."""
+not resume from cached blocks its state is not in; swap, and more ranks than linear-attention key heads, are refused
+by key; the capacity plan counts each running sequence's state. Greedy parity on tiny models is in test_engine_vs_hf.py."""
 
 from __future__ import annotations
 
@@ -73,13 +73,14 @@ def test_no_prefix_cache_and_samples_prefill_apart(tiny):
     assert_all_free(engine)
 
 
-def test_swap_and_tensor_parallelism_are_refused_by_key(tiny):
+def test_swap_and_ranks_past_the_key_heads_are_refused_by_key(tiny):
     folder, _ = tiny
     with pytest.raises(ConfigError, match=r"^pools\.default\.preemption_mode: 'swap' swaps K/V blocks.*recompute"):
         _engine(folder, preemption_mode="swap", swap_space_bytes=1 << 20)
     model = ModelConfig.from_folder(folder)
-    with pytest.raises(ConfigError, match=r"^tensor_parallel_size: 2 ranks; Qwen3_5ForCausalLM's linear-attention"):
-        check_tensor_parallel(model, 2)
+    check_tensor_parallel(model, 2)   # 2 key heads: one a rank (tests/engine/test_tensor_parallel.py)
+    with pytest.raises(ConfigError, match=r"^tensor_parallel_size: 4 does not divide the model's 2 linear-attention"):
+        check_tensor_parallel(model, 4)
 
 
 def test_capacity_plan_counts_each_sequence_state(tiny):
@@ -90,6 +91,7 @@ def test_capacity_plan_counts_each_sequence_state(tiny):
     model = ModelConfig.from_folder(folder)
     state = 3 * ((2 * 2 * 16 + 4 * 8) * 3 * 4 + 4 * 16 * 8 * 4)
     assert model.state_bytes_per_seq(torch.float32) == state
+    assert model.state_bytes_per_seq(torch.float32, tensor_parallel_size=2) == state // 2   # a rank's key heads'
     assert model.kv_bytes_per_token(torch.float32) == 2 * 1 * 2 * 16 * 4
     pool = {"name": "chat", "model": "tiny", "kv_cache_bytes": "1MiB", "avg_len": 192, "max_model_len": 512}
     data = {"devices": {"default": {"device": "cpu", "memory": "2GiB", "dtype": "float32"}}, "pools": [pool]}

@@ -57,6 +57,9 @@ def _hf(arch: str, **extra) -> ModelConfig:
     _hf("Qwen3ForCausalLM"),
     _hf("Qwen3MoeForCausalLM", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1]),
     _hf("Gemma3ForCausalLM", sliding_window=8, query_pre_attn_scalar=16),
+    _hf("Qwen3NextForCausalLM", num_hidden_layers=4, linear_num_key_heads=8, linear_num_value_heads=16,
+        linear_key_head_dim=8, linear_value_head_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=16, mlp_only_layers=[1]),
 ], ids=lambda c: c.architecture)
 def test_the_capacity_plans_count_of_a_ranks_weights_is_what_the_rank_builds(config):
     """ShardShape.num_params: what the plan sets aside on each GPU for the weights is what the
@@ -260,6 +263,11 @@ QWEN3 = {"head_dim": 32, "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
     ("hunyuan_v1_dense", {"head_dim": 16, "rope_parameters": {"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0,
                                                               "rope_theta": 10000.0}}, None),
     ("olmoe", {"intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2, "clip_qkv": 0.5}, None),
+    ("qwen3_5", {"num_hidden_layers": 4, "head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                 "linear_key_head_dim": 16, "linear_value_head_dim": 8}, True),
+    ("qwen3_next", {"num_hidden_layers": 4, "head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                    "linear_key_head_dim": 16, "linear_value_head_dim": 8, "num_experts": 8, "num_experts_per_tok": 2,
+                    "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48, "mlp_only_layers": [2]}, None),
 ])
 def test_two_ranks_generate_what_one_does(tmp_path, builtin_path, prompts, arch, overrides, overlap):
     # A tiny random model with even head counts (4 heads, 2 KV heads); Qwen3 q/k head norms (whole on every rank)
@@ -276,7 +284,9 @@ def test_two_ranks_generate_what_one_does(tmp_path, builtin_path, prompts, arch,
     # MiniMax-M2 its whole-projection q/k norms' sums of squares over the ranks beside the rows it reorders for its
     # partial rotary (GLM-4.5's parts: Qwen3's head norms, GLM-4's reordered rows, DeepSeek's experts); Llama 4 each
     # rank's heads of its reordered q/k rows, their chunks, its NoPE layers' query temperature on each rank's heads,
-    # its experts' and shared expert's rows beside dense layers; Ministral 3 its query scaling on each rank's heads.
+    # its experts' and shared expert's rows beside dense layers; Ministral 3 its query scaling on each rank's heads;
+    # Qwen3.5 each rank's key heads of its linear layers (their value heads' states on that rank) and each rank's
+    # heads' gates; Qwen3-Next the same out of its fused projections, beside experts and a dense layer.
     # Qwen3's,
     # Mixtral's and DeepSeek's groups overlap their steps: the other rank fills the placeholders of each step's
     # inputs from rank 0's sampled ids (engine.overlap).
