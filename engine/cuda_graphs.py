@@ -140,6 +140,11 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(n, width, dtype=torch.int32, device=device)
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        # each sequence's row of the persistent batch (a model with linear-attention layers keeps its state there);
+        # padded rows use the model's padding row, whose state nothing reads
+        states = getattr(model, "states", None)
+        self.padding_row = states.padding_row if states is not None else 0
+        self.rows = torch.full((n,), self.padding_row, dtype=torch.int64, device=device)
         # size -> (graph, its output, its metadata: the attention plan's tensors in `backend_cache` that the
         # graph reads stay alive with it)
         self._graphs: dict[int, tuple[Any, torch.Tensor, AttentionMetadata]] = {}
@@ -151,7 +156,7 @@ class DecodeGraphs:
             slot_mapping=self.slots[:size], block_tables=self.block_tables[:size],
             query_start_loc=self.query_start_loc[:size + 1], seq_lens=self.seq_lens[:size],
             block_size=self.block_size, query_lens_list=[1] * size, seq_lens_list=[self.max_model_len] * size,
-            has_invalid_slots=True)   # padded rows: slot -1
+            has_invalid_slots=True, rows=self.rows[:size])   # padded rows: slot -1
 
     def capture(self) -> None:
         """Capture every size, largest first (the later ones reuse its pool). Each is run once eagerly
@@ -191,6 +196,9 @@ class DecodeGraphs:
             self.slots[n:size].fill_(-1)
             self.seq_lens[n:size].fill_(1)
             self.block_tables[n:size, 0].zero_()
+            self.rows[n:size].fill_(self.padding_row)
+        if meta.rows is not None:
+            self.rows[:n].copy_(meta.rows, non_blocking=True)
         self.seq_lens[:n].copy_(meta.seq_lens, non_blocking=True)
         self.block_tables[:n, :width].copy_(meta.block_tables, non_blocking=True)
         self.graphs.replay(graph)

@@ -117,6 +117,8 @@ class _Forward:
                                        max_model_len, self.kv_cache.block_size,
                                        graphs or CudaGraphBackend(self.device))
             self.graphs.capture()
+        if getattr(self.model, "states", None) is not None:   # the graphs read these tensors: they stay put
+            self.model.states.frozen = True
         log.info("captured %d decode graphs (batch 1 to %d) in %.1fs, %.0f MiB", len(self.graphs.sizes),
                  self.graphs.max_batch, self.graphs.capture_seconds, self.graphs.memory_bytes / 2**20)
 
@@ -279,6 +281,8 @@ class FollowerRunner(_Forward):
         kv_cache = KVCache(model_config, config.num_blocks, config.cache.block_size, config.resolved_kv_dtype(device),
                            device, num_kv_heads=shard.num_kv_heads)
         runner = cls(model, kv_cache, device, link)
+        if hasattr(model, "reserve_states"):   # as rank 0's: its pools' rows, before any graph reads them
+            model.reserve_states(sum(p.scheduler.max_num_seqs for p in config.pools))
         runner.compile_kernels()
         setup = link.receive()
         for pool, num_blocks in setup.swap_blocks.items():

@@ -22,9 +22,11 @@ from kernels import gated_delta
 
 
 class RecurrentStates:
-    """Each linear layer's state for `num_rows` rows of the persistent batch: conv [rows, conv_dim, kernel - 1]
-    in the model's dtype, ssm [rows, num_v_heads, k_head_dim, v_head_dim] float32. Grows (doubling) when the
-    persistent batch hands out a row past it. Owned by the model; one forward pass at a time."""
+    """Each linear layer's state for `num_rows` rows of the persistent batch: conv [rows + 1, conv_dim, kernel - 1]
+    in the model's dtype, ssm [rows + 1, num_v_heads, k_head_dim, v_head_dim] float32; the last row, `padding_row`,
+    is what a decode graph's padded rows read and write (`engine.cuda_graphs`). Grows (doubling) when the persistent
+    batch hands out a row past it, but not once `frozen` (decode graphs captured: they hold these tensors). Owned
+    by the model; one forward pass at a time."""
 
     def __init__(self, shape: GatedDeltaShape, num_layers: int, dtype: torch.dtype, device: torch.device,
                  num_rows: int = 0) -> None:
@@ -32,16 +34,24 @@ class RecurrentStates:
         self.conv: list[torch.Tensor] = []
         self.ssm: list[torch.Tensor] = []
         self.num_rows = 0
+        self.frozen = False
         if num_rows:
             self.reserve(num_rows)
+
+    @property
+    def padding_row(self) -> int:
+        return self.num_rows
 
     def reserve(self, num_rows: int) -> None:
         """Room for rows 0 .. num_rows - 1 (the states held so far kept)."""
         if num_rows <= self.num_rows:
             return
+        if self.frozen:
+            raise RuntimeError(f"row {num_rows - 1} of the persistent batch is past the {self.num_rows} rows of "
+                               "linear-attention state the decode graphs were captured with")
         s = self.shape
-        conv = (num_rows, s.conv_dim, s.conv_kernel - 1)
-        ssm = (num_rows, s.num_v_heads, s.k_head_dim, s.v_head_dim)
+        conv = (num_rows + 1, s.conv_dim, s.conv_kernel - 1)
+        ssm = (num_rows + 1, s.num_v_heads, s.k_head_dim, s.v_head_dim)
         old = self.num_rows
         self.conv = [_grown(self.conv[i] if old else None, conv, self.dtype, self.device)
                      for i in range(self.num_layers)]
@@ -65,7 +75,7 @@ class RecurrentStates:
 def _grown(old: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     new = torch.zeros(shape, dtype=dtype, device=device)
     if old is not None:
-        new[:old.shape[0]] = old
+        new[:old.shape[0] - 1] = old[:-1]   # the rows held; the old padding row is not one
     return new
 
 
@@ -129,7 +139,7 @@ class GatedDeltaNet(nn.Module):
 
     def _decode(self, mixed, g, beta, weight, conv, ssm, meta: AttentionMetadata) -> torch.Tensor:
         """One token of each sequence, all at once: the rows gathered, stepped, scattered back."""
-        rows = meta.rows
+        rows = meta.rows   # a decode graph's padded rows: `RecurrentStates.padding_row` (seq_lens 1: from zeros)
         keep = (meta.seq_lens > 1).unsqueeze(-1).unsqueeze(-1)     # a 1-token prompt starts from zeros
         x, conv_new = gated_delta.causal_conv_step(mixed, weight, conv.index_select(0, rows) * keep)
         q, k, v = self._split(x)

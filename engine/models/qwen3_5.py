@@ -7,7 +7,8 @@ few layers (`layer_types`), gated full attention over the paged KV cache:
   i with i + rotary_dim / 2 (q and k rows and norm weights reordered as read, `partial_rotary_rows`);
 - every norm is Gemma's (1 + weight) but the linear layers' gated output norm;
 - the KV cache holds the full layers alone (`ModelConfig.kv_layers`), the states the linear ones.
-The module path runs it (no CPU flat loop, no decode graphs: the state's rows are gathered by the step).
+The module path runs it (no CPU flat loop); a decode step gathers and scatters the states by the rows in its metadata,
+on the device, so decode graphs capture it (their padded rows use a padding row of the states).
 """
 
 from __future__ import annotations
@@ -86,7 +87,6 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
     layers' states (`states`, made at the first forward or by `reserve_states`)."""
 
     supports_flat_forward = False
-    graph_safe = False   # a decode step gathers and scatters the states by row (the eager path runs it)
     norm_init = 0.0
 
     def __init__(self, config: ModelConfig, shard: ShardShape | None = None, comm: Collectives | None = None,

@@ -273,3 +273,30 @@ def test_graphs_apply_only_to_a_model_whose_forward_is_graph_safe(tmp_path, buil
                                      backend=triton_attention, model=model)
             assert _Forward.graphs_apply(runner, enforce_eager=False) is expected
             assert _Forward.graphs_apply(runner, enforce_eager=True) is False
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next"])
+def test_a_hybrid_models_decode_graphs_keep_each_sequences_state(tmp_path, builtin_path, monkeypatch, arch):
+    """Qwen3.5's linear-attention layers gather each sequence's state by its row of the persistent batch and scatter
+    it back, on the device: decode steps replay (batches of 3, 2 and 1: padded rows, whose writes land in the states'
+    padding row), prefills run eagerly between them, and greedy tokens equal the eager run's; the states stay where
+    the graphs read them (a row past them is refused, not reallocated)."""
+    from tests.engine.test_engine_vs_hf import QWEN3_5
+
+    experts = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+    path = make_tiny_model(tmp_path / arch, arch, builtin_path, **QWEN3_5, **(experts if arch == "qwen3_next" else {}))
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (3, 20, 9)]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (10, 4, 7)]
+    results = {}
+    for graphs in (False, True):
+        engine = _engine(path, monkeypatch, "triton" if graphs else "torch")
+        if graphs:
+            recorder = RecordingGraphBackend()
+            engine.runner.capture_graphs(MAX_SEQS, 128, recorder)
+        results[graphs] = [out.outputs[0].token_ids for out in engine.generate(prompts, params)]
+        assert_all_free(engine)
+    assert recorder.replays > 5 and engine.model.states.frozen
+    assert results[True] == results[False]
+    with pytest.raises(RuntimeError, match="past the 4 rows of linear-attention state"):
+        engine.model.states.reserve(5)
