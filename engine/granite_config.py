@@ -1,13 +1,14 @@
 """IBM Granite's config.json fields as `ModelConfig` fields: Granite 3's four scalars (`GraniteConfig`), and Granite 4's
-(`GraniteMoeHybridConfig`) where it is a transformer: every layer attention, no experts (Granite-4.0-Micro, -1B,
--350M); its Mamba layers and experts (the -H models) are refused by name."""
+(`GraniteMoeHybridConfig`) without experts: attention layers (Granite-4.0-Micro, -1B, -350M) and Mamba-2 ones beside
+them (Granite-4.0-H-Micro, -H-1B, -H-350M); its experts (-H-Tiny, -H-Small) are refused by name."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from engine.config import ConfigError
-from engine.config_values import read_float, read_int
+from engine.config_values import read_bool, read_float, read_int
+from engine.gated_delta_config import Mamba2Shape
 
 # transformers' old names of Granite 4's layer types (`remap_legacy_layer_types`)
 _LEGACY_TYPES = {"attention": "full_attention", "mamba": "linear_attention"}
@@ -26,24 +27,55 @@ def granite_fields(cfg: dict[str, Any], arch: str = "GraniteForCausalLM", num_la
 
 
 def granite4_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
-    """Granite 4 as a transformer: `layer_types` (or `layers_block_type`) all attention, `num_local_experts` 0, the
-    MLP its shared one of `shared_intermediate_size`; the rotary only where `position_embedding_type` is rope (NoPE
-    on every layer otherwise, transformers' default)."""
+    """Granite 4: `layer_types` (or `layers_block_type`) attention and Mamba-2 layers (`linear_attention`, the -H
+    models', `mamba2_shape`), at least one attention layer; `num_local_experts` 0, the MLP its shared one of
+    `shared_intermediate_size`; the rotary only where `position_embedding_type` is rope (NoPE on every layer
+    otherwise, transformers' default)."""
     key = "layer_types" if cfg.get("layer_types") is not None else "layers_block_type"
     kinds = cfg.get(key)
     if kinds is None:
         raise ConfigError("layer_types: a Granite 4 config without it has Mamba layers on every layer "
-                          "(transformers' default), which are not served")
-    if not isinstance(kinds, list) or len(kinds) != num_layers:
-        raise ConfigError(f"{key}: one type for each of the {num_layers} layers, got {kinds!r:.80}")
-    if any(_LEGACY_TYPES.get(k, k) != "full_attention" for k in kinds):
-        raise ConfigError(f"{key}: Granite 4's Mamba layers (the -H models') are not served, only attention ones; "
-                          f"got {sorted(set(kinds))}")
+                          "(transformers' default) and no attention, which is not served")
+    if not isinstance(kinds, list) or len(kinds) != num_layers or \
+            any(_LEGACY_TYPES.get(k, k) not in ("full_attention", "linear_attention") for k in kinds):
+        raise ConfigError(f"{key}: attention or mamba for each of the {num_layers} layers, got {kinds!r:.80}")
+    kinds = [_LEGACY_TYPES.get(k, k) for k in kinds]
+    if "full_attention" not in kinds:
+        raise ConfigError(f"{key}: Granite 4 with Mamba layers alone (no attention layer) is not served")
     if read_int(cfg, "num_local_experts", 8, minimum=0):
         raise ConfigError(f"num_local_experts: Granite 4's experts are not served (0: its dense models), "
                           f"got {cfg.get('num_local_experts', 8)}")
     rope = cfg.get("position_embedding_type")
     if rope not in (None, "rope", "nope"):
         raise ConfigError(f"position_embedding_type: rope or none (NoPE), got {rope!r}")
-    return {"intermediate_size": read_int(cfg, "shared_intermediate_size", 1024),
-            "no_rope_layers": () if rope == "rope" else (0,) * num_layers}
+    fields = {"intermediate_size": read_int(cfg, "shared_intermediate_size", 1024),
+              "no_rope_layers": () if rope == "rope" else (0,) * num_layers}
+    if "linear_attention" in kinds:
+        fields |= {"layer_types": tuple(kinds), "mamba": mamba2_shape(cfg)}
+    return fields
+
+
+def mamba2_shape(cfg: dict[str, Any]) -> Mamba2Shape:
+    """The Mamba-2 layers' shape as `GraniteMoeHybridConfig` reads it: `mamba_n_heads` (128) heads of `mamba_d_head`
+    ("auto": `mamba_expand` (2) x hidden_size over the heads, which it must make), `mamba_d_state` (256),
+    `mamba_n_groups` (1), `mamba_d_conv` (4) taps with a bias (`mamba_conv_bias`), `mamba_proj_bias` (false),
+    dt clamped to `time_step_limit`; the convolution's activation SiLU (`hidden_act`)."""
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"hidden_act: Granite 4's Mamba layers are served with silu only, got {cfg['hidden_act']!r}")
+    heads, hidden = read_int(cfg, "mamba_n_heads", 128), read_int(cfg, "hidden_size")
+    inter = read_int(cfg, "mamba_expand", 2) * hidden
+    head_dim = cfg.get("mamba_d_head", "auto")
+    head_dim = inter // heads if head_dim == "auto" else read_int(cfg, "mamba_d_head")
+    if head_dim * heads != inter:
+        raise ConfigError(f"mamba_d_head: {head_dim} x mamba_n_heads {heads} is not mamba_expand x hidden_size {inter}")
+    limit = cfg.get("time_step_limit") or (0.0, float("inf"))
+    if isinstance(limit, (list, tuple)):   # transformers 5 writes infinity as {"__float__": "Infinity"}
+        limit = [float(v["__float__"]) if isinstance(v, dict) and v.get("__float__") in ("Infinity", "-Infinity")
+                 else v for v in limit]
+    if not isinstance(limit, (list, tuple)) or len(limit) != 2 or not all(isinstance(v, (int, float)) for v in limit):
+        raise ConfigError(f"time_step_limit: two numbers (the least and the most dt), got {limit!r:.40}")
+    return Mamba2Shape(num_heads=heads, head_dim=head_dim, d_state=read_int(cfg, "mamba_d_state", 256),
+                       n_groups=read_int(cfg, "mamba_n_groups", 1), conv_kernel=read_int(cfg, "mamba_d_conv", 4),
+                       conv_bias=read_bool(cfg, "mamba_conv_bias", True),
+                       proj_bias=read_bool(cfg, "mamba_proj_bias", False),
+                       dt_limit=(float(limit[0]), float(limit[1])))

@@ -125,7 +125,7 @@ class LLMEngine:
         self.default_pool = config.pools[0].name
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.draw_sampling_seed()))
         self.requests: dict[str, RequestState] = {}
-        self._forks = SampleForks(self.schedulers, share_prefill=self.model_config.gated_delta is None)
+        self._forks = SampleForks(self.schedulers, share_prefill=self.model_config.state_shape is None)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids))
         self._building = PendingGrammars(self.grammars)   # requests whose grammar is being built
         self.overlap = overlap_applies(config.async_scheduling, self.device)

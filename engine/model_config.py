@@ -18,7 +18,7 @@ import torch
 from engine.config import ConfigError, PoolConfig, quantizes_kv_cache_only
 from engine.fp8_weights import SCALE_SUFFIX, fp8_weights
 from engine.config_values import read_bool, read_float, read_int, read_object, read_token_ids, rope_type
-from engine.gated_delta_config import GatedDeltaShape, serving_pool
+from engine.gated_delta_config import GatedDeltaShape, Mamba2Shape, serving_pool
 from engine.mla_config import MlaShape
 from engine.model_defaults import (DEFAULT_HEAD_DIM, DEFAULT_KV_HEADS, DEFAULT_MAX_POSITIONS, DEFAULT_RMS_NORM_EPS,
                                    DEFAULT_ROPE_THETA, FAMILY_DEFAULTS, TEXT_DEFAULTS)
@@ -119,6 +119,7 @@ class ModelConfig:
     swiglu_limit: float | None = None   # GPT-OSS: the experts' SwiGLU clamped at it (None: plain SiLU x up)
     swiglu_alpha: float = 1.702         # ... and its sigmoid's gain
     gated_delta: GatedDeltaShape | None = None   # Qwen3.5: its linear_attention layers' shape (None: none)
+    mamba: Mamba2Shape | None = None    # Granite 4's -H models: their Mamba-2 layers' (`linear_attention` too)
     attn_output_gate: bool = False      # Qwen3.5: attention's output x sigmoid(a gate q_proj makes beside each head)
     mla: MlaShape | None = None         # DeepSeek: latent attention (head_dim the cache's, one KV head; None: none)
     moe_router: str = "softmax"         # how experts are picked (MOE_ROUTERS): the softmax's top k, or DeepSeek's
@@ -157,7 +158,7 @@ class ModelConfig:
             raise ConfigError(f"hidden_act: unsupported {self.hidden_act!r}; supported: {', '.join(SUPPORTED_ACTIVATIONS)}")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ConfigError(f"sliding_window: must be positive, got {self.sliding_window}")
-        kinds = LAYER_TYPES + (("linear_attention",) if self.gated_delta is not None else ())   # Qwen3.5's
+        kinds = LAYER_TYPES + (("linear_attention",) if self.state_shape is not None else ())   # Qwen3.5's, Granite's
         if self.layer_types and (len(self.layer_types) != self.num_layers
                                  or any(t not in kinds for t in self.layer_types)):
             raise ConfigError(f"layer_types: one of {', '.join(kinds)} for each of the {self.num_layers} "
@@ -210,7 +211,7 @@ class ModelConfig:
     def serving_pool(self, pool: PoolConfig) -> PoolConfig:
         """`pool` as this model serves it: with linear-attention layers (a state per sequence), without prefix caching
         and swap (`engine.gated_delta_config.serving_pool`)."""
-        return serving_pool(pool, self.gated_delta is not None)
+        return serving_pool(pool, self.state_shape is not None)
 
     @property
     def context_length(self) -> int:
@@ -272,6 +273,11 @@ class ModelConfig:
         return tuple(i for i in range(self.num_layers) if not self.is_linear_layer(i))
 
     @property
+    def state_shape(self) -> GatedDeltaShape | Mamba2Shape | None:
+        """The shape of the layers that keep a state per sequence (`layer_types` linear_attention), or None."""
+        return self.gated_delta if self.gated_delta is not None else self.mamba
+
+    @property
     def num_kv_layers(self) -> int:
         return len(self.kv_layers)
 
@@ -282,9 +288,9 @@ class ModelConfig:
         """Bytes of the state each running sequence holds for the linear-attention layers (0: none), whatever its
         length, on each of `tensor_parallel_size` ranks: the capacity plan counts it per sequence beside S_KV x its
         length."""
-        if self.gated_delta is None:
+        if self.state_shape is None:
             return 0
-        shape = self.gated_delta.per_rank(tensor_parallel_size)
+        shape = self.gated_delta.per_rank(tensor_parallel_size) if self.gated_delta is not None else self.mamba
         return (self.num_layers - self.num_kv_layers) * shape.state_bytes(dtype.itemsize)
 
     def rotary_cache_bytes(self, dtype: torch.dtype) -> int:
@@ -345,8 +351,8 @@ class ModelConfig:
             per_layer += h * q + (q if self.attention_bias else 0)
         mlps = sum(experts if self.is_sparse_layer(layer) else mlp for layer in range(self.num_layers))
         head = 0 if self.tie_word_embeddings else v * h
-        linear = 0 if self.gated_delta is None else (self.num_layers - self.num_kv_layers) * (   # a rank's heads
-            self.gated_delta.per_rank(self.num_heads // heads).num_params(h) + norms * h)
+        state = self.gated_delta.per_rank(self.num_heads // heads) if self.gated_delta is not None else self.mamba
+        linear = 0 if state is None else (self.num_layers - self.num_kv_layers) * (state.num_params(h) + norms * h)
         return v * h + self.num_kv_layers * per_layer + linear + mlps + h + head
 
     @classmethod

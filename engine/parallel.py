@@ -134,9 +134,8 @@ def check_tensor_parallel(model: ModelConfig, size: int, key: str = "tensor_para
     if model.num_kv_heads % size and size % model.num_kv_heads:
         raise ConfigError(f"{key}: {size} neither divides nor is a multiple of the model's "
                           f"{model.num_kv_heads} KV heads")
-    if model.gated_delta is not None and model.gated_delta.num_k_heads % size:
-        raise ConfigError(f"{key}: {size} does not divide the model's {model.gated_delta.num_k_heads} linear-attention "
-                          "key heads (linear_num_key_heads)")
+    if model.state_shape is not None and (why := model.state_shape.split_error(size)):   # Qwen3.5's, Granite 4-H's
+        raise ConfigError(f"{key}: {why}")
     for name in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
         if getattr(model, name) % size:
             raise ConfigError(f"{key}: {size} does not divide the model's {name} {getattr(model, name)}"

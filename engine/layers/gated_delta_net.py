@@ -1,5 +1,6 @@
-"""Gated DeltaNet, the linear attention of Qwen3.5's (and Qwen3-Next's) `linear_attention` layers, and the
-per-sequence state those layers keep in place of K/V (`RecurrentStates`).
+"""Gated DeltaNet, the linear attention of Qwen3.5's (and Qwen3-Next's) `linear_attention` layers, the per-sequence
+state those layers (and Mamba-2's, `engine.layers.mamba2`) keep in place of K/V (`RecurrentStates`), and what such a
+mixer does with the step's rows (`StateMixer`).
 
 A running sequence's state lives in the rows of the state tensors that match its row of the persistent batch
 (`engine.input_batch`: a sequence holds one row for as long as it runs; `AttentionMetadata.rows`). A sequence
@@ -15,20 +16,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.gated_delta_config import GatedDeltaShape
+from engine.gated_delta_config import GatedDeltaShape, StateShape
 from engine.parallel import Collectives
 from kernels import AttentionMetadata
 from kernels import gated_delta
 
 
 class RecurrentStates:
-    """Each linear layer's state for `num_rows` rows of the persistent batch: conv [rows + 1, conv_dim, kernel - 1]
-    in the model's dtype, ssm [rows + 1, num_v_heads, k_head_dim, v_head_dim] float32; the last row, `padding_row`,
+    """Each state layer's state for `num_rows` rows of the persistent batch: conv [rows + 1, conv_dim, kernel - 1]
+    in the model's dtype, ssm [rows + 1, *shape.ssm_state_shape] float32 (Gated DeltaNet's [num_v_heads,
+    k_head_dim, v_head_dim], Mamba-2's [num_heads, head_dim, d_state]); the last row, `padding_row`,
     is what a decode graph's padded rows read and write (`engine.cuda_graphs`). Grows (doubling) when the persistent
     batch hands out a row past it, but not once `frozen` (decode graphs captured: they hold these tensors). Owned
     by the model; one forward pass at a time."""
 
-    def __init__(self, shape: GatedDeltaShape, num_layers: int, dtype: torch.dtype, device: torch.device,
+    def __init__(self, shape: StateShape, num_layers: int, dtype: torch.dtype, device: torch.device,
                  num_rows: int = 0) -> None:
         self.shape, self.num_layers, self.dtype, self.device = shape, num_layers, dtype, device
         self.conv: list[torch.Tensor] = []
@@ -49,9 +51,8 @@ class RecurrentStates:
         if self.frozen:
             raise RuntimeError(f"row {num_rows - 1} of the persistent batch is past the {self.num_rows} rows of "
                                "linear-attention state the decode graphs were captured with")
-        s = self.shape
-        conv = (num_rows + 1, s.conv_dim, s.conv_kernel - 1)
-        ssm = (num_rows + 1, s.num_v_heads, s.k_head_dim, s.v_head_dim)
+        conv = (num_rows + 1, *self.shape.conv_state_shape)
+        ssm = (num_rows + 1, *self.shape.ssm_state_shape)
         old = self.num_rows
         self.conv = [_grown(self.conv[i] if old else None, conv, self.dtype, self.device)
                      for i in range(self.num_layers)]
@@ -95,7 +96,58 @@ class GatedRMSNorm(nn.Module):
         return (normed * F.silu(z.float())).to(x.dtype)
 
 
-class GatedDeltaNet(nn.Module):
+class StateMixer(nn.Module):
+    """What a token mixer with a per-sequence state does with the step's rows, whatever its recurrence: the causal
+    convolution from each sequence's conv state, then `step` (one token of many sequences: a decode step, batched;
+    the rows gathered and scattered back) or `chunk` (one sequence's new tokens), each from and to its recurrent
+    state; a step that starts a sequence at position 0 starts it from zeros. A subclass gives `layer` (its index
+    among the model's state layers), the convolution (`conv1d.weight` [channels, 1, kernel], `conv1d.bias` or
+    None) and the two scans, which take the convolution's output and the per-token inputs `extras`."""
+
+    layer: int
+
+    def step(self, x: torch.Tensor, extras: tuple[torch.Tensor, ...], ssm: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def chunk(self, x: torch.Tensor, extras: tuple[torch.Tensor, ...], ssm: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def scan(self, mixed: torch.Tensor, extras: tuple[torch.Tensor, ...], meta: AttentionMetadata,
+             states: RecurrentStates) -> torch.Tensor:
+        """mixed: [num_tokens, channels], the convolution's input for the step's tokens, sequence after sequence;
+        extras: per-token tensors [num_tokens, ...] -> the scans' outputs, in token order."""
+        conv, ssm = states.conv[self.layer], states.ssm[self.layer]
+        weight, bias = self.conv1d.weight[:, 0], getattr(self.conv1d, "bias", None)
+        if all(n == 1 for n in meta.query_lens_list):   # one token of each sequence, all at once
+            rows = meta.rows   # a decode graph's padded rows: `RecurrentStates.padding_row` (seq_lens 1: from zeros)
+            keep = (meta.seq_lens > 1).unsqueeze(-1).unsqueeze(-1)     # a 1-token prompt starts from zeros
+            x, conv_new = gated_delta.causal_conv_step(mixed, weight, conv.index_select(0, rows) * keep, bias)
+            out, ssm_new = self.step(x, extras, ssm.index_select(0, rows) * keep.unsqueeze(-1))
+            conv.index_copy_(0, rows, conv_new.to(conv.dtype))
+            ssm.index_copy_(0, rows, ssm_new)
+            return out
+        outs, start = [], 0
+        for row, n, seq_len in zip(meta.rows_list, meta.query_lens_list, meta.seq_lens_list):
+            span = slice(start, start + n)
+            start += n
+            fresh = seq_len == n
+            conv_in = torch.zeros_like(conv[row]) if fresh else conv[row]
+            ssm_in = torch.zeros_like(ssm[row]) if fresh else ssm[row]
+            x, conv_out = gated_delta.causal_conv(mixed[span], weight, conv_in, bias)
+            if n == 1:
+                out, ssm_out = self.step(x, tuple(e[span] for e in extras), ssm_in.unsqueeze(0))
+                ssm_out = ssm_out[0]
+            else:
+                out, ssm_out = self.chunk(x, tuple(e[span] for e in extras), ssm_in)
+            conv[row] = conv_out
+            ssm[row] = ssm_out
+            outs.append(out)
+        return torch.cat(outs)
+
+
+class GatedDeltaNet(StateMixer):
     """One linear-attention layer. in_proj: the checkpoint's in_proj_qkv, in_proj_z, in_proj_b and in_proj_a as
     one GEMM (rows in that order); the causal convolution over q, k and v; the gated delta rule
     (`kernels.gated_delta`) from each sequence's state; the gated norm; out_proj. Under tensor parallelism each rank
@@ -120,14 +172,8 @@ class GatedDeltaNet(nn.Module):
         each sequence's state read from and written back to its row."""
         s = self.shape
         mixed, z, b, a = self.in_proj(hidden).split([s.conv_dim, s.value_dim, s.num_v_heads, s.num_v_heads], dim=-1)
-        beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)        # log decay, <= 0
-        conv, ssm = states.conv[self.layer], states.ssm[self.layer]
-        weight = self.conv1d.weight[:, 0]
-        if all(n == 1 for n in meta.query_lens_list):
-            out = self._decode(mixed, g, beta, weight, conv, ssm, meta)
-        else:
-            out = self._per_sequence(mixed, g, beta, weight, conv, ssm, meta)
+        out = self.scan(mixed, (g, b.sigmoid()), meta, states)
         out = self.norm(out.to(hidden.dtype), z.unflatten(-1, (s.num_v_heads, s.v_head_dim)))
         return self.comm.all_reduce(self.out_proj(out.flatten(1)))
 
@@ -137,35 +183,8 @@ class GatedDeltaNet(nn.Module):
         return (q.unflatten(-1, (s.num_k_heads, s.k_head_dim)), k.unflatten(-1, (s.num_k_heads, s.k_head_dim)),
                 v.unflatten(-1, (s.num_v_heads, s.v_head_dim)))
 
-    def _decode(self, mixed, g, beta, weight, conv, ssm, meta: AttentionMetadata) -> torch.Tensor:
-        """One token of each sequence, all at once: the rows gathered, stepped, scattered back."""
-        rows = meta.rows   # a decode graph's padded rows: `RecurrentStates.padding_row` (seq_lens 1: from zeros)
-        keep = (meta.seq_lens > 1).unsqueeze(-1).unsqueeze(-1)     # a 1-token prompt starts from zeros
-        x, conv_new = gated_delta.causal_conv_step(mixed, weight, conv.index_select(0, rows) * keep)
-        q, k, v = self._split(x)
-        out, ssm_new = gated_delta.recurrent_step(q, k, v, g, beta, ssm.index_select(0, rows) * keep.unsqueeze(-1))
-        conv.index_copy_(0, rows, conv_new.to(conv.dtype))
-        ssm.index_copy_(0, rows, ssm_new)
-        return out
+    def step(self, x, extras, ssm):
+        return gated_delta.recurrent_step(*self._split(x), *extras, ssm)
 
-    def _per_sequence(self, mixed, g, beta, weight, conv, ssm, meta: AttentionMetadata) -> torch.Tensor:
-        """Sequence after sequence (a step with prefill chunks): each from its state, or zeros where its step
-        starts at position 0."""
-        outs, start = [], 0
-        for row, n, seq_len in zip(meta.rows_list, meta.query_lens_list, meta.seq_lens_list):
-            span = slice(start, start + n)
-            start += n
-            fresh = seq_len == n
-            conv_in = torch.zeros_like(conv[row]) if fresh else conv[row]
-            ssm_in = torch.zeros_like(ssm[row]) if fresh else ssm[row]
-            x, conv_out = gated_delta.causal_conv(mixed[span], weight, conv_in)
-            q, k, v = self._split(x)
-            if n == 1:
-                out, ssm_out = gated_delta.recurrent_step(q, k, v, g[span], beta[span], ssm_in.unsqueeze(0))
-                ssm_out = ssm_out[0]
-            else:
-                out, ssm_out = gated_delta.chunked(q, k, v, g[span], beta[span], ssm_in)
-            conv[row] = conv_out
-            ssm[row] = ssm_out
-            outs.append(out)
-        return torch.cat(outs)
+    def chunk(self, x, extras, ssm):
+        return gated_delta.chunked(*self._split(x), *extras, ssm)

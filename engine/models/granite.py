@@ -8,7 +8,9 @@ runs it, the residual multiplier applied there the same way.
 Granite 4's transformers (`GraniteMoeHybridForCausalLM` with attention on every layer and no experts: Granite-4.0-
 Micro, -1B, -350M) are Granite 3's model: the MLP is its `shared_mlp` (`input_linear` [2 x intermediate, hidden],
 gate rows then up rows, read as gate_proj and up_proj; `output_linear` as down_proj), and without
-`position_embedding_type: rope` every layer is NoPE (SmolLM3's `NoRope`).
+`position_embedding_type: rope` every layer is NoPE (SmolLM3's `NoRope`). Its -H models without experts
+(Granite-4.0-H-Micro, -H-1B, -H-350M) put Mamba-2 layers (`engine.layers.mamba2`) beside the attention ones
+(`GraniteHybridForCausalLM`: the same layer, its token mixer the one or the other, over a state per sequence).
 """
 
 from __future__ import annotations
@@ -20,11 +22,14 @@ import torch
 from torch import nn
 
 from engine.layers import RopeRows
+from engine.layers.gated_delta_net import RecurrentStates
+from engine.layers.mamba2 import Mamba2Mixer
 from engine.model import DecoderLayer, LlamaForCausalLM
+from engine.models.hybrid import StatefulForCausalLM
 from engine.models.smollm3 import layer_rotary
 from kernels import AttentionMetadata
 
-__all__ = ["GraniteForCausalLM", "GraniteMoeHybridForCausalLM"]
+__all__ = ["GraniteForCausalLM", "GraniteHybridForCausalLM", "GraniteMoeHybridForCausalLM"]
 
 
 class GraniteDecoderLayer(DecoderLayer):
@@ -70,3 +75,42 @@ class GraniteMoeHybridForCausalLM(GraniteForCausalLM):
         if sep and part == "output_linear.weight":
             return ((f"{head}.mlp.down_proj.weight", tensor),)
         return ((name, tensor),)
+
+
+class GraniteHybridLayer(GraniteDecoderLayer):
+    """Granite 4's layer whose token mixer is attention (`self_attn`) or Mamba-2 (`mamba`, a state layer)."""
+
+    def __init__(self, config, shard, comm, rotary_emb, ops: ModuleType, layer: int, state_index: int) -> None:
+        super().__init__(config, shard, comm, rotary_emb, ops, layer)
+        self.residual_multiplier = config.residual_multiplier
+        if config.is_linear_layer(layer):
+            del self.self_attn
+            self.mamba = Mamba2Mixer(config.mamba, config.hidden_size, config.rms_norm_eps, state_index)
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope_rows: RopeRows | None,
+                cache: tuple[torch.Tensor, torch.Tensor] | RecurrentStates, meta: AttentionMetadata, backend
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cache: the layer's K/V, or the model's states for a Mamba layer."""
+        scale = self.residual_multiplier
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        if hasattr(self, "mamba"):
+            hidden = self.mamba(hidden, meta, cache) * scale
+        else:
+            hidden = self.self_attn(hidden, rope_rows, cache, meta, backend) * scale
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden) * scale, residual
+
+
+class GraniteHybridForCausalLM(StatefulForCausalLM, GraniteMoeHybridForCausalLM):
+    """Granite 4's -H models without experts: `GraniteMoeHybridForCausalLM`'s with Mamba-2 layers (their tensors
+    under the checkpoint's own names) over `StatefulForCausalLM`'s states."""
+
+    def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
+        layer = GraniteHybridLayer(self.config, self.shard, self.comm, self.rotary_emb, ops, index,
+                                   self.state_index.get(index, -1))
+        if hasattr(layer, "self_attn"):
+            layer.self_attn.rotary_emb = layer_rotary(self, index)
+        return layer

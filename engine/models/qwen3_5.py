@@ -21,12 +21,13 @@ from torch import nn
 
 from engine.layers import GemmaHeadRMSNorm, GemmaRMSNorm, RopeRows, RotaryEmbedding
 from engine.layers.gated_delta_net import GatedDeltaNet, RecurrentStates
-from engine.model import MLP, Attention, LlamaForCausalLM, WeightLoadError
+from engine.model import MLP, Attention, WeightLoadError
 from engine.model_config import ModelConfig
+from engine.models.hybrid import StatefulForCausalLM
 from engine.models.phi3 import partial_rotary_rows
 from engine.models.qwen3_moe import Qwen3MoeForCausalLM
 from engine.parallel import Collectives, ShardShape
-from kernels import AttentionMetadata, fused
+from kernels import AttentionMetadata
 
 __all__ = ["GatedAttention", "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"]
 
@@ -60,79 +61,46 @@ class HybridLayer(nn.Module):
     """A pre-norm block whose token mixer is Gated DeltaNet (`linear_attn`) or gated attention (`self_attn`)."""
 
     def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives, rotary_emb: RotaryEmbedding,
-                 ops: ModuleType, layer: int, linear_index: int) -> None:
+                 ops: ModuleType, layer: int, state_index: int) -> None:
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(h, eps)
         if config.is_linear_layer(layer):
-            self.linear_attn = GatedDeltaNet(config.gated_delta.per_rank(shard.size), h, eps, linear_index, comm)
+            self.linear_attn = GatedDeltaNet(config.gated_delta.per_rank(shard.size), h, eps, state_index, comm)
         else:
             self.self_attn = GatedAttention(config, shard, comm, rotary_emb, layer)
         self.post_attention_layernorm = GemmaRMSNorm(h, eps)
         self.mlp = MLP(config, shard, comm, ops)
 
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, mix: Callable[[torch.Tensor], torch.Tensor]
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope_rows: RopeRows | None,
+                cache: tuple[torch.Tensor, torch.Tensor] | RecurrentStates, meta: AttentionMetadata, backend
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """mix: the token mixer with the step's inputs bound -> (this layer's output, the residual stream)."""
+        """cache: the layer's K/V, or the model's states for a Gated DeltaNet layer -> (this layer's output, the
+        residual stream before it is added)."""
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden, residual = self.post_attention_layernorm(mix(hidden), residual)
+        if hasattr(self, "linear_attn"):
+            hidden = self.linear_attn(hidden, meta, cache)
+        else:
+            hidden = self.self_attn(hidden, rope_rows, cache, meta, backend)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
 
-class Qwen3_5ForCausalLM(LlamaForCausalLM):
-    """Qwen3.5's text model (see the module docstring): Llama's loading and head, hybrid layers, and the linear
-    layers' states (`states`, made at the first forward or by `reserve_states`)."""
+class Qwen3_5ForCausalLM(StatefulForCausalLM):
+    """Qwen3.5's text model (see the module docstring): Llama's loading and head, hybrid layers over the states of
+    `StatefulForCausalLM`."""
 
-    supports_flat_forward = False
     norm_init = 0.0
-
-    def __init__(self, config: ModelConfig, shard: ShardShape | None = None, comm: Collectives | None = None,
-                 ops: ModuleType = fused) -> None:
-        self._linear_index: dict[int, int] = {}
-        for layer in range(config.num_layers):
-            if config.is_linear_layer(layer):
-                self._linear_index[layer] = len(self._linear_index)
-        super().__init__(config, shard, comm, ops)
-        self.states: RecurrentStates | None = None
 
     def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
         return HybridLayer(self.config, self.shard, self.comm, self.rotary_emb, ops, index,
-                           self._linear_index.get(index, -1))
+                           self.state_index.get(index, -1))
 
     def make_norm(self, ops: ModuleType) -> nn.Module:
         return GemmaRMSNorm(self.config.hidden_size, self.config.rms_norm_eps)
-
-    def reserve_states(self, num_rows: int) -> None:
-        """States for `num_rows` rows of the persistent batch, made now on the model's device (the engine reserves
-        its pools' max_num_seqs at start; the capacity plan counted them)."""
-        weight = self.embed_tokens.weight
-        if self.states is None:
-            self.states = RecurrentStates(self.config.gated_delta.per_rank(self.shard.size), len(self._linear_index),
-                                          weight.dtype, weight.device)
-        self.states.reserve(num_rows)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
-                backend) -> torch.Tensor:
-        """kv_caches: the full layers' alone, in layer order (the cache's layers are `ModelConfig.kv_layers`)."""
-        if self.states is None:
-            self.reserve_states(1)
-        self.states.for_step(meta)
-        hidden, residual = self.embed(input_ids), None
-        rope_rows = self.rotary_emb.rows(positions)
-        caches = iter(kv_caches)
-        for layer in self.layers:
-            if hasattr(layer, "linear_attn"):
-                def mix(x, attn=layer.linear_attn):
-                    return attn(x, meta, self.states)
-            else:
-                def mix(x, attn=layer.self_attn, kv=next(caches)):
-                    return attn(x, rope_rows, kv, meta, backend)
-            hidden, residual = layer(hidden, residual, mix)
-        return self.norm(hidden, residual)[0]
 
     def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
         """q_proj's rows interleave each head's query and gate: the queries read as q_proj, the gates as `q_gate`

@@ -14,6 +14,7 @@ import torch
 import engine
 from engine.config import CacheConfig, ConfigError, EngineConfig, PoolConfig, SchedulerConfig, parse_dtype
 from engine.model_config import ModelConfig
+from engine.parallel import check_tensor_parallel
 from engine.llm_engine import LLMEngine
 
 LLAMA = {"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
@@ -1340,10 +1341,11 @@ def test_glm4_7_flash_reads_as_transformers_does():
                                     "mlp_layer_types": ["sparse", "dense"] + ["sparse"] * (layers - 2)})
 
 
-def test_granite4_transformers_read_as_transformers_does_and_its_hybrids_are_refused_by_name():
+def test_granite4_and_its_dense_hybrids_read_as_transformers_does_and_its_experts_are_refused_by_name():
     """Granite 4's transformers (GraniteMoeHybridConfig with attention on every layer, no experts: Granite-4.0-Micro's
-    kind) read as transformers reads them: the parameter count of its model, its MLP the shared one; its Mamba layers,
-    experts, or a config without layer_types (all Mamba, transformers' default) are refused by name."""
+    kind) read as transformers reads them: the parameter count of its model, its MLP the shared one; its -H form
+    (Mamba-2 layers beside 4 attention ones) too, the KV cache holding those 4; experts, Mamba alone, or a config
+    without layer_types (all Mamba, transformers' default) are refused by name."""
     transformers = pytest.importorskip("transformers")
 
     card = {"architectures": ["GraniteMoeHybridForCausalLM"], "vocab_size": 100352, "hidden_size": 2560,
@@ -1357,7 +1359,17 @@ def test_granite4_transformers_read_as_transformers_does_and_its_hybrids_are_ref
     assert (ours.intermediate_size, ours.no_rope_layers, ours.embedding_multiplier, ours.attention_scale) == (
         8192, (), 12.0, 0.0078125)
     assert ModelConfig.from_hf_config({**card, "position_embedding_type": None}).no_rope_layers == (0,) * 40
-    for change, named in (({"layer_types": ["mamba"] * 36 + ["attention"] * 4}, "layer_types: Granite 4's Mamba"),
+    hybrid = {**card, "layer_types": ["mamba"] * 9 + ["attention"] + ["mamba"] * 30, "num_hidden_layers": 40,
+              "mamba_n_heads": 128, "mamba_d_state": 128, "mamba_n_groups": 1}
+    ours, (_, hf) = ModelConfig.from_hf_config(hybrid), _meta_model(transformers.GraniteMoeHybridConfig, hybrid)
+    assert ours.num_params() == sum(p.numel() for p in hf.parameters())
+    assert (ours.num_kv_layers, ours.kv_layers, ours.mamba.head_dim, ours.mamba.conv_dim) == (1, (9,), 40, 5376)
+    # a sequence's state: 39 Mamba layers' 3 convolution inputs (bfloat16) and 128 heads' 40 x 128 (float32)
+    assert ours.state_bytes_per_seq(torch.bfloat16) == 39 * (5376 * 3 * 2 + 128 * 40 * 128 * 4)
+    with pytest.raises(ConfigError, match=r"^tensor_parallel_size: 2 ranks; Mamba-2 layers are served on one rank"):
+        check_tensor_parallel(ours, 2)
+    for change, named in (({"layer_types": ["mamba"] * 40}, "layer_types: Granite 4 with Mamba layers alone"),
+                          ({"layer_types": ["mamba", "moe"] * 20}, "layer_types: attention or mamba"),
                           ({"num_local_experts": 32}, "num_local_experts"), ({"layer_types": None}, "layer_types"),
                           ({"position_embedding_type": "alibi"}, "position_embedding_type")):
         with pytest.raises(ConfigError, match=f"^{named}"):

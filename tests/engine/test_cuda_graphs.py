@@ -275,16 +275,22 @@ def test_graphs_apply_only_to_a_model_whose_forward_is_graph_safe(tmp_path, buil
             assert _Forward.graphs_apply(runner, enforce_eager=True) is False
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next"])
+HYBRIDS = {"qwen3_5": {}, "qwen3_next": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                             shared_expert_intermediate_size=32),
+           "granitemoehybrid": dict(layer_types=["mamba", "attention", "mamba"], num_hidden_layers=3,
+                                    num_local_experts=0, mamba_n_heads=4, mamba_d_state=16, mamba_n_groups=2)}
+
+
+@pytest.mark.parametrize("arch", list(HYBRIDS))
 def test_a_hybrid_models_decode_graphs_keep_each_sequences_state(tmp_path, builtin_path, monkeypatch, arch):
-    """Qwen3.5's linear-attention layers gather each sequence's state by its row of the persistent batch and scatter
-    it back, on the device: decode steps replay (batches of 3, 2 and 1: padded rows, whose writes land in the states'
-    padding row), prefills run eagerly between them, and greedy tokens equal the eager run's; the states stay where
-    the graphs read them (a row past them is refused, not reallocated)."""
+    """Qwen3.5's linear-attention layers (and Granite 4-H's Mamba-2 ones) gather each sequence's state by its row of
+    the persistent batch and scatter it back, on the device: decode steps replay (batches of 3, 2 and 1: padded rows,
+    whose writes land in the states' padding row), prefills run eagerly between them, and greedy tokens equal the
+    eager run's; the states stay where the graphs read them (a row past them is refused, not reallocated)."""
     from tests.engine.test_engine_vs_hf import QWEN3_5
 
-    experts = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
-    path = make_tiny_model(tmp_path / arch, arch, builtin_path, **QWEN3_5, **(experts if arch == "qwen3_next" else {}))
+    overrides = HYBRIDS[arch] if arch == "granitemoehybrid" else {**QWEN3_5, **HYBRIDS[arch]}
+    path = make_tiny_model(tmp_path / arch, arch, builtin_path, **overrides)
     rng = random.Random(11)
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (3, 20, 9)]
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (10, 4, 7)]

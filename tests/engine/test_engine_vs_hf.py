@@ -263,6 +263,12 @@ TINY_MODELS = [
     # Qwen3.5-MoE: those layers, each MLP 8 experts of 32 (2 a token, renormalised) beside a gated shared expert of 48
     ("qwen3_5_moe", {**QWEN3_5, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                      "shared_expert_intermediate_size": 48}),
+    # Granite 4's -H models: Mamba-2 layers (4 heads of 32, a state of 16, B and C in 2 groups; prompts past its
+    # chunk of 16 and past a step's 64 tokens) beside an attention one, Granite's scalars
+    ("granitemoehybrid", {**GRANITE, "layer_types": ["mamba", "attention", "mamba"], "num_hidden_layers": 3,
+                          "num_local_experts": 0, "shared_intermediate_size": 96, "mamba_n_heads": 4,
+                          "mamba_d_state": 16, "mamba_n_groups": 2, "mamba_chunk_size": 16,
+                          "position_embedding_type": "rope"}),
     # Qwen3-Next: the same, its linear layers' projections stored fused per key head (2 value heads a key head);
     # then 1 value head a key head, layer 2 dense and the top 3 not renormalised
     ("qwen3_next", {**QWEN3_5, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
@@ -296,7 +302,8 @@ def test_tiny_random_models_match_transformers(tmp_path, monkeypatch, builtin_pa
     packed = isinstance(attn.o_proj, PackedLinear)
     assert packed == (cpu_linear == "onednn" and torch.backends.mkldnn.is_available())
     gen = torch.Generator().manual_seed(1)
-    lengths = (1, 5, 17, 40, 9) + ((100,) if arch in ("qwen3_5", "qwen3_5_moe", "qwen3_next") else ())   # past 64
+    state = arch in ("qwen3_5", "qwen3_5_moe", "qwen3_next") or "mamba" in overrides.get("layer_types", ())
+    lengths = (1, 5, 17, 40, 9) + ((100,) if state else ())   # past a state layer's chunk of 64
     prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in lengths]
     outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     for prompt, out in zip(prompts, outs):

@@ -1,0 +1,76 @@
+"""Mamba-2, the state layer of Granite 4's -H models (`GraniteMoeHybridForCausalLM` with `mamba` layers), over the
+per-sequence states of `engine.layers.gated_delta_net` (its rows plumbing: `StateMixer`)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.gated_delta_config import Mamba2Shape
+from engine.layers.gated_delta_net import RecurrentStates, StateMixer
+from kernels import AttentionMetadata, ssd
+
+
+class GroupGatedRMSNorm(nn.Module):
+    """x times SiLU(gate), then RMS-normed over each of `groups` equal groups of channels, times weight, in
+    transformers' order of roundings (`GraniteMoeHybridRMSNormGated`: the gate first, float32 throughout)."""
+
+    def __init__(self, dim: int, groups: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.groups, self.eps = groups, eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        # x, gate: [num_tokens, dim] -> in the weight's dtype
+        gated = (x.float() * F.silu(gate.float())).unflatten(-1, (self.groups, -1))
+        normed = gated * torch.rsqrt(gated.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.flatten(-2).to(x.dtype)
+
+
+class Mamba2Mixer(StateMixer):
+    """One Mamba-2 layer, its checkpoint's names: in_proj (the gate, then x, B and C, then dt per head), the causal
+    convolution over x, B and C, the SSD scan (`kernels.ssd`) from each sequence's state with D's skip, the
+    group-gated norm, out_proj."""
+
+    def __init__(self, shape: Mamba2Shape, hidden_size: int, eps: float, layer: int) -> None:
+        super().__init__()
+        s = self.shape = shape
+        self.layer = layer                       # its index among the model's state layers (its state's)
+        inter = s.intermediate_size
+        self.in_proj = nn.Linear(hidden_size, inter + s.conv_dim + s.num_heads, bias=s.proj_bias)
+        self.conv1d = nn.Module()
+        self.conv1d.weight = nn.Parameter(torch.empty(s.conv_dim, 1, s.conv_kernel))
+        self.conv1d.bias = nn.Parameter(torch.empty(s.conv_dim)) if s.conv_bias else None
+        self.dt_bias = nn.Parameter(torch.empty(s.num_heads))
+        self.A_log = nn.Parameter(torch.empty(s.num_heads))
+        self.D = nn.Parameter(torch.empty(s.num_heads))
+        self.norm = GroupGatedRMSNorm(inter, s.n_groups, eps)
+        self.out_proj = nn.Linear(inter, hidden_size, bias=s.proj_bias)
+
+    def forward(self, hidden: torch.Tensor, meta: AttentionMetadata, states: RecurrentStates) -> torch.Tensor:
+        """hidden: [num_tokens, hidden_size], the step's tokens sequence after sequence -> [num_tokens, hidden_size]."""
+        s = self.shape
+        gate, xbc, dt = self.in_proj(hidden).split([s.intermediate_size, s.conv_dim, s.num_heads], dim=-1)
+        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*s.dt_limit)
+        y = self.scan(xbc, (dt,), meta, states)                                    # [num_tokens, heads, head_dim]
+        return self.out_proj(self.norm(y.flatten(1).to(hidden.dtype), gate))
+
+    def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        s = self.shape
+        xs, B, C = x.split([s.intermediate_size, s.n_groups * s.d_state, s.n_groups * s.d_state], dim=-1)
+        return (xs.unflatten(-1, (s.num_heads, s.head_dim)), B.unflatten(-1, (s.n_groups, s.d_state)),
+                C.unflatten(-1, (s.n_groups, s.d_state)))
+
+    def _parameters_of_scan(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return -torch.exp(self.A_log.float()), self.D
+
+    def step(self, x, extras, ssm):
+        xs, B, C = self._split(x)
+        A, D = self._parameters_of_scan()
+        return ssd.step(xs, extras[0], A, B, C, D, ssm)
+
+    def chunk(self, x, extras, ssm):
+        xs, B, C = self._split(x)
+        A, D = self._parameters_of_scan()
+        return ssd.chunked(xs, extras[0], A, B, C, D, ssm)

@@ -1,0 +1,72 @@
+"""Models whose layers mix attention with layers that keep a state per sequence in place of K/V (`layer_types`
+linear_attention: Qwen3.5's Gated DeltaNet, `engine.models.qwen3_5`; Granite 4's Mamba-2, `engine.models.granite`).
+
+`StatefulForCausalLM` is the Llama model's loading and head with the states (`engine.layers.gated_delta_net.
+RecurrentStates`: each state layer's, by row of the persistent batch) and a forward that hands each attention layer
+its KV cache (the cache holds those layers alone: `ModelConfig.kv_layers`) and each state layer the states. Its
+layers take `(hidden, residual, rope_rows, cache, meta, backend)`, `cache` the one or the other by the layer's
+kind; a state layer is one without `self_attn`. The module path runs them (no CPU flat loop).
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from engine.gated_delta_config import StateShape
+from engine.layers import RopeRows
+from engine.layers.gated_delta_net import RecurrentStates
+from engine.model import LlamaForCausalLM
+from engine.model_config import ModelConfig
+from engine.parallel import Collectives, ShardShape
+from kernels import AttentionMetadata, fused
+
+__all__ = ["StatefulForCausalLM"]
+
+
+class StatefulForCausalLM(LlamaForCausalLM):
+    """The Llama model whose `linear_attention` layers keep a state per sequence (see the module docstring);
+    `state_index`: each such layer's index among them (its state's)."""
+
+    supports_flat_forward = False
+
+    def __init__(self, config: ModelConfig, shard: ShardShape | None = None, comm: Collectives | None = None,
+                 ops: ModuleType = fused) -> None:
+        stateful = [layer for layer in range(config.num_layers) if config.is_linear_layer(layer)]
+        self.state_index = {layer: i for i, layer in enumerate(stateful)}
+        super().__init__(config, shard, comm, ops)
+        self.states: RecurrentStates | None = None
+
+    def state_shape(self) -> StateShape:
+        """This rank's shape of a state layer (its heads under tensor parallelism)."""
+        c = self.config
+        return c.gated_delta.per_rank(self.shard.size) if c.gated_delta is not None else c.mamba
+
+    def reserve_states(self, num_rows: int) -> None:
+        """States for `num_rows` rows of the persistent batch, made now on the model's device (the engine reserves
+        its pools' max_num_seqs at start, on every rank; the capacity plan counted them)."""
+        weight = self.embed_tokens.weight
+        if self.states is None:
+            self.states = RecurrentStates(self.state_shape(), len(self.state_index), weight.dtype, weight.device)
+        self.states.reserve(num_rows)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                backend) -> torch.Tensor:
+        """kv_caches: the attention layers' alone, in layer order (the cache's layers are `ModelConfig.kv_layers`)."""
+        if self.states is None:
+            self.reserve_states(1)
+        self.states.for_step(meta)
+        hidden, residual = self.embed(input_ids), None
+        rows: dict[int, RopeRows] = {}   # the step's cos/sin, once per rotary embedding
+        caches = iter(kv_caches)
+        for layer in self.layers:
+            attn = getattr(layer, "self_attn", None)
+            if attn is None:
+                hidden, residual = layer(hidden, residual, None, self.states, meta, backend)
+                continue
+            if id(attn.rotary_emb) not in rows:
+                rows[id(attn.rotary_emb)] = attn.rotary_emb.rows(positions)
+            hidden, residual = layer(hidden, residual, rows[id(attn.rotary_emb)], next(caches), meta, backend)
+        return self.norm(hidden, residual)[0]

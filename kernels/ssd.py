@@ -1,0 +1,72 @@
+"""Mamba-2's selective state space (the SSD scan of Granite 4's -H models' Mamba layers), in torch: the CPU path and
+the yardstick for a fused kernel. The causal convolution before it is `kernels.gated_delta.causal_conv`.
+
+Each head h of a sequence carries a state S_h [head_dim, d_state] (float32). For each token t, with dt_t =
+softplus(dt_raw + dt_bias) (clamped to the config's limits) and A_h = -exp(A_log_h) < 0:
+
+    S_h = exp(dt_t A_h) S_h + dt_t x_t B_t^T          (x_t: the head's [head_dim] input; B_t, C_t: [d_state])
+    y_t = S_h C_t + D_h x_t
+
+B and C are shared by the heads of a group (`n_groups` of them). `step` runs one token of many sequences at once
+(decode); `chunked` one sequence's new tokens in chunks (prefill): within a chunk the outputs are a masked,
+decayed product of C and B (like attention), and the state passes from chunk to chunk.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+CHUNK = 64
+
+
+def _per_head(t: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """B or C [..., n_groups, d_state] -> one per head [..., num_heads, d_state] (float32)."""
+    return t.float().repeat_interleave(num_heads // t.shape[-2], dim=-2)
+
+
+def step(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: torch.Tensor,
+         ssm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of each of many sequences.
+
+    x: [num_seqs, num_heads, head_dim]; dt: [num_seqs, num_heads] (after softplus); A, D: [num_heads]; B, C:
+    [num_seqs, n_groups, d_state]; ssm: [num_seqs, num_heads, head_dim, d_state] float32 -> (y [num_seqs,
+    num_heads, head_dim] float32, the new states)."""
+    num_heads = x.shape[1]
+    dt = dt.float()
+    decay = torch.exp(dt * A.float())[..., None, None]                          # [seqs, heads, 1, 1]
+    xf = x.float()
+    state = ssm * decay + (dt[..., None] * xf)[..., None] * _per_head(B, num_heads)[:, :, None, :]
+    y = (state * _per_head(C, num_heads)[:, :, None, :]).sum(-1)
+    return y + D.float()[:, None] * xf, state
+
+
+def chunked(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: torch.Tensor,
+            ssm: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's new tokens, from its state.
+
+    x: [num_tokens, num_heads, head_dim]; dt: [num_tokens, num_heads] (after softplus); A, D: [num_heads]; B, C:
+    [num_tokens, n_groups, d_state]; ssm: [num_heads, head_dim, d_state] float32 -> (y [num_tokens, num_heads,
+    head_dim] float32, the state after the last token)."""
+    num_tokens, num_heads, _ = x.shape
+    pad = -num_tokens % chunk
+    xf = x.float()
+    # [heads, chunks, chunk, ...]; padded tokens have dt = 0: no decay, no input
+    xdt = F.pad((xf * dt.float()[..., None]).transpose(0, 1), (0, 0, 0, pad)).unflatten(1, (-1, chunk))
+    Bh, Ch = (F.pad(_per_head(t, num_heads).transpose(0, 1), (0, 0, 0, pad)).unflatten(1, (-1, chunk))
+              for t in (B, C))
+    log_decay = F.pad((dt.float() * A.float()).t(), (0, pad)).unflatten(1, (-1, chunk)).cumsum(-1)
+    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=x.device).tril()
+    # exp(decay_i - decay_j) for j <= i, else 0
+    pair = (log_decay.unsqueeze(-1) - log_decay.unsqueeze(-2)).masked_fill(~lower, float("-inf")).exp()
+    within = ((Ch @ Bh.transpose(-1, -2)) * pair) @ xdt                       # [heads, chunks, chunk, head_dim]
+    to_end = (log_decay[..., -1:] - log_decay).exp()                           # a token's decay to its chunk's end
+    from_start = log_decay.exp()                                               # the chunk start's decay to a token
+    out = torch.empty_like(within)
+    state = ssm.float()                                                        # [heads, head_dim, d_state]
+    for i in range(within.shape[1]):
+        out[:, i] = within[:, i] + (Ch[:, i] @ state.transpose(-1, -2)) * from_start[:, i, :, None]
+        state = state * log_decay[:, i, -1].exp()[:, None, None] + \
+            (xdt[:, i] * to_end[:, i, :, None]).transpose(-1, -2) @ Bh[:, i]
+    y = out.flatten(1, 2)[:, :num_tokens].transpose(0, 1)
+    return y + D.float()[:, None] * xf, state
