@@ -1,6 +1,6 @@
 """IBM Granite's config.json fields as `ModelConfig` fields: Granite 3's four scalars (`GraniteConfig`), and Granite 4's
 (`GraniteMoeHybridConfig`) without experts: attention layers (Granite-4.0-Micro, -1B, -350M) and Mamba-2 ones beside
-them (Granite-4.0-H-Micro, -H-1B, -H-350M); its experts (-H-Tiny, -H-Small) are refused by name."""
+them (Granite-4.0-H-Micro, -H-1B, -H-350M), and experts beside the shared MLP (-H-Tiny, -H-Small)."""
 
 from __future__ import annotations
 
@@ -28,9 +28,10 @@ def granite_fields(cfg: dict[str, Any], arch: str = "GraniteForCausalLM", num_la
 
 def granite4_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
     """Granite 4: `layer_types` (or `layers_block_type`) attention and Mamba-2 layers (`linear_attention`, the -H
-    models', `mamba2_shape`), at least one attention layer; `num_local_experts` 0, the MLP its shared one of
-    `shared_intermediate_size`; the rotary only where `position_embedding_type` is rope (NoPE on every layer
-    otherwise, transformers' default)."""
+    models', `mamba2_shape`), at least one attention layer; the MLP its shared one of `shared_intermediate_size`,
+    beside `num_local_experts` experts of `intermediate_size` on every layer (`num_experts_per_tok` a token, their
+    weights the softmax of the top k's logits: the top k of the softmax, renormalised); the rotary only where
+    `position_embedding_type` is rope (NoPE on every layer otherwise, transformers' default)."""
     key = "layer_types" if cfg.get("layer_types") is not None else "layers_block_type"
     kinds = cfg.get(key)
     if kinds is None:
@@ -42,16 +43,17 @@ def granite4_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
     kinds = [_LEGACY_TYPES.get(k, k) for k in kinds]
     if "full_attention" not in kinds:
         raise ConfigError(f"{key}: Granite 4 with Mamba layers alone (no attention layer) is not served")
-    if read_int(cfg, "num_local_experts", 8, minimum=0):
-        raise ConfigError(f"num_local_experts: Granite 4's experts are not served (0: its dense models), "
-                          f"got {cfg.get('num_local_experts', 8)}")
     rope = cfg.get("position_embedding_type")
     if rope not in (None, "rope", "nope"):
         raise ConfigError(f"position_embedding_type: rope or none (NoPE), got {rope!r}")
-    fields = {"intermediate_size": read_int(cfg, "shared_intermediate_size", 1024),
-              "no_rope_layers": () if rope == "rope" else (0,) * num_layers}
+    shared = read_int(cfg, "shared_intermediate_size", 1024)
+    fields = {"intermediate_size": shared, "no_rope_layers": () if rope == "rope" else (0,) * num_layers}
     if "linear_attention" in kinds:
         fields |= {"layer_types": tuple(kinds), "mamba": mamba2_shape(cfg)}
+    if experts := read_int(cfg, "num_local_experts", 8, minimum=0):   # every layer's: beside the shared MLP
+        fields |= {"num_experts": experts, "num_experts_per_tok": read_int(cfg, "num_experts_per_tok", 2),
+                   "moe_intermediate_size": read_int(cfg, "intermediate_size", 11008), "norm_topk_prob": True,
+                   "shared_expert_intermediate_size": shared, "shared_expert_gated": False}
     return fields
 
 

@@ -36,7 +36,8 @@ from engine.models.glm4 import Glm4ForCausalLM, Glm4MoeForCausalLM
 from engine.models.gpt_oss import GptOssForCausalLM
 from engine.models.llama4 import Llama4ForCausalLM
 from engine.models.ministral3 import Ministral3ForCausalLM
-from engine.models.granite import GraniteForCausalLM, GraniteHybridForCausalLM, GraniteMoeHybridForCausalLM
+from engine.models.granite import (GraniteForCausalLM, GraniteHybridForCausalLM, GraniteHybridMoeForCausalLM,
+                                   GraniteMoeHybridForCausalLM)
 from engine.models.hunyuan import HunyuanDenseForCausalLM
 from engine.models.minimax_m2 import MiniMaxM2ForCausalLM
 from engine.models.mixtral import MixtralForCausalLM
@@ -85,6 +86,8 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
 
 def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:
     """The class that runs `config.architecture` (a supported one: `ModelConfig` refuses the rest)."""
+    if config.architecture == "GraniteMoeHybridForCausalLM" and config.num_experts:   # Granite 4-H-Tiny, -Small
+        return GraniteHybridMoeForCausalLM
     if config.architecture == "GraniteMoeHybridForCausalLM" and config.mamba is not None:   # Granite 4's -H models
         return GraniteHybridForCausalLM
     return _VARIANTS.get(config.architecture, LlamaForCausalLM)

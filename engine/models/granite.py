@@ -24,12 +24,13 @@ from torch import nn
 from engine.layers import RopeRows
 from engine.layers.gated_delta_net import RecurrentStates
 from engine.layers.mamba2 import Mamba2Mixer
-from engine.model import DecoderLayer, LlamaForCausalLM
+from engine.model import DecoderLayer, LlamaForCausalLM, WeightLoadError
 from engine.models.hybrid import StatefulForCausalLM
+from engine.models.qwen3_moe import Qwen3MoeForCausalLM
 from engine.models.smollm3 import layer_rotary
 from kernels import AttentionMetadata
 
-__all__ = ["GraniteForCausalLM", "GraniteHybridForCausalLM", "GraniteMoeHybridForCausalLM"]
+__all__ = ["GraniteForCausalLM", "GraniteHybridForCausalLM", "GraniteHybridMoeForCausalLM", "GraniteMoeHybridForCausalLM"]
 
 
 class GraniteDecoderLayer(DecoderLayer):
@@ -114,3 +115,42 @@ class GraniteHybridForCausalLM(StatefulForCausalLM, GraniteMoeHybridForCausalLM)
         if hasattr(layer, "self_attn"):
             layer.self_attn.rotary_emb = layer_rotary(self, index)
         return layer
+
+
+class GraniteHybridMoeForCausalLM(GraniteHybridForCausalLM, Qwen3MoeForCausalLM):
+    """Granite 4 with experts (Granite-4.0-H-Tiny, -H-Small): each layer's MLP Qwen2-MoE's sparse block, its shared
+    expert ungated (the checkpoint's `shared_mlp`), its experts stored stacked (`block_sparse_moe.input_linear`
+    [experts, 2 x intermediate, hidden], gate rows then up rows; `output_linear` [experts, hidden, intermediate]) and
+    its router as `block_sparse_moe.router.layer`, read as each expert's (`Qwen3MoeForCausalLM`'s names)."""
+
+    def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
+        layer = super().make_layer(index, ops)
+        if self.config.is_sparse_layer(index):
+            layer.mlp = self.moe_block(self.config, self.shard, self.comm, ops)
+        return layer
+
+    def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
+        head, sep, part = name.partition(".block_sparse_moe.")
+        if sep and part == "router.layer.weight":
+            return ((f"{head}.mlp.gate.weight", tensor),)
+        if sep and part in ("input_linear.weight", "output_linear.weight"):
+            return self._per_expert(hf_name, f"{head}.mlp.experts", part, tensor)
+        head, sep, part = name.partition(".shared_mlp.")
+        if sep:   # the shared expert's, as a dense MLP's (`GraniteMoeHybridForCausalLM.read_tensor`)
+            return ((read.replace(".mlp.", ".mlp.shared_expert."), t)
+                    for read, t in super().read_tensor(hf_name, name, tensor))
+        return super().read_tensor(hf_name, name, tensor)
+
+    def _per_expert(self, hf_name: str, prefix: str, part: str, tensor: torch.Tensor
+                    ) -> Iterable[tuple[str, torch.Tensor]]:
+        inter = self.config.moe_intermediate_size
+        want = (self.config.num_experts, *((2 * inter, self.config.hidden_size) if part.startswith("input")
+                                           else (self.config.hidden_size, inter)))
+        if tuple(tensor.shape) != want:
+            raise WeightLoadError(f"{hf_name}: shape {tuple(tensor.shape)} does not match the config's {want}")
+        for e, t in enumerate(tensor):
+            if part.startswith("output"):
+                yield f"{prefix}.{e}.down_proj.weight", t
+            else:
+                yield f"{prefix}.{e}.gate_proj.weight", t[:inter]
+                yield f"{prefix}.{e}.up_proj.weight", t[inter:]

@@ -47,6 +47,8 @@ class StatefulForCausalLM(LlamaForCausalLM):
         """States for `num_rows` rows of the persistent batch, made now on the model's device (the engine reserves
         its pools' max_num_seqs at start, on every rank; the capacity plan counted them)."""
         weight = self.embed_tokens.weight
+        if not self.state_index:   # no state layer (Granite 4 with experts and attention alone)
+            return
         if self.states is None:
             self.states = RecurrentStates(self.state_shape(), len(self.state_index), weight.dtype, weight.device)
         self.states.reserve(num_rows)
@@ -57,7 +59,8 @@ class StatefulForCausalLM(LlamaForCausalLM):
         """kv_caches: the attention layers' alone, in layer order (the cache's layers are `ModelConfig.kv_layers`)."""
         if self.states is None:
             self.reserve_states(1)
-        self.states.for_step(meta)
+        if self.states is not None:
+            self.states.for_step(meta)
         hidden, residual = self.embed(input_ids), None
         rows: dict[int, RopeRows] = {}   # the step's cos/sin, once per rotary embedding
         caches = iter(kv_caches)

@@ -1341,11 +1341,11 @@ def test_glm4_7_flash_reads_as_transformers_does():
                                     "mlp_layer_types": ["sparse", "dense"] + ["sparse"] * (layers - 2)})
 
 
-def test_granite4_and_its_dense_hybrids_read_as_transformers_does_and_its_experts_are_refused_by_name():
+def test_granite4_and_its_hybrids_read_as_transformers_does():
     """Granite 4's transformers (GraniteMoeHybridConfig with attention on every layer, no experts: Granite-4.0-Micro's
     kind) read as transformers reads them: the parameter count of its model, its MLP the shared one; its -H form
-    (Mamba-2 layers beside 4 attention ones) too, the KV cache holding those 4; experts, Mamba alone, or a config
-    without layer_types (all Mamba, transformers' default) are refused by name."""
+    (Mamba-2 layers beside an attention one) too, the KV cache holding that one, and with experts beside the shared
+    MLP; Mamba alone, or a config without layer_types (all Mamba, transformers' default), is refused by name."""
     transformers = pytest.importorskip("transformers")
 
     card = {"architectures": ["GraniteMoeHybridForCausalLM"], "vocab_size": 100352, "hidden_size": 2560,
@@ -1368,9 +1368,15 @@ def test_granite4_and_its_dense_hybrids_read_as_transformers_does_and_its_expert
     assert ours.state_bytes_per_seq(torch.bfloat16) == 39 * (5376 * 3 * 2 + 128 * 40 * 128 * 4)
     with pytest.raises(ConfigError, match=r"^tensor_parallel_size: 2 ranks; Mamba-2 layers are served on one rank"):
         check_tensor_parallel(ours, 2)
+    # -H-Small's kind: 32 experts of 512, 4 a token, on every layer beside the shared MLP
+    moe = {**hybrid, "num_local_experts": 32, "num_experts_per_tok": 4, "intermediate_size": 512}
+    ours, (_, hf) = ModelConfig.from_hf_config(moe), _meta_model(transformers.GraniteMoeHybridConfig, moe)
+    assert ours.num_params() == sum(p.numel() for p in hf.parameters())
+    assert (ours.num_experts, ours.num_experts_per_tok, ours.moe_intermediate_size,
+            ours.shared_expert_intermediate_size, ours.shared_expert_gated) == (32, 4, 512, 8192, False)
     for change, named in (({"layer_types": ["mamba"] * 40}, "layer_types: Granite 4 with Mamba layers alone"),
                           ({"layer_types": ["mamba", "moe"] * 20}, "layer_types: attention or mamba"),
-                          ({"num_local_experts": 32}, "num_local_experts"), ({"layer_types": None}, "layer_types"),
+                          ({"layer_types": None}, "layer_types"),
                           ({"position_embedding_type": "alibi"}, "position_embedding_type")):
         with pytest.raises(ConfigError, match=f"^{named}"):
             ModelConfig.from_hf_config({**card, **change})

@@ -269,6 +269,11 @@ TINY_MODELS = [
                           "num_local_experts": 0, "shared_intermediate_size": 96, "mamba_n_heads": 4,
                           "mamba_d_state": 16, "mamba_n_groups": 2, "mamba_chunk_size": 16,
                           "position_embedding_type": "rope"}),
+    # then with experts (-H-Tiny's, -H-Small's): 4 of 32, 2 a token, beside the shared MLP, NoPE attention
+    ("granitemoehybrid", {"layer_types": ["mamba", "mamba", "attention"], "num_hidden_layers": 3,
+                          "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32,
+                          "shared_intermediate_size": 48, "mamba_n_heads": 4, "mamba_d_state": 16,
+                          "mamba_chunk_size": 16, "residual_multiplier": 0.5}),
     # Qwen3-Next: the same, its linear layers' projections stored fused per key head (2 value heads a key head);
     # then 1 value head a key head, layer 2 dense and the top 3 not renormalised
     ("qwen3_next", {**QWEN3_5, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
