@@ -452,13 +452,15 @@ def test_the_examples_measure_their_gpus_where_they_are_served():
     ("deepseek-v2-lite-h100.yaml", 80 * GiB, 31_419_784_192, "bfloat16"),
     ("glm-4.5-air-2xh200-fp8.yaml", 141 * GiB, 213_751_699_968, "float8_e4m3fn"),
     ("llama-4-scout-2xh200-fp8.yaml", 141 * GiB, 215_539_722_240, "float8_e4m3fn"),
+    ("qwen3-next-80b-2xh200.yaml", 141 * GiB, 159_348_782_592, "bfloat16"),
 ])
 def test_the_example_files_plan(name, vram, dense_bytes, kv):
     """The example files plan from the config.json beside them: Qwen3-32B's weights (YaRN to 131,072
     positions) with an FP8 cache, Qwen3-30B-A3B's every expert, gpt-oss-20b's (MXFP4 on disk) in bfloat16,
     DeepSeek-V2-Lite's (its routers in float32) with its latent cache: 31,104 B a token, GLM-4.5-Air's on two
-    H200s (its routers in float32 too) with an FP8 cache, and Llama 4 Scout's text model on two H200s (a multimodal
-    config.json; its rotary table the rag pool's 131,072 positions, not 10,485,760)."""
+    H200s (its routers in float32 too) with an FP8 cache, Llama 4 Scout's text model on two H200s (a multimodal
+    config.json; its rotary table the rag pool's 131,072 positions, not 10,485,760), and Qwen3-Next on two H200s (its
+    12 attention layers' K/V alone, and each sequence's state of its 36 linear layers beside them: S_state)."""
     data = yaml.safe_load((REPO / "config" / "examples" / name).read_text())
     config = parse_config(data, env={}, base_dir=REPO / "config" / "examples")
     plan = plan_capacity(config, resolve_model_configs(config), vram_bytes=vram)
@@ -466,6 +468,9 @@ def test_the_example_files_plan(name, vram, dense_bytes, kv):
     assert device.weights_bytes == dense_bytes and device.kv_cache_dtype == kv
     if name.startswith("deepseek"):
         assert device.kv_bytes_per_token == 27 * 576 * 2
+    if name.startswith("qwen3-next"):   # per GPU: 36 layers' 8 key heads' conv inputs, 16 value heads' 128 x 128
+        assert device.kv_bytes_per_token == 12 * 2 * 2 * 256 * 2
+        assert {p.state_bytes_per_seq for p in plan.pools.values()} == {36 * (4096 * 3 * 2 + 16 * 128 * 128 * 4)}
     assert all(p.max_num_seqs >= 1 for p in plan.pools.values())
     if kv == "float8_e4m3fn":   # the same file with a bfloat16 cache: half the blocks
         data["devices"][next(iter(data["devices"]))]["kv_cache_dtype"] = "auto"
