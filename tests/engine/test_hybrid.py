@@ -135,3 +135,21 @@ def test_a_multimodal_qwen3_5_checkpoint_serves_its_text_model(tmp_path, builtin
     prompts = _prompts(5, (5, 17, 40))
     outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == [_hf_greedy(text_model, p, 16) for p in prompts]
+
+
+def test_an_fp8_cache_holds_the_attention_layers_and_measures_their_scales(tiny):
+    """`kv_cache_dtype: fp8` on a hybrid model: the cache holds the one attention layer's K/V in a byte an element,
+    its scales measured at start (the linear layers have none); three tokens of three greedy answers are those of the
+    float32 cache (e4m3's rounding moves answers as they grow: docs/PERF.md, "FP8 KV cache")."""
+    folder, _ = tiny
+    pool = PoolConfig(num_blocks=64, scheduler=SchedulerConfig(max_num_batched_tokens=64))
+    engines = {kv: LLMEngine(EngineConfig(model=str(folder), dtype="float32", cache=CacheConfig(block_size=8),
+                                          pools=(pool,), kv_cache_dtype=kv), progress=False) for kv in ("auto", "fp8")}
+    fp8 = engines["fp8"]
+    assert fp8.kv_cache.data.dtype == torch.float8_e4m3fn and fp8.kv_cache.data.shape[0] == 1
+    attn = fp8.model.layers[3].self_attn
+    assert attn.k_scale != 1.0 and attn.v_scale != 1.0   # measured on the calibration text
+    prompts = _prompts(6, (12, 30, 7))
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    outs = {kv: [o.outputs[0].token_ids for o in e.generate(prompts, params)] for kv, e in engines.items()}
+    assert outs["fp8"] == outs["auto"]
