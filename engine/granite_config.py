@@ -8,7 +8,7 @@ from typing import Any
 
 from engine.config import ConfigError
 from engine.config_values import read_bool, read_float, read_int
-from engine.gated_delta_config import Mamba2Shape
+from engine.mamba_config import Mamba2Shape
 
 # transformers' old names of Granite 4's layer types (`remap_legacy_layer_types`)
 _LEGACY_TYPES = {"attention": "full_attention", "mamba": "linear_attention"}

@@ -18,7 +18,9 @@ import torch
 from engine.config import ConfigError, PoolConfig, quantizes_kv_cache_only
 from engine.fp8_weights import SCALE_SUFFIX, fp8_weights
 from engine.config_values import read_bool, read_float, read_int, read_object, read_token_ids, rope_type
-from engine.gated_delta_config import GatedDeltaShape, Mamba2Shape, serving_pool
+from engine.gated_delta_config import GatedDeltaShape, serving_pool
+from engine.mamba_config import Mamba2Shape
+from engine.nemotron_h_config import nemotron_h_config, nemotron_h_params
 from engine.mla_config import MlaShape
 from engine.model_defaults import (DEFAULT_HEAD_DIM, DEFAULT_KV_HEADS, DEFAULT_MAX_POSITIONS, DEFAULT_RMS_NORM_EPS,
                                    DEFAULT_ROPE_THETA, FAMILY_DEFAULTS, TEXT_DEFAULTS)
@@ -34,7 +36,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
                            "SeedOssForCausalLM", "Llama4ForCausalLM", "Ministral3ForCausalLM",
                            "Glm4MoeLiteForCausalLM", "GraniteMoeHybridForCausalLM", "Exaone4ForCausalLM",
                            "HunYuanDenseV1ForCausalLM", "OlmoeForCausalLM", "Qwen3_5ForCausalLM",
-                           "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM")
+                           "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM", "NemotronHForCausalLM")
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")   # one LayerNorm a layer, a parallel block
 # their attention bias: q/k/v's, not o_proj's
 QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM")
@@ -158,7 +160,8 @@ class ModelConfig:
             raise ConfigError(f"hidden_act: unsupported {self.hidden_act!r}; supported: {', '.join(SUPPORTED_ACTIVATIONS)}")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ConfigError(f"sliding_window: must be positive, got {self.sliding_window}")
-        kinds = LAYER_TYPES + (("linear_attention",) if self.state_shape is not None else ())   # Qwen3.5's, Granite's
+        kinds = LAYER_TYPES + (("linear_attention",) if self.state_shape is not None else ()) + (   # Qwen3.5's ...
+            ("mlp",) if self.architecture == "NemotronHForCausalLM" else ())   # ... Nemotron-H's MLP blocks
         if self.layer_types and (len(self.layer_types) != self.num_layers
                                  or any(t not in kinds for t in self.layer_types)):
             raise ConfigError(f"layer_types: one of {', '.join(kinds)} for each of the {self.num_layers} "
@@ -270,7 +273,8 @@ class ModelConfig:
     def kv_layers(self) -> tuple[int, ...]:
         """The layers that keep K/V in the paged cache: all but linear-attention ones (Qwen3.5's), which keep a
         state per sequence instead (`state_bytes_per_seq`). The cache's layer i is layer kv_layers[i]'s."""
-        return tuple(i for i in range(self.num_layers) if not self.is_linear_layer(i))
+        return tuple(i for i in range(self.num_layers) if not self.is_linear_layer(i)
+                     and not (self.layer_types and self.layer_types[i] == "mlp"))   # Nemotron-H's MLP blocks
 
     @property
     def state_shape(self) -> GatedDeltaShape | Mamba2Shape | None:
@@ -326,6 +330,8 @@ class ModelConfig:
         """Parameters of this model's layers built with `heads` query heads, `kv_heads` KV heads, `i` MLP
         rows, `moe_i` rows per expert, `shared_i` rows of the shared expert and `v` vocab rows (engine.model);
         the norms, the router and the shared expert's gate whole."""
+        if self.architecture == "NemotronHForCausalLM":   # single-mixer blocks
+            return nemotron_h_params(self, heads, kv_heads, v)
         h, d = self.hidden_size, self.head_dim
         q, kv = heads * d, kv_heads * d
         attn = h * (q + 2 * kv) + q * h
@@ -380,6 +386,7 @@ class ModelConfig:
             return cls._from_text_config(cfg, arch)
         _check_architecture(arch)
         cfg = FAMILY_DEFAULTS.get(arch, {}) | cfg
+        cfg = nemotron_h_config(cfg) if arch == "NemotronHForCausalLM" else cfg   # its layer count: its blocks'
         if cfg.get("max_position_embeddings") is None:
             cfg = {**cfg, "max_position_embeddings": DEFAULT_MAX_POSITIONS[arch]}
         num_heads = read_int(cfg, "num_attention_heads")

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.gated_delta_config import Mamba2Shape
+from engine.mamba_config import Mamba2Shape
 from engine.layers.gated_delta_net import RecurrentStates, StateMixer
 from kernels import AttentionMetadata, ssd
 

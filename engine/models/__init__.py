@@ -16,7 +16,8 @@ GLM-4.5, in `glm4`, takes their experts), `minimax_m2` (MiniMax-M2: Mixtral's na
 q/k norms, GLM-4.5's partial rotary, DeepSeek V3's router without groups), `llama4` (Llama 4's text model: chunked
 attention, NoPE layers with query temperature, q/k L2-normed after an interleaved rotary, sigmoid-scaled experts),
 `ministral3` (Ministral 3: Mistral's layer with Llama 4's query scaling on every layer), `qwen3_5` (Qwen3.5: Gated
-DeltaNet layers over a per-sequence state between gated full-attention layers).
+DeltaNet layers over a per-sequence state between gated full-attention layers; Qwen3-Next), `nemotron_h` (Nemotron-H:
+single-mixer blocks of Mamba-2, NoPE attention or a squared-ReLU MLP), over `hybrid`'s states.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from engine.models.mixtral import MixtralForCausalLM
 from engine.models.olmo2 import Exaone4ForCausalLM, Olmo2ForCausalLM, Olmo3ForCausalLM, OlmoeForCausalLM
 from engine.models.phi3 import Phi3ForCausalLM
 from engine.models.smollm3 import SmolLM3ForCausalLM
+from engine.models.nemotron_h import NemotronHForCausalLM
 from engine.models.qwen3_5 import Qwen3NextForCausalLM, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
 from engine.models.qwen3_moe import Qwen3MoeForCausalLM
 from engine.parallel import Collectives, ShardShape
@@ -81,7 +83,8 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "OlmoeForCausalLM": OlmoeForCausalLM,
                                                 "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
                                                 "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
-                                                "Qwen3NextForCausalLM": Qwen3NextForCausalLM}
+                                                "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
+                                                "NemotronHForCausalLM": NemotronHForCausalLM}
 
 
 def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:

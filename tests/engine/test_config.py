@@ -1503,3 +1503,31 @@ def test_qwen3_next_reads_as_transformers_does():
     assert [dense.is_sparse_layer(i) for i in range(8)] == [False, True, True, True, True, False, True, True]
     with pytest.raises(ConfigError, match=r"^mlp_only_layers: a list of layer indices"):
         ModelConfig.from_hf_config({"architectures": ["Qwen3NextForCausalLM"], "mlp_only_layers": "0"})
+
+
+def test_nemotron_h_reads_as_transformers_does():
+    """Nemotron-H as its hub configs write it (`hybrid_override_pattern`, a character a block; `num_hidden_layers`
+    beside it) and as transformers 5 saves it (`layers_block_type`): the blocks' kinds, the KV cache holding the
+    attention blocks alone, the parameter count of transformers' model; its MoE blocks, a block of no known kind,
+    or no attention block at all refused by key."""
+    transformers = pytest.importorskip("transformers")
+
+    pattern = "M-M-M-M*-M-M-M-M*-M-M-M-"   # 24 blocks: 11 Mamba-2, 2 attention, 11 MLP
+    card = {"architectures": ["NemotronHForCausalLM"], "hidden_size": 1024, "num_attention_heads": 8,
+            "num_key_value_heads": 2, "head_dim": 128, "intermediate_size": 4096, "mamba_num_heads": 32,
+            "mamba_head_dim": 64, "ssm_state_size": 128, "n_groups": 8, "vocab_size": 32000,
+            "hybrid_override_pattern": pattern, "num_hidden_layers": len(pattern)}
+    ours = ModelConfig.from_hf_config(card)
+    _, hf = _meta_model(transformers.NemotronHConfig, card)
+    assert ours.num_params() == sum(p.numel() for p in hf.parameters())
+    assert (ours.num_layers, ours.kv_layers, ours.mamba.conv_dim) == (24, (7, 16), 32 * 64 + 2 * 8 * 128)
+    assert ours.layer_types[:4] == ("linear_attention", "mlp", "linear_attention", "mlp")
+    saved = {**{k: v for k, v in card.items() if k not in ("hybrid_override_pattern", "num_hidden_layers")},
+             "layers_block_type": list(ours.layer_types)}
+    assert ModelConfig.from_hf_config(saved).num_params() == ours.num_params()
+    for change, named in (({"hybrid_override_pattern": "M*E-"}, "layers_block_type: Nemotron-H's MoE blocks"),
+                          ({"hybrid_override_pattern": "M*X"}, "hybrid_override_pattern: one of M"),
+                          ({"hybrid_override_pattern": "M-M-"}, "layers_block_type: Nemotron-H with no attention"),
+                          ({"mlp_hidden_act": "silu"}, "mlp_hidden_act")):
+        with pytest.raises(ConfigError, match=f"^{named}"):
+            ModelConfig.from_hf_config({**card, **change})

@@ -278,7 +278,9 @@ def test_graphs_apply_only_to_a_model_whose_forward_is_graph_safe(tmp_path, buil
 HYBRIDS = {"qwen3_5": {}, "qwen3_next": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                              shared_expert_intermediate_size=32),
            "granitemoehybrid": dict(layer_types=["mamba", "attention", "mamba"], num_hidden_layers=3,
-                                    num_local_experts=0, mamba_n_heads=4, mamba_d_state=16, mamba_n_groups=2)}
+                                    num_local_experts=0, mamba_n_heads=4, mamba_d_state=16, mamba_n_groups=2),
+           "nemotron_h": dict(layers_block_type=["linear_attention", "mlp", "full_attention", "linear_attention"],
+                              head_dim=16, mamba_num_heads=4, mamba_head_dim=32, ssm_state_size=16, n_groups=2)}
 
 
 @pytest.mark.parametrize("arch", list(HYBRIDS))
@@ -289,7 +291,7 @@ def test_a_hybrid_models_decode_graphs_keep_each_sequences_state(tmp_path, built
     eager run's; the states stay where the graphs read them (a row past them is refused, not reallocated)."""
     from tests.engine.test_engine_vs_hf import QWEN3_5
 
-    overrides = HYBRIDS[arch] if arch == "granitemoehybrid" else {**QWEN3_5, **HYBRIDS[arch]}
+    overrides = HYBRIDS[arch] if arch in ("granitemoehybrid", "nemotron_h") else {**QWEN3_5, **HYBRIDS[arch]}
     path = make_tiny_model(tmp_path / arch, arch, builtin_path, **overrides)
     rng = random.Random(11)
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (3, 20, 9)]

@@ -274,6 +274,11 @@ TINY_MODELS = [
                           "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32,
                           "shared_intermediate_size": 48, "mamba_n_heads": 4, "mamba_d_state": 16,
                           "mamba_chunk_size": 16, "residual_multiplier": 0.5}),
+    # Nemotron-H: Mamba-2 blocks (B and C in 2 groups), NoPE attention blocks and squared-ReLU MLP blocks, each its own
+    # pre-norm residual step, under `backbone.` names
+    ("nemotron_h", {"layers_block_type": ["linear_attention", "mlp", "full_attention", "mlp", "linear_attention",
+                                          "mlp"], "head_dim": 16, "mamba_num_heads": 4, "mamba_head_dim": 32,
+                    "ssm_state_size": 16, "n_groups": 2, "chunk_size": 16, "pad_token_id": 0}),
     # Qwen3-Next: the same, its linear layers' projections stored fused per key head (2 value heads a key head);
     # then 1 value head a key head, layer 2 dense and the top 3 not renormalised
     ("qwen3_next", {**QWEN3_5, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
@@ -307,7 +312,7 @@ def test_tiny_random_models_match_transformers(tmp_path, monkeypatch, builtin_pa
     packed = isinstance(attn.o_proj, PackedLinear)
     assert packed == (cpu_linear == "onednn" and torch.backends.mkldnn.is_available())
     gen = torch.Generator().manual_seed(1)
-    state = arch in ("qwen3_5", "qwen3_5_moe", "qwen3_next") or "mamba" in overrides.get("layer_types", ())
+    state = arch in ("qwen3_5", "qwen3_5_moe", "qwen3_next", "nemotron_h") or "mamba" in overrides.get("layer_types", ())
     lengths = (1, 5, 17, 40, 9) + ((100,) if state else ())   # past a state layer's chunk of 64
     prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in lengths]
     outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))

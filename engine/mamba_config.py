@@ -1,0 +1,72 @@
+"""Mamba-2 layers' shape (Granite 4's -H models, `engine.granite_config`; Nemotron-H, `engine.nemotron_h_config`), and
+the bytes of a state layer's per-sequence state (Mamba-2's, and Gated DeltaNet's: `engine.gated_delta_config`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from engine.config import ConfigError
+
+SSM_STATE_BYTES = 4   # the recurrent state is float32 whatever the model's dtype: it sums every token of a sequence
+
+
+@dataclass(frozen=True)
+class Mamba2Shape:
+    """One Mamba-2 layer's shape (Granite 4's -H models): `num_heads` heads of `head_dim` (their product the mixer's
+    intermediate size), a state of `d_state` per head channel, B and C shared by the heads of each of `n_groups`
+    groups, the causal convolution's `conv_kernel` taps over x, B and C (with a bias where `conv_bias`), biased
+    projections where `proj_bias`, dt clamped to `dt_limit`."""
+
+    num_heads: int
+    head_dim: int
+    d_state: int
+    n_groups: int
+    conv_kernel: int
+    conv_bias: bool = True
+    proj_bias: bool = False
+    dt_limit: tuple[float, float] = (0.0, float("inf"))
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.n_groups:
+            raise ConfigError(f"mamba_n_groups: {self.n_groups} does not divide mamba_n_heads {self.num_heads}")
+        if self.conv_kernel < 2:
+            raise ConfigError(f"mamba_d_conv: must be >= 2, got {self.conv_kernel}")
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    def split_error(self, size: int) -> str | None:
+        return None if size == 1 else f"{size} ranks; Mamba-2 layers are served on one rank"
+
+    @property
+    def conv_dim(self) -> int:
+        """The convolution's channels: x, B and C."""
+        return self.intermediate_size + 2 * self.n_groups * self.d_state
+
+    @property
+    def conv_state_shape(self) -> tuple[int, int]:
+        return self.conv_dim, self.conv_kernel - 1
+
+    @property
+    def ssm_state_shape(self) -> tuple[int, int, int]:
+        return self.num_heads, self.head_dim, self.d_state
+
+    def num_params(self, hidden_size: int) -> int:
+        """in_proj (gate, x, B, C, dt), the convolution, dt_bias, A_log, D, the gated norm, out_proj."""
+        h, inter = hidden_size, self.intermediate_size
+        projections = h * (inter + self.conv_dim + self.num_heads) + inter * h
+        biases = (inter + self.conv_dim + self.num_heads + h) if self.proj_bias else 0
+        conv = self.conv_dim * self.conv_kernel + (self.conv_dim if self.conv_bias else 0)
+        return projections + biases + conv + 3 * self.num_heads + inter
+
+    def state_bytes(self, itemsize: int) -> int:
+        return state_bytes(self, itemsize)
+
+
+def state_bytes(shape: Any, itemsize: int) -> int:
+    """One sequence's state in one layer: the convolution's last kernel - 1 inputs (in the model's dtype, `itemsize`
+    bytes) and the float32 recurrent state."""
+    conv, ssm = shape.conv_state_shape, shape.ssm_state_shape
+    return conv[0] * conv[1] * itemsize + ssm[0] * ssm[1] * ssm[2] * SSM_STATE_BYTES

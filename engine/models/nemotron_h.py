@@ -1,0 +1,101 @@
+"""NVIDIA's Nemotron-H (`NemotronHForCausalLM`: Nemotron-H 8B, 47B, 56B; Nemotron Nano 2 9B and 12B): a stack of
+single-mixer blocks, each a pre-norm residual step around one of Mamba-2 (`engine.layers.mamba2`, over the states of
+`StatefulForCausalLM`), attention without a rotary (NoPE) over the paged cache, or a squared-ReLU MLP
+(`ReluSquaredMLP`, no gate). The norms keep their weight's product in float32 (OLMo 2's `FloatRMSNorm`). Its
+checkpoints name the model `backbone.` (the embedding `embeddings`, the final norm `norm_f`) and every block's mixer
+`mixer`, read as the block's attention, Mamba or MLP by the block's kind; multi-token-prediction layers are not
+read (the engine decodes one token a step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import ConfigError
+from engine.layers import FloatRMSNorm, RopeRows
+from engine.layers.gated_delta_net import RecurrentStates
+from engine.layers.mamba2 import Mamba2Mixer
+from engine.model import Attention
+from engine.model_config import ModelConfig
+from engine.models.hybrid import StatefulForCausalLM
+from engine.models.smollm3 import NoRope
+from engine.parallel import Collectives, ShardShape
+from kernels import AttentionMetadata
+
+__all__ = ["NemotronHForCausalLM", "ReluSquaredMLP"]
+
+
+class ReluSquaredMLP(nn.Module):
+    """up_proj, relu(x)^2, down_proj: no gate."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.relu(self.up_proj(x)).square())
+
+
+class NemotronHBlock(nn.Module):
+    """One block: its norm, then its mixer: `self_attn`, `mamba` or `ffn` by the block's kind."""
+
+    def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives, layer: int, state_index: int) -> None:
+        super().__init__()
+        self.norm = FloatRMSNorm(config.hidden_size, config.rms_norm_eps)
+        kind = config.layer_types[layer]
+        if kind == "full_attention":
+            self.self_attn = Attention(config, shard, comm, NoRope(), layer)
+        elif kind == "linear_attention":
+            self.mamba = Mamba2Mixer(config.mamba, config.hidden_size, config.rms_norm_eps, state_index)
+        else:
+            self.ffn = ReluSquaredMLP(config.hidden_size, config.intermediate_size)
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope_rows: RopeRows | None,
+                cache: tuple[torch.Tensor, torch.Tensor] | RecurrentStates, meta: AttentionMetadata, backend
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cache: the block's K/V, or the model's states (a Mamba block; an MLP block reads neither) -> (the
+        mixer's output, the residual stream before it is added)."""
+        if residual is None:
+            residual, hidden = hidden, self.norm(hidden)
+        else:
+            hidden, residual = self.norm(hidden, residual)
+        if hasattr(self, "self_attn"):
+            return self.self_attn(hidden, rope_rows, cache, meta, backend), residual
+        if hasattr(self, "mamba"):
+            return self.mamba(hidden, meta, cache), residual
+        return self.ffn(hidden), residual
+
+
+class NemotronHForCausalLM(StatefulForCausalLM):
+    """Nemotron-H (see the module docstring): Llama's loading and head, its blocks over `StatefulForCausalLM`'s
+    states; one rank (its Mamba-2 layers are not split: `Mamba2Shape.split_error`)."""
+
+    def make_rotary(self, ops: ModuleType) -> nn.Module:
+        return NoRope()
+
+    def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
+        return NemotronHBlock(self.config, self.shard, self.comm, index, self.state_index.get(index, -1))
+
+    def make_norm(self, ops: ModuleType) -> nn.Module:
+        return FloatRMSNorm(self.config.hidden_size, self.config.rms_norm_eps)
+
+    def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
+        """`backbone.` names as the model's: `embeddings` the embedding, `norm_f` the final norm, a block's `mixer`
+        its attention, Mamba or MLP; `mtp.` (multi-token prediction) skipped."""
+        name = name.removeprefix("backbone.")
+        if name.startswith("mtp."):
+            return ()
+        name = {"embeddings.weight": "embed_tokens.weight", "norm_f.weight": "norm.weight"}.get(name, name)
+        parts = name.split(".")
+        if parts[0] == "layers" and len(parts) > 3 and parts[2] == "mixer" and parts[1].isdigit():
+            if int(parts[1]) >= len(self.layers):
+                raise ConfigError(f"{hf_name}: block {parts[1]} of a config with {len(self.layers)} blocks")
+            kind = self.config.layer_types[int(parts[1])]
+            parts[2] = {"full_attention": "self_attn", "linear_attention": "mamba", "mlp": "ffn"}[kind]
+        return ((".".join(parts), tensor),)
