@@ -161,7 +161,7 @@ class ModelConfig:
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ConfigError(f"sliding_window: must be positive, got {self.sliding_window}")
         kinds = LAYER_TYPES + (("linear_attention",) if self.state_shape is not None else ()) + (   # Qwen3.5's ...
-            ("mlp",) if self.architecture == "NemotronHForCausalLM" else ())   # ... Nemotron-H's MLP blocks
+            ("mlp", "moe") if self.architecture == "NemotronHForCausalLM" else ())   # ... Nemotron-H's blocks
         if self.layer_types and (len(self.layer_types) != self.num_layers
                                  or any(t not in kinds for t in self.layer_types)):
             raise ConfigError(f"layer_types: one of {', '.join(kinds)} for each of the {self.num_layers} "
@@ -274,7 +274,7 @@ class ModelConfig:
         """The layers that keep K/V in the paged cache: all but linear-attention ones (Qwen3.5's), which keep a
         state per sequence instead (`state_bytes_per_seq`). The cache's layer i is layer kv_layers[i]'s."""
         return tuple(i for i in range(self.num_layers) if not self.is_linear_layer(i)
-                     and not (self.layer_types and self.layer_types[i] == "mlp"))   # Nemotron-H's MLP blocks
+                     and not (self.layer_types and self.layer_types[i] in ("mlp", "moe")))   # Nemotron-H's
 
     @property
     def state_shape(self) -> GatedDeltaShape | Mamba2Shape | None:

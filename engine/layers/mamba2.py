@@ -52,7 +52,7 @@ class Mamba2Mixer(StateMixer):
         """hidden: [num_tokens, hidden_size], the step's tokens sequence after sequence -> [num_tokens, hidden_size]."""
         s = self.shape
         gate, xbc, dt = self.in_proj(hidden).split([s.intermediate_size, s.conv_dim, s.num_heads], dim=-1)
-        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*s.dt_limit)
+        dt = F.softplus(dt.float() + self.dt_bias.float())
         y = self.scan(xbc, (dt,), meta, states)                                    # [num_tokens, heads, head_dim]
         return self.out_proj(self.norm(y.flatten(1).to(hidden.dtype), gate))
 
@@ -71,6 +71,8 @@ class Mamba2Mixer(StateMixer):
         return ssd.step(xs, extras[0], A, B, C, D, ssm)
 
     def chunk(self, x, extras, ssm):
+        """A prefill chunk: dt clamped to `dt_limit` (a decode step's is not: mamba_ssm's kernels and transformers
+        clamp the chunked scan's alone)."""
         xs, B, C = self._split(x)
         A, D = self._parameters_of_scan()
-        return ssd.chunked(xs, extras[0], A, B, C, D, ssm)
+        return ssd.chunked(xs, extras[0].clamp(*self.shape.dt_limit), A, B, C, D, ssm)

@@ -1,7 +1,7 @@
 """NVIDIA's Nemotron-H (`NemotronHForCausalLM`: Nemotron-H 8B, 47B, 56B; Nemotron Nano 2 9B and 12B): a stack of
 single-mixer blocks, each a pre-norm residual step around one of Mamba-2 (`engine.layers.mamba2`, over the states of
-`StatefulForCausalLM`), attention without a rotary (NoPE) over the paged cache, or a squared-ReLU MLP
-(`ReluSquaredMLP`, no gate). The norms keep their weight's product in float32 (OLMo 2's `FloatRMSNorm`). Its
+`StatefulForCausalLM`), attention without a rotary (NoPE) over the paged cache, a squared-ReLU MLP
+(`ReluSquaredMLP`, no gate), or Nemotron 3's experts (`NemotronHMoeBlock`). The norms keep their weight's product in float32 (OLMo 2's `FloatRMSNorm`). Its
 checkpoints name the model `backbone.` (the embedding `embeddings`, the final norm `norm_f`) and every block's mixer
 `mixer`, read as the block's attention, Mamba or MLP by the block's kind; multi-token-prediction layers are not
 read (the engine decodes one token a step).
@@ -9,7 +9,7 @@ read (the engine decodes one token a step).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from types import ModuleType
 
 import torch
@@ -20,14 +20,15 @@ from engine.config import ConfigError
 from engine.layers import FloatRMSNorm, RopeRows
 from engine.layers.gated_delta_net import RecurrentStates
 from engine.layers.mamba2 import Mamba2Mixer
-from engine.model import Attention
+from engine.model import Attention, WeightLoadError
 from engine.model_config import ModelConfig
+from engine.models.deepseek import DeepseekMoeBlock
 from engine.models.hybrid import StatefulForCausalLM
 from engine.models.smollm3 import NoRope
 from engine.parallel import Collectives, ShardShape
 from kernels import AttentionMetadata
 
-__all__ = ["NemotronHForCausalLM", "ReluSquaredMLP"]
+__all__ = ["NemotronHForCausalLM", "NemotronHMoeBlock", "ReluSquaredMLP"]
 
 
 class ReluSquaredMLP(nn.Module):
@@ -39,13 +40,14 @@ class ReluSquaredMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.relu(self.up_proj(x)).square())
+        return self.down_proj(relu_squared(self.up_proj(x)))
 
 
 class NemotronHBlock(nn.Module):
     """One block: its norm, then its mixer: `self_attn`, `mamba` or `ffn` by the block's kind."""
 
-    def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives, layer: int, state_index: int) -> None:
+    def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives, ops: ModuleType, layer: int,
+                 state_index: int) -> None:
         super().__init__()
         self.norm = FloatRMSNorm(config.hidden_size, config.rms_norm_eps)
         kind = config.layer_types[layer]
@@ -53,6 +55,8 @@ class NemotronHBlock(nn.Module):
             self.self_attn = Attention(config, shard, comm, NoRope(), layer)
         elif kind == "linear_attention":
             self.mamba = Mamba2Mixer(config.mamba, config.hidden_size, config.rms_norm_eps, state_index)
+        elif kind == "moe":
+            self.ffn = NemotronHMoeBlock(config, shard, comm, ops)
         else:
             self.ffn = ReluSquaredMLP(config.hidden_size, config.intermediate_size)
 
@@ -80,7 +84,7 @@ class NemotronHForCausalLM(StatefulForCausalLM):
         return NoRope()
 
     def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
-        return NemotronHBlock(self.config, self.shard, self.comm, index, self.state_index.get(index, -1))
+        return NemotronHBlock(self.config, self.shard, self.comm, ops, index, self.state_index.get(index, -1))
 
     def make_norm(self, ops: ModuleType) -> nn.Module:
         return FloatRMSNorm(self.config.hidden_size, self.config.rms_norm_eps)
@@ -97,5 +101,43 @@ class NemotronHForCausalLM(StatefulForCausalLM):
             if int(parts[1]) >= len(self.layers):
                 raise ConfigError(f"{hf_name}: block {parts[1]} of a config with {len(self.layers)} blocks")
             kind = self.config.layer_types[int(parts[1])]
-            parts[2] = {"full_attention": "self_attn", "linear_attention": "mamba", "mlp": "ffn"}[kind]
+            parts[2] = {"full_attention": "self_attn", "linear_attention": "mamba", "mlp": "ffn", "moe": "ffn"}[kind]
+            parts[3] = "shared_expert" if parts[3] == "shared_experts" else parts[3]
         return ((".".join(parts), tensor),)
+
+    def _destination(self, name: str, hf_name: str) -> tuple[str, Callable[[torch.Tensor], torch.Tensor]]:
+        """A MoE block's expert `e`'s up_proj into w13[e], its down_proj into w2[e]."""
+        prefix, sep, rest = name.partition(".ffn.experts.")
+        if not sep:
+            return super()._destination(name, hf_name)
+        expert, _, proj = rest.partition(".")
+        if not expert.isdigit() or int(expert) >= self.config.num_experts or \
+                proj not in ("up_proj.weight", "down_proj.weight"):
+            raise WeightLoadError(f"{hf_name}: not a tensor of {self.config.architecture} with this config")
+        e = int(expert)
+        return f"{prefix}.ffn.{'w13' if proj.startswith('up') else 'w2'}", lambda data: data[e]
+
+
+class NemotronHMoeBlock(DeepseekMoeBlock):
+    """Nemotron 3's MoE block: DeepSeek V3's grouped sigmoid router over experts without a gate (`w13` holds each
+    expert's up rows alone, relu(x)^2 between the products: the loop or the grouped matmuls, not the gated Triton
+    kernel) beside a squared-ReLU shared expert."""
+
+    def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives, ops: ModuleType) -> None:
+        super().__init__(config, shard, comm, ops)
+        self.w13 = nn.Parameter(torch.empty(config.num_experts, shard.moe_intermediate_size, config.hidden_size))
+        self.act_fn = ReluSquared()
+        self.fused_moe = None
+        self.shared_expert = ReluSquaredMLP(config.hidden_size, config.shared_expert_intermediate_size) \
+            if config.shared_expert_intermediate_size else None
+
+
+def relu_squared(x: torch.Tensor) -> torch.Tensor:
+    return F.relu(x).square()
+
+
+class ReluSquared(nn.Module):
+    """relu(x)^2, an expert's activation."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return relu_squared(x)

@@ -1508,8 +1508,8 @@ def test_qwen3_next_reads_as_transformers_does():
 def test_nemotron_h_reads_as_transformers_does():
     """Nemotron-H as its hub configs write it (`hybrid_override_pattern`, a character a block; `num_hidden_layers`
     beside it) and as transformers 5 saves it (`layers_block_type`): the blocks' kinds, the KV cache holding the
-    attention blocks alone, the parameter count of transformers' model; its MoE blocks, a block of no known kind,
-    or no attention block at all refused by key."""
+    attention blocks alone, the parameter count of transformers' model; latent experts, a block of no known kind,
+    or no attention block at all refused by key; Nemotron 3's MoE blocks counted as transformers counts them."""
     transformers = pytest.importorskip("transformers")
 
     pattern = "M-M-M-M*-M-M-M-M*-M-M-M-"   # 24 blocks: 11 Mamba-2, 2 attention, 11 MLP
@@ -1525,7 +1525,12 @@ def test_nemotron_h_reads_as_transformers_does():
     saved = {**{k: v for k, v in card.items() if k not in ("hybrid_override_pattern", "num_hidden_layers")},
              "layers_block_type": list(ours.layer_types)}
     assert ModelConfig.from_hf_config(saved).num_params() == ours.num_params()
-    for change, named in (({"hybrid_override_pattern": "M*E-"}, "layers_block_type: Nemotron-H's MoE blocks"),
+    moe = {**card, "hybrid_override_pattern": "ME*E" * 6, "num_hidden_layers": 24, "n_routed_experts": 64,
+           "num_experts_per_tok": 6, "moe_intermediate_size": 512, "moe_shared_expert_intermediate_size": 1024}
+    ours, (_, hf) = ModelConfig.from_hf_config(moe), _meta_model(transformers.NemotronHConfig, moe)
+    assert ours.num_params() == sum(p.numel() for p in hf.parameters()) + 6 * 2 * 64   # + the correction biases
+    assert [ours.is_sparse_layer(i) for i in range(4)] == [False, True, False, True] and ours.kv_layers[:2] == (2, 6)
+    for change, named in (({**moe, "moe_latent_size": 256}, "moe_latent_size"),
                           ({"hybrid_override_pattern": "M*X"}, "hybrid_override_pattern: one of M"),
                           ({"hybrid_override_pattern": "M-M-"}, "layers_block_type: Nemotron-H with no attention"),
                           ({"mlp_hidden_act": "silu"}, "mlp_hidden_act")):

@@ -279,6 +279,13 @@ TINY_MODELS = [
     ("nemotron_h", {"layers_block_type": ["linear_attention", "mlp", "full_attention", "mlp", "linear_attention",
                                           "mlp"], "head_dim": 16, "mamba_num_heads": 4, "mamba_head_dim": 32,
                     "ssm_state_size": 16, "n_groups": 2, "chunk_size": 16, "pad_token_id": 0}),
+    # Nemotron 3's MoE blocks: 8 squared-ReLU experts of 32 in 2 groups (a token's from 1), 2 a token by DeepSeek V3's
+    # sigmoid router (its correction bias), scaled by 2.5, beside a shared expert of 48
+    ("nemotron_h", {"layers_block_type": ["linear_attention", "moe", "full_attention", "moe"], "head_dim": 16,
+                    "mamba_num_heads": 4, "mamba_head_dim": 32, "ssm_state_size": 16, "n_groups": 2, "chunk_size": 16,
+                    "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                    "moe_shared_expert_intermediate_size": 48, "n_group": 2, "topk_group": 1,
+                    "routed_scaling_factor": 2.5, "pad_token_id": 0}),
     # Qwen3-Next: the same, its linear layers' projections stored fused per key head (2 value heads a key head);
     # then 1 value head a key head, layer 2 dense and the top 3 not renormalised
     ("qwen3_next", {**QWEN3_5, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
