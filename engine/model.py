@@ -78,14 +78,20 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(hidden).view(-1, num_heads + 2 * num_kv_heads, self.config.head_dim)  # [T, heads, d]
         self.position_qk(qkv, rope_rows)
         q, k, v = qkv.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
+        out = self.attend(q, k, v, kv_cache, meta, backend)
+        return self.comm.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+               meta: AttentionMetadata, backend) -> torch.Tensor:
+        """k and v stored in the layer's cache (seen first by an FP8 cache's scale measurement), then q's attention
+        over it -> [num_tokens, num_heads, head_dim]."""
         k_cache, v_cache = kv_cache
         if self.kv_observer is not None:
             self.kv_observer(k, v)
         backend.store_kv(k, v, k_cache, v_cache, meta, k_scale=self.k_scale, v_scale=self.v_scale)
-        out = backend.paged_attention(q, k_cache, v_cache, meta, self.scale, self.sliding_window,
-                                      k_scale=self.k_scale, v_scale=self.v_scale, softcap=self.softcap,
-                                      sinks=self.sinks, chunk=self.chunk)
-        return self.comm.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
+        return backend.paged_attention(q, k_cache, v_cache, meta, self.scale, self.sliding_window,
+                                       k_scale=self.k_scale, v_scale=self.v_scale, softcap=self.softcap,
+                                       sinks=self.sinks, chunk=self.chunk)
 
     def position_qk(self, qkv: torch.Tensor, rope_rows: RopeRows) -> None:
         """q and k of qkv [T, heads, d] normed (where the model norms them), then turned by the rotary, in place

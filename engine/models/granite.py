@@ -26,7 +26,7 @@ from engine.layers.gated_delta_net import RecurrentStates
 from engine.layers.mamba2 import Mamba2Mixer
 from engine.model import DecoderLayer, LlamaForCausalLM, WeightLoadError
 from engine.models.hybrid import StatefulForCausalLM
-from engine.models.qwen3_moe import Qwen3MoeForCausalLM
+from engine.models.qwen3_moe import Qwen3MoeForCausalLM, with_experts
 from engine.models.smollm3 import layer_rotary
 from kernels import AttentionMetadata
 
@@ -124,10 +124,7 @@ class GraniteHybridMoeForCausalLM(GraniteHybridForCausalLM, Qwen3MoeForCausalLM)
     its router as `block_sparse_moe.router.layer`, read as each expert's (`Qwen3MoeForCausalLM`'s names)."""
 
     def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
-        layer = super().make_layer(index, ops)
-        if self.config.is_sparse_layer(index):
-            layer.mlp = self.moe_block(self.config, self.shard, self.comm, ops)
-        return layer
+        return with_experts(self, super().make_layer(index, ops), index, ops)
 
     def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
         head, sep, part = name.partition(".block_sparse_moe.")

@@ -25,7 +25,7 @@ from engine.model import MLP, Attention, WeightLoadError
 from engine.model_config import ModelConfig
 from engine.models.hybrid import StatefulForCausalLM
 from engine.models.phi3 import partial_rotary_rows
-from engine.models.qwen3_moe import Qwen3MoeForCausalLM
+from engine.models.qwen3_moe import Qwen3MoeForCausalLM, with_experts
 from engine.parallel import Collectives, ShardShape
 from kernels import AttentionMetadata
 
@@ -46,13 +46,7 @@ class GatedAttention(Attention):
         projected = self.qkv_proj(hidden)
         qkv = projected[:, :self.q_size + 2 * self.kv_size].unflatten(-1, (heads + 2 * kv_heads, d))
         self.position_qk(qkv, rope_rows)
-        q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
-        k_cache, v_cache = kv_cache
-        if self.kv_observer is not None:
-            self.kv_observer(k, v)
-        backend.store_kv(k, v, k_cache, v_cache, meta, k_scale=self.k_scale, v_scale=self.v_scale)
-        out = backend.paged_attention(q, k_cache, v_cache, meta, self.scale, self.sliding_window,
-                                      k_scale=self.k_scale, v_scale=self.v_scale)
+        out = self.attend(*qkv.split([heads, kv_heads, kv_heads], dim=1), kv_cache, meta, backend)
         gate = projected[:, self.q_size + 2 * self.kv_size:]
         return self.comm.all_reduce(self.o_proj(out.reshape(-1, self.q_size) * torch.sigmoid(gate)))
 
@@ -165,10 +159,7 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM, Qwen3MoeForCausalLM):
     experts beside a gated shared expert), its experts read per expert or stacked (`Qwen3MoeForCausalLM`)."""
 
     def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
-        layer = super().make_layer(index, ops)
-        if self.config.is_sparse_layer(index):
-            layer.mlp = self.moe_block(self.config, self.shard, self.comm, ops)
-        return layer
+        return with_experts(self, super().make_layer(index, ops), index, ops)
 
 
 class Qwen3NextForCausalLM(Qwen3_5MoeForCausalLM):

@@ -148,6 +148,13 @@ def _biased(h: torch.Tensor, bias: torch.Tensor | None, expert: int | torch.Tens
     return h if bias is None else h + bias[expert]
 
 
+def with_experts(model: Qwen3MoeForCausalLM, layer: nn.Module, index: int, ops: ModuleType) -> nn.Module:
+    """`layer` (layer `index` of `model`) with its MLP the model's `moe_block` where the layer is sparse."""
+    if model.config.is_sparse_layer(index):
+        layer.mlp = model.moe_block(model.config, model.shard, model.comm, ops)
+    return layer
+
+
 def _fused_moe_for(ops: ModuleType) -> Callable[..., torch.Tensor] | None:
     """`kernels.triton_moe.fused_moe` where a layer's ops are the Triton ones (`kernels.fused.get_fused_ops`)."""
     if ops is not sys.modules.get("kernels.triton_fused"):
@@ -171,10 +178,7 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
         return all(getattr(layer.mlp, "fused_moe", True) is not None for layer in self.layers)
 
     def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
-        layer = super().make_layer(index, ops)
-        if self.config.is_sparse_layer(index):
-            layer.mlp = self.moe_block(self.config, self.shard, self.comm, ops)
-        return layer
+        return with_experts(self, super().make_layer(index, ops), index, ops)
 
     def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
         """A Qwen3-VL-MoE checkpoint's stacked experts (`ModelConfig.stacked_experts`: each layer's
