@@ -147,6 +147,8 @@ class ModelRunner(_Forward):
         self.input_batch = InputBatch(max_rows, max_blocks, kv_cache.block_size, device)
         if hasattr(model, "reserve_states"):   # linear-attention layers: a state per row, made now
             model.reserve_states(max_rows)
+            if model.states is not None:
+                log.info("linear-attention states for %d sequences: %.0f MiB", max_rows, model.states.num_bytes / 2**20)
         self.prompt_spans = prompt_logprobs.PromptSpans()
         self._moves: list[tuple[str, str, list[tuple[int, int]]]] = []   # for the followers' next plan
 
