@@ -147,7 +147,7 @@ class LLMEngine:
             pack_linears(self.model)
 
     def _make_scheduler(self, pool: PoolConfig, first_block: int) -> Scheduler:
-        """The scheduler of one pool: its block range from `first_block` on, its swap space (`ModelConfig.serving_pool`)."""
+        """One pool's scheduler: its block range from `first_block` on, its swap space (`ModelConfig.serving_pool`)."""
         pool = self.model_config.serving_pool(pool)
         max_model_len = pool.scheduler.max_model_len or self.model_config.context_length
         if max_model_len > self.model_config.context_length:

@@ -16,7 +16,8 @@ class Mamba2Shape:
     """One Mamba-2 layer's shape (Granite 4's -H models): `num_heads` heads of `head_dim` (their product the mixer's
     intermediate size), a state of `d_state` per head channel, B and C shared by the heads of each of `n_groups`
     groups, the causal convolution's `conv_kernel` taps over x, B and C (with a bias where `conv_bias`), biased
-    projections where `proj_bias`, a prefill's dt clamped to `dt_limit` (a decode step's is not: `engine.layers.mamba2`)."""
+    projections where `proj_bias`, a prefill's dt clamped to `dt_limit` (a decode step's is not:
+    `engine.layers.mamba2`)."""
 
     num_heads: int
     head_dim: int

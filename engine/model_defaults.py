@@ -42,13 +42,14 @@ FAMILY_DEFAULTS = {"Gemma2ForCausalLM": GEMMA2_DEFAULTS, "Gemma3ForCausalLM": GE
                        "vocab_size": 248_320, "hidden_size": 4096, "intermediate_size": 12_288, "num_hidden_layers": 32,
                        "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 256,
                        "max_position_embeddings": 32_768},
-                   "Qwen3_5MoeForCausalLM": {   # Qwen3_5MoeTextConfig's; its MLPs are all experts (no intermediate_size)
+                   "Qwen3_5MoeForCausalLM": {   # Qwen3_5MoeTextConfig's; its MLPs are experts (no intermediate_size)
                        "vocab_size": 248_320, "hidden_size": 2048, "intermediate_size": 512, "num_hidden_layers": 40,
                        "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
                        "max_position_embeddings": 32_768},
                    "NemotronHForCausalLM": {   # NemotronHConfig's
-                       "vocab_size": 131_072, "hidden_size": 4096, "intermediate_size": 21_504, "num_attention_heads": 32,
-                       "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 4096},
+                       "vocab_size": 131_072, "hidden_size": 4096, "intermediate_size": 21_504,
+                       "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                       "max_position_embeddings": 4096},
                    "Qwen3NextForCausalLM": {   # Qwen3NextConfig's
                        "vocab_size": 151_936, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 48,
                        "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,

@@ -127,7 +127,8 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
             for name, param in model.named_parameters():
                 if name.endswith(("query_layernorm.weight", "key_layernorm.weight")):
                     param.normal_(1.0, 0.5)
-    if arch in ("deepseek_v3", "glm4_moe", "minimax_m2", "glm4_moe_lite", "nemotron_h"):   # the router's correction bias
+    # the router's correction bias (a buffer)
+    if arch in ("deepseek_v3", "glm4_moe", "minimax_m2", "glm4_moe_lite", "nemotron_h"):
         with torch.no_grad():
             for name, buffer in model.named_buffers():
                 if name.endswith("e_score_correction_bias"):

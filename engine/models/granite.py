@@ -30,7 +30,8 @@ from engine.models.qwen3_moe import Qwen3MoeForCausalLM, with_experts
 from engine.models.smollm3 import layer_rotary
 from kernels import AttentionMetadata
 
-__all__ = ["GraniteForCausalLM", "GraniteHybridForCausalLM", "GraniteHybridMoeForCausalLM", "GraniteMoeHybridForCausalLM"]
+__all__ = ["GraniteForCausalLM", "GraniteHybridForCausalLM", "GraniteHybridMoeForCausalLM",
+           "GraniteMoeHybridForCausalLM"]
 
 
 class GraniteDecoderLayer(DecoderLayer):

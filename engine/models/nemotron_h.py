@@ -1,10 +1,10 @@
-"""NVIDIA's Nemotron-H (`NemotronHForCausalLM`: Nemotron-H 8B, 47B, 56B; Nemotron Nano 2 9B and 12B): a stack of
-single-mixer blocks, each a pre-norm residual step around one of Mamba-2 (`engine.layers.mamba2`, over the states of
-`StatefulForCausalLM`), attention without a rotary (NoPE) over the paged cache, a squared-ReLU MLP
-(`ReluSquaredMLP`, no gate), or Nemotron 3's experts (`NemotronHMoeBlock`). The norms keep their weight's product in float32 (OLMo 2's `FloatRMSNorm`). Its
-checkpoints name the model `backbone.` (the embedding `embeddings`, the final norm `norm_f`) and every block's mixer
-`mixer`, read as the block's attention, Mamba or MLP by the block's kind; multi-token-prediction layers are not
-read (the engine decodes one token a step).
+"""NVIDIA's Nemotron-H (`NemotronHForCausalLM`: Nemotron-H 8B, 47B, 56B; Nemotron Nano 2 9B and 12B; Nemotron 3
+Nano): a stack of single-mixer blocks, each a pre-norm residual step around one of Mamba-2 (`engine.layers.mamba2`,
+over the states of `StatefulForCausalLM`), attention without a rotary (NoPE) over the paged cache, a squared-ReLU
+MLP (`ReluSquaredMLP`, no gate), or Nemotron 3's experts (`NemotronHMoeBlock`). The norms keep their weight's
+product in float32 (OLMo 2's `FloatRMSNorm`). Its checkpoints name the model `backbone.` (the embedding
+`embeddings`, the final norm `norm_f`) and every block's mixer `mixer`, read as the block's attention, Mamba, MLP or
+experts by the block's kind; multi-token-prediction layers are not read (the engine decodes one token a step).
 """
 
 from __future__ import annotations

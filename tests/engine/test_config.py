@@ -1462,7 +1462,7 @@ def test_qwen3_5_reads_as_transformers_does():
     with pytest.raises(ConfigError, match=r"^text_config\.layer_types: full_attention or linear_attention"):
         ModelConfig.from_hf_config({"architectures": ["Qwen3_5ForConditionalGeneration"], "text_config": {
             "model_type": "qwen3_5_text", "num_hidden_layers": 2, "layer_types": ["sliding_attention"] * 2}})
-    with pytest.raises(ConfigError, match=r"^layer_types: one of full_attention, sliding_attention, chunked_attention "):
+    with pytest.raises(ConfigError, match=r"^layer_types: one of full_attention, sliding_attention, chunked_attention"):
         ModelConfig.from_hf_config({"architectures": ["Gemma3ForCausalLM"], "num_hidden_layers": 2,   # Qwen3.5's only
                                     "layer_types": ["linear_attention", "full_attention"]})
     with pytest.raises(ConfigError, match=r"^linear_num_value_heads: 6 is not a multiple of linear_num_key_heads 4"):

@@ -319,7 +319,8 @@ def test_tiny_random_models_match_transformers(tmp_path, monkeypatch, builtin_pa
     packed = isinstance(attn.o_proj, PackedLinear)
     assert packed == (cpu_linear == "onednn" and torch.backends.mkldnn.is_available())
     gen = torch.Generator().manual_seed(1)
-    state = arch in ("qwen3_5", "qwen3_5_moe", "qwen3_next", "nemotron_h") or "mamba" in overrides.get("layer_types", ())
+    state = arch in ("qwen3_5", "qwen3_5_moe", "qwen3_next", "nemotron_h") or \
+        "mamba" in overrides.get("layer_types", ())
     lengths = (1, 5, 17, 40, 9) + ((100,) if state else ())   # past a state layer's chunk of 64
     prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in lengths]
     outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))

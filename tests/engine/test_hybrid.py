@@ -1,7 +1,8 @@
 """Hybrid models whose linear-attention layers keep a state per sequence (Qwen3.5): that state through the engine's
 life of a sequence. A preempted sequence recomputes it, n > 1 samples prefill apart, a prompt served twice does
 not resume from cached blocks its state is not in; swap, and more ranks than linear-attention key heads, are refused
-by key; the capacity plan counts each running sequence's state. Greedy parity on tiny models is in test_engine_vs_hf.py."""
+by key; the capacity plan counts each running sequence's state. Greedy parity on tiny models (Qwen3.5, Qwen3-Next,
+Granite 4-H, Nemotron-H) is in test_engine_vs_hf.py."""
 
 from __future__ import annotations
 
