@@ -1,14 +1,18 @@
 """Hybrid models whose layers are mostly linear attention (Gated DeltaNet) with a full-attention layer every few:
 Qwen3.5's text models (dense and MoE) and Qwen3-Next, as transformers' `Qwen3_5TextConfig`, `Qwen3_5MoeTextConfig` and
-`Qwen3NextConfig` read their config.json.
+`Qwen3NextConfig` read their config.json; the readers of every family with state layers (`HYBRID_FIELDS`, Nemotron-H's
+in `engine.nemotron_h_config`; Granite 4-H's in `engine.granite_config`), and what a pool of such a model serves
+without (`serving_pool`).
 
 A linear-attention layer (`layer_types` "linear_attention") holds no K/V per token: each running sequence carries
-a fixed-size state for it (`GatedDeltaShape.state_bytes`), which the capacity plan counts per sequence beside the
-KV of the full-attention layers (`ModelConfig.kv_layers`). What we do not serve is refused with a `ConfigError`
-naming the key."""
+a fixed-size state for it (`GatedDeltaShape.state_bytes`; Mamba-2's: `engine.mamba_config`), which the capacity plan
+counts per sequence beside the KV of the attention layers (`ModelConfig.kv_layers`). What we do not serve is refused
+with a `ConfigError` naming the key."""
 
 from __future__ import annotations
 
+import logging
+import logging
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -16,6 +20,8 @@ from engine.config import ConfigError, PoolConfig
 from engine.config_values import read_bool, read_float, read_int, read_object
 from engine.mamba_config import Mamba2Shape, state_bytes
 from engine.nemotron_h_config import nemotron_h_fields
+
+log = logging.getLogger("cliffguard.engine")
 
 # why a pool of such a model cannot swap (the engine's and the capacity plan's refusal)
 NOT_SWAPPED = ("swaps K/V blocks, but this model's linear-attention layers keep a state per sequence that is not "
@@ -160,4 +166,7 @@ def serving_pool(pool: PoolConfig, stateful: bool) -> PoolConfig:
         return pool
     if sc.uses_swap:
         raise ConfigError(f"pools.{pool.name}.preemption_mode: {sc.preemption_mode!r} {NOT_SWAPPED}")
+    if sc.enable_prefix_caching:
+        log.info("pools.%s: served without prefix caching (the model's linear-attention layers keep a state per "
+                 "sequence that cached blocks do not hold)", pool.name)
     return replace(pool, scheduler=replace(sc, enable_prefix_caching=False))
