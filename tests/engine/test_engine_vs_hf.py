@@ -1056,18 +1056,21 @@ def test_a_per_tensor_fp8_checkpoint_serves_what_transformers_dequantizes(tmp_pa
     assert [o.outputs[0].token_ids for o in outs] == [_hf_greedy(hf, p, 12, eos_ids=None) for p in prompts]
 
 
-def test_an_fp8_block_scaled_checkpoint_serves_what_transformers_dequantizes(tmp_path, builtin_path):
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+def test_an_fp8_block_scaled_checkpoint_serves_what_transformers_dequantizes(tmp_path, builtin_path, arch):
     """An FP8 checkpoint with block scales (blocks of 16 x 32), its scales in another shard than its weights: the
     engine dequantizes each weight as its scales arrive and decodes greedily as transformers' own FP8 loading (which
-    dequantizes on a machine without FP8 matmuls); a weight without its scales, or scales of the wrong shape, are
-    refused by name. (Partial blocks, which transformers' dequantizing refuses and DeepSeek's 576-row latent
-    projection has: tests/engine/test_weights.py.)"""
+    dequantizes on a machine without FP8 matmuls); Qwen3.5's too (its gated q_proj dequantized, then split, its
+    linear layers' out_proj); a weight without its scales, or scales of the wrong shape, are refused by name.
+    (Partial blocks, which transformers' dequantizing refuses and DeepSeek's 576-row latent projection has:
+    tests/engine/test_weights.py.)"""
     import transformers
     from safetensors.torch import load_file, save_file
 
     from engine.model import WeightLoadError
 
-    folder = make_tiny_model(tmp_path / "fp8", "qwen3", builtin_path, head_dim=16)
+    folder = make_tiny_model(tmp_path / "fp8", arch, builtin_path, head_dim=16,
+                             **({k: v for k, v in QWEN3_5.items() if k != "head_dim"} if arch == "qwen3_5" else {}))
     _fp8_checkpoint(folder, (16, 32))
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     engine = LLMEngine.from_args(str(folder), dtype="float32", block_size=8, num_blocks=64, progress=False)
