@@ -86,3 +86,20 @@ def ministral3_fields(cfg: dict[str, Any], num_layers: int = 0) -> dict[str, Any
         if isinstance(rope, dict) else None
     return {"sliding_window": read_int(cfg, "sliding_window", None), "llama4_scaling_beta": beta or None,
             "full_rope": (cfg,)}
+
+
+def ministral_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """Ministral's (`MinistralForCausalLM`, Ministral-8B-2410): Mistral's layer with `layer_types`, by default every
+    layer sliding where there is a `sliding_window` (4096 where config.json names none; null: none, every layer
+    full), as transformers' `MinistralConfig` reads it."""
+    window = read_int(cfg, "sliding_window", None) if "sliding_window" in cfg else 4096
+    kinds = cfg.get("layer_types")
+    if kinds is None:
+        kinds = ["sliding_attention" if window is not None else "full_attention"] * num_layers
+    if not isinstance(kinds, list) or any(k not in ("sliding_attention", "full_attention") for k in kinds):
+        raise ConfigError(f"layer_types: sliding_attention or full_attention for each layer, got {kinds!r:.80}")
+    return {"sliding_window": window, "layer_types": tuple(kinds)}
+
+
+# the Mistral family's readers of this module (`engine.model_families.OWN_MODULE_FIELDS`)
+MISTRAL_FIELDS = {"Ministral3ForCausalLM": ministral3_fields, "MinistralForCausalLM": ministral_fields}

@@ -112,7 +112,8 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
            "granitemoehybrid": transformers.GraniteMoeHybridConfig, "exaone4": transformers.Exaone4Config,
            "hunyuan_v1_dense": transformers.HunYuanDenseV1Config, "olmoe": transformers.OlmoeConfig,
            "qwen3_5": transformers.Qwen3_5TextConfig, "qwen3_5_moe": transformers.Qwen3_5MoeTextConfig,
-           "qwen3_next": transformers.Qwen3NextConfig, "nemotron_h": transformers.NemotronHConfig}[arch]
+           "qwen3_next": transformers.Qwen3NextConfig, "nemotron_h": transformers.NemotronHConfig,
+           "ministral": transformers.MinistralConfig}[arch]
     config = cls(**common)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)

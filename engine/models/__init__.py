@@ -84,7 +84,8 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
                                                 "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
                                                 "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
-                                                "NemotronHForCausalLM": NemotronHForCausalLM}
+                                                "NemotronHForCausalLM": NemotronHForCausalLM,
+                                                "MinistralForCausalLM": LlamaForCausalLM}   # per-layer windows
 
 
 def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:

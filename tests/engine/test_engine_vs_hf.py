@@ -227,6 +227,8 @@ TINY_MODELS = [
                 "attn_temperature_tuning": False, "num_key_value_heads": 1,
                 "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
     # Ministral 3: every query scaled by its position after the rotary; then a window of 8 and one KV head
+    # Ministral (2410): Mistral's layer, sliding (a window of 8) and full layers as layer_types says
+    ("ministral", dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"], head_dim=16)),
     ("ministral3", MINISTRAL3),
     ("ministral3", {**MINISTRAL3, "sliding_window": 8, "num_key_value_heads": 1, "tie_word_embeddings": True}),
     # GLM-4.7-Flash: DeepSeek V3's latent attention and router under GLM's names, its first layer dense
