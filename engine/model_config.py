@@ -37,7 +37,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
                            "Glm4MoeLiteForCausalLM", "GraniteMoeHybridForCausalLM", "Exaone4ForCausalLM",
                            "HunYuanDenseV1ForCausalLM", "OlmoeForCausalLM", "Qwen3_5ForCausalLM",
                            "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM", "NemotronHForCausalLM",
-                           "MinistralForCausalLM")
+                           "MinistralForCausalLM", "HunYuanMoEV1ForCausalLM")
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")   # one LayerNorm a layer, a parallel block
 # their attention bias: q/k/v's, not o_proj's
 QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM")

@@ -14,7 +14,7 @@ from engine.config import ConfigError
 from engine.config_values import is_int, read_bool, read_float, read_int, read_object, rope_type
 from engine.gated_delta_config import HYBRID_FIELDS
 from engine.granite_config import granite_fields
-from engine.hunyuan_config import hunyuan_fields
+from engine.hunyuan_config import HUNYUAN_FIELDS
 from engine.llama4_config import MISTRAL_FIELDS, llama4_fields
 from engine.mla_config import MLA_DEFAULTS, read_mla
 
@@ -26,7 +26,7 @@ LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 MOE_ROUTERS = ("softmax", "deepseek_v2", "deepseek_v3", "minimax_m2", "ernie4_5", "llama4")
 # the families whose fields are read in a module of their own, each reader taking (config.json, its layer count)
 OWN_MODULE_FIELDS: dict[str, Callable[[dict[str, Any], int], dict[str, Any]]] = {"Llama4ForCausalLM": llama4_fields,
-    **MISTRAL_FIELDS, "HunYuanDenseV1ForCausalLM": hunyuan_fields, **HYBRID_FIELDS}
+    **MISTRAL_FIELDS, **HUNYUAN_FIELDS, **HYBRID_FIELDS}
 DEEPSEEK_TOPK_METHODS = {"DeepseekV2ForCausalLM": ("greedy", "group_limited_greedy"),
                          "DeepseekV3ForCausalLM": ("noaux_tc",), "Glm4MoeLiteForCausalLM": ("noaux_tc",)}
 

@@ -113,7 +113,7 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
            "hunyuan_v1_dense": transformers.HunYuanDenseV1Config, "olmoe": transformers.OlmoeConfig,
            "qwen3_5": transformers.Qwen3_5TextConfig, "qwen3_5_moe": transformers.Qwen3_5MoeTextConfig,
            "qwen3_next": transformers.Qwen3NextConfig, "nemotron_h": transformers.NemotronHConfig,
-           "ministral": transformers.MinistralConfig}[arch]
+           "ministral": transformers.MinistralConfig, "hunyuan_v1_moe": transformers.HunYuanMoEV1Config}[arch]
     config = cls(**common)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -123,7 +123,8 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
             for name, param in model.named_parameters():
                 if name.endswith(("bias", "sinks")):
                     param.normal_(0.0, 1.0)
-    if arch == "hunyuan_v1_dense":   # q/k norms of weight 1 turn with the rotary: normed before it, the same answers
+    # q/k norms of weight 1 turn with the rotary: normed before it, the same answers
+    if arch in ("hunyuan_v1_dense", "hunyuan_v1_moe"):
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if name.endswith(("query_layernorm.weight", "key_layernorm.weight")):

@@ -39,7 +39,7 @@ from engine.models.llama4 import Llama4ForCausalLM
 from engine.models.ministral3 import Ministral3ForCausalLM
 from engine.models.granite import (GraniteForCausalLM, GraniteHybridForCausalLM, GraniteHybridMoeForCausalLM,
                                    GraniteMoeHybridForCausalLM)
-from engine.models.hunyuan import HunyuanDenseForCausalLM
+from engine.models.hunyuan import HunyuanDenseForCausalLM, HunyuanMoeForCausalLM
 from engine.models.minimax_m2 import MiniMaxM2ForCausalLM
 from engine.models.mixtral import MixtralForCausalLM
 from engine.models.olmo2 import Exaone4ForCausalLM, Olmo2ForCausalLM, Olmo3ForCausalLM, OlmoeForCausalLM
@@ -85,7 +85,8 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
                                                 "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
                                                 "NemotronHForCausalLM": NemotronHForCausalLM,
-                                                "MinistralForCausalLM": LlamaForCausalLM}   # per-layer windows
+                                                "MinistralForCausalLM": LlamaForCausalLM,   # per-layer windows
+                                                "HunYuanMoEV1ForCausalLM": HunyuanMoeForCausalLM}
 
 
 def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:

@@ -14,8 +14,9 @@ from torch import nn
 
 from engine.layers import RopeRows
 from engine.model import Attention, LlamaForCausalLM
+from engine.models.qwen3_moe import Qwen3MoeForCausalLM
 
-__all__ = ["HunyuanAttention", "HunyuanDenseForCausalLM"]
+__all__ = ["HunyuanAttention", "HunyuanDenseForCausalLM", "HunyuanMoeForCausalLM"]
 
 
 class HunyuanAttention(Attention):
@@ -38,3 +39,13 @@ class HunyuanDenseForCausalLM(LlamaForCausalLM):
 
     def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
         return ((name.replace(".query_layernorm.", ".q_norm.").replace(".key_layernorm.", ".k_norm."), tensor),)
+
+
+class HunyuanMoeForCausalLM(HunyuanDenseForCausalLM, Qwen3MoeForCausalLM):
+    """Hunyuan's MoE (Hunyuan-A13B): the dense model's layer with every MLP Qwen2-MoE's sparse block (softmax top k
+    beside an ungated shared MLP), its router `mlp.gate.wg` and shared MLP `mlp.shared_mlp` read under the block's
+    names."""
+
+    def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
+        name = name.replace(".mlp.gate.wg.", ".mlp.gate.").replace(".mlp.shared_mlp.", ".mlp.shared_expert.")
+        return super().read_tensor(hf_name, name, tensor)

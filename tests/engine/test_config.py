@@ -1536,3 +1536,19 @@ def test_nemotron_h_reads_as_transformers_does():
                           ({"mlp_hidden_act": "silu"}, "mlp_hidden_act")):
         with pytest.raises(ConfigError, match=f"^{named}"):
             ModelConfig.from_hf_config({**card, **change})
+
+
+def test_hunyuan_moe_reads_as_transformers_does():
+    """Hunyuan's MoE (Hunyuan-A13B's kind: 64 experts, 8 a token, per-layer lists that say one value, beside a shared
+    MLP): the parameter count of transformers' model; lists that differ by layer are refused by key."""
+    transformers = pytest.importorskip("transformers")
+
+    card = {"architectures": ["HunYuanMoEV1ForCausalLM"], "vocab_size": 128167, "hidden_size": 1024,
+            "intermediate_size": 768, "num_hidden_layers": 4, "num_attention_heads": 16, "num_key_value_heads": 4,
+            "head_dim": 64, "num_experts": [64] * 4, "moe_topk": [8] * 4}
+    ours = ModelConfig.from_hf_config(card)
+    _, hf = _meta_model(transformers.HunYuanMoEV1Config, {**card, "num_experts": 64, "moe_topk": 8})
+    assert ours.num_params() == sum(p.numel() for p in hf.parameters())
+    assert (ours.num_experts, ours.num_experts_per_tok, ours.qk_norm) == (64, 8, True)
+    with pytest.raises(ConfigError, match=r"^moe_topk: must be"):
+        ModelConfig.from_hf_config({**card, "moe_topk": [8, 8, 4, 8]})
