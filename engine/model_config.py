@@ -37,7 +37,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
                            "Glm4MoeLiteForCausalLM", "GraniteMoeHybridForCausalLM", "Exaone4ForCausalLM",
                            "HunYuanDenseV1ForCausalLM", "OlmoeForCausalLM", "Qwen3_5ForCausalLM",
                            "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM", "NemotronHForCausalLM",
-                           "MinistralForCausalLM", "HunYuanMoEV1ForCausalLM")
+                           "MinistralForCausalLM", "HunYuanMoEV1ForCausalLM", "ApertusForCausalLM")
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")   # one LayerNorm a layer, a parallel block
 # their attention bias: q/k/v's, not o_proj's
 QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM")
@@ -157,7 +157,8 @@ class ModelConfig:
             if len(getattr(self.rope_scaling, key)) != self.rotary_dim // 2:
                 raise ConfigError(f"rope_scaling.{key}: longrope needs one factor a rotary frequency "
                                   f"({self.rotary_dim // 2}), got {len(getattr(self.rope_scaling, key))}")
-        if self.hidden_act not in SUPPORTED_ACTIVATIONS:
+        if self.hidden_act not in SUPPORTED_ACTIVATIONS and (self.hidden_act, self.architecture) != (
+                "xielu", "ApertusForCausalLM"):   # Apertus's MLP is its own (`engine.models.apertus`)
             raise ConfigError(f"hidden_act: unsupported {self.hidden_act!r}; supported: {', '.join(SUPPORTED_ACTIVATIONS)}")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ConfigError(f"sliding_window: must be positive, got {self.sliding_window}")
@@ -340,6 +341,8 @@ class ModelConfig:
         if self.mla is not None:
             attn = self.mla.num_params(h, heads, self.attention_bias)
         mlp = 3 * h * i + (2 * i + h if self.mlp_bias else 0)
+        if self.architecture == "ApertusForCausalLM":   # no gate; xIELU's two slopes
+            mlp = 2 * h * i + 2
         experts = self.num_experts * (3 * h * moe_i + h)   # every expert, and the router
         if self.moe_bias:   # GPT-OSS: each expert's gate/up and down biases, the router's
             experts += self.num_experts * (2 * moe_i + h + 1)
@@ -416,7 +419,7 @@ class ModelConfig:
             attention_bias=arch == "Qwen2ForCausalLM" or read_bool(cfg, "attention_bias", False),   # Qwen2-MoE: family
             mlp_bias=read_bool(cfg, "mlp_bias", False),
             sliding_window=sliding_window,
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "ApertusForCausalLM"),
             hidden_act=cfg.get("hidden_act", "silu"),
             bos_token_id=read_int(cfg, "bos_token_id", None, minimum=0),
             eos_token_ids=read_token_ids(cfg, "eos_token_id"),

@@ -46,6 +46,9 @@ FAMILY_DEFAULTS = {"Gemma2ForCausalLM": GEMMA2_DEFAULTS, "Gemma3ForCausalLM": GE
                        "vocab_size": 248_320, "hidden_size": 2048, "intermediate_size": 512, "num_hidden_layers": 40,
                        "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
                        "max_position_embeddings": 32_768},
+                   "ApertusForCausalLM": {"rope_parameters": {   # ApertusConfig's where config.json names none
+                       "rope_type": "llama3", "rope_theta": 12_000_000.0, "factor": 8.0,
+                       "original_max_position_embeddings": 8192, "low_freq_factor": 1.0, "high_freq_factor": 4.0}},
                    "NemotronHForCausalLM": {   # NemotronHConfig's
                        "vocab_size": 131_072, "hidden_size": 4096, "intermediate_size": 21_504,
                        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
@@ -69,7 +72,8 @@ DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32_768, "
                          "Ministral3ForCausalLM": 262_144, "Glm4MoeLiteForCausalLM": 202_752,
                          "GraniteMoeHybridForCausalLM": 2048, "Exaone4ForCausalLM": 2048,
                          "HunYuanDenseV1ForCausalLM": 2048, "OlmoeForCausalLM": 4096,
-                         "HunYuanMoEV1ForCausalLM": 2048, "MinistralForCausalLM": 131_072}
+                         "HunYuanMoEV1ForCausalLM": 2048, "MinistralForCausalLM": 131_072,
+                         "ApertusForCausalLM": 65_536}
 # their rms_norm_eps, where it is not 1e-6
 DEFAULT_RMS_NORM_EPS = {"MixtralForCausalLM": 1e-5, "Phi3ForCausalLM": 1e-5, "Olmo2ForCausalLM": 1e-5,
                         "Olmo3ForCausalLM": 1e-5,
@@ -77,7 +81,8 @@ DEFAULT_RMS_NORM_EPS = {"MixtralForCausalLM": 1e-5, "Phi3ForCausalLM": 1e-5, "Ol
                         "Glm4ForCausalLM": 1.5625e-7,
                         "Glm4MoeForCausalLM": 1e-5, "Llama4ForCausalLM": 1e-5, "Ministral3ForCausalLM": 1e-5,
                         "Glm4MoeLiteForCausalLM": 1e-5, "Exaone4ForCausalLM": 1e-5,
-                        "HunYuanDenseV1ForCausalLM": 1e-5, "OlmoeForCausalLM": 1e-5, "HunYuanMoEV1ForCausalLM": 1e-5}
+                        "HunYuanDenseV1ForCausalLM": 1e-5, "OlmoeForCausalLM": 1e-5, "HunYuanMoEV1ForCausalLM": 1e-5,
+                        "ApertusForCausalLM": 1e-5}
 # their num_key_value_heads where config.json names none (else one per query head)
 DEFAULT_KV_HEADS = {"Qwen2ForCausalLM": 32, "MistralForCausalLM": 8, "Qwen3ForCausalLM": 32, "Qwen3MoeForCausalLM": 4,
                     "MixtralForCausalLM": 8, "SmolLM3ForCausalLM": 4, "GptOssForCausalLM": 8,

@@ -113,7 +113,8 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
            "hunyuan_v1_dense": transformers.HunYuanDenseV1Config, "olmoe": transformers.OlmoeConfig,
            "qwen3_5": transformers.Qwen3_5TextConfig, "qwen3_5_moe": transformers.Qwen3_5MoeTextConfig,
            "qwen3_next": transformers.Qwen3NextConfig, "nemotron_h": transformers.NemotronHConfig,
-           "ministral": transformers.MinistralConfig, "hunyuan_v1_moe": transformers.HunYuanMoEV1Config}[arch]
+           "ministral": transformers.MinistralConfig, "hunyuan_v1_moe": transformers.HunYuanMoEV1Config,
+           "apertus": transformers.ApertusConfig}[arch]
     config = cls(**common)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -122,6 +123,11 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if name.endswith(("bias", "sinks")):
+                    param.normal_(0.0, 1.0)
+    if arch == "apertus":   # xIELU's slopes away from where transformers starts them
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith(("alpha_p", "alpha_n")):
                     param.normal_(0.0, 1.0)
     # q/k norms of weight 1 turn with the rotary: normed before it, the same answers
     if arch in ("hunyuan_v1_dense", "hunyuan_v1_moe"):

@@ -29,6 +29,7 @@ from engine.config import ConfigError
 from engine.model_config import GEMMA_ARCHITECTURES, ModelConfig
 from engine.layers import RotaryEmbedding
 from engine.model import LlamaForCausalLM
+from engine.models.apertus import ApertusForCausalLM
 from engine.models.cohere import CohereForCausalLM
 from engine.models.deepseek import DeepseekForCausalLM
 from engine.models.ernie import Ernie45ForCausalLM, Ernie45MoeForCausalLM
@@ -86,7 +87,8 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
                                                 "NemotronHForCausalLM": NemotronHForCausalLM,
                                                 "MinistralForCausalLM": LlamaForCausalLM,   # per-layer windows
-                                                "HunYuanMoEV1ForCausalLM": HunyuanMoeForCausalLM}
+                                                "HunYuanMoEV1ForCausalLM": HunyuanMoeForCausalLM,
+                                                "ApertusForCausalLM": ApertusForCausalLM}
 
 
 def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:

@@ -1552,3 +1552,20 @@ def test_hunyuan_moe_reads_as_transformers_does():
     assert (ours.num_experts, ours.num_experts_per_tok, ours.qk_norm) == (64, 8, True)
     with pytest.raises(ConfigError, match=r"^moe_topk: must be"):
         ModelConfig.from_hf_config({**card, "moe_topk": [8, 8, 4, 8]})
+
+
+def test_apertus_reads_as_transformers_does():
+    """Apertus-8B's kind of config: q/k norms, an ungated MLP through xIELU (two slopes a layer), transformers'
+    llama3 rope where config.json names none; the parameter count of transformers' model. Another model's config
+    naming xIELU is refused by key."""
+    transformers = pytest.importorskip("transformers")
+
+    card = {"architectures": ["ApertusForCausalLM"], "vocab_size": 131072, "hidden_size": 4096,
+            "intermediate_size": 21504, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+            "hidden_act": "xielu"}
+    ours = ModelConfig.from_hf_config(card)
+    _, hf = _meta_model(transformers.ApertusConfig, card)
+    assert ours.num_params() == sum(p.numel() for p in hf.parameters())
+    assert (ours.qk_norm, ours.rope_scaling.rope_type, ours.rope_theta) == (True, "llama3", 12_000_000.0)
+    with pytest.raises(ConfigError, match=r"^hidden_act: unsupported 'xielu'"):
+        ModelConfig.from_hf_config({**card, "architectures": ["LlamaForCausalLM"]})

@@ -250,6 +250,9 @@ TINY_MODELS = [
     ("hunyuan_v1_dense", dict(head_dim=16, rope_parameters={"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0,
                                                             "rope_theta": 10000.0})),
     ("hunyuan_v1_dense", dict(head_dim=16, num_key_value_heads=1, tie_word_embeddings=True)),
+    # Apertus: q/k normed per head, an MLP without a gate through xIELU (its slopes drawn away from their start),
+    # its llama3 rope
+    ("apertus", dict(head_dim=16)),
     # Hunyuan's MoE: that layer, every MLP 8 experts of 32 (2 a token) beside a shared one of 32
     ("hunyuan_v1_moe", dict(head_dim=16, intermediate_size=32, num_experts=8, moe_topk=2)),
     # OLMoE: 8 experts of 32 (its intermediate_size), 2 a token, q/k normed over the whole projection; then 3 a token

@@ -263,6 +263,7 @@ QWEN3 = {"head_dim": 32, "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
     ("hunyuan_v1_dense", {"head_dim": 16, "rope_parameters": {"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0,
                                                               "rope_theta": 10000.0}}, None),
     ("olmoe", {"intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2, "clip_qkv": 0.5}, None),
+    ("apertus", {"head_dim": 16}, None),
     ("qwen3_5", {"num_hidden_layers": 4, "head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
                  "linear_key_head_dim": 16, "linear_value_head_dim": 8}, True),
     ("qwen3_next", {"num_hidden_layers": 4, "head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
@@ -285,6 +286,7 @@ def test_two_ranks_generate_what_one_does(tmp_path, builtin_path, prompts, arch,
     # partial rotary (GLM-4.5's parts: Qwen3's head norms, GLM-4's reordered rows, DeepSeek's experts); Llama 4 each
     # rank's heads of its reordered q/k rows, their chunks, its NoPE layers' query temperature on each rank's heads,
     # its experts' and shared expert's rows beside dense layers; Ministral 3 its query scaling on each rank's heads;
+    # Apertus each rank's rows of its ungated MLP (xIELU's slopes whole on each);
     # Qwen3.5 each rank's key heads of its linear layers (their value heads' states on that rank) and each rank's
     # heads' gates; Qwen3-Next the same out of its fused projections, beside experts and a dense layer.
     # Qwen3's,

@@ -1,0 +1,81 @@
+"""Swiss AI's Apertus (`ApertusForCausalLM`: Apertus-8B, -70B): the Llama layer with each q and k head RMS-normed
+before the rotary (Qwen3's), its norms under their own names (`attention_layernorm`, `feedforward_layernorm`), and
+an MLP without a gate whose activation is xIELU (`XIELU`: two learned slopes a layer, transformers'
+`XIELUActivation` in its Python form). The module path runs it (the CPU flat loop's MLP is the gated one).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.model import DecoderLayer, LlamaForCausalLM, WeightLoadError
+from engine.model_config import ModelConfig
+from engine.parallel import Collectives, ShardShape
+
+__all__ = ["ApertusForCausalLM", "XIELU"]
+
+
+class XIELU(nn.Module):
+    """x > 0: softplus(alpha_p) x^2 + beta x; else (expm1(min(x, eps)) - x) (beta + softplus(alpha_n)) + beta x.
+    alpha_p, alpha_n: the layer's learned parameters; beta and eps the checkpoint's constants (0.5, -1e-6)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.alpha_p = nn.Parameter(torch.empty(1))
+        self.alpha_n = nn.Parameter(torch.empty(1))
+        self.beta, self.eps = 0.5, -1e-6
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        alpha_p = F.softplus(self.alpha_p)
+        alpha_n = self.beta + F.softplus(self.alpha_n)
+        eps = torch.tensor(self.eps, dtype=x.dtype, device=x.device)
+        return torch.where(x > 0, alpha_p * x * x + self.beta * x,
+                           (torch.expm1(torch.minimum(x, eps)) - x) * alpha_n + self.beta * x)
+
+
+class ApertusMLP(nn.Module):
+    """up, xIELU, down: no gate. Column-parallel up (`up`: the checkpoint's up_proj), row-parallel down_proj."""
+
+    def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives) -> None:
+        super().__init__()
+        self.comm = comm
+        self.up = nn.Linear(config.hidden_size, shard.intermediate_size, bias=False)
+        self.act_fn = XIELU()
+        self.down_proj = nn.Linear(shard.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.comm.all_reduce(self.down_proj(self.act_fn(self.up(x))))
+
+
+class ApertusForCausalLM(LlamaForCausalLM):
+    """Apertus (see the module docstring)."""
+
+    supports_flat_forward = False
+
+    def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
+        layer = DecoderLayer(self.config, self.shard, self.comm, self.rotary_emb, ops, index)
+        layer.mlp = ApertusMLP(self.config, self.shard, self.comm)
+        return layer
+
+    def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
+        """The norms' and up_proj's names as the Llama layer's and `ApertusMLP`'s; xIELU's constants (`beta`, `eps`,
+        buffers of transformers') set on the layer's activation."""
+        if name.endswith((".act_fn.beta", ".act_fn.eps")):
+            parts = name.split(".")
+            if parts[0] != "layers" or not parts[1].isdigit() or int(parts[1]) >= len(self.layers) or \
+                    tensor.numel() != 1:
+                raise WeightLoadError(f"{hf_name}: not a layer's xIELU constant (shape {tuple(tensor.shape)})")
+            setattr(self.layers[int(parts[1])].mlp.act_fn, parts[-1], float(tensor.float().reshape(())))
+            return ()
+        return ((name.replace(".attention_layernorm.", ".input_layernorm.")
+                 .replace(".feedforward_layernorm.", ".post_attention_layernorm.")
+                 .replace(".mlp.up_proj.", ".mlp.up."), tensor),)
+
+    def _shard_of(self, hf_name: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """`up` cut as the Llama MLP's up_proj; xIELU's slopes whole on every rank."""
+        return super()._shard_of(hf_name, name.replace(".mlp.up.", ".mlp.up_proj."), tensor)
