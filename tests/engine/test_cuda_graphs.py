@@ -308,3 +308,30 @@ def test_a_hybrid_models_decode_graphs_keep_each_sequences_state(tmp_path, built
     assert results[True] == results[False]
     with pytest.raises(RuntimeError, match="past the 4 rows of linear-attention state"):
         engine.model.states.reserve(5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", list(HYBRIDS))
+def test_on_cuda_a_hybrid_models_greedy_tokens_are_the_same_with_graphs_and_without(tmp_path, builtin_path, arch):
+    """The real thing for the models with state layers (Qwen3.5's Gated DeltaNet, Qwen3-Next's experts beside them,
+    Granite 4-H's Mamba-2, Nemotron-H's blocks): CUDA graphs captured at start against `enforce_eager`, in bfloat16,
+    six requests decoding together (padded batches) and finishing at different steps."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from tests.engine.test_engine_vs_hf import QWEN3_5
+
+    overrides = HYBRIDS[arch] if arch in ("granitemoehybrid", "nemotron_h") else {**QWEN3_5, **HYBRIDS[arch]}
+    path = make_tiny_model(tmp_path / arch, arch, builtin_path, **overrides)
+    rng = random.Random(13)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (5, 70, 30, 3, 41, 9)]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (6, 20, 11, 30, 9, 17)]
+    results = {}
+    for eager in (True, False):
+        config = EngineConfig(model=str(path), device="cuda", dtype="bfloat16", cache=CacheConfig(block_size=16),
+                              enforce_eager=eager, pools=(PoolConfig(num_blocks=64, scheduler=SchedulerConfig(
+                                  max_num_seqs=8, max_num_batched_tokens=256, max_model_len=256)),))
+        engine = LLMEngine(config, progress=False)
+        assert (engine.runner.graphs is None) == (eager or not engine.model.graph_safe)
+        results[eager] = [out.outputs[0].token_ids for out in engine.generate(prompts, params)]
+        assert_all_free(engine)
+    assert results[False] == results[True]
