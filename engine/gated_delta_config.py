@@ -12,7 +12,6 @@ with a `ConfigError` naming the key."""
 from __future__ import annotations
 
 import logging
-import logging
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -32,13 +31,18 @@ NOT_SWAPPED = ("swaps K/V blocks, but this model's linear-attention layers keep 
 class GatedDeltaShape:
     """One linear-attention layer's shape: `num_k_heads` query/key heads of `k_head_dim`, `num_v_heads` value heads
     of `v_head_dim` (a multiple of the key heads: each key head serves that many consecutive value heads), the
-    causal convolution's `conv_kernel` taps over q, k and v."""
+    causal convolution's `conv_kernel` taps over q, k and v. OLMo Hybrid's: the write strength beta in (0, 2)
+    (`beta_scale` 2: `linear_allow_neg_eigval`), the gated norm's own eps (`norm_eps`; None: the model's), its layers
+    on one rank (`splits` false)."""
 
     num_k_heads: int
     num_v_heads: int
     k_head_dim: int
     v_head_dim: int
     conv_kernel: int
+    beta_scale: float = 1.0
+    norm_eps: float | None = None
+    splits: bool = True
 
     def __post_init__(self) -> None:
         if self.num_v_heads % self.num_k_heads:
@@ -49,6 +53,8 @@ class GatedDeltaShape:
 
     def split_error(self, size: int) -> str | None:
         """Why `size` tensor-parallel ranks cannot split these layers (None: they can, by key head)."""
+        if not self.splits and size > 1:
+            return f"{size} ranks; these linear-attention layers are served on one rank"
         if self.num_k_heads % size:
             return f"{size} does not divide the model's {self.num_k_heads} linear-attention key heads"
         return None
@@ -152,9 +158,35 @@ def hybrid_rope(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 
+def olmo_hybrid_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """OLMo Hybrid's (`OlmoHybridConfig`): OLMo 3's post-norm attention layers (q/k normed over the whole
+    projection; NoPE where config.json names no rope base) and pre-norm Gated DeltaNet layers (`layer_types`, by
+    default every 4th full) of `linear_*` heads (by default the attention's heads, key heads of 0.75 x hidden over
+    them, value heads twice as wide), beta in (0, 2) where `linear_allow_neg_eigval` (true)."""
+    kinds = cfg.get("layer_types")
+    if kinds is None:
+        kinds = ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(num_layers)]
+        kinds[-1] = kinds[-1] if "full_attention" in kinds else "full_attention"
+    if not isinstance(kinds, list) or any(k not in ("full_attention", "linear_attention") for k in kinds):
+        raise ConfigError(f"layer_types: full_attention or linear_attention for each layer, got {kinds!r:.120}")
+    heads = read_int(cfg, "num_attention_heads")
+    k_heads = read_int(cfg, "linear_num_key_heads", heads)
+    k_dim = read_int(cfg, "linear_key_head_dim", int(0.75 * read_int(cfg, "hidden_size") / k_heads))
+    shape = GatedDeltaShape(num_k_heads=k_heads, num_v_heads=read_int(cfg, "linear_num_value_heads", heads),
+                            k_head_dim=k_dim, v_head_dim=read_int(cfg, "linear_value_head_dim", 2 * k_dim),
+                            conv_kernel=read_int(cfg, "linear_conv_kernel_dim", 4),
+                            beta_scale=2.0 if read_bool(cfg, "linear_allow_neg_eigval", True) else 1.0,
+                            norm_eps=1e-5, splits=False)
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    nope = not (isinstance(rope, dict) and rope.get("rope_theta") is not None) and cfg.get("rope_theta") is None
+    return {"layer_types": tuple(kinds), "gated_delta": shape,
+            "no_rope_layers": (0,) * num_layers if nope else ()}
+
+
 # the architectures these readers serve, each taking (config.json, its layer count)
 HYBRID_FIELDS = {"Qwen3_5ForCausalLM": qwen3_5_fields, "Qwen3_5MoeForCausalLM": qwen3_5_moe_fields,
-                 "Qwen3NextForCausalLM": qwen3_next_fields, "NemotronHForCausalLM": nemotron_h_fields}
+                 "Qwen3NextForCausalLM": qwen3_next_fields, "NemotronHForCausalLM": nemotron_h_fields,
+                 "OlmoHybridForCausalLM": olmo_hybrid_fields}
 
 def serving_pool(pool: PoolConfig, stateful: bool) -> PoolConfig:
     """A pool as a model serves it: itself, or for a model whose linear-attention layers keep a state per running

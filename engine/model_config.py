@@ -37,14 +37,16 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
                            "Glm4MoeLiteForCausalLM", "GraniteMoeHybridForCausalLM", "Exaone4ForCausalLM",
                            "HunYuanDenseV1ForCausalLM", "OlmoeForCausalLM", "Qwen3_5ForCausalLM",
                            "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM", "NemotronHForCausalLM",
-                           "MinistralForCausalLM", "HunYuanMoEV1ForCausalLM", "ApertusForCausalLM")
+                           "MinistralForCausalLM", "HunYuanMoEV1ForCausalLM", "ApertusForCausalLM",
+                           "OlmoHybridForCausalLM")
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")   # one LayerNorm a layer, a parallel block
 # their attention bias: q/k/v's, not o_proj's
 QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM")
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")   # Gemma's layer: four norms, scaled embeddings
 FOUR_NORMS = (*GEMMA_ARCHITECTURES, "Glm4ForCausalLM")   # a norm on each sublayer's output too
 # q and k normed over the whole projection
-WIDE_QK_NORM = ("Olmo2ForCausalLM", "Olmo3ForCausalLM", "MiniMaxM2ForCausalLM", "OlmoeForCausalLM")
+WIDE_QK_NORM = ("Olmo2ForCausalLM", "Olmo3ForCausalLM", "MiniMaxM2ForCausalLM", "OlmoeForCausalLM",
+                "OlmoHybridForCausalLM")
 # Multimodal checkpoints served as their text model: architecture -> (the text model's, its weights' prefix, the
 # text_config's model_type where it names one: another family's text model is refused by that key). Qwen's VL models
 # rotate by MRoPE, whose three position ids (time, height, width) are one and the same on text: the text model's rope

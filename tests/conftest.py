@@ -114,7 +114,7 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
            "qwen3_5": transformers.Qwen3_5TextConfig, "qwen3_5_moe": transformers.Qwen3_5MoeTextConfig,
            "qwen3_next": transformers.Qwen3NextConfig, "nemotron_h": transformers.NemotronHConfig,
            "ministral": transformers.MinistralConfig, "hunyuan_v1_moe": transformers.HunYuanMoEV1Config,
-           "apertus": transformers.ApertusConfig}[arch]
+           "apertus": transformers.ApertusConfig, "olmo_hybrid": transformers.OlmoHybridConfig}[arch]
     config = cls(**common)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -164,7 +164,7 @@ class GatedDeltaNet(StateMixer):
         self.conv1d.weight = nn.Parameter(torch.empty(s.conv_dim, 1, s.conv_kernel))
         self.dt_bias = nn.Parameter(torch.empty(s.num_v_heads))
         self.A_log = nn.Parameter(torch.empty(s.num_v_heads))
-        self.norm = GatedRMSNorm(s.v_head_dim, eps)
+        self.norm = GatedRMSNorm(s.v_head_dim, eps if s.norm_eps is None else s.norm_eps)
         self.out_proj = nn.Linear(s.value_dim, hidden_size, bias=False)
 
     def forward(self, hidden: torch.Tensor, meta: AttentionMetadata, states: RecurrentStates) -> torch.Tensor:
@@ -173,7 +173,8 @@ class GatedDeltaNet(StateMixer):
         s = self.shape
         mixed, z, b, a = self.in_proj(hidden).split([s.conv_dim, s.value_dim, s.num_v_heads, s.num_v_heads], dim=-1)
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)        # log decay, <= 0
-        out = self.scan(mixed, (g, b.sigmoid()), meta, states)
+        beta = b.sigmoid() * s.beta_scale if s.beta_scale != 1.0 else b.sigmoid()
+        out = self.scan(mixed, (g, beta), meta, states)
         out = self.norm(out.to(hidden.dtype), z.unflatten(-1, (s.num_v_heads, s.v_head_dim)))
         return self.comm.all_reduce(self.out_proj(out.flatten(1)))
 

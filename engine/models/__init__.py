@@ -43,7 +43,8 @@ from engine.models.granite import (GraniteForCausalLM, GraniteHybridForCausalLM,
 from engine.models.hunyuan import HunyuanDenseForCausalLM, HunyuanMoeForCausalLM
 from engine.models.minimax_m2 import MiniMaxM2ForCausalLM
 from engine.models.mixtral import MixtralForCausalLM
-from engine.models.olmo2 import Exaone4ForCausalLM, Olmo2ForCausalLM, Olmo3ForCausalLM, OlmoeForCausalLM
+from engine.models.olmo2 import (Exaone4ForCausalLM, Olmo2ForCausalLM, Olmo3ForCausalLM, OlmoeForCausalLM,
+                                 OlmoHybridForCausalLM)
 from engine.models.phi3 import Phi3ForCausalLM
 from engine.models.smollm3 import SmolLM3ForCausalLM
 from engine.models.nemotron_h import NemotronHForCausalLM
@@ -88,7 +89,8 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "NemotronHForCausalLM": NemotronHForCausalLM,
                                                 "MinistralForCausalLM": LlamaForCausalLM,   # per-layer windows
                                                 "HunYuanMoEV1ForCausalLM": HunyuanMoeForCausalLM,
-                                                "ApertusForCausalLM": ApertusForCausalLM}
+                                                "ApertusForCausalLM": ApertusForCausalLM,
+                                                "OlmoHybridForCausalLM": OlmoHybridForCausalLM}
 
 
 def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:

@@ -19,22 +19,25 @@ It runs on the module path (the CPU's flat loop is the Llama layer's).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from types import ModuleType
 
 import torch
 from torch import nn
 
 from engine.layers import FloatRMSNorm, RMSNorm, RopeRows
+from engine.layers.gated_delta_net import GatedDeltaNet
 from engine.model import MLP, Attention, LlamaForCausalLM, WeightLoadError
 from engine.model_config import ModelConfig
 from engine.models.gemma3 import sliding_rotary
+from engine.models.hybrid import StatefulForCausalLM
 from engine.models.qwen3_moe import Qwen3MoeForCausalLM
 from engine.models.smollm3 import layer_rotary
 from engine.parallel import Collectives, ShardShape
-from kernels import AttentionMetadata
+from kernels import AttentionMetadata, fused
 
-__all__ = ["Exaone4ForCausalLM", "OlmoeAttention", "OlmoeForCausalLM", "Olmo2Attention", "Olmo2ForCausalLM", "Olmo3ForCausalLM",
-           "RoundedWideRMSNorm", "wide_norm_shard"]
+__all__ = ["Exaone4ForCausalLM", "Olmo2Attention", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "OlmoHybridForCausalLM",
+           "OlmoHybridLinearLayer", "OlmoeAttention", "OlmoeForCausalLM", "RoundedWideRMSNorm", "wide_norm_shard"]
 
 
 class WideRMSNorm(nn.Module):
@@ -187,3 +190,79 @@ class OlmoeForCausalLM(Qwen3MoeForCausalLM):
         if self.shard.size > 1 and name.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight")):
             return wide_norm_shard(self.config, self.shard, hf_name, name, tensor)
         return super()._shard_of(hf_name, name, tensor)
+
+
+class OlmoHybridLinearLayer(nn.Module):
+    """OLMo Hybrid's pre-norm Gated DeltaNet block (its attention blocks are OLMo 2's post-norm ones), its residual
+    stream beside the hidden states as `Olmo2DecoderLayer`'s."""
+
+    def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives, ops: ModuleType,
+                 state_index: int) -> None:
+        super().__init__()
+        self.input_layernorm = FloatRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.linear_attn = GatedDeltaNet(config.gated_delta, config.hidden_size, config.rms_norm_eps, state_index, comm)
+        self.post_attention_layernorm = FloatRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config, shard, comm, ops)
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope_rows: None, states, meta, backend
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = self.post_attention_layernorm(self.linear_attn(hidden, meta, states), residual)
+        return self.mlp(hidden), residual
+
+
+class OlmoHybridForCausalLM(StatefulForCausalLM):
+    """OLMo Hybrid: OLMo 2's post-norm attention blocks (NoPE where the config names no rope) between pre-norm Gated
+    DeltaNet blocks whose q, k, v, gate (`g_proj`), b and a projections are stored apart, read into one in_proj; its
+    gated norm `o_norm`, its output `o_proj`. One rank."""
+
+    def __init__(self, config: ModelConfig, shard: ShardShape | None = None, comm: Collectives | None = None,
+                 ops: ModuleType = fused) -> None:
+        super().__init__(config, shard, comm, ops)
+        self._conv_pending: dict[str, dict[str, torch.Tensor]] = {}   # a layer's q/k/v convolutions as they come
+
+    def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
+        if self.config.is_linear_layer(index):
+            return OlmoHybridLinearLayer(self.config, self.shard, self.comm, ops, self.state_index[index])
+        return Olmo2DecoderLayer(self.config, self.shard, self.comm, layer_rotary(self, index), ops, index)
+
+    def make_norm(self, ops: ModuleType) -> nn.Module:
+        return FloatRMSNorm(self.config.hidden_size, self.config.rms_norm_eps)
+
+    def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
+        """The checkpoint's names of a linear block's norms (`attention_layer_norm`, `feedforward_layer_norm`),
+        output and gated norm as the model's."""
+        for theirs, ours in ((".attention_layer_norm.", ".input_layernorm."),
+                             (".feedforward_layer_norm.", ".post_attention_layernorm."),
+                             (".linear_attn.o_proj.", ".linear_attn.out_proj."),
+                             (".linear_attn.o_norm.", ".linear_attn.norm.")):
+            name = name.replace(theirs, ours)
+        head, sep, part = name.partition(".linear_attn.")
+        if sep and part in ("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight"):
+            return self._conv_part(head, part[0], tensor)
+        return ((name, tensor),)
+
+    def _conv_part(self, head: str, which: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
+        """q's, k's and v's convolutions, held until the three have come, then read as conv1d's channels in that
+        order (whatever each one's rows: transformers saves its own concatenation cut in three equal parts)."""
+        parts = self._conv_pending.setdefault(head, {})
+        parts[which] = tensor
+        if len(parts) < 3:
+            return ()
+        del self._conv_pending[head]
+        return ((f"{head}.linear_attn.conv1d.weight", torch.cat([parts["q"], parts["k"], parts["v"]])),)
+
+    def _destination(self, name: str, hf_name: str) -> tuple[str, Callable[[torch.Tensor], torch.Tensor]]:
+        """q, k, v, g, b and a into in_proj's rows."""
+        s = self.config.gated_delta
+        qkv = {"q": (0, s.key_dim), "k": (s.key_dim, s.key_dim), "v": (2 * s.key_dim, s.value_dim)}
+        rows = {f"{x}_proj": span for x, span in qkv.items()} | {
+            "g_proj": (s.conv_dim, s.value_dim), "b_proj": (s.conv_dim + s.value_dim, s.num_v_heads),
+            "a_proj": (s.conv_dim + s.value_dim + s.num_v_heads, s.num_v_heads)}
+        for part, (offset, size) in rows.items():
+            if f".linear_attn.{part}." in name:
+                return name.replace(part, "in_proj"), lambda data, o=offset, n=size: data.narrow(0, o, n)
+        return super()._destination(name, hf_name)

@@ -1569,3 +1569,22 @@ def test_apertus_reads_as_transformers_does():
     assert (ours.qk_norm, ours.rope_scaling.rope_type, ours.rope_theta) == (True, "llama3", 12_000_000.0)
     with pytest.raises(ConfigError, match=r"^hidden_act: unsupported 'xielu'"):
         ModelConfig.from_hf_config({**card, "architectures": ["LlamaForCausalLM"]})
+
+
+def test_olmo_hybrid_reads_as_transformers_does():
+    """OLMo Hybrid as transformers' defaults write it (Olmo-Hybrid-7B's shape: 32 layers, every 4th OLMo 3 attention,
+    the rest Gated DeltaNet with 30 key heads of 96 and value heads twice as wide): the parameter count of its model;
+    its linear layers are served on one rank, refused by key past it."""
+    transformers = pytest.importorskip("transformers")
+
+    ours = ModelConfig.from_hf_config({"architectures": ["OlmoHybridForCausalLM"], "vocab_size": 100352,
+                                       "hidden_size": 3840, "intermediate_size": 11008, "num_hidden_layers": 32,
+                                       "num_attention_heads": 30, "rope_theta": 500000.0})
+    _, hf = _meta_model(transformers.OlmoHybridConfig, {"rope_parameters": {"rope_type": "default",
+                                                                             "rope_theta": 500000.0}})
+    assert ours.num_params() == sum(p.numel() for p in hf.parameters())
+    shape = ours.gated_delta
+    assert (shape.num_k_heads, shape.k_head_dim, shape.v_head_dim, shape.beta_scale, ours.num_kv_layers) == \
+        (30, 96, 192, 2.0, 8)
+    with pytest.raises(ConfigError, match=r"^tensor_parallel_size: 2 ranks; these linear-attention layers"):
+        check_tensor_parallel(ours, 2)

@@ -293,6 +293,13 @@ TINY_MODELS = [
                     "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                     "moe_shared_expert_intermediate_size": 48, "n_group": 2, "topk_group": 1,
                     "routed_scaling_factor": 2.5, "pad_token_id": 0}),
+    # OLMo Hybrid: pre-norm Gated DeltaNet blocks (beta up to 2) beside OLMo 3's post-norm attention, with a rope;
+    # then NoPE attention
+    ("olmo_hybrid", dict(num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                         linear_value_head_dim=8, pad_token_id=0)),
+    ("olmo_hybrid", dict(num_hidden_layers=3, layer_types=["linear_attention", "full_attention", "linear_attention"],
+                         linear_num_key_heads=2, linear_key_head_dim=16, linear_allow_neg_eigval=False,
+                         rope_parameters=None, pad_token_id=0)),
     # Qwen3-Next: the same, its linear layers' projections stored fused per key head (2 value heads a key head);
     # then 1 value head a key head, layer 2 dense and the top 3 not renormalised
     ("qwen3_next", {**QWEN3_5, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
@@ -326,7 +333,7 @@ def test_tiny_random_models_match_transformers(tmp_path, monkeypatch, builtin_pa
     packed = isinstance(attn.o_proj, PackedLinear)
     assert packed == (cpu_linear == "onednn" and torch.backends.mkldnn.is_available())
     gen = torch.Generator().manual_seed(1)
-    state = arch in ("qwen3_5", "qwen3_5_moe", "qwen3_next", "nemotron_h") or \
+    state = arch in ("qwen3_5", "qwen3_5_moe", "qwen3_next", "nemotron_h", "olmo_hybrid") or \
         "mamba" in overrides.get("layer_types", ())
     lengths = (1, 5, 17, 40, 9) + ((100,) if state else ())   # past a state layer's chunk of 64
     prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in lengths]
