@@ -432,12 +432,12 @@ def experts_read(model: ModelConfig, num_tokens: int) -> float:
 def step_flops(model: ModelConfig, num_tokens: int, num_attended: int, num_sampled: int) -> float:
     """FLOPs of one step: 2 per matmul weight per token (the embedding lookup is no matmul, the LM
     head counts only for sampled tokens, a token computes with its own experts only), 4 per query-key
-    pair per head dimension of every layer."""
+    pair per head dimension of every attention layer (a hybrid's state layers attend to no keys)."""
     head = model.vocab_size * model.hidden_size
     experts = expert_params(model)
     idle = experts - experts * model.num_experts_per_tok // model.num_experts if model.num_experts else 0
     matmul_params = model.num_params() - head * (1 if model.tie_word_embeddings else 2) - idle
-    attention = 4 * model.num_layers * model.num_heads * model.head_dim * num_attended
+    attention = 4 * model.num_kv_layers * model.num_heads * model.head_dim * num_attended
     return 2 * matmul_params * num_tokens + attention + 2 * head * num_sampled
 
 
@@ -456,7 +456,7 @@ class RooflineStepTime:
         self.weights_bytes = model.num_params() * dtype_bytes - self.expert_bytes   # read whole every step
         kv_bytes = dtype_bytes if kv_dtype_bytes is None else kv_dtype_bytes   # an FP8 cache: 1
         heads = -(-model.num_kv_heads // tp) * tp   # the group's: a head each GPU where TP > KV heads (replicated)
-        self.kv_bytes_per_token = model.kv_planes * model.num_layers * heads * model.head_dim * kv_bytes
+        self.kv_bytes_per_token = model.kv_planes * model.num_kv_layers * heads * model.head_dim * kv_bytes
         windows = [w for layer in range(model.num_layers) if (w := model.layer_window(layer))]
         self.window, self.num_windowed = (windows[0] if windows else None), len(windows)   # Gemma 3's, Mistral's
 
@@ -468,7 +468,7 @@ class RooflineStepTime:
         # a sliding-window layer attends and reads its window only (the kernel starts there)
         attended, keys = features.num_attended, features.num_keys_read - tokens
         if self.num_windowed and features.spans:   # less what the windowed layers skip (a step without spans: none)
-            w, share = self.window, self.num_windowed / m.num_layers
+            w, share = self.window, self.num_windowed / m.num_kv_layers
             attended -= share * sum(q * c + q * (q + 1) // 2 - _attended_in_window(c, q, w) for c, q in features.spans)
             keys -= share * sum(c - min(c, w) for c, _ in features.spans)
         flops = step_flops(m, tokens, attended, num_sampled)

@@ -154,3 +154,15 @@ def test_an_fp8_cache_holds_the_attention_layers_and_measures_their_scales(tiny)
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     outs = {kv: [o.outputs[0].token_ids for o in e.generate(prompts, params)] for kv, e in engines.items()}
     assert outs["fp8"] == outs["auto"]
+
+
+def test_the_roofline_reads_the_attention_layers_kv_alone(tiny):
+    """The step-cost model's roofline (planning, `simulate`) reads K/V of the attention layers alone and counts their
+    query-key products alone: a hybrid's state layers attend to no keys."""
+    from engine.step_cost import PRESETS, RooflineStepTime, step_flops
+
+    folder, _ = tiny
+    model = ModelConfig.from_folder(folder)
+    roofline = RooflineStepTime(PRESETS["h100"], model, dtype_bytes=2)
+    assert roofline.kv_bytes_per_token == model.kv_bytes_per_token(torch.bfloat16) == 2 * 1 * 2 * 16 * 2
+    assert step_flops(model, 1, 1000, 0) - step_flops(model, 1, 0, 0) == 4 * 1 * 4 * 16 * 1000
