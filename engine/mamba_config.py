@@ -3,7 +3,7 @@ the bytes of a state layer's per-sequence state (Mamba-2's, and Gated DeltaNet's
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from engine.config import ConfigError
@@ -27,6 +27,8 @@ class Mamba2Shape:
     conv_bias: bool = True
     proj_bias: bool = False
     dt_limit: tuple[float, float] = (0.0, float("inf"))
+    splits: bool = True      # tensor parallelism may split its heads (Nemotron-H's blocks: one rank)
+    norm_ranks: int = 1      # the ranks one group of the gated norm spans (a rank's shape with its groups replicated)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.n_groups:
@@ -39,7 +41,26 @@ class Mamba2Shape:
         return self.num_heads * self.head_dim
 
     def split_error(self, size: int) -> str | None:
-        return None if size == 1 else f"{size} ranks; Mamba-2 layers are served on one rank"
+        """Why `size` tensor-parallel ranks cannot split these layers (None: each takes its share of the heads, and of
+        the groups, or all of one group, replicated)."""
+        if size == 1:
+            return None
+        if not self.splits:
+            return f"{size} ranks; these Mamba-2 layers are served on one rank"
+        if self.num_heads % size:
+            return f"{size} does not divide the model's {self.num_heads} Mamba heads"
+        if self.n_groups % size and self.n_groups != 1:
+            return f"{size} neither divides the model's {self.n_groups} Mamba groups nor do they make one"
+        return None
+
+    def per_rank(self, size: int) -> Mamba2Shape:
+        """The shape one of `size` ranks holds: its heads, its groups (all of one group where there is one, its
+        gated norm's statistics then summed over the ranks: `norm_ranks`)."""
+        if size == 1:
+            return self
+        split = self.n_groups % size == 0
+        return replace(self, num_heads=self.num_heads // size, n_groups=self.n_groups // size if split else 1,
+                       norm_ranks=1 if split else size)
 
     @property
     def conv_dim(self) -> int:

@@ -298,7 +298,7 @@ class ModelConfig:
         length."""
         if self.state_shape is None:
             return 0
-        shape = self.gated_delta.per_rank(tensor_parallel_size) if self.gated_delta is not None else self.mamba
+        shape = self.state_shape.per_rank(tensor_parallel_size)
         return (self.num_layers - self.num_kv_layers) * shape.state_bytes(dtype.itemsize)
 
     def rotary_cache_bytes(self, dtype: torch.dtype) -> int:
@@ -363,7 +363,7 @@ class ModelConfig:
             per_layer += h * q + (q if self.attention_bias else 0)
         mlps = sum(experts if self.is_sparse_layer(layer) else mlp for layer in range(self.num_layers))
         head = 0 if self.tie_word_embeddings else v * h
-        state = self.gated_delta.per_rank(self.num_heads // heads) if self.gated_delta is not None else self.mamba
+        state = None if self.state_shape is None else self.state_shape.per_rank(self.num_heads // heads)
         linear = 0 if state is None else (self.num_layers - self.num_kv_layers) * (state.num_params(h) + norms * h)
         return v * h + self.num_kv_layers * per_layer + linear + mlps + h + head
 

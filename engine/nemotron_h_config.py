@@ -56,7 +56,8 @@ def nemotron_h_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
                         d_state=read_int(cfg, "ssm_state_size", 128), n_groups=either("n_groups", "mamba_n_groups", 8),
                         conv_kernel=either("conv_kernel", "mamba_d_conv", 4),
                         conv_bias=either("use_conv_bias", "mamba_conv_bias", True, read_bool),
-                        proj_bias=read_bool(cfg, "use_bias", False), dt_limit=(least, float("inf")))
+                        proj_bias=read_bool(cfg, "use_bias", False), dt_limit=(least, float("inf")),
+                        splits=False)
     kinds = block_kinds(cfg)
     fields = {"layer_types": tuple(kinds), "mamba": shape, "no_rope_layers": (0,) * num_layers,
               "attention_bias": False, "rms_norm_eps": read_float(cfg, "layer_norm_epsilon", 1e-5)}

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.mamba_config import Mamba2Shape
+from engine.parallel import Collectives
 from engine.layers.gated_delta_net import RecurrentStates, StateMixer
 from kernels import AttentionMetadata, ssd
 
@@ -16,16 +17,20 @@ class GroupGatedRMSNorm(nn.Module):
     """x times SiLU(gate), then RMS-normed over each of `groups` equal groups of channels, times weight, in
     transformers' order of roundings (`GraniteMoeHybridRMSNormGated`: the gate first, float32 throughout)."""
 
-    def __init__(self, dim: int, groups: int, eps: float) -> None:
+    def __init__(self, dim: int, groups: int, eps: float, comm: Collectives | None = None, ranks: int = 1) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.groups, self.eps = groups, eps
+        self.comm, self.ranks = comm or Collectives(), ranks   # ranks: those one group spans (its sums added)
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         # x, gate: [num_tokens, dim] -> in the weight's dtype
         gated = (x.float() * F.silu(gate.float())).unflatten(-1, (self.groups, -1))
-        normed = gated * torch.rsqrt(gated.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.flatten(-2).to(x.dtype)
+        if self.ranks == 1:
+            mean = gated.pow(2).mean(-1, keepdim=True)
+        else:   # a group spread over the ranks: the mean of its squares over all of them
+            mean = self.comm.all_reduce(gated.pow(2).sum(-1, keepdim=True)) / (gated.shape[-1] * self.ranks)
+        return self.weight * (gated * torch.rsqrt(mean + self.eps)).flatten(-2).to(x.dtype)
 
 
 class Mamba2Mixer(StateMixer):
@@ -33,10 +38,12 @@ class Mamba2Mixer(StateMixer):
     convolution over x, B and C, the SSD scan (`kernels.ssd`) from each sequence's state with D's skip, the
     group-gated norm, out_proj."""
 
-    def __init__(self, shape: Mamba2Shape, hidden_size: int, eps: float, layer: int) -> None:
+    def __init__(self, shape: Mamba2Shape, hidden_size: int, eps: float, layer: int,
+                 comm: Collectives | None = None) -> None:
         super().__init__()
-        s = self.shape = shape
+        s = self.shape = shape                   # this rank's heads (and groups) under tensor parallelism
         self.layer = layer                       # its index among the model's state layers (its state's)
+        self.comm = comm or Collectives()        # out_proj's partial outputs summed over the ranks
         inter = s.intermediate_size
         self.in_proj = nn.Linear(hidden_size, inter + s.conv_dim + s.num_heads, bias=s.proj_bias)
         self.conv1d = nn.Module()
@@ -45,7 +52,7 @@ class Mamba2Mixer(StateMixer):
         self.dt_bias = nn.Parameter(torch.empty(s.num_heads))
         self.A_log = nn.Parameter(torch.empty(s.num_heads))
         self.D = nn.Parameter(torch.empty(s.num_heads))
-        self.norm = GroupGatedRMSNorm(inter, s.n_groups, eps)
+        self.norm = GroupGatedRMSNorm(inter, s.n_groups, eps, self.comm, s.norm_ranks)
         self.out_proj = nn.Linear(inter, hidden_size, bias=s.proj_bias)
 
     def forward(self, hidden: torch.Tensor, meta: AttentionMetadata, states: RecurrentStates) -> torch.Tensor:
@@ -54,7 +61,7 @@ class Mamba2Mixer(StateMixer):
         gate, xbc, dt = self.in_proj(hidden).split([s.intermediate_size, s.conv_dim, s.num_heads], dim=-1)
         dt = F.softplus(dt.float() + self.dt_bias.float())
         y = self.scan(xbc, (dt,), meta, states)                                    # [num_tokens, heads, head_dim]
-        return self.out_proj(self.norm(y.flatten(1).to(hidden.dtype), gate))
+        return self.comm.all_reduce(self.out_proj(self.norm(y.flatten(1).to(hidden.dtype), gate)))
 
     def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         s = self.shape

@@ -25,7 +25,7 @@ from engine.layers import RopeRows
 from engine.layers.gated_delta_net import RecurrentStates
 from engine.layers.mamba2 import Mamba2Mixer
 from engine.model import DecoderLayer, LlamaForCausalLM, WeightLoadError
-from engine.models.hybrid import StatefulForCausalLM
+from engine.models.hybrid import StatefulForCausalLM, cut_pieces
 from engine.models.qwen3_moe import Qwen3MoeForCausalLM, with_experts
 from engine.models.smollm3 import layer_rotary
 from kernels import AttentionMetadata
@@ -87,7 +87,8 @@ class GraniteHybridLayer(GraniteDecoderLayer):
         self.residual_multiplier = config.residual_multiplier
         if config.is_linear_layer(layer):
             del self.self_attn
-            self.mamba = Mamba2Mixer(config.mamba, config.hidden_size, config.rms_norm_eps, state_index)
+            self.mamba = Mamba2Mixer(config.mamba.per_rank(shard.size), config.hidden_size, config.rms_norm_eps,
+                                     state_index, comm)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope_rows: RopeRows | None,
                 cache: tuple[torch.Tensor, torch.Tensor] | RecurrentStates, meta: AttentionMetadata, backend
@@ -116,6 +117,23 @@ class GraniteHybridForCausalLM(StatefulForCausalLM, GraniteMoeHybridForCausalLM)
         if hasattr(layer, "self_attn"):
             layer.self_attn.rotary_emb = layer_rotary(self, index)
         return layer
+
+    def _shard_of(self, hf_name: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A Mamba layer's part on this rank: its heads' gate, x, dt rows and parameters and out_proj columns, its
+        groups' B and C (each rank all of one group where there is one); the rest as Granite 4's."""
+        if self.shard.size == 1 or ".mamba." not in name:
+            return super()._shard_of(hf_name, name, tensor)
+        s, inter, rank = self.config.mamba, self.config.mamba.intermediate_size, self.shard.rank
+        if name.endswith("out_proj.bias"):   # row-parallel: added once, after the ranks' sum
+            return tensor if rank == 0 else torch.zeros_like(tensor)
+        groups, heads = s.n_groups * s.d_state, [(s.num_heads, 0, True)]
+        split = s.n_groups % self.shard.size == 0   # else one group, whole on every rank
+        xbc = [(inter, 0, True), (groups, inter, split), (groups, inter + groups, split)]
+        rows = [(inter, 0, True)] + [(n, inter + o, sp) for n, o, sp in xbc] + [(s.num_heads, inter + s.conv_dim, True)]
+        parts = {"in_proj": (0, rows), "conv1d": (0, xbc), "dt_bias": (0, heads), "A_log": (0, heads),
+                 "D": (0, heads), "norm": (0, [(inter, 0, True)]), "out_proj": (1, [(inter, 0, True)])}
+        dim, pieces = parts[name.split(".mamba.")[1].split(".")[0]]
+        return cut_pieces(hf_name, tensor, dim, pieces, rank, self.shard.size)
 
 
 class GraniteHybridMoeForCausalLM(GraniteHybridForCausalLM, Qwen3MoeForCausalLM):

@@ -17,12 +17,12 @@ import torch
 from engine.gated_delta_config import StateShape
 from engine.layers import RopeRows
 from engine.layers.gated_delta_net import RecurrentStates
-from engine.model import LlamaForCausalLM
+from engine.model import LlamaForCausalLM, WeightLoadError
 from engine.model_config import ModelConfig
 from engine.parallel import Collectives, ShardShape
 from kernels import AttentionMetadata, fused
 
-__all__ = ["StatefulForCausalLM"]
+__all__ = ["StatefulForCausalLM", "cut_pieces"]
 
 
 class StatefulForCausalLM(LlamaForCausalLM):
@@ -40,8 +40,7 @@ class StatefulForCausalLM(LlamaForCausalLM):
 
     def state_shape(self) -> StateShape:
         """This rank's shape of a state layer (its heads under tensor parallelism)."""
-        c = self.config
-        return c.gated_delta.per_rank(self.shard.size) if c.gated_delta is not None else c.mamba
+        return self.config.state_shape.per_rank(self.shard.size)
 
     def reserve_states(self, num_rows: int) -> None:
         """States for `num_rows` rows of the persistent batch, made now on the model's device (the engine reserves
@@ -73,3 +72,16 @@ class StatefulForCausalLM(LlamaForCausalLM):
                 rows[id(attn.rotary_emb)] = attn.rotary_emb.rows(positions)
             hidden, residual = layer(hidden, residual, rows[id(attn.rotary_emb)], next(caches), meta, backend)
         return self.norm(hidden, residual)[0]
+
+
+def cut_pieces(hf_name: str, tensor: torch.Tensor, dim: int, pieces: list[tuple[int, int, bool]], rank: int,
+               size: int) -> torch.Tensor:
+    """This rank's part of a tensor whose `dim` lays pieces side by side, each (its full size, its offset, whether
+    the ranks split it: else each holds it whole), the parts concatenated in the pieces' order; a tensor of another
+    size along `dim` is refused by name."""
+    full = sum(n for n, _, _ in pieces)
+    if tensor.dim() <= dim or tensor.shape[dim] != full:
+        raise WeightLoadError(f"{hf_name}: shape {tuple(tensor.shape)} does not match the config ({full} along "
+                              f"dimension {dim})")
+    return torch.cat([tensor.narrow(dim, offset + rank * (n // size), n // size) if split else
+                      tensor.narrow(dim, offset, n) for n, offset, split in pieces], dim=dim)

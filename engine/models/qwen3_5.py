@@ -21,9 +21,9 @@ from torch import nn
 
 from engine.layers import GemmaHeadRMSNorm, GemmaRMSNorm, RopeRows, RotaryEmbedding
 from engine.layers.gated_delta_net import GatedDeltaNet, RecurrentStates
-from engine.model import MLP, Attention, WeightLoadError
+from engine.model import MLP, Attention
 from engine.model_config import ModelConfig
-from engine.models.hybrid import StatefulForCausalLM
+from engine.models.hybrid import StatefulForCausalLM, cut_pieces
 from engine.models.phi3 import partial_rotary_rows
 from engine.models.qwen3_moe import Qwen3MoeForCausalLM, with_experts
 from engine.parallel import Collectives, ShardShape
@@ -131,19 +131,13 @@ class Qwen3_5ForCausalLM(StatefulForCausalLM):
             return super()._shard_of(hf_name, name.replace(".q_gate.", ".q_proj."), tensor)
         if ".linear_attn." not in name or name.endswith("norm.weight"):
             return super()._shard_of(hf_name, name, tensor)
-        s, rank, size = self.config.gated_delta, self.shard.rank, self.shard.size
-        qkv = [(s.key_dim, 0), (s.key_dim, s.key_dim), (s.value_dim, 2 * s.key_dim)]   # (full, offset) of each part
-        parts = {"in_proj_qkv": (0, qkv), "conv1d": (0, qkv), "in_proj_z": (0, [(s.value_dim, 0)]),
-                 "in_proj_b": (0, [(s.num_v_heads, 0)]), "in_proj_a": (0, [(s.num_v_heads, 0)]),
-                 "dt_bias": (0, [(s.num_v_heads, 0)]), "A_log": (0, [(s.num_v_heads, 0)]),
-                 "out_proj": (1, [(s.value_dim, 0)])}
-        part = name.split(".linear_attn.")[1].split(".")[0]
-        dim, pieces = parts[part]
-        if tensor.dim() <= dim or tensor.shape[dim] != sum(full for full, _ in pieces):
-            raise WeightLoadError(f"{hf_name}: shape {tuple(tensor.shape)} does not match the config "
-                                  f"({sum(full for full, _ in pieces)} along dimension {dim})")
-        return torch.cat([tensor.narrow(dim, offset + rank * (full // size), full // size) for full, offset in pieces],
-                         dim=dim)
+        s = self.config.gated_delta
+        qkv = [(s.key_dim, 0, True), (s.key_dim, s.key_dim, True), (s.value_dim, 2 * s.key_dim, True)]
+        heads, values = [(s.num_v_heads, 0, True)], [(s.value_dim, 0, True)]   # (full, offset, split) of each part
+        parts = {"in_proj_qkv": (0, qkv), "conv1d": (0, qkv), "in_proj_z": (0, values), "in_proj_b": (0, heads),
+                 "in_proj_a": (0, heads), "dt_bias": (0, heads), "A_log": (0, heads), "out_proj": (1, values)}
+        dim, pieces = parts[name.split(".linear_attn.")[1].split(".")[0]]
+        return cut_pieces(hf_name, tensor, dim, pieces, self.shard.rank, self.shard.size)
 
     def init_random(self, seed: int = 0, std: float = 0.02) -> None:
         """Random weights, the norms at the identity: Gemma's (1 + weight) at 0, the gated norms' at 1."""

@@ -1366,8 +1366,10 @@ def test_granite4_and_its_hybrids_read_as_transformers_does():
     assert (ours.num_kv_layers, ours.kv_layers, ours.mamba.head_dim, ours.mamba.conv_dim) == (1, (9,), 40, 5376)
     # a sequence's state: 39 Mamba layers' 3 convolution inputs (bfloat16) and 128 heads' 40 x 128 (float32)
     assert ours.state_bytes_per_seq(torch.bfloat16) == 39 * (5376 * 3 * 2 + 128 * 40 * 128 * 4)
-    with pytest.raises(ConfigError, match=r"^tensor_parallel_size: 2 ranks; Mamba-2 layers are served on one rank"):
-        check_tensor_parallel(ours, 2)
+    check_tensor_parallel(ours, 2)   # 64 Mamba heads a rank, its one group whole on each
+    assert ours.state_bytes_per_seq(torch.bfloat16, 2) == 39 * ((2560 + 2 * 128) * 3 * 2 + 64 * 40 * 128 * 4)
+    with pytest.raises(ConfigError, match=r"^tensor_parallel_size: 8 does not divide the model's 20 Mamba heads"):
+        check_tensor_parallel(ModelConfig.from_hf_config({**hybrid, "mamba_n_heads": 20}), 8)
     # -H-Small's kind: 32 experts of 512, 4 a token, on every layer beside the shared MLP
     moe = {**hybrid, "num_local_experts": 32, "num_experts_per_tok": 4, "intermediate_size": 512}
     ours, (_, hf) = ModelConfig.from_hf_config(moe), _meta_model(transformers.GraniteMoeHybridConfig, moe)
@@ -1522,6 +1524,8 @@ def test_nemotron_h_reads_as_transformers_does():
     assert ours.num_params() == sum(p.numel() for p in hf.parameters())
     assert (ours.num_layers, ours.kv_layers, ours.mamba.conv_dim) == (24, (7, 16), 32 * 64 + 2 * 8 * 128)
     assert ours.layer_types[:4] == ("linear_attention", "mlp", "linear_attention", "mlp")
+    with pytest.raises(ConfigError, match=r"^tensor_parallel_size: 2 ranks; these Mamba-2 layers are served on one"):
+        check_tensor_parallel(ours, 2)
     saved = {**{k: v for k, v in card.items() if k not in ("hybrid_override_pattern", "num_hidden_layers")},
              "layers_block_type": list(ours.layer_types)}
     assert ModelConfig.from_hf_config(saved).num_params() == ours.num_params()

@@ -57,6 +57,8 @@ def _hf(arch: str, **extra) -> ModelConfig:
     _hf("Qwen3ForCausalLM"),
     _hf("Qwen3MoeForCausalLM", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1]),
     _hf("Gemma3ForCausalLM", sliding_window=8, query_pre_attn_scalar=16),
+    _hf("GraniteMoeHybridForCausalLM", layer_types=["mamba", "attention", "mamba"], num_local_experts=4,
+        num_experts_per_tok=2, shared_intermediate_size=32, mamba_n_heads=8, mamba_d_state=16, mamba_n_groups=1),
     _hf("Qwen3NextForCausalLM", num_hidden_layers=4, linear_num_key_heads=8, linear_num_value_heads=16,
         linear_key_head_dim=8, linear_value_head_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
         shared_expert_intermediate_size=16, mlp_only_layers=[1]),
@@ -264,6 +266,12 @@ QWEN3 = {"head_dim": 32, "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
                                                               "rope_theta": 10000.0}}, None),
     ("olmoe", {"intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2, "clip_qkv": 0.5}, None),
     ("apertus", {"head_dim": 16}, None),
+    ("granitemoehybrid", {"layer_types": ["mamba", "attention", "mamba"], "num_hidden_layers": 3,
+                          "num_local_experts": 0, "shared_intermediate_size": 96, "mamba_n_heads": 4,
+                          "mamba_d_state": 16, "mamba_n_groups": 2, "position_embedding_type": "rope"}, None),
+    ("granitemoehybrid", {"layer_types": ["mamba", "attention"], "num_local_experts": 4, "num_experts_per_tok": 2,
+                          "intermediate_size": 32, "shared_intermediate_size": 48, "mamba_n_heads": 4,
+                          "mamba_d_state": 16, "mamba_n_groups": 1, "mamba_proj_bias": True}, None),
     ("qwen3_5", {"num_hidden_layers": 4, "head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
                  "linear_key_head_dim": 16, "linear_value_head_dim": 8}, True),
     ("qwen3_next", {"num_hidden_layers": 4, "head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
@@ -286,7 +294,9 @@ def test_two_ranks_generate_what_one_does(tmp_path, builtin_path, prompts, arch,
     # partial rotary (GLM-4.5's parts: Qwen3's head norms, GLM-4's reordered rows, DeepSeek's experts); Llama 4 each
     # rank's heads of its reordered q/k rows, their chunks, its NoPE layers' query temperature on each rank's heads,
     # its experts' and shared expert's rows beside dense layers; Ministral 3 its query scaling on each rank's heads;
-    # Apertus each rank's rows of its ungated MLP (xIELU's slopes whole on each);
+    # Apertus each rank's rows of its ungated MLP (xIELU's slopes whole on each); Granite 4-H each rank's Mamba heads
+    # and groups (then one group whole on each rank, its gated norm's sums over both, biased projections) beside
+    # experts;
     # Qwen3.5 each rank's key heads of its linear layers (their value heads' states on that rank) and each rank's
     # heads' gates; Qwen3-Next the same out of its fused projections, beside experts and a dense layer.
     # Qwen3's,
