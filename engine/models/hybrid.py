@@ -1,11 +1,13 @@
 """Models whose layers mix attention with layers that keep a state per sequence in place of K/V (`layer_types`
-linear_attention: Qwen3.5's Gated DeltaNet, `engine.models.qwen3_5`; Granite 4's Mamba-2, `engine.models.granite`).
+linear_attention: Qwen3.5's and OLMo Hybrid's Gated DeltaNet, `engine.models.qwen3_5`, `engine.models.olmo2`; Granite
+4's and Nemotron-H's Mamba-2, `engine.models.granite`, `engine.models.nemotron_h`).
 
 `StatefulForCausalLM` is the Llama model's loading and head with the states (`engine.layers.gated_delta_net.
 RecurrentStates`: each state layer's, by row of the persistent batch) and a forward that hands each attention layer
 its KV cache (the cache holds those layers alone: `ModelConfig.kv_layers`) and each state layer the states. Its
 layers take `(hidden, residual, rope_rows, cache, meta, backend)`, `cache` the one or the other by the layer's
-kind; a state layer is one without `self_attn`. The module path runs them (no CPU flat loop).
+kind: a layer without `self_attn` is handed the states (Nemotron-H's MLP blocks leave them be). The module path runs
+them (no CPU flat loop).
 """
 
 from __future__ import annotations
