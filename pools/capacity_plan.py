@@ -2,7 +2,7 @@
 
 Per device (with tensor parallelism T the weights and the KV heads are split over T GPUs):
 
-    S_KV        = 2 x num_layers x num_kv_heads x head_dim x dtype_bytes          (per token, whole model;
+    S_KV        = 2 x num_kv_layers x num_kv_heads x head_dim x dtype_bytes          (per token, whole model;
                   DeepSeek's latent attention: 1 x num_layers x 1 x its latent and rotated key)
     weights     = num_params x dtype_bytes                                          (not file sizes; DeepSeek's
                   float32 routers at 4 bytes)
@@ -195,12 +195,13 @@ class CapacityPlan:
             for d in self.devices.values() if d.device_type == "cpu" and d.placement != "ray"]
 
 
-def _kv_heads_per_device(model: ModelConfig, tp: int, dtype: torch.dtype, dkey: str) -> int:
-    """KV heads split over TP ranks; when T > num_kv_heads each rank holds a replica of one (as vLLM does). The
-    engine's own rules (`engine.parallel.check_tensor_parallel`, `engine.models.check_dtype`), named `dkey`.*."""
+def _device_shard(model: ModelConfig, tp: int, dtype: torch.dtype, dkey: str) -> ShardShape:
+    """A rank's shard: its KV heads split over TP ranks (when T > num_kv_heads each rank holds a replica of one, as
+    vLLM does), its share of the rest. The engine's own rules (`engine.parallel.check_tensor_parallel`,
+    `engine.models.check_dtype`), named `dkey`.*."""
     try:
         check_dtype(model, dtype)
-        return ShardShape.of(model, 0, tp).num_kv_heads
+        return ShardShape.of(model, 0, tp)
     except ConfigError as exc:
         raise SpecError(f"{dkey}.{exc}") from None
 
@@ -231,13 +232,13 @@ def plan_capacity(config: CliffguardConfig, model_configs: Mapping[str, ModelCon
         dtype = parse_dtype(dev.dtype) if dev.dtype != "auto" else auto_dtype(device_type)
         memory, source = device_memory(dev, device_type, vram_bytes, cuda_memory)
         tp = dev.tensor_parallel_size
-        kv_heads = _kv_heads_per_device(model, tp, dtype, dkey)
+        shard = _device_shard(model, tp, dtype, dkey)
         kv_dtype = kv_cache_dtype(dev.kv_cache_dtype, dtype)   # fp8: one byte an element
         s_kv = model.kv_bytes_per_token(kv_dtype)
-        s_kv_dev = model.kv_planes * model.num_kv_layers * kv_heads * model.head_dim * kv_dtype.itemsize
+        s_kv_dev = shard.kv_bytes_per_token(model, kv_dtype)
         wide = model.num_float32_params * (4 - dtype.itemsize)   # DeepSeek's routers stay float32 (whole on each rank)
         weights = model.num_params() * dtype.itemsize + wide
-        weights_dev = ShardShape.of(model, 0, tp).num_params(model) * dtype.itemsize + wide   # each rank alike
+        weights_dev = shard.num_params(model) * dtype.itemsize + wide   # each rank alike
         graphs_dev = _graph_reserve(model, dev, device_type, tp, dtype)
         # what the engine finds loaded: the rope's too, over the positions its pools serve
         loaded_dev = weights_dev + model.serving(p.max_model_len for _, p in members).rotary_cache_bytes(dtype)
