@@ -147,6 +147,12 @@ class BlockManager:
         entry = self._full.get(block_id)
         return entry is not None and entry.registered
 
+    def chain_serial(self, block_id: int) -> int | None:
+        """The serial of the prefix-cache entry that stands for the prefix `block_id` ends (its own, or the entry's
+        it duplicates); None when the cache knows no verifiable prefix there. Serials are never reused."""
+        entry = self._full.get(block_id)
+        return None if entry is None else entry.chain_serial
+
     def num_shared_blocks(self, block_table: list[int]) -> int:
         """Blocks of the table that another table also references (count > 1)."""
         return sum(1 for b in block_table if self.ref_count(b) > 1)

@@ -2,7 +2,7 @@
 Qwen3.5's text models (dense and MoE) and Qwen3-Next, as transformers' `Qwen3_5TextConfig`, `Qwen3_5MoeTextConfig` and
 `Qwen3NextConfig` read their config.json; the readers of every family with state layers (`HYBRID_FIELDS`, Nemotron-H's
 in `engine.nemotron_h_config`; Granite 4-H's in `engine.granite_config`), and what a pool of such a model serves
-without (`serving_pool`).
+without (`serving_pool`: swap).
 
 A linear-attention layer (`layer_types` "linear_attention") holds no K/V per token: each running sequence carries
 a fixed-size state for it (`GatedDeltaShape.state_bytes`; Mamba-2's: `engine.mamba_config`), which the capacity plan
@@ -11,7 +11,6 @@ with a `ConfigError` naming the key."""
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -20,7 +19,6 @@ from engine.config_values import read_bool, read_float, read_int, read_object
 from engine.mamba_config import Mamba2Shape, state_bytes
 from engine.nemotron_h_config import nemotron_h_fields
 
-log = logging.getLogger("cliffguard.engine")
 
 # why a pool of such a model cannot swap (the engine's and the capacity plan's refusal)
 NOT_SWAPPED = ("swaps K/V blocks, but this model's linear-attention layers keep a state per sequence that is not "
@@ -189,16 +187,10 @@ HYBRID_FIELDS = {"Qwen3_5ForCausalLM": qwen3_5_fields, "Qwen3_5MoeForCausalLM": 
                  "OlmoHybridForCausalLM": olmo_hybrid_fields}
 
 def serving_pool(pool: PoolConfig, stateful: bool) -> PoolConfig:
-    """A pool as a model serves it: itself, or for a model whose linear-attention layers keep a state per running
-    sequence (`stateful`: `engine.layers.gated_delta_net`), without prefix caching (a cached prefix's K/V alone
-    cannot resume a sequence) and with a swapping preemption mode refused, naming the pool's key: that state is not
-    swapped, a victim is recomputed."""
-    sc = pool.scheduler
-    if not stateful:
-        return pool
-    if sc.uses_swap:
-        raise ConfigError(f"pools.{pool.name}.preemption_mode: {sc.preemption_mode!r} {NOT_SWAPPED}")
-    if sc.enable_prefix_caching:
-        log.info("pools.%s: served without prefix caching (the model's linear-attention layers keep a state per "
-                 "sequence that cached blocks do not hold)", pool.name)
-    return replace(pool, scheduler=replace(sc, enable_prefix_caching=False))
+    """A pool as a model serves it: itself, with a swapping preemption mode refused (naming the pool's key) for a
+    model whose linear-attention layers keep a state per running sequence (`stateful`: `engine.layers.
+    gated_delta_net`): that state is not swapped, a victim is recomputed. Its prefix cache keeps the states of the
+    prefixes it holds beside their blocks (`engine.state_cache`)."""
+    if stateful and pool.scheduler.uses_swap:
+        raise ConfigError(f"pools.{pool.name}.preemption_mode: {pool.scheduler.preemption_mode!r} {NOT_SWAPPED}")
+    return pool

@@ -59,30 +59,36 @@ class KVCache:
         self.raw.index_copy_(2, dst, self.raw.index_select(2, src))
 
 
-def check_fits_device(device: torch.device, num_blocks: int, block_bytes: int, memory_utilization: float) -> None:
+def check_fits_device(device: torch.device, num_blocks: int, block_bytes: int, memory_utilization: float,
+                      states_bytes: int = 0) -> None:
     """On CUDA, the capacity formula once more with what is real now: the GPU's memory and the weights as
-    loaded, against the plan's `num_blocks` KV blocks; then against the memory the driver has free now,
+    loaded, against the plan's `num_blocks` KV blocks (and `states_bytes`, a state model's states and
+    snapshots: `engine.state_cache.states_bytes`); then against the memory the driver has free now,
     which other processes' use takes from. A plan made for another GPU (`--vram`), or a GPU another process
     holds, is refused here with the numbers, instead of failing later in the middle of an allocation."""
     if device.type != "cuda":
         return
-    needed = num_blocks * block_bytes
+    needed = num_blocks * block_bytes + states_bytes
     total = torch.cuda.get_device_properties(device).total_memory
     loaded = torch.cuda.memory_allocated(device)
     available = capacity.kv_cache_bytes(total, loaded, memory_utilization)
     if needed > available:
         raise ConfigError(
-            f"pools: the plan's {num_blocks} blocks need {needed / 2**30:.2f} GiB of KV cache, but {memory_utilization} x "
-            f"{total / 2**30:.2f} GiB - {loaded / 2**30:.2f} GiB of loaded weights leaves "
+            f"pools: the plan's {num_blocks} blocks need {needed / 2**30:.2f} GiB of KV cache{_with(states_bytes)}, "
+            f"but {memory_utilization} x {total / 2**30:.2f} GiB - {loaded / 2**30:.2f} GiB of loaded weights leaves "
             f"{available / 2**30:.2f} GiB on {device}; plan with this GPU's memory")
     # what the driver can still give (other processes' use is gone from it), and what torch's allocator holds free
     reserved = torch.cuda.memory_reserved(device)
     free = torch.cuda.mem_get_info(device)[0] + reserved - loaded
     if needed > free:
         raise ConfigError(
-            f"pools: the plan's {num_blocks} blocks need {needed / 2**30:.2f} GiB of KV cache, but {device} has "
-            f"{free / 2**30:.2f} GiB free now: {(total - free - loaded) / 2**30:.2f} GiB are held outside this "
-            "worker (another process, or a worker of this device still ending)")
+            f"pools: the plan's {num_blocks} blocks need {needed / 2**30:.2f} GiB of KV cache{_with(states_bytes)}, "
+            f"but {device} has {free / 2**30:.2f} GiB free now: {(total - free - loaded) / 2**30:.2f} GiB are held "
+            "outside this worker (another process, or a worker of this device still ending)")
+
+
+def _with(states_bytes: int) -> str:
+    return f" (with {states_bytes / 2**30:.2f} GiB of sequence states)" if states_bytes else ""
 
 
 def raw(tensor: torch.Tensor) -> torch.Tensor:

@@ -38,6 +38,7 @@ from engine.sampling import SamplingParams, SamplingRow, make_generator
 from engine.scheduler import RequestTooLargeError, Scheduler, SchedulerOutput, build_scheduler
 from engine.sequence import FinishReason, Sequence, SequenceStatus
 from engine.stats import Laps, StepStats
+from engine.state_cache import attach_snapshots, states_bytes
 from engine.step_commit import check_pools, commit_step
 from engine.structured import GrammarCompiler, PendingGrammars
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -92,7 +93,7 @@ class LLMEngine:
         lap("weights")
         self.num_blocks = config.num_blocks
         check_fits_device(self.device, self.num_blocks, self.kv_bytes_per_token * config.cache.block_size,
-                          config.memory_utilization)
+                          config.memory_utilization, states_bytes(config, self.model_config, self.dtype))
         self.kv_cache = KVCache(self.model_config, self.num_blocks, config.cache.block_size, self.kv_dtype,
                                 self.device, num_kv_heads=self.shard.num_kv_heads)
         lap("kv")
@@ -110,6 +111,7 @@ class LLMEngine:
         for pool in config.pools:
             self.schedulers[pool.name] = self._make_scheduler(pool, first_block)
             first_block += pool.num_blocks
+        attach_snapshots(self.schedulers.values(), self.model)   # a state model's prefix cache (`engine.state_cache`)
         self.runner.setup_followers()
         self.composer = StepComposer(self.schedulers, {p.name: p.slo for p in config.pools},
                                      min_shares={p.name: p.min_share for p in config.pools})
@@ -363,8 +365,7 @@ class LLMEngine:
         launched.forward_started = time.perf_counter()
         logits, sampled = self.runner.execute(scheduled.batch)
         launched.prompt_spans = self.runner.prompt_spans   # its prompt logprobs, if any (`engine.prompt_logprobs`)
-        # Launched: on CUDA the device runs the forward pass while the host does the step's bookkeeping,
-        # the forks and the sampling rows, and queues the sampling kernels behind it.
+        # Launched: on CUDA the device runs it while the host does the bookkeeping, forks and sampling rows (queued)
         forward_launched = time.perf_counter()
         commit_step(self.schedulers, scheduled.batch)
         logits, launched.sampled = self._forks.fork(logits, sampled)

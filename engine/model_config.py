@@ -216,8 +216,8 @@ class ModelConfig:
         return replace(served, rope_scaling=replace(rope, long=longest > rope.original_max_position_embeddings))
 
     def serving_pool(self, pool: PoolConfig) -> PoolConfig:
-        """`pool` as this model serves it: with linear-attention layers (a state per sequence), without prefix caching
-        and swap (`engine.gated_delta_config.serving_pool`)."""
+        """`pool` as this model serves it: with linear-attention layers (a state per sequence), without swap
+        (`engine.gated_delta_config.serving_pool`)."""
         return serving_pool(pool, self.state_shape is not None)
 
     @property

@@ -31,6 +31,7 @@ from engine.parallel import (CaptureGraphs, Collectives, FollowerArgs, PlanLink,
                              TensorParallelGroup, die_with_parent, join_group)
 from engine.scheduler_output import ScheduledSeq
 from engine.sequence import Sequence
+from engine.state_cache import num_snapshot_slots
 from kernels import get_backend
 from kernels.transfer import to_device
 
@@ -72,7 +73,10 @@ class _Forward:
             if plan.num_pending:   # placeholders (engine.overlap), filled from the previous step's ids
                 input_ids = fill_pending(input_ids, self.pending_ids(plan.num_pending))
             self.last_inputs_seconds = time.perf_counter() - started
-            if self.graphs is not None and self.graphs.can_run(plan.query_lens, plan.seq_lens):
+            if getattr(self.model, "states", None) is not None:   # a state model's prefix cache (`engine.state_cache`)
+                self.model.states.prepare(plan.state_loads, plan.state_saves)
+            if self.graphs is not None and not plan.state_saves and self.graphs.can_run(plan.query_lens,
+                                                                                         plan.seq_lens):
                 hidden = self.graphs.run(input_ids, positions, meta)
             else:
                 hidden = self.model(input_ids, positions, self.kv_cache.layers, meta, self.backend)
@@ -161,8 +165,11 @@ class ModelRunner(_Forward):
         plan.rows, plan.row_updates = self.input_batch.assign((item.seq.seq_id, item.seq.block_table)
                                                               for item in batch)
         input_ids, positions, sample_rows = plan.input_ids, plan.positions, plan.sample_rows
-        for item in batch:
+        for index, item in enumerate(batch):
             seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
+            if item.state_load is not None:
+                plan.state_loads.append((item.state_load, plan.rows[index]))
+            plan.state_saves.extend((index, offset, slot) for offset, slot in item.state_saves)
             if n == 1:   # a decode: no slice, no range
                 input_ids.append(seq.token_ids[start])
                 positions.append(start)
@@ -285,6 +292,8 @@ class FollowerRunner(_Forward):
         runner = cls(model, kv_cache, device, link)
         if hasattr(model, "reserve_states"):   # as rank 0's: its pools' rows, before any graph reads them
             model.reserve_states(sum(p.scheduler.max_num_seqs for p in config.pools))
+            if model.states is not None:   # and prefix caching's snapshot slots
+                model.states.reserve_snapshots(num_snapshot_slots(config.pools))
         runner.compile_kernels()
         setup = link.receive()
         for pool, num_blocks in setup.swap_blocks.items():

@@ -145,7 +145,6 @@ def check_tensor_parallel(model: ModelConfig, size: int, key: str = "tensor_para
 @dataclass
 class StepPlan:
     """One step as rank 0 sends it to the other ranks: ints only, so every rank builds the same tensors.
-
     `stop` ends a follower's loop. Block moves are done before the forward pass, in order: the copies
     and swaps rank 0's schedulers asked for since the last plan."""
 
@@ -161,6 +160,8 @@ class StepPlan:
     prompt_top: int = 0                                       # the most top logprobs any of them asks
     num_pending: int = 0   # placeholders in input_ids: rank 0 sends the previous step's this many sampled ids
     measure_kv_scales: bool = False   # an FP8 cache's scales measured on this plan (engine.kv_scales)
+    state_loads: list[tuple[int, int]] = field(default_factory=list)   # (snapshot slot, row): copied before the step
+    state_saves: list[tuple[int, int, int]] = field(default_factory=list)   # (sequence, token offset, snapshot slot)
     moves: list[tuple[str, str, list[tuple[int, int]]]] = field(default_factory=list)   # (kind, pool, pairs)
     stop: bool = False
 

@@ -37,6 +37,7 @@ from engine.config import ConfigError, PoolConfig, SchedulerConfig
 from engine.preemption_cost import PreemptionCostModel, victim_by_policy
 from engine.scheduler_output import RequestTooLargeError, ScheduledSeq, SchedulerOutput, SchedulerStats
 from engine.sequence import FinishReason, Sequence, SequenceStatus
+from engine.state_cache import StateSnapshots
 
 
 class Scheduler:
@@ -54,6 +55,7 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._step, self._promised = 0, 0   # steps so far; blocks promised this step to sequences waiting for them
         self._served: set[int] | None = None   # this step's decodes under a short budget (`_decodes_served`)
+        self.state_snapshots: StateSnapshots | None = None   # a state model's prefixes' states (the engine's)
         if config.preemption_mode in ("swap", "auto") and swap_manager is None:
             raise ValueError(f"pool {name!r}: preemption_mode {config.preemption_mode!r} needs a swap_manager")
 
@@ -116,7 +118,14 @@ class Scheduler:
     # --- the step ----------------------------------------------------------------------------
     def schedule(self, token_budget: int | None = None) -> SchedulerOutput:
         """This step's batch of the pool, within `max_num_batched_tokens` and `token_budget` (the step
-        composer's limit for a throughput pool; None: no limit beyond the pool's own)."""
+        composer's limit for a throughput pool; None: no limit beyond the pool's own); a state model's
+        snapshots planned on it (`engine.state_cache`)."""
+        out = self._schedule(token_budget)
+        if self.state_snapshots is not None:
+            self.state_snapshots.plan(out.scheduled)
+        return out
+
+    def _schedule(self, token_budget: int | None) -> SchedulerOutput:
         self._step += 1
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
@@ -244,6 +253,7 @@ class Scheduler:
             counted = (bm.num_prefix_queries, bm.num_prefix_hits)
             if seq.num_computed_tokens == 0 and not seq.block_table and not seq.wants_prompt_logits:
                 seq.num_computed_tokens = bm.acquire_cached(seq.block_table, seq.token_ids, seq.cache_salt)
+            load = self.state_snapshots.admit(seq) if self.state_snapshots and seq.block_table else None
             num_new = min(seq.num_uncomputed_tokens, budget)
             reading = self._being_read(seq)
             if reading or (num_new < seq.num_uncomputed_tokens and not self.config.enable_chunked_prefill) or \
@@ -268,7 +278,7 @@ class Scheduler:
             seq.last_scheduled_step = self._step
             self.running.append(seq)
             self.stats.num_admitted += 1
-            out.scheduled.append(ScheduledSeq(seq, num_new))
+            out.scheduled.append(ScheduledSeq(seq, num_new, state_load=load))
             budget -= num_new
 
     def _num_seqs_held(self) -> int:

@@ -18,6 +18,8 @@ class RequestTooLargeError(ValueError):
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int              # tokens computed this step, from seq.num_computed_tokens on
+    state_load: int | None = None    # a state model's snapshot slot it resumes from (`engine.state_cache`)
+    state_saves: list[tuple[int, int]] = field(default_factory=list)   # snapshots it takes: (offset, slot)
 
 
 @dataclass

@@ -29,6 +29,8 @@ def commit_step(schedulers: Mapping[str, Scheduler], batch: Iterable[ScheduledSe
         if seq.num_pending or seq.num_computed_tokens % bm.block_size < num_new:
             bm.register_computed(seq.block_table, seq.token_ids, min(
                 seq.num_computed_tokens, len(seq.token_ids) - seq.num_pending), seq.cache_salt)
+        if item.state_saves:   # a state model's snapshots, tied to the blocks just registered
+            scheduler.state_snapshots.bind(item)
 
 
 def check_pools(schedulers: Mapping[str, Scheduler], num_rows: int) -> None:
@@ -37,6 +39,8 @@ def check_pools(schedulers: Mapping[str, Scheduler], num_rows: int) -> None:
     no more than the sequences running."""
     for scheduler in schedulers.values():
         scheduler.check_integrity()
+        if scheduler.state_snapshots is not None:
+            scheduler.state_snapshots.check_integrity()
         for seq in scheduler.running:
             if not all(scheduler.block_manager.owns(b) for b in seq.block_table):
                 raise AssertionError(f"sequence {seq.seq_id} holds blocks outside pool {scheduler.name}")

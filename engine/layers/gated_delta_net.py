@@ -5,9 +5,11 @@ mixer does with the step's rows (`StateMixer`).
 A running sequence's state lives in the rows of the state tensors that match its row of the persistent batch
 (`engine.input_batch`: a sequence holds one row for as long as it runs; `AttentionMetadata.rows`). A sequence
 whose step starts at position 0 (its prefill's first chunk, a recompute after preemption) starts from zeros,
-so a row left by an earlier holder is never read. Nothing else keeps the state: a sequence that stops running
-loses it, which is why a model with these layers is served without prefix caching and swap (its K/V alone
-would not bring a sequence back: `engine.llm_engine`), and why samples of one request prefill apart.
+so a row left by an earlier holder is never read; one that resumes from a cached prefix has the state kept with it
+copied into its row first (`RecurrentStates.prepare`: prefix caching's snapshot slots, `engine.state_cache`), and a
+prefill piece that takes snapshots runs in parts ending where it takes them. A sequence that stops running loses its
+state otherwise, which is why a model with these layers is served without swap (its K/V alone would not bring a
+sequence back), and why samples of one request prefill apart.
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ class RecurrentStates:
         self.ssm: list[torch.Tensor] = []
         self.num_rows = 0
         self.frozen = False
+        self.snap_conv: list[torch.Tensor] = []   # prefix caching's snapshot slots (`engine.state_cache`)
+        self.snap_ssm: list[torch.Tensor] = []
+        self.saves: dict[int, list[tuple[int, int]]] = {}   # this step's: sequence -> [(token offset, slot)]
         if num_rows:
             self.reserve(num_rows)
 
@@ -60,6 +65,32 @@ class RecurrentStates:
                     for i in range(self.num_layers)]
         self.num_rows = num_rows
 
+    def reserve_snapshots(self, num_slots: int) -> None:
+        """`num_slots` snapshot slots, each one state of every layer: prefix caching's (made at start, never grown)."""
+        self.snap_conv = [torch.zeros(num_slots, *self.shape.conv_state_shape, dtype=self.dtype, device=self.device)
+                          for _ in range(self.num_layers)]
+        self.snap_ssm = [torch.zeros(num_slots, *self.shape.ssm_state_shape, dtype=torch.float32, device=self.device)
+                         for _ in range(self.num_layers)]
+
+    def prepare(self, loads: list[tuple[int, int]], saves: list[tuple[int, int, int]]) -> None:
+        """Before a step: copy each (slot, row) of `loads` into the row (a sequence resuming from a cached prefix),
+        and hold `saves` (sequence, token offset, slot) for the step's layers to take (`StateMixer.scan`)."""
+        if loads:
+            slots = torch.tensor([slot for slot, _ in loads], device=self.device)
+            rows = torch.tensor([row for _, row in loads], device=self.device)
+            self.reserve(max(row for _, row in loads) + 1)
+            for i in range(self.num_layers):
+                self.conv[i].index_copy_(0, rows, self.snap_conv[i].index_select(0, slots))
+                self.ssm[i].index_copy_(0, rows, self.snap_ssm[i].index_select(0, slots))
+        self.saves = {}
+        for seq, offset, slot in saves:
+            self.saves.setdefault(seq, []).append((offset, slot))
+
+    def save(self, layer: int, slot: int, conv: torch.Tensor, ssm: torch.Tensor) -> None:
+        """Layer `layer`'s state after a prefix (`conv`, `ssm`: one sequence's) into snapshot `slot`."""
+        self.snap_conv[layer][slot] = conv
+        self.snap_ssm[layer][slot] = ssm
+
     def for_step(self, meta: AttentionMetadata) -> None:
         """Make room for the step's rows (host ints: no device read)."""
         if meta.rows is None:
@@ -70,7 +101,7 @@ class RecurrentStates:
 
     @property
     def num_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.conv, *self.ssm))
+        return sum(t.numel() * t.element_size() for t in (*self.conv, *self.ssm, *self.snap_conv, *self.snap_ssm))
 
 
 def _grown(old: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -127,24 +158,37 @@ class StateMixer(nn.Module):
             out, ssm_new = self.step(x, extras, ssm.index_select(0, rows) * keep.unsqueeze(-1))
             conv.index_copy_(0, rows, conv_new.to(conv.dtype))
             ssm.index_copy_(0, rows, ssm_new)
+            for seq, saves in states.saves.items():   # a 1-token piece ending on a snapshot's boundary
+                states.save(self.layer, saves[0][1], conv_new[seq], ssm_new[seq])
             return out
         outs, start = [], 0
-        for row, n, seq_len in zip(meta.rows_list, meta.query_lens_list, meta.seq_lens_list):
-            span = slice(start, start + n)
-            start += n
+        for seq, (row, n, seq_len) in enumerate(zip(meta.rows_list, meta.query_lens_list, meta.seq_lens_list)):
             fresh = seq_len == n
             conv_in = torch.zeros_like(conv[row]) if fresh else conv[row]
             ssm_in = torch.zeros_like(ssm[row]) if fresh else ssm[row]
-            x, conv_out = gated_delta.causal_conv(mixed[span], weight, conv_in, bias)
-            if n == 1:
-                out, ssm_out = self.step(x, tuple(e[span] for e in extras), ssm_in.unsqueeze(0))
-                ssm_out = ssm_out[0]
-            else:
-                out, ssm_out = self.chunk(x, tuple(e[span] for e in extras), ssm_in)
-            conv[row] = conv_out
-            ssm[row] = ssm_out
-            outs.append(out)
+            cut = 0   # the piece in parts ending where it takes snapshots (`RecurrentStates.saves`)
+            for end, slot in (*states.saves.get(seq, ()), (n, None)):
+                if end > cut:
+                    span = slice(start + cut, start + end)
+                    x, conv_in = gated_delta.causal_conv(mixed[span], weight, conv_in, bias)
+                    out, ssm_in = self._scan(x, tuple(e[span] for e in extras), ssm_in, whole=n == 1)
+                    outs.append(out)
+                    cut = end
+                if slot is not None:
+                    states.save(self.layer, slot, conv_in, ssm_in)
+            start += n
+            conv[row] = conv_in
+            ssm[row] = ssm_in
         return torch.cat(outs)
+
+    def _scan(self, x: torch.Tensor, extras: tuple[torch.Tensor, ...], ssm: torch.Tensor, whole: bool
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One sequence's tokens from `ssm` on: the recurrent step for a piece of one token (`whole`), the chunked
+        form for more, a part of a longer piece too (Nemotron-H's chunked scan clamps dt, as a prefill does)."""
+        if whole:
+            out, ssm_out = self.step(x, extras, ssm.unsqueeze(0))
+            return out, ssm_out[0]
+        return self.chunk(x, extras, ssm)
 
 
 class GatedDeltaNet(StateMixer):
