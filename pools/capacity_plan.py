@@ -107,6 +107,7 @@ class PoolPlan:
     max_num_seqs: int                # the formula's, or the config's override (per replica)
     replicas: int = 1                # the device's: each holds this pool's blocks and runs max_num_seqs
     state_bytes_per_seq: int = 0     # S_state: a running sequence's linear-attention state (Qwen3.5's); 0: none
+                                     # (held twice with prefix caching: a snapshot slot per sequence)
 
     @property
     def pool_max_num_seqs(self) -> int:
@@ -331,7 +332,8 @@ def _plan_pool(i: int, p: PoolSpec, model: ModelConfig, s_kv: int, s_kv_dev: int
         budget_key, budget = f"{key}.kv_share", f"{p.kv_share}"
     else:
         budget_key, budget = f"{key}.kv_cache_bytes", fmt_bytes(p.kv_cache_bytes)
-    num_blocks = formula.num_blocks(pool_kv - _states_bytes(p, pool_kv, s_kv_dev, s_state), s_kv_dev, p.block_size)
+    s_held = s_state * (2 if p.enable_prefix_caching else 1)   # with prefix caching a snapshot slot for each too
+    num_blocks = formula.num_blocks(pool_kv - _states_bytes(p, pool_kv, s_kv_dev, s_held), s_kv_dev, p.block_size)
     per_request = ceil_div(max_model_len, p.block_size)
     if num_blocks < per_request:
         raise SpecError(f"{budget_key}: {budget} gives pool {p.name!r} {fmt_bytes(pool_kv)} per GPU = {num_blocks} "
@@ -341,7 +343,7 @@ def _plan_pool(i: int, p: PoolSpec, model: ModelConfig, s_kv: int, s_kv_dev: int
     if p.avg_len > max_model_len:
         warnings.append(f"{key}.avg_len: {p.avg_len} is above max_model_len {max_model_len}, which no request "
                         f"exceeds: max_num_seqs is planned for fewer requests than fit (set avg_len <= max_model_len)")
-    by_formula = formula.max_num_seqs(pool_kv, s_kv_dev, p.avg_len, s_state)
+    by_formula = formula.max_num_seqs(pool_kv, s_kv_dev, p.avg_len, s_held)
     held = ceil_div(p.avg_len, p.block_size)     # a request holds whole blocks: avg_len 17 holds 32 tokens
     if p.max_num_seqs is None:
         if (max_num_seqs := min(by_formula, num_blocks // held)) == 0:
@@ -370,7 +372,8 @@ def _plan_pool(i: int, p: PoolSpec, model: ModelConfig, s_kv: int, s_kv_dev: int
 
 def _states_bytes(p: PoolSpec, pool_kv: int, s_kv_dev: int, s_state: int) -> int:
     """What the states of the pool's running sequences take of its bytes (a model with linear-attention layers:
-    S_state for each of max_num_seqs, the config's or the formula's; 0 otherwise); its blocks get the rest."""
+    `s_state` for each of max_num_seqs, the config's or the formula's, S_state twice with prefix caching: its snapshot
+    slots, `engine.state_cache`; 0 otherwise); its blocks get the rest."""
     if not s_state:
         return 0
     seqs = p.max_num_seqs if p.max_num_seqs is not None else formula.max_num_seqs(pool_kv, s_kv_dev, p.avg_len, s_state)

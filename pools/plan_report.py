@@ -94,7 +94,9 @@ def format_plan(plan: CapacityPlan) -> str:
         if any(p.state_bytes_per_seq for p in pools):   # linear-attention layers: a state per running sequence
             table.insert(table.index(next(row for row in table if row[0] == "S_KV")) + 1,
                          ("S_state", [f"{fmt_bytes(p.state_bytes_per_seq)} a sequence"
-                                      + ("/GPU" if p.tensor_parallel_size > 1 else "") for p in pools]))
+                                      + ("/GPU" if p.tensor_parallel_size > 1 else "")
+                                      + (" (x2: prefix-cache snapshots)" if p.spec.enable_prefix_caching else "")
+                                      for p in pools]))
         if any(p.replicas > 1 for p in pools):
             table.insert(table.index(next(row for row in table if row[0] == "max_num_seqs")) + 1,
                          ("whole pool", [f"{p.pool_max_num_seqs} sequences ({p.replicas} x {p.max_num_seqs}"

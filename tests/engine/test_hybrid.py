@@ -1,7 +1,7 @@
 """Hybrid models whose linear-attention layers keep a state per sequence (Qwen3.5): that state through the engine's
-life of a sequence. A preempted sequence recomputes it, n > 1 samples prefill apart, a prompt served twice does
-not resume from cached blocks its state is not in; swap, and more ranks than linear-attention key heads, are refused
-by key; the capacity plan counts each running sequence's state. Greedy parity on tiny models (Qwen3.5, Qwen3-Next,
+life of a sequence. A preempted sequence recomputes it, n > 1 samples prefill apart, a cached prefix resumes only
+from a state kept with it (prefix caching's snapshots); swap, and more ranks than linear-attention key heads, are
+refused by key; the capacity plan counts each running sequence's state and snapshot slot. Greedy parity on tiny models (Qwen3.5, Qwen3-Next,
 Granite 4-H, Nemotron-H) is in test_engine_vs_hf.py."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from engine.llm_engine import LLMEngine
 from engine.model_config import ModelConfig
 from engine.parallel import check_tensor_parallel
 from engine.sampling import SamplingParams
+from engine.step_commit import check_pools
 from pools.capacity_plan import plan_capacity
 from pools.config.spec import SpecError
 from pools.config.yaml_file import parse_config
@@ -59,19 +60,67 @@ def test_preempted_sequences_recompute_their_state(tiny):
     assert_all_free(engine)
 
 
-def test_no_prefix_cache_and_samples_prefill_apart(tiny):
-    """The pool serves without prefix caching (a prompt's cached K/V would resume it without its state): the same
-    prompt served twice and three greedy samples of one request all equal transformers' answer."""
+def _greedy(engine, prompt: list[int], n: int = 10) -> list[int]:
+    return engine.generate([prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0].outputs[0].token_ids
+
+
+def test_the_prefix_cache_resumes_sequences_from_the_states_it_kept(tiny):
+    """Prefix caching with the states kept beside the blocks (`engine.state_cache`), pieces of 64 tokens, blocks of 8:
+    every answer equals transformers' (which computes every prompt whole), and each cached prefix resumes where a
+    snapshot was taken. A system prompt of 43 tokens: the first user's prompt keeps the state at its own end, the
+    second finds 5 cached blocks without a snapshot at their end, gives them back and keeps the state there (the
+    branch point), and the third resumes from it. A prompt served again resumes from its last block boundary, the
+    conversation's next turn from the last turn's prompt; a 150-token document read in three pieces keeps a state at
+    each piece's end, and a prompt sharing its first 100 tokens resumes from the first piece's."""
     folder, hf = tiny
     engine = _engine(folder)
-    assert not engine.schedulers["default"].block_manager.enable_prefix_caching
+    snapshots, bm = engine.schedulers["default"].state_snapshots, engine.schedulers["default"].block_manager
+    assert snapshots.num_slots == 64 and engine.model.states.snap_ssm[0].shape[0] == 64
+
+    def served(prompt: list[int], loaded: int, given_back: int, cached: int) -> list[int]:
+        before, hits = (snapshots.num_loaded, snapshots.num_given_back), bm.num_prefix_hits
+        out = _greedy(engine, prompt)
+        assert out == _hf_greedy(hf, prompt, 10)
+        assert (snapshots.num_loaded - before[0], snapshots.num_given_back - before[1]) == (loaded, given_back)
+        assert bm.num_prefix_hits - hits == cached
+        check_pools(engine.schedulers, engine.runner.input_batch.num_rows)
+        return out
+
+    system = _prompts(1, (43,))[0]
+    first, second, third = _prompts(2, (13, 20, 9))
+    served(system + first, loaded=0, given_back=0, cached=0)
+    served(system + second, loaded=0, given_back=5, cached=0)
+    served(system + third, loaded=1, given_back=0, cached=40)
+    prompt = _prompts(5, (37,))[0]
+    answer = served(prompt, loaded=0, given_back=0, cached=0)
+    served(prompt, loaded=1, given_back=0, cached=32)
+    served(prompt + answer + first, loaded=1, given_back=1, cached=32)   # block 5 (40..47) was never a snapshot
+    document = _prompts(7, (150,))[0]
+    served(document, loaded=0, given_back=0, cached=0)
+    served(document[:100] + second, loaded=1, given_back=4, cached=64)
+    assert_all_free(engine)
+
+
+def test_samples_prefill_apart_and_resume_from_a_kept_state(tiny):
+    """Three greedy samples of one request each prefill their state (never forked from a sibling's blocks), after
+    the same prompt left a snapshot: all equal transformers' answer."""
+    folder, hf = tiny
+    engine = _engine(folder)
     prompt = _prompts(4, (33,))[0]
     want = _hf_greedy(hf, prompt, 12)
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    assert engine.generate([prompt], params)[0].outputs[0].token_ids == want
+    assert _greedy(engine, prompt, 12) == want
     again = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, n=3))[0]
     assert [o.token_ids for o in again.outputs] == [want] * 3
+    assert engine.schedulers["default"].state_snapshots.num_loaded >= 1
     assert_all_free(engine)
+
+
+def test_without_prefix_caching_nothing_is_kept(tiny):
+    folder, hf = tiny
+    engine = _engine(folder, enable_prefix_caching=False)
+    assert engine.schedulers["default"].state_snapshots is None and engine.model.states.snap_ssm[0].shape[0] == 0
+    prompt = _prompts(4, (33,))[0]
+    assert _greedy(engine, prompt) == _greedy(engine, prompt) == _hf_greedy(hf, prompt, 10)
 
 
 def test_swap_and_ranks_past_the_key_heads_are_refused_by_key(tiny):
@@ -87,7 +136,7 @@ def test_swap_and_ranks_past_the_key_heads_are_refused_by_key(tiny):
 def test_capacity_plan_counts_each_sequence_state(tiny):
     """S_KV counts the full-attention layer alone; each running sequence also holds its three linear layers' state
     (conv: 3 taps of q, k, v in float32; the recurrent matrices: 4 heads of 16 x 8, float32), set aside before the
-    pool's blocks; a swapping pool is refused before anything loads."""
+    pool's blocks, twice with prefix caching (its snapshot slots); a swapping pool is refused before anything loads."""
     folder, _ = tiny
     model = ModelConfig.from_folder(folder)
     state = 3 * ((2 * 2 * 16 + 4 * 8) * 3 * 4 + 4 * 16 * 8 * 4)
@@ -97,9 +146,13 @@ def test_capacity_plan_counts_each_sequence_state(tiny):
     pool = {"name": "chat", "model": "tiny", "kv_cache_bytes": "1MiB", "avg_len": 192, "max_model_len": 512}
     data = {"devices": {"default": {"device": "cpu", "memory": "2GiB", "dtype": "float32"}}, "pools": [pool]}
     plan = plan_capacity(parse_config(data, env={}), {"tiny": model}).pools["chat"]
-    s_kv, budget = 256, 1 << 20
-    assert plan.max_num_seqs == budget // (s_kv * 192 + state) == 17 and plan.state_bytes_per_seq == state
-    assert plan.num_blocks == (budget - 17 * state) // (s_kv * 16)   # blocks of 16 tokens (the spec's default)
+    s_kv, budget = 256, 1 << 20   # with prefix caching (the default) a snapshot slot beside each sequence's state
+    assert plan.max_num_seqs == budget // (s_kv * 192 + 2 * state) == 15 and plan.state_bytes_per_seq == state
+    assert plan.num_blocks == (budget - 15 * 2 * state) // (s_kv * 16)   # blocks of 16 tokens (the spec's default)
+    uncached = {**data, "pools": [{**pool, "enable_prefix_caching": False}]}
+    plan = plan_capacity(parse_config(uncached, env={}), {"tiny": model}).pools["chat"]
+    assert plan.max_num_seqs == budget // (s_kv * 192 + state) == 17
+    assert plan.num_blocks == (budget - 17 * state) // (s_kv * 16)
     swapping = {**pool, "preemption_mode": "swap", "swap_space": "1MiB"}
     with pytest.raises(SpecError, match=r"^pools\[0\]\.preemption_mode: 'swap' swaps K/V blocks"):
         plan_capacity(parse_config({**data, "pools": [swapping]}, env={}), {"tiny": model})
