@@ -340,6 +340,11 @@ def test_tiny_random_models_match_transformers(tmp_path, monkeypatch, builtin_pa
     outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     for prompt, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == _hf_greedy(hf, prompt, 16, eos_ids=None)
+    if state:   # cached prefixes resume from the states kept with them (`engine.state_cache`): the long prompt again,
+        prompts = [prompts[-1], prompts[-1][:70] + prompts[2]]   # and its first 70 tokens before another's
+        outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+        assert [o.outputs[0].token_ids for o in outs] == [_hf_greedy(hf, p, 16, eos_ids=None) for p in prompts]
+        assert engine.schedulers["default"].state_snapshots.num_loaded >= 1
     assert_all_free(engine)
 
 

@@ -311,6 +311,31 @@ def test_two_ranks_generate_what_one_does(tmp_path, builtin_path, prompts, arch,
     _assert_same_or_near_tie(reference, [o.outputs[0] for o in _generate(engine, prompts, params)])
 
 
+def test_every_rank_resumes_a_cached_prefix_from_the_state_kept_with_it(tmp_path, builtin_path):
+    """Qwen3.5 on two ranks with overlapped steps: each rank keeps its key heads' snapshots (`engine.state_cache`) in
+    the same slots as rank 0's plans say, and copies them into a sequence's row before the step that resumes it. A
+    system prompt before three users' messages (the third resumes from the state the second kept at the prompt's
+    end) and the second user's prompt again: what one rank generates."""
+    from tests.engine.test_engine_vs_hf import QWEN3_5
+
+    path = str(make_tiny_model(tmp_path / "qwen3_5", "qwen3_5", builtin_path, **QWEN3_5))
+    rng = random.Random(5)
+    system = [rng.randrange(3, 500) for _ in range(37)]
+    prompts = [system + [rng.randrange(3, 500) for _ in range(n)] for n in (12, 20, 7)]
+    prompts.append(prompts[1])
+    params = dataclasses.replace(GREEDY, max_tokens=6)
+    runs = {}
+    for tp in (1, 2):
+        engine = _engine(path, tp, overlap=tp == 2)
+        try:
+            runs[tp] = [engine.generate([p], params)[0].outputs[0] for p in prompts]   # one after another
+            assert engine.schedulers["default"].state_snapshots.num_loaded == 2
+            assert_all_free(engine)
+        finally:
+            engine.close()
+    _assert_same_or_near_tie(runs[1], runs[2])
+
+
 def test_swapped_and_copied_blocks_move_on_every_rank(llama, prompts):
     # 10 blocks of 16 tokens: the five prompts together do not fit, so victims are swapped out and in,
     # and the other rank must move its shard of their blocks exactly as rank 0 does; with overlapped
