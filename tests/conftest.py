@@ -124,6 +124,12 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
             for name, param in model.named_parameters():
                 if name.endswith(("bias", "sinks")):
                     param.normal_(0.0, 1.0)
+    # state layers' decay rates (A = -exp(A_log)) small, so a state holds tens of tokens: transformers starts them
+    # at up to 16 a step, which forgets a state within a token or two and would hide one resumed wrong
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("A_log"):
+                param.uniform_(-6.0, -4.0)
     if arch == "apertus":   # xIELU's slopes away from where transformers starts them
         with torch.no_grad():
             for name, param in model.named_parameters():

@@ -20,6 +20,7 @@ from pools.config.spec import SpecError
 from pools.config.yaml_file import parse_config
 from tests.conftest import assert_all_free, make_tiny_model
 from tests.engine.test_engine_vs_hf import QWEN3_5   # three Gated DeltaNet layers, then a full-attention one
+from tests.engine.test_engine_vs_hf import _hf_greedy as hf_greedy
 
 transformers = pytest.importorskip("transformers")
 
@@ -30,11 +31,8 @@ def tiny(tmp_path_factory, builtin_path):
     return folder, transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
-def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                          max_new_tokens=n, do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:   # all n tokens, as the engine's ignore_eos
+    return hf_greedy(hf, prompt, n, eos_ids=None)
 
 
 def _prompts(seed: int, lengths) -> list[list[int]]:
