@@ -131,13 +131,13 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
     else:
+        c, u = result["cached"], result["uncached"]
+        print(f"cached / uncached: TTFT mean {c['ttft_mean_ms'] / u['ttft_mean_ms']:.2f}x, prompt tokens computed "
+              f"{c['prompt_tokens_computed'] / u['prompt_tokens_computed']:.2f}x; answers differing: {mismatched} of "
+              f"{result['requests']}")
         for name in engines:
             r = result[name]
             print(f"{name:>9}: TTFT mean {r['ttft_mean_ms']:.1f} ms, p50 {r['ttft_p50_ms']:.1f} ms; prompt tokens "
                   f"computed {r['prompt_tokens_computed']}, from the cache {r['prompt_tokens_cached']}; state "
                   f"snapshots loaded {r['snapshots_loaded']}, saved {r['snapshots_saved']}")
-        c, u = result["cached"], result["uncached"]
-        print(f"cached / uncached: TTFT mean {c['ttft_mean_ms'] / u['ttft_mean_ms']:.2f}x, prompt tokens computed "
-              f"{c['prompt_tokens_computed'] / u['prompt_tokens_computed']:.2f}x; answers differing: {mismatched} of "
-              f"{result['requests']}")
     return 0 if mismatched == 0 else 1

@@ -63,7 +63,7 @@ class Sequence:
     last_scheduled_step: int = 0     # for the lru victim policy
     num_pending_forks: int = 0       # n > 1: samples that will fork from this one after its prefill
     error: str | None = None         # why the scheduler ended it (e.g. the pool cannot hold it)
-    state_branch: int = 0            # a state model's: where its cached K/V ended past a snapshot (`engine.state_cache`)
+    state_branch: int = 0            # a state model's: where its cached K/V ended past a snapshot (engine.state_cache)
     grammar: GrammarMatcher | None = None   # where its output stands in params.structured's grammar
     # output text state, kept by the engine's output processing
     text: OutputText = field(default_factory=OutputText)

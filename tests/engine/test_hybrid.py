@@ -1,8 +1,8 @@
 """Hybrid models whose linear-attention layers keep a state per sequence (Qwen3.5): that state through the engine's
 life of a sequence. A preempted sequence recomputes it, n > 1 samples prefill apart, a cached prefix resumes only
 from a state kept with it (prefix caching's snapshots); swap, and more ranks than linear-attention key heads, are
-refused by key; the capacity plan counts each running sequence's state and snapshot slot. Greedy parity on tiny models (Qwen3.5, Qwen3-Next,
-Granite 4-H, Nemotron-H) is in test_engine_vs_hf.py."""
+refused by key; the capacity plan counts each running sequence's state and snapshot slot. Greedy parity on tiny
+models (Qwen3.5, Qwen3-Next, Granite 4-H, Nemotron-H) is in test_engine_vs_hf.py."""
 
 from __future__ import annotations
 
@@ -59,7 +59,8 @@ def test_preempted_sequences_recompute_their_state(tiny):
 
 
 def _greedy(engine, prompt: list[int], n: int = 10) -> list[int]:
-    return engine.generate([prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0].outputs[0].token_ids
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    return engine.generate([prompt], params)[0].outputs[0].token_ids
 
 
 def test_the_prefix_cache_resumes_sequences_from_the_states_it_kept(tiny):
