@@ -133,11 +133,14 @@ class SchedulerConfig:
     stability_floor_tokens: int = 4      # a sequence that produced fewer tokens since its (re)admission
                                          # is preempted only when no other victim exists
     enable_prefix_caching: bool = True
+    state_snapshots: int | None = None   # a state model's prefix cache: its kept states (None: max_num_seqs; 0: off)
 
     def __post_init__(self) -> None:
         for name, low in (("max_num_seqs", 1), ("max_num_batched_tokens", 1), ("max_model_len", 0),
                           ("swap_space_bytes", 0), ("stability_floor_tokens", 0)):
             check_int(name, getattr(self, name), low)
+        if self.state_snapshots is not None:
+            check_int("state_snapshots", self.state_snapshots, 0)
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ConfigError(f"preemption_mode: must be one of {', '.join(PREEMPTION_MODES)}, "
                               f"got {self.preemption_mode!r}")
@@ -157,6 +160,14 @@ class SchedulerConfig:
     def uses_swap(self) -> bool:
         """The pool may copy victims' blocks to a CPU swap space (modes swap and auto)."""
         return self.preemption_mode in ("swap", "auto")
+
+    @property
+    def snapshot_slots(self) -> int:
+        """The states of cached prefixes a state model's pool keeps (`engine.state_cache`): `state_snapshots`, one
+        per sequence it runs by default, none without prefix caching."""
+        if not self.enable_prefix_caching:
+            return 0
+        return self.max_num_seqs if self.state_snapshots is None else self.state_snapshots
 
 
 def ceil_div(a: int, b: int) -> int:

@@ -190,7 +190,10 @@ def serving_pool(pool: PoolConfig, stateful: bool) -> PoolConfig:
     """A pool as a model serves it: itself, with a swapping preemption mode refused (naming the pool's key) for a
     model whose linear-attention layers keep a state per running sequence (`stateful`: `engine.layers.
     gated_delta_net`): that state is not swapped, a victim is recomputed. Its prefix cache keeps the states of the
-    prefixes it holds beside their blocks (`engine.state_cache`)."""
-    if stateful and pool.scheduler.uses_swap:
-        raise ConfigError(f"pools.{pool.name}.preemption_mode: {pool.scheduler.preemption_mode!r} {NOT_SWAPPED}")
+    prefixes it holds beside their blocks (`engine.state_cache`), and with `state_snapshots: 0` it has none."""
+    sc = pool.scheduler
+    if stateful and sc.uses_swap:
+        raise ConfigError(f"pools.{pool.name}.preemption_mode: {sc.preemption_mode!r} {NOT_SWAPPED}")
+    if stateful and sc.enable_prefix_caching and not sc.snapshot_slots:   # blocks without states resume nothing
+        return replace(pool, scheduler=replace(sc, enable_prefix_caching=False))
     return pool

@@ -19,8 +19,8 @@ too) and never in a decode step:
   shared by many users is computed once more by the second user, who keeps the state at its end, and from the
   third user on it is a hit.
 
-A pool has as many snapshot slots as it runs sequences (`max_num_seqs`; the capacity plan counts them, one state
-per slot); a snapshot is bound when its step commits (`bind`, after the blocks are registered) and the least
+A pool has as many snapshot slots as it runs sequences (`max_num_seqs`), or its `state_snapshots` (0: the pool serves
+without prefix caching); the capacity plan counts them, one state a slot. A snapshot is bound when its step commits (`bind`, after the blocks are registered) and the least
 recently used one is overwritten when none is free. Host ints only, no torch: the engine and the simulator share it.
 """
 
@@ -135,9 +135,9 @@ class StateSnapshots:
 
 
 def num_snapshot_slots(pools: Iterable) -> int:
-    """The snapshot slots a state model's pools hold on a device: each pool with prefix caching as many as it runs
-    sequences (`PoolConfig`s: the engine's and each tensor-parallel rank's count alike)."""
-    return sum(p.scheduler.max_num_seqs for p in pools if p.scheduler.enable_prefix_caching)
+    """The snapshot slots a state model's pools hold on a device: each pool's `SchedulerConfig.snapshot_slots` (one
+    per sequence it runs by default, `state_snapshots` where set; `PoolConfig`s: rank 0's and every rank's alike)."""
+    return sum(p.scheduler.snapshot_slots for p in pools)
 
 
 def attach_snapshots(schedulers: Iterable, model) -> None:
@@ -147,8 +147,8 @@ def attach_snapshots(schedulers: Iterable, model) -> None:
         return
     first = 0
     for scheduler in schedulers:
-        if scheduler.block_manager.enable_prefix_caching:
-            count = scheduler.config.max_num_seqs
+        count = scheduler.config.snapshot_slots
+        if count and scheduler.block_manager.enable_prefix_caching:
             scheduler.state_snapshots = StateSnapshots(count, first, scheduler.block_manager)
             first += count
     model.states.reserve_snapshots(first)

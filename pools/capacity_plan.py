@@ -107,7 +107,7 @@ class PoolPlan:
     max_num_seqs: int                # the formula's, or the config's override (per replica)
     replicas: int = 1                # the device's: each holds this pool's blocks and runs max_num_seqs
     state_bytes_per_seq: int = 0     # S_state: a running sequence's linear-attention state (Qwen3.5's); 0: none
-                                     # (held twice with prefix caching: a snapshot slot per sequence)
+                                     # (and its prefix cache's snapshots: one a sequence, or state_snapshots)
 
     @property
     def pool_max_num_seqs(self) -> int:
@@ -332,8 +332,8 @@ def _plan_pool(i: int, p: PoolSpec, model: ModelConfig, s_kv: int, s_kv_dev: int
         budget_key, budget = f"{key}.kv_share", f"{p.kv_share}"
     else:
         budget_key, budget = f"{key}.kv_cache_bytes", fmt_bytes(p.kv_cache_bytes)
-    s_held = s_state * (2 if p.enable_prefix_caching else 1)   # with prefix caching a snapshot slot for each too
-    num_blocks = formula.num_blocks(pool_kv - _states_bytes(p, pool_kv, s_kv_dev, s_held), s_kv_dev, p.block_size)
+    seq_kv, s_held = _snapshot_budget(p, pool_kv, s_state)
+    num_blocks = formula.num_blocks(seq_kv - _states_bytes(p, seq_kv, s_kv_dev, s_held), s_kv_dev, p.block_size)
     per_request = ceil_div(max_model_len, p.block_size)
     if num_blocks < per_request:
         raise SpecError(f"{budget_key}: {budget} gives pool {p.name!r} {fmt_bytes(pool_kv)} per GPU = {num_blocks} "
@@ -343,7 +343,7 @@ def _plan_pool(i: int, p: PoolSpec, model: ModelConfig, s_kv: int, s_kv_dev: int
     if p.avg_len > max_model_len:
         warnings.append(f"{key}.avg_len: {p.avg_len} is above max_model_len {max_model_len}, which no request "
                         f"exceeds: max_num_seqs is planned for fewer requests than fit (set avg_len <= max_model_len)")
-    by_formula = formula.max_num_seqs(pool_kv, s_kv_dev, p.avg_len, s_held)
+    by_formula = formula.max_num_seqs(seq_kv, s_kv_dev, p.avg_len, s_held)
     held = ceil_div(p.avg_len, p.block_size)     # a request holds whole blocks: avg_len 17 holds 32 tokens
     if p.max_num_seqs is None:
         if (max_num_seqs := min(by_formula, num_blocks // held)) == 0:
@@ -370,10 +370,21 @@ def _plan_pool(i: int, p: PoolSpec, model: ModelConfig, s_kv: int, s_kv_dev: int
         formula_max_num_seqs=by_formula, max_num_seqs=max_num_seqs, replicas=replicas, state_bytes_per_seq=s_state)
 
 
+def _snapshot_budget(p: PoolSpec, pool_kv: int, s_state: int) -> tuple[int, int]:
+    """(The bytes the pool's running sequences share, each one's state bytes) where a state model's prefix cache keeps
+    snapshots (`engine.state_cache`): one a sequence by default (its state counted twice), or `state_snapshots` set
+    aside first; the pool's bytes and S_state otherwise."""
+    if not (s_state and p.enable_prefix_caching):
+        return pool_kv, s_state
+    if p.state_snapshots is None:
+        return pool_kv, 2 * s_state
+    return max(0, pool_kv - p.state_snapshots * s_state), s_state
+
+
 def _states_bytes(p: PoolSpec, pool_kv: int, s_kv_dev: int, s_state: int) -> int:
     """What the states of the pool's running sequences take of its bytes (a model with linear-attention layers:
-    `s_state` for each of max_num_seqs, the config's or the formula's, S_state twice with prefix caching: its snapshot
-    slots, `engine.state_cache`; 0 otherwise); its blocks get the rest."""
+    `s_state` for each of max_num_seqs, the config's or the formula's: S_state, twice with a snapshot slot each,
+    `_snapshot_budget`; 0 otherwise); its blocks get the rest."""
     if not s_state:
         return 0
     seqs = p.max_num_seqs if p.max_num_seqs is not None else formula.max_num_seqs(pool_kv, s_kv_dev, p.avg_len, s_state)

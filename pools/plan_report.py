@@ -95,7 +95,7 @@ def format_plan(plan: CapacityPlan) -> str:
             table.insert(table.index(next(row for row in table if row[0] == "S_KV")) + 1,
                          ("S_state", [f"{fmt_bytes(p.state_bytes_per_seq)} a sequence"
                                       + ("/GPU" if p.tensor_parallel_size > 1 else "")
-                                      + (" (x2: prefix-cache snapshots)" if p.spec.enable_prefix_caching else "")
+                                      + _snapshots(p.spec)
                                       for p in pools]))
         if any(p.replicas > 1 for p in pools):
             table.insert(table.index(next(row for row in table if row[0] == "max_num_seqs")) + 1,
@@ -209,3 +209,10 @@ def format_verdicts(verdicts: Mapping[str, dict[str, Any]], *, unrouted: float =
         lines.append(f"warning: {unrouted:.2f} requests/s of the workload have a prompt no pool takes, or a prompt "
                      "and output past its max_model_len (left out: refused)")
     return lines
+
+
+def _snapshots(spec) -> str:
+    """What a state model's prefix cache keeps beside the running sequences' states (`engine.state_cache`)."""
+    if not spec.enable_prefix_caching or spec.state_snapshots == 0:
+        return ""
+    return " (x2: prefix-cache snapshots)" if spec.state_snapshots is None else f" (+ {spec.state_snapshots} snapshots)"

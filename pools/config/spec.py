@@ -140,8 +140,8 @@ class PoolSpec(Spec):
     UPSTREAM_KEYS: ClassVar[tuple[str, ...]] = ("upstream", "upstream_api_key_env", "tokenizer")
     LOCAL_KEYS: ClassVar[tuple[str, ...]] = (
         "device", "kv_share", "kv_cache_bytes", "avg_len", "block_size", "max_num_batched_tokens", "max_num_seqs",
-        "preemption_mode", "victim_policy", "swap_space", "enable_prefix_caching", "share_prefix_cache", "slo",
-        "max_queue_seconds", "min_share", "death_spiral", "chat_template_kwargs", "generation_config")
+        "preemption_mode", "victim_policy", "swap_space", "enable_prefix_caching", "state_snapshots",
+        "share_prefix_cache", "slo", "max_queue_seconds", "min_share", "death_spiral", "chat_template_kwargs", "generation_config")
 
     name: Text
     model: Text                          # builtin:..., an HF folder, a .gguf file; upstream: its model name
@@ -162,6 +162,7 @@ class PoolSpec(Spec):
     victim_policy: VictimPolicy = "reverse_fifo"
     swap_space_bytes: ByteSizeOrZero = msgspec.field(default=0, name="swap_space")
     enable_prefix_caching: bool = True
+    state_snapshots: CountOrZero | None = None   # a state model's kept prefix states; None: one a sequence; 0: none
     share_prefix_cache: bool = False     # tenants reuse each other's cached prompt blocks (else one partition each)
     slo: LatencySLO | None = None        # interactive pool: latency targets; None: throughput pool
     slo_source: SloSource | None = None  # where `slo` came from; None: built in code, not from YAML
@@ -243,7 +244,8 @@ class PoolSpec(Spec):
         return SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=max_model_len, preemption_mode=self.preemption_mode, victim_policy=self.victim_policy,
-            swap_space_bytes=self.swap_space_bytes, enable_prefix_caching=self.enable_prefix_caching)
+            swap_space_bytes=self.swap_space_bytes, enable_prefix_caching=self.enable_prefix_caching,
+            state_snapshots=self.state_snapshots)
 
     @property
     def is_upstream(self) -> bool:

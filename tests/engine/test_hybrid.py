@@ -114,12 +114,27 @@ def test_samples_prefill_apart_and_resume_from_a_kept_state(tiny):
     assert_all_free(engine)
 
 
-def test_without_prefix_caching_nothing_is_kept(tiny):
+@pytest.mark.parametrize("off", [dict(enable_prefix_caching=False), dict(state_snapshots=0)],
+                         ids=["no-prefix-caching", "no-snapshots"])
+def test_without_prefix_caching_or_snapshots_nothing_is_kept(tiny, off):
     folder, hf = tiny
-    engine = _engine(folder, enable_prefix_caching=False)
-    assert engine.schedulers["default"].state_snapshots is None and engine.model.states.snap_ssm[0].shape[0] == 0
+    engine = _engine(folder, **off)
+    scheduler = engine.schedulers["default"]
+    assert scheduler.state_snapshots is None and not scheduler.block_manager.enable_prefix_caching
+    assert engine.model.states.snap_ssm[0].shape[0] == 0
     prompt = _prompts(4, (33,))[0]
     assert _greedy(engine, prompt) == _greedy(engine, prompt) == _hf_greedy(hf, prompt, 10)
+
+
+def test_a_pool_keeps_its_state_snapshots_number_of_states(tiny):
+    """`state_snapshots: 2`: two slots, the least recently used overwritten; answers stay transformers'."""
+    folder, hf = tiny
+    engine = _engine(folder, state_snapshots=2)
+    snapshots = engine.schedulers["default"].state_snapshots
+    assert snapshots.num_slots == 2 and engine.model.states.snap_conv[0].shape[0] == 2
+    for prompt in _prompts(6, (20, 27, 22)) * 2:
+        assert _greedy(engine, prompt) == _hf_greedy(hf, prompt, 10)
+    assert snapshots.num_bound == 2 and snapshots.num_saved >= 3
 
 
 def test_swap_and_ranks_past_the_key_heads_are_refused_by_key(tiny):
@@ -148,10 +163,16 @@ def test_capacity_plan_counts_each_sequence_state(tiny):
     s_kv, budget = 256, 1 << 20   # with prefix caching (the default) a snapshot slot beside each sequence's state
     assert plan.max_num_seqs == budget // (s_kv * 192 + 2 * state) == 15 and plan.state_bytes_per_seq == state
     assert plan.num_blocks == (budget - 15 * 2 * state) // (s_kv * 16)   # blocks of 16 tokens (the spec's default)
-    uncached = {**data, "pools": [{**pool, "enable_prefix_caching": False}]}
-    plan = plan_capacity(parse_config(uncached, env={}), {"tiny": model}).pools["chat"]
-    assert plan.max_num_seqs == budget // (s_kv * 192 + state) == 17
-    assert plan.num_blocks == (budget - 17 * state) // (s_kv * 16)
+    for off in ({"enable_prefix_caching": False}, {"state_snapshots": 0}):
+        plan = plan_capacity(parse_config({**data, "pools": [{**pool, **off}]}, env={}), {"tiny": model}).pools["chat"]
+        assert plan.max_num_seqs == budget // (s_kv * 192 + state) == 17
+        assert plan.num_blocks == (budget - 17 * state) // (s_kv * 16)
+    kept = {**data, "pools": [{**pool, "state_snapshots": 40}]}   # 40 snapshots set aside first
+    plan = plan_capacity(parse_config(kept, env={}), {"tiny": model}).pools["chat"]
+    assert plan.max_num_seqs == (budget - 40 * state) // (s_kv * 192 + state) == 11
+    assert plan.num_blocks == (budget - 40 * state - 11 * state) // (s_kv * 16)
+    with pytest.raises(SpecError, match=r"^pools\[0\]\.state_snapshots: "):
+        parse_config({**data, "pools": [{**pool, "state_snapshots": -1}]}, env={})
     swapping = {**pool, "preemption_mode": "swap", "swap_space": "1MiB"}
     with pytest.raises(SpecError, match=r"^pools\[0\]\.preemption_mode: 'swap' swaps K/V blocks"):
         plan_capacity(parse_config({**data, "pools": [swapping]}, env={}), {"tiny": model})
