@@ -80,6 +80,8 @@ class PoolStats:
     preempt_seconds: float = 0.0
     num_prefix_queries: int = 0      # prompt tokens looked up in the prefix cache
     num_prefix_hits: int = 0         # ... and found there
+    num_state_loads: int = 0         # a state model's admissions resumed from a kept state (engine.state_cache)
+    num_state_saves: int = 0         # ... and the prefixes' states it kept
     num_aborted: int = 0
     num_too_large: int = 0
     num_computed_tokens: int = 0

@@ -473,6 +473,8 @@ def _pool_stats(scheduler: Scheduler, block_bytes: int, device_seconds: float) -
         swapped_out_bytes=st.num_swapped_out_blocks * block_bytes,
         swapped_in_bytes=st.num_swapped_in_blocks * block_bytes, preempt_seconds=st.preempt_seconds,
         num_prefix_queries=bm.num_prefix_queries, num_prefix_hits=bm.num_prefix_hits,
+        num_state_loads=getattr(scheduler.state_snapshots, "num_loaded", 0),
+        num_state_saves=getattr(scheduler.state_snapshots, "num_saved", 0),
         num_aborted=st.num_aborted, num_too_large=st.num_too_large,
         num_computed_tokens=st.num_computed_tokens, num_generated_tokens=st.num_generated_tokens,
         device_seconds=device_seconds)

@@ -166,6 +166,10 @@ class GatewayMetrics:
         self.prefix_queries = self._counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                                             _PR)
         self.prefix_hits = self._counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", _PR)
+        self.state_loads = self._counter("prefix_cache_state_loads", "Admissions a model with state layers resumed "
+                                         "from a cached prefix's kept state.", _PR)
+        self.state_saves = self._counter("prefix_cache_state_saves", "Prefix states a model with state layers kept "
+                                         "for its prefix cache.", _PR)
         self.computed_tokens = self._counter("computed_tokens", "Tokens whose K/V the pool's engine steps computed "
                                              "(prefill chunks, decodes, recomputation).", _PR)
         self.device_seconds = self._counter("pool_device_seconds", "The pool's part of its device's measured step "
@@ -310,6 +314,8 @@ class GatewayMetrics:
         self._advance(self.preempt_time, "preempt_seconds", stats.preempt_seconds, worker, **labels)
         self._advance(self.prefix_queries, "prefix_queries", stats.num_prefix_queries, worker, **labels)
         self._advance(self.prefix_hits, "prefix_hits", stats.num_prefix_hits, worker, **labels)
+        self._advance(self.state_loads, "state_loads", stats.num_state_loads, worker, **labels)
+        self._advance(self.state_saves, "state_saves", stats.num_state_saves, worker, **labels)
         self._advance(self.computed_tokens, "computed_tokens", stats.num_computed_tokens, worker, **labels)
         self._advance(self.device_seconds, "device_seconds", stats.device_seconds, worker, **labels)
 

@@ -15,6 +15,11 @@ from engine.model_config import ModelConfig
 from engine.parallel import check_tensor_parallel
 from engine.sampling import SamplingParams
 from engine.step_commit import check_pools
+from engine.messages import StatsReply
+from engine.wire import decode, encode
+from engine.worker import engine_stats
+from gateway.monitoring.metrics import GatewayMetrics
+from prometheus_client.parser import text_string_to_metric_families
 from pools.capacity_plan import plan_capacity
 from pools.config.spec import SpecError
 from pools.config.yaml_file import parse_config
@@ -98,6 +103,15 @@ def test_the_prefix_cache_resumes_sequences_from_the_states_it_kept(tiny):
     served(document, loaded=0, given_back=0, cached=0)
     served(document[:100] + second, loaded=1, given_back=4, cached=64)
     assert_all_free(engine)
+    # what /metrics exports: the worker's stats through the wire, the gateway's Prometheus text
+    stats = decode(encode(StatsReply(engine_stats(engine)))).stats.pools["default"]
+    assert (stats.num_state_loads, stats.num_state_saves) == (snapshots.num_loaded, snapshots.num_saved) == (4, 12)
+    metrics = GatewayMetrics()
+    metrics.update_pool("default", 0, stats, engine.kv_cache.bytes_per_block)
+    families = {f.name: f for f in text_string_to_metric_families(metrics.render().decode())}
+    loads = families["cliffguard_prefix_cache_state_loads"].samples
+    assert [(s.labels, s.value) for s in loads if s.name.endswith("_total")] == [
+        ({"pool": "default", "replica": "0"}, 4.0)]
 
 
 def test_samples_prefill_apart_and_resume_from_a_kept_state(tiny):
