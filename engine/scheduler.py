@@ -279,6 +279,8 @@ class Scheduler:
             self.running.append(seq)
             self.stats.num_admitted += 1
             out.scheduled.append(ScheduledSeq(seq, num_new, state_load=load))
+            if load is not None:
+                self.state_snapshots.num_loaded += 1
             budget -= num_new
 
     def _num_seqs_held(self) -> int:

@@ -19,9 +19,10 @@ too) and never in a decode step:
   shared by many users is computed once more by the second user, who keeps the state at its end, and from the
   third user on it is a hit.
 
-A pool has as many snapshot slots as it runs sequences (`max_num_seqs`), or its `state_snapshots` (0: the pool serves
-without prefix caching); the capacity plan counts them, one state a slot. A snapshot is bound when its step commits (`bind`, after the blocks are registered) and the least
-recently used one is overwritten when none is free. Host ints only, no torch: the engine and the simulator share it.
+A pool has as many snapshot slots as it runs sequences (`max_num_seqs`), or its `state_snapshots` (0: the pool
+serves without prefix caching); the capacity plan counts them, one state a slot. A snapshot is bound when its step
+commits (`bind`, after the blocks are registered), and the least recently used one is overwritten when none is free.
+Host ints only, no torch: the device copies are the model runner's (`StepPlan.state_loads`, `state_saves`).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class StateSnapshots:
         self._bound: OrderedDict[int, int] = OrderedDict()   # entry serial -> slot, least recently used first
         self._reserved: set[int] = set()
         self.num_saved = 0      # snapshots bound (a prefix's state kept)
-        self.num_loaded = 0     # admissions that resumed from a snapshot
+        self.num_loaded = 0     # admissions that resumed from a snapshot (counted by the scheduler)
         self.num_given_back = 0  # cached blocks an admission gave back for want of a snapshot at their end
 
     @property
@@ -79,7 +80,6 @@ class StateSnapshots:
         seq.state_branch = hit * bm.block_size if keep < hit else 0
         if slot is not None:
             self._bound.move_to_end(bm.chain_serial(table[keep - 1]))
-            self.num_loaded += 1
         return slot
 
     def plan(self, scheduled: Iterable[ScheduledSeq]) -> None:
@@ -116,9 +116,9 @@ class StateSnapshots:
         bm, seq = self.block_manager, item.seq
         for offset, slot in item.state_saves:
             self._reserved.discard(slot)
-            end = seq.num_computed_tokens - item.num_new_tokens + offset
-            serial = bm.chain_serial(seq.block_table[end // bm.block_size - 1])
-            if serial is None or serial in self._bound:
+            index = (seq.num_computed_tokens - item.num_new_tokens + offset) // bm.block_size - 1
+            serial = bm.chain_serial(seq.block_table[index]) if index < len(seq.block_table) else None
+            if serial is None or serial in self._bound:   # (a table emptied meanwhile: nothing to tie it to)
                 self._free.append(slot)
                 continue
             self._bound[serial] = slot
