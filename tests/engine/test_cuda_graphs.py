@@ -288,7 +288,8 @@ def test_a_hybrid_models_decode_graphs_keep_each_sequences_state(tmp_path, built
     """Qwen3.5's linear-attention layers (and Granite 4-H's Mamba-2 ones) gather each sequence's state by its row of
     the persistent batch and scatter it back, on the device: decode steps replay (batches of 3, 2 and 1: padded rows,
     whose writes land in the states' padding row), prefills run eagerly between them, and greedy tokens equal the
-    eager run's; the states stay where the graphs read them (a row past them is refused, not reallocated)."""
+    eager run's, a sequence resumed from a kept prefix state too (copied into its row before the replay); the states
+    stay where the graphs read them (a row past them is refused, not reallocated)."""
     from tests.engine.test_engine_vs_hf import QWEN3_5
 
     overrides = HYBRIDS[arch] if arch in ("granitemoehybrid", "nemotron_h") else {**QWEN3_5, **HYBRIDS[arch]}
@@ -303,6 +304,11 @@ def test_a_hybrid_models_decode_graphs_keep_each_sequences_state(tmp_path, built
             recorder = RecordingGraphBackend()
             engine.runner.capture_graphs(MAX_SEQS, 128, recorder)
         results[graphs] = [out.outputs[0].token_ids for out in engine.generate(prompts, params)]
+        # the second prompt's first 16 tokens kept a state (prefix caching): one token left, its step decode-sized
+        replays = recorder.replays if graphs else 0
+        results[graphs].append(engine.generate([prompts[1][:16] + [7]], params[0])[0].outputs[0].token_ids)
+        assert engine.schedulers["default"].state_snapshots.num_loaded == 1
+        assert not graphs or recorder.replays - replays == 10   # every step replayed, the resuming one's too
         assert_all_free(engine)
     assert recorder.replays > 5 and engine.model.states.frozen
     assert results[True] == results[False]
