@@ -34,7 +34,7 @@ from engine.block_manager import BlockManager
 from engine.scheduler_output import ScheduledSeq
 from engine.sequence import Sequence
 
-__all__ = ["StateSnapshots", "attach_snapshots", "num_snapshot_slots", "states_bytes"]
+__all__ = ["StateSnapshots", "attach_snapshots", "give_snapshots", "num_snapshot_slots", "states_bytes"]
 
 
 class StateSnapshots:
@@ -140,18 +140,23 @@ def num_snapshot_slots(pools: Iterable) -> int:
     return sum(p.scheduler.snapshot_slots for p in pools)
 
 
-def attach_snapshots(schedulers: Iterable, model) -> None:
-    """Give each prefix-caching pool of a state model (`model.states`) its snapshot slots, side by side from 0, and
-    the model the device tensors of them all; nothing for a model without state layers."""
-    if getattr(model, "states", None) is None:
-        return
+def give_snapshots(schedulers: Iterable) -> int:
+    """Give each prefix-caching pool (`Scheduler`s) of a state model its snapshot slots, side by side from 0; the
+    slots in all (the engine's, and the simulator's for such a model, which then schedules as the engine does)."""
     first = 0
     for scheduler in schedulers:
         count = scheduler.config.snapshot_slots
         if count and scheduler.block_manager.enable_prefix_caching:
             scheduler.state_snapshots = StateSnapshots(count, first, scheduler.block_manager)
             first += count
-    model.states.reserve_snapshots(first)
+    return first
+
+
+def attach_snapshots(schedulers: Iterable, model) -> None:
+    """`give_snapshots`, and the model (`model.states`) the device tensors of them all; nothing for a model without
+    state layers."""
+    if getattr(model, "states", None) is not None:
+        model.states.reserve_snapshots(give_snapshots(schedulers))
 
 
 def states_bytes(config, model_config, dtype) -> int:

@@ -42,6 +42,7 @@ from engine.config import PoolConfig
 from engine.sampling import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler, build_scheduler
 from engine.sequence import FinishReason, Sequence as Seq
+from engine.state_cache import give_snapshots
 from engine.step_commit import commit_step
 from engine.step_cost import StepTime
 from pools.credits.flows import FLOW_CAP
@@ -105,7 +106,8 @@ class DeviceSim:
 
     def __init__(self, pools: Sequence[PoolConfig], *, block_size: int, max_model_lens: Mapping[str, int],
                  step_time: StepTime, kv_bytes_per_token: int, credits: bool = True, seed: int = 0,
-                 spirals: Mapping[str, SpiralConfig] | None = None, group: ReplicaGroup | None = None) -> None:
+                 spirals: Mapping[str, SpiralConfig] | None = None, group: ReplicaGroup | None = None,
+                 state_model: bool = False) -> None:
         self.step_time = step_time
         self.block_size = block_size
         self.schedulers: dict[str, Scheduler] = {}
@@ -119,6 +121,8 @@ class DeviceSim:
                                         swap_latency_seconds=step_time.swap_latency)
             self.schedulers[pool.name] = scheduler
             first_block += pool.num_blocks
+        if state_model:   # its prefix caches resume only where they kept a state, as the engine's (engine.state_cache)
+            give_snapshots(self.schedulers.values())
         self.composer = StepComposer(self.schedulers, {p.name: p.slo for p in pools},
                                      min_shares={p.name: p.min_share for p in pools})
         self.traces = {p.name: PoolTrace() for p in pools}

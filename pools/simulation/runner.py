@@ -236,6 +236,7 @@ def _device_group(config: CliffguardConfig, plan: CapacityPlan, dplan: DevicePla
                   seed: int, max_queue: bool = True) -> ReplicaGroup:
     """The device's `replicas` DeviceSims, alike, behind one group (the gateway's queues)."""
     pools, lens, spirals, avg_lens = [], {}, {}, {}
+    model = model_configs[dplan.model]   # a model with state layers: pools as the engine serves them
     owed = slo_share(plan.pools[n].spec.engine_min_share for n in dplan.pools if plan.pools[n].spec.slo is None)
     for name in dplan.pools:
         pplan = plan.pools[name]
@@ -245,8 +246,8 @@ def _device_group(config: CliffguardConfig, plan: CapacityPlan, dplan: DevicePla
         if pplan.spec.slo_source == "default":      # as a real worker derives it, on the modelled step
             slo = modelled_slo(step_time, pplan.max_num_seqs, pplan.num_blocks, dplan.block_size, pplan.max_model_len,
                                owed)
-        pools.append(PoolConfig(name=name, num_blocks=pplan.num_blocks, scheduler=scheduler, slo=slo,
-                                min_share=pplan.spec.engine_min_share))
+        pools.append(model.serving_pool(PoolConfig(name=name, num_blocks=pplan.num_blocks, scheduler=scheduler,
+                                                   slo=slo, min_share=pplan.spec.engine_min_share)))
         lens[name] = pplan.max_model_len
         avg_lens[name] = pplan.spec.avg_len
     group = ReplicaGroup(pools, block_size=dplan.block_size, num_replicas=dplan.replicas, avg_lens=avg_lens,
@@ -255,7 +256,8 @@ def _device_group(config: CliffguardConfig, plan: CapacityPlan, dplan: DevicePla
                          if max_queue else None)
     for _ in range(dplan.replicas):
         DeviceSim(pools, block_size=dplan.block_size, max_model_lens=lens, step_time=step_time,
-                  kv_bytes_per_token=dplan.kv_bytes_per_token_per_device, spirals=spirals, group=group)
+                  kv_bytes_per_token=dplan.kv_bytes_per_token_per_device, spirals=spirals, group=group,
+                  state_model=model.state_bytes_per_seq(torch.float32) > 0)
     return group
 
 

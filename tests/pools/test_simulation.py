@@ -920,10 +920,35 @@ def test_isolation_by_default_derives_its_slo_from_the_modelled_step(builtin_pat
     config = load_config(text, env={})
     model = ModelConfig.from_folder(builtin_path)
     plan = plan_capacity(config, {"builtin:smollm2-135m-instruct": model})
-    group = _device_group(config, plan, plan.devices["d"], {}, linear, True, 0)
+    group = _device_group(config, plan, plan.devices["d"], {"builtin:smollm2-135m-instruct": model}, linear, True, 0)
     chat = plan.pools["chat"]
     expected = modelled_slo(linear, chat.max_num_seqs, chat.num_blocks, 16, chat.max_model_len, 0.2)   # rag's share
     assert group.replicas[0].composer.slos == {"chat": expected, "rag": None} and expected != LatencySLO()
+
+
+@pytest.mark.parametrize("snapshots", [None, 0, 3])
+def test_the_simulator_serves_a_state_models_pools_as_the_engine_does(tmp_path, builtin_path, snapshots):
+    """A model with state layers (Qwen3.5): each simulated pool's prefix cache resumes only where it kept a state
+    (`engine.state_cache`), with the engine's number of slots; `state_snapshots: 0`: no prefix caching."""
+    from pools.simulation.runner import _device_group
+    from tests.conftest import make_tiny_model
+    from tests.engine.test_engine_vs_hf import QWEN3_5
+
+    folder = make_tiny_model(tmp_path / "qwen3_5", "qwen3_5", builtin_path, **QWEN3_5)
+    extra = "" if snapshots is None else f", state_snapshots: {snapshots}"
+    text = ("devices:\n  d: {device: cpu, memory: 2GiB, dtype: float32}\npools:\n"
+            f"  - {{name: chat, model: {folder}, device: d, kv_cache_bytes: 1MiB, avg_len: 192, max_model_len: 512"
+            f"{extra}}}\n")
+    config = load_config(text, env={})
+    model = ModelConfig.from_folder(folder)
+    plan = plan_capacity(config, {str(folder): model})
+    group = _device_group(config, plan, plan.devices["d"], {str(folder): model},
+                          LinearStepTime(a=0.010, b=0.0, c=0.001, d=0.0), True, 0)
+    scheduler = group.replicas[0].schedulers["chat"]
+    if snapshots == 0:
+        assert scheduler.state_snapshots is None and not scheduler.block_manager.enable_prefix_caching
+    else:
+        assert scheduler.state_snapshots.num_slots == (plan.pools["chat"].max_num_seqs if snapshots is None else 3)
 
 
 # --- what the gateway would route: one model's pools, upstream ranges, several devices --------------
