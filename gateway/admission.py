@@ -176,12 +176,15 @@ class AdmissionControl:
     @classmethod
     def build(cls, tenants: Tenants, pools: Sequence[Pool], registry: CollectorRegistry,
               credits: dict[str, int], max_num_seqs: dict[str, int] | None = None, *,
-              keys_checked: bool = True) -> AdmissionControl:
+              keys_checked: bool = True, state_pools: frozenset[str] = frozenset()) -> AdmissionControl:
         """One CreditQueue per local pool, `credits[name]` KV token slots on each of its replicas (the
         capacity plan's), placed by token load and prefix affinity; `max_num_seqs[name]` refuses at once
         an `n` the pool's engine would refuse. `keys_checked`: only listed API keys get in, so the per-key
         tenants are as many as the keys; otherwise the metrics put every unlisted key's tenant under
-        UNLISTED_TENANT (a client could make a series per request), while credits stay each key's own."""
+        UNLISTED_TENANT (a client could make a series per request), while credits stay each key's own.
+        `state_pools`: those of a model with state layers, whose requests are credited their whole prompts (its
+        engine resumes a cached prefix only where it kept a state, and computes the blocks past it again:
+        `engine.state_cache`; credits counting them once would promise blocks the engine does not share)."""
         policies = tenants.policies
         local = {}
         for pool in pools:
@@ -189,7 +192,8 @@ class AdmissionControl:
                 continue
             block_size = pool.spec.block_size
             placement = Placement(pool.num_replicas, block_size, max_cached_blocks=credits[pool.name] // block_size,
-                                  avg_len=pool.spec.avg_len, share_blocks=pool.spec.enable_prefix_caching)
+                                  avg_len=pool.spec.avg_len,
+                                  share_blocks=pool.spec.enable_prefix_caching and pool.name not in state_pools)
             pool.admission = CreditQueue(pool.name, [credits[pool.name]] * pool.num_replicas, tenants=policies,
                                        max_queue_seconds=pool.spec.max_queue_seconds, placement=placement,
                                        max_seqs=(max_num_seqs or {}).get(pool.name),

@@ -199,7 +199,9 @@ class Gateway:
         max_num_seqs = {name: p.max_num_seqs for name, p in plan.pools.items()}
         gateway.admission = AdmissionControl.build(Tenants(config.tenants), list(pools.values()),
                                                    gateway.metrics.registry, credits, max_num_seqs,
-                                                   keys_checked=bool(config.gateway.api_keys))
+                                                   keys_checked=bool(config.gateway.api_keys),
+                                                   state_pools=frozenset(n for n, p in plan.pools.items()
+                                                                         if p.state_bytes_per_seq))
         gateway.spiral = SpiralWatch(pools, gateway.metrics)
         gateway.overload = OverloadWatch(pools, max_num_seqs, gateway.metrics)
         return gateway

@@ -253,3 +253,23 @@ def test_the_roofline_reads_the_attention_layers_kv_alone(tiny):
     roofline = RooflineStepTime(PRESETS["h100"], model, dtype_bytes=2)
     assert roofline.kv_bytes_per_token == model.kv_bytes_per_token(torch.bfloat16) == 2 * 1 * 2 * 16 * 2
     assert step_flops(model, 1, 1000, 0) - step_flops(model, 1, 0, 0) == 4 * 1 * 4 * 16 * 1000
+
+
+def test_the_gateway_credits_a_state_models_requests_their_whole_prompts(tiny, tmp_path):
+    """KV credits count a block several requests name once, as a prefix cache that shares it; a state model's engine
+    shares a cached prefix only up to a kept state and computes the blocks past it again, so the gateway credits
+    each of its requests its whole prompt (the transformer's pool beside it still shares)."""
+    from gateway.runtime import Gateway
+    from pools.config.yaml_file import load_config
+
+    folder, _ = tiny
+    path = tmp_path / "pools.yaml"
+    path.write_text("devices:\n  a: {device: cpu, memory: 2GiB, dtype: float32}\n"
+                    "  b: {device: cpu, memory: 2GiB, dtype: float32}\npools:\n"
+                    f"  - {{name: hybrid, model: {folder}, device: a, kv_cache_bytes: 1MiB, avg_len: 192, "
+                    "max_model_len: 512, route: {max_prompt_tokens: 100}}\n"
+                    "  - {name: plain, model: builtin:smollm2-135m-instruct, device: b, kv_cache_bytes: 64MiB, "
+                    "max_model_len: 1024, avg_len: 512, route: {min_prompt_tokens: 101}}\n")
+    gateway = Gateway.from_config(load_config(path))
+    assert not gateway.pools["hybrid"].admission.placement.share_blocks
+    assert gateway.pools["plain"].admission.placement.share_blocks
