@@ -77,6 +77,8 @@ for what in ${GPU_STEPS:-tests kernels kernels_fp8 engine}; do
                --model "$KVCACHE_MODEL"; else echo "=== kvcache: skipped (KVCACHE_MODEL unset: real weights needed)"; fi ;;
     moe)     step bench_moe $CLI bench moe --device cuda --tokens 1,16,64,256,1024
              step bench_moe_gpt_oss $CLI bench moe --device cuda --tokens 1,16,64,256,1024 --gpt-oss ;;
+    prefix)  step bench_prefix $CLI bench prefix --random-weights --dtype bfloat16 --device cuda --users 16 \
+               --system-tokens 4096 --max-num-batched-tokens 2048 --max-num-seqs 32 --kv-cache-mib 4096 ;;
     sync)    step bench_engine_sync $CLI bench engine --model .gpu/llama-3-8b --random-weights --dtype bfloat16 \
                --skip-hf --async-scheduling off ;;
     simulate) smollm2 && printf '%s\n' 'devices:' '  gpu: {device: cuda, memory: 4GiB, dtype: bfloat16}' 'pools:' \
