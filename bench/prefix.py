@@ -10,8 +10,10 @@ tokens each computed (`num_computed_tokens` less the output) and those served fr
 
 For a model with state layers (Qwen3.5's Gated DeltaNet, Mamba-2; `engine.state_cache`) a cached prefix resumes
 only from a state kept with it: the second user computes the system prompt again and keeps its state, the third on
-resume from it, and a later turn resumes where the turn before's prompt ended. The benchmark checks that both
-engines answer every request with the same tokens.
+resume from it, and a later turn resumes where the turn before's prompt ended. In float32 the benchmark checks
+that both engines answer every request with the same tokens (exit 1 otherwise); in a narrower dtype it reports how
+many differ, since a prefill computed in other pieces (a cached prefix, a state layer's scan cut where it keeps a
+state, another step's chunk) rounds differently there, as in any engine, and a random-weight model's near-ties flip.
 """
 
 from __future__ import annotations
@@ -140,4 +142,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"{name:>9}: TTFT mean {r['ttft_mean_ms']:.1f} ms, p50 {r['ttft_p50_ms']:.1f} ms; prompt tokens "
                   f"computed {r['prompt_tokens_computed']}, from the cache {r['prompt_tokens_cached']}; state "
                   f"snapshots loaded {r['snapshots_loaded']}, saved {r['snapshots_saved']}")
-    return 0 if mismatched == 0 else 1
+    exact = first.dtype == torch.float32   # in a narrower dtype pieces cut elsewhere round apart (any engine's)
+    if mismatched and not exact:
+        print(f"(answers compared, not required equal, in {first.dtype}: a prefill cut at other places rounds "
+              "differently)", file=sys.stderr)
+    return 0 if mismatched == 0 or not exact else 1
