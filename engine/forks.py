@@ -17,7 +17,8 @@ class SampleForks:
     the first sample's `num_pending_forks` keeps room for them under its pool's `max_num_seqs`.
 
     Without `share_prefill` (a model whose linear-attention layers keep a state per sequence, which shared blocks
-    do not carry) every sample is queued to the scheduler at once and prefills the prompt itself.
+    do not carry) every sample is queued to the scheduler at once as a sequence of its own; with prefix caching the
+    others wait while the first reads the prompt and then resume from the state it kept (`engine.state_cache`).
     """
 
     def __init__(self, schedulers: dict[str, Scheduler], share_prefill: bool = True) -> None:

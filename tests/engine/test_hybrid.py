@@ -114,17 +114,18 @@ def test_the_prefix_cache_resumes_sequences_from_the_states_it_kept(tiny):
         ({"pool": "default", "replica": "0"}, 4.0)]
 
 
-def test_samples_prefill_apart_and_resume_from_a_kept_state(tiny):
-    """Three greedy samples of one request each prefill their state (never forked from a sibling's blocks), after
-    the same prompt left a snapshot: all equal transformers' answer."""
+def test_samples_wait_for_the_first_ones_prefill_and_resume_from_its_kept_state(tiny):
+    """Three greedy samples of a 150-token prompt (never forked from a sibling's blocks): the first prefills it and
+    keeps the state at its last resumable boundary (144); the other two wait while it reads the prompt, then resume
+    from that state and compute 6 tokens each. All equal transformers' answer."""
     folder, hf = tiny
     engine = _engine(folder)
-    prompt = _prompts(4, (33,))[0]
-    want = _hf_greedy(hf, prompt, 12)
-    assert _greedy(engine, prompt, 12) == want
-    again = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, n=3))[0]
-    assert [o.token_ids for o in again.outputs] == [want] * 3
-    assert engine.schedulers["default"].state_snapshots.num_loaded >= 1
+    prompt = _prompts(4, (150,))[0]
+    out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, n=3))[0]
+    assert [o.token_ids for o in out.outputs] == [_hf_greedy(hf, prompt, 4)] * 3
+    scheduler = engine.schedulers["default"]
+    assert scheduler.state_snapshots.num_loaded == 2 and scheduler.stats.num_prefix_waits >= 2
+    assert scheduler.stats.num_computed_tokens == 150 + 2 * 6 + 3 * 3   # the prompt, two resumes, 3 decodes each
     assert_all_free(engine)
 
 
