@@ -145,8 +145,8 @@ def give_snapshots(schedulers: Iterable) -> int:
     slots in all (the engine's, and the simulator's for such a model, which then schedules as the engine does)."""
     first = 0
     for scheduler in schedulers:
-        count = scheduler.config.snapshot_slots
-        if count and scheduler.block_manager.enable_prefix_caching:
+        count = scheduler.config.snapshot_slots   # (0 without prefix caching)
+        if count:
             scheduler.state_snapshots = StateSnapshots(count, first, scheduler.block_manager)
             first += count
     return first

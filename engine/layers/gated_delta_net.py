@@ -22,6 +22,7 @@ from engine.gated_delta_config import GatedDeltaShape, StateShape
 from engine.parallel import Collectives
 from kernels import AttentionMetadata
 from kernels import gated_delta
+from kernels.transfer import to_device
 
 
 class RecurrentStates:
@@ -76,8 +77,8 @@ class RecurrentStates:
         """Before a step: copy each (slot, row) of `loads` into the row (a sequence resuming from a cached prefix),
         and hold `saves` (sequence, token offset, slot) for the step's layers to take (`StateMixer.scan`)."""
         if loads:
-            slots = torch.tensor([slot for slot, _ in loads], device=self.device)
-            rows = torch.tensor([row for _, row in loads], device=self.device)
+            slots = to_device([slot for slot, _ in loads], torch.int64, self.device)   # queued: the host goes on
+            rows = to_device([row for _, row in loads], torch.int64, self.device)
             self.reserve(max(row for _, row in loads) + 1)
             for i in range(self.num_layers):
                 self.conv[i].index_copy_(0, rows, self.snap_conv[i].index_select(0, slots))
