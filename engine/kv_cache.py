@@ -20,11 +20,13 @@ from kernels.transfer import to_device, to_device_tensor
 class KVCache:
     """`num_blocks` blocks of `block_size` slots of K and V for each layer.
 
-    data: [num_kv_layers, planes, num_blocks, block_size, num_kv_heads, head_dim], planes K and V (DeepSeek's latent
-    attention: one, both the layer's K and its V: `ModelConfig.kv_planes`; the layers with K/V alone,
-    `ModelConfig.kv_layers`: Qwen3.5's linear-attention layers keep none), in `dtype`: the model's, or
-    float8_e4m3fn for an FP8 cache (`kv_cache_dtype: fp8`; the kernels store and read it with per-layer
-    scales). `raw` is the same memory as the block copies move it (bytes for FP8, which has no
+    tensors: one a layer shape, each [its layers, planes, num_blocks, block_size, num_kv_heads, head_dim], planes K
+    and V (DeepSeek's latent attention: one, both the layer's K and its V: `ModelConfig.kv_planes`; the layers with
+    K/V alone, `ModelConfig.kv_layers`: Qwen3.5's linear-attention layers keep none). Every model but Gemma 4 has one
+    shape (`data`, the tensor); Gemma 4's full layers have KV heads and a head size of their own
+    (`ModelConfig.layer_kv_shape`), so their K/V lie in a second tensor, a block id naming the same block in both.
+    In `dtype`: the model's, or float8_e4m3fn for an FP8 cache (`kv_cache_dtype: fp8`; the kernels store and read it
+    with per-layer scales). `raws` are the same memory as the block copies move it (bytes for FP8, which has no
     index_copy on a CPU). `num_kv_heads`: this rank's under tensor parallelism (default: the model's).
     """
 
@@ -35,16 +37,37 @@ class KVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = dtype
+        shapes = [model.layer_kv_shape(layer) for layer in model.kv_layers]
+        if model.full_attention is None:   # one shape: this rank's heads
+            shapes = [(num_kv_heads or model.num_kv_heads, model.head_dim)] * model.num_kv_layers
+        kinds = sorted(set(shapes), key=shapes.index)
         # Zeroed, so that a slot no step has written yet holds finite values.
-        self.data = zeros((model.num_kv_layers, model.kv_planes, num_blocks, block_size,
-                           num_kv_heads or model.num_kv_heads, model.head_dim), dtype, torch.device(device))
-        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (self.data[i, 0], self.data[i, -1]) for i in range(model.num_kv_layers)]
-        self.raw = raw(self.data)
+        self.tensors = [zeros((shapes.count(kind), model.kv_planes, num_blocks, block_size, *kind), dtype,
+                              torch.device(device)) for kind in kinds]
+        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for i, kind in enumerate(shapes):
+            tensor = self.tensors[kinds.index(kind)][shapes[:i].count(kind)]
+            self.layers.append((tensor[0], tensor[-1]))
+        self.raws = [raw(tensor) for tensor in self.tensors]
+
+    @property
+    def data(self) -> torch.Tensor:
+        """The cache's tensor where every layer has one shape (every model but Gemma 4: `tensors`)."""
+        if len(self.tensors) != 1:
+            raise ValueError("this KV cache holds layers of several shapes: see KVCache.tensors")
+        return self.tensors[0]
+
+    @property
+    def raw(self) -> torch.Tensor:
+        return raw(self.data)
+
+    @property
+    def device(self) -> torch.device:
+        return self.tensors[0].device
 
     @property
     def num_bytes(self) -> int:
-        return self.data.numel() * self.data.element_size()
+        return sum(tensor.numel() * tensor.element_size() for tensor in self.tensors)
 
     @property
     def bytes_per_block(self) -> int:
@@ -54,9 +77,10 @@ class KVCache:
         """Copy-on-write: block `dst` gets the K/V of block `src` (every layer)."""
         if not pairs:
             return
-        src = to_device([s for s, _ in pairs], torch.int64, self.data.device)   # queued: the host goes on
-        dst = to_device([d for _, d in pairs], torch.int64, self.data.device)
-        self.raw.index_copy_(2, dst, self.raw.index_select(2, src))
+        src = to_device([s for s, _ in pairs], torch.int64, self.device)   # queued: the host goes on
+        dst = to_device([d for _, d in pairs], torch.int64, self.device)
+        for tensor in self.raws:
+            tensor.index_copy_(2, dst, tensor.index_select(2, src))
 
 
 def check_fits_device(device: torch.device, num_blocks: int, block_bytes: int, memory_utilization: float,
@@ -111,44 +135,43 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
 
 
 class SwapSpace:
-    """A pool's CPU block pool for swapped-out K/V: the same layout as the device's KVCache.
-
-    data: [num_kv_layers, planes, num_blocks, block_size, num_kv_heads, head_dim] in CPU memory (pinned when the
-    device is CUDA, so copies run at full PCIe bandwidth). Block ids come from the pool's CPU
-    `BlockManager`; this class only moves bytes.
+    """A pool's CPU block pool for swapped-out K/V: the same layout as the device's KVCache (its tensors, each with
+    `num_blocks` blocks) in CPU memory, pinned when the device is CUDA, so copies run at full PCIe bandwidth. Block
+    ids come from the pool's CPU `BlockManager`; this class only moves bytes.
     """
 
     def __init__(self, kv_cache: KVCache, num_blocks: int) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks: must be > 0, got {num_blocks}")
-        shape = list(kv_cache.data.shape)
-        shape[2] = num_blocks
-        pin = kv_cache.data.device.type == "cuda"
+        pin = kv_cache.device.type == "cuda"
         self.num_blocks = num_blocks
         self.kv_cache = kv_cache
-        self.data = torch.zeros(shape, dtype=kv_cache.dtype, device="cpu", pin_memory=pin)
-        self.raw = raw(self.data)
+        self.tensors = [torch.zeros((*t.shape[:2], num_blocks, *t.shape[3:]), dtype=kv_cache.dtype, device="cpu",
+                                    pin_memory=pin) for t in kv_cache.tensors]
+        self.raws = [raw(tensor) for tensor in self.tensors]
 
     @property
     def num_bytes(self) -> int:
-        return self.data.numel() * self.data.element_size()
+        return sum(tensor.numel() * tensor.element_size() for tensor in self.tensors)
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """(device block, CPU block) pairs: device -> CPU."""
         if not pairs:
             return
-        dev = to_device([d for d, _ in pairs], torch.int64, self.kv_cache.data.device)
+        dev = to_device([d for d, _ in pairs], torch.int64, self.kv_cache.device)
         cpu = torch.tensor([c for _, c in pairs])   # the copy to the CPU waits for the device: it must
-        self.raw.index_copy_(2, cpu, self.kv_cache.raw.index_select(2, dev).to("cpu"))
+        for mine, theirs in zip(self.raws, self.kv_cache.raws):
+            mine.index_copy_(2, cpu, theirs.index_select(2, dev).to("cpu"))
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """(CPU block, device block) pairs: CPU -> device."""
         if not pairs:
             return
-        device = self.kv_cache.data.device
+        device = self.kv_cache.device
         cpu = torch.tensor([c for c, _ in pairs])
         dev = to_device([d for _, d in pairs], torch.int64, device)   # queued, as the blocks: the host goes on
-        self.kv_cache.raw.index_copy_(2, dev, to_device_tensor(self.raw.index_select(2, cpu), device))
+        for mine, theirs in zip(self.raws, self.kv_cache.raws):
+            theirs.index_copy_(2, dev, to_device_tensor(mine.index_select(2, cpu), device))
 
     def measure(self, num_blocks: int = 32, repeats: int = 3) -> tuple[float, float]:
         """(bytes per second, seconds per copy) of one direction of a swap, measured on real copies of this
@@ -156,10 +179,12 @@ class SwapSpace:
         block 0.. of both sides, whose contents are rewritten after). A copy costs its latency plus its bytes
         over the bandwidth: the two sizes tell them apart."""
         n = min(num_blocks, self.num_blocks, self.kv_cache.num_blocks)
-        saved = self.kv_cache.data[:, :, :n].clone()
+        saved = [tensor[:, :, :n].clone() for tensor in self.kv_cache.tensors]
         one, many = (self._round_trip(k, repeats) for k in (1, n))
-        self.kv_cache.data[:, :, :n] = saved
-        self.data.zero_()
+        for tensor, blocks in zip(self.kv_cache.tensors, saved):
+            tensor[:, :, :n] = blocks
+        for tensor in self.tensors:
+            tensor.zero_()
         # a round trip's per block: the difference, unless timing noise could be all of it (latency-bound copies)
         per_block = (many - one) / (n - 1) if n > 1 and many - one > 0.1 * many else many / n
         return 2 * self.kv_cache.bytes_per_block / per_block, max(0.0, (one - per_block) / 2)
@@ -169,11 +194,11 @@ class SwapSpace:
 
         pairs, best = [(i, i) for i in range(num_blocks)], float("inf")
         for _ in range(repeats):
-            _sync(self.kv_cache.data.device)
+            _sync(self.kv_cache.device)
             t = time.perf_counter()
             self.swap_out(pairs)
             self.swap_in(pairs)
-            _sync(self.kv_cache.data.device)
+            _sync(self.kv_cache.device)
             best = min(best, time.perf_counter() - t)
         return best
 

@@ -17,13 +17,14 @@ import torch
 
 from engine.config import ConfigError, PoolConfig, quantizes_kv_cache_only
 from engine.fp8_weights import SCALE_SUFFIX, fp8_weights
-from engine.config_values import read_bool, read_float, read_int, read_object, read_token_ids, rope_type
+from engine.config_values import read_bool, read_float, read_int, read_object, read_token_ids
 from engine.gated_delta_config import GatedDeltaShape, serving_pool
+from engine.gemma4_config import FullAttentionShape, gemma4_params
 from engine.mamba_config import Mamba2Shape
 from engine.nemotron_h_config import nemotron_h_config, nemotron_h_params
 from engine.mla_config import MlaShape
 from engine.model_defaults import (DEFAULT_HEAD_DIM, DEFAULT_KV_HEADS, DEFAULT_MAX_POSITIONS, DEFAULT_RMS_NORM_EPS,
-                                   DEFAULT_ROPE_THETA, FAMILY_DEFAULTS, TEXT_DEFAULTS)
+                                   DEFAULT_ROPE_THETA, FAMILY_DEFAULTS, TEXT_DEFAULTS, vl_text_keys)
 from engine.model_families import LAYER_TYPES, MOE_ROUTERS, family_fields
 from engine.rope_config import RopeScaling
 
@@ -38,11 +39,11 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
                            "HunYuanDenseV1ForCausalLM", "OlmoeForCausalLM", "Qwen3_5ForCausalLM",
                            "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM", "NemotronHForCausalLM",
                            "MinistralForCausalLM", "HunYuanMoEV1ForCausalLM", "ApertusForCausalLM",
-                           "OlmoHybridForCausalLM")
+                           "OlmoHybridForCausalLM", "Gemma4ForCausalLM")
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")   # one LayerNorm a layer, a parallel block
 # their attention bias: q/k/v's, not o_proj's
 QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM")
-GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")   # Gemma's layer: four norms, scaled embeddings
+GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma4ForCausalLM")   # Gemma's layer: four norms, scaled embeddings
 FOUR_NORMS = (*GEMMA_ARCHITECTURES, "Glm4ForCausalLM")   # a norm on each sublayer's output too
 # q and k normed over the whole projection
 WIDE_QK_NORM = ("Olmo2ForCausalLM", "Olmo3ForCausalLM", "MiniMaxM2ForCausalLM", "OlmoeForCausalLM",
@@ -61,7 +62,8 @@ TEXT_MODELS = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "language
                "Qwen3VLMoeForConditionalGeneration": ("Qwen3MoeForCausalLM", "language_model.", "qwen3_vl_moe_text"),
                "Llama4ForConditionalGeneration": ("Llama4ForCausalLM", "language_model.", "llama4_text"),
                "Qwen3_5ForConditionalGeneration": ("Qwen3_5ForCausalLM", "language_model.", "qwen3_5_text"),
-               "Qwen3_5MoeForConditionalGeneration": ("Qwen3_5MoeForCausalLM", "language_model.", "qwen3_5_moe_text")}
+               "Qwen3_5MoeForConditionalGeneration": ("Qwen3_5MoeForCausalLM", "language_model.", "qwen3_5_moe_text"),
+               "Gemma4ForConditionalGeneration": ("Gemma4ForCausalLM", "language_model.", "gemma4_text")}
 # a multimodal architecture whose text model is another by its text_config's model_type (Mistral 3's from December
 # 2025 on: Ministral 3, Devstral 2, Mistral Small 4)
 TEXT_MODEL_TYPES = {("Mistral3ForConditionalGeneration", "ministral3"): "Ministral3ForCausalLM"}
@@ -113,6 +115,8 @@ class ModelConfig:
     logits_scaling: float = 1.0         # Granite: the logits are divided by it
     logit_scale: float = 1.0            # Cohere: the logits are multiplied by it
     partial_rotary_factor: float = 1.0  # GLM-4: the share of each head the rotary turns (the default rope only)
+    rope_proportional: bool = False     # Gemma 4's full layers: the turning pairs' frequencies over the whole head
+    full_attention: FullAttentionShape | None = None   # Gemma 4: the full layers' KV heads and head size (None: alike)
     no_rope_layers: tuple[int, ...] = ()   # SmolLM3: 1 where a layer rotates q and k, 0 where not (NoPE); (): all do
     attention_chunk_size: int | None = None   # Llama 4: a chunked_attention layer's query sees its chunk alone
     qk_l2_norm: bool = False            # Llama 4: each q and k head of a rotating layer L2-normed after the rotary
@@ -270,8 +274,21 @@ class ModelConfig:
         return 1 if self.mla is not None else 2
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        """S_KV = kv_planes x num_kv_layers x num_kv_heads x head_dim x dtype_bytes (2 planes: K and V)."""
-        return self.kv_planes * self.num_kv_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
+        """S_KV = kv_planes x num_kv_layers x num_kv_heads x head_dim x dtype_bytes (2 planes: K and V), each layer's
+        own heads and head size where they differ (Gemma 4's full layers: `layer_kv_shape`)."""
+        return self.kv_planes * sum(h * d for h, d in map(self.layer_kv_shape, self.kv_layers)) * dtype.itemsize
+
+    def layer_kv_shape(self, layer: int) -> tuple[int, int]:
+        """(KV heads, head size) of layer `layer`'s attention: the model's, or Gemma 4's full layers' own."""
+        if self.full_attention is not None and self.layer_window(layer) is None:
+            return self.full_attention.num_kv_heads, self.full_attention.head_dim
+        return self.num_kv_heads, self.head_dim
+
+    def layer_config(self, layer: int) -> ModelConfig:
+        """This config as layer `layer`'s attention sees it: its KV heads and head size (`layer_kv_shape`)."""
+        heads, dim = self.layer_kv_shape(layer)
+        return self if (heads, dim) == (self.num_kv_heads, self.head_dim) else replace(
+            self, num_kv_heads=heads, head_dim=dim)
 
     @property
     def kv_layers(self) -> tuple[int, ...]:
@@ -336,6 +353,8 @@ class ModelConfig:
         the norms, the router and the shared expert's gate whole."""
         if self.architecture == "NemotronHForCausalLM":   # single-mixer blocks
             return nemotron_h_params(self, heads, kv_heads, v)
+        if self.architecture == "Gemma4ForCausalLM":   # two attention shapes, experts beside the MLP
+            return gemma4_params(self, heads, kv_heads, i, moe_i, v)
         h, d = self.hidden_size, self.head_dim
         q, kv = heads * d, kv_heads * d
         attn = h * (q + 2 * kv) + q * h
@@ -440,7 +459,7 @@ class ModelConfig:
             text = {k: v for k, v in cfg.items() if k not in ("vision_config", "architectures", "model_type")}
         if text is None:
             raise ConfigError(f"text_config: missing from config.json ({arch} is served as its text model)")
-        text = TEXT_DEFAULTS.get(arch, {}) | (_vl_text_keys(text) if arch.startswith("Qwen") else text)
+        text = TEXT_DEFAULTS.get(arch, {}) | (vl_text_keys(text) if arch.startswith("Qwen") else text)
         if text.get("model_type", model_type) != model_type:
             raise ConfigError(f"text_config.model_type: {arch}'s text model is served as {model_type!r} "
                               f"({text_arch}), got {text['model_type']!r}")
@@ -474,16 +493,3 @@ def _check_architecture(arch: Any) -> None:
         raise ConfigError(f"architectures: unsupported architecture {arch!r}; "
                           f"supported: {', '.join((*SUPPORTED_ARCHITECTURES, *TEXT_MODELS))}")
 
-
-def _vl_text_keys(text: dict[str, Any]) -> dict[str, Any]:
-    """A Qwen VL text config as its text model reads it: a rope of type `mrope` (Qwen2-VL's, Qwen2.5-VL's spelling)
-    the default rope, as transformers reads it (on text, MRoPE's three positions are one: `TEXT_MODELS`); Qwen3-VL-MoE's
-    `num_local_experts`, the name transformers saves its `num_experts` under, as `num_experts`."""
-    out = dict(text)
-    if "num_local_experts" in out and "num_experts" not in out:
-        out["num_experts"] = out.pop("num_local_experts")
-    for key in ("rope_scaling", "rope_parameters"):
-        rope = out.get(key)
-        if isinstance(rope, dict) and rope_type(rope) == "mrope":
-            out[key] = {**{k: v for k, v in rope.items() if k != "type"}, "rope_type": "default"}
-    return out

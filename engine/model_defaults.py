@@ -4,6 +4,10 @@ multimodal checkpoints' text configs."""
 
 from __future__ import annotations
 
+from typing import Any
+
+from engine.config_values import rope_type
+
 # transformers' text config defaults of Qwen's VL models where they differ from the text architecture's here (a
 # composite checkpoint's text_config may be saved as its difference from them, as Gemma 3's)
 _QWEN2_VL_TEXT = {"vocab_size": 152_064, "hidden_size": 8192, "intermediate_size": 29_568, "num_hidden_layers": 80,
@@ -36,6 +40,10 @@ GEMMA2_DEFAULTS = {
 # the keys a family's config class gives where config.json names none (Llama 4: its expert size, which
 # `engine.llama4_config` reads)
 FAMILY_DEFAULTS = {"Gemma2ForCausalLM": GEMMA2_DEFAULTS, "Gemma3ForCausalLM": GEMMA3_TEXT_DEFAULTS,
+                   "Gemma4ForCausalLM": {   # Gemma4TextConfig's (its window, rope and head shapes: engine.gemma4_config)
+                       "vocab_size": 262_144, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 30,
+                       "num_attention_heads": 8, "num_key_value_heads": 4, "max_position_embeddings": 131_072,
+                       "bos_token_id": 2, "eos_token_id": 1},
                    "Llama4ForCausalLM": {"intermediate_size": 8192},
                    "GraniteMoeHybridForCausalLM": {"intermediate_size": 11008},   # its MLP's: shared_intermediate_size
                    "Qwen3_5ForCausalLM": {   # Qwen3_5TextConfig's
@@ -99,3 +107,17 @@ DEFAULT_ROPE_THETA = {"MixtralForCausalLM": 1_000_000.0, "SmolLM3ForCausalLM": 2
                       "GptOssForCausalLM": 150_000.0, "Ernie4_5ForCausalLM": 500_000.0,
                       "Ernie4_5_MoeForCausalLM": 500_000.0,
                       "MiniMaxM2ForCausalLM": 5_000_000.0, "Llama4ForCausalLM": 500_000.0}
+
+
+def vl_text_keys(text: dict[str, Any]) -> dict[str, Any]:
+    """A Qwen VL text config as its text model reads it: a rope of type `mrope` (Qwen2-VL's, Qwen2.5-VL's spelling)
+    the default rope, as transformers reads it (on text, MRoPE's three positions are one: `TEXT_MODELS`); Qwen3-VL-MoE's
+    `num_local_experts`, the name transformers saves its `num_experts` under, as `num_experts`."""
+    out = dict(text)
+    if "num_local_experts" in out and "num_experts" not in out:
+        out["num_experts"] = out.pop("num_local_experts")
+    for key in ("rope_scaling", "rope_parameters"):
+        rope = out.get(key)
+        if isinstance(rope, dict) and rope_type(rope) == "mrope":
+            out[key] = {**{k: v for k, v in rope.items() if k != "type"}, "rope_type": "default"}
+    return out

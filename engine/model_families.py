@@ -15,6 +15,7 @@ from engine.config_values import is_int, read_bool, read_float, read_int, read_o
 from engine.gated_delta_config import HYBRID_FIELDS
 from engine.granite_config import granite_fields
 from engine.hunyuan_config import HUNYUAN_FIELDS
+from engine.gemma4_config import MOE_ROUTER as GEMMA4_ROUTER, gemma4_fields
 from engine.llama4_config import MISTRAL_FIELDS, llama4_fields
 from engine.mla_config import MLA_DEFAULTS, read_mla
 
@@ -23,10 +24,10 @@ LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 # how a sparse layer picks its experts: a softmax's top k (Qwen, Mixtral, GPT-OSS), DeepSeek V2's softmax within the
 # groups of the best expert scores, DeepSeek V3's sigmoid (plus a correction bias) within the groups of the best top-2
 # sums; MiniMax-M2's: V3's, in the model's dtype; ERNIE 4.5's: the softmax's top k after a correction bias; Llama 4's
-MOE_ROUTERS = ("softmax", "deepseek_v2", "deepseek_v3", "minimax_m2", "ernie4_5", "llama4")
+MOE_ROUTERS = ("softmax", "deepseek_v2", "deepseek_v3", "minimax_m2", "ernie4_5", "llama4", GEMMA4_ROUTER)
 # the families whose fields are read in a module of their own, each reader taking (config.json, its layer count)
 OWN_MODULE_FIELDS: dict[str, Callable[[dict[str, Any], int], dict[str, Any]]] = {"Llama4ForCausalLM": llama4_fields,
-    **MISTRAL_FIELDS, **HUNYUAN_FIELDS, **HYBRID_FIELDS}
+    "Gemma4ForCausalLM": gemma4_fields, **MISTRAL_FIELDS, **HUNYUAN_FIELDS, **HYBRID_FIELDS}
 DEEPSEEK_TOPK_METHODS = {"DeepseekV2ForCausalLM": ("greedy", "group_limited_greedy"),
                          "DeepseekV3ForCausalLM": ("noaux_tc",), "Glm4MoeLiteForCausalLM": ("noaux_tc",)}
 

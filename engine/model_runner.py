@@ -96,12 +96,13 @@ class _Forward:
         attns = list(attentions(self.model).values())
         attn = attns[0]
         started = time.perf_counter()
-        masks = sorted({(a.sliding_window or 0, a.chunk or 0) for a in attns})   # (window, chunk); 0: none
+        # (KV heads, head size, window, chunk; 0: none): Gemma 4's full layers have a shape of their own
+        masks = sorted({(a.num_kv_heads, a.config.head_dim, a.sliding_window or 0, a.chunk or 0) for a in attns})
         dtype = self.model.embed_tokens.weight.dtype   # the model's; the cache's may be FP8
-        count = sum(compile_kernels(attn.num_heads, attn.num_kv_heads, attn.config.head_dim, self.kv_cache.block_size,
+        count = sum(compile_kernels(attn.num_heads, kv_heads, head_dim, self.kv_cache.block_size,
                                     dtype, self.device, window or None, kv_dtype=self.kv_cache.dtype,
                                     softcap=attn.softcap, sinks=attn.sinks is not None, chunk=chunk or None)
-                    for window, chunk in masks)
+                    for kv_heads, head_dim, window, chunk in masks)
         log.info("compiled %d attention kernel variants in %.1fs", count, time.perf_counter() - started)
 
     def graphs_apply(self, enforce_eager: bool) -> bool:

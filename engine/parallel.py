@@ -2,8 +2,7 @@
 
 The device worker process is rank 0. It runs the whole engine — the pools' schedulers, the step composer, the
 sampler — exactly as with one rank, and spawns ranks 1..T-1 (`TensorParallelGroup.start`), processes
-(`engine.model_runner.follower_main`) that hold their shard of the weights and of the KV cache and do only what rank
-0 tells them. Each step rank 0 sends one `StepPlan` (the flat token ids, positions and block tables of the merged
+(`engine.model_runner.follower_main`) that hold their shard of the weights and KV cache and do what rank 0 says. Each step rank 0 sends one `StepPlan` (the flat token ids, positions and block tables of the merged
 batch, and the block copies and swaps to do first) to every follower; every rank then runs the same forward pass on
 its shard, with two all-reduces per layer and an all-gather of the logits, which only rank 0 samples from.
 
@@ -25,13 +24,11 @@ How a model is cut (`ShardShape`), Megatron-style:
 - q/k/v and gate/up are column-parallel: rank r holds heads `[r·H/T, (r+1)·H/T)` and a 1/T slice of the MLP's
   intermediate rows; o_proj and down_proj are row-parallel (an all-reduce of their outputs, the bias added on rank 0
   only);
-- KV heads are split like query heads when T divides them; when the model has fewer KV heads than ranks (T a
-  multiple of them), each rank holds the one KV head its query heads read, so KV heads are replicated T /
-  num_kv_heads times, as the capacity plan assumes;
+- KV heads are split like query heads when T divides them; when the model has fewer KV heads than ranks (T a multiple
+  of them), each rank holds the KV head its query heads read: replicated T / num_kv_heads times, as the plan assumes;
 - the embedding and the LM head are vocab-parallel: each rank holds ceil(V/T) rows (zero-padded at the end), a
   lookup outside its rows reads zeros before the all-reduce, and the logits are gathered.
-Rules on the shape live in `check_tensor_parallel`, which the capacity plan and the engine both call.
-"""
+Rules on the shape live in `check_tensor_parallel`, which the capacity plan and the engine both call."""
 
 from __future__ import annotations
 
@@ -121,7 +118,8 @@ class ShardShape:
 
     def kv_bytes_per_token(self, model: ModelConfig, dtype: torch.dtype) -> int:
         """This rank's S_KV: kv_planes (K and V: 2) x num_kv_layers x its KV heads x head_dim x dtype bytes."""
-        return model.kv_planes * model.num_kv_layers * self.num_kv_heads * model.head_dim * dtype.itemsize
+        return model.kv_bytes_per_token(dtype) if model.full_attention is not None else (   # Gemma 4: one rank
+            model.kv_planes * model.num_kv_layers * self.num_kv_heads * model.head_dim * dtype.itemsize)
 
 
 def check_tensor_parallel(model: ModelConfig, size: int, key: str = "tensor_parallel_size") -> None:
@@ -136,6 +134,8 @@ def check_tensor_parallel(model: ModelConfig, size: int, key: str = "tensor_para
                           f"{model.num_kv_heads} KV heads")
     if model.state_shape is not None and (why := model.state_shape.split_error(size)):   # Qwen3.5's, Granite 4-H's
         raise ConfigError(f"{key}: {why}")
+    if model.full_attention is not None and size > 1:   # Gemma 4's: two attention shapes are served on one rank
+        raise ConfigError(f"{key}: {size} ranks; full layers with KV heads of their own are served on one rank")
     for name in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
         if getattr(model, name) % size:
             raise ConfigError(f"{key}: {size} does not divide the model's {name} {getattr(model, name)}"

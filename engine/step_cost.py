@@ -437,7 +437,7 @@ def step_flops(model: ModelConfig, num_tokens: int, num_attended: int, num_sampl
     experts = expert_params(model)
     idle = experts - experts * model.num_experts_per_tok // model.num_experts if model.num_experts else 0
     matmul_params = model.num_params() - head * (1 if model.tie_word_embeddings else 2) - idle
-    attention = 4 * model.num_kv_layers * model.num_heads * model.head_dim * num_attended
+    attention = 4 * model.num_heads * sum(model.layer_kv_shape(i)[1] for i in model.kv_layers) * num_attended
     return 2 * matmul_params * num_tokens + attention + 2 * head * num_sampled
 
 
@@ -455,8 +455,9 @@ class RooflineStepTime:
         self.expert_bytes = expert_params(model) * dtype_bytes         # read as far as the tokens hit them
         self.weights_bytes = model.num_params() * dtype_bytes - self.expert_bytes   # read whole every step
         kv_bytes = dtype_bytes if kv_dtype_bytes is None else kv_dtype_bytes   # an FP8 cache: 1
-        heads = -(-model.num_kv_heads // tp) * tp   # the group's: a head each GPU where TP > KV heads (replicated)
-        self.kv_bytes_per_token = model.kv_planes * model.num_kv_layers * heads * model.head_dim * kv_bytes
+        # the group's: a head each GPU where TP > KV heads (replicated); each layer's heads and head size
+        self.kv_bytes_per_token = model.kv_planes * kv_bytes * sum(
+            -(-heads // tp) * tp * dim for heads, dim in map(model.layer_kv_shape, model.kv_layers))
         windows = [w for layer in range(model.num_layers) if (w := model.layer_window(layer))]
         self.window, self.num_windowed = (windows[0] if windows else None), len(windows)   # Gemma 3's, Mistral's
 

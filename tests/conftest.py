@@ -114,7 +114,8 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
            "qwen3_5": transformers.Qwen3_5TextConfig, "qwen3_5_moe": transformers.Qwen3_5MoeTextConfig,
            "qwen3_next": transformers.Qwen3NextConfig, "nemotron_h": transformers.NemotronHConfig,
            "ministral": transformers.MinistralConfig, "hunyuan_v1_moe": transformers.HunYuanMoEV1Config,
-           "apertus": transformers.ApertusConfig, "olmo_hybrid": transformers.OlmoHybridConfig}[arch]
+           "apertus": transformers.ApertusConfig, "olmo_hybrid": transformers.OlmoHybridConfig,
+           "gemma4": transformers.Gemma4TextConfig}[arch]
     config = cls(**common)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -147,6 +148,11 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
             for name, buffer in model.named_buffers():
                 if name.endswith("e_score_correction_bias"):
                     buffer.normal_(0.0, 0.5)
+    if arch == "gemma4":   # each layer's output scalar (a buffer) and the routers' scales away from their start at 1
+        with torch.no_grad():
+            for name, tensor in [*model.named_buffers(), *model.named_parameters()]:
+                if name.endswith(("layer_scalar", "router.scale", "per_expert_scale")):
+                    tensor.uniform_(0.5, 1.5)
     model.save_pretrained(folder, max_shard_size="100KB")
     for name in TOKENIZER_FILES:
         if (builtin / name).exists():

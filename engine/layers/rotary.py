@@ -27,7 +27,9 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     dim = config.rotary_dim   # head_dim but for a partial rotary (served with the default rope or longrope only)
     # On the CPU whatever device is the default: on the meta device the division's Python kernel would
     # import torch._dynamo (over a second of a worker's start).
-    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+    # Gemma 4's proportional rope: the turning pairs' exponents over the whole head, not over the pairs that turn
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / (
+        config.head_dim if config.rope_proportional else dim)
     inv_freq = 1.0 / (config.rope_theta ** exponents)
     scaling = config.rope_scaling
     if scaling.rope_type == "linear":

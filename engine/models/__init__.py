@@ -2,7 +2,8 @@
 
 The Llama family (Llama 2/3, Qwen2, Qwen3, Mistral) is `engine.model.LlamaForCausalLM`; a variant that
 changes the layer itself has a module here, built from the same shared layers (`engine.layers`) and the
-same weight loading and tensor-parallel cuts: `gemma3` (Gemma 3's text model, and Gemma 2's), `qwen3_moe`
+same weight loading and tensor-parallel cuts: `gemma3` (Gemma 3's text model, and Gemma 2's), `gemma4` (Gemma 4's
+text model: attention of two shapes, experts beside the MLP), `qwen3_moe`
 (Qwen3-MoE's sparse layers, and Qwen2-MoE's with their shared expert), `mixtral` (Mixtral: those experts on every
 layer, under its checkpoints' names),
 `phi3` (Phi-3 and Phi-4: the Llama layer, its checkpoints' fused q/k/v and gate/up split as they are read),
@@ -34,6 +35,7 @@ from engine.models.cohere import CohereForCausalLM
 from engine.models.deepseek import DeepseekForCausalLM
 from engine.models.ernie import Ernie45ForCausalLM, Ernie45MoeForCausalLM
 from engine.models.gemma3 import Gemma3ForCausalLM
+from engine.models.gemma4 import Gemma4ForCausalLM
 from engine.models.glm4 import Glm4ForCausalLM, Glm4MoeForCausalLM
 from engine.models.gpt_oss import GptOssForCausalLM
 from engine.models.llama4 import Llama4ForCausalLM
@@ -57,6 +59,7 @@ __all__ = ["build_model", "model_class"]
 
 _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCausalLM,   # its layer, uncapped
                                                 "Gemma3ForCausalLM": Gemma3ForCausalLM,
+                                                "Gemma4ForCausalLM": Gemma4ForCausalLM,
                                                 "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
                                                 "MixtralForCausalLM": MixtralForCausalLM,
                                                 "Phi3ForCausalLM": Phi3ForCausalLM,

@@ -127,6 +127,18 @@ QWEN3_5 = dict(num_hidden_layers=4, head_dim=16, linear_num_key_heads=2, linear_
                linear_key_head_dim=16, linear_value_head_dim=8)
 GRANITE = dict(embedding_multiplier=3.0, attention_multiplier=0.05, residual_multiplier=0.5, logits_scaling=2.0,
                tie_word_embeddings=True)
+# Gemma 4: sliding layers (heads of 16, a window of 8) around full ones with heads of 32 and one KV head of their
+# own, V their K projection (k_eq_v) and a proportional rope turning half of each head; soft-capped logits (an untied
+# head: a tied one repeats the prompt's last token); then the same with 4 experts (2 a token) beside each MLP, full
+# layers with their own v_proj and KV heads
+GEMMA4 = dict(num_hidden_layers=4, tie_word_embeddings=False, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+              attention_k_eq_v=True, sliding_window=8, hidden_size_per_layer_input=0, final_logit_softcapping=3.0,
+              layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+              rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                               "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5,
+                                                  "rope_theta": 1000000.0}})
+GEMMA4_MOE = {**GEMMA4, "attention_k_eq_v": False, "final_logit_softcapping": None,
+              "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32}
 
 TINY_MODELS = [
     ("llama", dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -145,6 +157,8 @@ TINY_MODELS = [
     ("gemma3", {**GEMMA3, "tie_word_embeddings": False, "num_key_value_heads": 4, "hidden_activation": "silu",
                 "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                     "full_attention": {**YARN, "rope_theta": 1000000.0}}}),
+    ("gemma4", GEMMA4),
+    ("gemma4", GEMMA4_MOE),
     ("llama", dict(hidden_act="gelu_pytorch_tanh")),   # the CPU's flat forward runs SiLU: the modules run this
     # a linear scaling serves max_position_embeddings x factor (vLLM's reading): the outputs run past 40
     ("llama", dict(rope_scaling={"rope_type": "linear", "factor": 2.0}, max_position_embeddings=40)),
@@ -327,7 +341,7 @@ def test_tiny_random_models_match_transformers(tmp_path, monkeypatch, builtin_pa
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     engine = LLMEngine.from_args(str(folder), dtype="float32", block_size=8, num_blocks=64, max_num_batched_tokens=64,
                                  progress=False)
-    buffers = sum(b.numel() for name, b in hf.named_buffers() if name.endswith("e_score_correction_bias"))
+    buffers = sum(b.numel() for name, b in hf.named_buffers() if name.endswith(("e_score_correction_bias", "layer_scalar")))
     assert engine.model_config.num_params() == sum(p.numel() for p in hf.parameters()) + buffers   # the plan's count
     attn = next(layer.self_attn for layer in engine.model.layers if hasattr(layer, "self_attn"))
     packed = isinstance(attn.o_proj, PackedLinear)

@@ -1,0 +1,214 @@
+"""Gemma 4's text model (`Gemma4ForCausalLM`, and `Gemma4ForConditionalGeneration`'s language model): Gemma 3's
+layer, changed (config: `engine.gemma4_config`).
+
+- attention of two shapes: the sliding layers' heads, and the full layers' own KV heads and head size
+  (`ModelConfig.layer_config`), their K/V in a cache tensor of their own (`engine.kv_cache`); with `k_eq_v` a full
+  layer's V is its K projection (one projection makes both), normed apart;
+- q and k normed per head, and V too without a weight, by a plain RMSNorm (float32, x times its weight: not Gemma 3's
+  1 + weight, and so every norm of the model); q.k unscaled;
+- two rotaries: the sliding layers' default one, the full layers' proportional one (a quarter of each 512-wide head
+  turns, its frequencies over the whole head);
+- with experts (`enable_moe_block`), the dense MLP's output and the experts' (routed on the un-normed residual stream
+  by `Gemma4Experts.route`, their input normed by a norm of their own) are each normed and summed before the
+  post-feed-forward norm;
+- each layer's output (its residual sum) is multiplied by its `layer_scalar`, so the residual add is the layer's own
+  (not fused into the next layer's input norm as in the Llama layer).
+It runs on the module path on every backend; the experts as Qwen3-MoE's (`SparseMoeBlock`: Triton on CUDA, grouped
+matmuls elsewhere). One rank (`engine.parallel.check_tensor_parallel`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import replace
+from types import ModuleType
+
+import torch
+from torch import nn
+
+from engine.layers import FloatRMSNorm, GeluTanhAndMul, HeadRMSNorm, RopeRows, RotaryEmbedding
+from engine.model import MLP, Attention, WeightLoadError
+from engine.model_config import ModelConfig
+from engine.models.gemma3 import Gemma3ForCausalLM
+from engine.models.qwen3_moe import SparseMoeBlock
+from engine.parallel import Collectives, ShardShape
+from engine.rope_config import RopeScaling
+from kernels import AttentionMetadata
+
+__all__ = ["Gemma4ForCausalLM"]
+
+_RENAMES = {"router.proj.weight": "moe.gate.weight", "router.scale": "moe.scale",
+            "router.per_expert_scale": "moe.per_expert_scale", "experts.gate_up_proj": "moe.w13",
+            "experts.down_proj": "moe.w2"}
+
+
+def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' `Gemma4RMSNorm` without a weight: float32 statistics, rounded to x's dtype."""
+    xf = x.float()
+    return (xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + eps, -0.5)).type_as(x)
+
+
+class Gemma4HeadRMSNorm(HeadRMSNorm):
+    """Each head normed by Gemma 4's RMSNorm (float32 throughout, x times the weight), in place."""
+
+    def forward(self, heads: torch.Tensor) -> None:
+        heads.copy_((_rms(heads.float(), self.eps) * self.weight.float()).type_as(heads))
+
+
+class Gemma4Attention(Attention):
+    """The layer's attention in its own shape (`ModelConfig.layer_config`); `k_eq_v`: no v_proj, V is the K
+    projection normed without a weight (as every layer's V is), not rotated."""
+
+    def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives, rotary_emb: RotaryEmbedding,
+                 layer: int) -> None:
+        own = config.layer_config(layer)
+        super().__init__(own, replace(shard, num_kv_heads=own.num_kv_heads), comm, rotary_emb, layer,
+                         Gemma4HeadRMSNorm)
+        self.k_eq_v = config.full_attention.k_eq_v and config.layer_window(layer) is None
+        if self.k_eq_v:
+            self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + self.kv_size, bias=config.attention_bias)
+
+    def forward(self, hidden: torch.Tensor, rope_rows: RopeRows, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata, backend) -> torch.Tensor:
+        heads, kv_heads = self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(hidden)
+        if self.k_eq_v:
+            qkv = torch.cat([qkv, qkv[:, self.q_size:]], dim=1)
+        qkv = qkv.view(-1, heads + 2 * kv_heads, self.config.head_dim)   # [T, heads, d]
+        v = qkv[:, heads + kv_heads:]
+        v.copy_(_rms(v, self.config.rms_norm_eps))
+        self.position_qk(qkv, rope_rows)
+        q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
+        out = self.attend(q, k, v, kv_cache, meta, backend)
+        return self.comm.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
+
+
+class Gemma4Experts(SparseMoeBlock):
+    """Gemma 4's experts (GELU-tanh gated, `SparseMoeBlock`'s kernels) and their router: the residual stream RMS-normed
+    without a weight, times `scale` and 1 / sqrt(hidden), projected (`gate`), its softmax's top k renormalised to sum
+    to 1 and each multiplied by its expert's `per_expert_scale` (float32 weights)."""
+
+    def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives, ops: ModuleType) -> None:
+        super().__init__(config, shard, comm, ops)
+        self.act_fn = GeluTanhAndMul()
+        self.scale = nn.Parameter(torch.empty(config.hidden_size))
+        self.per_expert_scale = nn.Parameter(torch.empty(config.num_experts))
+        self.eps, self.root = config.rms_norm_eps, config.hidden_size ** -0.5
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [num_tokens, hidden], the residual stream -> (weights [num_tokens, top_k] float32, experts)."""
+        logits = self.gate(_rms(x, self.eps) * self.scale * self.root)
+        weights, experts = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float), self.top_k, dim=-1)
+        weights /= weights.sum(dim=-1, keepdim=True)
+        return weights * self.per_expert_scale[experts], experts
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x: the experts' input (normed), routed by `residual` (the stream before the norm)."""
+        return self.comm.all_reduce(self._experts(x, *self.route(x if residual is None else residual)))
+
+
+class Gemma4DecoderLayer(nn.Module):
+    """One Gemma 4 block (module docstring): its input is the previous layer's whole output, and so is its output."""
+
+    def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives, rotary_emb: RotaryEmbedding,
+                 ops: ModuleType, layer: int) -> None:
+        super().__init__()
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = FloatRMSNorm(h, eps)
+        self.self_attn = Gemma4Attention(config, shard, comm, rotary_emb, layer)
+        self.post_attention_layernorm = FloatRMSNorm(h, eps)
+        self.pre_feedforward_layernorm = FloatRMSNorm(h, eps)
+        self.mlp = MLP(config, shard, comm, ops)
+        self.post_feedforward_layernorm = FloatRMSNorm(h, eps)
+        self.moe = Gemma4Experts(config, shard, comm, ops) if config.is_sparse_layer(layer) else None
+        if self.moe is not None:
+            self.pre_feedforward_layernorm_2 = FloatRMSNorm(h, eps)
+            self.post_feedforward_layernorm_1 = FloatRMSNorm(h, eps)
+            self.post_feedforward_layernorm_2 = FloatRMSNorm(h, eps)
+        self.layer_scalar = nn.Parameter(torch.empty(1))
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope_rows: RopeRows,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, backend
+                ) -> tuple[torch.Tensor, None]:
+        """hidden: [num_tokens, hidden_size], the previous layer's output (the scaled embeddings for the first);
+        `residual` unused (None) -> (this layer's output, None)."""
+        attn = self.self_attn(self.input_layernorm(hidden), rope_rows, kv_cache, meta, backend)
+        normed, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(attn), hidden)
+        out = self.mlp(normed)
+        if self.moe is not None:
+            experts = self.moe(self.pre_feedforward_layernorm_2(residual), residual)
+            out = self.post_feedforward_layernorm_1(out) + self.post_feedforward_layernorm_2(experts)
+        return (residual + self.post_feedforward_layernorm(out)) * self.layer_scalar, None
+
+
+class Gemma4ForCausalLM(Gemma3ForCausalLM):
+    """Gemma 4's text model (module docstring): Gemma 3's scaled embeddings, loading and head (soft-capped logits
+    where `final_logit_softcapping`), with its own layers, norms and rotaries."""
+
+    norm_init = 1.0
+
+    @property
+    def graph_safe(self) -> bool:
+        """As Qwen3-MoE's: captured where every layer's experts run the Triton kernels (or there are none)."""
+        return all(layer.moe is None or layer.moe.fused_moe is not None for layer in self.layers)
+
+    def make_rotary(self, ops: ModuleType) -> RotaryEmbedding:
+        """The full layers' rotary, in their head size (the last layer is always full)."""
+        return RotaryEmbedding(self.config.layer_config(self.config.num_layers - 1), ops)
+
+    def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
+        c = self.config
+        rotary = self.rotary_emb
+        if c.layer_window(index) is not None:
+            if "rotary_local" not in self._modules:   # the sliding layers' default rope over their whole heads
+                self.rotary_local = RotaryEmbedding(replace(
+                    c, rope_theta=c.rope_local_theta, rope_scaling=RopeScaling(), partial_rotary_factor=1.0,
+                    rope_proportional=False, max_position_embeddings=c.context_length), ops)
+            rotary = self.rotary_local
+        return Gemma4DecoderLayer(c, self.shard, self.comm, rotary, ops, index)
+
+    def make_norm(self, ops: ModuleType) -> nn.Module:
+        return FloatRMSNorm(self.config.hidden_size, self.config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                backend) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size]."""
+        hidden = self.embed(input_ids)
+        rows: dict[int, RopeRows] = {}   # the step's cos/sin, once per rotary
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            rotary = layer.self_attn.rotary_emb
+            if id(rotary) not in rows:
+                rows[id(rotary)] = rotary.rows(positions)
+            hidden, _ = layer(hidden, None, rows[id(rotary)], kv_cache, meta, backend)
+        return self.norm(hidden)
+
+    def init_random(self, seed: int = 0, std: float = 0.02) -> None:
+        """`LlamaForCausalLM.init_random`, each layer's output scalar and the routers' scales 1."""
+        super().init_random(seed, std)
+        with torch.no_grad():
+            for name, param in self.named_parameters():
+                if name.endswith(("layer_scalar", "moe.scale", "per_expert_scale")):
+                    param.fill_(1.0)
+
+    def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
+        """The router's and the experts' tensors under our names (`layers.N.moe.`); the rest as stored."""
+        head, sep, rest = name.partition(".router.") if ".router." in name else name.partition(".experts.")
+        if sep and f"{sep[1:]}{rest}" in _RENAMES:
+            return ((f"{head}.{_RENAMES[sep[1:] + rest]}", tensor),)
+        return ((name, tensor),)
+
+    def _destination(self, name: str, hf_name: str) -> tuple[str, Callable[[torch.Tensor], torch.Tensor]]:
+        """q/k/v into their layer's fused rows, in that layer's shape (a full layer's own; no v_proj with `k_eq_v`)."""
+        head, sep, rest = name.partition(".self_attn.")
+        proj, _, kind = rest.partition(".")
+        if not (sep and proj in ("q_proj", "k_proj", "v_proj")):
+            return super()._destination(name, hf_name)
+        index = head.split(".")[-1]
+        attn = self.layers[int(index)].self_attn if index.isdigit() and int(index) < len(self.layers) else None
+        if attn is None or (proj == "v_proj" and attn.k_eq_v):
+            raise WeightLoadError(f"{hf_name}: not a tensor of {self.config.architecture} with this config")
+        offset, size = {"q_proj": (0, attn.q_size), "k_proj": (attn.q_size, attn.kv_size),
+                        "v_proj": (attn.q_size + attn.kv_size, attn.kv_size)}[proj]
+        return f"{head}.self_attn.qkv_proj.{kind}", lambda data: data.narrow(0, offset, size)
+
