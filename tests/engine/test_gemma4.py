@@ -1,0 +1,151 @@
+"""Gemma 4's text model beyond greedy parity (tests/engine/test_engine_vs_hf.py): its config.json as the releases
+write it, what is refused by key, its KV cache of two layer shapes under pressure, and its multimodal checkpoint."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import CacheConfig, ConfigError, EngineConfig, PoolConfig, SchedulerConfig
+from engine.kv_cache import KVCache, SwapSpace
+from engine.llm_engine import LLMEngine
+from engine.model_config import ModelConfig
+from engine.parallel import check_tensor_parallel
+from engine.sampling import SamplingParams
+from tests.conftest import assert_all_free, make_tiny_model
+from tests.engine.test_engine_vs_hf import GEMMA4, GEMMA4_MOE, _assert_serves_its_text_model, _hf_greedy
+
+# gemma-4-31B's text config as its release names it (its full layers' shape under the global_ keys)
+GEMMA4_31B = {"architectures": ["Gemma4ForCausalLM"], "vocab_size": 262_144, "hidden_size": 5376,
+              "intermediate_size": 21_504, "num_hidden_layers": 60, "num_attention_heads": 32,
+              "num_key_value_heads": 16, "head_dim": 256, "global_head_dim": 512, "num_global_key_value_heads": 4,
+              "attention_k_eq_v": True, "sliding_window": 1024, "hidden_size_per_layer_input": 0,
+              "final_logit_softcapping": 30.0, "max_position_embeddings": 262_144, "tie_word_embeddings": True,
+              "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                                  "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                     "rope_theta": 1_000_000.0}}}
+
+
+def test_the_release_config_gives_two_attention_shapes_and_their_bytes():
+    """Every 6th layer full, with 4 KV heads of 512 beside the sliding layers' 16 of 256: S_KV counts each layer in its
+    own shape, and the parameter count is the 31B's. The multimodal checkpoint's text_config reads the same."""
+    config = ModelConfig.from_hf_config(GEMMA4_31B)
+    assert config.layer_types.count("full_attention") == 10 and config.layer_types[5] == "full_attention"
+    assert (config.layer_kv_shape(0), config.layer_kv_shape(5)) == ((16, 256), (4, 512))
+    assert config.full_attention.k_eq_v and config.attention_scale == 1.0
+    assert config.kv_bytes_per_token(torch.bfloat16) == 2 * (50 * 16 * 256 + 10 * 4 * 512) * 2
+    assert 30.6e9 < config.num_params() < 31.3e9
+    assert (config.rope_theta, config.rope_local_theta, config.rotary_dim) == (1e6, 1e4, 64)
+    text = {k: v for k, v in GEMMA4_31B.items() if k != "architectures"}
+    multimodal = ModelConfig.from_hf_config({"architectures": ["Gemma4ForConditionalGeneration"],
+                                             "text_config": {**text, "model_type": "gemma4_text"}})
+    assert multimodal.text_weights_prefix == "language_model."
+    assert multimodal.kv_bytes_per_token(torch.bfloat16) == config.kv_bytes_per_token(torch.bfloat16)
+
+
+@pytest.mark.parametrize("change,key", [
+    ({"hidden_size_per_layer_input": 256}, "hidden_size_per_layer_input"),
+    ({"hidden_size_per_layer_input": "__absent__"}, "hidden_size_per_layer_input"),   # transformers' default: 256
+    ({"num_kv_shared_layers": 20}, "num_kv_shared_layers"),
+    ({"use_bidirectional_attention": "vision"}, "use_bidirectional_attention"),
+    ({"rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 4.0}}},
+     "rope_parameters.full_attention.rope_type"),
+    ({"rope_parameters": {"full_attention": {"rope_type": "proportional", "factor": 8.0}}},
+     "rope_parameters.full_attention.factor"),
+    ({"rope_parameters": {"sliding_attention": {"rope_type": "linear", "factor": 2.0}}},
+     "rope_parameters.sliding_attention.rope_type"),
+    ({"per_layer_config": {"5": {"head_dim": 512}}}, "per_layer_config"),   # the other full layers left out
+    ({"per_layer_config": {str(i): {"head_dim": 512, "sliding_window": 8} for i in range(5, 60, 6)}},
+     "per_layer_config"),
+])
+def test_what_gemma4_asks_beyond_what_is_served_is_refused_by_key(change, key):
+    cfg = {**GEMMA4_31B, **change}
+    cfg = {k: v for k, v in cfg.items() if v != "__absent__"}
+    with pytest.raises(ConfigError, match=f"^{key}:"):
+        ModelConfig.from_hf_config(cfg)
+
+
+def test_per_layer_config_as_transformers_saves_it_and_tensor_parallelism_refused():
+    """transformers 5 saves the full layers' shape as `per_layer_config` (the global_ keys gone): read alike. Two ranks
+    are refused naming the key (the two shapes are served on one rank)."""
+    per_layer = {str(i): {"head_dim": 512, "num_key_value_heads": 4} for i in range(5, 60, 6)}
+    cfg = {k: v for k, v in GEMMA4_31B.items() if not k.startswith(("global_", "num_global_"))}
+    config = ModelConfig.from_hf_config({**cfg, "per_layer_config": per_layer})
+    assert config.full_attention == ModelConfig.from_hf_config(GEMMA4_31B).full_attention
+    with pytest.raises(ConfigError, match="^tensor_parallel_size: 2 ranks; full layers"):
+        check_tensor_parallel(config, 2)
+
+
+def test_a_cache_of_two_shapes_copies_and_swaps_every_layer():
+    """One tensor a shape, each layer's K/V a view of its own; a block copy and a swap round trip move a block's K/V
+    in both tensors, and nothing else."""
+    config = ModelConfig.from_hf_config({**GEMMA4_31B, "num_hidden_layers": 6, "hidden_size": 64,
+                                         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+                                         "global_head_dim": 16, "num_global_key_value_heads": 1})
+    cache = KVCache(config, num_blocks=6, block_size=4, dtype=torch.float32, device="cpu")
+    assert [tuple(t.shape) for t in cache.tensors] == [(5, 2, 6, 4, 2, 8), (1, 2, 6, 4, 1, 16)]
+    assert [tuple(k.shape) for k, _ in cache.layers] == [(6, 4, 2, 8)] * 5 + [(6, 4, 1, 16)]
+    assert cache.num_bytes == 6 * 4 * config.kv_bytes_per_token(torch.float32)
+    for tensor in cache.tensors:
+        tensor.copy_(torch.randn(tensor.shape))
+    before = [tensor.clone() for tensor in cache.tensors]
+    cache.copy_blocks([(1, 4)])
+    for tensor, old in zip(cache.tensors, before):
+        assert torch.equal(tensor[:, :, 4], old[:, :, 1]) and torch.equal(tensor[:, :, :4], old[:, :, :4])
+    swap = SwapSpace(cache, num_blocks=3)
+    swap.swap_out([(2, 0)])
+    for tensor in cache.tensors:
+        tensor[:, :, 2] = 0
+    swap.swap_in([(0, 2)])
+    for tensor, old in zip(cache.tensors, before):
+        assert torch.equal(tensor[:, :, 2], old[:, :, 2])
+    with pytest.raises(ValueError, match="several shapes"):
+        cache.data
+
+
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_gemma4_serves_preemption_prefix_hits_and_forks(tmp_path, builtin_path, kv):
+    """Under pressure (swap preemption, prefix hits, n = 2 forks copying on write) every request ends and every block
+    comes back, and with the model's cache the greedy outputs are transformers'; an FP8 cache of both shapes (a
+    scale a layer) serves alike."""
+    import transformers
+
+    folder = make_tiny_model(tmp_path / "g4", "gemma4", builtin_path, **GEMMA4_MOE)
+    pool = PoolConfig(num_blocks=14, scheduler=SchedulerConfig(max_num_batched_tokens=64, preemption_mode="swap",
+                                                               swap_space_bytes=8 << 20))
+    engine = LLMEngine(EngineConfig(model=str(folder), device="cpu", dtype="float32", cache=CacheConfig(block_size=8),
+                                    pools=(pool,), kv_cache_dtype=kv), progress=False)
+    assert [tuple(t.shape[1:]) for t in engine.kv_cache.tensors] == [(2, 14, 8, 2, 16), (2, 14, 8, 2, 32)]
+    assert engine.kv_bytes_per_token == 2 * (2 * 2 * 16 + 2 * 2 * 32) * (1 if kv == "fp8" else 4)
+    shared = list(range(40, 72))
+    prompts = [shared + [90 + i] for i in range(3)] + [[5, 6, 7, 8]]
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    params = [greedy, greedy, SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=24, ignore_eos=True), greedy]
+    outs = engine.generate(prompts, params)
+    stats, bm = engine.schedulers["default"].stats, engine.schedulers["default"].block_manager
+    assert stats.num_swap_preemptions > 0 and bm.num_prefix_hits > 0
+    assert [len(c.token_ids) for o in outs for c in o.outputs] == [24] * 5
+    assert_all_free(engine)
+    if kv == "auto":
+        hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        for i in (0, 1, 3):
+            assert outs[i].outputs[0].token_ids == _hf_greedy(hf, prompts[i], 24, eos_ids=None)
+
+
+def test_a_multimodal_gemma4_checkpoint_serves_its_text_model(tmp_path, builtin_path):
+    """Gemma 4's releases are `Gemma4ForConditionalGeneration` (vision and audio towers beside the text model under
+    `language_model.`): served as the text model, greedy text token-identical to transformers' multimodal model."""
+    import transformers
+
+    text = transformers.Gemma4TextConfig(vocab_size=512, hidden_size=64, intermediate_size=160, num_attention_heads=4,
+                                         num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2,
+                                         rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, **GEMMA4)
+    vision = transformers.Gemma4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, num_key_value_heads=2, head_dim=16)
+    config = transformers.Gemma4Config(text_config=text.to_dict(), vision_config=vision.to_dict(), audio_config=None,
+                                       initializer_range=0.2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    hf = transformers.Gemma4ForConditionalGeneration(config).eval()
+    folder = tmp_path / "gemma4-mm"
+    hf.save_pretrained(folder)
+    _assert_serves_its_text_model(hf, folder, builtin_path, "Gemma4ForCausalLM")
