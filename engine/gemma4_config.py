@@ -128,17 +128,23 @@ def _full_attention(cfg: dict[str, Any], kinds: list[Any], head_dim: int, k_eq_v
                               read_int(entry, "head_dim", head_dim, path="per_layer_config."), k_eq_v)
 
 
+def rank_kv_heads(kv_heads: int, size: int) -> int:
+    """The KV heads each of `size` tensor-parallel ranks holds of `kv_heads`: its share, or one (replicated) where the
+    ranks outnumber them (`engine.parallel.ShardShape`'s rule)."""
+    return kv_heads // size if kv_heads % size == 0 else 1
+
+
 def gemma4_params(config: Any, heads: int, kv_heads: int, inter: int, moe_inter: int, vocab_rows: int) -> int:
-    """Parameters of a Gemma 4 text model with `heads` query heads and `kv_heads` KV heads a sliding layer (the full
-    layers' own: `FullAttentionShape`): each layer's q/k/v/o (no v with `k_eq_v`), q/k norms, four norms, its MLP,
-    and with experts their router (projection, scale, a scale per expert), experts and three more norms; the
-    embedding, the final norm, an untied head."""
-    h, full = config.hidden_size, config.full_attention
+    """Parameters of a Gemma 4 text model (or one rank's) with `heads` query heads and `kv_heads` KV heads a sliding
+    layer (the full layers' own: `FullAttentionShape`, this rank's share): each layer's q/k/v/o (no v with `k_eq_v`),
+    q/k norms, four norms, its MLP and output scalar, and with experts their router (projection, scale, a scale per
+    expert), experts and three more norms; the embedding, the final norm, an untied head."""
+    h, full, size = config.hidden_size, config.full_attention, config.num_heads // heads
     total = vocab_rows * h * (1 if config.tie_word_embeddings else 2) + h
     for layer in range(config.num_layers):
         d, kv, shared_v = config.head_dim, kv_heads, False
         if config.layer_window(layer) is None:
-            d, kv, shared_v = full.head_dim, full.num_kv_heads, full.k_eq_v   # one rank (`check_tensor_parallel`)
+            d, kv, shared_v = full.head_dim, rank_kv_heads(full.num_kv_heads, size), full.k_eq_v
         total += h * heads * d * 2 + h * kv * d * (1 if shared_v else 2) + 2 * d + 4 * h + 3 * h * inter + 1
         if config.num_experts:
             total += config.num_experts * (h + 1 + 3 * h * moe_inter) + h + 3 * h

@@ -13,6 +13,7 @@ import torch
 
 import engine.capacity as capacity
 from engine.config import ConfigError
+from engine.gemma4_config import rank_kv_heads
 from engine.model_config import ModelConfig
 from kernels.transfer import to_device, to_device_tensor
 
@@ -27,17 +28,19 @@ class KVCache:
     (`ModelConfig.layer_kv_shape`), so their K/V lie in a second tensor, a block id naming the same block in both.
     In `dtype`: the model's, or float8_e4m3fn for an FP8 cache (`kv_cache_dtype: fp8`; the kernels store and read it
     with per-layer scales). `raws` are the same memory as the block copies move it (bytes for FP8, which has no
-    index_copy on a CPU). `num_kv_heads`: this rank's under tensor parallelism (default: the model's).
+    index_copy on a CPU). `num_kv_heads`: this rank's under tensor parallelism (default: the model's), of one of
+    `tensor_parallel_size` ranks (which give a model of several shapes each shape's share).
     """
 
     def __init__(self, model: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device | str, num_kv_heads: int | None = None) -> None:
+                 device: torch.device | str, num_kv_heads: int | None = None, tensor_parallel_size: int = 1) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks: must be > 0, got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = dtype
-        shapes = [model.layer_kv_shape(layer) for layer in model.kv_layers]
+        shapes = [(rank_kv_heads(heads, tensor_parallel_size), dim)
+                  for heads, dim in map(model.layer_kv_shape, model.kv_layers)]
         if model.full_attention is None:   # one shape: this rank's heads
             shapes = [(num_kv_heads or model.num_kv_heads, model.head_dim)] * model.num_kv_layers
         kinds = sorted(set(shapes), key=shapes.index)

@@ -95,7 +95,7 @@ class LLMEngine:
         check_fits_device(self.device, self.num_blocks, self.kv_bytes_per_token * config.cache.block_size,
                           config.memory_utilization, states_bytes(config, self.model_config, self.dtype))
         self.kv_cache = KVCache(self.model_config, self.num_blocks, config.cache.block_size, self.kv_dtype,
-                                self.device, num_kv_heads=self.shard.num_kv_heads)
+                                self.device, self.shard.num_kv_heads, self.shard.size)
         lap("kv")
         context = self.model_config.context_length   # a pool's max_model_len 0: the model's context
         max_len = max((p.scheduler.max_model_len or context for p in config.pools), default=context)

@@ -393,8 +393,9 @@ class LlamaForCausalLM(nn.Module):
         return name, lambda data: data
 
     def _shard_of(self, hf_name: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of one checkpoint tensor (the tensor itself with one rank)."""
-        shard, c = self.shard, self.config
+        """This rank's slice of one checkpoint tensor (the tensor itself with one rank), cut in the shape `cut_shape`
+        gives."""
+        shard, c = self.cut_shape(name)
         if shard.size == 1:
             return tensor
         d = c.head_dim
@@ -426,6 +427,11 @@ class LlamaForCausalLM(nn.Module):
             raise WeightLoadError(f"{hf_name}: shape {tuple(tensor.shape)} does not match the config "
                                   f"({full} along dimension {dim})")
         return tensor.narrow(dim, start, length)
+
+    def cut_shape(self, name: str) -> tuple[ShardShape, ModelConfig]:
+        """(this rank's shard, the config) tensor `name` is cut in: the model's (Gemma 4's full layers have their own
+        attention shape)."""
+        return self.shard, self.config
 
     def init_random(self, seed: int = 0, std: float = 0.02) -> None:
         """Random weights (normal, std) and unit norms: for benchmarks of model shapes we cannot download.

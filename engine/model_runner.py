@@ -289,7 +289,7 @@ class FollowerRunner(_Forward):
         if use_packed_linears(device, dtype):
             pack_linears(model)
         kv_cache = KVCache(model_config, config.num_blocks, config.cache.block_size, config.resolved_kv_dtype(device),
-                           device, num_kv_heads=shard.num_kv_heads)
+                           device, shard.num_kv_heads, shard.size)
         runner = cls(model, kv_cache, device, link)
         if hasattr(model, "reserve_states"):   # as rank 0's: its pools' rows, before any graph reads them
             model.reserve_states(sum(p.scheduler.max_num_seqs for p in config.pools))

@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.config import DEFAULT_COLLECTIVE_TIMEOUT_SECONDS, ConfigError, ceil_div
+from engine.gemma4_config import rank_kv_heads
 from engine.model_config import ModelConfig
 
 log = logging.getLogger("cliffguard.engine")
@@ -117,9 +118,10 @@ class ShardShape:
                                   self.moe_intermediate_size, self.vocab_rows, self.shared_expert_intermediate_size)
 
     def kv_bytes_per_token(self, model: ModelConfig, dtype: torch.dtype) -> int:
-        """This rank's S_KV: kv_planes (K and V: 2) x num_kv_layers x its KV heads x head_dim x dtype bytes."""
-        return model.kv_bytes_per_token(dtype) if model.full_attention is not None else (   # Gemma 4: one rank
-            model.kv_planes * model.num_kv_layers * self.num_kv_heads * model.head_dim * dtype.itemsize)
+        """This rank's S_KV: kv_planes (K and V: 2) x num_kv_layers x its KV heads x head_dim x dtype bytes (each
+        layer's heads and head size: Gemma 4's full layers have their own)."""
+        return model.kv_planes * dtype.itemsize * sum(
+            rank_kv_heads(heads, self.size) * dim for heads, dim in map(model.layer_kv_shape, model.kv_layers))
 
 
 def check_tensor_parallel(model: ModelConfig, size: int, key: str = "tensor_parallel_size") -> None:
@@ -129,13 +131,11 @@ def check_tensor_parallel(model: ModelConfig, size: int, key: str = "tensor_para
         raise ConfigError(f"{key}: must be an integer >= 1, got {size!r}")
     if model.num_heads % size:
         raise ConfigError(f"{key}: {size} does not divide the model's {model.num_heads} attention heads")
-    if model.num_kv_heads % size and size % model.num_kv_heads:
-        raise ConfigError(f"{key}: {size} neither divides nor is a multiple of the model's "
-                          f"{model.num_kv_heads} KV heads")
+    for kv_heads in {model.layer_kv_shape(layer)[0] for layer in model.kv_layers}:   # Gemma 4's: two counts
+        if kv_heads % size and size % kv_heads:
+            raise ConfigError(f"{key}: {size} neither divides nor is a multiple of the model's {kv_heads} KV heads")
     if model.state_shape is not None and (why := model.state_shape.split_error(size)):   # Qwen3.5's, Granite 4-H's
         raise ConfigError(f"{key}: {why}")
-    if model.full_attention is not None and size > 1:   # Gemma 4's: two attention shapes are served on one rank
-        raise ConfigError(f"{key}: {size} ranks; full layers with KV heads of their own are served on one rank")
     for name in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
         if getattr(model, name) % size:
             raise ConfigError(f"{key}: {size} does not divide the model's {name} {getattr(model, name)}"

@@ -14,7 +14,8 @@ layer, changed (config: `engine.gemma4_config`).
 - each layer's output (its residual sum) is multiplied by its `layer_scalar`, so the residual add is the layer's own
   (not fused into the next layer's input norm as in the Llama layer).
 It runs on the module path on every backend; the experts as Qwen3-MoE's (`SparseMoeBlock`: Triton on CUDA, grouped
-matmuls elsewhere). One rank (`engine.parallel.check_tensor_parallel`).
+matmuls elsewhere). Under tensor parallelism each layer's attention is cut in its own shape (`cut_shape`: a full
+layer's few KV heads replicated where the ranks outnumber them), the experts along their intermediate size.
 """
 
 from __future__ import annotations
@@ -62,8 +63,9 @@ class Gemma4Attention(Attention):
     def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives, rotary_emb: RotaryEmbedding,
                  layer: int) -> None:
         own = config.layer_config(layer)
-        super().__init__(own, replace(shard, num_kv_heads=own.num_kv_heads), comm, rotary_emb, layer,
-                         Gemma4HeadRMSNorm)
+        self_shard = ShardShape.of(own, shard.rank, shard.size)   # this rank's heads of the layer's own shape
+        super().__init__(own, self_shard, comm, rotary_emb, layer, Gemma4HeadRMSNorm)
+        self.shard = self_shard
         self.k_eq_v = config.full_attention.k_eq_v and config.layer_window(layer) is None
         if self.k_eq_v:
             self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + self.kv_size, bias=config.attention_bias)
@@ -190,6 +192,30 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
             for name, param in self.named_parameters():
                 if name.endswith(("layer_scalar", "moe.scale", "per_expert_scale")):
                     param.fill_(1.0)
+
+    def cut_shape(self, name: str) -> tuple[ShardShape, ModelConfig]:
+        """A layer's attention tensors are cut in its own shape (a full layer's KV heads and head size)."""
+        head, sep, _ = name.partition(".self_attn.")
+        index = head.split(".")[-1]
+        if sep and index.isdigit() and int(index) < len(self.layers):
+            attn = self.layers[int(index)].self_attn
+            return attn.shard, attn.config
+        return self.shard, self.config
+
+    def _shard_of(self, hf_name: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The experts' stacked tensors cut along each expert's intermediate size (w13's gate rows and up rows, w2's
+        columns); the rest as the Llama model's."""
+        size, rank = self.shard.size, self.shard.rank
+        if size == 1 or not name.endswith(("moe.w13", "moe.w2")):
+            return super()._shard_of(hf_name, name, tensor)
+        inter, mine = self.config.moe_intermediate_size, self.shard.moe_intermediate_size
+        dim = 1 if name.endswith("w13") else 2
+        if tensor.dim() != 3 or tensor.shape[dim] != inter * (2 if dim == 1 else 1):
+            raise WeightLoadError(f"{hf_name}: shape {tuple(tensor.shape)} does not match the config "
+                                  f"({inter} experts' rows along dimension {dim})")
+        if dim == 2:
+            return tensor.narrow(2, rank * mine, mine)
+        return torch.cat([tensor.narrow(1, rank * mine, mine), tensor.narrow(1, inter + rank * mine, mine)], dim=1)
 
     def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
         """The router's and the experts' tensors under our names (`layers.N.moe.`); the rest as stored."""

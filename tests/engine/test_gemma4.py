@@ -3,14 +3,17 @@ write it, what is refused by key, its KV cache of two layer shapes under pressur
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
+from engine.gemma4_config import FullAttentionShape
 from engine.config import CacheConfig, ConfigError, EngineConfig, PoolConfig, SchedulerConfig
 from engine.kv_cache import KVCache, SwapSpace
 from engine.llm_engine import LLMEngine
 from engine.model_config import ModelConfig
-from engine.parallel import check_tensor_parallel
+from engine.parallel import ShardShape, check_tensor_parallel
 from engine.sampling import SamplingParams
 from tests.conftest import assert_all_free, make_tiny_model
 from tests.engine.test_engine_vs_hf import GEMMA4, GEMMA4_MOE, _assert_serves_its_text_model, _hf_greedy
@@ -65,15 +68,19 @@ def test_what_gemma4_asks_beyond_what_is_served_is_refused_by_key(change, key):
         ModelConfig.from_hf_config(cfg)
 
 
-def test_per_layer_config_as_transformers_saves_it_and_tensor_parallelism_refused():
-    """transformers 5 saves the full layers' shape as `per_layer_config` (the global_ keys gone): read alike. Two ranks
-    are refused naming the key (the two shapes are served on one rank)."""
+def test_per_layer_config_as_transformers_saves_it_and_each_shape_split_over_ranks():
+    """transformers 5 saves the full layers' shape as `per_layer_config` (the global_ keys gone): read alike. Ranks
+    split each shape's KV heads (the full layers' 4 replicated past 4 ranks), and a count they neither divide nor
+    are a multiple of is refused naming the key."""
     per_layer = {str(i): {"head_dim": 512, "num_key_value_heads": 4} for i in range(5, 60, 6)}
     cfg = {k: v for k, v in GEMMA4_31B.items() if not k.startswith(("global_", "num_global_"))}
     config = ModelConfig.from_hf_config({**cfg, "per_layer_config": per_layer})
     assert config.full_attention == ModelConfig.from_hf_config(GEMMA4_31B).full_attention
-    with pytest.raises(ConfigError, match="^tensor_parallel_size: 2 ranks; full layers"):
-        check_tensor_parallel(config, 2)
+    one = config.kv_bytes_per_token(torch.bfloat16)
+    assert ShardShape.of(config, 0, 2).kv_bytes_per_token(config, torch.bfloat16) == one // 2
+    assert ShardShape.of(config, 3, 8).kv_bytes_per_token(config, torch.bfloat16) == 2 * (50 * 2 * 256 + 10 * 512) * 2
+    with pytest.raises(ConfigError, match="^tensor_parallel_size: 2 neither divides nor is a multiple of the model's 3"):
+        check_tensor_parallel(replace(config, full_attention=FullAttentionShape(3, 512, True)), 2)
 
 
 def test_a_cache_of_two_shapes_copies_and_swaps_every_layer():

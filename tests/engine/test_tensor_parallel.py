@@ -20,6 +20,7 @@ from engine.llm_engine import LLMEngine
 from engine.parallel import ShardShape, check_tensor_parallel
 from engine.sampling import SamplingParams
 from tests.conftest import BUILTIN, assert_all_free, make_tiny_model
+from tests.engine.test_engine_vs_hf import GEMMA4, GEMMA4_MOE
 
 NEAR_TIE = 1e-4
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
@@ -277,6 +278,8 @@ QWEN3 = {"head_dim": 32, "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
     ("qwen3_next", {"num_hidden_layers": 4, "head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
                     "linear_key_head_dim": 16, "linear_value_head_dim": 8, "num_experts": 8, "num_experts_per_tok": 2,
                     "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48, "mlp_only_layers": [2]}, None),
+    ("gemma4", GEMMA4, None),
+    ("gemma4", GEMMA4_MOE, True),
 ])
 def test_two_ranks_generate_what_one_does(tmp_path, builtin_path, prompts, arch, overrides, overlap):
     # A tiny random model with even head counts (4 heads, 2 KV heads); Qwen3 q/k head norms (whole on every rank)
@@ -296,7 +299,8 @@ def test_two_ranks_generate_what_one_does(tmp_path, builtin_path, prompts, arch,
     # its experts' and shared expert's rows beside dense layers; Ministral 3 its query scaling on each rank's heads;
     # Apertus each rank's rows of its ungated MLP (xIELU's slopes whole on each); Granite 4-H each rank's Mamba heads
     # and groups (then one group whole on each rank, its gated norm's sums over both, biased projections) beside
-    # experts;
+    # experts; Gemma 4 each layer's attention in its own shape (the full layers' one KV head on both ranks, V its K
+    # projection) and the experts' stacked rows beside each MLP;
     # Qwen3.5 each rank's key heads of its linear layers (their value heads' states on that rank) and each rank's
     # heads' gates; Qwen3-Next the same out of its fused projections, beside experts and a dense layer.
     # Qwen3's,
