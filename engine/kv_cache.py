@@ -41,7 +41,7 @@ class KVCache:
         self.dtype = dtype
         shapes = [(rank_kv_heads(heads, tensor_parallel_size), dim)
                   for heads, dim in map(model.layer_kv_shape, model.kv_layers)]
-        if model.full_attention is None:   # one shape: this rank's heads
+        if model.gemma4 is None:   # one shape: this rank's heads
             shapes = [(num_kv_heads or model.num_kv_heads, model.head_dim)] * model.num_kv_layers
         kinds = sorted(set(shapes), key=shapes.index)
         # Zeroed, so that a slot no step has written yet holds finite values.

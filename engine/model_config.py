@@ -19,7 +19,7 @@ from engine.config import ConfigError, PoolConfig, quantizes_kv_cache_only
 from engine.fp8_weights import SCALE_SUFFIX, fp8_weights
 from engine.config_values import read_bool, read_float, read_int, read_object, read_token_ids
 from engine.gated_delta_config import GatedDeltaShape, serving_pool
-from engine.gemma4_config import FullAttentionShape, gemma4_params
+from engine.gemma4_config import Gemma4Shape, gemma4_params
 from engine.mamba_config import Mamba2Shape
 from engine.nemotron_h_config import nemotron_h_config, nemotron_h_params
 from engine.mla_config import MlaShape
@@ -116,7 +116,7 @@ class ModelConfig:
     logit_scale: float = 1.0            # Cohere: the logits are multiplied by it
     partial_rotary_factor: float = 1.0  # GLM-4: the share of each head the rotary turns (the default rope only)
     rope_proportional: bool = False     # Gemma 4's full layers: the turning pairs' frequencies over the whole head
-    full_attention: FullAttentionShape | None = None   # Gemma 4: the full layers' KV heads and head size (None: alike)
+    gemma4: Gemma4Shape | None = None   # Gemma 4: its full layers' own attention shape, per-layer inputs, shared K/V
     no_rope_layers: tuple[int, ...] = ()   # SmolLM3: 1 where a layer rotates q and k, 0 where not (NoPE); (): all do
     attention_chunk_size: int | None = None   # Llama 4: a chunked_attention layer's query sees its chunk alone
     qk_l2_norm: bool = False            # Llama 4: each q and k head of a rotating layer L2-normed after the rotary
@@ -280,8 +280,8 @@ class ModelConfig:
 
     def layer_kv_shape(self, layer: int) -> tuple[int, int]:
         """(KV heads, head size) of layer `layer`'s attention: the model's, or Gemma 4's full layers' own."""
-        if self.full_attention is not None and self.layer_window(layer) is None:
-            return self.full_attention.num_kv_heads, self.full_attention.head_dim
+        if self.gemma4 is not None and self.layer_window(layer) is None:
+            return self.gemma4.num_kv_heads, self.gemma4.head_dim
         return self.num_kv_heads, self.head_dim
 
     def layer_config(self, layer: int) -> ModelConfig:
@@ -295,7 +295,8 @@ class ModelConfig:
         """The layers that keep K/V in the paged cache: all but linear-attention ones (Qwen3.5's), which keep a
         state per sequence instead (`state_bytes_per_seq`). The cache's layer i is layer kv_layers[i]'s."""
         return tuple(i for i in range(self.num_layers) if not self.is_linear_layer(i)
-                     and not (self.layer_types and self.layer_types[i] in ("mlp", "moe")))   # Nemotron-H's
+                     and not (self.layer_types and self.layer_types[i] in ("mlp", "moe"))   # Nemotron-H's
+                     and (self.gemma4 is None or self.gemma4.kv_producer(self, i) == i))   # Gemma 4's shared K/V
 
     @property
     def state_shape(self) -> GatedDeltaShape | Mamba2Shape | None:

@@ -12,7 +12,10 @@ layer, changed (config: `engine.gemma4_config`).
   by `Gemma4Experts.route`, their input normed by a norm of their own) are each normed and summed before the
   post-feed-forward norm;
 - each layer's output (its residual sum) is multiplied by its `layer_scalar`, so the residual add is the layer's own
-  (not fused into the next layer's input norm as in the Llama layer).
+  (not fused into the next layer's input norm as in the Llama layer);
+- the E2B's and E4B's per-layer inputs (`per_layer_inputs`) are gated into each layer's output before that scalar,
+  and their last layers project q alone and attend to their producer's cache (`Gemma4Shape.kv_producer`: the model
+  hands each layer its producer's K/V, `kv_cache_of`), with double-wide MLPs where the config says.
 It runs on the module path on every backend; the experts as Qwen3-MoE's (`SparseMoeBlock`: Triton on CUDA, grouped
 matmuls elsewhere). Under tensor parallelism each layer's attention is cut in its own shape (`cut_shape`: a full
 layer's few KV heads replicated where the ranks outnumber them), the experts along their intermediate size.
@@ -25,6 +28,7 @@ from dataclasses import replace
 from types import ModuleType
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine.layers import FloatRMSNorm, GeluTanhAndMul, HeadRMSNorm, RopeRows, RotaryEmbedding
@@ -34,7 +38,7 @@ from engine.models.gemma3 import Gemma3ForCausalLM
 from engine.models.qwen3_moe import SparseMoeBlock
 from engine.parallel import Collectives, ShardShape
 from engine.rope_config import RopeScaling
-from kernels import AttentionMetadata
+from kernels import AttentionMetadata, fused
 
 __all__ = ["Gemma4ForCausalLM"]
 
@@ -58,7 +62,8 @@ class Gemma4HeadRMSNorm(HeadRMSNorm):
 
 class Gemma4Attention(Attention):
     """The layer's attention in its own shape (`ModelConfig.layer_config`); `k_eq_v`: no v_proj, V is the K
-    projection normed without a weight (as every layer's V is), not rotated."""
+    projection normed without a weight (as every layer's V is), not rotated. A shared-K/V layer (`shares_kv`) projects
+    q alone and attends to its producer's cache (`producer`, set by the model), stored there under its scales."""
 
     def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives, rotary_emb: RotaryEmbedding,
                  layer: int) -> None:
@@ -66,13 +71,25 @@ class Gemma4Attention(Attention):
         self_shard = ShardShape.of(own, shard.rank, shard.size)   # this rank's heads of the layer's own shape
         super().__init__(own, self_shard, comm, rotary_emb, layer, Gemma4HeadRMSNorm)
         self.shard = self_shard
-        self.k_eq_v = config.full_attention.k_eq_v and config.layer_window(layer) is None
-        if self.k_eq_v:
-            self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + self.kv_size, bias=config.attention_bias)
+        self.k_eq_v = config.gemma4.k_eq_v and config.layer_window(layer) is None
+        self.shares_kv = config.gemma4.kv_producer(config, layer) != layer
+        self.producer: Gemma4Attention | None = None
+        if self.k_eq_v or self.shares_kv:
+            rows = self.q_size + (0 if self.shares_kv else self.kv_size)
+            self.qkv_proj = nn.Linear(config.hidden_size, rows, bias=config.attention_bias)
+        if self.shares_kv:
+            self.k_norm = None
 
     def forward(self, hidden: torch.Tensor, rope_rows: RopeRows, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata, backend) -> torch.Tensor:
         heads, kv_heads = self.num_heads, self.num_kv_heads
+        if self.shares_kv:   # the producer stored this step's K/V already (an earlier layer)
+            q = self.qkv_proj(hidden).view(-1, heads, self.config.head_dim)
+            self.q_norm(q)
+            self.rotary_emb(q, rope_rows)
+            out = backend.paged_attention(q, *kv_cache, meta, self.scale, self.sliding_window,
+                                          k_scale=self.producer.k_scale, v_scale=self.producer.v_scale)
+            return self.comm.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
         qkv = self.qkv_proj(hidden)
         if self.k_eq_v:
             qkv = torch.cat([qkv, qkv[:, self.q_size:]], dim=1)
@@ -120,8 +137,13 @@ class Gemma4DecoderLayer(nn.Module):
         self.self_attn = Gemma4Attention(config, shard, comm, rotary_emb, layer)
         self.post_attention_layernorm = FloatRMSNorm(h, eps)
         self.pre_feedforward_layernorm = FloatRMSNorm(h, eps)
-        self.mlp = MLP(config, shard, comm, ops)
+        wide = config.gemma4.mlp_width(config, layer) // config.intermediate_size   # 2: a double-wide MLP
+        self.mlp = MLP(config, replace(shard, intermediate_size=wide * shard.intermediate_size), comm, ops)
         self.post_feedforward_layernorm = FloatRMSNorm(h, eps)
+        if (per_layer := config.gemma4.per_layer_input_size):   # whole on every rank
+            self.per_layer_input_gate = nn.Linear(h, per_layer, bias=False)
+            self.per_layer_projection = nn.Linear(per_layer, h, bias=False)
+            self.post_per_layer_input_norm = FloatRMSNorm(h, eps)
         self.moe = Gemma4Experts(config, shard, comm, ops) if config.is_sparse_layer(layer) else None
         if self.moe is not None:
             self.pre_feedforward_layernorm_2 = FloatRMSNorm(h, eps)
@@ -130,17 +152,22 @@ class Gemma4DecoderLayer(nn.Module):
         self.layer_scalar = nn.Parameter(torch.empty(1))
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope_rows: RopeRows,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, backend
-                ) -> tuple[torch.Tensor, None]:
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, backend,
+                per_layer_input: torch.Tensor | None = None) -> tuple[torch.Tensor, None]:
         """hidden: [num_tokens, hidden_size], the previous layer's output (the scaled embeddings for the first);
-        `residual` unused (None) -> (this layer's output, None)."""
+        `residual` unused (None); `per_layer_input` [num_tokens, per_layer_input_size], this layer's slice of the
+        per-layer inputs where the model has them -> (this layer's output, None)."""
         attn = self.self_attn(self.input_layernorm(hidden), rope_rows, kv_cache, meta, backend)
         normed, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(attn), hidden)
         out = self.mlp(normed)
         if self.moe is not None:
             experts = self.moe(self.pre_feedforward_layernorm_2(residual), residual)
             out = self.post_feedforward_layernorm_1(out) + self.post_feedforward_layernorm_2(experts)
-        return (residual + self.post_feedforward_layernorm(out)) * self.layer_scalar, None
+        hidden = residual + self.post_feedforward_layernorm(out)
+        if per_layer_input is not None:   # gated in, projected back, normed, added
+            gated = F.gelu(self.per_layer_input_gate(hidden), approximate="tanh") * per_layer_input
+            hidden = hidden + self.post_per_layer_input_norm(self.per_layer_projection(gated))
+        return hidden * self.layer_scalar, None
 
 
 class Gemma4ForCausalLM(Gemma3ForCausalLM):
@@ -148,6 +175,21 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
     where `final_logit_softcapping`), with its own layers, norms and rotaries."""
 
     norm_init = 1.0
+
+    def __init__(self, config: ModelConfig, shard: ShardShape | None = None, comm: Collectives | None = None,
+                 ops: ModuleType = fused) -> None:
+        super().__init__(config, shard, comm, ops)
+        g, h, layers = config.gemma4, config.hidden_size, config.num_layers
+        if (size := g.per_layer_input_size):   # the per-layer inputs' table, projection and norm: whole on every rank
+            self.embed_tokens_per_layer = nn.Embedding(g.per_layer_vocab_size, layers * size,
+                                                       _weight=torch.empty(g.per_layer_vocab_size, layers * size))
+            self.per_layer_model_projection = nn.Linear(h, layers * size, bias=False)
+            self.per_layer_projection_norm = FloatRMSNorm(size, config.rms_norm_eps)
+        cache_of = {layer: i for i, layer in enumerate(config.kv_layers)}
+        self.kv_cache_of = [cache_of[g.kv_producer(config, i)] for i in range(layers)]   # each layer's cache
+        for i, layer in enumerate(self.layers):   # a shared-K/V layer reads its producer's scales (not a submodule)
+            if layer.self_attn.shares_kv:
+                object.__setattr__(layer.self_attn, "producer", self.layers[g.kv_producer(config, i)].self_attn)
 
     @property
     def graph_safe(self) -> bool:
@@ -177,13 +219,26 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
                 backend) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size]."""
         hidden = self.embed(input_ids)
+        per_layer = self.per_layer_inputs(input_ids, hidden) if "embed_tokens_per_layer" in self._modules else None
         rows: dict[int, RopeRows] = {}   # the step's cos/sin, once per rotary
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for i, layer in enumerate(self.layers):
             rotary = layer.self_attn.rotary_emb
             if id(rotary) not in rows:
                 rows[id(rotary)] = rotary.rows(positions)
-            hidden, _ = layer(hidden, None, rows[id(rotary)], kv_cache, meta, backend)
+            hidden, _ = layer(hidden, None, rows[id(rotary)], kv_caches[self.kv_cache_of[i]], meta, backend,
+                              None if per_layer is None else per_layer[:, i])
         return self.norm(hidden)
+
+    def per_layer_inputs(self, input_ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
+        """[num_tokens, num_layers, per_layer_input_size]: each token's rows of the per-layer table (scaled by the
+        square root of their size, rounded to the weights' dtype) and a projection of its scaled embedding (times
+        1 / sqrt(hidden), normed), summed and times 1 / sqrt(2) (transformers' `project_per_layer_inputs`)."""
+        size, layers = self.config.gemma4.per_layer_input_size, self.config.num_layers
+        table = self.embed_tokens_per_layer(input_ids)
+        table = table * float(torch.tensor(size ** 0.5).to(table.dtype))
+        projected = self.per_layer_model_projection(embeds) * self.config.hidden_size ** -0.5
+        projected = self.per_layer_projection_norm(projected.view(-1, layers, size))
+        return (projected + table.view(-1, layers, size)) * 2.0 ** -0.5
 
     def init_random(self, seed: int = 0, std: float = 0.02) -> None:
         """`LlamaForCausalLM.init_random`, each layer's output scalar and the routers' scales 1."""
@@ -195,12 +250,21 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
 
     def cut_shape(self, name: str) -> tuple[ShardShape, ModelConfig]:
         """A layer's attention tensors are cut in its own shape (a full layer's KV heads and head size)."""
-        head, sep, _ = name.partition(".self_attn.")
-        index = head.split(".")[-1]
-        if sep and index.isdigit() and int(index) < len(self.layers):
-            attn = self.layers[int(index)].self_attn
-            return attn.shard, attn.config
+        layer = self._layer_of(name)
+        if layer is not None and ".self_attn." in name:
+            return layer.self_attn.shard, layer.self_attn.config
+        if layer is not None and ".mlp." in name:   # a double-wide MLP: its own width
+            inter = layer.mlp.intermediate_size
+            return replace(self.shard, intermediate_size=inter), replace(
+                self.config, intermediate_size=inter * self.shard.size)
         return self.shard, self.config
+
+    def _layer_of(self, name: str) -> nn.Module | None:
+        """The layer a `layers.N.` tensor belongs to (None: another tensor, or past the model's layers)."""
+        parts = name.split(".")
+        if len(parts) > 2 and parts[0] == "layers" and parts[1].isdigit() and int(parts[1]) < len(self.layers):
+            return self.layers[int(parts[1])]
+        return None
 
     def _shard_of(self, hf_name: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """The experts' stacked tensors cut along each expert's intermediate size (w13's gate rows and up rows, w2's
@@ -218,7 +282,12 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
         return torch.cat([tensor.narrow(1, rank * mine, mine), tensor.narrow(1, inter + rank * mine, mine)], dim=1)
 
     def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
-        """The router's and the experts' tensors under our names (`layers.N.moe.`); the rest as stored."""
+        """The router's and the experts' tensors under our names (`layers.N.moe.`); a shared-K/V layer's K and V
+        projections and norms skipped (some checkpoints keep them; transformers skips them too); the rest as stored."""
+        layer = self._layer_of(name)
+        if layer is not None and layer.self_attn.shares_kv and any(
+                f".self_attn.{kind}." in name for kind in ("k_proj", "v_proj", "k_norm", "v_norm")):
+            return ()
         head, sep, rest = name.partition(".router.") if ".router." in name else name.partition(".experts.")
         if sep and f"{sep[1:]}{rest}" in _RENAMES:
             return ((f"{head}.{_RENAMES[sep[1:] + rest]}", tensor),)
@@ -228,10 +297,15 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
         """q/k/v into their layer's fused rows, in that layer's shape (a full layer's own; no v_proj with `k_eq_v`)."""
         head, sep, rest = name.partition(".self_attn.")
         proj, _, kind = rest.partition(".")
+        layer = self._layer_of(name)
+        if layer is not None and name.endswith((".mlp.gate_proj.weight", ".mlp.up_proj.weight")):
+            size = layer.mlp.intermediate_size   # a double-wide MLP's rows
+            offset = 0 if ".gate_proj." in name else size
+            return name.replace(".mlp.gate_proj.", ".mlp.gate_up_proj.").replace(".mlp.up_proj.", ".mlp.gate_up_proj."), \
+                lambda data: data.narrow(0, offset, size)
         if not (sep and proj in ("q_proj", "k_proj", "v_proj")):
             return super()._destination(name, hf_name)
-        index = head.split(".")[-1]
-        attn = self.layers[int(index)].self_attn if index.isdigit() and int(index) < len(self.layers) else None
+        attn = None if layer is None else layer.self_attn
         if attn is None or (proj == "v_proj" and attn.k_eq_v):
             raise WeightLoadError(f"{hf_name}: not a tensor of {self.config.architecture} with this config")
         offset, size = {"q_proj": (0, attn.q_size), "k_proj": (attn.q_size, attn.kv_size),

@@ -139,6 +139,11 @@ GEMMA4 = dict(num_hidden_layers=4, tie_word_embeddings=False, head_dim=16, globa
                                                   "rope_theta": 1000000.0}})
 GEMMA4_MOE = {**GEMMA4, "attention_k_eq_v": False, "final_logit_softcapping": None,
               "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32}
+# Gemma 4's E2B / E4B: per-layer inputs of 16 (a table of their own), the last 2 of 6 layers reading the K/V of the
+# last sliding and full layers before them, with MLPs twice as wide
+GEMMA4_E = {**GEMMA4, "num_hidden_layers": 6, "layer_types": ["sliding_attention", "full_attention"] * 3,
+            "hidden_size_per_layer_input": 16, "vocab_size_per_layer_input": 512, "num_kv_shared_layers": 2,
+            "use_double_wide_mlp": True}
 
 TINY_MODELS = [
     ("llama", dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -159,6 +164,7 @@ TINY_MODELS = [
                                     "full_attention": {**YARN, "rope_theta": 1000000.0}}}),
     ("gemma4", GEMMA4),
     ("gemma4", GEMMA4_MOE),
+    ("gemma4", GEMMA4_E),
     ("llama", dict(hidden_act="gelu_pytorch_tanh")),   # the CPU's flat forward runs SiLU: the modules run this
     # a linear scaling serves max_position_embeddings x factor (vLLM's reading): the outputs run past 40
     ("llama", dict(rope_scaling={"rope_type": "linear", "factor": 2.0}, max_position_embeddings=40)),

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from engine.gemma4_config import FullAttentionShape
+from engine.gemma4_config import Gemma4Shape
 from engine.config import CacheConfig, ConfigError, EngineConfig, PoolConfig, SchedulerConfig
 from engine.kv_cache import KVCache, SwapSpace
 from engine.llm_engine import LLMEngine
@@ -35,7 +35,7 @@ def test_the_release_config_gives_two_attention_shapes_and_their_bytes():
     config = ModelConfig.from_hf_config(GEMMA4_31B)
     assert config.layer_types.count("full_attention") == 10 and config.layer_types[5] == "full_attention"
     assert (config.layer_kv_shape(0), config.layer_kv_shape(5)) == ((16, 256), (4, 512))
-    assert config.full_attention.k_eq_v and config.attention_scale == 1.0
+    assert config.gemma4.k_eq_v and config.attention_scale == 1.0
     assert config.kv_bytes_per_token(torch.bfloat16) == 2 * (50 * 16 * 256 + 10 * 4 * 512) * 2
     assert 30.6e9 < config.num_params() < 31.3e9
     assert (config.rope_theta, config.rope_local_theta, config.rotary_dim) == (1e6, 1e4, 64)
@@ -46,10 +46,25 @@ def test_the_release_config_gives_two_attention_shapes_and_their_bytes():
     assert multimodal.kv_bytes_per_token(torch.bfloat16) == config.kv_bytes_per_token(torch.bfloat16)
 
 
+def test_the_e_models_keep_no_kv_for_their_shared_layers():
+    """An E2B-shaped config (35 layers, the last 20 reading the K/V of the last sliding and full layers before them,
+    per-layer inputs of 256): the cache holds the first 15 layers alone, and S_KV counts those."""
+    e2b = {**GEMMA4_31B, "hidden_size": 1536, "intermediate_size": 6144, "num_hidden_layers": 35,
+           "num_attention_heads": 8, "num_key_value_heads": 1, "attention_k_eq_v": False, "sliding_window": 512,
+           "hidden_size_per_layer_input": 256, "num_kv_shared_layers": 20, "use_double_wide_mlp": True,
+           "layer_types": (["sliding_attention"] * 4 + ["full_attention"]) * 7}
+    config = ModelConfig.from_hf_config(e2b)
+    g = config.gemma4
+    assert config.kv_layers == tuple(range(15)) and (g.per_layer_input_size, g.per_layer_vocab_size) == (256, 262_144)
+    assert [g.kv_producer(config, i) for i in (14, 15, 19, 34)] == [14, 13, 14, 14]
+    assert (g.mlp_width(config, 14), g.mlp_width(config, 15)) == (6144, 12_288)
+    assert config.kv_bytes_per_token(torch.bfloat16) == 2 * (12 * 256 + 3 * 512) * 2
+
+
 @pytest.mark.parametrize("change,key", [
-    ({"hidden_size_per_layer_input": 256}, "hidden_size_per_layer_input"),
-    ({"hidden_size_per_layer_input": "__absent__"}, "hidden_size_per_layer_input"),   # transformers' default: 256
-    ({"num_kv_shared_layers": 20}, "num_kv_shared_layers"),
+    ({"hidden_size_per_layer_input": -1}, "hidden_size_per_layer_input"),
+    ({"num_kv_shared_layers": 60}, "num_kv_shared_layers"),   # no layer left to keep the K/V they read
+    ({"num_kv_shared_layers": 55}, "num_kv_shared_layers"),   # no full layer before them
     ({"use_bidirectional_attention": "vision"}, "use_bidirectional_attention"),
     ({"rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 4.0}}},
      "rope_parameters.full_attention.rope_type"),
@@ -63,7 +78,6 @@ def test_the_release_config_gives_two_attention_shapes_and_their_bytes():
 ])
 def test_what_gemma4_asks_beyond_what_is_served_is_refused_by_key(change, key):
     cfg = {**GEMMA4_31B, **change}
-    cfg = {k: v for k, v in cfg.items() if v != "__absent__"}
     with pytest.raises(ConfigError, match=f"^{key}:"):
         ModelConfig.from_hf_config(cfg)
 
@@ -75,12 +89,12 @@ def test_per_layer_config_as_transformers_saves_it_and_each_shape_split_over_ran
     per_layer = {str(i): {"head_dim": 512, "num_key_value_heads": 4} for i in range(5, 60, 6)}
     cfg = {k: v for k, v in GEMMA4_31B.items() if not k.startswith(("global_", "num_global_"))}
     config = ModelConfig.from_hf_config({**cfg, "per_layer_config": per_layer})
-    assert config.full_attention == ModelConfig.from_hf_config(GEMMA4_31B).full_attention
+    assert config.gemma4 == ModelConfig.from_hf_config(GEMMA4_31B).gemma4
     one = config.kv_bytes_per_token(torch.bfloat16)
     assert ShardShape.of(config, 0, 2).kv_bytes_per_token(config, torch.bfloat16) == one // 2
     assert ShardShape.of(config, 3, 8).kv_bytes_per_token(config, torch.bfloat16) == 2 * (50 * 2 * 256 + 10 * 512) * 2
     with pytest.raises(ConfigError, match="^tensor_parallel_size: 2 neither divides nor is a multiple of the model's 3"):
-        check_tensor_parallel(replace(config, full_attention=FullAttentionShape(3, 512, True)), 2)
+        check_tensor_parallel(replace(config, gemma4=Gemma4Shape(3, 512, True)), 2)
 
 
 def test_a_cache_of_two_shapes_copies_and_swaps_every_layer():

@@ -20,7 +20,7 @@ from engine.llm_engine import LLMEngine
 from engine.parallel import ShardShape, check_tensor_parallel
 from engine.sampling import SamplingParams
 from tests.conftest import BUILTIN, assert_all_free, make_tiny_model
-from tests.engine.test_engine_vs_hf import GEMMA4, GEMMA4_MOE
+from tests.engine.test_engine_vs_hf import GEMMA4, GEMMA4_E, GEMMA4_MOE
 
 NEAR_TIE = 1e-4
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
@@ -280,6 +280,7 @@ QWEN3 = {"head_dim": 32, "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
                     "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48, "mlp_only_layers": [2]}, None),
     ("gemma4", GEMMA4, None),
     ("gemma4", GEMMA4_MOE, True),
+    ("gemma4", GEMMA4_E, None),
 ])
 def test_two_ranks_generate_what_one_does(tmp_path, builtin_path, prompts, arch, overrides, overlap):
     # A tiny random model with even head counts (4 heads, 2 KV heads); Qwen3 q/k head norms (whole on every rank)
@@ -300,7 +301,8 @@ def test_two_ranks_generate_what_one_does(tmp_path, builtin_path, prompts, arch,
     # Apertus each rank's rows of its ungated MLP (xIELU's slopes whole on each); Granite 4-H each rank's Mamba heads
     # and groups (then one group whole on each rank, its gated norm's sums over both, biased projections) beside
     # experts; Gemma 4 each layer's attention in its own shape (the full layers' one KV head on both ranks, V its K
-    # projection) and the experts' stacked rows beside each MLP;
+    # projection) and the experts' stacked rows beside each MLP (the E models' per-layer inputs whole on each rank,
+    # their shared-K/V layers reading their producers' heads on each rank, double-wide MLPs cut in their width);
     # Qwen3.5 each rank's key heads of its linear layers (their value heads' states on that rank) and each rank's
     # heads' gates; Qwen3-Next the same out of its fused projections, beside experts and a dense layer.
     # Qwen3's,
