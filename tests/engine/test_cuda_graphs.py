@@ -341,3 +341,28 @@ def test_on_cuda_a_hybrid_models_greedy_tokens_are_the_same_with_graphs_and_with
         results[eager] = [out.outputs[0].token_ids for out in engine.generate(prompts, params)]
         assert_all_free(engine)
     assert results[False] == results[True]
+
+
+@pytest.mark.parametrize("shape", ["GEMMA4", "GEMMA4_E"])
+def test_gemma4_decode_graphs_replay_two_cache_shapes_and_shared_kv_layers(tmp_path, builtin_path, monkeypatch,
+                                                                          shape):
+    """Gemma 4's layers attend in two shapes, each over a cache tensor of its own (and the E models' last layers over
+    their producer's, with per-layer inputs): decode steps replay the captured graphs (batches of 3, 2 and 1, padded
+    rows), prefills run eagerly between them, and greedy tokens equal the eager torch reference's."""
+    import tests.engine.test_engine_vs_hf as parity
+
+    path = make_tiny_model(tmp_path / shape, "gemma4", builtin_path, **getattr(parity, shape))
+    rng = random.Random(13)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (3, 20, 9)]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (10, 4, 7)]
+    results = {}
+    for graphs in (False, True):
+        engine = _engine(path, monkeypatch, "triton" if graphs else "torch")
+        assert engine.model.graph_safe
+        if graphs:
+            recorder = RecordingGraphBackend()
+            engine.runner.capture_graphs(MAX_SEQS, 128, recorder)
+        results[graphs] = [out.outputs[0].token_ids for out in engine.generate(prompts, params)]
+        assert_all_free(engine)
+    assert recorder.replays > 5
+    assert results[True] == results[False]
