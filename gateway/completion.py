@@ -55,7 +55,7 @@ from gateway.openai.chat import ChatRequest
 from gateway.openai.completions import CompletionRequest
 from gateway.openai.errors import ApiError, drain_cut, shutting_down
 from gateway.openai.harmony import stop_ids as harmony_stop_ids, template_speaks_harmony
-from gateway.openai.reasoning import Think, think_mode
+from gateway.openai.reasoning import Think, tags_skipped, think_mode
 from gateway.openai.sampling_fields import check_context, check_vocabulary
 from gateway.client_writes import ClientGone
 from gateway.admission import Placed
@@ -359,9 +359,9 @@ async def constrained(gateway: Gateway, req: ChatRequest | CompletionRequest, po
     """(`req` with the grammar on its reply in a local `pool`, where a thinking model's chat reply starts: `think_mode`,
     "harmony" for a model whose template writes harmony channels, None for a completion), once the grammar library
     has checked that grammar (a 400 naming its field if it cannot be enforced). The prompt's token `ids` say where
-    the reply starts: its grammar and its reasoning split both follow it. A reply that may call keeps special tokens
-    where its format's markers are special tokens of the pool's (`ToolFormat.markers_skipped`): its calls are read
-    from its text."""
+    the reply starts: its grammar and its reasoning split both follow it. A reply keeps special tokens where it may
+    call and its format's markers are special tokens of the pool's (`ToolFormat.markers_skipped`), or its think tags
+    are (Gemma 4's: `tags_skipped`): its calls and its reasoning are read from its text."""
     if isinstance(req, ChatRequest) and template_speaks_harmony(
             pool.tokenizer.chat_template_source(use_tools=req.tools is not None)):
         return _harmony(req, pool), "harmony"   # its channels split the reply (gateway.openai.harmony)
@@ -371,8 +371,9 @@ async def constrained(gateway: Gateway, req: ChatRequest | CompletionRequest, po
     await gateway.check_grammar(req.params.structured, req.structured_param)
     req = with_grammar(req, pool, think)
     await gateway.check_grammar(req.params.structured, req.structured_param)
-    if isinstance(req, ChatRequest) and req.offers_calls and req.params.skip_special_tokens and \
-            format_for(pool.tokenizer, req.tools).markers_skipped(pool.tokenizer):
+    if isinstance(req, ChatRequest) and req.params.skip_special_tokens and (
+            (req.offers_calls and format_for(pool.tokenizer, req.tools).markers_skipped(pool.tokenizer))
+            or (think is not None and tags_skipped(pool.tokenizer, think.tags))):   # Gemma 4's thought channel
         req = dataclasses.replace(req, params=dataclasses.replace(req.params, skip_special_tokens=False))
     return req, think
 

@@ -1,5 +1,6 @@
 """Reasoning output of models that think in `<think>…</think>` (Qwen3, QwQ, DeepSeek-R1 distills, GLM-4.5,
-MiniMax-M2), `<seed:think>…</seed:think>` (Seed-OSS) or `[THINK]…[/THINK]` (Magistral), split from the answer as
+MiniMax-M2), `<seed:think>…</seed:think>` (Seed-OSS), `[THINK]…[/THINK]` (Magistral) or Gemma 4's thought channel
+(`<|channel>thought\n…<channel|>`, its label read as part of the opening tag), split from the answer as
 vLLM's reasoning parsers do: the text inside the block is `reasoning_content`, what follows the closing tag is
 `content`, and the tags are in neither.
 
@@ -31,7 +32,8 @@ import msgspec
 THINK_START, THINK_END = "<think>", "</think>"
 THINK_TAGS = (THINK_START, THINK_END)
 # each family's tags, the first a template names winning: Seed-OSS's, Magistral's (Mistral's tokens), then `<think>`
-_FAMILIES_TAGS = (("<seed:think>", "</seed:think>"), ("[THINK]", "[/THINK]"), THINK_TAGS)
+_FAMILIES_TAGS = (("<seed:think>", "</seed:think>"), ("[THINK]", "[/THINK]"), ("<|channel>thought", "<channel|>"),
+                  THINK_TAGS)
 _PROMPT_TAIL_TOKENS = 16   # the prompt's last tokens decoded to see whether it ends inside a think block
 
 
@@ -69,6 +71,14 @@ def think_tags(source: str) -> tuple[str, str] | None:
         if start in source or end in source:
             return start, end
     return THINK_TAGS if "enable_thinking" in source else None
+
+
+@functools.lru_cache(maxsize=64)
+def tags_skipped(tokenizer, tags: tuple[str, str]) -> bool:
+    """Whether a reply decoded without its special tokens loses the think tags (Gemma 4's `<|channel>` and
+    `<channel|>` are special tokens): such a model's chat replies are decoded with them, for the split to see."""
+    return any(tokenizer.decode(tokenizer.encode(tag, add_special_tokens=False), skip_special_tokens=True) != tag
+               for tag in tags)
 
 
 def template_thinks(source: str) -> bool:

@@ -21,7 +21,8 @@ from engine.tokenizer import Tokenizer
 from gateway import local_answer
 from gateway.openai.chat import parse_chat
 from gateway.openai.errors import ApiError
-from gateway.openai.reasoning import THINK_TAGS, ReasoningSplitter, split_reasoning, template_thinks, think_tags
+from gateway.openai.reasoning import (THINK_TAGS, ReasoningSplitter, split_reasoning, tags_skipped, template_thinks,
+                                      think_tags)
 from gateway.openai.responses import parse_responses
 from tests.gateway.conftest import accepts, chat_pool_yaml, start_gateway
 # ChatML turns, an assistant's reasoning_content in its think block (as Qwen3's template writes it)
@@ -203,12 +204,14 @@ class _ScriptedEngine:
         self.finish_reason = "stop"
         self.prompts: list[list[int]] = []
         self.structured: list = []
+        self.skip_special: list[bool] = []   # each request's skip_special_tokens
         script = self
 
         async def generate(client, prompt, params=None, *, request_id=None, priority=0, pool=None, cache_salt=None,
                            credits=0, background=False):
             script.prompts.append(list(prompt))
             script.structured.append(params.structured if params is not None else None)
+            script.skip_special.append(params.skip_special_tokens if params is not None else None)
             for k, piece in enumerate(script.pieces):
                 if isinstance(piece, Exception):   # the worker fails the request here
                     raise piece
@@ -327,6 +330,43 @@ SEED_THINKS = ("{% if tools %}<|im_start|>system\nCall as <seed:tool_call>\n<fun
                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
+# Gemma 4's shape: turns of `<|turn>`, the history's thoughts dropped up to their channel's end, a thought channel
+# the model opens (its tags special tokens: `_special_tags`)
+GEMMA4_THINKS = ("{% for m in messages %}<|turn>{{ m.role }}\n{{ m.content.split('<channel|>')[-1] }}<turn|>\n"
+                 "{% endfor %}{% if add_generation_prompt %}<|turn>model\n{% endif %}")
+
+
+def _special_tags(folder: Path, tags: list[str]) -> None:
+    """The tokenizer in `folder` (a linked copy's) with `tags` added as special tokens, each one token that a decode
+    skipping special tokens drops."""
+    path = folder / "tokenizer.json"
+    data = json.loads(path.read_text())
+    path.unlink()   # a link to the tiny model's: written anew
+    top = max(t["id"] for t in data["added_tokens"]) + len(data["model"]["vocab"])
+    for k, tag in enumerate(tags):
+        data["added_tokens"].append({"id": top + k, "content": tag, "single_word": False, "lstrip": False,
+                                     "rstrip": False, "normalized": False, "special": True})
+    path.write_text(json.dumps(data))
+
+
+async def test_gemma4s_thought_channel_is_split_and_its_special_tags_decoded(aiohttp_client, tmp_path, tiny_model,
+                                                                            monkeypatch) -> None:
+    """Gemma 4 thinks in a channel whose tags are special tokens: its chat replies are decoded with special tokens
+    (or the split would never see them), the thought is `reasoning_content` (its `thought` label and separators
+    dropped), whole and streamed, and the answer after `<channel|>` the content."""
+    folder = _thinking_model(tmp_path / "thinker", tiny_model, GEMMA4_THINKS)
+    _special_tags(folder, ["<|channel>", "<channel|>"])
+    yaml = chat_pool_yaml(folder, max_model_len=256, extra="    served_model_name: thinker\n")
+    client, _ = await start_gateway(aiohttp_client, tmp_path, yaml)
+    sdk = openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="unused", max_retries=0)
+    tokenizer = Tokenizer.from_folder(folder)
+    assert tags_skipped(tokenizer, ("<|channel>thought", "<channel|>")) and not tags_skipped(tokenizer, THINK_TAGS)
+    engine = _ScriptedEngine(monkeypatch)
+    engine.pieces = ["<|channel>", "thought\n", "I should", " add.", "<channel|>", "It is", " 4."]
+    await assert_split_whole_and_streamed(sdk, "I should add.", "It is 4.", 7, 5)
+    assert engine.skip_special == [False, False]   # each reply decoded with its special tokens
+
+
 def test_a_templates_own_think_tags_are_the_ones_split():
     """Seed-OSS thinks in `<seed:think>`, Magistral in `[THINK]`, Qwen3 and most in `<think>` (or a template that
     only takes `enable_thinking`): each reply is split at its template's tags, another family's are its text."""
@@ -337,6 +377,9 @@ def test_a_templates_own_think_tags_are_the_ones_split():
     assert split_reasoning(" <seed:think>\nI add.\n</seed:think>\n\nIt is 4.", tags=seed) == ("I add.", "It is 4.")
     assert split_reasoning("[THINK]I add.[/THINK]It is 4.", tags=("[THINK]", "[/THINK]")) == ("I add.", "It is 4.")
     assert split_reasoning("<think>I add.</think>It is 4.", tags=seed) == (None, "<think>I add.</think>It is 4.")
+    gemma4 = ("<|channel>thought", "<channel|>")   # its label read as part of the opening tag
+    assert think_tags(GEMMA4_THINKS) == gemma4
+    assert split_reasoning("<|channel>thought\nI add.<channel|>It is 4.", tags=gemma4) == ("I add.", "It is 4.")
     splitter, parts = ReasoningSplitter(True, tags=seed), []
     for piece in "I add.</seed:th", "ink>It is 4.":
         parts.append(splitter.feed(piece))
