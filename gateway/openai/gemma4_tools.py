@@ -1,0 +1,275 @@
+"""Gemma 4's tool calls (vLLM's `gemma4` parser): each call between special tokens, its arguments in a notation of
+Gemma's own rather than JSON:
+
+    <|tool_call>call:get_weather{city:<|"|>Paris<|"|>,days:3,units:{metric:true},tags:[<|"|>a<|"|>]}<tool_call|>
+
+Keys bare (or between the string marks), strings between `<|"|>` marks (a comma, brace or colon inside one is its
+text), numbers, `true`, `false` and `null` bare, objects in braces and lists in brackets; several calls one after
+another. A template writes this form when it names `<|tool_call>` (`writes_gemma4_calls`). The markers and the
+string marks are special tokens: a reply that may call is decoded with them (`ToolFormat.markers_skipped`).
+
+**Reading** (`read_call`): a call is its marker, `call:`, a name (letters, digits, `_`, `-`, `.`), one object and
+the closing marker; a call of a function not offered, or one that does not read, is content. A call's `arguments`
+are the JSON of what was read (a bare value neither a number nor a literal is its text, as vLLM reads it). A stream
+sends a call's name once its object begins and its arguments when it closes; a reply cut by max_tokens inside a
+call ends in that call, its arguments as far as they read.
+
+Not served: a grammar in this notation. `tool_choice` "required" or a named function, strict tools, allowed tools
+and a response_format beside tools are answered 400 naming the field (as for harmony models); under "auto" the
+model calls as it will.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from typing import Any
+
+from gateway.openai.call_scan import CallScan
+from gateway.openai.errors import ApiError
+from gateway.openai.reasoning import Think, partial_tag
+from gateway.openai.tool_grammar import CallSyntax
+from gateway.openai.tool_specs import Tool
+from gateway.openai.tools import ToolCall, ToolFormat, beside_calls
+
+START, END, QUOTE = "<|tool_call>", "<tool_call|>", '<|"|>'
+_NAME = re.compile(r"call:([\w\-.]+)\{")
+_NAME_SO_FAR = re.compile(r"(c(a(l(l(:[\w\-.]*)?)?)?)?)?")   # what may still become `call:NAME{`
+_NUMBER = re.compile(r"-?(0|[1-9]\d*)(\.\d+)?([eE][+-]?\d+)?")
+_LITERALS = {"true": True, "false": False, "null": None}
+
+
+class _Unread(Exception):
+    """The text does not read as a value (`cut`: it ended before the value did)."""
+
+    def __init__(self, cut: bool = False) -> None:
+        super().__init__()
+        self.cut = cut
+
+
+def writes_gemma4_calls(template: str) -> bool:
+    """Whether a chat template writes its calls in Gemma 4's form (its call marker)."""
+    return START in template
+
+
+def read_call(text: str, pos: int) -> tuple[str | None, dict[str, Any] | None, int | None, bool]:
+    """The call whose marker is at `text[pos]`: (its name, or None until `{` follows it; its arguments, or None until
+    they read; where the call ends past its closing marker, or None; whether, not closed, it may still become a call
+    as the reply grows: it ran out, rather than reading as no call)."""
+    found = _NAME.match(text, pos + len(START))
+    if found is None:
+        return None, None, None, _NAME_SO_FAR.fullmatch(text, pos + len(START)) is not None
+    try:
+        arguments, end = _object(text, found.end() - 1)
+    except _Unread as unread:
+        return found[1], None, None, unread.cut
+    if text.startswith(END, end):
+        return found[1], arguments, end + len(END), False
+    return found[1], arguments, None, END.startswith(text[end:])   # its closing marker may be on its way
+
+
+def _object(text: str, pos: int) -> tuple[dict[str, Any], int]:
+    """The object whose `{` is at `text[pos]` and where it ends."""
+    out: dict[str, Any] = {}
+    pos += 1
+    while True:
+        pos = _blanks(text, pos)
+        if text.startswith("}", pos):
+            return out, pos + 1
+        key, pos = _key(text, pos)
+        value, pos = _value(text, _blanks(text, pos + 1))
+        out.setdefault(key, value)   # the first of a key, as the other formats keep it
+        pos = _after_item(text, pos, "}")
+
+
+def _array(text: str, pos: int) -> tuple[list[Any], int]:
+    out: list[Any] = []
+    pos += 1
+    while True:
+        pos = _blanks(text, pos)
+        if text.startswith("]", pos):
+            return out, pos + 1
+        value, pos = _value(text, pos)
+        out.append(value)
+        pos = _after_item(text, pos, "]")
+
+
+def _key(text: str, pos: int) -> tuple[str, int]:
+    """A key (bare, or between string marks) and where its `:` is."""
+    if text.startswith(QUOTE, pos):
+        key, pos = _string(text, pos)
+        pos = _blanks(text, pos)
+    else:
+        colon = text.find(":", pos)
+        if colon < 0:
+            raise _Unread(cut=True)
+        key, pos = text[pos:colon].strip(), colon
+    if not text.startswith(":", pos) or not key:
+        raise _Unread(cut=pos >= len(text))
+    return key, pos
+
+
+def _value(text: str, pos: int) -> tuple[Any, int]:
+    if pos >= len(text):
+        raise _Unread(cut=True)
+    if text.startswith(QUOTE, pos):
+        return _string(text, pos)
+    if text[pos] == "{":
+        return _object(text, pos)
+    if text[pos] == "[":
+        return _array(text, pos)
+    end = pos
+    while end < len(text) and text[end] not in ",}]":
+        end += 1
+    if end >= len(text):
+        raise _Unread(cut=True)   # a bare value may go on
+    word = text[pos:end].strip()
+    if not word or QUOTE in word:
+        raise _Unread()
+    if word in _LITERALS:
+        return _LITERALS[word], end
+    return (json.loads(word) if _NUMBER.fullmatch(word) else word), end
+
+
+def _string(text: str, pos: int) -> tuple[str, int]:
+    end = text.find(QUOTE, pos + len(QUOTE))
+    if end < 0:
+        raise _Unread(cut=True)
+    return text[pos + len(QUOTE):end], end + len(QUOTE)
+
+
+def _after_item(text: str, pos: int, close: str) -> int:
+    """Past an item's comma (the next item's place), or at the closing bracket."""
+    pos = _blanks(text, pos)
+    if pos >= len(text):
+        raise _Unread(cut=True)
+    if text[pos] == ",":
+        return pos + 1
+    if text[pos] != close:
+        raise _Unread()
+    return pos
+
+
+def _blanks(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos] in " \t\r\n":
+        pos += 1
+    return pos
+
+
+def _cut_arguments(text: str, pos: int) -> dict[str, Any]:
+    """The arguments of a call cut inside its object, as far as whole items read (the object at `text[pos]`)."""
+    out: dict[str, Any] = {}
+    pos += 1
+    try:
+        while True:
+            pos = _blanks(text, pos)
+            key, pos = _key(text, pos)
+            value, pos = _value(text, _blanks(text, pos + 1))
+            out.setdefault(key, value)
+            pos = _after_item(text, pos, "}")
+    except _Unread:
+        return out
+
+
+class Gemma4Format(ToolFormat):
+    """Gemma 4's calls (the module's notes)."""
+
+    name = "gemma4"
+    start = START
+    markers = (START, END, QUOTE)
+    syntax = CallSyntax(START, END, "", "arguments", rf"/(?s:.)*/ & ~/(?s:.)*{re.escape(START)}(?s:.)*/")
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        return self._read(text)[:2]
+
+    def _read(self, text: str) -> tuple[str | None, list[ToolCall], int | None]:
+        """`parse`, and where a call still open at the reply's end begins (None: none is; its text is content)."""
+        calls, kept, last, pos = [], [], 0, 0
+        while (found := text.find(START, pos)) >= 0:
+            name, arguments, end, going_on = read_call(text, found)
+            if end is None and going_on:
+                return self._content(text, kept, last, calls), calls, found
+            pos = found + len(START)
+            if end is None or name not in self.tools:
+                continue   # prose, or a function not offered: content
+            calls.append(ToolCall(name, json.dumps(arguments, ensure_ascii=False), start=found))
+            kept.append(text[last:found])
+            last = pos = end
+        return self._content(text, kept, last, calls), calls, None
+
+    @staticmethod
+    def _content(text: str, kept: list[str], last: int, calls: list[ToolCall]) -> str | None:
+        return beside_calls("".join(kept) + text[last:]) if calls else text
+
+    def parse_reply(self, text: str, cut: bool = False) -> tuple[str | None, list[ToolCall]]:
+        """`parse`; a reply max_tokens cut inside a call of a function offered ends in that call, its arguments as
+        far as whole items read (`ToolCall.cut`); one cut before its object began is dropped (a stream held it)."""
+        content, calls, begin = self._read(text)
+        if not cut or begin is None:
+            return content, calls
+        content = self._read(text[:begin])[0]
+        found = _NAME.match(text, begin + len(START))
+        if found is not None and found[1] in self.tools:
+            arguments = json.dumps(_cut_arguments(text, found.end() - 1), ensure_ascii=False)
+            calls = [*calls, ToolCall(found[1], arguments, cut=True, start=begin)]
+        return (beside_calls(content or "") if calls else content), calls
+
+    def call_scans(self, text: str, pos: int, scanners: dict[int, Any] | None = None) -> Iterator[CallScan]:
+        """Each call from `pos`: its name once its object begins, its arguments' JSON once it closes (`_look`)."""
+        while (found := text.find(START, pos)) >= 0:
+            name, arguments, end, going_on = self._look(text, found, scanners)
+            if end is None and not going_on:
+                pos = found + len(START)   # a marker in prose
+                continue
+            if name is None:
+                return   # a call may be starting
+            yield CallScan(name=name, args_start=0, start=found, end=end,
+                           args_text="" if end is None else json.dumps(arguments, ensure_ascii=False))
+            if end is None:
+                return
+            pos = end
+
+    def hold_from(self, text: str, pos: int = 0, scanners: dict[int, Any] | None = None) -> int:
+        while (found := text.find(START, pos)) >= 0:
+            _, _, end, going_on = self._look(text, found, scanners)
+            if end is not None or going_on:
+                return found
+            pos = found + len(START)
+        return len(text) - partial_tag(text, START)
+
+    @staticmethod
+    def _look(text: str, found: int, scanners: dict[int, Any] | None) -> tuple[str | None, Any, int | None, bool]:
+        """`read_call` as a stream's reply grows (`scanners`: key -1 how far each call was searched for a closing
+        marker, -2 each closed call): a call is read once a closing marker follows it (before, it is open: its name
+        alone read), and a closed one never again, so a delta costs what it adds."""
+        if scanners is None:
+            return read_call(text, found)
+        closed = scanners.setdefault(-2, {})
+        if found in closed:
+            return closed[found]
+        searched = scanners.setdefault(-1, {})
+        if text.find(END, max(found + len(START), searched.get(found, 0) - len(END))) < 0:
+            searched[found] = len(text)
+            named = _NAME.match(text, found + len(START))
+            if named is None:
+                return None, None, None, _NAME_SO_FAR.fullmatch(text, found + len(START)) is not None
+            return named[1], None, None, True
+        look = read_call(text, found)
+        if look[2] is not None or not look[3]:
+            closed[found] = look   # closed, or no call: the reply only grows
+        else:
+            searched[found] = len(text)   # it ran out: the marker that closes it is past the text so far
+        return look
+
+    def example(self) -> str:
+        return f"{START}call:<function name>{{<argument>:{QUOTE}<text>{QUOTE},<argument>:<number>}}{END}"
+
+    def grammar(self, tools: list[Tool], parallel: bool, think: Think | str | None = None):
+        raise ApiError(400, "tool_choice: this model writes its calls in Gemma 4's notation, which takes no grammar "
+                            "here; only \"auto\" and \"none\" are served", param="tool_choice")
+
+    def auto_grammar(self, tools: list[Tool], parallel: bool, reply=None, think: Think | str | None = None):
+        raise ApiError(400, "tools: this model writes its calls in Gemma 4's notation, which takes no grammar here: "
+                            "strict tools (send them with strict false), allowed tools and a response_format beside "
+                            "tools are not served", param="tools")

@@ -1,0 +1,136 @@
+"""Gemma 4's tool-call form (`gemma4`: `<|tool_call>call:NAME{key:<|"|>text<|"|>,n:3}<tool_call|>`): found from the
+template, its notation read into OpenAI's JSON arguments (strings holding its own punctuation, numbers, literals,
+nested objects and lists), what is not a call of an offered function left as content, a reply cut by max_tokens
+inside a call, a stream adding up to the whole answer at a cost of what each delta adds, and grammars refused by
+field. Over the openai SDK, a reply that thinks in Gemma 4's channel and then calls, whole and streamed."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import openai
+import pytest
+
+from gateway.openai.errors import ApiError
+from gateway.openai.gemma4_tools import END, QUOTE, START, Gemma4Format
+from gateway.openai.tool_formats import tool_format
+from gateway.openai.tool_specs import parse_tools
+from tests.gateway.conftest import chat_pool_yaml, start_gateway
+from tests.gateway.test_reasoning import MESSAGES, _ScriptedEngine, _special_tags, _thinking_model
+from tests.gateway.test_xml_tools import SEARCH, WEATHER, streamed_by_character
+
+# Gemma 4's shape: turns of `<|turn>`, a history's calls in its own notation (as the template writes them: here the
+# arguments' JSON), the history's thoughts dropped
+TEMPLATE = ("{% for m in messages %}<|turn>{{ m.role }}\n{{ (m.content or '').split('<channel|>')[-1] }}"
+            "{% for c in m.tool_calls or [] %}<|tool_call>call:{{ c.function.name }}{{ c.function.arguments }}"
+            "<tool_call|>{% endfor %}<turn|>\n{% endfor %}{% if add_generation_prompt %}<|turn>model\n{% endif %}")
+
+
+def _q(text: str) -> str:
+    return f"{QUOTE}{text}{QUOTE}"
+
+
+CALL = f"{START}call:get_weather{{city:{_q('Paris, {France}: [x]')},days:3}}{END}"
+NESTED = (f"{START}call:search{{query:{_q('q')},limit:-2.5e1,exact:true,lang:null,filters:{{tags:[{_q('a')},1,"
+          f"[false]],{_q('quoted key')}:word}}}}{END}")
+
+
+@pytest.fixture(scope="module")
+def fmt() -> Gemma4Format:
+    found = tool_format(TEMPLATE, parse_tools([WEATHER, SEARCH]))
+    assert isinstance(found, Gemma4Format) and found.name == "gemma4"
+    return found
+
+
+def test_the_notation_reads_into_openais_json_arguments(fmt):
+    content, calls = fmt.parse("Let me look." + CALL + "\n" + NESTED)
+    assert content == "Let me look."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris, {France}: [x]", "days": 3}),
+        ("search", {"query": "q", "limit": -25.0, "exact": True, "lang": None,
+                    "filters": {"tags": ["a", 1, [False]], "quoted key": "word"}})]
+    assert [c.start for c in calls] == [len("Let me look."), len("Let me look." + CALL + "\n")]
+
+
+@pytest.mark.parametrize("text", [
+    f"{START}call:unknown{{a:1}}{END}",                       # a function not offered
+    f"{START}call:get_weather{{city {_q('P')}}}{END}",          # no colon after the key
+    f"{START}call:get_weather{{city:{_q('P')} days:3}}{END}",   # no comma between items
+    f"{START}call:get_weather{{city:{_q('P')}}} then {END}",    # text before the closing marker
+    f"Use {START} to call, then stop.",                       # the marker in prose
+    f"{START}call:get_weather{{city:{_q('P')}",                 # never closed (the reply ended: EOS)
+])
+def test_what_is_not_a_call_of_an_offered_function_stays_content(fmt, text):
+    assert fmt.parse(text) == (text, [])
+
+
+def test_a_reply_cut_inside_a_call_ends_in_that_call_as_far_as_its_items_are_whole(fmt):
+    content, calls = fmt.parse_reply("Ok." + CALL[:CALL.index(",days") + len(",da")], cut=True)
+    assert content == "Ok." and [(c.name, json.loads(c.arguments), c.cut) for c in calls] == [
+        ("get_weather", {"city": "Paris, {France}: [x]"}, True)]
+    assert fmt.parse_reply(f"Ok.{START}call:get_wea", cut=True) == ("Ok.", [])
+
+
+@pytest.mark.parametrize("cut", [False, True])
+def test_a_stream_adds_up_to_the_whole_answer(fmt, cut):
+    text = "Checking.\n" + CALL + NESTED + ("" if not cut else f"{START}call:search{{query:{_q('more')},li")
+    sent, args, names, count = streamed_by_character(fmt, text, cut)
+    content, calls = fmt.parse_reply(text, cut)
+    assert sent == content == "Checking." and count == len(calls) == (3 if cut else 2)
+    assert [names[k] for k in range(count)] == [c.name for c in calls]
+    assert [args[k] for k in range(count)] == [c.arguments for c in calls]
+
+
+def test_a_long_call_streamed_a_few_characters_at_a_time_costs_what_each_delta_adds(fmt):
+    from gateway.openai.tools import ToolCallStream
+
+    code = ("def f(x):\n    return '},<tool_call|>' if x else None\n" * 4000)[:200_000].replace(QUOTE, "")
+    text = "Writing." + f"{START}call:search{{query:{_q(code)}}}{END}"
+    stream, args, took = ToolCallStream(fmt, forced=False), "", 0.0
+    for end in range(40, len(text) + 40, 40):
+        started = time.process_time()
+        stream.content_delta(text[:end])
+        args += "".join(e["function"]["arguments"] for e in stream.call_deltas(text[:end]))
+        took += time.process_time() - started
+    assert json.loads(args) == {"query": code} and took < 5.0
+
+
+def test_grammars_in_the_notation_are_refused_by_field(fmt):
+    tools = parse_tools([WEATHER])
+    with pytest.raises(ApiError, match="^tool_choice: this model writes its calls in Gemma 4's notation") as forced:
+        fmt.grammar(tools, parallel=True)
+    with pytest.raises(ApiError, match="^tools: ") as strict:
+        fmt.auto_grammar(tools, parallel=True)
+    assert (forced.value.status, forced.value.param, strict.value.param) == (400, "tool_choice", "tools")
+
+
+async def test_a_reply_that_thinks_then_calls_over_the_sdk(aiohttp_client, tmp_path, tiny_model, monkeypatch):
+    """The thought channel is `reasoning_content`, the call a tool call (whole and streamed); its markers and string
+    marks are special tokens, so the reply is decoded with them; a forced call is a 400 naming tool_choice."""
+    folder = _thinking_model(tmp_path / "thinker", tiny_model, TEMPLATE)
+    _special_tags(folder, ["<|channel>", "<channel|>", START, END, QUOTE])
+    yaml = chat_pool_yaml(folder, max_model_len=256, extra="    served_model_name: thinker\n")
+    client, _ = await start_gateway(aiohttp_client, tmp_path, yaml)
+    sdk = openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="unused", max_retries=0)
+    engine = _ScriptedEngine(monkeypatch)
+    engine.pieces = ["<|channel>", "thought\n", "I need the weather.", "<channel|>", START, "call:get_", "weather{",
+                     "city:", QUOTE, "Oslo", QUOTE, "}", END]
+    tools = [{"type": "function", "function": {**WEATHER["function"], "strict": False}}]
+    whole = (await sdk.chat.completions.create(model="thinker", messages=MESSAGES, tools=tools)).choices[0]
+    assert whole.finish_reason == "tool_calls" and whole.message.reasoning_content == "I need the weather."
+    assert whole.message.content is None
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls] == [
+        ("get_weather", {"city": "Oslo"})]
+    chunks = [c async for c in await sdk.chat.completions.create(model="thinker", messages=MESSAGES, tools=tools,
+                                                                stream=True)]
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == "I need the weather."
+    assert not "".join(d.content or "" for d in deltas)
+    arguments = "".join(call.function.arguments or "" for d in deltas for call in d.tool_calls or [])
+    assert json.loads(arguments) == {"city": "Oslo"}
+    assert engine.skip_special == [False, False]
+    with pytest.raises(openai.BadRequestError, match="tool_choice: this model writes its calls in Gemma 4's"):
+        await sdk.chat.completions.create(model="thinker", messages=MESSAGES, tools=tools, tool_choice="required")
+    with pytest.raises(openai.BadRequestError, match="tools: this model writes its calls in Gemma 4's"):
+        await sdk.chat.completions.create(model="thinker", messages=MESSAGES, tools=[WEATHER])   # strict
