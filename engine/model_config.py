@@ -323,7 +323,8 @@ class ModelConfig:
         """Bytes of the rotary cos/sin caches each rank holds: [rotary_positions or context_length, rotated dims]
         each (Gemma: two)."""
         gemma = self.architecture in GEMMA_ARCHITECTURES
-        dims = self.mla.qk_rope_head_dim if self.mla is not None else self.head_dim
+        wide = self.gemma4.head_dim if self.gemma4 is not None else self.head_dim   # Gemma 4's full layers' rotary
+        dims = self.mla.qk_rope_head_dim if self.mla is not None else max(self.head_dim, wide)
         return (2 if gemma else 1) * (self.rotary_positions or self.context_length) * dims * dtype.itemsize
 
     @property

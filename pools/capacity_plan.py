@@ -32,6 +32,7 @@ import torch
 
 import engine.capacity as formula
 from engine.cuda_graphs import MAX_GRAPH_BATCH, graph_memory_bytes
+from engine.gemma4_config import rank_kv_heads
 from engine.gated_delta_config import NOT_SWAPPED
 from engine.config import (CacheConfig, ConfigError, EngineConfig, PoolConfig, auto_dtype, ceil_div, dtype_name,
                            kv_cache_dtype, parse_dtype)
@@ -306,8 +307,10 @@ def _graph_reserve(model: ModelConfig, dev: DeviceSpec, device_type: str, tp: in
     if device_type != "cuda" or dev.enforce_eager:
         return 0
     shard = ShardShape.of(model, 0, tp)
-    return graph_memory_bytes(model.hidden_size, shard.num_heads * model.head_dim, shard.num_kv_heads * model.head_dim,
-                              shard.intermediate_size, shard.num_heads, model.head_dim, MAX_GRAPH_BATCH,
+    shapes = [(rank_kv_heads(heads, tp), dim) for heads, dim in map(model.layer_kv_shape, range(model.num_layers))]
+    dim, kv_size = max(d for _, d in shapes), max(h * d for h, d in shapes)   # the widest layer's (Gemma 4's full)
+    return graph_memory_bytes(model.hidden_size, shard.num_heads * dim, kv_size,
+                              shard.intermediate_size, shard.num_heads, dim, MAX_GRAPH_BATCH,
                               dtype.itemsize, num_experts=model.num_experts, top_k=model.num_experts_per_tok,
                               moe_intermediate_size=shard.moe_intermediate_size)
 
