@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from gateway.openai.call_scan import CallScan
@@ -69,30 +69,38 @@ def read_call(text: str, pos: int) -> tuple[str | None, dict[str, Any] | None, i
     return found[1], arguments, None, END.startswith(text[end:])   # its closing marker may be on its way
 
 
-def _object(text: str, pos: int) -> tuple[dict[str, Any], int]:
-    """The object whose `{` is at `text[pos]` and where it ends."""
-    out: dict[str, Any] = {}
-    pos += 1
-    while True:
-        pos = _blanks(text, pos)
-        if text.startswith("}", pos):
-            return out, pos + 1
+def _object(text: str, pos: int, out: dict[str, Any] | None = None) -> tuple[dict[str, Any], int]:
+    """The object whose `{` is at `text[pos]` (its items put in `out`, as far as they read) and where it ends."""
+    out = {} if out is None else out
+
+    def item(pos: int) -> int:
         key, pos = _key(text, pos)
         value, pos = _value(text, _blanks(text, pos + 1))
         out.setdefault(key, value)   # the first of a key, as the other formats keep it
-        pos = _after_item(text, pos, "}")
+        return pos
+
+    return out, _items(text, pos, "}", item)
 
 
 def _array(text: str, pos: int) -> tuple[list[Any], int]:
     out: list[Any] = []
+
+    def item(pos: int) -> int:
+        value, pos = _value(text, pos)
+        out.append(value)
+        return pos
+
+    return out, _items(text, pos, "]", item)
+
+
+def _items(text: str, pos: int, close: str, item: Callable[[int], int]) -> int:
+    """Past the bracketed items at `text[pos]` (each read by `item`, from its place to its end), comma-separated."""
     pos += 1
     while True:
         pos = _blanks(text, pos)
-        if text.startswith("]", pos):
-            return out, pos + 1
-        value, pos = _value(text, pos)
-        out.append(value)
-        pos = _after_item(text, pos, "]")
+        if text.startswith(close, pos):
+            return pos + 1
+        pos = _after_item(text, item(pos), close)
 
 
 def _key(text: str, pos: int) -> tuple[str, int]:
@@ -160,16 +168,11 @@ def _blanks(text: str, pos: int) -> int:
 def _cut_arguments(text: str, pos: int) -> dict[str, Any]:
     """The arguments of a call cut inside its object, as far as whole items read (the object at `text[pos]`)."""
     out: dict[str, Any] = {}
-    pos += 1
     try:
-        while True:
-            pos = _blanks(text, pos)
-            key, pos = _key(text, pos)
-            value, pos = _value(text, _blanks(text, pos + 1))
-            out.setdefault(key, value)
-            pos = _after_item(text, pos, "}")
+        _object(text, pos, out)
     except _Unread:
-        return out
+        pass
+    return out
 
 
 class Gemma4Format(ToolFormat):

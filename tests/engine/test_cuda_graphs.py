@@ -275,6 +275,23 @@ def test_graphs_apply_only_to_a_model_whose_forward_is_graph_safe(tmp_path, buil
             assert _Forward.graphs_apply(runner, enforce_eager=True) is False
 
 
+def _three_decoders(seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    """Three prompts of 3, 20 and 9 tokens decoding 10, 4 and 7 greedy tokens: decode batches of 3, 2 and 1."""
+    rng = random.Random(seed)
+    return ([[rng.randrange(3, 512) for _ in range(n)] for n in (3, 20, 9)],
+            [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (10, 4, 7)])
+
+
+def _engine_graphs(path, monkeypatch, graphs: bool) -> tuple[LLMEngine, RecordingGraphBackend | None]:
+    """An engine on the torch reference, or on the Triton backend with its decode graphs captured by a recorder."""
+    engine = _engine(path, monkeypatch, "triton" if graphs else "torch")
+    recorder = None
+    if graphs:
+        recorder = RecordingGraphBackend()
+        engine.runner.capture_graphs(MAX_SEQS, 128, recorder)
+    return engine, recorder
+
+
 HYBRIDS = {"qwen3_5": {}, "qwen3_next": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                              shared_expert_intermediate_size=32),
            "granitemoehybrid": dict(layer_types=["mamba", "attention", "mamba"], num_hidden_layers=3,
@@ -294,15 +311,10 @@ def test_a_hybrid_models_decode_graphs_keep_each_sequences_state(tmp_path, built
 
     overrides = HYBRIDS[arch] if arch in ("granitemoehybrid", "nemotron_h") else {**QWEN3_5, **HYBRIDS[arch]}
     path = make_tiny_model(tmp_path / arch, arch, builtin_path, **overrides)
-    rng = random.Random(11)
-    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (3, 20, 9)]
-    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (10, 4, 7)]
+    prompts, params = _three_decoders(11)
     results = {}
     for graphs in (False, True):
-        engine = _engine(path, monkeypatch, "triton" if graphs else "torch")
-        if graphs:
-            recorder = RecordingGraphBackend()
-            engine.runner.capture_graphs(MAX_SEQS, 128, recorder)
+        engine, recorder = _engine_graphs(path, monkeypatch, graphs)
         results[graphs] = [out.outputs[0].token_ids for out in engine.generate(prompts, params)]
         # the second prompt's first 16 tokens kept a state (prefix caching): one token left, its step decode-sized
         replays = recorder.replays if graphs else 0
@@ -352,16 +364,11 @@ def test_gemma4_decode_graphs_replay_two_cache_shapes_and_shared_kv_layers(tmp_p
     import tests.engine.test_engine_vs_hf as parity
 
     path = make_tiny_model(tmp_path / shape, "gemma4", builtin_path, **getattr(parity, shape))
-    rng = random.Random(13)
-    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (3, 20, 9)]
-    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (10, 4, 7)]
+    prompts, params = _three_decoders(13)
     results = {}
     for graphs in (False, True):
-        engine = _engine(path, monkeypatch, "triton" if graphs else "torch")
+        engine, recorder = _engine_graphs(path, monkeypatch, graphs)
         assert engine.model.graph_safe
-        if graphs:
-            recorder = RecordingGraphBackend()
-            engine.runner.capture_graphs(MAX_SEQS, 128, recorder)
         results[graphs] = [out.outputs[0].token_ids for out in engine.generate(prompts, params)]
         assert_all_free(engine)
     assert recorder.replays > 5

@@ -1003,17 +1003,29 @@ def test_a_latent_cache_holds_one_plane_and_serves_preemption_prefix_hits_and_fo
     kv_lora_rank + qk_rope_head_dim, and S_KV says as much. Under pressure (swap preemption, prefix hits, n = 2 forks
     copying on write) every request ends, every block comes back, and with the model's cache the greedy outputs are
     transformers'; an FP8 cache of it (its one scale for K and V) serves alike."""
-    import transformers
-
     folder = make_tiny_model(tmp_path / "ds", "deepseek_v3", builtin_path, **{**DEEPSEEK, "q_lora_rank": 48})
-    pool = PoolConfig(num_blocks=14, scheduler=SchedulerConfig(max_num_batched_tokens=64, preemption_mode="swap",
-                                                               swap_space_bytes=8 << 20))
-    engine = LLMEngine(EngineConfig(model=str(folder), device="cpu", dtype="float32", cache=CacheConfig(block_size=8),
-                                    pools=(pool,), kv_cache_dtype=kv), progress=False)
+    engine = pressure_engine(folder, kv)
     assert engine.kv_cache.data.shape == (3, 1, 14, 8, 1, 40)
     assert engine.kv_bytes_per_token == 3 * 40 * (1 if kv == "fp8" else 4)
     attn = engine.model.layers[0].self_attn
     assert attn.k_scale == attn.v_scale
+    assert_serves_under_pressure(engine, folder, kv)
+
+
+def pressure_engine(folder, kv: str) -> LLMEngine:
+    """An engine on `folder` with a pool of 14 blocks of 8 that swaps what it preempts, its KV cache `kv`."""
+    pool = PoolConfig(num_blocks=14, scheduler=SchedulerConfig(max_num_batched_tokens=64, preemption_mode="swap",
+                                                               swap_space_bytes=8 << 20))
+    return LLMEngine(EngineConfig(model=str(folder), device="cpu", dtype="float32", cache=CacheConfig(block_size=8),
+                                  pools=(pool,), kv_cache_dtype=kv), progress=False)
+
+
+def assert_serves_under_pressure(engine, folder, kv: str) -> None:
+    """Three prompts sharing 32 tokens (prefix hits) and another, one of them sampled twice (n = 2: forks copying on
+    write), in `pressure_engine`'s pool (swap preemption): every request ends and every block comes back; with the
+    model's cache (`kv` auto) the greedy outputs are transformers'."""
+    import transformers
+
     shared = list(range(40, 72))
     prompts = [shared + [90 + i] for i in range(3)] + [[5, 6, 7, 8]]
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

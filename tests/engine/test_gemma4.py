@@ -8,15 +8,14 @@ from dataclasses import replace
 import pytest
 import torch
 
+from engine.config import ConfigError
 from engine.gemma4_config import Gemma4Shape
-from engine.config import CacheConfig, ConfigError, EngineConfig, PoolConfig, SchedulerConfig
 from engine.kv_cache import KVCache, SwapSpace
-from engine.llm_engine import LLMEngine
 from engine.model_config import ModelConfig
 from engine.parallel import ShardShape, check_tensor_parallel
-from engine.sampling import SamplingParams
-from tests.conftest import assert_all_free, make_tiny_model
-from tests.engine.test_engine_vs_hf import GEMMA4, GEMMA4_MOE, _assert_serves_its_text_model, _hf_greedy
+from tests.conftest import make_tiny_model
+from tests.engine.test_engine_vs_hf import (GEMMA4, GEMMA4_MOE, _assert_serves_its_text_model,
+                                           assert_serves_under_pressure, pressure_engine)
 
 # gemma-4-31B's text config as its release names it (its full layers' shape under the global_ keys)
 GEMMA4_31B = {"architectures": ["Gemma4ForCausalLM"], "vocab_size": 262_144, "hidden_size": 5376,
@@ -129,28 +128,11 @@ def test_gemma4_serves_preemption_prefix_hits_and_forks(tmp_path, builtin_path, 
     """Under pressure (swap preemption, prefix hits, n = 2 forks copying on write) every request ends and every block
     comes back, and with the model's cache the greedy outputs are transformers'; an FP8 cache of both shapes (a
     scale a layer) serves alike."""
-    import transformers
-
     folder = make_tiny_model(tmp_path / "g4", "gemma4", builtin_path, **GEMMA4_MOE)
-    pool = PoolConfig(num_blocks=14, scheduler=SchedulerConfig(max_num_batched_tokens=64, preemption_mode="swap",
-                                                               swap_space_bytes=8 << 20))
-    engine = LLMEngine(EngineConfig(model=str(folder), device="cpu", dtype="float32", cache=CacheConfig(block_size=8),
-                                    pools=(pool,), kv_cache_dtype=kv), progress=False)
+    engine = pressure_engine(folder, kv)
     assert [tuple(t.shape[1:]) for t in engine.kv_cache.tensors] == [(2, 14, 8, 2, 16), (2, 14, 8, 2, 32)]
     assert engine.kv_bytes_per_token == 2 * (2 * 2 * 16 + 2 * 2 * 32) * (1 if kv == "fp8" else 4)
-    shared = list(range(40, 72))
-    prompts = [shared + [90 + i] for i in range(3)] + [[5, 6, 7, 8]]
-    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    params = [greedy, greedy, SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=24, ignore_eos=True), greedy]
-    outs = engine.generate(prompts, params)
-    stats, bm = engine.schedulers["default"].stats, engine.schedulers["default"].block_manager
-    assert stats.num_swap_preemptions > 0 and bm.num_prefix_hits > 0
-    assert [len(c.token_ids) for o in outs for c in o.outputs] == [24] * 5
-    assert_all_free(engine)
-    if kv == "auto":
-        hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-        for i in (0, 1, 3):
-            assert outs[i].outputs[0].token_ids == _hf_greedy(hf, prompts[i], 24, eos_ids=None)
+    assert_serves_under_pressure(engine, folder, kv)
 
 
 def test_a_multimodal_gemma4_checkpoint_serves_its_text_model(tmp_path, builtin_path):
