@@ -14,9 +14,11 @@ are the JSON of what was read (a bare value neither a number nor a literal is it
 sends a call's name once its object begins and its arguments when it closes; a reply cut by max_tokens inside a
 call ends in that call, its arguments as far as they read.
 
-Not served: a grammar in this notation. `tool_choice` "required" or a named function, strict tools, allowed tools
-and a response_format beside tools are answered 400 naming the field (as for harmony models); under "auto" the
-model calls as it will.
+**Writing** (`Gemma4Format.body`, the grammars of forced and strict calls, `_NotationRules`): `call:NAME` and its
+arguments in the notation under the function's schema: its declared properties in the schema's order, the required
+ones always, others of any name after them unless `additionalProperties` is false; a string between the marks (one
+of its `enum` where it has one), numbers, literals, objects and lists as their schemas say; what it does not read
+(`$ref`, `allOf`, a pattern) any value, leniently, as the JSON formats' grammars.
 """
 
 from __future__ import annotations
@@ -27,10 +29,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from gateway.openai.call_scan import CallScan
-from gateway.openai.errors import ApiError
-from gateway.openai.reasoning import Think, partial_tag
-from gateway.openai.tool_grammar import CallSyntax
-from gateway.openai.tool_specs import Tool
+from gateway.openai.reasoning import partial_tag
+from gateway.openai.tool_grammar import ANY_OBJECT, CallSyntax, literal, regex_text
 from gateway.openai.tools import ToolCall, ToolFormat, beside_calls
 
 START, END, QUOTE = "<|tool_call>", "<tool_call|>", '<|"|>'
@@ -268,11 +268,111 @@ class Gemma4Format(ToolFormat):
     def example(self) -> str:
         return f"{START}call:<function name>{{<argument>:{QUOTE}<text>{QUOTE},<argument>:<number>}}{END}"
 
-    def grammar(self, tools: list[Tool], parallel: bool, think: Think | str | None = None):
-        raise ApiError(400, "tool_choice: this model writes its calls in Gemma 4's notation, which takes no grammar "
-                            "here; only \"auto\" and \"none\" are served", param="tool_choice")
+    def body(self, functions: list[tuple[str, dict[str, Any]]]) -> str:
+        """`call:NAME` and the function's arguments in the notation, under its schema (`_NotationRules`)."""
+        rules = _NotationRules()
+        calls = [f"{literal(f'call:{name}')} {rules.value(schema if schema else ANY_OBJECT)}"
+                 for name, schema in functions]
+        return f"body: {' | '.join(calls)}\n{rules.text()}"
 
-    def auto_grammar(self, tools: list[Tool], parallel: bool, reply=None, think: Think | str | None = None):
-        raise ApiError(400, "tools: this model writes its calls in Gemma 4's notation, which takes no grammar here: "
-                            "strict tools (send them with strict false), allowed tools and a response_format beside "
-                            "tools are not served", param="tools")
+
+class _NotationRules:
+    """Lark rules of values in Gemma 4's notation under a JSON schema: a string between the marks (one of its
+    `enum` or its `const` where it has one), an integer, a number, `true` / `false`, `null`; an object's declared
+    properties in the schema's order, the required ones always, others of any name after them unless
+    `additionalProperties` is false; a list's items under `items`; `anyOf` / `oneOf` / a list of types as
+    alternatives. What it does not read (`$ref`, `allOf`, a pattern or a length) takes any value (lenient, as the JSON
+    formats' grammars)."""
+
+    def __init__(self) -> None:
+        self.rules: list[str] = []
+
+    def text(self) -> str:
+        return "\n".join([*self.rules, *_ANY_RULES]) + "\n"
+
+    def value(self, schema: Any) -> str:
+        """The rule (an expression) of a value under `schema`."""
+        if not isinstance(schema, dict) or "$ref" in schema or "allOf" in schema:
+            return "gany"
+        for key in ("enum", "const"):
+            if key in schema:
+                values = schema[key] if key == "enum" and isinstance(schema[key], list) else [schema[key]]
+                return "(" + " | ".join(literal(_written(v)) for v in values) + ")" if values else "gany"
+        for key in ("anyOf", "oneOf"):
+            if isinstance(schema.get(key), list) and schema[key]:
+                return "(" + " | ".join(self.value(s) for s in schema[key]) + ")"
+        kinds = schema.get("type")
+        kinds = kinds if isinstance(kinds, list) else [kinds] if kinds else []
+        if not kinds:
+            return self._object(schema) if "properties" in schema else "gany"
+        return "(" + " | ".join(self._typed(kind, schema) for kind in kinds) + ")"
+
+    def _typed(self, kind: Any, schema: dict[str, Any]) -> str:
+        simple = {"string": "GSTR", "integer": r"/-?(0|[1-9][0-9]*)/", "number": "GNUM", "boolean": '("true" | "false")',
+                  "null": '"null"'}
+        if kind in simple:
+            return simple[kind]
+        if kind == "array":
+            item = self.value(schema.get("items", {}))
+            return self._rule(f'"[" ({item} ("," {item})*)? "]"')
+        return self._object(schema) if kind == "object" else "gany"
+
+    def _object(self, schema: dict[str, Any]) -> str:
+        properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+        required = [k for k in properties if k in (schema.get("required") or [])]
+        items = [(f"{literal(_written_key(k))} \":\" {self.value(v)}", k in required)
+                 for k, v in properties.items()]
+        extra = 'gkey ":" gany'
+        if schema.get("additionalProperties") is False:
+            extra = ""
+        elif properties:   # others of any name but the declared ones'
+            names = "|".join(regex_text(_written_key(k)) for k in properties)
+            extra = self._rule(rf'/[A-Za-z_][A-Za-z0-9_\-.]*/ & ~/({names})/', terminal=True) + ' ":" gany'
+        if not required:   # any of them, in any order (and others where allowed)
+            choices = [item for item, _ in items] + ([extra] if extra else [])
+            if not choices:
+                return self._rule('"{" "}"')
+            one = self._rule(" | ".join(choices))
+            return self._rule(f'"{{" ({one} ("," {one})*)? "}}"')
+        first = required[0]
+        parts = []
+        for (item, needed), key in zip(items, properties):
+            before = list(properties).index(key) < list(properties).index(first)
+            parts.append(item if key == first else f'({item} ",")?' if before else
+                         f'"," {item}' if needed else f'("," {item})?')
+        more = f' ("," {extra})*' if extra else ""
+        return self._rule(f'"{{" {" ".join(parts)}{more} "}}"')
+
+    def _rule(self, body: str, terminal: bool = False) -> str:
+        """A new rule (a lexeme, `terminal`) of `body`, by its name."""
+        name = f"{'GK' if terminal else 'g'}{len(self.rules)}"
+        self.rules.append(f"{name}: {body}")
+        return name
+
+
+# any value in the notation: strings between the marks, numbers, literals, objects of bare or marked keys, lists
+# (a string is one lexeme with its marks: a lexeme of its text alone would take the closing mark's first characters
+# as text before the mark could be told from them)
+_ANY_RULES = ('gany: GSTR | GNUM | "true" | "false" | "null" | gobj | garr',
+              f'GSTR: {literal(QUOTE)} GTEXT {literal(QUOTE)}',
+              rf'GTEXT: /(?s:.)*/ & ~/(?s:.)*{regex_text(QUOTE)}(?s:.)*/',
+              'gobj: "{" (gkey ":" gany ("," gkey ":" gany)*)? "}"',
+              r'gkey: /[A-Za-z_][A-Za-z0-9_\-.]*/ | GSTR',
+              'garr: "[" (gany ("," gany)*)? "]"',
+              r"GNUM: /-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?/")
+
+
+def _written_key(key: str) -> str:
+    """A property's name as the notation writes it: bare, or between the marks where it would not read back."""
+    return key if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_\-.]*", key) else f"{QUOTE}{key}{QUOTE}"
+
+
+def _written(value: Any) -> str:
+    """An `enum` / `const` value in the notation."""
+    if isinstance(value, str):
+        return f"{QUOTE}{value}{QUOTE}"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{_written_key(k)}:{_written(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ",".join(_written(v) for v in value) + "]"
+    return json.dumps(value)

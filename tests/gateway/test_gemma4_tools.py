@@ -1,8 +1,9 @@
 """Gemma 4's tool-call form (`gemma4`: `<|tool_call>call:NAME{key:<|"|>text<|"|>,n:3}<tool_call|>`): found from the
 template, its notation read into OpenAI's JSON arguments (strings holding its own punctuation, numbers, literals,
 nested objects and lists), what is not a call of an offered function left as content, a reply cut by max_tokens
-inside a call, a stream adding up to the whole answer at a cost of what each delta adds, and grammars refused by
-field. Over the openai SDK, a reply that thinks in Gemma 4's channel and then calls, whole and streamed."""
+inside a call, a stream adding up to the whole answer at a cost of what each delta adds, and the grammars of forced
+and strict calls written in the notation under each schema (llguidance, token by token on the builtin tokenizer).
+Over the openai SDK, a reply that thinks in Gemma 4's channel and then calls, whole and streamed, and a forced call."""
 
 from __future__ import annotations
 
@@ -12,12 +13,12 @@ import time
 import openai
 import pytest
 
-from gateway.openai.errors import ApiError
-from gateway.openai.gemma4_tools import END, QUOTE, START, Gemma4Format
+from gateway.openai.gemma4_tools import END, QUOTE, START, Gemma4Format, _written
 from gateway.openai.tool_formats import tool_format
 from gateway.openai.tool_specs import parse_tools
-from tests.gateway.conftest import chat_pool_yaml, start_gateway
+from tests.gateway.conftest import accepts, chat_pool_yaml, start_gateway
 from tests.gateway.test_reasoning import MESSAGES, _ScriptedEngine, _special_tags, _thinking_model
+from tests.gateway.test_tagged_tools import check_form_grammars
 from tests.gateway.test_xml_tools import SEARCH, WEATHER, streamed_by_character
 
 # Gemma 4's shape: turns of `<|turn>`, a history's calls in its own notation (as the template writes them: here the
@@ -96,18 +97,32 @@ def test_a_long_call_streamed_a_few_characters_at_a_time_costs_what_each_delta_a
     assert json.loads(args) == {"query": code} and took < 5.0
 
 
-def test_grammars_in_the_notation_are_refused_by_field(fmt):
-    tools = parse_tools([WEATHER])
-    with pytest.raises(ApiError, match="^tool_choice: this model writes its calls in Gemma 4's notation") as forced:
-        fmt.grammar(tools, parallel=True)
-    with pytest.raises(ApiError, match="^tools: ") as strict:
-        fmt.auto_grammar(tools, parallel=True)
-    assert (forced.value.status, forced.value.param, strict.value.param) == (400, "tool_choice", "tools")
+def _turn(*calls: tuple[str, dict]) -> str:
+    """A turn of `calls` in the notation, as Gemma 4's template writes a history's."""
+    return "".join(f"{START}call:{name}{_written(args)}{END}" for name, args in calls)
 
 
-async def test_a_reply_that_thinks_then_calls_over_the_sdk(aiohttp_client, tmp_path, tiny_model, monkeypatch):
+def test_the_grammars_write_the_notation_under_each_schema(fmt, lltokenizer):
+    check_form_grammars(fmt, _turn, lltokenizer, '<tool_call>\n{"name": "search", "arguments": {}}\n</tool_call>')
+    tools = parse_tools([{"type": "function", "function": {"name": "plan", "strict": True, "parameters": {
+        "type": "object", "additionalProperties": False, "required": ["steps"], "properties": {
+            "title": {"type": ["string", "null"]}, "steps": {"type": "array", "items": {"type": "object", "properties": {
+                "n": {"type": "integer"}, "ok": {"type": "boolean"}}}},
+            "mode": {"anyOf": [{"const": "fast"}, {"type": "number"}]}}}}}])
+    plan = Gemma4Format(tools)
+    forced = plan.grammar(tools, True)
+    for args in ({"steps": []}, {"title": None, "steps": [{"n": 1, "ok": True}, {}]}, {"steps": [], "mode": "fast"},
+                 {"title": "T", "steps": [{"ok": False, "n": -3}], "mode": 2.5}):
+        assert accepts(lltokenizer, forced, _turn(("plan", args))), args
+        assert [json.loads(c.arguments) for c in plan.parse(_turn(("plan", args)))[1]] == [args]
+    for args in ({"steps": [{"n": 1.5}]}, {"steps": [], "mode": "slow"}, {"title": 3, "steps": []}, {}):
+        assert not accepts(lltokenizer, forced, _turn(("plan", args))), args
+
+
+async def test_a_reply_that_thinks_then_calls_over_the_sdk(aiohttp_client, tmp_path, tiny_model, monkeypatch,
+                                                           lltokenizer):
     """The thought channel is `reasoning_content`, the call a tool call (whole and streamed); its markers and string
-    marks are special tokens, so the reply is decoded with them; a forced call is a 400 naming tool_choice."""
+    marks are special tokens, so the reply is decoded with them; a forced call's grammar lets the model think first."""
     folder = _thinking_model(tmp_path / "thinker", tiny_model, TEMPLATE)
     _special_tags(folder, ["<|channel>", "<channel|>", START, END, QUOTE])
     yaml = chat_pool_yaml(folder, max_model_len=256, extra="    served_model_name: thinker\n")
@@ -130,7 +145,10 @@ async def test_a_reply_that_thinks_then_calls_over_the_sdk(aiohttp_client, tmp_p
     arguments = "".join(call.function.arguments or "" for d in deltas for call in d.tool_calls or [])
     assert json.loads(arguments) == {"city": "Oslo"}
     assert engine.skip_special == [False, False]
-    with pytest.raises(openai.BadRequestError, match="tool_choice: this model writes its calls in Gemma 4's"):
-        await sdk.chat.completions.create(model="thinker", messages=MESSAGES, tools=tools, tool_choice="required")
-    with pytest.raises(openai.BadRequestError, match="tools: this model writes its calls in Gemma 4's"):
-        await sdk.chat.completions.create(model="thinker", messages=MESSAGES, tools=[WEATHER])   # strict
+    # a forced call: its grammar lets the model think in its channel first, then writes the notation
+    engine.pieces = [*engine.pieces[:4], START, "call:get_weather{city:", QUOTE, "Oslo", QUOTE, ",days:2}", END]
+    forced = (await sdk.chat.completions.create(model="thinker", messages=MESSAGES, tools=[WEATHER],
+                                                tool_choice="required")).choices[0]
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in forced.message.tool_calls] == [
+        ("get_weather", {"city": "Oslo", "days": 2})]
+    assert accepts(lltokenizer, engine.structured[-1], "".join(engine.pieces))
