@@ -16,7 +16,8 @@ call ends in that call, its arguments as far as they read.
 
 **Writing** (`Gemma4Format.body`, the grammars of forced and strict calls, `_NotationRules`): `call:NAME` and its
 arguments in the notation under the function's schema: its declared properties in the schema's order, the required
-ones always, others of any name after them unless `additionalProperties` is false; a string between the marks (one
+ones always (in any order where none is), others of any other name after them unless `additionalProperties` is
+false; a string between the marks (one
 of its `enum` where it has one), numbers, literals, objects and lists as their schemas say; what it does not read
 (`$ref`, `allOf`, a pattern) any value, leniently, as the JSON formats' grammars.
 """
@@ -279,8 +280,8 @@ class Gemma4Format(ToolFormat):
 class _NotationRules:
     """Lark rules of values in Gemma 4's notation under a JSON schema: a string between the marks (one of its
     `enum` or its `const` where it has one), an integer, a number, `true` / `false`, `null`; an object's declared
-    properties in the schema's order, the required ones always, others of any name after them unless
-    `additionalProperties` is false; a list's items under `items`; `anyOf` / `oneOf` / a list of types as
+    properties in the schema's order, the required ones always (in any order where none is), others of any other
+    name after them unless `additionalProperties` is false; a list's items under `items`; `anyOf` / `oneOf` / a list of types as
     alternatives. What it does not read (`$ref`, `allOf`, a pattern or a length) takes any value (lenient, as the JSON
     formats' grammars)."""
 
