@@ -30,7 +30,8 @@ from typing import Any
 from engine.config import ConfigError
 from engine.config_values import read_bool, read_float, read_int, read_object, rope_type
 
-MOE_ROUTER = "gemma4"   # RMS-normed input (no weight) x scale / sqrt(hidden) -> softmax -> top k, renormed, x per expert
+# RMS-normed input (no weight) x scale / sqrt(hidden) -> softmax -> top k, renormed, each x its expert's scale
+MOE_ROUTER = "gemma4"
 
 
 @dataclass(frozen=True)
@@ -151,7 +152,8 @@ def _full_attention(cfg: dict[str, Any], kinds: list[Any], head_dim: int, k_eq_v
         return Gemma4Shape(heads or kv_heads, read_int(cfg, "global_head_dim", 512), k_eq_v)
     full = [str(i) for i, kind in enumerate(kinds) if kind == "full_attention"]
     if not isinstance(per_layer, dict) or sorted(per_layer) != sorted(full) or any(
-            not isinstance(entry, dict) or set(entry) - {"head_dim", "num_key_value_heads"} or entry != per_layer[full[0]]
+            not isinstance(entry, dict) or set(entry) - {"head_dim", "num_key_value_heads"}
+            or entry != per_layer[full[0]]
             for entry in per_layer.values()):
         raise ConfigError(f"per_layer_config: served as one entry alike for each full layer ({', '.join(full)}) of "
                           f"head_dim and num_key_value_heads, got {per_layer!r:.120}")

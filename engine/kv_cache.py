@@ -39,10 +39,11 @@ class KVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = dtype
-        shapes = [(rank_kv_heads(heads, tensor_parallel_size), dim)
-                  for heads, dim in map(model.layer_kv_shape, model.kv_layers)]
         if model.gemma4 is None:   # one shape: this rank's heads
             shapes = [(num_kv_heads or model.num_kv_heads, model.head_dim)] * model.num_kv_layers
+        else:   # each layer's own, this rank's share of its heads
+            shapes = [(rank_kv_heads(heads, tensor_parallel_size), dim)
+                      for heads, dim in map(model.layer_kv_shape, model.kv_layers)]
         kinds = sorted(set(shapes), key=shapes.index)
         # Zeroed, so that a slot no step has written yet holds finite values.
         self.tensors = [zeros((shapes.count(kind), model.kv_planes, num_blocks, block_size, *kind), dtype,

@@ -377,9 +377,10 @@ class LlamaForCausalLM(nn.Module):
     def _destination(self, name: str, hf_name: str) -> tuple[str, Callable[[torch.Tensor], torch.Tensor]]:
         """Where checkpoint tensor `name` (without "model."; `hf_name` as stored, which errors name) goes: our
         parameter's name, and the part of it (a view of its data) the tensor fills: q/k/v into the fused qkv_proj's
-        rows, gate/up into gate_up_proj's, in this rank's sizes; anything else the whole parameter of the same name."""
-        q, kv = self.shard.num_heads * self.config.head_dim, self.shard.num_kv_heads * self.config.head_dim
-        inter = self.shard.intermediate_size
+        rows, gate/up into gate_up_proj's, in this rank's sizes (`cut_shape`'s: a layer's own where it has one);
+        anything else the whole parameter of the same name."""
+        shard, c = self.cut_shape(name)
+        q, kv, inter = shard.num_heads * c.head_dim, shard.num_kv_heads * c.head_dim, shard.intermediate_size
         fused = {  # HF suffix -> (our suffix, row offset, rows)
             "self_attn.q_proj": ("self_attn.qkv_proj", 0, q),
             "self_attn.k_proj": ("self_attn.qkv_proj", q, kv),

@@ -1,10 +1,10 @@
 """Tensor parallelism: one device's model and KV cache split over `tensor_parallel_size` ranks.
 
-The device worker process is rank 0. It runs the whole engine — the pools' schedulers, the step composer, the
-sampler — exactly as with one rank, and spawns ranks 1..T-1 (`TensorParallelGroup.start`), processes
-(`engine.model_runner.follower_main`) that hold their shard of the weights and KV cache and do what rank 0 says. Each step rank 0 sends one `StepPlan` (the flat token ids, positions and block tables of the merged
-batch, and the block copies and swaps to do first) to every follower; every rank then runs the same forward pass on
-its shard, with two all-reduces per layer and an all-gather of the logits, which only rank 0 samples from.
+Rank 0, the device worker process, runs the whole engine (schedulers, step composer, sampler) as with one rank and
+spawns ranks 1..T-1 (`TensorParallelGroup.start`): processes (`engine.model_runner.follower_main`) holding their
+shard of the weights and KV cache, doing what rank 0 says. Each step rank 0 sends one `StepPlan` (the merged batch's
+token ids, positions and block tables, the block copies and swaps to do first) to every follower; every rank runs
+the same forward pass on its shard (two all-reduces a layer, an all-gather of the logits rank 0 samples from).
 
 **Liveness.** Plans travel on a socket pair per follower (`PlanLink`: length-prefixed pickles), not on a collective:
 a follower waits for its next plan in a plain blocking read, which has no timeout, so a group idle for hours stays

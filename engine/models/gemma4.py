@@ -249,11 +249,12 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
                     param.fill_(1.0)
 
     def cut_shape(self, name: str) -> tuple[ShardShape, ModelConfig]:
-        """A layer's attention tensors are cut in its own shape (a full layer's KV heads and head size)."""
+        """A layer's attention tensors are cut in its own shape (a full layer's KV heads and head size), a double-wide
+        MLP's in its width."""
         layer = self._layer_of(name)
         if layer is not None and ".self_attn." in name:
             return layer.self_attn.shard, layer.self_attn.config
-        if layer is not None and ".mlp." in name:   # a double-wide MLP: its own width
+        if layer is not None and ".mlp." in name and layer.mlp.intermediate_size != self.shard.intermediate_size:
             inter = layer.mlp.intermediate_size
             return replace(self.shard, intermediate_size=inter), replace(
                 self.config, intermediate_size=inter * self.shard.size)
@@ -294,21 +295,10 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
         return ((name, tensor),)
 
     def _destination(self, name: str, hf_name: str) -> tuple[str, Callable[[torch.Tensor], torch.Tensor]]:
-        """q/k/v into their layer's fused rows, in that layer's shape (a full layer's own; no v_proj with `k_eq_v`)."""
-        head, sep, rest = name.partition(".self_attn.")
-        proj, _, kind = rest.partition(".")
+        """The Llama model's, in each layer's own shape (`cut_shape`); a v_proj where V is the K projection
+        (`k_eq_v`) is refused."""
         layer = self._layer_of(name)
-        if layer is not None and name.endswith((".mlp.gate_proj.weight", ".mlp.up_proj.weight")):
-            size = layer.mlp.intermediate_size   # a double-wide MLP's rows
-            offset = 0 if ".gate_proj." in name else size
-            return name.replace(".mlp.gate_proj.", ".mlp.gate_up_proj.").replace(".mlp.up_proj.", ".mlp.gate_up_proj."), \
-                lambda data: data.narrow(0, offset, size)
-        if not (sep and proj in ("q_proj", "k_proj", "v_proj")):
-            return super()._destination(name, hf_name)
-        attn = None if layer is None else layer.self_attn
-        if attn is None or (proj == "v_proj" and attn.k_eq_v):
+        if layer is not None and ".self_attn.v_proj." in name and layer.self_attn.k_eq_v:
             raise WeightLoadError(f"{hf_name}: not a tensor of {self.config.architecture} with this config")
-        offset, size = {"q_proj": (0, attn.q_size), "k_proj": (attn.q_size, attn.kv_size),
-                        "v_proj": (attn.q_size + attn.kv_size, attn.kv_size)}[proj]
-        return f"{head}.self_attn.qkv_proj.{kind}", lambda data: data.narrow(0, offset, size)
+        return super()._destination(name, hf_name)
 

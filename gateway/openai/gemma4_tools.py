@@ -281,9 +281,9 @@ class _NotationRules:
     """Lark rules of values in Gemma 4's notation under a JSON schema: a string between the marks (one of its
     `enum` or its `const` where it has one), an integer, a number, `true` / `false`, `null`; an object's declared
     properties in the schema's order, the required ones always (in any order where none is), others of any other
-    name after them unless `additionalProperties` is false; a list's items under `items`; `anyOf` / `oneOf` / a list of types as
-    alternatives. What it does not read (`$ref`, `allOf`, a pattern or a length) takes any value (lenient, as the JSON
-    formats' grammars)."""
+    name after them unless `additionalProperties` is false; a list's items under `items`; `anyOf` / `oneOf` / a list
+    of types as alternatives. What it does not read (`$ref`, `allOf`, a pattern or a length) takes any value
+    (lenient, as the JSON formats' grammars)."""
 
     def __init__(self) -> None:
         self.rules: list[str] = []
@@ -309,8 +309,8 @@ class _NotationRules:
         return "(" + " | ".join(self._typed(kind, schema) for kind in kinds) + ")"
 
     def _typed(self, kind: Any, schema: dict[str, Any]) -> str:
-        simple = {"string": "GSTR", "integer": r"/-?(0|[1-9][0-9]*)/", "number": "GNUM", "boolean": '("true" | "false")',
-                  "null": '"null"'}
+        simple = {"string": "GSTR", "integer": r"/-?(0|[1-9][0-9]*)/", "number": "GNUM",
+                  "boolean": '("true" | "false")', "null": '"null"'}
         if kind in simple:
             return simple[kind]
         if kind == "array":

@@ -106,7 +106,8 @@ def test_the_grammars_write_the_notation_under_each_schema(fmt, lltokenizer):
     check_form_grammars(fmt, _turn, lltokenizer, '<tool_call>\n{"name": "search", "arguments": {}}\n</tool_call>')
     tools = parse_tools([{"type": "function", "function": {"name": "plan", "strict": True, "parameters": {
         "type": "object", "additionalProperties": False, "required": ["steps"], "properties": {
-            "title": {"type": ["string", "null"]}, "steps": {"type": "array", "items": {"type": "object", "properties": {
+            "title": {"type": ["string", "null"]},
+            "steps": {"type": "array", "items": {"type": "object", "properties": {
                 "n": {"type": "integer"}, "ok": {"type": "boolean"}}}},
             "mode": {"anyOf": [{"const": "fast"}, {"type": "number"}]}}}}}])
     plan = Gemma4Format(tools)
