@@ -13,6 +13,7 @@ from engine.config_values import read_bool, read_int
 # each family's latent shape where config.json names none: (q_lora_rank, kv_lora_rank, qk_nope_head_dim,
 # qk_rope_head_dim, v_head_dim)
 MLA_DEFAULTS = {"DeepseekV2ForCausalLM": (1536, 512, 128, 64, 128), "DeepseekV3ForCausalLM": (1536, 512, 128, 64, 128),
+                "Mistral4ForCausalLM": (1024, 256, 64, 64, 128),
                 "Glm4MoeLiteForCausalLM": (768, 512, 192, 64, 256)}
 
 

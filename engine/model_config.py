@@ -39,7 +39,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
                            "HunYuanDenseV1ForCausalLM", "OlmoeForCausalLM", "Qwen3_5ForCausalLM",
                            "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM", "NemotronHForCausalLM",
                            "MinistralForCausalLM", "HunYuanMoEV1ForCausalLM", "ApertusForCausalLM",
-                           "OlmoHybridForCausalLM", "Gemma4ForCausalLM")
+                           "OlmoHybridForCausalLM", "Gemma4ForCausalLM", "Mistral4ForCausalLM")
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")   # one LayerNorm a layer, a parallel block
 # their attention bias: q/k/v's, not o_proj's
 QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM")
@@ -66,7 +66,8 @@ TEXT_MODELS = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "language
                "Gemma4ForConditionalGeneration": ("Gemma4ForCausalLM", "language_model.", "gemma4_text")}
 # a multimodal architecture whose text model is another by its text_config's model_type (Mistral 3's from December
 # 2025 on: Ministral 3, Devstral 2, Mistral Small 4)
-TEXT_MODEL_TYPES = {("Mistral3ForConditionalGeneration", "ministral3"): "Ministral3ForCausalLM"}
+TEXT_MODEL_TYPES = {("Mistral3ForConditionalGeneration", "ministral3"): "Ministral3ForCausalLM",
+                    ("Mistral3ForConditionalGeneration", "mistral4"): "Mistral4ForCausalLM"}
 FLAT_TEXT_CONFIGS = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 @dataclass(frozen=True)

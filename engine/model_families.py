@@ -1,9 +1,9 @@
 """The config.json fields of the architectures past Llama's shape, as `ModelConfig` fields: Gemma 3's layer types, rope
 bases and norms (`gemma3_fields`), Gemma 2's layers and soft-capping, Qwen3-MoE's, Mixtral's and Qwen2-MoE's experts,
-Phi-3's window and rope, SmolLM3's NoPE layers, GPT-OSS's experts, sinks and layers, DeepSeek V2's, V3's and
-GLM-4.7-Flash's latent attention (`engine.mla_config`) and grouped routers, EXAONE 4's layers, the sliding layers of
-Qwen2, Qwen3 and Qwen3-MoE (`qwen_window_fields`); Granite's, Llama 4's and Ministral 3's, Qwen3.5's in
-`engine.granite_config`, `llama4_config`, `gated_delta_config`. What we do not serve is refused naming the key."""
+Phi-3's window and rope, SmolLM3's NoPE layers, GPT-OSS's experts, sinks and layers, EXAONE 4's layers, the sliding
+layers of Qwen2, Qwen3 and Qwen3-MoE (`qwen_window_fields`); Granite's, Llama 4's and Ministral 3's, Qwen3.5's in
+`engine.granite_config`, `llama4_config`, `gated_delta_config`; DeepSeek's, GLM-4.7-Flash's and Mistral 4's latent
+attention and grouped routers in `engine.deepseek_config`. What we do not serve is refused naming the key."""
 
 from __future__ import annotations
 
@@ -15,21 +15,22 @@ from engine.config_values import is_int, read_bool, read_float, read_int, read_o
 from engine.gated_delta_config import HYBRID_FIELDS
 from engine.granite_config import granite_fields
 from engine.hunyuan_config import HUNYUAN_FIELDS
+from engine.deepseek_config import DEEPSEEK_TOPK_METHODS, check_silu, deepseek_fields, grouped_experts, mistral4_fields
 from engine.gemma4_config import MOE_ROUTER as GEMMA4_ROUTER, gemma4_fields
 from engine.llama4_config import MISTRAL_FIELDS, llama4_fields
-from engine.mla_config import MLA_DEFAULTS, read_mla
 
 # chunked: Llama 4's (`llama4_config`); Qwen3.5's linear_attention: `gated_delta_config` (its models' alone)
 LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 # how a sparse layer picks its experts: a softmax's top k (Qwen, Mixtral, GPT-OSS), DeepSeek V2's softmax within the
 # groups of the best expert scores, DeepSeek V3's sigmoid (plus a correction bias) within the groups of the best top-2
-# sums; MiniMax-M2's: V3's, in the model's dtype; ERNIE 4.5's: the softmax's top k after a correction bias; Llama 4's
-MOE_ROUTERS = ("softmax", "deepseek_v2", "deepseek_v3", "minimax_m2", "ernie4_5", "llama4", GEMMA4_ROUTER)
+# sums; MiniMax-M2's: V3's, in the model's dtype; ERNIE 4.5's: the softmax's top k after a correction bias; Llama 4's;
+# Mistral 4's: the softmax's within the groups of the best top-2 sums, in the model's dtype, no correction bias
+MOE_ROUTERS = ("softmax", "deepseek_v2", "deepseek_v3", "minimax_m2", "ernie4_5", "llama4", GEMMA4_ROUTER, "mistral4")
 # the families whose fields are read in a module of their own, each reader taking (config.json, its layer count)
 OWN_MODULE_FIELDS: dict[str, Callable[[dict[str, Any], int], dict[str, Any]]] = {"Llama4ForCausalLM": llama4_fields,
-    "Gemma4ForCausalLM": gemma4_fields, **MISTRAL_FIELDS, **HUNYUAN_FIELDS, **HYBRID_FIELDS}
-DEEPSEEK_TOPK_METHODS = {"DeepseekV2ForCausalLM": ("greedy", "group_limited_greedy"),
-                         "DeepseekV3ForCausalLM": ("noaux_tc",), "Glm4MoeLiteForCausalLM": ("noaux_tc",)}
+    "Gemma4ForCausalLM": gemma4_fields, "Mistral4ForCausalLM": mistral4_fields, **MISTRAL_FIELDS, **HUNYUAN_FIELDS,
+    **HYBRID_FIELDS}
+
 
 
 def family_fields(cfg: dict[str, Any], arch: str, num_layers: int) -> dict[str, Any]:
@@ -193,7 +194,7 @@ def qwen3_moe_fields(cfg: dict[str, Any], family: str = "Qwen3-MoE") -> dict[str
     if not isinstance(only, list) or not all(is_int(i) and i >= 0 for i in only):
         raise ConfigError(f"mlp_only_layers: must be a list of layer indices, got {only!r}")
     experts = read_int(cfg, "num_experts", None) or read_int(cfg, "num_local_experts", 128)   # transformers 5's name
-    _check_silu(cfg, family)
+    check_silu(cfg, family)
     return {"num_experts": experts, "num_experts_per_tok": read_int(cfg, "num_experts_per_tok", 8),
             "moe_intermediate_size": read_int(cfg, "moe_intermediate_size", 768),
             "norm_topk_prob": read_bool(cfg, "norm_topk_prob", False),
@@ -222,7 +223,7 @@ def mixtral_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     """Mixtral's experts (transformers' `MixtralConfig` names and defaults): every layer sparse, each expert's
     size `intermediate_size`, the top k always renormalised and kept in float32 (each expert's weighted output
     rounded once, after the product), and a sliding window over every layer only where `sliding_window` is set."""
-    _check_silu(cfg, "Mixtral")
+    check_silu(cfg, "Mixtral")
     experts = read_int(cfg, "num_local_experts", None)
     return {"num_experts": read_int(cfg, "num_experts", 8) if experts is None else experts,   # the attribute map's
             "num_experts_per_tok": read_int(cfg, "num_experts_per_tok", 2),
@@ -324,69 +325,18 @@ def glm4_fields(cfg: dict[str, Any]) -> dict[str, Any]:
             "attention_bias": read_bool(cfg, "attention_bias", True)}
 
 
-def deepseek_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
-    """DeepSeek V2's and V3's fields (transformers' `DeepseekV2Config` / `DeepseekV3Config` names and defaults): the
-    latent attention (`MlaShape`; the cache holds one 'KV head' of its latent and rotated key) and the experts
-    (`_grouped_experts`), V3's router the sigmoid with its correction bias (`topk_method: noaux_tc`), V2's the softmax,
-    in groups where `topk_method: group_limited_greedy`. Unlike transformers, V2 renormalises its top k where
-    `norm_topk_prob` says so (DeepSeek's and vLLM's reading; DeepSeek's V2 configs say not)."""
-    v3 = arch != "DeepseekV2ForCausalLM"   # V3's router and keys: GLM-4.7-Flash's too (`Glm4MoeLiteForCausalLM`)
-    method = cfg.get("topk_method") or ("noaux_tc" if v3 else "greedy")
-    if method not in DEEPSEEK_TOPK_METHODS[arch]:
-        raise ConfigError(f"topk_method: {arch} is served with {' or '.join(DEEPSEEK_TOPK_METHODS[arch])}, "
-                          f"got {method!r}")
-    scoring = cfg.get("scoring_func") or ("sigmoid" if v3 else "softmax")
-    if scoring != ("sigmoid" if v3 else "softmax"):
-        raise ConfigError(f"scoring_func: {arch}'s router is served with {'sigmoid' if v3 else 'softmax'}, "
-                          f"got {scoring!r}")
-    if read_int(cfg, "moe_layer_freq", 1) != 1:
-        raise ConfigError(f"moe_layer_freq: {arch} is served with every layer past first_k_dense_replace sparse (1), "
-                          f"got {cfg['moe_layer_freq']!r}")
-    _check_silu(cfg, "DeepSeek")
-    mla = read_mla(cfg, MLA_DEFAULTS[arch], interleave_key=v3)
-    defaults = dict(n_routed_experts=256, moe_intermediate_size=2048, num_experts_per_tok=8, n_group=8, topk_group=4,
-                    norm_topk_prob=True, first_k_dense_replace=3, routed_scaling_factor=2.5, n_shared_experts=1) if v3 \
-        else dict(n_routed_experts=64, moe_intermediate_size=1407, num_experts_per_tok=6, n_group=1, topk_group=1,
-                  norm_topk_prob=False, first_k_dense_replace=0, routed_scaling_factor=1.0, n_shared_experts=2)
-    if arch == "Glm4MoeLiteForCausalLM":
-        defaults, cfg = GLM4_MOE_LITE_EXPERTS, {**cfg, "first_k_dense_replace": _dense_first(cfg)}
-    experts = _grouped_experts(cfg, defaults, "deepseek_v3" if v3 else "deepseek_v2",
-                               grouped=v3 or method == "group_limited_greedy")
-    return {"mla": mla, "head_dim": mla.cache_dim, "num_kv_heads": 1, **experts}
-
-
-# Glm4MoeLiteConfig's experts where config.json names none: 64 of 1,536, 4 a token, one shared, the first layer dense
-GLM4_MOE_LITE_EXPERTS = dict(n_routed_experts=64, moe_intermediate_size=1536, num_experts_per_tok=4, n_group=1,
-                             topk_group=1, norm_topk_prob=True, first_k_dense_replace=1, routed_scaling_factor=1.8,
-                             n_shared_experts=1)
-
-
-def _dense_first(cfg: dict[str, Any]) -> int:
-    """GLM-4.7-Flash's dense layers as `mlp_layer_types` says them (default: the first alone), as how many come first:
-    the sparse layers after them (what the engine serves; another order is refused by name)."""
-    kinds = cfg.get("mlp_layer_types")
-    if kinds is None:
-        return 1
-    dense = kinds.count("dense") if isinstance(kinds, list) else -1
-    if dense < 0 or kinds != ["dense"] * dense + ["sparse"] * (len(kinds) - dense) \
-            or len(kinds) != read_int(cfg, "num_hidden_layers"):
-        raise ConfigError(f"mlp_layer_types: dense layers first, then sparse ones, one for each layer, "
-                          f"got {kinds!r:.80}")
-    return dense
-
-
 def glm4_moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     """GLM-4.5's fields (transformers' `Glm4MoeConfig` names and defaults): half of each head rotated
     (`partial_rotary_factor`, 0.5), Qwen3's q/k norms where `use_qk_norm`, q/k/v biases where `attention_bias`;
-    DeepSeek V3's experts (`_grouped_experts`: 128 of 1408, 8 a token from one group, renormalised, the first layer
+    DeepSeek V3's experts (`grouped_experts`: 128 of 1408, 8 a token from one group, renormalised, the first layer
     dense, one shared expert)."""
-    _check_silu(cfg, "GLM-4.5")
+    check_silu(cfg, "GLM-4.5")
     factor = _partial_rotary_factor(cfg, 0.5)
     defaults = dict(n_routed_experts=128, moe_intermediate_size=1408, num_experts_per_tok=8, n_group=1, topk_group=1,
                     norm_topk_prob=True, first_k_dense_replace=1, routed_scaling_factor=1.0, n_shared_experts=1)
     return {"partial_rotary_factor": factor, "qk_norm": read_bool(cfg, "use_qk_norm", False),
             "attention_bias": read_bool(cfg, "attention_bias", False),
-            **_grouped_experts(cfg, defaults, "deepseek_v3", grouped=True)}
+            **grouped_experts(cfg, defaults, "deepseek_v3", grouped=True)}
 
 
 def minimax_m2_fields(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -394,7 +344,7 @@ def minimax_m2_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     of `intermediate_size` (1536), `num_experts_per_tok` (8) a token, picked as DeepSeek V3's without groups and
     renormalised; the first `rotary_dim` (or `partial_rotary_factor` of) each head rotated; q and k normed over the
     whole projection, as transformers always norms them (a config saying otherwise is refused)."""
-    _check_silu(cfg, "MiniMax-M2")
+    check_silu(cfg, "MiniMax-M2")
     if cfg.get("use_qk_norm", True) is not True or cfg.get("qk_norm_type", "per_layer") != "per_layer":
         raise ConfigError(f"qk_norm_type: MiniMax-M2 is served with use_qk_norm true and qk_norm_type 'per_layer' "
                           f"(q and k normed over the whole projection, as transformers does), got "
@@ -420,7 +370,7 @@ def ernie4_5_moe_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
     (weighed without it, renormalised), beside `moe_num_shared_experts` (2) every token takes, ungated; layer i's
     MLP the experts where i + 1 is a multiple of `moe_layer_interval` and i lies from `moe_layer_start_index` to
     `moe_layer_end_index` (-1: the last layer). Its released checkpoints have no biases: `use_bias` is refused."""
-    _check_silu(cfg, "ERNIE 4.5")
+    check_silu(cfg, "ERNIE 4.5")
     if read_bool(cfg, "use_bias", False):
         raise ConfigError("use_bias: ERNIE 4.5's MoE models are served without biases (as its checkpoints), got true")
     experts, moe_i = read_int(cfg, "moe_num_experts", 64), read_int(cfg, "moe_intermediate_size", 1536)
@@ -433,34 +383,6 @@ def ernie4_5_moe_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
             "mlp_only_layers": tuple(i for i in range(num_layers) if i not in sparse),
             "shared_expert_intermediate_size": moe_i * read_int(cfg, "moe_num_shared_experts", 2, minimum=0),
             "shared_expert_gated": False, "tie_word_embeddings": read_bool(cfg, "tie_word_embeddings", True)}
-
-
-def _grouped_experts(cfg: dict[str, Any], defaults: dict[str, Any], router: str, grouped: bool) -> dict[str, Any]:
-    """DeepSeek's experts as their config keys say (`defaults`: the family's config class's): `n_routed_experts` of
-    `moe_intermediate_size`, `num_experts_per_tok` a token from the `topk_group` best of `n_group` groups (one group
-    where not `grouped`), weighted in float32 times `routed_scaling_factor` (renormalised where `norm_topk_prob`);
-    `n_shared_experts` of them every token takes, ungated; the first `first_k_dense_replace` layers dense."""
-    def read(key: str, minimum: int = 1) -> int:
-        return read_int(cfg, key, defaults[key], minimum=minimum)
-
-    experts, moe_i, top_k = read("n_routed_experts"), read("moe_intermediate_size"), read("num_experts_per_tok")
-    groups, topk_group = (read("n_group"), read("topk_group")) if grouped else (1, 1)
-    if experts % groups or topk_group > groups or top_k > topk_group * (experts // groups):
-        raise ConfigError(f"n_group: {groups} groups of {experts} experts, {topk_group} chosen a token, cannot hold "
-                          f"num_experts_per_tok {top_k}")
-    return {"num_experts": experts, "num_experts_per_tok": top_k, "moe_intermediate_size": moe_i,
-            "norm_topk_prob": read_bool(cfg, "norm_topk_prob", defaults["norm_topk_prob"]),
-            "mlp_only_layers": tuple(range(read("first_k_dense_replace", minimum=0))),
-            "moe_router": router, "moe_groups": (groups, topk_group),
-            "routed_scaling_factor": read_float(cfg, "routed_scaling_factor", defaults["routed_scaling_factor"]),
-            "shared_expert_intermediate_size": moe_i * read("n_shared_experts", minimum=0),
-            "shared_expert_gated": False, "moe_float_weights": True}
-
-
-def _check_silu(cfg: dict[str, Any], family: str) -> None:
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise ConfigError(f"hidden_act: {family}'s experts are served with silu only (the fused MoE kernel's), "
-                          f"got {cfg['hidden_act']!r}")
 
 
 def qwen_window_fields(cfg: dict[str, Any], arch: str, num_layers: int) -> dict[str, Any]:

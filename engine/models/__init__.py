@@ -13,8 +13,9 @@ SwiGLU, MXFP4 experts dequantized as they are read), `cohere` (Command R and R7B
 rows reordered for the engine's rotary), `ernie` (ERNIE 4.5: the Llama layer, its interleaved rotary served so
 too), `glm4` (GLM-4: sandwich norms, a partial interleaved rotary served by zero frequencies and reordered q/k rows),
 `deepseek` (DeepSeek V2 and V3: latent attention over a cache of one latent a token, grouped routers, shared experts;
-GLM-4.5, in `glm4`, takes their experts), `minimax_m2` (MiniMax-M2: Mixtral's names, OLMo 2's whole-projection
-q/k norms, GLM-4.5's partial rotary, DeepSeek V3's router without groups), `llama4` (Llama 4's text model: chunked
+Mistral Small 4, its queries scaled as Ministral 3's; GLM-4.5, in `glm4`, takes their experts), `minimax_m2`
+(MiniMax-M2: Mixtral's names, OLMo 2's whole-projection q/k norms, GLM-4.5's partial rotary, DeepSeek V3's router
+without groups), `llama4` (Llama 4's text model: chunked
 attention, NoPE layers with query temperature, q/k L2-normed after an interleaved rotary, sigmoid-scaled experts),
 `ministral3` (Ministral 3: Mistral's layer with Llama 4's query scaling on every layer), `qwen3_5` (Qwen3.5: Gated
 DeltaNet layers over a per-sequence state between gated full-attention layers; Qwen3-Next), `nemotron_h` (Nemotron-H:
@@ -82,6 +83,7 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "Llama4ForCausalLM": Llama4ForCausalLM,
                                                 "Ministral3ForCausalLM": Ministral3ForCausalLM,
                                                 "Glm4MoeLiteForCausalLM": DeepseekForCausalLM,   # GLM-4.7-Flash
+                                                "Mistral4ForCausalLM": DeepseekForCausalLM,   # its queries scaled
                                                 "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,
                                                 "Exaone4ForCausalLM": Exaone4ForCausalLM,
                                                 "HunYuanDenseV1ForCausalLM": HunyuanDenseForCausalLM,

@@ -1,6 +1,6 @@
-"""DeepSeek V2 and V3 (`DeepseekV2ForCausalLM`, `DeepseekV3ForCausalLM`; DeepSeek-R1 and Kimi K2 are V3's shape):
-multi-head latent attention over a cache of one latent a token, and mixtures of experts beside shared experts, their
-router grouped.
+"""DeepSeek V2 and V3 (`DeepseekV2ForCausalLM`, `DeepseekV3ForCausalLM`; DeepSeek-R1 and Kimi K2 are V3's shape;
+Mistral Small 4, `Mistral4ForCausalLM`, too): multi-head latent attention over a cache of one latent a token, and
+mixtures of experts beside shared experts, their router grouped.
 
 Attention (`MlaAttention`, the config's `MlaShape`). A token's keys and values are all made from one latent `c` of
 `kv_lora_rank` (normed) and one rotated key `k_pe` of `qk_rope_head_dim` shared by the heads: head h's key is
@@ -13,7 +13,10 @@ values are the cache rows themselves, and each head's output, the weighted sum o
 `kv_lora_rank` dimensions), goes through W_UV[h]. The same kernels, any backend, an FP8 cache alike; q.k and the
 softmax are the model's, the products' order not transformers' (equal to it in float32 up to rounding: the greedy
 tokens of the tiny-model tests; in bfloat16 as vLLM's). The scale is DeepSeek's: (qk_nope + qk_rope)^-1/2, times
-YaRN's mscale_all_dim factor squared.
+YaRN's mscale_all_dim factor squared. Mistral 4 scales each whole query (latent and rotated parts) by Ministral 3's
+1 + beta x log(1 + floor(p / original_max_position_embeddings)) at its position p (`llama4_scaling_beta`): the
+rotary's rows carry the scale (`Ministral3Rotary`, which scales no heads itself here), the attention multiplies the
+absorbed query by it (transformers multiplies the query before the absorption: equal up to rounding).
 
 The rotary turns q_pe and k_pe only (`make_rotary`: head_dim `qk_rope_head_dim`). DeepSeek's checkpoints rotate
 interleaved pairs (2i, 2i + 1) (V2 always, V3 where `rope_interleave`): the rows that make q_pe and k_pe are
@@ -21,8 +24,9 @@ reordered as they are read, so rotating halves turns the same pairs and q.k is u
 
 Experts (`DeepseekMoeBlock`): Qwen3-MoE's experts and kernels, the shared experts one ungated MLP of their rows
 together, and the router in float32 (`DeepseekRouter`, kept float32 as transformers keeps it): V2's softmax, V3's
-sigmoid plus a correction bias that only picks; the experts picked from the `topk_group` of `n_group` groups with the
-best scores (V2: a group's best expert; V3: its best two's sum), the top k of them weighted by their scores
+sigmoid plus a correction bias that only picks, Mistral 4's the softmax unbiased; the experts picked from the
+`topk_group` of `n_group` groups with the best scores (V2: a group's best expert; V3, Mistral 4: its best two's sum),
+the top k of them weighted by their scores
 (renormalised where `norm_topk_prob`), times `routed_scaling_factor`, in float32 (Mixtral's `moe_float_weights`).
 
 Tensor parallelism: each rank holds its query heads' rows of q and of `kv_b_proj` and their o_proj columns; the latent
@@ -45,6 +49,7 @@ from engine.layers import RMSNorm, RopeRows, RotaryEmbedding
 from engine.model import WeightLoadError
 from engine.model_config import ModelConfig
 from engine.models.cohere import interleaved_to_halves
+from engine.models.ministral3 import Ministral3Rotary
 from engine.models.qwen3_moe import Qwen3MoeForCausalLM, SparseMoeBlock
 from engine.parallel import Collectives, ShardShape
 from kernels import AttentionMetadata
@@ -76,6 +81,7 @@ class MlaAttention(nn.Module):
         self.num_heads, self.num_kv_heads = shard.num_heads, 1
         self.sliding_window, self.chunk, self.softcap, self.sinks = None, None, 0.0, None
         self.scale = config.attention_scale
+        self.scales_queries = config.llama4_scaling_beta is not None   # Mistral 4: the rows carry each query's scale
         self.k_scale = self.v_scale = 1.0
         self.kv_observer = None
         qk = mla.qk_nope_head_dim + mla.qk_rope_head_dim
@@ -98,10 +104,12 @@ class MlaAttention(nn.Module):
         q = q.view(-1, heads, nope + mla.qk_rope_head_dim)                     # [T, heads, nope + rope]
         kv = self.kv_a_proj_with_mqa(hidden)                                     # [T, latent + rope]
         pe = torch.cat([q[..., nope:], kv[:, None, latent:]], dim=1)            # q_pe and k_pe: [T, heads + 1, rope]
-        self.rotary_emb(pe, rope_rows)
+        self.rotary_emb(pe, rope_rows)                                           # (Mistral 4's: turns, scales none)
         w = self.kv_b_proj.weight                                                # [heads, nope + v, latent]
         q_latent = torch.bmm(q[..., :nope].transpose(0, 1), w[:, :nope]).transpose(0, 1)   # [T, heads, latent]
         query = torch.cat([q_latent, pe[:, :heads]], dim=-1)                    # [T, heads, cache_dim]
+        if self.scales_queries:
+            query = query * rope_rows[1].to(query.dtype)                         # [T, 1, 1]: each token's scale
         entry = torch.cat([self.kv_a_layernorm(kv[:, :latent].contiguous()), pe[:, heads]], dim=-1)[:, None]
         cache = kv_cache[0]                                                      # the K and V of the layer: one
         if self.kv_observer is not None:
@@ -116,11 +124,11 @@ class MlaAttention(nn.Module):
 class DeepseekRouter(nn.Module):
     """The router's weight [num_experts, hidden] and V3's `e_score_correction_bias` (MiniMax-M2's too), in float32
     whatever the model's dtype (`engine.models.build_model` reads `float32_parameters`), as transformers holds
-    DeepSeek's; MiniMax-M2's in the model's dtype, as transformers holds it."""
+    DeepSeek's; MiniMax-M2's and Mistral 4's in the model's dtype, as transformers holds them."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.float32_parameters = config.moe_router != "minimax_m2"
+        self.float32_parameters = config.moe_router not in ("minimax_m2", "mistral4")
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
         self.e_score_correction_bias = nn.Parameter(torch.empty(config.num_experts)) \
             if config.moe_router in ("deepseek_v3", "minimax_m2", "ernie4_5") else None
@@ -134,20 +142,22 @@ class DeepseekMoeBlock(SparseMoeBlock):
         self.gate = DeepseekRouter(config)
         self.sigmoid = config.moe_router in ("deepseek_v3", "minimax_m2")
         self.biased = self.sigmoid or config.moe_router == "ernie4_5"   # ERNIE 4.5's: on the softmax's scores
+        self.best_two = self.sigmoid or config.moe_router == "mistral4"   # a group's score: its best two's sum
         self.num_groups, self.topk_group = config.moe_groups
         self.routed_scaling_factor = config.routed_scaling_factor
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [num_tokens, hidden] -> (weights [num_tokens, top_k] float32, experts [num_tokens, top_k]), as
         transformers' DeepseekV2TopkRouter / DeepseekV3TopkRouter (MiniMaxM2TopKRouter: its logits in the model's
-        dtype; Ernie4_5_MoeTopKRouter: the softmax's, picked after the correction bias) pick and weigh them."""
+        dtype; Ernie4_5_MoeTopKRouter: the softmax's, picked after the correction bias; Mistral4TopkRouter: the
+        softmax's in V3's groups) pick and weigh them."""
         weight = self.gate.weight                                               # [num_experts, hidden]
         logits = F.linear(x.float(), weight) if self.gate.float32_parameters else F.linear(x, weight).float()
         scores = logits.sigmoid() if self.sigmoid else logits.softmax(dim=-1)
         choice = scores + self.gate.e_score_correction_bias if self.biased else scores
         if self.num_groups > 1:
             grouped = choice.view(-1, self.num_groups, self.num_experts // self.num_groups)
-            group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1) if self.sigmoid else grouped.max(dim=-1).values
+            group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1) if self.best_two else grouped.max(dim=-1).values
             groups = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
             keep = torch.zeros_like(group_scores).scatter_(1, groups, 1.0).bool()
             keep = keep.repeat_interleave(self.num_experts // self.num_groups, dim=-1)
@@ -166,7 +176,10 @@ class DeepseekForCausalLM(Qwen3MoeForCausalLM):
     moe_block = DeepseekMoeBlock
 
     def make_rotary(self, ops: ModuleType) -> RotaryEmbedding:
-        return RotaryEmbedding(replace(self.config, head_dim=self.config.mla.qk_rope_head_dim), ops)
+        config = replace(self.config, head_dim=self.config.mla.qk_rope_head_dim)
+        if config.llama4_scaling_beta is None:
+            return RotaryEmbedding(config, ops)
+        return Ministral3Rotary(config, ops, num_heads=0)   # Mistral 4: rows with each query's scale, for MlaAttention
 
     def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
         layer = super().make_layer(index, ops)
@@ -175,7 +188,9 @@ class DeepseekForCausalLM(Qwen3MoeForCausalLM):
 
     def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
         """The shared experts under Qwen2-MoE's name (one MLP); q's and the latent projection's rotary rows from
-        interleaved pairs to halves; the multi-token-prediction layers (past the model's) skipped."""
+        interleaved pairs to halves; the multi-token-prediction layers (past the model's) skipped; experts stacked
+        as transformers saves Mistral 4's ([experts, out, in], read whatever the shapes: a square stack is
+        ambiguous to Qwen3-MoE's reading) as each expert's."""
         name = moe_checkpoint_name(self.config, name)
         if name is None:
             return ()
@@ -185,7 +200,9 @@ class DeepseekForCausalLM(Qwen3MoeForCausalLM):
                 tensor = rope_rows_to_halves(tensor, mla.qk_nope_head_dim + mla.qk_rope_head_dim, mla.qk_rope_head_dim)
             elif ".self_attn.kv_a_proj_with_mqa." in name:
                 tensor = rope_rows_to_halves(tensor, mla.cache_dim, mla.qk_rope_head_dim)
-        return ((name, tensor),)
+        if name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")) and tensor.dim() == 3:
+            tensor = tensor.transpose(1, 2)   # transformers' [experts, out, in] (Mistral 4's), as the hub's stack
+        return super().read_tensor(hf_name, name, tensor)   # stacked experts (`stacked_experts`) as each expert's
 
     def _destination(self, name: str, hf_name: str) -> tuple[str, Callable[[torch.Tensor], torch.Tensor]]:
         if ".self_attn." not in name:

@@ -1316,6 +1316,43 @@ def test_ministral3_reads_as_transformers_does_and_its_mistral3_checkpoint_serve
             **text, "rope_parameters": {"rope_type": "yarn", "factor": 16.0, "llama_4_scaling_beta": "0.1"}}})
 
 
+def test_mistral_small_4_reads_as_transformers_does_and_its_mistral3_checkpoint_serves_it():
+    """Mistral4Config's defaults (Mistral Small 4's shape: 36 layers of DeepSeek V3's latent attention, a latent of 256
+    and a rotated key of 64 (320 values a layer in the cache), 128 experts of 2,048, 4 a token beside a shared one;
+    YaRN x 128 from 8,192 positions and the queries' llama_4_scaling_beta 0.1) read as transformers reads them: the
+    parameter count of its model (119 B, as the name says), the attention scale, the rotary's frequencies and factor;
+    a Mistral3ForConditionalGeneration whose text_config is mistral4 serves it. A rope turning another share of each
+    head than qk_rope_head_dim is refused by name."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from engine.layers.rotary import rope_attention_factor, rope_inv_freq
+
+    ours = ModelConfig.from_hf_config({"architectures": ["Mistral4ForCausalLM"]})
+    theirs = transformers.Mistral4Config()
+    with torch.device("meta"):   # transformers' auto class maps no causal LM to Mistral4Config: the class itself
+        hf = transformers.Mistral4ForCausalLM(theirs)
+    assert ours.num_params() == sum(p.numel() for p in hf.parameters())
+    assert round(ours.num_params() / 1e9) == 119
+    assert (ours.num_kv_heads, ours.head_dim, ours.kv_bytes_per_token(torch.bfloat16)) == (1, 320, 36 * 320 * 2)
+    assert (ours.moe_router, ours.num_experts, ours.num_experts_per_tok, ours.llama4_scaling_beta) == (
+        "mistral4", 128, 4, 0.1)
+    assert ours.attention_scale == pytest.approx(hf.model.layers[0].self_attn.scaling, rel=1e-12)
+    inv_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](theirs, "cpu")
+    rope = dataclasses.replace(ours, head_dim=64)   # the rotary's: engine.models.deepseek's make_rotary
+    torch.testing.assert_close(rope_inv_freq(rope), inv_freq)
+    assert rope_attention_factor(rope) == pytest.approx(factor)
+    served = ModelConfig.from_hf_config({"architectures": ["Mistral3ForConditionalGeneration"],
+                                         "text_config": {"model_type": "mistral4"}})
+    assert (served.architecture, served.text_weights_prefix, served.num_params()) == (
+        "Mistral4ForCausalLM", "language_model.", ours.num_params())
+    rope_parameters = {**theirs.rope_parameters, "partial_rotary_factor": 1.0}
+    with pytest.raises(ConfigError, match=r"^rope_parameters\.partial_rotary_factor: Mistral 4 turns qk_rope_head_dim"):
+        ModelConfig.from_hf_config({"architectures": ["Mistral4ForCausalLM"], "rope_parameters": rope_parameters})
+    with pytest.raises(ConfigError, match=r"^hidden_act: Mistral 4"):
+        ModelConfig.from_hf_config({"architectures": ["Mistral4ForCausalLM"], "hidden_act": "gelu"})
+
+
 def test_glm4_7_flash_reads_as_transformers_does():
     """GLM-4.7-Flash (`Glm4MoeLiteForCausalLM`, Glm4MoeLiteConfig's defaults: its shape): DeepSeek V3's latent attention
     (a latent of 512 and a rotated key of 64: 576 values a layer in the cache) and router, 64 experts of 1,536, 4 a

@@ -373,3 +373,21 @@ def test_gemma4_decode_graphs_replay_two_cache_shapes_and_shared_kv_layers(tmp_p
         assert_all_free(engine)
     assert recorder.replays > 5
     assert results[True] == results[False]
+
+
+def test_mistral4_decode_graphs_replay_its_scaled_latent_queries(tmp_path, builtin_path, monkeypatch):
+    """Mistral Small 4's latent attention scales each query by its position (rows computed in the captured step,
+    the positions of each replay's): decode steps replay the captured graphs (batches of 3, 2 and 1, padded rows),
+    prefills run eagerly between them, and greedy tokens equal the eager torch reference's."""
+    from tests.engine.test_engine_vs_hf import MISTRAL4
+
+    path = make_tiny_model(tmp_path / "mistral4", "mistral4", builtin_path, **MISTRAL4)
+    prompts, params = _three_decoders(17)
+    results = {}
+    for graphs in (False, True):
+        engine, recorder = _engine_graphs(path, monkeypatch, graphs)
+        assert engine.model.graph_safe or not graphs   # its experts' Triton kernels under the graphs
+        results[graphs] = [out.outputs[0].token_ids for out in engine.generate(prompts, params)]
+        assert_all_free(engine)
+    assert recorder.replays > 5
+    assert results[True] == results[False]

@@ -108,6 +108,14 @@ QWEN2_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
 DEEPSEEK = dict(num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                 first_k_dense_replace=1, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
                 n_group=2, topk_group=1, num_hidden_layers=3)
+# Mistral Small 4: DeepSeek V3's latent attention (as DEEPSEEK) with every query scaled by its position (floor(p / 16)
+# moves it), YaRN x 4 from 16 positions with DeepSeek's mscales; the softmax router in 2 groups (a token's from 1)
+MISTRAL4 = dict(num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                v_head_dim=16, n_group=2, topk_group=1, num_hidden_layers=3, pad_token_id=0, rope_parameters={
+                    "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+                    "beta_fast": 32.0, "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0,
+                    "llama_4_scaling_beta": 0.5})
 GLM4_MOE = dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
                 n_group=2, topk_group=1, num_hidden_layers=3, pad_token_id=0)
 # Llama 4: chunks of 8 positions (the prompts and outputs cross several) on the rotating layers, q/k L2-normed after
@@ -228,6 +236,10 @@ TINY_MODELS = [
         "mscale": 0.707, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}}),
     ("deepseek_v3", {**DEEPSEEK, "q_lora_rank": 48, "rope_interleave": False, "n_group": 1, "topk_group": 1,
                      "norm_topk_prob": False, "first_k_dense_replace": 0}),
+    # Mistral Small 4 (MISTRAL4); then rotating halves, biases on q_a, kv_a and o, one group, no renormalisation
+    ("mistral4", MISTRAL4),
+    ("mistral4", {**MISTRAL4, "rope_interleave": False, "attention_bias": True, "n_group": 1, "topk_group": 1,
+                  "norm_topk_prob": False, "routed_scaling_factor": 1.5, "n_shared_experts": 2}),
     # GLM-4.5: half of each head rotated (rotate-half pairs), q/k norms and q/k/v biases, DeepSeek V3's experts
     ("glm4_moe", {**GLM4_MOE, "use_qk_norm": True, "attention_bias": True}),
     # MiniMax-M2: q/k normed over the whole projection, a quarter of each head rotated, V3's picks without groups
@@ -553,13 +565,14 @@ def _assert_serves_its_text_model(hf, folder, builtin_path, text_arch: str) -> N
     assert_all_free(engine)
 
 
-@pytest.mark.parametrize("text_type", ["mistral", "ministral3"])
+@pytest.mark.parametrize("text_type", ["mistral", "ministral3", "mistral4"])
 def test_a_multimodal_mistral3_checkpoint_serves_its_text_model(tmp_path, builtin_path, text_type):
     """Mistral 3's multimodal checkpoints (`Mistral3ForConditionalGeneration`: a Pixtral vision tower and a projector
-    beside a text model under `language_model.`): Mistral Small 3.1's, a Mistral text model, and those from December
-    2025 on (Ministral 3, Devstral 2), whose text_config is `ministral3` (its queries' scaling too), each served as
-    its text model, greedy text token-identical to transformers' multimodal model on text input; another family's
-    text_config is refused."""
+    beside a text model under `language_model.`): Mistral Small 3.1's, a Mistral text model, those from December
+    2025 on (Ministral 3, Devstral 2), whose text_config is `ministral3` (its queries' scaling too), and Mistral Small
+    4's, `mistral4` (latent attention and experts, stacked as transformers saves them), each served as its text model,
+    greedy text token-identical to transformers' multimodal model on text input; another family's text_config is
+    refused."""
     import transformers
 
     from engine.config import ConfigError
@@ -567,8 +580,9 @@ def test_a_multimodal_mistral3_checkpoint_serves_its_text_model(tmp_path, builti
 
     shape = dict(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2, rms_norm_eps=1e-5)
-    text = transformers.MistralConfig(**shape, head_dim=32, sliding_window=None, rope_theta=1e6) \
-        if text_type == "mistral" else transformers.Ministral3Config(**shape, **MINISTRAL3)
+    text = {"mistral": lambda: transformers.MistralConfig(**shape, head_dim=32, sliding_window=None, rope_theta=1e6),
+            "ministral3": lambda: transformers.Ministral3Config(**shape, **MINISTRAL3),
+            "mistral4": lambda: transformers.Mistral4Config(**{**shape, **MISTRAL4})}[text_type]()
     vision = transformers.PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                               num_attention_heads=2, head_dim=16, image_size=28, patch_size=14)
     config = transformers.Mistral3Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
@@ -581,8 +595,8 @@ def test_a_multimodal_mistral3_checkpoint_serves_its_text_model(tmp_path, builti
                 param.normal_(0.0, 0.2)
     folder = tmp_path / text_type
     hf.save_pretrained(folder)
-    _assert_serves_its_text_model(hf, folder, builtin_path,
-                                  "MistralForCausalLM" if text_type == "mistral" else "Ministral3ForCausalLM")
+    _assert_serves_its_text_model(hf, folder, builtin_path, {"mistral": "MistralForCausalLM", "ministral3":
+                                  "Ministral3ForCausalLM", "mistral4": "Mistral4ForCausalLM"}[text_type])
     saved = json.loads((folder / "config.json").read_text())
     saved["text_config"]["model_type"] = "llama"
     with pytest.raises(ConfigError, match=r"^text_config\.model_type: .* served as 'mistral' .*got 'llama'"):

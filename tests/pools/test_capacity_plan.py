@@ -453,6 +453,7 @@ def test_the_examples_measure_their_gpus_where_they_are_served():
     ("glm-4.5-air-2xh200-fp8.yaml", 141 * GiB, 213_751_699_968, "float8_e4m3fn"),
     ("llama-4-scout-2xh200-fp8.yaml", 141 * GiB, 215_539_722_240, "float8_e4m3fn"),
     ("qwen3-next-80b-2xh200.yaml", 141 * GiB, 159_348_782_592, "bfloat16"),
+    ("mistral-small-4-2xh200-fp8.yaml", 141 * GiB, 237_945_653_248, "float8_e4m3fn"),
 ])
 def test_the_example_files_plan(name, vram, dense_bytes, kv):
     """The example files plan from the config.json beside them: Qwen3-32B's weights (YaRN to 131,072
@@ -460,7 +461,8 @@ def test_the_example_files_plan(name, vram, dense_bytes, kv):
     DeepSeek-V2-Lite's (its routers in float32) with its latent cache: 31,104 B a token, GLM-4.5-Air's on two
     H200s (its routers in float32 too) with an FP8 cache, Llama 4 Scout's text model on two H200s (a multimodal
     config.json; its rotary table the rag pool's 131,072 positions, not 10,485,760), and Qwen3-Next on two H200s (its
-    12 attention layers' K/V alone, and each sequence's state of its 36 linear layers beside them: S_state)."""
+    12 attention layers' K/V alone, and each sequence's state of its 36 linear layers beside them: S_state), and
+    Mistral Small 4 on two H200s with an FP8 cache (its latent cache whole on each GPU: 36 layers x 320 B a token)."""
     data = yaml.safe_load((REPO / "config" / "examples" / name).read_text())
     config = parse_config(data, env={}, base_dir=REPO / "config" / "examples")
     plan = plan_capacity(config, resolve_model_configs(config), vram_bytes=vram)
@@ -468,6 +470,8 @@ def test_the_example_files_plan(name, vram, dense_bytes, kv):
     assert device.weights_bytes == dense_bytes and device.kv_cache_dtype == kv
     if name.startswith("deepseek"):
         assert device.kv_bytes_per_token == 27 * 576 * 2
+    if name.startswith("mistral-small-4"):
+        assert device.kv_bytes_per_token == 36 * 320 * 1
     if name.startswith("qwen3-next"):   # per GPU: 36 layers' 8 key heads' conv inputs, 16 value heads' 128 x 128
         assert device.kv_bytes_per_token == 12 * 2 * 2 * 256 * 2
         assert {p.state_bytes_per_seq for p in plan.pools.values()} == {36 * (4096 * 3 * 2 + 16 * 128 * 128 * 4)}

@@ -1,0 +1,127 @@
+"""The config.json fields of DeepSeek's family (`deepseek_fields`: DeepSeek V2, V3, GLM-4.7-Flash; `mistral4_fields`:
+Mistral Small 4): the latent attention (`engine.mla_config`) and the grouped experts (`grouped_experts`, GLM-4.5's
+too), each family's defaults its transformers config class's. What we do not serve is refused naming the key."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.config import ConfigError
+from engine.config_values import read_bool, read_float, read_int
+from engine.mla_config import MLA_DEFAULTS, read_mla
+
+DEEPSEEK_TOPK_METHODS = {"DeepseekV2ForCausalLM": ("greedy", "group_limited_greedy"),
+                         "DeepseekV3ForCausalLM": ("noaux_tc",), "Glm4MoeLiteForCausalLM": ("noaux_tc",)}
+
+
+def deepseek_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+    """DeepSeek V2's and V3's fields (transformers' `DeepseekV2Config` / `DeepseekV3Config` names and defaults): the
+    latent attention (`MlaShape`; the cache holds one 'KV head' of its latent and rotated key) and the experts
+    (`grouped_experts`), V3's router the sigmoid with its correction bias (`topk_method: noaux_tc`), V2's the softmax,
+    in groups where `topk_method: group_limited_greedy`. Unlike transformers, V2 renormalises its top k where
+    `norm_topk_prob` says so (DeepSeek's and vLLM's reading; DeepSeek's V2 configs say not)."""
+    v3 = arch != "DeepseekV2ForCausalLM"   # V3's router and keys: GLM-4.7-Flash's too (`Glm4MoeLiteForCausalLM`)
+    method = cfg.get("topk_method") or ("noaux_tc" if v3 else "greedy")
+    if method not in DEEPSEEK_TOPK_METHODS[arch]:
+        raise ConfigError(f"topk_method: {arch} is served with {' or '.join(DEEPSEEK_TOPK_METHODS[arch])}, "
+                          f"got {method!r}")
+    scoring = cfg.get("scoring_func") or ("sigmoid" if v3 else "softmax")
+    if scoring != ("sigmoid" if v3 else "softmax"):
+        raise ConfigError(f"scoring_func: {arch}'s router is served with {'sigmoid' if v3 else 'softmax'}, "
+                          f"got {scoring!r}")
+    if read_int(cfg, "moe_layer_freq", 1) != 1:
+        raise ConfigError(f"moe_layer_freq: {arch} is served with every layer past first_k_dense_replace sparse (1), "
+                          f"got {cfg['moe_layer_freq']!r}")
+    check_silu(cfg, "DeepSeek")
+    mla = read_mla(cfg, MLA_DEFAULTS[arch], interleave_key=v3)
+    defaults = dict(n_routed_experts=256, moe_intermediate_size=2048, num_experts_per_tok=8, n_group=8, topk_group=4,
+                    norm_topk_prob=True, first_k_dense_replace=3, routed_scaling_factor=2.5, n_shared_experts=1) if v3 \
+        else dict(n_routed_experts=64, moe_intermediate_size=1407, num_experts_per_tok=6, n_group=1, topk_group=1,
+                  norm_topk_prob=False, first_k_dense_replace=0, routed_scaling_factor=1.0, n_shared_experts=2)
+    if arch == "Glm4MoeLiteForCausalLM":
+        defaults, cfg = GLM4_MOE_LITE_EXPERTS, {**cfg, "first_k_dense_replace": _dense_first(cfg)}
+    experts = grouped_experts(cfg, defaults, "deepseek_v3" if v3 else "deepseek_v2",
+                               grouped=v3 or method == "group_limited_greedy")
+    return {"mla": mla, "head_dim": mla.cache_dim, "num_kv_heads": 1, **experts}
+
+
+# Glm4MoeLiteConfig's experts where config.json names none: 64 of 1,536, 4 a token, one shared, the first layer dense
+GLM4_MOE_LITE_EXPERTS = dict(n_routed_experts=64, moe_intermediate_size=1536, num_experts_per_tok=4, n_group=1,
+                             topk_group=1, norm_topk_prob=True, first_k_dense_replace=1, routed_scaling_factor=1.8,
+                             n_shared_experts=1)
+
+
+def _dense_first(cfg: dict[str, Any]) -> int:
+    """GLM-4.7-Flash's dense layers as `mlp_layer_types` says them (default: the first alone), as how many come first:
+    the sparse layers after them (what the engine serves; another order is refused by name)."""
+    kinds = cfg.get("mlp_layer_types")
+    if kinds is None:
+        return 1
+    dense = kinds.count("dense") if isinstance(kinds, list) else -1
+    if dense < 0 or kinds != ["dense"] * dense + ["sparse"] * (len(kinds) - dense) \
+            or len(kinds) != read_int(cfg, "num_hidden_layers"):
+        raise ConfigError(f"mlp_layer_types: dense layers first, then sparse ones, one for each layer, "
+                          f"got {kinds!r:.80}")
+    return dense
+
+
+def grouped_experts(cfg: dict[str, Any], defaults: dict[str, Any], router: str, grouped: bool) -> dict[str, Any]:
+    """DeepSeek's experts as their config keys say (`defaults`: the family's config class's): `n_routed_experts` of
+    `moe_intermediate_size`, `num_experts_per_tok` a token from the `topk_group` best of `n_group` groups (one group
+    where not `grouped`), weighted in float32 times `routed_scaling_factor` (renormalised where `norm_topk_prob`);
+    `n_shared_experts` of them every token takes, ungated; the first `first_k_dense_replace` layers dense."""
+    def read(key: str, minimum: int = 1) -> int:
+        return read_int(cfg, key, defaults[key], minimum=minimum)
+
+    experts, moe_i, top_k = read("n_routed_experts"), read("moe_intermediate_size"), read("num_experts_per_tok")
+    groups, topk_group = (read("n_group"), read("topk_group")) if grouped else (1, 1)
+    if experts % groups or topk_group > groups or top_k > topk_group * (experts // groups):
+        raise ConfigError(f"n_group: {groups} groups of {experts} experts, {topk_group} chosen a token, cannot hold "
+                          f"num_experts_per_tok {top_k}")
+    return {"num_experts": experts, "num_experts_per_tok": top_k, "moe_intermediate_size": moe_i,
+            "norm_topk_prob": read_bool(cfg, "norm_topk_prob", defaults["norm_topk_prob"]),
+            "mlp_only_layers": tuple(range(read("first_k_dense_replace", minimum=0))),
+            "moe_router": router, "moe_groups": (groups, topk_group),
+            "routed_scaling_factor": read_float(cfg, "routed_scaling_factor", defaults["routed_scaling_factor"]),
+            "shared_expert_intermediate_size": moe_i * read("n_shared_experts", minimum=0),
+            "shared_expert_gated": False, "moe_float_weights": True}
+
+
+def check_silu(cfg: dict[str, Any], family: str) -> None:
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"hidden_act: {family}'s experts are served with silu only (the fused MoE kernel's), "
+                          f"got {cfg['hidden_act']!r}")
+
+
+# transformers' Mistral4Config's where config.json names none: 128 experts of 2,048, 4 a token, one shared, every layer
+# sparse; its rope YaRN x 128 from 8,192 positions with DeepSeek's mscales, and the queries' scaling
+MISTRAL4_EXPERTS = dict(n_routed_experts=128, moe_intermediate_size=2048, num_experts_per_tok=4, n_group=1,
+                        topk_group=1, norm_topk_prob=True, first_k_dense_replace=0, routed_scaling_factor=1.0,
+                        n_shared_experts=1)
+MISTRAL4_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 128.0, "original_max_position_embeddings": 8192,
+                 "beta_fast": 32.0, "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.1}
+
+
+def mistral4_fields(cfg: dict[str, Any], num_layers: int = 0) -> dict[str, Any]:
+    """Mistral Small 4's fields (transformers' `Mistral4Config` names and defaults): DeepSeek V3's latent attention
+    (Mistral 4's shape by default) with Ministral 3's query scaling after the rotary (the rope's
+    `llama_4_scaling_beta`); the rope's `partial_rotary_factor` the share of a head `qk_rope_head_dim` is (the only
+    one transformers' model turns, the one the engine's latent attention turns); experts picked from the best groups
+    (their best two's sum) by the softmax, no correction bias (`moe_router: mistral4`)."""
+    check_silu(cfg, "Mistral 4")
+    mla = read_mla(cfg, MLA_DEFAULTS["Mistral4ForCausalLM"], interleave_key=True)
+    key = "rope_scaling" if cfg.get("rope_parameters") is None and cfg.get("rope_scaling") is not None \
+        else "rope_parameters"
+    rope = cfg.get(key) or MISTRAL4_ROPE
+    if not isinstance(rope, dict):
+        raise ConfigError(f"{key}: must be an object, got {rope!r:.80}")
+    share = mla.qk_rope_head_dim / (mla.qk_nope_head_dim + mla.qk_rope_head_dim)
+    partial = read_float(rope, "partial_rotary_factor", share, path=f"{key}.")
+    if abs(partial - share) > 1e-9:
+        raise ConfigError(f"{key}.partial_rotary_factor: Mistral 4 turns qk_rope_head_dim of each head ({share:g}), "
+                          f"got {partial!r}")
+    beta = read_float(rope, "llama_4_scaling_beta", None, positive=False, path=f"{key}.")
+    rope = {name: value for name, value in rope.items() if name != "partial_rotary_factor"}
+    return {"mla": mla, "head_dim": mla.cache_dim, "num_kv_heads": 1, "llama4_scaling_beta": beta or None,
+            "full_rope": ({**cfg, key: rope},), **grouped_experts(cfg, MISTRAL4_EXPERTS, "mistral4", grouped=True),
+            "stacked_experts": True}   # read per expert, or stacked as transformers saves Mistral 4's
