@@ -8,10 +8,11 @@ from typing import Any
 
 from engine.config import ConfigError
 from engine.config_values import read_bool, read_float, read_int
-from engine.mla_config import MLA_DEFAULTS, read_mla
+from engine.mla_config import DSA_DEFAULTS, MLA_DEFAULTS, read_mla
 
 DEEPSEEK_TOPK_METHODS = {"DeepseekV2ForCausalLM": ("greedy", "group_limited_greedy"),
-                         "DeepseekV3ForCausalLM": ("noaux_tc",), "Glm4MoeLiteForCausalLM": ("noaux_tc",)}
+                         "DeepseekV3ForCausalLM": ("noaux_tc",), "Glm4MoeLiteForCausalLM": ("noaux_tc",),
+                         "DeepseekV32ForCausalLM": ("noaux_tc",)}
 
 
 def deepseek_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
@@ -19,7 +20,9 @@ def deepseek_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
     latent attention (`MlaShape`; the cache holds one 'KV head' of its latent and rotated key) and the experts
     (`grouped_experts`), V3's router the sigmoid with its correction bias (`topk_method: noaux_tc`), V2's the softmax,
     in groups where `topk_method: group_limited_greedy`. Unlike transformers, V2 renormalises its top k where
-    `norm_topk_prob` says so (DeepSeek's and vLLM's reading; DeepSeek's V2 configs say not)."""
+    `norm_topk_prob` says so (DeepSeek's and vLLM's reading; DeepSeek's V2 configs say not). DeepSeek V3.2
+    (`DeepseekV32Config`): V3's, every layer's attention sparse through its indexer (`layer_types` all
+    `indexed_attention`), the dense layers first as `mlp_layer_types` (or `first_k_dense_replace`, 3) says."""
     v3 = arch != "DeepseekV2ForCausalLM"   # V3's router and keys: GLM-4.7-Flash's too (`Glm4MoeLiteForCausalLM`)
     method = cfg.get("topk_method") or ("noaux_tc" if v3 else "greedy")
     if method not in DEEPSEEK_TOPK_METHODS[arch]:
@@ -33,13 +36,21 @@ def deepseek_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
         raise ConfigError(f"moe_layer_freq: {arch} is served with every layer past first_k_dense_replace sparse (1), "
                           f"got {cfg['moe_layer_freq']!r}")
     check_silu(cfg, "DeepSeek")
-    mla = read_mla(cfg, MLA_DEFAULTS[arch], interleave_key=v3)
+    mla = read_mla(cfg, MLA_DEFAULTS[arch], interleave_key=v3 and arch != "DeepseekV32ForCausalLM",
+                   dsa=DSA_DEFAULTS.get(arch))
     defaults = dict(n_routed_experts=256, moe_intermediate_size=2048, num_experts_per_tok=8, n_group=8, topk_group=4,
                     norm_topk_prob=True, first_k_dense_replace=3, routed_scaling_factor=2.5, n_shared_experts=1) if v3 \
         else dict(n_routed_experts=64, moe_intermediate_size=1407, num_experts_per_tok=6, n_group=1, topk_group=1,
                   norm_topk_prob=False, first_k_dense_replace=0, routed_scaling_factor=1.0, n_shared_experts=2)
     if arch == "Glm4MoeLiteForCausalLM":
-        defaults, cfg = GLM4_MOE_LITE_EXPERTS, {**cfg, "first_k_dense_replace": _dense_first(cfg)}
+        defaults, cfg = GLM4_MOE_LITE_EXPERTS, {**cfg, "first_k_dense_replace": _dense_first(cfg, 1)}
+    if arch == "DeepseekV32ForCausalLM":
+        kinds = cfg.get("layer_types")
+        if kinds is not None and kinds != ["indexed_attention"] * read_int(cfg, "num_hidden_layers"):
+            raise ConfigError(f"layer_types: DeepSeek V3.2 is served with indexed_attention on every layer, "
+                              f"got {kinds!r:.80}")
+        cfg = {**cfg, "first_k_dense_replace": _dense_first(cfg, read_int(cfg, "first_k_dense_replace", 3,
+                                                                          minimum=0))}
     experts = grouped_experts(cfg, defaults, "deepseek_v3" if v3 else "deepseek_v2",
                                grouped=v3 or method == "group_limited_greedy")
     return {"mla": mla, "head_dim": mla.cache_dim, "num_kv_heads": 1, **experts}
@@ -51,12 +62,12 @@ GLM4_MOE_LITE_EXPERTS = dict(n_routed_experts=64, moe_intermediate_size=1536, nu
                              n_shared_experts=1)
 
 
-def _dense_first(cfg: dict[str, Any]) -> int:
-    """GLM-4.7-Flash's dense layers as `mlp_layer_types` says them (default: the first alone), as how many come first:
-    the sparse layers after them (what the engine serves; another order is refused by name)."""
+def _dense_first(cfg: dict[str, Any], default: int) -> int:
+    """GLM-4.7-Flash's and DeepSeek V3.2's dense layers as `mlp_layer_types` says them (else the first `default`), as
+    how many come first: the sparse layers after them (what the engine serves; another order is refused by name)."""
     kinds = cfg.get("mlp_layer_types")
     if kinds is None:
-        return 1
+        return default
     dense = kinds.count("dense") if isinstance(kinds, list) else -1
     if dense < 0 or kinds != ["dense"] * dense + ["sparse"] * (len(kinds) - dense) \
             or len(kinds) != read_int(cfg, "num_hidden_layers"):

@@ -39,7 +39,8 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
                            "HunYuanDenseV1ForCausalLM", "OlmoeForCausalLM", "Qwen3_5ForCausalLM",
                            "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM", "NemotronHForCausalLM",
                            "MinistralForCausalLM", "HunYuanMoEV1ForCausalLM", "ApertusForCausalLM",
-                           "OlmoHybridForCausalLM", "Gemma4ForCausalLM", "Mistral4ForCausalLM")
+                           "OlmoHybridForCausalLM", "Gemma4ForCausalLM", "Mistral4ForCausalLM",
+                           "DeepseekV32ForCausalLM")
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")   # one LayerNorm a layer, a parallel block
 # their attention bias: q/k/v's, not o_proj's
 QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM")
@@ -339,11 +340,12 @@ class ModelConfig:
     @property
     def num_float32_params(self) -> int:
         """Parameters held in float32 whatever the model's dtype: DeepSeek's and ERNIE 4.5's routers (weight, the
-        correction bias of V3's and ERNIE's)."""
+        correction bias of V3's and ERNIE's), DeepSeek V3.2's indexers' head weights."""
+        indexers = self.num_layers * self.mla.index_heads * self.hidden_size if self.mla is not None else 0
         if self.moe_router not in ("deepseek_v2", "deepseek_v3", "ernie4_5"):
-            return 0
+            return indexers
         per_layer = self.num_experts * (self.hidden_size + (self.moe_router != "deepseek_v2"))
-        return per_layer * sum(self.is_sparse_layer(layer) for layer in range(self.num_layers))
+        return indexers + per_layer * sum(self.is_sparse_layer(layer) for layer in range(self.num_layers))
 
     def num_params(self) -> int:
         """Parameters of the whole model (one rank's: engine.parallel.ShardShape.num_params)."""

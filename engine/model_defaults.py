@@ -45,6 +45,10 @@ FAMILY_DEFAULTS = {"Gemma2ForCausalLM": GEMMA2_DEFAULTS, "Gemma3ForCausalLM": GE
                        "num_attention_heads": 8, "num_key_value_heads": 4, "max_position_embeddings": 131_072,
                        "bos_token_id": 2, "eos_token_id": 1},
                    "Llama4ForCausalLM": {"intermediate_size": 8192},
+                   "DeepseekV32ForCausalLM": {   # DeepseekV32Config's (its attention and experts: deepseek_config)
+                       "vocab_size": 129_280, "hidden_size": 7168, "intermediate_size": 18_432, "num_hidden_layers": 61,
+                       "num_attention_heads": 128, "max_position_embeddings": 163_840, "bos_token_id": 0,
+                       "eos_token_id": 1},
                    "Mistral4ForCausalLM": {   # Mistral4Config's (its latent attention and experts: deepseek_config)
                        "vocab_size": 131_072, "hidden_size": 4096, "intermediate_size": 12_288, "num_hidden_layers": 36,
                        "num_attention_heads": 32, "max_position_embeddings": 1_048_576, "bos_token_id": 1,

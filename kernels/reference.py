@@ -79,7 +79,7 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     v_flat.index_copy_(0, slots, quantize_kv(value, v_cache.dtype, v_scale))
 
 
-def _context_slots(meta: AttentionMetadata, rows: list[int], length: int) -> torch.Tensor:
+def context_slots(meta: AttentionMetadata, rows: list[int], length: int) -> torch.Tensor:
     """[len(rows), length] int64 slots of positions 0..length-1 of the given sequences."""
     device = meta.block_tables.device
     pos = torch.arange(length, device=device)
@@ -161,7 +161,7 @@ def _decode_call(meta: AttentionMetadata, decode: list[int], starts: list[int], 
         allowed &= pos[None, :] > (lens[:, None] - 1 - sliding_window)
     if chunk is not None:   # the decode token's own chunk: from (len - 1) // chunk x chunk
         allowed &= pos[None, :] >= (lens[:, None] - 1) // chunk * chunk
-    slots = _context_slots(meta, decode, max_len)
+    slots = context_slots(meta, decode, max_len)
     # Positions past a sequence's length read its first slot: masked out, but finite, since
     # 0 x NaN from a never-written slot would poison the weighted sum.
     slots = torch.where(pos[None, :] < lens[:, None], slots, slots[:, :1])
@@ -198,7 +198,7 @@ def _step_plan(meta: AttentionMetadata, sliding_window: int | None, chunk: int |
         chunked = chunk is not None and prefix_len // chunk != (s_len - 1) // chunk
         if chunk is not None:
             key_start = max(key_start, prefix_len // chunk * chunk)
-        slots = _context_slots(meta, [i], s_len)[0][key_start:]
+        slots = context_slots(meta, [i], s_len)[0][key_start:]
         plan["prefill"].append(_PrefillChunk(starts[i], q_len, s_len, key_start, slots,
                                              sliding_window if windowed else None, chunk if chunked else None))
     meta.backend_cache[key] = plan

@@ -91,7 +91,7 @@ class MlaAttention(nn.Module):
             self.q_b_proj = nn.Linear(mla.q_lora_rank, self.num_heads * qk, bias=False)
         else:
             self.q_proj = nn.Linear(hidden, self.num_heads * qk, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(hidden, mla.cache_dim, bias=bias)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, mla.latent_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, LATENT_NORM_EPS, ops)
         self.kv_b_proj = LatentUpProjection(self.num_heads, mla.qk_nope_head_dim + mla.v_head_dim, mla.kv_lora_rank)
         self.o_proj = nn.Linear(self.num_heads * mla.v_head_dim, hidden, bias=bias)
@@ -99,26 +99,41 @@ class MlaAttention(nn.Module):
     def forward(self, hidden: torch.Tensor, rope_rows: RopeRows, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata, backend) -> torch.Tensor:
         mla, heads = self.mla, self.num_heads
+        bottleneck = self.q_a_layernorm(self.q_a_proj(hidden)) if mla.q_lora_rank else None
+        query, entry = self.latent_query_and_entry(hidden, bottleneck, rope_rows)
+        out = self.attend(hidden, bottleneck, rope_rows, query, entry, kv_cache[0], meta, backend)
+        w = self.kv_b_proj.weight                                                # [heads, nope + v, latent]
+        out = torch.bmm(out[..., :mla.kv_lora_rank].transpose(0, 1),
+                        w[:, mla.qk_nope_head_dim:].transpose(1, 2)).transpose(0, 1)
+        return self.comm.all_reduce(self.o_proj(out.reshape(-1, heads * mla.v_head_dim)))
+
+    def latent_query_and_entry(self, hidden: torch.Tensor, bottleneck: torch.Tensor | None, rope_rows: RopeRows
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each head's query in the latent space [T, heads, latent_dim] and each token's cache row [T, 1, latent_dim]
+        (its normed latent and rotated key); `bottleneck`: q's, normed (None: one q projection)."""
+        mla, heads = self.mla, self.num_heads
         nope, latent = mla.qk_nope_head_dim, mla.kv_lora_rank
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden))) if mla.q_lora_rank else self.q_proj(hidden)
+        q = self.q_b_proj(bottleneck) if mla.q_lora_rank else self.q_proj(hidden)
         q = q.view(-1, heads, nope + mla.qk_rope_head_dim)                     # [T, heads, nope + rope]
         kv = self.kv_a_proj_with_mqa(hidden)                                     # [T, latent + rope]
         pe = torch.cat([q[..., nope:], kv[:, None, latent:]], dim=1)            # q_pe and k_pe: [T, heads + 1, rope]
         self.rotary_emb(pe, rope_rows)                                           # (Mistral 4's: turns, scales none)
         w = self.kv_b_proj.weight                                                # [heads, nope + v, latent]
         q_latent = torch.bmm(q[..., :nope].transpose(0, 1), w[:, :nope]).transpose(0, 1)   # [T, heads, latent]
-        query = torch.cat([q_latent, pe[:, :heads]], dim=-1)                    # [T, heads, cache_dim]
+        query = torch.cat([q_latent, pe[:, :heads]], dim=-1)                    # [T, heads, latent_dim]
         if self.scales_queries:
             query = query * rope_rows[1].to(query.dtype)                         # [T, 1, 1]: each token's scale
-        entry = torch.cat([self.kv_a_layernorm(kv[:, :latent].contiguous()), pe[:, heads]], dim=-1)[:, None]
-        cache = kv_cache[0]                                                      # the K and V of the layer: one
+        return query, torch.cat([self.kv_a_layernorm(kv[:, :latent].contiguous()), pe[:, heads]], dim=-1)[:, None]
+
+    def attend(self, hidden: torch.Tensor, bottleneck: torch.Tensor | None, rope_rows: RopeRows, query: torch.Tensor,
+               entry: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, backend) -> torch.Tensor:
+        """Store each token's row in the layer's cache (its K and V: one plane) and attend every earlier one:
+        [T, heads, latent_dim], each head's weighted sum of rows (its first kv_lora_rank values the latent's)."""
         if self.kv_observer is not None:
             self.kv_observer(entry, entry)
         backend.store_kv(entry, entry, cache, cache, meta, k_scale=self.k_scale, v_scale=self.v_scale)
-        out = backend.paged_attention(query, cache, cache, meta, self.scale, None, k_scale=self.k_scale,
-                                      v_scale=self.v_scale)                      # [T, heads, cache_dim]
-        out = torch.bmm(out[..., :latent].transpose(0, 1), w[:, nope:].transpose(1, 2)).transpose(0, 1)
-        return self.comm.all_reduce(self.o_proj(out.reshape(-1, heads * mla.v_head_dim)))
+        return backend.paged_attention(query, cache, cache, meta, self.scale, None, k_scale=self.k_scale,
+                                       v_scale=self.v_scale)
 
 
 class DeepseekRouter(nn.Module):
@@ -174,6 +189,7 @@ class DeepseekForCausalLM(Qwen3MoeForCausalLM):
     `first_k_dense_replace` (dense) layers; the loading reorders the rotary rows and cuts the latent attention."""
 
     moe_block = DeepseekMoeBlock
+    attention = MlaAttention   # DeepSeek V3.2's: engine.models.deepseek_v32.DsaAttention
 
     def make_rotary(self, ops: ModuleType) -> RotaryEmbedding:
         config = replace(self.config, head_dim=self.config.mla.qk_rope_head_dim)
@@ -183,7 +199,7 @@ class DeepseekForCausalLM(Qwen3MoeForCausalLM):
 
     def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
         layer = super().make_layer(index, ops)
-        layer.self_attn = MlaAttention(self.config, self.shard, self.comm, self.rotary_emb, ops)
+        layer.self_attn = self.attention(self.config, self.shard, self.comm, self.rotary_emb, ops)
         return layer
 
     def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
@@ -199,7 +215,7 @@ class DeepseekForCausalLM(Qwen3MoeForCausalLM):
             if name.endswith(("self_attn.q_proj.weight", "self_attn.q_b_proj.weight")):
                 tensor = rope_rows_to_halves(tensor, mla.qk_nope_head_dim + mla.qk_rope_head_dim, mla.qk_rope_head_dim)
             elif ".self_attn.kv_a_proj_with_mqa." in name:
-                tensor = rope_rows_to_halves(tensor, mla.cache_dim, mla.qk_rope_head_dim)
+                tensor = rope_rows_to_halves(tensor, mla.latent_dim, mla.qk_rope_head_dim)
         if name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")) and tensor.dim() == 3:
             tensor = tensor.transpose(1, 2)   # transformers' [experts, out, in] (Mistral 4's), as the hub's stack
         return super().read_tensor(hf_name, name, tensor)   # stacked experts (`stacked_experts`) as each expert's

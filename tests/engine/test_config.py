@@ -1316,6 +1316,33 @@ def test_ministral3_reads_as_transformers_does_and_its_mistral3_checkpoint_serve
             **text, "rope_parameters": {"rope_type": "yarn", "factor": 16.0, "llama_4_scaling_beta": "0.1"}}})
 
 
+def test_deepseek_v3_2_reads_as_transformers_does():
+    """DeepseekV32Config's defaults (DeepSeek-V3.2's shape: V3's 61 layers and experts, each attention sparse through
+    an indexer of 64 heads of 128 picking 2,048 tokens): the parameter count is transformers' model's (plus its
+    routers' correction biases), the indexers' head weights float32 beside the routers; a cache row is the latent,
+    the rotated key and the indexer's key (704 values a layer); the attention scale is transformers'. Another
+    layer type, one q projection, or an indexer narrower than the rotary are refused by name."""
+    transformers = pytest.importorskip("transformers")
+
+    bare = {"architectures": ["DeepseekV32ForCausalLM"]}
+    cfg = ModelConfig.from_hf_config(bare)
+    hf_config, hf = _meta_model(transformers.DeepseekV32Config, bare)
+    assert cfg.num_params() == _params_and_router_biases(hf)
+    assert round(cfg.num_params() / 1e9) == 672
+    float32 = sum(p.numel() for name, p in hf.named_parameters()
+                  if name.endswith(("gate.weight", "weights_proj.weight")))
+    assert cfg.num_float32_params == float32 + sum(b.numel() for name, b in hf.named_buffers()
+                                                   if name.endswith("e_score_correction_bias"))
+    assert (cfg.num_kv_heads, cfg.head_dim, cfg.kv_planes, cfg.mla.index_topk) == (1, 704, 1, 2048)
+    assert cfg.kv_bytes_per_token(torch.bfloat16) == 61 * 704 * 2
+    assert cfg.mlp_only_layers == (0, 1, 2)
+    assert cfg.attention_scale == pytest.approx(hf.model.layers[0].self_attn.scaling, rel=1e-12)
+    for change, named in (({"layer_types": ["full_attention"] * 61}, "layer_types"), ({"q_lora_rank": None},
+                          "q_lora_rank"), ({"index_head_dim": 32}, "index_head_dim")):
+        with pytest.raises(ConfigError, match=f"^{named}: "):
+            ModelConfig.from_hf_config(bare | change)
+
+
 def test_mistral_small_4_reads_as_transformers_does_and_its_mistral3_checkpoint_serves_it():
     """Mistral4Config's defaults (Mistral Small 4's shape: 36 layers of DeepSeek V3's latent attention, a latent of 256
     and a rotated key of 64 (320 values a layer in the cache), 128 experts of 2,048, 4 a token beside a shared one;

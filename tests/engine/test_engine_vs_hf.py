@@ -116,6 +116,9 @@ MISTRAL4 = dict(num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2
                     "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
                     "beta_fast": 32.0, "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0,
                     "llama_4_scaling_beta": 0.5})
+# DeepSeek V3.2: DEEPSEEK's shape, its attention sparse: an indexer of 16 heads of 16 picks each query's best 8 earlier
+# tokens (the prompts and outputs reach 56), a tie at the boundary too rare to matter
+DEEPSEEK_V32 = {**DEEPSEEK, "q_lora_rank": 48, "index_n_heads": 16, "index_head_dim": 16, "index_topk": 8}
 GLM4_MOE = dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
                 n_group=2, topk_group=1, num_hidden_layers=3, pad_token_id=0)
 # Llama 4: chunks of 8 positions (the prompts and outputs cross several) on the rotating layers, q/k L2-normed after
@@ -236,6 +239,11 @@ TINY_MODELS = [
         "mscale": 0.707, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}}),
     ("deepseek_v3", {**DEEPSEEK, "q_lora_rank": 48, "rope_interleave": False, "n_group": 1, "topk_group": 1,
                      "norm_topk_prob": False, "first_k_dense_replace": 0}),
+    # DeepSeek V3.2 (DEEPSEEK_V32); then YaRN with DeepSeek's mscales and biases on q_a, kv_a and o
+    ("deepseek_v32", DEEPSEEK_V32),
+    ("deepseek_v32", {**DEEPSEEK_V32, "attention_bias": True, "index_topk": 12, "rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+        "mscale": 0.707, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}}),
     # Mistral Small 4 (MISTRAL4); then rotating halves, biases on q_a, kv_a and o, one group, no renormalisation
     ("mistral4", MISTRAL4),
     ("mistral4", {**MISTRAL4, "rope_interleave": False, "attention_bias": True, "n_group": 1, "topk_group": 1,
