@@ -12,7 +12,7 @@ from engine.mla_config import DSA_DEFAULTS, MLA_DEFAULTS, read_mla
 
 DEEPSEEK_TOPK_METHODS = {"DeepseekV2ForCausalLM": ("greedy", "group_limited_greedy"),
                          "DeepseekV3ForCausalLM": ("noaux_tc",), "Glm4MoeLiteForCausalLM": ("noaux_tc",),
-                         "DeepseekV32ForCausalLM": ("noaux_tc",)}
+                         "DeepseekV32ForCausalLM": ("noaux_tc",), "GlmMoeDsaForCausalLM": ("noaux_tc",)}
 
 
 def deepseek_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
@@ -21,8 +21,8 @@ def deepseek_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
     (`grouped_experts`), V3's router the sigmoid with its correction bias (`topk_method: noaux_tc`), V2's the softmax,
     in groups where `topk_method: group_limited_greedy`. Unlike transformers, V2 renormalises its top k where
     `norm_topk_prob` says so (DeepSeek's and vLLM's reading; DeepSeek's V2 configs say not). DeepSeek V3.2
-    (`DeepseekV32Config`): V3's, every layer's attention sparse through its indexer (`layer_types` all
-    `indexed_attention`), the dense layers first as `mlp_layer_types` (or `first_k_dense_replace`, 3) says."""
+    (`DeepseekV32Config`) and GLM-5 (`GlmMoeDsaConfig`): V3's, every layer's attention sparse through an indexer
+    (`_sparse_attention`)."""
     v3 = arch != "DeepseekV2ForCausalLM"   # V3's router and keys: GLM-4.7-Flash's too (`Glm4MoeLiteForCausalLM`)
     method = cfg.get("topk_method") or ("noaux_tc" if v3 else "greedy")
     if method not in DEEPSEEK_TOPK_METHODS[arch]:
@@ -36,26 +36,52 @@ def deepseek_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
         raise ConfigError(f"moe_layer_freq: {arch} is served with every layer past first_k_dense_replace sparse (1), "
                           f"got {cfg['moe_layer_freq']!r}")
     check_silu(cfg, "DeepSeek")
-    mla = read_mla(cfg, MLA_DEFAULTS[arch], interleave_key=v3 and arch != "DeepseekV32ForCausalLM",
-                   dsa=DSA_DEFAULTS.get(arch))
+    cfg, indexer = _sparse_attention(cfg, arch) if arch in DSA_DEFAULTS else (cfg, {})
+    mla = read_mla(cfg, MLA_DEFAULTS[arch], interleave_key=v3 and arch not in DSA_DEFAULTS,
+                   dsa=DSA_DEFAULTS.get(arch), **indexer)
     defaults = dict(n_routed_experts=256, moe_intermediate_size=2048, num_experts_per_tok=8, n_group=8, topk_group=4,
                     norm_topk_prob=True, first_k_dense_replace=3, routed_scaling_factor=2.5, n_shared_experts=1) if v3 \
         else dict(n_routed_experts=64, moe_intermediate_size=1407, num_experts_per_tok=6, n_group=1, topk_group=1,
                   norm_topk_prob=False, first_k_dense_replace=0, routed_scaling_factor=1.0, n_shared_experts=2)
     if arch == "Glm4MoeLiteForCausalLM":
         defaults, cfg = GLM4_MOE_LITE_EXPERTS, {**cfg, "first_k_dense_replace": _dense_first(cfg, 1)}
-    if arch == "DeepseekV32ForCausalLM":
-        kinds = cfg.get("layer_types")
-        if kinds is not None and kinds != ["indexed_attention"] * read_int(cfg, "num_hidden_layers"):
-            raise ConfigError(f"layer_types: DeepSeek V3.2 is served with indexed_attention on every layer, "
-                              f"got {kinds!r:.80}")
-        cfg = {**cfg, "first_k_dense_replace": _dense_first(cfg, read_int(cfg, "first_k_dense_replace", 3,
-                                                                          minimum=0))}
+    if arch == "GlmMoeDsaForCausalLM":
+        defaults = GLM5_EXPERTS
     experts = grouped_experts(cfg, defaults, "deepseek_v3" if v3 else "deepseek_v2",
                                grouped=v3 or method == "group_limited_greedy")
     return {"mla": mla, "head_dim": mla.cache_dim, "num_kv_heads": 1, **experts}
 
 
+def _sparse_attention(cfg: dict[str, Any], arch: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """DeepSeek V3.2's and GLM-5's: every layer `indexed_attention` (`layer_types`), the dense layers first as
+    `mlp_layer_types` (else `first_k_dense_replace`, 3) says; GLM-5's indexers turn interleaved pairs, and the
+    layers `indexer_types` calls `shared` (or `index_topk_pattern`'s S, or those `index_topk_freq` and
+    `index_skip_topk_offset` skip, as transformers' `GlmMoeDsaConfig` derives them) reuse the last earlier layer's
+    choice. Returns config.json with the dense layers counted, and the indexer's `MlaShape` fields past its size."""
+    layers = read_int(cfg, "num_hidden_layers")
+    kinds = cfg.get("layer_types")
+    if kinds is not None and kinds != ["indexed_attention"] * layers:
+        raise ConfigError(f"layer_types: {arch} is served with indexed_attention on every layer, got {kinds!r:.80}")
+    cfg = {**cfg, "first_k_dense_replace": _dense_first(cfg, read_int(cfg, "first_k_dense_replace", 3, minimum=0))}
+    if arch != "GlmMoeDsaForCausalLM":
+        return cfg, {}
+    key, kinds = "indexer_types", cfg.get("indexer_types")
+    if kinds is None and cfg.get("index_topk_pattern") is not None:
+        key, kinds = "index_topk_pattern", cfg["index_topk_pattern"]
+        kinds = [{"F": "full", "S": "shared"}.get(c, c) for c in kinds] if isinstance(kinds, str) else kinds
+    if kinds is None:
+        freq = max(read_int(cfg, "index_topk_freq", 1), 1)
+        offset = read_int(cfg, "index_skip_topk_offset", 2, minimum=0)
+        kinds = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(layers)]
+    if not isinstance(kinds, list) or len(kinds) != layers or any(k not in ("full", "shared") for k in kinds) \
+            or kinds[0] != "full":
+        raise ConfigError(f"{key}: full or shared for each of the {layers} layers, the first full, got {kinds!r:.80}")
+    return cfg, {"index_shared": tuple(i for i, k in enumerate(kinds) if k == "shared"), "index_rope_interleave": True}
+
+
+# GlmMoeDsaConfig's experts where config.json names none: 256 of 2,048, 8 a token from one group, one shared
+GLM5_EXPERTS = dict(n_routed_experts=256, moe_intermediate_size=2048, num_experts_per_tok=8, n_group=1, topk_group=1,
+                    norm_topk_prob=True, first_k_dense_replace=3, routed_scaling_factor=2.5, n_shared_experts=1)
 # Glm4MoeLiteConfig's experts where config.json names none: 64 of 1,536, 4 a token, one shared, the first layer dense
 GLM4_MOE_LITE_EXPERTS = dict(n_routed_experts=64, moe_intermediate_size=1536, num_experts_per_tok=4, n_group=1,
                              topk_group=1, norm_topk_prob=True, first_k_dense_replace=1, routed_scaling_factor=1.8,

@@ -15,9 +15,9 @@ from engine.config_values import read_bool, read_int
 MLA_DEFAULTS = {"DeepseekV2ForCausalLM": (1536, 512, 128, 64, 128), "DeepseekV3ForCausalLM": (1536, 512, 128, 64, 128),
                 "Mistral4ForCausalLM": (1024, 256, 64, 64, 128),
                 "Glm4MoeLiteForCausalLM": (768, 512, 192, 64, 256),
-                "DeepseekV32ForCausalLM": (1536, 512, 128, 64, 128)}
-# DeepSeek V3.2's indexer where config.json names none: (index_n_heads, index_head_dim, index_topk)
-DSA_DEFAULTS = {"DeepseekV32ForCausalLM": (64, 128, 2048)}
+                "DeepseekV32ForCausalLM": (1536, 512, 128, 64, 128), "GlmMoeDsaForCausalLM": (2048, 512, 192, 64, 256)}
+# DeepSeek V3.2's and GLM-5's indexer where config.json names none: (index_n_heads, index_head_dim, index_topk)
+DSA_DEFAULTS = {"DeepseekV32ForCausalLM": (64, 128, 2048), "GlmMoeDsaForCausalLM": (32, 128, 2048)}
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,9 @@ class MlaShape:
 
     DeepSeek V3.2's sparse attention (`index_topk` > 0): an indexer of `index_heads` heads of `index_head_dim` scores
     every earlier token by one key of `index_head_dim` a token, and each query attends to its `index_topk` best; that
-    key is kept in the cache beside the latent (`cache_dim` = `latent_dim` + `index_head_dim`)."""
+    key is kept in the cache beside the latent (`cache_dim` = `latent_dim` + `index_head_dim`). GLM-5's: the layers
+    of `index_shared` have no indexer and reuse the last earlier one's choice (their rows' indexer part zeros), and
+    its rotary turns interleaved pairs (`index_rope_interleave`: its rows reordered as read)."""
 
     q_lora_rank: int
     kv_lora_rank: int
@@ -41,6 +43,8 @@ class MlaShape:
     index_heads: int = 0
     index_head_dim: int = 0
     index_topk: int = 0   # 0: no indexer, every query attends to every earlier token
+    index_shared: tuple[int, ...] = ()
+    index_rope_interleave: bool = False
 
     @property
     def latent_dim(self) -> int:
@@ -60,20 +64,26 @@ class MlaShape:
         q = hidden * r + r + r * heads * qk if r else hidden * heads * qk
         kv = hidden * self.latent_dim + latent + latent * heads * (self.qk_nope_head_dim + self.v_head_dim)
         biases = (r + self.latent_dim + hidden) if bias else 0   # q_a, kv_a and o_proj's (DeepSeek's attention_bias)
-        return q + kv + heads * self.v_head_dim * hidden + biases + self.indexer_params(hidden)
+        return q + kv + heads * self.v_head_dim * hidden + biases
 
-    def indexer_params(self, hidden: int) -> int:
-        """The indexer's (whole on every rank): its query from q's bottleneck, its key (and the key's LayerNorm), its
-        heads' weights (`weights_proj`, float32)."""
+    def indexers_params(self, hidden: int, num_layers: int) -> int:
+        """The indexers' of all `num_layers` layers (whole on every rank): each one's query from q's bottleneck, its
+        key (and the key's LayerNorm), its heads' weights (`weights_proj`, float32: `num_indexer_weights`)."""
         d = self.index_head_dim
-        return self.q_lora_rank * self.index_heads * d + hidden * d + 2 * d + hidden * self.index_heads if d else 0
+        return (num_layers - len(self.index_shared)) * (self.q_lora_rank * self.index_heads * d + hidden * d + 2 * d) \
+            + self.num_indexer_weights(hidden, num_layers)
+
+    def num_indexer_weights(self, hidden: int, num_layers: int) -> int:
+        """The indexers' head weights (float32 whatever the model's dtype)."""
+        return (num_layers - len(self.index_shared)) * hidden * self.index_heads if self.index_head_dim else 0
 
 
 def read_mla(cfg: dict[str, Any], defaults: tuple[int, int, int, int, int], interleave_key: bool,
-             dsa: tuple[int, int, int] | None = None) -> MlaShape:
+             dsa: tuple[int, int, int] | None = None, **indexer: Any) -> MlaShape:
     """The latent shape config.json gives (`defaults`: its family's, `MLA_DEFAULTS`); `q_lora_rank` null: one q
     projection (DeepSeek-V2-Lite); `rope_interleave` read where `interleave_key` (V3's and GLM's), else True; the
-    indexer's `index_n_heads`, `index_head_dim` and `index_topk` where `dsa` (their defaults, `DSA_DEFAULTS`)."""
+    indexer's `index_n_heads`, `index_head_dim` and `index_topk` where `dsa` (their defaults, `DSA_DEFAULTS`), and
+    `indexer` (GLM-5's `index_shared`, `index_rope_interleave`) as given."""
     q_lora, latent, nope, rope, v = defaults
     heads, head_dim, topk = dsa or (0, 0, 0)
     mla = MlaShape(q_lora_rank=0 if "q_lora_rank" in cfg and cfg["q_lora_rank"] is None else
@@ -85,7 +95,7 @@ def read_mla(cfg: dict[str, Any], defaults: tuple[int, int, int, int, int], inte
                    rope_interleave=read_bool(cfg, "rope_interleave", True) if interleave_key else True,
                    index_heads=read_int(cfg, "index_n_heads", heads) if dsa else 0,
                    index_head_dim=read_int(cfg, "index_head_dim", head_dim) if dsa else 0,
-                   index_topk=read_int(cfg, "index_topk", topk) if dsa else 0)
+                   index_topk=read_int(cfg, "index_topk", topk) if dsa else 0, **indexer)
     if mla.qk_rope_head_dim % 2:
         raise ConfigError(f"qk_rope_head_dim: must be even for rotary embeddings, got {mla.qk_rope_head_dim}")
     if dsa and mla.index_head_dim < mla.qk_rope_head_dim:

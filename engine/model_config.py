@@ -40,7 +40,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
                            "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM", "NemotronHForCausalLM",
                            "MinistralForCausalLM", "HunYuanMoEV1ForCausalLM", "ApertusForCausalLM",
                            "OlmoHybridForCausalLM", "Gemma4ForCausalLM", "Mistral4ForCausalLM",
-                           "DeepseekV32ForCausalLM")
+                           "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")   # one LayerNorm a layer, a parallel block
 # their attention bias: q/k/v's, not o_proj's
 QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM")
@@ -341,7 +341,7 @@ class ModelConfig:
     def num_float32_params(self) -> int:
         """Parameters held in float32 whatever the model's dtype: DeepSeek's and ERNIE 4.5's routers (weight, the
         correction bias of V3's and ERNIE's), DeepSeek V3.2's indexers' head weights."""
-        indexers = self.num_layers * self.mla.index_heads * self.hidden_size if self.mla is not None else 0
+        indexers = self.mla.num_indexer_weights(self.hidden_size, self.num_layers) if self.mla is not None else 0
         if self.moe_router not in ("deepseek_v2", "deepseek_v3", "ernie4_5"):
             return indexers
         per_layer = self.num_experts * (self.hidden_size + (self.moe_router != "deepseek_v2"))
@@ -386,10 +386,10 @@ class ModelConfig:
         if self.attn_output_gate:   # Qwen3.5: q_proj makes a gate beside each query head
             per_layer += h * q + (q if self.attention_bias else 0)
         mlps = sum(experts if self.is_sparse_layer(layer) else mlp for layer in range(self.num_layers))
-        head = 0 if self.tie_word_embeddings else v * h
         state = None if self.state_shape is None else self.state_shape.per_rank(self.num_heads // heads)
         linear = 0 if state is None else (self.num_layers - self.num_kv_layers) * (state.num_params(h) + norms * h)
-        return v * h + self.num_kv_layers * per_layer + linear + mlps + h + head
+        linear += self.mla.indexers_params(h, self.num_layers) if self.mla is not None else 0   # DeepSeek V3.2's
+        return v * h + self.num_kv_layers * per_layer + linear + mlps + h + (0 if self.tie_word_embeddings else v * h)
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelConfig":

@@ -49,6 +49,10 @@ FAMILY_DEFAULTS = {"Gemma2ForCausalLM": GEMMA2_DEFAULTS, "Gemma3ForCausalLM": GE
                        "vocab_size": 129_280, "hidden_size": 7168, "intermediate_size": 18_432, "num_hidden_layers": 61,
                        "num_attention_heads": 128, "max_position_embeddings": 163_840, "bos_token_id": 0,
                        "eos_token_id": 1},
+                   "GlmMoeDsaForCausalLM": {   # GlmMoeDsaConfig's (GLM-5: its attention and experts in deepseek_config)
+                       "vocab_size": 154_880, "hidden_size": 6144, "intermediate_size": 12_288, "num_hidden_layers": 78,
+                       "num_attention_heads": 64, "max_position_embeddings": 202_752, "rms_norm_eps": 1e-5,
+                       "bos_token_id": 0, "eos_token_id": 1},
                    "Mistral4ForCausalLM": {   # Mistral4Config's (its latent attention and experts: deepseek_config)
                        "vocab_size": 131_072, "hidden_size": 4096, "intermediate_size": 12_288, "num_hidden_layers": 36,
                        "num_attention_heads": 32, "max_position_embeddings": 1_048_576, "bos_token_id": 1,

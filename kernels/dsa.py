@@ -9,7 +9,9 @@ causal (transformers' `DeepseekV32Indexer` and its masked attention: a query wit
 attends to all of them). Scores, softmax and sums in float32; rows read through `dequantize_kv` (an FP8 cache).
 
 `sparse_latent_attention` is the reference any device runs (torch ops, a loop over sequences and chunks of
-`chunk` queries, so a long prefill never holds [queries, heads, context] at once).
+`chunk` queries, so a long prefill never holds [queries, heads, context] at once): `choose_tokens`, then
+`attend_chosen`. A layer without an indexer of its own (GLM-5's `shared` layers) attends to the choice of the last
+layer with one (`attend_chosen` alone).
 """
 
 from __future__ import annotations
@@ -19,7 +21,10 @@ import torch
 from kernels.metadata import AttentionMetadata
 from kernels.reference import context_slots, dequantize_kv
 
-__all__ = ["sparse_latent_attention"]
+__all__ = ["Choice", "attend_chosen", "choose_tokens", "sparse_latent_attention"]
+
+# each (sequence, chunk of its queries)'s chosen token positions [c, k] and which of them are causal [c, k]
+Choice = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 def sparse_latent_attention(query: torch.Tensor, index_q: torch.Tensor, index_weights: torch.Tensor,
@@ -29,26 +34,56 @@ def sparse_latent_attention(query: torch.Tensor, index_q: torch.Tensor, index_we
     [T, index_heads] float32 (each head's weight, its 1 / sqrt(heads) in it); cache [num_blocks, block_size, 1,
     latent_dim + index_head_dim], this step's rows already stored; `index_scale` the indexer's q.k scale. Returns
     [T, heads, latent_dim] in query's dtype: each head's weighted sum of its chosen rows' first `latent_dim` values."""
-    flat = cache.view(-1, cache.shape[-1])
+    choice = choose_tokens(index_q, index_weights, cache, meta, topk, latent_dim, index_scale=index_scale,
+                           k_scale=k_scale, chunk=chunk)
+    return attend_chosen(query, choice, cache, meta, scale, latent_dim, k_scale=k_scale, chunk=chunk)
+
+
+def choose_tokens(index_q: torch.Tensor, index_weights: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
+                  topk: int, latent_dim: int, *, index_scale: float, k_scale: float = 1.0, chunk: int = 32) -> Choice:
+    """The indexer's choice (`sparse_latent_attention`'s arguments): for each sequence and chunk of its queries, the
+    positions of each query's best `topk` tokens (all of them where it has fewer) and which are causal."""
+    choice: Choice = []
+    for i, start, a, b, s_len, q_len in _chunks(meta, chunk):
+        keys = _rows(cache, meta, i, s_len, k_scale)[:, latent_dim:]                            # [s_len, d]
+        causal = _causal(s_len, q_len, a, b, cache.device)                                        # [c, s_len]
+        scores = torch.relu(torch.einsum("chd,td->cht", index_q[start + a:start + b].float(), keys) * index_scale)
+        ranked = torch.einsum("ch,cht->ct", index_weights[start + a:start + b], scores)
+        chosen = ranked.masked_fill(~causal, float("-inf")).topk(min(topk, s_len), dim=-1).indices   # [c, k]
+        choice.append((chosen, causal.gather(1, chosen)))
+    return choice
+
+
+def attend_chosen(query: torch.Tensor, choice: Choice, cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                  latent_dim: int, *, k_scale: float = 1.0, chunk: int = 32) -> torch.Tensor:
+    """Each query's attention over the causal tokens of its `choice` (as `choose_tokens` made it, with the same
+    `chunk`), in the latent space: [T, heads, latent_dim] in query's dtype."""
     out = torch.empty_like(query)
+    for (i, start, a, b, s_len, _), (chosen, keep) in zip(_chunks(meta, chunk), choice, strict=True):
+        picked = _rows(cache, meta, i, s_len, k_scale)[:, :latent_dim][chosen]                  # [c, k, latent_dim]
+        logits = torch.einsum("chd,ckd->chk", query[start + a:start + b].float(), picked) * scale
+        probs = logits.masked_fill(~keep[:, None, :], float("-inf")).softmax(dim=-1)
+        out[start + a:start + b] = torch.einsum("chk,ckd->chd", probs, picked).to(out.dtype)
+    return out
+
+
+def _chunks(meta: AttentionMetadata, chunk: int):
+    """(sequence, its first query's row, chunk start, chunk end, its tokens, its queries) of each chunk of each
+    sequence's queries, in the step's order."""
     start = 0
     for i, (q_len, s_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
-        if q_len == 0:
-            continue
-        rows = dequantize_kv(flat.index_select(0, context_slots(meta, [i], s_len)[0]), torch.float32, k_scale)
-        latents, keys = rows[:, :latent_dim], rows[:, latent_dim:]
         for a in range(0, q_len, chunk):
-            b = min(a + chunk, q_len)
-            rows_of = slice(start + a, start + b)
-            positions = torch.arange(s_len - q_len + a, s_len - q_len + b, device=flat.device)
-            causal = torch.arange(s_len, device=flat.device)[None, :] <= positions[:, None]      # [c, s_len]
-            scores = torch.relu(torch.einsum("chd,td->cht", index_q[rows_of].float(), keys) * index_scale)
-            ranked = torch.einsum("ch,cht->ct", index_weights[rows_of], scores).masked_fill(~causal, float("-inf"))
-            chosen = ranked.topk(min(topk, s_len), dim=-1).indices                                # [c, k]
-            keep = causal.gather(1, chosen)                                                       # chosen and causal
-            picked = latents[chosen]                                                              # [c, k, latent_dim]
-            logits = torch.einsum("chd,ckd->chk", query[rows_of].float(), picked) * scale
-            probs = logits.masked_fill(~keep[:, None, :], float("-inf")).softmax(dim=-1)
-            out[rows_of] = torch.einsum("chk,ckd->chd", probs, picked).to(out.dtype)
+            yield i, start, a, min(a + chunk, q_len), s_len, q_len
         start += q_len
-    return out
+
+
+def _rows(cache: torch.Tensor, meta: AttentionMetadata, seq: int, length: int, k_scale: float) -> torch.Tensor:
+    """[length, width] float32: the cache rows of sequence `seq`'s first `length` tokens."""
+    flat = cache.view(-1, cache.shape[-1])
+    return dequantize_kv(flat.index_select(0, context_slots(meta, [seq], length)[0]), torch.float32, k_scale)
+
+
+def _causal(s_len: int, q_len: int, a: int, b: int, device: torch.device) -> torch.Tensor:
+    """[b - a, s_len]: which tokens each of the queries a..b-1 (the last q_len of s_len) may attend to."""
+    positions = torch.arange(s_len - q_len + a, s_len - q_len + b, device=device)
+    return torch.arange(s_len, device=device)[None, :] <= positions[:, None]

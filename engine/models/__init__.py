@@ -14,7 +14,7 @@ rows reordered for the engine's rotary), `ernie` (ERNIE 4.5: the Llama layer, it
 too), `glm4` (GLM-4: sandwich norms, a partial interleaved rotary served by zero frequencies and reordered q/k rows),
 `deepseek` (DeepSeek V2 and V3: latent attention over a cache of one latent a token, grouped routers, shared experts;
 Mistral Small 4, its queries scaled as Ministral 3's; GLM-4.5, in `glm4`, takes their experts), `deepseek_v32`
-(DeepSeek V3.2: V3's model, each query attending to the tokens its indexer picks), `minimax_m2`
+(DeepSeek V3.2 and GLM-5: V3's model, each query attending to the tokens its indexer picks), `minimax_m2`
 (MiniMax-M2: Mixtral's names, OLMo 2's whole-projection q/k norms, GLM-4.5's partial rotary, DeepSeek V3's router
 without groups), `llama4` (Llama 4's text model: chunked
 attention, NoPE layers with query temperature, q/k L2-normed after an interleaved rotary, sigmoid-scaled experts),
@@ -87,6 +87,7 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "Glm4MoeLiteForCausalLM": DeepseekForCausalLM,   # GLM-4.7-Flash
                                                 "Mistral4ForCausalLM": DeepseekForCausalLM,   # its queries scaled
                                                 "DeepseekV32ForCausalLM": DeepseekV32ForCausalLM,
+                                                "GlmMoeDsaForCausalLM": DeepseekV32ForCausalLM,   # GLM-5
                                                 "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,
                                                 "Exaone4ForCausalLM": Exaone4ForCausalLM,
                                                 "HunYuanDenseV1ForCausalLM": HunyuanDenseForCausalLM,

@@ -257,11 +257,12 @@ def moe_checkpoint_name(config: ModelConfig, name: str) -> str | None:
     return name.replace(".mlp.shared_experts.", ".mlp.shared_expert.")
 
 
-def rope_rows_to_halves(rows: torch.Tensor, group: int, rope: int) -> torch.Tensor:
-    """rows [n x group, ...] (a projection's rows, or its bias): in each group the last `rope` rows, rotary pairs
-    (2i, 2i + 1), reordered as `interleaved_to_halves` orders a head (evens, then odds), whose halves the engine's
-    rotary turns."""
+def rope_rows_to_halves(rows: torch.Tensor, group: int, rope: int, first: bool = False) -> torch.Tensor:
+    """rows [n x group, ...] (a projection's rows, or its bias): in each group the last `rope` rows (the `first`
+    ones where asked: GLM-5's indexer), rotary pairs (2i, 2i + 1), reordered as `interleaved_to_halves` orders a head
+    (evens, then odds), whose halves the engine's rotary turns."""
     groups = rows.reshape(rows.shape[0] // group, group, *rows.shape[1:]).clone()
-    tail = groups[:, group - rope:]
-    groups[:, group - rope:] = interleaved_to_halves(tail.reshape(-1, *rows.shape[1:]), rope).reshape(tail.shape)
+    part = slice(0, rope) if first else slice(group - rope, group)
+    turned = groups[:, part]
+    groups[:, part] = interleaved_to_halves(turned.reshape(-1, *rows.shape[1:]), rope).reshape(turned.shape)
     return groups.reshape(rows.shape)

@@ -1,5 +1,6 @@
-"""DeepSeek V3.2 (`DeepseekV32ForCausalLM`): DeepSeek V3's model whose every attention is sparse (DeepSeek Sparse
-Attention): an indexer scores each earlier token for each query, and the query attends only to its `index_topk` best.
+"""DeepSeek V3.2 (`DeepseekV32ForCausalLM`) and GLM-5 (`GlmMoeDsaForCausalLM`): DeepSeek V3's model whose every
+attention is sparse (DeepSeek Sparse Attention): an indexer scores each earlier token for each query, and the query
+attends only to its `index_topk` best.
 
 The indexer (`DsaIndexer`, transformers' `DeepseekV32Indexer`): `index_heads` query heads of `index_head_dim` from q's
 normed bottleneck (`wq_b`), one key a token from the hidden state (`wk`, then a LayerNorm), the first
@@ -8,7 +9,10 @@ reordered), and a float32 weight a head and token (`weights_proj`, times 1 / sqr
 cache beside the token's latent: a layer's cache row is [latent, rotated key, indexer key] (`MlaShape.cache_dim`,
 704 for V3.2), so block tables, prefix caching, swap, copy-on-write and an FP8 cache (one scale for the row) hold it
 unchanged. transformers' scores are computed without the FP8 and Hadamard steps of DeepSeek's own kernels (equal up
-to rounding); so are ours.
+to rounding); so are ours. GLM-5's indexers turn interleaved pairs (their q and k rows, and the LayerNorm's entries,
+reordered as read: q.k and the norm unchanged), and its `index_shared` layers have none: they attend to the last
+earlier indexer's choice of the same step (kept in the step's `AttentionMetadata.backend_cache`), their rows' indexer
+part zeros.
 
 Attention (`DsaAttention`): while no sequence of the step has more than `index_topk` tokens, every query's best
 `index_topk` are all its earlier tokens and the attention is V3's (the paged kernels over the rows, the query padded
@@ -30,12 +34,16 @@ from torch import nn
 
 from engine.layers import RopeRows, RotaryEmbedding
 from engine.model_config import ModelConfig
-from engine.models.deepseek import DeepseekForCausalLM, MlaAttention
+from collections.abc import Iterable
+
+from engine.models.deepseek import DeepseekForCausalLM, MlaAttention, rope_rows_to_halves
 from engine.parallel import Collectives, ShardShape
 from kernels import AttentionMetadata
-from kernels.dsa import sparse_latent_attention
+from kernels.dsa import attend_chosen, choose_tokens
 
 __all__ = ["DeepseekV32ForCausalLM", "DsaAttention", "DsaIndexer"]
+
+CHOICE = "dsa_choice"   # the step's last indexer's choice, in `AttentionMetadata.backend_cache`
 
 INDEXER_NORM_EPS = 1e-6   # transformers' DeepseekV32Indexer: its k_norm's eps, no config key
 
@@ -89,28 +97,49 @@ class DsaAttention(MlaAttention):
     def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives, rotary_emb: RotaryEmbedding,
                  ops: ModuleType) -> None:
         super().__init__(config, shard, comm, rotary_emb, ops)
-        self.indexer = DsaIndexer(config, rotary_emb)
+        self.indexer: DsaIndexer | None = DsaIndexer(config, rotary_emb)   # None: a GLM-5 `shared` layer
 
     def attend(self, hidden: torch.Tensor, bottleneck: torch.Tensor | None, rope_rows: RopeRows, query: torch.Tensor,
                entry: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, backend) -> torch.Tensor:
-        mla = self.mla
-        index_q, index_k = self.indexer.keys(hidden, bottleneck, rope_rows)
-        entry = torch.cat([entry, index_k[:, None].to(entry.dtype)], dim=-1)   # [T, 1, cache_dim]
+        mla, indexer = self.mla, self.indexer
+        if indexer is not None:
+            index_q, index_k = indexer.keys(hidden, bottleneck, rope_rows)
+            entry = torch.cat([entry, index_k[:, None].to(entry.dtype)], dim=-1)   # [T, 1, cache_dim]
+        else:
+            entry = F.pad(entry, (0, mla.index_head_dim))
         if max(meta.seq_lens_list, default=0) <= mla.index_topk:   # every earlier token is among the best
             return super().attend(hidden, bottleneck, rope_rows, F.pad(query, (0, mla.index_head_dim)), entry,
                                   cache, meta, backend)
         if self.kv_observer is not None:
             self.kv_observer(entry, entry)
         backend.store_kv(entry, entry, cache, cache, meta, k_scale=self.k_scale, v_scale=self.v_scale)
-        return sparse_latent_attention(query, index_q, self.indexer.head_weights(hidden), cache, meta, self.scale,
-                                       mla.index_topk, mla.latent_dim, index_scale=self.indexer.softmax_scale,
-                                       k_scale=self.k_scale)
+        if indexer is not None:
+            meta.backend_cache[CHOICE] = choose_tokens(index_q, indexer.head_weights(hidden), cache, meta,
+                                                       mla.index_topk, mla.latent_dim,
+                                                       index_scale=indexer.softmax_scale, k_scale=self.k_scale)
+        return attend_chosen(query, meta.backend_cache[CHOICE], cache, meta, self.scale, mla.latent_dim,
+                             k_scale=self.k_scale)
 
 
 class DeepseekV32ForCausalLM(DeepseekForCausalLM):
-    """DeepSeek V3's model with `DsaAttention` layers."""
+    """DeepSeek V3's model with `DsaAttention` layers (GLM-5's `shared` ones without an indexer)."""
 
     attention = DsaAttention
+
+    def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
+        layer = super().make_layer(index, ops)
+        if index in self.config.mla.index_shared:
+            layer.self_attn.indexer = None
+        return layer
+
+    def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
+        """V3's reading; GLM-5's indexers' rotary rows (the first `qk_rope_head_dim` of each of wq_b's heads, of wk
+        and of its LayerNorm) from interleaved pairs to halves."""
+        mla = self.config.mla
+        if mla.index_rope_interleave and name.endswith(("indexer.wq_b.weight", "indexer.wk.weight",
+                                                        "indexer.k_norm.weight", "indexer.k_norm.bias")):
+            tensor = rope_rows_to_halves(tensor, mla.index_head_dim, mla.qk_rope_head_dim, first=True)
+        return super().read_tensor(hf_name, name, tensor)
 
     @property
     def graph_safe(self) -> bool:

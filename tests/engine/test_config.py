@@ -1343,6 +1343,28 @@ def test_deepseek_v3_2_reads_as_transformers_does():
             ModelConfig.from_hf_config(bare | change)
 
 
+@pytest.mark.parametrize("pattern", [None, {"index_topk_pattern": "FFS" * 26}, {"index_topk_freq": 4}])
+def test_glm_5_reads_as_transformers_does(pattern):
+    """GlmMoeDsaConfig's defaults (GLM-5's shape: 78 layers of latent attention with heads of 192 + 64, values of 256,
+    an indexer of 32 heads of 128; 256 experts, 8 a token, 3 dense layers first; 744 B parameters) and its indexer
+    schedules (each layer's own by default; `index_topk_pattern`'s S and the layers `index_topk_freq` skips reuse an
+    earlier one's choice: no indexer of their own): the parameter count is transformers' model's, the shared layers
+    are transformers'. A first layer without an indexer is refused by name."""
+    transformers = pytest.importorskip("transformers")
+
+    bare = {"architectures": ["GlmMoeDsaForCausalLM"], **(pattern or {})}
+    cfg = ModelConfig.from_hf_config(bare)
+    hf_config, hf = _meta_model(transformers.GlmMoeDsaConfig, bare)
+    assert cfg.num_params() == _params_and_router_biases(hf)
+    assert cfg.mla.index_shared == tuple(i for i, kind in enumerate(hf_config.indexer_types) if kind == "shared")
+    assert (pattern is None) == (cfg.mla.index_shared == ())
+    if pattern is None:
+        assert round(cfg.num_params() / 1e9) == 744
+    assert (cfg.head_dim, cfg.rms_norm_eps, cfg.mla.index_heads, cfg.mla.index_rope_interleave) == (704, 1e-5, 32, True)
+    with pytest.raises(ConfigError, match=r"^indexer_types: full or shared for each of the 78 layers, the first full"):
+        ModelConfig.from_hf_config(bare | {"indexer_types": ["shared"] + ["full"] * 77})
+
+
 def test_mistral_small_4_reads_as_transformers_does_and_its_mistral3_checkpoint_serves_it():
     """Mistral4Config's defaults (Mistral Small 4's shape: 36 layers of DeepSeek V3's latent attention, a latent of 256
     and a rotated key of 64 (320 values a layer in the cache), 128 experts of 2,048, 4 a token beside a shared one;

@@ -244,6 +244,10 @@ TINY_MODELS = [
     ("deepseek_v32", {**DEEPSEEK_V32, "attention_bias": True, "index_topk": 12, "rope_parameters": {
         "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
         "mscale": 0.707, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}}),
+    # GLM-5: V3.2's attention with its indexer's interleaved rotary, layer 1 reusing layer 0's choice (a shared
+    # layer), values wider than the heads' q.k; then every layer its own indexer
+    ("glm_moe_dsa", {**DEEPSEEK_V32, "v_head_dim": 24, "indexer_types": ["full", "shared", "full"]}),
+    ("glm_moe_dsa", {**DEEPSEEK_V32, "index_topk": 12, "n_group": 1, "topk_group": 1}),
     # Mistral Small 4 (MISTRAL4); then rotating halves, biases on q_a, kv_a and o, one group, no renormalisation
     ("mistral4", MISTRAL4),
     ("mistral4", {**MISTRAL4, "rope_interleave": False, "attention_bias": True, "n_group": 1, "topk_group": 1,
