@@ -21,7 +21,9 @@
 # and the FP8 KV cache's and the MoE layer's kernels on the GPU (test_triton*.py, compiled: TRITON_INTERPRET=0); the
 # moe step times the MoE experts' three ways (Triton, grouped matmuls, loop); the kernels_fp8 step the kernels on
 # an FP8 KV cache (its decode bandwidth, in its own bytes), the kernels_mla step on DeepSeek's latent cache (one plane
-# read as K and V, head_dim 576, 16 query heads: `bench kernels --latent`); the kvcache step (not a default: it needs real
+# read as K and V, head_dim 576, 16 query heads: `bench kernels --latent`), the dsa step DeepSeek V3.2's sparse
+# attention (`bench dsa`: the Triton indexer and sparse kernel against the dense latent kernel, 32k and 128k
+# contexts); the kvcache step (not a default: it needs real
 # weights, KVCACHE_MODEL, which a device machine cannot be given) an FP8 cache's agreement on CUDA. The tests
 # step reads the builtin's tokenizer from .gpu/smollm2 (CLIFFGUARD_BUILTIN_DIR: its tiny models take only the
 # tokenizer). The device machine lacks msgspec (the worker protocol): carry
@@ -33,7 +35,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFL
 PY=${PY:-python3}
 CLI="$PY -m gateway.cli"
 # A device call is at most 600 s: the default steps (GPU_STEPS unset) are the first call's; the second call is
-# GPU_STEPS="sync eager hostcost moe kernels_mla". Each step is killed past STEP_TIMEOUT seconds (default 300; simulate,
+# GPU_STEPS="sync eager hostcost moe kernels_mla dsa". Each step is killed past STEP_TIMEOUT seconds (default 300; simulate,
 # chaos and isolation 540, so run each of those alone): a hung step costs its own time, not the call's.
 step() { local name=$1; shift; echo "=== $name: $*"; local t0=$SECONDS;
          timeout -k 10 "${STEP_TIMEOUT:-300}" "$@" >"$OUT/$name.log" 2>&1; local rc=$?;
@@ -75,6 +77,8 @@ for what in ${GPU_STEPS:-tests kernels kernels_fp8 engine}; do
                --skip-hf --enforce-eager ;;
     kvcache) if [ -n "${KVCACHE_MODEL:-}" ]; then step bench_kvcache $CLI bench kvcache --device cuda --max-tokens 32 \
                --model "$KVCACHE_MODEL"; else echo "=== kvcache: skipped (KVCACHE_MODEL unset: real weights needed)"; fi ;;
+    dsa)     step bench_dsa $CLI bench dsa --device cuda --batch 8 --context 32768
+             step bench_dsa_long $CLI bench dsa --device cuda --batch 8 --context 131072 ;;
     moe)     step bench_moe $CLI bench moe --device cuda --tokens 1,16,64,256,1024
              step bench_moe_gpt_oss $CLI bench moe --device cuda --tokens 1,16,64,256,1024 --gpt-oss ;;
     prefix)  step bench_prefix $CLI bench prefix --random-weights --dtype bfloat16 --device cuda --users 16 \

@@ -41,6 +41,7 @@ BENCHMARKS = {   # command -> help line; `cliffguard bench NAME` is bench.NAME's
     "kvcache": "an FP8 KV cache against the model-dtype cache (and the model in another dtype): greedy agreement, "
                "log-prob error, bytes per token",
     "moe": "one MoE layer's experts (Qwen3-30B-A3B's shape): grouped matmuls vs the loop over the experts hit",
+    "dsa": "one layer of DeepSeek V3.2's sparse attention decoding: indexer + chosen tokens vs dense latent attention",
     "tokenizer": "tiktoken counter vs the HF tokenizer",
     "gateway": "latency the gateway adds, routed requests/s",
     "kernels": "paged attention vs copy bandwidth and SDPA (GPU; --dry-run on CPU)",

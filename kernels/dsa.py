@@ -8,10 +8,13 @@ The indexer's score of token t for query token s is sum_h w[s, h] x relu(scale x
 causal (transformers' `DeepseekV32Indexer` and its masked attention: a query with fewer than `topk` earlier tokens
 attends to all of them). Scores, softmax and sums in float32; rows read through `dequantize_kv` (an FP8 cache).
 
-`sparse_latent_attention` is the reference any device runs (torch ops, a loop over sequences and chunks of
-`chunk` queries, so a long prefill never holds [queries, heads, context] at once): `choose_tokens`, then
-`attend_chosen`. A layer without an indexer of its own (GLM-5's `shared` layers) attends to the choice of the last
-layer with one (`attend_chosen` alone).
+`sparse_latent_attention` is `choose_tokens`, then `attend_chosen`; a layer without an indexer of its own (GLM-5's
+`shared` layers) attends to the choice of the last layer with one (`attend_chosen` alone). A choice is the step's
+[T, k] chosen token positions and which of them a query may attend to (k: `topk`, or the step's longest sequence
+where shorter; a query with fewer earlier tokens has the rest masked). The Triton backend has its own
+(`kernels.triton_dsa`, as `dsa_choose_tokens` and `dsa_attend_chosen`); the torch reference here runs anywhere (a
+loop over sequences and chunks of `chunk` queries, so a long prefill never holds [queries, heads, context] at once)
+and is what the Triton kernels are tested against.
 """
 
 from __future__ import annotations
@@ -23,47 +26,53 @@ from kernels.reference import context_slots, dequantize_kv
 
 __all__ = ["Choice", "attend_chosen", "choose_tokens", "sparse_latent_attention"]
 
-# each (sequence, chunk of its queries)'s chosen token positions [c, k] and which of them are causal [c, k]
-Choice = list[tuple[torch.Tensor, torch.Tensor]]
+# the step's chosen token positions [T, k] (int64) and which of them each query attends to [T, k] (bool)
+Choice = tuple[torch.Tensor, torch.Tensor]
 
 
 def sparse_latent_attention(query: torch.Tensor, index_q: torch.Tensor, index_weights: torch.Tensor,
-                            cache: torch.Tensor, meta: AttentionMetadata, scale: float, topk: int, latent_dim: int,
-                            *, index_scale: float, k_scale: float = 1.0, chunk: int = 32) -> torch.Tensor:
+                            cache: torch.Tensor, meta: AttentionMetadata, scale: float, topk: int, kv_lora_rank: int,
+                            latent_dim: int, *, index_scale: float, k_scale: float = 1.0, chunk: int = 32
+                            ) -> torch.Tensor:
     """query [T, heads, latent_dim]; index_q [T, index_heads, index_head_dim] (rotated); index_weights
     [T, index_heads] float32 (each head's weight, its 1 / sqrt(heads) in it); cache [num_blocks, block_size, 1,
-    latent_dim + index_head_dim], this step's rows already stored; `index_scale` the indexer's q.k scale. Returns
-    [T, heads, latent_dim] in query's dtype: each head's weighted sum of its chosen rows' first `latent_dim` values."""
+    latent_dim + index_head_dim], this step's rows already stored (a row: the latent of `kv_lora_rank`, the rotated
+    key, the indexer's key); `index_scale` the indexer's q.k scale. Returns [T, heads, kv_lora_rank] in query's
+    dtype: each head's weighted sum of its chosen rows' latents."""
     choice = choose_tokens(index_q, index_weights, cache, meta, topk, latent_dim, index_scale=index_scale,
                            k_scale=k_scale, chunk=chunk)
-    return attend_chosen(query, choice, cache, meta, scale, latent_dim, k_scale=k_scale, chunk=chunk)
+    return attend_chosen(query, choice, cache, meta, scale, kv_lora_rank, latent_dim, k_scale=k_scale, chunk=chunk)
 
 
 def choose_tokens(index_q: torch.Tensor, index_weights: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
                   topk: int, latent_dim: int, *, index_scale: float, k_scale: float = 1.0, chunk: int = 32) -> Choice:
-    """The indexer's choice (`sparse_latent_attention`'s arguments): for each sequence and chunk of its queries, the
-    positions of each query's best `topk` tokens (all of them where it has fewer) and which are causal."""
-    choice: Choice = []
+    """The indexer's choice (`sparse_latent_attention`'s arguments): each query's best `topk` causal tokens."""
+    width = min(topk, max(meta.seq_lens_list, default=0))
+    chosen = torch.zeros(index_q.shape[0], width, dtype=torch.int64, device=cache.device)
+    keep = torch.zeros(index_q.shape[0], width, dtype=torch.bool, device=cache.device)
     for i, start, a, b, s_len, q_len in _chunks(meta, chunk):
         keys = _rows(cache, meta, i, s_len, k_scale)[:, latent_dim:]                            # [s_len, d]
         causal = _causal(s_len, q_len, a, b, cache.device)                                        # [c, s_len]
         scores = torch.relu(torch.einsum("chd,td->cht", index_q[start + a:start + b].float(), keys) * index_scale)
         ranked = torch.einsum("ch,cht->ct", index_weights[start + a:start + b], scores)
-        chosen = ranked.masked_fill(~causal, float("-inf")).topk(min(topk, s_len), dim=-1).indices   # [c, k]
-        choice.append((chosen, causal.gather(1, chosen)))
-    return choice
+        best = ranked.masked_fill(~causal, float("-inf")).topk(min(topk, s_len), dim=-1).indices   # [c, k]
+        chosen[start + a:start + b, :best.shape[1]] = best
+        keep[start + a:start + b, :best.shape[1]] = causal.gather(1, best)
+    return chosen, keep
 
 
 def attend_chosen(query: torch.Tensor, choice: Choice, cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                  latent_dim: int, *, k_scale: float = 1.0, chunk: int = 32) -> torch.Tensor:
-    """Each query's attention over the causal tokens of its `choice` (as `choose_tokens` made it, with the same
-    `chunk`), in the latent space: [T, heads, latent_dim] in query's dtype."""
-    out = torch.empty_like(query)
-    for (i, start, a, b, s_len, _), (chosen, keep) in zip(_chunks(meta, chunk), choice, strict=True):
-        picked = _rows(cache, meta, i, s_len, k_scale)[:, :latent_dim][chosen]                  # [c, k, latent_dim]
-        logits = torch.einsum("chd,ckd->chk", query[start + a:start + b].float(), picked) * scale
-        probs = logits.masked_fill(~keep[:, None, :], float("-inf")).softmax(dim=-1)
-        out[start + a:start + b] = torch.einsum("chk,ckd->chd", probs, picked).to(out.dtype)
+                  kv_lora_rank: int, latent_dim: int, *, k_scale: float = 1.0, chunk: int = 32) -> torch.Tensor:
+    """Each query's attention over the tokens its `choice` lets it attend to, in the latent space (q.k over the
+    rows' first `latent_dim` values): [T, heads, kv_lora_rank] in query's dtype, the weighted sums of the latents."""
+    chosen, keep = choice
+    out = query.new_empty(*query.shape[:2], kv_lora_rank)
+    for i, start, a, b, s_len, _ in _chunks(meta, chunk):
+        rows = slice(start + a, start + b)
+        picked = _rows(cache, meta, i, s_len, k_scale)[:, :latent_dim][chosen[rows]]            # [c, k, latent_dim]
+        logits = torch.einsum("chd,ckd->chk", query[rows].float(), picked) * scale
+        probs = logits.masked_fill(~keep[rows][:, None, :], float("-inf")).softmax(dim=-1)
+        out[rows] = torch.einsum("chk,ckd->chd", probs, picked[..., :kv_lora_rank]).to(out.dtype)
     return out
 
 

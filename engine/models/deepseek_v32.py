@@ -16,9 +16,10 @@ part zeros.
 
 Attention (`DsaAttention`): while no sequence of the step has more than `index_topk` tokens, every query's best
 `index_topk` are all its earlier tokens and the attention is V3's (the paged kernels over the rows, the query padded
-with zeros over the indexer's part: q.k unchanged); past that, `kernels.dsa.sparse_latent_attention` picks and
-attends (torch ops on any device). Which path runs is decided by the step's lengths on the host, so the decode steps
-of this model are not captured in CUDA graphs (`graph_safe` is false).
+with zeros over the indexer's part: q.k unchanged); past that the indexer picks and the query attends to its choice
+alone, by the backend's kernels where it has them (`kernels.triton_dsa` on CUDA), else by `kernels.dsa`'s torch
+reference. Which path runs is decided by the step's lengths on the host, so the decode steps of this model are not
+captured in CUDA graphs (`graph_safe` is false).
 
 Tensor parallelism: the indexer is whole on every rank (the cache's rows are), each rank attends its own heads over
 the rows the same choice picks.
@@ -113,12 +114,13 @@ class DsaAttention(MlaAttention):
         if self.kv_observer is not None:
             self.kv_observer(entry, entry)
         backend.store_kv(entry, entry, cache, cache, meta, k_scale=self.k_scale, v_scale=self.v_scale)
-        if indexer is not None:
-            meta.backend_cache[CHOICE] = choose_tokens(index_q, indexer.head_weights(hidden), cache, meta,
-                                                       mla.index_topk, mla.latent_dim,
-                                                       index_scale=indexer.softmax_scale, k_scale=self.k_scale)
-        return attend_chosen(query, meta.backend_cache[CHOICE], cache, meta, self.scale, mla.latent_dim,
-                             k_scale=self.k_scale)
+        if indexer is not None:   # the backend's own (Triton's), else the torch reference
+            choose = getattr(backend, "dsa_choose_tokens", choose_tokens)
+            meta.backend_cache[CHOICE] = choose(index_q, indexer.head_weights(hidden), cache, meta, mla.index_topk,
+                                                mla.latent_dim, index_scale=indexer.softmax_scale, k_scale=self.k_scale)
+        attend = getattr(backend, "dsa_attend_chosen", attend_chosen)
+        return attend(query, meta.backend_cache[CHOICE], cache, meta, self.scale, mla.kv_lora_rank, mla.latent_dim,
+                      k_scale=self.k_scale)
 
 
 class DeepseekV32ForCausalLM(DeepseekForCausalLM):

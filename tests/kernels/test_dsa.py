@@ -10,7 +10,7 @@ import torch
 from kernels import AttentionMetadata, reference
 from kernels.dsa import sparse_latent_attention
 
-LATENT, INDEX, HEADS, INDEX_HEADS, BLOCK = 24, 8, 4, 3, 4
+LORA, LATENT, INDEX, HEADS, INDEX_HEADS, BLOCK = 16, 24, 8, 4, 3, 4   # latent 16 + rotated key 8, indexer key 8
 
 
 def _step(seed: int, dtype: torch.dtype = torch.float32):
@@ -36,17 +36,17 @@ def _step(seed: int, dtype: torch.dtype = torch.float32):
 @pytest.mark.parametrize("dtype", [torch.float32, reference.FP8_KV_DTYPE])
 def test_with_every_token_chosen_it_is_the_paged_attention_of_the_latent_rows(dtype):
     meta, cache, query, index_q, weights = _step(0, dtype)
-    ours = sparse_latent_attention(query, index_q, weights, cache, meta, 0.3, topk=64, latent_dim=LATENT,
-                                   index_scale=INDEX ** -0.5, k_scale=0.5, chunk=4)
+    ours = sparse_latent_attention(query, index_q, weights, cache, meta, 0.3, topk=64, kv_lora_rank=LORA,
+                                   latent_dim=LATENT, index_scale=INDEX ** -0.5, k_scale=0.5, chunk=4)
     padded = torch.nn.functional.pad(query, (0, INDEX))   # zeros over the indexer's part: q.k unchanged
     dense = reference.paged_attention(padded, cache, cache, meta, 0.3, None, k_scale=0.5, v_scale=0.5)
-    torch.testing.assert_close(ours, dense[..., :LATENT], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours, dense[..., :LORA], rtol=1e-5, atol=1e-5)
 
 
 def test_each_query_attends_to_the_causal_tokens_its_indexer_scores_best():
     meta, cache, query, index_q, weights = _step(1)
     topk = 3
-    ours = sparse_latent_attention(query, index_q, weights, cache, meta, 0.3, topk, LATENT, index_scale=0.25,
+    ours = sparse_latent_attention(query, index_q, weights, cache, meta, 0.3, topk, LORA, LATENT, index_scale=0.25,
                                    k_scale=0.5, chunk=4)
     flat = cache.view(-1, LATENT + INDEX)   # float32: stored and read without the scale
     row = 0
@@ -60,5 +60,5 @@ def test_each_query_attends_to_the_causal_tokens_its_indexer_scores_best():
             best = sorted(range(pos + 1), key=lambda t: -float(score[t]))[:topk]
             keys = rows[best, :LATENT]                                       # [k, latent]
             probs = (query[row] @ keys.T * 0.3).softmax(dim=-1)             # [heads, k]
-            torch.testing.assert_close(ours[row], probs @ keys, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(ours[row], probs @ keys[:, :LORA], rtol=1e-5, atol=1e-5)
             row += 1

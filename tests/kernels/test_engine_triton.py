@@ -134,3 +134,26 @@ def test_engine_on_triton_kernels_serves_deepseeks_latent_cache_as_the_reference
         results[backend] = [out.outputs[0].token_ids for out in engine.generate(prompts, params)]
         assert_all_free(engine)
     assert results["triton"] == results["torch"]
+
+
+@pytest.mark.parametrize("arch,indexers", [("deepseek_v32", {}),
+                                            ("glm_moe_dsa", {"indexer_types": ["full", "shared"]})])
+def test_engine_on_triton_kernels_serves_sparse_attention_as_the_reference(tmp_path, builtin_path, monkeypatch, arch,
+                                                                           indexers):
+    """DeepSeek V3.2's and GLM-5's sparse attention past its index_topk of 8: the Triton indexer scores and picks
+    (`kernels.triton_dsa`), the Triton sparse kernel attends (GLM-5's second layer to the first one's choice), and
+    the greedy tokens are the torch backend's, which equal transformers' (tests/engine/test_engine_vs_hf.py)."""
+    path = make_tiny_model(tmp_path / arch, arch, builtin_path, num_key_value_heads=4, n_routed_experts=4,
+                           num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1, kv_lora_rank=32,
+                           q_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_group=1,
+                           topk_group=1, index_n_heads=16, index_head_dim=16, index_topk=8, **indexers)
+    rng = random.Random(17)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (30, 5)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    results = {}
+    for backend in ("torch", "triton"):
+        engine = _engine(path, backend, monkeypatch, num_blocks=16, max_num_batched_tokens=96)
+        assert hasattr(engine.runner.backend, "dsa_choose_tokens") == (backend == "triton")
+        results[backend] = [out.outputs[0].token_ids for out in engine.generate(prompts, params)]
+        assert_all_free(engine)
+    assert results["triton"] == results["torch"]

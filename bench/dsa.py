@@ -1,0 +1,110 @@
+"""`cliffguard bench dsa`: one layer of DeepSeek Sparse Attention (DeepSeek V3.2's) decoding, against the same
+layer's dense latent attention.
+
+A batch of `--batch` decode tokens, each over `--context` cached tokens of a paged cache whose rows are DeepSeek
+V3.2's (a latent of 512, a rotated key of 64, the indexer's key of 128: 704 values), `--heads` query heads (16: 128
+over 8 ranks) and an indexer of 64 heads picking `--topk` (2,048) tokens. Timed, each the median of `--repeats`
+calls: `dense`, the backend's paged attention over every cached token (the path while no sequence is longer than
+`--topk`); `choose`, the indexer's scores and top-k over the whole context; `attend`, the attention over the chosen
+tokens alone; `sparse`, the two together, as the engine runs them past `--topk`. Reported: milliseconds, the
+sparse path's speed-up over the dense one, and the largest difference of the backend's sparse output from the torch
+reference's (`kernels.dsa`) on the same choice (exit 1 past its tolerance: 1e-4 in float32, 2e-2 in bfloat16). On
+CUDA the backend is Triton (`kernels.triton_dsa`); on a CPU the torch reference times itself (small sizes:
+`--context 4096 --batch 2`). Random rows and queries; the choice a random indexer makes is as costly as a trained
+one's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+import torch
+
+from bench.engine import sync
+
+LORA, ROPE, INDEX_DIM, INDEX_HEADS = 512, 64, 128, 64   # DeepSeek V3.2's
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="auto", help="auto (default: CUDA if present) | cpu | cuda | cuda:N")
+    p.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, else float32) | float32 | bfloat16")
+    p.add_argument("--batch", type=int, default=8, help="decode tokens (sequences) in the step")
+    p.add_argument("--context", type=int, default=32768, help="cached tokens of each sequence")
+    p.add_argument("--heads", type=int, default=16, help="query heads of this rank (DeepSeek V3.2's 128 over 8)")
+    p.add_argument("--topk", type=int, default=2048, help="tokens each query attends to (index_topk)")
+    p.add_argument("--block-size", type=int, default=16, help="the paged cache's block size")
+    p.add_argument("--repeats", type=int, default=10, help="timed calls per path (median)")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+
+
+def _time(call, device: torch.device, repeats: int) -> float:
+    call()   # warm: kernels chosen and compiled
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        started = time.perf_counter()
+        call()
+        sync(device)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def _step(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
+    """(metadata, cache, query [B, heads, 576], indexer queries, indexer weights): random rows in shuffled blocks."""
+    from kernels import AttentionMetadata
+
+    per_seq = -(-args.context // args.block_size)
+    blocks = list(range(args.batch * per_seq))
+    random.Random(0).shuffle(blocks)
+    tables = [blocks[i * per_seq:(i + 1) * per_seq] for i in range(args.batch)]
+    meta = AttentionMetadata.build(tables, [1] * args.batch, [args.context] * args.batch, args.block_size, device)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    width = LORA + ROPE + INDEX_DIM
+    cache = torch.randn(len(blocks), args.block_size, 1, width, generator=gen).to(device, dtype)
+    query = (torch.randn(args.batch, args.heads, LORA + ROPE, generator=gen) * 0.1).to(device, dtype)
+    index_q = torch.randn(args.batch, INDEX_HEADS, INDEX_DIM, generator=gen).to(device, dtype)
+    weights = torch.randn(args.batch, INDEX_HEADS, generator=gen).to(device) * INDEX_HEADS ** -0.5
+    return meta, cache, query, index_q, weights
+
+
+def run(args: argparse.Namespace) -> int:
+    from engine.config import EngineConfig
+    from kernels import dsa, get_backend
+
+    for name in ("batch", "context", "heads", "topk", "block_size", "repeats"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
+    config = EngineConfig(device=args.device, dtype=args.dtype)
+    try:
+        device = config.rank_devices()[0]
+    except ValueError as exc:   # a ConfigError: no CUDA, or no such GPU on this machine
+        raise ValueError(f"--device: {args.device}: {exc}") from None
+    dtype = config.resolved_dtype(device)
+    backend = get_backend(device)
+    choose = getattr(backend, "dsa_choose_tokens", dsa.choose_tokens)
+    attend = getattr(backend, "dsa_attend_chosen", dsa.attend_chosen)
+    meta, cache, query, index_q, weights = _step(args, device, dtype)
+    scale, latent = (LORA + ROPE) ** -0.5, LORA + ROPE
+    padded = torch.nn.functional.pad(query, (0, INDEX_DIM))
+    with torch.no_grad():
+        choice = choose(index_q, weights, cache, meta, args.topk, latent, index_scale=INDEX_DIM ** -0.5)
+        out = attend(query, choice, cache, meta, scale, LORA, latent)
+        reference = dsa.attend_chosen(query, choice, cache, meta, scale, LORA, latent)
+        timed = {"dense": lambda: backend.paged_attention(padded, cache, cache, meta, scale, None),
+                 "choose": lambda: choose(index_q, weights, cache, meta, args.topk, latent,
+                                          index_scale=INDEX_DIM ** -0.5),
+                 "attend": lambda: attend(query, choice, cache, meta, scale, LORA, latent)}
+        row = {name: _time(call, device, args.repeats) * 1e3 for name, call in timed.items()}
+    row = {"device": str(device), "dtype": str(dtype).removeprefix("torch."), "backend": backend.__name__,
+           "batch": args.batch, "context": args.context, "heads": args.heads, "topk": args.topk,
+           **{f"{name}_ms": ms for name, ms in row.items()}}
+    row["sparse_ms"] = row["choose_ms"] + row["attend_ms"]
+    row["sparse_speedup"] = row["dense_ms"] / row["sparse_ms"]
+    row["max_abs_diff"] = float((out.float() - reference.float()).abs().max())
+    row["tolerance"] = 1e-4 if dtype == torch.float32 else 2e-2
+    print(json.dumps(row) if args.json else "\n".join(f"{key:16} {value}" for key, value in row.items()))
+    return 0 if row["max_abs_diff"] <= row["tolerance"] else 1   # the backend's kernels off the reference

@@ -1,0 +1,44 @@
+"""`cliffguard bench dsa` on a short context: what it reports, on the torch reference and on the Triton kernels (here
+through the interpreter), and bad options named."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+
+import pytest  # noqa: E402
+
+from bench import dsa  # noqa: E402
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    dsa.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
+def test_it_times_the_dense_and_the_sparse_paths_and_checks_the_sparse_one(capsys, monkeypatch, backend):
+    if backend == "triton":
+        pytest.importorskip("triton")
+    monkeypatch.setenv("CLIFFGUARD_ATTENTION_BACKEND", backend)
+    args = _parse("--device", "cpu", "--dtype", "float32", "--batch", "2", "--context", "80", "--topk", "16",
+                  "--repeats", "1", "--json")
+    assert dsa.run(args) == 0
+    row = json.loads(capsys.readouterr().out)
+    assert (row["backend"], row["context"], row["topk"], row["heads"]) == (
+        "kernels.triton_attention" if backend == "triton" else "kernels.cpu_attention", 80, 16, 16)
+    assert all(row[f"{name}_ms"] > 0 for name in ("dense", "choose", "attend"))
+    assert row["sparse_ms"] == pytest.approx(row["choose_ms"] + row["attend_ms"])
+    assert row["sparse_speedup"] == pytest.approx(row["dense_ms"] / row["sparse_ms"])
+    assert row["max_abs_diff"] < 1e-4   # the backend's sparse attention against the torch reference's
+
+
+@pytest.mark.parametrize("flag", ["--batch", "--context", "--topk", "--repeats"])
+def test_bad_options_are_named(flag):
+    with pytest.raises(ValueError, match=f"^{flag}: must be >= 1"):
+        dsa.run(_parse("--device", "cpu", flag, "0"))
