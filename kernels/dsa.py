@@ -51,7 +51,7 @@ def choose_tokens(index_q: torch.Tensor, index_weights: torch.Tensor, cache: tor
     chosen = torch.zeros(index_q.shape[0], width, dtype=torch.int64, device=cache.device)
     keep = torch.zeros(index_q.shape[0], width, dtype=torch.bool, device=cache.device)
     for i, start, a, b, s_len, q_len in _chunks(meta, chunk):
-        keys = _rows(cache, meta, i, s_len, k_scale)[:, latent_dim:]                            # [s_len, d]
+        keys = _gather(cache, context_slots(meta, [i], s_len)[0], slice(latent_dim, None), k_scale)   # [s_len, d]
         causal = _causal(s_len, q_len, a, b, cache.device)                                        # [c, s_len]
         scores = torch.relu(torch.einsum("chd,td->cht", index_q[start + a:start + b].float(), keys) * index_scale)
         ranked = torch.einsum("ch,cht->ct", index_weights[start + a:start + b], scores)
@@ -69,7 +69,8 @@ def attend_chosen(query: torch.Tensor, choice: Choice, cache: torch.Tensor, meta
     out = query.new_empty(*query.shape[:2], kv_lora_rank)
     for i, start, a, b, s_len, _ in _chunks(meta, chunk):
         rows = slice(start + a, start + b)
-        picked = _rows(cache, meta, i, s_len, k_scale)[:, :latent_dim][chosen[rows]]            # [c, k, latent_dim]
+        slots = context_slots(meta, [i], s_len)[0][chosen[rows]]                                  # [c, k]
+        picked = _gather(cache, slots, slice(0, latent_dim), k_scale)                             # [c, k, latent_dim]
         logits = torch.einsum("chd,ckd->chk", query[rows].float(), picked) * scale
         probs = logits.masked_fill(~keep[rows][:, None, :], float("-inf")).softmax(dim=-1)
         out[rows] = torch.einsum("chk,ckd->chd", probs, picked[..., :kv_lora_rank]).to(out.dtype)
@@ -86,10 +87,10 @@ def _chunks(meta: AttentionMetadata, chunk: int):
         start += q_len
 
 
-def _rows(cache: torch.Tensor, meta: AttentionMetadata, seq: int, length: int, k_scale: float) -> torch.Tensor:
-    """[length, width] float32: the cache rows of sequence `seq`'s first `length` tokens."""
-    flat = cache.view(-1, cache.shape[-1])
-    return dequantize_kv(flat.index_select(0, context_slots(meta, [seq], length)[0]), torch.float32, k_scale)
+def _gather(cache: torch.Tensor, slots: torch.Tensor, part: slice, k_scale: float) -> torch.Tensor:
+    """[*slots.shape, part's width] float32: the `part` of the cache rows at `slots` (only those values read)."""
+    rows = cache.view(-1, cache.shape[-1])[:, part].index_select(0, slots.reshape(-1))
+    return dequantize_kv(rows, torch.float32, k_scale).view(*slots.shape, -1)
 
 
 def _causal(s_len: int, q_len: int, a: int, b: int, device: torch.device) -> torch.Tensor:
