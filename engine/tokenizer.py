@@ -2,9 +2,8 @@
 
 `Tokenizer.from_folder` reads tokenizer.json (or a tiktoken vocabulary, Kimi K2's: `engine.tiktoken_vocab`) with the
 `tokenizers` library and tokenizer_config.json (plus the optional generation_config.json, config.json and
-chat_template.jinja) itself, and reproduces the parts of transformers' (v5)
-`TokenizersBackend` that change ids or text, so that encode, decode and the chat template give what
-`AutoTokenizer.from_pretrained(folder)` gives:
+chat_template.jinja) itself, and reproduces the parts of transformers' (v5) `TokenizersBackend` that change ids or
+text, so that encode, decode and the chat template give what `AutoTokenizer.from_pretrained(folder)` gives:
 
 - special tokens named in tokenizer_config.json but missing from tokenizer.json's added tokens are added as special;
   without an `added_tokens_decoder` there, special_tokens_map.json's (older folders) are taken over the config's;
@@ -107,9 +106,9 @@ class Tokenizer:
         return tuple(keep), tuple(skip)
 
     @classmethod
-    def from_folder(cls, folder: str | os.PathLike) -> Tokenizer:
-        """Load tokenizer.json and the folder's configs; a missing tokenizer.json is a FileNotFoundError, an
-        unreadable one a ValueError."""
+    def from_folder(cls, folder: str | os.PathLike, chat_template: str | None = None) -> Tokenizer:
+        """Load tokenizer.json and the folder's configs (`chat_template`: a template's text in place of the folder's);
+        a missing tokenizer.json is a FileNotFoundError, an unreadable one a ValueError."""
         folder, path = Path(folder), Path(folder) / "tokenizer.json"
         config = _with_special_tokens_map(_read_json(folder / "tokenizer_config.json"),
                                           _read_json(folder / "special_tokens_map.json"))
@@ -129,7 +128,8 @@ class Tokenizer:
         for name in ("generation_config.json", "config.json"):
             value = _read_json(folder / name).get("eos_token_id")
             model_eos_ids += [i for i in (value if isinstance(value, list) else [value]) if isinstance(i, int)]
-        return cls(backend, folder, config, model_eos_ids, _read_chat_templates(folder, config))
+        templates = _read_chat_templates(folder, config) if chat_template is None else {"default": chat_template}
+        return cls(backend, folder, config, model_eos_ids, templates)
 
     @property
     def vocab_size(self) -> int:

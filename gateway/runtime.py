@@ -46,7 +46,7 @@ from gateway.workers.supervisor import DeviceSupervisor
 from gateway.ticker import Ticker
 from gateway.upstream.connection import UpstreamClient
 from pools.capacity_plan import CapacityPlan, plan_capacity, replica_engine_configs
-from pools.model_configs import model_folder, resolve_model_configs, upstream_context
+from pools.model_configs import pool_tokenizer, resolve_model_configs, upstream_context
 from pools.pool import Pool
 from pools.router import NoRouteError, Router, UnknownModelError
 from pools.config.gateway_spec import Backoff
@@ -176,13 +176,12 @@ class Gateway:
         model_configs = resolve_model_configs(config, folders=folders)
         plan = plan_capacity(config, model_configs, vram_bytes=vram_bytes)
         engines = replica_engine_configs(config, plan)
-        tokenizers: dict[str, tuple[Tokenizer, TokenCounter, list[int], list[int]]] = {}
+        tokenizers: dict[tuple[str, str | None], tuple[Tokenizer, TokenCounter, list[int], list[int]]] = {}
         pools: dict[str, Pool] = {}
         for i, spec in enumerate(config.pools):
-            tok_spec = spec.tokenizer or spec.model
+            tok_spec = (spec.tokenizer or spec.model, spec.chat_template)
             if tok_spec not in tokenizers:
-                key = f"pools[{i}].tokenizer" if spec.tokenizer else f"pools[{i}].model"
-                tokenizer = Tokenizer.from_folder(model_folder(tok_spec, key, folders))
+                tokenizer = pool_tokenizer(spec, i, folders)
                 tokenizers[tok_spec] = (tokenizer, TokenCounter(tokenizer), *map(list, tokenizer.special_ids_around))
             if spec.is_upstream:
                 max_model_len, replicas = spec.max_model_len or upstream_context(spec, folders, i), 1

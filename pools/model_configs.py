@@ -1,6 +1,7 @@
 """The model behind each pool: a pool's `model` (builtin, HF folder, GGUF file) resolved to a folder and
 read into its `engine.model_config.ModelConfig`, or one config.json given for every pool (`cliffguard
-capacity --model-config`). Errors are SpecErrors naming the pool's key, or ConfigErrors naming the option."""
+capacity --model-config`); a pool's tokenizer (`pool_tokenizer`, its own chat template where it names one). Errors
+are SpecErrors naming the pool's key, or ConfigErrors naming the option."""
 
 from __future__ import annotations
 
@@ -52,6 +53,32 @@ def model_folder(spec: str, key: str, folders: dict[str, Path]) -> Path:
         except (OSError, ValueError) as exc:   # OSError: not found, or a path no file system can hold
             raise SpecError(f"{key}: {exc}") from None
     return folders[spec]
+
+
+def pool_tokenizer(spec: PoolSpec, i: int, folders: dict[str, Path]):
+    """The `engine.tokenizer.Tokenizer` that counts pool `i`'s tokens and renders its chats: its `tokenizer`'s (else
+    its `model`'s) folder's, with `chat_template`'s file in place of the folder's template where it names one. A
+    file missing, unreadable, not UTF-8 or not a Jinja template is a SpecError naming `pools[i].chat_template`."""
+    import jinja2
+
+    from engine.chat_template import compile_chat_template
+    from engine.tokenizer import Tokenizer
+
+    key = f"pools[{i}].tokenizer" if spec.tokenizer else f"pools[{i}].model"
+    folder = model_folder(spec.tokenizer or spec.model, key, folders)
+    if spec.chat_template is None:
+        return Tokenizer.from_folder(folder)
+    key = f"pools[{i}].chat_template"
+    try:
+        source = Path(spec.chat_template).expanduser().read_text(encoding="utf-8")
+        compile_chat_template(source)
+    except OSError as exc:
+        raise SpecError(key, f"cannot read {spec.chat_template} ({exc.strerror or exc})") from None
+    except UnicodeDecodeError:
+        raise SpecError(key, f"{spec.chat_template} is not UTF-8 text; a chat template is a Jinja file") from None
+    except jinja2.TemplateSyntaxError as exc:
+        raise SpecError(key, f"{spec.chat_template}: line {exc.lineno}: {exc.message}") from None
+    return Tokenizer.from_folder(folder, chat_template=source)
 
 
 def read_model_config(path: str) -> ModelConfig:

@@ -36,17 +36,17 @@ _READ_TOKENIZER = Tokenizer.from_folder
 
 
 @functools.lru_cache(maxsize=8)
-def _tokenizer_of(folder: Path, files: tuple) -> Tokenizer:
-    return _READ_TOKENIZER(folder)
+def _tokenizer_of(folder: Path, files: tuple, chat_template: str | None) -> Tokenizer:
+    return _READ_TOKENIZER(folder, chat_template)
 
 
-def _tokenizer_read_once(folder) -> Tokenizer:
-    """`Tokenizer.from_folder`, shared while the folder's files are unchanged (name, size, mtime)."""
+def _tokenizer_read_once(folder, chat_template: str | None = None) -> Tokenizer:
+    """`Tokenizer.from_folder`, shared while the folder's files (name, size, mtime) and the template are unchanged."""
     folder = Path(folder)
     if not folder.is_dir():
-        return _READ_TOKENIZER(folder)
+        return _READ_TOKENIZER(folder, chat_template)
     files = tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(folder.iterdir()) if p.is_file())
-    return _tokenizer_of(folder, files)
+    return _tokenizer_of(folder, files, chat_template)
 
 
 @pytest.fixture(autouse=True)

@@ -150,6 +150,7 @@ class PoolSpec(Spec):
     upstream: Text | None = None         # base URL of an OpenAI-compatible server, e.g. http://h:8000/v1
     upstream_api_key_env: Text | None = None  # environment variable holding the upstream's API key
     tokenizer: Text | None = None        # model spec whose tokenizer counts tokens (default: `model`)
+    chat_template: Text | None = None    # a Jinja file rendering its chats, in place of the model folder's
     served_model_name: Text | None = None  # the `model` clients send (default: derived from `model`)
     kv_share: Fraction | None = None     # fraction of the device's KV bytes ...
     kv_cache_bytes: ByteSize | None = None   # ... or an explicit byte budget (exactly one for local pools)
@@ -179,7 +180,7 @@ class PoolSpec(Spec):
             raise SpecError("name", f"use letters, digits, '_', '.', '-' (starting with a letter or digit); "
                                     f"got {self.name!r}")
         self._check_names_and_route()
-        for key in ("model", "upstream", "tokenizer"):   # a path or URL: a space at an end is a typo, not a name
+        for key in ("model", "upstream", "tokenizer", "chat_template"):   # a path or URL: a space at an end is a typo
             if (value := getattr(self, key)) is not None and padded(value):
                 shown = _shown_url(value) if key == "upstream" else value
                 raise SpecError(key, f"must not be blank or begin or end with a space, got {shown!r}")

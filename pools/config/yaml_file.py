@@ -120,7 +120,7 @@ def _parse_pool(i: int, raw: Any, base_dir: Path | None) -> PoolSpec:
         slo = from_yaml(raw["slo"], SloSpec, f"{key}.slo")
         with within(key), engine_rules():
             raw["slo"] = LatencySLO(ttft_ms=slo.ttft_ms, itl_ms=slo.itl_ms)
-    for name in ("tokenizer",) if upstream else ("model",):
+    for name in ("tokenizer", "chat_template") if upstream else ("model", "chat_template"):
         if isinstance(raw.get(name), str):
             raw[name] = _beside(base_dir, raw[name], f"{key}.{name}")
     if upstream:
