@@ -20,11 +20,11 @@ import argparse
 import json
 import random
 import statistics
-import time
 
 import torch
 
-from bench.engine import sync
+from bench.engine import time_call
+from bench.options import device_and_dtype
 
 LORA, ROPE, INDEX_DIM, INDEX_HEADS = 512, 64, 128, 64   # DeepSeek V3.2's
 
@@ -39,18 +39,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16, help="the paged cache's block size")
     p.add_argument("--repeats", type=int, default=10, help="timed calls per path (median)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
-
-
-def _time(call, device: torch.device, repeats: int) -> float:
-    call()   # warm: kernels chosen and compiled
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        started = time.perf_counter()
-        call()
-        sync(device)
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
 
 
 def _step(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
@@ -72,18 +60,12 @@ def _step(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.config import EngineConfig
     from kernels import dsa, get_backend
 
     for name in ("batch", "context", "heads", "topk", "block_size", "repeats"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
-    config = EngineConfig(device=args.device, dtype=args.dtype)
-    try:
-        device = config.rank_devices()[0]
-    except ValueError as exc:   # a ConfigError: no CUDA, or no such GPU on this machine
-        raise ValueError(f"--device: {args.device}: {exc}") from None
-    dtype = config.resolved_dtype(device)
+    device, dtype = device_and_dtype(args.device, args.dtype)
     backend = get_backend(device)
     choose = getattr(backend, "dsa_choose_tokens", dsa.choose_tokens)
     attend = getattr(backend, "dsa_attend_chosen", dsa.attend_chosen)
@@ -98,7 +80,8 @@ def run(args: argparse.Namespace) -> int:
                  "choose": lambda: choose(index_q, weights, cache, meta, args.topk, latent,
                                           index_scale=INDEX_DIM ** -0.5),
                  "attend": lambda: attend(query, choice, cache, meta, scale, LORA, latent)}
-        row = {name: _time(call, device, args.repeats) * 1e3 for name, call in timed.items()}
+        row = {name: statistics.median(time_call(call, device, iters=args.repeats)) * 1e3
+               for name, call in timed.items()}
     row = {"device": str(device), "dtype": str(dtype).removeprefix("torch."), "backend": backend.__name__,
            "batch": args.batch, "context": args.context, "heads": args.heads, "topk": args.topk,
            **{f"{name}_ms": ms for name, ms in row.items()}}

@@ -21,7 +21,7 @@ import time
 import torch
 
 from bench.engine import sync
-from bench.options import int_list
+from bench.options import device_and_dtype, int_list
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -123,20 +123,13 @@ def _row(block, paths: dict[str, tuple], x: torch.Tensor, device: torch.device, 
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.config import EngineConfig
-
     sizes = int_list(args.tokens, "--tokens", 1, "batch sizes must be >= 1")
     _sizes(args)
     if not 1 <= args.top_k <= args.experts:
         raise ValueError(f"--top-k: must be 1..--experts ({args.experts}), got {args.top_k}")
     if args.repeats < 1:
         raise ValueError(f"--repeats: must be >= 1, got {args.repeats}")
-    config = EngineConfig(device=args.device, dtype=args.dtype)
-    try:
-        device = config.rank_devices()[0]
-    except ValueError as exc:   # a ConfigError: no CUDA, or no such GPU on this machine
-        raise ValueError(f"--device: {args.device}: {exc}") from None
-    dtype = config.resolved_dtype(device)
+    device, dtype = device_and_dtype(args.device, args.dtype)
     block = _block(args, device, dtype)
     with torch.inference_mode():
         paths = _paths(block, torch.randn(2, args.hidden_size).to(device, dtype))

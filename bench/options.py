@@ -28,3 +28,16 @@ def out_dir(out: str) -> Path:
     if not os.access(path, os.W_OK | os.X_OK):
         raise ValueError(f"--out: {out} is not writable")
     return path
+
+
+def device_and_dtype(device: str, dtype: str):
+    """(torch device, torch dtype) of `--device` and `--dtype` as an engine resolves them (auto: CUDA if present;
+    bfloat16 where it computes natively); ValueError naming `--device` where this machine lacks it."""
+    from engine.config import EngineConfig
+
+    config = EngineConfig(device=device, dtype=dtype)
+    try:
+        resolved = config.rank_devices()[0]
+    except ValueError as exc:   # a ConfigError: no CUDA, or no such GPU on this machine
+        raise ValueError(f"--device: {device}: {exc}") from None
+    return resolved, config.resolved_dtype(resolved)

@@ -114,16 +114,19 @@ def test_engine_on_triton_kernels_with_an_fp8_cache_matches_the_reference(tiny, 
     assert results["triton"] == results["torch"]
 
 
+# DeepSeek's latent attention at a tiny size: a latent of 32 and a rotated key of 8 under 4 heads, 4 experts
+LATENT = dict(num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+              first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=8,
+              v_head_dim=16, n_group=1, topk_group=1)
+
+
 @pytest.mark.slow   # ~6 s through the interpreter; the Triton store and kernels on a latent cache (K and V the same
 # plane) are checked against the reference by tests/bench/test_kernels_bench.py, the whole model in test_triton_moe.py
 def test_engine_on_triton_kernels_serves_deepseeks_latent_cache_as_the_reference(tmp_path, builtin_path, monkeypatch):
     """DeepSeek's latent attention: one cache plane, read as both K and V, of one 'KV head' of 40 (a latent of 32 and
     a rotated key of 8) under 4 query heads of that size; the Triton store writes it (twice, the same rows) and the
     decode and prefill kernels read it, giving the torch backend's greedy tokens."""
-    path = make_tiny_model(tmp_path / "ds", "deepseek_v3", builtin_path, num_key_value_heads=4, n_routed_experts=4,
-                           num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1, kv_lora_rank=32,
-                           q_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_group=1,
-                           topk_group=1)
+    path = make_tiny_model(tmp_path / "ds", "deepseek_v3", builtin_path, **LATENT)
     rng = random.Random(13)
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (70, 5)]
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -143,10 +146,8 @@ def test_engine_on_triton_kernels_serves_sparse_attention_as_the_reference(tmp_p
     """DeepSeek V3.2's and GLM-5's sparse attention past its index_topk of 8: the Triton indexer scores and picks
     (`kernels.triton_dsa`), the Triton sparse kernel attends (GLM-5's second layer to the first one's choice), and
     the greedy tokens are the torch backend's, which equal transformers' (tests/engine/test_engine_vs_hf.py)."""
-    path = make_tiny_model(tmp_path / arch, arch, builtin_path, num_key_value_heads=4, n_routed_experts=4,
-                           num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1, kv_lora_rank=32,
-                           q_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_group=1,
-                           topk_group=1, index_n_heads=16, index_head_dim=16, index_topk=8, **indexers)
+    path = make_tiny_model(tmp_path / arch, arch, builtin_path, **LATENT, index_n_heads=16, index_head_dim=16,
+                           index_topk=8, **indexers)
     rng = random.Random(17)
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (30, 5)]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
