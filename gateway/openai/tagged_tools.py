@@ -410,11 +410,15 @@ class TaggedFormat(ToolFormat):
             seen.add(key)
             item = reading.items.get((start, end))
             if item is None:
-                value = typed_value(text[start:end], properties.get(key, _UNDECLARED), schema)
+                value = self._value(call, text, start, end, properties.get(key, _UNDECLARED), schema)
                 item = reading.items[(start, end)] = \
                     f"{json.dumps(key, ensure_ascii=False)}: {json.dumps(value, ensure_ascii=False)}"
             written.append(item)
         return "{" + ", ".join(written) + ("}" if call.end is not None else "")
+
+    def _value(self, call: Any, text: str, start: int, end: int, prop: Any, schema: dict[str, Any]) -> Any:
+        """The value written at text[start:end], read as its schema says (`typed_value`)."""
+        return typed_value(text[start:end], prop, schema)
 
     def example(self) -> str:
         form = self.form

@@ -1,12 +1,13 @@
 """Which tool-call format a pool's chat template writes: `tool_format` of a template's source, `format_for` of a
 pool's tokenizer. The formats: `gateway.openai.tools` (hermes, llama3_json), `gateway.openai.xml_tools`
 (qwen3_xml), `gateway.openai.tagged_tools` (glm45, minimax_m2, seed_oss), `gateway.openai.deepseek_tools`
-(deepseek_v3, deepseek_v31), `gateway.openai.mistral_tools` (mistral, mistral_args), `gateway.openai.kimi_tools`
-(kimi_k2) and `gateway.openai.gemma4_tools` (gemma4)."""
+(deepseek_v3, deepseek_v31), `gateway.openai.dsml_tools` (deepseek_v32), `gateway.openai.mistral_tools` (mistral,
+mistral_args), `gateway.openai.kimi_tools` (kimi_k2) and `gateway.openai.gemma4_tools` (gemma4)."""
 
 from __future__ import annotations
 
 from gateway.openai.deepseek_tools import FENCE, DeepseekFormat, writes_deepseek_calls
+from gateway.openai.dsml_tools import DsmlFormat, writes_dsml_calls
 from gateway.openai.gemma4_tools import Gemma4Format, writes_gemma4_calls
 from gateway.openai.kimi_tools import KimiFormat, writes_kimi_calls
 from gateway.openai.mistral_tools import mistral_format, writes_mistral_calls
@@ -30,6 +31,8 @@ def written_format(template: str, tools: list[Tool]) -> ToolFormat | None:
         return KimiFormat(tools)
     if writes_gemma4_calls(template):
         return Gemma4Format(tools)
+    if writes_dsml_calls(template):
+        return DsmlFormat(tools)
     if writes_glm_calls(template):   # before hermes and the XML form: their calls are inside `<tool_call>` too
         return TaggedFormat(tools, glm_form(compact="\n<arg_key>" not in template))
     if writes_minimax_calls(template):

@@ -388,7 +388,8 @@ class ArgumentTags:
     """How a format of tagged arguments writes one, for its grammars (`argument_rules`): the text before a key's
     name and between it and the value, the text that closes a value (the format's `VALUE` lexeme of any text
     ends in it too), the characters an undeclared key's name may not hold, and whether a key or a string value
-    reads back as written (`carried`, `reads_back`)."""
+    reads back as written (`carried`, `reads_back`); `json_key_close`: between a key's name and a value written as
+    JSON where the format marks those apart (DeepSeek V3.2's `string="false"`), else `key_close` for all."""
 
     key_open: str
     key_close: str
@@ -396,6 +397,7 @@ class ArgumentTags:
     name_excluded: str
     carried: Callable[[Any], bool]
     reads_back: Callable[[str], bool]
+    json_key_close: str | None = None
 
     def any_argument(self, rule: str, name: str) -> list[str]:
         """The rules of an argument of any name (`name`: its lexeme's name) and any text value."""
@@ -413,12 +415,13 @@ def argument_rules(schema: dict[str, Any], tag: str, rules: list[str], tags: Arg
     items = []
     for j, (key, prop) in enumerate(properties.items()):
         items.append(f"p{tag}_{j}" + ("" if key in required else "?"))
+        key_close = tags.key_close
         if is_text(prop, schema):
             value = _text_rule(resolved(prop, schema), tags)
         else:
             rules.append(f"v{tag}_{j}: %json {schema_text(_standalone(prop, schema))}")
-            value = f"v{tag}_{j} {literal(tags.close)}"
-        rules.append(f"p{tag}_{j}: {literal(tags.key_open + key + tags.key_close)} {value}")
+            value, key_close = f"v{tag}_{j} {literal(tags.close)}", tags.json_key_close or tags.key_close
+        rules.append(f"p{tag}_{j}: {literal(tags.key_open + key + key_close)} {value}")
     if schema.get("additionalProperties") is not False and properties:   # others after them, under other names
         declared = "|".join("".join("\\" + c if c in _REGEX_META else c for c in key) for key in properties)
         extra, name = tags.any_argument(f"extra{tag}", f"XNAME{tag}")
