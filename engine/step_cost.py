@@ -432,12 +432,14 @@ def experts_read(model: ModelConfig, num_tokens: int) -> float:
 def step_flops(model: ModelConfig, num_tokens: int, num_attended: int, num_sampled: int) -> float:
     """FLOPs of one step: 2 per matmul weight per token (the embedding lookup is no matmul, the LM
     head counts only for sampled tokens, a token computes with its own experts only), 4 per query-key
-    pair per head dimension of every attention layer (a hybrid's state layers attend to no keys)."""
+    pair per head dimension of every attention layer (a hybrid's state layers attend to no keys; Gemma 4's layers
+    that read an earlier layer's K/V keep none, yet attend)."""
     head = model.vocab_size * model.hidden_size
     experts = expert_params(model)
     idle = experts - experts * model.num_experts_per_tok // model.num_experts if model.num_experts else 0
     matmul_params = model.num_params() - head * (1 if model.tie_word_embeddings else 2) - idle
-    attention = 4 * model.num_heads * sum(model.layer_kv_shape(i)[1] for i in model.kv_layers) * num_attended
+    attending = model.kv_layers if model.gemma4 is None else range(model.num_layers)
+    attention = 4 * model.num_heads * sum(model.layer_kv_shape(i)[1] for i in attending) * num_attended
     return 2 * matmul_params * num_tokens + attention + 2 * head * num_sampled
 
 

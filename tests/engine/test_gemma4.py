@@ -47,7 +47,10 @@ def test_the_release_config_gives_two_attention_shapes_and_their_bytes():
 
 def test_the_e_models_keep_no_kv_for_their_shared_layers():
     """An E2B-shaped config (35 layers, the last 20 reading the K/V of the last sliding and full layers before them,
-    per-layer inputs of 256): the cache holds the first 15 layers alone, and S_KV counts those."""
+    per-layer inputs of 256): the cache holds the first 15 layers alone, and S_KV counts those; the step's FLOPs count
+    the attention of all 35."""
+    from engine.step_cost import step_flops
+
     e2b = {**GEMMA4_31B, "hidden_size": 1536, "intermediate_size": 6144, "num_hidden_layers": 35,
            "num_attention_heads": 8, "num_key_value_heads": 1, "attention_k_eq_v": False, "sliding_window": 512,
            "hidden_size_per_layer_input": 256, "num_kv_shared_layers": 20, "use_double_wide_mlp": True,
@@ -58,6 +61,7 @@ def test_the_e_models_keep_no_kv_for_their_shared_layers():
     assert [g.kv_producer(config, i) for i in (14, 15, 19, 34)] == [14, 13, 14, 14]
     assert (g.mlp_width(config, 14), g.mlp_width(config, 15)) == (6144, 12_288)
     assert config.kv_bytes_per_token(torch.bfloat16) == 2 * (12 * 256 + 3 * 512) * 2
+    assert step_flops(config, 1, 1000, 0) - step_flops(config, 1, 0, 0) == 4 * 8 * (28 * 256 + 7 * 512) * 1000
 
 
 @pytest.mark.parametrize("change,key", [
