@@ -34,7 +34,7 @@ from unittest import mock
 import torch
 
 from bench.options import int_list
-from engine.step_cost import expert_params, experts_read, step_flops
+from engine.roofline import expert_params, experts_read, step_flops
 from pools.cli_types import positive_int
 from kernels.cpu_linear import PackedLinear, use_packed_linears
 

@@ -237,7 +237,7 @@ def lock_data_dir(folder: Path) -> TextIO:
 
 # --- capacity ---------------------------------------------------------------------------------------
 def _add_capacity(sub) -> None:
-    from engine.step_cost import PRESETS
+    from engine.roofline import PRESETS
 
     p = sub.add_parser("capacity", help="plan each pool's blocks and max_num_seqs (capacity formula)",
                        description="Print each device's memory, weights and KV space and each pool's blocks and "

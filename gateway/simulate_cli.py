@@ -15,7 +15,7 @@ from pools.cli_types import (DEFAULT_CONFIG, UsageError, burstiness, check_prese
 
 
 def add_simulate(sub) -> None:
-    from engine.step_cost import PRESETS
+    from engine.roofline import PRESETS
 
     p = sub.add_parser("simulate", help="run the real schedulers on a modelled GPU: predicted latency per class",
                        description="Plan the pools of a config for a GPU preset (memory from the preset), then "
@@ -115,7 +115,7 @@ def _with_replicas(devices: dict, replicas: int) -> dict:
 def _simulation_setup(config, args: argparse.Namespace):
     """The config with --replicas / --preemption-mode / --swap-space applied, its model configs, the memory
     the plan uses, the layouts to run ({name: (config, plan)}) and each device's step-time model."""
-    from engine.step_cost import PRESETS
+    from engine.roofline import PRESETS
     from pools.capacity_plan import plan_capacity
     from pools.model_configs import resolve_model_configs
     from pools.simulation.runner import device_step_times, shared_layout

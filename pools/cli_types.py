@@ -189,7 +189,7 @@ def check_preset(config, device: str | None) -> None:
     """UsageError naming --device where its GPU preset cannot run a device of `config` as configured: an FP8 KV
     cache needs compute capability 8.9 or newer (the engine refuses it on an A100, `engine.config`)."""
     from engine.config import FP8_MIN_CAPABILITY
-    from engine.step_cost import PRESETS
+    from engine.roofline import PRESETS
 
     capability = PRESETS[device].capability if device is not None else FP8_MIN_CAPABILITY
     for name, dev in config.devices.items():

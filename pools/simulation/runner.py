@@ -16,7 +16,8 @@ import torch
 from engine.calibration import slo_from_step, slo_probe, slo_share
 from engine.config import LatencySLO, PoolConfig, parse_dtype
 from engine.model_config import ModelConfig
-from engine.step_cost import PRESETS, RooflineStepTime, StepFeatures, StepTime, read_step_model
+from engine.roofline import PRESETS, RooflineStepTime
+from engine.step_cost import StepFeatures, StepTime, read_step_model
 from pools.capacity_plan import CapacityPlan, DevicePlan
 from pools.simulation.devicesim import DeviceSim, PoolTrace, SimRequest
 from pools.simulation.devicesim import ReplicaGroup

@@ -226,7 +226,7 @@ def test_the_decode_roofline_of_a_mixture_of_experts_counts_the_experts_a_step_u
     for a 30B-A3B shape than all its experts."""
     from types import SimpleNamespace
 
-    from engine.step_cost import expert_params, experts_read, step_flops
+    from engine.roofline import expert_params, experts_read, step_flops
 
     monkeypatch.setattr(engine_bench, "measure_copy_bandwidth", lambda device: 1e12)
     monkeypatch.setattr(engine_bench, "measure_matmul_rate", lambda device, dtype: 1e15)

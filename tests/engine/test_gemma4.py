@@ -49,7 +49,7 @@ def test_the_e_models_keep_no_kv_for_their_shared_layers():
     """An E2B-shaped config (35 layers, the last 20 reading the K/V of the last sliding and full layers before them,
     per-layer inputs of 256): the cache holds the first 15 layers alone, and S_KV counts those; the step's FLOPs count
     the attention of all 35."""
-    from engine.step_cost import step_flops
+    from engine.roofline import step_flops
 
     e2b = {**GEMMA4_31B, "hidden_size": 1536, "intermediate_size": 6144, "num_hidden_layers": 35,
            "num_attention_heads": 8, "num_key_value_heads": 1, "attention_k_eq_v": False, "sliding_window": 512,

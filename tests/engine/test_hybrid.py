@@ -247,7 +247,7 @@ def test_an_fp8_cache_holds_the_attention_layers_and_measures_their_scales(tiny)
 def test_the_roofline_reads_the_attention_layers_kv_alone(tiny):
     """The step-cost model's roofline (planning, `simulate`) reads K/V of the attention layers alone and counts their
     query-key products alone: a hybrid's state layers attend to no keys."""
-    from engine.step_cost import PRESETS, RooflineStepTime, step_flops
+    from engine.roofline import PRESETS, RooflineStepTime, step_flops
 
     folder, _ = tiny
     model = ModelConfig.from_folder(folder)

@@ -18,8 +18,9 @@ from engine.calibration import measure_steps
 from engine.config import PoolConfig, SchedulerConfig
 from engine.model_config import ModelConfig
 from engine.scheduler_output import ScheduledSeq
-from engine.step_cost import (KNEE_MIN_STEPS, PRESETS, LinearStepTime, RooflineStepTime, StepCostModel, StepFeatures,
-                              fit_linear, nonnegative_lstsq, read_step_model, read_step_trace, write_step_model)
+from engine.roofline import PRESETS, RooflineStepTime
+from engine.step_cost import (KNEE_MIN_STEPS, LinearStepTime, StepCostModel, StepFeatures, fit_linear, nonnegative_lstsq,
+                              read_step_model, read_step_trace, write_step_model)
 from gateway.cli import main
 from pools.capacity_plan import plan_capacity
 from pools.model_configs import read_model_config
@@ -77,7 +78,7 @@ def test_the_roofline_computes_a_mixture_of_experts_with_its_routed_experts_and_
     """Qwen3-30B-A3B computes each token with 8 of its 128 experts: its FLOPs per token are its 3.3 B activated
     parameters (Qwen's count: 30.5 B in all), not every expert's, and a decode of one token reads a sixteenth
     of the experts where a batch of 64 reads nearly all. An FP8 cache's K/V is a byte an element."""
-    from engine.step_cost import step_flops
+    from engine.roofline import step_flops
 
     model = read_model_config(str(ROOT / "config" / "examples" / "qwen3-30b-a3b"))
     assert 30.4e9 < model.num_params() < 30.6e9
@@ -116,7 +117,7 @@ def test_the_roofline_reads_a_sliding_window_layers_window_only():
     """A sliding-window layer (Mistral's every layer, Gemma 3's five of six) attends and reads its last window of
     keys, as the kernel starts there: a decode at 32k context read each such layer's whole context (a Gemma 3
     27B decode step at 32k came out 3.6x too slow). Windowed prefill pairs: a token attends at most the window."""
-    from engine.step_cost import _attended_in_window
+    from engine.roofline import _attended_in_window
 
     assert _attended_in_window(0, 5, 3) == 1 + 2 + 3 + 3 + 3 and _attended_in_window(10, 1, 4) == 4
     assert _attended_in_window(2, 3, 100) == 3 * 2 + 6   # the window past the context: all of it
@@ -139,6 +140,29 @@ def test_the_roofline_reads_a_sliding_window_layers_window_only():
     windowed = RooflineStepTime(PRESETS["h200"], dataclasses.replace(model, sliding_window=1024), 2)
     assert windowed.seconds([], blind.plus(half), 64) - overhead == pytest.approx((full + every) / 2, rel=0.05)
     assert five_of_six == pytest.approx(full * (1 + 5 * 1024 / 32768) / 6, rel=0.05)
+
+
+def test_the_roofline_of_sparse_attention_reads_the_chosen_latents_and_every_indexer_key():
+    """DeepSeek V3.2's sparse attention (DeepseekV32Config's shape, TP 8, an FP8 cache): a decode (memory-bound) reads
+    every earlier token's indexer key and the latent rows of at most index_topk (2,048) of them, where the same rows
+    all attended would read whole rows of all: below 2,048 tokens the same bytes, at 32k about a quarter of them;
+    64 such decodes take under 0.8 of the time (the experts' weights, read whatever the context, are the rest)."""
+    v32 = ModelConfig.from_hf_config({"architectures": ["DeepseekV32ForCausalLM"]})
+    dense = dataclasses.replace(v32, mla=dataclasses.replace(v32.mla, index_topk=0))   # the same rows, all attended
+    sparse, full = RooflineStepTime(PRESETS["h200"], v32, 2, 8, 1), RooflineStepTime(PRESETS["h200"], dense, 2, 8, 1)
+    row, index = 8 * 61 * 704, 8 * 61 * 128   # a token's bytes on the 8 GPUs (the latent cache whole on each)
+    assert (full.kv_bytes_per_token, sparse.index_bytes_per_token) == (row, index)
+    bandwidth = PRESETS["h200"].memory_bandwidth * PRESETS["h200"].bandwidth_efficiency
+    for context in (1000, 32768):
+        step = StepFeatures()
+        step.add(context, 1, True)
+        read = context * index + min(context, 2048) * (row - index)
+        assert sparse.seconds([], step, 1) - full.seconds([], step, 1) == pytest.approx(
+            (read - context * row) / 8 / bandwidth, rel=1e-6, abs=1e-12)
+    batch = StepFeatures()   # 64 decodes at 32k
+    for _ in range(64):
+        batch.add(32768, 1, True)
+    assert sparse.seconds([], batch, 64) < 0.8 * full.seconds([], batch, 64)
 
 
 def _sim(pools: list[PoolConfig], step_time: LinearStepTime, *, credits: bool = True) -> DeviceSim:
