@@ -33,8 +33,9 @@ with it (`StepTime`), and the benchmarks fit it to measured steps and compare it
   the device: per GPU of a tensor-parallel group, a fixed per-step overhead plus the larger of compute
   (2 FLOPs per weight per token, attention 4 FLOPs per query-key pair per head dimension, the LM head
   for sampled tokens, at a fraction of peak) and memory traffic (all weights once per step, the K/V
-  every token attends to, a sliding-window layer's window only, the K/V written, at a fraction of peak
-  bandwidth; each GPU's KV heads, one replicated where TP exceeds them), plus two ring all-reduces
+  every token attends to, a sliding-window layer's window only, DeepSeek V3.2's chosen rows and indexer keys only,
+  the K/V written, at a fraction of peak bandwidth; each GPU's KV heads, one replicated where TP exceeds them),
+  plus two ring all-reduces
   per layer over the interconnect when TP > 1. A mixture of experts computes each token with its
   `num_experts_per_tok` experts only, and a step reads the experts its tokens hit (under uniform
   routing, a fraction 1 - (1 - k/E)^tokens of them); K/V bytes are the cache's (an FP8 cache's one). The efficiencies and the overhead are assumptions
