@@ -18,8 +18,9 @@ call ends in that call, its arguments as far as they read.
 arguments in the notation under the function's schema: its declared properties in the schema's order, the required
 ones always (in any order where none is), others of any other name after them unless `additionalProperties` is
 false; a string between the marks (one
-of its `enum` where it has one), numbers, literals, objects and lists as their schemas say; what it does not read
-(`$ref`, `allOf`, a pattern) any value, leniently, as the JSON formats' grammars.
+of its `enum` where it has one), numbers, literals, objects and lists as their schemas say, a local `$ref` as what
+it names (a recursive schema by a rule naming itself), `allOf`'s parts as one schema; what it does not read (a
+pattern, a length) any value, leniently, as the JSON formats' grammars.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from gateway.openai.call_scan import CallScan
 from gateway.openai.reasoning import partial_tag
 from gateway.openai.tool_grammar import ANY_OBJECT, CallSyntax, literal, regex_text
 from gateway.openai.tools import ToolCall, ToolFormat, beside_calls
+from gateway.openai.xml_values import resolved
 
 START, END, QUOTE = "<|tool_call>", "<tool_call|>", '<|"|>'
 _NAME = re.compile(r"call:([\w\-.]+)\{")
@@ -271,9 +273,10 @@ class Gemma4Format(ToolFormat):
 
     def body(self, functions: list[tuple[str, dict[str, Any]]]) -> str:
         """`call:NAME` and the function's arguments in the notation, under its schema (`_NotationRules`)."""
-        rules = _NotationRules()
-        calls = [f"{literal(f'call:{name}')} {rules.value(schema if schema else ANY_OBJECT)}"
-                 for name, schema in functions]
+        rules, calls = _NotationRules(), []
+        for name, schema in functions:
+            rules.root = schema if schema else ANY_OBJECT   # what its `$ref`s point into
+            calls.append(f"{literal(f'call:{name}')} {rules.value(rules.root)}")
         return f"body: {' | '.join(calls)}\n{rules.text()}"
 
 
@@ -282,18 +285,25 @@ class _NotationRules:
     `enum` or its `const` where it has one), an integer, a number, `true` / `false`, `null`; an object's declared
     properties in the schema's order, the required ones always (in any order where none is), others of any other
     name after them unless `additionalProperties` is false; a list's items under `items`; `anyOf` / `oneOf` / a list
-    of types as alternatives. What it does not read (`$ref`, `allOf`, a pattern or a length) takes any value
-    (lenient, as the JSON formats' grammars)."""
+    of types as alternatives; a local `$ref` into `root` (the function's arguments schema) as what it names, each
+    one rule (a recursive schema's names itself); `allOf` as its parts joined (`_all_of`). What it does not read (a
+    remote `$ref`, a pattern or a length) takes any value (lenient, as the JSON formats' grammars)."""
 
     def __init__(self) -> None:
         self.rules: list[str] = []
+        self.root: dict[str, Any] = {}
+        self._refs: dict[tuple[int, str], str] = {}   # (root, `$ref`) -> its rule
 
     def text(self) -> str:
         return "\n".join([*self.rules, *_ANY_RULES]) + "\n"
 
     def value(self, schema: Any) -> str:
         """The rule (an expression) of a value under `schema`."""
-        if not isinstance(schema, dict) or "$ref" in schema or "allOf" in schema:
+        if isinstance(schema, dict) and isinstance(schema.get("$ref"), str):
+            return self._ref(schema["$ref"])
+        if isinstance(schema, dict) and isinstance(schema.get("allOf"), list) and schema["allOf"]:
+            return self.value(_all_of(schema, self.root))
+        if not isinstance(schema, dict):
             return "gany"
         for key in ("enum", "const"):
             if key in schema:
@@ -344,6 +354,19 @@ class _NotationRules:
         more = f' ("," {extra})*' if extra else ""
         return self._rule(f'"{{" {" ".join(parts)}{more} "}}"')
 
+    def _ref(self, ref: str) -> str:
+        """The rule of what a local `$ref` names in `root` ("#", "#/$defs/X", a JSON pointer), made once: its place is
+        taken before its body is made, so a schema that names itself is that rule; any value where it names none."""
+        key = (id(self.root), ref)
+        if key not in self._refs:
+            target = self.root if ref == "#" else resolved({"$ref": ref}, self.root)
+            if not target:
+                return "gany"
+            name = self._refs[key] = f"g{len(self.rules)}"
+            self.rules.append("")
+            self.rules[int(name[1:])] = f"{name}: {self.value(target)}"
+        return self._refs[key]
+
     def _rule(self, body: str, terminal: bool = False) -> str:
         """A new rule (a lexeme, `terminal`) of `body`, by its name."""
         name = f"{'GK' if terminal else 'g'}{len(self.rules)}"
@@ -361,6 +384,25 @@ _ANY_RULES = ('gany: GSTR | GNUM | "true" | "false" | "null" | gobj | garr',
               r'gkey: /[A-Za-z_][A-Za-z0-9_\-.]*/ | GSTR',
               'garr: "[" (gany ("," gany)*)? "]"',
               r"GNUM: /-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?/")
+
+
+def _all_of(schema: dict[str, Any], root: dict[str, Any]) -> dict[str, Any]:
+    """`allOf`'s parts (each `$ref` followed) and the schema's own keys as one schema: their properties and required
+    keys joined, any other key's first value kept (`additionalProperties` a part's own only where it is the one part
+    with properties: each part's speaks of its own); a part's own `allOf` not followed."""
+    parts = [resolved(part, root) for part in schema["allOf"]]
+    parts = [part for part in parts if isinstance(part, dict)] + [{k: v for k, v in schema.items() if k != "allOf"}]
+    with_properties = sum(isinstance(part.get("properties"), dict) for part in parts[:-1])
+    merged: dict[str, Any] = {}
+    for index, part in enumerate(parts):
+        for key, value in part.items():
+            if key == "properties" and isinstance(value, dict):
+                merged["properties"] = {**merged.get("properties", {}), **value}
+            elif key == "required" and isinstance(value, list):
+                merged["required"] = [*merged.get("required", []), *value]
+            elif key != "allOf" and (key != "additionalProperties" or index == len(parts) - 1 or with_properties < 2):
+                merged.setdefault(key, value)
+    return merged
 
 
 def _written_key(key: str) -> str:

@@ -120,6 +120,28 @@ def test_the_grammars_write_the_notation_under_each_schema(fmt, lltokenizer):
         assert not accepts(lltokenizer, forced, _turn(("plan", args))), args
 
 
+def test_the_grammars_follow_refs_and_join_all_of_as_pydantic_writes_schemas(lltokenizer):
+    """A schema as Pydantic writes one (the Agents SDK's function tools): `$defs` named by `$ref`, a field wrapped in
+    `allOf` with its description, a recursive model (a tree of nodes): the forced grammar holds each argument to
+    what the ref names (an enum, a required field, no other field), nested as deep as the tree goes."""
+    defs = {"Unit": {"type": "string", "enum": ["c", "f"]},
+            "Node": {"type": "object", "additionalProperties": False, "required": ["name"], "properties": {
+                "name": {"type": "string"}, "children": {"type": "array", "items": {"$ref": "#/$defs/Node"}}}}}
+    tools = parse_tools([{"type": "function", "function": {"name": "file", "strict": True, "parameters": {
+        "$defs": defs, "type": "object", "additionalProperties": False, "required": ["tree", "unit"], "properties": {
+            "tree": {"$ref": "#/$defs/Node"},
+            "unit": {"allOf": [{"$ref": "#/$defs/Unit"}], "description": "the unit"}}}}}])
+    fmt = Gemma4Format(tools)
+    forced = fmt.grammar(tools, True)
+    deep = {"name": "a", "children": [{"name": "b", "children": [{"name": "c"}]}, {"name": "d", "children": []}]}
+    for args in ({"tree": {"name": "root"}, "unit": "c"}, {"tree": deep, "unit": "f"}):
+        assert accepts(lltokenizer, forced, _turn(("file", args))), args
+    for args in ({"tree": {"name": "root"}, "unit": "k"}, {"tree": {"children": []}, "unit": "c"},
+                 {"tree": {"name": "a", "children": [{"name": "b", "size": 1}]}, "unit": "c"},
+                 {"tree": {"name": 1}, "unit": "c"}):
+        assert not accepts(lltokenizer, forced, _turn(("file", args))), args
+
+
 async def test_a_reply_that_thinks_then_calls_over_the_sdk(aiohttp_client, tmp_path, tiny_model, monkeypatch,
                                                            lltokenizer):
     """The thought channel is `reasoning_content`, the call a tool call (whole and streamed); its markers and string
