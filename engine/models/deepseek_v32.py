@@ -27,6 +27,7 @@ the rows the same choice picks.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from types import ModuleType
 
 import torch
@@ -35,8 +36,6 @@ from torch import nn
 
 from engine.layers import RopeRows, RotaryEmbedding
 from engine.model_config import ModelConfig
-from collections.abc import Iterable
-
 from engine.models.deepseek import DeepseekForCausalLM, MlaAttention, rope_rows_to_halves
 from engine.parallel import Collectives, ShardShape
 from kernels import AttentionMetadata
