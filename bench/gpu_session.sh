@@ -64,6 +64,7 @@ for what in ${GPU_STEPS:-tests kernels kernels_fp8 engine}; do
   case $what in
     tests)   CLIFFGUARD_BUILTIN_DIR=${CLIFFGUARD_BUILTIN_DIR:-$PWD/.gpu/smollm2} TRITON_INTERPRET=0 step gpu_tests $PY -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_triton.py \
                tests/kernels/test_triton_prefill.py tests/kernels/test_triton_fused.py tests/kernels/test_triton_moe.py \
+               tests/kernels/test_triton_dsa.py \
                tests/engine/test_sampling.py \
                tests/engine/test_cuda_graphs.py tests/engine/test_overlap.py tests/engine/test_prompt_logprobs.py \
                tests/kernels/test_transfer.py \

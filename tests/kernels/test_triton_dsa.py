@@ -54,3 +54,33 @@ def test_a_short_context_attends_to_all_of_its_tokens_and_nothing_past_them():
         assert len(picked) == min(pos + 1, 12) and all(p <= pos for p in picked)
         if pos < 12:
             assert picked == list(range(pos + 1))
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_kernels_at_deepseek_v3_2s_shape_equal_the_reference():
+    """Compiled on a GPU (TRITON_INTERPRET=0, `bench/gpu_session.sh`'s tests step): a layer of DeepSeek V3.2 on 8 ranks
+    (16 query heads over a latent of 512 + 64, an indexer of 64 heads of 128 choosing 2,048), bfloat16, four decodes
+    over 4,096 to 6,000 cached tokens and a chunk of 64 new ones: the choice is the reference's (near ties aside:
+    at least 99 % of it), the attention over one choice the reference's."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from kernels import AttentionMetadata
+
+    gen = torch.Generator().manual_seed(7)
+    lengths, news, block = [4096, 5000, 6000, 4500, 3000], [1, 1, 1, 1, 64], 16
+    per = [-(-n // block) for n in lengths]
+    blocks = torch.randperm(sum(per), generator=gen).tolist()
+    tables = [blocks[sum(per[:i]):sum(per[:i + 1])] for i in range(len(per))]
+    meta = AttentionMetadata.build(tables, news, lengths, block, "cuda")
+    cache = torch.randn(sum(per), block, 1, 704, generator=gen).to("cuda", torch.bfloat16)
+    tokens = sum(news)
+    query = (torch.randn(tokens, 16, 576, generator=gen) * 0.1).to("cuda", torch.bfloat16)
+    index_q = torch.randn(tokens, 64, 128, generator=gen).to("cuda", torch.bfloat16)
+    weights = (torch.randn(tokens, 64, generator=gen) / 8).cuda()
+    ours = triton_dsa.choose_tokens(index_q, weights, cache, meta, 2048, 576, index_scale=128 ** -0.5)
+    theirs = dsa.choose_tokens(index_q, weights, cache, meta, 2048, 576, index_scale=128 ** -0.5)
+    for mine, want in zip(_chosen_sets(ours), _chosen_sets(theirs)):
+        assert len(mine) == len(want) and len(set(mine) & set(want)) >= 0.99 * len(want)
+    out = triton_dsa.attend_chosen(query, theirs, cache, meta, 576 ** -0.5, 512, 576)
+    expected = dsa.attend_chosen(query, theirs, cache, meta, 576 ** -0.5, 512, 576)
+    torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=2e-2)
