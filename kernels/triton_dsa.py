@@ -6,7 +6,8 @@ query token and `BLOCK_N` positions: the positions' indexer keys are read straig
 last `index_head_dim` values, through the block table), each of the token's indexer heads dotted with them at once
 ([heads, d] x [d, BLOCK_N]), scaled, ReLU'd and summed under the heads' weights; a position past the token's own is
 -inf. torch's top-k over the [T, longest context] scores then gives each token's best `topk` positions (those still
--inf, a short context's padding, are not attended).
+-inf, a short context's padding, are not attended); a long prefill chunk's tokens are scored a group at a time, so
+the scores never hold more than `SCORES_BYTES`.
 
 `attend_chosen`: `_sparse_attention_kernel`, a program a query token and `BLOCK_H` of its heads, walks the token's
 chosen positions `BLOCK_N` at a time: each position's cache row is gathered through the block table (its latent and
@@ -31,6 +32,7 @@ __all__ = ["attend_chosen", "choose_tokens"]
 
 BLOCK_N = 32   # positions a program scores or attends at a time
 BLOCK_H = 16   # query heads of a sparse-attention program (a dot's smallest M)
+SCORES_BYTES = 256 << 20   # the indexer's scores held at once (`choose_tokens` scores the tokens a group at a time)
 LOG2E = 1.4426950408889634
 
 
@@ -141,13 +143,31 @@ def _dot(dtype: torch.dtype) -> tuple:
 
 
 def choose_tokens(index_q: torch.Tensor, index_weights: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
-                  topk: int, latent_dim: int, *, index_scale: float, k_scale: float = 1.0
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`kernels.dsa.choose_tokens` on the device: ([T, k] int64 positions, [T, k] bool attended)."""
-    tokens, heads, head_dim = index_q.shape
-    width = max(meta.seq_lens_list, default=0)
-    scores = torch.full((tokens, width), float("-inf"), dtype=torch.float32, device=cache.device)
+                  topk: int, latent_dim: int, *, index_scale: float, k_scale: float = 1.0,
+                  scores_bytes: int = SCORES_BYTES) -> tuple[torch.Tensor, torch.Tensor]:
+    """`kernels.dsa.choose_tokens` on the device: ([T, k] int64 positions, [T, k] bool attended). The tokens are
+    scored a group at a time, each group's [tokens, longest context] float32 scores at most `scores_bytes` (a prefill
+    chunk of 8,192 tokens over 128k positions would hold 4 GiB at once)."""
+    tokens, width = index_q.shape[0], max(meta.seq_lens_list, default=0)
     token_seq, token_pos = _token_layout(meta, cache.device)
+    group = max(1, scores_bytes // max(4 * width, 1))
+    chosen = torch.empty(tokens, min(topk, width), dtype=torch.int64, device=cache.device)
+    keep = torch.empty(tokens, min(topk, width), dtype=torch.bool, device=cache.device)
+    for a in range(0, tokens, group):
+        b = min(a + group, tokens)
+        scores = _scores(index_q[a:b], index_weights[a:b], cache, meta, token_seq[a:b], token_pos[a:b], width,
+                         latent_dim, index_scale, k_scale)
+        values, chosen[a:b] = scores.topk(min(topk, width), dim=-1)
+        keep[a:b] = values > float("-inf")
+    return chosen, keep
+
+
+def _scores(index_q: torch.Tensor, index_weights: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
+            token_seq: torch.Tensor, token_pos: torch.Tensor, width: int, latent_dim: int, index_scale: float,
+            k_scale: float) -> torch.Tensor:
+    """[tokens, width] float32: the indexer's score of each position for each of these tokens (-inf past its own)."""
+    tokens, heads, head_dim = index_q.shape
+    scores = torch.full((tokens, width), float("-inf"), dtype=torch.float32, device=cache.device)
     kind, precision = _dot(index_q.dtype)
     if tokens and width:
         _index_scores_kernel[(tokens, triton.cdiv(width, BLOCK_N))](
@@ -158,8 +178,7 @@ def choose_tokens(index_q: torch.Tensor, index_weights: torch.Tensor, cache: tor
             KEY_START=latent_dim, HEAD_DIM=head_dim, HEAD_DIM_PAD=padded_head_dim(head_dim),
             HEADS_PAD=padded_head_dim(heads), BLOCK_N=BLOCK_N, BLOCK_SIZE=meta.block_size, DOT_DTYPE=kind,
             DOT_PRECISION=precision, KV_FP8=cache.dtype == FP8_KV_DTYPE)
-    values, chosen = scores.topk(min(topk, width), dim=-1)
-    return chosen, values > float("-inf")
+    return scores
 
 
 def attend_chosen(query: torch.Tensor, choice: tuple[torch.Tensor, torch.Tensor], cache: torch.Tensor,

@@ -42,6 +42,14 @@ def test_the_kernels_choose_and_attend_as_the_reference(dtype, cache_dtype, tol,
     torch.testing.assert_close(out.float(), expected.float(), rtol=tol, atol=tol)
 
 
+def test_tokens_scored_a_group_at_a_time_choose_as_all_at_once():
+    """A budget for the scores of one token at a time (13 positions x 4 B): the groups' choices are the one launch's."""
+    meta, cache, query, index_q, weights = _step(4)
+    whole = triton_dsa.choose_tokens(index_q, weights, cache, meta, 5, LATENT, index_scale=0.3)
+    grouped = triton_dsa.choose_tokens(index_q, weights, cache, meta, 5, LATENT, index_scale=0.3, scores_bytes=60)
+    assert _chosen_sets(grouped) == _chosen_sets(whole) and torch.equal(grouped[1], whole[1])
+
+
 def test_a_short_context_attends_to_all_of_its_tokens_and_nothing_past_them():
     """The decode at 13 and the chunk over 11: with topk 12 the chunk's queries have fewer earlier tokens than the
     choice is wide; the positions past each query are not attended."""
