@@ -374,6 +374,26 @@ def test_plan_single_pool_is_the_yaml_planner(builtin_path):
         plan_single_pool(str(builtin_path), device="cpu", kv_cache_bytes=64 << 20, block_size=12)
 
 
+def test_a_model_its_engine_never_captures_sets_aside_no_graphs_memory():
+    """DeepSeek V3.2's sparse attention picks its path on the host each step, so its decode is never captured in
+    graphs (`engine.models.deepseek_v32`): the plan sets nothing aside for them, where V3's latent attention does."""
+    from engine.models.deepseek_v32 import DeepseekV32ForCausalLM
+
+    shape = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "vocab_size": 1000, "q_lora_rank": 64, "kv_lora_rank": 64, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16,
+             "v_head_dim": 32, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1,
+             "moe_intermediate_size": 64, "first_k_dense_replace": 1}
+    data = _small_config()
+    data["devices"]["default"] = {"device": "cuda", "memory": "8GiB"}
+    reserves = {}
+    for arch in ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM"):
+        model = ModelConfig.from_hf_config({"architectures": [arch], **shape})
+        plan = plan_capacity(parse_config(data, env={}), {"builtin:smollm2-135m-instruct": model})
+        reserves[arch] = plan.devices["default"].graph_bytes_per_device
+    assert reserves["DeepseekV3ForCausalLM"] > 0 and reserves["DeepseekV32ForCausalLM"] == 0
+    assert DeepseekV32ForCausalLM.graph_safe.fget(None) is False
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 def test_each_gpu_sets_aside_its_decode_graphs_memory_unless_enforce_eager(tp):
     """Each rank captures its own shard's graphs: with two, a GPU sets aside the activations of half the
