@@ -26,7 +26,7 @@ import triton.language as tl
 from kernels.metadata import AttentionMetadata
 from kernels.reference import FP8_KV_DTYPE
 from kernels.triton_kv_store import dequantize_e4m3
-from kernels.triton_prefill import dot_dtype, padded_head_dim
+from kernels.triton_prefill import aligned_int32, dot_dtype, padded_head_dim
 
 __all__ = ["attend_chosen", "choose_tokens"]
 
@@ -131,8 +131,7 @@ def _token_layout(meta: AttentionMetadata, device: torch.device) -> tuple[torch.
         for i, (q_len, s_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
             seqs += [i] * q_len
             positions += range(s_len - q_len, s_len)
-        cached = (torch.tensor(seqs, dtype=torch.int32).to(device, non_blocking=True),
-                  torch.tensor(positions, dtype=torch.int32).to(device, non_blocking=True))
+        cached = tuple(aligned_int32([seqs, list(positions)], device))   # pinned, aligned: the step never waits
         meta.backend_cache["triton_dsa"] = cached
     return cached
 
