@@ -76,6 +76,7 @@ class CacheConfig:
 
 
 # The one definition of each choice; the scheduler implements them and the YAML spec imports them.
+QUANTIZATIONS = ("auto", "fp8", "none")   # the weights (`EngineConfig.quantization`, engine.fp8_weights)
 KV_CACHE_DTYPES = ("auto", "fp8")   # auto: the model's dtype; fp8: float8_e4m3fn with per-layer scales
 DEFAULT_MIN_SHARE = 0.2   # of the device's step time, for a throughput pool with work (engine.composer)
 PREEMPTION_MODES = ("recompute", "swap", "auto")   # auto: swap or recompute per victim, by measured cost
@@ -265,6 +266,8 @@ class EngineConfig:
     enforce_eager: bool = False     # CUDA: no decode graphs (engine.cuda_graphs); every step launched eagerly
     async_scheduling: bool | None = None   # overlapped steps (engine.overlap); None: on CUDA
     kv_cache_dtype: str = "auto"    # auto: the model's dtype | fp8 (e4m3, per-layer K and V scales)
+    quantization: str = "auto"      # the weights: auto (an FP8 checkpoint's kept FP8 on a GPU that converts it)
+                                    # | fp8 (FP8 everywhere, a float checkpoint quantized) | none (engine.fp8_weights)
     calculate_kv_scales: bool = True   # fp8 without the checkpoint's scales: measure them at start
                                        # (engine.kv_scales); false: every scale 1.0, as vLLM's default
     collective_timeout_seconds: float = DEFAULT_COLLECTIVE_TIMEOUT_SECONDS   # TP: a collective waited on this long fails
@@ -282,6 +285,8 @@ class EngineConfig:
             raise ConfigError(f"enforce_eager: must be true or false, got {self.enforce_eager!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype: must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"quantization: must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if not isinstance(self.calculate_kv_scales, bool):
             raise ConfigError(f"calculate_kv_scales: must be true or false, got {self.calculate_kv_scales!r}")
         if self.async_scheduling not in (None, True, False):

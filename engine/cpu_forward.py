@@ -40,9 +40,11 @@ Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]   # (x, out buffer
 
 def _linear(module: nn.Module) -> Linear:
     """A layer's matmul as (x, out) -> result. `nn.Linear`: into `out`, the call `F.linear` makes; a packed
-    layer: oneDNN's call, which allocates its own result."""
+    layer: oneDNN's call, which allocates its own result; an FP8 one (`Fp8Linear`): its own call, alike."""
     from kernels.cpu_linear import PackedLinear
 
+    if not isinstance(module, (nn.Linear, PackedLinear)):
+        return lambda x, out: module(x)
     if isinstance(module, PackedLinear):
         packed, bias, op = module.packed_weight, module.bias, torch.ops.mkldnn._linear_pointwise
         return lambda x, out: op(x, packed, bias, "none", [], "")

@@ -13,23 +13,44 @@
   per output channel ([rows, 1]), the modules it does not convert left in float.
 
 The weight is the FP8 values times their scale, as transformers dequantizes it where no GPU runs FP8 matmuls. The
-model then holds, and the capacity plan counts, weights of its dtype (bfloat16: twice the checkpoint's bytes); the
 activations are never quantized (`activation_scheme`, `input_activations` do not matter). A per-channel or per-tensor
 scale is a block spanning the whole row or tensor (`WHOLE`).
+
+How the model holds them is the device's `quantization` (`QUANTIZATIONS`, `served_fp8_block`):
+
+- `auto` (the default): on a GPU with FP8 conversions (compute capability 8.9 and up) the attention and MLP
+  projections of an FP8 checkpoint stay FP8 with their own scales (`engine.layers.fp8_linear.Fp8Linear`: one byte a
+  weight, half of bfloat16), wherever the model's loading reads them unchanged (`exact_fp8_loading`) and its fused
+  and tensor-parallel cuts start on whole scale blocks (`fp8_cuts_aligned`); every other tensor, and any model
+  elsewhere, dequantized to the model's dtype as it is read (bfloat16: twice the checkpoint's bytes);
+- `fp8`: FP8 on every device (a CPU dequantizes a layer's weight on each call: memory, not speed), and a float
+  checkpoint's projections quantized as they are read, one scale an output row (`kernels.fp8_gemm.quantize_rows`);
+  an FP8 checkpoint whose loading changes its tensors, or whose cuts split a block, the same way from its
+  dequantized weights (a second rounding of each value);
+- `none`: everything in the model's dtype.
+
+The capacity plan counts what the model holds (`engine.models.held_weight_bytes`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from engine.config import ConfigError
+from engine.config import FP8_MIN_CAPABILITY, QUANTIZATIONS, ConfigError
+from kernels.fp8_gemm import FP8_WEIGHT_DTYPE, WHOLE, Fp8Block, quantize_rows, scale_grid
+from kernels.fp8_gemm import dequantize_blocks as dequantize_fp8_blocks
 
-__all__ = ["SCALE_SUFFIX", "WHOLE", "dequantize_fp8_blocks", "fp8_weight_block", "fp8_weights"]
+__all__ = ["FP8_LINEARS", "QUANTIZATIONS", "ROW_SCALES", "SCALE_SUFFIX", "WHOLE", "dequantize_fp8_blocks",
+           "dequantized", "fp8_cuts_aligned", "fp8_part", "fp8_weight_block", "fp8_weights", "served_fp8_block"]
+
+ROW_SCALES = (1, WHOLE)                   # a float checkpoint quantized at load: one scale an output row
+# The projections held in FP8: a decoder layer's attention and MLP (not the embedding, the head or the routers).
+FP8_LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 SCALE_SUFFIX = ".weight_scale_inv"    # the block-scaled format's; llm-compressor's is ".weight_scale"
-WHOLE = 2 ** 31 - 1                  # a block side spanning its whole axis (a per-channel or per-tensor scale)
 _STRATEGY_BLOCKS = {"tensor": (WHOLE, WHOLE), "channel": (1, WHOLE)}
 
 
@@ -97,24 +118,92 @@ def fp8_weight_block(quant: Any, key: str) -> tuple[int, int] | None:
     return block[0], block[1]
 
 
-def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """weight [rows, columns] float8_e4m3fn, scale_inv [ceil(rows / block rows), ceil(columns / block columns)]
-    -> the float32 weight: each value times its block's scale. A per-channel scale may come as [rows], a
-    per-tensor one as [] or [1]. ValueError for shapes that do not pair."""
-    if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2:
-        raise ValueError(f"an FP8 weight is a float8_e4m3fn matrix, got {weight.dtype} {tuple(weight.shape)}")
-    rows, cols = weight.shape
-    want = (-(-rows // block[0]), -(-cols // block[1]))
-    if scale_inv.dim() < 2 and scale_inv.numel() == want[0] * want[1] and want[1] == 1:
-        scale_inv = scale_inv.reshape(want)   # llm-compressor's per-channel [rows] or per-tensor [] / [1]
-    if tuple(scale_inv.shape) != want:
-        raise ValueError(f"weight {tuple(weight.shape)} in blocks of {_blocks(block)} takes scales of shape {want}, "
-                         f"got {tuple(scale_inv.shape)}")
-    scale = scale_inv.float().repeat_interleave(min(block[0], rows), dim=0)[:rows]
-    scale = scale.repeat_interleave(min(block[1], cols), dim=1)[:, :cols]
-    return weight.float() * scale
+def dequantized(hf_name: str, tensor: torch.Tensor, pending: dict[str, dict[str, torch.Tensor]], block: Fp8Block,
+                suffix: str = SCALE_SUFFIX, keep: Callable[[str], bool] | None = None,
+                kept_scales: dict[str, torch.Tensor] | None = None) -> tuple[str, torch.Tensor | None]:
+    """An FP8 checkpoint's tensor as loading reads it: an FP8 `X.weight` or its scales `X<suffix>` (`weight_scale_inv`,
+    or llm-compressor's `weight_scale`) held in `pending` until the other comes (None), then the weight dequantized,
+    or, where `keep(X.weight)` says the model holds it in FP8, the weight as stored, its scales into `kept_scales`; a
+    static activation scale (`X.input_scale`, llm-compressor's; `X.activation_scale`, transformers' per-tensor
+    FP8's) skipped (None); any other tensor itself. ValueError naming the weight whose scales do not fit it."""
+    if hf_name.endswith((".input_scale", ".activation_scale")):   # a static activation scheme's: not read
+        return hf_name, None
+    if hf_name.endswith(suffix):
+        key, part = hf_name[:-len(suffix)], suffix
+    elif hf_name.endswith(".weight") and tensor.dtype == torch.float8_e4m3fn:
+        key, part = hf_name[:-len(".weight")], ".weight"
+    else:
+        return hf_name, tensor
+    pair = pending.setdefault(key, {})
+    pair[part] = tensor
+    if len(pair) < 2:
+        return hf_name, None
+    del pending[key]
+    if keep is not None and keep(f"{key}.weight"):
+        kept_scales[f"{key}.weight"] = pair[suffix]
+        return f"{key}.weight", pair[".weight"]
+    try:
+        return f"{key}.weight", dequantize_fp8_blocks(pair[".weight"], pair[suffix], block)
+    except ValueError as exc:
+        raise ValueError(f"{key}.weight: {exc}") from None
 
 
-def _blocks(block: tuple[int, int]) -> str:
-    """A scale block as errors name it: [rows, columns], a side spanning its axis as `all`."""
-    return "[" + ", ".join("all" if side == WHOLE else str(side) for side in block) + "]"
+def served_fp8_block(checkpoint_block: Fp8Block | None, setting: str, device_type: str,
+                     capability: tuple[int, int] | None, exact: bool) -> Fp8Block | None:
+    """The scale block the model's FP8 projections hold (`setting`: the device's `quantization`), None for
+    weights in the model's dtype. `checkpoint_block`: an FP8 checkpoint's (`ModelConfig.fp8_weight_block`);
+    `capability`: a GPU's compute capability (None: not known, taken to convert FP8, as the capacity plan takes a
+    GPU it has not seen); `exact`: the checkpoint's blocks can be kept as they are (`exact_fp8_loading` and
+    `fp8_cuts_aligned`), else its weights are dequantized as read and requantized a row at a time."""
+    if setting not in QUANTIZATIONS:
+        raise ConfigError(f"quantization: one of {', '.join(QUANTIZATIONS)}, got {setting!r}")
+    gpu_converts = device_type == "cuda" and (capability is None or capability >= FP8_MIN_CAPABILITY)
+    if setting == "none" or setting == "auto" and (checkpoint_block is None or not gpu_converts or not exact):
+        return None
+    if device_type == "cuda" and not gpu_converts:
+        raise ConfigError(f"quantization: fp8 needs a GPU of compute capability "
+                          f"{'.'.join(map(str, FP8_MIN_CAPABILITY))} or newer (Ada, Hopper, Blackwell); this one is "
+                          f"{'.'.join(map(str, capability))}: use quantization: auto")
+    if checkpoint_block is None or not exact:
+        return ROW_SCALES
+    return 1 if checkpoint_block[0] == WHOLE else checkpoint_block[0], checkpoint_block[1]
+
+
+def fp8_cuts_aligned(block: Fp8Block, cuts: dict[str, tuple[list[int], list[int]]]) -> bool:
+    """Whether every cut of the FP8 projections lies on a scale block's edge: `cuts` maps each projection to the
+    rows where its fused parts and its rank's share start, and the columns where a row-parallel share starts."""
+    rows, cols = block   # a side spanning its axis: one scale for all its cuts
+    return all(rows == WHOLE or r % rows == 0 for starts, _ in cuts.values() for r in starts) and all(
+        cols == WHOLE or c % cols == 0 for _, starts in cuts.values() for c in starts)
+
+
+def fp8_part(values: torch.Tensor, scale: torch.Tensor | None, checkpoint_block: Fp8Block | None,
+             full_shape: tuple[int, int], cut, layer_block: Fp8Block, first_row: int
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One checkpoint tensor as an FP8 projection's part holds it: (FP8 values [rows, K], their scales in the
+    layer's blocks). `values` is this rank's cut of the stored tensor (`cut`: the model's cut of a tensor of the
+    stored shape `full_shape`), to go at row `first_row` of the layer. An FP8 tensor keeps its values, and its
+    `scale` (blocks of `checkpoint_block`) is cut to the rows and columns kept; a float one is quantized a row at
+    a time (the layer's blocks are rows then). ValueError where a layer block would span two of the checkpoint's."""
+    if values.dtype != FP8_WEIGHT_DTYPE:
+        if layer_block[0] != 1 or layer_block[1] < values.shape[1]:
+            raise ValueError(f"a float weight is held in FP8 one scale a row, not in blocks of {layer_block}")
+        return quantize_rows(values)
+    n, k = full_shape
+    grid = scale_grid(full_shape, checkpoint_block)
+    if scale.numel() != grid[0] * grid[1]:
+        raise ValueError(f"weight {full_shape} in blocks of {checkpoint_block} takes scales of shape {grid}, got "
+                         f"{tuple(scale.shape)}")
+    picks = []
+    for axis, (size, side, layer_side, offset) in enumerate(((n, checkpoint_block[0], layer_block[0], first_row),
+                                                             (k, checkpoint_block[1], layer_block[1], 0))):
+        index = torch.arange(size).view((size, 1) if axis == 0 else (1, size)).expand(n, k)
+        kept = cut(index).select(1 - axis, 0)                 # the stored rows (columns) this part holds
+        theirs = kept // min(side, size)                      # their block in the checkpoint's grid
+        ours = (torch.arange(len(kept)) + offset) // layer_side   # and in the layer's
+        first = theirs[torch.searchsorted(ours, ours, right=False)]
+        if not torch.equal(first, theirs):
+            raise ValueError(f"a cut at {'row' if axis == 0 else 'column'} {int(kept[0])} splits a scale block of "
+                             f"{side}")
+        picks.append(theirs[torch.unique_consecutive(ours, return_counts=True)[1].cumsum(0) - 1])
+    return values, scale.float().reshape(grid)[picks[0]][:, picks[1]]

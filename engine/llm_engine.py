@@ -140,11 +140,11 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_folder(self.model_path)
         self.byte_detokenizer = self.tokenizer.byte_tables is not None   # the tables built now, not on a request
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
-        self.model = build_model(self.model_config, self.dtype, self.device, self.shard, self.group.collectives)
+        self.model = build_model(self.model_config, self.dtype, self.device, self.shard, self.group.collectives,
+                                 self.config.quantization)
         self.model.init_random(seed=self.config.seed) if self.config.random_weights else \
             self.model.load_weights(iter_weights(self.model_path))
-        # what this rank holds in its dtype (not the checkpoint's size: another dtype's, every rank's, a vision tower)
-        self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())   # as held here
         if use_packed_linears(self.device, self.dtype):
             pack_linears(self.model)
 

@@ -28,9 +28,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.fp8_weights import SCALE_SUFFIX, dequantize_fp8_blocks
+from engine.fp8_weights import dequantized, fp8_part
 from engine.model_config import ModelConfig
 from engine.layers import GeluTanhAndMul, HeadRMSNorm, RMSNorm, RopeRows, RotaryEmbedding, SiluAndMul
+from engine.layers.fp8_linear import Fp8Linear
 from engine.parallel import Collectives, ShardShape
 from engine.weights import model_tensor_name
 from kernels import AttentionMetadata, fused
@@ -180,6 +181,10 @@ class LlamaForCausalLM(nn.Module):
         self._flat: tuple[object, object] | None = None   # (backend, its engine.cpu_forward.CpuForward or None)
         self.kv_scales_from_checkpoint = False   # an FP8 cache's scales: the checkpoint's (`_kv_scale`), not measured
         self.kv_scales_read: set[tuple[int, str]] = set()   # (layer, "k_scale" / "v_scale") the checkpoint brought
+        # FP8 projections (`engine.models.build_model`): weight name -> layer; whether they hold an FP8 checkpoint's
+        # values and scales as stored (else quantized as read); stored scales read, waiting for their weights
+        self.fp8_layers: dict[str, Fp8Linear] = {}
+        self.fp8_exact, self.fp8_scales = False, {}
 
     def make_rotary(self, ops: ModuleType) -> RotaryEmbedding:
         return RotaryEmbedding(self.config, ops)
@@ -277,8 +282,10 @@ class LlamaForCausalLM(nn.Module):
             target, part = self._destination(name, hf_name)
             if target not in params:
                 raise WeightLoadError(f"{hf_name}: not a tensor of {self.config.architecture} with this config")
-            if not tensor.is_floating_point() or tensor.element_size() == 1:
+            fp8 = self.fp8_layers.get(target)   # an FP8 projection's weight
+            if not tensor.is_floating_point() or tensor.element_size() == 1 and fp8 is None:
                 raise WeightLoadError(f"{hf_name}: {tensor.dtype} weights (a quantized checkpoint) are not supported")
+            stored = tuple(tensor.shape)
             tensor = self._shard_of(hf_name, name, tensor)
             dest = part(params[target].data)
             if tuple(dest.shape) != tuple(tensor.shape):
@@ -288,8 +295,12 @@ class LlamaForCausalLM(nn.Module):
                 raise WeightLoadError(f"{hf_name}: fills the part of {target} that "
                                       f"{parts[target, dest.storage_offset()]} filled (a tensor stored twice)")
             parts[target, dest.storage_offset()] = hf_name
-            with torch.no_grad():
-                dest.copy_(tensor)
+            if fp8 is not None:
+                filled[f"{target}_scale"] = filled.get(f"{target}_scale", 0) + self._fill_fp8(
+                    fp8, dest, tensor, hf_name, lambda t, n=name, h=hf_name: self._shard_of(h, n, t), stored)
+            else:
+                with torch.no_grad():
+                    dest.copy_(tensor)
             filled[target] = filled.get(target, 0) + dest.numel()
         if stored_head is not None and filled.get("embed_tokens.weight") == self.embed_tokens.weight.numel():
             self._untie(stored_head)
@@ -301,6 +312,19 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise WeightLoadError(f"checkpoint is missing weights: {', '.join(missing[:8])}"
                                   + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+
+    def _fill_fp8(self, layer: Fp8Linear, dest: torch.Tensor, tensor: torch.Tensor, hf_name: str, cut,
+                  stored: tuple[int, int]) -> int:
+        """This rank's cut of stored weight `hf_name` into its rows (`dest`) of FP8 projection `layer`, with the
+        scales its FP8 checkpoint stored beside it (else quantized a row at a time); the scales filled."""
+        row = dest.storage_offset() // layer.in_features
+        try:
+            values, scale = fp8_part(tensor, self.fp8_scales.pop(hf_name, None), self.config.fp8_weight_block,
+                                     stored, cut, layer.block, row)
+            layer.fill(row, values, scale)
+        except ValueError as exc:
+            raise WeightLoadError(f"{hf_name}: {exc}") from None
+        return scale.numel()
 
     def _tie_from_head(self, head: torch.Tensor) -> None:
         """A tied checkpoint that stores the shared table under `lm_head.weight` only (safetensors'
@@ -353,10 +377,14 @@ class LlamaForCausalLM(nn.Module):
         """The checkpoint's tensors as (stored name, name read, tensor), the text model's alone (`prefix`); an FP8
         checkpoint's weights dequantized once their scales are read too (`dequantized`)."""
         pending: dict[str, dict[str, torch.Tensor]] = {}
+        keep = self._keeps_fp8 if self.fp8_exact else None
         for hf_name, tensor in weights:
             if self.config.fp8_weight_block is not None:
-                hf_name, tensor = dequantized(hf_name, tensor, pending, self.config.fp8_weight_block,
-                                              self.config.fp8_scale_suffix)
+                try:
+                    hf_name, tensor = dequantized(hf_name, tensor, pending, self.config.fp8_weight_block,
+                                                  self.config.fp8_scale_suffix, keep, self.fp8_scales)
+                except ValueError as exc:
+                    raise WeightLoadError(str(exc)) from None
                 if tensor is None:
                     continue
             name = model_tensor_name(hf_name, prefix, self.config.bare_text_weights)
@@ -367,6 +395,11 @@ class LlamaForCausalLM(nn.Module):
             have = next(iter(pair))
             missing = ".weight" if have != ".weight" else self.config.fp8_scale_suffix
             raise WeightLoadError(f"{key}{missing}: missing beside {key}{have} (an FP8 weight needs its scales)")
+
+    def _keeps_fp8(self, hf_weight: str) -> bool:
+        """Whether stored FP8 weight `hf_weight` goes into an FP8 projection as stored (its scales with it)."""
+        name = model_tensor_name(hf_weight, self.config.text_weights_prefix, self.config.bare_text_weights)
+        return name is not None and self._destination(name, hf_weight)[0] in self.fp8_layers
 
     def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
         """A checkpoint tensor (`name` without "model."; `hf_name` as stored, which errors name) as this
@@ -442,33 +475,12 @@ class LlamaForCausalLM(nn.Module):
             for name, param in self.named_parameters():
                 if name.endswith("norm.weight"):   # every norm, q/k norms included
                     param.fill_(self.norm_init)
+                elif name.endswith("weight_scale"):   # an FP8 projection's: values of about 1 (below), times std
+                    param.fill_(std)
+                elif param.dtype == torch.float8_e4m3fn:
+                    param.copy_(torch.randn(param.shape, generator=gen))
                 else:
                     param.copy_(torch.randn(param.shape, generator=gen) * std)
-
-
-def dequantized(hf_name: str, tensor: torch.Tensor, pending: dict[str, dict[str, torch.Tensor]],
-                block: tuple[int, int], suffix: str = SCALE_SUFFIX) -> tuple[str, torch.Tensor | None]:
-    """An FP8 checkpoint's tensor as loading reads it: an FP8 `X.weight` or its scales `X<suffix>` (`weight_scale_inv`,
-    or llm-compressor's `weight_scale`) held in `pending` until the other comes (None), then the weight dequantized
-    (`engine.fp8_weights`); a static activation scale (`X.input_scale`, llm-compressor's; `X.activation_scale`,
-    transformers' per-tensor FP8's) skipped (None); any other tensor itself."""
-    if hf_name.endswith((".input_scale", ".activation_scale")):   # a static activation scheme's: not read
-        return hf_name, None
-    if hf_name.endswith(suffix):
-        key, part = hf_name[:-len(suffix)], suffix
-    elif hf_name.endswith(".weight") and tensor.dtype == torch.float8_e4m3fn:
-        key, part = hf_name[:-len(".weight")], ".weight"
-    else:
-        return hf_name, tensor
-    pair = pending.setdefault(key, {})
-    pair[part] = tensor
-    if len(pair) < 2:
-        return hf_name, None
-    del pending[key]
-    try:
-        return f"{key}.weight", dequantize_fp8_blocks(pair[".weight"], pair[suffix], block)
-    except ValueError as exc:
-        raise WeightLoadError(f"{key}.weight: {exc}") from None
 
 
 def _missing(name: str, filled_by: list[str]) -> str:

@@ -281,7 +281,7 @@ class FollowerRunner(_Forward):
         path = resolve_model(config.model, cache_dir=config.cache_dir)
         model_config = ModelConfig.from_folder(path).serving(config.max_model_lens)
         shard = ShardShape.of(model_config, rank, size)
-        model = build_model(model_config, dtype, device, shard, collectives)
+        model = build_model(model_config, dtype, device, shard, collectives, config.quantization)
         if config.random_weights:
             model.init_random(seed=config.seed)
         else:

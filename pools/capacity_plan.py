@@ -5,7 +5,7 @@ Per device (with tensor parallelism T the weights and the KV heads are split ove
     S_KV        = 2 x num_kv_layers x num_kv_heads x head_dim x dtype_bytes          (per token, whole model;
                   DeepSeek's latent attention: 1 x num_layers x 1 x its latent and rotated key)
     weights     = num_params x dtype_bytes                                          (not file sizes; DeepSeek's
-                  float32 routers at 4 bytes)
+                  float32 routers at 4; projections held in FP8 at 1, plus their scales)
     graphs      = one rank's decode CUDA graphs (`graph_memory_bytes`; 0 off CUDA or enforce_eager)
     weights / T = one rank's parameters x dtype_bytes: its share of every matrix, K/V projections
                   replicated with their heads, norms and row-parallel biases whole (`ShardShape.num_params`)
@@ -37,7 +37,7 @@ from engine.gated_delta_config import NOT_SWAPPED
 from engine.config import (CacheConfig, ConfigError, EngineConfig, PoolConfig, auto_dtype, ceil_div, dtype_name,
                            kv_cache_dtype, parse_dtype)
 from engine.model_config import ModelConfig
-from engine.models import check_dtype
+from engine.models import check_dtype, held_fp8_block, held_weight_bytes
 from engine.parallel import ShardShape
 from pools.config.spec import CliffguardConfig, DeviceSpec, GatewaySpec, PoolSpec, SpecError
 from pools.config.checks import fmt_bytes, within
@@ -61,7 +61,7 @@ class DevicePlan:
     memory_source: str               # config | --vram | cuda (measured) | cpu default
     memory_utilization: float
     tensor_parallel_size: int
-    weights_bytes: int               # num_params x dtype bytes, whole model
+    weights_bytes: int               # num_params x dtype bytes, whole model (FP8 projections: 1 byte + scales)
     weights_bytes_per_device: int    # one rank's shard (ShardShape.num_params): about weights / T
     kv_bytes_per_token: int          # S_KV, whole model
     kv_bytes_per_token_per_device: int  # S_KV / T (KV heads split; replicated when T > num_kv_heads)
@@ -72,6 +72,7 @@ class DevicePlan:
     min_replicas: int | None = None  # autoscaled: the fewest up (None: fixed, all `replicas` up)
     placement: str = "local"         # local | ray (DeviceSpec.placement)
     graph_bytes_per_device: int = 0  # set aside for the decode CUDA graphs (engine.cuda_graphs); 0: none
+    fp8_weights: bool = False        # the layers' projections held in FP8 (the device's `quantization`)
 
     @property
     def autoscaled(self) -> bool:
@@ -229,18 +230,17 @@ def plan_capacity(config: CliffguardConfig, model_configs: Mapping[str, ModelCon
         model = model_configs.get(p0.model)
         if model is None:
             raise SpecError(f"pools[{i0}].model: no model config for {p0.model!r}")
-        dkey = f"devices.{dev_name}"
+        dkey, tp = f"devices.{dev_name}", dev.tensor_parallel_size
         device_type = resolve_device_type(dev, vram_bytes, warnings)
         dtype = parse_dtype(dev.dtype) if dev.dtype != "auto" else auto_dtype(device_type)
         memory, source = device_memory(dev, device_type, vram_bytes, cuda_memory)
-        tp = dev.tensor_parallel_size
         shard = _device_shard(model, tp, dtype, dkey)
+        fp8 = held_fp8_block(model, shard, dev.quantization, device_type) is not None   # projections in FP8
         kv_dtype = kv_cache_dtype(dev.kv_cache_dtype, dtype)   # fp8: one byte an element
         s_kv = model.kv_bytes_per_token(kv_dtype)
         s_kv_dev = shard.kv_bytes_per_token(model, kv_dtype)
-        wide = model.num_float32_params * (4 - dtype.itemsize)   # DeepSeek's routers stay float32 (whole on each rank)
-        weights = model.num_params() * dtype.itemsize + wide
-        weights_dev = shard.num_params(model) * dtype.itemsize + wide   # each rank alike
+        weights = held_weight_bytes(model, ShardShape.of(model), dtype, dev.quantization, device_type)
+        weights_dev = held_weight_bytes(model, shard, dtype, dev.quantization, device_type)   # each rank alike
         graphs_dev = _graph_reserve(model, dev, device_type, tp, dtype)
         # what the engine finds loaded: the rope's too, over the positions its pools serve
         loaded_dev = weights_dev + model.serving(p.max_model_len for _, p in members).rotary_cache_bytes(dtype)
@@ -257,7 +257,7 @@ def plan_capacity(config: CliffguardConfig, model_configs: Mapping[str, ModelCon
         pools.update((pp.name, pp) for pp in device_pools)
         devices[dev_name] = DevicePlan(
             name=dev_name, device_type=device_type, dtype=dtype_name(dtype), model=p0.model, memory_bytes=memory,
-            kv_cache_dtype=dtype_name(kv_dtype),
+            kv_cache_dtype=dtype_name(kv_dtype), fp8_weights=fp8,
             memory_source=source, memory_utilization=dev.memory_utilization, tensor_parallel_size=tp,
             weights_bytes=weights, weights_bytes_per_device=weights_dev, kv_bytes_per_token=s_kv,
             kv_bytes_per_token_per_device=s_kv_dev, kv_space_bytes_per_device=kv_dev,
@@ -444,7 +444,7 @@ def replica_engine_configs(config: CliffguardConfig, plan: CapacityPlan) -> dict
                                 memory_utilization=dplan.memory_utilization,
                                 tensor_parallel_size=dplan.tensor_parallel_size, enforce_eager=dev.enforce_eager,
                                 async_scheduling=dev.async_scheduling, kv_cache_dtype=dev.kv_cache_dtype,
-                                calculate_kv_scales=dev.calculate_kv_scales,
+                                calculate_kv_scales=dev.calculate_kv_scales, quantization=dev.quantization,
                                 collective_timeout_seconds=dev.collective_timeout_seconds)
         result[dplan.name] = [_replica_config(template, dev, r, key) for r in range(dev.replicas)]
     _check_shared_gpus(config, result)

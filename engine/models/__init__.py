@@ -29,8 +29,10 @@ import torch
 from torch import nn
 
 from engine.config import ConfigError
+from engine.fp8_weights import FP8_LINEARS, fp8_cuts_aligned, served_fp8_block
 from engine.model_config import GEMMA_ARCHITECTURES, ModelConfig
 from engine.layers import RotaryEmbedding
+from engine.layers.fp8_linear import Fp8Linear, swap_fp8_linears
 from engine.model import LlamaForCausalLM
 from engine.models.apertus import ApertusForCausalLM
 from engine.models.cohere import CohereForCausalLM
@@ -112,12 +114,18 @@ def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:
 
 
 def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
-                shard: ShardShape | None = None, comm: Collectives | None = None) -> LlamaForCausalLM:
+                shard: ShardShape | None = None, comm: Collectives | None = None,
+                quantization: str = "none") -> LlamaForCausalLM:
     """An uninitialised model (or one rank's shard of it) on `device`, allocated, not filled: load or
-    init it next. Its layers run the fused ops `kernels.fused.get_fused_ops(device, dtype)` picks."""
+    init it next. Its layers run the fused ops `kernels.fused.get_fused_ops(device, dtype)` picks; its
+    projections are held in FP8 as `quantization` (the device's key: `engine.fp8_weights`) says."""
     check_dtype(config, dtype)
+    device = torch.device(device)
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    ops = get_fused_ops(device, dtype)
     with torch.device("meta"):
-        model = model_class(config)(config, shard, comm, get_fused_ops(device, dtype))
+        model = model_class(config)(config, shard, comm, ops)
+        _hold_fp8(model, quantization, device.type, capability, triton=ops.__name__ == "kernels.triton_fused")
     _allocate(model, dtype, device)
     for module in model.modules():   # every rotary cache (Gemma 3 has one per attention type)
         if isinstance(module, RotaryEmbedding):
@@ -141,9 +149,73 @@ def _allocate(model: nn.Module, dtype: torch.dtype, device: torch.device | str) 
     made: dict[int, nn.Parameter] = {}
     for module in model.modules():
         kind = torch.float32 if getattr(module, "float32_parameters", False) else dtype
+        kinds = getattr(module, "parameter_dtypes", {})   # an FP8 projection's weight and scales
         for name, param in module._parameters.items():
             if param is not None:
                 if id(param) not in made:
-                    made[id(param)] = nn.Parameter(torch.empty(param.shape, dtype=kind, device=device),
-                                                   requires_grad=param.requires_grad)
+                    made[id(param)] = nn.Parameter(torch.empty(param.shape, dtype=kinds.get(name, kind),
+                                                               device=device), requires_grad=param.requires_grad)
                 module._parameters[name] = made[id(param)]
+
+
+def exact_fp8_loading(cls: type[LlamaForCausalLM]) -> bool:
+    """Whether a model class's loading puts each stored projection into its layer unchanged, but for the cuts (it
+    keeps the Llama family's reading, destinations and cuts), so an FP8 checkpoint's values and scales can be held
+    as stored."""
+    return all(getattr(cls, name) is getattr(LlamaForCausalLM, name)
+               for name in ("read_tensor", "_destination", "_shard_of", "cut_shape"))
+
+
+def fp8_cuts(config: ModelConfig, shard: ShardShape) -> dict[str, tuple[list[int], list[int]]]:
+    """Where the Llama family's fused parts and this rank's shares of the FP8 projections start: rows of qkv_proj
+    and gate_up_proj, columns of the row-parallel o_proj and down_proj (`engine.fp8_weights.fp8_cuts_aligned`)."""
+    d, inter = config.head_dim, shard.intermediate_size
+    q, kv = shard.num_heads * d, shard.num_kv_heads * d
+    return {"qkv_proj": ([q, q + kv, shard.head_start * d, shard.kv_head_start * d], []),
+            "o_proj": ([], [shard.head_start * d]), "gate_up_proj": ([inter, shard.rank * inter], []),
+            "down_proj": ([], [shard.rank * inter])}
+
+
+def held_fp8_block(model: LlamaForCausalLM | ModelConfig, shard: ShardShape, quantization: str, device_type: str,
+                   capability: tuple[int, int] | None = None) -> tuple[int, int] | None:
+    """The scale block `model`'s FP8 projections are held in (`engine.fp8_weights.served_fp8_block`) on this rank
+    (`shard`), None where they are held in the model's dtype. `model`: a model, or the config it is built from."""
+    config = model if isinstance(model, ModelConfig) else model.config
+    return served_fp8_block(config.fp8_weight_block, quantization, device_type, capability,
+                            _keeps_stored_fp8(model, shard))
+
+
+def _keeps_stored_fp8(model: LlamaForCausalLM | ModelConfig, shard: ShardShape) -> bool:
+    """Whether `model` (or the model `model` configures) can hold its FP8 checkpoint's blocks as stored: its loading
+    reads them unchanged and its cuts lie on their edges."""
+    config = model if isinstance(model, ModelConfig) else model.config
+    stored = config.fp8_weight_block
+    return exact_fp8_loading(model_class(config) if model is config else type(model)) and (
+        stored is None or fp8_cuts_aligned(stored, fp8_cuts(config, shard)))
+
+
+def _hold_fp8(model: LlamaForCausalLM, quantization: str, device_type: str,
+              capability: tuple[int, int] | None, triton: bool = False) -> None:
+    """`model` (on the meta device) with its projections swapped for FP8 ones where `quantization` says so, on the
+    Triton GEMM where `triton` (the model runs the Triton kernels)."""
+    block = held_fp8_block(model, model.shard, quantization, device_type, capability)
+    if block is None:
+        return
+    swap_fp8_linears(model, FP8_LINEARS, lambda name, layer: block, triton)
+    model.fp8_layers = {f"{name}.weight": m for name, m in model.named_modules() if isinstance(m, Fp8Linear)}
+    model.fp8_exact = model.config.fp8_weight_block is not None and _keeps_stored_fp8(model, model.shard)
+
+
+def held_weight_bytes(config: ModelConfig, shard: ShardShape, dtype: torch.dtype, quantization: str,
+                      device_type: str) -> int:
+    """The bytes of one rank's weights (`shard`) as the engine holds them on a device of `device_type`: its
+    parameters in `dtype` (DeepSeek's routers in float32), FP8 projections one byte a weight plus their float32
+    scales (counted on the model built on the meta device)."""
+    plain = shard.num_params(config) * dtype.itemsize + config.num_float32_params * (4 - dtype.itemsize)
+    if held_fp8_block(config, shard, quantization, device_type) is None:
+        return plain
+    with torch.device("meta"):
+        model = model_class(config)(config, shard, None, get_fused_ops("cpu", dtype))
+        _hold_fp8(model, quantization, device_type, None)
+    return plain - sum(m.weight.numel() * (dtype.itemsize - 1) - m.weight_scale.numel() * 4
+                       for m in model.fp8_layers.values())

@@ -16,7 +16,8 @@ from typing import Annotated, Literal, get_args
 import msgspec
 
 from engine.capacity import DEFAULT_MEMORY_UTILIZATION
-from engine.config import DEFAULT_COLLECTIVE_TIMEOUT_SECONDS, KV_CACHE_DTYPES, check_device_name, parse_dtype
+from engine.config import (DEFAULT_COLLECTIVE_TIMEOUT_SECONDS, KV_CACHE_DTYPES, QUANTIZATIONS, check_device_name,
+                           parse_dtype)
 from pools.config.checks import ByteSize, Fraction, Seconds, Spec, SpecError, Text, engine_rules
 
 MIN_COLLECTIVE_TIMEOUT_SECONDS = 1.0   # `collective_timeout_seconds`: below a step's own time on a loaded host
@@ -24,6 +25,7 @@ MAX_COLLECTIVE_TIMEOUT_SECONDS = 86_400.0   # a day: a rank that late is hung wh
                                             # torch.distributed's timedelta holds, a rank's start fails)
 
 KvCacheDtype = Literal[KV_CACHE_DTYPES]   # engine.config's choices, one definition
+Quantization = Literal[QUANTIZATIONS]
 Placement = Literal["local", "ray"]   # local: worker processes on this machine; ray: actors on a Ray cluster
 PLACEMENTS: tuple[str, ...] = get_args(Placement)
 # Autoscaled devices: a request of the device's pools that has waited this long for KV credits adds a
@@ -83,6 +85,7 @@ class DeviceSpec(Spec):
     enforce_eager: bool = False          # CUDA: no decode graphs (their memory is then not set aside)
     async_scheduling: bool | None = None  # overlapped steps (engine.overlap); None: on CUDA
     kv_cache_dtype: KvCacheDtype = "auto"   # auto: the model's dtype; fp8: e4m3, 1 byte an element of S_KV
+    quantization: Quantization = "auto"   # the weights: auto (an FP8 checkpoint's kept FP8 on CUDA), fp8, none
     calculate_kv_scales: bool = True     # fp8 without the checkpoint's scales: measured at start (false: 1.0)
     collective_timeout_seconds: Seconds = DEFAULT_COLLECTIVE_TIMEOUT_SECONDS   # tensor parallel: a rank this late is hung
     min_replicas: Slots | None = None    # autoscaled: the replicas always up (None: fixed, all `replicas` up)

@@ -114,6 +114,31 @@ def test_engine_on_triton_kernels_with_an_fp8_cache_matches_the_reference(tiny, 
     assert results["triton"] == results["torch"]
 
 
+def test_engine_on_triton_kernels_with_fp8_weights_matches_the_reference(tmp_path, builtin_path, monkeypatch):
+    """quantization fp8 over an FP8 checkpoint in blocks of 16 x 32: on the Triton backend every projection runs
+    the Triton FP8 GEMM (each weight tile dequantized as loaded), on the torch backend the reference (the weight
+    dequantized whole): the same greedy tokens, chunked prefill mixed with decode."""
+    from engine.layers.fp8_linear import Fp8Linear
+    from tests.engine.test_engine_vs_hf import _fp8_checkpoint
+
+    folder = make_tiny_model(tmp_path / "fp8", "llama", builtin_path, head_dim=16, intermediate_size=128)
+    _fp8_checkpoint(folder, (16, 32))
+    rng = random.Random(13)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (5, 19, 33)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    results = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("CLIFFGUARD_ATTENTION_BACKEND", backend)
+        config = EngineConfig(model=str(folder), dtype="float32", cache=CacheConfig(block_size=8), quantization="fp8",
+                              pools=(PoolConfig(num_blocks=32, scheduler=SchedulerConfig(max_num_batched_tokens=24)),))
+        engine = LLMEngine(config, progress=False)
+        layers = [m for m in engine.model.modules() if isinstance(m, Fp8Linear)]
+        assert len(layers) == 4 * engine.model_config.num_layers and engine.model.fp8_exact
+        assert all(m.triton == (backend == "triton") for m in layers)
+        results[backend] = [out.outputs[0].token_ids for out in engine.generate(prompts, params)]
+    assert results["triton"] == results["torch"]
+
+
 # DeepSeek's latent attention at a tiny size: a latent of 32 and a rotated key of 8 under 4 heads, 4 experts
 LATENT = dict(num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
               first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=8,

@@ -474,6 +474,7 @@ def test_the_examples_measure_their_gpus_where_they_are_served():
     ("llama-4-scout-2xh200-fp8.yaml", 141 * GiB, 215_539_722_240, "float8_e4m3fn"),
     ("qwen3-next-80b-2xh200.yaml", 141 * GiB, 159_348_782_592, "bfloat16"),
     ("mistral-small-4-2xh200-fp8.yaml", 141 * GiB, 237_945_653_248, "float8_e4m3fn"),
+    ("qwen3-32b-fp8-h100.yaml", 80 * GiB, 34_326_243_328, "float8_e4m3fn"),
 ])
 def test_the_example_files_plan(name, vram, dense_bytes, kv):
     """The example files plan from the config.json beside them: Qwen3-32B's weights (YaRN to 131,072
@@ -501,6 +502,29 @@ def test_the_example_files_plan(name, vram, dense_bytes, kv):
         bf16 = plan_capacity(parse_config(data, env={}, base_dir=REPO / "config" / "examples"),
                              resolve_model_configs(config), vram_bytes=vram)
         assert all(p.num_blocks >= 1.9 * bf16.pools[n].num_blocks for n, p in plan.pools.items())
+
+
+def test_an_fp8_checkpoint_held_in_fp8_gives_one_h100_room_for_its_pools():
+    """Qwen3-32B-FP8 on one H100 (`quantization: auto`, a CUDA device): each layer's four projections held at one
+    byte a weight plus a float32 scale a 128 x 128 block, the rest (embedding, head, norms) in bfloat16: Qwen3-32B's
+    bfloat16 bytes less exactly that, as the rank's model built on the meta device counts it; `none` holds the
+    dequantized weights, which leave the rag pool too little room for one request (refused naming its share)."""
+    data = yaml.safe_load((REPO / "config" / "examples" / "qwen3-32b-fp8-h100.yaml").read_text())
+    config = parse_config(data, env={}, base_dir=REPO / "config" / "examples")
+    (model,) = resolve_model_configs(config).values()
+    (device,) = plan_capacity(config, resolve_model_configs(config), vram_bytes=80 * GiB).devices.values()
+    d, hidden, inter = model.head_dim, model.hidden_size, model.intermediate_size
+    shapes = [((model.num_heads + 2 * model.num_kv_heads) * d, hidden), (hidden, model.num_heads * d),
+              (2 * inter, hidden), (hidden, inter)]
+    saved = model.num_layers * sum(n * k - -(-n // 128) * -(-k // 128) * 4 for n, k in shapes)
+    assert device.fp8_weights and device.weights_bytes == 65_524_246_528 - saved
+    data["devices"]["h100"]["quantization"] = "none"
+    with pytest.raises(SpecError, match=r"pools\[1\].kv_share"):
+        plan_capacity(parse_config(data, env={}, base_dir=REPO / "config" / "examples"),
+                      resolve_model_configs(config), vram_bytes=80 * GiB)
+    data["devices"]["h100"]["quantization"] = "int8"
+    with pytest.raises(SpecError, match="quantization"):
+        parse_config(data, env={}, base_dir=REPO / "config" / "examples")
 
 
 def test_a_tied_model_plans_from_its_config_json_alone(tmp_path):

@@ -1,0 +1,87 @@
+"""A linear layer whose weight is held in FP8 (float8_e4m3fn) with block scales: half a bfloat16 weight's bytes, in
+memory and in every decode step's reads (`kernels.fp8_gemm` says what it computes).
+
+`Fp8Linear` takes an `nn.Linear`'s place (`swap_fp8_linears`, while the model is still on the meta device, before
+its parameters are allocated) and holds `weight` [N, K] float8_e4m3fn, `weight_scale` [ceil(N / rows), ceil(K /
+columns)] float32 and the bias, if any, in the model's dtype. Loading fills the weight and its scales part by part
+(`fill`): a fused projection (q, k and v in qkv_proj) takes each part's rows with their own scales, so a part must
+start on a block's first row. Where the model runs the Triton kernels (CUDA; the interpreter in the tests) it runs
+`kernels.triton_fp8_gemm`; elsewhere the reference, which dequantizes the whole weight on each call (a CPU serves
+FP8 weights to save memory, not time).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from kernels.fp8_gemm import FP8_WEIGHT_DTYPE, fp8_linear, scale_grid
+
+__all__ = ["Fp8Linear", "swap_fp8_linears"]
+
+
+class Fp8Linear(nn.Module):
+    """`y = x W^T + b` over W in FP8 with scales in blocks of `block` = (rows, columns), each side at most its
+    axis (a scale an output row: (1, in_features))."""
+
+    parameter_dtypes = {"weight": FP8_WEIGHT_DTYPE, "weight_scale": torch.float32}   # `build_model` allocates them
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, block: tuple[int, int],
+                 triton: bool = False) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.block = (min(block[0], out_features), min(block[1], in_features))
+        shape = (out_features, in_features)
+        self.weight = nn.Parameter(torch.empty(shape, dtype=FP8_WEIGHT_DTYPE), requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.empty(scale_grid(shape, self.block)), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.triton = triton   # the Triton GEMM (where the model runs the Triton kernels), else the reference
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.triton:
+            from kernels.triton_fp8_gemm import fp8_linear as triton_fp8_gemm
+
+            return triton_fp8_gemm(x, self.weight, self.weight_scale, self.block, self.bias)
+        return fp8_linear(x, self.weight, self.weight_scale, self.block, self.bias)
+
+    def fill(self, row: int, values: torch.Tensor, scale: torch.Tensor) -> None:
+        """Rows row .. row + len(values) of the weight: FP8 `values` [rows, K] and their scales [rows in blocks,
+        K in blocks]. ValueError where the part does not start on a block's first row or its scales do not fit."""
+        size = values.shape[0]
+        bn = self.block[0]
+        end = row + size
+        if row % bn or (end % bn and end != self.out_features) or tuple(values.shape[1:]) != (self.in_features,):
+            raise ValueError(f"rows {row}..{end} of a [{self.out_features}, {self.in_features}] FP8 weight in blocks "
+                             f"of {bn} rows: a part must cover whole blocks, got {tuple(values.shape)}")
+        grid = slice(row // bn, -(-end // bn))
+        if tuple(scale.shape) != tuple(self.weight_scale[grid].shape):
+            raise ValueError(f"rows {row}..{end}: scales of shape {tuple(self.weight_scale[grid].shape)}, got "
+                             f"{tuple(scale.shape)}")
+        with torch.no_grad():
+            self.weight[row:end].view(torch.uint8).copy_(values.view(torch.uint8))   # CPU: no FP8 copy kernels
+            self.weight_scale[grid].copy_(scale)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"block={self.block}")
+
+
+def swap_fp8_linears(model: nn.Module, suffixes: tuple[str, ...],
+                     block_of: Callable[[str, nn.Linear], tuple[int, int] | None], triton: bool = False) -> list[str]:
+    """Every `nn.Linear` of `model` (on the meta device) named with one of `suffixes` replaced by an `Fp8Linear`
+    in blocks of `block_of(name, layer)` (None: left as it is), on the Triton GEMM where `triton`. Returns the
+    names swapped."""
+    swapped = []
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            full = f"{name}.{child_name}" if name else child_name
+            if not isinstance(child, nn.Linear) or not full.endswith(suffixes):
+                continue
+            block = block_of(full, child)
+            if block is not None:
+                setattr(module, child_name, Fp8Linear(child.in_features, child.out_features, child.bias is not None,
+                                                      block, triton))
+                swapped.append(full)
+    return swapped

@@ -1,0 +1,229 @@
+"""FP8 weights held as FP8 (`quantization`, `engine.fp8_weights`, `engine.layers.fp8_linear.Fp8Linear`): an FP8
+checkpoint's projections keep their stored values and scales, a float checkpoint's are quantized a row at a time as
+read; greedy decoding against transformers, tensor parallelism against one rank, what the model holds against what
+the capacity plan counts (`engine.models.held_weight_bytes`), and the choices and refusals of the device key."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from engine.config import ConfigError, EngineConfig
+from engine.fp8_weights import ROW_SCALES, WHOLE, fp8_cuts_aligned, fp8_part, served_fp8_block
+from engine.layers.fp8_linear import Fp8Linear
+from engine.llm_engine import LLMEngine
+from engine.model import WeightLoadError
+from engine.models import held_weight_bytes
+from engine.sampling import SamplingParams
+from kernels.fp8_gemm import dequantize_blocks, quantize_rows
+from tests.conftest import make_tiny_model
+from tests.engine.test_engine_vs_hf import _compressed_fp8_checkpoint, _fp8_checkpoint, _hf_greedy
+
+PROMPTS = [[5, 9, 200, 31, 7], list(range(40, 77))]
+PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
+def _engine(folder, quantization: str, **kwargs) -> LLMEngine:
+    return LLMEngine.from_args(str(folder), dtype="float32", block_size=8, num_blocks=64, progress=False,
+                               quantization=quantization, **kwargs)
+
+
+def _greedy(engine: LLMEngine, max_tokens: int = 12) -> list[list[int]]:
+    outs = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _fp8_layers(engine: LLMEngine) -> dict[str, Fp8Linear]:
+    return {name: m for name, m in engine.model.named_modules() if isinstance(m, Fp8Linear)}
+
+
+def _round_rows(hf) -> None:
+    """transformers' model with each layer's projection quantized a row at a time and dequantized back."""
+    with torch.no_grad():
+        for name, module in hf.named_modules():
+            if isinstance(module, nn.Linear) and ".layers." in f".{name}":
+                module.weight.copy_(dequantize_blocks(*quantize_rows(module.weight), ROW_SCALES))
+
+
+def _stored(folder) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for path in folder.glob("*.safetensors"):
+        tensors.update(load_file(path))
+    return tensors
+
+
+@pytest.mark.parametrize("kind", ["tensor", "blocks", "channel"])
+def test_an_fp8_checkpoint_is_held_as_stored_and_decodes_as_transformers_dequantizes_it(tmp_path, builtin_path,
+                                                                                      kind):
+    """`quantization: fp8` over an FP8 checkpoint (one scale a tensor, Mistral's kind; blocks of 16 x 32, DeepSeek's
+    and Qwen's kind; llm-compressor's one a row): every projection of every layer is an Fp8Linear whose values are
+    the stored bytes (q, k and v at their rows of the fused qkv_proj) and whose scales are the stored ones, the
+    model holds about half the float weights' bytes of those projections, and it decodes greedily as transformers'
+    own FP8 loading (which dequantizes the checkpoint) does."""
+    import transformers
+
+    folder = make_tiny_model(tmp_path / "fp8", "qwen3" if kind == "blocks" else "llama", builtin_path,
+                             head_dim=16, intermediate_size=128)
+    if kind == "channel":   # transformers' model given the weights the format defines (its loading needs a package)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        with torch.no_grad():
+            for name, weight in _compressed_fp8_checkpoint(folder, "channel").items():
+                hf.get_parameter(name).copy_(weight)
+    else:
+        _fp8_checkpoint(folder, (16, 32) if kind == "blocks" else None)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    held, dequantized = _engine(folder, "fp8"), _engine(folder, "none")
+    layers = _fp8_layers(held)
+    assert sorted(layers) == sorted(f"layers.{i}.{p}" for i in range(held.model_config.num_layers)
+                                    for p in PROJECTIONS)
+    assert held.model.fp8_exact and not _fp8_layers(dequantized)
+    stored = _stored(folder)
+    q = stored["model.layers.1.self_attn.k_proj.weight"]
+    qkv = layers["layers.1.self_attn.qkv_proj"]
+    rows = held.model_config.num_heads * 16
+    assert torch.equal(qkv.weight[rows:rows + q.shape[0]].view(torch.uint8), q.view(torch.uint8))
+    scale_name = "model.layers.1.mlp.down_proj." + ("weight_scale" if kind == "channel" else "weight_scale_inv")
+    down = layers["layers.1.mlp.down_proj"]
+    assert torch.equal(dequantize_blocks(down.weight, down.weight_scale, down.block),
+                       dequantize_blocks(stored["model.layers.1.mlp.down_proj.weight"], stored[scale_name],
+                                         held.model_config.fp8_weight_block))
+    float_bytes = sum(m.weight.numel() * 4 for m in layers.values())
+    saved = dequantized.weights_bytes - held.weights_bytes
+    assert 0.7 * float_bytes < saved < 0.75 * float_bytes   # 3 of 4 bytes a weight, less the scales
+    for engine, quantization in ((held, "fp8"), (dequantized, "none")):   # what the capacity plan counts
+        assert engine.weights_bytes == held_weight_bytes(engine.model_config, engine.shard, torch.float32,
+                                                         quantization, "cpu")
+    want = [_hf_greedy(hf, p, 12, eos_ids=None) for p in PROMPTS]
+    assert _greedy(held) == want == _greedy(dequantized)
+
+
+def test_a_float_checkpoint_is_quantized_a_row_at_a_time_and_decodes_as_its_quantized_weights_do(tmp_path,
+                                                                                              builtin_path):
+    """`quantization: fp8` over a float checkpoint: each projection's rows quantized over their own largest
+    magnitude (`quantize_rows`), q/k/v each their own rows; the model decodes greedily as transformers does with
+    those weights put back (each stored projection quantized and dequantized a row at a time); `auto` on a CPU holds
+    the float weights."""
+    import transformers
+
+    folder = make_tiny_model(tmp_path / "float", "llama", builtin_path, head_dim=16)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    _round_rows(hf)
+    engine = _engine(folder, "fp8")
+    layers = _fp8_layers(engine)
+    assert len(layers) == 4 * engine.model_config.num_layers and not engine.model.fp8_exact
+    assert all(m.block == (1, m.in_features) for m in layers.values())
+    assert not _fp8_layers(_engine(folder, "auto"))
+    assert _greedy(engine) == [_hf_greedy(hf, p, 12, eos_ids=None) for p in PROMPTS]
+
+
+def test_a_checkpoint_whose_cuts_split_its_blocks_is_requantized_by_rows(tmp_path, builtin_path):
+    """Blocks of 32 rows over k_proj's 16 rows: its rows of qkv_proj start inside a block, so the checkpoint's
+    blocks cannot be kept (`fp8_cuts_aligned`); `fp8` requantizes its dequantized weights a row at a time (a second
+    rounding of each value) and decodes greedily as transformers does with its dequantized weights so requantized;
+    `auto` holds it dequantized."""
+    import transformers
+
+    folder = make_tiny_model(tmp_path / "fp8", "llama", builtin_path, head_dim=16, num_key_value_heads=1)
+    _fp8_checkpoint(folder, (32, 32))
+    engine = _engine(folder, "fp8")
+    assert _fp8_layers(engine) and not engine.model.fp8_exact
+    assert all(m.block[0] == 1 for m in _fp8_layers(engine).values())
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    _round_rows(hf)
+    assert _greedy(engine) == [_hf_greedy(hf, p, 12, eos_ids=None) for p in PROMPTS]
+    assert not _fp8_layers(_engine(folder, "auto"))
+
+
+def test_two_ranks_hold_their_cuts_of_the_stored_blocks_and_decode_as_one(tmp_path, builtin_path):
+    """Tensor parallelism 2 over an FP8 checkpoint in blocks of 16 x 16: each rank holds its rows of the
+    column-parallel projections and its columns of o_proj and down_proj with the stored scales of those blocks,
+    and the two ranks decode what one does."""
+    from tests.engine.test_tensor_parallel import _assert_same_or_near_tie, _generate
+
+    folder = make_tiny_model(tmp_path / "fp8", "qwen3", builtin_path, head_dim=16, intermediate_size=128)
+    _fp8_checkpoint(folder, (16, 16))
+    one = LLMEngine(_tp_config(folder, 1), progress=False)
+    whole = _fp8_layers(one)["layers.0.self_attn.qkv_proj"]
+    reference = _generate(one, PROMPTS)
+    two = LLMEngine(_tp_config(folder, 2), progress=False)
+    assert two.model.fp8_exact and len(_fp8_layers(two)) == 4 * two.model_config.num_layers
+    qkv, down = _fp8_layers(two)["layers.0.self_attn.qkv_proj"], _fp8_layers(two)["layers.0.mlp.down_proj"]
+    heads = two.shard.num_heads * 16
+    assert qkv.out_features * 2 == whole.out_features and down.in_features * 2 == 128
+    assert torch.equal(qkv.weight[:heads].view(torch.uint8), whole.weight[:heads].view(torch.uint8))
+    assert torch.equal(qkv.weight_scale[:heads // 16], whole.weight_scale[:heads // 16])
+    assert two.weights_bytes == held_weight_bytes(two.model_config, two.shard, torch.float32, "fp8", "cpu")
+    _assert_same_or_near_tie(reference, _generate(two, PROMPTS))
+
+
+def _tp_config(folder, tp: int) -> EngineConfig:
+    from engine.config import CacheConfig, PoolConfig, SchedulerConfig
+
+    pool = PoolConfig(num_blocks=64, scheduler=SchedulerConfig(max_num_batched_tokens=64))
+    return EngineConfig(model=str(folder), device="cpu", dtype="float32", tensor_parallel_size=tp,
+                        cache=CacheConfig(block_size=8), pools=(pool,), quantization="fp8")
+
+
+def test_the_device_key_chooses_and_refuses_by_name():
+    """auto keeps an FP8 checkpoint's blocks on a GPU that converts FP8 (8.9 and up) where they can be kept, else
+    holds the model's dtype; fp8 holds FP8 everywhere (rows for a float checkpoint or blocks that cannot be kept)
+    and is refused, naming the key, on an older GPU; a value we do not know is refused naming the key."""
+    blocks = (128, 128)
+    assert served_fp8_block(blocks, "auto", "cuda", (9, 0), True) == blocks
+    assert served_fp8_block(blocks, "auto", "cuda", None, True) == blocks   # the plan's GPU it has not seen
+    assert served_fp8_block(blocks, "auto", "cuda", (8, 0), True) is None
+    assert served_fp8_block(blocks, "auto", "cpu", None, True) is None
+    assert served_fp8_block(blocks, "auto", "cuda", (9, 0), False) is None
+    assert served_fp8_block(None, "auto", "cuda", (9, 0), True) is None
+    assert served_fp8_block((WHOLE, WHOLE), "fp8", "cpu", None, True) == (1, WHOLE)
+    assert served_fp8_block(blocks, "fp8", "cpu", None, False) == ROW_SCALES
+    assert served_fp8_block(None, "fp8", "cpu", None, True) == ROW_SCALES
+    assert served_fp8_block(blocks, "none", "cuda", (9, 0), True) is None
+    with pytest.raises(ConfigError, match="quantization: fp8 needs a GPU of compute capability 8.9"):
+        served_fp8_block(None, "fp8", "cuda", (8, 0), True)
+    with pytest.raises(ConfigError, match="quantization: must be one of auto, fp8, none, got 'int4'"):
+        EngineConfig(quantization="int4")
+    assert fp8_cuts_aligned((16, 32), {"qkv_proj": ([64, 96], []), "o_proj": ([], [64])})
+    assert not fp8_cuts_aligned((16, 32), {"o_proj": ([], [48])})
+    assert fp8_cuts_aligned((WHOLE, WHOLE), {"qkv_proj": ([8], []), "o_proj": ([], [8])})
+
+
+def test_a_part_takes_the_scales_of_the_blocks_it_keeps_and_refuses_a_split_block():
+    """fp8_part: a rank's rows 32..63 of a [64, 48] weight in blocks of 16 x 16, at row 16 of its layer, take scale
+    rows 2..3; a per-tensor scale is spread over the layer's rows; a cut through a block is refused by name."""
+    values = torch.randn(64, 48).to(torch.float8_e4m3fn)
+    scale = torch.arange(12.0).view(4, 3)
+    cut = lambda t: t.narrow(0, 32, 32)   # noqa: E731
+    kept, got = fp8_part(values[32:], scale, (16, 16), (64, 48), cut, (16, 16), 16)
+    assert kept is values[32:] or torch.equal(kept.view(torch.uint8), values[32:].view(torch.uint8))
+    assert torch.equal(got, scale[2:4])
+    _, spread = fp8_part(values, torch.tensor(0.5), (WHOLE, WHOLE), (64, 48), lambda t: t, (1, 48), 0)
+    assert spread.shape == (64, 1) and (spread == 0.5).all()
+    with pytest.raises(ValueError, match="a cut at row 8 splits a scale block of 16"):
+        fp8_part(values[8:24], scale, (16, 16), (64, 48), lambda t: t.narrow(0, 8, 16), (16, 16), 0)
+    with pytest.raises(ValueError, match="one scale a row"):
+        fp8_part(torch.randn(4, 48), None, None, (4, 48), lambda t: t, (16, 16), 0)
+
+
+def test_a_missing_scale_is_refused_by_name(tmp_path, builtin_path):
+    """A held FP8 weight whose scales the checkpoint lacks is refused naming the tensor, as the dequantizing
+    loading refuses it."""
+    from safetensors.torch import load_file, save_file
+
+    folder = make_tiny_model(tmp_path / "fp8", "llama", builtin_path, head_dim=16)
+    _fp8_checkpoint(folder, (16, 32))
+    shard = folder / "model-00002-of-00002.safetensors"
+    scales = load_file(shard)
+    save_file({k: v for k, v in scales.items() if "layers.0.mlp.up_proj" not in k}, str(shard))
+    index = folder / "model.safetensors.index.json"
+    weight_map = json.loads(index.read_text())
+    weight_map["weight_map"] = {n: f for n, f in weight_map["weight_map"].items() if "layers.0.mlp.up_proj.weight_"
+                                not in n}
+    index.write_text(json.dumps(weight_map))
+    with pytest.raises(WeightLoadError, match="up_proj.weight_scale_inv: missing"):
+        _engine(folder, "fp8")
