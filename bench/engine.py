@@ -75,6 +75,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-hf", action="store_true", help="measure our engine only")
     p.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: no decode graphs (the device key enforce_eager), to compare with them")
+    p.add_argument("--quantization", choices=("auto", "fp8", "none"), default="auto",
+                   help="the device key quantization: fp8 holds the layers' projections in FP8 (a float model "
+                   "quantized a row at a time; random weights drawn so), auto keeps an FP8 checkpoint's on CUDA")
     p.add_argument("--async-scheduling", choices=("auto", "on", "off"), default="auto",
                    help="overlapped steps (the device key async_scheduling): auto (on for CUDA), on, off")
     p.add_argument("--also-torch-linear", action="store_true",
@@ -349,7 +352,8 @@ def build_engine(args: argparse.Namespace, model: str):
                                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=2048)
     overlap = {"auto": None, "on": True, "off": False}[getattr(args, "async_scheduling", "auto")]
     return LLMEngine(replace(config, random_weights=args.random_weights,
-                             enforce_eager=getattr(args, "enforce_eager", False), async_scheduling=overlap))
+                             enforce_eager=getattr(args, "enforce_eager", False), async_scheduling=overlap,
+                             quantization=getattr(args, "quantization", "auto")))
 
 
 def _run(args: argparse.Namespace, model: str, hf_batch_sizes: list[int]) -> int:

@@ -23,7 +23,8 @@
 # an FP8 KV cache (its decode bandwidth, in its own bytes), the kernels_mla step on DeepSeek's latent cache (one plane
 # read as K and V, head_dim 576, 16 query heads: `bench kernels --latent`), the dsa step DeepSeek V3.2's sparse
 # attention (`bench dsa`: the Triton indexer and sparse kernel against the dense latent kernel, 32k and 128k
-# contexts); the kvcache step (not a default: it needs real
+# contexts), the fp8 step a layer's projections with FP8 weights (`bench fp8`: the Triton GEMM against bfloat16's
+# F.linear, the weights' fraction of copy bandwidth), engine_fp8 the 8B engine with them; the kvcache step (not a default: it needs real
 # weights, KVCACHE_MODEL, which a device machine cannot be given) an FP8 cache's agreement on CUDA. The tests
 # step reads the builtin's tokenizer from .gpu/smollm2 (CLIFFGUARD_BUILTIN_DIR: its tiny models take only the
 # tokenizer). The device machine lacks msgspec (the worker protocol): carry
@@ -35,7 +36,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFL
 PY=${PY:-python3}
 CLI="$PY -m gateway.cli"
 # A device call is at most 600 s: the default steps (GPU_STEPS unset) are the first call's; the second call is
-# GPU_STEPS="sync eager hostcost moe kernels_mla dsa". Each step is killed past STEP_TIMEOUT seconds (default 300; simulate,
+# GPU_STEPS="sync eager engine_fp8 hostcost moe kernels_mla dsa". Each step is killed past STEP_TIMEOUT seconds (default 300; simulate,
 # chaos and isolation 540, so run each of those alone): a hung step costs its own time, not the call's.
 step() { local name=$1; shift; echo "=== $name: $*"; local t0=$SECONDS;
          timeout -k 10 "${STEP_TIMEOUT:-300}" "$@" >"$OUT/$name.log" 2>&1; local rc=$?;
@@ -60,11 +61,11 @@ for pool in config["pools"]:
 yaml.safe_dump(config, open(f"{sim}/chaos.yaml", "w"), sort_keys=False)
 PYEOF
 }
-for what in ${GPU_STEPS:-tests kernels kernels_fp8 engine}; do
+for what in ${GPU_STEPS:-tests kernels kernels_fp8 fp8 engine}; do
   case $what in
     tests)   CLIFFGUARD_BUILTIN_DIR=${CLIFFGUARD_BUILTIN_DIR:-$PWD/.gpu/smollm2} TRITON_INTERPRET=0 step gpu_tests $PY -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_triton.py \
                tests/kernels/test_triton_prefill.py tests/kernels/test_triton_fused.py tests/kernels/test_triton_moe.py \
-               tests/kernels/test_triton_dsa.py \
+               tests/kernels/test_triton_dsa.py tests/kernels/test_triton_fp8_gemm.py \
                tests/engine/test_sampling.py \
                tests/engine/test_cuda_graphs.py tests/engine/test_overlap.py tests/engine/test_prompt_logprobs.py \
                tests/kernels/test_transfer.py \
@@ -80,6 +81,10 @@ for what in ${GPU_STEPS:-tests kernels kernels_fp8 engine}; do
                --model "$KVCACHE_MODEL"; else echo "=== kvcache: skipped (KVCACHE_MODEL unset: real weights needed)"; fi ;;
     dsa)     step bench_dsa $CLI bench dsa --device cuda --batch 8 --context 32768
              step bench_dsa_long $CLI bench dsa --device cuda --batch 8 --context 131072 ;;
+    fp8)     step bench_fp8 $CLI bench fp8 --device cuda
+             step bench_fp8_32b $CLI bench fp8 --device cuda --shape 32b --tokens 1,16,256 ;;
+    engine_fp8) step bench_engine_fp8 $CLI bench engine --model .gpu/llama-3-8b --random-weights --dtype bfloat16 \
+               --skip-hf --quantization fp8 ;;
     moe)     step bench_moe $CLI bench moe --device cuda --tokens 1,16,64,256,1024
              step bench_moe_gpt_oss $CLI bench moe --device cuda --tokens 1,16,64,256,1024 --gpt-oss ;;
     prefix)  step bench_prefix $CLI bench prefix --random-weights --dtype bfloat16 --device cuda --users 16 \

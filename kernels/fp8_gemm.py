@@ -55,7 +55,12 @@ def dequantize_blocks(weight: torch.Tensor, scale: torch.Tensor, block: tuple[in
     if tuple(scale.shape) != want:
         raise ValueError(f"weight {tuple(weight.shape)} in blocks of {_blocks(block)} takes scales of shape {want}, "
                          f"got {tuple(scale.shape)}")
-    return weight.float() * block_scales(scale, block, tuple(weight.shape))
+    rows, cols = weight.shape
+    bn, bk = min(block[0], rows), min(block[1], cols)
+    if rows % bn == 0 and cols % bk == 0:   # whole blocks: each scale broadcast over its block, nothing expanded
+        blocks = weight.float().view(rows // bn, bn, cols // bk, bk) * scale.float()[:, None, :, None]
+        return blocks.view(rows, cols)
+    return weight.float() * block_scales(scale, block, (rows, cols))
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

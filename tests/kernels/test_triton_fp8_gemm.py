@@ -88,3 +88,49 @@ def test_rows_quantize_to_their_largest_magnitude_and_dequantize_back():
     assert torch.equal(block_scales(scale, (1, WHOLE), (6, 50)), scale.expand(6, 50))
     with pytest.raises(ValueError, match="inf or NaN"):
         quantize_rows(torch.tensor([[1.0, float("nan")]]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 16, 300])
+def test_on_cuda_the_fp8_gemm_at_llama_8b_shapes_equals_the_dequantized_product(rows):
+    """Compiled on a GPU (TRITON_INTERPRET=0, `bench/gpu_session.sh`'s tests step): Llama 3 8B's gate_up and down
+    projections in 128 x 128 blocks, bfloat16 activations, against the float32 product of the dequantized weight."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    gen = torch.Generator().manual_seed(rows)
+    for n, k in ((2 * 14336, 4096), (4096, 14336)):
+        weight = (torch.randn(n, k, generator=gen) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+        scale = torch.rand(-(-n // 128), -(-k // 128), generator=gen) * 1e-3 + 1e-4
+        x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+        want = x.float() @ dequantize_blocks(weight, scale, (128, 128)).to(torch.bfloat16).float().T
+        got = triton_fp8_gemm(x.cuda(), weight.cuda(), scale.cuda(), (128, 128)).float().cpu()
+        assert ((got - want).abs() <= want.abs() * 2 ** -7 + want.abs().max() * 1e-5).all(), (n, k, rows)
+
+
+@pytest.mark.gpu
+def test_on_cuda_an_fp8_checkpoint_decodes_in_graphs_as_eager_and_as_dequantized(tmp_path, builtin_path):
+    """An FP8 checkpoint held in FP8 on a GPU (`quantization: auto` keeps it there): the decode steps captured in
+    CUDA graphs give the eager tokens, and those are the dequantized model's (`quantization: none`)."""
+    from engine.config import CacheConfig, EngineConfig, PoolConfig, SchedulerConfig
+    from engine.layers.fp8_linear import Fp8Linear
+    from engine.llm_engine import LLMEngine
+    from engine.sampling import SamplingParams
+    from tests.conftest import make_tiny_model
+    from tests.engine.test_engine_vs_hf import _fp8_checkpoint
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    folder = make_tiny_model(tmp_path / "fp8", "qwen3", builtin_path, head_dim=16, intermediate_size=128)
+    _fp8_checkpoint(folder, (16, 32))
+    prompts = [[5, 9, 200, 31, 7], list(range(40, 77))]
+    results = {}
+    for quantization, eager in (("auto", True), ("auto", False), ("none", True)):
+        engine = LLMEngine(EngineConfig(model=str(folder), device="cuda", dtype="float32", enforce_eager=eager,
+                                        quantization=quantization, cache=CacheConfig(block_size=16), pools=(
+                                            PoolConfig(num_blocks=64, scheduler=SchedulerConfig(max_num_seqs=4)),)),
+                           progress=False)
+        held = [m for m in engine.model.modules() if isinstance(m, Fp8Linear)]
+        assert bool(held) == (quantization == "auto") and all(m.triton for m in held)
+        outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+        results[quantization, eager] = [o.outputs[0].token_ids for o in outs]
+    assert results["auto", True] == results["auto", False] == results["none", True]

@@ -1,0 +1,49 @@
+"""`cliffguard bench fp8` at the tiny shape: what it reports on either path, and bad options named."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+
+import pytest  # noqa: E402
+
+from bench import fp8  # noqa: E402
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    fp8.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_it_times_both_ways_and_checks_they_agree(capsys, monkeypatch, backend):
+    # With the Triton ops (CUDA's; here through the interpreter) the FP8 layer runs the Triton GEMM.
+    if backend == "triton":
+        pytest.importorskip("triton")
+    monkeypatch.setenv("CLIFFGUARD_ATTENTION_BACKEND", backend)
+    args = _parse("--device", "cpu", "--dtype", "float32", "--shape", "tiny", "--tokens", "1,16", "--repeats", "1",
+                  "--json")
+    assert fp8.run(args) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["path"] == ("triton" if backend == "triton" else "reference") and result["agree"]
+    assert [r["tokens"] for r in result["rows"]] == [1, 16] and result["copy_bytes_per_s"] is None
+    hidden, heads, kv_heads, d, inter = fp8.SHAPES["tiny"]
+    weights = (heads + 2 * kv_heads) * d * hidden + hidden * heads * d + 2 * inter * hidden + hidden * inter
+    for row in result["rows"]:
+        assert row["dense_weight_bytes"] == 4 * weights and row["fp8_weight_bytes"] > weights
+        assert row["fp8_ms"] > 0 and row["dense_ms"] > 0 and row["max_rel_diff"] <= 1e-5
+    assert fp8.run(_parse("--device", "cpu", "--dtype", "float32", "--shape", "tiny", "--tokens", "1",
+                          "--repeats", "1")) == 0
+    assert "fp8" in capsys.readouterr().out
+
+
+def test_bad_options_are_named():
+    with pytest.raises(ValueError, match="--tokens"):
+        fp8.run(_parse("--device", "cpu", "--tokens", "0"))
+    with pytest.raises(ValueError, match="--repeats"):
+        fp8.run(_parse("--device", "cpu", "--repeats", "0"))
