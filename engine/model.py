@@ -475,7 +475,7 @@ class LlamaForCausalLM(nn.Module):
             for name, param in self.named_parameters():
                 if name.endswith("norm.weight"):   # every norm, q/k norms included
                     param.fill_(self.norm_init)
-                elif name.endswith("weight_scale"):   # an FP8 projection's: values of about 1 (below), times std
+                elif name.endswith(("weight_scale", "w13_scale", "w2_scale")):   # FP8 values of about 1, times std
                     param.fill_(std)
                 elif param.dtype == torch.float8_e4m3fn:
                     param.copy_(torch.randn(param.shape, generator=gen))

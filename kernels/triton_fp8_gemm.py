@@ -24,7 +24,20 @@ import triton.language as tl
 from kernels.fp8_gemm import FP8_WEIGHT_DTYPE, scale_grid
 from kernels.triton_prefill import INTERPRETED, dot_dtype
 
-__all__ = ["fp8_linear", "fp8_linear_tiles"]
+__all__ = ["dequantize_tile", "fp8_linear", "fp8_linear_tiles"]
+
+
+@triton.jit
+def dequantize_tile(w, s, DTYPE: tl.constexpr, BF16_BY_BITS: tl.constexpr):
+    """An FP8 weight tile (loaded, widened to float32) times its scales, rounded to DTYPE (the activations') to
+    nearest even, as the model's dtype holds the dequantized weight. BF16_BY_BITS: rounded by its bits first (the
+    interpreter's own conversion to bfloat16 truncates); a GPU's conversion rounds to nearest even itself."""
+    w = w * s
+    if BF16_BY_BITS:
+        bits = w.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        w = bits.to(tl.float32, bitcast=True)
+    return w.to(DTYPE)
 
 
 @triton.jit(do_not_specialize=["M"])   # one compiled variant whatever a step's row count
@@ -52,12 +65,7 @@ def _fp8_linear_kernel(
             s = tl.load(s_base + k0 // scale_cols, mask=mask_n[None, :], other=0.0)
         else:
             s = tl.load(s_base + (ks // scale_cols)[:, None], mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        w = w * s                                        # the dequantized weight, as the model's dtype holds it:
-        if BF16_BY_BITS:                                 # rounded to nearest even (the interpreter's own
-            bits = w.to(tl.uint32, bitcast=True)         # conversion to bfloat16 truncates)
-            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-            w = bits.to(tl.float32, bitcast=True)
-        w = w.to(x_ptr.dtype.element_ty)
+        w = dequantize_tile(w, s, x_ptr.dtype.element_ty, BF16_BY_BITS)
         x = tl.load(x_base + ks[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         acc = tl.dot(x.to(DOT_DTYPE), w.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
     if HAS_BIAS:

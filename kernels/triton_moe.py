@@ -16,6 +16,10 @@ captured in a CUDA graph.
 The biases (GPT-OSS's experts; `HAS_BIAS`) are added to the float32 products before their one rounding, and
 the activation is any elementwise torch function of h (GPT-OSS's clamped SwiGLU), launched between the GEMMs.
 
+FP8 experts (float8_e4m3fn w13 / w2 with float32 scales in blocks: DeepSeek's and Qwen3-MoE's FP8 releases, held
+as stored) are dequantized tile by tile as they are loaded, as `kernels.triton_fp8_gemm` does a dense layer's: each
+value times its block's scale in float32, rounded once to x's dtype, one byte a weight read.
+
 `y` stays in float32 and each pair writes its own row (at its place in the unsorted order), so the sum
 over a token's experts has no atomics and is the same from run to run. Products accumulate in float32
 (`tl.dot`, exact IEEE for float32 inputs); the intermediate `h` and `a` are rounded to x's dtype, as the
@@ -31,18 +35,20 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton_fp8_gemm import dequantize_tile
 from kernels.triton_fused import silu_and_mul
-from kernels.triton_prefill import dot_dtype
+from kernels.triton_prefill import INTERPRETED, dot_dtype
 
 __all__ = ["fused_moe", "moe_align", "moe_block_m"]
 
 
 @triton.jit(do_not_specialize=["num_pairs"])   # one compiled variant whatever a step's pair count
 def _moe_gemm_kernel(
-    a_ptr, w_ptr, out_ptr, weight_ptr, bias_ptr, sorted_pairs_ptr, block_expert_ptr,
-    num_pairs, N, K, row_div,
-    stride_am, stride_we, stride_wn, stride_wk, stride_om, stride_be,
-    MUL_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    a_ptr, w_ptr, out_ptr, weight_ptr, bias_ptr, sorted_pairs_ptr, block_expert_ptr, s_ptr,
+    num_pairs, N, K, row_div, scale_rows, scale_cols,
+    stride_am, stride_we, stride_wn, stride_wk, stride_om, stride_be, stride_se, stride_sn,
+    MUL_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, W_FP8: tl.constexpr, BF16_BY_BITS: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # grid: (blocks of BLOCK_M pairs, cdiv(N, BLOCK_N)); a block's pairs all go to one expert.
@@ -58,12 +64,16 @@ def _moe_gemm_kernel(
     mask_n = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     w_base = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn
+    s_base = s_ptr + expert * stride_se + (offs_n // scale_rows)[None, :].to(tl.int64) * stride_sn   # (W_FP8)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + offs_k
         mask_k = ks < K
         a = tl.load(a_ptr + rows[:, None] * stride_am + ks[None, :], mask=valid[:, None] & mask_k[None, :], other=0.0)
         w = tl.load(w_base + ks[:, None] * stride_wk, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        if W_FP8:   # each element times its block's scale, rounded to the activations' dtype
+            s = tl.load(s_base + (ks // scale_cols)[:, None], mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            w = dequantize_tile(w.to(tl.float32), s, a_ptr.dtype.element_ty, BF16_BY_BITS)
         acc = tl.dot(a.to(DOT_DTYPE), w.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)   # [BLOCK_M, BLOCK_N]
     if HAS_BIAS:   # the expert's bias row, contiguous: [E, N]
         acc += tl.load(bias_ptr + expert * stride_be + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
@@ -103,19 +113,24 @@ def moe_align(experts: torch.Tensor, num_experts: int, block_m: int) -> tuple[to
 
 def _gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, sorted_pairs: torch.Tensor,
           block_expert: torch.Tensor, block_m: int, row_div: int, weights: torch.Tensor | None,
-          bias: torch.Tensor | None = None) -> None:
+          bias: torch.Tensor | None = None, scale: torch.Tensor | None = None,
+          block: tuple[int, int] = (1, 1)) -> None:
     """out[pair] = a[pair // row_div] @ w[expert of pair]^T (plus bias[expert] when given; times weights[pair]
-    when given)."""
+    when given); FP8 weights (`scale` given: [E, rows in blocks, columns in blocks], blocks of `block`)
+    dequantized tile by tile."""
     num_pairs, n, k = out.shape[0], w.shape[1], w.shape[2]
     dtype = dot_dtype(a.dtype)
     block_n = min(128, max(16, triton.next_power_of_2(n)))
     block_k = min(64, max(16, triton.next_power_of_2(k)))
     grid = (block_expert.shape[0], triton.cdiv(n, block_n))
+    fp8 = scale is not None
     _moe_gemm_kernel[grid](
         a, w, out, weights if weights is not None else out, bias if bias is not None else out, sorted_pairs,
-        block_expert, num_pairs, n, k, row_div,
+        block_expert, scale if fp8 else out, num_pairs, n, k, row_div, min(block[0], n), min(block[1], k),
         a.stride(0), w.stride(0), w.stride(1), w.stride(2), out.stride(0), bias.stride(0) if bias is not None else 0,
-        MUL_WEIGHT=weights is not None, HAS_BIAS=bias is not None, DOT_DTYPE=dtype,
+        scale.stride(0) if fp8 else 0, scale.stride(1) if fp8 else 0,
+        MUL_WEIGHT=weights is not None, HAS_BIAS=bias is not None, W_FP8=fp8,
+        BF16_BY_BITS=fp8 and INTERPRETED and a.dtype == torch.bfloat16, DOT_DTYPE=dtype,
         DOT_PRECISION="ieee" if dtype == tl.float32 else "tf32",
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=4 if block_m * block_n < 64 * 128 else 8,
@@ -124,11 +139,14 @@ def _gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, sorted_pairs: tor
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
               experts: torch.Tensor, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
-              act: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul) -> torch.Tensor:
+              act: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul, w13_scale: torch.Tensor | None = None,
+              w2_scale: torch.Tensor | None = None, block: tuple[int, int] = (1, 1)) -> torch.Tensor:
     """x: [T, hidden]; w13: [E, 2 x inter, hidden]; w2: [E, hidden, inter]; weights, experts: [T, k] (the
     router's) -> [T, hidden] in x's dtype: each token's experts' gated MLPs, weighted and summed. b13 [E, 2 x
     inter] and b2 [E, hidden]: the experts' biases (GPT-OSS's), where they have them; act: the gate's activation
-    times up, [P, 2 x inter] -> [P, inter] (SiLU x up by default)."""
+    times up, [P, 2 x inter] -> [P, inter] (SiLU x up by default). FP8 experts (float8_e4m3fn w13 and w2): their
+    scales w13_scale [E, ceil(2 x inter / rows), ceil(hidden / columns)] and w2_scale alike, in blocks of `block`
+    (`kernels.fp8_gemm`), each weight tile dequantized as it is loaded."""
     num_tokens, top_k = experts.shape
     num_experts, two_inter, hidden = w13.shape
     assert x.dim() == 2 and x.shape[1] == hidden and x.stride(1) == 1, f"x {tuple(x.shape)}, hidden {hidden}"
@@ -144,8 +162,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     block_m = moe_block_m(num_pairs, num_experts)
     sorted_pairs, block_expert = moe_align(experts, num_experts, block_m)
     h = torch.empty(num_pairs, two_inter, dtype=x.dtype, device=x.device)
-    _gemm(x, w13, h, sorted_pairs, block_expert, block_m, top_k, None, b13)
+    _gemm(x, w13, h, sorted_pairs, block_expert, block_m, top_k, None, b13, w13_scale, block)
     gated = act(h).contiguous()                                                # [P, inter]
     y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
-    _gemm(gated, w2, y, sorted_pairs, block_expert, block_m, 1, weights.flatten().contiguous(), b2)
+    _gemm(gated, w2, y, sorted_pairs, block_expert, block_m, 1, weights.flatten().contiguous(), b2, w2_scale, block)
     return out.copy_(y.view(num_tokens, top_k, hidden).sum(dim=1))

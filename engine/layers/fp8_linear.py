@@ -5,7 +5,8 @@ memory and in every decode step's reads (`kernels.fp8_gemm` says what it compute
 its parameters are allocated) and holds `weight` [N, K] float8_e4m3fn, `weight_scale` [ceil(N / rows), ceil(K /
 columns)] float32 and the bias, if any, in the model's dtype. Loading fills the weight and its scales part by part
 (`fill`): a fused projection (q, k and v in qkv_proj) takes each part's rows with their own scales, so a part must
-start on a block's first row. Where the model runs the Triton kernels (CUDA; the interpreter in the tests) it runs
+start on a block's first row. `Fp8Experts` fills a mixture-of-experts block's stacked FP8 weights the same way
+(`engine.models.qwen3_moe.SparseMoeBlock.hold_fp8`). Where the model runs the Triton kernels (CUDA; the interpreter in the tests) it runs
 `kernels.triton_fp8_gemm`; elsewhere the reference, which dequantizes the whole weight on each call (a CPU serves
 FP8 weights to save memory, not time).
 """
@@ -19,7 +20,7 @@ from torch import nn
 
 from kernels.fp8_gemm import FP8_WEIGHT_DTYPE, fp8_linear, scale_grid
 
-__all__ = ["Fp8Linear", "swap_fp8_linears"]
+__all__ = ["Fp8Experts", "Fp8Linear", "fill_rows", "swap_fp8_linears"]
 
 
 class Fp8Linear(nn.Module):
@@ -49,23 +50,62 @@ class Fp8Linear(nn.Module):
     def fill(self, row: int, values: torch.Tensor, scale: torch.Tensor) -> None:
         """Rows row .. row + len(values) of the weight: FP8 `values` [rows, K] and their scales [rows in blocks,
         K in blocks]. ValueError where the part does not start on a block's first row or its scales do not fit."""
-        size = values.shape[0]
-        bn = self.block[0]
-        end = row + size
-        if row % bn or (end % bn and end != self.out_features) or tuple(values.shape[1:]) != (self.in_features,):
-            raise ValueError(f"rows {row}..{end} of a [{self.out_features}, {self.in_features}] FP8 weight in blocks "
-                             f"of {bn} rows: a part must cover whole blocks, got {tuple(values.shape)}")
-        grid = slice(row // bn, -(-end // bn))
-        if tuple(scale.shape) != tuple(self.weight_scale[grid].shape):
-            raise ValueError(f"rows {row}..{end}: scales of shape {tuple(self.weight_scale[grid].shape)}, got "
-                             f"{tuple(scale.shape)}")
-        with torch.no_grad():
-            self.weight[row:end].view(torch.uint8).copy_(values.view(torch.uint8))   # CPU: no FP8 copy kernels
-            self.weight_scale[grid].copy_(scale)
+        fill_rows(self.weight, self.weight_scale, self.block, row, values, scale)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"block={self.block}")
+
+
+def fill_rows(weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int], row: int,
+              values: torch.Tensor, scale: torch.Tensor) -> None:
+    """Rows row .. row + len(values) of an FP8 `weight` [N, K] and their scales in `weight_scale` (blocks of `block`,
+    each side at most its axis): `Fp8Linear.fill`, and `Fp8Experts.fill` over experts' stacked weights."""
+    (rows, cols), bn = weight.shape, block[0]
+    size = values.shape[0]
+    end = row + size
+    if row % bn or (end % bn and end != rows) or tuple(values.shape[1:]) != (cols,):
+        raise ValueError(f"rows {row}..{end} of a [{rows}, {cols}] FP8 weight in blocks of {bn} rows: a part must "
+                         f"cover whole blocks, got {tuple(values.shape)}")
+    grid = slice(row // bn, -(-end // bn))
+    if tuple(scale.shape) != tuple(weight_scale[grid].shape):
+        raise ValueError(f"rows {row}..{end}: scales of shape {tuple(weight_scale[grid].shape)}, got "
+                         f"{tuple(scale.shape)}")
+    with torch.no_grad():
+        weight[row:end].view(torch.uint8).copy_(values.view(torch.uint8))   # CPU: no FP8 copy kernels
+        weight_scale[grid].copy_(scale)
+
+
+class Fp8Experts:
+    """A mixture-of-experts block's stacked FP8 weight (`w13` [E, N, K] or `w2`, and its scales `<name>_scale` [E,
+    N in blocks, K in blocks]) as loading fills it: the experts' rows one after another, [E x N, K], so an expert's
+    part goes at row e x N + its offset (each expert's N a multiple of the block's rows: `fp8_cuts_aligned`). Its
+    tensors are looked up on each use: the block's parameters are allocated after this is made."""
+
+    def __init__(self, module: nn.Module, name: str) -> None:
+        self.module, self.name = module, name
+
+    @property
+    def weight(self) -> torch.Tensor:
+        stacked = getattr(self.module, self.name)
+        return stacked.view(-1, stacked.shape[-1])
+
+    @property
+    def weight_scale(self) -> torch.Tensor:
+        scale = getattr(self.module, f"{self.name}_scale")
+        return scale.view(-1, scale.shape[-1])
+
+    @property
+    def in_features(self) -> int:
+        return getattr(self.module, self.name).shape[-1]
+
+    @property
+    def block(self) -> tuple[int, int]:
+        block = self.module.fp8_block
+        return min(block[0], getattr(self.module, self.name).shape[1]), min(block[1], self.in_features)
+
+    def fill(self, row: int, values: torch.Tensor, scale: torch.Tensor) -> None:
+        fill_rows(self.weight, self.weight_scale, self.block, row, values, scale)
 
 
 def swap_fp8_linears(model: nn.Module, suffixes: tuple[str, ...],

@@ -32,7 +32,7 @@ from engine.config import ConfigError
 from engine.fp8_weights import FP8_LINEARS, fp8_cuts_aligned, served_fp8_block
 from engine.model_config import GEMMA_ARCHITECTURES, ModelConfig
 from engine.layers import RotaryEmbedding
-from engine.layers.fp8_linear import Fp8Linear, swap_fp8_linears
+from engine.layers.fp8_linear import Fp8Experts, Fp8Linear, swap_fp8_linears
 from engine.model import LlamaForCausalLM
 from engine.models.apertus import ApertusForCausalLM
 from engine.models.cohere import CohereForCausalLM
@@ -56,7 +56,7 @@ from engine.models.phi3 import Phi3ForCausalLM
 from engine.models.smollm3 import SmolLM3ForCausalLM
 from engine.models.nemotron_h import NemotronHForCausalLM
 from engine.models.qwen3_5 import Qwen3NextForCausalLM, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
-from engine.models.qwen3_moe import Qwen3MoeForCausalLM
+from engine.models.qwen3_moe import Qwen3MoeForCausalLM, SparseMoeBlock
 from engine.parallel import Collectives, ShardShape
 from kernels.fused import get_fused_ops
 
@@ -158,22 +158,35 @@ def _allocate(model: nn.Module, dtype: torch.dtype, device: torch.device | str) 
                 module._parameters[name] = made[id(param)]
 
 
-def exact_fp8_loading(cls: type[LlamaForCausalLM]) -> bool:
-    """Whether a model class's loading puts each stored projection into its layer unchanged, but for the cuts (it
-    keeps the Llama family's reading, destinations and cuts), so an FP8 checkpoint's values and scales can be held
-    as stored."""
-    return all(getattr(cls, name) is getattr(LlamaForCausalLM, name)
-               for name in ("read_tensor", "_destination", "_shard_of", "cut_shape"))
+# The loading methods that put each stored tensor bound for an FP8-held layer into it unchanged but for the cuts: the
+# Llama family's; Qwen3-MoE's (per-expert tensors into the stacked w13 / w2; a stacked checkpoint aside); DeepSeek V3's
+# and V3.2's (they reorder only the latent attention's rotary rows and the indexer's, which are not held in FP8: its
+# o_proj, dense MLPs and experts are)
+_UNCHANGED = {name: {getattr(cls, name) for cls in (LlamaForCausalLM, Qwen3MoeForCausalLM, DeepseekForCausalLM,
+                                                    DeepseekV32ForCausalLM)}
+              for name in ("read_tensor", "_destination", "_shard_of", "cut_shape")}
+
+
+def exact_fp8_loading(cls: type[LlamaForCausalLM], config: ModelConfig) -> bool:
+    """Whether a model class's loading puts each stored projection into its layer unchanged, but for the cuts (its
+    reading, destinations and cuts are the Llama family's or Qwen3-MoE's), so an FP8 checkpoint's values and scales
+    can be held as stored."""
+    return not config.stacked_experts and all(getattr(cls, name) in fns for name, fns in _UNCHANGED.items())
 
 
 def fp8_cuts(config: ModelConfig, shard: ShardShape) -> dict[str, tuple[list[int], list[int]]]:
     """Where the Llama family's fused parts and this rank's shares of the FP8 projections start: rows of qkv_proj
     and gate_up_proj, columns of the row-parallel o_proj and down_proj (`engine.fp8_weights.fp8_cuts_aligned`)."""
-    d, inter = config.head_dim, shard.intermediate_size
+    d, inter, moe = config.head_dim, shard.intermediate_size, shard.moe_intermediate_size
     q, kv = shard.num_heads * d, shard.num_kv_heads * d
-    return {"qkv_proj": ([q, q + kv, shard.head_start * d, shard.kv_head_start * d], []),
+    cuts = {"qkv_proj": ([q, q + kv, shard.head_start * d, shard.kv_head_start * d], []),
             "o_proj": ([], [shard.head_start * d]), "gate_up_proj": ([inter, shard.rank * inter], []),
             "down_proj": ([], [shard.rank * inter])}
+    if config.mla is not None:   # latent attention: no qkv_proj; o_proj's columns are each head's value
+        cuts |= {"qkv_proj": ([], []), "o_proj": ([], [shard.head_start * config.mla.v_head_dim])}
+    if config.num_experts:   # experts' rows one after another: w13 [E x 2 x moe, hidden], w2 [E x hidden, moe]
+        cuts |= {"w13": ([moe, 2 * moe, shard.rank * moe], []), "w2": ([config.hidden_size], [shard.rank * moe])}
+    return cuts
 
 
 def held_fp8_block(model: LlamaForCausalLM | ModelConfig, shard: ShardShape, quantization: str, device_type: str,
@@ -190,7 +203,7 @@ def _keeps_stored_fp8(model: LlamaForCausalLM | ModelConfig, shard: ShardShape) 
     reads them unchanged and its cuts lie on their edges."""
     config = model if isinstance(model, ModelConfig) else model.config
     stored = config.fp8_weight_block
-    return exact_fp8_loading(model_class(config) if model is config else type(model)) and (
+    return exact_fp8_loading(model_class(config) if model is config else type(model), config) and (
         stored is None or fp8_cuts_aligned(stored, fp8_cuts(config, shard)))
 
 
@@ -203,6 +216,11 @@ def _hold_fp8(model: LlamaForCausalLM, quantization: str, device_type: str,
         return
     swap_fp8_linears(model, FP8_LINEARS, lambda name, layer: block, triton)
     model.fp8_layers = {f"{name}.weight": m for name, m in model.named_modules() if isinstance(m, Fp8Linear)}
+    for name, module in model.named_modules():   # experts the block runs itself (not Llama 4's, Nemotron-H's)
+        if isinstance(module, SparseMoeBlock) and type(module)._experts is SparseMoeBlock._experts \
+                and type(module).forward is SparseMoeBlock.forward:
+            module.hold_fp8(block)
+            model.fp8_layers |= {f"{name}.{w}": Fp8Experts(module, w) for w in ("w13", "w2")}
     model.fp8_exact = model.config.fp8_weight_block is not None and _keeps_stored_fp8(model, model.shard)
 
 

@@ -43,6 +43,7 @@ from engine.layers import SiluAndMul
 from engine.model import MLP, LlamaForCausalLM, WeightLoadError
 from engine.model_config import ModelConfig
 from engine.parallel import Collectives, ShardShape
+from kernels.fp8_gemm import FP8_WEIGHT_DTYPE, dequantize_blocks, scale_grid
 
 log = logging.getLogger("cliffguard.engine")
 
@@ -80,6 +81,27 @@ class SparseMoeBlock(nn.Module):
             if config.shared_expert_gated:
                 self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
         self._grouped = True   # the grouped matmul until it fails for this dtype / device
+        self.fp8_block: tuple[int, int] | None = None   # FP8 experts' scale blocks (`hold_fp8`)
+
+    def hold_fp8(self, block: tuple[int, int]) -> None:
+        """Hold the experts in FP8 (on the meta device, before the parameters are allocated): w13 and w2 in
+        float8_e4m3fn beside float32 scales `w13_scale` [E, 2 x inter in blocks, hidden in blocks] and `w2_scale`,
+        blocks of `block` (`kernels.fp8_gemm`; a side spanning its axis clamped to each matrix's). The Triton kernels
+        dequantize each weight tile as loaded; the loop an expert's weights when it is hit (no grouped matmul)."""
+        self.fp8_block, self._grouped = block, False
+        for name in ("w13", "w2"):
+            stacked = getattr(self, name)
+            grid = scale_grid(tuple(stacked.shape[1:]), block)
+            setattr(self, f"{name}_scale", nn.Parameter(torch.empty(stacked.shape[0], *grid), requires_grad=False))
+        self.parameter_dtypes = {"w13": FP8_WEIGHT_DTYPE, "w2": FP8_WEIGHT_DTYPE, "w13_scale": torch.float32,
+                                 "w2_scale": torch.float32}
+
+    def _expert_weights(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert e's w13 and w2 in `dtype`, the model's (FP8 ones dequantized)."""
+        if self.fp8_block is None:
+            return self.w13[e], self.w2[e]
+        return tuple(dequantize_blocks(getattr(self, name)[e], getattr(self, f"{name}_scale")[e], self.fp8_block)
+                     .to(dtype) for name in ("w13", "w2"))
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [num_tokens, hidden] -> (weights [num_tokens, top_k] in x's dtype, float32 for Mixtral,
@@ -104,6 +126,9 @@ class SparseMoeBlock(nn.Module):
     def _experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """The routed experts' weighted sum (this rank's part): the Triton kernels, else the grouped matmuls, else
         the loop over the experts hit."""
+        if self.fused_moe is not None and self.fp8_block is not None:
+            return self.fused_moe(x, self.w13, self.w2, weights, experts, self.b13, self.b2, self.act_fn,
+                                  self.w13_scale, self.w2_scale, self.fp8_block)
         if self.fused_moe is not None:
             return self.fused_moe(x, self.w13, self.w2, weights, experts, self.b13, self.b2, self.act_fn)
         if GROUPED_MM is not None and self._grouped:
@@ -119,8 +144,9 @@ class SparseMoeBlock(nn.Module):
         hits = F.one_hot(experts, self.num_experts).permute(2, 1, 0)             # [num_experts, top_k, num_tokens]
         for e in hits.sum(dim=(1, 2)).nonzero().flatten().tolist():              # the experts used, in order
             slot, token = torch.where(hits[e])
-            h = _biased(F.linear(x[token], self.w13[e]), self.b13, e)
-            h = _biased(F.linear(self.act_fn(h), self.w2[e]), self.b2, e)
+            w13, w2 = self._expert_weights(e, x.dtype)
+            h = _biased(F.linear(x[token], w13), self.b13, e)
+            h = _biased(F.linear(self.act_fn(h), w2), self.b2, e)
             out.index_add_(0, token, (h * weights[token, slot, None]).to(x.dtype))
         return out
 

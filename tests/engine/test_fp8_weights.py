@@ -20,7 +20,7 @@ from engine.models import held_weight_bytes
 from engine.sampling import SamplingParams
 from kernels.fp8_gemm import dequantize_blocks, quantize_rows
 from tests.conftest import make_tiny_model
-from tests.engine.test_engine_vs_hf import _compressed_fp8_checkpoint, _fp8_checkpoint, _hf_greedy
+from tests.engine.test_engine_vs_hf import QWEN3_MOE, _compressed_fp8_checkpoint, _fp8_checkpoint, _hf_greedy
 
 PROMPTS = [[5, 9, 200, 31, 7], list(range(40, 77))]
 PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
@@ -102,6 +102,50 @@ def test_an_fp8_checkpoint_is_held_as_stored_and_decodes_as_transformers_dequant
     assert _greedy(held) == want == _greedy(dequantized)
 
 
+def test_a_qwen3_moe_fp8_checkpoint_holds_its_experts_as_stored_and_decodes_as_transformers(tmp_path, builtin_path):
+    """Qwen3-MoE's FP8 release kind (every projection and every expert's in blocks, here 16 x 32): each sparse
+    layer's stacked w13 / w2 hold the stored expert bytes and their scales (gate then up rows of each expert), the
+    dense layer's MLP and the attention are Fp8Linears; greedy decoding is transformers' (which dequantizes), and
+    the bytes held are what the capacity plan counts."""
+    import transformers
+
+    folder = make_tiny_model(tmp_path / "fp8", "qwen3_moe", builtin_path, **{**QWEN3_MOE, "mlp_only_layers": [1]})
+    _fp8_checkpoint(folder, (16, 32))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    engine = _engine(folder, "fp8")
+    held = engine.model.fp8_layers
+    assert engine.model.fp8_exact and {"layers.0.mlp.w13", "layers.0.mlp.w2", "layers.1.mlp.gate_up_proj.weight",
+                                       "layers.1.self_attn.qkv_proj.weight"} <= set(held)
+    block = engine.model.layers[0].mlp
+    assert block.w13.dtype == torch.float8_e4m3fn and block.w13_scale.shape == (8, 4, 2)
+    stored = _stored(folder)
+    up = stored["model.layers.0.mlp.experts.5.up_proj.weight"]
+    assert torch.equal(block.w13[5, 32:].view(torch.uint8), up.view(torch.uint8))
+    assert torch.equal(block.w13_scale[5, 2:], stored["model.layers.0.mlp.experts.5.up_proj.weight_scale_inv"])
+    assert engine.weights_bytes == held_weight_bytes(engine.model_config, engine.shard, torch.float32, "fp8", "cpu")
+    assert _greedy(engine) == [_hf_greedy(hf, p, 12, eos_ids=None) for p in PROMPTS] == _greedy(_engine(folder,
+                                                                                                       "none"))
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v32"])
+def test_a_deepseek_fp8_checkpoint_holds_its_experts_and_projections_as_stored(tmp_path, builtin_path, arch):
+    """DeepSeek V3's and V3.2's FP8 releases (blocks, here 16 x 16): the experts, the dense layer's MLP and each
+    layer's o_proj held as stored (their loading reorders only the latent attention's and the indexer's rotary rows,
+    which stay dequantized, as the shared experts do), greedy decoding as the dequantized model's."""
+    from tests.engine.test_engine_vs_hf import DEEPSEEK, DEEPSEEK_V32
+
+    folder = make_tiny_model(tmp_path / "fp8", arch, builtin_path, **(DEEPSEEK if arch == "deepseek_v3" else
+                                                                       DEEPSEEK_V32))
+    _fp8_checkpoint(folder, (16, 16))
+    engine = _engine(folder, "fp8")
+    assert engine.model.fp8_exact
+    sparse = [i for i, layer in enumerate(engine.model.layers) if hasattr(layer.mlp, "w13")]
+    assert sparse and {f"layers.{sparse[0]}.mlp.w13", "layers.0.self_attn.o_proj.weight",
+                       "layers.0.mlp.gate_up_proj.weight"} <= set(engine.model.fp8_layers)
+    assert engine.weights_bytes == held_weight_bytes(engine.model_config, engine.shard, torch.float32, "fp8", "cpu")
+    assert _greedy(engine) == _greedy(_engine(folder, "none"))
+
+
 def test_a_float_checkpoint_is_quantized_a_row_at_a_time_and_decodes_as_its_quantized_weights_do(tmp_path,
                                                                                               builtin_path):
     """`quantization: fp8` over a float checkpoint: each projection's rows quantized over their own largest
@@ -140,21 +184,27 @@ def test_a_checkpoint_whose_cuts_split_its_blocks_is_requantized_by_rows(tmp_pat
 
 
 def test_two_ranks_hold_their_cuts_of_the_stored_blocks_and_decode_as_one(tmp_path, builtin_path):
-    """Tensor parallelism 2 over an FP8 checkpoint in blocks of 16 x 16: each rank holds its rows of the
-    column-parallel projections and its columns of o_proj and down_proj with the stored scales of those blocks,
-    and the two ranks decode what one does."""
+    """Tensor parallelism 2 over a Qwen3-MoE FP8 checkpoint in blocks of 16 x 16: each rank holds its rows of the
+    column-parallel projections, its columns of o_proj and down_proj, and its half of each expert's intermediate
+    rows (gate/up) and columns (down), each with the stored scales of those blocks; the two ranks decode what one
+    does."""
     from tests.engine.test_tensor_parallel import _assert_same_or_near_tie, _generate
 
-    folder = make_tiny_model(tmp_path / "fp8", "qwen3", builtin_path, head_dim=16, intermediate_size=128)
+    folder = make_tiny_model(tmp_path / "fp8", "qwen3_moe", builtin_path,
+                             **{**QWEN3_MOE, "intermediate_size": 128, "mlp_only_layers": [1]})
     _fp8_checkpoint(folder, (16, 16))
     one = LLMEngine(_tp_config(folder, 1), progress=False)
     whole = _fp8_layers(one)["layers.0.self_attn.qkv_proj"]
     reference = _generate(one, PROMPTS)
     two = LLMEngine(_tp_config(folder, 2), progress=False)
-    assert two.model.fp8_exact and len(_fp8_layers(two)) == 4 * two.model_config.num_layers
-    qkv, down = _fp8_layers(two)["layers.0.self_attn.qkv_proj"], _fp8_layers(two)["layers.0.mlp.down_proj"]
+    assert two.model.fp8_exact and len(_fp8_layers(two)) == 2 * two.model_config.num_layers + 2
+    qkv, down = _fp8_layers(two)["layers.0.self_attn.qkv_proj"], _fp8_layers(two)["layers.1.mlp.down_proj"]
     heads = two.shard.num_heads * 16
     assert qkv.out_features * 2 == whole.out_features and down.in_features * 2 == 128
+    experts, all_experts = two.model.layers[0].mlp, one.model.layers[0].mlp   # each rank's half of each expert
+    assert experts.w13.shape == (8, 32, 64) and torch.equal(experts.w13[3, :16].view(torch.uint8),
+                                                            all_experts.w13[3, :16].view(torch.uint8))
+    assert torch.equal(experts.w2_scale, all_experts.w2_scale[:, :, :1])
     assert torch.equal(qkv.weight[:heads].view(torch.uint8), whole.weight[:heads].view(torch.uint8))
     assert torch.equal(qkv.weight_scale[:heads // 16], whole.weight_scale[:heads // 16])
     assert two.weights_bytes == held_weight_bytes(two.model_config, two.shard, torch.float32, "fp8", "cpu")

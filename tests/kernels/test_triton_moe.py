@@ -160,6 +160,39 @@ def test_an_moe_engine_on_the_triton_ops_runs_its_sparse_layers_through_fused_mo
         assert all(mlp.fused_moe is fused for mlp in sparse) and model.graph_safe == (fused is not None)
 
 
+def test_fp8_experts_decode_alike_on_the_triton_kernels_and_on_the_loop(tmp_path, builtin_path, monkeypatch):
+    """A Qwen3-MoE FP8 checkpoint (blocks of 16 x 32) held in FP8, and a GPT-OSS float checkpoint quantized a row at
+    a time (`quantization: fp8`: its biased experts and clamped SwiGLU): the Triton kernels dequantizing each weight
+    tile as loaded decode the greedy tokens the loop over the experts does with each hit expert's weights
+    dequantized whole."""
+    from engine.config import CacheConfig, EngineConfig, PoolConfig, SchedulerConfig
+    from engine.llm_engine import LLMEngine
+    from engine.sampling import SamplingParams
+    from tests.conftest import make_tiny_model
+    from tests.engine.test_engine_vs_hf import QWEN3_MOE, _fp8_checkpoint
+
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (6, 19)]
+    for arch, overrides in (("qwen3_moe", QWEN3_MOE), *[m for m in MODELS if m[0] == "gpt_oss"]):
+        path = make_tiny_model(tmp_path / arch, arch, builtin_path, **overrides)
+        if arch == "qwen3_moe":
+            _fp8_checkpoint(path, (16, 32))
+        results = {}
+        for backend in ("triton", "torch"):
+            monkeypatch.setenv("CLIFFGUARD_ATTENTION_BACKEND", backend)
+            engine = LLMEngine(EngineConfig(model=str(path), dtype="float32", quantization="fp8",
+                                            cache=CacheConfig(block_size=8),
+                                            pools=(PoolConfig(num_blocks=16, scheduler=SchedulerConfig(
+                                                max_num_seqs=2, max_num_batched_tokens=32, max_model_len=64)),)),
+                               progress=False)
+            sparse = [layer.mlp for layer in engine.model.layers if hasattr(layer.mlp, "w13")]
+            assert sparse and all(mlp.w13.dtype == torch.float8_e4m3fn for mlp in sparse), arch
+            assert all((mlp.fused_moe is fused_moe) == (backend == "triton") for mlp in sparse)
+            outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+            results[backend] = [o.outputs[0].token_ids for o in outs]
+        assert results["triton"] == results["torch"], arch
+
+
 @pytest.mark.slow   # ~16 s through the interpreter; the wiring is shown above, fused_moe equals the loop, and the
 # MoE engine (torch ops) equals transformers in tests/engine/test_engine_vs_hf.py
 @pytest.mark.parametrize("arch,overrides", MODELS)
@@ -242,3 +275,32 @@ def test_on_cuda_an_moe_model_is_captured_in_graphs_and_decodes_as_eager(tmp_pat
         assert (engine.runner.graphs is None) == eager
         results[eager] = [o.outputs[0].token_ids for o in engine.generate(prompts, params)]
     assert results[True] == results[False]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_moe_over_fp8_experts_equals_the_loop_over_their_dequantized_weights(dtype):
+    """FP8 experts (blocks of 16 x 32, partial at the edges) with their scales: each weight tile dequantized as the
+    kernels load it, as the whole weights dequantized (each value times its block's scale, rounded to x's dtype)
+    give through the loop."""
+    from kernels.fp8_gemm import dequantize_blocks
+
+    seed = _make_seed()
+    gen = torch.Generator().manual_seed(seed)
+    tokens, hidden, inter, experts, top_k, block = 9, 80, 40, 4, 2, (16, 32)
+
+    def fp8(rows, cols):
+        values = (torch.randn(experts, rows, cols, generator=gen) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+        scale = torch.rand(experts, -(-rows // 16), -(-cols // 32), generator=gen) * 2e-3 + 1e-4
+        return values, scale, torch.stack([dequantize_blocks(v, s, block) for v, s in zip(values, scale)]).to(dtype)
+
+    w13, s13, dense13 = fp8(2 * inter, hidden)
+    w2, s2, dense2 = fp8(hidden, inter)
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    weights, chosen = torch.randn(tokens, experts, generator=gen).softmax(-1).topk(top_k, dim=-1)
+    weights = weights.to(dtype)
+    got = fused_moe(x, w13, w2, weights, chosen, w13_scale=s13, w2_scale=s2, block=block)
+    want = fused_moe(x, dense13, dense2, weights, chosen)
+    rtol, atol = TOLERANCES[dtype]
+    torch.testing.assert_close(got.float(), want.float(), rtol=rtol, atol=atol, msg=lambda m: f"seed {seed}: {m}")
+    torch.testing.assert_close(got.float(), _loop(x, dense13, dense2, weights, chosen), rtol=rtol, atol=atol,
+                               msg=lambda m: f"seed {seed}: {m}")

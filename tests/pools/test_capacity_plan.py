@@ -475,6 +475,7 @@ def test_the_examples_measure_their_gpus_where_they_are_served():
     ("qwen3-next-80b-2xh200.yaml", 141 * GiB, 159_348_782_592, "bfloat16"),
     ("mistral-small-4-2xh200-fp8.yaml", 141 * GiB, 237_945_653_248, "float8_e4m3fn"),
     ("qwen3-32b-fp8-h100.yaml", 80 * GiB, 34_326_243_328, "float8_e4m3fn"),
+    ("deepseek-v3.2-8xh200.yaml", 141 * GiB, 681_924_704_256, "bfloat16"),
 ])
 def test_the_example_files_plan(name, vram, dense_bytes, kv):
     """The example files plan from the config.json beside them: Qwen3-32B's weights (YaRN to 131,072
@@ -483,14 +484,17 @@ def test_the_example_files_plan(name, vram, dense_bytes, kv):
     H200s (its routers in float32 too) with an FP8 cache, Llama 4 Scout's text model on two H200s (a multimodal
     config.json; its rotary table the rag pool's 131,072 positions, not 10,485,760), and Qwen3-Next on two H200s (its
     12 attention layers' K/V alone, and each sequence's state of its 36 linear layers beside them: S_state), and
-    Mistral Small 4 on two H200s with an FP8 cache (its latent cache whole on each GPU: 36 layers x 320 B a token)."""
+    Mistral Small 4 on two H200s with an FP8 cache (its latent cache whole on each GPU: 36 layers x 320 B a token),
+    and the FP8 releases of Qwen3-32B on one H100 and DeepSeek V3.2 on eight H200s, held in FP8."""
     data = yaml.safe_load((REPO / "config" / "examples" / name).read_text())
     config = parse_config(data, env={}, base_dir=REPO / "config" / "examples")
     plan = plan_capacity(config, resolve_model_configs(config), vram_bytes=vram)
     (device,) = plan.devices.values()
     assert device.weights_bytes == dense_bytes and device.kv_cache_dtype == kv
-    if name.startswith("deepseek"):
+    if name.startswith("deepseek-v2"):
         assert device.kv_bytes_per_token == 27 * 576 * 2
+    if name.startswith("deepseek-v3.2"):   # the latent, its rotated key and the indexer's key: 704 a layer
+        assert device.kv_bytes_per_token == 61 * 704 * 2 and device.fp8_weights
     if name.startswith("mistral-small-4"):
         assert device.kv_bytes_per_token == 36 * 320 * 1
     if name.startswith("qwen3-next"):   # per GPU: 36 layers' 8 key heads' conv inputs, 16 value heads' 128 x 128
@@ -525,6 +529,19 @@ def test_an_fp8_checkpoint_held_in_fp8_gives_one_h100_room_for_its_pools():
     data["devices"]["h100"]["quantization"] = "int8"
     with pytest.raises(SpecError, match="quantization"):
         parse_config(data, env={}, base_dir=REPO / "config" / "examples")
+
+
+def test_deepseek_v32_fits_one_node_of_h200s_only_with_its_fp8_weights_held_in_fp8():
+    """DeepSeek V3.2's FP8 release on eight H200s: held in FP8 (`quantization: auto`) 82.7 GiB a GPU leave room for
+    both pools; dequantized (`none`) its 159.8 GiB a GPU are refused, naming the device and the weights."""
+    data = yaml.safe_load((REPO / "config" / "examples" / "deepseek-v3.2-8xh200.yaml").read_text())
+    config = parse_config(data, env={}, base_dir=REPO / "config" / "examples")
+    (device,) = plan_capacity(config, resolve_model_configs(config), vram_bytes=141 * GiB).devices.values()
+    assert device.fp8_weights and device.weights_bytes_per_device < 83 * GiB < device.usable_bytes
+    data["devices"]["h200x8"]["quantization"] = "none"
+    with pytest.raises(SpecError, match="devices.h200x8.*cannot hold the weights"):
+        plan_capacity(parse_config(data, env={}, base_dir=REPO / "config" / "examples"),
+                      resolve_model_configs(config), vram_bytes=141 * GiB)
 
 
 def test_a_tied_model_plans_from_its_config_json_alone(tmp_path):
