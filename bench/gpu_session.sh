@@ -19,13 +19,14 @@
 # --enforce-eager, the sync step with --async-scheduling off (no overlapped steps); the tests step includes greedy
 # output with graphs against without (test_cuda_graphs.py), no stream synchronize in a step's launch (test_overlap.py)
 # and the FP8 KV cache's and the MoE layer's kernels on the GPU (test_triton*.py, compiled: TRITON_INTERPRET=0); the
-# moe step times the MoE experts' three ways (Triton, grouped matmuls, loop); the kernels_fp8 step the kernels on
-# an FP8 KV cache (its decode bandwidth, in its own bytes), the kernels_mla step on DeepSeek's latent cache (one plane
-# read as K and V, head_dim 576, 16 query heads: `bench kernels --latent`), the dsa step DeepSeek V3.2's sparse
-# attention (`bench dsa`: the Triton indexer and sparse kernel against the dense latent kernel, 32k and 128k
+# moe step times the MoE experts' three ways (Triton, grouped matmuls, loop) and in FP8; the kernels_fp8 step the
+# kernels on an FP8 KV cache (its decode bandwidth, in its own bytes), the kernels_mla step on DeepSeek's latent cache
+# (one plane read as K and V, head_dim 576, 16 query heads: `bench kernels --latent`), the dsa step DeepSeek V3.2's
+# sparse attention (`bench dsa`: the Triton indexer and sparse kernel against the dense latent kernel, 32k and 128k
 # contexts), the fp8 step a layer's projections with FP8 weights (`bench fp8`: the Triton GEMM against bfloat16's
-# F.linear, the weights' fraction of copy bandwidth), engine_fp8 the 8B engine with them; the kvcache step (not a default: it needs real
-# weights, KVCACHE_MODEL, which a device machine cannot be given) an FP8 cache's agreement on CUDA. The tests
+# F.linear, the weights' fraction of copy bandwidth), engine_fp8 the 8B engine with them; the kvcache step (not a
+# default: it needs real weights, KVCACHE_MODEL, which a device machine cannot be given) an FP8 cache's agreement on
+# CUDA. The tests
 # step reads the builtin's tokenizer from .gpu/smollm2 (CLIFFGUARD_BUILTIN_DIR: its tiny models take only the
 # tokenizer). The device machine lacks msgspec (the worker protocol): carry
 # its wheel in `.whl` and install it first (see the device tool's notes). Logs go to $OUT (or ./gpu-out); the last lines printed are a short summary.
@@ -85,7 +86,7 @@ for what in ${GPU_STEPS:-tests kernels kernels_fp8 fp8 engine}; do
              step bench_fp8_32b $CLI bench fp8 --device cuda --shape 32b --tokens 1,16,256 ;;
     engine_fp8) step bench_engine_fp8 $CLI bench engine --model .gpu/llama-3-8b --random-weights --dtype bfloat16 \
                --skip-hf --quantization fp8 ;;
-    moe)     step bench_moe $CLI bench moe --device cuda --tokens 1,16,64,256,1024
+    moe)     step bench_moe $CLI bench moe --device cuda --tokens 1,16,64,256,1024 --fp8
              step bench_moe_gpt_oss $CLI bench moe --device cuda --tokens 1,16,64,256,1024 --gpt-oss ;;
     prefix)  step bench_prefix $CLI bench prefix --random-weights --dtype bfloat16 --device cuda --users 16 \
                --system-tokens 4096 --max-num-batched-tokens 2048 --max-num-seqs 32 --kv-cache-mib 4096 ;;

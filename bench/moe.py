@@ -8,7 +8,10 @@ block has them (CUDA: `kernels.triton_moe`, two grouped GEMMs over the pairs sor
 matmuls where torch has them (`torch._grouped_mm`; nothing read back from the device either), and the loop
 over the experts hit (transformers' way, which reads which experts are hit). Reported: the median
 milliseconds of each, tokens per second, each path's speed-up over the loop, and the largest difference of
-its outputs from the loop's. On a GPU each timing synchronises before and after (`bench.engine.sync`).
+its outputs from the loop's. `--fp8` adds the experts in FP8 (a scale an output row): the Triton kernels
+dequantizing each weight tile as loaded where the block has them, else the loop, timed against the fastest
+unquantized path and checked against the loop over the dequantized FP8 weights. On a GPU each timing synchronises
+before and after (`bench.engine.sync`).
 """
 
 from __future__ import annotations
@@ -38,6 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="each expert's intermediate size (768; gpt-oss: 2880)")
     p.add_argument("--tokens", default="1,16,64,256", help="batch sizes in tokens, comma-separated")
     p.add_argument("--repeats", type=int, default=10, help="timed calls per size and path (median)")
+    p.add_argument("--fp8", action="store_true",
+                   help="also the experts in FP8 (a scale an output row, as quantization: fp8 holds a float model's): "
+                        "the Triton kernels dequantizing each tile where the block has them, else the loop")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
 
 
@@ -79,6 +85,28 @@ def _block(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
     return block.to(device=device, dtype=dtype)
 
 
+def _fp8_blocks(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
+    """Two more of the block (the same weights, drawn from the same seed): its experts in FP8, one scale an output
+    row (`quantization: fp8`'s), and its experts as those FP8 weights dequantized, run by the loop: what the FP8
+    path's outputs are checked against."""
+    from torch import nn
+
+    from engine.fp8_weights import ROW_SCALES
+    from kernels.fp8_gemm import dequantize_blocks, quantize_rows
+
+    fp8, reference = _block(args, device, dtype), _block(args, device, dtype)
+    with torch.no_grad():
+        for name in ("w13", "w2"):
+            weight = getattr(reference, name)
+            values, scale = quantize_rows(weight.reshape(-1, weight.shape[-1]))
+            setattr(fp8, name, nn.Parameter(values.view(weight.shape), requires_grad=False))
+            setattr(fp8, f"{name}_scale", nn.Parameter(scale.view(*weight.shape[:2], 1), requires_grad=False))
+            getattr(reference, name).copy_(dequantize_blocks(values, scale, ROW_SCALES).view(weight.shape))
+    fp8.fp8_block, fp8._grouped = ROW_SCALES, False
+    reference.fused_moe, reference._grouped = None, False
+    return fp8, reference
+
+
 def _time(call, device: torch.device, repeats: int) -> float:
     call()   # warm: kernels chosen and compiled
     times = []
@@ -108,8 +136,13 @@ def _paths(block, x: torch.Tensor) -> dict[str, tuple]:
     return paths
 
 
-def _row(block, paths: dict[str, tuple], x: torch.Tensor, device: torch.device, repeats: int) -> dict:
+def _row(block, paths: dict[str, tuple], x: torch.Tensor, device: torch.device, repeats: int, fp8=None) -> dict:
     outs, row = {}, {"tokens": x.shape[0]}
+    if fp8 is not None:   # (the FP8 block, the loop over its dequantized weights)
+        want = fp8[1](x)
+        row["fp8_max_abs_diff"] = float((fp8[0](x).float() - want.float()).abs().max())
+        seconds = _time(lambda: fp8[0](x), device, repeats)
+        row["fp8_ms"], row["fp8_tokens_per_s"] = seconds * 1e3, x.shape[0] / seconds
     for name, (fused, grouped) in paths.items():
         block.fused_moe, block._grouped = fused, grouped
         outs[name] = block(x)
@@ -119,6 +152,9 @@ def _row(block, paths: dict[str, tuple], x: torch.Tensor, device: torch.device, 
         if name != "loop":
             row[f"{name}_speedup"] = row["loop_ms"] / row[f"{name}_ms"]
             row[f"{name}_max_abs_diff"] = float((outs[name].float() - outs["loop"].float()).abs().max())
+    if fp8 is not None:
+        row["fp8_speedup"] = row["loop_ms"] / row["fp8_ms"]
+        row["fp8_vs_first"] = row[f"{next(iter(paths))}_ms"] / row["fp8_ms"]   # against the fastest unquantized path
     return row
 
 
@@ -132,13 +168,15 @@ def run(args: argparse.Namespace) -> int:
     device, dtype = device_and_dtype(args.device, args.dtype)
     block = _block(args, device, dtype)
     with torch.inference_mode():
+        fp8 = _fp8_blocks(args, device, dtype) if args.fp8 else None
         paths = _paths(block, torch.randn(2, args.hidden_size).to(device, dtype))
         rows = [_row(block, paths, torch.randn(n, args.hidden_size, generator=torch.Generator().manual_seed(n)
-                                               ).to(device, dtype), device, args.repeats) for n in sizes]
+                                               ).to(device, dtype), device, args.repeats, fp8) for n in sizes]
     result = {"device": str(device), "dtype": str(dtype).removeprefix("torch."),
               "block": "gpt_oss" if args.gpt_oss else "qwen3_moe", "hidden_size": args.hidden_size,
               "experts": args.experts, "top_k": args.top_k, "moe_intermediate_size": args.moe_intermediate_size,
-              "paths": list(paths), "rows": rows}
+              "paths": list(paths), "fp8": None if fp8 is None else ("triton" if fp8[0].fused_moe else "loop"),
+              "rows": rows}
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
@@ -149,5 +187,9 @@ def run(args: argparse.Namespace) -> int:
         cells = [f"{name} {r[f'{name}_ms']:8.2f} ms ({r[f'{name}_tokens_per_s']:9.0f} tok/s"
                  + (f", {r[f'{name}_speedup']:.2f}x the loop, differs by <= {r[f'{name}_max_abs_diff']:.2e})"
                     if name != "loop" else ")") for name in paths]
+        if fp8 is not None:
+            cells.append(f"fp8 ({result['fp8']}) {r['fp8_ms']:8.2f} ms ({r['fp8_tokens_per_s']:9.0f} tok/s, "
+                         f"{r['fp8_vs_first']:.2f}x {paths and next(iter(paths))}, differs from its dequantized "
+                         f"weights' loop by <= {r['fp8_max_abs_diff']:.2e})")
         print(f"  {r['tokens']:>5} tokens: " + "; ".join(cells))
     return 0

@@ -44,6 +44,22 @@ def test_it_times_every_path_on_the_same_routing(capsys, monkeypatch, backend, g
             assert row[f"{name}_speedup"] == pytest.approx(row["loop_ms"] / row[f"{name}_ms"])
 
 
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
+def test_fp8_experts_are_timed_and_checked_against_their_dequantized_weights(capsys, monkeypatch, backend):
+    # --fp8: the experts in FP8 beside the unquantized paths, through the Triton kernels where the block has them.
+    if backend == "triton":
+        pytest.importorskip("triton")
+    monkeypatch.setenv("CLIFFGUARD_ATTENTION_BACKEND", backend)
+    args = _parse("--device", "cpu", "--dtype", "float32", "--hidden-size", "64", "--experts", "8", "--top-k", "2",
+                  "--moe-intermediate-size", "32", "--tokens", "1,8", "--repeats", "1", "--json", "--fp8")
+    assert moe.run(args) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["fp8"] == ("triton" if backend == "triton" else "loop")
+    for row in result["rows"]:
+        assert row["fp8_ms"] > 0 and row["fp8_max_abs_diff"] < 1e-4
+        assert row["fp8_vs_first"] == pytest.approx(row[f"{result['paths'][0]}_ms"] / row["fp8_ms"])
+
+
 @pytest.mark.parametrize("argv,named", [(["--top-k", "9", "--experts", "8"], "--top-k"),
                                         (["--tokens", "0"], "--tokens"), (["--repeats", "0"], "--repeats")])
 def test_bad_options_are_named(argv, named):
