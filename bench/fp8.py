@@ -17,12 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
-from bench.engine import measure_copy_bandwidth, sync
+from bench.engine import measure_copy_bandwidth, time_call
 from bench.options import device_and_dtype, int_list
 
 # (hidden, query heads, KV heads, head_dim, MLP) of the shapes --shape names
@@ -67,15 +66,8 @@ def _layers(shape: str, device: torch.device, dtype: torch.dtype):
 
 
 def _median(call, device: torch.device, repeats: int) -> float:
-    call()   # warm: kernels chosen and compiled
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        started = time.perf_counter()
-        call()
-        sync(device)
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
+    """Median seconds of `repeats` calls, after one untimed (kernels chosen and compiled)."""
+    return statistics.median(time_call(call, device, warmup=1, iters=repeats))
 
 
 def _row(layers, rows: int, device, dtype, repeats: int, bandwidth: float | None) -> dict:

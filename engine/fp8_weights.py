@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from engine.config import FP8_MIN_CAPABILITY, QUANTIZATIONS, ConfigError
-from kernels.fp8_gemm import FP8_WEIGHT_DTYPE, WHOLE, Fp8Block, quantize_rows, scale_grid
+from kernels.fp8_gemm import FP8_WEIGHT_DTYPE, WHOLE, Fp8Block, quantize_blocks, scale_grid
 from kernels.fp8_gemm import dequantize_blocks as dequantize_fp8_blocks
 
 __all__ = ["FP8_LINEARS", "QUANTIZATIONS", "ROW_SCALES", "SCALE_SUFFIX", "WHOLE", "dequantize_fp8_blocks",
@@ -184,11 +184,10 @@ def fp8_part(values: torch.Tensor, scale: torch.Tensor | None, checkpoint_block:
     layer's blocks). `values` is this rank's cut of the stored tensor (`cut`: the model's cut of a tensor of the
     stored shape `full_shape`), to go at row `first_row` of the layer. An FP8 tensor keeps its values, and its
     `scale` (blocks of `checkpoint_block`) is cut to the rows and columns kept; a float one is quantized a row at
-    a time (the layer's blocks are rows then). ValueError where a layer block would span two of the checkpoint's."""
+    a time, or in the layer's blocks where it holds an FP8 checkpoint's (a projection the checkpoint left in float).
+    ValueError where a layer block would span two of the checkpoint's."""
     if values.dtype != FP8_WEIGHT_DTYPE:
-        if layer_block[0] != 1 or layer_block[1] < values.shape[1]:
-            raise ValueError(f"a float weight is held in FP8 one scale a row, not in blocks of {layer_block}")
-        return quantize_rows(values)
+        return quantize_blocks(values, layer_block)
     n, k = full_shape
     grid = scale_grid(full_shape, checkpoint_block)
     if scale.numel() != grid[0] * grid[1]:

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from kernels.reference import FP8_MAX
 
 __all__ = ["FP8_WEIGHT_DTYPE", "WHOLE", "Fp8Block", "block_scales", "dequantize_blocks", "fp8_linear",
-           "quantize_rows", "scale_grid"]
+           "quantize_blocks", "quantize_rows", "scale_grid"]
 
 FP8_WEIGHT_DTYPE = torch.float8_e4m3fn
 WHOLE = 2 ** 31 - 1   # a block side spanning its whole axis (a per-channel or per-tensor scale)
@@ -66,12 +66,23 @@ def dequantize_blocks(weight: torch.Tensor, scale: torch.Tensor, block: tuple[in
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A float weight [N, K] as FP8 values and one float32 scale a row ([N, 1]): each row over its largest
     magnitude / 448, rounded to nearest even (a row of zeros: scale 1). Non-finite weights are refused."""
+    return quantize_blocks(weight, (1, WHOLE))
+
+
+def quantize_blocks(weight: torch.Tensor, block: Fp8Block) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float weight [N, K] as FP8 values and float32 scales in blocks of `block` ([ceil(N / rows), ceil(K /
+    columns)], partial blocks too): each block over its largest magnitude / 448, rounded to nearest even (a block
+    of zeros: scale 1). Non-finite weights are refused."""
     w = weight.float()
     if not torch.isfinite(w).all():
         raise ValueError("a weight with inf or NaN values cannot be quantized")
-    amax = w.abs().amax(dim=1, keepdim=True)
+    (rows, cols), (bn, bk) = w.shape, (min(block[0], w.shape[0]), min(block[1], w.shape[1]))
+    grid = scale_grid((rows, cols), (bn, bk))
+    padded = w.new_zeros(grid[0] * bn, grid[1] * bk)
+    padded[:rows, :cols] = w.abs()
+    amax = padded.view(grid[0], bn, grid[1], bk).amax(dim=(1, 3))
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    return (w / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_WEIGHT_DTYPE), scale
+    return (w / block_scales(scale, (bn, bk), (rows, cols))).clamp(-FP8_MAX, FP8_MAX).to(FP8_WEIGHT_DTYPE), scale
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],

@@ -245,7 +245,8 @@ def test_the_device_key_chooses_and_refuses_by_name():
 
 def test_a_part_takes_the_scales_of_the_blocks_it_keeps_and_refuses_a_split_block():
     """fp8_part: a rank's rows 32..63 of a [64, 48] weight in blocks of 16 x 16, at row 16 of its layer, take scale
-    rows 2..3; a per-tensor scale is spread over the layer's rows; a cut through a block is refused by name."""
+    rows 2..3; a per-tensor scale is spread over the layer's rows; a cut through a block is refused by name; a float
+    weight (a projection the checkpoint left unquantized) is quantized in the layer's blocks."""
     values = torch.randn(64, 48).to(torch.float8_e4m3fn)
     scale = torch.arange(12.0).view(4, 3)
     cut = lambda t: t.narrow(0, 32, 32)   # noqa: E731
@@ -256,8 +257,10 @@ def test_a_part_takes_the_scales_of_the_blocks_it_keeps_and_refuses_a_split_bloc
     assert spread.shape == (64, 1) and (spread == 0.5).all()
     with pytest.raises(ValueError, match="a cut at row 8 splits a scale block of 16"):
         fp8_part(values[8:24], scale, (16, 16), (64, 48), lambda t: t.narrow(0, 8, 16), (16, 16), 0)
-    with pytest.raises(ValueError, match="one scale a row"):
-        fp8_part(torch.randn(4, 48), None, None, (4, 48), lambda t: t, (16, 16), 0)
+    weight = torch.randn(20, 48)   # a projection an FP8 checkpoint left in float: quantized in the layer's blocks
+    values, scales = fp8_part(weight, None, (16, 16), (20, 48), lambda t: t, (16, 16), 0)
+    assert scales.shape == (2, 3) and torch.allclose(dequantize_blocks(values, scales, (16, 16)), weight,
+                                                     rtol=2 ** -4, atol=1e-6)
 
 
 def test_a_missing_scale_is_refused_by_name(tmp_path, builtin_path):

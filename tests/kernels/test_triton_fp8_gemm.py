@@ -18,7 +18,7 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 
 from kernels.fp8_gemm import (WHOLE, block_scales, dequantize_blocks, fp8_linear,  # noqa: E402
-                                quantize_rows)
+                                quantize_blocks, quantize_rows)
 from kernels.triton_fp8_gemm import fp8_linear as triton_fp8_gemm  # noqa: E402
 from kernels.triton_fp8_gemm import fp8_linear_tiles  # noqa: E402
 from tests.kernels.test_reference import _make_seed  # noqa: E402
@@ -76,7 +76,8 @@ def test_leading_dimensions_an_empty_batch_and_the_tiles():
 
 def test_rows_quantize_to_their_largest_magnitude_and_dequantize_back():
     """quantize_rows: each row over its largest magnitude / 448 (that value lands on 448 exactly), a zero row's scale
-    1; dequantizing gives the row back within e4m3's half-step (2^-4 relative); non-finite weights refused."""
+    1; dequantizing gives the row back within e4m3's half-step (2^-4 relative); non-finite weights refused;
+    quantize_blocks: each block (partial ones too) over its own largest magnitude."""
     gen = torch.Generator().manual_seed(_make_seed())
     w = torch.randn(6, 50, generator=gen) * torch.tensor([1e-3, 1.0, 30.0, 1.0, 1e4, 0.0])[:, None]
     values, scale = quantize_rows(w)
@@ -88,6 +89,11 @@ def test_rows_quantize_to_their_largest_magnitude_and_dequantize_back():
     assert torch.equal(block_scales(scale, (1, WHOLE), (6, 50)), scale.expand(6, 50))
     with pytest.raises(ValueError, match="inf or NaN"):
         quantize_rows(torch.tensor([[1.0, float("nan")]]))
+    blocks, block_scale = quantize_blocks(w[:5], (2, 16))   # blocks of 2 x 16, the last ones partial
+    want = torch.tensor([[w[r:r + 2, c:c + 16].abs().max() / 448 for c in range(0, 50, 16)] for r in range(0, 5, 2)])
+    assert block_scale.shape == (3, 4) and torch.equal(block_scale, want)
+    assert ((dequantize_blocks(blocks, block_scale, (2, 16)) - w[:5]).abs()
+            <= block_scales(block_scale, (2, 16), (5, 50)) * 448 * 2 ** -4).all()
 
 
 @pytest.mark.gpu
