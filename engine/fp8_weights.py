@@ -1,4 +1,4 @@
-"""FP8 checkpoints, served dequantized to the model's dtype as they are read:
+"""FP8 checkpoints, and FP8 weights held as FP8 (the device key `quantization`). The formats read:
 
 - with block scales (`quantization_config.quant_method: fp8`, `weight_block_size`: DeepSeek V3's and R1's, Kimi K2's,
   MiniMax-M2's, Qwen3's `-FP8` releases): each quantized projection is stored as `X.weight` in float8_e4m3fn and
@@ -19,10 +19,11 @@ scale is a block spanning the whole row or tensor (`WHOLE`).
 How the model holds them is the device's `quantization` (`QUANTIZATIONS`, `served_fp8_block`):
 
 - `auto` (the default): on a GPU with FP8 conversions (compute capability 8.9 and up) the attention and MLP
-  projections of an FP8 checkpoint stay FP8 with their own scales (`engine.layers.fp8_linear.Fp8Linear`: one byte a
-  weight, half of bfloat16), wherever the model's loading reads them unchanged (`exact_fp8_loading`) and its fused
-  and tensor-parallel cuts start on whole scale blocks (`fp8_cuts_aligned`); every other tensor, and any model
-  elsewhere, dequantized to the model's dtype as it is read (bfloat16: twice the checkpoint's bytes);
+  projections of an FP8 checkpoint (`FP8_LINEARS`, and the experts of a block that runs its own) stay FP8 with their
+  own scales (`engine.layers.fp8_linear`: one byte a weight, half of bfloat16), wherever the model's loading reads
+  them unchanged (`engine.models.exact_fp8_loading`) and its fused, expert and tensor-parallel cuts start on whole
+  scale blocks (`fp8_cuts_aligned`); every other tensor, and any model elsewhere, dequantized to the model's dtype
+  as it is read (bfloat16: twice the checkpoint's bytes);
 - `fp8`: FP8 on every device (a CPU dequantizes a layer's weight on each call: memory, not speed), and a float
   checkpoint's projections quantized as they are read, one scale an output row (`kernels.fp8_gemm.quantize_rows`);
   an FP8 checkpoint whose loading changes its tensors, or whose cuts split a block, the same way from its

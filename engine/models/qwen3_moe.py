@@ -24,7 +24,8 @@ Weights: the checkpoint's per-expert `mlp.experts.{e}.gate_proj / up_proj / down
 tensors, `w13` [num_experts, 2 x intermediate, hidden] (gate rows, then up rows) and `w2` [num_experts,
 hidden, intermediate]. Under tensor parallelism each rank holds every expert's slice of the
 intermediate size (gate/up rows, down columns) and the partial outputs are summed; the router is whole
-on every rank, so every rank routes alike.
+on every rank, so every rank routes alike. Held in FP8 (`hold_fp8`, the device's `quantization`), w13 and w2 are
+e4m3 beside their block scales, filled expert by expert as a checkpoint stores them (`engine.fp8_weights`).
 """
 
 from __future__ import annotations
