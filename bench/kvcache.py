@@ -1,8 +1,9 @@
 """`cliffguard bench kvcache`: an FP8 KV cache against the model-dtype cache, on the same chat prompts.
 
-Four engines over the same model, one after the other: the default cache (`kv_cache_dtype: auto`), an FP8
-cache with the scales measured at start (`engine.kv_scales`), an FP8 cache with every scale 1.0, and, as a
-yardstick, the default cache with the model in the other common dtype (bfloat16 beside a float32 model,
+Five engines over the same model, one after the other: the default cache (`kv_cache_dtype: auto`), an FP8
+cache with the scales measured at start (`engine.kv_scales`), an FP8 cache with every scale 1.0, the default
+cache beside FP8 weights (`quantization: fp8`: each projection quantized a row at a time, as a float checkpoint
+is held in FP8), and, as a yardstick, the default cache with the model in the other common dtype (bfloat16 beside a float32 model,
 float32 beside a half-precision one): how far greedy answers move under the rounding every GPU deployment
 already accepts. Each answers `--prompts` fixed chat questions greedily (`--max-tokens`, logprobs on).
 Reported for each variant against the default:
@@ -32,7 +33,8 @@ CHAT_QUESTIONS = (
     "Suggest a name for a small dog.", "What is the opposite of early?", "Explain what a verb is.",
     "Which planet is closest to the sun?", "Give one tip for sleeping well.", "What colour is grass?",
 )
-VARIANTS = ("fp8", "fp8, scales 1.0")   # then the yardstick, named by its dtype: "bfloat16 model"
+VARIANTS = ("fp8", "fp8, scales 1.0")   # then FP8 weights, then the yardstick, named by its dtype: "bfloat16 model"
+WEIGHTS = "fp8 weights"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -49,9 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _answers(model: str, args: argparse.Namespace, kv_cache_dtype: str, measure_scales: bool = True,
-             dtype: str | None = None):
+             dtype: str | None = None, quantization: str = "none"):
     """(outputs, S_KV bytes per token, the model's dtype) of one engine over the questions; `dtype` replaces
-    `--dtype`."""
+    `--dtype`; `quantization`: how it holds the weights."""
     from dataclasses import replace
 
     from engine.llm_engine import LLMEngine
@@ -60,8 +62,8 @@ def _answers(model: str, args: argparse.Namespace, kv_cache_dtype: str, measure_
 
     _, config = plan_single_pool(model, device=args.device, dtype=dtype or args.dtype,
                                  kv_cache_bytes=args.kv_cache_mib << 20, max_model_len=512, max_num_seqs=args.prompts)
-    engine = LLMEngine(replace(config, kv_cache_dtype=kv_cache_dtype, calculate_kv_scales=measure_scales),
-                       progress=False)   # not measured: every scale stays 1.0
+    engine = LLMEngine(replace(config, kv_cache_dtype=kv_cache_dtype, calculate_kv_scales=measure_scales,
+                               quantization=quantization), progress=False)   # not measured: every scale stays 1.0
     prompts = [engine.tokenizer.encode_chat([{"role": "user", "content": q}])
                for q in CHAT_QUESTIONS[:args.prompts]]
     outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=args.max_tokens, logprobs=5))
@@ -113,6 +115,8 @@ def run(args: argparse.Namespace) -> int:
         outputs, kv_bytes, _ = _answers(model, args, "fp8", measure)
         result[name] = compare(reference, outputs)
         result["kv_bytes_per_token"][name] = kv_bytes
+    outputs, _, _ = _answers(model, args, "auto", quantization="fp8")
+    result[WEIGHTS] = compare(reference, outputs)
     other = yardstick_dtype(dtype)
     outputs, _, _ = _answers(model, args, "auto", dtype=other)
     result["yardstick"] = f"{other} model"
@@ -123,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"{args.model} ({result['dtype']}): {args.prompts} chat questions, {args.max_tokens} greedy tokens each; "
           f"S_KV {ref_bytes:,} B/token, FP8 {result['kv_bytes_per_token']['fp8']:,} B/token "
           f"({ref_bytes / result['kv_bytes_per_token']['fp8']:.1f}x the blocks from the same bytes)")
-    for name in (*VARIANTS, result["yardstick"]):
+    for name in (*VARIANTS, WEIGHTS, result["yardstick"]):
         r = result[name]
         lengths = ", ".join(f"{n}: {k}" for n, k in r["identical_by_length"].items())
         print(f"  {name:<16} identical {r['identical']}/{r['prompts']} (by length {lengths}), agreed share "

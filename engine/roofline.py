@@ -80,15 +80,17 @@ class RooflineStepTime:
     """A GPU preset's roofline for one model on a tensor-parallel group of `tp` GPUs (module docstring)."""
 
     def __init__(self, preset: DevicePreset, model: ModelConfig, dtype_bytes: int, tp: int = 1,
-                 kv_dtype_bytes: int | None = None) -> None:
+                 kv_dtype_bytes: int | None = None, held_bytes: tuple[int, int] | None = None) -> None:
         self.preset = preset
         self.model = model
         self.dtype_bytes = dtype_bytes
         self.tp = tp
         self.swap_bandwidth = preset.swap_bandwidth
         self.swap_latency = 0.0   # a preset's copies cost their bytes only
-        self.expert_bytes = expert_params(model) * dtype_bytes         # read as far as the tokens hit them
-        self.weights_bytes = model.num_params() * dtype_bytes - self.expert_bytes   # read whole every step
+        # held_bytes: (the weights, their routed experts) as held where that is not num_params x dtype_bytes (FP8)
+        weights, experts = held_bytes or (model.num_params() * dtype_bytes, expert_params(model) * dtype_bytes)
+        self.expert_bytes = experts                                    # read as far as the tokens hit them
+        self.weights_bytes = weights - experts                         # read whole every step
         kv_bytes = dtype_bytes if kv_dtype_bytes is None else kv_dtype_bytes   # an FP8 cache: 1
         # the group's: a head each GPU where TP > KV heads (replicated); each layer's heads and head size
         self.kv_bytes_per_token = model.kv_planes * kv_bytes * sum(

@@ -38,8 +38,8 @@ LOCK_FILE = "serve.lock"          # under --data-dir: held by the one server usi
 BENCHMARKS = {   # command -> help line; `cliffguard bench NAME` is bench.NAME's add_arguments and run
     "engine": "our engine vs transformers generate, same workload",
     "hostcost": "a decode step's host cost: ours vs transformers' forward, ops per layer, by batch and output length",
-    "kvcache": "an FP8 KV cache against the model-dtype cache (and the model in another dtype): greedy agreement, "
-               "log-prob error, bytes per token",
+    "kvcache": "an FP8 KV cache and FP8 weights against the model's dtype (and the model in another dtype): greedy "
+               "agreement, log-prob error, bytes per token",
     "fp8": "a layer's projections with FP8 weights (the Triton GEMM on CUDA) vs the same weights in the model's "
            "dtype: time, weight bytes, fraction of copy bandwidth",
     "moe": "one MoE layer's experts (Qwen3-30B-A3B's shape): grouped matmuls vs the loop over the experts hit",

@@ -58,6 +58,7 @@ from engine.models.nemotron_h import NemotronHForCausalLM
 from engine.models.qwen3_5 import Qwen3NextForCausalLM, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
 from engine.models.qwen3_moe import Qwen3MoeForCausalLM, SparseMoeBlock
 from engine.parallel import Collectives, ShardShape
+from engine.roofline import expert_params
 from kernels.fused import get_fused_ops
 
 __all__ = ["build_model", "model_class"]
@@ -232,8 +233,28 @@ def held_weight_bytes(config: ModelConfig, shard: ShardShape, dtype: torch.dtype
     plain = shard.num_params(config) * dtype.itemsize + config.num_float32_params * (4 - dtype.itemsize)
     if held_fp8_block(config, shard, quantization, device_type) is None:
         return plain
+    model = _meta_model(config, shard, dtype, quantization, device_type)
+    return plain - sum(m.weight.numel() * (dtype.itemsize - 1) - m.weight_scale.numel() * 4
+                       for m in model.fp8_layers.values())
+
+
+def held_expert_bytes(config: ModelConfig, dtype: torch.dtype, quantization: str, device_type: str) -> int:
+    """The bytes of the whole model's routed experts as the engine holds them (`held_weight_bytes`' share of them):
+    what a roofline reads as far as a step's tokens hit them."""
+    plain = expert_params(config) * dtype.itemsize
+    shard = ShardShape.of(config)
+    if not config.num_experts or held_fp8_block(config, shard, quantization, device_type) is None:
+        return plain
+    model = _meta_model(config, shard, dtype, quantization, device_type)
+    held = [m for m in model.modules() if isinstance(m, SparseMoeBlock) and m.fp8_block is not None]
+    return sum(m.w13.numel() + m.w2.numel() + 4 * (m.w13_scale.numel() + m.w2_scale.numel())
+               for m in held) if held else plain
+
+
+def _meta_model(config: ModelConfig, shard: ShardShape, dtype: torch.dtype, quantization: str,
+                device_type: str) -> LlamaForCausalLM:
+    """The model one rank (`shard`) builds, on the meta device, its weights held as `quantization` says."""
     with torch.device("meta"):
         model = model_class(config)(config, shard, None, get_fused_ops("cpu", dtype))
         _hold_fp8(model, quantization, device_type, None)
-    return plain - sum(m.weight.numel() * (dtype.itemsize - 1) - m.weight_scale.numel() * 4
-                       for m in model.fp8_layers.values())
+    return model

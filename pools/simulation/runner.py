@@ -16,6 +16,7 @@ import torch
 from engine.calibration import slo_from_step, slo_probe, slo_share
 from engine.config import LatencySLO, PoolConfig, parse_dtype
 from engine.model_config import ModelConfig
+from engine.models import held_expert_bytes
 from engine.roofline import PRESETS, RooflineStepTime
 from engine.step_cost import StepFeatures, StepTime, read_step_model
 from pools.capacity_plan import CapacityPlan, DevicePlan
@@ -145,8 +146,17 @@ def device_step_times(plan: CapacityPlan, model_configs: Mapping[str, ModelConfi
             measured = dataclasses.replace(measured, swap_bandwidth=PRESETS[preset].swap_bandwidth)
         return {d.name: measured for d in plan.devices.values()}
     return {d.name: RooflineStepTime(PRESETS[preset], model_configs[d.model], parse_dtype(d.dtype).itemsize,
-                                     d.tensor_parallel_size, getattr(torch, d.kv_cache_dtype).itemsize)
+                                     d.tensor_parallel_size, getattr(torch, d.kv_cache_dtype).itemsize,
+                                     _held_bytes(d, model_configs[d.model]))
             for d in plan.devices.values()}
+
+
+def _held_bytes(d: DevicePlan, model: ModelConfig) -> tuple[int, int] | None:
+    """(weights, routed experts) bytes a device holding FP8 projections reads (the plan's weights, the experts as
+    held); None for weights in the model's dtype (the roofline counts them itself)."""
+    if not d.fp8_weights:
+        return None
+    return d.weights_bytes, held_expert_bytes(model, parse_dtype(d.dtype), "fp8", d.device_type)
 
 
 def step_model_label(preset: str, step_model: str | None = None) -> str:

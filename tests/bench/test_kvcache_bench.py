@@ -20,13 +20,13 @@ def _run(capsys, *argv: str) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
-def test_it_reports_agreement_error_and_bytes_for_both_fp8_variants(tmp_path, builtin_path, capsys):
+def test_it_reports_agreement_error_and_bytes_for_the_fp8_variants(tmp_path, builtin_path, capsys):
     model = make_tiny_model(tmp_path / "tiny", "llama", builtin_path, initializer_range=0.05, vocab_size=49152)
     result = _run(capsys, "--model", str(model), "--device", "cpu", "--dtype", "float32", "--prompts", "3",
                   "--max-tokens", "4", "--kv-cache-mib", "16")
     assert result["kv_bytes_per_token"]["auto"] == 4 * result["kv_bytes_per_token"]["fp8"]   # float32 -> e4m3
     assert result["dtype"] == "float32" and result["yardstick"] == "bfloat16 model"
-    for name in (*kvcache.VARIANTS, "bfloat16 model"):
+    for name in (*kvcache.VARIANTS, kvcache.WEIGHTS, "bfloat16 model"):
         r = result[name]
         assert r["prompts"] == 3 and 0 <= r["identical"] <= 3 and 0.0 <= r["agreed_share"] <= 1.0
         assert r["identical_by_length"] == {"4": r["identical"]}   # JSON keys

@@ -6,6 +6,7 @@ the capacity plan counts (`engine.models.held_weight_bytes`), and the choices an
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -280,3 +281,24 @@ def test_a_missing_scale_is_refused_by_name(tmp_path, builtin_path):
     index.write_text(json.dumps(weight_map))
     with pytest.raises(WeightLoadError, match="up_proj.weight_scale_inv: missing"):
         _engine(folder, "fp8")
+
+
+def test_the_roofline_reads_the_bytes_held_in_fp8():
+    """The simulator's roofline over a device holding FP8 weights reads their bytes: Qwen3-32B-FP8's decode step on
+    an H100 preset reads about half of bfloat16's weights; Qwen3-30B-A3B's experts held in FP8 (`fp8`) count one
+    byte a weight plus their scales (`held_expert_bytes`)."""
+    from engine.model_config import ModelConfig
+    from engine.models import held_expert_bytes
+    from engine.parallel import ShardShape
+    from engine.roofline import PRESETS, RooflineStepTime, expert_params
+
+    examples = Path(__file__).resolve().parents[2] / "config" / "examples"
+    dense = ModelConfig.from_folder(examples / "qwen3-32b-fp8")
+    held = held_weight_bytes(dense, ShardShape.of(dense), torch.bfloat16, "auto", "cuda")
+    bf16 = RooflineStepTime(PRESETS["h100"], dense, 2)
+    fp8 = RooflineStepTime(PRESETS["h100"], dense, 2, held_bytes=(held, 0))
+    assert fp8.weights_bytes == held and 0.5 < fp8.weights_bytes / bf16.weights_bytes < 0.53
+    moe = ModelConfig.from_folder(examples / "qwen3-30b-a3b")
+    experts = expert_params(moe)
+    assert held_expert_bytes(moe, torch.bfloat16, "none", "cuda") == 2 * experts
+    assert experts < held_expert_bytes(moe, torch.bfloat16, "fp8", "cuda") < 1.01 * experts
