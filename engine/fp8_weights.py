@@ -120,11 +120,11 @@ def fp8_weight_block(quant: Any, key: str) -> tuple[int, int] | None:
 
 
 def dequantized(hf_name: str, tensor: torch.Tensor, pending: dict[str, dict[str, torch.Tensor]], block: Fp8Block,
-                suffix: str = SCALE_SUFFIX, keep: Callable[[str], bool] | None = None,
+                suffix: str = SCALE_SUFFIX, keep: Callable[[str, torch.Tensor], bool] | None = None,
                 kept_scales: dict[str, torch.Tensor] | None = None) -> tuple[str, torch.Tensor | None]:
     """An FP8 checkpoint's tensor as loading reads it: an FP8 `X.weight` or its scales `X<suffix>` (`weight_scale_inv`,
     or llm-compressor's `weight_scale`) held in `pending` until the other comes (None), then the weight dequantized,
-    or, where `keep(X.weight)` says the model holds it in FP8, the weight as stored, its scales into `kept_scales`; a
+    or, where `keep(X.weight, the weight)` says the model holds it in FP8, the weight as stored, its scales into `kept_scales`; a
     static activation scale (`X.input_scale`, llm-compressor's; `X.activation_scale`, transformers' per-tensor
     FP8's) skipped (None); any other tensor itself. ValueError naming the weight whose scales do not fit it."""
     if hf_name.endswith((".input_scale", ".activation_scale")):   # a static activation scheme's: not read
@@ -140,7 +140,7 @@ def dequantized(hf_name: str, tensor: torch.Tensor, pending: dict[str, dict[str,
     if len(pair) < 2:
         return hf_name, None
     del pending[key]
-    if keep is not None and keep(f"{key}.weight"):
+    if keep is not None and keep(f"{key}.weight", pair[".weight"]):
         kept_scales[f"{key}.weight"] = pair[suffix]
         return f"{key}.weight", pair[".weight"]
     try:

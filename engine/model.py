@@ -396,10 +396,17 @@ class LlamaForCausalLM(nn.Module):
             missing = ".weight" if have != ".weight" else self.config.fp8_scale_suffix
             raise WeightLoadError(f"{key}{missing}: missing beside {key}{have} (an FP8 weight needs its scales)")
 
-    def _keeps_fp8(self, hf_weight: str) -> bool:
-        """Whether stored FP8 weight `hf_weight` goes into an FP8 projection as stored (its scales with it)."""
+    def _keeps_fp8(self, hf_weight: str, weight: torch.Tensor) -> bool:
+        """Whether stored FP8 weight `hf_weight` goes into FP8 projections as stored (its scales with it): every tensor
+        this family reads from it (read from a meta tensor of its shape: the names it gives) goes into one."""
         name = model_tensor_name(hf_weight, self.config.text_weights_prefix, self.config.bare_text_weights)
-        return name is not None and self._destination(name, hf_weight)[0] in self.fp8_layers
+        if name is None:
+            return False
+        try:
+            read = [n for n, _ in self.read_tensor(hf_weight, name, torch.empty(weight.shape, device="meta"))]
+            return bool(read) and all(self._destination(n, hf_weight)[0] in self.fp8_layers for n in read)
+        except (ValueError, RuntimeError, NotImplementedError):   # a name or shape it refuses: refused as read
+            return False
 
     def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
         """A checkpoint tensor (`name` without "model."; `hf_name` as stored, which errors name) as this

@@ -159,20 +159,30 @@ def _allocate(model: nn.Module, dtype: torch.dtype, device: torch.device | str) 
                 module._parameters[name] = made[id(param)]
 
 
-# The loading methods that put each stored tensor bound for an FP8-held layer into it unchanged but for the cuts: the
-# Llama family's; Qwen3-MoE's (per-expert tensors into the stacked w13 / w2; a stacked checkpoint aside); DeepSeek V3's
-# and V3.2's (they reorder only the latent attention's rotary rows and the indexer's, which are not held in FP8: its
-# o_proj, dense MLPs and experts are)
-_UNCHANGED = {name: {getattr(cls, name) for cls in (LlamaForCausalLM, Qwen3MoeForCausalLM, DeepseekForCausalLM,
-                                                    DeepseekV32ForCausalLM)}
-              for name in ("read_tensor", "_destination", "_shard_of", "cut_shape")}
+# The classes whose loading puts each stored tensor bound for an FP8-held layer into it unchanged but for its name
+# and cuts (their reading, destinations and cuts, and their subclasses' that keep them), each with the projections its
+# reading does reorder (held in the model's dtype instead): the Llama family's; Qwen3-MoE's (per-expert tensors
+# into the stacked w13 / w2; a stacked checkpoint aside) and Mixtral's (renamed); DeepSeek V3's and V3.2's (they
+# reorder only the latent attention's and the indexer's rotary rows, not held); GLM-4.5's and MiniMax-M2's (q/k rows
+# reordered for their partial rotary: qkv_proj is not held)
+_FP8_READERS: dict[type, tuple[str, ...]] = {
+    LlamaForCausalLM: (), Qwen3MoeForCausalLM: (), MixtralForCausalLM: (), DeepseekForCausalLM: (),
+    DeepseekV32ForCausalLM: (), Glm4MoeForCausalLM: ("self_attn.qkv_proj",),
+    MiniMaxM2ForCausalLM: ("self_attn.qkv_proj",)}
+_READING = ("read_tensor", "_destination", "_shard_of", "cut_shape")
+
+
+def _fp8_reader(cls: type[LlamaForCausalLM]) -> type | None:
+    """The class of `_FP8_READERS` whose loading `cls` runs (each of its reading methods that one's, or one it
+    inherits), None where `cls` reads otherwise."""
+    reader = next((c for c in cls.__mro__ if c in _FP8_READERS), None)
+    return reader if reader is not None and all(getattr(cls, m) is getattr(reader, m) for m in _READING) else None
 
 
 def exact_fp8_loading(cls: type[LlamaForCausalLM], config: ModelConfig) -> bool:
-    """Whether a model class's loading puts each stored projection into its layer unchanged, but for the cuts (its
-    reading, destinations and cuts are the Llama family's or Qwen3-MoE's), so an FP8 checkpoint's values and scales
-    can be held as stored."""
-    return not config.stacked_experts and all(getattr(cls, name) in fns for name, fns in _UNCHANGED.items())
+    """Whether a model class's loading puts each stored tensor bound for an FP8-held layer into it unchanged but for
+    its name and cuts (`_FP8_READERS`), so an FP8 checkpoint's values and scales can be held as stored."""
+    return not config.stacked_experts and _fp8_reader(cls) is not None
 
 
 def fp8_cuts(config: ModelConfig, shard: ShardShape) -> dict[str, tuple[list[int], list[int]]]:
@@ -215,7 +225,8 @@ def _hold_fp8(model: LlamaForCausalLM, quantization: str, device_type: str,
     block = held_fp8_block(model, model.shard, quantization, device_type, capability)
     if block is None:
         return
-    swap_fp8_linears(model, FP8_LINEARS, lambda name, layer: block, triton)
+    reordered = _FP8_READERS.get(_fp8_reader(type(model)), ()) if model.config.fp8_weight_block else ()
+    swap_fp8_linears(model, tuple(p for p in FP8_LINEARS if p not in reordered), lambda name, layer: block, triton)
     model.fp8_layers = {f"{name}.weight": m for name, m in model.named_modules() if isinstance(m, Fp8Linear)}
     for name, module in model.named_modules():   # experts the block runs itself (not Llama 4's, Nemotron-H's)
         if isinstance(module, SparseMoeBlock) and type(module)._experts is SparseMoeBlock._experts \

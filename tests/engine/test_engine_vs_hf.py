@@ -1089,8 +1089,8 @@ def _fp8_checkpoint(folder, block: tuple[int, int] | None) -> None:
     weights = _taken_weights(folder)
     quantized, scales = {}, {}
     for name, w in weights.items():
-        if not (name.endswith("proj.weight") and ".layers." in name):
-            quantized[name] = w
+        if not (name.endswith(("proj.weight", ".w1.weight", ".w2.weight", ".w3.weight")) and ".layers." in name):
+            quantized[name] = w   # (Mixtral's experts: w1, w2, w3)
             continue
         if block is None:   # one scale for the tensor (a 0-d float32, as transformers saves it), a static input's
             scale = w.abs().amax().clamp(min=1e-12) / 448.0

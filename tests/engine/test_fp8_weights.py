@@ -147,6 +147,32 @@ def test_a_deepseek_fp8_checkpoint_holds_its_experts_and_projections_as_stored(t
     assert _greedy(engine) == _greedy(_engine(folder, "none"))
 
 
+@pytest.mark.parametrize("arch,unheld", [("mixtral", False), ("glm4_moe", True), ("minimax_m2", True)])
+def test_renamed_and_reordered_fp8_checkpoints_hold_what_they_read_unchanged(tmp_path, builtin_path, arch, unheld):
+    """Mixtral's FP8 checkpoints (its experts' w1/w2/w3 renamed as read) hold every projection and expert as stored;
+    GLM-4.5's and MiniMax-M2's (q/k rows reordered for their partial rotary as read) hold their experts and o_proj
+    as stored and qkv_proj dequantized; each decodes greedily as the dequantized model."""
+    from tests.engine.test_engine_vs_hf import GLM4_MOE, MIXTRAL
+
+    overrides = {"mixtral": MIXTRAL, "glm4_moe": {**GLM4_MOE, "use_qk_norm": True},
+                 "minimax_m2": dict(intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, head_dim=16,
+                                    rotary_dim=4, num_hidden_layers=3)}[arch]
+    folder = make_tiny_model(tmp_path / "fp8", arch, builtin_path, **overrides)
+    _fp8_checkpoint(folder, (16, 16))
+    engine = _engine(folder, "fp8")
+    held = set(engine.model.fp8_layers)
+    assert engine.model.fp8_exact and "layers.1.mlp.w13" in held and "layers.1.self_attn.o_proj.weight" in held
+    assert ("layers.1.self_attn.qkv_proj.weight" in held) != unheld
+    block = engine.model.layers[1].mlp
+    stored = _stored(folder)
+    name = next(n for n in stored if ".layers.1." in n and ".experts.2." in n and n.endswith(("w3.weight",
+                                                                                                "up_proj.weight")))
+    inter = block.w13.shape[1] // 2
+    assert torch.equal(block.w13[2, inter:].view(torch.uint8), stored[name].view(torch.uint8))
+    assert engine.weights_bytes == held_weight_bytes(engine.model_config, engine.shard, torch.float32, "fp8", "cpu")
+    assert _greedy(engine) == _greedy(_engine(folder, "none"))
+
+
 def test_a_float_checkpoint_is_quantized_a_row_at_a_time_and_decodes_as_its_quantized_weights_do(tmp_path,
                                                                                               builtin_path):
     """`quantization: fp8` over a float checkpoint: each projection's rows quantized over their own largest
