@@ -187,17 +187,21 @@ def writing(option: str, path: str | Path) -> Iterator[None]:
 
 def check_preset(config, device: str | None) -> None:
     """UsageError naming --device where its GPU preset cannot run a device of `config` as configured: an FP8 KV
-    cache needs compute capability 8.9 or newer (the engine refuses it on an A100, `engine.config`)."""
+    cache and FP8 weights (`quantization: fp8`) need compute capability 8.9 or newer (the engine refuses them on an
+    A100, `engine.config`, `engine.fp8_weights`)."""
     from engine.config import FP8_MIN_CAPABILITY
     from engine.roofline import PRESETS
 
     capability = PRESETS[device].capability if device is not None else FP8_MIN_CAPABILITY
     for name, dev in config.devices.items():
-        if dev.kv_cache_dtype == "fp8" and capability < FP8_MIN_CAPABILITY and any(
-                p.device == name for p in config.local_pools):
-            raise UsageError(f"--device {device}: devices.{name}.kv_cache_dtype is fp8, which needs a GPU of compute "
-                             f"capability {'.'.join(map(str, FP8_MIN_CAPABILITY))} or newer ({device}: "
-                             f"{'.'.join(map(str, capability))}); use another preset, or kv_cache_dtype: auto")
+        if capability >= FP8_MIN_CAPABILITY or not any(p.device == name for p in config.local_pools):
+            continue
+        for key, value, other in (("kv_cache_dtype", dev.kv_cache_dtype, "auto"),
+                                  ("quantization", dev.quantization, "auto")):
+            if value == "fp8":
+                raise UsageError(f"--device {device}: devices.{name}.{key} is fp8, which needs a GPU of compute "
+                                 f"capability {'.'.join(map(str, FP8_MIN_CAPABILITY))} or newer ({device}: "
+                                 f"{'.'.join(map(str, capability))}); use another preset, or {key}: {other}")
 
 
 def check_simulate_options(args: argparse.Namespace) -> None:

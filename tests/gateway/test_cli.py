@@ -177,6 +177,18 @@ def test_capacity_command_errors(argv, message, capsys):
     assert message in _error_line(capsys)
 
 
+def test_fp8_weights_on_an_older_gpus_preset_are_refused_naming_the_key(tmp_path, capsys):
+    """`quantization: fp8` needs a GPU that converts e4m3, as an FP8 cache does: --device a100 names the key."""
+    data = yaml.safe_load((REPO / "config" / "examples" / "qwen3-32b-fp8-h100.yaml").read_text())
+    data["devices"]["h100"].update(quantization="fp8", kv_cache_dtype="auto")
+    for pool in data["pools"]:
+        pool["model"] = str(REPO / "config" / "examples" / "qwen3-32b-fp8")
+    (path := tmp_path / "fp8.yaml").write_text(yaml.safe_dump(data))
+    assert main(["simulate", "--config", str(path), "--device", "a100"]) == 2
+    assert ("--device a100: devices.h100.quantization is fp8, which needs a GPU of compute capability 8.9 or newer "
+            "(a100: 8.0); use another preset, or quantization: auto") in _error_line(capsys)
+
+
 @pytest.mark.parametrize("argv,message", [
     (["simulate", "--duration", "inf"], "argument --duration: must be a finite number > 0, got 'inf'"),
     (["simulate", "--request-rate", "inf"], "argument --request-rate: must be a finite number > 0"),
