@@ -1,6 +1,7 @@
 """The builtin model served with `kv_cache_dtype: fp8` (config/pools.yaml with the device key set), asked
 through the openai SDK: four times the KV blocks of the float32 cache from the same bytes, and greedy chat
-answers the same as the default server's on most questions."""
+answers the same as the default server's on most questions; and a tiny model served with `quantization: fp8`,
+answering as its FP8-rounded weights do."""
 
 from __future__ import annotations
 
@@ -55,3 +56,34 @@ def test_served_with_an_fp8_cache_four_times_the_blocks_and_most_answers_the_sam
     fp8, default = asyncio.run(_answers(fp8_server.url)), asyncio.run(_answers(live_builtin_server.url))
     assert all(default) and all(fp8)
     assert sum(a == b for a, b in zip(default, fp8)) >= 11
+
+
+def test_a_device_with_quantization_fp8_serves_its_weights_quantized_a_row_at_a_time(tmp_path, builtin_path):
+    """The device key `quantization: fp8` in a pool file reaches the engine: a tiny float model served through it
+    answers (through the openai SDK, greedy) what transformers answers with each layer's projections quantized a row
+    at a time and dequantized back, which here differs from the float model's own answers."""
+    import torch
+    import transformers
+
+    from engine.tokenizer import Tokenizer
+    from tests.conftest import make_tiny_model
+    from tests.engine.test_engine_vs_hf import _hf_greedy
+    from tests.engine.test_fp8_weights import _round_rows
+    from tests.gateway.conftest import chat_pool_yaml
+
+    folder = make_tiny_model(tmp_path / "tiny", "llama", builtin_path, vocab_size=49152, max_position_embeddings=1024,
+                             initializer_range=0.1)
+    prompts = [[5, 9, 200, 31, 7], list(range(40, 60)), [1000, 2000, 3000]]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    plain = [_hf_greedy(hf, p, 16, eos_ids=None) for p in prompts]
+    _round_rows(hf)
+    rounded = [_hf_greedy(hf, p, 16, eos_ids=None) for p in prompts]
+    assert rounded != plain   # the weights' rounding shows in the answers
+    (path := tmp_path / "pools.yaml").write_text(chat_pool_yaml(folder, device_keys="quantization: fp8"))
+    tokenizer = Tokenizer.from_folder(folder)
+    with LiveServer(path) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        for prompt, want in zip(prompts, rounded):
+            reply = client.completions.create(model=folder.name, prompt=prompt, max_tokens=16, temperature=0,
+                                              extra_body={"ignore_eos": True})
+            assert reply.choices[0].text == tokenizer.decode(want)
