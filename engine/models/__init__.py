@@ -25,6 +25,8 @@ single-mixer blocks of Mamba-2, NoPE attention or a squared-ReLU MLP), over `hyb
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
@@ -60,6 +62,8 @@ from engine.models.qwen3_moe import Qwen3MoeForCausalLM, SparseMoeBlock
 from engine.parallel import Collectives, ShardShape
 from engine.roofline import expert_params
 from kernels.fused import get_fused_ops
+
+log = logging.getLogger("cliffguard.engine")
 
 __all__ = ["build_model", "model_class"]
 
@@ -127,6 +131,10 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | 
     with torch.device("meta"):
         model = model_class(config)(config, shard, comm, ops)
         _hold_fp8(model, quantization, device.type, capability, triton=ops.__name__ == "kernels.triton_fused")
+    if model.fp8_layers:   # what `quantization` made of the checkpoint, once a worker's log
+        log.info("weights: %d projections held in FP8 (%s), the rest in %s", len(model.fp8_layers),
+                 "as stored" if model.fp8_exact else "quantized as read, a scale an output row or block",
+                 str(dtype).removeprefix("torch."))
     _allocate(model, dtype, device)
     for module in model.modules():   # every rotary cache (Gemma 3 has one per attention type)
         if isinstance(module, RotaryEmbedding):

@@ -60,7 +60,7 @@ def _stored(folder) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("kind", ["tensor", "blocks", "channel"])
 def test_an_fp8_checkpoint_is_held_as_stored_and_decodes_as_transformers_dequantizes_it(tmp_path, builtin_path,
-                                                                                      kind):
+                                                                                      kind, caplog):
     """`quantization: fp8` over an FP8 checkpoint (one scale a tensor, Mistral's kind; blocks of 16 x 32, DeepSeek's
     and Qwen's kind; llm-compressor's one a row): every projection of every layer is an Fp8Linear whose values are
     the stored bytes (q, k and v at their rows of the fused qkv_proj) and whose scales are the stored ones, the
@@ -78,7 +78,11 @@ def test_an_fp8_checkpoint_is_held_as_stored_and_decodes_as_transformers_dequant
     else:
         _fp8_checkpoint(folder, (16, 32) if kind == "blocks" else None)
         hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    held, dequantized = _engine(folder, "fp8"), _engine(folder, "none")
+    with caplog.at_level("INFO", logger="cliffguard.engine"):
+        held, dequantized = _engine(folder, "fp8"), _engine(folder, "none")
+    layers_held = 4 * held.model_config.num_layers
+    assert [r.getMessage() for r in caplog.records if "held in FP8" in r.getMessage()] == [
+        f"weights: {layers_held} projections held in FP8 (as stored), the rest in float32"]   # the FP8 engine's alone
     layers = _fp8_layers(held)
     assert sorted(layers) == sorted(f"layers.{i}.{p}" for i in range(held.model_config.num_layers)
                                     for p in PROJECTIONS)
