@@ -8,8 +8,9 @@ tile as it loads it; the reference on a CPU, which dequantizes the whole weight 
 the dequantized weight in the model's dtype (what `quantization: none` holds). Reported per batch size: the
 median time of the four projections each way, the FP8 layer's speed-up, the weight bytes each reads, the weight
 bandwidth each reaches as a fraction of this device's copy bandwidth (measured in the same run on a GPU: a read and
-a write of 1 GiB), and the largest difference of the outputs over the largest output (exit 1 past one rounding). A decode step reads every weight once: on a GPU the
-FP8 layer's time at a few rows is what a decode step's projections cost, half the bytes of bfloat16's.
+a write of 1 GiB), and the largest difference of the outputs over the largest output (exit 1 past one rounding). A
+decode step reads every weight once: on a GPU the FP8 layer's time at a few rows is what a decode step's projections
+cost, half the bytes of bfloat16's.
 """
 
 from __future__ import annotations

@@ -37,8 +37,9 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFL
 PY=${PY:-python3}
 CLI="$PY -m gateway.cli"
 # A device call is at most 600 s: the default steps (GPU_STEPS unset) are the first call's; the second call is
-# GPU_STEPS="sync eager engine_fp8 hostcost moe kernels_mla dsa". Each step is killed past STEP_TIMEOUT seconds (default 300; simulate,
-# chaos and isolation 540, so run each of those alone): a hung step costs its own time, not the call's.
+# GPU_STEPS="sync eager engine_fp8 hostcost moe kernels_mla dsa". Each step is killed past STEP_TIMEOUT seconds
+# (default 300; simulate, chaos and isolation 540, so run each of those alone): a hung step costs its own time, not
+# the call's.
 step() { local name=$1; shift; echo "=== $name: $*"; local t0=$SECONDS;
          timeout -k 10 "${STEP_TIMEOUT:-300}" "$@" >"$OUT/$name.log" 2>&1; local rc=$?;
          echo "=== $name: rc=$rc in $((SECONDS - t0)) s"; tail -n ${TAILN:-25} "$OUT/$name.log"; }

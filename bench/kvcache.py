@@ -3,9 +3,9 @@
 Five engines over the same model, one after the other: the default cache (`kv_cache_dtype: auto`), an FP8
 cache with the scales measured at start (`engine.kv_scales`), an FP8 cache with every scale 1.0, the default
 cache beside FP8 weights (`quantization: fp8`: each projection quantized a row at a time, as a float checkpoint
-is held in FP8), and, as a yardstick, the default cache with the model in the other common dtype (bfloat16 beside a float32 model,
-float32 beside a half-precision one): how far greedy answers move under the rounding every GPU deployment
-already accepts. Each answers `--prompts` fixed chat questions greedily (`--max-tokens`, logprobs on).
+is held in FP8), and, as a yardstick, the default cache with the model in the other common dtype (bfloat16 beside
+a float32 model, float32 beside a half-precision one): how far greedy answers move under the rounding every GPU
+deployment already accepts. Each answers `--prompts` fixed chat questions greedily (`--max-tokens`, logprobs on).
 Reported for each variant against the default:
 
 - **agreement**: prompts answered token for token the same, also over each answer's first 8, 16, 32, ...

@@ -124,8 +124,8 @@ def dequantized(hf_name: str, tensor: torch.Tensor, pending: dict[str, dict[str,
                 kept_scales: dict[str, torch.Tensor] | None = None) -> tuple[str, torch.Tensor | None]:
     """An FP8 checkpoint's tensor as loading reads it: an FP8 `X.weight` or its scales `X<suffix>` (`weight_scale_inv`,
     or llm-compressor's `weight_scale`) held in `pending` until the other comes (None), then the weight dequantized,
-    or, where `keep(X.weight, the weight)` says the model holds it in FP8, the weight as stored, its scales into `kept_scales`; a
-    static activation scale (`X.input_scale`, llm-compressor's; `X.activation_scale`, transformers' per-tensor
+    or, where `keep(X.weight, the weight)` says the model holds it in FP8, the weight as stored, its scales into
+    `kept_scales`; a static activation scale (`X.input_scale`, llm-compressor's; `X.activation_scale`, transformers' per-tensor
     FP8's) skipped (None); any other tensor itself. ValueError naming the weight whose scales do not fit it."""
     if hf_name.endswith((".input_scale", ".activation_scale")):   # a static activation scheme's: not read
         return hf_name, None

@@ -6,14 +6,13 @@ its parameters are allocated) and holds `weight` [N, K] float8_e4m3fn, `weight_s
 columns)] float32 and the bias, if any, in the model's dtype. Loading fills the weight and its scales part by part
 (`fill`): a fused projection (q, k and v in qkv_proj) takes each part's rows with their own scales, so a part must
 start on a block's first row. `Fp8Experts` fills a mixture-of-experts block's stacked FP8 weights the same way
-(`engine.models.qwen3_moe.SparseMoeBlock.hold_fp8`). Where the model runs the Triton kernels (CUDA; the interpreter in the tests) it runs
-`kernels.triton_fp8_gemm`; elsewhere the reference, which dequantizes the whole weight on each call (a CPU serves
+(`engine.models.qwen3_moe.SparseMoeBlock.hold_fp8`). Where the model runs the Triton kernels (CUDA; the interpreter
+in the tests) it runs `kernels.triton_fp8_gemm`; elsewhere the reference, which dequantizes the whole weight on each call (a CPU serves
 FP8 weights to save memory, not time).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -108,20 +107,13 @@ class Fp8Experts:
         fill_rows(self.weight, self.weight_scale, self.block, row, values, scale)
 
 
-def swap_fp8_linears(model: nn.Module, suffixes: tuple[str, ...],
-                     block_of: Callable[[str, nn.Linear], tuple[int, int] | None], triton: bool = False) -> list[str]:
+def swap_fp8_linears(model: nn.Module, suffixes: tuple[str, ...], block: tuple[int, int],
+                     triton: bool = False) -> None:
     """Every `nn.Linear` of `model` (on the meta device) named with one of `suffixes` replaced by an `Fp8Linear`
-    in blocks of `block_of(name, layer)` (None: left as it is), on the Triton GEMM where `triton`. Returns the
-    names swapped."""
-    swapped = []
+    in blocks of `block`, on the Triton GEMM where `triton`."""
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             full = f"{name}.{child_name}" if name else child_name
-            if not isinstance(child, nn.Linear) or not full.endswith(suffixes):
-                continue
-            block = block_of(full, child)
-            if block is not None:
+            if isinstance(child, nn.Linear) and full.endswith(suffixes):
                 setattr(module, child_name, Fp8Linear(child.in_features, child.out_features, child.bias is not None,
                                                       block, triton))
-                swapped.append(full)
-    return swapped

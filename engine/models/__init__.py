@@ -230,18 +230,20 @@ def _hold_fp8(model: LlamaForCausalLM, quantization: str, device_type: str,
               capability: tuple[int, int] | None, triton: bool = False) -> None:
     """`model` (on the meta device) with its projections swapped for FP8 ones where `quantization` says so, on the
     Triton GEMM where `triton` (the model runs the Triton kernels)."""
-    block = held_fp8_block(model, model.shard, quantization, device_type, capability)
+    stored = model.config.fp8_weight_block
+    exact = _keeps_stored_fp8(model, model.shard)
+    block = served_fp8_block(stored, quantization, device_type, capability, exact)
     if block is None:
         return
-    reordered = _FP8_READERS.get(_fp8_reader(type(model)), ()) if model.config.fp8_weight_block else ()
-    swap_fp8_linears(model, tuple(p for p in FP8_LINEARS if p not in reordered), lambda name, layer: block, triton)
+    reordered = _FP8_READERS.get(_fp8_reader(type(model)), ()) if stored else ()
+    swap_fp8_linears(model, tuple(p for p in FP8_LINEARS if p not in reordered), block, triton)
     model.fp8_layers = {f"{name}.weight": m for name, m in model.named_modules() if isinstance(m, Fp8Linear)}
     for name, module in model.named_modules():   # experts the block runs itself (not Llama 4's, Nemotron-H's)
         if isinstance(module, SparseMoeBlock) and type(module)._experts is SparseMoeBlock._experts \
                 and type(module).forward is SparseMoeBlock.forward:
             module.hold_fp8(block)
             model.fp8_layers |= {f"{name}.{w}": Fp8Experts(module, w) for w in ("w13", "w2")}
-    model.fp8_exact = model.config.fp8_weight_block is not None and _keeps_stored_fp8(model, model.shard)
+    model.fp8_exact = stored is not None and exact
 
 
 def held_weight_bytes(config: ModelConfig, shard: ShardShape, dtype: torch.dtype, quantization: str,
