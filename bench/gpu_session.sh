@@ -19,7 +19,7 @@
 # --enforce-eager, the sync step with --async-scheduling off (no overlapped steps); the tests step includes greedy
 # output with graphs against without (test_cuda_graphs.py), no stream synchronize in a step's launch (test_overlap.py)
 # and the FP8 KV cache's and the MoE layer's kernels on the GPU (test_triton*.py, compiled: TRITON_INTERPRET=0); the
-# moe step times the MoE experts' three ways (Triton, grouped matmuls, loop) and in FP8; the kernels_fp8 step the
+# moe step times the MoE experts' three ways (Triton, grouped matmuls, loop) and in FP8 (GPT-OSS's in MXFP4); the kernels_fp8 step the
 # kernels on an FP8 KV cache (its decode bandwidth, in its own bytes), the kernels_mla step on DeepSeek's latent cache
 # (one plane read as K and V, head_dim 576, 16 query heads: `bench kernels --latent`), the dsa step DeepSeek V3.2's
 # sparse attention (`bench dsa`: the Triton indexer and sparse kernel against the dense latent kernel, 32k and 128k
@@ -88,7 +88,9 @@ for what in ${GPU_STEPS:-tests kernels kernels_fp8 fp8 engine}; do
     engine_fp8) step bench_engine_fp8 $CLI bench engine --model .gpu/llama-3-8b --random-weights --dtype bfloat16 \
                --skip-hf --quantization fp8 ;;
     moe)     step bench_moe $CLI bench moe --device cuda --tokens 1,16,64,256,1024 --fp8
-             step bench_moe_gpt_oss $CLI bench moe --device cuda --tokens 1,16,64,256,1024 --gpt-oss ;;
+             step bench_moe_gpt_oss $CLI bench moe --device cuda --tokens 1,16,64,256,1024 --gpt-oss --mxfp4
+             step bench_moe_gpt_oss_120b $CLI bench moe --device cuda --tokens 1,16,64,256,1024 --gpt-oss \
+                 --experts 128 --mxfp4 ;;
     prefix)  step bench_prefix $CLI bench prefix --random-weights --dtype bfloat16 --device cuda --users 16 \
                --system-tokens 4096 --max-num-batched-tokens 2048 --max-num-seqs 32 --kv-cache-mib 4096 ;;
     sync)    step bench_engine_sync $CLI bench engine --model .gpu/llama-3-8b --random-weights --dtype bfloat16 \

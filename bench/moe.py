@@ -10,8 +10,9 @@ over the experts hit (transformers' way, which reads which experts are hit). Rep
 milliseconds of each, tokens per second, each path's speed-up over the loop, and the largest difference of
 its outputs from the loop's. `--fp8` adds the experts in FP8 (a scale an output row): the Triton kernels
 dequantizing each weight tile as loaded where the block has them, else the loop, timed against the fastest
-unquantized path and checked against the loop over the dequantized FP8 weights. On a GPU each timing synchronises
-before and after (`bench.engine.sync`).
+unquantized path and checked against the loop over the dequantized FP8 weights. `--mxfp4` adds them in MXFP4 as
+GPT-OSS's checkpoints store them (`quantization: auto` on a GPU holds them so: random codes, half a byte a weight),
+timed and checked the same way. On a GPU each timing synchronises before and after (`bench.engine.sync`).
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fp8", action="store_true",
                    help="also the experts in FP8 (a scale an output row, as quantization: fp8 holds a float model's): "
                         "the Triton kernels dequantizing each tile where the block has them, else the loop")
+    p.add_argument("--mxfp4", action="store_true",
+                   help="also the experts in MXFP4 (GPT-OSS's checkpoints' 4-bit experts, held as stored): the Triton "
+                        "kernels decoding each tile where the block has them, else the loop")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
 
 
@@ -107,6 +111,32 @@ def _fp8_blocks(args: argparse.Namespace, device: torch.device, dtype: torch.dty
     return fp8, reference
 
 
+def _mxfp4_blocks(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
+    """Two more of the block: its experts in MXFP4 (random codes, the scale that makes them about the float
+    weights' size: `SparseMoeBlock.hold_mxfp4`), and its experts as those weights dequantized, run by the loop."""
+    from torch import nn
+
+    from kernels.mxfp4 import MXFP4_GROUP, dequantize_packed, mxfp4_scale
+
+    if args.hidden_size % MXFP4_GROUP or args.moe_intermediate_size % MXFP4_GROUP:
+        raise ValueError(f"--mxfp4: the hidden and intermediate sizes must be multiples of {MXFP4_GROUP}, got "
+                         f"{args.hidden_size} and {args.moe_intermediate_size}")
+    mxfp4, reference = _block(args, device, dtype), _block(args, device, dtype)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        shapes = {name: tuple(getattr(reference, name).shape) for name in ("w13", "w2")}
+        mxfp4.hold_mxfp4()
+        for name, (experts, rows, cols) in shapes.items():
+            packed = torch.randint(0, 256, (experts, rows, cols // 2), generator=gen, dtype=torch.int32)
+            scales = torch.full((experts, rows, cols // MXFP4_GROUP), mxfp4_scale(0.02), dtype=torch.uint8)
+            packed = packed.to(torch.uint8)
+            setattr(mxfp4, name, nn.Parameter(packed.to(device), requires_grad=False))
+            setattr(mxfp4, f"{name}_scales", nn.Parameter(scales.to(device), requires_grad=False))
+            getattr(reference, name).copy_(dequantize_packed(packed, scales, dtype))
+    reference.fused_moe, reference._grouped = None, False
+    return mxfp4, reference
+
+
 def _time(call, device: torch.device, repeats: int) -> float:
     call()   # warm: kernels chosen and compiled
     times = []
@@ -136,13 +166,13 @@ def _paths(block, x: torch.Tensor) -> dict[str, tuple]:
     return paths
 
 
-def _row(block, paths: dict[str, tuple], x: torch.Tensor, device: torch.device, repeats: int, fp8=None) -> dict:
+def _row(block, paths: dict[str, tuple], x: torch.Tensor, device: torch.device, repeats: int,
+         quantized: dict[str, tuple]) -> dict:
     outs, row = {}, {"tokens": x.shape[0]}
-    if fp8 is not None:   # (the FP8 block, the loop over its dequantized weights)
-        want = fp8[1](x)
-        row["fp8_max_abs_diff"] = float((fp8[0](x).float() - want.float()).abs().max())
-        seconds = _time(lambda: fp8[0](x), device, repeats)
-        row["fp8_ms"], row["fp8_tokens_per_s"] = seconds * 1e3, x.shape[0] / seconds
+    for kind, (held, reference) in quantized.items():   # the FP8 or MXFP4 block, the loop over its dequantized weights
+        row[f"{kind}_max_abs_diff"] = float((held(x).float() - reference(x).float()).abs().max())
+        seconds = _time(lambda: held(x), device, repeats)
+        row[f"{kind}_ms"], row[f"{kind}_tokens_per_s"] = seconds * 1e3, x.shape[0] / seconds
     for name, (fused, grouped) in paths.items():
         block.fused_moe, block._grouped = fused, grouped
         outs[name] = block(x)
@@ -152,9 +182,9 @@ def _row(block, paths: dict[str, tuple], x: torch.Tensor, device: torch.device, 
         if name != "loop":
             row[f"{name}_speedup"] = row["loop_ms"] / row[f"{name}_ms"]
             row[f"{name}_max_abs_diff"] = float((outs[name].float() - outs["loop"].float()).abs().max())
-    if fp8 is not None:
-        row["fp8_speedup"] = row["loop_ms"] / row["fp8_ms"]
-        row["fp8_vs_first"] = row[f"{next(iter(paths))}_ms"] / row["fp8_ms"]   # against the fastest unquantized path
+    for kind in quantized:
+        row[f"{kind}_speedup"] = row["loop_ms"] / row[f"{kind}_ms"]
+        row[f"{kind}_vs_first"] = row[f"{next(iter(paths))}_ms"] / row[f"{kind}_ms"]   # against the fastest path
     return row
 
 
@@ -168,15 +198,16 @@ def run(args: argparse.Namespace) -> int:
     device, dtype = device_and_dtype(args.device, args.dtype)
     block = _block(args, device, dtype)
     with torch.inference_mode():
-        fp8 = _fp8_blocks(args, device, dtype) if args.fp8 else None
+        quantized = {kind: make(args, device, dtype) for kind, make, wanted in (
+            ("fp8", _fp8_blocks, args.fp8), ("mxfp4", _mxfp4_blocks, args.mxfp4)) if wanted}
         paths = _paths(block, torch.randn(2, args.hidden_size).to(device, dtype))
         rows = [_row(block, paths, torch.randn(n, args.hidden_size, generator=torch.Generator().manual_seed(n)
-                                               ).to(device, dtype), device, args.repeats, fp8) for n in sizes]
+                                               ).to(device, dtype), device, args.repeats, quantized) for n in sizes]
     result = {"device": str(device), "dtype": str(dtype).removeprefix("torch."),
               "block": "gpt_oss" if args.gpt_oss else "qwen3_moe", "hidden_size": args.hidden_size,
               "experts": args.experts, "top_k": args.top_k, "moe_intermediate_size": args.moe_intermediate_size,
-              "paths": list(paths), "fp8": None if fp8 is None else ("triton" if fp8[0].fused_moe else "loop"),
-              "rows": rows}
+              "paths": list(paths), "rows": rows, **{kind: None if kind not in quantized else (
+                  "triton" if quantized[kind][0].fused_moe else "loop") for kind in ("fp8", "mxfp4")}}
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
@@ -187,9 +218,8 @@ def run(args: argparse.Namespace) -> int:
         cells = [f"{name} {r[f'{name}_ms']:8.2f} ms ({r[f'{name}_tokens_per_s']:9.0f} tok/s"
                  + (f", {r[f'{name}_speedup']:.2f}x the loop, differs by <= {r[f'{name}_max_abs_diff']:.2e})"
                     if name != "loop" else ")") for name in paths]
-        if fp8 is not None:
-            cells.append(f"fp8 ({result['fp8']}) {r['fp8_ms']:8.2f} ms ({r['fp8_tokens_per_s']:9.0f} tok/s, "
-                         f"{r['fp8_vs_first']:.2f}x {paths and next(iter(paths))}, differs from its dequantized "
-                         f"weights' loop by <= {r['fp8_max_abs_diff']:.2e})")
+        cells += [f"{kind} ({result[kind]}) {r[f'{kind}_ms']:8.2f} ms ({r[f'{kind}_tokens_per_s']:9.0f} tok/s, "
+                  f"{r[f'{kind}_vs_first']:.2f}x {next(iter(paths))}, differs from its dequantized weights' loop by "
+                  f"<= {r[f'{kind}_max_abs_diff']:.2e})" for kind in quantized]
         print(f"  {r['tokens']:>5} tokens: " + "; ".join(cells))
     return 0

@@ -76,7 +76,7 @@ class CacheConfig:
 
 
 # The one definition of each choice; the scheduler implements them and the YAML spec imports them.
-QUANTIZATIONS = ("auto", "fp8", "none")   # the weights (`EngineConfig.quantization`, engine.fp8_weights)
+QUANTIZATIONS = ("auto", "fp8", "mxfp4", "none")   # the weights (`EngineConfig.quantization`, engine.fp8_weights)
 KV_CACHE_DTYPES = ("auto", "fp8")   # auto: the model's dtype; fp8: float8_e4m3fn with per-layer scales
 DEFAULT_MIN_SHARE = 0.2   # of the device's step time, for a throughput pool with work (engine.composer)
 PREEMPTION_MODES = ("recompute", "swap", "auto")   # auto: swap or recompute per victim, by measured cost
@@ -266,7 +266,7 @@ class EngineConfig:
     enforce_eager: bool = False     # CUDA: no decode graphs (engine.cuda_graphs); every step launched eagerly
     async_scheduling: bool | None = None   # overlapped steps (engine.overlap); None: on CUDA
     kv_cache_dtype: str = "auto"    # auto: the model's dtype | fp8 (e4m3, per-layer K and V scales)
-    quantization: str = "auto"      # the weights: auto (an FP8 checkpoint's kept FP8 on a GPU that converts it)
+    quantization: str = "auto"      # the weights: auto (FP8 or MXFP4 checkpoints kept as stored on GPUs that read it)
                                     # | fp8 (FP8 everywhere, a float checkpoint quantized) | none (engine.fp8_weights)
     calculate_kv_scales: bool = True   # fp8 without the checkpoint's scales: measure them at start
                                        # (engine.kv_scales); false: every scale 1.0, as vLLM's default

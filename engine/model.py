@@ -1,19 +1,16 @@
-"""One model file for the Llama family: Llama 2/3 (llama3 and YaRN rope scaling), Qwen2 (q/k/v bias), Qwen3
-(each q and k head RMS-normed before rotary), Mistral (sliding window); grouped-query attention; tied or
-untied embeddings. The variants in `engine.models` (Gemma 2 and 3, Qwen3-MoE, Mixtral, Phi-3, Granite, OLMo 2,
-SmolLM3, GPT-OSS) build on it.
+"""One model file for the Llama family: Llama 2/3 (llama3 and YaRN rope scaling), Qwen2 (q/k/v bias), Qwen3 (each q
+and k head RMS-normed before rotary), Mistral (sliding window); grouped-query attention; tied or untied embeddings.
+The variants in `engine.models` build on it.
 
-The forward pass takes the whole step's tokens flat, `[num_tokens]`, sequence after sequence, with no
-padding; attention reads and writes the paged KV cache through `AttentionMetadata`. Only the rows
-that will be sampled go through the LM head (`compute_logits`). The norms, the rotary embedding and
-SiLU x mul are `engine.layers`, fused kernels on CUDA (`kernels.triton_fused`) and as few torch
-operators as the numerics allow elsewhere (`kernels.fused`).
+The forward pass takes the whole step's tokens flat, `[num_tokens]`, sequence after sequence, with no padding;
+attention reads and writes the paged KV cache through `AttentionMetadata`. Only the rows that will be sampled go
+through the LM head (`compute_logits`). The norms, the rotary embedding and SiLU x mul are `engine.layers`, fused
+kernels on CUDA (`kernels.triton_fused`) and as few torch operators as the numerics allow elsewhere (`kernels.fused`).
 
-Under tensor parallelism (`engine.parallel`) each rank builds the same classes with its `ShardShape`:
-its query and KV heads, its slice of the MLP and of the vocabulary; `load_weights` takes each rank's
-slice of the checkpoint's tensors, and the forward pass sums the row-parallel outputs (o_proj,
-down_proj, the embedding) and gathers the logits with the group's `Collectives`. With one rank every
-collective is the identity and the shapes are the model's own.
+Under tensor parallelism (`engine.parallel`) each rank builds the same classes with its `ShardShape`: its query and KV
+heads, its slice of the MLP and of the vocabulary; `load_weights` takes each rank's slice of the checkpoint's tensors,
+and the forward pass sums the row-parallel outputs (o_proj, down_proj, the embedding) and gathers the logits with the
+group's `Collectives`. With one rank every collective is the identity and the shapes are the model's own.
 """
 
 from __future__ import annotations
@@ -35,6 +32,7 @@ from engine.layers.fp8_linear import Fp8Linear
 from engine.parallel import Collectives, ShardShape
 from engine.weights import model_tensor_name
 from kernels import AttentionMetadata, fused
+from kernels.mxfp4 import mxfp4_scale
 
 log = logging.getLogger("cliffguard.engine")
 # An FP8 checkpoint's per-layer KV scales, as its exporters name them (`LlamaForCausalLM._kv_scale`)
@@ -283,7 +281,8 @@ class LlamaForCausalLM(nn.Module):
             if target not in params:
                 raise WeightLoadError(f"{hf_name}: not a tensor of {self.config.architecture} with this config")
             fp8 = self.fp8_layers.get(target)   # an FP8 projection's weight
-            if not tensor.is_floating_point() or tensor.element_size() == 1 and fp8 is None:
+            if (not tensor.is_floating_point() or tensor.element_size() == 1 and fp8 is None) \
+                    and not tensor.dtype == params[target].dtype == torch.uint8:   # MXFP4 codes, held as stored
                 raise WeightLoadError(f"{hf_name}: {tensor.dtype} weights (a quantized checkpoint) are not supported")
             stored = tuple(tensor.shape)
             tensor = self._shard_of(hf_name, name, tensor)
@@ -434,8 +433,7 @@ class LlamaForCausalLM(nn.Module):
         return name, lambda data: data
 
     def _shard_of(self, hf_name: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of one checkpoint tensor (the tensor itself with one rank), cut in the shape `cut_shape`
-        gives."""
+        """This rank's slice of one checkpoint tensor (itself with one rank), cut in the shape `cut_shape` gives."""
         shard, c = self.cut_shape(name)
         if shard.size == 1:
             return tensor
@@ -484,8 +482,11 @@ class LlamaForCausalLM(nn.Module):
                     param.fill_(self.norm_init)
                 elif name.endswith(("weight_scale", "w13_scale", "w2_scale")):   # FP8 values of about 1, times std
                     param.fill_(std)
-                elif param.dtype == torch.float8_e4m3fn:
-                    param.copy_(torch.randn(param.shape, generator=gen))
+                elif name.endswith(("w13_scales", "w2_scales")):   # MXFP4's: codes drawn alike come out about std
+                    param.fill_(mxfp4_scale(std))
+                elif param.dtype in (torch.float8_e4m3fn, torch.uint8):   # FP8 values; MXFP4's codes, two a byte
+                    param.copy_(torch.randint(0, 256, param.shape, generator=gen) if param.dtype == torch.uint8
+                                else torch.randn(param.shape, generator=gen))
                 else:
                     param.copy_(torch.randn(param.shape, generator=gen) * std)
 

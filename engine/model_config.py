@@ -142,6 +142,7 @@ class ModelConfig:
     stacked_experts: bool = False       # each layer's experts stacked in two tensors (Qwen3-VL-MoE's checkpoints)
     fp8_weight_block: tuple[int, int] | None = None   # an FP8 checkpoint's scale blocks: dequantized as read
     fp8_scale_suffix: str = SCALE_SUFFIX   # ... its scales' name past the weight's (llm-compressor's: .weight_scale)
+    mxfp4_experts: bool = False         # GPT-OSS's MXFP4 experts: held so or dequantized (`engine.models.held_mxfp4`)
     rotary_positions: int = 0           # the rotary cache's rows as served (`serving`: the longest pool's); 0: all
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -405,7 +406,6 @@ class ModelConfig:
         key = "compression_config" if cfg.get("quantization_config") is None and isinstance(old, dict) and {
             "config_groups", "quant_method", "kv_cache_scheme"} & set(old) else "quantization_config"
         quant = cfg.get(key)
-        # GPT-OSS's MXFP4 experts are served: dequantized to the model's dtype as they are read (engine.models.gpt_oss)
         mxfp4 = arch == "GptOssForCausalLM" and isinstance(quant, dict) and quant.get("quant_method") == "mxfp4"
         fp8 = fp8_weights(quant, key)   # FP8 weights and their scales: dequantized as read (engine.fp8_weights)
         if quant is not None and not quantizes_kv_cache_only(quant) and not mxfp4 and fp8 is None:
@@ -450,7 +450,7 @@ class ModelConfig:
             bos_token_id=read_int(cfg, "bos_token_id", None, minimum=0),
             eos_token_ids=read_token_ids(cfg, "eos_token_id"),
             fp8_weight_block=fp8[0] if fp8 else None,
-            fp8_scale_suffix=fp8[1] if fp8 else SCALE_SUFFIX,
+            fp8_scale_suffix=fp8[1] if fp8 else SCALE_SUFFIX, mxfp4_experts=mxfp4,
         ), **family})
 
     @classmethod

@@ -5,7 +5,7 @@ Per device (with tensor parallelism T the weights and the KV heads are split ove
     S_KV        = 2 x num_kv_layers x num_kv_heads x head_dim x dtype_bytes          (per token, whole model;
                   DeepSeek's latent attention: 1 x num_layers x 1 x its latent and rotated key)
     weights     = num_params x dtype_bytes                                          (not file sizes; DeepSeek's
-                  float32 routers at 4; projections held in FP8 at 1, plus their scales)
+                  float32 routers at 4; FP8 projections at 1, MXFP4 experts at 1/2, plus scales)
     graphs      = one rank's decode CUDA graphs (`graph_memory_bytes`; 0 off CUDA or enforce_eager)
     weights / T = one rank's parameters x dtype_bytes: its share of every matrix, K/V projections
                   replicated with their heads, norms and row-parallel biases whole (`ShardShape.num_params`)
@@ -14,10 +14,9 @@ Per device (with tensor parallelism T the weights and the KV heads are split ove
     blocks      = floor(pool KV / (S_KV / T x block_size))
     max_num_seqs = floor(pool KV / (S_KV / T x avg_len))    (unless overridden; at most blocks / ceil(avg_len / bs))
 
-The three formulas are `engine.capacity`'s (the engine checks its plan with them once loaded), applied here to a
-configuration: `plan_capacity` computes a `CapacityPlan` from a `CliffguardConfig` and each model's `ModelConfig`;
-`engine_configs` turns it into each device's `EngineConfig` with exactly the planned numbers; `plan_single_pool`
-does both for one pool on one device (`cliffguard generate`, the benchmarks).
+The formulas are `engine.capacity`'s (the engine checks its plan with them once loaded): `plan_capacity` computes a
+`CapacityPlan` from a `CliffguardConfig` and each model's `ModelConfig`; `engine_configs` turns it into each device's
+`EngineConfig`, the planned numbers exactly; `plan_single_pool` does both for one pool on one device (benchmarks).
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ from engine.gated_delta_config import NOT_SWAPPED
 from engine.config import (CacheConfig, ConfigError, EngineConfig, PoolConfig, auto_dtype, ceil_div, dtype_name,
                            kv_cache_dtype, parse_dtype)
 from engine.model_config import ModelConfig
-from engine.models import check_dtype, held_fp8_block, held_weight_bytes
+from engine.models import check_dtype, held_fp8_block, held_mxfp4, held_weight_bytes
 from engine.parallel import ShardShape
 from pools.config.spec import CliffguardConfig, DeviceSpec, GatewaySpec, PoolSpec, SpecError
 from pools.config.checks import fmt_bytes, within
@@ -73,6 +72,7 @@ class DevicePlan:
     placement: str = "local"         # local | ray (DeviceSpec.placement)
     graph_bytes_per_device: int = 0  # set aside for the decode CUDA graphs (engine.cuda_graphs); 0: none
     fp8_weights: bool = False        # the layers' projections held in FP8 (the device's `quantization`)
+    mxfp4_experts: bool = False      # the experts held in MXFP4 as a checkpoint stores them (GPT-OSS's)
 
     @property
     def autoscaled(self) -> bool:
@@ -175,10 +175,9 @@ class CapacityPlan:
             spec = p.spec
             settings = {"name": p.name, "device": p.device, "route": spec.route.describe(),
                         "block_size": spec.block_size, "avg_len": spec.avg_len, "kv_share": spec.kv_share,
-                        "max_num_batched_tokens": spec.max_num_batched_tokens,
-                        "preemption_mode": spec.preemption_mode, "victim_policy": spec.victim_policy,
-                        "service_class": spec.service_class, "slo": None if spec.slo is None else asdict(spec.slo),
-                        "slo_source": spec.slo_source}
+                        "max_num_batched_tokens": spec.max_num_batched_tokens, "preemption_mode": spec.preemption_mode,
+                        "victim_policy": spec.victim_policy, "service_class": spec.service_class,
+                        "slo": None if spec.slo is None else asdict(spec.slo), "slo_source": spec.slo_source}
             derived = {k: v for k, v in asdict(p).items() if k != "spec"}
             return {**settings, **derived, **{name: getattr(p, name) for name in (
                 "kv_cache_bytes", "max_num_seqs_overridden", "pool_max_num_seqs", "blocks_per_max_len_request",
@@ -198,13 +197,15 @@ class CapacityPlan:
             for d in self.devices.values() if d.device_type == "cpu" and d.placement != "ray"]
 
 
-def _device_shard(model: ModelConfig, tp: int, dtype: torch.dtype, dkey: str) -> ShardShape:
-    """A rank's shard: its KV heads split over TP ranks (when T > num_kv_heads each rank holds a replica of one, as
-    vLLM does), its share of the rest. The engine's own rules (`engine.parallel.check_tensor_parallel`,
-    `engine.models.check_dtype`), named `dkey`.*."""
+def _device_shard(model: ModelConfig, dev: DeviceSpec, dtype: torch.dtype, dkey: str, device_type: str
+                  ) -> tuple[ShardShape, bool]:
+    """A rank's shard: its KV heads split over TP ranks (T > num_kv_heads: each holds a replica of one, as vLLM
+    does), its share of the rest; whether it holds MXFP4 experts. The engine's rules (`check_tensor_parallel`,
+    `check_dtype`, `held_mxfp4`) named `dkey`.*."""
     try:
         check_dtype(model, dtype)
-        return ShardShape.of(model, 0, tp)
+        shard = ShardShape.of(model, 0, dev.tensor_parallel_size)
+        return shard, held_mxfp4(model, shard, dev.quantization, device_type)
     except ConfigError as exc:
         raise SpecError(f"{dkey}.{exc}") from None
 
@@ -213,12 +214,11 @@ def plan_capacity(config: CliffguardConfig, model_configs: Mapping[str, ModelCon
                   vram_bytes: int | None = None, cuda_memory: Callable[[str], int] | None = None) -> CapacityPlan:
     """The capacity plan of every device that has local pools.
 
-    `model_configs`: each local pool's `model` string -> its ModelConfig (the caller resolves them).
-    `vram_bytes`: overrides every device's memory (`--vram`); a device `auto` is then planned as CUDA
-    (bfloat16) even on a CPU-only machine. `memory: auto` is the GPU's total memory (`cuda_memory(device)`,
-    default torch's) on CUDA and DEFAULT_CPU_MEMORY on CPU. `dtype: auto`: `engine.config.auto_dtype` (bfloat16 on
-    CUDA, of float16's size). Errors are SpecError naming the key path and the value.
-    """
+    `model_configs`: each local pool's `model` string -> its ModelConfig (the caller resolves them). `vram_bytes`:
+    overrides every device's memory (`--vram`); a device `auto` is then planned as CUDA (bfloat16) even on a CPU-only
+    machine. `memory: auto` is the GPU's total memory (`cuda_memory(device)`, default torch's) on CUDA and
+    DEFAULT_CPU_MEMORY on CPU. `dtype: auto`: `engine.config.auto_dtype` (bfloat16 on CUDA, of float16's size).
+    Errors are SpecError naming the key path and the value."""
     devices: dict[str, DevicePlan] = {}
     pools: dict[str, PoolPlan] = {}
     warnings: list[str] = []
@@ -234,7 +234,7 @@ def plan_capacity(config: CliffguardConfig, model_configs: Mapping[str, ModelCon
         device_type = resolve_device_type(dev, vram_bytes, warnings)
         dtype = parse_dtype(dev.dtype) if dev.dtype != "auto" else auto_dtype(device_type)
         memory, source = device_memory(dev, device_type, vram_bytes, cuda_memory)
-        shard = _device_shard(model, tp, dtype, dkey)
+        shard, mxfp4 = _device_shard(model, dev, dtype, dkey, device_type)   # mxfp4: experts held in MXFP4
         fp8 = held_fp8_block(model, shard, dev.quantization, device_type) is not None   # projections in FP8
         kv_dtype = kv_cache_dtype(dev.kv_cache_dtype, dtype)   # fp8: one byte an element
         s_kv = model.kv_bytes_per_token(kv_dtype)
@@ -257,7 +257,7 @@ def plan_capacity(config: CliffguardConfig, model_configs: Mapping[str, ModelCon
         pools.update((pp.name, pp) for pp in device_pools)
         devices[dev_name] = DevicePlan(
             name=dev_name, device_type=device_type, dtype=dtype_name(dtype), model=p0.model, memory_bytes=memory,
-            kv_cache_dtype=dtype_name(kv_dtype), fp8_weights=fp8,
+            kv_cache_dtype=dtype_name(kv_dtype), fp8_weights=fp8, mxfp4_experts=mxfp4,
             memory_source=source, memory_utilization=dev.memory_utilization, tensor_parallel_size=tp,
             weights_bytes=weights, weights_bytes_per_device=weights_dev, kv_bytes_per_token=s_kv,
             kv_bytes_per_token_per_device=s_kv_dev, kv_space_bytes_per_device=kv_dev,

@@ -62,6 +62,7 @@ from engine.models.qwen3_moe import Qwen3MoeForCausalLM, SparseMoeBlock
 from engine.parallel import Collectives, ShardShape
 from engine.roofline import expert_params
 from kernels.fused import get_fused_ops
+from kernels.mxfp4 import MXFP4_GROUP
 
 log = logging.getLogger("cliffguard.engine")
 
@@ -130,7 +131,10 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | 
     ops = get_fused_ops(device, dtype)
     with torch.device("meta"):
         model = model_class(config)(config, shard, comm, ops)
-        _hold_fp8(model, quantization, device.type, capability, triton=ops.__name__ == "kernels.triton_fused")
+        _hold_quantized(model, quantization, device.type, capability, triton=ops.__name__ == "kernels.triton_fused")
+    mxfp4 = sum(1 for m in model.modules() if isinstance(m, SparseMoeBlock) and m.mxfp4)
+    if mxfp4:
+        log.info("weights: the experts of %d layers held in MXFP4 as stored", mxfp4)
     if model.fp8_layers:   # what `quantization` made of the checkpoint, once a worker's log
         log.info("weights: %d projections held in FP8 (%s), the rest in %s", len(model.fp8_layers),
                  "as stored" if model.fp8_exact else "quantized as read, a scale an output row or block",
@@ -226,6 +230,34 @@ def _keeps_stored_fp8(model: LlamaForCausalLM | ModelConfig, shard: ShardShape) 
         stored is None or fp8_cuts_aligned(stored, fp8_cuts(config, shard)))
 
 
+def held_mxfp4(config: ModelConfig, shard: ShardShape, quantization: str, device_type: str) -> bool:
+    """Whether one rank (`shard`) holds GPT-OSS's MXFP4 experts as stored (`kernels.mxfp4`: 4.25 bits a weight): under
+    `quantization` auto on a GPU (the Triton kernels decode each tile as loaded), fp8 or mxfp4 on any device (a CPU
+    dequantizes each expert a step hits: memory, not speed), where the rank's share of the intermediate size is whole
+    groups of 32 inputs; elsewhere dequantized as read. A ConfigError for mxfp4 where they cannot be held."""
+    if quantization == "mxfp4" and not config.mxfp4_experts:
+        raise ConfigError("quantization: mxfp4 holds a checkpoint's MXFP4 experts as stored (GPT-OSS's); this "
+                          "checkpoint has none: use auto, fp8 or none")
+    if not config.mxfp4_experts or quantization == "none" or quantization == "auto" and device_type != "cuda":
+        return False
+    if shard.moe_intermediate_size % MXFP4_GROUP and quantization == "mxfp4":
+        raise ConfigError(f"quantization: mxfp4 under tensor parallelism {shard.size} cuts each expert's "
+                          f"{config.moe_intermediate_size} inputs into shares of {shard.moe_intermediate_size}, not "
+                          f"whole groups of {MXFP4_GROUP} scaled together: use auto (dequantized) or another size")
+    return shard.moe_intermediate_size % MXFP4_GROUP == 0
+
+
+def _hold_quantized(model: LlamaForCausalLM, quantization: str, device_type: str,
+                    capability: tuple[int, int] | None, triton: bool = False) -> None:
+    """`model` (on the meta device) with its experts in MXFP4 (`held_mxfp4`) and its projections in FP8
+    (`_hold_fp8`) where `quantization` says so."""
+    if held_mxfp4(model.config, model.shard, quantization, device_type):
+        for module in model.modules():
+            if isinstance(module, SparseMoeBlock):
+                module.hold_mxfp4()
+    _hold_fp8(model, quantization, device_type, capability, triton)
+
+
 def _hold_fp8(model: LlamaForCausalLM, quantization: str, device_type: str,
               capability: tuple[int, int] | None, triton: bool = False) -> None:
     """`model` (on the meta device) with its projections swapped for FP8 ones where `quantization` says so, on the
@@ -240,7 +272,7 @@ def _hold_fp8(model: LlamaForCausalLM, quantization: str, device_type: str,
     model.fp8_layers = {f"{name}.weight": m for name, m in model.named_modules() if isinstance(m, Fp8Linear)}
     for name, module in model.named_modules():   # experts the block runs itself (not Llama 4's, Nemotron-H's)
         if isinstance(module, SparseMoeBlock) and type(module)._experts is SparseMoeBlock._experts \
-                and type(module).forward is SparseMoeBlock.forward:
+                and type(module).forward is SparseMoeBlock.forward and not module.mxfp4:
             module.hold_fp8(block)
             model.fp8_layers |= {f"{name}.{w}": Fp8Experts(module, w) for w in ("w13", "w2")}
     model.fp8_exact = stored is not None and exact
@@ -250,13 +282,16 @@ def held_weight_bytes(config: ModelConfig, shard: ShardShape, dtype: torch.dtype
                       device_type: str) -> int:
     """The bytes of one rank's weights (`shard`) as the engine holds them on a device of `device_type`: its
     parameters in `dtype` (DeepSeek's routers in float32), FP8 projections one byte a weight plus their float32
-    scales (counted on the model built on the meta device)."""
+    scales, MXFP4 experts half a byte plus a byte a 32 (counted on the model built on the meta device)."""
     plain = shard.num_params(config) * dtype.itemsize + config.num_float32_params * (4 - dtype.itemsize)
-    if held_fp8_block(config, shard, quantization, device_type) is None:
+    if held_fp8_block(config, shard, quantization, device_type) is None \
+            and not held_mxfp4(config, shard, quantization, device_type):
         return plain
     model = _meta_model(config, shard, dtype, quantization, device_type)
-    return plain - sum(m.weight.numel() * (dtype.itemsize - 1) - m.weight_scale.numel() * 4
-                       for m in model.fp8_layers.values())
+    saved = sum(m.weight.numel() * (dtype.itemsize - 1) - m.weight_scale.numel() * 4 for m in model.fp8_layers.values())
+    saved += sum(2 * (m.w13.numel() + m.w2.numel()) * dtype.itemsize - _expert_bytes(m)   # two codes a byte
+                 for m in _held_blocks(model) if m.mxfp4)
+    return plain - saved
 
 
 def held_expert_bytes(config: ModelConfig, dtype: torch.dtype, quantization: str, device_type: str) -> int:
@@ -264,12 +299,23 @@ def held_expert_bytes(config: ModelConfig, dtype: torch.dtype, quantization: str
     what a roofline reads as far as a step's tokens hit them."""
     plain = expert_params(config) * dtype.itemsize
     shard = ShardShape.of(config)
-    if not config.num_experts or held_fp8_block(config, shard, quantization, device_type) is None:
+    if not config.num_experts or held_fp8_block(config, shard, quantization, device_type) is None \
+            and not held_mxfp4(config, shard, quantization, device_type):
         return plain
-    model = _meta_model(config, shard, dtype, quantization, device_type)
-    held = [m for m in model.modules() if isinstance(m, SparseMoeBlock) and m.fp8_block is not None]
-    return sum(m.w13.numel() + m.w2.numel() + 4 * (m.w13_scale.numel() + m.w2_scale.numel())
-               for m in held) if held else plain
+    held = _held_blocks(_meta_model(config, shard, dtype, quantization, device_type))
+    return sum(_expert_bytes(m) for m in held) if held else plain
+
+
+def _held_blocks(model: LlamaForCausalLM) -> list[SparseMoeBlock]:
+    """The sparse layers whose experts `model` holds in FP8 or MXFP4."""
+    return [m for m in model.modules() if isinstance(m, SparseMoeBlock) and (m.fp8_block is not None or m.mxfp4)]
+
+
+def _expert_bytes(block: SparseMoeBlock) -> int:
+    """The bytes of one layer's held experts: their values, and their scales (float32 FP8 ones, e8m0 MXFP4 ones)."""
+    if block.mxfp4:
+        return block.w13.numel() + block.w2.numel() + block.w13_scales.numel() + block.w2_scales.numel()
+    return block.w13.numel() + block.w2.numel() + 4 * (block.w13_scale.numel() + block.w2_scale.numel())
 
 
 def _meta_model(config: ModelConfig, shard: ShardShape, dtype: torch.dtype, quantization: str,
@@ -277,5 +323,5 @@ def _meta_model(config: ModelConfig, shard: ShardShape, dtype: torch.dtype, quan
     """The model one rank (`shard`) builds, on the meta device, its weights held as `quantization` says."""
     with torch.device("meta"):
         model = model_class(config)(config, shard, None, get_fused_ops("cpu", dtype))
-        _hold_fp8(model, quantization, device_type, None)
+        _hold_quantized(model, quantization, device_type, None)
     return model

@@ -17,9 +17,11 @@ Weights: the router `mlp.router` is the block's `gate`; the experts come stacked
 [experts, intermediate, hidden], and their biases: read as each expert's gate/up/down tensors
 (`read_tensor`), which the Qwen3-MoE loading places and cuts per rank. OpenAI's checkpoints store the experts'
 weights in MXFP4 (`gate_up_proj_blocks` / `_scales`: 4-bit e2m1 values two to a byte, the low nibble first, and
-one power-of-two scale, e8m0, per 32 along the input dimension, in [out, in] orientation); they are dequantized
-to the model's dtype as they are read (`dequantize_mxfp4`), exactly (every such value is a bfloat16), so the
-model holds and the capacity plan counts them at its dtype's bytes.
+one power-of-two scale, e8m0, per 32 along the input dimension, in [out, in] orientation: `kernels.mxfp4`). Where
+the model holds them so (`SparseMoeBlock.hold_mxfp4`, the device's `quantization`: `engine.models.held_mxfp4`) each
+expert's rows go in as stored, the gate/up rows de-interleaved and each rank's rows or groups of 32 inputs cut;
+elsewhere they are dequantized to the model's dtype as they are read (`dequantize_mxfp4`), exactly (every such value
+is a bfloat16). The capacity plan counts what is held.
 """
 
 from __future__ import annotations
@@ -37,32 +39,11 @@ from engine.model_config import ModelConfig
 from engine.models.qwen3_moe import Qwen3MoeForCausalLM, SparseMoeBlock
 from engine.parallel import Collectives, ShardShape
 from kernels import fused
+from kernels.mxfp4 import MXFP4_GROUP, check_mxfp4, dequantize_mxfp4
 
-__all__ = ["GptOssForCausalLM", "GptOssMoeBlock", "dequantize_mxfp4"]
+__all__ = ["GptOssForCausalLM", "GptOssMoeBlock"]
 
-# e2m1: sign, two exponent bits, one mantissa bit; code -> value
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 _STACKED = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
-
-
-def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """MXFP4 weights as `dtype`: blocks [..., rows, groups, 16] uint8 (two e2m1 codes a byte, the low nibble the
-    even column), scales [..., rows, groups] uint8 (e8m0: 2 ** (scale - 127) for each group of 32 columns) ->
-    [..., rows, groups x 32]. One expert at a time, so the work space is one expert's float32 copy."""
-    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.shape[-1] != 16 \
-            or blocks.shape[:-1] != scales.shape:
-        raise ValueError(f"MXFP4 blocks [..., groups, 16] and scales [..., groups], both uint8: got "
-                         f"{tuple(blocks.shape)} {blocks.dtype} and {tuple(scales.shape)} {scales.dtype}")
-    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32)
-    out = torch.empty(*blocks.shape[:-2], blocks.shape[-2] * 32, dtype=dtype)
-    rows, groups = scales.shape[-2:] if scales.dim() > 1 else (1, scales.shape[-1])
-    for part, part_scales, dest in zip(blocks.reshape(-1, rows, groups, 16), scales.reshape(-1, rows, groups),
-                                       out.view(-1, rows, groups * 32)):
-        codes = torch.stack([part & 0x0F, part >> 4], dim=-1).long()             # [rows, groups, 16, 2]
-        values = lut[codes].flatten(-3)                                          # [rows, groups x 32]
-        exponents = part_scales.to(torch.int32).sub(127).repeat_interleave(32, dim=-1)
-        dest.copy_(torch.ldexp(values, exponents.float()))
-    return out
 
 
 class GptOssMoeBlock(SparseMoeBlock):
@@ -115,6 +96,9 @@ class GptOssForCausalLM(Qwen3MoeForCausalLM):
                 return ()
             del self._mxfp4[key]
             try:
+                if base in ("gate_up_proj", "down_proj") and self.layers[0].mlp.mxfp4:
+                    return self._packed_per_expert(hf_name, f"{head}.mlp.experts", base, pending["blocks"],
+                                                   pending["scales"])
                 tensor = dequantize_mxfp4(pending["blocks"], pending["scales"]).transpose(1, 2)
             except ValueError as exc:
                 raise WeightLoadError(f"{hf_name}: {exc}") from None
@@ -122,6 +106,32 @@ class GptOssForCausalLM(Qwen3MoeForCausalLM):
         if stored not in _STACKED:
             raise WeightLoadError(f"{hf_name}: not a tensor of {self.config.architecture} with this config")
         return self.per_expert(hf_name, f"{head}.mlp.experts", stored, tensor, interleaved=True)
+
+    def _packed_per_expert(self, hf_name: str, prefix: str, stored: str, blocks: torch.Tensor, scales: torch.Tensor
+                           ) -> list[tuple[str, torch.Tensor]]:
+        """MXFP4 blocks [experts, rows, groups, 16] and scales [experts, rows, groups] kept as stored, as each
+        expert's packed rows and their scales (`{prefix}.{e}.gate_proj.blocks`, `....scales`): gate/up rows
+        interleaved, gate first."""
+        check_mxfp4(blocks, scales)
+        if blocks.dim() != 4 or blocks.shape[0] != self.config.num_experts:
+            raise ValueError(f"shape {tuple(blocks.shape)} is not {self.config.num_experts} experts' MXFP4 blocks")
+        out = []
+        for e in range(blocks.shape[0]):
+            for kind, t in (("blocks", blocks[e].flatten(-2)), ("scales", scales[e])):
+                if stored == "down_proj":
+                    out.append((f"{prefix}.{e}.down_proj.{kind}", t))
+                else:
+                    out += [(f"{prefix}.{e}.gate_proj.{kind}", t[0::2]), (f"{prefix}.{e}.up_proj.{kind}", t[1::2])]
+        return out
+
+    def _destination(self, name: str, hf_name: str):
+        """An expert's MXFP4 rows (`.blocks`) into w13 / w2 and their scales into `w13_scales` / `w2_scales`, where
+        Qwen3-MoE puts its weight; the rest as Qwen3-MoE's."""
+        head, _, kind = name.rpartition(".")
+        if kind not in ("blocks", "scales") or ".mlp.experts." not in name:
+            return super()._destination(name, hf_name)
+        target, part = super()._destination(f"{head}.weight", hf_name)
+        return (target if kind == "blocks" else f"{target}_scales"), part
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """The Llama model's loading; an MXFP4 tensor whose blocks or scales never came is named."""
@@ -139,9 +149,23 @@ class GptOssForCausalLM(Qwen3MoeForCausalLM):
     def _shard_of(self, hf_name: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's heads' sinks; the rest as Qwen3-MoE's."""
         shard = self.shard
+        if shard.size > 1 and name.endswith((".blocks", ".scales")):   # an expert's MXFP4 rows, or groups of inputs
+            return self._packed_shard(hf_name, name, tensor)
         if shard.size == 1 or not name.endswith("self_attn.sinks"):
             return super()._shard_of(hf_name, name, tensor)
         if tuple(tensor.shape) != (self.config.num_heads,):
             raise WeightLoadError(f"{hf_name}: shape {tuple(tensor.shape)} does not match the config "
                                   f"({self.config.num_heads} heads)")
         return tensor.narrow(0, shard.head_start, shard.num_heads)
+
+    def _packed_shard(self, hf_name: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's share of an expert's MXFP4 gate/up rows, or of its down rows' packed inputs (two a byte, 32 a
+        scale): the intermediate size cut as the float weights' (the cut on a group's edge: `held_mxfp4`)."""
+        size, rank = self.shard.moe_intermediate_size, self.shard.rank
+        per = 1 if ".down_proj." not in name else 2 if name.endswith(".blocks") else MXFP4_GROUP
+        inter = self.config.moe_intermediate_size
+        dim, full = (0, inter) if per == 1 else (1, inter // per)
+        if tensor.dim() != 2 or tensor.shape[dim] != full:
+            raise WeightLoadError(f"{hf_name}: shape {tuple(tensor.shape)} does not match the config ({full} along "
+                                  f"dimension {dim})")
+        return tensor.narrow(dim, rank * size // per, size // per)

@@ -25,7 +25,8 @@ tensors, `w13` [num_experts, 2 x intermediate, hidden] (gate rows, then up rows)
 hidden, intermediate]. Under tensor parallelism each rank holds every expert's slice of the
 intermediate size (gate/up rows, down columns) and the partial outputs are summed; the router is whole
 on every rank, so every rank routes alike. Held in FP8 (`hold_fp8`, the device's `quantization`), w13 and w2 are
-e4m3 beside their block scales, filled expert by expert as a checkpoint stores them (`engine.fp8_weights`).
+e4m3 beside their block scales, filled expert by expert as a checkpoint stores them (`engine.fp8_weights`); held in
+MXFP4 (`hold_mxfp4`: GPT-OSS's checkpoints), two e2m1 codes a byte beside an e8m0 scale per 32 inputs.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from engine.model import MLP, LlamaForCausalLM, WeightLoadError
 from engine.model_config import ModelConfig
 from engine.parallel import Collectives, ShardShape
 from kernels.fp8_gemm import FP8_WEIGHT_DTYPE, dequantize_blocks, scale_grid
+from kernels.mxfp4 import MXFP4_GROUP, dequantize_packed
 
 log = logging.getLogger("cliffguard.engine")
 
@@ -83,6 +85,7 @@ class SparseMoeBlock(nn.Module):
                 self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
         self._grouped = True   # the grouped matmul until it fails for this dtype / device
         self.fp8_block: tuple[int, int] | None = None   # FP8 experts' scale blocks (`hold_fp8`)
+        self.mxfp4 = False                              # MXFP4 experts (`hold_mxfp4`)
 
     def hold_fp8(self, block: tuple[int, int]) -> None:
         """Hold the experts in FP8 (on the meta device, before the parameters are allocated): w13 and w2 in
@@ -97,8 +100,24 @@ class SparseMoeBlock(nn.Module):
         self.parameter_dtypes = {"w13": FP8_WEIGHT_DTYPE, "w2": FP8_WEIGHT_DTYPE, "w13_scale": torch.float32,
                                  "w2_scale": torch.float32}
 
+    def hold_mxfp4(self) -> None:
+        """Hold the experts as MXFP4 checkpoints store them (on the meta device, before the parameters are allocated;
+        `kernels.mxfp4`): w13 [E, 2 x inter, hidden / 2] and w2 [E, hidden, inter / 2] uint8, two e2m1 codes a byte,
+        beside `w13_scales` [E, 2 x inter, hidden / 32] and `w2_scales`, e8m0. The Triton kernels decode each tile as
+        loaded; the loop an expert's weights when it is hit (no grouped matmul)."""
+        self.mxfp4, self._grouped = True, False
+        for name in ("w13", "w2"):
+            experts, rows, cols = getattr(self, name).shape
+            setattr(self, name, nn.Parameter(torch.empty(experts, rows, cols // 2), requires_grad=False))
+            setattr(self, f"{name}_scales", nn.Parameter(torch.empty(experts, rows, cols // MXFP4_GROUP),
+                                                         requires_grad=False))
+        self.parameter_dtypes = dict.fromkeys(("w13", "w2", "w13_scales", "w2_scales"), torch.uint8)
+
     def _expert_weights(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Expert e's w13 and w2 in `dtype`, the model's (FP8 ones dequantized)."""
+        """Expert e's w13 and w2 in `dtype`, the model's (FP8 and MXFP4 ones dequantized)."""
+        if self.mxfp4:
+            return dequantize_packed(self.w13[e], self.w13_scales[e], dtype), \
+                dequantize_packed(self.w2[e], self.w2_scales[e], dtype)
         if self.fp8_block is None:
             return self.w13[e], self.w2[e]
         return tuple(dequantize_blocks(getattr(self, name)[e], getattr(self, f"{name}_scale")[e], self.fp8_block)
@@ -127,6 +146,9 @@ class SparseMoeBlock(nn.Module):
     def _experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """The routed experts' weighted sum (this rank's part): the Triton kernels, else the grouped matmuls, else
         the loop over the experts hit."""
+        if self.fused_moe is not None and self.mxfp4:
+            return self.fused_moe(x, self.w13, self.w2, weights, experts, self.b13, self.b2, self.act_fn,
+                                  self.w13_scales, self.w2_scales, mxfp4=True)
         if self.fused_moe is not None and self.fp8_block is not None:
             return self.fused_moe(x, self.w13, self.w2, weights, experts, self.b13, self.b2, self.act_fn,
                                   self.w13_scale, self.w2_scale, self.fp8_block)

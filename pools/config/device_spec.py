@@ -85,7 +85,7 @@ class DeviceSpec(Spec):
     enforce_eager: bool = False          # CUDA: no decode graphs (their memory is then not set aside)
     async_scheduling: bool | None = None  # overlapped steps (engine.overlap); None: on CUDA
     kv_cache_dtype: KvCacheDtype = "auto"   # auto: the model's dtype; fp8: e4m3, 1 byte an element of S_KV
-    quantization: Quantization = "auto"   # the weights: auto (an FP8 checkpoint's kept FP8 on CUDA), fp8, none
+    quantization: Quantization = "auto"   # the weights: auto (FP8, MXFP4 checkpoints kept so on CUDA), fp8, mxfp4, none
     calculate_kv_scales: bool = True     # fp8 without the checkpoint's scales: measured at start (false: 1.0)
     collective_timeout_seconds: Seconds = DEFAULT_COLLECTIVE_TIMEOUT_SECONDS   # tensor parallel: a rank this late is hung
     min_replicas: Slots | None = None    # autoscaled: the replicas always up (None: fixed, all `replicas` up)

@@ -45,19 +45,24 @@ def test_it_times_every_path_on_the_same_routing(capsys, monkeypatch, backend, g
 
 
 @pytest.mark.parametrize("backend", ["cpu", "triton"])
-def test_fp8_experts_are_timed_and_checked_against_their_dequantized_weights(capsys, monkeypatch, backend):
-    # --fp8: the experts in FP8 beside the unquantized paths, through the Triton kernels where the block has them.
+def test_fp8_and_mxfp4_experts_are_timed_and_checked_against_their_dequantized_weights(capsys, monkeypatch, backend):
+    # --fp8, --mxfp4 (GPT-OSS's block): the experts in FP8 and in MXFP4 beside the unquantized paths, through the
+    # Triton kernels where the block has them.
     if backend == "triton":
         pytest.importorskip("triton")
     monkeypatch.setenv("CLIFFGUARD_ATTENTION_BACKEND", backend)
     args = _parse("--device", "cpu", "--dtype", "float32", "--hidden-size", "64", "--experts", "8", "--top-k", "2",
-                  "--moe-intermediate-size", "32", "--tokens", "1,8", "--repeats", "1", "--json", "--fp8")
+                  "--moe-intermediate-size", "32", "--tokens", "1,8", "--repeats", "1", "--json", "--fp8", "--mxfp4",
+                  "--gpt-oss")
     assert moe.run(args) == 0
     result = json.loads(capsys.readouterr().out)
-    assert result["fp8"] == ("triton" if backend == "triton" else "loop")
-    for row in result["rows"]:
-        assert row["fp8_ms"] > 0 and row["fp8_max_abs_diff"] < 1e-4
-        assert row["fp8_vs_first"] == pytest.approx(row[f"{result['paths'][0]}_ms"] / row["fp8_ms"])
+    for kind in ("fp8", "mxfp4"):
+        assert result[kind] == ("triton" if backend == "triton" else "loop")
+        for row in result["rows"]:
+            assert row[f"{kind}_ms"] > 0 and row[f"{kind}_max_abs_diff"] < 1e-4
+            assert row[f"{kind}_vs_first"] == pytest.approx(row[f"{result['paths'][0]}_ms"] / row[f"{kind}_ms"])
+    with pytest.raises(ValueError, match="--mxfp4: the hidden and intermediate sizes must be multiples of 32"):
+        moe.run(_parse("--device", "cpu", "--hidden-size", "48", "--experts", "8", "--top-k", "2", "--mxfp4"))
 
 
 @pytest.mark.parametrize("argv,named", [(["--top-k", "9", "--experts", "8"], "--top-k"),

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -972,21 +974,18 @@ def _mxfp4(shape: tuple[int, ...], gen: torch.Generator) -> tuple[torch.Tensor, 
     return blocks, scales
 
 
-def test_an_mxfp4_gpt_oss_checkpoint_serves_what_transformers_dequantizes(tmp_path, builtin_path):
-    """OpenAI's GPT-OSS checkpoints store the experts in MXFP4 (`*_blocks` / `*_scales`): dequantized as they are
-    read, they are transformers' own dequantization (`convert_moe_packed_tensors`) to the bit, in float32 and
-    bfloat16, and the engine serves the checkpoint greedy token for token with transformers' model holding those
-    weights. A blocks tensor without its scales, or of the wrong shape, is refused by name."""
+def mxfp4_gpt_oss(folder: Path, builtin_path: Path, **overrides) -> tuple[Path, Any, dict[str, torch.Tensor]]:
+    """A tiny GPT-OSS checkpoint whose experts are stored in MXFP4, as OpenAI's are (`*_blocks` / `*_scales`, random
+    codes, an intermediate size of 64 unless overridden): (its folder, transformers' float32 model holding those
+    weights as transformers' own dequantization gives them, the stored tensors)."""
     import transformers
     from safetensors.torch import save_file
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    from engine.model import WeightLoadError
-    from engine.model_config import ModelConfig
-    from engine.models.gpt_oss import dequantize_mxfp4
+    from kernels.mxfp4 import dequantize_mxfp4
 
     # MXFP4 scales groups of 32 inputs: an intermediate size of 64
-    folder = make_tiny_model(tmp_path / "gpt_oss", "gpt_oss", builtin_path, **{**GPT_OSS, "intermediate_size": 64})
+    folder = make_tiny_model(folder, "gpt_oss", builtin_path, **{**GPT_OSS, "intermediate_size": 64, **overrides})
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     state = {name: tensor.clone() for name, tensor in iter_weights(folder)}
     gen = torch.Generator().manual_seed(7)
@@ -1006,6 +1005,18 @@ def test_an_mxfp4_gpt_oss_checkpoint_serves_what_transformers_dequantizes(tmp_pa
     config = json.loads((folder / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
     (folder / "config.json").write_text(json.dumps(config))
+    return folder, hf, state
+
+
+def test_an_mxfp4_gpt_oss_checkpoint_serves_what_transformers_dequantizes(tmp_path, builtin_path):
+    """OpenAI's GPT-OSS checkpoints store the experts in MXFP4 (`*_blocks` / `*_scales`): dequantized as they are
+    read, they are transformers' own dequantization (`convert_moe_packed_tensors`) to the bit, in float32 and
+    bfloat16, and the engine serves the checkpoint greedy token for token with transformers' model holding those
+    weights. A blocks tensor without its scales, or of the wrong shape, is refused by name."""
+    from engine.model import WeightLoadError
+    from engine.model_config import ModelConfig
+
+    folder, hf, state = mxfp4_gpt_oss(tmp_path / "gpt_oss", builtin_path)
     engine = LLMEngine.from_args(str(folder), dtype="float32", block_size=8, num_blocks=64, progress=False)
     prompts = [[1, *range(40, 70)], [5, 9, 200, 3]]
     outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))

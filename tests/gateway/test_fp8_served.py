@@ -1,7 +1,7 @@
 """The builtin model served with `kv_cache_dtype: fp8` (config/pools.yaml with the device key set), asked
 through the openai SDK: four times the KV blocks of the float32 cache from the same bytes, and greedy chat
 answers the same as the default server's on most questions; and a tiny model served with `quantization: fp8`,
-answering as its FP8-rounded weights do."""
+answering as its FP8-rounded weights do; and a GPT-OSS checkpoint served with its MXFP4 experts held as stored."""
 
 from __future__ import annotations
 
@@ -87,3 +87,25 @@ def test_a_device_with_quantization_fp8_serves_its_weights_quantized_a_row_at_a_
             reply = client.completions.create(model=folder.name, prompt=prompt, max_tokens=16, temperature=0,
                                               extra_body={"ignore_eos": True})
             assert reply.choices[0].text == tokenizer.decode(want)
+
+
+def test_a_device_with_quantization_mxfp4_serves_gpt_oss_experts_held_as_stored(tmp_path, builtin_path):
+    """`quantization: mxfp4` in a pool file reaches the engine: a tiny GPT-OSS checkpoint with MXFP4 experts, served
+    with them held as stored (the server's log says so), answers (through the openai SDK, greedy) what transformers
+    answers over the dequantized checkpoint."""
+    from engine.tokenizer import Tokenizer
+    from tests.engine.test_engine_vs_hf import _hf_greedy, mxfp4_gpt_oss
+    from tests.gateway.conftest import chat_pool_yaml
+
+    folder, hf, _ = mxfp4_gpt_oss(tmp_path / "gpt_oss", builtin_path, vocab_size=49152, max_position_embeddings=1024)
+    prompts = [[5, 9, 200, 31, 7], list(range(40, 60))]
+    want = [_hf_greedy(hf, p, 12, eos_ids=None) for p in prompts]
+    (path := tmp_path / "pools.yaml").write_text(chat_pool_yaml(folder, device_keys="quantization: mxfp4"))
+    tokenizer = Tokenizer.from_folder(folder)
+    with LiveServer(path) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        for prompt, tokens in zip(prompts, want):
+            reply = client.completions.create(model=folder.name, prompt=prompt, max_tokens=12, temperature=0,
+                                              extra_body={"ignore_eos": True})
+            assert reply.choices[0].text == tokenizer.decode(tokens)
+        assert any("experts of 3 layers held in MXFP4 as stored" in line for line in server.log)

@@ -304,3 +304,63 @@ def test_fused_moe_over_fp8_experts_equals_the_loop_over_their_dequantized_weigh
     torch.testing.assert_close(got.float(), want.float(), rtol=rtol, atol=atol, msg=lambda m: f"seed {seed}: {m}")
     torch.testing.assert_close(got.float(), _loop(x, dense13, dense2, weights, chosen), rtol=rtol, atol=atol,
                                msg=lambda m: f"seed {seed}: {m}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_moe_over_mxfp4_experts_equals_it_over_their_dequantized_weights(dtype):
+    """MXFP4 experts (GPT-OSS's: every e2m1 code, scales over 2 ** -127 .. 2 ** 1 including the subnormal 0, biases
+    and a clamped SwiGLU) decoded tile by tile as the kernels load them give the same bits as the kernels over the
+    weights dequantized whole (the decoding is exact), and the loop's sums."""
+    from engine.layers import ClampedSwiGLU
+    from kernels.mxfp4 import dequantize_packed
+
+    seed = _make_seed()
+    gen = torch.Generator().manual_seed(seed)
+    tokens, hidden, inter, experts, top_k = 11, 96, 64, 4, 2
+
+    def mxfp4(rows, cols):
+        packed = torch.randint(0, 256, (experts, rows, cols // 2), generator=gen, dtype=torch.int32).to(torch.uint8)
+        scales = torch.randint(120, 126, (experts, rows, cols // 32), generator=gen, dtype=torch.int32)
+        scales[0, 0, 0], scales[1, 0, 0], scales[1, 1, 0] = 0, 1, 128   # 2 ** -127 (subnormal), 2 ** -126, 2
+        scales = scales.to(torch.uint8)
+        return packed, scales, dequantize_packed(packed, scales, dtype)
+
+    w13, s13, dense13 = mxfp4(2 * inter, hidden)
+    w2, s2, dense2 = mxfp4(hidden, inter)
+    assert dense13[0, 0, :32].abs().max() < 1e-37 and dense13[1, 1, :32].abs().max() >= 1, f"seed {seed}"
+    b13 = torch.randn(experts, 2 * inter, generator=gen).to(dtype)
+    b2 = torch.randn(experts, hidden, generator=gen).to(dtype)
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    weights, chosen = torch.randn(tokens, experts, generator=gen).softmax(-1).topk(top_k, dim=-1)
+    weights, act = weights.to(dtype), ClampedSwiGLU(1.702, 7.0)
+    got = fused_moe(x, w13, w2, weights, chosen, b13, b2, act, w13_scale=s13, w2_scale=s2, mxfp4=True)
+    assert torch.equal(got, fused_moe(x, dense13, dense2, weights, chosen, b13, b2, act)), f"seed {seed}"
+    if dtype == torch.float32:   # (bfloat16's roundings of h and of the activation are the fused kernels' own)
+        want = _loop(x, dense13, dense2, weights, chosen, b13, b2, lambda gate, up: act(torch.cat([gate, up])))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4, msg=lambda m: f"seed {seed}: {m}")
+
+
+def test_mxfp4_experts_decode_alike_on_the_triton_kernels_and_on_the_loop(tmp_path, builtin_path, monkeypatch):
+    """A GPT-OSS checkpoint with MXFP4 experts held as stored (`quantization: mxfp4`): the Triton kernels decoding
+    each tile as loaded give the greedy tokens the loop over the experts gives with each hit expert dequantized."""
+    from engine.config import CacheConfig, EngineConfig, PoolConfig, SchedulerConfig
+    from engine.llm_engine import LLMEngine
+    from engine.sampling import SamplingParams
+    from tests.engine.test_engine_vs_hf import mxfp4_gpt_oss
+
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (6, 19)]
+    folder, _, _ = mxfp4_gpt_oss(tmp_path / "gpt_oss", builtin_path)
+    results = {}
+    for backend in ("triton", "torch"):
+        monkeypatch.setenv("CLIFFGUARD_ATTENTION_BACKEND", backend)
+        engine = LLMEngine(EngineConfig(model=str(folder), dtype="float32", quantization="mxfp4",
+                                        cache=CacheConfig(block_size=8),
+                                        pools=(PoolConfig(num_blocks=16, scheduler=SchedulerConfig(
+                                            max_num_seqs=2, max_num_batched_tokens=32, max_model_len=64)),)),
+                           progress=False)
+        sparse = [layer.mlp for layer in engine.model.layers]
+        assert all(mlp.mxfp4 and (mlp.fused_moe is fused_moe) == (backend == "triton") for mlp in sparse)
+        outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        results[backend] = [o.outputs[0].token_ids for o in outs]
+    assert results["triton"] == results["torch"]

@@ -468,7 +468,8 @@ def test_the_examples_measure_their_gpus_where_they_are_served():
 @pytest.mark.parametrize("name,vram,dense_bytes,kv", [
     ("qwen3-32b-2xh100-fp8.yaml", 80 * GiB, 65_524_246_528, "float8_e4m3fn"),
     ("qwen3-30b-a3b-h200.yaml", 141 * GiB, 61_064_245_248, "bfloat16"),
-    ("gpt-oss-20b-h100.yaml", 80 * GiB, 41_829_514_368, "bfloat16"),
+    ("gpt-oss-20b-h100.yaml", 80 * GiB, 13_761_264_768, "bfloat16"),
+    ("gpt-oss-120b-h100.yaml", 80 * GiB, 65_248_815_744, "float8_e4m3fn"),
     ("deepseek-v2-lite-h100.yaml", 80 * GiB, 31_419_784_192, "bfloat16"),
     ("glm-4.5-air-2xh200-fp8.yaml", 141 * GiB, 213_751_699_968, "float8_e4m3fn"),
     ("llama-4-scout-2xh200-fp8.yaml", 141 * GiB, 215_539_722_240, "float8_e4m3fn"),
@@ -479,7 +480,7 @@ def test_the_examples_measure_their_gpus_where_they_are_served():
 ])
 def test_the_example_files_plan(name, vram, dense_bytes, kv):
     """The example files plan from the config.json beside them: Qwen3-32B's weights (YaRN to 131,072
-    positions) with an FP8 cache, Qwen3-30B-A3B's every expert, gpt-oss-20b's (MXFP4 on disk) in bfloat16,
+    positions) with an FP8 cache, Qwen3-30B-A3B's every expert, gpt-oss-20b's and gpt-oss-120b's MXFP4 experts as stored,
     DeepSeek-V2-Lite's (its routers in float32) with its latent cache: 31,104 B a token, GLM-4.5-Air's on two
     H200s (its routers in float32 too) with an FP8 cache, Llama 4 Scout's text model on two H200s (a multimodal
     config.json; its rotary table the rag pool's 131,072 positions, not 10,485,760), and Qwen3-Next on two H200s (its
@@ -506,6 +507,36 @@ def test_the_example_files_plan(name, vram, dense_bytes, kv):
         bf16 = plan_capacity(parse_config(data, env={}, base_dir=REPO / "config" / "examples"),
                              resolve_model_configs(config), vram_bytes=vram)
         assert all(p.num_blocks >= 1.9 * bf16.pools[n].num_blocks for n, p in plan.pools.items())
+
+
+def test_mxfp4_experts_held_as_stored_put_gpt_oss_120b_on_one_h100():
+    """gpt-oss-120b on one H100 (`quantization: auto`, a CUDA device): its 36 layers' 128 experts of 3 x 2,880 x 2,880
+    weights held at half a byte plus a byte a 32 (MXFP4 as stored), the rest in bfloat16: the bfloat16 bytes less
+    exactly that. In bfloat16 (`none`) the weights do not fit (refused naming the device's memory); `mxfp4` under
+    tensor parallelism 4 (720 inputs a rank, not whole groups of 32) and on a model without MXFP4 experts is refused
+    naming the key."""
+    data = yaml.safe_load((REPO / "config" / "examples" / "gpt-oss-120b-h100.yaml").read_text())
+    config = parse_config(data, env={}, base_dir=REPO / "config" / "examples")
+    (model,) = resolve_model_configs(config).values()
+    (device,) = plan_capacity(config, resolve_model_configs(config), vram_bytes=80 * GiB).devices.values()
+    experts = 36 * 128 * 3 * 2880 * 2880
+    bf16 = ShardShape.of(model).num_params(model) * 2
+    assert device.mxfp4_experts and not device.fp8_weights
+    assert device.weights_bytes == bf16 - experts * 2 + experts // 2 + experts // 32
+    assert 60 * GiB < device.weights_bytes < 61 * GiB < 217 * GiB < bf16 < 218 * GiB
+    for key, value, match in (("quantization", "none", r"devices.h100.memory: .* 217.61 GiB per GPU in bfloat16"),
+                              ("tensor_parallel_size", 4, r"devices.h100.quantization: mxfp4 under tensor parallelism "
+                                                          r"4 cuts each expert's 2880 inputs into shares of 720")):
+        changed = {**data["devices"]["h100"], key: value} | ({"quantization": "mxfp4"} if key != "quantization" else {})
+        with pytest.raises(SpecError, match=match):
+            plan_capacity(parse_config({**data, "devices": {"h100": changed}}, env={},
+                                       base_dir=REPO / "config" / "examples"), resolve_model_configs(config),
+                          vram_bytes=80 * GiB)
+    data = yaml.safe_load((REPO / "config" / "examples" / "qwen3-32b-fp8-h100.yaml").read_text())
+    data["devices"]["h100"]["quantization"] = "mxfp4"
+    with pytest.raises(SpecError, match=r"devices.h100.quantization: mxfp4 holds a checkpoint's MXFP4 experts"):
+        config = parse_config(data, env={}, base_dir=REPO / "config" / "examples")
+        plan_capacity(config, resolve_model_configs(config), vram_bytes=80 * GiB)
 
 
 def test_an_fp8_checkpoint_held_in_fp8_gives_one_h100_room_for_its_pools():
