@@ -364,3 +364,33 @@ def test_mxfp4_experts_decode_alike_on_the_triton_kernels_and_on_the_loop(tmp_pa
         outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
         results[backend] = [o.outputs[0].token_ids for o in outs]
     assert results["triton"] == results["torch"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 64, 300])
+def test_on_cuda_fused_moe_over_mxfp4_experts_at_gpt_oss_shape_equals_it_over_the_decoded_weights(tokens):
+    """gpt-oss-120b's layer (128 experts of 2,880, 4 a token, biases, the clamped SwiGLU) with MXFP4 experts: the
+    kernels decoding each tile on the GPU give the bits they give over the weights decoded whole."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from engine.layers import ClampedSwiGLU
+    from kernels.mxfp4 import dequantize_packed
+
+    gen = torch.Generator().manual_seed(tokens)
+    hidden = inter = 2880
+    experts, top_k = 128, 4
+
+    def mxfp4(rows, cols):
+        packed = torch.randint(0, 256, (experts, rows, cols // 2), generator=gen, dtype=torch.int32).to(torch.uint8)
+        scales = torch.randint(118, 122, (experts, rows, cols // 32), generator=gen, dtype=torch.int32).to(torch.uint8)
+        return packed.cuda(), scales.cuda(), dequantize_packed(packed, scales, torch.bfloat16).cuda()
+
+    w13, s13, dense13 = mxfp4(2 * inter, hidden)
+    w2, s2, dense2 = mxfp4(hidden, inter)
+    b13 = torch.randn(experts, 2 * inter, generator=gen).to("cuda", torch.bfloat16)
+    b2 = torch.randn(experts, hidden, generator=gen).to("cuda", torch.bfloat16)
+    x = torch.randn(tokens, hidden, generator=gen).to("cuda", torch.bfloat16)
+    weights, chosen = torch.randn(tokens, experts, generator=gen).softmax(-1).topk(top_k, dim=-1)
+    weights, chosen, act = weights.to("cuda", torch.bfloat16), chosen.cuda(), ClampedSwiGLU(1.702, 7.0)
+    got = fused_moe(x, w13, w2, weights, chosen, b13, b2, act, w13_scale=s13, w2_scale=s2, mxfp4=True)
+    assert torch.equal(got, fused_moe(x, dense13, dense2, weights, chosen, b13, b2, act))
