@@ -118,3 +118,18 @@ def make_plain(tmp_path, builtin_path):
     from tests.engine.test_engine_vs_hf import GPT_OSS
 
     return make_tiny_model(tmp_path / "plain", "gpt_oss", builtin_path, **GPT_OSS)
+
+
+def test_the_roofline_reads_the_bytes_held_in_mxfp4():
+    """The simulator's roofline reads gpt-oss-120b's experts as held: 4.25 bits a weight on a GPU (`auto`), the
+    model's dtype where they are dequantized (`auto` on a CPU, `none`)."""
+    from pathlib import Path
+
+    from engine.roofline import expert_params
+
+    config = ModelConfig.from_folder(Path(__file__).resolve().parents[2] / "config" / "examples" / "gpt-oss-120b")
+    weights = 36 * 128 * 3 * 2880 * 2880
+    assert held_expert_bytes(config, torch.bfloat16, "auto", "cuda") == weights // 2 + weights // 32
+    for quantization, device in (("auto", "cpu"), ("none", "cuda")):
+        assert held_expert_bytes(config, torch.bfloat16, quantization, device) == 2 * expert_params(config)
+    assert 2 * weights <= 2 * expert_params(config) < 2.01 * weights
