@@ -12,7 +12,8 @@ its outputs from the loop's. `--fp8` adds the experts in FP8 (a scale an output 
 dequantizing each weight tile as loaded where the block has them, else the loop, timed against the fastest
 unquantized path and checked against the loop over the dequantized FP8 weights. `--mxfp4` adds them in MXFP4 as
 GPT-OSS's checkpoints store them (`quantization: auto` on a GPU holds them so: random codes, half a byte a weight),
-timed and checked the same way. On a GPU each timing synchronises before and after (`bench.engine.sync`).
+timed and checked the same way; `--int4` in INT4 as pack-quantized checkpoints store them (Kimi K2's experts).
+On a GPU each timing synchronises before and after (`bench.engine.sync`).
 """
 
 from __future__ import annotations
@@ -48,6 +49,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mxfp4", action="store_true",
                    help="also the experts in MXFP4 (GPT-OSS's checkpoints' 4-bit experts, held as stored): the Triton "
                         "kernels decoding each tile where the block has them, else the loop")
+    p.add_argument("--int4", action="store_true",
+                   help="also the experts in INT4 (pack-quantized checkpoints' experts, Kimi K2's: groups of 32, "
+                        "held as stored): the Triton kernels decoding each tile where the block has them, else the "
+                        "loop")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
 
 
@@ -111,30 +116,37 @@ def _fp8_blocks(args: argparse.Namespace, device: torch.device, dtype: torch.dty
     return fp8, reference
 
 
-def _mxfp4_blocks(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
-    """Two more of the block: its experts in MXFP4 (random codes, the scale that makes them about the float
-    weights' size: `SparseMoeBlock.hold_mxfp4`), and its experts as those weights dequantized, run by the loop."""
+def _packed_blocks(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, kind: str):
+    """Two more of the block: its experts packed as `kind` says (`SparseMoeBlock.hold_packed`: MXFP4, GPT-OSS's, or
+    INT4 in groups of 32, Kimi K2's; random codes, scales that make them about the float weights' size), and its
+    experts as those weights dequantized, run by the loop."""
     from torch import nn
 
+    from engine.int4_weights import dequantize_int4
     from kernels.mxfp4 import MXFP4_GROUP, dequantize_packed, mxfp4_scale
 
     if args.hidden_size % MXFP4_GROUP or args.moe_intermediate_size % MXFP4_GROUP:
-        raise ValueError(f"--mxfp4: the hidden and intermediate sizes must be multiples of {MXFP4_GROUP}, got "
+        raise ValueError(f"--{kind}: the hidden and intermediate sizes must be multiples of {MXFP4_GROUP}, got "
                          f"{args.hidden_size} and {args.moe_intermediate_size}")
-    mxfp4, reference = _block(args, device, dtype), _block(args, device, dtype)
+    held, reference = _block(args, device, dtype), _block(args, device, dtype)
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         shapes = {name: tuple(getattr(reference, name).shape) for name in ("w13", "w2")}
-        mxfp4.hold_mxfp4()
+        held.hold_packed(kind, MXFP4_GROUP)
         for name, (experts, rows, cols) in shapes.items():
             packed = torch.randint(0, 256, (experts, rows, cols // 2), generator=gen, dtype=torch.int32)
-            scales = torch.full((experts, rows, cols // MXFP4_GROUP), mxfp4_scale(0.02), dtype=torch.uint8)
-            packed = packed.to(torch.uint8)
-            setattr(mxfp4, name, nn.Parameter(packed.to(device), requires_grad=False))
-            setattr(mxfp4, f"{name}_scales", nn.Parameter(scales.to(device), requires_grad=False))
-            getattr(reference, name).copy_(dequantize_packed(packed, scales, dtype))
+            packed, scale_shape = packed.to(torch.uint8), (experts, rows, cols // MXFP4_GROUP)
+            if kind == "mxfp4":
+                scales = torch.full(scale_shape, mxfp4_scale(0.02), dtype=torch.uint8)
+                dense = dequantize_packed(packed, scales, dtype)
+            else:   # uniform values of -8 .. 7 have a deviation of 4.6
+                scales = (torch.rand(scale_shape, generator=gen) * 0.01 + 0.02 / 4.6).to(dtype)
+                dense = dequantize_int4(packed, scales, dtype)
+            setattr(held, name, nn.Parameter(packed.to(device), requires_grad=False))
+            setattr(held, f"{name}_scales", nn.Parameter(scales.to(device), requires_grad=False))
+            getattr(reference, name).copy_(dense)
     reference.fused_moe, reference._grouped = None, False
-    return mxfp4, reference
+    return held, reference
 
 
 def _time(call, device: torch.device, repeats: int) -> float:
@@ -198,8 +210,9 @@ def run(args: argparse.Namespace) -> int:
     device, dtype = device_and_dtype(args.device, args.dtype)
     block = _block(args, device, dtype)
     with torch.inference_mode():
-        quantized = {kind: make(args, device, dtype) for kind, make, wanted in (
-            ("fp8", _fp8_blocks, args.fp8), ("mxfp4", _mxfp4_blocks, args.mxfp4)) if wanted}
+        makers = {"fp8": _fp8_blocks, "mxfp4": lambda *a: _packed_blocks(*a, "mxfp4"),
+                  "int4": lambda *a: _packed_blocks(*a, "int4")}
+        quantized = {kind: make(args, device, dtype) for kind, make in makers.items() if getattr(args, kind)}
         paths = _paths(block, torch.randn(2, args.hidden_size).to(device, dtype))
         rows = [_row(block, paths, torch.randn(n, args.hidden_size, generator=torch.Generator().manual_seed(n)
                                                ).to(device, dtype), device, args.repeats, quantized) for n in sizes]
@@ -207,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
               "block": "gpt_oss" if args.gpt_oss else "qwen3_moe", "hidden_size": args.hidden_size,
               "experts": args.experts, "top_k": args.top_k, "moe_intermediate_size": args.moe_intermediate_size,
               "paths": list(paths), "rows": rows, **{kind: None if kind not in quantized else (
-                  "triton" if quantized[kind][0].fused_moe else "loop") for kind in ("fp8", "mxfp4")}}
+                  "triton" if quantized[kind][0].fused_moe else "loop") for kind in ("fp8", "mxfp4", "int4")}}
     if args.json:
         print(json.dumps(result, indent=2))
         return 0

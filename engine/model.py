@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from types import ModuleType
 
@@ -25,22 +25,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.fp8_weights import dequantized, fp8_part
+from engine.checkpoint_reading import CheckpointReading, WeightLoadError
 from engine.model_config import ModelConfig
 from engine.layers import GeluTanhAndMul, HeadRMSNorm, RMSNorm, RopeRows, RotaryEmbedding, SiluAndMul
 from engine.layers.fp8_linear import Fp8Linear
 from engine.parallel import Collectives, ShardShape
-from engine.weights import model_tensor_name
 from kernels import AttentionMetadata, fused
 from kernels.mxfp4 import mxfp4_scale
 
 log = logging.getLogger("cliffguard.engine")
 # An FP8 checkpoint's per-layer KV scales, as its exporters name them (`LlamaForCausalLM._kv_scale`)
 KV_SCALE_NAMES = (".k_scale", ".v_scale", ".kv_scale", ".k_proj.output_scale", ".v_proj.output_scale")
-
-
-class WeightLoadError(ValueError):
-    """A checkpoint is missing tensors the model needs, or has them in the wrong shape."""
 
 
 class Attention(nn.Module):
@@ -149,7 +144,7 @@ class DecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CheckpointReading, nn.Module):
     """The Llama-family decoder. Build it on the meta device, then `load_weights` or `init_random`.
 
     `shard` and `comm`: this rank's part of a tensor-parallel group (default: the whole model, one rank).
@@ -183,6 +178,7 @@ class LlamaForCausalLM(nn.Module):
         # values and scales as stored (else quantized as read); stored scales read, waiting for their weights
         self.fp8_layers: dict[str, Fp8Linear] = {}
         self.fp8_exact, self.fp8_scales = False, {}
+        self.packed_params: set[str] = set()   # parameters held packed as stored (MXFP4, INT4 experts)
 
     def make_rotary(self, ops: ModuleType) -> RotaryEmbedding:
         return RotaryEmbedding(self.config, ops)
@@ -312,19 +308,6 @@ class LlamaForCausalLM(nn.Module):
             raise WeightLoadError(f"checkpoint is missing weights: {', '.join(missing[:8])}"
                                   + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
 
-    def _fill_fp8(self, layer: Fp8Linear, dest: torch.Tensor, tensor: torch.Tensor, hf_name: str, cut,
-                  stored: tuple[int, int]) -> int:
-        """This rank's cut of stored weight `hf_name` into its rows (`dest`) of FP8 projection `layer`, with the
-        scales its FP8 checkpoint stored beside it (else quantized a row at a time); the scales filled."""
-        row = dest.storage_offset() // layer.in_features
-        try:
-            values, scale = fp8_part(tensor, self.fp8_scales.pop(hf_name, None), self.config.fp8_weight_block,
-                                     stored, cut, layer.block, row)
-            layer.fill(row, values, scale)
-        except ValueError as exc:
-            raise WeightLoadError(f"{hf_name}: {exc}") from None
-        return scale.numel()
-
     def _tie_from_head(self, head: torch.Tensor) -> None:
         """A tied checkpoint that stores the shared table under `lm_head.weight` only (safetensors'
         `save_model` keeps one name of tied tensors, the first in order): it is the embedding too, as
@@ -370,42 +353,6 @@ class LlamaForCausalLM(nn.Module):
             setattr(self.layers[int(parts[1])].self_attn, attr, value)
             self.kv_scales_read.add((int(parts[1]), attr))
         self.kv_scales_from_checkpoint = True
-
-    def _read_tensors(self, weights: Iterable[tuple[str, torch.Tensor]],
-                      prefix: str) -> Iterator[tuple[str, str, torch.Tensor]]:
-        """The checkpoint's tensors as (stored name, name read, tensor), the text model's alone (`prefix`); an FP8
-        checkpoint's weights dequantized once their scales are read too (`dequantized`)."""
-        pending: dict[str, dict[str, torch.Tensor]] = {}
-        keep = self._keeps_fp8 if self.fp8_exact else None
-        for hf_name, tensor in weights:
-            if self.config.fp8_weight_block is not None:
-                try:
-                    hf_name, tensor = dequantized(hf_name, tensor, pending, self.config.fp8_weight_block,
-                                                  self.config.fp8_scale_suffix, keep, self.fp8_scales)
-                except ValueError as exc:
-                    raise WeightLoadError(str(exc)) from None
-                if tensor is None:
-                    continue
-            name = model_tensor_name(hf_name, prefix, self.config.bare_text_weights)
-            if name is not None:   # else the vision tower, the projector
-                yield from ((hf_name, *read) for read in self.read_tensor(hf_name, name, tensor))
-        if pending:   # an FP8 weight without its scales, or scales without their weight
-            key, pair = next(iter(pending.items()))
-            have = next(iter(pair))
-            missing = ".weight" if have != ".weight" else self.config.fp8_scale_suffix
-            raise WeightLoadError(f"{key}{missing}: missing beside {key}{have} (an FP8 weight needs its scales)")
-
-    def _keeps_fp8(self, hf_weight: str, weight: torch.Tensor) -> bool:
-        """Whether stored FP8 weight `hf_weight` goes into FP8 projections as stored (its scales with it): every tensor
-        this family reads from it (read from a meta tensor of its shape: the names it gives) goes into one."""
-        name = model_tensor_name(hf_weight, self.config.text_weights_prefix, self.config.bare_text_weights)
-        if name is None:
-            return False
-        try:
-            read = [n for n, _ in self.read_tensor(hf_weight, name, torch.empty(weight.shape, device="meta"))]
-            return bool(read) and all(self._destination(n, hf_weight)[0] in self.fp8_layers for n in read)
-        except (ValueError, RuntimeError, NotImplementedError):   # a name or shape it refuses: refused as read
-            return False
 
     def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
         """A checkpoint tensor (`name` without "model."; `hf_name` as stored, which errors name) as this

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from engine.config import ConfigError, PoolConfig, quantizes_kv_cache_only
-from engine.fp8_weights import SCALE_SUFFIX, fp8_weights
+from engine.config import ConfigError, PoolConfig
+from engine.fp8_weights import SCALE_SUFFIX
 from engine.config_values import read_bool, read_float, read_int, read_object, read_token_ids
 from engine.gated_delta_config import GatedDeltaShape, serving_pool
 from engine.gemma4_config import Gemma4Shape, gemma4_params
@@ -27,6 +27,7 @@ from engine.model_defaults import (DEFAULT_HEAD_DIM, DEFAULT_KV_HEADS, DEFAULT_M
                                    DEFAULT_ROPE_THETA, FAMILY_DEFAULTS, TEXT_DEFAULTS, vl_text_keys)
 from engine.model_families import LAYER_TYPES, MOE_ROUTERS, family_fields
 from engine.rope_config import RopeScaling
+from engine.weight_formats import weight_format_fields
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM",
                            "Qwen3MoeForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", "GraniteForCausalLM",
@@ -142,7 +143,8 @@ class ModelConfig:
     stacked_experts: bool = False       # each layer's experts stacked in two tensors (Qwen3-VL-MoE's checkpoints)
     fp8_weight_block: tuple[int, int] | None = None   # an FP8 checkpoint's scale blocks: dequantized as read
     fp8_scale_suffix: str = SCALE_SUFFIX   # ... its scales' name past the weight's (llm-compressor's: .weight_scale)
-    mxfp4_experts: bool = False         # GPT-OSS's MXFP4 experts: held so or dequantized (`engine.models.held_mxfp4`)
+    mxfp4_experts: bool = False         # GPT-OSS's MXFP4 experts: held so or dequantized (`engine.models.held_packed`)
+    int4_group: int | None = None       # pack-quantized INT4 weights' group (`engine.int4_weights`)
     rotary_positions: int = 0           # the rotary cache's rows as served (`serving`: the longest pool's); 0: all
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -402,16 +404,7 @@ class ModelConfig:
         if not isinstance(archs, list) or not archs:
             raise ConfigError("architectures: config.json has no 'architectures' list")
         arch = archs[0]
-        old = cfg.get("compression_config")   # llm-compressor's older key: quantized where it has groups or a method
-        key = "compression_config" if cfg.get("quantization_config") is None and isinstance(old, dict) and {
-            "config_groups", "quant_method", "kv_cache_scheme"} & set(old) else "quantization_config"
-        quant = cfg.get(key)
-        mxfp4 = arch == "GptOssForCausalLM" and isinstance(quant, dict) and quant.get("quant_method") == "mxfp4"
-        fp8 = fp8_weights(quant, key)   # FP8 weights and their scales: dequantized as read (engine.fp8_weights)
-        if quant is not None and not quantizes_kv_cache_only(quant) and not mxfp4 and fp8 is None:
-            method = quant.get("quant_method", "unnamed") if isinstance(quant, dict) else repr(quant)
-            raise ConfigError(f"{key}: quantized checkpoints ({method}) are not supported; serve "
-                              "the model's bfloat16 checkpoint (an FP8 KV cache is the device key kv_cache_dtype)")
+        quantized = weight_format_fields(cfg, arch)   # how a quantized checkpoint stores its weights
         if isinstance(arch, str) and arch in TEXT_MODELS:
             return cls._from_text_config(cfg, arch)
         _check_architecture(arch)
@@ -449,8 +442,7 @@ class ModelConfig:
             hidden_act=cfg.get("hidden_act", "silu"),
             bos_token_id=read_int(cfg, "bos_token_id", None, minimum=0),
             eos_token_ids=read_token_ids(cfg, "eos_token_id"),
-            fp8_weight_block=fp8[0] if fp8 else None,
-            fp8_scale_suffix=fp8[1] if fp8 else SCALE_SUFFIX, mxfp4_experts=mxfp4,
+            **quantized,
         ), **family})
 
     @classmethod

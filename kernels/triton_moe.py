@@ -21,7 +21,9 @@ as stored) are dequantized tile by tile as they are loaded, as `kernels.triton_f
 value times its block's scale in float32, rounded once to x's dtype, one byte a weight read.
 MXFP4 experts (GPT-OSS's, held as stored: `kernels.mxfp4`) are decoded the same way: each input's byte loaded (a
 byte serves two neighbouring inputs, so the second load is a cache hit), its nibble's e2m1 value times its group's
-power of two built from the e8m0 bits, exact in float32 and in x's dtype: half a byte a weight read.
+power of two built from the e8m0 bits, exact in float32 and in x's dtype: half a byte a weight read. INT4 experts
+(pack-quantized checkpoints' 4-bit integers, `engine.int4_weights`) alike: the nibble less 8 times its group's scale
+in float32, rounded once to x's dtype.
 
 `y` stays in float32 and each pair writes its own row (at its place in the unsorted order), so the sum
 over a token's experts has no atomics and is the same from run to run. Products accumulate in float32
@@ -43,7 +45,9 @@ from kernels.triton_fp8_gemm import dequantize_tile
 from kernels.triton_fused import silu_and_mul
 from kernels.triton_prefill import INTERPRETED, dot_dtype
 
-__all__ = ["fused_moe", "moe_align", "moe_block_m"]
+__all__ = ["PACKINGS", "fused_moe", "moe_align", "moe_block_m"]
+
+PACKINGS = (None, "mxfp4", "int4")   # how 4-bit experts are packed: the kernel's PACKED
 
 
 @triton.jit(do_not_specialize=["num_pairs"])   # one compiled variant whatever a step's pair count
@@ -51,7 +55,7 @@ def _moe_gemm_kernel(
     a_ptr, w_ptr, out_ptr, weight_ptr, bias_ptr, sorted_pairs_ptr, block_expert_ptr, s_ptr,
     num_pairs, N, K, row_div, scale_rows, scale_cols,
     stride_am, stride_we, stride_wn, stride_wk, stride_om, stride_be, stride_se, stride_sn,
-    MUL_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, W_FP8: tl.constexpr, W_MXFP4: tl.constexpr,
+    MUL_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, W_FP8: tl.constexpr, PACKED: tl.constexpr,
     BF16_BY_BITS: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -76,11 +80,15 @@ def _moe_gemm_kernel(
         mask_k = ks < K
         a = tl.load(a_ptr + rows[:, None] * stride_am + ks[None, :], mask=valid[:, None] & mask_k[None, :], other=0.0)
         mask_w = mask_k[:, None] & mask_n[None, :]
-        if W_MXFP4:   # the input's nibble of its byte, and its group's e8m0 scale
-            s = tl.load(s_base + (ks // scale_cols)[:, None], mask=mask_w, other=127)
+        if PACKED != 0:   # the input's nibble of its byte, and its group's scale
+            s = tl.load(s_base + (ks // scale_cols)[:, None], mask=mask_w, other=0)
             byte = tl.load(w_base + (ks // 2)[:, None] * stride_wk, mask=mask_w, other=0)
-            w = _e2m1(byte.to(tl.int32) >> ((ks % 2) * 4)[:, None]) * _e8m0(s)
-            w = w.to(a_ptr.dtype.element_ty)
+            code = byte.to(tl.int32) >> ((ks % 2) * 4)[:, None]
+            if PACKED == 1:   # MXFP4: e2m1 times an e8m0 power of two, exact
+                w = (_e2m1(code) * _e8m0(s)).to(a_ptr.dtype.element_ty)
+            else:             # INT4: the value less 8, times the group's scale, rounded once
+                w = dequantize_tile(((code & 15) - 8).to(tl.float32), s.to(tl.float32), a_ptr.dtype.element_ty,
+                                    BF16_BY_BITS)
         else:
             w = tl.load(w_base + ks[:, None] * stride_wk, mask=mask_w, other=0.0)
         if W_FP8:   # each element times its block's scale, rounded to the activations' dtype
@@ -143,25 +151,25 @@ def moe_align(experts: torch.Tensor, num_experts: int, block_m: int) -> tuple[to
 def _gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, sorted_pairs: torch.Tensor,
           block_expert: torch.Tensor, block_m: int, row_div: int, weights: torch.Tensor | None,
           bias: torch.Tensor | None = None, scale: torch.Tensor | None = None,
-          block: tuple[int, int] = (1, 1), mxfp4: bool = False) -> None:
+          block: tuple[int, int] = (1, 1), packed: str | None = None) -> None:
     """out[pair] = a[pair // row_div] @ w[expert of pair]^T (plus bias[expert] when given; times weights[pair]
     when given); FP8 weights (`scale` given: [E, rows in blocks, columns in blocks], blocks of `block`)
-    dequantized tile by tile; MXFP4 ones (`mxfp4`: w [E, rows, columns / 2] and scale [E, rows, columns / 32],
-    uint8) decoded so."""
-    num_pairs, n, k = out.shape[0], w.shape[1], w.shape[2] * (2 if mxfp4 else 1)
-    block = (1, MXFP4_GROUP) if mxfp4 else block
+    dequantized tile by tile; packed 4-bit ones (`packed`: w [E, rows, columns / 2] uint8 and scale [E, rows,
+    columns / group]: MXFP4's e8m0, group 32; INT4's in a float dtype, group `block[1]`) decoded so."""
+    num_pairs, n, k = out.shape[0], w.shape[1], w.shape[2] * (2 if packed else 1)
+    block = (1, MXFP4_GROUP) if packed == "mxfp4" else block
     dtype = dot_dtype(a.dtype)
     block_n = min(128, max(16, triton.next_power_of_2(n)))
     block_k = min(64, max(16, triton.next_power_of_2(k)))
     grid = (block_expert.shape[0], triton.cdiv(n, block_n))
-    fp8 = scale is not None and not mxfp4
+    fp8 = scale is not None and not packed
     _moe_gemm_kernel[grid](
         a, w, out, weights if weights is not None else out, bias if bias is not None else out, sorted_pairs,
         block_expert, scale if scale is not None else out, num_pairs, n, k, row_div, min(block[0], n), min(block[1], k),
         a.stride(0), w.stride(0), w.stride(1), w.stride(2), out.stride(0), bias.stride(0) if bias is not None else 0,
         scale.stride(0) if scale is not None else 0, scale.stride(1) if scale is not None else 0,
-        MUL_WEIGHT=weights is not None, HAS_BIAS=bias is not None, W_FP8=fp8, W_MXFP4=mxfp4,
-        BF16_BY_BITS=fp8 and INTERPRETED and a.dtype == torch.bfloat16, DOT_DTYPE=dtype,
+        MUL_WEIGHT=weights is not None, HAS_BIAS=bias is not None, W_FP8=fp8, PACKED=PACKINGS.index(packed),
+        BF16_BY_BITS=(fp8 or packed == "int4") and INTERPRETED and a.dtype == torch.bfloat16, DOT_DTYPE=dtype,
         DOT_PRECISION="ieee" if dtype == tl.float32 else "tf32",
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=4 if block_m * block_n < 64 * 128 else 8,
@@ -171,23 +179,25 @@ def _gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, sorted_pairs: tor
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
               experts: torch.Tensor, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
               act: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul, w13_scale: torch.Tensor | None = None,
-              w2_scale: torch.Tensor | None = None, block: tuple[int, int] = (1, 1), mxfp4: bool = False
+              w2_scale: torch.Tensor | None = None, block: tuple[int, int] = (1, 1), packed: str | None = None
               ) -> torch.Tensor:
     """x: [T, hidden]; w13: [E, 2 x inter, hidden]; w2: [E, hidden, inter]; weights, experts: [T, k] (the
     router's) -> [T, hidden] in x's dtype: each token's experts' gated MLPs, weighted and summed. b13 [E, 2 x
     inter] and b2 [E, hidden]: the experts' biases (GPT-OSS's), where they have them; act: the gate's activation
     times up, [P, 2 x inter] -> [P, inter] (SiLU x up by default). FP8 experts (float8_e4m3fn w13 and w2): their
     scales w13_scale [E, ceil(2 x inter / rows), ceil(hidden / columns)] and w2_scale alike, in blocks of `block`
-    (`kernels.fp8_gemm`), each weight tile dequantized as it is loaded. MXFP4 experts (`mxfp4`, `kernels.mxfp4`):
-    w13 [E, 2 x inter, hidden / 2] and w2 [E, hidden, inter / 2] uint8, two codes a byte, w13_scale [E, 2 x inter,
-    hidden / 32] and w2_scale alike, e8m0, each tile decoded as it is loaded."""
+    (`kernels.fp8_gemm`), each weight tile dequantized as it is loaded. Packed 4-bit experts (`packed`: "mxfp4",
+    `kernels.mxfp4`; "int4", `engine.int4_weights`): w13 [E, 2 x inter, hidden / 2] and w2 [E, hidden, inter / 2]
+    uint8, two codes a byte, w13_scale [E, 2 x inter, hidden / group] and w2_scale alike (MXFP4's e8m0, group 32;
+    INT4's in a float dtype, group `block[1]`), each tile decoded as it is loaded."""
     num_tokens, top_k = experts.shape
     num_experts, two_inter, hidden = w13.shape
-    if mxfp4:
+    if packed:
         hidden *= 2
-        assert w13_scale.shape == (num_experts, two_inter, hidden // MXFP4_GROUP), f"w13_scale {w13_scale.shape}"
+        group = MXFP4_GROUP if packed == "mxfp4" else block[1]
+        assert w13_scale.shape == (num_experts, two_inter, hidden // group), f"w13_scale {w13_scale.shape}"
     assert x.dim() == 2 and x.shape[1] == hidden and x.stride(1) == 1, f"x {tuple(x.shape)}, hidden {hidden}"
-    assert w2.shape == (num_experts, hidden, two_inter // (4 if mxfp4 else 2)), \
+    assert w2.shape == (num_experts, hidden, two_inter // (4 if packed else 2)), \
         f"w2 {tuple(w2.shape)} against w13 {tuple(w13.shape)}"
     assert w13.stride(2) == 1 and w2.stride(2) == 1, "expert weights need contiguous rows"
     for name, bias, size in (("b13", b13, two_inter), ("b2", b2, hidden)):
@@ -200,9 +210,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     block_m = moe_block_m(num_pairs, num_experts)
     sorted_pairs, block_expert = moe_align(experts, num_experts, block_m)
     h = torch.empty(num_pairs, two_inter, dtype=x.dtype, device=x.device)
-    _gemm(x, w13, h, sorted_pairs, block_expert, block_m, top_k, None, b13, w13_scale, block, mxfp4)
+    _gemm(x, w13, h, sorted_pairs, block_expert, block_m, top_k, None, b13, w13_scale, block, packed)
     gated = act(h).contiguous()                                                # [P, inter]
     y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
     _gemm(gated, w2, y, sorted_pairs, block_expert, block_m, 1, weights.flatten().contiguous(), b2, w2_scale, block,
-          mxfp4)
+          packed)
     return out.copy_(y.view(num_tokens, top_k, hidden).sum(dim=1))

@@ -36,7 +36,7 @@ from engine.gated_delta_config import NOT_SWAPPED
 from engine.config import (CacheConfig, ConfigError, EngineConfig, PoolConfig, auto_dtype, ceil_div, dtype_name,
                            kv_cache_dtype, parse_dtype)
 from engine.model_config import ModelConfig
-from engine.models import check_dtype, held_fp8_block, held_mxfp4, held_weight_bytes
+from engine.models import check_dtype, held_fp8_block, held_packed, held_weight_bytes
 from engine.parallel import ShardShape
 from pools.config.spec import CliffguardConfig, DeviceSpec, GatewaySpec, PoolSpec, SpecError
 from pools.config.checks import fmt_bytes, within
@@ -72,7 +72,7 @@ class DevicePlan:
     placement: str = "local"         # local | ray (DeviceSpec.placement)
     graph_bytes_per_device: int = 0  # set aside for the decode CUDA graphs (engine.cuda_graphs); 0: none
     fp8_weights: bool = False        # the layers' projections held in FP8 (the device's `quantization`)
-    mxfp4_experts: bool = False      # the experts held in MXFP4 as a checkpoint stores them (GPT-OSS's)
+    packed_experts: str = ""         # the experts held as a checkpoint packs them: MXFP4 (GPT-OSS's), INT4, or not
 
     @property
     def autoscaled(self) -> bool:
@@ -198,14 +198,14 @@ class CapacityPlan:
 
 
 def _device_shard(model: ModelConfig, dev: DeviceSpec, dtype: torch.dtype, dkey: str, device_type: str
-                  ) -> tuple[ShardShape, bool]:
+                  ) -> tuple[ShardShape, str]:
     """A rank's shard: its KV heads split over TP ranks (T > num_kv_heads: each holds a replica of one, as vLLM
     does), its share of the rest; whether it holds MXFP4 experts. The engine's rules (`check_tensor_parallel`,
-    `check_dtype`, `held_mxfp4`) named `dkey`.*."""
+    `check_dtype`, `held_packed`) named `dkey`.*."""
     try:
         check_dtype(model, dtype)
         shard = ShardShape.of(model, 0, dev.tensor_parallel_size)
-        return shard, held_mxfp4(model, shard, dev.quantization, device_type)
+        return shard, (held_packed(model, shard, dev.quantization, device_type) or "").upper()
     except ConfigError as exc:
         raise SpecError(f"{dkey}.{exc}") from None
 
@@ -234,7 +234,7 @@ def plan_capacity(config: CliffguardConfig, model_configs: Mapping[str, ModelCon
         device_type = resolve_device_type(dev, vram_bytes, warnings)
         dtype = parse_dtype(dev.dtype) if dev.dtype != "auto" else auto_dtype(device_type)
         memory, source = device_memory(dev, device_type, vram_bytes, cuda_memory)
-        shard, mxfp4 = _device_shard(model, dev, dtype, dkey, device_type)   # mxfp4: experts held in MXFP4
+        shard, packed = _device_shard(model, dev, dtype, dkey, device_type)   # experts held MXFP4 / INT4
         fp8 = held_fp8_block(model, shard, dev.quantization, device_type) is not None   # projections in FP8
         kv_dtype = kv_cache_dtype(dev.kv_cache_dtype, dtype)   # fp8: one byte an element
         s_kv = model.kv_bytes_per_token(kv_dtype)
@@ -257,7 +257,7 @@ def plan_capacity(config: CliffguardConfig, model_configs: Mapping[str, ModelCon
         pools.update((pp.name, pp) for pp in device_pools)
         devices[dev_name] = DevicePlan(
             name=dev_name, device_type=device_type, dtype=dtype_name(dtype), model=p0.model, memory_bytes=memory,
-            kv_cache_dtype=dtype_name(kv_dtype), fp8_weights=fp8, mxfp4_experts=mxfp4,
+            kv_cache_dtype=dtype_name(kv_dtype), fp8_weights=fp8, packed_experts=packed,
             memory_source=source, memory_utilization=dev.memory_utilization, tensor_parallel_size=tp,
             weights_bytes=weights, weights_bytes_per_device=weights_dev, kv_bytes_per_token=s_kv,
             kv_bytes_per_token_per_device=s_kv_dev, kv_space_bytes_per_device=kv_dev,

@@ -49,7 +49,7 @@ def _device_lines(d: DevicePlan) -> list[str]:
         ("utilization", f"{d.memory_utilization} -> {fmt_bytes(d.usable_bytes)}{per}"),
         ("weights", f"{fmt_bytes(d.weights_bytes)} ({d.weights_bytes:,} B)"
                     + (", its layers' projections in FP8" if d.fp8_weights else "")
-                    + (", its experts in MXFP4 as stored" if d.mxfp4_experts else "")
+                    + (f", its experts in {d.packed_experts} as stored" if d.packed_experts else "")
                     + (f", {fmt_bytes(d.weights_bytes_per_device)} per GPU" if tp > 1 else "")),
         *([("graphs", f"{fmt_bytes(d.graph_bytes_per_device)}{per} for the decode CUDA graphs "
                       "(enforce_eager: true frees it)")] if d.graph_bytes_per_device else []),

@@ -132,9 +132,9 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | 
     with torch.device("meta"):
         model = model_class(config)(config, shard, comm, ops)
         _hold_quantized(model, quantization, device.type, capability, triton=ops.__name__ == "kernels.triton_fused")
-    mxfp4 = sum(1 for m in model.modules() if isinstance(m, SparseMoeBlock) and m.mxfp4)
-    if mxfp4:
-        log.info("weights: the experts of %d layers held in MXFP4 as stored", mxfp4)
+    packed = [m.packed for m in model.modules() if isinstance(m, SparseMoeBlock) and m.packed]
+    if packed:
+        log.info("weights: the experts of %d layers held in %s as stored", len(packed), packed[0].upper())
     if model.fp8_layers:   # what `quantization` made of the checkpoint, once a worker's log
         log.info("weights: %d projections held in FP8 (%s), the rest in %s", len(model.fp8_layers),
                  "as stored" if model.fp8_exact else "quantized as read, a scale an output row or block",
@@ -230,32 +230,45 @@ def _keeps_stored_fp8(model: LlamaForCausalLM | ModelConfig, shard: ShardShape) 
         stored is None or fp8_cuts_aligned(stored, fp8_cuts(config, shard)))
 
 
-def held_mxfp4(config: ModelConfig, shard: ShardShape, quantization: str, device_type: str) -> bool:
-    """Whether one rank (`shard`) holds GPT-OSS's MXFP4 experts as stored (`kernels.mxfp4`: 4.25 bits a weight): under
-    `quantization` auto on a GPU (the Triton kernels decode each tile as loaded), fp8 or mxfp4 on any device (a CPU
-    dequantizes each expert a step hits: memory, not speed), where the rank's share of the intermediate size is whole
-    groups of 32 inputs; elsewhere dequantized as read. A ConfigError for mxfp4 where they cannot be held."""
-    if quantization == "mxfp4" and not config.mxfp4_experts:
-        raise ConfigError("quantization: mxfp4 holds a checkpoint's MXFP4 experts as stored (GPT-OSS's); this "
-                          "checkpoint has none: use auto, fp8 or none")
-    if not config.mxfp4_experts or quantization == "none" or quantization == "auto" and device_type != "cuda":
-        return False
-    if shard.moe_intermediate_size % MXFP4_GROUP and quantization == "mxfp4":
-        raise ConfigError(f"quantization: mxfp4 under tensor parallelism {shard.size} cuts each expert's "
+def held_packed(config: ModelConfig, shard: ShardShape, quantization: str, device_type: str) -> str | None:
+    """How one rank (`shard`) holds a checkpoint's 4-bit experts as stored: "mxfp4" (GPT-OSS's, `kernels.mxfp4`: 4.25
+    bits a weight), "int4" (pack-quantized, `engine.int4_weights`: 4 bits plus a scale a group), or None where they
+    are dequantized as read. Held under `quantization` auto on a GPU (the Triton kernels decode each tile as loaded),
+    fp8 or the format's own key on any device (a CPU dequantizes each expert a step hits: memory, not speed), where
+    the rank's share of the intermediate size is whole groups; a ConfigError naming the key where that key cannot."""
+    kind, group = ("mxfp4", MXFP4_GROUP) if config.mxfp4_experts else ("int4", config.int4_group or 0)
+    stored = config.mxfp4_experts or config.int4_group is not None
+    if quantization in ("mxfp4", "int4") and quantization != kind or quantization == kind and not stored:
+        raise ConfigError(f"quantization: {quantization} holds a checkpoint's {quantization.upper()} experts as "
+                          f"stored; this checkpoint has {kind.upper() + ' ones' if stored else 'none'}: use auto, fp8 "
+                          "or none")
+    if not stored or quantization == "none" or quantization == "auto" and device_type != "cuda" \
+            or not config.num_experts:
+        return None
+    if shard.moe_intermediate_size % group and quantization == kind:
+        raise ConfigError(f"quantization: {kind} under tensor parallelism {shard.size} cuts each expert's "
                           f"{config.moe_intermediate_size} inputs into shares of {shard.moe_intermediate_size}, not "
-                          f"whole groups of {MXFP4_GROUP} scaled together: use auto (dequantized) or another size")
-    return shard.moe_intermediate_size % MXFP4_GROUP == 0
+                          f"whole groups of {group} scaled together: use auto (dequantized) or another size")
+    return kind if shard.moe_intermediate_size % group == 0 else None
 
 
 def _hold_quantized(model: LlamaForCausalLM, quantization: str, device_type: str,
                     capability: tuple[int, int] | None, triton: bool = False) -> None:
-    """`model` (on the meta device) with its experts in MXFP4 (`held_mxfp4`) and its projections in FP8
-    (`_hold_fp8`) where `quantization` says so."""
-    if held_mxfp4(model.config, model.shard, quantization, device_type):
-        for module in model.modules():
-            if isinstance(module, SparseMoeBlock):
-                module.hold_mxfp4()
+    """`model` (on the meta device) with the experts of each block that runs its own held packed (`held_packed`)
+    and its projections in FP8 (`_hold_fp8`) where `quantization` says so."""
+    config = model.config
+    kind = held_packed(config, model.shard, quantization, device_type)
+    for name, module in model.named_modules() if kind else ():
+        if _runs_own_experts(module):
+            module.hold_packed(kind, MXFP4_GROUP if kind == "mxfp4" else config.int4_group)
+            model.packed_params |= {f"{name}.w13", f"{name}.w2"}
     _hold_fp8(model, quantization, device_type, capability, triton)
+
+
+def _runs_own_experts(module: nn.Module) -> bool:
+    """A block whose experts `SparseMoeBlock` runs (Qwen3-MoE's, DeepSeek's, GPT-OSS's; not Llama 4's, Nemotron-H's)."""
+    return isinstance(module, SparseMoeBlock) and type(module)._experts is SparseMoeBlock._experts \
+        and type(module).forward is SparseMoeBlock.forward
 
 
 def _hold_fp8(model: LlamaForCausalLM, quantization: str, device_type: str,
@@ -270,9 +283,8 @@ def _hold_fp8(model: LlamaForCausalLM, quantization: str, device_type: str,
     reordered = _FP8_READERS.get(_fp8_reader(type(model)), ()) if stored else ()
     swap_fp8_linears(model, tuple(p for p in FP8_LINEARS if p not in reordered), block, triton)
     model.fp8_layers = {f"{name}.weight": m for name, m in model.named_modules() if isinstance(m, Fp8Linear)}
-    for name, module in model.named_modules():   # experts the block runs itself (not Llama 4's, Nemotron-H's)
-        if isinstance(module, SparseMoeBlock) and type(module)._experts is SparseMoeBlock._experts \
-                and type(module).forward is SparseMoeBlock.forward and not module.mxfp4:
+    for name, module in model.named_modules():   # experts the block runs itself, not held packed
+        if _runs_own_experts(module) and not module.packed:
             module.hold_fp8(block)
             model.fp8_layers |= {f"{name}.{w}": Fp8Experts(module, w) for w in ("w13", "w2")}
     model.fp8_exact = stored is not None and exact
@@ -282,15 +294,15 @@ def held_weight_bytes(config: ModelConfig, shard: ShardShape, dtype: torch.dtype
                       device_type: str) -> int:
     """The bytes of one rank's weights (`shard`) as the engine holds them on a device of `device_type`: its
     parameters in `dtype` (DeepSeek's routers in float32), FP8 projections one byte a weight plus their float32
-    scales, MXFP4 experts half a byte plus a byte a 32 (counted on the model built on the meta device)."""
+    scales, packed experts half a byte plus their scales (counted on the model built on the meta device)."""
     plain = shard.num_params(config) * dtype.itemsize + config.num_float32_params * (4 - dtype.itemsize)
     if held_fp8_block(config, shard, quantization, device_type) is None \
-            and not held_mxfp4(config, shard, quantization, device_type):
+            and not held_packed(config, shard, quantization, device_type):
         return plain
     model = _meta_model(config, shard, dtype, quantization, device_type)
     saved = sum(m.weight.numel() * (dtype.itemsize - 1) - m.weight_scale.numel() * 4 for m in model.fp8_layers.values())
-    saved += sum(2 * (m.w13.numel() + m.w2.numel()) * dtype.itemsize - _expert_bytes(m)   # two codes a byte
-                 for m in _held_blocks(model) if m.mxfp4)
+    saved += sum(2 * (m.w13.numel() + m.w2.numel()) * dtype.itemsize - _expert_bytes(m, dtype)   # two codes a byte
+                 for m in _held_blocks(model) if m.packed)
     return plain - saved
 
 
@@ -300,21 +312,22 @@ def held_expert_bytes(config: ModelConfig, dtype: torch.dtype, quantization: str
     plain = expert_params(config) * dtype.itemsize
     shard = ShardShape.of(config)
     if not config.num_experts or held_fp8_block(config, shard, quantization, device_type) is None \
-            and not held_mxfp4(config, shard, quantization, device_type):
+            and not held_packed(config, shard, quantization, device_type):
         return plain
     held = _held_blocks(_meta_model(config, shard, dtype, quantization, device_type))
-    return sum(_expert_bytes(m) for m in held) if held else plain
+    return sum(_expert_bytes(m, dtype) for m in held) if held else plain
 
 
 def _held_blocks(model: LlamaForCausalLM) -> list[SparseMoeBlock]:
     """The sparse layers whose experts `model` holds in FP8 or MXFP4."""
-    return [m for m in model.modules() if isinstance(m, SparseMoeBlock) and (m.fp8_block is not None or m.mxfp4)]
+    return [m for m in model.modules() if isinstance(m, SparseMoeBlock) and (m.fp8_block is not None or m.packed)]
 
 
-def _expert_bytes(block: SparseMoeBlock) -> int:
+def _expert_bytes(block: SparseMoeBlock, dtype: torch.dtype) -> int:
     """The bytes of one layer's held experts: their values, and their scales (float32 FP8 ones, e8m0 MXFP4 ones)."""
-    if block.mxfp4:
-        return block.w13.numel() + block.w2.numel() + block.w13_scales.numel() + block.w2_scales.numel()
+    if block.packed:   # MXFP4's scales a byte each; INT4's the model's dtype
+        scale = 1 if block.packed == "mxfp4" else dtype.itemsize
+        return block.w13.numel() + block.w2.numel() + scale * (block.w13_scales.numel() + block.w2_scales.numel())
     return block.w13.numel() + block.w2.numel() + 4 * (block.w13_scale.numel() + block.w2_scale.numel())
 
 

@@ -18,7 +18,7 @@ Weights: the router `mlp.router` is the block's `gate`; the experts come stacked
 (`read_tensor`), which the Qwen3-MoE loading places and cuts per rank. OpenAI's checkpoints store the experts'
 weights in MXFP4 (`gate_up_proj_blocks` / `_scales`: 4-bit e2m1 values two to a byte, the low nibble first, and
 one power-of-two scale, e8m0, per 32 along the input dimension, in [out, in] orientation: `kernels.mxfp4`). Where
-the model holds them so (`SparseMoeBlock.hold_mxfp4`, the device's `quantization`: `engine.models.held_mxfp4`) each
+the model holds them so (`SparseMoeBlock.hold_packed`, the device's `quantization`: `engine.models.held_packed`) each
 expert's rows go in as stored, the gate/up rows de-interleaved and each rank's rows or groups of 32 inputs cut;
 elsewhere they are dequantized to the model's dtype as they are read (`dequantize_mxfp4`), exactly (every such value
 is a bfloat16). The capacity plan counts what is held.
@@ -39,7 +39,7 @@ from engine.model_config import ModelConfig
 from engine.models.qwen3_moe import Qwen3MoeForCausalLM, SparseMoeBlock
 from engine.parallel import Collectives, ShardShape
 from kernels import fused
-from kernels.mxfp4 import MXFP4_GROUP, check_mxfp4, dequantize_mxfp4
+from kernels.mxfp4 import check_mxfp4, dequantize_mxfp4
 
 __all__ = ["GptOssForCausalLM", "GptOssMoeBlock"]
 
@@ -96,7 +96,7 @@ class GptOssForCausalLM(Qwen3MoeForCausalLM):
                 return ()
             del self._mxfp4[key]
             try:
-                if base in ("gate_up_proj", "down_proj") and self.layers[0].mlp.mxfp4:
+                if base in ("gate_up_proj", "down_proj") and self.layers[0].mlp.packed == "mxfp4":
                     return self._packed_per_expert(hf_name, f"{head}.mlp.experts", base, pending["blocks"],
                                                    pending["scales"])
                 tensor = dequantize_mxfp4(pending["blocks"], pending["scales"]).transpose(1, 2)
@@ -124,15 +124,6 @@ class GptOssForCausalLM(Qwen3MoeForCausalLM):
                     out += [(f"{prefix}.{e}.gate_proj.{kind}", t[0::2]), (f"{prefix}.{e}.up_proj.{kind}", t[1::2])]
         return out
 
-    def _destination(self, name: str, hf_name: str):
-        """An expert's MXFP4 rows (`.blocks`) into w13 / w2 and their scales into `w13_scales` / `w2_scales`, where
-        Qwen3-MoE puts its weight; the rest as Qwen3-MoE's."""
-        head, _, kind = name.rpartition(".")
-        if kind not in ("blocks", "scales") or ".mlp.experts." not in name:
-            return super()._destination(name, hf_name)
-        target, part = super()._destination(f"{head}.weight", hf_name)
-        return (target if kind == "blocks" else f"{target}_scales"), part
-
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """The Llama model's loading; an MXFP4 tensor whose blocks or scales never came is named."""
         self._mxfp4.clear()
@@ -149,23 +140,9 @@ class GptOssForCausalLM(Qwen3MoeForCausalLM):
     def _shard_of(self, hf_name: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's heads' sinks; the rest as Qwen3-MoE's."""
         shard = self.shard
-        if shard.size > 1 and name.endswith((".blocks", ".scales")):   # an expert's MXFP4 rows, or groups of inputs
-            return self._packed_shard(hf_name, name, tensor)
         if shard.size == 1 or not name.endswith("self_attn.sinks"):
             return super()._shard_of(hf_name, name, tensor)
         if tuple(tensor.shape) != (self.config.num_heads,):
             raise WeightLoadError(f"{hf_name}: shape {tuple(tensor.shape)} does not match the config "
                                   f"({self.config.num_heads} heads)")
         return tensor.narrow(0, shard.head_start, shard.num_heads)
-
-    def _packed_shard(self, hf_name: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's share of an expert's MXFP4 gate/up rows, or of its down rows' packed inputs (two a byte, 32 a
-        scale): the intermediate size cut as the float weights' (the cut on a group's edge: `held_mxfp4`)."""
-        size, rank = self.shard.moe_intermediate_size, self.shard.rank
-        per = 1 if ".down_proj." not in name else 2 if name.endswith(".blocks") else MXFP4_GROUP
-        inter = self.config.moe_intermediate_size
-        dim, full = (0, inter) if per == 1 else (1, inter // per)
-        if tensor.dim() != 2 or tensor.shape[dim] != full:
-            raise WeightLoadError(f"{hf_name}: shape {tuple(tensor.shape)} does not match the config ({full} along "
-                                  f"dimension {dim})")
-        return tensor.narrow(dim, rank * size // per, size // per)

@@ -25,8 +25,9 @@ tensors, `w13` [num_experts, 2 x intermediate, hidden] (gate rows, then up rows)
 hidden, intermediate]. Under tensor parallelism each rank holds every expert's slice of the
 intermediate size (gate/up rows, down columns) and the partial outputs are summed; the router is whole
 on every rank, so every rank routes alike. Held in FP8 (`hold_fp8`, the device's `quantization`), w13 and w2 are
-e4m3 beside their block scales, filled expert by expert as a checkpoint stores them (`engine.fp8_weights`); held in
-MXFP4 (`hold_mxfp4`: GPT-OSS's checkpoints), two e2m1 codes a byte beside an e8m0 scale per 32 inputs.
+e4m3 beside their block scales, filled expert by expert as a checkpoint stores them (`engine.fp8_weights`); held
+packed (`hold_packed`: GPT-OSS's MXFP4, pack-quantized INT4 checkpoints'), two 4-bit codes a byte beside a scale a
+group of inputs, each expert's rows (or, for down, packed inputs and scale groups) as stored, cut per rank.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from torch import nn
 from engine.layers import SiluAndMul
 from engine.model import MLP, LlamaForCausalLM, WeightLoadError
 from engine.model_config import ModelConfig
+from engine.int4_weights import dequantize_int4
 from engine.parallel import Collectives, ShardShape
 from kernels.fp8_gemm import FP8_WEIGHT_DTYPE, dequantize_blocks, scale_grid
 from kernels.mxfp4 import MXFP4_GROUP, dequantize_packed
@@ -85,7 +87,8 @@ class SparseMoeBlock(nn.Module):
                 self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
         self._grouped = True   # the grouped matmul until it fails for this dtype / device
         self.fp8_block: tuple[int, int] | None = None   # FP8 experts' scale blocks (`hold_fp8`)
-        self.mxfp4 = False                              # MXFP4 experts (`hold_mxfp4`)
+        self.packed: str | None = None                  # 4-bit experts, "mxfp4" or "int4" (`hold_packed`)
+        self.packed_group = 0                           # ... inputs a scale covers
 
     def hold_fp8(self, block: tuple[int, int]) -> None:
         """Hold the experts in FP8 (on the meta device, before the parameters are allocated): w13 and w2 in
@@ -100,24 +103,26 @@ class SparseMoeBlock(nn.Module):
         self.parameter_dtypes = {"w13": FP8_WEIGHT_DTYPE, "w2": FP8_WEIGHT_DTYPE, "w13_scale": torch.float32,
                                  "w2_scale": torch.float32}
 
-    def hold_mxfp4(self) -> None:
-        """Hold the experts as MXFP4 checkpoints store them (on the meta device, before the parameters are allocated;
-        `kernels.mxfp4`): w13 [E, 2 x inter, hidden / 2] and w2 [E, hidden, inter / 2] uint8, two e2m1 codes a byte,
-        beside `w13_scales` [E, 2 x inter, hidden / 32] and `w2_scales`, e8m0. The Triton kernels decode each tile as
-        loaded; the loop an expert's weights when it is hit (no grouped matmul)."""
-        self.mxfp4, self._grouped = True, False
+    def hold_packed(self, kind: str, group: int = MXFP4_GROUP) -> None:
+        """Hold the experts packed as a checkpoint stores them (on the meta device, before the parameters are
+        allocated): w13 [E, 2 x inter, hidden / 2] and w2 [E, hidden, inter / 2] uint8, two 4-bit codes a byte, beside
+        `w13_scales` [E, 2 x inter, hidden / group] and `w2_scales`: MXFP4's e2m1 codes and e8m0 scales
+        (`kernels.mxfp4`, group 32) or INT4's values and scales in the model's dtype (`engine.int4_weights`). The
+        Triton kernels decode each tile as loaded; the loop an expert's weights when it is hit (no grouped matmul)."""
+        self.packed, self.packed_group, self._grouped = kind, group, False
         for name in ("w13", "w2"):
             experts, rows, cols = getattr(self, name).shape
             setattr(self, name, nn.Parameter(torch.empty(experts, rows, cols // 2), requires_grad=False))
-            setattr(self, f"{name}_scales", nn.Parameter(torch.empty(experts, rows, cols // MXFP4_GROUP),
-                                                         requires_grad=False))
-        self.parameter_dtypes = dict.fromkeys(("w13", "w2", "w13_scales", "w2_scales"), torch.uint8)
+            scales = torch.empty(experts, rows, cols // group)
+            setattr(self, f"{name}_scales", nn.Parameter(scales, requires_grad=False))
+        codes = ("w13", "w2", "w13_scales", "w2_scales") if kind == "mxfp4" else ("w13", "w2")
+        self.parameter_dtypes = dict.fromkeys(codes, torch.uint8)
 
     def _expert_weights(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert e's w13 and w2 in `dtype`, the model's (FP8 and MXFP4 ones dequantized)."""
-        if self.mxfp4:
-            return dequantize_packed(self.w13[e], self.w13_scales[e], dtype), \
-                dequantize_packed(self.w2[e], self.w2_scales[e], dtype)
+        if self.packed:
+            decode = dequantize_packed if self.packed == "mxfp4" else dequantize_int4
+            return decode(self.w13[e], self.w13_scales[e], dtype), decode(self.w2[e], self.w2_scales[e], dtype)
         if self.fp8_block is None:
             return self.w13[e], self.w2[e]
         return tuple(dequantize_blocks(getattr(self, name)[e], getattr(self, f"{name}_scale")[e], self.fp8_block)
@@ -146,9 +151,9 @@ class SparseMoeBlock(nn.Module):
     def _experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """The routed experts' weighted sum (this rank's part): the Triton kernels, else the grouped matmuls, else
         the loop over the experts hit."""
-        if self.fused_moe is not None and self.mxfp4:
+        if self.fused_moe is not None and self.packed:
             return self.fused_moe(x, self.w13, self.w2, weights, experts, self.b13, self.b2, self.act_fn,
-                                  self.w13_scales, self.w2_scales, mxfp4=True)
+                                  self.w13_scales, self.w2_scales, (1, self.packed_group), self.packed)
         if self.fused_moe is not None and self.fp8_block is not None:
             return self.fused_moe(x, self.w13, self.w2, weights, experts, self.b13, self.b2, self.act_fn,
                                   self.w13_scale, self.w2_scale, self.fp8_block)
@@ -263,6 +268,10 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
                 yield f"{prefix}.{e}.up_proj.{kind}", up if bias else up.t()
 
     def _destination(self, name: str, hf_name: str) -> tuple[str, Callable[[torch.Tensor], torch.Tensor]]:
+        head, _, kind = name.rpartition(".")
+        if kind in ("blocks", "scales") and ".mlp.experts." in name:   # packed rows into w13 / w2, scales beside
+            target, part = self._destination(f"{head}.weight", hf_name)
+            return (target if kind == "blocks" else f"{target}_scales"), part
         if ".mlp.shared_expert." in name:   # Qwen2-MoE's: gate and up into its fused rows, as a dense MLP's
             head, _, proj = name.partition(".mlp.shared_expert.")
             size = self.shard.shared_expert_intermediate_size
@@ -301,6 +310,8 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
             return tensor.narrow(dim, shard.rank * size, size)
         if shard.size == 1 or ".mlp.experts." not in name:
             return super()._shard_of(hf_name, name, tensor)
+        if name.endswith((".blocks", ".scales")):   # an expert's packed rows, or groups of inputs
+            return self._packed_shard(hf_name, name, tensor)
         if name.endswith("down_proj.bias"):
             return tensor if shard.rank == 0 else torch.zeros_like(tensor)
         dim, inter = (1 if name.endswith("down_proj.weight") else 0), self.config.moe_intermediate_size
@@ -308,3 +319,15 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
             raise WeightLoadError(f"{hf_name}: shape {tuple(tensor.shape)} does not match the config "
                                   f"({inter} along dimension {dim})")
         return tensor.narrow(dim, shard.rank * shard.moe_intermediate_size, shard.moe_intermediate_size)
+
+    def _packed_shard(self, hf_name: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's share of an expert's packed gate/up rows, or of its down rows' packed inputs (two a byte, a
+        group a scale): the intermediate size cut as the float weights' (on a group's edge: `held_packed`)."""
+        size, rank, inter = self.shard.moe_intermediate_size, self.shard.rank, self.config.moe_intermediate_size
+        group = next(m.packed_group for m in self.modules() if isinstance(m, SparseMoeBlock) and m.packed)
+        per = 1 if ".down_proj." not in name else 2 if name.endswith(".blocks") else group
+        dim, full = (0, inter) if per == 1 else (1, inter // per)
+        if tensor.dim() != 2 or tensor.shape[dim] != full:
+            raise WeightLoadError(f"{hf_name}: shape {tuple(tensor.shape)} does not match the config ({full} along "
+                                  f"dimension {dim})")
+        return tensor.narrow(dim, rank * size // per, size // per)

@@ -1,4 +1,4 @@
-"""GPT-OSS's MXFP4 experts held as stored (`quantization`, `engine.models.held_mxfp4`, `SparseMoeBlock.hold_mxfp4`):
+"""GPT-OSS's MXFP4 experts held as stored (`quantization`, `engine.models.held_packed`, `SparseMoeBlock.hold_packed`):
 each expert's rows keep the checkpoint's bytes and scales (4.25 bits a weight), the model decodes greedily as
 transformers' does over the dequantized checkpoint, two ranks hold their halves and decode as one, the capacity plan
 counts what is held, and the device key chooses and refuses by name."""
@@ -11,7 +11,7 @@ import torch
 from engine.config import ConfigError, EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model_config import ModelConfig
-from engine.models import held_expert_bytes, held_mxfp4, held_weight_bytes
+from engine.models import held_expert_bytes, held_packed, held_weight_bytes
 from engine.models.qwen3_moe import SparseMoeBlock
 from engine.parallel import ShardShape
 from engine.sampling import SamplingParams
@@ -49,7 +49,7 @@ def test_mxfp4_experts_are_held_as_stored_and_decode_as_transformers(tmp_path, b
     assert "weights: the experts of 3 layers held in MXFP4 as stored" in caplog.text
     blocks = state["model.layers.1.mlp.experts.gate_up_proj_blocks"]           # [experts, 2 x inter, groups, 16]
     layer = _sparse(held)[1]
-    assert layer.mxfp4 and layer.w13.dtype == layer.w13_scales.dtype == torch.uint8
+    assert layer.packed == "mxfp4" and layer.w13.dtype == layer.w13_scales.dtype == torch.uint8
     assert torch.equal(layer.w13[2, :64], blocks[2, 0::2].flatten(-2))
     assert torch.equal(layer.w13[2, 64:], blocks[2, 1::2].flatten(-2))
     assert torch.equal(layer.w13_scales[2, 64:], state["model.layers.1.mlp.experts.gate_up_proj_scales"][2, 1::2])
@@ -65,7 +65,7 @@ def test_mxfp4_experts_are_held_as_stored_and_decode_as_transformers(tmp_path, b
     tokens = _greedy(held)
     assert tokens == [_hf_greedy(hf, prompt, 12, eos_ids=None) for prompt in PROMPTS]
     dequantized = LLMEngine(_config(folder, "none"), progress=False)
-    assert not any(m.mxfp4 for m in _sparse(dequantized)) and dequantized.weights_bytes == plain
+    assert not any(m.packed for m in _sparse(dequantized)) and dequantized.weights_bytes == plain
     assert _greedy(dequantized) == tokens
 
 
@@ -96,21 +96,25 @@ def test_the_device_key_holds_mxfp4_experts_where_it_says_and_refuses_by_name(tm
     config = ModelConfig.from_folder(folder)
     one, two = ShardShape.of(config), ShardShape.of(config, 0, 2)
     assert config.mxfp4_experts
-    assert [held_mxfp4(config, one, q, "cuda") for q in ("auto", "fp8", "mxfp4", "none")] == [True] * 3 + [False]
-    assert [held_mxfp4(config, one, q, "cpu") for q in ("auto", "fp8", "mxfp4", "none")] == [False, True, True, False]
-    assert not held_mxfp4(config, two, "auto", "cuda")   # 48 inputs a rank
+    assert [held_packed(config, one, q, "cuda") for q in ("auto", "fp8", "mxfp4", "none")] == ["mxfp4"] * 3 + [None]
+    assert [held_packed(config, one, q, "cpu") for q in ("auto", "fp8", "mxfp4", "none")] == [None, "mxfp4", "mxfp4",
+                                                                                               None]
+    assert held_packed(config, two, "auto", "cuda") is None   # 48 inputs a rank
     with pytest.raises(ConfigError, match=r"^quantization: mxfp4 under tensor parallelism 2 cuts each expert's 96 "
                                           r"inputs into shares of 48, not whole groups of 32"):
-        held_mxfp4(config, two, "mxfp4", "cuda")
+        held_packed(config, two, "mxfp4", "cuda")
     plain = ModelConfig.from_folder(make_plain(tmp_path, builtin_path))
-    assert not held_mxfp4(plain, ShardShape.of(plain), "auto", "cuda")
+    assert held_packed(plain, ShardShape.of(plain), "auto", "cuda") is None
     with pytest.raises(ConfigError, match=r"^quantization: mxfp4 holds a checkpoint's MXFP4 experts as stored"):
-        held_mxfp4(plain, ShardShape.of(plain), "mxfp4", "cpu")
+        held_packed(plain, ShardShape.of(plain), "mxfp4", "cpu")
+    with pytest.raises(ConfigError, match=r"^quantization: int4 holds a checkpoint's INT4 experts as stored; this "
+                                          r"checkpoint has MXFP4 ones"):
+        held_packed(config, one, "int4", "cpu")
     fp8 = LLMEngine(_config(folder, "fp8"), progress=False)
-    assert all(m.mxfp4 and m.fp8_block is None for m in _sparse(fp8)) and fp8.model.fp8_layers
+    assert all(m.packed == "mxfp4" and m.fp8_block is None for m in _sparse(fp8)) and fp8.model.fp8_layers
     assert fp8.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
-    with pytest.raises(ConfigError, match="quantization: must be one of auto, fp8, mxfp4, none, got 'int4'"):
-        EngineConfig(quantization="int4")
+    with pytest.raises(ConfigError, match="quantization: must be one of auto, fp8, mxfp4, int4, none, got 'int8'"):
+        EngineConfig(quantization="int8")
 
 
 def make_plain(tmp_path, builtin_path):

@@ -1,7 +1,8 @@
 """The builtin model served with `kv_cache_dtype: fp8` (config/pools.yaml with the device key set), asked
 through the openai SDK: four times the KV blocks of the float32 cache from the same bytes, and greedy chat
 answers the same as the default server's on most questions; and a tiny model served with `quantization: fp8`,
-answering as its FP8-rounded weights do; and a GPT-OSS checkpoint served with its MXFP4 experts held as stored."""
+answering as its FP8-rounded weights do; GPT-OSS's MXFP4 experts and DeepSeek V3's INT4 experts (Kimi K2's kind)
+served held as stored."""
 
 from __future__ import annotations
 
@@ -109,3 +110,34 @@ def test_a_device_with_quantization_mxfp4_serves_gpt_oss_experts_held_as_stored(
                                               extra_body={"ignore_eos": True})
             assert reply.choices[0].text == tokenizer.decode(tokens)
         assert any("experts of 3 layers held in MXFP4 as stored" in line for line in server.log)
+
+
+def test_a_device_with_quantization_int4_serves_int4_experts_held_as_stored(tmp_path, builtin_path):
+    """`quantization: int4`: a tiny DeepSeek V3 checkpoint whose routed experts are pack-quantized INT4 (Kimi K2
+    Thinking's kind), served with them held as stored, answers (through the openai SDK, greedy) what transformers
+    answers over the weights the format defines."""
+    pytest.importorskip("compressed_tensors")
+    import torch
+    import transformers
+
+    from engine.tokenizer import Tokenizer
+    from tests.conftest import make_tiny_model
+    from tests.engine.test_engine_vs_hf import DEEPSEEK, _hf_greedy
+    from tests.engine.test_int4_weights import int4_checkpoint
+    from tests.gateway.conftest import chat_pool_yaml
+
+    folder = make_tiny_model(tmp_path / "kimi", "deepseek_v3", builtin_path, **DEEPSEEK, vocab_size=49152,
+                             max_position_embeddings=1024)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(int4_checkpoint(folder, experts_only=True),
+                                                           dtype=torch.float32).eval()
+    prompts = [[5, 9, 200, 31, 7], list(range(40, 60))]
+    want = [_hf_greedy(hf, p, 12, eos_ids=None) for p in prompts]
+    (path := tmp_path / "pools.yaml").write_text(chat_pool_yaml(folder, device_keys="quantization: int4"))
+    tokenizer = Tokenizer.from_folder(folder)
+    with LiveServer(path) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        for prompt, tokens in zip(prompts, want):
+            reply = client.completions.create(model=folder.name, prompt=prompt, max_tokens=12, temperature=0,
+                                              extra_body={"ignore_eos": True})
+            assert reply.choices[0].text == tokenizer.decode(tokens)
+        assert any("experts of 2 layers held in INT4 as stored" in line for line in server.log)

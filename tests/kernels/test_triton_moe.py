@@ -333,7 +333,7 @@ def test_fused_moe_over_mxfp4_experts_equals_it_over_their_dequantized_weights(d
     x = torch.randn(tokens, hidden, generator=gen).to(dtype)
     weights, chosen = torch.randn(tokens, experts, generator=gen).softmax(-1).topk(top_k, dim=-1)
     weights, act = weights.to(dtype), ClampedSwiGLU(1.702, 7.0)
-    got = fused_moe(x, w13, w2, weights, chosen, b13, b2, act, w13_scale=s13, w2_scale=s2, mxfp4=True)
+    got = fused_moe(x, w13, w2, weights, chosen, b13, b2, act, w13_scale=s13, w2_scale=s2, packed="mxfp4")
     assert torch.equal(got, fused_moe(x, dense13, dense2, weights, chosen, b13, b2, act)), f"seed {seed}"
     if dtype == torch.float32:   # (bfloat16's roundings of h and of the activation are the fused kernels' own)
         want = _loop(x, dense13, dense2, weights, chosen, b13, b2, lambda gate, up: act(torch.cat([gate, up])))
@@ -360,7 +360,7 @@ def test_mxfp4_experts_decode_alike_on_the_triton_kernels_and_on_the_loop(tmp_pa
                                             max_num_seqs=2, max_num_batched_tokens=32, max_model_len=64)),)),
                            progress=False)
         sparse = [layer.mlp for layer in engine.model.layers]
-        assert all(mlp.mxfp4 and (mlp.fused_moe is fused_moe) == (backend == "triton") for mlp in sparse)
+        assert all(mlp.packed == "mxfp4" and (mlp.fused_moe is fused_moe) == (backend == "triton") for mlp in sparse)
         outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
         results[backend] = [o.outputs[0].token_ids for o in outs]
     assert results["triton"] == results["torch"]
@@ -392,5 +392,65 @@ def test_on_cuda_fused_moe_over_mxfp4_experts_at_gpt_oss_shape_equals_it_over_th
     x = torch.randn(tokens, hidden, generator=gen).to("cuda", torch.bfloat16)
     weights, chosen = torch.randn(tokens, experts, generator=gen).softmax(-1).topk(top_k, dim=-1)
     weights, chosen, act = weights.to("cuda", torch.bfloat16), chosen.cuda(), ClampedSwiGLU(1.702, 7.0)
-    got = fused_moe(x, w13, w2, weights, chosen, b13, b2, act, w13_scale=s13, w2_scale=s2, mxfp4=True)
+    got = fused_moe(x, w13, w2, weights, chosen, b13, b2, act, w13_scale=s13, w2_scale=s2, packed="mxfp4")
     assert torch.equal(got, fused_moe(x, dense13, dense2, weights, chosen, b13, b2, act))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_moe_over_int4_experts_equals_it_over_their_dequantized_weights(dtype):
+    """INT4 experts (pack-quantized checkpoints': every value of -8 .. 7, a scale in x's dtype per 32 inputs, signed)
+    decoded tile by tile as the kernels load them (the value times its scale in float32, rounded once) give the bits
+    the kernels give over the weights dequantized whole; in float32 the loop's sums too."""
+    from engine.int4_weights import dequantize_int4
+
+    seed = _make_seed()
+    gen = torch.Generator().manual_seed(seed)
+    tokens, hidden, inter, experts, top_k = 11, 96, 64, 4, 2
+
+    def int4(rows, cols):
+        packed = torch.randint(0, 256, (experts, rows, cols // 2), generator=gen, dtype=torch.int32).to(torch.uint8)
+        scales = (torch.randn(experts, rows, cols // 32, generator=gen) * 0.03).to(dtype)
+        return packed, scales, dequantize_int4(packed, scales, dtype)
+
+    w13, s13, dense13 = int4(2 * inter, hidden)
+    w2, s2, dense2 = int4(hidden, inter)
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    weights, chosen = torch.randn(tokens, experts, generator=gen).softmax(-1).topk(top_k, dim=-1)
+    weights = weights.to(dtype)
+    got = fused_moe(x, w13, w2, weights, chosen, w13_scale=s13, w2_scale=s2, block=(1, 32), packed="int4")
+    assert torch.equal(got, fused_moe(x, dense13, dense2, weights, chosen)), f"seed {seed}"
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, _loop(x, dense13, dense2, weights, chosen), rtol=1e-5, atol=1e-4,
+                                   msg=lambda m: f"seed {seed}: {m}")
+
+
+def test_int4_experts_decode_alike_on_the_triton_kernels_and_on_the_loop(tmp_path, builtin_path, monkeypatch):
+    """A DeepSeek V3 checkpoint with pack-quantized INT4 experts held as stored (`quantization: int4`, Kimi K2's
+    kind): the Triton kernels decoding each tile as loaded give the greedy tokens the loop over the experts gives."""
+    pytest.importorskip("compressed_tensors")
+    from engine.config import CacheConfig, EngineConfig, PoolConfig, SchedulerConfig
+    from engine.llm_engine import LLMEngine
+    from engine.models.qwen3_moe import SparseMoeBlock
+    from engine.sampling import SamplingParams
+    from tests.conftest import make_tiny_model
+    from tests.engine.test_engine_vs_hf import DEEPSEEK
+    from tests.engine.test_int4_weights import int4_checkpoint
+
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (6, 19)]
+    folder = make_tiny_model(tmp_path / "deepseek", "deepseek_v3", builtin_path, **DEEPSEEK)
+    int4_checkpoint(folder, experts_only=True)
+    results = {}
+    for backend in ("triton", "torch"):
+        monkeypatch.setenv("CLIFFGUARD_ATTENTION_BACKEND", backend)
+        engine = LLMEngine(EngineConfig(model=str(folder), dtype="float32", quantization="int4",
+                                        cache=CacheConfig(block_size=8),
+                                        pools=(PoolConfig(num_blocks=16, scheduler=SchedulerConfig(
+                                            max_num_seqs=2, max_num_batched_tokens=32, max_model_len=64)),)),
+                           progress=False)
+        sparse = [m for m in engine.model.modules() if isinstance(m, SparseMoeBlock)]
+        assert sparse and all(m.packed == "int4" and (m.fused_moe is fused_moe) == (backend == "triton")
+                              for m in sparse)
+        outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        results[backend] = [o.outputs[0].token_ids for o in outs]
+    assert results["triton"] == results["torch"]

@@ -477,6 +477,7 @@ def test_the_examples_measure_their_gpus_where_they_are_served():
     ("mistral-small-4-2xh200-fp8.yaml", 141 * GiB, 237_945_653_248, "float8_e4m3fn"),
     ("qwen3-32b-fp8-h100.yaml", 80 * GiB, 34_326_243_328, "float8_e4m3fn"),
     ("deepseek-v3.2-8xh200.yaml", 141 * GiB, 681_924_704_256, "bfloat16"),
+    ("kimi-k2-thinking-8xh200.yaml", 141 * GiB, 594_535_653_376, "bfloat16"),
 ])
 def test_the_example_files_plan(name, vram, dense_bytes, kv):
     """The example files plan from the config.json beside them: Qwen3-32B's weights (YaRN to 131,072
@@ -486,7 +487,8 @@ def test_the_example_files_plan(name, vram, dense_bytes, kv):
     config.json; its rotary table the rag pool's 131,072 positions, not 10,485,760), and Qwen3-Next on two H200s (its
     12 attention layers' K/V alone, and each sequence's state of its 36 linear layers beside them: S_state), and
     Mistral Small 4 on two H200s with an FP8 cache (its latent cache whole on each GPU: 36 layers x 320 B a token),
-    and the FP8 releases of Qwen3-32B on one H100 and DeepSeek V3.2 on eight H200s, held in FP8."""
+    and the FP8 releases of Qwen3-32B on one H100 and DeepSeek V3.2 on eight H200s, held in FP8, and Kimi K2
+    Thinking's INT4 experts held as stored on eight H200s."""
     data = yaml.safe_load((REPO / "config" / "examples" / name).read_text())
     config = parse_config(data, env={}, base_dir=REPO / "config" / "examples")
     plan = plan_capacity(config, resolve_model_configs(config), vram_bytes=vram)
@@ -521,7 +523,7 @@ def test_mxfp4_experts_held_as_stored_put_gpt_oss_120b_on_one_h100():
     (device,) = plan_capacity(config, resolve_model_configs(config), vram_bytes=80 * GiB).devices.values()
     experts = 36 * 128 * 3 * 2880 * 2880
     bf16 = ShardShape.of(model).num_params(model) * 2
-    assert device.mxfp4_experts and not device.fp8_weights
+    assert device.packed_experts == "MXFP4" and not device.fp8_weights
     assert device.weights_bytes == bf16 - experts * 2 + experts // 2 + experts // 32
     assert 60 * GiB < device.weights_bytes < 61 * GiB < 217 * GiB < bf16 < 218 * GiB
     for key, value, match in (("quantization", "none", r"devices.h100.memory: .* 217.61 GiB per GPU in bfloat16"),
@@ -537,6 +539,26 @@ def test_mxfp4_experts_held_as_stored_put_gpt_oss_120b_on_one_h100():
     with pytest.raises(SpecError, match=r"devices.h100.quantization: mxfp4 holds a checkpoint's MXFP4 experts"):
         config = parse_config(data, env={}, base_dir=REPO / "config" / "examples")
         plan_capacity(config, resolve_model_configs(config), vram_bytes=80 * GiB)
+
+
+def test_int4_experts_held_as_stored_put_kimi_k2_thinking_on_one_node():
+    """Kimi K2 Thinking on eight H200s (TP 8, `quantization: auto` on CUDA): its 60 sparse layers' 384 experts of
+    3 x 2,048 x 7,168 weights held at half a byte plus a bfloat16 scale a 32 (INT4 as stored), the rest in bfloat16:
+    the bfloat16 bytes less exactly that, about what the checkpoint takes on disk (594 GB); in bfloat16 (`none`) the
+    weights do not fit (refused naming the device's memory)."""
+    data = yaml.safe_load((REPO / "config" / "examples" / "kimi-k2-thinking-8xh200.yaml").read_text())
+    config = parse_config(data, env={}, base_dir=REPO / "config" / "examples")
+    (model,) = resolve_model_configs(config).values()
+    (device,) = plan_capacity(config, resolve_model_configs(config), vram_bytes=141 * GiB).devices.values()
+    experts = 60 * 384 * 3 * 2048 * 7168
+    bf16 = ShardShape.of(model).num_params(model) * 2 + model.num_float32_params * 2
+    assert model.int4_group == 32 and device.packed_experts == "INT4" and not device.fp8_weights
+    assert device.weights_bytes == bf16 - experts * 2 + experts // 2 + experts // 32 * 2
+    assert 594e9 < device.weights_bytes < 595e9 and device.weights_bytes_per_device < 72 * GiB
+    data["devices"]["h200x8"]["quantization"] = "none"
+    with pytest.raises(SpecError, match=r"devices.h200x8.memory: .* 241.06 GiB per GPU in bfloat16"):
+        plan_capacity(parse_config(data, env={}, base_dir=REPO / "config" / "examples"),
+                      resolve_model_configs(config), vram_bytes=141 * GiB)
 
 
 def test_an_fp8_checkpoint_held_in_fp8_gives_one_h100_room_for_its_pools():

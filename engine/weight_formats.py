@@ -1,0 +1,39 @@
+"""The quantized checkpoints config.json may name (`quantization_config`, or llm-compressor's older
+`compression_config`), read into the `ModelConfig` fields that say how their tensors are stored:
+
+- FP8 weights with block, per-channel or per-tensor scales (`engine.fp8_weights`): `fp8_weight_block`,
+  `fp8_scale_suffix`;
+- GPT-OSS's MXFP4 experts (`quant_method: mxfp4`, that architecture alone; `kernels.mxfp4`): `mxfp4_experts`;
+- llm-compressor's pack-quantized INT4 weights (`engine.int4_weights`): `int4_group`;
+- a KV-cache-only scheme (the cache's scales: `engine.config.quantizes_kv_cache_only`): no field.
+
+Any other method is refused naming the key, before anything loads.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.config import ConfigError, quantizes_kv_cache_only
+from engine.fp8_weights import SCALE_SUFFIX, fp8_weights
+from engine.int4_weights import int4_group
+
+__all__ = ["weight_format_fields"]
+
+
+def weight_format_fields(cfg: dict[str, Any], arch: Any) -> dict[str, Any]:
+    """The `ModelConfig` fields of config.json `cfg`'s quantization (architecture `arch`); a ConfigError naming the
+    key for a method that is not served."""
+    old = cfg.get("compression_config")   # llm-compressor's older key: quantized where it has groups or a method
+    key = "compression_config" if cfg.get("quantization_config") is None and isinstance(old, dict) and {
+        "config_groups", "quant_method", "kv_cache_scheme"} & set(old) else "quantization_config"
+    quant = cfg.get(key)
+    mxfp4 = arch == "GptOssForCausalLM" and isinstance(quant, dict) and quant.get("quant_method") == "mxfp4"
+    int4 = int4_group(quant, key)
+    fp8 = None if int4 is not None else fp8_weights(quant, key)
+    if quant is not None and not quantizes_kv_cache_only(quant) and not mxfp4 and fp8 is None and int4 is None:
+        method = quant.get("quant_method", "unnamed") if isinstance(quant, dict) else repr(quant)
+        raise ConfigError(f"{key}: quantized checkpoints ({method}) are not supported; serve "
+                          "the model's bfloat16 checkpoint (an FP8 KV cache is the device key kv_cache_dtype)")
+    return {"fp8_weight_block": fp8[0] if fp8 else None, "fp8_scale_suffix": fp8[1] if fp8 else SCALE_SUFFIX,
+            "mxfp4_experts": mxfp4, "int4_group": int4}

@@ -1,0 +1,200 @@
+"""Pack-quantized INT4 checkpoints (`engine.int4_weights`: Kimi K2 Thinking's routed experts, llm-compressor's W4A16
+releases), written by compressed-tensors' own packing: the routed experts held as stored (`quantization: int4`, and
+`auto` on a GPU), every other INT4 layer dequantized as read; greedy decoding against transformers' model holding the
+weights compressed-tensors' unpacking defines, tensor parallelism against one rank, what the model holds against what
+the capacity plan counts, and the config's refusals by key."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from engine.config import CacheConfig, ConfigError, EngineConfig, PoolConfig, SchedulerConfig
+from engine.int4_weights import dequantize_int4, int4_group
+from engine.llm_engine import LLMEngine
+from engine.model import WeightLoadError
+from engine.model_config import ModelConfig
+from engine.models import build_model, held_expert_bytes, held_packed, held_weight_bytes
+from engine.models.qwen3_moe import SparseMoeBlock
+from engine.parallel import ShardShape
+from engine.sampling import SamplingParams
+from tests.conftest import make_tiny_model
+from tests.engine.test_engine_vs_hf import DEEPSEEK, QWEN3_MOE, _hf_greedy, _taken_weights
+
+pack_quantized = pytest.importorskip("compressed_tensors.compressors")   # pack_to_int32, unpack_from_int32
+
+PROMPTS = [[1, *range(40, 70)], [5, 9, 200, 3]]
+# Kimi K2's kind: DeepSeek V3's layers, the routed experts alone in INT4; a W4A16 release's: every projection
+MODELS = {"deepseek_v3": (DEEPSEEK, True), "qwen3_moe": ({**QWEN3_MOE, "moe_intermediate_size": 64}, False)}
+
+
+def int4_checkpoint(folder, experts_only: bool, group: int = 32):
+    """The tiny checkpoint in `folder` rewritten as a pack-quantized one (each quantized projection's values
+    round(w / scale) in -8..7 packed by compressed-tensors' `pack_to_int32`, bfloat16 scales of a group's largest
+    value over 7.5, its shape), and beside it a float checkpoint (`<folder>-float`) of the weights compressed-tensors'
+    `unpack_from_int32` and the scales define, for transformers. Returns that folder."""
+    from safetensors.torch import save_file
+
+    reference = folder.parent / f"{folder.name}-float"
+    shutil.copytree(folder, reference)
+    stored, floats = {}, {}
+    for name, w in _taken_weights(folder).items():
+        if not (name.endswith("proj.weight") and ".layers." in name and (".mlp.experts." in name or not experts_only)):
+            stored[name] = floats[name] = w
+            continue
+        rows, cols = w.shape
+        grouped = w.float().view(rows, cols // group, group)
+        scale = (grouped.abs().amax(dim=-1) / 7.5).clamp(min=1e-6).to(torch.bfloat16)
+        values = torch.round(grouped / scale.float()[..., None]).clamp(-8, 7).to(torch.int8).view(rows, cols)
+        key = name.removesuffix("weight")
+        packed = pack_quantized.pack_to_int32(values, 4)
+        stored |= {key + "weight_packed": packed, key + "weight_scale": scale,
+                   key + "weight_shape": torch.tensor([rows, cols])}
+        unpacked = pack_quantized.unpack_from_int32(packed, 4, torch.Size([rows, cols]))
+        floats[name] = (unpacked.float() * scale.float().repeat_interleave(group, dim=1)).to(w.dtype)
+    for (target, tensors) in ((folder, stored), (reference, floats)):
+        for path in target.glob("*.safetensors*"):
+            path.unlink()
+        save_file(tensors, str(target / "model.safetensors"))
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "output_activations": None,
+                                      "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                                                  "group_size": group, "dynamic": False, "actorder": None}}},
+        "ignore": ["lm_head", "re:.*mlp.gate$",
+                   *(["re:.*self_attn.*", "re:.*shared_experts.*"] if experts_only else [])]}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return reference
+
+
+def _config(folder, quantization: str, tp: int = 1) -> EngineConfig:
+    pool = PoolConfig(num_blocks=64, scheduler=SchedulerConfig(max_num_batched_tokens=64))
+    return EngineConfig(model=str(folder), device="cpu", dtype="float32", tensor_parallel_size=tp,
+                        cache=CacheConfig(block_size=8), pools=(pool,), quantization=quantization)
+
+
+def _greedy(engine: LLMEngine) -> list[list[int]]:
+    outs = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _sparse(engine: LLMEngine) -> list[SparseMoeBlock]:
+    return [m for m in engine.model.modules() if isinstance(m, SparseMoeBlock)]
+
+
+@pytest.mark.parametrize("arch", list(MODELS))
+def test_int4_experts_are_held_as_stored_and_decode_as_transformers(tmp_path, builtin_path, arch, caplog):
+    """`quantization: int4` on a CPU: each sparse layer's w13 holds each expert's packed gate rows, then its up rows,
+    as compressed-tensors packed them, with their scales; the model holds half a byte an expert weight plus a scale
+    a group (what the capacity plan counts, to the byte), dequantizes every other INT4 projection as read, and
+    decodes greedily as transformers' model over the weights the format defines. `none`: the same tokens."""
+    import transformers
+
+    overrides, experts_only = MODELS[arch]
+    folder = make_tiny_model(tmp_path / arch, arch, builtin_path, **overrides)
+    reference = int4_checkpoint(folder, experts_only)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).eval()
+    with caplog.at_level("INFO", logger="cliffguard.engine"):
+        held = LLMEngine(_config(folder, "int4"), progress=False)
+    sparse = _sparse(held)
+    assert f"weights: the experts of {len(sparse)} layers held in INT4 as stored" in caplog.text
+    index, layer = next((i, l.mlp) for i, l in enumerate(held.model.layers) if isinstance(l.mlp, SparseMoeBlock))
+    stored = {n: t for n, t in _taken_weights_copy(folder).items() if f"layers.{index}.mlp.experts.3." in n}
+    inter = overrides["moe_intermediate_size"]
+    assert layer.packed == "int4" and layer.w13.dtype == torch.uint8
+    assert torch.equal(layer.w13[3, :inter], stored[f"model.layers.{index}.mlp.experts.3.gate_proj.weight_packed"]
+                       .view(torch.uint8))
+    assert torch.equal(layer.w2_scales[3], stored[f"model.layers.{index}.mlp.experts.3.down_proj.weight_scale"].float())
+    config, shard = held.model_config, ShardShape.of(held.model_config)
+    plain = held_weight_bytes(config, shard, torch.float32, "none", "cpu")
+    weights = sum(m.w13.numel() + m.w2.numel() for m in sparse) * 2
+    assert held.weights_bytes == held_weight_bytes(config, shard, torch.float32, "int4", "cpu")
+    assert held.weights_bytes == plain - weights * 4 + weights // 2 + weights // 32 * 4
+    assert held_expert_bytes(config, torch.float32, "int4", "cpu") == weights // 2 + weights // 32 * 4
+    tokens = _greedy(held)
+    assert tokens == [_hf_greedy(hf, prompt, 12, eos_ids=None) for prompt in PROMPTS]
+    dequantized = LLMEngine(_config(folder, "none"), progress=False)
+    assert not any(m.packed for m in _sparse(dequantized)) and dequantized.weights_bytes == plain
+    assert _greedy(dequantized) == tokens
+
+
+def _taken_weights_copy(folder):
+    from safetensors.torch import load_file
+
+    return load_file(folder / "model.safetensors")
+
+
+def test_two_ranks_hold_their_halves_of_each_int4_expert_and_decode_as_one(tmp_path, builtin_path):
+    """Tensor parallelism 2 over the W4A16 kind: each rank holds its 32 of each expert's 64 gate and up rows and the
+    packed bytes and scale of its 32 down inputs, and the two decode what one does."""
+    from tests.engine.test_tensor_parallel import _assert_same_or_near_tie, _generate
+
+    folder = make_tiny_model(tmp_path / "moe", "qwen3_moe", builtin_path, **MODELS["qwen3_moe"][0])
+    int4_checkpoint(folder, experts_only=False)
+    one = LLMEngine(_config(folder, "int4"), progress=False)
+    reference = _generate(one, PROMPTS)
+    two = LLMEngine(_config(folder, "int4", tp=2), progress=False)
+    assert two.weights_bytes == held_weight_bytes(two.model_config, two.shard, torch.float32, "int4", "cpu")
+    layer, whole = _sparse(two)[0], _sparse(one)[0]
+    assert layer.w13.shape == (8, 64, 32) and torch.equal(layer.w13[:, 32:], whole.w13[:, 64:96])
+    assert torch.equal(layer.w2, whole.w2[:, :, :16]) and torch.equal(layer.w2_scales, whole.w2_scales[:, :, :1])
+    _assert_same_or_near_tie(reference, _generate(two, PROMPTS))
+
+
+def test_the_config_and_the_device_key_choose_and_refuse_by_name(tmp_path, builtin_path):
+    """A pack-quantized config reads its group; what it says that is not served (8 bits, asymmetric, activation
+    order, quantized activations, two group sizes) is refused naming the key. auto holds INT4 experts on a GPU and
+    dequantizes them on a CPU; int4 and fp8 hold them anywhere; int4 on a checkpoint without them, or a rank's share
+    that splits a group, is refused naming the key. A layer missing one of its three tensors is named."""
+    weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}
+    quant = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+             "config_groups": {"group_0": {"weights": weights}}}
+    assert int4_group(quant, "quantization_config") == 32
+    assert int4_group({**quant, "format": "float-quantized"}, "q") is None
+    for change, named in (({"num_bits": 8}, "weights: served are 4-bit"), ({"symmetric": False}, "weights: served"),
+                          ({"actorder": "group"}, "weights: activation-ordered"),
+                          ({"group_size": 0}, "weights.group_size")):
+        bad = {**quant, "config_groups": {"group_0": {"weights": {**weights, **change}}}}
+        with pytest.raises(ConfigError, match=rf"^quantization_config.config_groups.group_0.{named}"):
+            int4_group(bad, "quantization_config")
+    with pytest.raises(ConfigError, match=r"group_0.input_activations: the activations are not quantized"):
+        int4_group({**quant, "config_groups": {"group_0": {"weights": weights, "input_activations": {"num_bits": 8}}}},
+                   "quantization_config")
+    two = {"a": {"weights": weights}, "b": {"weights": {**weights, "group_size": 64}}}
+    with pytest.raises(ConfigError, match=r"one group size for every group, got \[32, 64\]"):
+        int4_group({**quant, "config_groups": two}, "quantization_config")
+
+    folder = make_tiny_model(tmp_path / "moe", "qwen3_moe", builtin_path, **{**QWEN3_MOE, "moe_intermediate_size": 96})
+    int4_checkpoint(folder, experts_only=True)
+    config = ModelConfig.from_folder(folder)
+    one, halves = ShardShape.of(config), ShardShape.of(config, 0, 2)
+    assert config.int4_group == 32 and not config.mxfp4_experts
+    assert [held_packed(config, one, q, "cuda") for q in ("auto", "fp8", "int4", "none")] == ["int4"] * 3 + [None]
+    assert [held_packed(config, one, q, "cpu") for q in ("auto", "int4")] == [None, "int4"]
+    assert held_packed(config, halves, "auto", "cuda") is None   # 48 inputs a rank
+    with pytest.raises(ConfigError, match=r"^quantization: int4 under tensor parallelism 2 cuts each expert's 96"):
+        held_packed(config, halves, "int4", "cpu")
+    with pytest.raises(ConfigError, match=r"^quantization: mxfp4 holds a checkpoint's MXFP4 experts as stored; this "
+                                          r"checkpoint has INT4 ones"):
+        held_packed(config, one, "mxfp4", "cpu")
+    stored = _taken_weights_copy(folder)
+    shape = "model.layers.0.mlp.experts.1.up_proj.weight_shape"
+    with pytest.raises(WeightLoadError, match=rf"^{shape}: missing beside .*up_proj.weight_packed"):
+        build_model(config, torch.float32, "cpu", quantization="int4").load_weights(
+            (n, t) for n, t in stored.items() if n != shape)
+
+
+def test_dequantizing_is_the_value_less_8_times_its_groups_scale_rounded_once():
+    """Every byte, two values each, under bfloat16 scales: (nibble - 8) x scale in float32, then `dtype`."""
+    codes = torch.arange(256, dtype=torch.uint8).view(4, 64)
+    scales = torch.tensor([[0.013, 1.7, -0.25, 3e-3]] * 4, dtype=torch.bfloat16).repeat(1, 1)
+    values = torch.stack([codes & 15, codes >> 4], dim=-1).flatten(-2).float() - 8
+    want = values * scales.float().repeat_interleave(32, dim=1)
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(dequantize_int4(codes, scales, dtype), want.to(dtype))
+    with pytest.raises(ValueError, match="INT4 bytes"):
+        dequantize_int4(codes, scales[:, :3], torch.float32)
