@@ -12,7 +12,7 @@ import shutil
 import pytest
 import torch
 
-from engine.config import CacheConfig, ConfigError, EngineConfig, PoolConfig, SchedulerConfig
+from engine.config import ConfigError
 from engine.int4_weights import dequantize_int4, int4_group
 from engine.llm_engine import LLMEngine
 from engine.model import WeightLoadError
@@ -20,13 +20,12 @@ from engine.model_config import ModelConfig
 from engine.models import build_model, held_expert_bytes, held_packed, held_weight_bytes
 from engine.models.qwen3_moe import SparseMoeBlock
 from engine.parallel import ShardShape
-from engine.sampling import SamplingParams
 from tests.conftest import make_tiny_model
 from tests.engine.test_engine_vs_hf import DEEPSEEK, QWEN3_MOE, _hf_greedy, _taken_weights
+from tests.engine.test_mxfp4_weights import PROMPTS, _config, _greedy, _sparse
 
 pack_quantized = pytest.importorskip("compressed_tensors.compressors")   # pack_to_int32, unpack_from_int32
 
-PROMPTS = [[1, *range(40, 70)], [5, 9, 200, 3]]
 # Kimi K2's kind: DeepSeek V3's layers, the routed experts alone in INT4; a W4A16 release's: every projection
 MODELS = {"deepseek_v3": (DEEPSEEK, True), "qwen3_moe": ({**QWEN3_MOE, "moe_intermediate_size": 64}, False)}
 
@@ -69,21 +68,6 @@ def int4_checkpoint(folder, experts_only: bool, group: int = 32):
                    *(["re:.*self_attn.*", "re:.*shared_experts.*"] if experts_only else [])]}
     (folder / "config.json").write_text(json.dumps(cfg))
     return reference
-
-
-def _config(folder, quantization: str, tp: int = 1) -> EngineConfig:
-    pool = PoolConfig(num_blocks=64, scheduler=SchedulerConfig(max_num_batched_tokens=64))
-    return EngineConfig(model=str(folder), device="cpu", dtype="float32", tensor_parallel_size=tp,
-                        cache=CacheConfig(block_size=8), pools=(pool,), quantization=quantization)
-
-
-def _greedy(engine: LLMEngine) -> list[list[int]]:
-    outs = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
-    return [o.outputs[0].token_ids for o in outs]
-
-
-def _sparse(engine: LLMEngine) -> list[SparseMoeBlock]:
-    return [m for m in engine.model.modules() if isinstance(m, SparseMoeBlock)]
 
 
 @pytest.mark.parametrize("arch", list(MODELS))

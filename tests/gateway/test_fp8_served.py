@@ -94,22 +94,10 @@ def test_a_device_with_quantization_mxfp4_serves_gpt_oss_experts_held_as_stored(
     """`quantization: mxfp4` in a pool file reaches the engine: a tiny GPT-OSS checkpoint with MXFP4 experts, served
     with them held as stored (the server's log says so), answers (through the openai SDK, greedy) what transformers
     answers over the dequantized checkpoint."""
-    from engine.tokenizer import Tokenizer
-    from tests.engine.test_engine_vs_hf import _hf_greedy, mxfp4_gpt_oss
-    from tests.gateway.conftest import chat_pool_yaml
+    from tests.engine.test_engine_vs_hf import mxfp4_gpt_oss
 
     folder, hf, _ = mxfp4_gpt_oss(tmp_path / "gpt_oss", builtin_path, vocab_size=49152, max_position_embeddings=1024)
-    prompts = [[5, 9, 200, 31, 7], list(range(40, 60))]
-    want = [_hf_greedy(hf, p, 12, eos_ids=None) for p in prompts]
-    (path := tmp_path / "pools.yaml").write_text(chat_pool_yaml(folder, device_keys="quantization: mxfp4"))
-    tokenizer = Tokenizer.from_folder(folder)
-    with LiveServer(path) as server:
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-        for prompt, tokens in zip(prompts, want):
-            reply = client.completions.create(model=folder.name, prompt=prompt, max_tokens=12, temperature=0,
-                                              extra_body={"ignore_eos": True})
-            assert reply.choices[0].text == tokenizer.decode(tokens)
-        assert any("experts of 3 layers held in MXFP4 as stored" in line for line in server.log)
+    _served_as_transformers(tmp_path, folder, hf, "mxfp4", "experts of 3 layers held in MXFP4 as stored")
 
 
 def test_a_device_with_quantization_int4_serves_int4_experts_held_as_stored(tmp_path, builtin_path):
@@ -120,19 +108,27 @@ def test_a_device_with_quantization_int4_serves_int4_experts_held_as_stored(tmp_
     import torch
     import transformers
 
-    from engine.tokenizer import Tokenizer
     from tests.conftest import make_tiny_model
-    from tests.engine.test_engine_vs_hf import DEEPSEEK, _hf_greedy
+    from tests.engine.test_engine_vs_hf import DEEPSEEK
     from tests.engine.test_int4_weights import int4_checkpoint
-    from tests.gateway.conftest import chat_pool_yaml
 
     folder = make_tiny_model(tmp_path / "kimi", "deepseek_v3", builtin_path, **DEEPSEEK, vocab_size=49152,
                              max_position_embeddings=1024)
     hf = transformers.AutoModelForCausalLM.from_pretrained(int4_checkpoint(folder, experts_only=True),
                                                            dtype=torch.float32).eval()
+    _served_as_transformers(tmp_path, folder, hf, "int4", "experts of 2 layers held in INT4 as stored")
+
+
+def _served_as_transformers(tmp_path, folder, hf, quantization: str, logged: str) -> None:
+    """The model in `folder` served with `quantization` answers two prompts (greedy, through the openai SDK) as
+    transformers' model `hf` does, and the server's log says `logged`."""
+    from engine.tokenizer import Tokenizer
+    from tests.engine.test_engine_vs_hf import _hf_greedy
+    from tests.gateway.conftest import chat_pool_yaml
+
     prompts = [[5, 9, 200, 31, 7], list(range(40, 60))]
     want = [_hf_greedy(hf, p, 12, eos_ids=None) for p in prompts]
-    (path := tmp_path / "pools.yaml").write_text(chat_pool_yaml(folder, device_keys="quantization: int4"))
+    (path := tmp_path / "pools.yaml").write_text(chat_pool_yaml(folder, device_keys=f"quantization: {quantization}"))
     tokenizer = Tokenizer.from_folder(folder)
     with LiveServer(path) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
@@ -140,4 +136,4 @@ def test_a_device_with_quantization_int4_serves_int4_experts_held_as_stored(tmp_
             reply = client.completions.create(model=folder.name, prompt=prompt, max_tokens=12, temperature=0,
                                               extra_body={"ignore_eos": True})
             assert reply.choices[0].text == tokenizer.decode(tokens)
-        assert any("experts of 2 layers held in INT4 as stored" in line for line in server.log)
+        assert any(logged in line for line in server.log)

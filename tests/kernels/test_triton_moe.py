@@ -165,9 +165,6 @@ def test_fp8_experts_decode_alike_on_the_triton_kernels_and_on_the_loop(tmp_path
     a time (`quantization: fp8`: its biased experts and clamped SwiGLU): the Triton kernels dequantizing each weight
     tile as loaded decode the greedy tokens the loop over the experts does with each hit expert's weights
     dequantized whole."""
-    from engine.config import CacheConfig, EngineConfig, PoolConfig, SchedulerConfig
-    from engine.llm_engine import LLMEngine
-    from engine.sampling import SamplingParams
     from tests.conftest import make_tiny_model
     from tests.engine.test_engine_vs_hf import QWEN3_MOE, _fp8_checkpoint
 
@@ -177,19 +174,8 @@ def test_fp8_experts_decode_alike_on_the_triton_kernels_and_on_the_loop(tmp_path
         path = make_tiny_model(tmp_path / arch, arch, builtin_path, **overrides)
         if arch == "qwen3_moe":
             _fp8_checkpoint(path, (16, 32))
-        results = {}
-        for backend in ("triton", "torch"):
-            monkeypatch.setenv("CLIFFGUARD_ATTENTION_BACKEND", backend)
-            engine = LLMEngine(EngineConfig(model=str(path), dtype="float32", quantization="fp8",
-                                            cache=CacheConfig(block_size=8),
-                                            pools=(PoolConfig(num_blocks=16, scheduler=SchedulerConfig(
-                                                max_num_seqs=2, max_num_batched_tokens=32, max_model_len=64)),)),
-                               progress=False)
-            sparse = [layer.mlp for layer in engine.model.layers if hasattr(layer.mlp, "w13")]
-            assert sparse and all(mlp.w13.dtype == torch.float8_e4m3fn for mlp in sparse), arch
-            assert all((mlp.fused_moe is fused_moe) == (backend == "triton") for mlp in sparse)
-            outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-            results[backend] = [o.outputs[0].token_ids for o in outs]
+        results = _greedy_by_backend(path, "fp8", prompts, monkeypatch,
+                                     lambda mlp: mlp.w13.dtype == torch.float8_e4m3fn)
         assert results["triton"] == results["torch"], arch
 
 
@@ -343,26 +329,12 @@ def test_fused_moe_over_mxfp4_experts_equals_it_over_their_dequantized_weights(d
 def test_mxfp4_experts_decode_alike_on_the_triton_kernels_and_on_the_loop(tmp_path, builtin_path, monkeypatch):
     """A GPT-OSS checkpoint with MXFP4 experts held as stored (`quantization: mxfp4`): the Triton kernels decoding
     each tile as loaded give the greedy tokens the loop over the experts gives with each hit expert dequantized."""
-    from engine.config import CacheConfig, EngineConfig, PoolConfig, SchedulerConfig
-    from engine.llm_engine import LLMEngine
-    from engine.sampling import SamplingParams
     from tests.engine.test_engine_vs_hf import mxfp4_gpt_oss
 
     rng = random.Random(7)
     prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (6, 19)]
     folder, _, _ = mxfp4_gpt_oss(tmp_path / "gpt_oss", builtin_path)
-    results = {}
-    for backend in ("triton", "torch"):
-        monkeypatch.setenv("CLIFFGUARD_ATTENTION_BACKEND", backend)
-        engine = LLMEngine(EngineConfig(model=str(folder), dtype="float32", quantization="mxfp4",
-                                        cache=CacheConfig(block_size=8),
-                                        pools=(PoolConfig(num_blocks=16, scheduler=SchedulerConfig(
-                                            max_num_seqs=2, max_num_batched_tokens=32, max_model_len=64)),)),
-                           progress=False)
-        sparse = [layer.mlp for layer in engine.model.layers]
-        assert all(mlp.packed == "mxfp4" and (mlp.fused_moe is fused_moe) == (backend == "triton") for mlp in sparse)
-        outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-        results[backend] = [o.outputs[0].token_ids for o in outs]
+    results = _greedy_by_backend(folder, "mxfp4", prompts, monkeypatch, lambda mlp: mlp.packed == "mxfp4")
     assert results["triton"] == results["torch"]
 
 
@@ -428,10 +400,6 @@ def test_int4_experts_decode_alike_on_the_triton_kernels_and_on_the_loop(tmp_pat
     """A DeepSeek V3 checkpoint with pack-quantized INT4 experts held as stored (`quantization: int4`, Kimi K2's
     kind): the Triton kernels decoding each tile as loaded give the greedy tokens the loop over the experts gives."""
     pytest.importorskip("compressed_tensors")
-    from engine.config import CacheConfig, EngineConfig, PoolConfig, SchedulerConfig
-    from engine.llm_engine import LLMEngine
-    from engine.models.qwen3_moe import SparseMoeBlock
-    from engine.sampling import SamplingParams
     from tests.conftest import make_tiny_model
     from tests.engine.test_engine_vs_hf import DEEPSEEK
     from tests.engine.test_int4_weights import int4_checkpoint
@@ -440,17 +408,28 @@ def test_int4_experts_decode_alike_on_the_triton_kernels_and_on_the_loop(tmp_pat
     prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (6, 19)]
     folder = make_tiny_model(tmp_path / "deepseek", "deepseek_v3", builtin_path, **DEEPSEEK)
     int4_checkpoint(folder, experts_only=True)
+    results = _greedy_by_backend(folder, "int4", prompts, monkeypatch, lambda mlp: mlp.packed == "int4")
+    assert results["triton"] == results["torch"]
+
+
+def _greedy_by_backend(path, quantization: str, prompts, monkeypatch, held) -> dict[str, list[list[int]]]:
+    """Greedy tokens of the model at `path` with `quantization`, on the Triton ops and on the torch ones (backend ->
+    each prompt's tokens); every sparse block is `held` as asked, and runs `fused_moe` on the Triton ops alone."""
+    from engine.config import CacheConfig, EngineConfig, PoolConfig, SchedulerConfig
+    from engine.llm_engine import LLMEngine
+    from engine.models.qwen3_moe import SparseMoeBlock
+    from engine.sampling import SamplingParams
+
     results = {}
     for backend in ("triton", "torch"):
         monkeypatch.setenv("CLIFFGUARD_ATTENTION_BACKEND", backend)
-        engine = LLMEngine(EngineConfig(model=str(folder), dtype="float32", quantization="int4",
+        engine = LLMEngine(EngineConfig(model=str(path), dtype="float32", quantization=quantization,
                                         cache=CacheConfig(block_size=8),
                                         pools=(PoolConfig(num_blocks=16, scheduler=SchedulerConfig(
                                             max_num_seqs=2, max_num_batched_tokens=32, max_model_len=64)),)),
                            progress=False)
         sparse = [m for m in engine.model.modules() if isinstance(m, SparseMoeBlock)]
-        assert sparse and all(m.packed == "int4" and (m.fused_moe is fused_moe) == (backend == "triton")
-                              for m in sparse)
+        assert sparse and all(held(m) and (m.fused_moe is fused_moe) == (backend == "triton") for m in sparse)
         outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
         results[backend] = [o.outputs[0].token_ids for o in outs]
-    assert results["triton"] == results["torch"]
+    return results
