@@ -40,7 +40,7 @@ from engine.models import check_dtype, held_fp8_block, held_packed, held_weight_
 from engine.parallel import ShardShape
 from pools.config.spec import CliffguardConfig, DeviceSpec, GatewaySpec, PoolSpec, SpecError
 from pools.config.checks import fmt_bytes, within
-from pools.device_memory import device_memory, headroom_warning, resolve_device_type
+from pools.device_memory import device_memory, headroom_warning, no_room_for_kv, resolve_device_type
 from pools.host_memory import check_gpu_memory, host_memory_bytes, past_host_memory
 from pools.model_configs import resolve_model_configs
 
@@ -246,7 +246,10 @@ def plan_capacity(config: CliffguardConfig, model_configs: Mapping[str, ModelCon
         loaded_dev = weights_dev + model.serving(p.max_model_len for _, p in members).rotary_cache_bytes(dtype)
         kv_dev = formula.kv_cache_bytes(memory, loaded_dev, dev.memory_utilization) - graphs_dev
         if kv_dev <= 0:
-            raise _no_room_for_kv(dkey, dev, memory, source, p0.model, weights_dev, dtype, graphs_dev, kv_dev)
+            stored = held_weight_bytes(model, shard, dtype, "auto", device_type) if dev.quantization == "none" else 0
+            held = dtype_name(dtype) + (", its projections in FP8" if fp8 else "") + (
+                f", its experts in {packed}" if packed else "")
+            raise no_room_for_kv(dkey, dev, memory, source, p0.model, weights_dev, held, graphs_dev, kv_dev, stored)
         shares = sum((Fraction(p.kv_share) for _, p in members if p.kv_share is not None), Fraction(0))
         device_pools = [_plan_pool(i, p, model, s_kv, s_kv_dev, _pool_bytes(p, kv_dev, shares), tp, warnings,
                                    dev.replicas, model.state_bytes_per_seq(dtype, tp)) for i, p in members]
@@ -289,16 +292,6 @@ def _check_device_budget(dev_name: str, members: list[tuple[int, PoolSpec]], dev
     i, p = next((i, p) for i, p in members if p.kv_cache_bytes is not None)
     raise SpecError(f"pools[{i}].kv_cache_bytes: {fmt_bytes(p.kv_cache_bytes)}; the pools of device {dev_name!r} "
                     f"ask for {fmt_bytes(asked)} per GPU ({parts}) but it has {fmt_bytes(kv_dev)}")
-
-
-def _no_room_for_kv(dkey: str, dev: DeviceSpec, memory: int, source: str, model: str, weights_dev: int,
-                    dtype: torch.dtype, graphs_dev: int, kv_dev: int) -> SpecError:
-    usable = formula.usable_bytes(memory, dev.memory_utilization)
-    where = f" ({source})" if source != "config" else ""
-    graphs = f" and {fmt_bytes(graphs_dev)} for decode graphs (enforce_eager: true frees it)" if graphs_dev else ""
-    return SpecError(f"{dkey}.memory: {dev.memory_utilization} x {fmt_bytes(memory)}{where} = {fmt_bytes(usable)} "
-                     f"per GPU cannot hold the weights of {model!r}: {fmt_bytes(weights_dev)} per GPU in "
-                     f"{dtype_name(dtype)} (TP={dev.tensor_parallel_size}){graphs}, leaving {fmt_bytes(kv_dev)} for KV")
 
 
 def _graph_reserve(model: ModelConfig, dev: DeviceSpec, device_type: str, tp: int, dtype: torch.dtype) -> int:

@@ -82,3 +82,19 @@ def headroom_warning(device: DeviceSpec, memory: int, vocab_size: int, dtype_byt
             f"{fmt_bytes(penalties)} of token counts while its {running} sequences use penalties: expect the GPU to "
             f"run out of memory under load; lower memory_utilization, or its pools' max_num_seqs or "
             f"max_num_batched_tokens")
+
+
+def no_room_for_kv(dkey: str, dev: DeviceSpec, memory: int, source: str, model: str, weights_dev: int,
+                   held: str, graphs_dev: int, kv_dev: int, as_stored: int = 0) -> SpecError:
+    """The SpecError of a device whose weights (held as `held` says: their dtype, and what is held in FP8, MXFP4 or
+    INT4) and decode graphs leave no KV space, naming `dkey`.memory and what took it; where `quantization: auto` would hold the checkpoint's quantized weights as stored in fewer bytes
+    (`as_stored` per GPU, the device being set to `none`), it says so."""
+    usable = formula.usable_bytes(memory, dev.memory_utilization)
+    where = f" ({source})" if source != "config" else ""
+    graphs = f" and {fmt_bytes(graphs_dev)} for decode graphs (enforce_eager: true frees it)" if graphs_dev else ""
+    hint = (f"; quantization: auto holds the checkpoint's quantized weights as stored, {fmt_bytes(as_stored)} per GPU"
+            if 0 < as_stored < weights_dev else "")
+    return SpecError(f"{dkey}.memory: {dev.memory_utilization} x {fmt_bytes(memory)}{where} = {fmt_bytes(usable)} "
+                     f"per GPU cannot hold the weights of {model!r}: {fmt_bytes(weights_dev)} per GPU in "
+                     f"{held} (TP={dev.tensor_parallel_size}){graphs}, leaving {fmt_bytes(kv_dev)} for "
+                     f"KV{hint}")

@@ -526,7 +526,9 @@ def test_mxfp4_experts_held_as_stored_put_gpt_oss_120b_on_one_h100():
     assert device.packed_experts == "MXFP4" and not device.fp8_weights
     assert device.weights_bytes == bf16 - experts * 2 + experts // 2 + experts // 32
     assert 60 * GiB < device.weights_bytes < 61 * GiB < 217 * GiB < bf16 < 218 * GiB
-    for key, value, match in (("quantization", "none", r"devices.h100.memory: .* 217.61 GiB per GPU in bfloat16"),
+    for key, value, match in (("quantization", "none", r"devices.h100.memory: .* 217.61 GiB per GPU in bfloat16 .*; "
+                                                       r"quantization: auto holds the checkpoint's quantized weights "
+                                                       r"as stored, 60.77 GiB per GPU"),
                               ("tensor_parallel_size", 4, r"devices.h100.quantization: mxfp4 under tensor parallelism "
                                                           r"4 cuts each expert's 2880 inputs into shares of 720")):
         changed = {**data["devices"]["h100"], key: value} | ({"quantization": "mxfp4"} if key != "quantization" else {})
@@ -556,7 +558,8 @@ def test_int4_experts_held_as_stored_put_kimi_k2_thinking_on_one_node():
     assert device.weights_bytes == bf16 - experts * 2 + experts // 2 + experts // 32 * 2
     assert 594e9 < device.weights_bytes < 595e9 and device.weights_bytes_per_device < 72 * GiB
     data["devices"]["h200x8"]["quantization"] = "none"
-    with pytest.raises(SpecError, match=r"devices.h200x8.memory: .* 241.06 GiB per GPU in bfloat16"):
+    with pytest.raises(SpecError, match=r"devices.h200x8.memory: .* 241.06 GiB per GPU in bfloat16 .* as stored, "
+                                        r"71.26 GiB per GPU"):
         plan_capacity(parse_config(data, env={}, base_dir=REPO / "config" / "examples"),
                       resolve_model_configs(config), vram_bytes=141 * GiB)
 
@@ -592,9 +595,16 @@ def test_deepseek_v32_fits_one_node_of_h200s_only_with_its_fp8_weights_held_in_f
     (device,) = plan_capacity(config, resolve_model_configs(config), vram_bytes=141 * GiB).devices.values()
     assert device.fp8_weights and device.weights_bytes_per_device < 83 * GiB < device.usable_bytes
     data["devices"]["h200x8"]["quantization"] = "none"
-    with pytest.raises(SpecError, match="devices.h200x8.*cannot hold the weights"):
+    with pytest.raises(SpecError, match="devices.h200x8.*cannot hold the weights.*; quantization: auto holds the "
+                                        "checkpoint's quantized weights as stored, 82.67 GiB per GPU"):
         plan_capacity(parse_config(data, env={}, base_dir=REPO / "config" / "examples"),
                       resolve_model_configs(config), vram_bytes=141 * GiB)
+    data["devices"]["h200x8"]["quantization"] = "auto"   # what does not fit as stored either: no such hint
+    with pytest.raises(SpecError, match=r"cannot hold the weights of .*: 82.67 GiB per GPU in bfloat16, its projections "
+                                        r"in FP8 \(TP=8\), leaving .* for KV$") as refused:
+        plan_capacity(parse_config(data, env={}, base_dir=REPO / "config" / "examples"),
+                      resolve_model_configs(config), vram_bytes=60 * GiB)
+    assert "quantization: auto holds" not in str(refused.value)
 
 
 def test_a_tied_model_plans_from_its_config_json_alone(tmp_path):
