@@ -247,9 +247,8 @@ def plan_capacity(config: CliffguardConfig, model_configs: Mapping[str, ModelCon
         kv_dev = formula.kv_cache_bytes(memory, loaded_dev, dev.memory_utilization) - graphs_dev
         if kv_dev <= 0:
             stored = held_weight_bytes(model, shard, dtype, "auto", device_type) if dev.quantization == "none" else 0
-            held = dtype_name(dtype) + (", its projections in FP8" if fp8 else "") + (
-                f", its experts in {packed}" if packed else "")
-            raise no_room_for_kv(dkey, dev, memory, source, p0.model, weights_dev, held, graphs_dev, kv_dev, stored)
+            raise no_room_for_kv(dkey, dev, memory, source, p0.model, weights_dev, (dtype_name(dtype), fp8, packed),
+                                 graphs_dev, kv_dev, stored)
         shares = sum((Fraction(p.kv_share) for _, p in members if p.kv_share is not None), Fraction(0))
         device_pools = [_plan_pool(i, p, model, s_kv, s_kv_dev, _pool_bytes(p, kv_dev, shares), tp, warnings,
                                    dev.replicas, model.state_bytes_per_seq(dtype, tp)) for i, p in members]

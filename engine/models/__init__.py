@@ -242,6 +242,9 @@ def held_packed(config: ModelConfig, shard: ShardShape, quantization: str, devic
         raise ConfigError(f"quantization: {quantization} holds a checkpoint's {quantization.upper()} experts as "
                           f"stored; this checkpoint has {kind.upper() + ' ones' if stored else 'none'}: use auto, fp8 "
                           "or none")
+    if quantization == kind and not config.num_experts:
+        raise ConfigError(f"quantization: {kind} holds a checkpoint's {kind.upper()} experts as stored; this model has "
+                          "no experts (its INT4 layers are dequantized as read): use auto or none")
     if not stored or quantization == "none" or quantization == "auto" and device_type != "cuda" \
             or not config.num_experts:
         return None

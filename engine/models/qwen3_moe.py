@@ -42,10 +42,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.int4_weights import dequantize_int4
 from engine.layers import SiluAndMul
 from engine.model import MLP, LlamaForCausalLM, WeightLoadError
 from engine.model_config import ModelConfig
-from engine.int4_weights import dequantize_int4
 from engine.parallel import Collectives, ShardShape
 from kernels.fp8_gemm import FP8_WEIGHT_DTYPE, dequantize_blocks, scale_grid
 from kernels.mxfp4 import MXFP4_GROUP, dequantize_packed
@@ -119,7 +119,7 @@ class SparseMoeBlock(nn.Module):
         self.parameter_dtypes = dict.fromkeys(codes, torch.uint8)
 
     def _expert_weights(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Expert e's w13 and w2 in `dtype`, the model's (FP8 and MXFP4 ones dequantized)."""
+        """Expert e's w13 and w2 in `dtype`, the model's (FP8 and packed ones dequantized)."""
         if self.packed:
             decode = dequantize_packed if self.packed == "mxfp4" else dequantize_int4
             return decode(self.w13[e], self.w13_scales[e], dtype), decode(self.w2[e], self.w2_scales[e], dtype)
@@ -324,7 +324,7 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
         """This rank's share of an expert's packed gate/up rows, or of its down rows' packed inputs (two a byte, a
         group a scale): the intermediate size cut as the float weights' (on a group's edge: `held_packed`)."""
         size, rank, inter = self.shard.moe_intermediate_size, self.shard.rank, self.config.moe_intermediate_size
-        group = next(m.packed_group for m in self.modules() if isinstance(m, SparseMoeBlock) and m.packed)
+        group = MXFP4_GROUP if self.config.mxfp4_experts else self.config.int4_group
         per = 1 if ".down_proj." not in name else 2 if name.endswith(".blocks") else group
         dim, full = (0, inter) if per == 1 else (1, inter // per)
         if tensor.dim() != 2 or tensor.shape[dim] != full:

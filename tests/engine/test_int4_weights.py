@@ -24,7 +24,6 @@ from tests.conftest import make_tiny_model
 from tests.engine.test_engine_vs_hf import DEEPSEEK, QWEN3_MOE, _hf_greedy, _taken_weights
 from tests.engine.test_mxfp4_weights import PROMPTS, _config, _greedy, _sparse
 
-pack_quantized = pytest.importorskip("compressed_tensors.compressors")   # pack_to_int32, unpack_from_int32
 
 # Kimi K2's kind: DeepSeek V3's layers, the routed experts alone in INT4; a W4A16 release's: every projection
 MODELS = {"deepseek_v3": (DEEPSEEK, True), "qwen3_moe": ({**QWEN3_MOE, "moe_intermediate_size": 64}, False)}
@@ -37,6 +36,9 @@ def int4_checkpoint(folder, experts_only: bool, group: int = 32):
     `unpack_from_int32` and the scales define, for transformers. Returns that folder."""
     from safetensors.torch import save_file
 
+    # compressed-tensors' packing (imported here, not at collection: it imports triton, which the kernels' tests must
+    # import first, under their interpreter)
+    pack_quantized = pytest.importorskip("compressed_tensors.compressors")   # pack_to_int32, unpack_from_int32
     reference = folder.parent / f"{folder.name}-float"
     shutil.copytree(folder, reference)
     stored, floats = {}, {}
@@ -170,6 +172,29 @@ def test_the_config_and_the_device_key_choose_and_refuse_by_name(tmp_path, built
     with pytest.raises(WeightLoadError, match=rf"^{shape}: missing beside .*up_proj.weight_packed"):
         build_model(config, torch.float32, "cpu", quantization="int4").load_weights(
             (n, t) for n, t in stored.items() if n != shape)
+
+
+def test_a_dense_w4a16_checkpoint_is_dequantized_as_read_and_decodes_as_transformers(tmp_path, builtin_path):
+    """A dense model with every projection INT4 (the `-quantized.w4a16` releases' kind): each layer dequantized as it
+    is read (the model holds its dtype), greedy tokens as transformers' model over the weights the format defines,
+    under tensor parallelism 2 too; `quantization: int4` (experts as stored) is refused naming the key."""
+    import transformers
+
+    from tests.engine.test_tensor_parallel import _assert_same_or_near_tie, _generate
+
+    folder = make_tiny_model(tmp_path / "qwen3", "qwen3", builtin_path, head_dim=16, intermediate_size=128)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(int4_checkpoint(folder, experts_only=False),
+                                                           dtype=torch.float32).eval()
+    engine = LLMEngine(_config(folder, "auto"), progress=False)
+    assert engine.model_config.int4_group == 32
+    assert engine.model.layers[0].mlp.gate_up_proj.weight.dtype == torch.float32   # dequantized
+    tokens = _greedy(engine)
+    assert tokens == [_hf_greedy(hf, prompt, 12, eos_ids=None) for prompt in PROMPTS]
+    _assert_same_or_near_tie(_generate(engine, PROMPTS), _generate(LLMEngine(_config(folder, "auto", tp=2),
+                                                                             progress=False), PROMPTS))
+    with pytest.raises(ConfigError, match=r"quantization: int4 holds a checkpoint's INT4 experts as stored; this "
+                                          r"model has no experts"):
+        LLMEngine(_config(folder, "int4"), progress=False)
 
 
 def test_dequantizing_is_the_value_less_8_times_its_groups_scale_rounded_once():

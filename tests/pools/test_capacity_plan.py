@@ -481,8 +481,8 @@ def test_the_examples_measure_their_gpus_where_they_are_served():
 ])
 def test_the_example_files_plan(name, vram, dense_bytes, kv):
     """The example files plan from the config.json beside them: Qwen3-32B's weights (YaRN to 131,072
-    positions) with an FP8 cache, Qwen3-30B-A3B's every expert, gpt-oss-20b's and gpt-oss-120b's MXFP4 experts as stored,
-    DeepSeek-V2-Lite's (its routers in float32) with its latent cache: 31,104 B a token, GLM-4.5-Air's on two
+    positions) with an FP8 cache, Qwen3-30B-A3B's every expert, gpt-oss-20b's and gpt-oss-120b's MXFP4 experts as
+    stored, DeepSeek-V2-Lite's (its routers in float32) with its latent cache: 31,104 B a token, GLM-4.5-Air's on two
     H200s (its routers in float32 too) with an FP8 cache, Llama 4 Scout's text model on two H200s (a multimodal
     config.json; its rotary table the rag pool's 131,072 positions, not 10,485,760), and Qwen3-Next on two H200s (its
     12 attention layers' K/V alone, and each sequence's state of its 36 linear layers beside them: S_state), and
@@ -600,8 +600,8 @@ def test_deepseek_v32_fits_one_node_of_h200s_only_with_its_fp8_weights_held_in_f
         plan_capacity(parse_config(data, env={}, base_dir=REPO / "config" / "examples"),
                       resolve_model_configs(config), vram_bytes=141 * GiB)
     data["devices"]["h200x8"]["quantization"] = "auto"   # what does not fit as stored either: no such hint
-    with pytest.raises(SpecError, match=r"cannot hold the weights of .*: 82.67 GiB per GPU in bfloat16, its projections "
-                                        r"in FP8 \(TP=8\), leaving .* for KV$") as refused:
+    with pytest.raises(SpecError, match=r"cannot hold the weights of .*: 82.67 GiB per GPU in bfloat16, its "
+                                        r"projections in FP8 \(TP=8\), leaving .* for KV$") as refused:
         plan_capacity(parse_config(data, env={}, base_dir=REPO / "config" / "examples"),
                       resolve_model_configs(config), vram_bytes=60 * GiB)
     assert "quantization: auto holds" not in str(refused.value)
