@@ -66,11 +66,9 @@ def test_a_device_with_quantization_fp8_serves_its_weights_quantized_a_row_at_a_
     import torch
     import transformers
 
-    from engine.tokenizer import Tokenizer
     from tests.conftest import make_tiny_model
     from tests.engine.test_engine_vs_hf import _hf_greedy
     from tests.engine.test_fp8_weights import _round_rows
-    from tests.gateway.conftest import chat_pool_yaml
 
     folder = make_tiny_model(tmp_path / "tiny", "llama", builtin_path, vocab_size=49152, max_position_embeddings=1024,
                              initializer_range=0.1)
@@ -80,14 +78,7 @@ def test_a_device_with_quantization_fp8_serves_its_weights_quantized_a_row_at_a_
     _round_rows(hf)
     rounded = [_hf_greedy(hf, p, 16, eos_ids=None) for p in prompts]
     assert rounded != plain   # the weights' rounding shows in the answers
-    (path := tmp_path / "pools.yaml").write_text(chat_pool_yaml(folder, device_keys="quantization: fp8"))
-    tokenizer = Tokenizer.from_folder(folder)
-    with LiveServer(path) as server:
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-        for prompt, want in zip(prompts, rounded):
-            reply = client.completions.create(model=folder.name, prompt=prompt, max_tokens=16, temperature=0,
-                                              extra_body={"ignore_eos": True})
-            assert reply.choices[0].text == tokenizer.decode(want)
+    _served_answers(tmp_path, folder, "fp8", prompts, rounded)
 
 
 def test_a_device_with_quantization_mxfp4_serves_gpt_oss_experts_held_as_stored(tmp_path, builtin_path):
@@ -122,18 +113,25 @@ def test_a_device_with_quantization_int4_serves_int4_experts_held_as_stored(tmp_
 def _served_as_transformers(tmp_path, folder, hf, quantization: str, logged: str) -> None:
     """The model in `folder` served with `quantization` answers two prompts (greedy, through the openai SDK) as
     transformers' model `hf` does, and the server's log says `logged`."""
-    from engine.tokenizer import Tokenizer
     from tests.engine.test_engine_vs_hf import _hf_greedy
-    from tests.gateway.conftest import chat_pool_yaml
 
     prompts = [[5, 9, 200, 31, 7], list(range(40, 60))]
-    want = [_hf_greedy(hf, p, 12, eos_ids=None) for p in prompts]
+    _served_answers(tmp_path, folder, quantization, prompts, [_hf_greedy(hf, p, 12, eos_ids=None) for p in prompts],
+                    logged)
+
+
+def _served_answers(tmp_path, folder, quantization: str, prompts, want, logged: str | None = None) -> None:
+    """The model in `folder`, served (a chat pool) with the device's `quantization`, completes each prompt greedily
+    with the text of its `want` tokens (as many, through the openai SDK); the server's log says `logged` if given."""
+    from engine.tokenizer import Tokenizer
+    from tests.gateway.conftest import chat_pool_yaml
+
     (path := tmp_path / "pools.yaml").write_text(chat_pool_yaml(folder, device_keys=f"quantization: {quantization}"))
     tokenizer = Tokenizer.from_folder(folder)
     with LiveServer(path) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
         for prompt, tokens in zip(prompts, want):
-            reply = client.completions.create(model=folder.name, prompt=prompt, max_tokens=12, temperature=0,
+            reply = client.completions.create(model=folder.name, prompt=prompt, max_tokens=len(tokens), temperature=0,
                                               extra_body={"ignore_eos": True})
             assert reply.choices[0].text == tokenizer.decode(tokens)
-        assert any(logged in line for line in server.log)
+        assert logged is None or any(logged in line for line in server.log)
