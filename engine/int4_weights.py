@@ -26,9 +26,10 @@ import torch
 
 from engine.config import ConfigError
 
-__all__ = ["INT4_SUFFIXES", "dequantize_int4", "int4_group", "int4_tensors", "packed_bytes"]
+__all__ = ["INT4_STD", "INT4_SUFFIXES", "dequantize_int4", "int4_group", "int4_tensors", "packed_bytes"]
 
 INT4_SUFFIXES = (".weight_packed", ".weight_scale", ".weight_shape")
+INT4_STD = (sum((v - 8) ** 2 for v in range(16)) / 16) ** 0.5   # of uniformly drawn values, -8 .. 7: 4.64
 
 
 def int4_group(quant: Any, key: str) -> int | None:

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.checkpoint_reading import CheckpointReading, WeightLoadError
+from engine.int4_weights import INT4_STD
 from engine.model_config import ModelConfig
 from engine.layers import GeluTanhAndMul, HeadRMSNorm, RMSNorm, RopeRows, RotaryEmbedding, SiluAndMul
 from engine.layers.fp8_linear import Fp8Linear
@@ -429,8 +430,8 @@ class LlamaForCausalLM(CheckpointReading, nn.Module):
                     param.fill_(self.norm_init)
                 elif name.endswith(("weight_scale", "w13_scale", "w2_scale")):   # FP8 values of about 1, times std
                     param.fill_(std)
-                elif name.endswith(("w13_scales", "w2_scales")):   # MXFP4's: codes drawn alike come out about std
-                    param.fill_(mxfp4_scale(std))
+                elif name.endswith(("w13_scales", "w2_scales")):   # packed experts': codes drawn alike come out
+                    param.fill_(mxfp4_scale(std) if param.dtype == torch.uint8 else std / INT4_STD)   # about std
                 elif param.dtype in (torch.float8_e4m3fn, torch.uint8):   # FP8 values; MXFP4's codes, two a byte
                     param.copy_(torch.randint(0, 256, param.shape, generator=gen) if param.dtype == torch.uint8
                                 else torch.randn(param.shape, generator=gen))

@@ -207,3 +207,16 @@ def test_dequantizing_is_the_value_less_8_times_its_groups_scale_rounded_once():
         assert torch.equal(dequantize_int4(codes, scales, dtype), want.to(dtype))
     with pytest.raises(ValueError, match="INT4 bytes"):
         dequantize_int4(codes, scales[:, :3], torch.float32)
+
+
+def test_random_weights_of_int4_experts_are_about_the_asked_deviation(tmp_path, builtin_path):
+    """`init_random` (benchmarks of model shapes) over INT4 experts held as stored: random values with a scale in the
+    model's dtype that makes the decoded weights about `std`, as for MXFP4's e8m0 scales and float weights."""
+    folder = make_tiny_model(tmp_path / "moe", "qwen3_moe", builtin_path, **MODELS["qwen3_moe"][0])
+    int4_checkpoint(folder, experts_only=True)
+    model = build_model(ModelConfig.from_folder(folder), torch.float32, "cpu", quantization="int4")
+    model.init_random(std=0.02)
+    block = next(m for m in model.modules() if isinstance(m, SparseMoeBlock))
+    assert block.packed == "int4" and block.w13_scales.dtype == torch.float32
+    weights = torch.cat([dequantize_int4(block.w13[e], block.w13_scales[e], torch.float32).flatten() for e in range(8)])
+    assert 0.015 < weights.std().item() < 0.027
