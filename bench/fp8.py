@@ -1,5 +1,5 @@
-"""`cliffguard bench fp8`: a decoder layer's four projections with FP8 weights against the same weights in the
-model's dtype.
+"""`cliffguard bench fp8`: a decoder layer's four projections with FP8 weights (`--int4`: INT4 ones, as a
+pack-quantized checkpoint stores them) against the same weights in the model's dtype.
 
 At a model's shape (Llama 3 8B's by default: hidden 4096, 32 heads and 8 KV heads of 128, MLP 14,336; `--shape
 32b`: Qwen3-32B's), random FP8 weights in 128 x 128 blocks are multiplied by `--tokens` rows each way the engine
@@ -10,7 +10,9 @@ median time of the four projections each way, the FP8 layer's speed-up, the weig
 bandwidth each reaches as a fraction of this device's copy bandwidth (measured in the same run on a GPU: a read and
 a write of 1 GiB), and the largest difference of the outputs over the largest output (exit 1 past one rounding). A
 decode step reads every weight once: on a GPU the FP8 layer's time at a few rows is what a decode step's projections
-cost, half the bytes of bfloat16's.
+cost, half the bytes of bfloat16's. `--int4`: random INT4 codes with a bfloat16 (the model's dtype) scale a group of
+128 inputs (`engine.layers.int4_linear.Int4Linear`: the Triton GEMM decoding each tile as loaded, or the weight
+dequantized on each call), about a quarter of bfloat16's bytes.
 """
 
 from __future__ import annotations
@@ -39,13 +41,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="8b: Llama 3 8B (default); 32b: Qwen3-32B; tiny: hidden 256 (a quick run)")
     p.add_argument("--tokens", default="1,16,64,256,2048", help="rows (tokens of a step), comma-separated")
     p.add_argument("--repeats", type=int, default=10, help="timed calls per size and path (median)")
+    p.add_argument("--int4", action="store_true",
+                   help="INT4 weights (pack-quantized, a scale a group of 128 inputs) instead of FP8")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
 
 
-def _layers(shape: str, device: torch.device, dtype: torch.dtype):
+def _layers(shape: str, device: torch.device, dtype: torch.dtype, int4: bool = False):
     """The four projections of one layer as (name, Fp8Linear, dense weight in `dtype`), random FP8 values in
-    128 x 128 blocks with scales of 1e-4 to 3e-4 (weights of about a 0.02 standard deviation); the Triton GEMM where
-    the engine would run the Triton kernels (CUDA; `CLIFFGUARD_ATTENTION_BACKEND=triton`)."""
+    128 x 128 blocks with scales of 1e-4 to 3e-4 (weights of about a 0.02 standard deviation), or (`int4`) an
+    Int4Linear of random codes in groups of 128 (`_int4_layer`); the Triton GEMM where the engine would run the
+    Triton kernels (CUDA; `CLIFFGUARD_ATTENTION_BACKEND=triton`)."""
     from engine.layers.fp8_linear import Fp8Linear
     from kernels.fp8_gemm import dequantize_blocks
     from kernels.fused import get_fused_ops
@@ -58,12 +63,38 @@ def _layers(shape: str, device: torch.device, dtype: torch.dtype):
     gen = torch.Generator().manual_seed(0)
     layers = []
     for name, (n, k) in shapes.items():
+        if int4:
+            layers.append((name, *_int4_layer(n, k, device, dtype, triton, gen)))
+            continue
         layer = Fp8Linear(k, n, False, BLOCK, triton=triton).to(device)
         values = (torch.randn(n, k, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
         scale = torch.rand(layer.weight_scale.shape, generator=gen) * 2e-4 + 1e-4
         layer.fill(0, values.to(device), scale.to(device))
         layers.append((name, layer, dequantize_blocks(values, scale, BLOCK).to(device, dtype)))
     return layers
+
+
+def _int4_layer(n: int, k: int, device: torch.device, dtype: torch.dtype, triton: bool, gen: torch.Generator):
+    """An Int4Linear [n, k] of uniformly drawn codes, scales of about 0.02 over INT4's deviation in `dtype` (weights
+    of about a 0.02 standard deviation), and its dequantized weight."""
+    from engine.int4_weights import INT4_STD, dequantize_int4
+    from engine.layers.int4_linear import Int4Linear
+
+    layer = Int4Linear(k, n, False, 128, triton=triton)
+    with torch.no_grad():
+        layer.blocks = torch.nn.Parameter(torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8),
+                                          requires_grad=False)
+        layer.scales = torch.nn.Parameter(((torch.rand(n, k // 128, generator=gen) + 0.5) * 0.02 / INT4_STD)
+                                          .to(dtype), requires_grad=False)
+    layer = layer.to(device)
+    return layer, dequantize_int4(layer.blocks, layer.scales, dtype)
+
+
+def _held_bytes(layer) -> int:
+    """The bytes a held layer reads: FP8 values and float32 scales, or INT4 codes two a byte and their scales."""
+    if hasattr(layer, "held_bytes"):   # Int4Linear
+        return layer.held_bytes
+    return layer.weight.numel() + layer.weight_scale.numel() * 4
 
 
 def _median(call, device: torch.device, repeats: int) -> float:
@@ -74,16 +105,16 @@ def _median(call, device: torch.device, repeats: int) -> float:
 def _row(layers, rows: int, device, dtype, repeats: int, bandwidth: float | None) -> dict:
     xs = {name: torch.randn(rows, layer.in_features, generator=torch.Generator().manual_seed(rows)).to(device, dtype)
           for name, layer, _ in layers}
-    fp8 = _median(lambda: [layer(xs[name]) for name, layer, _ in layers], device, repeats)
+    held = _median(lambda: [layer(xs[name]) for name, layer, _ in layers], device, repeats)
     dense = _median(lambda: [F.linear(xs[name], weight) for name, _, weight in layers], device, repeats)
     diff = max(float((layer(xs[name]).float() - F.linear(xs[name], weight).float()).abs().max()
                      / F.linear(xs[name], weight).float().abs().max()) for name, layer, weight in layers)
-    fp8_bytes = sum(layer.weight.numel() + layer.weight_scale.numel() * 4 for _, layer, _ in layers)
+    held_bytes = sum(_held_bytes(layer) for _, layer, _ in layers)
     dense_bytes = sum(weight.numel() * weight.element_size() for _, _, weight in layers)
-    row = {"tokens": rows, "fp8_ms": fp8 * 1e3, "dense_ms": dense * 1e3, "speedup": dense / fp8,
-           "fp8_weight_bytes": fp8_bytes, "dense_weight_bytes": dense_bytes, "max_rel_diff": diff}
+    row = {"tokens": rows, "held_ms": held * 1e3, "dense_ms": dense * 1e3, "speedup": dense / held,
+           "held_weight_bytes": held_bytes, "dense_weight_bytes": dense_bytes, "max_rel_diff": diff}
     if bandwidth is not None:
-        row["fp8_fraction_of_copy"] = fp8_bytes / fp8 / bandwidth
+        row["held_fraction_of_copy"] = held_bytes / held / bandwidth
         row["dense_fraction_of_copy"] = dense_bytes / dense / bandwidth
     return row
 
@@ -94,25 +125,28 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--repeats: must be >= 1, got {args.repeats}")
     device, dtype = device_and_dtype(args.device, args.dtype)
     with torch.inference_mode():
-        layers = _layers(args.shape, device, dtype)
+        layers = _layers(args.shape, device, dtype, args.int4)
         bandwidth = measure_copy_bandwidth(device) if device.type == "cuda" else None
         rows = [_row(layers, n, device, dtype, args.repeats, bandwidth) for n in sizes]
     # the same products up to the order of their float32 sums (and one rounding of each output to dtype)
     bound = 2 ** -6 if dtype != torch.float32 else 1e-5
     result = {"device": str(device), "dtype": str(dtype).removeprefix("torch."), "shape": args.shape,
-              "path": "triton" if layers[0][1].triton else "reference", "block": list(BLOCK),
+              "format": "int4" if args.int4 else "fp8", "path": "triton" if layers[0][1].triton else "reference",
+              "block": [1, 128] if args.int4 else list(BLOCK),
               "copy_bytes_per_s": bandwidth, "rows": rows, "agree": all(r["max_rel_diff"] <= bound for r in rows)}
     if args.json:
         print(json.dumps(result, indent=2))
         return 0 if result["agree"] else 1
-    print(f"one layer's projections at the {args.shape} shape on {device} ({result['dtype']}): FP8 ({result['path']}, "
-          f"blocks of 128 x 128) vs F.linear over the dequantized weight"
+    held = "INT4 (groups of 128" if args.int4 else "FP8 (blocks of 128 x 128"
+    print(f"one layer's projections at the {args.shape} shape on {device} ({result['dtype']}): {held}, "
+          f"{result['path']}) vs F.linear over the dequantized weight"
           + (f"; copy bandwidth {bandwidth / 1e9:.0f} GB/s" if bandwidth else ""))
     for r in rows:
-        share = (f"; weights at {r['fp8_fraction_of_copy']:.2f} vs {r['dense_fraction_of_copy']:.2f} of copy"
+        share = (f"; weights at {r['held_fraction_of_copy']:.2f} vs {r['dense_fraction_of_copy']:.2f} of copy"
                  if bandwidth else "")
-        print(f"  {r['tokens']:>5} tokens: fp8 {r['fp8_ms']:8.3f} ms, dense {r['dense_ms']:8.3f} ms "
+        print(f"  {r['tokens']:>5} tokens: {result['format']} {r['held_ms']:8.3f} ms, dense {r['dense_ms']:8.3f} ms "
               f"({r['speedup']:.2f}x){share}; differs by <= {r['max_rel_diff']:.2e} of the largest output")
     if not result["agree"]:
-        print(f"the FP8 layer's outputs differ from F.linear's by more than {bound:.1e} of the largest")
+        print(f"the {result['format'].upper()} layer's outputs differ from F.linear's by more than {bound:.1e} of "
+              "the largest")
     return 0 if result["agree"] else 1

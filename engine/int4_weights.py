@@ -11,14 +11,17 @@ linear layer X is stored as three tensors:
 
 A little-endian word's bytes hold values (0, 1), (2, 3) ..., the low nibble first: MXFP4's byte layout
 (`kernels.mxfp4`), so a held weight is half a byte plus its share of a scale. Served: 4-bit integers, symmetric, one
-scale a group (`strategy: group`), the weights alone quantized; anything else is refused naming its key. How the
-model holds them is the device's `quantization` (`engine.models.held_packed`): the routed experts kept as stored
-(`SparseMoeBlock.hold_packed`) under `auto` on a GPU and `int4` anywhere; every other INT4 tensor, and all of them
-otherwise, dequantized to the model's dtype as read (`dequantize_int4`: the product in float32, rounded once).
+scale a group (`strategy: group`), the weights alone quantized; anything else is refused naming its key. Which
+layers are stored so is the config's `targets` and `ignore` (`int4_modules`, `int4_quantizes`). How the model holds
+them is the device's `quantization` (`engine.models.held_packed`, `held_int4`): the routed experts
+(`SparseMoeBlock.hold_packed`) and a decoder layer's projections (`engine.layers.int4_linear`) kept as stored under
+`auto` on a GPU and `int4` (or `fp8`) anywhere; every other INT4 tensor, and all of them otherwise, dequantized to
+the model's dtype as read (`dequantize_int4`: the product in float32, rounded once).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -26,7 +29,8 @@ import torch
 
 from engine.config import ConfigError
 
-__all__ = ["INT4_STD", "INT4_SUFFIXES", "dequantize_int4", "int4_group", "int4_tensors", "packed_bytes"]
+__all__ = ["INT4_STD", "INT4_SUFFIXES", "dequantize_int4", "int4_group", "int4_modules", "int4_quantizes",
+           "int4_tensors", "packed_bytes"]
 
 INT4_SUFFIXES = (".weight_packed", ".weight_scale", ".weight_shape")
 INT4_STD = (sum((v - 8) ** 2 for v in range(16)) / 16) ** 0.5   # of uniformly drawn values, -8 .. 7: 4.64
@@ -60,6 +64,28 @@ def int4_group(quant: Any, key: str) -> int | None:
     if len(sizes) != 1:
         raise ConfigError(f"{key}.config_groups: one group size for every group, got {sorted(sizes)}")
     return sizes.pop()
+
+
+def int4_modules(quant: dict[str, Any], key: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(targets, ignore) of a pack-quantized checkpoint's `quantization_config` (`key`: its key in config.json;
+    `int4_group` read it first): the modules its groups quantize and those it leaves in float, each a module name, a
+    class name ("Linear") or a regular expression after "re:", as compressed-tensors matches them (`int4_quantizes`)."""
+    lists = {f"config_groups.{name}.targets": group.get("targets") or ()
+             for name, group in quant["config_groups"].items()} | {"ignore": quant.get("ignore") or ()}
+    for part, names in lists.items():
+        if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+            raise ConfigError(f"{key}.{part}: a list of module names or patterns, got {names!r:.120}")
+    targets = tuple(t for part, names in lists.items() if part != "ignore" for t in names)
+    return targets or ("Linear",), tuple(lists["ignore"])
+
+
+def int4_quantizes(modules: tuple[tuple[str, ...], tuple[str, ...]], name: str) -> bool:
+    """Whether the checkpoint stores linear layer `name` (its name in the checkpoint, without a tensor's suffix) in
+    INT4: some target matches it and nothing it ignores does (`int4_modules`)."""
+    def match(pattern: str) -> bool:
+        return re.match(pattern[3:], name) is not None if pattern.startswith("re:") else pattern in (name, "Linear")
+    targets, ignore = modules
+    return any(map(match, targets)) and not any(map(match, ignore))
 
 
 def packed_bytes(packed: torch.Tensor) -> torch.Tensor:

@@ -179,7 +179,7 @@ class LlamaForCausalLM(CheckpointReading, nn.Module):
         # values and scales as stored (else quantized as read); stored scales read, waiting for their weights
         self.fp8_layers: dict[str, Fp8Linear] = {}
         self.fp8_exact, self.fp8_scales = False, {}
-        self.packed_params: set[str] = set()   # parameters held packed as stored (MXFP4, INT4 experts)
+        self.packed_params: set[str] = set()   # held packed as stored: MXFP4, INT4 experts, INT4 projections' weights
 
     def make_rotary(self, ops: ModuleType) -> RotaryEmbedding:
         return RotaryEmbedding(self.config, ops)
@@ -410,6 +410,9 @@ class LlamaForCausalLM(CheckpointReading, nn.Module):
         if is_bias and dim == 1:   # a row-parallel layer's bias is added once, after the sum: on rank 0
             return tensor if shard.rank == 0 else torch.zeros_like(tensor)
         dim = 0 if is_bias else dim
+        if dim == 1 and name.endswith((".blocks", ".scales")):   # INT4 held as stored: columns of whole groups
+            per = 2 if name.endswith(".blocks") else self.config.int4_group
+            full, start, length = full // per, start // per, length // per
         if tensor.dim() <= dim or tensor.shape[dim] != full:
             raise WeightLoadError(f"{hf_name}: shape {tuple(tensor.shape)} does not match the config "
                                   f"({full} along dimension {dim})")
@@ -430,7 +433,7 @@ class LlamaForCausalLM(CheckpointReading, nn.Module):
                     param.fill_(self.norm_init)
                 elif name.endswith(("weight_scale", "w13_scale", "w2_scale")):   # FP8 values of about 1, times std
                     param.fill_(std)
-                elif name.endswith(("w13_scales", "w2_scales")):   # packed experts': codes drawn alike come out
+                elif name.endswith(("w13_scales", "w2_scales", ".scales")):   # packed weights': codes drawn alike
                     param.fill_(mxfp4_scale(std) if param.dtype == torch.uint8 else std / INT4_STD)   # about std
                 elif param.dtype in (torch.float8_e4m3fn, torch.uint8):   # FP8 values; MXFP4's codes, two a byte
                     param.copy_(torch.randint(0, 256, param.shape, generator=gen) if param.dtype == torch.uint8

@@ -145,6 +145,7 @@ class ModelConfig:
     fp8_scale_suffix: str = SCALE_SUFFIX   # ... its scales' name past the weight's (llm-compressor's: .weight_scale)
     mxfp4_experts: bool = False         # GPT-OSS's MXFP4 experts: held so or dequantized (`engine.models.held_packed`)
     int4_group: int | None = None       # pack-quantized INT4 weights' group (`engine.int4_weights`)
+    int4_modules: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())   # ... the layers quantized: (targets, ignore)
     rotary_positions: int = 0           # the rotary cache's rows as served (`serving`: the longest pool's); 0: all
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()

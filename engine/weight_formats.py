@@ -4,7 +4,8 @@
 - FP8 weights with block, per-channel or per-tensor scales (`engine.fp8_weights`): `fp8_weight_block`,
   `fp8_scale_suffix`;
 - GPT-OSS's MXFP4 experts (`quant_method: mxfp4`, that architecture alone; `kernels.mxfp4`): `mxfp4_experts`;
-- llm-compressor's pack-quantized INT4 weights (`engine.int4_weights`): `int4_group`;
+- llm-compressor's pack-quantized INT4 weights (`engine.int4_weights`): `int4_group`, and the layers it quantizes,
+  `int4_modules`;
 - a KV-cache-only scheme (the cache's scales: `engine.config.quantizes_kv_cache_only`): no field.
 
 Any other method is refused naming the key, before anything loads.
@@ -16,7 +17,7 @@ from typing import Any
 
 from engine.config import ConfigError, quantizes_kv_cache_only
 from engine.fp8_weights import SCALE_SUFFIX, fp8_weights
-from engine.int4_weights import int4_group
+from engine.int4_weights import int4_group, int4_modules
 
 __all__ = ["weight_format_fields"]
 
@@ -36,4 +37,4 @@ def weight_format_fields(cfg: dict[str, Any], arch: Any) -> dict[str, Any]:
         raise ConfigError(f"{key}: quantized checkpoints ({method}) are not supported; serve "
                           "the model's bfloat16 checkpoint (an FP8 KV cache is the device key kv_cache_dtype)")
     return {"fp8_weight_block": fp8[0] if fp8 else None, "fp8_scale_suffix": fp8[1] if fp8 else SCALE_SUFFIX,
-            "mxfp4_experts": mxfp4, "int4_group": int4}
+            "mxfp4_experts": mxfp4, "int4_group": int4, "int4_modules": int4_modules(quant, key) if int4 else ((), ())}

@@ -13,6 +13,8 @@ output row, loaded as one [BLOCK_N] vector; otherwise each element's scale is ga
 Any N and K (tiles masked at the edges); x [M, K] with unit stride along K; Q [N, K] and S [ceil(N / rows),
 ceil(K / columns)] as the layer holds them. The output is rounded once to x's dtype. FP8 loads need Triton's e4m3
 type: a GPU of compute capability 8.9 or newer, or the interpreter (TRITON_INTERPRET=1), where the tests run it.
+The same kernel reads INT4 weights (`INT4`: two 4-bit codes a byte, scales in blocks of one row and a group of
+inputs: `kernels.triton_int4_gemm`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import triton.language as tl
 from kernels.fp8_gemm import FP8_WEIGHT_DTYPE, scale_grid
 from kernels.triton_prefill import INTERPRETED, dot_dtype
 
-__all__ = ["dequantize_tile", "fp8_linear", "fp8_linear_tiles"]
+__all__ = ["dequantize_tile", "dequantizing_linear", "fp8_linear", "fp8_linear_tiles"]
 
 
 @triton.jit
@@ -45,8 +47,9 @@ def _fp8_linear_kernel(
     x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr,
     M, N, K, scale_rows, scale_cols,
     stride_xm, stride_wn, stride_sn, stride_om,
-    HAS_BIAS: tl.constexpr, SCALE_COLUMN_TILE: tl.constexpr, BF16_BY_BITS: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SCALE_COLUMN_TILE: tl.constexpr, INT4: tl.constexpr, BF16_BY_BITS: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     # grid: (cdiv(N, BLOCK_N), cdiv(M, BLOCK_M)): neighbouring programs share x's rows, each reads its own weights.
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -60,12 +63,16 @@ def _fp8_linear_kernel(
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + offs_k
         mask_k = ks < K
-        w = tl.load(w_base + ks[:, None], mask=mask_k[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
+        if INT4:   # the input's nibble of its byte (the low one first), less 8
+            byte = tl.load(w_base + (ks // 2)[:, None], mask=mask_k[:, None] & mask_n[None, :], other=0)
+            w = (((byte.to(tl.int32) >> ((ks % 2) * 4)[:, None]) & 15) - 8).to(tl.float32)
+        else:
+            w = tl.load(w_base + ks[:, None], mask=mask_k[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
         if SCALE_COLUMN_TILE:   # the tile lies in one column of scale blocks
             s = tl.load(s_base + k0 // scale_cols, mask=mask_n[None, :], other=0.0)
         else:
             s = tl.load(s_base + (ks // scale_cols)[:, None], mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        w = dequantize_tile(w, s, x_ptr.dtype.element_ty, BF16_BY_BITS)
+        w = dequantize_tile(w, s.to(tl.float32), x_ptr.dtype.element_ty, BF16_BY_BITS)
         x = tl.load(x_base + ks[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         acc = tl.dot(x.to(DOT_DTYPE), w.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
     if HAS_BIAS:
@@ -93,6 +100,14 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
     assert weight.dtype == FP8_WEIGHT_DTYPE and weight.stride(1) == 1, f"weight {weight.dtype} {tuple(weight.shape)}"
     assert tuple(scale.shape) == scale_grid((n, k), block) and scale.dtype == torch.float32 and scale.stride(1) == 1, \
         f"scale {scale.dtype} {tuple(scale.shape)} for weight {(n, k)} in blocks of {block}"
+    return dequantizing_linear(x, weight, scale, min(block[0], n), min(block[1], k), k, bias)
+
+
+def dequantizing_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_rows: int, scale_cols: int,
+                        k: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., k] @ W^T (+ bias) in x's dtype, W [N, k] held as `weight` (FP8 values, or INT4 codes two a byte: uint8
+    [N, k / 2]) times `scale`, one a block of `scale_rows` x `scale_cols` (each at most its axis)."""
+    n = weight.shape[0]
     assert x.shape[-1] == k, f"x {tuple(x.shape)} against weight {(n, k)}"
     assert bias is None or (bias.shape == (n,) and bias.stride(0) == 1), f"bias {tuple(bias.shape)}"
     rows = x.reshape(-1, k)
@@ -102,7 +117,6 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
     if rows.shape[0] == 0:
         return out.view(*x.shape[:-1], n)
     block_m, block_n, block_k, num_warps = fp8_linear_tiles(rows.shape[0], n, k)
-    scale_rows, scale_cols = min(block[0], n), min(block[1], k)
     dtype = dot_dtype(x.dtype)
     grid = (triton.cdiv(n, block_n), triton.cdiv(rows.shape[0], block_m))
     _fp8_linear_kernel[grid](
@@ -110,7 +124,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
         rows.shape[0], n, k, scale_rows, scale_cols,
         rows.stride(0), weight.stride(0), scale.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, SCALE_COLUMN_TILE=scale_cols % block_k == 0 or scale_cols >= k,
-        BF16_BY_BITS=INTERPRETED and x.dtype == torch.bfloat16,
+        INT4=weight.dtype == torch.uint8, BF16_BY_BITS=INTERPRETED and x.dtype == torch.bfloat16,
         DOT_DTYPE=dtype, DOT_PRECISION="ieee" if dtype == tl.float32 else "tf32",
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
     )

@@ -36,7 +36,7 @@ from engine.gated_delta_config import NOT_SWAPPED
 from engine.config import (CacheConfig, ConfigError, EngineConfig, PoolConfig, auto_dtype, ceil_div, dtype_name,
                            kv_cache_dtype, parse_dtype)
 from engine.model_config import ModelConfig
-from engine.models import check_dtype, held_fp8_block, held_packed, held_weight_bytes
+from engine.models import check_dtype, held_fp8_block, held_int4_projections, held_packed, held_weight_bytes
 from engine.parallel import ShardShape
 from pools.config.spec import CliffguardConfig, DeviceSpec, GatewaySpec, PoolSpec, SpecError
 from pools.config.checks import fmt_bytes, within
@@ -73,6 +73,7 @@ class DevicePlan:
     graph_bytes_per_device: int = 0  # set aside for the decode CUDA graphs (engine.cuda_graphs); 0: none
     fp8_weights: bool = False        # the layers' projections held in FP8 (the device's `quantization`)
     packed_experts: str = ""         # the experts held as a checkpoint packs them: MXFP4 (GPT-OSS's), INT4, or not
+    int4_projections: int = 0        # a rank's projections held in INT4 as stored (a W4A16 checkpoint's)
 
     @property
     def autoscaled(self) -> bool:
@@ -198,14 +199,16 @@ class CapacityPlan:
 
 
 def _device_shard(model: ModelConfig, dev: DeviceSpec, dtype: torch.dtype, dkey: str, device_type: str
-                  ) -> tuple[ShardShape, str]:
+                  ) -> tuple[ShardShape, str, int]:
     """A rank's shard: its KV heads split over TP ranks (T > num_kv_heads: each holds a replica of one, as vLLM
-    does), its share of the rest; whether it holds MXFP4 experts. The engine's rules (`check_tensor_parallel`,
-    `check_dtype`, `held_packed`) named `dkey`.*."""
+    does), its share of the rest; what packs the experts it holds as stored (MXFP4, INT4 or ""), how many INT4
+    projections it holds so. The engine's rules (`check_tensor_parallel`, `check_dtype`, `held_packed`,
+    `held_int4`) named `dkey`.*."""
     try:
         check_dtype(model, dtype)
         shard = ShardShape.of(model, 0, dev.tensor_parallel_size)
-        return shard, (held_packed(model, shard, dev.quantization, device_type) or "").upper()
+        return shard, (held_packed(model, shard, dev.quantization, device_type) or "").upper(), \
+            held_int4_projections(model, shard, dev.quantization, device_type)
     except ConfigError as exc:
         raise SpecError(f"{dkey}.{exc}") from None
 
@@ -234,7 +237,7 @@ def plan_capacity(config: CliffguardConfig, model_configs: Mapping[str, ModelCon
         device_type = resolve_device_type(dev, vram_bytes, warnings)
         dtype = parse_dtype(dev.dtype) if dev.dtype != "auto" else auto_dtype(device_type)
         memory, source = device_memory(dev, device_type, vram_bytes, cuda_memory)
-        shard, packed = _device_shard(model, dev, dtype, dkey, device_type)   # experts held MXFP4 / INT4
+        shard, packed, int4 = _device_shard(model, dev, dtype, dkey, device_type)   # held MXFP4 / INT4
         fp8 = held_fp8_block(model, shard, dev.quantization, device_type) is not None   # projections in FP8
         kv_dtype = kv_cache_dtype(dev.kv_cache_dtype, dtype)   # fp8: one byte an element
         s_kv = model.kv_bytes_per_token(kv_dtype)
@@ -247,8 +250,8 @@ def plan_capacity(config: CliffguardConfig, model_configs: Mapping[str, ModelCon
         kv_dev = formula.kv_cache_bytes(memory, loaded_dev, dev.memory_utilization) - graphs_dev
         if kv_dev <= 0:
             stored = held_weight_bytes(model, shard, dtype, "auto", device_type) if dev.quantization == "none" else 0
-            raise no_room_for_kv(dkey, dev, memory, source, p0.model, weights_dev, (dtype_name(dtype), fp8, packed),
-                                 graphs_dev, kv_dev, stored)
+            raise no_room_for_kv(dkey, dev, memory, source, p0.model, weights_dev,
+                                 (dtype_name(dtype), fp8, packed, int4), graphs_dev, kv_dev, stored)
         shares = sum((Fraction(p.kv_share) for _, p in members if p.kv_share is not None), Fraction(0))
         device_pools = [_plan_pool(i, p, model, s_kv, s_kv_dev, _pool_bytes(p, kv_dev, shares), tp, warnings,
                                    dev.replicas, model.state_bytes_per_seq(dtype, tp)) for i, p in members]
@@ -259,7 +262,7 @@ def plan_capacity(config: CliffguardConfig, model_configs: Mapping[str, ModelCon
         pools.update((pp.name, pp) for pp in device_pools)
         devices[dev_name] = DevicePlan(
             name=dev_name, device_type=device_type, dtype=dtype_name(dtype), model=p0.model, memory_bytes=memory,
-            kv_cache_dtype=dtype_name(kv_dtype), fp8_weights=fp8, packed_experts=packed,
+            kv_cache_dtype=dtype_name(kv_dtype), fp8_weights=fp8, packed_experts=packed, int4_projections=int4,
             memory_source=source, memory_utilization=dev.memory_utilization, tensor_parallel_size=tp,
             weights_bytes=weights, weights_bytes_per_device=weights_dev, kv_bytes_per_token=s_kv,
             kv_bytes_per_token_per_device=s_kv_dev, kv_space_bytes_per_device=kv_dev,

@@ -32,9 +32,11 @@ from torch import nn
 
 from engine.config import ConfigError
 from engine.fp8_weights import FP8_LINEARS, fp8_cuts_aligned, served_fp8_block
+from engine.int4_weights import int4_quantizes
 from engine.model_config import GEMMA_ARCHITECTURES, ModelConfig
 from engine.layers import RotaryEmbedding
 from engine.layers.fp8_linear import Fp8Experts, Fp8Linear, swap_fp8_linears
+from engine.layers.int4_linear import Int4Linear, swap_int4_linears
 from engine.model import LlamaForCausalLM
 from engine.models.apertus import ApertusForCausalLM
 from engine.models.cohere import CohereForCausalLM
@@ -135,6 +137,8 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | 
     packed = [m.packed for m in model.modules() if isinstance(m, SparseMoeBlock) and m.packed]
     if packed:
         log.info("weights: the experts of %d layers held in %s as stored", len(packed), packed[0].upper())
+    if int4 := sum(isinstance(m, Int4Linear) for m in model.modules()):
+        log.info("weights: %d projections held in INT4 as stored", int4)
     if model.fp8_layers:   # what `quantization` made of the checkpoint, once a worker's log
         log.info("weights: %d projections held in FP8 (%s), the rest in %s", len(model.fp8_layers),
                  "as stored" if model.fp8_exact else "quantized as read, a scale an output row or block",
@@ -242,9 +246,9 @@ def held_packed(config: ModelConfig, shard: ShardShape, quantization: str, devic
         raise ConfigError(f"quantization: {quantization} holds a checkpoint's {quantization.upper()} experts as "
                           f"stored; this checkpoint has {kind.upper() + ' ones' if stored else 'none'}: use auto, fp8 "
                           "or none")
-    if quantization == kind and not config.num_experts:
-        raise ConfigError(f"quantization: {kind} holds a checkpoint's {kind.upper()} experts as stored; this model has "
-                          "no experts (its INT4 layers are dequantized as read): use auto or none")
+    if quantization == "mxfp4" and not config.num_experts:
+        raise ConfigError("quantization: mxfp4 holds a checkpoint's MXFP4 experts as stored; this model has no "
+                          "experts: use auto or none")
     if not stored or quantization == "none" or quantization == "auto" and device_type != "cuda" \
             or not config.num_experts:
         return None
@@ -255,16 +259,61 @@ def held_packed(config: ModelConfig, shard: ShardShape, quantization: str, devic
     return kind if shard.moe_intermediate_size % group == 0 else None
 
 
+# A Llama-family projection's parts as a checkpoint names them
+_STORED_PARTS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                 "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+
+
+def held_int4(model: LlamaForCausalLM, quantization: str, device_type: str) -> set[str]:
+    """The projections of `model` (on the meta device, not yet swapped) held in INT4 as a pack-quantized checkpoint
+    stores them (`engine.layers.int4_linear`): under `quantization` auto on a GPU (the Triton GEMM decodes each tile
+    as loaded), int4 or fp8 on any device (a CPU dequantizes a layer's weight on each call: memory, not speed). Held:
+    a decoder layer's attention and MLP projections (`FP8_LINEARS`) whose every part the checkpoint stores in INT4
+    (its targets and ignore list, matched to `model.<layer's name>`), where the family's loading reads them
+    unchanged (`_FP8_READERS`) and a row-parallel rank's columns start on a group; the rest dequantized as read.
+    A ConfigError naming `quantization: int4` where a rank's cut would split a group."""
+    config, group = model.config, model.config.int4_group
+    reader = _fp8_reader(type(model))
+    if group is None or reader is None or quantization not in ("auto", "fp8", "int4") \
+            or quantization == "auto" and device_type != "cuda":
+        return set()
+    columns = fp8_cuts(config, model.shard)
+    held = set()
+    for name, module in model.named_modules():
+        suffix = next((s for s in FP8_LINEARS if name.endswith(f".{s}")), None)
+        if suffix is None or suffix in _FP8_READERS[reader] or not isinstance(module, nn.Linear):
+            continue
+        stored = [f"model.{config.text_weights_prefix}{name.removesuffix(suffix)}{part}"
+                  for part in _STORED_PARTS.get(suffix, (suffix,))]
+        if not all(int4_quantizes(config.int4_modules, n) for n in stored):
+            continue
+        if module.in_features % group or any(c % group for c in columns[suffix.split(".")[1]][1]):
+            if quantization == "int4":
+                raise ConfigError(f"quantization: int4 under tensor parallelism {model.shard.size} cuts {name}'s "
+                                  f"inputs into shares of {module.in_features}, not whole groups of {group} scaled "
+                                  "together: use auto (dequantized) or another size")
+            continue
+        held.add(name)
+    return held
+
+
 def _hold_quantized(model: LlamaForCausalLM, quantization: str, device_type: str,
                     capability: tuple[int, int] | None, triton: bool = False) -> None:
-    """`model` (on the meta device) with the experts of each block that runs its own held packed (`held_packed`)
-    and its projections in FP8 (`_hold_fp8`) where `quantization` says so."""
+    """`model` (on the meta device) with the experts of each block that runs its own held packed (`held_packed`),
+    its INT4 projections as stored (`held_int4`) and its projections in FP8 (`_hold_fp8`) where `quantization` says
+    so. A ConfigError naming `quantization: int4` where nothing is held in INT4."""
     config = model.config
     kind = held_packed(config, model.shard, quantization, device_type)
     for name, module in model.named_modules() if kind else ():
         if _runs_own_experts(module):
             module.hold_packed(kind, MXFP4_GROUP if kind == "mxfp4" else config.int4_group)
             model.packed_params |= {f"{name}.w13", f"{name}.w2"}
+    int4 = held_int4(model, quantization, device_type)
+    swap_int4_linears(model, int4, config.int4_group, triton)
+    model.packed_params |= {f"{name}.weight" for name in int4}   # the float weight's name, as the reading asks
+    if quantization == "int4" and not kind and not int4:
+        raise ConfigError("quantization: int4 holds a checkpoint's INT4 experts and projections as stored; this model "
+                          "holds none (its layers are float, or read otherwise): use auto or none")
     _hold_fp8(model, quantization, device_type, capability, triton)
 
 
@@ -293,17 +342,28 @@ def _hold_fp8(model: LlamaForCausalLM, quantization: str, device_type: str,
     model.fp8_exact = stored is not None and exact
 
 
+def held_int4_projections(config: ModelConfig, shard: ShardShape, quantization: str, device_type: str) -> int:
+    """How many projections one rank (`shard`) holds in INT4 as stored (`held_int4`); a ConfigError as building the
+    model gives."""
+    if config.int4_group is None:
+        return 0
+    model = _meta_model(config, shard, torch.bfloat16, quantization, device_type)
+    return sum(isinstance(m, Int4Linear) for m in model.modules())
+
+
 def held_weight_bytes(config: ModelConfig, shard: ShardShape, dtype: torch.dtype, quantization: str,
                       device_type: str) -> int:
     """The bytes of one rank's weights (`shard`) as the engine holds them on a device of `device_type`: its
     parameters in `dtype` (DeepSeek's routers in float32), FP8 projections one byte a weight plus their float32
     scales, packed experts half a byte plus their scales (counted on the model built on the meta device)."""
     plain = shard.num_params(config) * dtype.itemsize + config.num_float32_params * (4 - dtype.itemsize)
-    if held_fp8_block(config, shard, quantization, device_type) is None \
+    if held_fp8_block(config, shard, quantization, device_type) is None and config.int4_group is None \
             and not held_packed(config, shard, quantization, device_type):
         return plain
     model = _meta_model(config, shard, dtype, quantization, device_type)
     saved = sum(m.weight.numel() * (dtype.itemsize - 1) - m.weight_scale.numel() * 4 for m in model.fp8_layers.values())
+    saved += sum((2 * m.blocks.numel() - m.scales.numel()) * dtype.itemsize - m.blocks.numel()   # two codes a byte
+                 for m in model.modules() if isinstance(m, Int4Linear))
     saved += sum(2 * (m.w13.numel() + m.w2.numel()) * dtype.itemsize - _expert_bytes(m, dtype)   # two codes a byte
                  for m in _held_blocks(model) if m.packed)
     return plain - saved

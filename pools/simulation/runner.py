@@ -152,9 +152,9 @@ def device_step_times(plan: CapacityPlan, model_configs: Mapping[str, ModelConfi
 
 
 def _held_bytes(d: DevicePlan, model: ModelConfig) -> tuple[int, int] | None:
-    """(weights, routed experts) bytes a device holding FP8 projections or packed experts reads (the plan's weights,
-    the experts as held); None for weights in the model's dtype (the roofline counts them itself)."""
-    if not (d.fp8_weights or d.packed_experts):
+    """(weights, routed experts) bytes a device holding FP8 projections, packed experts or INT4 projections reads (the
+    plan's weights, the experts as held); None for weights in the model's dtype (the roofline counts them itself)."""
+    if not (d.fp8_weights or d.packed_experts or d.int4_projections):
         return None
     return d.weights_bytes, held_expert_bytes(model, parse_dtype(d.dtype), "fp8", d.device_type)
 

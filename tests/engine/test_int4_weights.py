@@ -1,8 +1,9 @@
 """Pack-quantized INT4 checkpoints (`engine.int4_weights`: Kimi K2 Thinking's routed experts, llm-compressor's W4A16
-releases), written by compressed-tensors' own packing: the routed experts held as stored (`quantization: int4`, and
-`auto` on a GPU), every other INT4 layer dequantized as read; greedy decoding against transformers' model holding the
-weights compressed-tensors' unpacking defines, tensor parallelism against one rank, what the model holds against what
-the capacity plan counts, and the config's refusals by key."""
+releases), written by compressed-tensors' own packing: the routed experts and the decoder layers' projections held as
+stored (`quantization: int4`, and `auto` on a GPU), the layers the config's ignore list names in float, and all of
+them dequantized as read otherwise; greedy decoding against transformers' model holding the weights compressed-tensors'
+unpacking defines, tensor parallelism against one rank, what the model holds against what the capacity plan counts,
+and the config's refusals by key."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import pytest
 import torch
 
 from engine.config import ConfigError
-from engine.int4_weights import dequantize_int4, int4_group
+from engine.int4_weights import dequantize_int4, int4_group, int4_quantizes
+from engine.layers.int4_linear import Int4Linear
 from engine.llm_engine import LLMEngine
 from engine.model import WeightLoadError
 from engine.model_config import ModelConfig
@@ -67,7 +69,8 @@ def int4_checkpoint(folder, experts_only: bool, group: int = 32):
                                       "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
                                                   "group_size": group, "dynamic": False, "actorder": None}}},
         "ignore": ["lm_head", "re:.*mlp.gate$",
-                   *(["re:.*self_attn.*", "re:.*shared_experts.*"] if experts_only else [])]}
+                   *(["re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"]
+                     if experts_only else [])]}   # Kimi K2 Thinking's own list
     (folder / "config.json").write_text(json.dumps(cfg))
     return reference
 
@@ -75,8 +78,8 @@ def int4_checkpoint(folder, experts_only: bool, group: int = 32):
 @pytest.mark.parametrize("arch", list(MODELS))
 def test_int4_experts_are_held_as_stored_and_decode_as_transformers(tmp_path, builtin_path, arch, caplog):
     """`quantization: int4` on a CPU: each sparse layer's w13 holds each expert's packed gate rows, then its up rows,
-    as compressed-tensors packed them, with their scales; the model holds half a byte an expert weight plus a scale
-    a group (what the capacity plan counts, to the byte), dequantizes every other INT4 projection as read, and
+    as compressed-tensors packed them, with their scales, and the W4A16 kind's attention projections are held so too;
+    the model holds half a byte an INT4 weight plus a scale a group (what the capacity plan counts, to the byte), and
     decodes greedily as transformers' model over the weights the format defines. `none`: the same tokens."""
     import transformers
 
@@ -97,10 +100,13 @@ def test_int4_experts_are_held_as_stored_and_decode_as_transformers(tmp_path, bu
     assert torch.equal(layer.w2_scales[3], stored[f"model.layers.{index}.mlp.experts.3.down_proj.weight_scale"].float())
     config, shard = held.model_config, ShardShape.of(held.model_config)
     plain = held_weight_bytes(config, shard, torch.float32, "none", "cpu")
-    weights = sum(m.w13.numel() + m.w2.numel() for m in sparse) * 2
+    experts = sum(m.w13.numel() + m.w2.numel() for m in sparse) * 2
+    projections = [m for m in held.model.modules() if isinstance(m, Int4Linear)]   # the W4A16 kind's attention
+    assert len(projections) == (0 if experts_only else 2 * len(held.model.layers))
+    weights = experts + sum(m.blocks.numel() * 2 for m in projections)
     assert held.weights_bytes == held_weight_bytes(config, shard, torch.float32, "int4", "cpu")
     assert held.weights_bytes == plain - weights * 4 + weights // 2 + weights // 32 * 4
-    assert held_expert_bytes(config, torch.float32, "int4", "cpu") == weights // 2 + weights // 32 * 4
+    assert held_expert_bytes(config, torch.float32, "int4", "cpu") == experts // 2 + experts // 32 * 4
     tokens = _greedy(held)
     assert tokens == [_hf_greedy(hf, prompt, 12, eos_ids=None) for prompt in PROMPTS]
     dequantized = LLMEngine(_config(folder, "none"), progress=False)
@@ -174,26 +180,100 @@ def test_the_config_and_the_device_key_choose_and_refuse_by_name(tmp_path, built
             (n, t) for n, t in stored.items() if n != shape)
 
 
-def test_a_dense_w4a16_checkpoint_is_dequantized_as_read_and_decodes_as_transformers(tmp_path, builtin_path):
-    """A dense model with every projection INT4 (the `-quantized.w4a16` releases' kind): each layer dequantized as it
-    is read (the model holds its dtype), greedy tokens as transformers' model over the weights the format defines,
-    under tensor parallelism 2 too; `quantization: int4` (experts as stored) is refused naming the key."""
+def test_a_dense_w4a16_checkpoint_is_held_as_stored_or_dequantized_and_decodes_as_transformers(tmp_path,
+                                                                                                builtin_path, caplog):
+    """A dense model with every projection INT4 (the `-quantized.w4a16` releases' kind). `quantization: int4`: each
+    decoder projection held as stored (`Int4Linear`: q, k and v's packed rows one after another in qkv_proj, as
+    compressed-tensors packed them, with their scales), what the capacity plan counts to the byte (half a byte a
+    weight plus a scale a group); `auto` on a CPU: dequantized as read. Both decode greedily as transformers' model
+    over the weights the format defines."""
     import transformers
-
-    from tests.engine.test_tensor_parallel import _assert_same_or_near_tie, _generate
 
     folder = make_tiny_model(tmp_path / "qwen3", "qwen3", builtin_path, head_dim=16, intermediate_size=128)
     hf = transformers.AutoModelForCausalLM.from_pretrained(int4_checkpoint(folder, experts_only=False),
                                                            dtype=torch.float32).eval()
+    want = [_hf_greedy(hf, prompt, 12, eos_ids=None) for prompt in PROMPTS]
+    with caplog.at_level("INFO", logger="cliffguard.engine"):
+        held = LLMEngine(_config(folder, "int4"), progress=False)
+    layers = held.model.layers
+    assert f"weights: {4 * len(layers)} projections held in INT4 as stored" in caplog.text
+    qkv, stored = layers[1].self_attn.qkv_proj, _taken_weights_copy(folder)
+    assert isinstance(qkv, Int4Linear) and qkv.blocks.dtype == torch.uint8 and qkv.group == 32
+    q_rows = stored["model.layers.1.self_attn.q_proj.weight_packed"].shape[0]
+    assert torch.equal(qkv.blocks[q_rows:q_rows + 32], stored["model.layers.1.self_attn.k_proj.weight_packed"]
+                       .view(torch.uint8)[:32])
+    assert torch.equal(qkv.scales[:q_rows], stored["model.layers.1.self_attn.q_proj.weight_scale"].float())
+    config, shard = held.model_config, ShardShape.of(held.model_config)
+    plain = held_weight_bytes(config, shard, torch.float32, "none", "cpu")
+    weights = sum(m.blocks.numel() * 2 for m in held.model.modules() if isinstance(m, Int4Linear))
+    assert held.weights_bytes == held_weight_bytes(config, shard, torch.float32, "int4", "cpu") \
+        == plain - weights * 4 + weights // 2 + weights // 32 * 4
+    assert _greedy(held) == want
     engine = LLMEngine(_config(folder, "auto"), progress=False)
-    assert engine.model_config.int4_group == 32
+    assert engine.model_config.int4_group == 32 and engine.weights_bytes == plain
     assert engine.model.layers[0].mlp.gate_up_proj.weight.dtype == torch.float32   # dequantized
-    tokens = _greedy(engine)
-    assert tokens == [_hf_greedy(hf, prompt, 12, eos_ids=None) for prompt in PROMPTS]
-    _assert_same_or_near_tie(_generate(engine, PROMPTS), _generate(LLMEngine(_config(folder, "auto", tp=2),
-                                                                             progress=False), PROMPTS))
-    with pytest.raises(ConfigError, match=r"quantization: int4 holds a checkpoint's INT4 experts as stored; this "
-                                          r"model has no experts"):
+    assert _greedy(engine) == want
+
+
+def test_two_ranks_hold_their_halves_of_each_int4_projection_and_decode_as_one(tmp_path, builtin_path):
+    """Tensor parallelism 2 over a dense W4A16 checkpoint held as stored: each rank holds its heads' rows of qkv_proj
+    and its columns of o_proj and down_proj (packed bytes and scales of whole groups), and the two decode what one
+    does; dequantized as read (`auto` on a CPU), the same. A rank's share that would split a group is refused under
+    `int4` naming the key, and dequantized under `auto`."""
+    from tests.engine.test_tensor_parallel import _assert_same_or_near_tie, _generate
+
+    folder = make_tiny_model(tmp_path / "qwen3", "qwen3", builtin_path, head_dim=16, intermediate_size=128)
+    int4_checkpoint(folder, experts_only=False)
+    one = LLMEngine(_config(folder, "int4"), progress=False)
+    reference = _generate(one, PROMPTS)
+    two = LLMEngine(_config(folder, "int4", tp=2), progress=False)
+    assert two.weights_bytes == held_weight_bytes(two.model_config, two.shard, torch.float32, "int4", "cpu")
+    whole, half = one.model.layers[0], two.model.layers[0]
+    inter = one.model_config.intermediate_size // 2
+    assert torch.equal(half.mlp.down_proj.blocks, whole.mlp.down_proj.blocks[:, :inter // 2])
+    assert torch.equal(half.mlp.down_proj.scales, whole.mlp.down_proj.scales[:, :inter // 32])
+    assert torch.equal(half.mlp.gate_up_proj.blocks[inter:], whole.mlp.gate_up_proj.blocks[2 * inter:3 * inter])
+    _assert_same_or_near_tie(reference, _generate(two, PROMPTS))
+    _assert_same_or_near_tie(reference, _generate(LLMEngine(_config(folder, "auto", tp=2), progress=False), PROMPTS))
+    uneven = make_tiny_model(tmp_path / "uneven", "qwen3", builtin_path, head_dim=16, intermediate_size=96)
+    int4_checkpoint(uneven, experts_only=False)
+    with pytest.raises(ConfigError, match=r"^quantization: int4 under tensor parallelism 2 cuts layers.0.mlp.down_proj"
+                                          r"'s inputs into shares of 48, not whole groups of 32"):
+        LLMEngine(_config(uneven, "int4", tp=2), progress=False)
+    config = ModelConfig.from_folder(uneven)
+    model = build_model(config, torch.float32, "cpu", ShardShape.of(config, 0, 2), quantization="fp8")
+    assert not isinstance(model.layers[0].mlp.down_proj, Int4Linear)   # quantized a row at a time instead
+    assert isinstance(model.layers[0].self_attn.o_proj, Int4Linear)
+
+
+def test_the_layers_a_checkpoint_leaves_in_float_stay_float(tmp_path, builtin_path):
+    """A checkpoint whose ignore list keeps attention in float (Kimi K2's kind, on a dense model): its MLP
+    projections held in INT4, its attention in the model's dtype, both read and decoding as transformers; a model
+    whose every INT4 layer is read otherwise (none held) is refused under `int4` naming the key."""
+    import transformers
+
+    folder = make_tiny_model(tmp_path / "qwen3", "qwen3", builtin_path, head_dim=16, intermediate_size=128)
+    reference = int4_checkpoint(folder, experts_only=False)
+    cfg = json.loads((folder / "config.json").read_text())
+    assert int4_quantizes(ModelConfig.from_folder(folder).int4_modules, "model.layers.3.self_attn.q_proj")
+    cfg["quantization_config"]["ignore"].append("re:.*self_attn.*")
+    (folder / "config.json").write_text(json.dumps(cfg))
+    from safetensors.torch import load_file, save_file
+
+    tensors = {n: t for n, t in load_file(folder / "model.safetensors").items() if ".self_attn." not in n
+               or not n.endswith(("weight_packed", "weight_scale", "weight_shape"))}
+    floats = load_file(reference / "model.safetensors")
+    tensors |= {n: t for n, t in floats.items() if ".self_attn." in n and n.endswith("proj.weight")}
+    save_file(tensors, str(folder / "model.safetensors"))
+    engine = LLMEngine(_config(folder, "int4"), progress=False)
+    layer = engine.model.layers[0]
+    assert isinstance(layer.mlp.down_proj, Int4Linear) and not isinstance(layer.self_attn.qkv_proj, Int4Linear)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).eval()
+    assert _greedy(engine) == [_hf_greedy(hf, prompt, 12, eos_ids=None) for prompt in PROMPTS]
+    cfg["quantization_config"]["ignore"].append("re:.*mlp.*")
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=r"^quantization: int4 holds a checkpoint's INT4 experts and projections as "
+                                          r"stored; this model holds none"):
         LLMEngine(_config(folder, "int4"), progress=False)
 
 

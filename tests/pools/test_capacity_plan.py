@@ -478,6 +478,7 @@ def test_the_examples_measure_their_gpus_where_they_are_served():
     ("qwen3-32b-fp8-h100.yaml", 80 * GiB, 34_326_243_328, "float8_e4m3fn"),
     ("deepseek-v3.2-8xh200.yaml", 141 * GiB, 681_924_704_256, "bfloat16"),
     ("kimi-k2-thinking-8xh200.yaml", 141 * GiB, 594_535_653_376, "bfloat16"),
+    ("qwen3-32b-w4a16-l40s.yaml", 48 * GiB, 19_203_401_728, "float8_e4m3fn"),
 ])
 def test_the_example_files_plan(name, vram, dense_bytes, kv):
     """The example files plan from the config.json beside them: Qwen3-32B's weights (YaRN to 131,072
@@ -488,7 +489,7 @@ def test_the_example_files_plan(name, vram, dense_bytes, kv):
     12 attention layers' K/V alone, and each sequence's state of its 36 linear layers beside them: S_state), and
     Mistral Small 4 on two H200s with an FP8 cache (its latent cache whole on each GPU: 36 layers x 320 B a token),
     and the FP8 releases of Qwen3-32B on one H100 and DeepSeek V3.2 on eight H200s, held in FP8, and Kimi K2
-    Thinking's INT4 experts held as stored on eight H200s."""
+    Thinking's INT4 experts held as stored on eight H200s, and Qwen3-32B's INT4 projections on one 48 GB card."""
     data = yaml.safe_load((REPO / "config" / "examples" / name).read_text())
     config = parse_config(data, env={}, base_dir=REPO / "config" / "examples")
     plan = plan_capacity(config, resolve_model_configs(config), vram_bytes=vram)
@@ -562,6 +563,36 @@ def test_int4_experts_held_as_stored_put_kimi_k2_thinking_on_one_node():
                                         r"71.26 GiB per GPU"):
         plan_capacity(parse_config(data, env={}, base_dir=REPO / "config" / "examples"),
                       resolve_model_configs(config), vram_bytes=141 * GiB)
+
+
+def test_int4_projections_held_as_stored_put_qwen3_32b_on_one_48_gb_card():
+    """Qwen3-32B in W4A16 on a 48 GB GPU (`quantization: auto` on CUDA): its 64 layers' four projections held at half
+    a byte a weight plus a bfloat16 scale a 128 inputs (INT4 as stored), the embedding and the head in bfloat16: the
+    bfloat16 bytes less exactly that. In bfloat16 (`none`) the weights do not fit (refused naming the device's
+    memory); `int4` under tensor parallelism 16 (down_proj's 25,600 inputs in shares of 1,600, not whole groups of
+    128) is refused naming the key."""
+    data = yaml.safe_load((REPO / "config" / "examples" / "qwen3-32b-w4a16-l40s.yaml").read_text())
+    config = parse_config(data, env={}, base_dir=REPO / "config" / "examples")
+    (model,) = resolve_model_configs(config).values()
+    (device,) = plan_capacity(config, resolve_model_configs(config), vram_bytes=48 * GiB).devices.values()
+    hidden, inter, d = model.hidden_size, model.intermediate_size, model.head_dim
+    per_layer = hidden * (model.num_heads + 2 * model.num_kv_heads) * d + model.num_heads * d * hidden \
+        + 3 * hidden * inter
+    projections = model.num_layers * per_layer
+    bf16 = ShardShape.of(model).num_params(model) * 2
+    assert model.int4_group == 128 and device.int4_projections == 4 * 64 and not device.packed_experts
+    assert device.weights_bytes == bf16 - projections * 2 + projections // 2 + projections // 128 * 2
+    for key, value, match in (("quantization", "none", r"devices.l40s.memory: .* 61.02 GiB per GPU in bfloat16 .*; "
+                                                       r"quantization: auto holds the checkpoint's quantized weights "
+                                                       r"as stored, 17.88 GiB per GPU"),
+                              ("tensor_parallel_size", 16, r"devices.l40s.quantization: int4 under tensor parallelism "
+                                                           r"16 cuts layers.0.mlp.down_proj's inputs into shares of "
+                                                           r"1600")):
+        changed = {**data["devices"]["l40s"], key: value} | ({"quantization": "int4"} if key != "quantization" else {})
+        with pytest.raises(SpecError, match=match):
+            plan_capacity(parse_config({**data, "devices": {"l40s": changed}}, env={},
+                                       base_dir=REPO / "config" / "examples"), resolve_model_configs(config),
+                          vram_bytes=48 * GiB)
 
 
 def test_an_fp8_checkpoint_held_in_fp8_gives_one_h100_room_for_its_pools():

@@ -1,0 +1,118 @@
+"""The INT4-weight linear layer (W4A16): the Triton GEMM (`kernels.triton_int4_gemm`, through Triton's interpreter on
+the CPU) against F.linear over the weight `engine.int4_weights.dequantize_int4` gives, and a dense pack-quantized
+model held as stored decoding alike on the Triton GEMM and on the CPU's dequantizing layer.
+
+Inputs are fresh random every run; the seed is in every assertion message (rerun one case with
+`CLIFFGUARD_TEST_SEED=<seed>`).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
+
+import random  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from engine.int4_weights import dequantize_int4  # noqa: E402
+from kernels.triton_int4_gemm import int4_linear  # noqa: E402
+from tests.kernels.test_reference import _make_seed  # noqa: E402
+
+# (N, K, group, rows): groups of 32 narrower than a K tile (each element's scale gathered), groups of 128 a tile spans
+# (a scale a row), a group the whole row, odd N, and decode's and prefill's row counts
+CASES = [(96, 64, 32, 3), (200, 256, 128, 40), (50, 96, 96, 1), (72, 160, 32, 17), (40, 128, 64, 70)]
+
+
+def _operands(n: int, k: int, group: int, rows: int, dtype: torch.dtype, seed: int):
+    """Every code 0 .. 15 drawn, signed scales of about 0.01 in x's dtype (a checkpoint's: the model's dtype)."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8)
+    scales = ((torch.rand(n, k // group, generator=gen) - 0.3) * 0.02).to(dtype)
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype)
+    return x, blocks, scales, bias
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k,group,rows", CASES)
+def test_the_triton_int4_gemm_computes_what_the_dequantized_weight_computes(n, k, group, rows, dtype):
+    """Each output is x times the weight dequantized as loading would dequantize it ((code - 8) x scale in float32,
+    rounded once to x's dtype), summed in float32: float32 to the sums' rounding, bfloat16 to one rounding of each
+    result; with and without a bias. The layer's CPU path (F.linear over the dequantized weight) agrees to its own
+    bfloat16 sums."""
+    seed = _make_seed()
+    x, blocks, scales, bias = _operands(n, k, group, rows, dtype, seed)
+    dequantized = dequantize_int4(blocks, scales, dtype)
+    for b in (bias, None):
+        want = x.float() @ dequantized.float().T + (b.float() if b is not None else 0.0)
+        got = int4_linear(x, blocks, scales, b)
+        assert got.dtype == dtype and got.shape == (rows, n)
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4, msg=lambda m: f"seed {seed}: {m}")
+        else:   # one rounding of each sum to bfloat16 (the interpreter truncates it: up to one unit of the last place)
+            assert ((got.float() - want).abs() <= want.abs() * 2 ** -7 + 1e-6).all(), f"seed {seed}"
+
+
+def test_leading_dimensions_an_empty_batch_and_a_strided_input():
+    """x of any leading shape comes back in it; no rows launch nothing; rows of a wider tensor (a stride past K)
+    are read in place."""
+    seed = _make_seed()
+    x, blocks, scales, _ = _operands(48, 64, 32, 6, torch.float32, seed)
+    got = int4_linear(x.view(2, 3, 64), blocks, scales)
+    assert got.shape == (2, 3, 48)
+    torch.testing.assert_close(got.view(6, 48), int4_linear(x, blocks, scales))
+    assert int4_linear(x[:0], blocks, scales).shape == (0, 48)
+    wide = torch.cat([x, x], dim=1)[:, :64]
+    torch.testing.assert_close(int4_linear(wide, blocks, scales), int4_linear(x, blocks, scales))
+
+
+def test_a_dense_int4_model_decodes_alike_on_the_triton_gemm_and_on_the_cpu_layer(tmp_path, builtin_path,
+                                                                                  monkeypatch):
+    """A dense W4A16 checkpoint held as stored (`quantization: int4`, every decoder projection an `Int4Linear`): the
+    Triton GEMM decoding each tile as loaded gives the greedy tokens the CPU's layer (the weight dequantized on each
+    call) gives."""
+    pytest.importorskip("compressed_tensors")
+    from engine.config import CacheConfig, EngineConfig, PoolConfig, SchedulerConfig
+    from engine.layers.int4_linear import Int4Linear
+    from engine.llm_engine import LLMEngine
+    from engine.sampling import SamplingParams
+    from tests.conftest import make_tiny_model
+    from tests.engine.test_int4_weights import int4_checkpoint
+
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (5, 21)]
+    folder = make_tiny_model(tmp_path / "qwen3", "qwen3", builtin_path, head_dim=16, intermediate_size=128)
+    int4_checkpoint(folder, experts_only=False)
+    results = {}
+    for backend in ("triton", "torch"):
+        monkeypatch.setenv("CLIFFGUARD_ATTENTION_BACKEND", backend)
+        engine = LLMEngine(EngineConfig(model=str(folder), dtype="float32", quantization="int4",
+                                        cache=CacheConfig(block_size=8),
+                                        pools=(PoolConfig(num_blocks=16, scheduler=SchedulerConfig(
+                                            max_num_seqs=2, max_num_batched_tokens=32, max_model_len=64)),)),
+                           progress=False)
+        held = [m for m in engine.model.modules() if isinstance(m, Int4Linear)]
+        assert len(held) == 4 * len(engine.model.layers) and all(m.triton == (backend == "triton") for m in held)
+        outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        results[backend] = [o.outputs[0].token_ids for o in outs]
+    assert results["triton"] == results["torch"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 16, 300])
+def test_on_cuda_the_int4_gemm_at_qwen3_32b_shapes_equals_the_dequantized_product(rows):
+    """Compiled on a GPU (TRITON_INTERPRET=0, `bench/gpu_session.sh`'s tests step): Qwen3-32B's gate_up and down
+    projections in groups of 128, bfloat16 activations and scales, against the float32 product of the dequantized
+    weight."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    for n, k in ((2 * 25600, 5120), (5120, 25600)):
+        x, blocks, scales, _ = _operands(n, k, 128, rows, torch.bfloat16, rows)
+        want = x.float() @ dequantize_int4(blocks, scales, torch.bfloat16).float().T
+        got = int4_linear(x.cuda(), blocks.cuda(), scales.cuda()).float().cpu()
+        assert ((got - want).abs() <= want.abs() * 2 ** -7 + want.abs().max() * 1e-5).all(), (n, k, rows)
