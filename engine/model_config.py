@@ -21,6 +21,7 @@ from engine.config_values import read_bool, read_float, read_int, read_object, r
 from engine.gated_delta_config import GatedDeltaShape, serving_pool
 from engine.gemma4_config import Gemma4Shape, gemma4_params
 from engine.mamba_config import Mamba2Shape
+from engine.lfm2_config import ShortConvShape, lfm2_config
 from engine.nemotron_h_config import nemotron_h_config, nemotron_h_params
 from engine.mla_config import MlaShape
 from engine.model_defaults import (DEFAULT_HEAD_DIM, DEFAULT_KV_HEADS, DEFAULT_MAX_POSITIONS, DEFAULT_RMS_NORM_EPS,
@@ -41,7 +42,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
                            "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM", "NemotronHForCausalLM",
                            "MinistralForCausalLM", "HunYuanMoEV1ForCausalLM", "ApertusForCausalLM",
                            "OlmoHybridForCausalLM", "Gemma4ForCausalLM", "Mistral4ForCausalLM",
-                           "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
+                           "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM", "Lfm2ForCausalLM")
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")   # one LayerNorm a layer, a parallel block
 # their attention bias: q/k/v's, not o_proj's
 QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM")
@@ -132,6 +133,7 @@ class ModelConfig:
     swiglu_alpha: float = 1.702         # ... and its sigmoid's gain
     gated_delta: GatedDeltaShape | None = None   # Qwen3.5: its linear_attention layers' shape (None: none)
     mamba: Mamba2Shape | None = None    # Granite 4's -H models: their Mamba-2 layers' (`linear_attention` too)
+    short_conv: ShortConvShape | None = None   # LFM2: its gated short convolutions' (`linear_attention` too)
     attn_output_gate: bool = False      # Qwen3.5: attention's output x sigmoid(a gate q_proj makes beside each head)
     mla: MlaShape | None = None         # DeepSeek: latent attention (head_dim the cache's, one KV head; None: none)
     moe_router: str = "softmax"         # how experts are picked (MOE_ROUTERS): the softmax's top k, or DeepSeek's
@@ -305,9 +307,9 @@ class ModelConfig:
                      and (self.gemma4 is None or self.gemma4.kv_producer(self, i) == i))   # Gemma 4's shared K/V
 
     @property
-    def state_shape(self) -> GatedDeltaShape | Mamba2Shape | None:
+    def state_shape(self) -> GatedDeltaShape | Mamba2Shape | ShortConvShape | None:
         """The shape of the layers that keep a state per sequence (`layer_types` linear_attention), or None."""
-        return self.gated_delta if self.gated_delta is not None else self.mamba
+        return self.gated_delta or self.mamba or self.short_conv
 
     @property
     def num_kv_layers(self) -> int:
@@ -410,7 +412,7 @@ class ModelConfig:
             return cls._from_text_config(cfg, arch)
         _check_architecture(arch)
         cfg = FAMILY_DEFAULTS.get(arch, {}) | cfg
-        cfg = nemotron_h_config(cfg) if arch == "NemotronHForCausalLM" else cfg   # its layer count: its blocks'
+        cfg = {"NemotronHForCausalLM": nemotron_h_config, "Lfm2ForCausalLM": lfm2_config}.get(arch, dict)(cfg)
         if cfg.get("max_position_embeddings") is None:
             cfg = {**cfg, "max_position_embeddings": DEFAULT_MAX_POSITIONS[arch]}
         num_heads = read_int(cfg, "num_attention_heads")

@@ -30,24 +30,26 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
-def causal_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, bias: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence's new inputs through the depthwise causal convolution (plus `bias`, Mamba-2's) and SiLU.
+def causal_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, bias: torch.Tensor | None = None,
+                silu: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's new inputs through the depthwise causal convolution (plus `bias`, Mamba-2's) and SiLU (not
+    where `silu` is false: LFM2's short convolutions).
 
     x: [num_tokens, channels]; weight: [channels, kernel]; state: [channels, kernel - 1], the inputs before x
     (zeros for a new sequence) -> (out [num_tokens, channels] in x's dtype, the new state)."""
     window = torch.cat([state.to(x.dtype), x.t()], dim=1)                  # [channels, kernel - 1 + num_tokens]
     out = F.conv1d(window.unsqueeze(0), weight.unsqueeze(1), bias, groups=weight.shape[0])[0]
-    return F.silu(out).t(), window[:, window.shape[1] - state.shape[1]:]
+    return (F.silu(out) if silu else out).t(), window[:, window.shape[1] - state.shape[1]:]
 
 
-def causal_conv_step(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, bias: torch.Tensor | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+def causal_conv_step(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, bias: torch.Tensor | None = None,
+                     silu: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """One new input of each of many sequences. x: [num_seqs, channels]; state: [num_seqs, channels, kernel - 1]
     -> (out [num_seqs, channels], the new states)."""
     window = torch.cat([state.to(x.dtype), x.unsqueeze(-1)], dim=-1)       # [num_seqs, channels, kernel]
     out = (window * weight).sum(-1)
-    return F.silu(out if bias is None else out + bias), window[..., 1:]
+    out = out if bias is None else out + bias
+    return F.silu(out) if silu else out, window[..., 1:]
 
 
 def _prepare(q: torch.Tensor, k: torch.Tensor, num_v_heads: int) -> tuple[torch.Tensor, torch.Tensor]:

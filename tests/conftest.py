@@ -116,7 +116,8 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
            "ministral": transformers.MinistralConfig, "hunyuan_v1_moe": transformers.HunYuanMoEV1Config,
            "apertus": transformers.ApertusConfig, "olmo_hybrid": transformers.OlmoHybridConfig,
            "gemma4": transformers.Gemma4TextConfig, "mistral4": transformers.Mistral4Config,
-           "deepseek_v32": transformers.DeepseekV32Config, "glm_moe_dsa": transformers.GlmMoeDsaConfig}[arch]
+           "deepseek_v32": transformers.DeepseekV32Config, "glm_moe_dsa": transformers.GlmMoeDsaConfig,
+           "lfm2": transformers.Lfm2Config}[arch]
     config = cls(**common)
     if arch == "mistral4":   # transformers maps Mistral4Config to no causal LM class (only its pretraining one)
         transformers.AutoModelForCausalLM.register(transformers.Mistral4Config, transformers.Mistral4ForCausalLM,
@@ -125,7 +126,7 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # transformers starts the biases at zero, which would hide one read wrong; sinks near it
     if arch in ("gpt_oss", "deepseek_v3", "glm4_moe", "ernie4_5_moe", "seed_oss", "glm4_moe_lite", "mistral4",
-                "deepseek_v32", "glm_moe_dsa"):
+                "deepseek_v32", "glm_moe_dsa", "lfm2"):
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if name.endswith(("bias", "sinks")):

@@ -137,6 +137,7 @@ class StateMixer(nn.Module):
     None) and the two scans, which take the convolution's output and the per-token inputs `extras`."""
 
     layer: int
+    conv_silu = True   # SiLU after the convolution (LFM2's short convolutions: none)
 
     def step(self, x: torch.Tensor, extras: tuple[torch.Tensor, ...], ssm: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,7 +156,8 @@ class StateMixer(nn.Module):
         if all(n == 1 for n in meta.query_lens_list):   # one token of each sequence, all at once
             rows = meta.rows   # a decode graph's padded rows: `RecurrentStates.padding_row` (seq_lens 1: from zeros)
             keep = (meta.seq_lens > 1).unsqueeze(-1).unsqueeze(-1)     # a 1-token prompt starts from zeros
-            x, conv_new = gated_delta.causal_conv_step(mixed, weight, conv.index_select(0, rows) * keep, bias)
+            x, conv_new = gated_delta.causal_conv_step(mixed, weight, conv.index_select(0, rows) * keep, bias,
+                                                       self.conv_silu)
             out, ssm_new = self.step(x, extras, ssm.index_select(0, rows) * keep.unsqueeze(-1))
             conv.index_copy_(0, rows, conv_new.to(conv.dtype))
             ssm.index_copy_(0, rows, ssm_new)
@@ -171,7 +173,7 @@ class StateMixer(nn.Module):
             for end, slot in (*states.saves.get(seq, ()), (n, None)):
                 if end > cut:
                     span = slice(start + cut, start + end)
-                    x, conv_in = gated_delta.causal_conv(mixed[span], weight, conv_in, bias)
+                    x, conv_in = gated_delta.causal_conv(mixed[span], weight, conv_in, bias, self.conv_silu)
                     out, ssm_in = self._scan(x, tuple(e[span] for e in extras), ssm_in, whole=n == 1)
                     outs.append(out)
                     cut = end

@@ -339,6 +339,13 @@ TINY_MODELS = [
                     "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                     "moe_shared_expert_intermediate_size": 48, "n_group": 2, "topk_group": 1,
                     "routed_scaling_factor": 2.5, "pad_token_id": 0}),
+    # LFM2: gated short convolutions (3 taps, over B x x; a state of the last 2 inputs) beside attention with per-head
+    # q/k norms, its MLP two thirds of block_ff_dim rounded up to 16s; then biased convolutions of 4 taps, the layers
+    # by full_attn_idxs, the MLP's width as given
+    ("lfm2", {"num_hidden_layers": 4, "layer_types": ["conv", "full_attention", "conv", "conv"],
+              "block_multiple_of": 16, "norm_eps": 1e-5}),
+    ("lfm2", {"num_hidden_layers": 3, "full_attn_idxs": [2], "conv_bias": True, "conv_L_cache": 4,
+              "block_auto_adjust_ff_dim": False, "tie_embedding": False, "norm_eps": 1e-5}),
     # OLMo Hybrid: pre-norm Gated DeltaNet blocks (beta up to 2) beside OLMo 3's post-norm attention, with a rope;
     # then NoPE attention
     ("olmo_hybrid", dict(num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
@@ -379,7 +386,7 @@ def test_tiny_random_models_match_transformers(tmp_path, monkeypatch, builtin_pa
     packed = isinstance(attn.o_proj, PackedLinear)
     assert packed == (cpu_linear == "onednn" and torch.backends.mkldnn.is_available())
     gen = torch.Generator().manual_seed(1)
-    state = arch in ("qwen3_5", "qwen3_5_moe", "qwen3_next", "nemotron_h", "olmo_hybrid") or \
+    state = arch in ("qwen3_5", "qwen3_5_moe", "qwen3_next", "nemotron_h", "olmo_hybrid", "lfm2") or \
         "mamba" in overrides.get("layer_types", ())
     lengths = (1, 5, 17, 40, 9) + ((100,) if state else ())   # past a state layer's chunk of 64
     prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in lengths]

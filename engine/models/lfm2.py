@@ -1,0 +1,122 @@
+"""Liquid AI's LFM2 (`Lfm2ForCausalLM`; its config: `engine.lfm2_config`): a pre-norm stack whose token mixer is, a
+layer at a time, grouped-query attention (q and k RMS-normed per head before the rotary: the Llama attention with
+Qwen3's head norms) or a gated short convolution (`ShortConvMixer`), each followed by a SwiGLU MLP; the final norm
+is the checkpoint's `embedding_norm`.
+
+A short convolution: in_proj makes B, C and x (each hidden_size wide); B x x runs through a depthwise causal
+convolution of `conv_L_cache` taps (no activation) from each sequence's last inputs (its state: `StateMixer`, the
+states of `engine.models.hybrid.StatefulForCausalLM`); C times that; out_proj. Under tensor parallelism each rank
+holds its share of the channels (B, C and x's rows of in_proj, the convolution's rows, out_proj's columns).
+
+The checkpoint names its parts otherwise (`read_tensor`): `operator_norm` / `ffn_norm` are the layer's two norms,
+`feed_forward.w1` / `w3` / `w2` the MLP's gate / up / down, `self_attn.out_proj` / `q_layernorm` / `k_layernorm` the
+attention's o_proj and head norms, `conv.conv` the convolution.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from types import ModuleType
+
+import torch
+from torch import nn
+
+from engine.layers import RopeRows
+from engine.layers.gated_delta_net import RecurrentStates, StateMixer
+from engine.lfm2_config import ShortConvShape
+from engine.model import DecoderLayer
+from engine.models.hybrid import StatefulForCausalLM, cut_pieces
+from engine.parallel import Collectives
+from kernels import AttentionMetadata
+
+__all__ = ["Lfm2ForCausalLM", "ShortConvMixer"]
+
+_RENAMES = (("operator_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm"),
+            ("feed_forward.w1", "mlp.gate_proj"), ("feed_forward.w3", "mlp.up_proj"),
+            ("feed_forward.w2", "mlp.down_proj"), ("self_attn.out_proj", "self_attn.o_proj"),
+            ("self_attn.q_layernorm", "self_attn.q_norm"), ("self_attn.k_layernorm", "self_attn.k_norm"),
+            ("conv.conv.", "conv.conv1d."))
+
+
+class ShortConvMixer(StateMixer):
+    """One gated short convolution, its checkpoint's names: in_proj (B, C, x), the causal convolution over B x x
+    (`conv1d`, no SiLU), C times its output, out_proj (its partial outputs summed over the ranks)."""
+
+    conv_silu = False
+
+    def __init__(self, shape: ShortConvShape, hidden_size: int, layer: int, comm: Collectives | None = None) -> None:
+        super().__init__()
+        self.shape = shape                       # this rank's channels under tensor parallelism
+        self.layer = layer                       # its index among the model's state layers (its state's)
+        self.comm = comm or Collectives()
+        self.in_proj = nn.Linear(hidden_size, 3 * shape.channels, bias=shape.bias)
+        self.conv1d = nn.Module()
+        self.conv1d.weight = nn.Parameter(torch.empty(shape.channels, 1, shape.kernel))
+        self.conv1d.bias = nn.Parameter(torch.empty(shape.channels)) if shape.bias else None
+        self.out_proj = nn.Linear(shape.channels, hidden_size, bias=shape.bias)
+
+    def forward(self, hidden: torch.Tensor, meta: AttentionMetadata, states: RecurrentStates) -> torch.Tensor:
+        """hidden: [num_tokens, hidden_size], the step's tokens sequence after sequence -> [num_tokens, hidden_size]."""
+        b, c, x = self.in_proj(hidden).chunk(3, dim=-1)
+        conv = self.scan(b * x, (), meta, states)
+        return self.comm.all_reduce(self.out_proj(c * conv.to(hidden.dtype)))
+
+    def step(self, x, extras, ssm):   # the convolution is the whole layer: no recurrence after it
+        return x, ssm
+
+    def chunk(self, x, extras, ssm):
+        return x, ssm
+
+
+class Lfm2Layer(DecoderLayer):
+    """LFM2's layer: the Llama layer whose token mixer is attention (`self_attn`) or a short convolution (`conv`)."""
+
+    def __init__(self, config, shard, comm, rotary_emb, ops: ModuleType, layer: int, state_index: int) -> None:
+        super().__init__(config, shard, comm, rotary_emb, ops, layer)
+        if config.is_linear_layer(layer):
+            del self.self_attn
+            self.conv = ShortConvMixer(config.short_conv.per_rank(shard.size), config.hidden_size, state_index, comm)
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope_rows: RopeRows | None,
+                cache: tuple[torch.Tensor, torch.Tensor] | RecurrentStates, meta: AttentionMetadata, backend
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cache: the layer's K/V, or the model's states for a convolution layer."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        if hasattr(self, "conv"):
+            hidden = self.conv(hidden, meta, cache)
+        else:
+            hidden = self.self_attn(hidden, rope_rows, cache, meta, backend)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class Lfm2ForCausalLM(StatefulForCausalLM):
+    """LFM2: `Lfm2Layer`s over `StatefulForCausalLM`'s states, the checkpoint's names read as the Llama family's."""
+
+    def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
+        return Lfm2Layer(self.config, self.shard, self.comm, self.rotary_emb, ops, index,
+                         self.state_index.get(index, -1))
+
+    def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
+        if name == "embedding_norm.weight":   # the final norm, whatever the checkpoint calls it
+            return (("norm.weight", tensor),)
+        for theirs, ours in _RENAMES:
+            if f".{theirs}" in name:
+                return ((name.replace(f".{theirs}", f".{ours}", 1), tensor),)
+        return ((name, tensor),)
+
+    def _shard_of(self, hf_name: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A convolution layer's part on this rank: its channels' rows of B, C and x in in_proj, of the convolution,
+        its columns of out_proj (whose bias is added once, on rank 0); the rest as the Llama family's."""
+        if self.shard.size == 1 or ".conv." not in name:
+            return super()._shard_of(hf_name, name, tensor)
+        h, rank = self.config.short_conv.channels, self.shard.rank
+        if name.endswith("out_proj.bias"):
+            return tensor if rank == 0 else torch.zeros_like(tensor)
+        if ".out_proj." in name:
+            return cut_pieces(hf_name, tensor, 1, [(h, 0, True)], rank, self.shard.size)
+        pieces = [(h, o, True) for o in (0, h, 2 * h)] if ".in_proj." in name else [(h, 0, True)]
+        return cut_pieces(hf_name, tensor, 0, pieces, rank, self.shard.size)
