@@ -1,7 +1,8 @@
-"""Liquid AI's LFM2 config.json (`Lfm2ForCausalLM`: LFM2-350M, -700M, -1.2B, -2.6B, LFM2.5) as transformers'
-`Lfm2Config` reads it: a stack of layers each of which mixes tokens by grouped-query attention (q/k normed per head,
-a rotary) or by a gated short convolution (`layer_types` "conv", or every layer not in `full_attn_idxs`), then a
-SwiGLU MLP whose width `block_auto_adjust_ff_dim` derives from `block_ff_dim`.
+"""Liquid AI's LFM2 config.json (`Lfm2ForCausalLM`: LFM2-350M, -700M, -1.2B, -2.6B; `Lfm2MoeForCausalLM`:
+LFM2-8B-A1B, `lfm2_moe_fields`) as transformers' `Lfm2Config` (`Lfm2MoeConfig`) reads it: a stack of layers each
+of which mixes tokens by grouped-query attention (q/k normed per head, a rotary) or by a gated short convolution
+(`layer_types` "conv", or every layer not in `full_attn_idxs`), then a SwiGLU MLP whose width
+`block_auto_adjust_ff_dim` derives from `block_ff_dim` (LFM2-MoE's: experts past its dense layers).
 
 A convolution layer keeps no K/V: each running sequence carries its last `conv_L_cache` - 1 inputs a channel
 (`ShortConvShape`, read as the `linear_attention` layers of the hybrid models: `engine.gated_delta_config`), which
@@ -17,7 +18,7 @@ from engine.config import ConfigError
 from engine.config_values import read_bool, read_float, read_int
 from engine.mamba_config import state_bytes
 
-__all__ = ["ShortConvShape", "lfm2_config", "lfm2_fields"]
+__all__ = ["ShortConvShape", "lfm2_config", "lfm2_fields", "lfm2_moe_config", "lfm2_moe_fields"]
 
 
 @dataclass(frozen=True)
@@ -63,18 +64,40 @@ def lfm2_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """config.json under the names the Llama reading takes, as `Lfm2Config` resolves its own: `norm_eps` the norms'
     epsilon, `tie_embedding` (else `tie_word_embeddings`, true) the tie, and the MLP's width: `block_ff_dim` (else
     `intermediate_size`), where `block_auto_adjust_ff_dim` (true) two thirds of it, times `block_ffn_dim_multiplier`
-    (1.0; null: not) rounded up to a multiple of `block_multiple_of` (256)."""
+    (1.0), rounded up to a multiple of `block_multiple_of` (256)."""
     width = read_int(cfg, "block_ff_dim") if "block_ff_dim" in cfg else read_int(cfg, "intermediate_size", 12288)
     if read_bool(cfg, "block_auto_adjust_ff_dim", True):
-        width = int(2 * width / 3)
-        if cfg.get("block_ffn_dim_multiplier", 1.0) is not None:
-            width = int(read_float(cfg, "block_ffn_dim_multiplier", 1.0) * width)
-            multiple = read_int(cfg, "block_multiple_of", 256)
-            width = multiple * ((width + multiple - 1) // multiple)
+        width = int(read_float(cfg, "block_ffn_dim_multiplier", 1.0) * int(2 * width / 3))
+        multiple = read_int(cfg, "block_multiple_of", 256)
+        width = multiple * ((width + multiple - 1) // multiple)
     tied = read_bool(cfg, "tie_embedding", True) if "tie_embedding" in cfg else \
         read_bool(cfg, "tie_word_embeddings", True)
     return {**cfg, "intermediate_size": width, "rms_norm_eps": read_float(cfg, "norm_eps", 1e-5),
             "tie_word_embeddings": tied}
+
+
+def lfm2_moe_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """LFM2-MoE's config.json under the Llama reading's names: `norm_eps`, `tie_embedding` as LFM2's; its dense
+    layers' MLP is `intermediate_size` as given (`Lfm2MoeConfig` derives nothing)."""
+    tied = read_bool(cfg, "tie_embedding", True) if "tie_embedding" in cfg else \
+        read_bool(cfg, "tie_word_embeddings", True)
+    return {**cfg, "rms_norm_eps": read_float(cfg, "norm_eps", 1e-5), "tie_word_embeddings": tied}
+
+
+def lfm2_moe_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """LFM2's layers (`lfm2_fields`) with experts past the first `num_dense_layers` (2): `num_experts` (32) of
+    `moe_intermediate_size` (1,792), `num_experts_per_tok` (4) picked by the `lfm2` router (sigmoid scores plus a
+    float32 expert bias, `use_expert_bias`, which is served only on), renormalised where `norm_topk_prob` (true),
+    times `routed_scaling_factor` (1.0)."""
+    if not read_bool(cfg, "use_expert_bias", True):
+        raise ConfigError("use_expert_bias: LFM2-MoE is served with its router's expert bias (as LFM2-8B-A1B's), got "
+                          "false")
+    dense = read_int(cfg, "num_dense_layers", 2, minimum=0)
+    return {**lfm2_fields(cfg, num_layers), "num_experts": read_int(cfg, "num_experts", 32),
+            "num_experts_per_tok": read_int(cfg, "num_experts_per_tok", 4),
+            "moe_intermediate_size": read_int(cfg, "moe_intermediate_size", 1792),
+            "norm_topk_prob": read_bool(cfg, "norm_topk_prob", True), "mlp_only_layers": tuple(range(dense)),
+            "moe_router": "lfm2", "routed_scaling_factor": read_float(cfg, "routed_scaling_factor", 1.0)}
 
 
 def lfm2_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from engine.config_values import read_bool, read_float, read_int, read_object, r
 from engine.gated_delta_config import GatedDeltaShape, serving_pool
 from engine.gemma4_config import Gemma4Shape, gemma4_params
 from engine.mamba_config import Mamba2Shape
-from engine.lfm2_config import ShortConvShape, lfm2_config
+from engine.lfm2_config import ShortConvShape, lfm2_config, lfm2_moe_config
 from engine.nemotron_h_config import nemotron_h_config, nemotron_h_params
 from engine.mla_config import MlaShape
 from engine.model_defaults import (DEFAULT_HEAD_DIM, DEFAULT_KV_HEADS, DEFAULT_MAX_POSITIONS, DEFAULT_RMS_NORM_EPS,
@@ -42,7 +42,8 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
                            "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM", "NemotronHForCausalLM",
                            "MinistralForCausalLM", "HunYuanMoEV1ForCausalLM", "ApertusForCausalLM",
                            "OlmoHybridForCausalLM", "Gemma4ForCausalLM", "Mistral4ForCausalLM",
-                           "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM", "Lfm2ForCausalLM")
+                           "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM", "Lfm2ForCausalLM",
+                           "Lfm2MoeForCausalLM")
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")   # one LayerNorm a layer, a parallel block
 # their attention bias: q/k/v's, not o_proj's
 QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM")
@@ -346,11 +347,12 @@ class ModelConfig:
     @property
     def num_float32_params(self) -> int:
         """Parameters held in float32 whatever the model's dtype: DeepSeek's and ERNIE 4.5's routers (weight, the
-        correction bias of V3's and ERNIE's), DeepSeek V3.2's indexers' head weights."""
+        correction bias of V3's and ERNIE's), LFM2-MoE's expert bias, DeepSeek V3.2's indexers' head weights."""
         indexers = self.mla.num_indexer_weights(self.hidden_size, self.num_layers) if self.mla is not None else 0
-        if self.moe_router not in ("deepseek_v2", "deepseek_v3", "ernie4_5"):
+        if self.moe_router not in ("deepseek_v2", "deepseek_v3", "ernie4_5", "lfm2"):
             return indexers
-        per_layer = self.num_experts * (self.hidden_size + (self.moe_router != "deepseek_v2"))
+        weights = 0 if self.moe_router == "lfm2" else self.hidden_size   # LFM2-MoE's router: its bias alone
+        per_layer = self.num_experts * (weights + (self.moe_router != "deepseek_v2"))
         return indexers + per_layer * sum(self.is_sparse_layer(layer) for layer in range(self.num_layers))
 
     def num_params(self) -> int:
@@ -380,7 +382,7 @@ class ModelConfig:
             experts += self.num_experts * (2 * moe_i + h + 1)
         if self.shared_expert_intermediate_size:   # Qwen2-MoE: the shared expert and its gate (DeepSeek: ungated)
             experts += 3 * h * shared_i + (h if self.shared_expert_gated else 0)
-        if self.moe_router in ("deepseek_v3", "minimax_m2", "ernie4_5"):   # the router's correction bias
+        if self.moe_router in ("deepseek_v3", "minimax_m2", "ernie4_5", "lfm2"):   # the router's correction bias
             experts += self.num_experts
         norms = 4 if self.architecture in FOUR_NORMS else 2   # Gemma, GLM-4: on the sublayers' outputs too
         norms = 1 if self.architecture in COHERE_ARCHITECTURES else norms   # Cohere: one before both sublayers
@@ -412,7 +414,8 @@ class ModelConfig:
             return cls._from_text_config(cfg, arch)
         _check_architecture(arch)
         cfg = FAMILY_DEFAULTS.get(arch, {}) | cfg
-        cfg = {"NemotronHForCausalLM": nemotron_h_config, "Lfm2ForCausalLM": lfm2_config}.get(arch, dict)(cfg)
+        cfg = {"NemotronHForCausalLM": nemotron_h_config, "Lfm2ForCausalLM": lfm2_config,
+               "Lfm2MoeForCausalLM": lfm2_moe_config}.get(arch, dict)(cfg)
         if cfg.get("max_position_embeddings") is None:
             cfg = {**cfg, "max_position_embeddings": DEFAULT_MAX_POSITIONS[arch]}
         num_heads = read_int(cfg, "num_attention_heads")

@@ -79,7 +79,10 @@ FAMILY_DEFAULTS = {"Gemma2ForCausalLM": GEMMA2_DEFAULTS, "Gemma3ForCausalLM": GE
                        "max_position_embeddings": 32_768},
                    "Lfm2ForCausalLM": {   # Lfm2Config's (its MLP width and norms: engine.lfm2_config)
                        "vocab_size": 65_536, "hidden_size": 2560, "num_hidden_layers": 32, "num_attention_heads": 32,
-                       "num_key_value_heads": 8, "max_position_embeddings": 128_000}}
+                       "num_key_value_heads": 8, "max_position_embeddings": 128_000},
+                   "Lfm2MoeForCausalLM": {   # Lfm2MoeConfig's
+                       "vocab_size": 65_536, "hidden_size": 2048, "intermediate_size": 7168, "num_hidden_layers": 32,
+                       "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 128_000}}
 # transformers' config classes' max_position_embeddings (the context served, and YaRN's original context where its
 # scaling names none), for a config.json without it
 DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32_768, "MistralForCausalLM": 131_072,
@@ -122,7 +125,7 @@ DEFAULT_ROPE_THETA = {"MixtralForCausalLM": 1_000_000.0, "SmolLM3ForCausalLM": 2
                       "GptOssForCausalLM": 150_000.0, "Ernie4_5ForCausalLM": 500_000.0,
                       "Ernie4_5_MoeForCausalLM": 500_000.0,
                       "MiniMaxM2ForCausalLM": 5_000_000.0, "Llama4ForCausalLM": 500_000.0,
-                      "Lfm2ForCausalLM": 1_000_000.0}
+                      "Lfm2ForCausalLM": 1_000_000.0, "Lfm2MoeForCausalLM": 1_000_000.0}
 
 
 def vl_text_keys(text: dict[str, Any]) -> dict[str, Any]:

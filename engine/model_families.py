@@ -24,8 +24,10 @@ LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 # how a sparse layer picks its experts: a softmax's top k (Qwen, Mixtral, GPT-OSS), DeepSeek V2's softmax within the
 # groups of the best expert scores, DeepSeek V3's sigmoid (plus a correction bias) within the groups of the best top-2
 # sums; MiniMax-M2's: V3's, in the model's dtype; ERNIE 4.5's: the softmax's top k after a correction bias; Llama 4's;
-# Mistral 4's: the softmax's within the groups of the best top-2 sums, in the model's dtype, no correction bias
-MOE_ROUTERS = ("softmax", "deepseek_v2", "deepseek_v3", "minimax_m2", "ernie4_5", "llama4", GEMMA4_ROUTER, "mistral4")
+# Mistral 4's: the softmax's within the groups of the best top-2 sums, in the model's dtype, no correction bias;
+# LFM2-MoE's: the sigmoid's top k after a float32 expert bias, in the model's dtype, renormalised past a 1e-6
+MOE_ROUTERS = ("softmax", "deepseek_v2", "deepseek_v3", "minimax_m2", "ernie4_5", "llama4", GEMMA4_ROUTER, "mistral4",
+               "lfm2")
 # the families whose fields are read in a module of their own, each reader taking (config.json, its layer count)
 OWN_MODULE_FIELDS: dict[str, Callable[[dict[str, Any], int], dict[str, Any]]] = {"Llama4ForCausalLM": llama4_fields,
     "Gemma4ForCausalLM": gemma4_fields, "Mistral4ForCausalLM": mistral4_fields, **MISTRAL_FIELDS, **HUNYUAN_FIELDS,

@@ -11,6 +11,10 @@ holds its share of the channels (B, C and x's rows of in_proj, the convolution's
 The checkpoint names its parts otherwise (`read_tensor`): `operator_norm` / `ffn_norm` are the layer's two norms,
 `feed_forward.w1` / `w3` / `w2` the MLP's gate / up / down, `self_attn.out_proj` / `q_layernorm` / `k_layernorm` the
 attention's o_proj and head norms, `conv.conv` the convolution.
+
+LFM2-MoE (`Lfm2MoeForCausalLM`: LFM2-8B-A1B): past the first `num_dense_layers`, each MLP is Qwen3-MoE's experts
+(`feed_forward.experts.N.w1` / `w3` / `w2`) under its own router (`Lfm2MoeBlock`: `feed_forward.gate`, and the
+float32 `feed_forward.expert_bias` that picks but does not weigh).
 """
 
 from __future__ import annotations
@@ -21,17 +25,22 @@ from types import ModuleType
 import torch
 from torch import nn
 
+
 from engine.layers import RopeRows
 from engine.layers.gated_delta_net import RecurrentStates, StateMixer
 from engine.lfm2_config import ShortConvShape
 from engine.model import DecoderLayer
+from engine.model_config import ModelConfig
 from engine.models.hybrid import StatefulForCausalLM, cut_pieces
-from engine.parallel import Collectives
+from engine.models.qwen3_moe import Qwen3MoeForCausalLM, SparseMoeBlock, with_experts
+from engine.parallel import Collectives, ShardShape
 from kernels import AttentionMetadata
 
-__all__ = ["Lfm2ForCausalLM", "ShortConvMixer"]
+__all__ = ["Lfm2ForCausalLM", "Lfm2MoeForCausalLM", "ShortConvMixer"]
 
-_RENAMES = (("operator_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm"),
+_RENAMES = (("feed_forward.experts.", "mlp.experts."), ("feed_forward.gate.", "mlp.gate."),
+            ("feed_forward.expert_bias", "mlp.expert_bias.weight"), ("operator_norm", "input_layernorm"),
+            ("ffn_norm", "post_attention_layernorm"),
             ("feed_forward.w1", "mlp.gate_proj"), ("feed_forward.w3", "mlp.up_proj"),
             ("feed_forward.w2", "mlp.down_proj"), ("self_attn.out_proj", "self_attn.o_proj"),
             ("self_attn.q_layernorm", "self_attn.q_norm"), ("self_attn.k_layernorm", "self_attn.k_norm"),
@@ -101,12 +110,16 @@ class Lfm2ForCausalLM(StatefulForCausalLM):
                          self.state_index.get(index, -1))
 
     def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
+        """The checkpoint's names as the model's (the module docstring), then read as the base class reads them."""
         if name == "embedding_norm.weight":   # the final norm, whatever the checkpoint calls it
-            return (("norm.weight", tensor),)
-        for theirs, ours in _RENAMES:
-            if f".{theirs}" in name:
-                return ((name.replace(f".{theirs}", f".{ours}", 1), tensor),)
-        return ((name, tensor),)
+            name = "norm.weight"
+        theirs, ours = next(((t, o) for t, o in _RENAMES if f".{t}" in name), ("", ""))
+        if theirs:
+            name = name.replace(f".{theirs}", f".{ours}", 1)
+            if ours == "mlp.experts.":   # an expert's w1 / w3 / w2: its gate / up / down
+                for part, our_part in ((".w1.", ".gate_proj."), (".w3.", ".up_proj."), (".w2.", ".down_proj.")):
+                    name = name.replace(part, our_part)
+        return super().read_tensor(hf_name, name, tensor)
 
     def _shard_of(self, hf_name: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """A convolution layer's part on this rank: its channels' rows of B, C and x in in_proj, of the convolution,
@@ -120,3 +133,44 @@ class Lfm2ForCausalLM(StatefulForCausalLM):
             return cut_pieces(hf_name, tensor, 1, [(h, 0, True)], rank, self.shard.size)
         pieces = [(h, o, True) for o in (0, h, 2 * h)] if ".in_proj." in name else [(h, 0, True)]
         return cut_pieces(hf_name, tensor, 0, pieces, rank, self.shard.size)
+
+
+class ExpertBias(nn.Module):
+    """LFM2-MoE's expert bias [num_experts], added to the router's scores to pick (not to weigh), in float32 whatever
+    the model's dtype, as transformers holds it (`float32_parameters`: `engine.models.build_model`)."""
+
+    float32_parameters = True
+
+    def __init__(self, num_experts: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts))
+
+
+class Lfm2MoeBlock(SparseMoeBlock):
+    """Qwen3-MoE's experts with LFM2-MoE's router (`moe_router` lfm2): sigmoid scores of the logits (the model's
+    dtype), the top k of the scores plus the expert bias, weighed by their scores renormalised past a 1e-6 (where
+    `norm_topk_prob`) times `routed_scaling_factor`, as transformers' `Lfm2MoeTopKRouter`."""
+
+    def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives, ops: ModuleType) -> None:
+        super().__init__(config, shard, comm, ops)
+        self.expert_bias = ExpertBias(config.num_experts)
+        self.routed_scaling_factor = config.routed_scaling_factor
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = self.gate(x).sigmoid()                                          # [num_tokens, num_experts]
+        experts = torch.topk(scores + self.expert_bias.weight, k=self.top_k, dim=-1)[1]
+        weights = scores.gather(1, experts)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-6)
+        return weights * self.routed_scaling_factor, experts
+
+
+class Lfm2MoeForCausalLM(Lfm2ForCausalLM, Qwen3MoeForCausalLM):
+    """LFM2-MoE (LFM2-8B-A1B): LFM2's layers, each past the first `num_dense_layers` with `Lfm2MoeBlock` for its MLP;
+    its experts' `feed_forward.experts.N.w1` / `w3` / `w2`, router `feed_forward.gate` and `feed_forward.expert_bias`
+    read as Qwen3-MoE's."""
+
+    moe_block = Lfm2MoeBlock
+
+    def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
+        return with_experts(self, super().make_layer(index, ops), index, ops)

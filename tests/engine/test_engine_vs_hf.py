@@ -346,6 +346,11 @@ TINY_MODELS = [
               "block_multiple_of": 16, "norm_eps": 1e-5}),
     ("lfm2", {"num_hidden_layers": 3, "full_attn_idxs": [2], "conv_bias": True, "conv_L_cache": 4,
               "block_auto_adjust_ff_dim": False, "tie_embedding": False, "norm_eps": 1e-5}),
+    # LFM2-MoE: those layers, past the first dense one 8 experts of 32, 2 a token by sigmoid scores plus an expert
+    # bias, renormalised and scaled by 1.5
+    ("lfm2_moe", {"num_hidden_layers": 3, "layer_types": ["conv", "full_attention", "conv"], "intermediate_size": 96,
+                  "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "num_dense_layers": 1,
+                  "routed_scaling_factor": 1.5, "norm_eps": 1e-5}),
     # OLMo Hybrid: pre-norm Gated DeltaNet blocks (beta up to 2) beside OLMo 3's post-norm attention, with a rope;
     # then NoPE attention
     ("olmo_hybrid", dict(num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
@@ -380,13 +385,14 @@ def test_tiny_random_models_match_transformers(tmp_path, monkeypatch, builtin_pa
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     engine = LLMEngine.from_args(str(folder), dtype="float32", block_size=8, num_blocks=64, max_num_batched_tokens=64,
                                  progress=False)
-    buffers = sum(b.numel() for name, b in hf.named_buffers() if name.endswith(("e_score_correction_bias", "layer_scalar")))
+    buffers = sum(b.numel() for name, b in hf.named_buffers()
+                  if name.endswith(("e_score_correction_bias", "layer_scalar", "expert_bias")))
     assert engine.model_config.num_params() == sum(p.numel() for p in hf.parameters()) + buffers   # the plan's count
     attn = next(layer.self_attn for layer in engine.model.layers if hasattr(layer, "self_attn"))
     packed = isinstance(attn.o_proj, PackedLinear)
     assert packed == (cpu_linear == "onednn" and torch.backends.mkldnn.is_available())
     gen = torch.Generator().manual_seed(1)
-    state = arch in ("qwen3_5", "qwen3_5_moe", "qwen3_next", "nemotron_h", "olmo_hybrid", "lfm2") or \
+    state = arch in ("qwen3_5", "qwen3_5_moe", "qwen3_next", "nemotron_h", "olmo_hybrid", "lfm2", "lfm2_moe") or \
         "mamba" in overrides.get("layer_types", ())
     lengths = (1, 5, 17, 40, 9) + ((100,) if state else ())   # past a state layer's chunk of 64
     prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in lengths]
