@@ -24,7 +24,31 @@ from engine.model_config import ModelConfig
 from engine.parallel import Collectives, ShardShape
 from kernels import AttentionMetadata, fused
 
-__all__ = ["StatefulForCausalLM", "cut_pieces"]
+__all__ = ["MixerLayerForward", "StatefulForCausalLM", "cut_pieces"]
+
+
+class MixerLayerForward:
+    """The forward of a pre-norm layer whose token mixer is attention (`self_attn`) or a state layer (the module
+    named `mixer`: Qwen3.5's `linear_attn`, LFM2's `conv`), then its MLP; a base beside `nn.Module`."""
+
+    mixer = "linear_attn"
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope_rows: RopeRows | None,
+                cache: tuple[torch.Tensor, torch.Tensor] | RecurrentStates, meta: AttentionMetadata, backend
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cache: the layer's K/V, or the model's states for a state layer -> (this layer's output, the residual
+        stream before it is added)."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        state_mixer = getattr(self, self.mixer, None)
+        if state_mixer is not None:
+            hidden = state_mixer(hidden, meta, cache)
+        else:
+            hidden = self.self_attn(hidden, rope_rows, cache, meta, backend)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class StatefulForCausalLM(LlamaForCausalLM):

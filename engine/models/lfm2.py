@@ -26,12 +26,11 @@ import torch
 from torch import nn
 
 
-from engine.layers import RopeRows
 from engine.layers.gated_delta_net import RecurrentStates, StateMixer
 from engine.lfm2_config import ShortConvShape
 from engine.model import DecoderLayer
 from engine.model_config import ModelConfig
-from engine.models.hybrid import StatefulForCausalLM, cut_pieces
+from engine.models.hybrid import MixerLayerForward, StatefulForCausalLM, cut_pieces
 from engine.models.qwen3_moe import Qwen3MoeForCausalLM, SparseMoeBlock, with_experts
 from engine.parallel import Collectives, ShardShape
 from kernels import AttentionMetadata
@@ -77,8 +76,10 @@ class ShortConvMixer(StateMixer):
         return x, ssm
 
 
-class Lfm2Layer(DecoderLayer):
+class Lfm2Layer(MixerLayerForward, DecoderLayer):
     """LFM2's layer: the Llama layer whose token mixer is attention (`self_attn`) or a short convolution (`conv`)."""
+
+    mixer = "conv"
 
     def __init__(self, config, shard, comm, rotary_emb, ops: ModuleType, layer: int, state_index: int) -> None:
         super().__init__(config, shard, comm, rotary_emb, ops, layer)
@@ -86,20 +87,6 @@ class Lfm2Layer(DecoderLayer):
             del self.self_attn
             self.conv = ShortConvMixer(config.short_conv.per_rank(shard.size), config.hidden_size, state_index, comm)
 
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope_rows: RopeRows | None,
-                cache: tuple[torch.Tensor, torch.Tensor] | RecurrentStates, meta: AttentionMetadata, backend
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cache: the layer's K/V, or the model's states for a convolution layer."""
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        if hasattr(self, "conv"):
-            hidden = self.conv(hidden, meta, cache)
-        else:
-            hidden = self.self_attn(hidden, rope_rows, cache, meta, backend)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
 
 
 class Lfm2ForCausalLM(StatefulForCausalLM):

@@ -20,10 +20,10 @@ import torch
 from torch import nn
 
 from engine.layers import GemmaHeadRMSNorm, GemmaRMSNorm, RopeRows, RotaryEmbedding
-from engine.layers.gated_delta_net import GatedDeltaNet, RecurrentStates
+from engine.layers.gated_delta_net import GatedDeltaNet
 from engine.model import MLP, Attention
 from engine.model_config import ModelConfig
-from engine.models.hybrid import StatefulForCausalLM, cut_pieces
+from engine.models.hybrid import MixerLayerForward, StatefulForCausalLM, cut_pieces
 from engine.models.phi3 import partial_rotary_rows
 from engine.models.qwen3_moe import Qwen3MoeForCausalLM, with_experts
 from engine.parallel import Collectives, ShardShape
@@ -51,7 +51,7 @@ class GatedAttention(Attention):
         return self.comm.all_reduce(self.o_proj(out.reshape(-1, self.q_size) * torch.sigmoid(gate)))
 
 
-class HybridLayer(nn.Module):
+class HybridLayer(MixerLayerForward, nn.Module):
     """A pre-norm block whose token mixer is Gated DeltaNet (`linear_attn`) or gated attention (`self_attn`)."""
 
     def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives, rotary_emb: RotaryEmbedding,
@@ -65,22 +65,6 @@ class HybridLayer(nn.Module):
             self.self_attn = GatedAttention(config, shard, comm, rotary_emb, layer)
         self.post_attention_layernorm = GemmaRMSNorm(h, eps)
         self.mlp = MLP(config, shard, comm, ops)
-
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope_rows: RopeRows | None,
-                cache: tuple[torch.Tensor, torch.Tensor] | RecurrentStates, meta: AttentionMetadata, backend
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cache: the layer's K/V, or the model's states for a Gated DeltaNet layer -> (this layer's output, the
-        residual stream before it is added)."""
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        if hasattr(self, "linear_attn"):
-            hidden = self.linear_attn(hidden, meta, cache)
-        else:
-            hidden = self.self_attn(hidden, rope_rows, cache, meta, backend)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
 
 
 class Qwen3_5ForCausalLM(StatefulForCausalLM):

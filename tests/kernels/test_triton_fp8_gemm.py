@@ -29,6 +29,16 @@ CASES = [(96, 80, (16, 32), 3), (200, 130, (128, 128), 40), (50, 70, (1, WHOLE),
          (72, 100, (16, 24), 5), (40, 256, (8, 128), 70)]
 
 
+def assert_the_product(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, seed: int) -> None:
+    """A GEMM's output against the float32 product: in `dtype` and want's shape; float32 to the sums' rounding,
+    bfloat16 to one rounding of each sum (the interpreter truncates it: up to one unit of the last place)."""
+    assert got.dtype == dtype and got.shape == want.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4, msg=lambda m: f"seed {seed}: {m}")
+    else:
+        assert ((got.float() - want).abs() <= want.abs() * 2 ** -7 + 1e-6).all(), f"seed {seed}"
+
+
 def _operands(n: int, k: int, block: tuple[int, int], rows: int, dtype: torch.dtype, seed: int):
     gen = torch.Generator().manual_seed(seed)
     weight = (torch.randn(n, k, generator=gen) * 40).clamp(-448, 448).to(torch.float8_e4m3fn)
@@ -52,12 +62,7 @@ def test_the_triton_fp8_gemm_computes_what_the_dequantized_weight_computes(n, k,
     for b in (bias, None):
         want = x.float() @ dequantized.float().T + (b.float() if b is not None else 0.0)
         got = triton_fp8_gemm(x, weight, scale, block, b)
-        assert got.dtype == dtype and got.shape == (rows, n)
-        if dtype == torch.float32:
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4, msg=lambda m: f"seed {seed}: {m}")
-        else:
-            # one rounding of each sum to bfloat16 (the interpreter truncates it: up to one unit of the last place)
-            assert ((got.float() - want).abs() <= want.abs() * 2 ** -7 + 1e-6).all(), f"seed {seed}"
+        assert_the_product(got, want, dtype, seed)
         reference = fp8_linear(x, weight, scale, block, b).float()   # F.linear's own sums, in x's dtype
         assert (reference - want).abs().max() <= want.abs().max() * (2 ** -5 if dtype == torch.bfloat16 else 1e-6), \
             f"seed {seed}: the reference"

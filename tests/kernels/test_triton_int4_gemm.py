@@ -22,6 +22,7 @@ pytest.importorskip("triton")
 from engine.int4_weights import dequantize_int4  # noqa: E402
 from kernels.triton_int4_gemm import int4_linear  # noqa: E402
 from tests.kernels.test_reference import _make_seed  # noqa: E402
+from tests.kernels.test_triton_fp8_gemm import assert_the_product  # noqa: E402
 
 # (N, K, group, rows): groups of 32 narrower than a K tile (each element's scale gathered), groups of 128 a tile spans
 # (a scale a row), a group the whole row, odd N, and decode's and prefill's row counts
@@ -50,12 +51,7 @@ def test_the_triton_int4_gemm_computes_what_the_dequantized_weight_computes(n, k
     dequantized = dequantize_int4(blocks, scales, dtype)
     for b in (bias, None):
         want = x.float() @ dequantized.float().T + (b.float() if b is not None else 0.0)
-        got = int4_linear(x, blocks, scales, b)
-        assert got.dtype == dtype and got.shape == (rows, n)
-        if dtype == torch.float32:
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4, msg=lambda m: f"seed {seed}: {m}")
-        else:   # one rounding of each sum to bfloat16 (the interpreter truncates it: up to one unit of the last place)
-            assert ((got.float() - want).abs() <= want.abs() * 2 ** -7 + 1e-6).all(), f"seed {seed}"
+        assert_the_product(int4_linear(x, blocks, scales, b), want, dtype, seed)
 
 
 def test_leading_dimensions_an_empty_batch_and_a_strided_input():
