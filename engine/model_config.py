@@ -67,7 +67,8 @@ TEXT_MODELS = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "language
                "Llama4ForConditionalGeneration": ("Llama4ForCausalLM", "language_model.", "llama4_text"),
                "Qwen3_5ForConditionalGeneration": ("Qwen3_5ForCausalLM", "language_model.", "qwen3_5_text"),
                "Qwen3_5MoeForConditionalGeneration": ("Qwen3_5MoeForCausalLM", "language_model.", "qwen3_5_moe_text"),
-               "Gemma4ForConditionalGeneration": ("Gemma4ForCausalLM", "language_model.", "gemma4_text")}
+               "Gemma4ForConditionalGeneration": ("Gemma4ForCausalLM", "language_model.", "gemma4_text"),
+               "Lfm2VlForConditionalGeneration": ("Lfm2ForCausalLM", "language_model.", "lfm2")}
 # a multimodal architecture whose text model is another by its text_config's model_type (Mistral 3's from December
 # 2025 on: Ministral 3, Devstral 2, Mistral Small 4)
 TEXT_MODEL_TYPES = {("Mistral3ForConditionalGeneration", "ministral3"): "Ministral3ForCausalLM",

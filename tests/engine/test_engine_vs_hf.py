@@ -630,6 +630,30 @@ def test_a_multimodal_mistral3_checkpoint_serves_its_text_model(tmp_path, builti
         ModelConfig.from_hf_config(saved)
 
 
+def test_a_multimodal_lfm2_checkpoint_serves_its_text_model(tmp_path, builtin_path):
+    """LFM2-VL (`Lfm2VlForConditionalGeneration`: a SigLIP2 vision tower and a projector beside an LFM2 text model
+    under `language_model.`, the head tied to its embedding) served as its text model, greedy text token-identical to
+    transformers' multimodal model on text input."""
+    import transformers
+
+    text = transformers.Lfm2Config(vocab_size=512, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2,
+                                   layer_types=["conv", "full_attention", "conv"], intermediate_size=96,
+                                   block_multiple_of=16)
+    vision = transformers.Siglip2VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                              num_attention_heads=2, num_patches=16, patch_size=4)
+    config = transformers.Lfm2VlConfig(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                                       projector_hidden_size=32)
+    torch.manual_seed(0)
+    hf = transformers.Lfm2VlForConditionalGeneration(config).eval()
+    with torch.no_grad():   # the text model's matrices with a large std (its norms stay 1): no greedy ties
+        for param in hf.model.language_model.parameters():
+            if param.dim() > 1:
+                param.normal_(0.0, 0.2)
+    hf.save_pretrained(tmp_path / "lfm2_vl")
+    _assert_serves_its_text_model(hf, tmp_path / "lfm2_vl", builtin_path, "Lfm2ForCausalLM")
+
+
 # --- slow: the builtin model under every block size x preemption mode x prefix-cache state --------
 
 SWEEP_TOKENS = 64
