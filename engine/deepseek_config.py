@@ -44,7 +44,7 @@ def deepseek_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
         else dict(n_routed_experts=64, moe_intermediate_size=1407, num_experts_per_tok=6, n_group=1, topk_group=1,
                   norm_topk_prob=False, first_k_dense_replace=0, routed_scaling_factor=1.0, n_shared_experts=2)
     if arch == "Glm4MoeLiteForCausalLM":
-        defaults, cfg = GLM4_MOE_LITE_EXPERTS, {**cfg, "first_k_dense_replace": _dense_first(cfg, 1)}
+        defaults, cfg = GLM4_MOE_LITE_EXPERTS, {**cfg, "first_k_dense_replace": dense_first(cfg, 1)}
     if arch == "GlmMoeDsaForCausalLM":
         defaults = GLM5_EXPERTS
     experts = grouped_experts(cfg, defaults, "deepseek_v3" if v3 else "deepseek_v2",
@@ -62,7 +62,7 @@ def _sparse_attention(cfg: dict[str, Any], arch: str) -> tuple[dict[str, Any], d
     kinds = cfg.get("layer_types")
     if kinds is not None and kinds != ["indexed_attention"] * layers:
         raise ConfigError(f"layer_types: {arch} is served with indexed_attention on every layer, got {kinds!r:.80}")
-    cfg = {**cfg, "first_k_dense_replace": _dense_first(cfg, read_int(cfg, "first_k_dense_replace", 3, minimum=0))}
+    cfg = {**cfg, "first_k_dense_replace": dense_first(cfg, read_int(cfg, "first_k_dense_replace", 3, minimum=0))}
     if arch != "GlmMoeDsaForCausalLM":
         return cfg, {}
     key, kinds = "indexer_types", cfg.get("indexer_types")
@@ -88,7 +88,7 @@ GLM4_MOE_LITE_EXPERTS = dict(n_routed_experts=64, moe_intermediate_size=1536, nu
                              n_shared_experts=1)
 
 
-def _dense_first(cfg: dict[str, Any], default: int) -> int:
+def dense_first(cfg: dict[str, Any], default: int) -> int:
     """GLM-4.7-Flash's and DeepSeek V3.2's dense layers as `mlp_layer_types` says them (else the first `default`), as
     how many come first: the sparse layers after them (what the engine serves; another order is refused by name)."""
     kinds = cfg.get("mlp_layer_types")

@@ -1,8 +1,8 @@
 """Hybrid models whose layers are mostly linear attention (Gated DeltaNet) with a full-attention layer every few:
 Qwen3.5's text models (dense and MoE) and Qwen3-Next, as transformers' `Qwen3_5TextConfig`, `Qwen3_5MoeTextConfig` and
 `Qwen3NextConfig` read their config.json; the readers of every family with state layers (`HYBRID_FIELDS`, Nemotron-H's
-in `engine.nemotron_h_config`, LFM2's in `engine.lfm2_config`; Granite 4-H's in `engine.granite_config`), and what
-a pool of such a model serves without (`serving_pool`: swap).
+in `engine.nemotron_h_config`, LFM2's in `engine.lfm2_config`, Kimi Linear's in `engine.kimi_linear_config`;
+Granite 4-H's in `engine.granite_config`), and what a pool of such a model serves without (`serving_pool`: swap).
 
 A linear-attention layer (`layer_types` "linear_attention") holds no K/V per token: each running sequence carries
 a fixed-size state for it (`GatedDeltaShape.state_bytes`; Mamba-2's: `engine.mamba_config`), which the capacity plan
@@ -16,6 +16,7 @@ from typing import Any
 
 from engine.config import ConfigError, PoolConfig
 from engine.config_values import read_bool, read_float, read_int, read_object
+from engine.kimi_linear_config import KdaShape, kimi_linear_fields
 from engine.lfm2_config import ShortConvShape, lfm2_fields, lfm2_moe_fields
 from engine.mamba_config import Mamba2Shape, state_bytes
 from engine.nemotron_h_config import nemotron_h_fields
@@ -96,7 +97,7 @@ class GatedDeltaShape:
         return state_bytes(self, itemsize)
 
 
-StateShape = GatedDeltaShape | Mamba2Shape | ShortConvShape
+StateShape = GatedDeltaShape | Mamba2Shape | ShortConvShape | KdaShape
 
 
 def qwen3_5_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
@@ -186,7 +187,7 @@ def olmo_hybrid_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
 HYBRID_FIELDS = {"Qwen3_5ForCausalLM": qwen3_5_fields, "Qwen3_5MoeForCausalLM": qwen3_5_moe_fields,
                  "Qwen3NextForCausalLM": qwen3_next_fields, "NemotronHForCausalLM": nemotron_h_fields,
                  "OlmoHybridForCausalLM": olmo_hybrid_fields, "Lfm2ForCausalLM": lfm2_fields,
-                 "Lfm2MoeForCausalLM": lfm2_moe_fields}
+                 "Lfm2MoeForCausalLM": lfm2_moe_fields, "KimiLinearForCausalLM": kimi_linear_fields}
 
 def serving_pool(pool: PoolConfig, stateful: bool) -> PoolConfig:
     """A pool as a model serves it: itself, with a swapping preemption mode refused (naming the pool's key) for a

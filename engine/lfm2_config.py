@@ -118,5 +118,5 @@ def lfm2_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
         raise ConfigError("layer_types: LFM2 with no attention layer is not served")
     shape = ShortConvShape(channels=read_int(cfg, "hidden_size"), kernel=read_int(cfg, "conv_L_cache", 3),
                            bias=read_bool(cfg, "conv_bias", False))
-    return {"layer_types": tuple("linear_attention" if k == "conv" else k for k in kinds), "short_conv": shape,
+    return {"layer_types": tuple("linear_attention" if k == "conv" else k for k in kinds), "state_layers": shape,
             "qk_norm": True}

@@ -18,9 +18,10 @@ import torch
 from engine.config import ConfigError, PoolConfig
 from engine.fp8_weights import SCALE_SUFFIX
 from engine.config_values import read_bool, read_float, read_int, read_object, read_token_ids
-from engine.gated_delta_config import GatedDeltaShape, serving_pool
+from engine.gated_delta_config import GatedDeltaShape, StateShape, serving_pool
 from engine.gemma4_config import Gemma4Shape, gemma4_params
 from engine.mamba_config import Mamba2Shape
+from engine.kimi_linear_config import KdaShape, kimi_linear_config
 from engine.lfm2_config import ShortConvShape, lfm2_config, lfm2_moe_config
 from engine.nemotron_h_config import nemotron_h_config, nemotron_h_params
 from engine.mla_config import MlaShape
@@ -43,7 +44,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
                            "MinistralForCausalLM", "HunYuanMoEV1ForCausalLM", "ApertusForCausalLM",
                            "OlmoHybridForCausalLM", "Gemma4ForCausalLM", "Mistral4ForCausalLM",
                            "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM", "Lfm2ForCausalLM",
-                           "Lfm2MoeForCausalLM")
+                           "Lfm2MoeForCausalLM", "KimiLinearForCausalLM")
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")   # one LayerNorm a layer, a parallel block
 # their attention bias: q/k/v's, not o_proj's
 QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM")
@@ -135,7 +136,7 @@ class ModelConfig:
     swiglu_alpha: float = 1.702         # ... and its sigmoid's gain
     gated_delta: GatedDeltaShape | None = None   # Qwen3.5: its linear_attention layers' shape (None: none)
     mamba: Mamba2Shape | None = None    # Granite 4's -H models: their Mamba-2 layers' (`linear_attention` too)
-    short_conv: ShortConvShape | None = None   # LFM2: its gated short convolutions' (`linear_attention` too)
+    state_layers: ShortConvShape | KdaShape | None = None   # LFM2's short convolutions', Kimi Linear's KDA's
     attn_output_gate: bool = False      # Qwen3.5: attention's output x sigmoid(a gate q_proj makes beside each head)
     mla: MlaShape | None = None         # DeepSeek: latent attention (head_dim the cache's, one KV head; None: none)
     moe_router: str = "softmax"         # how experts are picked (MOE_ROUTERS): the softmax's top k, or DeepSeek's
@@ -309,9 +310,9 @@ class ModelConfig:
                      and (self.gemma4 is None or self.gemma4.kv_producer(self, i) == i))   # Gemma 4's shared K/V
 
     @property
-    def state_shape(self) -> GatedDeltaShape | Mamba2Shape | ShortConvShape | None:
+    def state_shape(self) -> StateShape | None:
         """The shape of the layers that keep a state per sequence (`layer_types` linear_attention), or None."""
-        return self.gated_delta or self.mamba or self.short_conv
+        return self.gated_delta or self.mamba or self.state_layers
 
     @property
     def num_kv_layers(self) -> int:
@@ -416,7 +417,7 @@ class ModelConfig:
         _check_architecture(arch)
         cfg = FAMILY_DEFAULTS.get(arch, {}) | cfg
         cfg = {"NemotronHForCausalLM": nemotron_h_config, "Lfm2ForCausalLM": lfm2_config,
-               "Lfm2MoeForCausalLM": lfm2_moe_config}.get(arch, dict)(cfg)
+               "Lfm2MoeForCausalLM": lfm2_moe_config, "KimiLinearForCausalLM": kimi_linear_config}.get(arch, dict)(cfg)
         if cfg.get("max_position_embeddings") is None:
             cfg = {**cfg, "max_position_embeddings": DEFAULT_MAX_POSITIONS[arch]}
         num_heads = read_int(cfg, "num_attention_heads")

@@ -65,10 +65,12 @@ def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     """One token of each of many sequences.
 
     q, k: [num_seqs, num_k_heads, k_head_dim]; v: [num_seqs, num_v_heads, v_head_dim]; g, beta: [num_seqs,
-    num_v_heads]; ssm: [num_seqs, num_v_heads, k_head_dim, v_head_dim] float32 -> (out [num_seqs, num_v_heads,
-    v_head_dim] float32, the new states)."""
+    num_v_heads] (g [num_seqs, num_v_heads, k_head_dim]: a decay per key channel, Kimi Delta Attention's); ssm:
+    [num_seqs, num_v_heads, k_head_dim, v_head_dim] float32 -> (out [num_seqs, num_v_heads, v_head_dim] float32, the
+    new states)."""
     q, k = _prepare(q, k, v.shape[-2])
-    state = ssm * g.float().exp()[..., None, None]
+    decay = g.float().exp()
+    state = ssm * (decay[..., None] if g.dim() == 3 else decay[..., None, None])
     predicted = (state * k.unsqueeze(-1)).sum(-2)                           # S^T k: [num_seqs, heads, v_head_dim]
     delta = (v.float() - predicted) * beta.float().unsqueeze(-1)
     state = state + k.unsqueeze(-1) * delta.unsqueeze(-2)
@@ -81,7 +83,9 @@ def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
 
     q, k: [num_tokens, num_k_heads, k_head_dim]; v: [num_tokens, num_v_heads, v_head_dim]; g, beta: [num_tokens,
     num_v_heads]; ssm: [num_v_heads, k_head_dim, v_head_dim] float32 -> (out [num_tokens, num_v_heads, v_head_dim]
-    float32, the state after the last token)."""
+    float32, the state after the last token). g [num_tokens, num_v_heads, k_head_dim]: `chunked_per_channel`."""
+    if g.dim() == 3:
+        return chunked_per_channel(q, k, v, g, beta, ssm, chunk)
     num_tokens = v.shape[0]
     q, k = _prepare(q, k, v.shape[-2])
     pad = -num_tokens % chunk
@@ -106,4 +110,36 @@ def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
         new = u[:, i] - w[:, i] @ state                                      # what the state does not predict
         out[:, i] = q_decayed[:, i] @ state + scores[:, i] @ new
         state = state * chunk_decay[:, i] + k_to_end[:, i].transpose(-1, -2) @ new
+    return out.flatten(1, 2)[:, :num_tokens].transpose(0, 1), state
+
+
+def chunked_per_channel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                        ssm: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """`chunked` with a decay per key channel (Kimi Delta Attention's): g [num_tokens, num_v_heads, k_head_dim].
+
+    The same WY form a chunk at a time, each pair of tokens (i, j <= i) decayed channel by channel: the system's and
+    the scores' dot products weigh each channel c by exp(decay_i[c] - decay_j[c]) (at most 1: made one chunk at a
+    time, [heads, chunk, chunk, k_head_dim]), the state's rows by their own channel's decay."""
+    num_tokens = v.shape[0]
+    q, k = _prepare(q, k, v.shape[-2])
+    pad = -num_tokens % chunk
+    # [heads, chunks, chunk, dim]; padded tokens have g = 0 and beta = 0: they change nothing
+    q, k, v, g = (F.pad(t.float().transpose(0, 1), (0, 0, 0, pad)).unflatten(1, (-1, chunk)) for t in (q, k, v, g))
+    beta = F.pad(beta.float().t(), (0, pad)).unflatten(1, (-1, chunk))      # [heads, chunks, chunk]
+    decays = g.cumsum(-2)                                                    # per channel, from the chunk's start
+    later = ~torch.ones(chunk, chunk, dtype=torch.bool, device=v.device).tril().unsqueeze(-1)
+    out = torch.empty_like(v)
+    state = ssm.float()
+    for i in range(v.shape[1]):
+        decay, k_i, q_i = decays[:, i], k[:, i], q[:, i]                     # [heads, chunk, k_head_dim]
+        pair = (decay.unsqueeze(-2) - decay.unsqueeze(-3)).masked_fill(later, float("-inf")).exp()   # [h, i, j, c]
+        k_beta = k_i * beta[:, i].unsqueeze(-1)
+        system = (k_beta.unsqueeze(-2) * k_i.unsqueeze(-3) * pair).sum(-1)   # strictly lower part: the WY system
+        u = torch.linalg.solve_triangular(system, v[:, i] * beta[:, i].unsqueeze(-1), upper=False, unitriangular=True)
+        w = torch.linalg.solve_triangular(system, k_beta * decay.exp(), upper=False, unitriangular=True)
+        scores = (q_i.unsqueeze(-2) * k_i.unsqueeze(-3) * pair).sum(-1)     # within the chunk, causal
+        new = u - w @ state                                                  # what the state does not predict
+        out[:, i] = (q_i * decay.exp()) @ state + scores @ new
+        last = decay[:, -1:]                                                 # [heads, 1, k_head_dim]
+        state = state * last.exp().transpose(-1, -2) + (k_i * (last - decay).exp()).transpose(-1, -2) @ new
     return out.flatten(1, 2)[:, :num_tokens].transpose(0, 1), state

@@ -21,7 +21,8 @@ attention, NoPE layers with query temperature, q/k L2-normed after an interleave
 `ministral3` (Ministral 3: Mistral's layer with Llama 4's query scaling on every layer), `qwen3_5` (Qwen3.5: Gated
 DeltaNet layers over a per-sequence state between gated full-attention layers; Qwen3-Next), `nemotron_h` (Nemotron-H:
 single-mixer blocks of Mamba-2, NoPE attention or a squared-ReLU MLP), `lfm2` (LFM2: gated short convolutions
-beside attention with per-head q/k norms; LFM2-MoE's experts), over `hybrid`'s states.
+beside attention with per-head q/k norms; LFM2-MoE's experts), `kimi_linear` (Kimi Linear: Kimi Delta Attention
+beside DeepSeek's latent attention without a rotary), over `hybrid`'s states.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from engine.models.granite import (GraniteForCausalLM, GraniteHybridForCausalLM,
                                    GraniteMoeHybridForCausalLM)
 from engine.models.hunyuan import HunyuanDenseForCausalLM, HunyuanMoeForCausalLM
 from engine.models.minimax_m2 import MiniMaxM2ForCausalLM
+from engine.models.kimi_linear import KimiLinearForCausalLM
 from engine.models.lfm2 import Lfm2ForCausalLM, Lfm2MoeForCausalLM
 from engine.models.mixtral import MixtralForCausalLM
 from engine.models.olmo2 import (Exaone4ForCausalLM, Olmo2ForCausalLM, Olmo3ForCausalLM, OlmoeForCausalLM,
@@ -113,7 +115,8 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "ApertusForCausalLM": ApertusForCausalLM,
                                                 "OlmoHybridForCausalLM": OlmoHybridForCausalLM,
                                                 "Lfm2ForCausalLM": Lfm2ForCausalLM,
-                                                "Lfm2MoeForCausalLM": Lfm2MoeForCausalLM}
+                                                "Lfm2MoeForCausalLM": Lfm2MoeForCausalLM,
+                                                "KimiLinearForCausalLM": KimiLinearForCausalLM}
 
 
 def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:

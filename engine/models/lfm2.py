@@ -85,7 +85,7 @@ class Lfm2Layer(MixerLayerForward, DecoderLayer):
         super().__init__(config, shard, comm, rotary_emb, ops, layer)
         if config.is_linear_layer(layer):
             del self.self_attn
-            self.conv = ShortConvMixer(config.short_conv.per_rank(shard.size), config.hidden_size, state_index, comm)
+            self.conv = ShortConvMixer(config.state_layers.per_rank(shard.size), config.hidden_size, state_index, comm)
 
 
 
@@ -113,7 +113,7 @@ class Lfm2ForCausalLM(StatefulForCausalLM):
         its columns of out_proj (whose bias is added once, on rank 0); the rest as the Llama family's."""
         if self.shard.size == 1 or ".conv." not in name:
             return super()._shard_of(hf_name, name, tensor)
-        h, rank = self.config.short_conv.channels, self.shard.rank
+        h, rank = self.config.state_layers.channels, self.shard.rank
         if name.endswith("out_proj.bias"):
             return tensor if rank == 0 else torch.zeros_like(tensor)
         if ".out_proj." in name:

@@ -351,6 +351,16 @@ TINY_MODELS = [
     ("lfm2_moe", {"num_hidden_layers": 3, "layer_types": ["conv", "full_attention", "conv"], "intermediate_size": 96,
                   "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "num_dense_layers": 1,
                   "routed_scaling_factor": 1.5, "norm_eps": 1e-5}),
+    # Kimi Linear: Kimi Delta Attention layers (4 heads of 16, a decay per key channel; prompts past its chunk of 64)
+    # beside NoPE latent attention, the first MLP dense, then 8 experts of 32 in 2 groups (2 a token from 1 group)
+    # beside a shared one
+    ("kimi_linear", {"num_hidden_layers": 3, "layer_types": ["linear_attention", "full_attention",
+                                                             "linear_attention"],
+                     "mlp_layer_types": ["dense", "sparse", "sparse"], "intermediate_size": 96,
+                     "moe_intermediate_size": 32, "num_local_experts": 8, "num_experts_per_tok": 2, "n_group": 2,
+                     "topk_group": 1, "kv_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16,
+                     "v_head_dim": 16, "linear_head_dim": 16, "linear_num_heads": 4, "num_key_value_heads": 4,
+                     "pad_token_id": 0}),
     # OLMo Hybrid: pre-norm Gated DeltaNet blocks (beta up to 2) beside OLMo 3's post-norm attention, with a rope;
     # then NoPE attention
     ("olmo_hybrid", dict(num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
@@ -392,7 +402,8 @@ def test_tiny_random_models_match_transformers(tmp_path, monkeypatch, builtin_pa
     packed = isinstance(attn.o_proj, PackedLinear)
     assert packed == (cpu_linear == "onednn" and torch.backends.mkldnn.is_available())
     gen = torch.Generator().manual_seed(1)
-    state = arch in ("qwen3_5", "qwen3_5_moe", "qwen3_next", "nemotron_h", "olmo_hybrid", "lfm2", "lfm2_moe") or \
+    state = arch in ("qwen3_5", "qwen3_5_moe", "qwen3_next", "nemotron_h", "olmo_hybrid", "lfm2", "lfm2_moe",
+                     "kimi_linear") or \
         "mamba" in overrides.get("layer_types", ())
     lengths = (1, 5, 17, 40, 9) + ((100,) if state else ())   # past a state layer's chunk of 64
     prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in lengths]

@@ -34,7 +34,7 @@ def test_conv_layers_keep_a_state_of_their_last_inputs_and_no_kv():
     (in the model's dtype), per rank its share of the channels; `full_attn_idxs` picks the attention layers where
     `layer_types` is absent; `tie_embedding` and `norm_eps` are LFM2's names."""
     config = ModelConfig.from_hf_config({**BASE, "conv_L_cache": 4, "tie_embedding": False, "norm_eps": 1e-4})
-    assert config.kv_layers == (1, 3) and config.short_conv.conv_state_shape == (64, 3)
+    assert config.kv_layers == (1, 3) and config.state_layers.conv_state_shape == (64, 3)
     assert not config.tie_word_embeddings and config.rms_norm_eps == 1e-4 and config.qk_norm
     assert config.state_bytes_per_seq(torch.bfloat16) == 2 * 64 * 3 * 2
     assert config.state_bytes_per_seq(torch.bfloat16, tensor_parallel_size=2) == 2 * 32 * 3 * 2
