@@ -99,7 +99,7 @@ DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32_768, "
                          "GraniteMoeHybridForCausalLM": 2048, "Exaone4ForCausalLM": 2048,
                          "HunYuanDenseV1ForCausalLM": 2048, "OlmoeForCausalLM": 4096,
                          "HunYuanMoEV1ForCausalLM": 2048, "MinistralForCausalLM": 131_072,
-                         "ApertusForCausalLM": 65_536, "OlmoHybridForCausalLM": 65_536}
+                         "ApertusForCausalLM": 65_536, "OlmoHybridForCausalLM": 65_536, "Dots1ForCausalLM": 2048}
 # their rms_norm_eps, where it is not 1e-6
 DEFAULT_RMS_NORM_EPS = {"MixtralForCausalLM": 1e-5, "Phi3ForCausalLM": 1e-5, "Olmo2ForCausalLM": 1e-5,
                         "Olmo3ForCausalLM": 1e-5,

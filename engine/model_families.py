@@ -1,6 +1,7 @@
 """The config.json fields of the architectures past Llama's shape, as `ModelConfig` fields: Gemma 3's layer types, rope
 bases and norms (`gemma3_fields`), Gemma 2's layers and soft-capping, Qwen3-MoE's, Mixtral's and Qwen2-MoE's experts,
-Phi-3's window and rope, SmolLM3's NoPE layers, GPT-OSS's experts, sinks and layers, EXAONE 4's layers, the sliding
+Phi-3's window and rope, SmolLM3's NoPE layers, GPT-OSS's experts, sinks and layers, EXAONE 4's layers, dots.llm1's
+layers and experts, the sliding
 layers of Qwen2, Qwen3 and Qwen3-MoE (`qwen_window_fields`); Granite's, Llama 4's and Ministral 3's, Qwen3.5's in
 `engine.granite_config`, `llama4_config`, `gated_delta_config`; DeepSeek's, GLM-4.7-Flash's and Mistral 4's latent
 attention and grouped routers in `engine.deepseek_config`. What we do not serve is refused naming the key."""
@@ -74,6 +75,8 @@ def family_fields(cfg: dict[str, Any], arch: str, num_layers: int) -> dict[str, 
         return deepseek_fields(cfg, arch)
     if arch == "Glm4MoeForCausalLM":
         return glm4_moe_fields(cfg)
+    if arch == "Dots1ForCausalLM":
+        return dots1_fields(cfg, num_layers)
     if arch == "MiniMaxM2ForCausalLM":
         return minimax_m2_fields(cfg)
     if arch == "SeedOssForCausalLM":   # SeedOssConfig: q/k/v biased by default, o_proj by its own switch
@@ -338,6 +341,23 @@ def glm4_moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
                     norm_topk_prob=True, first_k_dense_replace=1, routed_scaling_factor=1.0, n_shared_experts=1)
     return {"partial_rotary_factor": factor, "qk_norm": read_bool(cfg, "use_qk_norm", False),
             "attention_bias": read_bool(cfg, "attention_bias", False),
+            **grouped_experts(cfg, defaults, "deepseek_v3", grouped=True)}
+
+
+def dots1_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """dots.llm1's fields (transformers' `Dots1Config` names; dots.llm1's experts where config.json names none):
+    Qwen3's attention (per-head q/k norms, biases where `attention_bias`), sliding layers from `max_window_layers`
+    on where `sliding_window` is set (by default none: every layer below 62), DeepSeek V3's experts (128 of 1408, 6 a
+    token from `topk_group` of `n_group`, two shared, the first `first_k_dense_replace` (0) layers dense)."""
+    check_silu(cfg, "dots.llm1")
+    defaults = dict(n_routed_experts=128, moe_intermediate_size=1408, num_experts_per_tok=6, n_group=1, topk_group=1,
+                    norm_topk_prob=False, first_k_dense_replace=0, routed_scaling_factor=1.0, n_shared_experts=2)
+    window = read_int(cfg, "sliding_window", None) if "sliding_window" in cfg else 4096
+    first = read_int(cfg, "max_window_layers", 62, minimum=0)
+    kinds = _layer_types(cfg, lambda: ["sliding_attention" if window is not None and i >= first else
+                                       "full_attention" for i in range(num_layers)])
+    return {"qk_norm": True, "attention_bias": read_bool(cfg, "attention_bias", False), "layer_types": tuple(kinds),
+            "sliding_window": window if "sliding_attention" in kinds else None,
             **grouped_experts(cfg, defaults, "deepseek_v3", grouped=True)}
 
 

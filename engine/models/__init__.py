@@ -116,7 +116,8 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "OlmoHybridForCausalLM": OlmoHybridForCausalLM,
                                                 "Lfm2ForCausalLM": Lfm2ForCausalLM,
                                                 "Lfm2MoeForCausalLM": Lfm2MoeForCausalLM,
-                                                "KimiLinearForCausalLM": KimiLinearForCausalLM}
+                                                "KimiLinearForCausalLM": KimiLinearForCausalLM,
+                                                "Dots1ForCausalLM": Glm4MoeForCausalLM}   # dots.llm1: its layers
 
 
 def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:

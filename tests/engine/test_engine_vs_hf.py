@@ -351,6 +351,12 @@ TINY_MODELS = [
     ("lfm2_moe", {"num_hidden_layers": 3, "layer_types": ["conv", "full_attention", "conv"], "intermediate_size": 96,
                   "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "num_dense_layers": 1,
                   "routed_scaling_factor": 1.5, "norm_eps": 1e-5}),
+    # dots.llm1: Qwen3's attention (its top layer sliding, a window of 8) with DeepSeek V3's experts past the first
+    # layer: 8 of 32 in 2 groups, 2 a token from 1 group, beside two shared
+    ("dots1", {"num_hidden_layers": 3, "head_dim": 16, "n_routed_experts": 8, "num_experts_per_tok": 2,
+               "moe_intermediate_size": 32, "n_shared_experts": 2, "n_group": 2, "topk_group": 1,
+               "first_k_dense_replace": 1, "sliding_window": 8, "max_window_layers": 2, "norm_topk_prob": True,
+               "routed_scaling_factor": 1.5}),
     # Kimi Linear: Kimi Delta Attention layers (4 heads of 16, a decay per key channel; prompts past its chunk of 64)
     # beside NoPE latent attention, the first MLP dense, then 8 experts of 32 in 2 groups (2 a token from 1 group)
     # beside a shared one
