@@ -44,7 +44,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
                            "MinistralForCausalLM", "HunYuanMoEV1ForCausalLM", "ApertusForCausalLM",
                            "OlmoHybridForCausalLM", "Gemma4ForCausalLM", "Mistral4ForCausalLM",
                            "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM", "Lfm2ForCausalLM",
-                           "Lfm2MoeForCausalLM", "KimiLinearForCausalLM", "Dots1ForCausalLM")
+                           "Lfm2MoeForCausalLM", "KimiLinearForCausalLM", "Dots1ForCausalLM", "SolarOpenForCausalLM")
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")   # one LayerNorm a layer, a parallel block
 # their attention bias: q/k/v's, not o_proj's
 QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM")

@@ -80,6 +80,10 @@ FAMILY_DEFAULTS = {"Gemma2ForCausalLM": GEMMA2_DEFAULTS, "Gemma3ForCausalLM": GE
                    "Lfm2ForCausalLM": {   # Lfm2Config's (its MLP width and norms: engine.lfm2_config)
                        "vocab_size": 65_536, "hidden_size": 2560, "num_hidden_layers": 32, "num_attention_heads": 32,
                        "num_key_value_heads": 8, "max_position_embeddings": 128_000},
+                   "SolarOpenForCausalLM": {   # SolarOpenConfig's (GLM-4.5's); its MLPs are experts on every layer
+                       "vocab_size": 196_608, "hidden_size": 4096, "intermediate_size": 10_944, "num_hidden_layers": 48,
+                       "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-5,
+                       "max_position_embeddings": 131_072, "rope_theta": 1_000_000.0},
                    "Lfm2MoeForCausalLM": {   # Lfm2MoeConfig's
                        "vocab_size": 65_536, "hidden_size": 2048, "intermediate_size": 7168, "num_hidden_layers": 32,
                        "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 128_000}}

@@ -1,7 +1,7 @@
 """The config.json fields of the architectures past Llama's shape, as `ModelConfig` fields: Gemma 3's layer types, rope
 bases and norms (`gemma3_fields`), Gemma 2's layers and soft-capping, Qwen3-MoE's, Mixtral's and Qwen2-MoE's experts,
 Phi-3's window and rope, SmolLM3's NoPE layers, GPT-OSS's experts, sinks and layers, EXAONE 4's layers, dots.llm1's
-layers and experts, the sliding
+and Solar Open's layers and experts, the sliding
 layers of Qwen2, Qwen3 and Qwen3-MoE (`qwen_window_fields`); Granite's, Llama 4's and Ministral 3's, Qwen3.5's in
 `engine.granite_config`, `llama4_config`, `gated_delta_config`; DeepSeek's, GLM-4.7-Flash's and Mistral 4's latent
 attention and grouped routers in `engine.deepseek_config`. What we do not serve is refused naming the key."""
@@ -77,6 +77,8 @@ def family_fields(cfg: dict[str, Any], arch: str, num_layers: int) -> dict[str, 
         return glm4_moe_fields(cfg)
     if arch == "Dots1ForCausalLM":
         return dots1_fields(cfg, num_layers)
+    if arch == "SolarOpenForCausalLM":
+        return solar_open_fields(cfg)
     if arch == "MiniMaxM2ForCausalLM":
         return minimax_m2_fields(cfg)
     if arch == "SeedOssForCausalLM":   # SeedOssConfig: q/k/v biased by default, o_proj by its own switch
@@ -359,6 +361,17 @@ def dots1_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
     return {"qk_norm": True, "attention_bias": read_bool(cfg, "attention_bias", False), "layer_types": tuple(kinds),
             "sliding_window": window if "sliding_attention" in kinds else None,
             **grouped_experts(cfg, defaults, "deepseek_v3", grouped=True)}
+
+
+def solar_open_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Solar Open's fields (transformers' `SolarOpenConfig`, GLM-4.5's keys and defaults): Llama's attention (q/k/v
+    biases where `attention_bias`, never o_proj's; the whole head rotated; no q/k norms), DeepSeek V3's experts on
+    every layer (128 of 1,280, 8 a token from `topk_group` of `n_group`, renormalised, one shared)."""
+    check_silu(cfg, "Solar Open")
+    defaults = dict(n_routed_experts=128, moe_intermediate_size=1280, num_experts_per_tok=8, n_group=1, topk_group=1,
+                    norm_topk_prob=True, first_k_dense_replace=0, routed_scaling_factor=1.0, n_shared_experts=1)
+    return {"attention_bias": read_bool(cfg, "attention_bias", False), "attention_out_bias": False,
+            **grouped_experts({**cfg, "first_k_dense_replace": 0}, defaults, "deepseek_v3", grouped=True)}
 
 
 def minimax_m2_fields(cfg: dict[str, Any]) -> dict[str, Any]:

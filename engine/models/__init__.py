@@ -117,7 +117,8 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "Lfm2ForCausalLM": Lfm2ForCausalLM,
                                                 "Lfm2MoeForCausalLM": Lfm2MoeForCausalLM,
                                                 "KimiLinearForCausalLM": KimiLinearForCausalLM,
-                                                "Dots1ForCausalLM": Glm4MoeForCausalLM}   # dots.llm1: its layers
+                                                "Dots1ForCausalLM": Glm4MoeForCausalLM,   # dots.llm1: its layers
+                                                "SolarOpenForCausalLM": Glm4MoeForCausalLM}   # Solar Open: alike
 
 
 def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:
