@@ -37,7 +37,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
                            "GptOssForCausalLM", "Qwen2MoeForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM",
                            "Ernie4_5ForCausalLM", "Ernie4_5_MoeForCausalLM", "Glm4ForCausalLM", "DeepseekV2ForCausalLM",
                            "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM", "Olmo3ForCausalLM",
-                           "SeedOssForCausalLM", "Llama4ForCausalLM", "Ministral3ForCausalLM",
+                           "SeedOssForCausalLM", "Llama4ForCausalLM", "Ministral3ForCausalLM", "ArceeForCausalLM",
                            "Glm4MoeLiteForCausalLM", "GraniteMoeHybridForCausalLM", "Exaone4ForCausalLM",
                            "HunYuanDenseV1ForCausalLM", "OlmoeForCausalLM", "Qwen3_5ForCausalLM",
                            "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM", "NemotronHForCausalLM",
@@ -174,8 +174,8 @@ class ModelConfig:
             if len(getattr(self.rope_scaling, key)) != self.rotary_dim // 2:
                 raise ConfigError(f"rope_scaling.{key}: longrope needs one factor a rotary frequency "
                                   f"({self.rotary_dim // 2}), got {len(getattr(self.rope_scaling, key))}")
-        if self.hidden_act not in SUPPORTED_ACTIVATIONS and (self.hidden_act, self.architecture) != (
-                "xielu", "ApertusForCausalLM"):   # Apertus's MLP is its own (`engine.models.apertus`)
+        if self.hidden_act not in SUPPORTED_ACTIVATIONS and (self.hidden_act, self.architecture) not in (
+                ("xielu", "ApertusForCausalLM"), ("relu2", "ArceeForCausalLM")):   # MLPs of their own: apertus
             raise ConfigError(f"hidden_act: unsupported {self.hidden_act!r}; supported: {', '.join(SUPPORTED_ACTIVATIONS)}")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ConfigError(f"sliding_window: must be positive, got {self.sliding_window}")
@@ -377,8 +377,8 @@ class ModelConfig:
         if self.mla is not None:
             attn = self.mla.num_params(h, heads, self.attention_bias)
         mlp = 3 * h * i + (2 * i + h if self.mlp_bias else 0)
-        if self.architecture == "ApertusForCausalLM":   # no gate; xIELU's two slopes
-            mlp = 2 * h * i + 2
+        if self.architecture in ("ApertusForCausalLM", "ArceeForCausalLM"):   # no gate (Apertus: xIELU's 2 slopes)
+            mlp = 2 * h * i + (2 if self.architecture == "ApertusForCausalLM" else 0) + (i + h if self.mlp_bias else 0)
         experts = self.num_experts * (3 * h * moe_i + h)   # every expert, and the router
         if self.moe_bias:   # GPT-OSS: each expert's gate/up and down biases, the router's
             experts += self.num_experts * (2 * moe_i + h + 1)

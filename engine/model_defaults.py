@@ -103,7 +103,8 @@ DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32_768, "
                          "GraniteMoeHybridForCausalLM": 2048, "Exaone4ForCausalLM": 2048,
                          "HunYuanDenseV1ForCausalLM": 2048, "OlmoeForCausalLM": 4096,
                          "HunYuanMoEV1ForCausalLM": 2048, "MinistralForCausalLM": 131_072,
-                         "ApertusForCausalLM": 65_536, "OlmoHybridForCausalLM": 65_536, "Dots1ForCausalLM": 2048}
+                         "ApertusForCausalLM": 65_536, "OlmoHybridForCausalLM": 65_536, "Dots1ForCausalLM": 2048,
+                         "ArceeForCausalLM": 4096}
 # their rms_norm_eps, where it is not 1e-6
 DEFAULT_RMS_NORM_EPS = {"MixtralForCausalLM": 1e-5, "Phi3ForCausalLM": 1e-5, "Olmo2ForCausalLM": 1e-5,
                         "Olmo3ForCausalLM": 1e-5,
@@ -112,7 +113,7 @@ DEFAULT_RMS_NORM_EPS = {"MixtralForCausalLM": 1e-5, "Phi3ForCausalLM": 1e-5, "Ol
                         "Glm4MoeForCausalLM": 1e-5, "Llama4ForCausalLM": 1e-5, "Ministral3ForCausalLM": 1e-5,
                         "Glm4MoeLiteForCausalLM": 1e-5, "Exaone4ForCausalLM": 1e-5,
                         "HunYuanDenseV1ForCausalLM": 1e-5, "OlmoeForCausalLM": 1e-5, "HunYuanMoEV1ForCausalLM": 1e-5,
-                        "ApertusForCausalLM": 1e-5}
+                        "ApertusForCausalLM": 1e-5, "ArceeForCausalLM": 1e-5}
 # their num_key_value_heads where config.json names none (else one per query head)
 DEFAULT_KV_HEADS = {"Qwen2ForCausalLM": 32, "MistralForCausalLM": 8, "Qwen3ForCausalLM": 32, "Qwen3MoeForCausalLM": 4,
                     "MixtralForCausalLM": 8, "SmolLM3ForCausalLM": 4, "GptOssForCausalLM": 8,

@@ -119,7 +119,7 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
            "deepseek_v32": transformers.DeepseekV32Config, "glm_moe_dsa": transformers.GlmMoeDsaConfig,
            "lfm2": transformers.Lfm2Config, "lfm2_moe": transformers.Lfm2MoeConfig,
            "kimi_linear": transformers.KimiLinearConfig, "dots1": transformers.Dots1Config,
-           "solar_open": transformers.SolarOpenConfig}[arch]
+           "solar_open": transformers.SolarOpenConfig, "arcee": transformers.ArceeConfig}[arch]
     config = cls(**common)
     if arch == "mistral4":   # transformers maps Mistral4Config to no causal LM class (only its pretraining one)
         transformers.AutoModelForCausalLM.register(transformers.Mistral4Config, transformers.Mistral4ForCausalLM,
@@ -128,7 +128,7 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # transformers starts the biases at zero, which would hide one read wrong; sinks near it
     if arch in ("gpt_oss", "deepseek_v3", "glm4_moe", "ernie4_5_moe", "seed_oss", "glm4_moe_lite", "mistral4",
-                "deepseek_v32", "glm_moe_dsa", "lfm2", "lfm2_moe", "solar_open"):
+                "deepseek_v32", "glm_moe_dsa", "lfm2", "lfm2_moe", "solar_open", "arcee"):
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if name.endswith(("bias", "sinks")):

@@ -1,7 +1,8 @@
 """Swiss AI's Apertus (`ApertusForCausalLM`: Apertus-8B, -70B): the Llama layer with each q and k head RMS-normed
 before the rotary (Qwen3's), its norms under their own names (`attention_layernorm`, `feedforward_layernorm`), and
 an MLP without a gate whose activation is xIELU (`XIELU`: two learned slopes a layer, transformers'
-`XIELUActivation` in its Python form). The module path runs it (the CPU flat loop's MLP is the gated one).
+`XIELUActivation` in its Python form). Arcee's AFM (`ArceeForCausalLM`: AFM-4.5B) is the Llama layer with that MLP
+shape, its activation squared ReLU. The module path runs them (the CPU flat loop's MLP is the gated one).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from engine.model import DecoderLayer, LlamaForCausalLM, WeightLoadError
 from engine.model_config import ModelConfig
 from engine.parallel import Collectives, ShardShape
 
-__all__ = ["ApertusForCausalLM", "XIELU"]
+__all__ = ["ApertusForCausalLM", "ArceeForCausalLM", "XIELU"]
 
 
 class XIELU(nn.Module):
@@ -39,14 +40,16 @@ class XIELU(nn.Module):
 
 
 class ApertusMLP(nn.Module):
-    """up, xIELU, down: no gate. Column-parallel up (`up`: the checkpoint's up_proj), row-parallel down_proj."""
+    """up, xIELU (`act_fn`: else Arcee's squared ReLU), down: no gate. Column-parallel up (`up`: the checkpoint's
+    up_proj), row-parallel down_proj; biased where `mlp_bias`."""
 
-    def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives) -> None:
+    def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives, act_fn: nn.Module | None = None
+                 ) -> None:
         super().__init__()
         self.comm = comm
-        self.up = nn.Linear(config.hidden_size, shard.intermediate_size, bias=False)
-        self.act_fn = XIELU()
-        self.down_proj = nn.Linear(shard.intermediate_size, config.hidden_size, bias=False)
+        self.up = nn.Linear(config.hidden_size, shard.intermediate_size, bias=config.mlp_bias)
+        self.act_fn = act_fn or XIELU()
+        self.down_proj = nn.Linear(shard.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.comm.all_reduce(self.down_proj(self.act_fn(self.up(x))))
@@ -78,4 +81,27 @@ class ApertusForCausalLM(LlamaForCausalLM):
 
     def _shard_of(self, hf_name: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """`up` cut as the Llama MLP's up_proj; xIELU's slopes whole on every rank."""
+        return super()._shard_of(hf_name, name.replace(".mlp.up.", ".mlp.up_proj."), tensor)
+
+
+class SquaredReLU(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(x).square()
+
+
+class ArceeForCausalLM(LlamaForCausalLM):
+    """Arcee's AFM (see the module docstring): the Llama model, its MLP up, squared ReLU, down."""
+
+    supports_flat_forward = False
+
+    def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
+        layer = DecoderLayer(self.config, self.shard, self.comm, self.rotary_emb, ops, index)
+        layer.mlp = ApertusMLP(self.config, self.shard, self.comm, SquaredReLU())
+        return layer
+
+    def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
+        return ((name.replace(".mlp.up_proj.", ".mlp.up."), tensor),)
+
+    def _shard_of(self, hf_name: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """`up` cut as the Llama MLP's up_proj."""
         return super()._shard_of(hf_name, name.replace(".mlp.up.", ".mlp.up_proj."), tensor)

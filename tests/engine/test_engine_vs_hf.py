@@ -357,6 +357,9 @@ TINY_MODELS = [
                "moe_intermediate_size": 32, "n_shared_experts": 2, "n_group": 2, "topk_group": 1,
                "first_k_dense_replace": 1, "sliding_window": 8, "max_window_layers": 2, "norm_topk_prob": True,
                "routed_scaling_factor": 1.5}),
+    # Arcee's AFM: the Llama layer, its MLP up, squared ReLU, down; then with biases
+    ("arcee", {}),
+    ("arcee", {"mlp_bias": True, "attention_bias": True}),
     # Solar Open: Llama's attention with q/k/v biases, DeepSeek V3's experts on every layer (8 of 32 in 2 groups, 2 a
     # token from 1 group, renormalised) beside a shared one
     ("solar_open", {"head_dim": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
