@@ -349,8 +349,10 @@ class ModelConfig:
     @property
     def num_float32_params(self) -> int:
         """Parameters held in float32 whatever the model's dtype: DeepSeek's and ERNIE 4.5's routers (weight, the
-        correction bias of V3's and ERNIE's), LFM2-MoE's expert bias, DeepSeek V3.2's indexers' head weights."""
+        correction bias of V3's and ERNIE's), LFM2-MoE's expert bias, DeepSeek V3.2's indexers' head weights, Kimi
+        Linear's dt_bias."""
         indexers = self.mla.num_indexer_weights(self.hidden_size, self.num_layers) if self.mla is not None else 0
+        indexers += getattr(self.state_layers, "qkv_dim", 0) * (self.num_layers - self.num_kv_layers)   # KDA's dt_bias
         if self.moe_router not in ("deepseek_v2", "deepseek_v3", "ernie4_5", "lfm2"):
             return indexers
         weights = 0 if self.moe_router == "lfm2" else self.hidden_size   # LFM2-MoE's router: its bias alone
@@ -429,12 +431,10 @@ class ModelConfig:
         if arch == "MistralForCausalLM":   # absent: MistralConfig's 4096; null: none
             sliding_window = read_int(cfg, "sliding_window", None) if "sliding_window" in cfg else 4096
         return cls(**{**dict(
-            architecture=arch,
-            vocab_size=read_int(cfg, "vocab_size"),
+            architecture=arch, vocab_size=read_int(cfg, "vocab_size"),
             hidden_size=hidden,
             intermediate_size=read_int(cfg, "intermediate_size"),
-            num_layers=num_layers,
-            num_heads=num_heads,
+            num_layers=num_layers, num_heads=num_heads,
             num_kv_heads=read_int(cfg, "num_key_value_heads",   # null: one per head, as transformers reads None
                               num_heads if "num_key_value_heads" in cfg else DEFAULT_KV_HEADS.get(arch, num_heads)),
             head_dim=read_int(cfg, "head_dim", DEFAULT_HEAD_DIM.get(arch, hidden // num_heads)),

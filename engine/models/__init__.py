@@ -299,9 +299,9 @@ def held_int4(model: LlamaForCausalLM, quantization: str, device_type: str) -> s
             continue
         if module.in_features % group or any(c % group for c in columns[suffix.split(".")[1]][1]):
             if quantization == "int4":
-                raise ConfigError(f"quantization: int4 under tensor parallelism {model.shard.size} cuts {name}'s "
-                                  f"inputs into shares of {module.in_features}, not whole groups of {group} scaled "
-                                  "together: use auto (dequantized) or another size")
+                raise ConfigError(f"quantization: int4 cannot hold {name} as stored under tensor parallelism "
+                                  f"{model.shard.size}: a rank's {module.in_features} inputs are not whole groups of "
+                                  f"{group} scaled together: use auto (dequantized) or another size")
             continue
         held.add(name)
     return held

@@ -39,7 +39,9 @@ _CONVS = ("q_conv1d", "k_conv1d", "v_conv1d")
 
 class KimiDeltaAttention(StateMixer):
     """One Kimi Delta Attention layer (the module docstring), its checkpoint's names; `conv1d` the three
-    convolutions' rows (q's, k's, v's)."""
+    convolutions' rows (q's, k's, v's); `dt_bias` in float32 whatever the model's dtype, as transformers holds it."""
+
+    parameter_dtypes = {"dt_bias": torch.float32}   # `engine.models.build_model` allocates it so
 
     def __init__(self, shape: KdaShape, hidden_size: int, eps: float, layer: int) -> None:
         super().__init__()

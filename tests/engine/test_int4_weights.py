@@ -237,8 +237,8 @@ def test_two_ranks_hold_their_halves_of_each_int4_projection_and_decode_as_one(t
     _assert_same_or_near_tie(reference, _generate(LLMEngine(_config(folder, "auto", tp=2), progress=False), PROMPTS))
     uneven = make_tiny_model(tmp_path / "uneven", "qwen3", builtin_path, head_dim=16, intermediate_size=96)
     int4_checkpoint(uneven, experts_only=False)
-    with pytest.raises(ConfigError, match=r"^quantization: int4 under tensor parallelism 2 cuts layers.0.mlp.down_proj"
-                                          r"'s inputs into shares of 48, not whole groups of 32"):
+    with pytest.raises(ConfigError, match=r"^quantization: int4 cannot hold layers.0.mlp.down_proj as stored under "
+                                          r"tensor parallelism 2: a rank's 48 inputs are not whole groups of 32"):
         LLMEngine(_config(uneven, "int4", tp=2), progress=False)
     config = ModelConfig.from_folder(uneven)
     model = build_model(config, torch.float32, "cpu", ShardShape.of(config, 0, 2), quantization="fp8")

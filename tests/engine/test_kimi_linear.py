@@ -92,3 +92,18 @@ def test_tensor_parallelism_is_refused_naming_the_key():
 
     with pytest.raises(ConfigError, match=r"tensor_parallel_size: .*Kimi Delta Attention layers are served on one"):
         check_tensor_parallel(ModelConfig.from_hf_config(CHECKPOINT), 2)
+
+
+def test_the_plan_counts_what_the_model_holds_in_bfloat16(tmp_path, builtin_path):
+    """In bfloat16 the router (weight and correction bias) and each KDA layer's dt_bias stay float32, as transformers
+    holds them: the bytes the engine reports (the capacity plan's count) are the bytes its parameters take."""
+    from engine.llm_engine import LLMEngine
+    from tests.conftest import make_tiny_model
+    from tests.engine.test_engine_vs_hf import TINY_MODELS
+
+    overrides = next(o for arch, o in TINY_MODELS if arch == "kimi_linear")
+    engine = LLMEngine.from_args(str(make_tiny_model(tmp_path / "kimi", "kimi_linear", builtin_path, **overrides)),
+                                 dtype="bfloat16", block_size=8, num_blocks=16, progress=False)
+    kda = engine.model.layers[0].linear_attn
+    assert kda.dt_bias.dtype == torch.float32 and kda.A_log.dtype == torch.bfloat16
+    assert engine.weights_bytes == sum(p.numel() * p.element_size() for p in engine.model.parameters())

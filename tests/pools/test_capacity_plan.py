@@ -585,9 +585,9 @@ def test_int4_projections_held_as_stored_put_qwen3_32b_on_one_48_gb_card():
     for key, value, match in (("quantization", "none", r"devices.l40s.memory: .* 61.02 GiB per GPU in bfloat16 .*; "
                                                        r"quantization: auto holds the checkpoint's quantized weights "
                                                        r"as stored, 17.88 GiB per GPU"),
-                              ("tensor_parallel_size", 16, r"devices.l40s.quantization: int4 under tensor parallelism "
-                                                           r"16 cuts layers.0.mlp.down_proj's inputs into shares of "
-                                                           r"1600")):
+                              ("tensor_parallel_size", 16, r"devices.l40s.quantization: int4 cannot hold "
+                                                           r"layers.0.mlp.down_proj as stored under tensor parallelism "
+                                                           r"16: a rank's 1600 inputs")):
         changed = {**data["devices"]["l40s"], key: value} | ({"quantization": "int4"} if key != "quantization" else {})
         with pytest.raises(SpecError, match=match):
             plan_capacity(parse_config({**data, "devices": {"l40s": changed}}, env={},
