@@ -13,7 +13,7 @@ refused naming the key."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from engine.config import ConfigError
@@ -39,7 +39,7 @@ KEYS = {"num_experts": "n_routed_experts", "num_experts_per_token": "num_experts
 @dataclass(frozen=True)
 class KdaShape:
     """One Kimi Delta Attention layer's shape: `num_heads` heads of `head_dim` for q, k and v alike, a causal
-    convolution of `conv_kernel` taps over each. One rank holds it whole (`split_error`)."""
+    convolution of `conv_kernel` taps over each. Tensor parallelism splits its heads (`per_rank`)."""
 
     num_heads: int
     head_dim: int
@@ -54,10 +54,11 @@ class KdaShape:
         return self.num_heads * self.head_dim
 
     def split_error(self, size: int) -> str | None:
-        return None if size == 1 else f"{size} ranks; Kimi Delta Attention layers are served on one rank"
+        return None if self.num_heads % size == 0 else \
+            f"{size} does not divide the model's {self.num_heads} Kimi Delta Attention heads"
 
     def per_rank(self, size: int) -> KdaShape:
-        return self
+        return self if size == 1 else replace(self, num_heads=self.num_heads // size)
 
     @property
     def conv_state_shape(self) -> tuple[int, int]:
@@ -68,8 +69,9 @@ class KdaShape:
         return self.num_heads, self.head_dim, self.head_dim
 
     def num_params(self, hidden_size: int) -> int:
-        """q, k, v and o projections, the convolutions, the forget gate's two projections (through head_dim), its
-        dt_bias and A_log, beta's projection, the output gate's two projections, the output norm."""
+        """q, k, v and o projections, the convolutions, the forget gate's two projections (through head_dim, whose
+        first a rank holds whole), its dt_bias and A_log, beta's projection, the output gate's two projections (the
+        first whole), the output norm (whole)."""
         h, d, n = hidden_size, self.head_dim, self.qkv_dim
         return 4 * h * n + 3 * n * self.conv_kernel + 2 * (h * d + d * n) + n + self.num_heads + h * self.num_heads \
             + d

@@ -7,7 +7,9 @@ of `linear_head_dim`) through a causal convolution and SiLU; q and k L2-normed (
 `kernels.gated_delta`); the forget gate g = -exp(A_log) x softplus(f_b(f_a(x)) + dt_bias), a value per channel; beta
 = sigmoid(b_proj(x)); then S = S x exp(g) row by row, S += k (beta (v - S^T k))^T, out = S^T q
 (`kernels.gated_delta.chunked_per_channel` for a prefill, `recurrent_step` a token at a time); the output RMS-normed
-per head times sigmoid(g_b(g_a(x))), then o_proj. The layers run on one rank.
+per head times sigmoid(g_b(g_a(x))), then o_proj. Under tensor parallelism each rank holds its heads: their rows of
+q, k, v, the convolutions, f_b, g_b, dt_bias, A_log and b_proj, their columns of o_proj (summed over the ranks);
+f_a, g_a and the norm whole.
 
 The checkpoint's names: `block_sparse_moe` is each layer's MLP (its experts' `w1` / `w3` / `w2` gate / up / down, its
 shared experts DeepSeek's), a KDA layer's modules sit under `self_attn` with separate `q_conv1d` / `k_conv1d` /
@@ -26,9 +28,10 @@ from engine.kimi_linear_config import KdaShape
 from engine.layers.gated_delta_net import RecurrentStates, StateMixer
 from engine.model import DecoderLayer, RotaryEmbedding
 from engine.models.deepseek import DeepseekForCausalLM
-from engine.models.hybrid import MixerLayerForward, StatefulForCausalLM
+from engine.models.hybrid import MixerLayerForward, StatefulForCausalLM, cut_pieces
 from engine.models.qwen3_moe import with_experts
 from engine.models.smollm3 import NoRope
+from engine.parallel import Collectives
 from kernels import AttentionMetadata, gated_delta
 
 __all__ = ["KimiDeltaAttention", "KimiLinearForCausalLM"]
@@ -43,9 +46,11 @@ class KimiDeltaAttention(StateMixer):
 
     parameter_dtypes = {"dt_bias": torch.float32}   # `engine.models.build_model` allocates it so
 
-    def __init__(self, shape: KdaShape, hidden_size: int, eps: float, layer: int) -> None:
+    def __init__(self, shape: KdaShape, hidden_size: int, eps: float, layer: int,
+                 comm: Collectives | None = None) -> None:
         super().__init__()
-        self.shape, self.layer, self.eps = shape, layer, eps
+        self.shape, self.layer, self.eps = shape, layer, eps   # shape: this rank's heads
+        self.comm = comm or Collectives()   # o_proj's partial outputs summed over the ranks
         h, d, n = hidden_size, shape.head_dim, shape.qkv_dim
         self.q_proj, self.k_proj, self.v_proj = (nn.Linear(h, n, bias=False) for _ in range(3))
         self.conv1d = nn.Module()
@@ -72,7 +77,7 @@ class KimiDeltaAttention(StateMixer):
         out = self.scan(mixed, (g, beta), meta, states).to(hidden.dtype).float()   # [num_tokens, heads, head_dim]
         normed = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.eps) * self.o_norm.weight.float()
         normed = normed * self.g_b_proj(self.g_a_proj(hidden)).unflatten(-1, heads).float().sigmoid()
-        return self.o_proj(normed.to(hidden.dtype).flatten(1))
+        return self.comm.all_reduce(self.o_proj(normed.to(hidden.dtype).flatten(1)))
 
     def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         s = self.shape
@@ -103,8 +108,8 @@ class KimiLinearForCausalLM(StatefulForCausalLM, DeepseekForCausalLM):
                              index, ops)
         if config.is_linear_layer(index):
             del layer.self_attn
-            layer.linear_attn = KimiDeltaAttention(config.state_layers, config.hidden_size, config.rms_norm_eps,
-                                                   self.state_index[index])
+            layer.linear_attn = KimiDeltaAttention(self.state_shape(), config.hidden_size, config.rms_norm_eps,
+                                                   self.state_index[index], self.comm)
         else:
             layer.self_attn = self.attention(config, self.shard, self.comm, self.rotary_emb, ops)
         return layer
@@ -127,6 +132,18 @@ class KimiLinearForCausalLM(StatefulForCausalLM, DeepseekForCausalLM):
         """q's, k's and v's convolutions into the rows of a KDA layer's one `conv1d`; the rest as DeepSeek's."""
         for i, conv in enumerate(_CONVS):
             if f".linear_attn.{conv}." in name:
-                n = self.config.state_layers.qkv_dim
+                n = self.state_shape().qkv_dim   # this rank's
                 return name.replace(conv, "conv1d"), lambda data, start=i * n: data.narrow(0, start, n)
         return super()._destination(name, hf_name)
+
+    def _shard_of(self, hf_name: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A KDA layer's part on this rank (the module docstring: its heads' rows, o_proj's columns); the rest as
+        DeepSeek's."""
+        if self.shard.size == 1 or ".linear_attn." not in name:
+            return super()._shard_of(hf_name, name, tensor)
+        shape, part = self.config.state_layers, name.split(".linear_attn.")[1].split(".")[0]
+        if part in ("f_a_proj", "g_a_proj", "o_norm"):
+            return tensor
+        per_head = 1 if part in ("A_log", "b_proj") else shape.head_dim
+        pieces = [(shape.num_heads * per_head, 0, True)]
+        return cut_pieces(hf_name, tensor, 1 if part == "o_proj" else 0, pieces, self.shard.rank, self.shard.size)

@@ -86,12 +86,16 @@ def test_what_is_not_served_is_refused_naming_the_key(change, named):
         ModelConfig.from_hf_config({**CHECKPOINT, **change})
 
 
-def test_tensor_parallelism_is_refused_naming_the_key():
-    """KDA layers run on one rank: a tensor-parallel size past 1 is refused by its key before a rank starts."""
+def test_tensor_parallelism_splits_the_kda_heads_or_is_refused_naming_the_key():
+    """Each rank holds its share of the KDA heads (their state too); a size that does not divide them is refused by
+    its key before a rank starts."""
     from engine.parallel import check_tensor_parallel
 
-    with pytest.raises(ConfigError, match=r"tensor_parallel_size: .*Kimi Delta Attention layers are served on one"):
-        check_tensor_parallel(ModelConfig.from_hf_config(CHECKPOINT), 2)
+    config = ModelConfig.from_hf_config({**CHECKPOINT, "num_attention_heads": 8, "num_key_value_heads": 8})
+    check_tensor_parallel(config, 4)
+    assert config.state_bytes_per_seq(torch.float32, 4) == 6 * (3 * 16 * 2 * 4 + 1 * 16 * 16 * 4)
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size: .*8 does not divide the model's 4 Kimi Delta"):
+        check_tensor_parallel(config, 8)
 
 
 def test_the_plan_counts_what_the_model_holds_in_bfloat16(tmp_path, builtin_path):
