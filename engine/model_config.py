@@ -19,11 +19,12 @@ from engine.config import ConfigError, PoolConfig
 from engine.fp8_weights import SCALE_SUFFIX
 from engine.config_values import read_bool, read_float, read_int, read_object, read_token_ids
 from engine.gated_delta_config import GatedDeltaShape, StateShape, serving_pool
-from engine.gemma4_config import Gemma4Shape, gemma4_params
+from engine.gemma4_config import Gemma4Shape
 from engine.mamba_config import Mamba2Shape
 from engine.kimi_linear_config import KdaShape, kimi_linear_config
 from engine.lfm2_config import ShortConvShape, lfm2_config, lfm2_moe_config
-from engine.nemotron_h_config import nemotron_h_config, nemotron_h_params
+from engine.model_params import GEMMA_ARCHITECTURES, count_params, float32_params
+from engine.nemotron_h_config import nemotron_h_config
 from engine.mla_config import MlaShape
 from engine.model_defaults import (DEFAULT_HEAD_DIM, DEFAULT_KV_HEADS, DEFAULT_MAX_POSITIONS, DEFAULT_RMS_NORM_EPS,
                                    DEFAULT_ROPE_THETA, FAMILY_DEFAULTS, TEXT_DEFAULTS, vl_text_keys)
@@ -45,14 +46,8 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
                            "OlmoHybridForCausalLM", "Gemma4ForCausalLM", "Mistral4ForCausalLM",
                            "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM", "Lfm2ForCausalLM",
                            "Lfm2MoeForCausalLM", "KimiLinearForCausalLM", "Dots1ForCausalLM", "SolarOpenForCausalLM")
-COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")   # one LayerNorm a layer, a parallel block
 # their attention bias: q/k/v's, not o_proj's
 QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM")
-GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma4ForCausalLM")   # Gemma's layer: four norms, scaled embeddings
-FOUR_NORMS = (*GEMMA_ARCHITECTURES, "Glm4ForCausalLM")   # a norm on each sublayer's output too
-# q and k normed over the whole projection
-WIDE_QK_NORM = ("Olmo2ForCausalLM", "Olmo3ForCausalLM", "MiniMaxM2ForCausalLM", "OlmoeForCausalLM",
-                "OlmoHybridForCausalLM")
 # Multimodal checkpoints served as their text model: architecture -> (the text model's, its weights' prefix, the
 # text_config's model_type where it names one: another family's text model is refused by that key). Qwen's VL models
 # rotate by MRoPE, whose three position ids (time, height, width) are one and the same on text: the text model's rope
@@ -348,16 +343,8 @@ class ModelConfig:
 
     @property
     def num_float32_params(self) -> int:
-        """Parameters held in float32 whatever the model's dtype: DeepSeek's and ERNIE 4.5's routers (weight, the
-        correction bias of V3's and ERNIE's), LFM2-MoE's expert bias, DeepSeek V3.2's indexers' head weights, Kimi
-        Linear's dt_bias."""
-        indexers = self.mla.num_indexer_weights(self.hidden_size, self.num_layers) if self.mla is not None else 0
-        indexers += getattr(self.state_layers, "qkv_dim", 0) * (self.num_layers - self.num_kv_layers)   # KDA's dt_bias
-        if self.moe_router not in ("deepseek_v2", "deepseek_v3", "ernie4_5", "lfm2"):
-            return indexers
-        weights = 0 if self.moe_router == "lfm2" else self.hidden_size   # LFM2-MoE's router: its bias alone
-        per_layer = self.num_experts * (weights + (self.moe_router != "deepseek_v2"))
-        return indexers + per_layer * sum(self.is_sparse_layer(layer) for layer in range(self.num_layers))
+        """Parameters held in float32 whatever the model's dtype (`engine.model_params.float32_params`)."""
+        return float32_params(self)
 
     def num_params(self) -> int:
         """Parameters of the whole model (one rank's: engine.parallel.ShardShape.num_params)."""
@@ -365,43 +352,8 @@ class ModelConfig:
                                  self.moe_intermediate_size, self.vocab_size, self.shared_expert_intermediate_size)
 
     def count_params(self, heads: int, kv_heads: int, i: int, moe_i: int, v: int, shared_i: int = 0) -> int:
-        """Parameters of this model's layers built with `heads` query heads, `kv_heads` KV heads, `i` MLP
-        rows, `moe_i` rows per expert, `shared_i` rows of the shared expert and `v` vocab rows (engine.model);
-        the norms, the router and the shared expert's gate whole."""
-        if self.architecture == "NemotronHForCausalLM":   # single-mixer blocks
-            return nemotron_h_params(self, heads, kv_heads, v)
-        if self.architecture == "Gemma4ForCausalLM":   # two attention shapes, experts beside the MLP
-            return gemma4_params(self, heads, kv_heads, i, moe_i, v)
-        h, d = self.hidden_size, self.head_dim
-        q, kv = heads * d, kv_heads * d
-        attn = h * (q + 2 * kv) + q * h
-        attn += (q + 2 * kv if self.attention_bias else 0) + (h if self.o_proj_bias else 0)
-        if self.mla is not None:
-            attn = self.mla.num_params(h, heads, self.attention_bias)
-        mlp = 3 * h * i + (2 * i + h if self.mlp_bias else 0)
-        if self.architecture in ("ApertusForCausalLM", "ArceeForCausalLM"):   # no gate (Apertus: xIELU's 2 slopes)
-            mlp = 2 * h * i + (2 if self.architecture == "ApertusForCausalLM" else 0) + (i + h if self.mlp_bias else 0)
-        experts = self.num_experts * (3 * h * moe_i + h)   # every expert, and the router
-        if self.moe_bias:   # GPT-OSS: each expert's gate/up and down biases, the router's
-            experts += self.num_experts * (2 * moe_i + h + 1)
-        if self.shared_expert_intermediate_size:   # Qwen2-MoE: the shared expert and its gate (DeepSeek: ungated)
-            experts += 3 * h * shared_i + (h if self.shared_expert_gated else 0)
-        if self.moe_router in ("deepseek_v3", "minimax_m2", "ernie4_5", "lfm2"):   # the router's correction bias
-            experts += self.num_experts
-        norms = 4 if self.architecture in FOUR_NORMS else 2   # Gemma, GLM-4: on the sublayers' outputs too
-        norms = 1 if self.architecture in COHERE_ARCHITECTURES else norms   # Cohere: one before both sublayers
-        # q/k norms: a weight per channel of a head (Cohere: each head its own)
-        qk = (q + kv if self.architecture in COHERE_ARCHITECTURES else 2 * d) if self.qk_norm else 0
-        per_layer = attn + norms * h + qk + (heads if self.attention_sinks else 0)
-        if self.architecture in WIDE_QK_NORM:   # q and k normed whole: a weight per channel
-            per_layer += q + kv
-        if self.attn_output_gate:   # Qwen3.5: q_proj makes a gate beside each query head
-            per_layer += h * q + (q if self.attention_bias else 0)
-        mlps = sum(experts if self.is_sparse_layer(layer) else mlp for layer in range(self.num_layers))
-        state = None if self.state_shape is None else self.state_shape.per_rank(self.num_heads // heads)
-        linear = 0 if state is None else (self.num_layers - self.num_kv_layers) * (state.num_params(h) + norms * h)
-        linear += self.mla.indexers_params(h, self.num_layers) if self.mla is not None else 0   # DeepSeek V3.2's
-        return v * h + self.num_kv_layers * per_layer + linear + mlps + h + (0 if self.tie_word_embeddings else v * h)
+        """Parameters of this model's layers built with these shapes (`engine.model_params.count_params`)."""
+        return count_params(self, heads, kv_heads, i, moe_i, v, shared_i)
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelConfig":

@@ -1,0 +1,77 @@
+"""How many parameters the model a `ModelConfig` describes holds (`count_params`: one rank's, its shapes given), and
+how many of them stay float32 whatever the model's dtype (`float32_params`): what the capacity plan counts as weight
+bytes, checked to the parameter against transformers' models in the tests (`config`: an
+`engine.model_config.ModelConfig`, which calls these). The layer shapes they read by architecture are here too
+(`GEMMA_ARCHITECTURES`, `FOUR_NORMS`, `WIDE_QK_NORM`, `COHERE_ARCHITECTURES`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.gemma4_config import gemma4_params
+from engine.nemotron_h_config import nemotron_h_params
+
+__all__ = ["COHERE_ARCHITECTURES", "FOUR_NORMS", "GEMMA_ARCHITECTURES", "WIDE_QK_NORM", "count_params",
+           "float32_params"]
+
+COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")   # one LayerNorm a layer, a parallel block
+GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma4ForCausalLM")   # four norms, scaled embeds
+FOUR_NORMS = (*GEMMA_ARCHITECTURES, "Glm4ForCausalLM")   # a norm on each sublayer's output too
+# q and k normed over the whole projection
+WIDE_QK_NORM = ("Olmo2ForCausalLM", "Olmo3ForCausalLM", "MiniMaxM2ForCausalLM", "OlmoeForCausalLM",
+                "OlmoHybridForCausalLM")
+
+
+def float32_params(config: Any) -> int:
+    """Parameters held in float32 whatever the model's dtype: DeepSeek's and ERNIE 4.5's routers (weight, the
+    correction bias of V3's and ERNIE's), LFM2-MoE's expert bias, DeepSeek V3.2's indexers' head weights, Kimi
+    Linear's dt_bias (the whole model's: a rank's is at most that)."""
+    h, layers = config.hidden_size, config.num_layers
+    indexers = config.mla.num_indexer_weights(h, layers) if config.mla is not None else 0
+    indexers += getattr(config.state_layers, "qkv_dim", 0) * (layers - config.num_kv_layers)   # KDA's dt_bias
+    if config.moe_router not in ("deepseek_v2", "deepseek_v3", "ernie4_5", "lfm2"):
+        return indexers
+    weights = 0 if config.moe_router == "lfm2" else config.hidden_size   # LFM2-MoE's router: its bias alone
+    per_layer = config.num_experts * (weights + (config.moe_router != "deepseek_v2"))
+    return indexers + per_layer * sum(config.is_sparse_layer(layer) for layer in range(config.num_layers))
+
+
+def count_params(config: Any, heads: int, kv_heads: int, i: int, moe_i: int, v: int,
+                 shared_i: int = 0) -> int:
+    """Parameters of `config`'s layers built with `heads` query heads, `kv_heads` KV heads, `i` MLP rows, `moe_i` rows
+    per expert, `shared_i` rows of the shared expert and `v` vocab rows (engine.model); the norms, the router and
+    the shared expert's gate whole."""
+    if config.architecture == "NemotronHForCausalLM":   # single-mixer blocks
+        return nemotron_h_params(config, heads, kv_heads, v)
+    if config.architecture == "Gemma4ForCausalLM":   # two attention shapes, experts beside the MLP
+        return gemma4_params(config, heads, kv_heads, i, moe_i, v)
+    h, d = config.hidden_size, config.head_dim
+    q, kv = heads * d, kv_heads * d
+    attn = h * (q + 2 * kv) + q * h
+    attn += (q + 2 * kv if config.attention_bias else 0) + (h if config.o_proj_bias else 0)
+    if config.mla is not None:
+        attn = config.mla.num_params(h, heads, config.attention_bias)
+    mlp = 3 * h * i + (2 * i + h if config.mlp_bias else 0)
+    if config.architecture in ("ApertusForCausalLM", "ArceeForCausalLM"):   # no gate (Apertus: xIELU's 2 slopes)
+        mlp = 2 * h * i + (2 if config.architecture == "ApertusForCausalLM" else 0) + (i + h if config.mlp_bias else 0)
+    experts = config.num_experts * (3 * h * moe_i + h)   # every expert, and the router
+    if config.moe_bias:   # GPT-OSS: each expert's gate/up and down biases, the router's
+        experts += config.num_experts * (2 * moe_i + h + 1)
+    if config.shared_expert_intermediate_size:   # Qwen2-MoE: the shared expert and its gate (DeepSeek: ungated)
+        experts += 3 * h * shared_i + (h if config.shared_expert_gated else 0)
+    if config.moe_router in ("deepseek_v3", "minimax_m2", "ernie4_5", "lfm2"):   # the router's correction bias
+        experts += config.num_experts
+    norms = 4 if config.architecture in FOUR_NORMS else 2   # Gemma, GLM-4: on the sublayers' outputs too
+    norms = 1 if config.architecture in COHERE_ARCHITECTURES else norms   # Cohere: one before both sublayers
+    # q/k norms: a weight per channel of a head (Cohere: each head its own)
+    qk = (q + kv if config.architecture in COHERE_ARCHITECTURES else 2 * d) if config.qk_norm else 0
+    per_layer = attn + norms * h + qk + (heads if config.attention_sinks else 0)
+    if config.architecture in WIDE_QK_NORM:   # q and k normed whole: a weight per channel
+        per_layer += q + kv
+    if config.attn_output_gate:   # Qwen3.5: q_proj makes a gate beside each query head
+        per_layer += h * q + (q if config.attention_bias else 0)
+    mlps = sum(experts if config.is_sparse_layer(layer) else mlp for layer in range(config.num_layers))
+    state = None if config.state_shape is None else config.state_shape.per_rank(config.num_heads // heads)
+    linear = 0 if state is None else (config.num_layers - config.num_kv_layers) * (state.num_params(h) + norms * h)
+    linear += config.mla.indexers_params(h, config.num_layers) if config.mla is not None else 0   # DeepSeek V3.2's
+    return v * h + config.num_kv_layers * per_layer + linear + mlps + h + (0 if config.tie_word_embeddings else v * h)
