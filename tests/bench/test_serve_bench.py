@@ -5,6 +5,7 @@ a live `cliffguard serve` on the builtin model."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import random
@@ -384,12 +385,16 @@ async def test_run_counts_completions_errors_and_unfinished(aiohttp_server):
 
 
 async def test_arrivals_are_open_loop_whatever_the_responses_take(aiohttp_server):
+    """Each request leaves at its scheduled time, not when an earlier one is answered (answers take 1.5 s; arrivals
+    are 50 ms apart). The bound on a send's lag is the loop's jitter on a busy 2-core VM (a pause of 0.38 s was seen
+    once in a full suite run), far below an answer's 1.5 s; the garbage of earlier tests is collected first."""
+    gc.collect()
     server = await aiohttp_server(_make_fake_app(first_delay=1.5))
     config = _config(server, [_fixed("slow", OK_TOKENS)], request_rate=20.0, num_requests=10, scrape=False)
     report = await run_load(config)
     assert report.summary["slow"]["completed"] == 10
     lags = [r.sent_s - r.scheduled_s for r in report.records]
-    assert max(lags) < 0.2 and min(lags) >= 0
+    assert max(lags) < 0.6 and min(lags) >= 0
     assert max(r.sent_s for r in report.records) < min(r.end_s for r in report.records)  # all sent before any ended
     assert server.app[STATE]["max_in_flight"] == 10
 
