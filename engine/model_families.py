@@ -26,9 +26,10 @@ LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 # groups of the best expert scores, DeepSeek V3's sigmoid (plus a correction bias) within the groups of the best top-2
 # sums; MiniMax-M2's: V3's, in the model's dtype; ERNIE 4.5's: the softmax's top k after a correction bias; Llama 4's;
 # Mistral 4's: the softmax's within the groups of the best top-2 sums, in the model's dtype, no correction bias;
-# LFM2-MoE's: the sigmoid's top k after a float32 expert bias, in the model's dtype, renormalised past a 1e-6
+# LFM2-MoE's: the sigmoid's top k after a float32 expert bias, in the model's dtype, renormalised past a 1e-6;
+# AFMoE's: that in float32, renormalised past 1e-20
 MOE_ROUTERS = ("softmax", "deepseek_v2", "deepseek_v3", "minimax_m2", "ernie4_5", "llama4", GEMMA4_ROUTER, "mistral4",
-               "lfm2")
+               "lfm2", "afmoe")
 # the families whose fields are read in a module of their own, each reader taking (config.json, its layer count)
 OWN_MODULE_FIELDS: dict[str, Callable[[dict[str, Any], int], dict[str, Any]]] = {"Llama4ForCausalLM": llama4_fields,
     "Gemma4ForCausalLM": gemma4_fields, "Mistral4ForCausalLM": mistral4_fields, **MISTRAL_FIELDS, **HUNYUAN_FIELDS,
@@ -79,6 +80,8 @@ def family_fields(cfg: dict[str, Any], arch: str, num_layers: int) -> dict[str, 
         return dots1_fields(cfg, num_layers)
     if arch == "SolarOpenForCausalLM":
         return solar_open_fields(cfg)
+    if arch == "AfmoeForCausalLM":
+        return afmoe_fields(cfg, num_layers)
     if arch == "MiniMaxM2ForCausalLM":
         return minimax_m2_fields(cfg)
     if arch == "SeedOssForCausalLM":   # SeedOssConfig: q/k/v biased by default, o_proj by its own switch
@@ -372,6 +375,28 @@ def solar_open_fields(cfg: dict[str, Any]) -> dict[str, Any]:
                     norm_topk_prob=True, first_k_dense_replace=0, routed_scaling_factor=1.0, n_shared_experts=1)
     return {"attention_bias": read_bool(cfg, "attention_bias", False), "attention_out_bias": False,
             **grouped_experts({**cfg, "first_k_dense_replace": 0}, defaults, "deepseek_v3", grouped=True)}
+
+
+def afmoe_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """AFMoE's fields (transformers' `AfmoeConfig` names and defaults): sliding layers (a window of `sliding_window`,
+    1024) but every `global_attn_every_n_layers`-th (4), which is full and NoPE; q/k normed per head; the attention
+    output gated; past `num_dense_layers` (1), `num_experts` (64) of `moe_intermediate_size` (1408), 6 a token by the
+    `afmoe` router times `route_scale` (1.0), beside `num_shared_experts` (2) ungated; the embeddings times
+    sqrt(hidden_size) where `mup_enabled`."""
+    check_silu(cfg, "AFMoE")
+    every = read_int(cfg, "global_attn_every_n_layers", 4)
+    kinds = _layer_types(cfg, lambda: ["sliding_attention" if (i + 1) % every else "full_attention"
+                                       for i in range(num_layers)])
+    moe_i = read_int(cfg, "moe_intermediate_size", 1408)
+    scale = read_int(cfg, "hidden_size") ** 0.5 if read_bool(cfg, "mup_enabled", False) else 1.0
+    return {"layer_types": tuple(kinds), "sliding_window": read_int(cfg, "sliding_window", 1024),
+            "no_rope_layers": tuple(int(k == "sliding_attention") for k in kinds), "qk_norm": True,
+            "attn_output_gate": True, "num_experts": read_int(cfg, "num_experts", 64),
+            "num_experts_per_tok": read_int(cfg, "num_experts_per_tok", 6), "moe_intermediate_size": moe_i,
+            "norm_topk_prob": True, "mlp_only_layers": tuple(range(read_int(cfg, "num_dense_layers", 1, minimum=0))),
+            "moe_router": "afmoe", "routed_scaling_factor": read_float(cfg, "route_scale", 1.0),
+            "shared_expert_intermediate_size": moe_i * read_int(cfg, "num_shared_experts", 2, minimum=0),
+            "shared_expert_gated": False, "moe_float_weights": True, "embedding_multiplier": scale}
 
 
 def minimax_m2_fields(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -119,7 +119,8 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
            "deepseek_v32": transformers.DeepseekV32Config, "glm_moe_dsa": transformers.GlmMoeDsaConfig,
            "lfm2": transformers.Lfm2Config, "lfm2_moe": transformers.Lfm2MoeConfig,
            "kimi_linear": transformers.KimiLinearConfig, "dots1": transformers.Dots1Config,
-           "solar_open": transformers.SolarOpenConfig, "arcee": transformers.ArceeConfig}[arch]
+           "solar_open": transformers.SolarOpenConfig, "arcee": transformers.ArceeConfig,
+           "afmoe": transformers.AfmoeConfig}[arch]
     config = cls(**common)
     if arch == "mistral4":   # transformers maps Mistral4Config to no causal LM class (only its pretraining one)
         transformers.AutoModelForCausalLM.register(transformers.Mistral4Config, transformers.Mistral4ForCausalLM,
@@ -152,12 +153,12 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
                     param.normal_(1.0, 0.5)
     # the router's correction bias (a buffer; LFM2-MoE's expert bias), and LFM2-MoE's router, which starts at zero
     if arch in ("deepseek_v3", "glm4_moe", "minimax_m2", "glm4_moe_lite", "nemotron_h", "lfm2_moe", "kimi_linear",
-                "dots1", "solar_open"):
+                "dots1", "solar_open", "afmoe"):
         with torch.no_grad():
             for name, tensor in [*model.named_buffers(), *model.named_parameters()]:
-                if name.endswith(("e_score_correction_bias", "feed_forward.expert_bias")):
+                if name.endswith(("e_score_correction_bias", "feed_forward.expert_bias", "mlp.expert_bias")):
                     tensor.normal_(0.0, 0.5)
-                elif name.endswith("feed_forward.gate.weight"):
+                elif name.endswith(("feed_forward.gate.weight", "router.gate.weight")):
                     tensor.normal_(0.0, 0.2)
     if arch == "gemma4":   # each layer's output scalar (a buffer) and the routers' scales away from their start at 1
         with torch.no_grad():

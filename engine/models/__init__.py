@@ -40,6 +40,7 @@ from engine.layers import RotaryEmbedding
 from engine.layers.fp8_linear import Fp8Experts, Fp8Linear, swap_fp8_linears
 from engine.layers.int4_linear import Int4Linear, swap_int4_linears
 from engine.model import LlamaForCausalLM
+from engine.models.afmoe import AfmoeForCausalLM
 from engine.models.apertus import ApertusForCausalLM, ArceeForCausalLM
 from engine.models.cohere import CohereForCausalLM
 from engine.models.deepseek import DeepseekForCausalLM
@@ -119,7 +120,8 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "KimiLinearForCausalLM": KimiLinearForCausalLM,
                                                 "Dots1ForCausalLM": Glm4MoeForCausalLM,   # dots.llm1: its layers
                                                 "SolarOpenForCausalLM": Glm4MoeForCausalLM,   # Solar Open: alike
-                                                "ArceeForCausalLM": ArceeForCausalLM}
+                                                "ArceeForCausalLM": ArceeForCausalLM,
+                                                "AfmoeForCausalLM": AfmoeForCausalLM}
 
 
 def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:

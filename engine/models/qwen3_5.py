@@ -36,8 +36,8 @@ class GatedAttention(Attention):
     """Attention whose output is gated per channel: qkv_proj's rows are q, k, v, then the gates."""
 
     def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives, rotary_emb: RotaryEmbedding,
-                 layer: int) -> None:
-        super().__init__(config, shard, comm, rotary_emb, layer, GemmaHeadRMSNorm)
+                 layer: int, head_norm: type[nn.Module] = GemmaHeadRMSNorm) -> None:
+        super().__init__(config, shard, comm, rotary_emb, layer, head_norm)
         self.qkv_proj = nn.Linear(config.hidden_size, 2 * self.q_size + 2 * self.kv_size, bias=config.attention_bias)
 
     def forward(self, hidden: torch.Tensor, rope_rows: RopeRows, kv_cache: tuple[torch.Tensor, torch.Tensor],

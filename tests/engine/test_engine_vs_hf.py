@@ -364,6 +364,12 @@ TINY_MODELS = [
     # token from 1 group, renormalised) beside a shared one
     ("solar_open", {"head_dim": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                     "n_group": 2, "topk_group": 1, "attention_bias": True, "pad_token_id": 0}),
+    # AFMoE (Trinity): four norms, gated attention with per-head q/k norms, sliding layers with a rotary (a window of
+    # 8) beside NoPE full ones; past the first layer 8 experts of 32, 2 a token, beside a shared one; scaled embeds
+    ("afmoe", {"num_hidden_layers": 4, "head_dim": 16, "intermediate_size": 96, "moe_intermediate_size": 32,
+               "num_experts": 8, "num_experts_per_tok": 2, "num_shared_experts": 1, "num_dense_layers": 1,
+               "global_attn_every_n_layers": 2, "sliding_window": 8, "mup_enabled": True, "route_scale": 1.5,
+               "pad_token_id": 0}),
     # Kimi Linear: Kimi Delta Attention layers (4 heads of 16, a decay per key channel; prompts past its chunk of 64)
     # beside NoPE latent attention, the first MLP dense, then 8 experts of 32 in 2 groups (2 a token from 1 group)
     # beside a shared one
