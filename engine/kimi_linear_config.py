@@ -19,6 +19,7 @@ from typing import Any
 from engine.config import ConfigError
 from engine.config_values import read_int
 from engine.deepseek_config import deepseek_fields, dense_first
+from engine.lfm2_config import check_layer_kinds
 from engine.mamba_config import state_bytes
 
 __all__ = ["KdaShape", "kimi_linear_config", "kimi_linear_fields"]
@@ -104,12 +105,7 @@ def kimi_linear_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
     fields (its latent attention, whose rope part turns nothing, and its experts)."""
     deepseek = deepseek_fields(cfg, "DeepseekV3ForCausalLM")
     kinds = cfg["layer_types"]
-    if not isinstance(kinds, list) or len(kinds) != num_layers or any(k not in ("linear_attention", "full_attention")
-                                                                      for k in kinds):
-        raise ConfigError(f"layer_types: linear_attention or full_attention for each of the {num_layers} layers, got "
-                          f"{kinds!r:.80}")
-    if "full_attention" not in kinds:
-        raise ConfigError("layer_types: Kimi Linear with no full attention layer is not served")
+    check_layer_kinds(kinds, num_layers, "linear_attention", "Kimi Linear")
     shape = KdaShape(num_heads=read_int(cfg, "linear_num_heads", 32), head_dim=read_int(cfg, "linear_head_dim", 128),
                      conv_kernel=read_int(cfg, "linear_conv_kernel_dim", 4))
     return {**deepseek, "layer_types": tuple(kinds), "state_layers": shape}

@@ -18,7 +18,7 @@ from engine.config import ConfigError
 from engine.config_values import read_bool, read_float, read_int
 from engine.mamba_config import state_bytes
 
-__all__ = ["ShortConvShape", "lfm2_config", "lfm2_fields", "lfm2_moe_config", "lfm2_moe_fields"]
+__all__ = ["ShortConvShape", "check_layer_kinds", "lfm2_config", "lfm2_fields", "lfm2_moe_config", "lfm2_moe_fields"]
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,17 @@ def lfm2_config(cfg: dict[str, Any]) -> dict[str, Any]:
             "tie_word_embeddings": tied}
 
 
+def check_layer_kinds(kinds: Any, num_layers: int, state_kind: str, family: str) -> None:
+    """A hybrid's `layer_types`: `state_kind` (its state layers' name) or full_attention for each of `num_layers`,
+    at least one full; a ConfigError naming the key otherwise."""
+    if not isinstance(kinds, list) or len(kinds) != num_layers or any(k not in (state_kind, "full_attention")
+                                                                      for k in kinds):
+        raise ConfigError(f"layer_types: {state_kind} or full_attention for each of the {num_layers} layers, got "
+                          f"{kinds!r:.80}")
+    if "full_attention" not in kinds:
+        raise ConfigError(f"layer_types: {family} with no full attention layer is not served")
+
+
 def lfm2_moe_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """LFM2-MoE's config.json under the Llama reading's names: `norm_eps`, `tie_embedding` as LFM2's; its dense
     layers' MLP is `intermediate_size` as given (`Lfm2MoeConfig` derives nothing)."""
@@ -110,12 +121,7 @@ def lfm2_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
         if not isinstance(attention, (list, range)) or not all(isinstance(i, int) for i in attention):
             raise ConfigError(f"full_attn_idxs: a list of layer indices, got {attention!r:.80}")
         kinds = ["full_attention" if i in attention else "conv" for i in range(num_layers)]
-    if not isinstance(kinds, list) or len(kinds) != num_layers or any(k not in ("conv", "full_attention")
-                                                                      for k in kinds):
-        raise ConfigError(f"layer_types: conv or full_attention for each of the {num_layers} layers, got "
-                          f"{kinds!r:.80}")
-    if "full_attention" not in kinds:
-        raise ConfigError("layer_types: LFM2 with no attention layer is not served")
+    check_layer_kinds(kinds, num_layers, "conv", "LFM2")
     shape = ShortConvShape(channels=read_int(cfg, "hidden_size"), kernel=read_int(cfg, "conv_L_cache", 3),
                            bias=read_bool(cfg, "conv_bias", False))
     return {"layer_types": tuple("linear_attention" if k == "conv" else k for k in kinds), "state_layers": shape,

@@ -43,7 +43,7 @@ def test_conv_layers_keep_a_state_of_their_last_inputs_and_no_kv():
 
 
 @pytest.mark.parametrize("change,named", [
-    ({"layer_types": ["conv"] * 4}, r"^layer_types: LFM2 with no attention layer"),
+    ({"layer_types": ["conv"] * 4}, r"^layer_types: LFM2 with no full attention layer"),
     ({"layer_types": ["conv", "mamba", "conv", "full_attention"]}, r"^layer_types: conv or full_attention"),
     ({"layer_types": ["full_attention"] * 3}, r"^layer_types: conv or full_attention for each of the 4"),
     ({"conv_L_cache": 1}, r"^conv_L_cache: must be >= 2"),
