@@ -13,13 +13,14 @@ FP8 weights to save memory, not time).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from kernels.fp8_gemm import FP8_WEIGHT_DTYPE, fp8_linear, scale_grid
 
-__all__ = ["Fp8Experts", "Fp8Linear", "fill_rows", "swap_fp8_linears"]
+__all__ = ["Fp8Experts", "Fp8Linear", "fill_rows", "replace_linears", "swap_fp8_linears"]
 
 
 class Fp8Linear(nn.Module):
@@ -107,13 +108,17 @@ class Fp8Experts:
         fill_rows(self.weight, self.weight_scale, self.block, row, values, scale)
 
 
+def replace_linears(model: nn.Module, picked: Callable[[str], bool], make: Callable[[nn.Linear], nn.Module]) -> None:
+    """Each `nn.Linear` of `model` (on the meta device) whose full name `picked` accepts replaced by `make(it)`."""
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear) and picked(f"{name}.{child_name}" if name else child_name):
+                setattr(module, child_name, make(child))
+
+
 def swap_fp8_linears(model: nn.Module, suffixes: tuple[str, ...], block: tuple[int, int],
                      triton: bool = False) -> None:
     """Every `nn.Linear` of `model` (on the meta device) named with one of `suffixes` replaced by an `Fp8Linear`
     in blocks of `block`, on the Triton GEMM where `triton`."""
-    for name, module in list(model.named_modules()):
-        for child_name, child in list(module.named_children()):
-            full = f"{name}.{child_name}" if name else child_name
-            if isinstance(child, nn.Linear) and full.endswith(suffixes):
-                setattr(module, child_name, Fp8Linear(child.in_features, child.out_features, child.bias is not None,
-                                                      block, triton))
+    replace_linears(model, lambda name: name.endswith(suffixes), lambda linear: Fp8Linear(
+        linear.in_features, linear.out_features, linear.bias is not None, block, triton))

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.int4_weights import dequantize_int4
+from engine.layers.fp8_linear import replace_linears
 
 __all__ = ["Int4Linear", "swap_int4_linears"]
 
@@ -56,9 +57,5 @@ class Int4Linear(nn.Module):
 def swap_int4_linears(model: nn.Module, names: set[str], group: int, triton: bool = False) -> None:
     """Each `nn.Linear` of `model` (on the meta device) whose name is in `names` replaced by an `Int4Linear` in
     groups of `group`, on the Triton GEMM where `triton`."""
-    for name, module in list(model.named_modules()):
-        for child_name, child in list(module.named_children()):
-            full = f"{name}.{child_name}" if name else child_name
-            if isinstance(child, nn.Linear) and full in names:
-                setattr(module, child_name, Int4Linear(child.in_features, child.out_features, child.bias is not None,
-                                                       group, triton))
+    replace_linears(model, names.__contains__, lambda linear: Int4Linear(
+        linear.in_features, linear.out_features, linear.bias is not None, group, triton))

@@ -34,14 +34,10 @@ _RENAMES = ((".mlp.router.gate.", ".mlp.gate."), (".mlp.expert_bias", ".mlp.expe
 
 
 class AfmoeMoeBlock(Lfm2MoeBlock):
-    """LFM2-MoE's block with AFMoE's router: the logits in float32, the weights always renormalised past 1e-20."""
+    """LFM2-MoE's block with AFMoE's router: the logits in float32, the weights renormalised past 1e-20 (always:
+    `afmoe_fields` sets `norm_topk_prob`)."""
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = self.gate(x).float().sigmoid()                                  # [num_tokens, num_experts]
-        experts = torch.topk(scores + self.expert_bias.weight, k=self.top_k, dim=-1)[1]
-        weights = scores.gather(1, experts)
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * self.routed_scaling_factor, experts
+    float_logits, eps = True, 1e-20
 
 
 class AfmoeForCausalLM(Qwen3MoeForCausalLM):

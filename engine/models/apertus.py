@@ -16,6 +16,7 @@ from torch import nn
 
 from engine.model import DecoderLayer, LlamaForCausalLM, WeightLoadError
 from engine.model_config import ModelConfig
+from engine.models.nemotron_h import ReluSquared
 from engine.parallel import Collectives, ShardShape
 
 __all__ = ["ApertusForCausalLM", "ArceeForCausalLM", "XIELU"]
@@ -40,15 +41,14 @@ class XIELU(nn.Module):
 
 
 class ApertusMLP(nn.Module):
-    """up, xIELU (`act_fn`: else Arcee's squared ReLU), down: no gate. Column-parallel up (`up`: the checkpoint's
-    up_proj), row-parallel down_proj; biased where `mlp_bias`."""
+    """up, `act_fn` (Apertus's xIELU, Arcee's squared ReLU), down: no gate. Column-parallel up (`up`: the
+    checkpoint's up_proj), row-parallel down_proj; biased where `mlp_bias`."""
 
-    def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives, act_fn: nn.Module | None = None
-                 ) -> None:
+    def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives, act_fn: nn.Module) -> None:
         super().__init__()
         self.comm = comm
         self.up = nn.Linear(config.hidden_size, shard.intermediate_size, bias=config.mlp_bias)
-        self.act_fn = act_fn or XIELU()
+        self.act_fn = act_fn
         self.down_proj = nn.Linear(shard.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -56,13 +56,14 @@ class ApertusMLP(nn.Module):
 
 
 class ApertusForCausalLM(LlamaForCausalLM):
-    """Apertus (see the module docstring)."""
+    """Apertus (see the module docstring); `activation` its MLP's."""
 
     supports_flat_forward = False
+    activation: type[nn.Module] = XIELU
 
     def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
         layer = DecoderLayer(self.config, self.shard, self.comm, self.rotary_emb, ops, index)
-        layer.mlp = ApertusMLP(self.config, self.shard, self.comm)
+        layer.mlp = ApertusMLP(self.config, self.shard, self.comm, self.activation())
         return layer
 
     def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
@@ -84,24 +85,8 @@ class ApertusForCausalLM(LlamaForCausalLM):
         return super()._shard_of(hf_name, name.replace(".mlp.up.", ".mlp.up_proj."), tensor)
 
 
-class SquaredReLU(nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.relu(x).square()
+class ArceeForCausalLM(ApertusForCausalLM):
+    """Arcee's AFM (see the module docstring): Apertus's model and reading, its MLP's activation squared ReLU (no
+    q/k norms: `ModelConfig.qk_norm` is Apertus's alone)."""
 
-
-class ArceeForCausalLM(LlamaForCausalLM):
-    """Arcee's AFM (see the module docstring): the Llama model, its MLP up, squared ReLU, down."""
-
-    supports_flat_forward = False
-
-    def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
-        layer = DecoderLayer(self.config, self.shard, self.comm, self.rotary_emb, ops, index)
-        layer.mlp = ApertusMLP(self.config, self.shard, self.comm, SquaredReLU())
-        return layer
-
-    def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
-        return ((name.replace(".mlp.up_proj.", ".mlp.up."), tensor),)
-
-    def _shard_of(self, hf_name: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """`up` cut as the Llama MLP's up_proj."""
-        return super()._shard_of(hf_name, name.replace(".mlp.up.", ".mlp.up_proj."), tensor)
+    activation = ReluSquared

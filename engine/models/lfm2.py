@@ -135,8 +135,11 @@ class ExpertBias(nn.Module):
 
 class Lfm2MoeBlock(SparseMoeBlock):
     """Qwen3-MoE's experts with LFM2-MoE's router (`moe_router` lfm2): sigmoid scores of the logits (the model's
-    dtype), the top k of the scores plus the expert bias, weighed by their scores renormalised past a 1e-6 (where
-    `norm_topk_prob`) times `routed_scaling_factor`, as transformers' `Lfm2MoeTopKRouter`."""
+    dtype; float32 where `float_logits`), the top k of the scores plus the expert bias, weighed by their scores
+    renormalised past `eps` (where `norm_topk_prob`) times `routed_scaling_factor`, as transformers'
+    `Lfm2MoeTopKRouter` (AFMoE's: `engine.models.afmoe.AfmoeMoeBlock`)."""
+
+    float_logits, eps = False, 1e-6
 
     def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives, ops: ModuleType) -> None:
         super().__init__(config, shard, comm, ops)
@@ -144,11 +147,12 @@ class Lfm2MoeBlock(SparseMoeBlock):
         self.routed_scaling_factor = config.routed_scaling_factor
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = self.gate(x).sigmoid()                                          # [num_tokens, num_experts]
+        logits = self.gate(x)                                                     # [num_tokens, num_experts]
+        scores = (logits.float() if self.float_logits else logits).sigmoid()
         experts = torch.topk(scores + self.expert_bias.weight, k=self.top_k, dim=-1)[1]
         weights = scores.gather(1, experts)
         if self.norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-6)
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + self.eps)
         return weights * self.routed_scaling_factor, experts
 
 
