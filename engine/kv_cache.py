@@ -23,9 +23,10 @@ class KVCache:
 
     tensors: one a layer shape, each [its layers, planes, num_blocks, block_size, num_kv_heads, head_dim], planes K
     and V (DeepSeek's latent attention: one, both the layer's K and its V: `ModelConfig.kv_planes`; the layers with
-    K/V alone, `ModelConfig.kv_layers`: Qwen3.5's linear-attention layers keep none). Every model but Gemma 4 has one
-    shape (`data`, the tensor); Gemma 4's full layers have KV heads and a head size of their own
-    (`ModelConfig.layer_kv_shape`), so their K/V lie in a second tensor, a block id naming the same block in both.
+    K/V alone, `ModelConfig.kv_layers`: Qwen3.5's linear-attention layers keep none). Most models have one shape
+    (`data`, the tensor); Gemma 4's full layers have KV heads and a head size of their own, MiMo-V2-Flash's sliding
+    layers KV heads of their own (`ModelConfig.layer_kv_shape`), so their K/V lie in a second tensor, a block id
+    naming the same block in both.
     In `dtype`: the model's, or float8_e4m3fn for an FP8 cache (`kv_cache_dtype: fp8`; the kernels store and read it
     with per-layer scales). `raws` are the same memory as the block copies move it (bytes for FP8, which has no
     index_copy on a CPU). `num_kv_heads`: this rank's under tensor parallelism (default: the model's), of one of
@@ -39,7 +40,7 @@ class KVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = dtype
-        if model.gemma4 is None:   # one shape: this rank's heads
+        if len({model.layer_kv_shape(i) for i in model.kv_layers}) <= 1:   # one shape: this rank's heads
             shapes = [(num_kv_heads or model.num_kv_heads, model.head_dim)] * model.num_kv_layers
         else:   # each layer's own, this rank's share of its heads
             shapes = [(rank_kv_heads(heads, tensor_parallel_size), dim)
@@ -56,7 +57,7 @@ class KVCache:
 
     @property
     def data(self) -> torch.Tensor:
-        """The cache's tensor where every layer has one shape (every model but Gemma 4: `tensors`)."""
+        """The cache's tensor where every layer has one shape (not Gemma 4's or MiMo-V2-Flash's: `tensors`)."""
         if len(self.tensors) != 1:
             raise ValueError("this KV cache holds layers of several shapes: see KVCache.tensors")
         return self.tensors[0]

@@ -23,6 +23,7 @@ from engine.gemma4_config import Gemma4Shape
 from engine.mamba_config import Mamba2Shape
 from engine.kimi_linear_config import KdaShape, kimi_linear_config
 from engine.lfm2_config import ShortConvShape, lfm2_config, lfm2_moe_config
+from engine.mimo_config import MimoShape
 from engine.model_params import GEMMA_ARCHITECTURES, count_params, float32_params
 from engine.nemotron_h_config import nemotron_h_config
 from engine.mla_config import MlaShape
@@ -46,7 +47,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
                            "OlmoHybridForCausalLM", "Gemma4ForCausalLM", "Mistral4ForCausalLM",
                            "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM", "Lfm2ForCausalLM",
                            "Lfm2MoeForCausalLM", "KimiLinearForCausalLM", "Dots1ForCausalLM", "SolarOpenForCausalLM",
-                           "AfmoeForCausalLM")
+                           "AfmoeForCausalLM", "MiMoV2FlashForCausalLM")
 # their attention bias: q/k/v's, not o_proj's
 QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM")
 # Multimodal checkpoints served as their text model: architecture -> (the text model's, its weights' prefix, the
@@ -120,6 +121,7 @@ class ModelConfig:
     partial_rotary_factor: float = 1.0  # GLM-4: the share of each head the rotary turns (the default rope only)
     rope_proportional: bool = False     # Gemma 4's full layers: the turning pairs' frequencies over the whole head
     gemma4: Gemma4Shape | None = None   # Gemma 4: its full layers' own attention shape, per-layer inputs, shared K/V
+    mimo: MimoShape | None = None       # MiMo-V2-Flash: its sliding layers' KV heads, its value heads' size and factor
     no_rope_layers: tuple[int, ...] = ()   # SmolLM3: 1 where a layer rotates q and k, 0 where not (NoPE); (): all do
     attention_chunk_size: int | None = None   # Llama 4: a chunked_attention layer's query sees its chunk alone
     qk_l2_norm: bool = False            # Llama 4: each q and k head of a rotating layer L2-normed after the rotary
@@ -286,9 +288,12 @@ class ModelConfig:
         return self.kv_planes * sum(h * d for h, d in map(self.layer_kv_shape, self.kv_layers)) * dtype.itemsize
 
     def layer_kv_shape(self, layer: int) -> tuple[int, int]:
-        """(KV heads, head size) of layer `layer`'s attention: the model's, or Gemma 4's full layers' own."""
+        """(KV heads, head size) of layer `layer`'s attention: the model's, Gemma 4's full layers' own, or
+        MiMo-V2-Flash's sliding layers' KV heads."""
         if self.gemma4 is not None and self.layer_window(layer) is None:
             return self.gemma4.num_kv_heads, self.gemma4.head_dim
+        if self.mimo is not None and self.layer_window(layer) is not None:
+            return self.mimo.sliding_kv_heads, self.head_dim
         return self.num_kv_heads, self.head_dim
 
     def layer_config(self, layer: int) -> ModelConfig:

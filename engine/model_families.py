@@ -14,6 +14,7 @@ from typing import Any
 from engine.config import ConfigError
 from engine.config_values import is_int, read_bool, read_float, read_int, read_object, rope_type
 from engine.gated_delta_config import HYBRID_FIELDS
+from engine.mimo_config import mimo_fields
 from engine.granite_config import granite_fields
 from engine.hunyuan_config import HUNYUAN_FIELDS
 from engine.deepseek_config import DEEPSEEK_TOPK_METHODS, check_silu, deepseek_fields, grouped_experts, mistral4_fields
@@ -33,7 +34,7 @@ MOE_ROUTERS = ("softmax", "deepseek_v2", "deepseek_v3", "minimax_m2", "ernie4_5"
 # the families whose fields are read in a module of their own, each reader taking (config.json, its layer count)
 OWN_MODULE_FIELDS: dict[str, Callable[[dict[str, Any], int], dict[str, Any]]] = {"Llama4ForCausalLM": llama4_fields,
     "Gemma4ForCausalLM": gemma4_fields, "Mistral4ForCausalLM": mistral4_fields, **MISTRAL_FIELDS, **HUNYUAN_FIELDS,
-    **HYBRID_FIELDS}
+    **HYBRID_FIELDS, "MiMoV2FlashForCausalLM": mimo_fields}
 
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.gemma4_config import gemma4_params
+from engine.mimo_config import mimo_params
 from engine.nemotron_h_config import nemotron_h_params
 
 __all__ = ["COHERE_ARCHITECTURES", "FOUR_NORMS", "GEMMA_ARCHITECTURES", "WIDE_QK_NORM", "count_params",
@@ -45,6 +46,8 @@ def count_params(config: Any, heads: int, kv_heads: int, i: int, moe_i: int, v: 
         return nemotron_h_params(config, heads, kv_heads, v)
     if config.architecture == "Gemma4ForCausalLM":   # two attention shapes, experts beside the MLP
         return gemma4_params(config, heads, kv_heads, i, moe_i, v)
+    if config.mimo is not None:   # two attention shapes, value heads of their own size
+        return mimo_params(config, heads, kv_heads, i, moe_i, v)
     h, d = config.hidden_size, config.head_dim
     q, kv = heads * d, kv_heads * d
     attn = h * (q + 2 * kv) + q * h

@@ -22,7 +22,8 @@ attention, NoPE layers with query temperature, q/k L2-normed after an interleave
 DeltaNet layers over a per-sequence state between gated full-attention layers; Qwen3-Next), `nemotron_h` (Nemotron-H:
 single-mixer blocks of Mamba-2, NoPE attention or a squared-ReLU MLP), `lfm2` (LFM2: gated short convolutions
 beside attention with per-head q/k norms; LFM2-MoE's experts), `kimi_linear` (Kimi Linear: Kimi Delta Attention
-beside DeepSeek's latent attention without a rotary), over `hybrid`'s states.
+beside DeepSeek's latent attention without a rotary), over `hybrid`'s states; `mimo` (MiMo-V2-Flash: sliding layers with
+twice the KV heads and sinks, value heads narrower than q/k's, DeepSeek V3's router).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from engine.models.ministral3 import Ministral3ForCausalLM
 from engine.models.granite import (GraniteForCausalLM, GraniteHybridForCausalLM, GraniteHybridMoeForCausalLM,
                                    GraniteMoeHybridForCausalLM)
 from engine.models.hunyuan import HunyuanDenseForCausalLM, HunyuanMoeForCausalLM
+from engine.models.mimo import MimoV2FlashForCausalLM
 from engine.models.minimax_m2 import MiniMaxM2ForCausalLM
 from engine.models.kimi_linear import KimiLinearForCausalLM
 from engine.models.lfm2 import Lfm2ForCausalLM, Lfm2MoeForCausalLM
@@ -121,7 +123,8 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "Dots1ForCausalLM": Glm4MoeForCausalLM,   # dots.llm1: its layers
                                                 "SolarOpenForCausalLM": Glm4MoeForCausalLM,   # Solar Open: alike
                                                 "ArceeForCausalLM": ArceeForCausalLM,
-                                                "AfmoeForCausalLM": AfmoeForCausalLM}
+                                                "AfmoeForCausalLM": AfmoeForCausalLM,
+                                                "MiMoV2FlashForCausalLM": MimoV2FlashForCausalLM}
 
 
 def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:
@@ -196,7 +199,7 @@ def _allocate(model: nn.Module, dtype: torch.dtype, device: torch.device | str) 
 _FP8_READERS: dict[type, tuple[str, ...]] = {
     LlamaForCausalLM: (), Qwen3MoeForCausalLM: (), MixtralForCausalLM: (), DeepseekForCausalLM: (),
     DeepseekV32ForCausalLM: (), Glm4MoeForCausalLM: ("self_attn.qkv_proj",),
-    MiniMaxM2ForCausalLM: ("self_attn.qkv_proj",)}
+    MiniMaxM2ForCausalLM: ("self_attn.qkv_proj",), MimoV2FlashForCausalLM: ("self_attn.qkv_proj",)}
 _READING = ("read_tensor", "_destination", "_shard_of", "cut_shape")
 
 
@@ -223,6 +226,8 @@ def fp8_cuts(config: ModelConfig, shard: ShardShape) -> dict[str, tuple[list[int
             "down_proj": ([], [shard.rank * inter])}
     if config.mla is not None:   # latent attention: no qkv_proj; o_proj's columns are each head's value
         cuts |= {"qkv_proj": ([], []), "o_proj": ([], [shard.head_start * config.mla.v_head_dim])}
+    if config.mimo is not None:   # its qkv_proj reordered as read (never held as stored); o_proj's: value heads
+        cuts |= {"qkv_proj": ([], []), "o_proj": ([], [shard.head_start * config.mimo.v_head_dim])}
     if config.num_experts:   # experts' rows one after another: w13 [E x 2 x moe, hidden], w2 [E x hidden, moe]
         cuts |= {"w13": ([moe, 2 * moe, shard.rank * moe], []), "w2": ([config.hidden_size], [shard.rank * moe])}
     return cuts

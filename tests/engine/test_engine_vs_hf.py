@@ -370,6 +370,14 @@ TINY_MODELS = [
                "num_experts": 8, "num_experts_per_tok": 2, "num_shared_experts": 1, "num_dense_layers": 1,
                "global_attn_every_n_layers": 2, "sliding_window": 8, "mup_enabled": True, "route_scale": 1.5,
                "pad_token_id": 0}),
+    # MiMo-V2-Flash: full layers of one KV head, sliding ones (a window of 8) of two with sinks; q/k heads of 32 (a
+    # third turning, each type its base) over value heads of 16, scaled; q/k/v biases; past the dense first layer 8
+    # experts of 32 in 2 groups, 2 a token from 1 group, renormalised, times 1.5; stored under the hub's names
+    ("mimo_v2_flash", {"num_hidden_layers": 4, "head_dim": 32, "v_head_dim": 16, "num_key_value_heads": 1,
+                       "sliding_window": 8, "layer_types": ["full_attention", "sliding_attention", "sliding_attention",
+                                                        "full_attention"],
+                       "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_group": 2,
+                       "topk_group": 1, "routed_scaling_factor": 1.5, "attention_bias": True, "pad_token_id": 0}),
     # Kimi Linear: Kimi Delta Attention layers (4 heads of 16, a decay per key channel; prompts past its chunk of 64)
     # beside NoPE latent attention, the first MLP dense, then 8 experts of 32 in 2 groups (2 a token from 1 group)
     # beside a shared one

@@ -151,16 +151,20 @@ def test_a_deepseek_fp8_checkpoint_holds_its_experts_and_projections_as_stored(t
     assert _greedy(engine) == _greedy(_engine(folder, "none"))
 
 
-@pytest.mark.parametrize("arch,unheld", [("mixtral", False), ("glm4_moe", True), ("minimax_m2", True)])
+@pytest.mark.parametrize("arch,unheld", [("mixtral", False), ("glm4_moe", True), ("minimax_m2", True),
+                                         ("mimo_v2_flash", True)])
 def test_renamed_and_reordered_fp8_checkpoints_hold_what_they_read_unchanged(tmp_path, builtin_path, arch, unheld):
     """Mixtral's FP8 checkpoints (its experts' w1/w2/w3 renamed as read) hold every projection and expert as stored;
-    GLM-4.5's and MiniMax-M2's (q/k rows reordered for their partial rotary as read) hold their experts and o_proj
-    as stored and qkv_proj dequantized; each decodes greedily as the dequantized model."""
+    GLM-4.5's, MiniMax-M2's and MiMo-V2-Flash's (q/k rows reordered for their partial rotary as read) hold their
+    experts and o_proj as stored and qkv_proj dequantized; each decodes greedily as the dequantized model."""
     from tests.engine.test_engine_vs_hf import GLM4_MOE, MIXTRAL
 
     overrides = {"mixtral": MIXTRAL, "glm4_moe": {**GLM4_MOE, "use_qk_norm": True},
                  "minimax_m2": dict(intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, head_dim=16,
-                                    rotary_dim=4, num_hidden_layers=3)}[arch]
+                                    rotary_dim=4, num_hidden_layers=3),
+                 "mimo_v2_flash": dict(num_hidden_layers=3, head_dim=32, v_head_dim=16, num_key_value_heads=1,
+                                       sliding_window=8, n_routed_experts=8, num_experts_per_tok=2,
+                                       moe_intermediate_size=32, pad_token_id=0)}[arch]
     folder = make_tiny_model(tmp_path / "fp8", arch, builtin_path, **overrides)
     _fp8_checkpoint(folder, (16, 16))
     engine = _engine(folder, "fp8")

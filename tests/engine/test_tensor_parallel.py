@@ -312,6 +312,9 @@ QWEN3 = {"head_dim": 32, "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
     ("lfm2_moe", {"num_hidden_layers": 3, "layer_types": ["conv", "full_attention", "conv"], "intermediate_size": 96,
                   "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "num_dense_layers": 1,
                   "norm_eps": 1e-5}, None),
+    ("mimo_v2_flash", {"num_hidden_layers": 3, "head_dim": 32, "v_head_dim": 16, "num_key_value_heads": 1,
+                       "sliding_window": 8, "n_routed_experts": 8, "num_experts_per_tok": 2,
+                       "moe_intermediate_size": 32, "attention_bias": True, "pad_token_id": 0}, None),
     ("gemma4", GEMMA4, None),
     ("gemma4", GEMMA4_MOE, True),
     ("gemma4", GEMMA4_E, None),
@@ -338,7 +341,9 @@ def test_two_ranks_generate_what_one_does(tmp_path, builtin_path, prompts, arch,
     # projection) and the experts' stacked rows beside each MLP (the E models' per-layer inputs whole on each rank,
     # their shared-K/V layers reading their producers' heads on each rank, double-wide MLPs cut in their width);
     # Qwen3.5 each rank's key heads of its linear layers (their value heads' states on that rank) and each rank's
-    # heads' gates; Qwen3-Next the same out of its fused projections, beside experts and a dense layer.
+    # heads' gates; Qwen3-Next the same out of its fused projections, beside experts and a dense layer; MiMo-V2-Flash
+    # each layer's attention in its own shape (a full layer's one KV head on both ranks, a sliding layer's two one a
+    # rank), V's rows and o_proj's columns in value heads, each rank's heads' sinks.
     # Qwen3's,
     # Mixtral's and DeepSeek's groups overlap their steps: the other rank fills the placeholders of each step's
     # inputs from rank 0's sampled ids (engine.overlap).
