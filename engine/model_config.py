@@ -66,11 +66,16 @@ TEXT_MODELS = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "language
                "Qwen3_5ForConditionalGeneration": ("Qwen3_5ForCausalLM", "language_model.", "qwen3_5_text"),
                "Qwen3_5MoeForConditionalGeneration": ("Qwen3_5MoeForCausalLM", "language_model.", "qwen3_5_moe_text"),
                "Gemma4ForConditionalGeneration": ("Gemma4ForCausalLM", "language_model.", "gemma4_text"),
-               "Lfm2VlForConditionalGeneration": ("Lfm2ForCausalLM", "language_model.", "lfm2")}
+               "Lfm2VlForConditionalGeneration": ("Lfm2ForCausalLM", "language_model.", "lfm2"),
+               "Kimi_K25ForConditionalGeneration": ("DeepseekV3ForCausalLM", "language_model.", "deepseek_v3"),
+               "KimiK25ForConditionalGeneration": ("DeepseekV3ForCausalLM", "language_model.", "deepseek_v3")}
 # a multimodal architecture whose text model is another by its text_config's model_type (Mistral 3's from December
 # 2025 on: Ministral 3, Devstral 2, Mistral Small 4)
 TEXT_MODEL_TYPES = {("Mistral3ForConditionalGeneration", "ministral3"): "Ministral3ForCausalLM",
-                    ("Mistral3ForConditionalGeneration", "mistral4"): "Mistral4ForCausalLM"}
+                    ("Mistral3ForConditionalGeneration", "mistral4"): "Mistral4ForCausalLM",
+                    # Kimi K2.5's and K2.6's hub config.json name their text model kimi_k2: read as DeepSeek V3's
+                    ("Kimi_K25ForConditionalGeneration", "kimi_k2"): "DeepseekV3ForCausalLM",
+                    ("KimiK25ForConditionalGeneration", "kimi_k2"): "DeepseekV3ForCausalLM"}
 FLAT_TEXT_CONFIGS = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 @dataclass(frozen=True)
@@ -430,8 +435,11 @@ class ModelConfig:
             else read_token_ids(cfg, "eos_token_id")   # the text model's, else the checkpoint's
         tied = {"tie_word_embeddings": read_bool(cfg, "tie_word_embeddings", True)} if "tie_word_embeddings" in cfg \
             else {}   # transformers reads the top one (checked here: its error names the file's key)
+        quantized = {key: cfg[key] for key in ("quantization_config", "compression_config")   # the checkpoint's,
+                     if cfg.get(key) is not None and key not in text}                    # at the top (Kimi K2.5's)
         try:
-            config = cls.from_hf_config({**text, **tied, "architectures": [text_arch], "eos_token_id": list(eos)})
+            config = cls.from_hf_config({**text, **tied, **quantized, "architectures": [text_arch],
+                                         "eos_token_id": list(eos)})
         except ConfigError as exc:
             raise ConfigError(f"text_config.{exc}") from None
         return replace(config, text_weights_prefix=prefix, bare_text_weights=arch in FLAT_TEXT_CONFIGS,

@@ -250,7 +250,11 @@ class DeepseekForCausalLM(Qwen3MoeForCausalLM):
 
 def moe_checkpoint_name(config: ModelConfig, name: str) -> str | None:
     """A DeepSeek or GLM-4.5 checkpoint tensor's name as Qwen3-MoE's loading reads it: the shared experts under
-    Qwen2-MoE's name (one MLP); None for a layer past the model's (multi-token prediction), which is skipped."""
+    Qwen2-MoE's name (one MLP); None for a layer past the model's (multi-token prediction), which is skipped. Layers
+    saved as `blocks.N` (transformers 5's save of Kimi K2.5 turns its vision tower's rename of blocks to layers back
+    on the text model's too) are read as `layers.N`."""
+    if name.startswith("blocks.") and config.text_weights_prefix:
+        name = "layers." + name.removeprefix("blocks.")
     parts = name.split(".")
     if parts[0] == "layers" and parts[1].isdigit() and int(parts[1]) >= config.num_layers:
         return None
