@@ -102,13 +102,17 @@ def dense_first(cfg: dict[str, Any], default: int) -> int:
     return dense
 
 
-def grouped_experts(cfg: dict[str, Any], defaults: dict[str, Any], router: str, grouped: bool) -> dict[str, Any]:
+def grouped_experts(cfg: dict[str, Any], defaults: dict[str, Any], router: str, grouped: bool,
+                    keys: dict[str, str] | None = None) -> dict[str, Any]:
     """DeepSeek's experts as their config keys say (`defaults`: the family's config class's): `n_routed_experts` of
     `moe_intermediate_size`, `num_experts_per_tok` a token from the `topk_group` best of `n_group` groups (one group
     where not `grouped`), weighted in float32 times `routed_scaling_factor` (renormalised where `norm_topk_prob`);
-    `n_shared_experts` of them every token takes, ungated; the first `first_k_dense_replace` layers dense."""
+    `n_shared_experts` of them every token takes, ungated; the first `first_k_dense_replace` layers dense. `keys`: a
+    family's own names of DeepSeek's keys (K-EXAONE's `num_experts`), read and named in errors in their place."""
+    keys = keys or {}
+
     def read(key: str, minimum: int = 1) -> int:
-        return read_int(cfg, key, defaults[key], minimum=minimum)
+        return read_int(cfg, keys.get(key, key), defaults[key], minimum=minimum)
 
     experts, moe_i, top_k = read("n_routed_experts"), read("moe_intermediate_size"), read("num_experts_per_tok")
     groups, topk_group = (read("n_group"), read("topk_group")) if grouped else (1, 1)
@@ -128,6 +132,23 @@ def check_silu(cfg: dict[str, Any], family: str) -> None:
     if cfg.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"hidden_act: {family}'s experts are served with silu only (the fused MoE kernel's), "
                           f"got {cfg['hidden_act']!r}")
+
+
+# transformers' ExaoneMoeConfig's where config.json names none (K-EXAONE-236B-A23B's), and its names of DeepSeek's keys
+EXAONE_MOE_EXPERTS = dict(n_routed_experts=64, moe_intermediate_size=1024, num_experts_per_tok=8, n_group=1,
+                          topk_group=1, norm_topk_prob=True, first_k_dense_replace=1, routed_scaling_factor=2.5,
+                          n_shared_experts=1)
+EXAONE_MOE_KEYS = {"n_routed_experts": "num_experts", "n_shared_experts": "num_shared_experts"}
+
+
+def exaone_moe_experts(cfg: dict[str, Any]) -> dict[str, Any]:
+    """K-EXAONE's experts (`ExaoneMoeForCausalLM`): DeepSeek V3's grouped sigmoid router and ungated shared experts
+    under EXAONE's keys (`num_experts`, `num_shared_experts`), the dense layers first as `mlp_layer_types` says (else
+    `first_k_dense_replace`)."""
+    check_silu(cfg, "K-EXAONE")
+    dense = dense_first(cfg, read_int(cfg, "first_k_dense_replace", 1, minimum=0))
+    return grouped_experts({**cfg, "first_k_dense_replace": dense}, EXAONE_MOE_EXPERTS, "deepseek_v3", grouped=True,
+                           keys=EXAONE_MOE_KEYS)
 
 
 # transformers' Mistral4Config's where config.json names none: 128 experts of 2,048, 4 a token, one shared, every layer

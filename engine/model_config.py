@@ -47,7 +47,8 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
                            "OlmoHybridForCausalLM", "Gemma4ForCausalLM", "Mistral4ForCausalLM",
                            "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM", "Lfm2ForCausalLM",
                            "Lfm2MoeForCausalLM", "KimiLinearForCausalLM", "Dots1ForCausalLM", "SolarOpenForCausalLM",
-                           "AfmoeForCausalLM", "MiMoV2FlashForCausalLM")
+                           "AfmoeForCausalLM", "MiMoV2FlashForCausalLM",
+                           "ExaoneMoeForCausalLM")
 # their attention bias: q/k/v's, not o_proj's
 QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM")
 # Multimodal checkpoints served as their text model: architecture -> (the text model's, its weights' prefix, the

@@ -106,7 +106,7 @@ DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32_768, "
                          "Glm4MoeForCausalLM": 131_072, "MiniMaxM2ForCausalLM": 196_608,
                          "Gemma2ForCausalLM": 8192, "Gemma3ForCausalLM": 131_072, "Llama4ForCausalLM": 131_072,
                          "Ministral3ForCausalLM": 262_144, "Glm4MoeLiteForCausalLM": 202_752,
-                         "GraniteMoeHybridForCausalLM": 2048, "Exaone4ForCausalLM": 2048,
+                         "GraniteMoeHybridForCausalLM": 2048, "Exaone4ForCausalLM": 2048, "ExaoneMoeForCausalLM": 2048,
                          "HunYuanDenseV1ForCausalLM": 2048, "OlmoeForCausalLM": 4096,
                          "HunYuanMoEV1ForCausalLM": 2048, "MinistralForCausalLM": 131_072,
                          "ApertusForCausalLM": 65_536, "OlmoHybridForCausalLM": 65_536, "Dots1ForCausalLM": 2048,
@@ -117,7 +117,7 @@ DEFAULT_RMS_NORM_EPS = {"MixtralForCausalLM": 1e-5, "Phi3ForCausalLM": 1e-5, "Ol
                         "GptOssForCausalLM": 1e-5, "Ernie4_5ForCausalLM": 1e-5, "Ernie4_5_MoeForCausalLM": 1e-5,
                         "Glm4ForCausalLM": 1.5625e-7,
                         "Glm4MoeForCausalLM": 1e-5, "Llama4ForCausalLM": 1e-5, "Ministral3ForCausalLM": 1e-5,
-                        "Glm4MoeLiteForCausalLM": 1e-5, "Exaone4ForCausalLM": 1e-5,
+                        "Glm4MoeLiteForCausalLM": 1e-5, "Exaone4ForCausalLM": 1e-5, "ExaoneMoeForCausalLM": 1e-5,
                         "HunYuanDenseV1ForCausalLM": 1e-5, "OlmoeForCausalLM": 1e-5, "HunYuanMoEV1ForCausalLM": 1e-5,
                         "ApertusForCausalLM": 1e-5, "ArceeForCausalLM": 1e-5}
 # their num_key_value_heads where config.json names none (else one per query head)
@@ -126,7 +126,8 @@ DEFAULT_KV_HEADS = {"Qwen2ForCausalLM": 32, "MistralForCausalLM": 8, "Qwen3ForCa
                     "Qwen2MoeForCausalLM": 16, "Ernie4_5ForCausalLM": 2, "Ernie4_5_MoeForCausalLM": 4,
                     "Glm4ForCausalLM": 2, "Glm4MoeForCausalLM": 8, "SeedOssForCausalLM": 8,
                     "MiniMaxM2ForCausalLM": 8, "Llama4ForCausalLM": 8, "Ministral3ForCausalLM": 8,
-                    "Exaone4ForCausalLM": 32, "MinistralForCausalLM": 8}
+                    "Exaone4ForCausalLM": 32, "MinistralForCausalLM": 8,
+                    "ExaoneMoeForCausalLM": 32}
 # their head_dim where config.json names none (else hidden_size / num_attention_heads)
 DEFAULT_HEAD_DIM = {"Qwen3ForCausalLM": 128, "GptOssForCausalLM": 64, "Ernie4_5ForCausalLM": 128,
                     "Llama4ForCausalLM": 128, "Ministral3ForCausalLM": 128,

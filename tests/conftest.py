@@ -120,7 +120,8 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
            "lfm2": transformers.Lfm2Config, "lfm2_moe": transformers.Lfm2MoeConfig,
            "kimi_linear": transformers.KimiLinearConfig, "dots1": transformers.Dots1Config,
            "solar_open": transformers.SolarOpenConfig, "arcee": transformers.ArceeConfig,
-           "afmoe": transformers.AfmoeConfig, "mimo_v2_flash": transformers.MiMoV2FlashConfig}[arch]
+           "afmoe": transformers.AfmoeConfig, "mimo_v2_flash": transformers.MiMoV2FlashConfig,
+           "exaone_moe": transformers.ExaoneMoeConfig}[arch]
     config = cls(**common)
     if arch == "mistral4":   # transformers maps Mistral4Config to no causal LM class (only its pretraining one)
         transformers.AutoModelForCausalLM.register(transformers.Mistral4Config, transformers.Mistral4ForCausalLM,
@@ -153,7 +154,7 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
                     param.normal_(1.0, 0.5)
     # the router's correction bias (a buffer; LFM2-MoE's expert bias), and LFM2-MoE's router, which starts at zero
     if arch in ("deepseek_v3", "glm4_moe", "minimax_m2", "glm4_moe_lite", "nemotron_h", "lfm2_moe", "kimi_linear",
-                "dots1", "solar_open", "afmoe", "mimo_v2_flash"):
+                "dots1", "solar_open", "afmoe", "mimo_v2_flash", "exaone_moe"):
         with torch.no_grad():
             for name, tensor in [*model.named_buffers(), *model.named_parameters()]:
                 if name.endswith(("e_score_correction_bias", "feed_forward.expert_bias", "mlp.expert_bias")):

@@ -49,7 +49,7 @@ from engine.models.deepseek_v32 import DeepseekV32ForCausalLM
 from engine.models.ernie import Ernie45ForCausalLM, Ernie45MoeForCausalLM
 from engine.models.gemma3 import Gemma3ForCausalLM
 from engine.models.gemma4 import Gemma4ForCausalLM
-from engine.models.glm4 import Glm4ForCausalLM, Glm4MoeForCausalLM
+from engine.models.glm4 import ExaoneMoeForCausalLM, Glm4ForCausalLM, Glm4MoeForCausalLM
 from engine.models.gpt_oss import GptOssForCausalLM
 from engine.models.llama4 import Llama4ForCausalLM
 from engine.models.ministral3 import Ministral3ForCausalLM
@@ -124,7 +124,8 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "SolarOpenForCausalLM": Glm4MoeForCausalLM,   # Solar Open: alike
                                                 "ArceeForCausalLM": ArceeForCausalLM,
                                                 "AfmoeForCausalLM": AfmoeForCausalLM,
-                                                "MiMoV2FlashForCausalLM": MimoV2FlashForCausalLM}
+                                                "MiMoV2FlashForCausalLM": MimoV2FlashForCausalLM,
+                                                "ExaoneMoeForCausalLM": ExaoneMoeForCausalLM}
 
 
 def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:

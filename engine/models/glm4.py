@@ -18,7 +18,8 @@ GLM-4.5 (`Glm4MoeForCausalLM`) is another model: the Llama layer (two norms), Qw
 i + rotary_dim / 2), and past the first `first_k_dense_replace` layers DeepSeek V3's experts (`DeepseekMoeBlock`:
 the grouped sigmoid router with its correction bias, ungated shared experts). Its partial rotary is served as
 GLM-4's: the passed dimensions moved between the rotated halves (`interleaved_to_halves(..., interleaved=False)`),
-q/k rows, biases and q/k norm weights alike.
+q/k rows, biases and q/k norm weights alike. K-EXAONE (`ExaoneMoeForCausalLM`) is that model with EXAONE 4's
+attention (q/k normed per head, NoPE full layers beside rotating sliding ones).
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ from engine.models.deepseek import DeepseekMoeBlock, moe_checkpoint_name
 from engine.models.gemma3 import Gemma3DecoderLayer
 from engine.models.phi3 import Phi3ForCausalLM, partial_rotary_rows
 from engine.models.qwen3_moe import Qwen3MoeForCausalLM
+from engine.models.smollm3 import layer_rotary
 
-__all__ = ["Glm4ForCausalLM", "Glm4MoeForCausalLM"]
+__all__ = ["ExaoneMoeForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM"]
 
 
 class Glm4DecoderLayer(Gemma3DecoderLayer):
@@ -78,3 +80,22 @@ class Glm4MoeForCausalLM(Qwen3MoeForCausalLM):
     def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
         name = moe_checkpoint_name(self.config, name)
         return () if name is None else ((name, partial_rotary_rows(self.config, name, tensor)),)
+
+
+class ExaoneMoeForCausalLM(Glm4MoeForCausalLM):
+    """K-EXAONE (`ExaoneMoeForCausalLM`): GLM-4.5's model (the Llama layer, DeepSeek V3's experts beside shared ones
+    past the dense first layers) with EXAONE 4's attention: per-head q/k norms before the rotary, which turns the
+    sliding layers alone where the model has a window (its full layers NoPE, `layer_rotary`); its checkpoints' router
+    correction bias at `mlp.` read as the router's, their multi-token-prediction weights (`mtp.`) skipped, as
+    transformers reads them."""
+
+    def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
+        layer = super().make_layer(index, ops)
+        layer.self_attn.rotary_emb = layer_rotary(self, index)
+        return layer
+
+    def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
+        if name.startswith("mtp."):
+            return ()
+        name = name.replace(".mlp.e_score_correction_bias", ".mlp.gate.e_score_correction_bias")
+        return super().read_tensor(hf_name, name, tensor)

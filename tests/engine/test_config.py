@@ -1427,6 +1427,33 @@ def test_glm4_7_flash_reads_as_transformers_does():
                                     "mlp_layer_types": ["sparse", "dense"] + ["sparse"] * (layers - 2)})
 
 
+def test_k_exaone_reads_as_transformers_does():
+    """K-EXAONE (`ExaoneMoeForCausalLM`, ExaoneMoeConfig's defaults): EXAONE 4's attention (every 4th layer full and
+    NoPE, the others sliding over 4,096 with a rotary; q/k normed per head), DeepSeek V3's router over `num_experts`
+    (64 of 1,024, 8 a token, times 2.5) beside `num_shared_experts` (1), the first layer dense; the parameter count is
+    transformers' model's. Dense layers after a sparse one, too many experts a token for the groups, and another
+    activation are refused by name."""
+    transformers = pytest.importorskip("transformers")
+
+    bare = {"architectures": ["ExaoneMoeForCausalLM"]}
+    hf_config, hf = _meta_model(transformers.ExaoneMoeConfig, bare)
+    cfg = ModelConfig.from_hf_config(bare | {k: getattr(hf_config, k) for k in (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")})
+    assert cfg.num_params() == _params_and_router_biases(hf)
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.mlp_only_layers,
+            cfg.routed_scaling_factor, cfg.shared_expert_intermediate_size, cfg.moe_router) == (
+        64, 8, 1024, (0,), 2.5, 1024, "deepseek_v3")
+    assert cfg.layer_types[:4] == ("sliding_attention",) * 3 + ("full_attention",) and cfg.sliding_window == 4096
+    assert cfg.no_rope_layers[:4] == (1, 1, 1, 0) and cfg.qk_norm and cfg.num_kv_heads == 32
+    small = {**bare, "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
+             "num_attention_heads": 4}
+    for change, key in (({"mlp_layer_types": ["sparse", "dense", "sparse"]}, "mlp_layer_types"),
+                        ({"num_experts": 8, "n_group": 4, "topk_group": 1, "num_experts_per_tok": 3}, "n_group"),
+                        ({"num_experts": 0}, "num_experts"), ({"hidden_act": "gelu"}, "hidden_act")):
+        with pytest.raises(ConfigError, match=f"^{key}:"):
+            ModelConfig.from_hf_config({**small, **change})
+
+
 def test_granite4_and_its_hybrids_read_as_transformers_does():
     """Granite 4's transformers (GraniteMoeHybridConfig with attention on every layer, no experts: Granite-4.0-Micro's
     kind) read as transformers reads them: the parameter count of its model, its MLP the shared one; its -H form

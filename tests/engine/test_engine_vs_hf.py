@@ -378,6 +378,12 @@ TINY_MODELS = [
                                                         "full_attention"],
                        "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_group": 2,
                        "topk_group": 1, "routed_scaling_factor": 1.5, "attention_bias": True, "pad_token_id": 0}),
+    # K-EXAONE: EXAONE 4's attention (three sliding layers with a rotary over a window of 8, then a NoPE full one;
+    # q/k normed per head) over DeepSeek V3's experts past the dense first layer: 8 of 32 in 2 groups, 2 a token from
+    # 1 group, renormalised, times 2.5, beside a shared one
+    ("exaone_moe", {"num_hidden_layers": 4, "head_dim": 16, "sliding_window": 8, "num_experts": 8,
+                    "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_group": 2, "topk_group": 1,
+                    "num_shared_experts": 1, "pad_token_id": 0}),
     # Kimi Linear: Kimi Delta Attention layers (4 heads of 16, a decay per key channel; prompts past its chunk of 64)
     # beside NoPE latent attention, the first MLP dense, then 8 experts of 32 in 2 groups (2 a token from 1 group)
     # beside a shared one

@@ -315,6 +315,9 @@ QWEN3 = {"head_dim": 32, "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
     ("mimo_v2_flash", {"num_hidden_layers": 3, "head_dim": 32, "v_head_dim": 16, "num_key_value_heads": 1,
                        "sliding_window": 8, "n_routed_experts": 8, "num_experts_per_tok": 2,
                        "moe_intermediate_size": 32, "attention_bias": True, "pad_token_id": 0}, None),
+    ("exaone_moe", {"num_hidden_layers": 4, "head_dim": 16, "sliding_window": 8, "num_experts": 8,
+                    "num_experts_per_tok": 2, "moe_intermediate_size": 32, "num_shared_experts": 1,
+                    "pad_token_id": 0}, None),
     ("gemma4", GEMMA4, None),
     ("gemma4", GEMMA4_MOE, True),
     ("gemma4", GEMMA4_E, None),
@@ -343,7 +346,8 @@ def test_two_ranks_generate_what_one_does(tmp_path, builtin_path, prompts, arch,
     # Qwen3.5 each rank's key heads of its linear layers (their value heads' states on that rank) and each rank's
     # heads' gates; Qwen3-Next the same out of its fused projections, beside experts and a dense layer; MiMo-V2-Flash
     # each layer's attention in its own shape (a full layer's one KV head on both ranks, a sliding layer's two one a
-    # rank), V's rows and o_proj's columns in value heads, each rank's heads' sinks.
+    # rank), V's rows and o_proj's columns in value heads, each rank's heads' sinks; K-EXAONE its per-head q/k norms
+    # whole on each rank beside NoPE full layers, its experts' and shared expert's rows.
     # Qwen3's,
     # Mixtral's and DeepSeek's groups overlap their steps: the other rank fills the placeholders of each step's
     # inputs from rank 0's sampled ids (engine.overlap).
