@@ -1035,6 +1035,18 @@ def _params_and_router_biases(hf) -> int:
     return sum(p.numel() for p in hf.parameters()) + buffers
 
 
+def _at_class_defaults(config_class: str, bare: dict):
+    """(transformers' config class `config_class` at its defaults, our reading of `bare` with its sizes), the parameter
+    count checked against transformers' model (built on the meta device)."""
+    transformers = pytest.importorskip("transformers")
+
+    hf_config, hf = _meta_model(getattr(transformers, config_class), bare)
+    cfg = ModelConfig.from_hf_config(bare | {k: getattr(hf_config, k) for k in (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")})
+    assert cfg.num_params() == _params_and_router_biases(hf)
+    return hf_config, cfg
+
+
 @pytest.mark.parametrize("card,billions", [(DEEPSEEK_V3_CARD, 671.0), (DEEPSEEK_V2_LITE_CARD, 15.7)],
                          ids=["v3", "v2-lite"])
 def test_deepseek_as_its_model_cards_write_it_reads_as_transformers_does(card, billions):
@@ -1407,13 +1419,8 @@ def test_glm4_7_flash_reads_as_transformers_does():
     (a latent of 512 and a rotated key of 64: 576 values a layer in the cache) and router, 64 experts of 1,536, 4 a
     token beside a shared one, the first layer dense; the parameter count is transformers' model's. Dense layers
     after a sparse one are refused by name."""
-    transformers = pytest.importorskip("transformers")
-
     bare = {"architectures": ["Glm4MoeLiteForCausalLM"]}
-    hf_config, hf = _meta_model(transformers.Glm4MoeLiteConfig, bare)
-    cfg = ModelConfig.from_hf_config(bare | {k: getattr(hf_config, k) for k in (
-        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")})
-    assert cfg.num_params() == _params_and_router_biases(hf)
+    hf_config, cfg = _at_class_defaults("Glm4MoeLiteConfig", bare)
     assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.mlp_only_layers,
             cfg.routed_scaling_factor, cfg.kv_planes, cfg.head_dim) == (64, 4, 1536, (0,), 1.8, 1, 576)
     assert cfg.mla.q_lora_rank == 768 and cfg.mla.v_head_dim == 256 and cfg.mla.qk_nope_head_dim == 192
@@ -1433,13 +1440,8 @@ def test_k_exaone_reads_as_transformers_does():
     (64 of 1,024, 8 a token, times 2.5) beside `num_shared_experts` (1), the first layer dense; the parameter count is
     transformers' model's. Dense layers after a sparse one, too many experts a token for the groups, and another
     activation are refused by name."""
-    transformers = pytest.importorskip("transformers")
-
     bare = {"architectures": ["ExaoneMoeForCausalLM"]}
-    hf_config, hf = _meta_model(transformers.ExaoneMoeConfig, bare)
-    cfg = ModelConfig.from_hf_config(bare | {k: getattr(hf_config, k) for k in (
-        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")})
-    assert cfg.num_params() == _params_and_router_biases(hf)
+    _, cfg = _at_class_defaults("ExaoneMoeConfig", bare)
     assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.mlp_only_layers,
             cfg.routed_scaling_factor, cfg.shared_expert_intermediate_size, cfg.moe_router) == (
         64, 8, 1024, (0,), 2.5, 1024, "deepseek_v3")
