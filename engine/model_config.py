@@ -68,6 +68,9 @@ TEXT_MODELS = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "language
                "Qwen3_5MoeForConditionalGeneration": ("Qwen3_5MoeForCausalLM", "language_model.", "qwen3_5_moe_text"),
                "Gemma4ForConditionalGeneration": ("Gemma4ForCausalLM", "language_model.", "gemma4_text"),
                "Lfm2VlForConditionalGeneration": ("Lfm2ForCausalLM", "language_model.", "lfm2"),
+               "Glm4vMoeForConditionalGeneration": ("Glm4MoeForCausalLM", "language_model.", "glm4v_moe_text"),
+               "Glm4vForConditionalGeneration": ("Glm4ForCausalLM", "language_model.", "glm4v_text"),
+               "Glm46VForConditionalGeneration": ("Glm4ForCausalLM", "language_model.", "glm4v_text"),
                "Kimi_K25ForConditionalGeneration": ("DeepseekV3ForCausalLM", "language_model.", "deepseek_v3"),
                "KimiK25ForConditionalGeneration": ("DeepseekV3ForCausalLM", "language_model.", "deepseek_v3")}
 # a multimodal architecture whose text model is another by its text_config's model_type (Mistral 3's from December
@@ -78,6 +81,7 @@ TEXT_MODEL_TYPES = {("Mistral3ForConditionalGeneration", "ministral3"): "Ministr
                     ("Kimi_K25ForConditionalGeneration", "kimi_k2"): "DeepseekV3ForCausalLM",
                     ("KimiK25ForConditionalGeneration", "kimi_k2"): "DeepseekV3ForCausalLM"}
 FLAT_TEXT_CONFIGS = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+MROPE_TEXT = ("Qwen", "Glm4v", "Glm46V")   # their text configs read through `vl_text_keys` (MRoPE, saved names)
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 @dataclass(frozen=True)
 class ModelConfig:
@@ -428,7 +432,7 @@ class ModelConfig:
             text = {k: v for k, v in cfg.items() if k not in ("vision_config", "architectures", "model_type")}
         if text is None:
             raise ConfigError(f"text_config: missing from config.json ({arch} is served as its text model)")
-        text = TEXT_DEFAULTS.get(arch, {}) | (vl_text_keys(text) if arch.startswith("Qwen") else text)
+        text = TEXT_DEFAULTS.get(arch, {}) | (vl_text_keys(text) if arch.startswith(MROPE_TEXT) else text)
         if text.get("model_type", model_type) != model_type:
             raise ConfigError(f"text_config.model_type: {arch}'s text model is served as {model_type!r} "
                               f"({text_arch}), got {text['model_type']!r}")

@@ -143,8 +143,13 @@ DEFAULT_ROPE_THETA = {"MixtralForCausalLM": 1_000_000.0, "SmolLM3ForCausalLM": 2
 def vl_text_keys(text: dict[str, Any]) -> dict[str, Any]:
     """A Qwen VL text config as its text model reads it: a rope of type `mrope` (Qwen2-VL's, Qwen2.5-VL's spelling)
     the default rope, as transformers reads it (on text, MRoPE's three positions are one: `TEXT_MODELS`); Qwen3-VL-MoE's
-    `num_local_experts`, the name transformers saves its `num_experts` under, as `num_experts`."""
+    `num_local_experts`, the name transformers saves its `num_experts` under, as `num_experts`. GLM-4.1V's text model
+    (`glm4v_text`, GLM-4.6V's too) has heads of hidden_size / num_attention_heads whatever head_dim says, as
+    transformers builds it."""
     out = dict(text)
+    if out.get("model_type") == "glm4v_text" and isinstance(out.get("num_attention_heads"), int) \
+            and isinstance(out.get("hidden_size"), int) and out["num_attention_heads"] > 0:
+        out["head_dim"] = out["hidden_size"] // out["num_attention_heads"]
     if "num_local_experts" in out and "num_experts" not in out:
         out["num_experts"] = out.pop("num_local_experts")
     for key in ("rope_scaling", "rope_parameters"):

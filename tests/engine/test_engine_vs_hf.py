@@ -945,6 +945,38 @@ def test_a_qwen_vl_checkpoint_serves_its_text_model_as_transformers_runs_it_on_t
         assert [o.outputs[0].token_ids for o in outs] == want, path
 
 
+@pytest.mark.parametrize("kind", ["glm4v_moe", "glm4v", "glm46v"])
+def test_a_glm_v_checkpoint_serves_its_text_model(tmp_path, builtin_path, kind):
+    """GLM-4.5V (`Glm4vMoeForConditionalGeneration`: GLM-4.5's text model, q/k/v biased, half of each head turned with
+    rotate-half pairs), GLM-4.1V and GLM-4.6V (`Glm4vForConditionalGeneration`, `Glm46VForConditionalGeneration`:
+    GLM-4's sandwich-normed layer with its interleaved partial rotary, heads of hidden_size / num_attention_heads),
+    each beside a vision tower at `model.visual.`: on text their MRoPE's three positions are one (its
+    `mrope_section` read and ignored), so each serves as its text model, greedy text token-identical to transformers'
+    multimodal model."""
+    import transformers
+
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5, "mrope_section": [2, 1, 1]}
+    common = dict(vocab_size=512, hidden_size=64, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=512, initializer_range=0.2, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
+                  rope_parameters=rope)
+    text = transformers.Glm4vMoeTextConfig(**common, **GLM4_MOE) if kind == "glm4v_moe" else \
+        transformers.Glm4vTextConfig(**common, num_hidden_layers=2, pad_token_id=0)
+    vision = dict(hidden_size=32, intermediate_size=64, depth=1, num_heads=2, out_hidden_size=64)
+    config_class, model_class, text_arch = {
+        "glm4v_moe": (transformers.Glm4vMoeConfig, transformers.Glm4vMoeForConditionalGeneration, "Glm4MoeForCausalLM"),
+        "glm4v": (transformers.Glm4vConfig, transformers.Glm4vForConditionalGeneration, "Glm4ForCausalLM"),
+        "glm46v": (transformers.Glm46VConfig, transformers.Glm46VForConditionalGeneration, "Glm4ForCausalLM")}[kind]
+    torch.manual_seed(0)
+    hf = model_class(config_class(text_config=text.to_dict(), vision_config=vision)).eval()
+    with torch.no_grad():   # transformers starts the biases (and the router's correction bias) at zero
+        for name, tensor in [*hf.named_buffers(), *hf.named_parameters()]:
+            if name.endswith("bias") and ".visual." not in f".{name}":
+                tensor.normal_(0.0, 0.5)
+    folder = tmp_path / kind
+    hf.save_pretrained(folder)
+    _assert_serves_its_text_model(hf, folder, builtin_path, text_arch)
+
+
 def test_a_phi3_checkpoint_is_read_through_its_fused_tensors_and_a_wrong_one_is_named(tmp_path, builtin_path):
     """Phi-3 stores each layer's q/k/v and gate/up fused: read split, so a fused tensor of the wrong rows is named
     with the rows the config expects, and a part also stored on its own (a q_proj beside the qkv_proj) is a tensor
