@@ -25,6 +25,8 @@ from engine.kimi_linear_config import KdaShape, kimi_linear_config
 from engine.lfm2_config import ShortConvShape, lfm2_config, lfm2_moe_config
 from engine.mimo_config import MimoShape
 from engine.model_params import GEMMA_ARCHITECTURES, count_params, float32_params
+from engine.multimodal_config import (FLAT_TEXT_CONFIGS, MROPE_TEXT, MULTIMODAL_ARCHITECTURES, is_multimodal,
+                                      text_model)
 from engine.nemotron_h_config import nemotron_h_config
 from engine.mla_config import MlaShape
 from engine.model_defaults import (DEFAULT_HEAD_DIM, DEFAULT_KV_HEADS, DEFAULT_MAX_POSITIONS, DEFAULT_RMS_NORM_EPS,
@@ -51,37 +53,6 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
                            "ExaoneMoeForCausalLM")
 # their attention bias: q/k/v's, not o_proj's
 QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM")
-# Multimodal checkpoints served as their text model: architecture -> (the text model's, its weights' prefix, the
-# text_config's model_type where it names one: another family's text model is refused by that key). Qwen's VL models
-# rotate by MRoPE, whose three position ids (time, height, width) are one and the same on text: the text model's rope
-# (`rope_type: mrope` read as the default, `mrope_section` ignored); Qwen2-VL's and Qwen2.5-VL's hub checkpoints keep
-# the text model at `model.` and the vision tower at `visual.` (the layout before transformers 5's), and their
-# config.json the text model's keys at the top
-TEXT_MODELS = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "language_model.", "gemma3_text"),
-               "Mistral3ForConditionalGeneration": ("MistralForCausalLM", "language_model.", "mistral"),
-               "Qwen2VLForConditionalGeneration": ("Qwen2ForCausalLM", "language_model.", "qwen2_vl_text"),
-               "Qwen2_5_VLForConditionalGeneration": ("Qwen2ForCausalLM", "language_model.", "qwen2_5_vl_text"),
-               "Qwen3VLForConditionalGeneration": ("Qwen3ForCausalLM", "language_model.", "qwen3_vl_text"),
-               "Qwen3VLMoeForConditionalGeneration": ("Qwen3MoeForCausalLM", "language_model.", "qwen3_vl_moe_text"),
-               "Llama4ForConditionalGeneration": ("Llama4ForCausalLM", "language_model.", "llama4_text"),
-               "Qwen3_5ForConditionalGeneration": ("Qwen3_5ForCausalLM", "language_model.", "qwen3_5_text"),
-               "Qwen3_5MoeForConditionalGeneration": ("Qwen3_5MoeForCausalLM", "language_model.", "qwen3_5_moe_text"),
-               "Gemma4ForConditionalGeneration": ("Gemma4ForCausalLM", "language_model.", "gemma4_text"),
-               "Lfm2VlForConditionalGeneration": ("Lfm2ForCausalLM", "language_model.", "lfm2"),
-               "Glm4vMoeForConditionalGeneration": ("Glm4MoeForCausalLM", "language_model.", "glm4v_moe_text"),
-               "Glm4vForConditionalGeneration": ("Glm4ForCausalLM", "language_model.", "glm4v_text"),
-               "Glm46VForConditionalGeneration": ("Glm4ForCausalLM", "language_model.", "glm4v_text"),
-               "Kimi_K25ForConditionalGeneration": ("DeepseekV3ForCausalLM", "language_model.", "deepseek_v3"),
-               "KimiK25ForConditionalGeneration": ("DeepseekV3ForCausalLM", "language_model.", "deepseek_v3")}
-# a multimodal architecture whose text model is another by its text_config's model_type (Mistral 3's from December
-# 2025 on: Ministral 3, Devstral 2, Mistral Small 4)
-TEXT_MODEL_TYPES = {("Mistral3ForConditionalGeneration", "ministral3"): "Ministral3ForCausalLM",
-                    ("Mistral3ForConditionalGeneration", "mistral4"): "Mistral4ForCausalLM",
-                    # Kimi K2.5's and K2.6's hub config.json name their text model kimi_k2: read as DeepSeek V3's
-                    ("Kimi_K25ForConditionalGeneration", "kimi_k2"): "DeepseekV3ForCausalLM",
-                    ("KimiK25ForConditionalGeneration", "kimi_k2"): "DeepseekV3ForCausalLM"}
-FLAT_TEXT_CONFIGS = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
-MROPE_TEXT = ("Qwen", "Glm4v", "Glm46V")   # their text configs read through `vl_text_keys` (MRoPE, saved names)
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 @dataclass(frozen=True)
 class ModelConfig:
@@ -382,7 +353,7 @@ class ModelConfig:
             raise ConfigError("architectures: config.json has no 'architectures' list")
         arch = archs[0]
         quantized = weight_format_fields(cfg, arch)   # how a quantized checkpoint stores its weights
-        if isinstance(arch, str) and arch in TEXT_MODELS:
+        if isinstance(arch, str) and is_multimodal(arch):
             return cls._from_text_config(cfg, arch)
         _check_architecture(arch)
         cfg = FAMILY_DEFAULTS.get(arch, {}) | cfg
@@ -423,11 +394,10 @@ class ModelConfig:
 
     @classmethod
     def _from_text_config(cls, cfg: dict[str, Any], arch: str) -> "ModelConfig":
-        """A multimodal checkpoint (`arch` in TEXT_MODELS) as its `text_config`'s model; errors say `text_config.`."""
-        text_arch, prefix, model_type = TEXT_MODELS[arch]
+        """A multimodal checkpoint (`arch` in `engine.multimodal_config`'s tables) as its `text_config`'s model; errors
+        say `text_config.`."""
         text = read_object(cfg, "text_config")
-        if text is not None and (arch, text.get("model_type")) in TEXT_MODEL_TYPES:
-            text_arch, model_type = TEXT_MODEL_TYPES[arch, text["model_type"]], text["model_type"]
+        text_arch, prefix, model_type = text_model(arch, text)
         if text is None and arch in FLAT_TEXT_CONFIGS:   # the text model's keys at the top (its hub checkpoints')
             text = {k: v for k, v in cfg.items() if k not in ("vision_config", "architectures", "model_type")}
         if text is None:
@@ -467,5 +437,5 @@ class ModelConfig:
 def _check_architecture(arch: Any) -> None:
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ConfigError(f"architectures: unsupported architecture {arch!r}; "
-                          f"supported: {', '.join((*SUPPORTED_ARCHITECTURES, *TEXT_MODELS))}")
+                          f"supported: {', '.join((*SUPPORTED_ARCHITECTURES, *MULTIMODAL_ARCHITECTURES))}")
 

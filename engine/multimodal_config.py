@@ -1,0 +1,78 @@
+"""Multimodal checkpoints served as their text model: which architectures, which text model each holds (by its
+`text_config`'s model_type where a family holds several), and how their configs and weights are laid out.
+`engine.model_config.ModelConfig` reads the text model with these; images are not served.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.config import ConfigError
+
+__all__ = ["ANY_TEXT_MODELS", "FLAT_TEXT_CONFIGS", "MROPE_TEXT", "MULTIMODAL_ARCHITECTURES", "TEXT_MODELS",
+           "TEXT_MODEL_TYPES", "TEXT_TYPE_ARCHS", "is_multimodal", "text_model"]
+
+# Multimodal checkpoints served as their text model: architecture -> (the text model's, its weights' prefix, the
+# text_config's model_type where it names one: another family's text model is refused by that key). Qwen's VL models
+# rotate by MRoPE, whose three position ids (time, height, width) are one and the same on text: the text model's rope
+# (`rope_type: mrope` read as the default, `mrope_section` ignored); Qwen2-VL's and Qwen2.5-VL's hub checkpoints keep
+# the text model at `model.` and the vision tower at `visual.` (the layout before transformers 5's), and their
+# config.json the text model's keys at the top
+TEXT_MODELS = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "language_model.", "gemma3_text"),
+               "Mistral3ForConditionalGeneration": ("MistralForCausalLM", "language_model.", "mistral"),
+               "Qwen2VLForConditionalGeneration": ("Qwen2ForCausalLM", "language_model.", "qwen2_vl_text"),
+               "Qwen2_5_VLForConditionalGeneration": ("Qwen2ForCausalLM", "language_model.", "qwen2_5_vl_text"),
+               "Qwen3VLForConditionalGeneration": ("Qwen3ForCausalLM", "language_model.", "qwen3_vl_text"),
+               "Qwen3VLMoeForConditionalGeneration": ("Qwen3MoeForCausalLM", "language_model.", "qwen3_vl_moe_text"),
+               "Llama4ForConditionalGeneration": ("Llama4ForCausalLM", "language_model.", "llama4_text"),
+               "Qwen3_5ForConditionalGeneration": ("Qwen3_5ForCausalLM", "language_model.", "qwen3_5_text"),
+               "Qwen3_5MoeForConditionalGeneration": ("Qwen3_5MoeForCausalLM", "language_model.", "qwen3_5_moe_text"),
+               "Gemma4ForConditionalGeneration": ("Gemma4ForCausalLM", "language_model.", "gemma4_text"),
+               "Lfm2VlForConditionalGeneration": ("Lfm2ForCausalLM", "language_model.", "lfm2"),
+               "Glm4vMoeForConditionalGeneration": ("Glm4MoeForCausalLM", "language_model.", "glm4v_moe_text"),
+               "Glm4vForConditionalGeneration": ("Glm4ForCausalLM", "language_model.", "glm4v_text"),
+               "Glm46VForConditionalGeneration": ("Glm4ForCausalLM", "language_model.", "glm4v_text"),
+               "Kimi_K25ForConditionalGeneration": ("DeepseekV3ForCausalLM", "language_model.", "deepseek_v3"),
+               "KimiK25ForConditionalGeneration": ("DeepseekV3ForCausalLM", "language_model.", "deepseek_v3")}
+# a multimodal architecture whose text model is another by its text_config's model_type (Mistral 3's from December
+# 2025 on: Ministral 3, Devstral 2, Mistral Small 4)
+TEXT_MODEL_TYPES = {("Mistral3ForConditionalGeneration", "ministral3"): "Ministral3ForCausalLM",
+                    ("Mistral3ForConditionalGeneration", "mistral4"): "Mistral4ForCausalLM",
+                    # Kimi K2.5's and K2.6's hub config.json name their text model kimi_k2: read as DeepSeek V3's
+                    ("Kimi_K25ForConditionalGeneration", "kimi_k2"): "DeepseekV3ForCausalLM",
+                    ("KimiK25ForConditionalGeneration", "kimi_k2"): "DeepseekV3ForCausalLM"}
+FLAT_TEXT_CONFIGS = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+MROPE_TEXT = ("Qwen", "Glm4v", "Glm46V")   # their text configs read through `vl_text_keys` (MRoPE, saved names)
+
+# Multimodal checkpoints whose text model may be one of several families, named by the text_config's model_type (its
+# config class's default where absent): the HF-format InternVL (InternVL3, InternVL3.5), LLaVA (LLaVA 1.5, Pixtral
+# 12B as llava-hf publishes it), LLaVA-NeXT, LLaVA-OneVision and Aya Vision, their text models at `language_model.`
+ANY_TEXT_MODELS = {"InternVLForConditionalGeneration": "qwen2", "LlavaForConditionalGeneration": "llama",
+                   "LlavaNextForConditionalGeneration": "llama", "LlavaOnevisionForConditionalGeneration": "qwen2",
+                   "AyaVisionForConditionalGeneration": "cohere2"}
+# the text models they are served as, by model_type
+TEXT_TYPE_ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                   "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
+                   "cohere2": "Cohere2ForCausalLM", "granite": "GraniteForCausalLM"}
+MULTIMODAL_ARCHITECTURES = (*TEXT_MODELS, *ANY_TEXT_MODELS)
+
+
+def is_multimodal(arch: str) -> bool:
+    """Whether `arch` is a multimodal checkpoint served as its text model."""
+    return arch in TEXT_MODELS or arch in ANY_TEXT_MODELS
+
+
+def text_model(arch: str, text: dict[str, Any] | None) -> tuple[str, str, str]:
+    """(the text model's architecture, its weights' prefix, the model_type its text_config must name) of multimodal
+    architecture `arch` whose text_config is `text` (None: absent); a text model we do not serve of a family that
+    holds several is refused naming text_config.model_type."""
+    if arch in ANY_TEXT_MODELS:
+        kind = (text or {}).get("model_type", ANY_TEXT_MODELS[arch])
+        if kind not in TEXT_TYPE_ARCHS:
+            raise ConfigError(f"text_config.model_type: {arch}'s text model is served as one of "
+                              f"{', '.join(TEXT_TYPE_ARCHS)}, got {kind!r}")
+        return TEXT_TYPE_ARCHS[kind], "language_model.", kind
+    text_arch, prefix, model_type = TEXT_MODELS[arch]
+    if text is not None and (arch, text.get("model_type")) in TEXT_MODEL_TYPES:
+        text_arch, model_type = TEXT_MODEL_TYPES[arch, text["model_type"]], text["model_type"]
+    return text_arch, prefix, model_type

@@ -1,0 +1,74 @@
+"""Multimodal checkpoints whose text model is one of several families (`engine.multimodal_config.ANY_TEXT_MODELS`:
+the HF-format InternVL, LLaVA, LLaVA-NeXT, LLaVA-OneVision, Aya Vision), served as the text model their text_config
+names: greedy text token-identical to transformers' own multimodal model on text input, from the checkpoint
+transformers saves (vision tower, projector and text model); a text model we do not serve refused by key."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from engine.config import ConfigError
+from engine.model_config import ModelConfig
+from tests.engine.test_engine_vs_hf import _assert_serves_its_text_model
+
+TEXT_ARCHS = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "gpt_oss": "GptOssForCausalLM",
+              "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "granite": "GraniteForCausalLM",
+              "cohere2": "Cohere2ForCausalLM"}
+# each text family's keys past the common ones: small heads, GPT-OSS's experts and window, Granite's scalars
+TEXT_KEYS = {"qwen3": {"head_dim": 16}, "gpt_oss": {"head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
+                                                     "intermediate_size": 48, "sliding_window": 8},
+             "granite": {"embedding_multiplier": 3.0, "attention_multiplier": 0.05, "residual_multiplier": 0.5,
+                         "logits_scaling": 2.0},
+             "cohere2": {"sliding_window": 8}}
+
+
+def _tiny_multimodal(folder, wrapper: str, kind: str):
+    """A tiny random `wrapper` checkpoint (its config class's vision tower, one layer) around a `kind` text model,
+    its biases and sinks drawn away from zero, saved in `folder` as transformers saves it; the model."""
+    import transformers
+
+    text = transformers.AutoConfig.for_model(kind, **{
+        "vocab_size": 512, "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512, "initializer_range": 0.2,
+        "rms_norm_eps": 1e-5, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, **TEXT_KEYS.get(kind, {})})
+    small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                 patch_size=14)
+    vision = {"internvl": lambda: transformers.InternVLVisionConfig(**{**small, "image_size": [28, 28],
+                                                                       "patch_size": [14, 14]}),
+              "llava": lambda: transformers.CLIPVisionConfig(**small),
+              "llava_next": lambda: transformers.CLIPVisionConfig(**small),
+              "llava_onevision": lambda: transformers.SiglipVisionConfig(**small),
+              "aya_vision": lambda: transformers.SiglipVisionConfig(**small)}[wrapper]()
+    config = transformers.AutoConfig.for_model(wrapper, text_config=text.to_dict(), vision_config=vision.to_dict())
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForImageTextToText.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():   # transformers starts biases (Qwen2's q/k/v, GPT-OSS's experts') and sinks at zero
+        for name, param in hf.named_parameters():
+            if "language_model." in name and name.endswith(("bias", "sinks")):
+                param.normal_(0.0, 1.0)
+    hf.save_pretrained(folder)
+    return hf
+
+
+@pytest.mark.parametrize("wrapper,kind", [("internvl", "qwen2"), ("internvl", "qwen3"), ("internvl", "gpt_oss"),
+                                          ("llava", "llama"), ("llava", "mistral"), ("llava_next", "granite"),
+                                          ("llava_onevision", "qwen2"), ("aya_vision", "cohere2")])
+def test_a_multimodal_checkpoint_serves_the_text_model_its_text_config_names(tmp_path, builtin_path, wrapper, kind):
+    folder = tmp_path / wrapper
+    hf = _tiny_multimodal(folder, wrapper, kind)
+    _assert_serves_its_text_model(hf, folder, builtin_path, TEXT_ARCHS[kind])
+
+
+def test_a_text_model_we_do_not_serve_is_refused_by_key(tmp_path, builtin_path):
+    """LLaVA around a text model of a family we do not serve there (T5 Gemma's encoder-decoder, say): refused naming
+    text_config.model_type and what is served, before a weight is read."""
+    folder = tmp_path / "llava"
+    _tiny_multimodal(folder, "llava", "llama")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["text_config"]["model_type"] = "t5gemma"
+    with pytest.raises(ConfigError, match=r"^text_config\.model_type: LlavaForConditionalGeneration's text model is "
+                                          r"served as one of llama, .*got 't5gemma'"):
+        ModelConfig.from_hf_config(cfg)
