@@ -23,6 +23,7 @@ from engine.gemma4_config import Gemma4Shape
 from engine.mamba_config import Mamba2Shape
 from engine.kimi_linear_config import KdaShape, kimi_linear_config
 from engine.lfm2_config import ShortConvShape, lfm2_config, lfm2_moe_config
+from engine.cohere_moe_config import CohereMoeShape
 from engine.mimo_config import MimoShape
 from engine.model_params import GEMMA_ARCHITECTURES, count_params, float32_params
 from engine.multimodal_config import (FLAT_TEXT_CONFIGS, MROPE_TEXT, MULTIMODAL_ARCHITECTURES, is_multimodal,
@@ -50,7 +51,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
                            "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM", "Lfm2ForCausalLM",
                            "Lfm2MoeForCausalLM", "KimiLinearForCausalLM", "Dots1ForCausalLM", "SolarOpenForCausalLM",
                            "AfmoeForCausalLM", "MiMoV2FlashForCausalLM",
-                           "ExaoneMoeForCausalLM")
+                           "ExaoneMoeForCausalLM", "Cohere2MoeForCausalLM")
 # their attention bias: q/k/v's, not o_proj's
 QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -103,6 +104,7 @@ class ModelConfig:
     rope_proportional: bool = False     # Gemma 4's full layers: the turning pairs' frequencies over the whole head
     gemma4: Gemma4Shape | None = None   # Gemma 4: its full layers' own attention shape, per-layer inputs, shared K/V
     mimo: MimoShape | None = None       # MiMo-V2-Flash: its sliding layers' KV heads, its value heads' size and factor
+    cohere_moe: CohereMoeShape | None = None   # Command A Plus: its norm, its router's scores, its shared experts' join
     no_rope_layers: tuple[int, ...] = ()   # SmolLM3: 1 where a layer rotates q and k, 0 where not (NoPE); (): all do
     attention_chunk_size: int | None = None   # Llama 4: a chunked_attention layer's query sees its chunk alone
     qk_l2_norm: bool = False            # Llama 4: each q and k head of a rotating layer L2-normed after the rotary

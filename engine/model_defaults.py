@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.config_values import rope_type
+from engine.cohere_moe_config import COHERE2_MOE_DEFAULTS
 from engine.mimo_config import MIMO_DEFAULTS
 
 # transformers' text config defaults of Qwen's VL models where they differ from the text architecture's here (a
@@ -41,7 +42,7 @@ GEMMA2_DEFAULTS = {
 # the keys a family's config class gives where config.json names none (Llama 4: its expert size, which
 # `engine.llama4_config` reads)
 FAMILY_DEFAULTS = {"Gemma2ForCausalLM": GEMMA2_DEFAULTS, "Gemma3ForCausalLM": GEMMA3_TEXT_DEFAULTS,
-                   "MiMoV2FlashForCausalLM": MIMO_DEFAULTS,
+                   "MiMoV2FlashForCausalLM": MIMO_DEFAULTS, "Cohere2MoeForCausalLM": COHERE2_MOE_DEFAULTS,
                    "Gemma4ForCausalLM": {   # Gemma4TextConfig's (its window, rope and head shapes: engine.gemma4_config)
                        "vocab_size": 262_144, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 30,
                        "num_attention_heads": 8, "num_key_value_heads": 4, "max_position_embeddings": 131_072,

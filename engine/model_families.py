@@ -14,6 +14,7 @@ from typing import Any
 from engine.config import ConfigError
 from engine.config_values import is_int, read_bool, read_float, read_int, read_object, rope_type
 from engine.gated_delta_config import HYBRID_FIELDS
+from engine.cohere_moe_config import cohere2_moe_fields
 from engine.mimo_config import mimo_fields
 from engine.granite_config import granite_fields
 from engine.hunyuan_config import HUNYUAN_FIELDS
@@ -31,11 +32,11 @@ LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 # LFM2-MoE's: the sigmoid's top k after a float32 expert bias, in the model's dtype, renormalised past a 1e-6;
 # AFMoE's: that in float32, renormalised past 1e-20
 MOE_ROUTERS = ("softmax", "deepseek_v2", "deepseek_v3", "minimax_m2", "ernie4_5", "llama4", GEMMA4_ROUTER, "mistral4",
-               "lfm2", "afmoe")
+               "lfm2", "afmoe", "cohere2_moe")
 # the families whose fields are read in a module of their own, each reader taking (config.json, its layer count)
 OWN_MODULE_FIELDS: dict[str, Callable[[dict[str, Any], int], dict[str, Any]]] = {"Llama4ForCausalLM": llama4_fields,
     "Gemma4ForCausalLM": gemma4_fields, "Mistral4ForCausalLM": mistral4_fields, **MISTRAL_FIELDS, **HUNYUAN_FIELDS,
-    **HYBRID_FIELDS, "MiMoV2FlashForCausalLM": mimo_fields}
+    **HYBRID_FIELDS, "MiMoV2FlashForCausalLM": mimo_fields, "Cohere2MoeForCausalLM": cohere2_moe_fields}
 
 
 

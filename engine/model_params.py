@@ -15,7 +15,8 @@ from engine.nemotron_h_config import nemotron_h_params
 __all__ = ["COHERE_ARCHITECTURES", "FOUR_NORMS", "GEMMA_ARCHITECTURES", "WIDE_QK_NORM", "count_params",
            "float32_params"]
 
-COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")   # one LayerNorm a layer, a parallel block
+# one norm a layer, a parallel block
+COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM", "Cohere2MoeForCausalLM")
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma4ForCausalLM")   # four norms, scaled embeds
 FOUR_NORMS = (*GEMMA_ARCHITECTURES, "Glm4ForCausalLM", "AfmoeForCausalLM")   # a norm on each sublayer's output too
 # q and k normed over the whole projection

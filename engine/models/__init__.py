@@ -43,7 +43,7 @@ from engine.layers.int4_linear import Int4Linear, swap_int4_linears
 from engine.model import LlamaForCausalLM
 from engine.models.afmoe import AfmoeForCausalLM
 from engine.models.apertus import ApertusForCausalLM, ArceeForCausalLM
-from engine.models.cohere import CohereForCausalLM
+from engine.models.cohere import Cohere2MoeForCausalLM, CohereForCausalLM
 from engine.models.deepseek import DeepseekForCausalLM
 from engine.models.deepseek_v32 import DeepseekV32ForCausalLM
 from engine.models.ernie import Ernie45ForCausalLM, Ernie45MoeForCausalLM
@@ -125,7 +125,8 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "ArceeForCausalLM": ArceeForCausalLM,
                                                 "AfmoeForCausalLM": AfmoeForCausalLM,
                                                 "MiMoV2FlashForCausalLM": MimoV2FlashForCausalLM,
-                                                "ExaoneMoeForCausalLM": ExaoneMoeForCausalLM}
+                                                "ExaoneMoeForCausalLM": ExaoneMoeForCausalLM,
+                                                "Cohere2MoeForCausalLM": Cohere2MoeForCausalLM}
 
 
 def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:

@@ -12,7 +12,9 @@ both of its vectors: `read_tensor` reorders each q and k head's rows (and biases
 weights are read, so the engine's rotary is Cohere's and q.k, hence every score, is unchanged (V and o_proj keep
 their order). Cohere 2 rotates on its sliding layers only: its full layers are NoPE (`ModelConfig.no_rope_layers`,
 SmolLM3's `NoRope`). Command R+'s q/k LayerNorms (`use_qk_norm`) have a weight per head (`CohereHeadLayerNorm`,
-this rank's heads), reordered as the rows are.
+this rank's heads), reordered as the rows are. Command A Plus (`Cohere2MoeForCausalLM`, its config
+`engine.cohere_moe_config`) is Cohere 2's model with experts past its dense first layers (`CohereMoeBlock`) and,
+where its config says, an RMSNorm in place of the LayerNorm.
 """
 
 from __future__ import annotations
@@ -21,16 +23,19 @@ from collections.abc import Iterable
 from types import ModuleType
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from engine.layers import FloatRMSNorm, RopeRows
+from engine.layers import FloatRMSNorm, RMSNorm, RopeRows
 from engine.model import MLP, Attention, LlamaForCausalLM, WeightLoadError
 from engine.model_config import ModelConfig
+from engine.models.qwen3_moe import Qwen3MoeForCausalLM, SparseMoeBlock, with_experts
 from engine.models.smollm3 import layer_rotary
 from engine.parallel import Collectives, ShardShape
 from kernels import AttentionMetadata
 
-__all__ = ["CohereForCausalLM", "CohereLayerNorm", "InterleavedRotaryWeights", "interleaved_to_halves"]
+__all__ = ["Cohere2MoeForCausalLM", "CohereForCausalLM", "CohereLayerNorm", "CohereMoeBlock",
+           "InterleavedRotaryWeights", "interleaved_to_halves"]
 
 
 def _layer_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -146,3 +151,49 @@ class CohereForCausalLM(InterleavedRotaryWeights):
             raise WeightLoadError(f"{hf_name}: shape {tuple(tensor.shape)} does not match the config's "
                                   f"{(heads, c.head_dim)}")
         return tensor.narrow(0, start, count)
+
+
+class CohereMoeBlock(SparseMoeBlock):
+    """Qwen3-MoE's experts with Command A Plus's router (transformers' `Cohere2MoeTopKRouter`): the top k of the
+    logits, weighed by their softmax (float32) or their sigmoids (renormalised where `norm_topk_prob`), rounded to x's
+    dtype; its shared experts' output averaged with the routed one's where `CohereMoeShape.shared_average`, else
+    added."""
+
+    def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives, ops: ModuleType) -> None:
+        super().__init__(config, shard, comm, ops)
+        self.sigmoid, self.shared_average = config.cohere_moe.sigmoid, config.cohere_moe.shared_average
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        top, experts = torch.topk(self.gate(x), self.top_k, dim=-1)
+        if not self.sigmoid:
+            return F.softmax(top, dim=-1, dtype=torch.float).to(x.dtype), experts
+        weights = torch.sigmoid(top)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.shared_expert is None or not self.shared_average:
+            return super().forward(x)
+        return self.comm.all_reduce((self._experts(x, *self.route(x)) + self.shared_expert(x)) / 2)
+
+
+class Cohere2MoeForCausalLM(CohereForCausalLM, Qwen3MoeForCausalLM):
+    """Command A Plus (see the module docstring): Cohere 2's layers with `CohereMoeBlock`s on the sparse ones, read
+    and cut as Qwen3-MoE's experts (the shared experts under Qwen2-MoE's name), an RMSNorm where the config says."""
+
+    moe_block = CohereMoeBlock
+
+    def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
+        layer = with_experts(self, super().make_layer(index, ops), index, ops)
+        if self.config.cohere_moe.rms_norm:
+            layer.input_layernorm = RMSNorm(self.config.hidden_size, self.config.rms_norm_eps, ops)
+        return layer
+
+    def make_norm(self, ops: ModuleType) -> nn.Module:
+        if self.config.cohere_moe.rms_norm:
+            return RMSNorm(self.config.hidden_size, self.config.rms_norm_eps, ops)
+        return super().make_norm(ops)
+
+    def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
+        return super().read_tensor(hf_name, name.replace(".mlp.shared_experts.", ".mlp.shared_expert."), tensor)

@@ -1456,6 +1456,33 @@ def test_k_exaone_reads_as_transformers_does():
             ModelConfig.from_hf_config({**small, **change})
 
 
+def test_command_a_plus_reads_as_transformers_does():
+    """Command A Plus (`Cohere2MoeForCausalLM`, Cohere2MoeConfig's defaults): Cohere 2's layers (every 4th full and
+    NoPE, the others sliding over 4,096 with a rotary; Cohere's LayerNorm, a tied head, logits x 0.0625), every MLP 8
+    experts of 22,528, 2 a token; the parameter count is transformers' model's. Dense first layers (full, rotating,
+    `prefix_dense_intermediate_size` wide) and shared experts where the config names them; a router or a combination
+    transformers does not define, and another activation, are refused by name."""
+    bare = {"architectures": ["Cohere2MoeForCausalLM"]}
+    _, cfg = _at_class_defaults("Cohere2MoeConfig", bare)
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.mlp_only_layers,
+            cfg.tie_word_embeddings, cfg.logit_scale, cfg.moe_router) == (8, 2, 22_528, (), True, 0.0625, "cohere2_moe")
+    assert cfg.layer_types[:4] == ("sliding_attention",) * 3 + ("full_attention",) and cfg.no_rope_layers[:4] == (
+        1, 1, 1, 0) and not cfg.cohere_moe.rms_norm and cfg.cohere_moe.shared_average
+    small = {**bare, "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 32, "num_hidden_layers": 5,
+             "num_attention_heads": 4, "head_dim": 16}
+    cfg = ModelConfig.from_hf_config({**small, "first_k_dense_replace": 1, "prefix_dense_intermediate_size": 96,
+                                      "num_shared_experts": 2, "rms_norm_eps": 1e-6})
+    assert (cfg.mlp_only_layers, cfg.intermediate_size, cfg.shared_expert_intermediate_size, cfg.rms_norm_eps) == (
+        (0,), 96, 64, 1e-6) and cfg.cohere_moe.rms_norm
+    assert cfg.layer_types == ("full_attention", "sliding_attention", "sliding_attention", "sliding_attention",
+                               "full_attention") and cfg.no_rope_layers == (1, 1, 1, 1, 0)
+    for change, key in (({"expert_selection_fn": "sparsemax"}, "expert_selection_fn"),
+                        ({"shared_expert_combination_strategy": "max"}, "shared_expert_combination_strategy"),
+                        ({"hidden_act": "gelu"}, "hidden_act"), ({"mlp_layer_types": ["dense"]}, "mlp_layer_types")):
+        with pytest.raises(ConfigError, match=f"^{key}:"):
+            ModelConfig.from_hf_config({**small, **change})
+
+
 def test_granite4_and_its_hybrids_read_as_transformers_does():
     """Granite 4's transformers (GraniteMoeHybridConfig with attention on every layer, no experts: Granite-4.0-Micro's
     kind) read as transformers reads them: the parameter count of its model, its MLP the shared one; its -H form

@@ -121,6 +121,9 @@ MISTRAL4 = dict(num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2
 # DeepSeek V3.2: DEEPSEEK's shape, its attention sparse: an indexer of 16 heads of 16 picks each query's best 8 earlier
 # tokens (the prompts and outputs reach 56), a tie at the boundary too rare to matter
 DEEPSEEK_V32 = {**DEEPSEEK, "q_lora_rank": 48, "index_n_heads": 16, "index_head_dim": 16, "index_topk": 8}
+COHERE2_MOE = dict(num_hidden_layers=5, head_dim=16, sliding_window=8, first_k_dense_replace=1,
+                   prefix_dense_intermediate_size=96, intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                   num_shared_experts=1, pad_token_id=0)
 GLM4_MOE = dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
                 n_group=2, topk_group=1, num_hidden_layers=3, pad_token_id=0)
 # Llama 4: chunks of 8 positions (the prompts and outputs cross several) on the rotating layers, q/k L2-normed after
@@ -384,6 +387,12 @@ TINY_MODELS = [
     ("exaone_moe", {"num_hidden_layers": 4, "head_dim": 16, "sliding_window": 8, "num_experts": 8,
                     "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_group": 2, "topk_group": 1,
                     "num_shared_experts": 1, "pad_token_id": 0}),
+    # Command A Plus: Cohere 2's parallel layers (its interleaved rotary on the sliding layers, a window of 8, and on
+    # the dense first layer; the last layer full and NoPE) with Cohere's LayerNorm, past the dense layer (96 wide)
+    # 8 experts of 32, 2 a token by the softmax of the top logits, averaged with a shared one; then an RMSNorm, the
+    # sigmoids of the top logits renormalised, the shared expert summed
+    ("cohere2_moe", {**COHERE2_MOE, "rms_norm_eps": None}),
+    ("cohere2_moe", {**COHERE2_MOE, "expert_selection_fn": "sigmoid", "shared_expert_combination_strategy": "sum"}),
     # Kimi Linear: Kimi Delta Attention layers (4 heads of 16, a decay per key channel; prompts past its chunk of 64)
     # beside NoPE latent attention, the first MLP dense, then 8 experts of 32 in 2 groups (2 a token from 1 group)
     # beside a shared one

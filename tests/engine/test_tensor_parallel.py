@@ -20,7 +20,7 @@ from engine.llm_engine import LLMEngine
 from engine.parallel import ShardShape, check_tensor_parallel
 from engine.sampling import SamplingParams
 from tests.conftest import BUILTIN, assert_all_free, make_tiny_model
-from tests.engine.test_engine_vs_hf import GEMMA4, GEMMA4_E, GEMMA4_MOE
+from tests.engine.test_engine_vs_hf import COHERE2_MOE, GEMMA4, GEMMA4_E, GEMMA4_MOE
 
 NEAR_TIE = 1e-4
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
@@ -318,6 +318,7 @@ QWEN3 = {"head_dim": 32, "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
     ("exaone_moe", {"num_hidden_layers": 4, "head_dim": 16, "sliding_window": 8, "num_experts": 8,
                     "num_experts_per_tok": 2, "moe_intermediate_size": 32, "num_shared_experts": 1,
                     "pad_token_id": 0}, None),
+    ("cohere2_moe", {**COHERE2_MOE, "rms_norm_eps": None}, None),
     ("gemma4", GEMMA4, None),
     ("gemma4", GEMMA4_MOE, True),
     ("gemma4", GEMMA4_E, None),
@@ -347,7 +348,8 @@ def test_two_ranks_generate_what_one_does(tmp_path, builtin_path, prompts, arch,
     # heads' gates; Qwen3-Next the same out of its fused projections, beside experts and a dense layer; MiMo-V2-Flash
     # each layer's attention in its own shape (a full layer's one KV head on both ranks, a sliding layer's two one a
     # rank), V's rows and o_proj's columns in value heads, each rank's heads' sinks; K-EXAONE its per-head q/k norms
-    # whole on each rank beside NoPE full layers, its experts' and shared expert's rows.
+    # whole on each rank beside NoPE full layers, its experts' and shared expert's rows; Command A Plus its reordered
+    # q/k rows, its experts' rows and its shared expert's averaged partial outputs.
     # Qwen3's,
     # Mixtral's and DeepSeek's groups overlap their steps: the other rank fills the placeholders of each step's
     # inputs from rank 0's sampled ids (engine.overlap).
