@@ -32,6 +32,7 @@ TEXT_MODELS = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "language
                "Glm4vMoeForConditionalGeneration": ("Glm4MoeForCausalLM", "language_model.", "glm4v_moe_text"),
                "Glm4vForConditionalGeneration": ("Glm4ForCausalLM", "language_model.", "glm4v_text"),
                "Glm46VForConditionalGeneration": ("Glm4ForCausalLM", "language_model.", "glm4v_text"),
+               "Exaone4_5_ForConditionalGeneration": ("Exaone4ForCausalLM", "language_model.", "exaone4"),
                "Kimi_K25ForConditionalGeneration": ("DeepseekV3ForCausalLM", "language_model.", "deepseek_v3"),
                "KimiK25ForConditionalGeneration": ("DeepseekV3ForCausalLM", "language_model.", "deepseek_v3")}
 # a multimodal architecture whose text model is another by its text_config's model_type (Mistral 3's from December
@@ -40,7 +41,9 @@ TEXT_MODEL_TYPES = {("Mistral3ForConditionalGeneration", "ministral3"): "Ministr
                     ("Mistral3ForConditionalGeneration", "mistral4"): "Mistral4ForCausalLM",
                     # Kimi K2.5's and K2.6's hub config.json name their text model kimi_k2: read as DeepSeek V3's
                     ("Kimi_K25ForConditionalGeneration", "kimi_k2"): "DeepseekV3ForCausalLM",
-                    ("KimiK25ForConditionalGeneration", "kimi_k2"): "DeepseekV3ForCausalLM"}
+                    ("KimiK25ForConditionalGeneration", "kimi_k2"): "DeepseekV3ForCausalLM",
+                    # EXAONE 4.5's hub config.json names its text model exaone4_5_text: read as EXAONE 4's
+                    ("Exaone4_5_ForConditionalGeneration", "exaone4_5_text"): "Exaone4ForCausalLM"}
 FLAT_TEXT_CONFIGS = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
 MROPE_TEXT = ("Qwen", "Glm4v", "Glm46V")   # their text configs read through `vl_text_keys` (MRoPE, saved names)
 

@@ -1,7 +1,8 @@
 """Multimodal checkpoints whose text model is one of several families (`engine.multimodal_config.ANY_TEXT_MODELS`:
 the HF-format InternVL, LLaVA, LLaVA-NeXT, LLaVA-OneVision, Aya Vision), served as the text model their text_config
 names: greedy text token-identical to transformers' own multimodal model on text input, from the checkpoint
-transformers saves (vision tower, projector and text model); a text model we do not serve refused by key."""
+transformers saves (vision tower, projector and text model); a text model we do not serve refused by key. EXAONE
+4.5's too (`TEXT_MODELS`)."""
 
 from __future__ import annotations
 
@@ -72,3 +73,27 @@ def test_a_text_model_we_do_not_serve_is_refused_by_key(tmp_path, builtin_path):
     with pytest.raises(ConfigError, match=r"^text_config\.model_type: LlavaForConditionalGeneration's text model is "
                                           r"served as one of llama, .*got 't5gemma'"):
         ModelConfig.from_hf_config(cfg)
+
+
+@pytest.mark.parametrize("text_type", ["exaone4", "exaone4_5_text"])
+def test_an_exaone_4_5_checkpoint_serves_its_text_model(tmp_path, builtin_path, text_type):
+    """EXAONE 4.5 (`Exaone4_5_ForConditionalGeneration`: a vision tower at `model.visual.` beside EXAONE 4's text
+    model, sliding layers that rotate beside NoPE full ones) served as that text model, its text_config as transformers
+    saves it (`exaone4`) or as the hub's names it (`exaone4_5_text`); greedy text token-identical to transformers'."""
+    import transformers
+
+    text = transformers.Exaone4Config(vocab_size=512, hidden_size=64, intermediate_size=160, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2,
+                                      rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, num_hidden_layers=4,
+                                      head_dim=16, sliding_window=8, pad_token_id=0)
+    vision = transformers.Exaone4_5_VisionConfig(hidden_size=32, intermediate_size=64, depth=1, num_heads=2,
+                                                 out_hidden_size=64, num_key_value_heads=2, fullatt_block_indexes=[0])
+    torch.manual_seed(0)
+    hf = transformers.Exaone4_5_ForConditionalGeneration(transformers.Exaone4_5_Config(
+        text_config=text.to_dict(), vision_config=vision.to_dict())).eval()
+    folder = tmp_path / "exaone4_5"
+    hf.save_pretrained(folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["text_config"]["model_type"] = text_type
+    (folder / "config.json").write_text(json.dumps(cfg))
+    _assert_serves_its_text_model(hf, folder, builtin_path, "Exaone4ForCausalLM")
