@@ -51,7 +51,8 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
                            "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM", "Lfm2ForCausalLM",
                            "Lfm2MoeForCausalLM", "KimiLinearForCausalLM", "Dots1ForCausalLM", "SolarOpenForCausalLM",
                            "AfmoeForCausalLM", "MiMoV2FlashForCausalLM",
-                           "ExaoneMoeForCausalLM", "Cohere2MoeForCausalLM")
+                           "ExaoneMoeForCausalLM", "Cohere2MoeForCausalLM",
+                           "Jais2ForCausalLM")
 # their attention bias: q/k/v's, not o_proj's
 QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -156,7 +157,7 @@ class ModelConfig:
                 raise ConfigError(f"rope_scaling.{key}: longrope needs one factor a rotary frequency "
                                   f"({self.rotary_dim // 2}), got {len(getattr(self.rope_scaling, key))}")
         if self.hidden_act not in SUPPORTED_ACTIVATIONS and (self.hidden_act, self.architecture) not in (
-                ("xielu", "ApertusForCausalLM"), ("relu2", "ArceeForCausalLM")):   # MLPs of their own: apertus
+                ("xielu", "ApertusForCausalLM"), ("relu2", "ArceeForCausalLM"), ("relu2", "Jais2ForCausalLM")):
             raise ConfigError(f"hidden_act: unsupported {self.hidden_act!r}; supported: {', '.join(SUPPORTED_ACTIVATIONS)}")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ConfigError(f"sliding_window: must be positive, got {self.sliding_window}")

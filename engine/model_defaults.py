@@ -43,6 +43,10 @@ GEMMA2_DEFAULTS = {
 # `engine.llama4_config` reads)
 FAMILY_DEFAULTS = {"Gemma2ForCausalLM": GEMMA2_DEFAULTS, "Gemma3ForCausalLM": GEMMA3_TEXT_DEFAULTS,
                    "MiMoV2FlashForCausalLM": MIMO_DEFAULTS, "Cohere2MoeForCausalLM": COHERE2_MOE_DEFAULTS,
+                   "Jais2ForCausalLM": {   # Jais2Config's
+                       "vocab_size": 150_272, "hidden_size": 3328, "intermediate_size": 26_624,
+                       "num_attention_heads": 26, "max_position_embeddings": 8192, "hidden_act": "relu2",
+                       "bos_token_id": 0, "eos_token_id": 150_024},
                    "Gemma4ForCausalLM": {   # Gemma4TextConfig's (its window, rope and head shapes: engine.gemma4_config)
                        "vocab_size": 262_144, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 30,
                        "num_attention_heads": 8, "num_key_value_heads": 4, "max_position_embeddings": 131_072,

@@ -89,11 +89,19 @@ def family_fields(cfg: dict[str, Any], arch: str, num_layers: int) -> dict[str, 
         return afmoe_fields(cfg, num_layers)
     if arch == "MiniMaxM2ForCausalLM":
         return minimax_m2_fields(cfg)
+    if arch == "Ernie4_5_MoeForCausalLM":
+        return ernie4_5_moe_fields(cfg, num_layers)
+    return _bias_fields(cfg, arch)
+
+
+def _bias_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+    """The fields of the Llama-layer families that differ from Llama's by their biases and norms (none for Llama)."""
+    if arch == "Jais2ForCausalLM":   # Jais2Config: LayerNorms (weight and bias), every projection biased by default
+        return {"rms_norm_eps": read_float(cfg, "layer_norm_eps", 1e-5), "mlp_bias": read_bool(cfg, "mlp_bias", True),
+                "attention_bias": read_bool(cfg, "attention_bias", True)}
     if arch == "SeedOssForCausalLM":   # SeedOssConfig: q/k/v biased by default, o_proj by its own switch
         return {"attention_bias": read_bool(cfg, "attention_bias", True),
                 "attention_out_bias": read_bool(cfg, "attention_out_bias", False)}
-    if arch == "Ernie4_5_MoeForCausalLM":
-        return ernie4_5_moe_fields(cfg, num_layers)
     if arch == "Ernie4_5ForCausalLM":   # Ernie4_5Config: one switch for every projection's bias, a tied head
         bias = read_bool(cfg, "use_bias", False)
         return {"attention_bias": bias, "mlp_bias": bias,

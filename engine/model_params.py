@@ -56,7 +56,7 @@ def count_params(config: Any, heads: int, kv_heads: int, i: int, moe_i: int, v: 
     if config.mla is not None:
         attn = config.mla.num_params(h, heads, config.attention_bias)
     mlp = 3 * h * i + (2 * i + h if config.mlp_bias else 0)
-    if config.architecture in ("ApertusForCausalLM", "ArceeForCausalLM"):   # no gate (Apertus: xIELU's 2 slopes)
+    if config.architecture in ("ApertusForCausalLM", "ArceeForCausalLM", "Jais2ForCausalLM"):   # no gate
         mlp = 2 * h * i + (2 if config.architecture == "ApertusForCausalLM" else 0) + (i + h if config.mlp_bias else 0)
     experts = config.num_experts * (3 * h * moe_i + h)   # every expert, and the router
     if config.moe_bias:   # GPT-OSS: each expert's gate/up and down biases, the router's
@@ -67,6 +67,7 @@ def count_params(config: Any, heads: int, kv_heads: int, i: int, moe_i: int, v: 
         experts += config.num_experts
     norms = 4 if config.architecture in FOUR_NORMS else 2   # Gemma, GLM-4: on the sublayers' outputs too
     norms = 1 if config.architecture in COHERE_ARCHITECTURES else norms   # Cohere: one before both sublayers
+    norms *= 2 if config.architecture == "Jais2ForCausalLM" else 1   # LayerNorms: a weight and a bias
     # q/k norms: a weight per channel of a head (Cohere: each head its own)
     qk = (q + kv if config.architecture in COHERE_ARCHITECTURES else 2 * d) if config.qk_norm else 0
     per_layer = attn + norms * h + qk + (heads if config.attention_sinks else 0)
@@ -78,4 +79,6 @@ def count_params(config: Any, heads: int, kv_heads: int, i: int, moe_i: int, v: 
     state = None if config.state_shape is None else config.state_shape.per_rank(config.num_heads // heads)
     linear = 0 if state is None else (config.num_layers - config.num_kv_layers) * (state.num_params(h) + norms * h)
     linear += config.mla.indexers_params(h, config.num_layers) if config.mla is not None else 0   # DeepSeek V3.2's
-    return v * h + config.num_kv_layers * per_layer + linear + mlps + h + (0 if config.tie_word_embeddings else v * h)
+    final = h * (2 if config.architecture == "Jais2ForCausalLM" else 1)   # the final norm (Jais 2's: a bias too)
+    head = 0 if config.tie_word_embeddings else v * h
+    return v * h + config.num_kv_layers * per_layer + linear + mlps + final + head

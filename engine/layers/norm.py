@@ -111,3 +111,25 @@ class GemmaHeadRMSNorm(HeadRMSNorm):
     def forward(self, heads: torch.Tensor) -> None:
         # heads: [num_tokens, num_heads, head_dim]
         heads.copy_(_gemma_norm(heads, self.weight, self.eps))
+
+
+class BiasLayerNorm(nn.Module):
+    """torch's LayerNorm (mean-centred, a weight and a bias; transformers' `nn.LayerNorm` norms, Jais 2's), with the
+    residual add fused as `RMSNorm`'s: `forward(x)` -> normed; `forward(x, residual)` -> `(normed, residual)`, the
+    stream `x + residual` (in place)."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.bias = nn.Parameter(torch.zeros(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+        residual.add_(x)
+        return F.layer_norm(residual, (x.shape[-1],), self.weight, self.bias, self.eps), residual
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"

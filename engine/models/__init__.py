@@ -42,7 +42,7 @@ from engine.layers.fp8_linear import Fp8Experts, Fp8Linear, swap_fp8_linears
 from engine.layers.int4_linear import Int4Linear, swap_int4_linears
 from engine.model import LlamaForCausalLM
 from engine.models.afmoe import AfmoeForCausalLM
-from engine.models.apertus import ApertusForCausalLM, ArceeForCausalLM
+from engine.models.apertus import ApertusForCausalLM, ArceeForCausalLM, Jais2ForCausalLM
 from engine.models.cohere import Cohere2MoeForCausalLM, CohereForCausalLM
 from engine.models.deepseek import DeepseekForCausalLM
 from engine.models.deepseek_v32 import DeepseekV32ForCausalLM
@@ -126,7 +126,8 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "AfmoeForCausalLM": AfmoeForCausalLM,
                                                 "MiMoV2FlashForCausalLM": MimoV2FlashForCausalLM,
                                                 "ExaoneMoeForCausalLM": ExaoneMoeForCausalLM,
-                                                "Cohere2MoeForCausalLM": Cohere2MoeForCausalLM}
+                                                "Cohere2MoeForCausalLM": Cohere2MoeForCausalLM,
+                                                "Jais2ForCausalLM": Jais2ForCausalLM}
 
 
 def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:

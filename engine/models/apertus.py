@@ -2,7 +2,8 @@
 before the rotary (Qwen3's), its norms under their own names (`attention_layernorm`, `feedforward_layernorm`), and
 an MLP without a gate whose activation is xIELU (`XIELU`: two learned slopes a layer, transformers'
 `XIELUActivation` in its Python form). Arcee's AFM (`ArceeForCausalLM`: AFM-4.5B) is the Llama layer with that MLP
-shape, its activation squared ReLU. The module path runs them (the CPU flat loop's MLP is the gated one).
+shape, its activation squared ReLU; Inception's Jais 2 (`Jais2ForCausalLM`) is AFM's layer with LayerNorms (a weight
+and a bias) and every projection biased. The module path runs them (the CPU flat loop's MLP is the gated one).
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.layers import BiasLayerNorm
 from engine.model import DecoderLayer, LlamaForCausalLM, WeightLoadError
 from engine.model_config import ModelConfig
 from engine.models.nemotron_h import ReluSquared
 from engine.parallel import Collectives, ShardShape
 
-__all__ = ["ApertusForCausalLM", "ArceeForCausalLM", "XIELU"]
+__all__ = ["ApertusForCausalLM", "ArceeForCausalLM", "Jais2ForCausalLM", "XIELU"]
 
 
 class XIELU(nn.Module):
@@ -90,3 +92,16 @@ class ArceeForCausalLM(ApertusForCausalLM):
     q/k norms: `ModelConfig.qk_norm` is Apertus's alone)."""
 
     activation = ReluSquared
+
+
+class Jais2ForCausalLM(ArceeForCausalLM):
+    """Jais 2 (see the module docstring): AFM's model with LayerNorms in place of its RMSNorms."""
+
+    def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
+        layer = super().make_layer(index, ops)
+        layer.input_layernorm = BiasLayerNorm(self.config.hidden_size, self.config.rms_norm_eps)
+        layer.post_attention_layernorm = BiasLayerNorm(self.config.hidden_size, self.config.rms_norm_eps)
+        return layer
+
+    def make_norm(self, ops: ModuleType) -> nn.Module:
+        return BiasLayerNorm(self.config.hidden_size, self.config.rms_norm_eps)

@@ -1483,6 +1483,15 @@ def test_command_a_plus_reads_as_transformers_does():
             ModelConfig.from_hf_config({**small, **change})
 
 
+def test_jais2_reads_as_transformers_does():
+    """Jais 2 (`Jais2ForCausalLM`, Jais2Config's defaults: the 8B's shape): LayerNorms of a weight and a bias, an
+    ungated squared-ReLU MLP, every projection biased; the parameter count is transformers' model's."""
+    _, cfg = _at_class_defaults("Jais2Config", {"architectures": ["Jais2ForCausalLM"]})
+    assert (cfg.hidden_act, cfg.attention_bias, cfg.o_proj_bias, cfg.mlp_bias, cfg.rms_norm_eps) == (
+        "relu2", True, True, True, 1e-5)
+    assert 8.0e9 < cfg.num_params() < 8.2e9
+
+
 def test_granite4_and_its_hybrids_read_as_transformers_does():
     """Granite 4's transformers (GraniteMoeHybridConfig with attention on every layer, no experts: Granite-4.0-Micro's
     kind) read as transformers reads them: the parameter count of its model, its MLP the shared one; its -H form

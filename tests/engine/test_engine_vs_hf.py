@@ -363,6 +363,8 @@ TINY_MODELS = [
     # Arcee's AFM: the Llama layer, its MLP up, squared ReLU, down; then with biases
     ("arcee", {}),
     ("arcee", {"mlp_bias": True, "attention_bias": True}),
+    # Jais 2: AFM's layer with LayerNorms (a weight and a bias each) and every projection biased
+    ("jais2", {}),
     # Solar Open: Llama's attention with q/k/v biases, DeepSeek V3's experts on every layer (8 of 32 in 2 groups, 2 a
     # token from 1 group, renormalised) beside a shared one
     ("solar_open", {"head_dim": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
