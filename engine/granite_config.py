@@ -1,4 +1,5 @@
-"""IBM Granite's config.json fields as `ModelConfig` fields: Granite 3's four scalars (`GraniteConfig`), and Granite 4's
+"""IBM Granite's config.json fields as `ModelConfig` fields: Granite 3's four scalars (`GraniteConfig`), Granite SWA's
+sliding layers, sinks and per-layer rope bases (`GraniteSWAConfig`), and Granite 4's
 (`GraniteMoeHybridConfig`) without experts: attention layers (Granite-4.0-Micro, -1B, -350M) and Mamba-2 ones beside
 them (Granite-4.0-H-Micro, -H-1B, -H-350M), and experts beside the shared MLP (-H-Tiny, -H-Small)."""
 
@@ -23,7 +24,25 @@ def granite_fields(cfg: dict[str, Any], arch: str = "GraniteForCausalLM", num_la
               "attention_multiplier": read_float(cfg, "attention_multiplier", 1.0),
               "residual_multiplier": read_float(cfg, "residual_multiplier", 1.0),
               "logits_scaling": read_float(cfg, "logits_scaling", 1.0)}
+    if arch == "GraniteSWAForCausalLM":
+        return {**fields, **granite_swa_fields(cfg, num_layers)}
     return fields if arch == "GraniteForCausalLM" else {**fields, **granite4_fields(cfg, num_layers)}
+
+
+def granite_swa_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """Granite SWA's layers (transformers' `GraniteSWAConfig`): sliding ones (`sliding_window`, 128) but every 4th
+    from the first (`layer_types`), a learned sink logit per query head on every layer, each layer's rope base
+    `layer_rope_theta` (0: NoPE; absent: the model's on every layer)."""
+    kinds = cfg.get("layer_types") or ["full_attention" if i % 4 == 0 else "sliding_attention"
+                                       for i in range(num_layers)]
+    thetas = cfg.get("layer_rope_theta")
+    if thetas is not None and (not isinstance(thetas, list) or len(thetas) != num_layers or any(
+            isinstance(t, bool) or not isinstance(t, (int, float)) or t < 0 for t in thetas)):
+        raise ConfigError(f"layer_rope_theta: a rope base >= 0 (0: NoPE) for each of the {num_layers} layers, "
+                          f"got {thetas!r:.80}")
+    return {"layer_types": tuple(kinds), "attention_sinks": True,
+            "sliding_window": read_int(cfg, "sliding_window", None) if "sliding_window" in cfg else 128,
+            "layer_rope_thetas": tuple(float(t) for t in thetas) if thetas is not None else ()}
 
 
 def granite4_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:

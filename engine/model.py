@@ -385,6 +385,11 @@ class LlamaForCausalLM(CheckpointReading, nn.Module):
         shard, c = self.cut_shape(name)
         if shard.size == 1:
             return tensor
+        if name.endswith("self_attn.sinks"):   # GPT-OSS's, MiMo-V2-Flash's, Granite SWA's: a logit per query head
+            if tuple(tensor.shape) != (c.num_heads,):
+                raise WeightLoadError(f"{hf_name}: shape {tuple(tensor.shape)} does not match the config "
+                                      f"({c.num_heads} heads)")
+            return tensor.narrow(0, shard.head_start, shard.num_heads)
         d = c.head_dim
         part = name.rsplit(".", 1)[0].split(".", 2)[-1] if name.startswith("layers.") else name.rsplit(".", 1)[0]
         is_bias = name.endswith(".bias")

@@ -52,7 +52,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
                            "Lfm2MoeForCausalLM", "KimiLinearForCausalLM", "Dots1ForCausalLM", "SolarOpenForCausalLM",
                            "AfmoeForCausalLM", "MiMoV2FlashForCausalLM",
                            "ExaoneMoeForCausalLM", "Cohere2MoeForCausalLM",
-                           "Jais2ForCausalLM")
+                           "Jais2ForCausalLM", "GraniteSWAForCausalLM")
 # their attention bias: q/k/v's, not o_proj's
 QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -107,6 +107,7 @@ class ModelConfig:
     mimo: MimoShape | None = None       # MiMo-V2-Flash: its sliding layers' KV heads, its value heads' size and factor
     cohere_moe: CohereMoeShape | None = None   # Command A Plus: its norm, its router's scores, its shared experts' join
     no_rope_layers: tuple[int, ...] = ()   # SmolLM3: 1 where a layer rotates q and k, 0 where not (NoPE); (): all do
+    layer_rope_thetas: tuple[float, ...] = ()   # Granite SWA: each layer's rope base (0: NoPE); (): the model's
     attention_chunk_size: int | None = None   # Llama 4: a chunked_attention layer's query sees its chunk alone
     qk_l2_norm: bool = False            # Llama 4: each q and k head of a rotating layer L2-normed after the rotary
     attn_temperature: tuple[float, float] | None = None   # Llama 4's NoPE layers' q scale: (floor_scale, attn_scale)

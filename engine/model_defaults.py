@@ -43,6 +43,11 @@ GEMMA2_DEFAULTS = {
 # `engine.llama4_config` reads)
 FAMILY_DEFAULTS = {"Gemma2ForCausalLM": GEMMA2_DEFAULTS, "Gemma3ForCausalLM": GEMMA3_TEXT_DEFAULTS,
                    "MiMoV2FlashForCausalLM": MIMO_DEFAULTS, "Cohere2MoeForCausalLM": COHERE2_MOE_DEFAULTS,
+                   "GraniteSWAForCausalLM": {   # GraniteSWAConfig's
+                       "vocab_size": 100_352, "hidden_size": 2560, "intermediate_size": 8192, "num_hidden_layers": 24,
+                       "num_attention_heads": 20, "num_key_value_heads": 4, "max_position_embeddings": 8192,
+                       "rms_norm_eps": 1e-5, "tie_word_embeddings": True, "bos_token_id": 100_257,
+                       "eos_token_id": 100_257},
                    "Jais2ForCausalLM": {   # Jais2Config's
                        "vocab_size": 150_272, "hidden_size": 3328, "intermediate_size": 26_624,
                        "num_attention_heads": 26, "max_position_embeddings": 8192, "hidden_act": "relu2",

@@ -67,7 +67,7 @@ def family_fields(cfg: dict[str, Any], arch: str, num_layers: int) -> dict[str, 
         return mixtral_fields(cfg)
     if arch == "Phi3ForCausalLM":
         return phi3_fields(cfg)
-    if arch in ("GraniteForCausalLM", "GraniteMoeHybridForCausalLM"):
+    if arch in ("GraniteForCausalLM", "GraniteMoeHybridForCausalLM", "GraniteSWAForCausalLM"):
         return granite_fields(cfg, arch, num_layers)
     if arch == "SmolLM3ForCausalLM":
         return smollm3_fields(cfg, num_layers)

@@ -54,7 +54,7 @@ from engine.models.gpt_oss import GptOssForCausalLM
 from engine.models.llama4 import Llama4ForCausalLM
 from engine.models.ministral3 import Ministral3ForCausalLM
 from engine.models.granite import (GraniteForCausalLM, GraniteHybridForCausalLM, GraniteHybridMoeForCausalLM,
-                                   GraniteMoeHybridForCausalLM)
+                                   GraniteMoeHybridForCausalLM, GraniteSWAForCausalLM)
 from engine.models.hunyuan import HunyuanDenseForCausalLM, HunyuanMoeForCausalLM
 from engine.models.mimo import MimoV2FlashForCausalLM
 from engine.models.minimax_m2 import MiniMaxM2ForCausalLM
@@ -127,7 +127,8 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "MiMoV2FlashForCausalLM": MimoV2FlashForCausalLM,
                                                 "ExaoneMoeForCausalLM": ExaoneMoeForCausalLM,
                                                 "Cohere2MoeForCausalLM": Cohere2MoeForCausalLM,
-                                                "Jais2ForCausalLM": Jais2ForCausalLM}
+                                                "Jais2ForCausalLM": Jais2ForCausalLM,
+                                                "GraniteSWAForCausalLM": GraniteSWAForCausalLM}
 
 
 def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:

@@ -136,13 +136,3 @@ class GptOssForCausalLM(Qwen3MoeForCausalLM):
             alone = next(iter(parts))
             raise WeightLoadError(f"checkpoint is missing weights: {name}_{'scales' if alone == 'blocks' else 'blocks'}"
                                   f" (MXFP4: its {alone} came alone)")
-
-    def _shard_of(self, hf_name: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's heads' sinks; the rest as Qwen3-MoE's."""
-        shard = self.shard
-        if shard.size == 1 or not name.endswith("self_attn.sinks"):
-            return super()._shard_of(hf_name, name, tensor)
-        if tuple(tensor.shape) != (self.config.num_heads,):
-            raise WeightLoadError(f"{hf_name}: shape {tuple(tensor.shape)} does not match the config "
-                                  f"({self.config.num_heads} heads)")
-        return tensor.narrow(0, shard.head_start, shard.num_heads)

@@ -16,18 +16,19 @@ gate rows then up rows, read as gate_proj and up_proj; `output_linear` as down_p
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import replace
 from types import ModuleType
 
 import torch
 from torch import nn
 
-from engine.layers import RopeRows
+from engine.layers import RopeRows, RotaryEmbedding
 from engine.layers.gated_delta_net import RecurrentStates
 from engine.layers.mamba2 import Mamba2Mixer
 from engine.model import DecoderLayer, LlamaForCausalLM, WeightLoadError
 from engine.models.hybrid import StatefulForCausalLM, cut_pieces
 from engine.models.qwen3_moe import Qwen3MoeForCausalLM, with_experts
-from engine.models.smollm3 import layer_rotary
+from engine.models.smollm3 import NoRope, layer_rotary
 from kernels import AttentionMetadata
 
 __all__ = ["GraniteForCausalLM", "GraniteHybridForCausalLM", "GraniteHybridMoeForCausalLM",
@@ -58,6 +59,26 @@ class GraniteForCausalLM(LlamaForCausalLM):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return super().embed(input_ids) * self.config.embedding_multiplier
+
+
+class GraniteSWAForCausalLM(GraniteForCausalLM):
+    """Granite SWA: Granite 3's model with a sink logit per query head on every layer (GPT-OSS's `Attention.sinks`),
+    sliding layers, and each layer's own rope base (`ModelConfig.layer_rope_thetas`: a rotary a base, made with its
+    first layer; 0, NoPE)."""
+
+    supports_flat_forward = False
+
+    def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
+        layer = super().make_layer(index, ops)
+        thetas = self.config.layer_rope_thetas
+        if thetas and thetas[index] == 0:
+            layer.self_attn.rotary_emb = NoRope()
+        elif thetas and thetas[index] != self.config.rope_theta:
+            rotaries = self.__dict__.setdefault("_rotaries", {})
+            if thetas[index] not in rotaries:
+                rotaries[thetas[index]] = RotaryEmbedding(replace(self.config, rope_theta=thetas[index]), ops)
+            layer.self_attn.rotary_emb = rotaries[thetas[index]]
+        return layer
 
 
 class GraniteMoeHybridForCausalLM(GraniteForCausalLM):

@@ -103,17 +103,16 @@ class MimoV2FlashForCausalLM(Qwen3MoeForCausalLM):
         return name.replace("v_proj", "qkv_proj"), lambda data: data.narrow(0, offset, attn.v_size)
 
     def _shard_of(self, hf_name: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's value heads of v_proj (rows) and o_proj (columns), its query heads' sinks; the rest as
-        Qwen3-MoE's, in the layer's own shape."""
+        """This rank's value heads of v_proj (rows) and o_proj (columns); the rest (the sinks too) as Qwen3-MoE's, in
+        the layer's own shape."""
         shard, c = self.cut_shape(name)
-        kind = next((k for k in ("v_proj", "o_proj", "sinks") if f".self_attn.{k}" in name), None)
+        kind = next((k for k in ("v_proj", "o_proj") if f".self_attn.{k}." in name), None)
         if shard.size == 1 or kind is None:
             return super()._shard_of(hf_name, name, tensor)
         vd = c.mimo.v_head_dim
         dim, heads, start, count, per = {
             "v_proj": (0, c.num_kv_heads, shard.kv_head_start, shard.num_kv_heads, vd),
-            "o_proj": (1, c.num_heads, shard.head_start, shard.num_heads, vd),
-            "sinks": (0, c.num_heads, shard.head_start, shard.num_heads, 1)}[kind]
+            "o_proj": (1, c.num_heads, shard.head_start, shard.num_heads, vd)}[kind]
         dim = 0 if name.endswith(".bias") else dim
         if tensor.dim() <= dim or tensor.shape[dim] != heads * per:
             raise WeightLoadError(f"{hf_name}: shape {tuple(tensor.shape)} does not match the config "

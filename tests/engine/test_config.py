@@ -1492,6 +1492,23 @@ def test_jais2_reads_as_transformers_does():
     assert 8.0e9 < cfg.num_params() < 8.2e9
 
 
+def test_granite_swa_reads_as_transformers_does():
+    """Granite SWA (`GraniteSWAForCausalLM`, GraniteSWAConfig's defaults: granite-swash-2b's shape): every 4th layer
+    full from the first, the others sliding over 128, a sink per query head on every layer, the model's rope base on
+    every layer; the parameter count is transformers' model's. A `layer_rope_theta` not one base a layer is refused
+    by name."""
+    bare = {"architectures": ["GraniteSWAForCausalLM"]}
+    _, cfg = _at_class_defaults("GraniteSWAConfig", bare)
+    assert cfg.layer_types[:4] == ("full_attention",) + ("sliding_attention",) * 3 and cfg.sliding_window == 128
+    assert cfg.attention_sinks and cfg.layer_rope_thetas == () and cfg.tie_word_embeddings
+    small = {**bare, "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2}
+    assert ModelConfig.from_hf_config({**small, "layer_rope_theta": [0, 5e5]}).layer_rope_thetas == (0.0, 5e5)
+    for thetas in ([1e4], [1e4, -1.0], "1e4"):
+        with pytest.raises(ConfigError, match="^layer_rope_theta:"):
+            ModelConfig.from_hf_config({**small, "layer_rope_theta": thetas})
+
+
 def test_granite4_and_its_hybrids_read_as_transformers_does():
     """Granite 4's transformers (GraniteMoeHybridConfig with attention on every layer, no experts: Granite-4.0-Micro's
     kind) read as transformers reads them: the parameter count of its model, its MLP the shared one; its -H form

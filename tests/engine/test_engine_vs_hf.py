@@ -365,6 +365,11 @@ TINY_MODELS = [
     ("arcee", {"mlp_bias": True, "attention_bias": True}),
     # Jais 2: AFM's layer with LayerNorms (a weight and a bias each) and every projection biased
     ("jais2", {}),
+    # Granite SWA: Granite's scalars, a sink per query head on every layer, sliding layers (a window of 8) beside a
+    # full first one, each layer's rope base its own (the third's 500, the second NoPE)
+    ("granite_swa", {"num_hidden_layers": 4, "sliding_window": 8, "embedding_multiplier": 3.0,
+                     "attention_multiplier": 0.05, "residual_multiplier": 0.5, "logits_scaling": 2.0,
+                     "layer_rope_theta": [10000.0, 0, 500.0, 10000.0], "pad_token_id": 0}),
     # Solar Open: Llama's attention with q/k/v biases, DeepSeek V3's experts on every layer (8 of 32 in 2 groups, 2 a
     # token from 1 group, renormalised) beside a shared one
     ("solar_open", {"head_dim": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
