@@ -11,6 +11,7 @@ from engine.config import ConfigError
 from engine.config_values import read_bool, read_float, read_int
 from engine.mamba_config import Mamba2Shape
 
+GRANITE3_MOE = ("GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM")   # Granite 3's MoE models
 # transformers' old names of Granite 4's layer types (`remap_legacy_layer_types`)
 _LEGACY_TYPES = {"attention": "full_attention", "mamba": "linear_attention"}
 
@@ -26,7 +27,21 @@ def granite_fields(cfg: dict[str, Any], arch: str = "GraniteForCausalLM", num_la
               "logits_scaling": read_float(cfg, "logits_scaling", 1.0)}
     if arch == "GraniteSWAForCausalLM":
         return {**fields, **granite_swa_fields(cfg, num_layers)}
+    if arch in GRANITE3_MOE:
+        return {**fields, **granite3_moe_fields(cfg, arch)}
     return fields if arch == "GraniteForCausalLM" else {**fields, **granite4_fields(cfg, num_layers)}
+
+
+def granite3_moe_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+    """Granite 3's MoE models (`GraniteMoeForCausalLM`: granite-3.x-1b-a400m, -3b-a800m; `GraniteMoeSharedForCausalLM`
+    with a shared MLP): Granite 3's layer and scalars, a rotary on every layer, each MLP `num_local_experts` (8) of
+    `intermediate_size` (11,008), `num_experts_per_tok` (2) a token picked as Granite 4's, beside GraniteMoeShared's
+    `shared_intermediate_size` (0: none)."""
+    shared = read_int(cfg, "shared_intermediate_size", 0, minimum=0) if arch == "GraniteMoeSharedForCausalLM" else 0
+    return {"num_experts": read_int(cfg, "num_local_experts", 8),
+            "num_experts_per_tok": read_int(cfg, "num_experts_per_tok", 2),
+            "moe_intermediate_size": read_int(cfg, "intermediate_size", 11_008), "norm_topk_prob": True,
+            "shared_expert_intermediate_size": shared, "shared_expert_gated": False}
 
 
 def granite_swa_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:

@@ -52,7 +52,8 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
                            "Lfm2MoeForCausalLM", "KimiLinearForCausalLM", "Dots1ForCausalLM", "SolarOpenForCausalLM",
                            "AfmoeForCausalLM", "MiMoV2FlashForCausalLM",
                            "ExaoneMoeForCausalLM", "Cohere2MoeForCausalLM",
-                           "Jais2ForCausalLM", "GraniteSWAForCausalLM")
+                           "Jais2ForCausalLM", "GraniteSWAForCausalLM", "GraniteMoeForCausalLM",
+                           "GraniteMoeSharedForCausalLM")
 # their attention bias: q/k/v's, not o_proj's
 QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")

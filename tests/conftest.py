@@ -122,7 +122,8 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
            "solar_open": transformers.SolarOpenConfig, "arcee": transformers.ArceeConfig,
            "afmoe": transformers.AfmoeConfig, "mimo_v2_flash": transformers.MiMoV2FlashConfig,
            "exaone_moe": transformers.ExaoneMoeConfig, "cohere2_moe": transformers.Cohere2MoeConfig,
-           "jais2": transformers.Jais2Config, "granite_swa": transformers.GraniteSWAConfig}[arch]
+           "jais2": transformers.Jais2Config, "granite_swa": transformers.GraniteSWAConfig,
+           "granitemoe": transformers.GraniteMoeConfig, "granitemoeshared": transformers.GraniteMoeSharedConfig}[arch]
     config = cls(**common)
     if arch == "mistral4":   # transformers maps Mistral4Config to no causal LM class (only its pretraining one)
         transformers.AutoModelForCausalLM.register(transformers.Mistral4Config, transformers.Mistral4ForCausalLM,

@@ -35,6 +35,7 @@ from torch import nn
 
 from engine.config import ConfigError
 from engine.fp8_weights import FP8_LINEARS, fp8_cuts_aligned, served_fp8_block
+from engine.granite_config import GRANITE3_MOE
 from engine.int4_weights import int4_quantizes
 from engine.model_config import GEMMA_ARCHITECTURES, ModelConfig
 from engine.layers import RotaryEmbedding
@@ -133,8 +134,8 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
 
 def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:
     """The class that runs `config.architecture` (a supported one: `ModelConfig` refuses the rest)."""
-    if config.architecture == "GraniteMoeHybridForCausalLM" and config.num_experts:   # Granite 4-H-Tiny, -Small
-        return GraniteHybridMoeForCausalLM
+    if config.architecture in ("GraniteMoeHybridForCausalLM", *GRANITE3_MOE) and config.num_experts:
+        return GraniteHybridMoeForCausalLM   # Granite 4-H-Tiny, -Small; Granite 3's MoE models
     if config.architecture == "GraniteMoeHybridForCausalLM" and config.mamba is not None:   # Granite 4's -H models
         return GraniteHybridForCausalLM
     return _VARIANTS.get(config.architecture, LlamaForCausalLM)

@@ -1509,6 +1509,16 @@ def test_granite_swa_reads_as_transformers_does():
             ModelConfig.from_hf_config({**small, "layer_rope_theta": thetas})
 
 
+@pytest.mark.parametrize("config_class,arch", [("GraniteMoeConfig", "GraniteMoeForCausalLM"),
+                                               ("GraniteMoeSharedConfig", "GraniteMoeSharedForCausalLM")])
+def test_granite3_moe_reads_as_transformers_does(config_class, arch):
+    """Granite 3's MoE models at their config classes' defaults: every MLP 8 experts of 11,008, 2 a token (the shared
+    MLP none by default); the parameter count is transformers' model's."""
+    _, cfg = _at_class_defaults(config_class, {"architectures": [arch]})
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size,
+            cfg.no_rope_layers) == (8, 2, 11_008, 0, ())
+
+
 def test_granite4_and_its_hybrids_read_as_transformers_does():
     """Granite 4's transformers (GraniteMoeHybridConfig with attention on every layer, no experts: Granite-4.0-Micro's
     kind) read as transformers reads them: the parameter count of its model, its MLP the shared one; its -H form

@@ -365,6 +365,13 @@ TINY_MODELS = [
     ("arcee", {"mlp_bias": True, "attention_bias": True}),
     # Jais 2: AFM's layer with LayerNorms (a weight and a bias each) and every projection biased
     ("jais2", {}),
+    # Granite 3's MoE: Granite's scalars, every MLP 8 experts of 32 (2 a token) stacked as Granite 4's; then beside a
+    # shared MLP of 48
+    ("granitemoe", {"intermediate_size": 32, "num_local_experts": 8, "num_experts_per_tok": 2,
+                    "embedding_multiplier": 3.0, "attention_multiplier": 0.05, "residual_multiplier": 0.5,
+                    "logits_scaling": 2.0}),
+    ("granitemoeshared", {"intermediate_size": 32, "num_local_experts": 8, "num_experts_per_tok": 2,
+                          "shared_intermediate_size": 48, "residual_multiplier": 0.5}),
     # Granite SWA: Granite's scalars, a sink per query head on every layer, sliding layers (a window of 8) beside a
     # full first one, each layer's rope base its own (the third's 500, the second NoPE)
     ("granite_swa", {"num_hidden_layers": 4, "sliding_window": 8, "embedding_multiplier": 3.0,
