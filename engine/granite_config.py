@@ -12,6 +12,9 @@ from engine.config_values import read_bool, read_float, read_int
 from engine.mamba_config import Mamba2Shape
 
 GRANITE3_MOE = ("GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM")   # Granite 3's MoE models
+# the architectures `granite_fields` reads
+GRANITE_ARCHITECTURES = ("GraniteForCausalLM", "GraniteMoeHybridForCausalLM", "GraniteSWAForCausalLM",
+                         "GraniteMoeSWAForCausalLM", *GRANITE3_MOE)
 # transformers' old names of Granite 4's layer types (`remap_legacy_layer_types`)
 _LEGACY_TYPES = {"attention": "full_attention", "mamba": "linear_attention"}
 
@@ -29,6 +32,9 @@ def granite_fields(cfg: dict[str, Any], arch: str = "GraniteForCausalLM", num_la
         return {**fields, **granite_swa_fields(cfg, num_layers)}
     if arch in GRANITE3_MOE:
         return {**fields, **granite3_moe_fields(cfg, arch)}
+    if arch == "GraniteMoeSWAForCausalLM":
+        return {**fields, **granite3_moe_fields(cfg, "GraniteMoeSharedForCausalLM"),
+                **granite_swa_fields(cfg, num_layers)}
     return fields if arch == "GraniteForCausalLM" else {**fields, **granite4_fields(cfg, num_layers)}
 
 

@@ -43,6 +43,7 @@ GEMMA2_DEFAULTS = {
 # `engine.llama4_config` reads)
 FAMILY_DEFAULTS = {"Gemma2ForCausalLM": GEMMA2_DEFAULTS, "Gemma3ForCausalLM": GEMMA3_TEXT_DEFAULTS,
                    "MiMoV2FlashForCausalLM": MIMO_DEFAULTS, "Cohere2MoeForCausalLM": COHERE2_MOE_DEFAULTS,
+                   "GraniteMoeSWAForCausalLM": {"max_position_embeddings": 2048},   # GraniteMoeSWAConfig's
                    "GraniteSWAForCausalLM": {   # GraniteSWAConfig's
                        "vocab_size": 100_352, "hidden_size": 2560, "intermediate_size": 8192, "num_hidden_layers": 24,
                        "num_attention_heads": 20, "num_key_value_heads": 4, "max_position_embeddings": 8192,

@@ -16,7 +16,7 @@ from engine.config_values import is_int, read_bool, read_float, read_int, read_o
 from engine.gated_delta_config import HYBRID_FIELDS
 from engine.cohere_moe_config import cohere2_moe_fields
 from engine.mimo_config import mimo_fields
-from engine.granite_config import GRANITE3_MOE, granite_fields
+from engine.granite_config import GRANITE_ARCHITECTURES, granite_fields
 from engine.hunyuan_config import HUNYUAN_FIELDS
 from engine.deepseek_config import (DEEPSEEK_TOPK_METHODS, check_silu, deepseek_fields, exaone_moe_experts,
                                     grouped_experts, mistral4_fields)
@@ -67,7 +67,7 @@ def family_fields(cfg: dict[str, Any], arch: str, num_layers: int) -> dict[str, 
         return mixtral_fields(cfg)
     if arch == "Phi3ForCausalLM":
         return phi3_fields(cfg)
-    if arch in ("GraniteForCausalLM", "GraniteMoeHybridForCausalLM", "GraniteSWAForCausalLM", *GRANITE3_MOE):
+    if arch in GRANITE_ARCHITECTURES:
         return granite_fields(cfg, arch, num_layers)
     if arch == "SmolLM3ForCausalLM":
         return smollm3_fields(cfg, num_layers)

@@ -123,7 +123,8 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
            "afmoe": transformers.AfmoeConfig, "mimo_v2_flash": transformers.MiMoV2FlashConfig,
            "exaone_moe": transformers.ExaoneMoeConfig, "cohere2_moe": transformers.Cohere2MoeConfig,
            "jais2": transformers.Jais2Config, "granite_swa": transformers.GraniteSWAConfig,
-           "granitemoe": transformers.GraniteMoeConfig, "granitemoeshared": transformers.GraniteMoeSharedConfig}[arch]
+           "granitemoe": transformers.GraniteMoeConfig, "granitemoeshared": transformers.GraniteMoeSharedConfig,
+           "granitemoe_swa": transformers.GraniteMoeSWAConfig}[arch]
     config = cls(**common)
     if arch == "mistral4":   # transformers maps Mistral4Config to no causal LM class (only its pretraining one)
         transformers.AutoModelForCausalLM.register(transformers.Mistral4Config, transformers.Mistral4ForCausalLM,
@@ -133,7 +134,7 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
     # transformers starts the biases at zero, which would hide one read wrong; sinks near it
     if arch in ("gpt_oss", "deepseek_v3", "glm4_moe", "ernie4_5_moe", "seed_oss", "glm4_moe_lite", "mistral4",
                 "deepseek_v32", "glm_moe_dsa", "lfm2", "lfm2_moe", "solar_open", "arcee", "mimo_v2_flash", "jais2",
-                "granite_swa"):
+                "granite_swa", "granitemoe_swa"):
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if name.endswith(("bias", "sinks")):   # Jais 2's small: a bias on every norm and projection,

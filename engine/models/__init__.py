@@ -55,7 +55,7 @@ from engine.models.gpt_oss import GptOssForCausalLM
 from engine.models.llama4 import Llama4ForCausalLM
 from engine.models.ministral3 import Ministral3ForCausalLM
 from engine.models.granite import (GraniteForCausalLM, GraniteHybridForCausalLM, GraniteHybridMoeForCausalLM,
-                                   GraniteMoeHybridForCausalLM, GraniteSWAForCausalLM)
+                                   GraniteMoeHybridForCausalLM, GraniteMoeSWAForCausalLM, GraniteSWAForCausalLM)
 from engine.models.hunyuan import HunyuanDenseForCausalLM, HunyuanMoeForCausalLM
 from engine.models.mimo import MimoV2FlashForCausalLM
 from engine.models.minimax_m2 import MiniMaxM2ForCausalLM
@@ -129,7 +129,8 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "ExaoneMoeForCausalLM": ExaoneMoeForCausalLM,
                                                 "Cohere2MoeForCausalLM": Cohere2MoeForCausalLM,
                                                 "Jais2ForCausalLM": Jais2ForCausalLM,
-                                                "GraniteSWAForCausalLM": GraniteSWAForCausalLM}
+                                                "GraniteSWAForCausalLM": GraniteSWAForCausalLM,
+                                                "GraniteMoeSWAForCausalLM": GraniteMoeSWAForCausalLM}
 
 
 def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:

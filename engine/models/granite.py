@@ -69,16 +69,22 @@ class GraniteSWAForCausalLM(GraniteForCausalLM):
     supports_flat_forward = False
 
     def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
-        layer = super().make_layer(index, ops)
-        thetas = self.config.layer_rope_thetas
-        if thetas and thetas[index] == 0:
-            layer.self_attn.rotary_emb = NoRope()
-        elif thetas and thetas[index] != self.config.rope_theta:
-            rotaries = self.__dict__.setdefault("_rotaries", {})
-            if thetas[index] not in rotaries:
-                rotaries[thetas[index]] = RotaryEmbedding(replace(self.config, rope_theta=thetas[index]), ops)
-            layer.self_attn.rotary_emb = rotaries[thetas[index]]
-        return layer
+        return with_layer_rope(self, super().make_layer(index, ops), index, ops)
+
+
+def with_layer_rope(model: LlamaForCausalLM, layer: nn.Module, index: int, ops: ModuleType) -> nn.Module:
+    """`layer` (layer `index` of `model`) turned by its own rope base where `ModelConfig.layer_rope_thetas` names one:
+    the model's rotary at the model's base, NoPE at 0, else a rotary of that base (one a base, made with its first
+    layer)."""
+    thetas = model.config.layer_rope_thetas
+    if thetas and thetas[index] == 0:
+        layer.self_attn.rotary_emb = NoRope()
+    elif thetas and thetas[index] != model.config.rope_theta:
+        rotaries = model.__dict__.setdefault("_rotaries", {})
+        if thetas[index] not in rotaries:
+            rotaries[thetas[index]] = RotaryEmbedding(replace(model.config, rope_theta=thetas[index]), ops)
+        layer.self_attn.rotary_emb = rotaries[thetas[index]]
+    return layer
 
 
 class GraniteMoeHybridForCausalLM(GraniteForCausalLM):
@@ -157,17 +163,24 @@ class GraniteHybridForCausalLM(StatefulForCausalLM, GraniteMoeHybridForCausalLM)
         return cut_pieces(hf_name, tensor, dim, pieces, rank, self.shard.size)
 
 
+# transformers 5's names of Granite's stacked experts and router, as the checkpoints' own
+_NATIVE_NAMES = {"experts.gate_up_proj": "input_linear.weight", "experts.down_proj": "output_linear.weight",
+                 "router.weight": "router.layer.weight"}
+
+
 class GraniteHybridMoeForCausalLM(GraniteHybridForCausalLM, Qwen3MoeForCausalLM):
     """Granite 4 with experts (Granite-4.0-H-Tiny, -H-Small): each layer's MLP Qwen2-MoE's sparse block, its shared
     expert ungated (the checkpoint's `shared_mlp`), its experts stored stacked (`block_sparse_moe.input_linear`
     [experts, 2 x intermediate, hidden], gate rows then up rows; `output_linear` [experts, hidden, intermediate]) and
-    its router as `block_sparse_moe.router.layer`, read as each expert's (`Qwen3MoeForCausalLM`'s names)."""
+    its router as `block_sparse_moe.router.layer`, read as each expert's (`Qwen3MoeForCausalLM`'s names); under
+    transformers 5's names too (`experts.gate_up_proj`, `experts.down_proj`, `router.weight`: granite-swash's)."""
 
     def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
         return with_experts(self, super().make_layer(index, ops), index, ops)
 
     def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
         head, sep, part = name.partition(".block_sparse_moe.")
+        part = _NATIVE_NAMES.get(part, part)
         if sep and part == "router.layer.weight":
             return ((f"{head}.mlp.gate.weight", tensor),)
         if sep and part in ("input_linear.weight", "output_linear.weight"):
@@ -191,3 +204,11 @@ class GraniteHybridMoeForCausalLM(GraniteHybridForCausalLM, Qwen3MoeForCausalLM)
             else:
                 yield f"{prefix}.{e}.gate_proj.weight", t[:inter]
                 yield f"{prefix}.{e}.up_proj.weight", t[inter:]
+
+
+class GraniteMoeSWAForCausalLM(GraniteHybridMoeForCausalLM):
+    """Granite SWA with experts (granite-swash's MoE): Granite 3's MoE model (`GraniteMoeSharedForCausalLM`'s) with
+    Granite SWA's sinks, sliding layers and a rope base a layer."""
+
+    def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
+        return with_layer_rope(self, super().make_layer(index, ops), index, ops)

@@ -377,6 +377,12 @@ TINY_MODELS = [
     ("granite_swa", {"num_hidden_layers": 4, "sliding_window": 8, "embedding_multiplier": 3.0,
                      "attention_multiplier": 0.05, "residual_multiplier": 0.5, "logits_scaling": 2.0,
                      "layer_rope_theta": [10000.0, 0, 500.0, 10000.0], "pad_token_id": 0}),
+    # Granite SWA's MoE: that attention over Granite 3's experts beside a shared MLP, stored under transformers 5's
+    # names (experts.gate_up_proj, router.weight)
+    ("granitemoe_swa", {"intermediate_size": 32, "num_local_experts": 8, "num_experts_per_tok": 2,
+                        "shared_intermediate_size": 48, "num_hidden_layers": 4, "sliding_window": 8,
+                        "attention_multiplier": 0.05, "layer_rope_theta": [10000.0, 0, 500.0, 10000.0],
+                        "pad_token_id": 0}),
     # Solar Open: Llama's attention with q/k/v biases, DeepSeek V3's experts on every layer (8 of 32 in 2 groups, 2 a
     # token from 1 group, renormalised) beside a shared one
     ("solar_open", {"head_dim": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
