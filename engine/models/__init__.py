@@ -12,8 +12,8 @@ layer, under its checkpoints' names),
 whole), `smollm3` (SmolLM3: NoPE layers), `gpt_oss` (GPT-OSS: attention sinks, biased experts with a clamped
 SwiGLU, MXFP4 experts dequantized as they are read), `cohere` (Command R and R7B: parallel layers, LayerNorms, q/k
 rows reordered for the engine's rotary; Command A Plus's experts), `ernie` (ERNIE 4.5: the Llama layer, its
-interleaved rotary served so too), `glm4` (GLM-4: sandwich norms, a partial interleaved rotary served by zero frequencies and reordered q/k rows;
-K-EXAONE, GLM-4.5's model with EXAONE 4's attention),
+interleaved rotary served so too), `glm4` (GLM-4: sandwich norms, a partial interleaved rotary served by zero
+frequencies and reordered q/k rows; K-EXAONE, GLM-4.5's model with EXAONE 4's attention),
 `deepseek` (DeepSeek V2 and V3: latent attention over a cache of one latent a token, grouped routers, shared experts;
 Mistral Small 4, its queries scaled as Ministral 3's; GLM-4.5, in `glm4`, takes their experts), `deepseek_v32`
 (DeepSeek V3.2 and GLM-5: V3's model, each query attending to the tokens its indexer picks), `minimax_m2`
