@@ -120,10 +120,11 @@ def grouped_experts(cfg: dict[str, Any], defaults: dict[str, Any], router: str, 
         raise ConfigError(f"n_group: {groups} groups of {experts} experts, {topk_group} chosen a token, cannot hold "
                           f"num_experts_per_tok {top_k}")
     return {"num_experts": experts, "num_experts_per_tok": top_k, "moe_intermediate_size": moe_i,
-            "norm_topk_prob": read_bool(cfg, "norm_topk_prob", defaults["norm_topk_prob"]),
+            "norm_topk_prob": read_bool(cfg, keys.get("norm_topk_prob", "norm_topk_prob"), defaults["norm_topk_prob"]),
             "mlp_only_layers": tuple(range(read("first_k_dense_replace", minimum=0))),
             "moe_router": router, "moe_groups": (groups, topk_group),
-            "routed_scaling_factor": read_float(cfg, "routed_scaling_factor", defaults["routed_scaling_factor"]),
+            "routed_scaling_factor": read_float(cfg, keys.get("routed_scaling_factor", "routed_scaling_factor"),
+                                                defaults["routed_scaling_factor"]),
             "shared_expert_intermediate_size": moe_i * read("n_shared_experts", minimum=0),
             "shared_expert_gated": False, "moe_float_weights": True}
 
@@ -149,6 +150,25 @@ def exaone_moe_experts(cfg: dict[str, Any]) -> dict[str, Any]:
     dense = dense_first(cfg, read_int(cfg, "first_k_dense_replace", 1, minimum=0))
     return grouped_experts({**cfg, "first_k_dense_replace": dense}, EXAONE_MOE_EXPERTS, "deepseek_v3", grouped=True,
                            keys=EXAONE_MOE_KEYS)
+
+
+# transformers' HYV3Config's where config.json names none (Hy3-preview's), and its names of DeepSeek's keys
+HY_V3_EXPERTS = dict(n_routed_experts=192, moe_intermediate_size=1536, num_experts_per_tok=8, n_group=1, topk_group=1,
+                     norm_topk_prob=True, first_k_dense_replace=1, routed_scaling_factor=2.826, n_shared_experts=1)
+HY_V3_KEYS = {"n_routed_experts": "num_experts", "n_shared_experts": "num_shared_experts",
+              "routed_scaling_factor": "router_scaling_factor"}
+
+
+def hy_v3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Tencent's HY V3 (`HYV3ForCausalLM`: Hy3-preview): the Llama layer with per-head q/k norms before the rotary
+    (Apertus's attention), past the dense first layers (`mlp_layer_types`) DeepSeek V3's sigmoid router without groups
+    over `num_experts` (192), its top `num_experts_per_tok` (8) always renormalised, times `router_scaling_factor`
+    (2.826), beside `num_shared_experts` (1) shared ones."""
+    check_silu(cfg, "HY V3")
+    dense = dense_first(cfg, 1)
+    fixed = {"first_k_dense_replace": dense, "norm_topk_prob": True, "n_group": 1, "topk_group": 1}
+    return {"qk_norm": True, **grouped_experts({**cfg, **fixed}, HY_V3_EXPERTS, "deepseek_v3", grouped=False,
+                                               keys=HY_V3_KEYS)}
 
 
 # transformers' Mistral4Config's where config.json names none: 128 experts of 2,048, 4 a token, one shared, every layer

@@ -44,6 +44,10 @@ GEMMA2_DEFAULTS = {
 FAMILY_DEFAULTS = {"Gemma2ForCausalLM": GEMMA2_DEFAULTS, "Gemma3ForCausalLM": GEMMA3_TEXT_DEFAULTS,
                    "MiMoV2FlashForCausalLM": MIMO_DEFAULTS, "Cohere2MoeForCausalLM": COHERE2_MOE_DEFAULTS,
                    "GraniteMoeSWAForCausalLM": {"max_position_embeddings": 2048},   # GraniteMoeSWAConfig's
+                   "HYV3ForCausalLM": {   # HYV3Config's (Hy3-preview's shape)
+                       "vocab_size": 120_832, "hidden_size": 4096, "intermediate_size": 13_312, "num_hidden_layers": 80,
+                       "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128,
+                       "max_position_embeddings": 131_072, "rms_norm_eps": 1e-5},
                    "GraniteSWAForCausalLM": {   # GraniteSWAConfig's
                        "vocab_size": 100_352, "hidden_size": 2560, "intermediate_size": 8192, "num_hidden_layers": 24,
                        "num_attention_heads": 20, "num_key_value_heads": 4, "max_position_embeddings": 8192,
@@ -150,7 +154,8 @@ DEFAULT_ROPE_THETA = {"MixtralForCausalLM": 1_000_000.0, "SmolLM3ForCausalLM": 2
                       "GptOssForCausalLM": 150_000.0, "Ernie4_5ForCausalLM": 500_000.0,
                       "Ernie4_5_MoeForCausalLM": 500_000.0,
                       "MiniMaxM2ForCausalLM": 5_000_000.0, "Llama4ForCausalLM": 500_000.0,
-                      "Lfm2ForCausalLM": 1_000_000.0, "Lfm2MoeForCausalLM": 1_000_000.0}
+                      "Lfm2ForCausalLM": 1_000_000.0, "Lfm2MoeForCausalLM": 1_000_000.0,
+                      "HYV3ForCausalLM": 11_158_840.0}
 
 
 def vl_text_keys(text: dict[str, Any]) -> dict[str, Any]:

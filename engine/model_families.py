@@ -19,7 +19,7 @@ from engine.mimo_config import mimo_fields
 from engine.granite_config import GRANITE_ARCHITECTURES, granite_fields
 from engine.hunyuan_config import HUNYUAN_FIELDS
 from engine.deepseek_config import (DEEPSEEK_TOPK_METHODS, check_silu, deepseek_fields, exaone_moe_experts,
-                                    grouped_experts, mistral4_fields)
+                                    grouped_experts, hy_v3_fields, mistral4_fields)
 from engine.gemma4_config import MOE_ROUTER as GEMMA4_ROUTER, gemma4_fields
 from engine.llama4_config import MISTRAL_FIELDS, llama4_fields
 
@@ -54,6 +54,8 @@ def family_fields(cfg: dict[str, Any], arch: str, num_layers: int) -> dict[str, 
         return exaone4_fields(cfg, num_layers)
     if arch == "ExaoneMoeForCausalLM":   # K-EXAONE: EXAONE 4's attention, DeepSeek V3's experts
         return {**exaone4_fields(cfg, num_layers), **exaone_moe_experts(cfg)}
+    if arch == "HYV3ForCausalLM":
+        return hy_v3_fields(cfg)
     if arch == "OlmoeForCausalLM":   # OlmoeConfig: 64 experts of intermediate_size, 8 a token, on every layer
         return {**qwen3_moe_fields({"num_experts": 64, "num_experts_per_tok": 8, **cfg, "mlp_only_layers": [],
                                     "moe_intermediate_size": read_int(cfg, "intermediate_size")}, "OLMoE"),

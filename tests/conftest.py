@@ -124,7 +124,7 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
            "exaone_moe": transformers.ExaoneMoeConfig, "cohere2_moe": transformers.Cohere2MoeConfig,
            "jais2": transformers.Jais2Config, "granite_swa": transformers.GraniteSWAConfig,
            "granitemoe": transformers.GraniteMoeConfig, "granitemoeshared": transformers.GraniteMoeSharedConfig,
-           "granitemoe_swa": transformers.GraniteMoeSWAConfig}[arch]
+           "granitemoe_swa": transformers.GraniteMoeSWAConfig, "hy_v3": transformers.HYV3Config}[arch]
     config = cls(**common)
     if arch == "mistral4":   # transformers maps Mistral4Config to no causal LM class (only its pretraining one)
         transformers.AutoModelForCausalLM.register(transformers.Mistral4Config, transformers.Mistral4ForCausalLM,
@@ -158,7 +158,7 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
                     param.normal_(1.0, 0.5)
     # the router's correction bias (a buffer; LFM2-MoE's expert bias), and LFM2-MoE's router, which starts at zero
     if arch in ("deepseek_v3", "glm4_moe", "minimax_m2", "glm4_moe_lite", "nemotron_h", "lfm2_moe", "kimi_linear",
-                "dots1", "solar_open", "afmoe", "mimo_v2_flash", "exaone_moe"):
+                "dots1", "solar_open", "afmoe", "mimo_v2_flash", "exaone_moe", "hy_v3"):
         with torch.no_grad():
             for name, tensor in [*model.named_buffers(), *model.named_parameters()]:
                 if name.endswith(("e_score_correction_bias", "feed_forward.expert_bias", "mlp.expert_bias")):

@@ -53,7 +53,7 @@ from engine.models.deepseek_v32 import DeepseekV32ForCausalLM
 from engine.models.ernie import Ernie45ForCausalLM, Ernie45MoeForCausalLM
 from engine.models.gemma3 import Gemma3ForCausalLM
 from engine.models.gemma4 import Gemma4ForCausalLM
-from engine.models.glm4 import ExaoneMoeForCausalLM, Glm4ForCausalLM, Glm4MoeForCausalLM
+from engine.models.glm4 import ExaoneMoeForCausalLM, Glm4ForCausalLM, Glm4MoeForCausalLM, HYV3ForCausalLM
 from engine.models.gpt_oss import GptOssForCausalLM
 from engine.models.llama4 import Llama4ForCausalLM
 from engine.models.ministral3 import Ministral3ForCausalLM
@@ -133,7 +133,8 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "Cohere2MoeForCausalLM": Cohere2MoeForCausalLM,
                                                 "Jais2ForCausalLM": Jais2ForCausalLM,
                                                 "GraniteSWAForCausalLM": GraniteSWAForCausalLM,
-                                                "GraniteMoeSWAForCausalLM": GraniteMoeSWAForCausalLM}
+                                                "GraniteMoeSWAForCausalLM": GraniteMoeSWAForCausalLM,
+                                                "HYV3ForCausalLM": HYV3ForCausalLM}
 
 
 def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:

@@ -38,7 +38,7 @@ from engine.models.phi3 import Phi3ForCausalLM, partial_rotary_rows
 from engine.models.qwen3_moe import Qwen3MoeForCausalLM
 from engine.models.smollm3 import layer_rotary
 
-__all__ = ["ExaoneMoeForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM"]
+__all__ = ["ExaoneMoeForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM", "HYV3ForCausalLM"]
 
 
 class Glm4DecoderLayer(Gemma3DecoderLayer):
@@ -98,4 +98,16 @@ class ExaoneMoeForCausalLM(Glm4MoeForCausalLM):
         if name.startswith("mtp."):
             return ()
         name = name.replace(".mlp.e_score_correction_bias", ".mlp.gate.e_score_correction_bias")
+        return super().read_tensor(hf_name, name, tensor)
+
+
+class HYV3ForCausalLM(Glm4MoeForCausalLM):
+    """Tencent's HY V3 (`HYV3ForCausalLM`, Hy3-preview): GLM-4.5's model with per-head q/k norms and a whole-head
+    rotary (dots.llm1's), DeepSeek V3's router without groups; its checkpoints' `mlp.router.gate`, `mlp.expert_bias`
+    and `mlp.shared_mlp` read as the router, its correction bias and the shared experts."""
+
+    def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
+        name = (name.replace(".mlp.router.gate.", ".mlp.gate.")
+                .replace(".mlp.expert_bias", ".mlp.gate.e_score_correction_bias")
+                .replace(".mlp.shared_mlp.", ".mlp.shared_experts."))
         return super().read_tensor(hf_name, name, tensor)

@@ -1519,6 +1519,21 @@ def test_granite3_moe_reads_as_transformers_does(config_class, arch):
             cfg.no_rope_layers) == (8, 2, 11_008, 0, ())
 
 
+def test_hy_v3_reads_as_transformers_does():
+    """HY V3 (`HYV3ForCausalLM`, HYV3Config's defaults: Hy3-preview's shape): per-head q/k norms, a rope base of
+    11,158,840, the first layer dense, then 192 experts of 1,536 (8 a token, times 2.826) beside one shared; the
+    parameter count is transformers' model's. Dense layers after a sparse one are refused by name."""
+    bare = {"architectures": ["HYV3ForCausalLM"]}
+    _, cfg = _at_class_defaults("HYV3Config", bare)
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.mlp_only_layers,
+            cfg.routed_scaling_factor, cfg.shared_expert_intermediate_size, cfg.rope_theta, cfg.qk_norm) == (
+        192, 8, 1536, (0,), 2.826, 1536, 11_158_840.0, True)
+    with pytest.raises(ConfigError, match="^mlp_layer_types:"):
+        ModelConfig.from_hf_config({**bare, "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128,
+                                    "num_hidden_layers": 3, "num_attention_heads": 4,
+                                    "mlp_layer_types": ["sparse", "dense", "sparse"]})
+
+
 def test_granite4_and_its_hybrids_read_as_transformers_does():
     """Granite 4's transformers (GraniteMoeHybridConfig with attention on every layer, no experts: Granite-4.0-Micro's
     kind) read as transformers reads them: the parameter count of its model, its MLP the shared one; its -H form

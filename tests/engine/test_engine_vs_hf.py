@@ -413,6 +413,12 @@ TINY_MODELS = [
     # sigmoids of the top logits renormalised, the shared expert summed
     ("cohere2_moe", {**COHERE2_MOE, "rms_norm_eps": None}),
     ("cohere2_moe", {**COHERE2_MOE, "expert_selection_fn": "sigmoid", "shared_expert_combination_strategy": "sum"}),
+    # HY V3: per-head q/k norms, a dense first layer, then 8 experts of 32 (2 a token by sigmoid scores plus a float32
+    # correction bias, renormalised, times 1.5) beside a shared one; stored under its hub names (router.gate,
+    # expert_bias, shared_mlp)
+    ("hy_v3", {"num_hidden_layers": 3, "head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2,
+               "moe_intermediate_size": 32, "num_shared_experts": 1, "router_scaling_factor": 1.5,
+               "pad_token_id": 0}),
     # Kimi Linear: Kimi Delta Attention layers (4 heads of 16, a decay per key channel; prompts past its chunk of 64)
     # beside NoPE latent attention, the first MLP dense, then 8 experts of 32 in 2 groups (2 a token from 1 group)
     # beside a shared one

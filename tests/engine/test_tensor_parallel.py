@@ -302,6 +302,8 @@ QWEN3 = {"head_dim": 32, "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
                     "attention_bias": True, "pad_token_id": 0}, None),
     ("arcee", {"mlp_bias": True}, None),
     ("jais2", {}, None),
+    ("hy_v3", {"num_hidden_layers": 3, "head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2,
+               "moe_intermediate_size": 32, "num_shared_experts": 1, "router_scaling_factor": 1.5}, None),
     ("granitemoeshared", {"intermediate_size": 32, "num_local_experts": 8, "num_experts_per_tok": 2,
                           "shared_intermediate_size": 48}, None),
     ("granite_swa", {"num_hidden_layers": 4, "sliding_window": 8, "attention_multiplier": 0.05,
@@ -356,7 +358,8 @@ def test_two_ranks_generate_what_one_does(tmp_path, builtin_path, prompts, arch,
     # whole on each rank beside NoPE full layers, its experts' and shared expert's rows; Command A Plus its reordered
     # q/k rows, its experts' rows and its shared expert's averaged partial outputs; Jais 2 its LayerNorms whole on each
     # rank, o_proj's and down_proj's biases added once; Granite SWA each rank's heads' sinks beside per-layer ropes;
-    # Granite 3's MoE its stacked experts' and shared MLP's rows.
+    # Granite 3's MoE its stacked experts' and shared MLP's rows; HY V3 its per-head q/k norms whole on each rank, its
+    # experts' and shared experts' rows.
     # Qwen3's,
     # Mixtral's and DeepSeek's groups overlap their steps: the other rank fills the placeholders of each step's
     # inputs from rank 0's sampled ids (engine.overlap).
