@@ -22,6 +22,7 @@ from typing import Any
 
 from engine.config import ConfigError
 from engine.config_values import read_bool, read_float, read_int
+from engine.deepseek_config import check_silu, dense_layers
 
 __all__ = ["COHERE2_MOE_DEFAULTS", "CohereMoeShape", "cohere2_moe_fields"]
 
@@ -44,8 +45,7 @@ class CohereMoeShape:
 
 def cohere2_moe_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
     """The `ModelConfig` fields of a Command A Plus config.json (the module docstring)."""
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise ConfigError(f"hidden_act: Command A Plus's experts are served with silu only, got {cfg['hidden_act']!r}")
+    check_silu(cfg, "Command A Plus")
     selection = cfg.get("expert_selection_fn", "softmax")
     if selection not in ("softmax", "sigmoid"):
         raise ConfigError(f"expert_selection_fn: softmax or sigmoid, got {selection!r:.40}")
@@ -53,16 +53,13 @@ def cohere2_moe_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
     if combination not in ("average", "sum"):
         raise ConfigError(f"shared_expert_combination_strategy: average or sum, got {combination!r:.40}")
     dense = read_int(cfg, "first_k_dense_replace", 0, minimum=0)
-    mlps = cfg.get("mlp_layer_types") or ["dense" if i < dense else "sparse" for i in range(num_layers)]
-    if not isinstance(mlps, list) or len(mlps) != num_layers or set(mlps) - {"dense", "sparse"}:
-        raise ConfigError(f"mlp_layer_types: one of dense, sparse for each of the {num_layers} layers, "
-                          f"got {mlps!r:.80}")
+    dense_mlps = dense_layers(cfg, num_layers, dense)
     prefix = read_int(cfg, "prefix_dense_sliding_window_pattern", 1)
     pattern = read_int(cfg, "sliding_window_pattern", 4)
     kinds = cfg.get("layer_types") or [
         "sliding_attention" if (i + 1) % prefix else "full_attention" for i in range(dense)] + [
         "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers - dense)]
-    rotates = [kind == "sliding_attention" or (mlp == "dense" and prefix == 1) for kind, mlp in zip(kinds, mlps)]
+    rotates = [kind == "sliding_attention" or (i in dense_mlps and prefix == 1) for i, kind in enumerate(kinds)]
     rms = cfg.get("rms_norm_eps") is not None
     inter = read_int(cfg, "intermediate_size")
     return {"rms_norm_eps": read_float(cfg, "rms_norm_eps" if rms else "layer_norm_eps", 1e-5),
@@ -74,7 +71,7 @@ def cohere2_moe_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
             "num_experts": read_int(cfg, "num_experts", 8),
             "num_experts_per_tok": read_int(cfg, "num_experts_per_tok", 2),
             "moe_intermediate_size": inter, "norm_topk_prob": read_bool(cfg, "norm_topk_prob", True),
-            "mlp_only_layers": tuple(i for i, kind in enumerate(mlps) if kind == "dense"),
+            "mlp_only_layers": dense_mlps,
             "shared_expert_intermediate_size": inter * read_int(cfg, "num_shared_experts", 0, minimum=0),
             "shared_expert_gated": False, "moe_router": "cohere2_moe",
             "cohere_moe": CohereMoeShape(rms, selection == "sigmoid", combination == "average")}

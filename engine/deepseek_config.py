@@ -88,6 +88,18 @@ GLM4_MOE_LITE_EXPERTS = dict(n_routed_experts=64, moe_intermediate_size=1536, nu
                              n_shared_experts=1)
 
 
+def dense_layers(cfg: dict[str, Any], num_layers: int, first: int) -> tuple[int, ...]:
+    """The layers whose MLP is dense, as `mlp_layer_types` says them in any order (MiMo-V2-Flash's, Command A
+    Plus's), else the first `first`; a ConfigError naming the key for a list of anything else."""
+    kinds = cfg.get("mlp_layer_types")
+    if kinds is None:
+        return tuple(range(min(first, num_layers)))
+    if not isinstance(kinds, list) or len(kinds) != num_layers or set(kinds) - {"dense", "sparse"}:
+        raise ConfigError(f"mlp_layer_types: one of dense, sparse for each of the {num_layers} layers, "
+                          f"got {kinds!r:.80}")
+    return tuple(i for i, kind in enumerate(kinds) if kind == "dense")
+
+
 def dense_first(cfg: dict[str, Any], default: int) -> int:
     """GLM-4.7-Flash's and DeepSeek V3.2's dense layers as `mlp_layer_types` says them (else the first `default`), as
     how many come first: the sparse layers after them (what the engine serves; another order is refused by name)."""

@@ -24,6 +24,7 @@ from typing import Any
 
 from engine.config import ConfigError
 from engine.config_values import read_bool, read_float, read_int, read_object, rope_type
+from engine.deepseek_config import check_silu, dense_layers
 from engine.gemma4_config import rank_kv_heads
 
 __all__ = ["MIMO_DEFAULTS", "MimoShape", "mimo_fields", "mimo_params"]
@@ -49,14 +50,8 @@ def mimo_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
     kinds = cfg.get("layer_types")
     if kinds is None:
         kinds = ["full_attention" if i == 0 or (i + 1) % 6 == 0 else "sliding_attention" for i in range(num_layers)]
-    mlps = cfg.get("mlp_layer_types")
-    if mlps is None:
-        mlps = ["dense"] + ["sparse"] * (num_layers - 1)
-    if not isinstance(mlps, list) or len(mlps) != num_layers or set(mlps) - {"dense", "sparse"}:
-        raise ConfigError(f"mlp_layer_types: one of dense, sparse for each of the {num_layers} layers, "
-                          f"got {mlps!r:.80}")
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise ConfigError(f"hidden_act: MiMo-V2-Flash is served with silu, got {cfg['hidden_act']!r}")
+    dense = dense_layers(cfg, num_layers, 1)
+    check_silu(cfg, "MiMo-V2-Flash")
     window = read_int(cfg, "sliding_window", 129)
     if cfg.get("sliding_window_size") is not None:
         window = read_int(cfg, "sliding_window_size") + 1
@@ -81,7 +76,7 @@ def mimo_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
             "moe_groups": (read_int(cfg, "n_group", 1), read_int(cfg, "topk_group", 1)),
             "routed_scaling_factor": 1.0 if cfg.get("routed_scaling_factor") is None
             else read_float(cfg, "routed_scaling_factor", 1.0),
-            "mlp_only_layers": tuple(i for i, kind in enumerate(mlps) if kind == "dense")}
+            "mlp_only_layers": dense}
 
 
 def _ropes(cfg: dict[str, Any]) -> tuple[dict[str, Any], float, float]:

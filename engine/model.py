@@ -423,6 +423,14 @@ class LlamaForCausalLM(CheckpointReading, nn.Module):
                                   f"({full} along dimension {dim})")
         return tensor.narrow(dim, start, length)
 
+    def layer_of(self, name: str) -> nn.Module | None:
+        """The layer a `layers.N.` tensor (its name without "model.") belongs to (None: another tensor, or past the
+        model's layers)."""
+        parts = name.split(".")
+        if len(parts) > 2 and parts[0] == "layers" and parts[1].isdigit() and int(parts[1]) < len(self.layers):
+            return self.layers[int(parts[1])]
+        return None
+
     def cut_shape(self, name: str) -> tuple[ShardShape, ModelConfig]:
         """(this rank's shard, the config) tensor `name` is cut in: the model's (Gemma 4's full layers have their own
         attention shape)."""

@@ -250,15 +250,17 @@ class DeepseekForCausalLM(Qwen3MoeForCausalLM):
 
 def moe_checkpoint_name(config: ModelConfig, name: str) -> str | None:
     """A DeepSeek or GLM-4.5 checkpoint tensor's name as Qwen3-MoE's loading reads it: the shared experts under
-    Qwen2-MoE's name (one MLP); None for a layer past the model's (multi-token prediction), which is skipped. Layers
-    saved as `blocks.N` (transformers 5's save of Kimi K2.5 turns its vision tower's rename of blocks to layers back
-    on the text model's too) are read as `layers.N`."""
+    Qwen2-MoE's name (one MLP), a correction bias stored beside the router (K-EXAONE's, HY V3's) as the router's;
+    None for multi-token-prediction weights (a layer past the model's, or `mtp.`: K-EXAONE's), which are skipped.
+    Layers saved as `blocks.N` (transformers 5's save of Kimi K2.5 turns its vision tower's rename of blocks to layers
+    back on the text model's too) are read as `layers.N`."""
     if name.startswith("blocks.") and config.text_weights_prefix:
         name = "layers." + name.removeprefix("blocks.")
     parts = name.split(".")
-    if parts[0] == "layers" and parts[1].isdigit() and int(parts[1]) >= config.num_layers:
+    if parts[0] == "mtp" or parts[0] == "layers" and parts[1].isdigit() and int(parts[1]) >= config.num_layers:
         return None
-    return name.replace(".mlp.shared_experts.", ".mlp.shared_expert.")
+    return name.replace(".mlp.shared_experts.", ".mlp.shared_expert.").replace(
+        ".mlp.e_score_correction_bias", ".mlp.gate.e_score_correction_bias")
 
 
 def rope_rows_to_halves(rows: torch.Tensor, group: int, rope: int, first: bool = False) -> torch.Tensor:

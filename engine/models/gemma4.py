@@ -251,7 +251,7 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
     def cut_shape(self, name: str) -> tuple[ShardShape, ModelConfig]:
         """A layer's attention tensors are cut in its own shape (a full layer's KV heads and head size), a double-wide
         MLP's in its width."""
-        layer = self._layer_of(name)
+        layer = self.layer_of(name)
         if layer is not None and ".self_attn." in name:
             return layer.self_attn.shard, layer.self_attn.config
         if layer is not None and ".mlp." in name and layer.mlp.intermediate_size != self.shard.intermediate_size:
@@ -259,13 +259,6 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
             return replace(self.shard, intermediate_size=inter), replace(
                 self.config, intermediate_size=inter * self.shard.size)
         return self.shard, self.config
-
-    def _layer_of(self, name: str) -> nn.Module | None:
-        """The layer a `layers.N.` tensor belongs to (None: another tensor, or past the model's layers)."""
-        parts = name.split(".")
-        if len(parts) > 2 and parts[0] == "layers" and parts[1].isdigit() and int(parts[1]) < len(self.layers):
-            return self.layers[int(parts[1])]
-        return None
 
     def _shard_of(self, hf_name: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """The experts' stacked tensors cut along each expert's intermediate size (w13's gate rows and up rows, w2's
@@ -285,7 +278,7 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
     def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
         """The router's and the experts' tensors under our names (`layers.N.moe.`); a shared-K/V layer's K and V
         projections and norms skipped (some checkpoints keep them; transformers skips them too); the rest as stored."""
-        layer = self._layer_of(name)
+        layer = self.layer_of(name)
         if layer is not None and layer.self_attn.shares_kv and any(
                 f".self_attn.{kind}." in name for kind in ("k_proj", "v_proj", "k_norm", "v_norm")):
             return ()
@@ -297,7 +290,7 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
     def _destination(self, name: str, hf_name: str) -> tuple[str, Callable[[torch.Tensor], torch.Tensor]]:
         """The Llama model's, in each layer's own shape (`cut_shape`); a v_proj where V is the K projection
         (`k_eq_v`) is refused."""
-        layer = self._layer_of(name)
+        layer = self.layer_of(name)
         if layer is not None and ".self_attn.v_proj." in name and layer.self_attn.k_eq_v:
             raise WeightLoadError(f"{hf_name}: not a tensor of {self.config.architecture} with this config")
         return super()._destination(name, hf_name)

@@ -85,29 +85,22 @@ class Glm4MoeForCausalLM(Qwen3MoeForCausalLM):
 class ExaoneMoeForCausalLM(Glm4MoeForCausalLM):
     """K-EXAONE (`ExaoneMoeForCausalLM`): GLM-4.5's model (the Llama layer, DeepSeek V3's experts beside shared ones
     past the dense first layers) with EXAONE 4's attention: per-head q/k norms before the rotary, which turns the
-    sliding layers alone where the model has a window (its full layers NoPE, `layer_rotary`); its checkpoints' router
-    correction bias at `mlp.` read as the router's, their multi-token-prediction weights (`mtp.`) skipped, as
-    transformers reads them."""
+    sliding layers alone where the model has a window (its full layers NoPE, `layer_rotary`); its checkpoints read as
+    DeepSeek's (`moe_checkpoint_name`: the router's correction bias beside it, the `mtp.` weights skipped)."""
 
     def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
         layer = super().make_layer(index, ops)
         layer.self_attn.rotary_emb = layer_rotary(self, index)
         return layer
 
-    def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
-        if name.startswith("mtp."):
-            return ()
-        name = name.replace(".mlp.e_score_correction_bias", ".mlp.gate.e_score_correction_bias")
-        return super().read_tensor(hf_name, name, tensor)
-
 
 class HYV3ForCausalLM(Glm4MoeForCausalLM):
     """Tencent's HY V3 (`HYV3ForCausalLM`, Hy3-preview): GLM-4.5's model with per-head q/k norms and a whole-head
     rotary (dots.llm1's), DeepSeek V3's router without groups; its checkpoints' `mlp.router.gate`, `mlp.expert_bias`
-    and `mlp.shared_mlp` read as the router, its correction bias and the shared experts."""
+    and `mlp.shared_mlp` read under DeepSeek's names (the router, its correction bias, the shared experts)."""
 
     def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
         name = (name.replace(".mlp.router.gate.", ".mlp.gate.")
-                .replace(".mlp.expert_bias", ".mlp.gate.e_score_correction_bias")
+                .replace(".mlp.expert_bias", ".mlp.e_score_correction_bias")
                 .replace(".mlp.shared_mlp.", ".mlp.shared_experts."))
         return super().read_tensor(hf_name, name, tensor)

@@ -87,18 +87,17 @@ class MimoV2FlashForCausalLM(Qwen3MoeForCausalLM):
 
     def cut_shape(self, name: str) -> tuple[ShardShape, ModelConfig]:
         """A layer's attention tensors are cut in its own shape (a sliding layer's KV heads)."""
-        index = _layer_index(name, len(self.layers))
-        if index is not None and ".self_attn." in name:
-            attn = self.layers[index].self_attn
-            return attn.shard, attn.config
+        layer = self.layer_of(name)
+        if layer is not None and ".self_attn." in name:
+            return layer.self_attn.shard, layer.self_attn.config
         return self.shard, self.config
 
     def _destination(self, name: str, hf_name: str) -> tuple[str, Callable[[torch.Tensor], torch.Tensor]]:
         """v_proj's rows after q's and k's in the fused qkv_proj, in value heads; the rest as Qwen3-MoE's."""
-        index = _layer_index(name, len(self.layers))
-        if index is None or ".self_attn.v_proj." not in name:
+        layer = self.layer_of(name)
+        if layer is None or ".self_attn.v_proj." not in name:
             return super()._destination(name, hf_name)
-        attn = self.layers[index].self_attn
+        attn = layer.self_attn
         offset = attn.q_size + attn.kv_size
         return name.replace("v_proj", "qkv_proj"), lambda data: data.narrow(0, offset, attn.v_size)
 
@@ -118,11 +117,3 @@ class MimoV2FlashForCausalLM(Qwen3MoeForCausalLM):
             raise WeightLoadError(f"{hf_name}: shape {tuple(tensor.shape)} does not match the config "
                                   f"({heads * per} along dimension {dim})")
         return tensor.narrow(dim, start * per, count * per)
-
-
-def _layer_index(name: str, num_layers: int) -> int | None:
-    """The layer a `layers.N.` tensor belongs to (None: another tensor, or past the model's layers)."""
-    parts = name.split(".")
-    if len(parts) > 2 and parts[0] == "layers" and parts[1].isdigit() and int(parts[1]) < num_layers:
-        return int(parts[1])
-    return None
