@@ -1,5 +1,6 @@
 """Llama 4's config.json fields (transformers' `Llama4TextConfig` names and defaults) as `ModelConfig` fields, and
-Ministral 3's (`Ministral3Config`), whose queries take Llama 4's attention scaling on every layer.
+Ministral 3's (`Ministral3Config`), whose queries take Llama 4's attention scaling on every layer, Ministral's and
+CWM's (Llama's and Mistral's layers, sliding where `layer_types` says).
 
 A Llama 4 text model (Scout, Maverick) has three kinds of layer at once:
 - attention: most layers rotate q and k (`no_rope_layers[i]` 1) and attend within chunks of
@@ -101,5 +102,26 @@ def ministral_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
     return {"sliding_window": window, "layer_types": tuple(kinds)}
 
 
-# the Mistral family's readers of this module (`engine.model_families.OWN_MODULE_FIELDS`)
-MISTRAL_FIELDS = {"Ministral3ForCausalLM": ministral3_fields, "MinistralForCausalLM": ministral_fields}
+# CwmConfig's rope where config.json names none: Llama 3.1's scaling x 16 from 8,192 positions, base 1e6
+CWM_ROPE = {"rope_type": "llama3", "rope_theta": 1_000_000.0, "factor": 16.0, "high_freq_factor": 4.0,
+            "low_freq_factor": 1.0, "original_max_position_embeddings": 8192}
+
+
+def cwm_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """Meta's Code World Model (`CwmForCausalLM`, CWM 32B): Llama's layer, sliding over `sliding_window` (8,192
+    where config.json names none; null: every layer full) where `layer_types` says, by default every layer but each
+    4th from the first; Llama 3.1's rope scaling where config.json names no rope, as transformers' `CwmConfig`."""
+    if cfg.get("rope_parameters") is None and cfg.get("rope_scaling") is None:
+        cfg = {**cfg, "rope_parameters": {**CWM_ROPE, **({"rope_theta": cfg["rope_theta"]} if "rope_theta" in cfg
+                                                          else {})}}
+    window = read_int(cfg, "sliding_window", None) if "sliding_window" in cfg else 8192
+    kinds = cfg.get("layer_types")
+    if kinds is None:
+        kinds = ["full_attention" if i % 4 == 0 or window is None else "sliding_attention" for i in range(num_layers)]
+    return {**ministral_fields({**cfg, "sliding_window": window, "layer_types": kinds}, num_layers),
+            "full_rope": (cfg,)}
+
+
+# the Mistral family's readers of this module (`engine.model_families.OWN_MODULE_FIELDS`), and CWM's
+MISTRAL_FIELDS = {"Ministral3ForCausalLM": ministral3_fields, "MinistralForCausalLM": ministral_fields,
+                  "CwmForCausalLM": cwm_fields}

@@ -124,7 +124,8 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
            "exaone_moe": transformers.ExaoneMoeConfig, "cohere2_moe": transformers.Cohere2MoeConfig,
            "jais2": transformers.Jais2Config, "granite_swa": transformers.GraniteSWAConfig,
            "granitemoe": transformers.GraniteMoeConfig, "granitemoeshared": transformers.GraniteMoeSharedConfig,
-           "granitemoe_swa": transformers.GraniteMoeSWAConfig, "hy_v3": transformers.HYV3Config}[arch]
+           "granitemoe_swa": transformers.GraniteMoeSWAConfig, "hy_v3": transformers.HYV3Config,
+           "cwm": transformers.CwmConfig}[arch]
     config = cls(**common)
     if arch == "mistral4":   # transformers maps Mistral4Config to no causal LM class (only its pretraining one)
         transformers.AutoModelForCausalLM.register(transformers.Mistral4Config, transformers.Mistral4ForCausalLM,

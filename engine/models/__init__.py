@@ -118,6 +118,7 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
                                                 "NemotronHForCausalLM": NemotronHForCausalLM,
                                                 "MinistralForCausalLM": LlamaForCausalLM,   # per-layer windows
+                                                "CwmForCausalLM": LlamaForCausalLM,
                                                 "HunYuanMoEV1ForCausalLM": HunyuanMoeForCausalLM,
                                                 "ApertusForCausalLM": ApertusForCausalLM,
                                                 "OlmoHybridForCausalLM": OlmoHybridForCausalLM,

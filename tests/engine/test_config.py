@@ -1785,3 +1785,25 @@ def test_olmo_hybrid_reads_as_transformers_does():
         (30, 96, 192, 2.0, 8)
     with pytest.raises(ConfigError, match=r"^tensor_parallel_size: 2 ranks; these linear-attention layers"):
         check_tensor_parallel(ours, 2)
+
+
+def test_cwm_reads_as_transformers_does():
+    """CWM (`CwmForCausalLM`, CwmConfig's defaults: CWM 32B's shape): Llama's layer with 8 KV heads of 128, each 4th
+    layer from the first full and the rest sliding over 8,192, Llama 3.1's rope x 16 from 8,192 positions at base 1e6
+    where config.json names no rope; the parameter count is transformers' model's. A null window makes every layer
+    full; an unknown layer type is refused by name."""
+    hf, cfg = _at_class_defaults("CwmConfig", {"architectures": ["CwmForCausalLM"]})
+    assert cfg.layer_types == tuple(hf.layer_types) and cfg.sliding_window == hf.sliding_window == 8192
+    assert (cfg.num_kv_heads, cfg.head_dim, cfg.max_position_embeddings, cfg.rms_norm_eps) == \
+        (hf.num_key_value_heads, hf.head_dim, hf.max_position_embeddings, hf.rms_norm_eps) == (8, 128, 131_072, 1e-5)
+    rope = hf.rope_parameters
+    assert cfg.rope_theta == rope["rope_theta"] == 1e6
+    assert (cfg.rope_scaling.rope_type, cfg.rope_scaling.factor, cfg.rope_scaling.original_max_position_embeddings,
+            cfg.rope_scaling.low_freq_factor, cfg.rope_scaling.high_freq_factor) == \
+        (rope["rope_type"], rope["factor"], rope["original_max_position_embeddings"], rope["low_freq_factor"],
+         rope["high_freq_factor"]) == ("llama3", 16.0, 8192, 1.0, 4.0)
+    small = {"architectures": ["CwmForCausalLM"], "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128,
+             "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
+    assert ModelConfig.from_hf_config({**small, "sliding_window": None}).layer_types == ("full_attention",) * 3
+    with pytest.raises(ConfigError, match="^layer_types:"):
+        ModelConfig.from_hf_config({**small, "layer_types": ["full_attention", "local", "full_attention"]})
