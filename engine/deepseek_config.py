@@ -1,6 +1,7 @@
 """The config.json fields of DeepSeek's family (`deepseek_fields`: DeepSeek V2, V3, GLM-4.7-Flash; `mistral4_fields`:
-Mistral Small 4): the latent attention (`engine.mla_config`) and the grouped experts (`grouped_experts`, GLM-4.5's
-too), each family's defaults its transformers config class's. What we do not serve is refused naming the key."""
+Mistral Small 4; `youtu_fields`: Youtu-LLM): the latent attention (`engine.mla_config`) and the grouped experts
+(`grouped_experts`, GLM-4.5's too), each family's defaults its transformers config class's. What we do not serve is
+refused naming the key."""
 
 from __future__ import annotations
 
@@ -215,3 +216,12 @@ def mistral4_fields(cfg: dict[str, Any], num_layers: int = 0) -> dict[str, Any]:
     return {"mla": mla, "head_dim": mla.cache_dim, "num_kv_heads": 1, "llama4_scaling_beta": beta or None,
             "full_rope": ({**cfg, key: rope},), **grouped_experts(cfg, MISTRAL4_EXPERTS, "mistral4", grouped=True),
             "stacked_experts": True}   # read per expert, or stacked as transformers saves Mistral 4's
+
+
+def youtu_fields(cfg: dict[str, Any], num_layers: int = 0) -> dict[str, Any]:
+    """Youtu-LLM's (`YoutuForCausalLM`, transformers' `YoutuConfig`): DeepSeek V3's latent attention (its defaults,
+    the rotary's pairs interleaved unless `rope_interleave` says not) with a dense MLP on every layer, the head tied to
+    the embedding unless `tie_word_embeddings` says not."""
+    mla = read_mla(cfg, MLA_DEFAULTS["DeepseekV3ForCausalLM"], interleave_key=True)
+    return {"mla": mla, "head_dim": mla.cache_dim, "num_kv_heads": 1,
+            "tie_word_embeddings": read_bool(cfg, "tie_word_embeddings", True)}

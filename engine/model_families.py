@@ -19,7 +19,7 @@ from engine.mimo_config import mimo_fields
 from engine.granite_config import GRANITE_ARCHITECTURES, granite_fields
 from engine.hunyuan_config import HUNYUAN_FIELDS
 from engine.deepseek_config import (DEEPSEEK_TOPK_METHODS, check_silu, deepseek_fields, exaone_moe_experts,
-                                    grouped_experts, hy_v3_fields, mistral4_fields)
+                                    grouped_experts, hy_v3_fields, mistral4_fields, youtu_fields)
 from engine.gemma4_config import MOE_ROUTER as GEMMA4_ROUTER, gemma4_fields
 from engine.llama4_config import MISTRAL_FIELDS, llama4_fields
 
@@ -36,7 +36,8 @@ MOE_ROUTERS = ("softmax", "deepseek_v2", "deepseek_v3", "minimax_m2", "ernie4_5"
 # the families whose fields are read in a module of their own, each reader taking (config.json, its layer count)
 OWN_MODULE_FIELDS: dict[str, Callable[[dict[str, Any], int], dict[str, Any]]] = {"Llama4ForCausalLM": llama4_fields,
     "Gemma4ForCausalLM": gemma4_fields, "Mistral4ForCausalLM": mistral4_fields, **MISTRAL_FIELDS, **HUNYUAN_FIELDS,
-    **HYBRID_FIELDS, "MiMoV2FlashForCausalLM": mimo_fields, "Cohere2MoeForCausalLM": cohere2_moe_fields}
+    **HYBRID_FIELDS, "MiMoV2FlashForCausalLM": mimo_fields, "Cohere2MoeForCausalLM": cohere2_moe_fields,
+    "YoutuForCausalLM": youtu_fields}
 
 
 

@@ -106,6 +106,7 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "Llama4ForCausalLM": Llama4ForCausalLM,
                                                 "Ministral3ForCausalLM": Ministral3ForCausalLM,
                                                 "Glm4MoeLiteForCausalLM": DeepseekForCausalLM,   # GLM-4.7-Flash
+                                                "YoutuForCausalLM": DeepseekForCausalLM,   # every MLP dense
                                                 "Mistral4ForCausalLM": DeepseekForCausalLM,   # its queries scaled
                                                 "DeepseekV32ForCausalLM": DeepseekV32ForCausalLM,
                                                 "GlmMoeDsaForCausalLM": DeepseekV32ForCausalLM,   # GLM-5

@@ -1807,3 +1807,16 @@ def test_cwm_reads_as_transformers_does():
     assert ModelConfig.from_hf_config({**small, "sliding_window": None}).layer_types == ("full_attention",) * 3
     with pytest.raises(ConfigError, match="^layer_types:"):
         ModelConfig.from_hf_config({**small, "layer_types": ["full_attention", "local", "full_attention"]})
+
+
+def test_youtu_reads_as_transformers_does():
+    """Youtu-LLM (`YoutuForCausalLM`, YoutuConfig's defaults: Youtu-LLM-2B's shape): DeepSeek V3's latent attention
+    (q through 1,536, a latent of 512 and a rotated key of 64 a token in the cache) with a dense MLP on every layer and
+    the head tied; the parameter count is transformers' model's."""
+    hf, cfg = _at_class_defaults("YoutuConfig", {"architectures": ["YoutuForCausalLM"]})
+    assert (cfg.mla.q_lora_rank, cfg.mla.kv_lora_rank, cfg.mla.qk_rope_head_dim, cfg.mla.qk_nope_head_dim,
+            cfg.mla.v_head_dim) == (hf.q_lora_rank, hf.kv_lora_rank, hf.qk_rope_head_dim, hf.qk_nope_head_dim,
+                                    hf.v_head_dim)
+    assert (cfg.num_kv_heads, cfg.head_dim, cfg.num_experts) == (1, 576, 0) and cfg.mla.rope_interleave
+    assert cfg.tie_word_embeddings == hf.tie_word_embeddings is True
+    assert cfg.max_position_embeddings == hf.max_position_embeddings == 131_072

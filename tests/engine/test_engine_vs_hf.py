@@ -110,6 +110,9 @@ QWEN2_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
 DEEPSEEK = dict(num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                 first_k_dense_replace=1, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
                 n_group=2, topk_group=1, num_hidden_layers=3)
+# Youtu-LLM: DeepSeek V3's latent attention (a KV "head" per query head, as YoutuConfig keeps them) and dense MLPs
+YOUTU = dict(num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=8,
+             v_head_dim=16)
 # Mistral Small 4: DeepSeek V3's latent attention (as DEEPSEEK) with every query scaled by its position (floor(p / 16)
 # moves it), YaRN x 4 from 16 positions with DeepSeek's mscales; the softmax router in 2 groups (a token's from 1)
 MISTRAL4 = dict(num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
@@ -244,6 +247,10 @@ TINY_MODELS = [
         "mscale": 0.707, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}}),
     ("deepseek_v3", {**DEEPSEEK, "q_lora_rank": 48, "rope_interleave": False, "n_group": 1, "topk_group": 1,
                      "norm_topk_prob": False, "first_k_dense_replace": 0}),
+    # Youtu-LLM: V3's latent attention (q through its bottleneck, interleaved rotary) over a dense MLP on every layer,
+    # the head tied; then one q projection, rotating halves, an untied head
+    ("youtu", YOUTU),
+    ("youtu", {**YOUTU, "q_lora_rank": None, "rope_interleave": False, "tie_word_embeddings": False}),
     # DeepSeek V3.2 (DEEPSEEK_V32); then YaRN with DeepSeek's mscales and biases on q_a, kv_a and o
     ("deepseek_v32", DEEPSEEK_V32),
     ("deepseek_v32", {**DEEPSEEK_V32, "attention_bias": True, "index_topk": 12, "rope_parameters": {
