@@ -1,7 +1,8 @@
 """IBM Granite's config.json fields as `ModelConfig` fields: Granite 3's four scalars (`GraniteConfig`), Granite SWA's
 sliding layers, sinks and per-layer rope bases (`GraniteSWAConfig`), and Granite 4's
 (`GraniteMoeHybridConfig`) without experts: attention layers (Granite-4.0-Micro, -1B, -350M) and Mamba-2 ones beside
-them (Granite-4.0-H-Micro, -H-1B, -H-350M), and experts beside the shared MLP (-H-Tiny, -H-Small)."""
+them (Granite-4.0-H-Micro, -H-1B, -H-350M), and experts beside the shared MLP (-H-Tiny, -H-Small); Bamba's
+(`BambaConfig`), attention and Mamba-2 layers as Granite 4's -H models without the scalars."""
 
 from __future__ import annotations
 
@@ -121,3 +122,18 @@ def mamba2_shape(cfg: dict[str, Any]) -> Mamba2Shape:
                        conv_bias=read_bool(cfg, "mamba_conv_bias", True),
                        proj_bias=read_bool(cfg, "mamba_proj_bias", False),
                        dt_limit=(float(limit[0]), float(limit[1])))
+
+
+def bamba_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """Bamba (`BambaForCausalLM`, IBM's Bamba-9B; transformers' `BambaConfig`): Llama's attention on the layers
+    `attn_layer_indices` names (at least one), Mamba-2 on the rest (`mamba2_shape`: Granite 4's keys and defaults),
+    each turning the first half of its heads (transformers sets `partial_rotary_factor` 0.5 whatever config.json
+    says), a dense MLP on every layer."""
+    attn = cfg.get("attn_layer_indices")
+    if not isinstance(attn, list) or not attn or any(not isinstance(i, int) or isinstance(i, bool)
+                                                     or not 0 <= i < num_layers for i in attn):
+        raise ConfigError(f"attn_layer_indices: the attention layers (at least one, each < num_hidden_layers "
+                          f"{num_layers}), got {attn!r:.80}")
+    kinds = tuple("full_attention" if i in attn else "linear_attention" for i in range(num_layers))
+    fields = {"partial_rotary_factor": 0.5}
+    return fields | ({"layer_types": kinds, "mamba": mamba2_shape(cfg)} if "linear_attention" in kinds else {})

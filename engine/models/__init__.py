@@ -57,8 +57,9 @@ from engine.models.glm4 import ExaoneMoeForCausalLM, Glm4ForCausalLM, Glm4MoeFor
 from engine.models.gpt_oss import GptOssForCausalLM
 from engine.models.llama4 import Llama4ForCausalLM
 from engine.models.ministral3 import Ministral3ForCausalLM
-from engine.models.granite import (GraniteForCausalLM, GraniteHybridForCausalLM, GraniteHybridMoeForCausalLM,
-                                   GraniteMoeHybridForCausalLM, GraniteMoeSWAForCausalLM, GraniteSWAForCausalLM)
+from engine.models.granite import (BambaAttentionForCausalLM, BambaForCausalLM, GraniteForCausalLM,
+                                   GraniteHybridForCausalLM, GraniteHybridMoeForCausalLM, GraniteMoeHybridForCausalLM,
+                                   GraniteMoeSWAForCausalLM, GraniteSWAForCausalLM)
 from engine.models.hunyuan import HunyuanDenseForCausalLM, HunyuanMoeForCausalLM
 from engine.models.mimo import MimoV2FlashForCausalLM
 from engine.models.minimax_m2 import MiniMaxM2ForCausalLM
@@ -145,6 +146,8 @@ def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:
         return GraniteHybridMoeForCausalLM   # Granite 4-H-Tiny, -Small; Granite 3's MoE models
     if config.architecture == "GraniteMoeHybridForCausalLM" and config.mamba is not None:   # Granite 4's -H models
         return GraniteHybridForCausalLM
+    if config.architecture == "BambaForCausalLM":
+        return BambaForCausalLM if config.mamba is not None else BambaAttentionForCausalLM
     return _VARIANTS.get(config.architecture, LlamaForCausalLM)
 
 

@@ -11,6 +11,7 @@ gate rows then up rows, read as gate_proj and up_proj; `output_linear` as down_p
 `position_embedding_type: rope` every layer is NoPE (SmolLM3's `NoRope`). Its -H models without experts
 (Granite-4.0-H-Micro, -H-1B, -H-350M) put Mamba-2 layers (`engine.layers.mamba2`) beside the attention ones
 (`GraniteHybridForCausalLM`: the same layer, its token mixer the one or the other, over a state per sequence).
+Bamba (`BambaForCausalLM`) is that model without Granite's scalars, under its own tensor names.
 """
 
 from __future__ import annotations
@@ -27,12 +28,13 @@ from engine.layers.gated_delta_net import RecurrentStates
 from engine.layers.mamba2 import Mamba2Mixer
 from engine.model import DecoderLayer, LlamaForCausalLM, WeightLoadError
 from engine.models.hybrid import StatefulForCausalLM, cut_pieces
+from engine.models.phi3 import partial_rotary_rows
 from engine.models.qwen3_moe import Qwen3MoeForCausalLM, with_experts
 from engine.models.smollm3 import NoRope, layer_rotary
 from kernels import AttentionMetadata
 
-__all__ = ["GraniteForCausalLM", "GraniteHybridForCausalLM", "GraniteHybridMoeForCausalLM",
-           "GraniteMoeHybridForCausalLM"]
+__all__ = ["BambaAttentionForCausalLM", "BambaForCausalLM", "GraniteForCausalLM", "GraniteHybridForCausalLM",
+           "GraniteHybridMoeForCausalLM", "GraniteMoeHybridForCausalLM"]
 
 
 class GraniteDecoderLayer(DecoderLayer):
@@ -212,3 +214,28 @@ class GraniteMoeSWAForCausalLM(GraniteHybridMoeForCausalLM):
 
     def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
         return with_layer_rope(self, super().make_layer(index, ops), index, ops)
+
+
+# Bamba's checkpoint names of the Llama layer's MLP and second norm, and of the final norm
+_BAMBA_NAMES = ((".feed_forward.", ".mlp."), (".pre_ff_layernorm.", ".post_attention_layernorm."),
+                ("final_layernorm.", "norm."))
+
+
+class BambaNames:
+    """Bamba's tensors under the Llama model's names (`_BAMBA_NAMES`), q/k rows reordered for its partial rotate-half
+    rotary (`partial_rotary_rows`)."""
+
+    def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
+        for theirs, ours in _BAMBA_NAMES:
+            if name.startswith(theirs) or theirs.startswith(".") and theirs in name:
+                name = name.replace(theirs, ours, 1)
+        return super().read_tensor(hf_name, name, partial_rotary_rows(self.config, name, tensor))
+
+
+class BambaForCausalLM(BambaNames, GraniteHybridForCausalLM):
+    """Bamba (IBM's Bamba-9B): Granite 4's -H model without its scalars (every one 1) or NoPE layers; the attention
+    layers turn the first half of each head (`ModelConfig.partial_rotary_factor`)."""
+
+
+class BambaAttentionForCausalLM(BambaNames, LlamaForCausalLM):
+    """A Bamba config whose every layer is attention: the Llama model under Bamba's names."""

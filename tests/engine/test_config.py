@@ -1820,3 +1820,23 @@ def test_youtu_reads_as_transformers_does():
     assert (cfg.num_kv_heads, cfg.head_dim, cfg.num_experts) == (1, 576, 0) and cfg.mla.rope_interleave
     assert cfg.tie_word_embeddings == hf.tie_word_embeddings is True
     assert cfg.max_position_embeddings == hf.max_position_embeddings == 131_072
+
+
+def test_bamba_reads_as_transformers_does():
+    """Bamba (`BambaForCausalLM`, BambaConfig's defaults with Bamba-9B's attention layers): Mamba-2 layers of 128
+    heads of 64 and a state of 256 (one group) beside the attention layers `attn_layer_indices` names, half of each
+    head rotated; the parameter count is transformers' model's. A config without attention layers is refused by
+    name."""
+    bare = {"architectures": ["BambaForCausalLM"], "attn_layer_indices": [9, 18, 27]}
+    hf, cfg = _at_class_defaults("BambaConfig", bare)
+    assert cfg.layer_types == tuple(hf.layers_block_type) and cfg.layer_types[9] == "full_attention"
+    m = cfg.mamba
+    assert (m.num_heads, m.head_dim, m.d_state, m.n_groups, m.conv_kernel) == \
+        (hf.mamba_n_heads, hf.mamba_d_head, hf.mamba_d_state, hf.mamba_n_groups, hf.mamba_d_conv) == (128, 64, 256, 1, 4)
+    assert cfg.rotary_dim == hf.hidden_size // hf.num_attention_heads // 2 == 64 and cfg.num_kv_heads == 8
+    assert cfg.max_position_embeddings == hf.max_position_embeddings and cfg.rms_norm_eps == hf.rms_norm_eps
+    small = {"architectures": ["BambaForCausalLM"], "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "mamba_n_heads": 4}
+    for attn in (None, [], [2], "1"):
+        with pytest.raises(ConfigError, match="^attn_layer_indices:"):
+            ModelConfig.from_hf_config({**small, "attn_layer_indices": attn})

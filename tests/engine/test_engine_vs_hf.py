@@ -339,6 +339,11 @@ TINY_MODELS = [
                           "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32,
                           "shared_intermediate_size": 48, "mamba_n_heads": 4, "mamba_d_state": 16,
                           "mamba_chunk_size": 16, "residual_multiplier": 0.5}),
+    # Bamba: Granite 4's -H layers under its names, no scalars, half of each attention head rotated; then attention on
+    # every layer
+    ("bamba", {"attn_layer_indices": [1], "num_hidden_layers": 3, "mamba_n_heads": 4, "mamba_d_state": 16,
+               "mamba_n_groups": 2, "mamba_chunk_size": 16}),
+    ("bamba", {"attn_layer_indices": [0, 1], "head_dim": 32}),
     # Nemotron-H: Mamba-2 blocks (B and C in 2 groups), NoPE attention blocks and squared-ReLU MLP blocks, each its own
     # pre-norm residual step, under `backbone.` names
     ("nemotron_h", {"layers_block_type": ["linear_attention", "mlp", "full_attention", "mlp", "linear_attention",
