@@ -98,19 +98,21 @@ def granite4_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
     return fields
 
 
-def mamba2_shape(cfg: dict[str, Any]) -> Mamba2Shape:
+def mamba2_shape(cfg: dict[str, Any], inter: int | None = None, inter_key: str = "mamba_expand x hidden_size"
+                 ) -> Mamba2Shape:
     """The Mamba-2 layers' shape as `GraniteMoeHybridConfig` reads it: `mamba_n_heads` (128) heads of `mamba_d_head`
     ("auto": `mamba_expand` (2) x hidden_size over the heads, which it must make), `mamba_d_state` (256),
     `mamba_n_groups` (1), `mamba_d_conv` (4) taps with a bias (`mamba_conv_bias`), `mamba_proj_bias` (false),
-    dt clamped to `time_step_limit`; the convolution's activation SiLU (`hidden_act`)."""
+    dt clamped to `time_step_limit`; the convolution's activation SiLU (`hidden_act`). `inter`: the mixer's width where
+    the family names it otherwise (`inter_key`: Falcon-H1's `mamba_d_ssm`)."""
     if cfg.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"hidden_act: Granite 4's Mamba layers are served with silu only, got {cfg['hidden_act']!r}")
     heads, hidden = read_int(cfg, "mamba_n_heads", 128), read_int(cfg, "hidden_size")
-    inter = read_int(cfg, "mamba_expand", 2) * hidden
+    inter = read_int(cfg, "mamba_expand", 2) * hidden if inter is None else inter
     head_dim = cfg.get("mamba_d_head", "auto")
     head_dim = inter // heads if head_dim == "auto" else read_int(cfg, "mamba_d_head")
     if head_dim * heads != inter:
-        raise ConfigError(f"mamba_d_head: {head_dim} x mamba_n_heads {heads} is not mamba_expand x hidden_size {inter}")
+        raise ConfigError(f"mamba_d_head: {head_dim} x mamba_n_heads {heads} is not {inter_key} {inter}")
     limit = cfg.get("time_step_limit") or (0.0, float("inf"))
     if isinstance(limit, (list, tuple)):   # transformers 5 writes infinity as {"__float__": "Infinity"}
         limit = [float(v["__float__"]) if isinstance(v, dict) and v.get("__float__") in ("Infinity", "-Infinity")

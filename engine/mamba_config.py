@@ -1,4 +1,5 @@
-"""Mamba-2 layers' shape (Granite 4's -H models, `engine.granite_config`; Nemotron-H, `engine.nemotron_h_config`), and
+"""Mamba-2 layers' shape (Granite 4's -H models, `engine.granite_config`; Nemotron-H, `engine.nemotron_h_config`;
+Falcon-H1, `engine.falcon_h1_config`), and
 the bytes of a state layer's per-sequence state (Mamba-2's, and Gated DeltaNet's: `engine.gated_delta_config`)."""
 
 from __future__ import annotations
@@ -9,6 +10,9 @@ from typing import Any
 from engine.config import ConfigError
 
 SSM_STATE_BYTES = 4   # the recurrent state is float32 whatever the model's dtype: it sums every token of a sequence
+# how the gate z joins the scan's output y: RMSNorm(y x SiLU(z)) per group (Granite's, Nemotron-H's, Bamba's),
+# RMSNorm(y) x SiLU(z) (Falcon-H1's `mamba_norm_before_gate`), y x SiLU(z) without a norm (Falcon-H1's default)
+GATED_NORMS = ("gate_first", "norm_first", "none")
 
 
 @dataclass(frozen=True)
@@ -16,8 +20,9 @@ class Mamba2Shape:
     """One Mamba-2 layer's shape (Granite 4's -H models): `num_heads` heads of `head_dim` (their product the mixer's
     intermediate size), a state of `d_state` per head channel, B and C shared by the heads of each of `n_groups`
     groups, the causal convolution's `conv_kernel` taps over x, B and C (with a bias where `conv_bias`), biased
-    projections where `proj_bias`, a prefill's dt clamped to `dt_limit` (a decode step's is not:
-    `engine.layers.mamba2`)."""
+    projections where `proj_bias` (out_proj's where `out_bias`, when that is not None: Falcon-H1's), a prefill's dt
+    clamped to `dt_limit` (a decode step's is not: `engine.layers.mamba2`); the gate joins the scan's output as
+    `gated_norm` says (`GATED_NORMS`)."""
 
     num_heads: int
     head_dim: int
@@ -29,8 +34,13 @@ class Mamba2Shape:
     dt_limit: tuple[float, float] = (0.0, float("inf"))
     splits: bool = True      # tensor parallelism may split its heads (Nemotron-H's blocks: one rank)
     norm_ranks: int = 1      # the ranks one group of the gated norm spans (a rank's shape with its groups replicated)
+    gated_norm: str = "gate_first"
+    out_bias: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.gated_norm not in GATED_NORMS:
+            raise ConfigError(f"mamba_rms_norm: the gate joins as one of {', '.join(GATED_NORMS)}, "
+                              f"got {self.gated_norm!r}")
         if self.num_heads % self.n_groups:
             raise ConfigError(f"mamba_n_groups: {self.n_groups} does not divide mamba_n_heads {self.num_heads}")
         if self.conv_kernel < 2:
@@ -76,12 +86,17 @@ class Mamba2Shape:
         return self.num_heads, self.head_dim, self.d_state
 
     def num_params(self, hidden_size: int) -> int:
-        """in_proj (gate, x, B, C, dt), the convolution, dt_bias, A_log, D, the gated norm, out_proj."""
+        """in_proj (gate, x, B, C, dt), the convolution, dt_bias, A_log, D, the gated norm (where there is one),
+        out_proj."""
         h, inter = hidden_size, self.intermediate_size
         projections = h * (inter + self.conv_dim + self.num_heads) + inter * h
-        biases = (inter + self.conv_dim + self.num_heads + h) if self.proj_bias else 0
+        biases = (inter + self.conv_dim + self.num_heads if self.proj_bias else 0) + (h if self.has_out_bias else 0)
         conv = self.conv_dim * self.conv_kernel + (self.conv_dim if self.conv_bias else 0)
-        return projections + biases + conv + 3 * self.num_heads + inter
+        return projections + biases + conv + 3 * self.num_heads + (inter if self.gated_norm != "none" else 0)
+
+    @property
+    def has_out_bias(self) -> bool:
+        return self.proj_bias if self.out_bias is None else self.out_bias
 
     def state_bytes(self, itemsize: int) -> int:
         return state_bytes(self, itemsize)

@@ -21,6 +21,7 @@ from engine.config_values import read_bool, read_float, read_int, read_object, r
 from engine.gated_delta_config import GatedDeltaShape, StateShape, serving_pool
 from engine.gemma4_config import Gemma4Shape
 from engine.mamba_config import Mamba2Shape
+from engine.falcon_h1_config import FalconH1Scales
 from engine.kimi_linear_config import KdaShape, kimi_linear_config
 from engine.lfm2_config import ShortConvShape, lfm2_config, lfm2_moe_config
 from engine.cohere_moe_config import CohereMoeShape
@@ -54,7 +55,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
                            "ExaoneMoeForCausalLM", "Cohere2MoeForCausalLM",
                            "Jais2ForCausalLM", "GraniteSWAForCausalLM", "GraniteMoeForCausalLM",
                            "GraniteMoeSharedForCausalLM", "GraniteMoeSWAForCausalLM", "HYV3ForCausalLM",
-                           "CwmForCausalLM", "YoutuForCausalLM", "BambaForCausalLM")
+                           "CwmForCausalLM", "YoutuForCausalLM", "BambaForCausalLM", "FalconH1ForCausalLM")
 # their attention bias: q/k/v's, not o_proj's
 QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -121,6 +122,7 @@ class ModelConfig:
     swiglu_alpha: float = 1.702         # ... and its sigmoid's gain
     gated_delta: GatedDeltaShape | None = None   # Qwen3.5: its linear_attention layers' shape (None: none)
     mamba: Mamba2Shape | None = None    # Granite 4's -H models: their Mamba-2 layers' (`linear_attention` too)
+    falcon_h1: FalconH1Scales | None = None   # Falcon-H1: its muP multipliers (its `hybrid` layers: Mamba-2, attention)
     state_layers: ShortConvShape | KdaShape | None = None   # LFM2's short convolutions', Kimi Linear's KDA's
     attn_output_gate: bool = False      # Qwen3.5: attention's output x sigmoid(a gate q_proj makes beside each head)
     mla: MlaShape | None = None         # DeepSeek: latent attention (head_dim the cache's, one KV head; None: none)
@@ -165,6 +167,7 @@ class ModelConfig:
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ConfigError(f"sliding_window: must be positive, got {self.sliding_window}")
         kinds = LAYER_TYPES + (("linear_attention",) if self.state_shape is not None else ()) + (   # Qwen3.5's ...
+            ("hybrid",) if self.falcon_h1 is not None else ()) + (   # ... Falcon-H1's ...
             ("mlp", "moe") if self.architecture == "NemotronHForCausalLM" else ())   # ... Nemotron-H's blocks
         if self.layer_types and (len(self.layer_types) != self.num_layers
                                  or any(t not in kinds for t in self.layer_types)):
@@ -309,6 +312,12 @@ class ModelConfig:
     def is_linear_layer(self, layer: int) -> bool:
         return bool(self.layer_types) and self.layer_types[layer] == "linear_attention"
 
+    @property
+    def stateful_layers(self) -> tuple[int, ...]:
+        """The layers that keep a state per sequence: the linear-attention ones, and Falcon-H1's hybrids (K/V too)."""
+        kinds = self.layer_types or ("",) * self.num_layers
+        return tuple(i for i, kind in enumerate(kinds) if kind in ("linear_attention", "hybrid"))
+
     def state_bytes_per_seq(self, dtype: torch.dtype, tensor_parallel_size: int = 1) -> int:
         """Bytes of the state each running sequence holds for the linear-attention layers (0: none), whatever its
         length, on each of `tensor_parallel_size` ranks: the capacity plan counts it per sequence beside S_KV x its
@@ -316,7 +325,7 @@ class ModelConfig:
         if self.state_shape is None:
             return 0
         shape = self.state_shape.per_rank(tensor_parallel_size)
-        return (self.num_layers - self.num_kv_layers) * shape.state_bytes(dtype.itemsize)
+        return len(self.stateful_layers) * shape.state_bytes(dtype.itemsize)
 
     def rotary_cache_bytes(self, dtype: torch.dtype) -> int:
         """Bytes of the rotary cos/sin caches each rank holds: [rotary_positions or context_length, rotated dims]

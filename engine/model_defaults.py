@@ -128,7 +128,8 @@ DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32_768, "
                          "HunYuanMoEV1ForCausalLM": 2048, "MinistralForCausalLM": 131_072,
                          "ApertusForCausalLM": 65_536, "OlmoHybridForCausalLM": 65_536, "Dots1ForCausalLM": 2048,
                          "ArceeForCausalLM": 4096, "CwmForCausalLM": 131_072,
-                         "YoutuForCausalLM": 131_072, "BambaForCausalLM": 262_144}
+                         "YoutuForCausalLM": 131_072, "BambaForCausalLM": 262_144,
+                         "FalconH1ForCausalLM": 8192}
 # their rms_norm_eps, where it is not 1e-6
 DEFAULT_RMS_NORM_EPS = {"MixtralForCausalLM": 1e-5, "Phi3ForCausalLM": 1e-5, "Olmo2ForCausalLM": 1e-5,
                         "Olmo3ForCausalLM": 1e-5,
@@ -138,7 +139,7 @@ DEFAULT_RMS_NORM_EPS = {"MixtralForCausalLM": 1e-5, "Phi3ForCausalLM": 1e-5, "Ol
                         "Glm4MoeLiteForCausalLM": 1e-5, "Exaone4ForCausalLM": 1e-5, "ExaoneMoeForCausalLM": 1e-5,
                         "HunYuanDenseV1ForCausalLM": 1e-5, "OlmoeForCausalLM": 1e-5, "HunYuanMoEV1ForCausalLM": 1e-5,
                         "ApertusForCausalLM": 1e-5, "ArceeForCausalLM": 1e-5, "CwmForCausalLM": 1e-5,
-                        "BambaForCausalLM": 1e-5}
+                        "BambaForCausalLM": 1e-5, "FalconH1ForCausalLM": 1e-5}
 # their num_key_value_heads where config.json names none (else one per query head)
 DEFAULT_KV_HEADS = {"Qwen2ForCausalLM": 32, "MistralForCausalLM": 8, "Qwen3ForCausalLM": 32, "Qwen3MoeForCausalLM": 4,
                     "MixtralForCausalLM": 8, "SmolLM3ForCausalLM": 4, "GptOssForCausalLM": 8,
@@ -146,7 +147,8 @@ DEFAULT_KV_HEADS = {"Qwen2ForCausalLM": 32, "MistralForCausalLM": 8, "Qwen3ForCa
                     "Glm4ForCausalLM": 2, "Glm4MoeForCausalLM": 8, "SeedOssForCausalLM": 8,
                     "MiniMaxM2ForCausalLM": 8, "Llama4ForCausalLM": 8, "Ministral3ForCausalLM": 8,
                     "Exaone4ForCausalLM": 32, "MinistralForCausalLM": 8,
-                    "ExaoneMoeForCausalLM": 32, "CwmForCausalLM": 8, "BambaForCausalLM": 8}
+                    "ExaoneMoeForCausalLM": 32, "CwmForCausalLM": 8, "BambaForCausalLM": 8,
+                    "FalconH1ForCausalLM": 8}
 # their head_dim where config.json names none (else hidden_size / num_attention_heads)
 DEFAULT_HEAD_DIM = {"Qwen3ForCausalLM": 128, "GptOssForCausalLM": 64, "Ernie4_5ForCausalLM": 128, "CwmForCausalLM": 128,
                     "Llama4ForCausalLM": 128, "Ministral3ForCausalLM": 128,

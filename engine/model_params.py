@@ -77,7 +77,8 @@ def count_params(config: Any, heads: int, kv_heads: int, i: int, moe_i: int, v: 
         per_layer += h * q + (q if config.attention_bias else 0)
     mlps = sum(experts if config.is_sparse_layer(layer) else mlp for layer in range(config.num_layers))
     state = None if config.state_shape is None else config.state_shape.per_rank(config.num_heads // heads)
-    linear = 0 if state is None else (config.num_layers - config.num_kv_layers) * (state.num_params(h) + norms * h)
+    linear = 0 if state is None else len(config.stateful_layers) * state.num_params(h) + \
+        (config.num_layers - config.num_kv_layers) * norms * h   # a state layer's norms (Falcon-H1's: its K/V layer's)
     linear += config.mla.indexers_params(h, config.num_layers) if config.mla is not None else 0   # DeepSeek V3.2's
     final = h * (2 if config.architecture == "Jais2ForCausalLM" else 1)   # the final norm (Jais 2's: a bias too)
     head = 0 if config.tie_word_embeddings else v * h

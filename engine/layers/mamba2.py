@@ -15,22 +15,27 @@ from kernels import AttentionMetadata, ssd
 
 class GroupGatedRMSNorm(nn.Module):
     """x times SiLU(gate), then RMS-normed over each of `groups` equal groups of channels, times weight, in
-    transformers' order of roundings (`GraniteMoeHybridRMSNormGated`: the gate first, float32 throughout)."""
+    transformers' order of roundings (`GraniteMoeHybridRMSNormGated`: the gate first, float32 throughout); where not
+    `gate_first`, x normed first and the result times SiLU(gate) (Falcon-H1's `mamba_norm_before_gate`)."""
 
-    def __init__(self, dim: int, groups: int, eps: float, comm: Collectives | None = None, ranks: int = 1) -> None:
+    def __init__(self, dim: int, groups: int, eps: float, comm: Collectives | None = None, ranks: int = 1,
+                 gate_first: bool = True) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
-        self.groups, self.eps = groups, eps
+        self.groups, self.eps, self.gate_first = groups, eps, gate_first
         self.comm, self.ranks = comm or Collectives(), ranks   # ranks: those one group spans (its sums added)
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         # x, gate: [num_tokens, dim] -> in the weight's dtype
-        gated = (x.float() * F.silu(gate.float())).unflatten(-1, (self.groups, -1))
+        gated = (x.float() * F.silu(gate.float()) if self.gate_first else x.float()).unflatten(-1, (self.groups, -1))
         if self.ranks == 1:
             mean = gated.pow(2).mean(-1, keepdim=True)
         else:   # a group spread over the ranks: the mean of its squares over all of them
             mean = self.comm.all_reduce(gated.pow(2).sum(-1, keepdim=True)) / (gated.shape[-1] * self.ranks)
-        return self.weight * (gated * torch.rsqrt(mean + self.eps)).flatten(-2).to(x.dtype)
+        normed = (gated * torch.rsqrt(mean + self.eps)).flatten(-2)
+        if self.gate_first:
+            return self.weight * normed.to(x.dtype)
+        return (self.weight * normed * F.silu(gate.float())).to(x.dtype)   # transformers': float32 until the end
 
 
 class Mamba2Mixer(StateMixer):
@@ -52,8 +57,9 @@ class Mamba2Mixer(StateMixer):
         self.dt_bias = nn.Parameter(torch.empty(s.num_heads))
         self.A_log = nn.Parameter(torch.empty(s.num_heads))
         self.D = nn.Parameter(torch.empty(s.num_heads))
-        self.norm = GroupGatedRMSNorm(inter, s.n_groups, eps, self.comm, s.norm_ranks)
-        self.out_proj = nn.Linear(inter, hidden_size, bias=s.proj_bias)
+        if s.gated_norm != "none":
+            self.norm = GroupGatedRMSNorm(inter, s.n_groups, eps, self.comm, s.norm_ranks, s.gated_norm == "gate_first")
+        self.out_proj = nn.Linear(inter, hidden_size, bias=s.has_out_bias)
 
     def forward(self, hidden: torch.Tensor, meta: AttentionMetadata, states: RecurrentStates) -> torch.Tensor:
         """hidden: [num_tokens, hidden_size], the step's tokens sequence after sequence -> [num_tokens, hidden_size]."""
@@ -61,7 +67,11 @@ class Mamba2Mixer(StateMixer):
         gate, xbc, dt = self.in_proj(hidden).split([s.intermediate_size, s.conv_dim, s.num_heads], dim=-1)
         dt = F.softplus(dt.float() + self.dt_bias.float())
         y = self.scan(xbc, (dt,), meta, states)                                    # [num_tokens, heads, head_dim]
-        return self.comm.all_reduce(self.out_proj(self.norm(y.flatten(1).to(hidden.dtype), gate)))
+        if s.gated_norm == "none":   # Falcon-H1's: in float32, as transformers' scan leaves y
+            y = (y.flatten(1).float() * F.silu(gate.float())).to(hidden.dtype)
+        else:
+            y = self.norm(y.flatten(1).to(hidden.dtype), gate)
+        return self.comm.all_reduce(self.out_proj(y))
 
     def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         s = self.shape

@@ -6,8 +6,9 @@ linear_attention: Qwen3.5's and OLMo Hybrid's Gated DeltaNet, `engine.models.qwe
 RecurrentStates`: each state layer's, by row of the persistent batch) and a forward that hands each attention layer
 its KV cache (the cache holds those layers alone: `ModelConfig.kv_layers`) and each state layer the states. Its
 layers take `(hidden, residual, rope_rows, cache, meta, backend)`, `cache` the one or the other by the layer's
-kind: a layer without `self_attn` is handed the states (Nemotron-H's MLP blocks leave them be). The module path runs
-them (no CPU flat loop).
+kind: a layer without `self_attn` is handed the states (Nemotron-H's MLP blocks leave them be), a `parallel_hybrid`
+one (Falcon-H1's: attention and Mamba-2 side by side) both, as (its K/V, the states). The module path runs them (no
+CPU flat loop).
 """
 
 from __future__ import annotations
@@ -59,8 +60,7 @@ class StatefulForCausalLM(LlamaForCausalLM):
 
     def __init__(self, config: ModelConfig, shard: ShardShape | None = None, comm: Collectives | None = None,
                  ops: ModuleType = fused) -> None:
-        stateful = [layer for layer in range(config.num_layers) if config.is_linear_layer(layer)]
-        self.state_index = {layer: i for i, layer in enumerate(stateful)}
+        self.state_index = {layer: i for i, layer in enumerate(config.stateful_layers)}
         super().__init__(config, shard, comm, ops)
         self.states: RecurrentStates | None = None
 
@@ -96,7 +96,8 @@ class StatefulForCausalLM(LlamaForCausalLM):
                 continue
             if id(attn.rotary_emb) not in rows:
                 rows[id(attn.rotary_emb)] = attn.rotary_emb.rows(positions)
-            hidden, residual = layer(hidden, residual, rows[id(attn.rotary_emb)], next(caches), meta, backend)
+            cache = (next(caches), self.states) if getattr(layer, "parallel_hybrid", False) else next(caches)
+            hidden, residual = layer(hidden, residual, rows[id(attn.rotary_emb)], cache, meta, backend)
         return self.norm(hidden, residual)[0]
 
 

@@ -1840,3 +1840,26 @@ def test_bamba_reads_as_transformers_does():
     for attn in (None, [], [2], "1"):
         with pytest.raises(ConfigError, match="^attn_layer_indices:"):
             ModelConfig.from_hf_config({**small, "attn_layer_indices": attn})
+
+
+def test_falcon_h1_reads_as_transformers_does():
+    """Falcon-H1 (`FalconH1ForCausalLM`, FalconH1Config's defaults): every layer a parallel hybrid of attention (K/V
+    in the cache) and Mamba-2 (128 heads of 8 over mamba_d_ssm 1,024, a state of 256, one group; its state per
+    sequence beside), the gate joining without a norm; the parameter count is transformers' model's, as it is with
+    the gated norm and biased projections. Multipliers other than numbers are refused by name."""
+    hf, cfg = _at_class_defaults("FalconH1Config", {"architectures": ["FalconH1ForCausalLM"]})
+    m = cfg.mamba
+    assert (m.num_heads, m.head_dim, m.d_state, m.n_groups, m.gated_norm) == \
+        (hf.mamba_n_heads, hf.mamba_d_head, hf.mamba_d_state, hf.mamba_n_groups, "none") == (128, 8, 256, 1, "none")
+    assert cfg.kv_layers == cfg.stateful_layers == tuple(range(hf.num_hidden_layers))
+    assert cfg.state_bytes_per_seq(torch.bfloat16) == hf.num_hidden_layers * m.state_bytes(2)
+    assert (cfg.max_position_embeddings, cfg.rms_norm_eps, cfg.num_kv_heads) == \
+        (hf.max_position_embeddings, hf.rms_norm_eps, hf.num_key_value_heads) == (8192, 1e-5, 8)
+    _at_class_defaults("FalconH1Config", {"architectures": ["FalconH1ForCausalLM"], "mamba_rms_norm": True,
+                                          "mamba_proj_bias": True, "projectors_bias": True, "mamba_d_ssm": None})
+    small = {"architectures": ["FalconH1ForCausalLM"], "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "mamba_n_heads": 4,
+             "mamba_d_ssm": 64}
+    for key, value in (("ssm_multipliers", [1.0] * 4), ("mlp_multipliers", ["1", 1]), ("key_multiplier", "2")):
+        with pytest.raises(ConfigError, match=f"^{key}:"):
+            ModelConfig.from_hf_config({**small, key: value})

@@ -110,6 +110,12 @@ QWEN2_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
 DEEPSEEK = dict(num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                 first_k_dense_replace=1, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
                 n_group=2, topk_group=1, num_hidden_layers=3)
+# Falcon-H1: parallel hybrid layers, its muP multipliers each its own value
+FALCON_H1 = dict(num_hidden_layers=3, mamba_n_heads=4, mamba_d_ssm=64, mamba_d_head=16, mamba_d_state=16,
+                 mamba_n_groups=2, mamba_chunk_size=16, attention_in_multiplier=0.8, key_multiplier=1.3,
+                 attention_out_multiplier=0.9, ssm_in_multiplier=1.25, ssm_out_multiplier=0.7,
+                 ssm_multipliers=[0.5, 1.5, 0.75, 1.25, 2.0], mlp_multipliers=[0.6, 1.4], embedding_multiplier=2.0,
+                 lm_head_multiplier=0.5)
 # Youtu-LLM: DeepSeek V3's latent attention (a KV "head" per query head, as YoutuConfig keeps them) and dense MLPs
 YOUTU = dict(num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=8,
              v_head_dim=16)
@@ -344,6 +350,11 @@ TINY_MODELS = [
     ("bamba", {"attn_layer_indices": [1], "num_hidden_layers": 3, "mamba_n_heads": 4, "mamba_d_state": 16,
                "mamba_n_groups": 2, "mamba_chunk_size": 16}),
     ("bamba", {"attn_layer_indices": [0, 1], "head_dim": 32}),
+    # Falcon-H1: Mamba-2 (4 heads of 16, mamba_d_ssm 64; B and C in 2 groups) beside attention on every layer, every
+    # muP multiplier away from 1; then the gated norm (gate first), biased projections and a tied head
+    ("falcon_h1", FALCON_H1),
+    ("falcon_h1", {**FALCON_H1, "mamba_rms_norm": True, "mamba_norm_before_gate": False, "mamba_proj_bias": True,
+                   "projectors_bias": True, "attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True}),
     # Nemotron-H: Mamba-2 blocks (B and C in 2 groups), NoPE attention blocks and squared-ReLU MLP blocks, each its own
     # pre-norm residual step, under `backbone.` names
     ("nemotron_h", {"layers_block_type": ["linear_attention", "mlp", "full_attention", "mlp", "linear_attention",
@@ -485,8 +496,8 @@ def test_tiny_random_models_match_transformers(tmp_path, monkeypatch, builtin_pa
     assert packed == (cpu_linear == "onednn" and torch.backends.mkldnn.is_available())
     gen = torch.Generator().manual_seed(1)
     state = arch in ("qwen3_5", "qwen3_5_moe", "qwen3_next", "nemotron_h", "olmo_hybrid", "lfm2", "lfm2_moe",
-                     "kimi_linear") or \
-        "mamba" in overrides.get("layer_types", ())
+                     "kimi_linear") or "mamba" in overrides.get("layer_types", ()) or \
+        bool(engine.model.config.stateful_layers)
     lengths = (1, 5, 17, 40, 9) + ((100,) if state else ())   # past a state layer's chunk of 64
     prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in lengths]
     outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
