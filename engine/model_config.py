@@ -32,7 +32,8 @@ from engine.multimodal_config import (FLAT_TEXT_CONFIGS, MROPE_TEXT, MULTIMODAL_
 from engine.nemotron_h_config import nemotron_h_config
 from engine.mla_config import MlaShape
 from engine.model_defaults import (DEFAULT_HEAD_DIM, DEFAULT_KV_HEADS, DEFAULT_MAX_POSITIONS, DEFAULT_RMS_NORM_EPS,
-                                   DEFAULT_ROPE_THETA, FAMILY_DEFAULTS, TEXT_DEFAULTS, vl_text_keys)
+                                   DEFAULT_ROPE_THETA, FAMILY_DEFAULTS, TEXT_DEFAULTS, exaone_config,
+                                   vl_text_keys)
 from engine.model_families import LAYER_TYPES, MOE_ROUTERS, family_fields
 from engine.rope_config import RopeScaling
 from engine.weight_formats import weight_format_fields
@@ -55,7 +56,8 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
                            "ExaoneMoeForCausalLM", "Cohere2MoeForCausalLM",
                            "Jais2ForCausalLM", "GraniteSWAForCausalLM", "GraniteMoeForCausalLM",
                            "GraniteMoeSharedForCausalLM", "GraniteMoeSWAForCausalLM", "HYV3ForCausalLM",
-                           "CwmForCausalLM", "YoutuForCausalLM", "BambaForCausalLM", "FalconH1ForCausalLM")
+                           "CwmForCausalLM", "YoutuForCausalLM", "BambaForCausalLM", "FalconH1ForCausalLM",
+                           "ExaoneForCausalLM")
 # their attention bias: q/k/v's, not o_proj's
 QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -367,6 +369,8 @@ class ModelConfig:
         if not isinstance(archs, list) or not archs:
             raise ConfigError("architectures: config.json has no 'architectures' list")
         arch = archs[0]
+        if arch == "ExaoneForCausalLM" or arch == "LlamaForCausalLM" and cfg.get("model_type") == "exaone":
+            cfg, arch = exaone_config(cfg), "ExaoneForCausalLM"   # transformers 5 saves EXAONE 3 as Llama
         quantized = weight_format_fields(cfg, arch)   # how a quantized checkpoint stores its weights
         if isinstance(arch, str) and is_multimodal(arch):
             return cls._from_text_config(cfg, arch)

@@ -129,7 +129,7 @@ DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32_768, "
                          "ApertusForCausalLM": 65_536, "OlmoHybridForCausalLM": 65_536, "Dots1ForCausalLM": 2048,
                          "ArceeForCausalLM": 4096, "CwmForCausalLM": 131_072,
                          "YoutuForCausalLM": 131_072, "BambaForCausalLM": 262_144,
-                         "FalconH1ForCausalLM": 8192}
+                         "FalconH1ForCausalLM": 8192, "ExaoneForCausalLM": 4096}
 # their rms_norm_eps, where it is not 1e-6
 DEFAULT_RMS_NORM_EPS = {"MixtralForCausalLM": 1e-5, "Phi3ForCausalLM": 1e-5, "Olmo2ForCausalLM": 1e-5,
                         "Olmo3ForCausalLM": 1e-5,
@@ -139,7 +139,7 @@ DEFAULT_RMS_NORM_EPS = {"MixtralForCausalLM": 1e-5, "Phi3ForCausalLM": 1e-5, "Ol
                         "Glm4MoeLiteForCausalLM": 1e-5, "Exaone4ForCausalLM": 1e-5, "ExaoneMoeForCausalLM": 1e-5,
                         "HunYuanDenseV1ForCausalLM": 1e-5, "OlmoeForCausalLM": 1e-5, "HunYuanMoEV1ForCausalLM": 1e-5,
                         "ApertusForCausalLM": 1e-5, "ArceeForCausalLM": 1e-5, "CwmForCausalLM": 1e-5,
-                        "BambaForCausalLM": 1e-5, "FalconH1ForCausalLM": 1e-5}
+                        "BambaForCausalLM": 1e-5, "FalconH1ForCausalLM": 1e-5, "ExaoneForCausalLM": 1e-5}
 # their num_key_value_heads where config.json names none (else one per query head)
 DEFAULT_KV_HEADS = {"Qwen2ForCausalLM": 32, "MistralForCausalLM": 8, "Qwen3ForCausalLM": 32, "Qwen3MoeForCausalLM": 4,
                     "MixtralForCausalLM": 8, "SmolLM3ForCausalLM": 4, "GptOssForCausalLM": 8,
@@ -148,7 +148,7 @@ DEFAULT_KV_HEADS = {"Qwen2ForCausalLM": 32, "MistralForCausalLM": 8, "Qwen3ForCa
                     "MiniMaxM2ForCausalLM": 8, "Llama4ForCausalLM": 8, "Ministral3ForCausalLM": 8,
                     "Exaone4ForCausalLM": 32, "MinistralForCausalLM": 8,
                     "ExaoneMoeForCausalLM": 32, "CwmForCausalLM": 8, "BambaForCausalLM": 8,
-                    "FalconH1ForCausalLM": 8}
+                    "FalconH1ForCausalLM": 8, "ExaoneForCausalLM": 8}
 # their head_dim where config.json names none (else hidden_size / num_attention_heads)
 DEFAULT_HEAD_DIM = {"Qwen3ForCausalLM": 128, "GptOssForCausalLM": 64, "Ernie4_5ForCausalLM": 128, "CwmForCausalLM": 128,
                     "Llama4ForCausalLM": 128, "Ministral3ForCausalLM": 128,
@@ -159,7 +159,7 @@ DEFAULT_ROPE_THETA = {"MixtralForCausalLM": 1_000_000.0, "SmolLM3ForCausalLM": 2
                       "Ernie4_5_MoeForCausalLM": 500_000.0,
                       "MiniMaxM2ForCausalLM": 5_000_000.0, "Llama4ForCausalLM": 500_000.0,
                       "Lfm2ForCausalLM": 1_000_000.0, "Lfm2MoeForCausalLM": 1_000_000.0,
-                      "HYV3ForCausalLM": 11_158_840.0}
+                      "HYV3ForCausalLM": 11_158_840.0, "ExaoneForCausalLM": 500_000.0}
 
 
 def vl_text_keys(text: dict[str, Any]) -> dict[str, Any]:
@@ -178,4 +178,19 @@ def vl_text_keys(text: dict[str, Any]) -> dict[str, Any]:
         rope = out.get(key)
         if isinstance(rope, dict) and rope_type(rope) == "mrope":
             out[key] = {**{k: v for k, v in rope.items() if k != "type"}, "rope_type": "default"}
+    return out
+
+
+# EXAONE 3's config.json names of transformers' keys (`ExaoneConfig.attribute_map`)
+EXAONE_KEYS = {"num_layers": "num_hidden_layers", "layer_norm_epsilon": "rms_norm_eps",
+               "activation_function": "hidden_act"}
+
+
+def exaone_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """EXAONE 3.0 / 3.5 / Deep's config.json (`ExaoneForCausalLM`) under transformers' key names, where it does not
+    name those too; an `exaone` config that transformers 5 saved (its `architectures` LlamaForCausalLM) is EXAONE's."""
+    out = {**cfg, "architectures": ["ExaoneForCausalLM"]}
+    for theirs, ours in EXAONE_KEYS.items():
+        if theirs in out and ours not in out:
+            out[ours] = out.pop(theirs)
     return out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import os
 import shutil
 from pathlib import Path
@@ -126,7 +127,8 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
            "granitemoe": transformers.GraniteMoeConfig, "granitemoeshared": transformers.GraniteMoeSharedConfig,
            "granitemoe_swa": transformers.GraniteMoeSWAConfig, "hy_v3": transformers.HYV3Config,
            "cwm": transformers.CwmConfig, "youtu": transformers.YoutuConfig,
-           "bamba": transformers.BambaConfig, "falcon_h1": transformers.FalconH1Config}[arch]
+           "bamba": transformers.BambaConfig, "falcon_h1": transformers.FalconH1Config,
+           "exaone": transformers.ExaoneConfig}[arch]
     config = cls(**common)
     if arch == "mistral4":   # transformers maps Mistral4Config to no causal LM class (only its pretraining one)
         transformers.AutoModelForCausalLM.register(transformers.Mistral4Config, transformers.Mistral4ForCausalLM,
@@ -136,7 +138,7 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
     # transformers starts the biases at zero, which would hide one read wrong; sinks near it
     if arch in ("gpt_oss", "deepseek_v3", "glm4_moe", "ernie4_5_moe", "seed_oss", "glm4_moe_lite", "mistral4",
                 "deepseek_v32", "glm_moe_dsa", "lfm2", "lfm2_moe", "solar_open", "arcee", "mimo_v2_flash", "jais2",
-                "granite_swa", "granitemoe_swa"):
+                "granite_swa", "granitemoe_swa", "falcon_h1"):
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if name.endswith(("bias", "sinks")):   # Jais 2's small: a bias on every norm and projection,
@@ -173,6 +175,12 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
                 if name.endswith(("layer_scalar", "router.scale", "per_expert_scale")):
                     tensor.uniform_(0.5, 1.5)
     model.save_pretrained(folder, max_shard_size="100KB")
+    if arch == "exaone":   # as EXAONE's hub checkpoints write it: their architecture and key names
+        cfg = json.loads((folder / "config.json").read_text())
+        for theirs, ours in (("num_layers", "num_hidden_layers"), ("layer_norm_epsilon", "rms_norm_eps"),
+                             ("activation_function", "hidden_act")):
+            cfg[theirs] = cfg.pop(ours)
+        (folder / "config.json").write_text(json.dumps({**cfg, "architectures": ["ExaoneForCausalLM"]}))
     for name in TOKENIZER_FILES:
         if (builtin / name).exists():
             shutil.copy(builtin / name, folder / name)

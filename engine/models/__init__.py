@@ -57,6 +57,7 @@ from engine.models.glm4 import ExaoneMoeForCausalLM, Glm4ForCausalLM, Glm4MoeFor
 from engine.models.gpt_oss import GptOssForCausalLM
 from engine.models.llama4 import Llama4ForCausalLM
 from engine.models.ministral3 import Ministral3ForCausalLM
+from engine.models.exaone import ExaoneForCausalLM
 from engine.models.falcon_h1 import FalconH1ForCausalLM
 from engine.models.granite import (BambaAttentionForCausalLM, BambaForCausalLM, GraniteForCausalLM,
                                    GraniteHybridForCausalLM, GraniteHybridMoeForCausalLM, GraniteMoeHybridForCausalLM,
@@ -139,7 +140,8 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "GraniteSWAForCausalLM": GraniteSWAForCausalLM,
                                                 "GraniteMoeSWAForCausalLM": GraniteMoeSWAForCausalLM,
                                                 "HYV3ForCausalLM": HYV3ForCausalLM,
-                                                "FalconH1ForCausalLM": FalconH1ForCausalLM}
+                                                "FalconH1ForCausalLM": FalconH1ForCausalLM,
+                                                "ExaoneForCausalLM": ExaoneForCausalLM}
 
 
 def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:

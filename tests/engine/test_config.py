@@ -1863,3 +1863,25 @@ def test_falcon_h1_reads_as_transformers_does():
     for key, value in (("ssm_multipliers", [1.0] * 4), ("mlp_multipliers", ["1", 1]), ("key_multiplier", "2")):
         with pytest.raises(ConfigError, match=f"^{key}:"):
             ModelConfig.from_hf_config({**small, key: value})
+
+
+def test_exaone3_reads_as_transformers_does():
+    """EXAONE 3 (`ExaoneForCausalLM`, ExaoneConfig's defaults: EXAONE-3.0-7.8B's shape): the Llama layer with 8 KV
+    heads and a rope base of 500,000; the parameter count is transformers' model's. Its hub configs' own key names
+    (`num_layers`, `layer_norm_epsilon`, `activation_function`) are read as transformers' (an unsupported activation
+    refused under transformers' name), and a config transformers 5 saved (LlamaForCausalLM, model_type exaone) is
+    EXAONE's, its tensors under EXAONE's names."""
+    hf, cfg = _at_class_defaults("ExaoneConfig", {"architectures": ["ExaoneForCausalLM"]})
+    assert (cfg.num_kv_heads, cfg.rope_theta, cfg.rms_norm_eps, cfg.max_position_embeddings) == \
+        (hf.num_key_value_heads, hf.rope_parameters["rope_theta"], hf.rms_norm_eps, hf.max_position_embeddings) \
+        == (8, 500_000.0, 1e-5, 4096)
+    hub = {"architectures": ["ExaoneForCausalLM"], "model_type": "exaone", "vocab_size": 1000, "hidden_size": 64,
+           "intermediate_size": 128, "num_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "layer_norm_epsilon": 1e-6, "activation_function": "silu"}
+    ours = ModelConfig.from_hf_config(hub)
+    assert (ours.architecture, ours.num_layers, ours.rms_norm_eps) == ("ExaoneForCausalLM", 3, 1e-6)
+    resaved = {**{k: v for k, v in hub.items() if k != "num_layers"}, "num_hidden_layers": 3,
+               "architectures": ["LlamaForCausalLM"]}
+    assert ModelConfig.from_hf_config(resaved).architecture == "ExaoneForCausalLM"
+    with pytest.raises(ConfigError, match="^hidden_act:"):
+        ModelConfig.from_hf_config({**hub, "activation_function": "gelu_new"})

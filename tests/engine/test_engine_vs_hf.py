@@ -291,6 +291,8 @@ TINY_MODELS = [
     # Ministral 3: every query scaled by its position after the rotary; then a window of 8 and one KV head
     # Ministral (2410): Mistral's layer, sliding (a window of 8) and full layers as layer_types says
     ("ministral", dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"], head_dim=16)),
+    # EXAONE 3.5: the Llama layer under EXAONE's tensor and config names, its rope's base 500,000
+    ("exaone", {}),
     # CWM: Llama's layer, each 4th from the first full, the others sliding (a window of 8), Llama 3.1's rope
     ("cwm", dict(sliding_window=8, num_hidden_layers=4, head_dim=16)),
     ("ministral3", MINISTRAL3),
