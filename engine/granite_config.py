@@ -2,7 +2,8 @@
 sliding layers, sinks and per-layer rope bases (`GraniteSWAConfig`), and Granite 4's
 (`GraniteMoeHybridConfig`) without experts: attention layers (Granite-4.0-Micro, -1B, -350M) and Mamba-2 ones beside
 them (Granite-4.0-H-Micro, -H-1B, -H-350M), and experts beside the shared MLP (-H-Tiny, -H-Small); Bamba's
-(`BambaConfig`), attention and Mamba-2 layers as Granite 4's -H models without the scalars."""
+(`BambaConfig`), attention and Mamba-2 layers as Granite 4's -H models without the scalars; HyperCLOVA X's
+(`HyperCLOVAXConfig`), Granite 3's scalars with a norm on each sublayer's output."""
 
 from __future__ import annotations
 
@@ -139,3 +140,13 @@ def bamba_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
     kinds = tuple("full_attention" if i in attn else "linear_attention" for i in range(num_layers))
     fields = {"partial_rotary_factor": 0.5}
     return fields | ({"layer_types": kinds, "mamba": mamba2_shape(cfg)} if "linear_attention" in kinds else {})
+
+
+def hyperclovax_fields(cfg: dict[str, Any], num_layers: int = 0) -> dict[str, Any]:
+    """HyperCLOVA X SEED (`HyperCLOVAXForCausalLM`, transformers' `HyperCLOVAXConfig`): Granite 3's scalars but the
+    logits times `logits_scaling` (not over it: `ModelConfig.logit_scale`) and q.k times `attention_multiplier` only
+    where set (head_dim ** -0.5 otherwise), and a norm on each sublayer's output (`use_post_norm`, on by default)."""
+    fields = granite_fields(cfg)
+    return {**fields, "attention_multiplier": read_float(cfg, "attention_multiplier", None),
+            "logits_scaling": 1.0, "logit_scale": fields["logits_scaling"],
+            "peri_norms": read_bool(cfg, "use_post_norm", True)}

@@ -129,7 +129,8 @@ DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32_768, "
                          "ApertusForCausalLM": 65_536, "OlmoHybridForCausalLM": 65_536, "Dots1ForCausalLM": 2048,
                          "ArceeForCausalLM": 4096, "CwmForCausalLM": 131_072,
                          "YoutuForCausalLM": 131_072, "BambaForCausalLM": 262_144,
-                         "FalconH1ForCausalLM": 8192, "ExaoneForCausalLM": 4096}
+                         "FalconH1ForCausalLM": 8192, "ExaoneForCausalLM": 4096,
+                         "HyperCLOVAXForCausalLM": 2048}
 # their rms_norm_eps, where it is not 1e-6
 DEFAULT_RMS_NORM_EPS = {"MixtralForCausalLM": 1e-5, "Phi3ForCausalLM": 1e-5, "Olmo2ForCausalLM": 1e-5,
                         "Olmo3ForCausalLM": 1e-5,

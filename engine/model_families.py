@@ -16,7 +16,7 @@ from engine.config_values import is_int, read_bool, read_float, read_int, read_o
 from engine.gated_delta_config import HYBRID_FIELDS
 from engine.cohere_moe_config import cohere2_moe_fields
 from engine.mimo_config import mimo_fields
-from engine.granite_config import GRANITE_ARCHITECTURES, bamba_fields, granite_fields
+from engine.granite_config import GRANITE_ARCHITECTURES, bamba_fields, granite_fields, hyperclovax_fields
 from engine.falcon_h1_config import falcon_h1_fields
 from engine.hunyuan_config import HUNYUAN_FIELDS
 from engine.deepseek_config import (DEEPSEEK_TOPK_METHODS, check_silu, deepseek_fields, exaone_moe_experts,
@@ -38,7 +38,8 @@ MOE_ROUTERS = ("softmax", "deepseek_v2", "deepseek_v3", "minimax_m2", "ernie4_5"
 OWN_MODULE_FIELDS: dict[str, Callable[[dict[str, Any], int], dict[str, Any]]] = {"Llama4ForCausalLM": llama4_fields,
     "Gemma4ForCausalLM": gemma4_fields, "Mistral4ForCausalLM": mistral4_fields, **MISTRAL_FIELDS, **HUNYUAN_FIELDS,
     **HYBRID_FIELDS, "MiMoV2FlashForCausalLM": mimo_fields, "Cohere2MoeForCausalLM": cohere2_moe_fields,
-    "YoutuForCausalLM": youtu_fields, "BambaForCausalLM": bamba_fields, "FalconH1ForCausalLM": falcon_h1_fields}
+    "YoutuForCausalLM": youtu_fields, "BambaForCausalLM": bamba_fields, "FalconH1ForCausalLM": falcon_h1_fields,
+    "HyperCLOVAXForCausalLM": hyperclovax_fields}
 
 
 

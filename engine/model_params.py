@@ -65,7 +65,7 @@ def count_params(config: Any, heads: int, kv_heads: int, i: int, moe_i: int, v: 
         experts += 3 * h * shared_i + (h if config.shared_expert_gated else 0)
     if config.moe_router in ("deepseek_v3", "minimax_m2", "ernie4_5", "lfm2", "afmoe"):   # the router's correction bias
         experts += config.num_experts
-    norms = 4 if config.architecture in FOUR_NORMS else 2   # Gemma, GLM-4: on the sublayers' outputs too
+    norms = 4 if config.architecture in FOUR_NORMS or config.peri_norms else 2   # on the sublayers' outputs too
     norms = 1 if config.architecture in COHERE_ARCHITECTURES else norms   # Cohere: one before both sublayers
     norms *= 2 if config.architecture == "Jais2ForCausalLM" else 1   # LayerNorms: a weight and a bias
     # q/k norms: a weight per channel of a head (Cohere: each head its own)

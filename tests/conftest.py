@@ -128,7 +128,7 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
            "granitemoe_swa": transformers.GraniteMoeSWAConfig, "hy_v3": transformers.HYV3Config,
            "cwm": transformers.CwmConfig, "youtu": transformers.YoutuConfig,
            "bamba": transformers.BambaConfig, "falcon_h1": transformers.FalconH1Config,
-           "exaone": transformers.ExaoneConfig}[arch]
+           "exaone": transformers.ExaoneConfig, "hyperclovax": transformers.HyperCLOVAXConfig}[arch]
     config = cls(**common)
     if arch == "mistral4":   # transformers maps Mistral4Config to no causal LM class (only its pretraining one)
         transformers.AutoModelForCausalLM.register(transformers.Mistral4Config, transformers.Mistral4ForCausalLM,
@@ -159,6 +159,11 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if name.endswith(("query_layernorm.weight", "key_layernorm.weight")):
+                    param.normal_(1.0, 0.5)
+    if arch == "hyperclovax":   # every norm its own weights: a norm read into another's place would show
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "norm" in name:
                     param.normal_(1.0, 0.5)
     # the router's correction bias (a buffer; LFM2-MoE's expert bias), and LFM2-MoE's router, which starts at zero
     if arch in ("deepseek_v3", "glm4_moe", "minimax_m2", "glm4_moe_lite", "nemotron_h", "lfm2_moe", "kimi_linear",

@@ -61,7 +61,7 @@ from engine.models.exaone import ExaoneForCausalLM
 from engine.models.falcon_h1 import FalconH1ForCausalLM
 from engine.models.granite import (BambaAttentionForCausalLM, BambaForCausalLM, GraniteForCausalLM,
                                    GraniteHybridForCausalLM, GraniteHybridMoeForCausalLM, GraniteMoeHybridForCausalLM,
-                                   GraniteMoeSWAForCausalLM, GraniteSWAForCausalLM)
+                                   GraniteMoeSWAForCausalLM, GraniteSWAForCausalLM, HyperClovaxForCausalLM)
 from engine.models.hunyuan import HunyuanDenseForCausalLM, HunyuanMoeForCausalLM
 from engine.models.mimo import MimoV2FlashForCausalLM
 from engine.models.minimax_m2 import MiniMaxM2ForCausalLM
@@ -141,7 +141,8 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "GraniteMoeSWAForCausalLM": GraniteMoeSWAForCausalLM,
                                                 "HYV3ForCausalLM": HYV3ForCausalLM,
                                                 "FalconH1ForCausalLM": FalconH1ForCausalLM,
-                                                "ExaoneForCausalLM": ExaoneForCausalLM}
+                                                "ExaoneForCausalLM": ExaoneForCausalLM,
+                                                "HyperCLOVAXForCausalLM": HyperClovaxForCausalLM}
 
 
 def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:

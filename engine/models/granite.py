@@ -11,7 +11,8 @@ gate rows then up rows, read as gate_proj and up_proj; `output_linear` as down_p
 `position_embedding_type: rope` every layer is NoPE (SmolLM3's `NoRope`). Its -H models without experts
 (Granite-4.0-H-Micro, -H-1B, -H-350M) put Mamba-2 layers (`engine.layers.mamba2`) beside the attention ones
 (`GraniteHybridForCausalLM`: the same layer, its token mixer the one or the other, over a state per sequence).
-Bamba (`BambaForCausalLM`) is that model without Granite's scalars, under its own tensor names.
+Bamba (`BambaForCausalLM`) is that model without Granite's scalars, under its own tensor names. HyperCLOVA X SEED
+(`HyperClovaxForCausalLM`) is Granite 3's with a norm on each sublayer's output.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from engine.layers import RopeRows, RotaryEmbedding
+from engine.layers import RMSNorm, RopeRows, RotaryEmbedding
 from engine.layers.gated_delta_net import RecurrentStates
 from engine.layers.mamba2 import Mamba2Mixer
 from engine.model import DecoderLayer, LlamaForCausalLM, WeightLoadError
@@ -34,7 +35,7 @@ from engine.models.smollm3 import NoRope, layer_rotary
 from kernels import AttentionMetadata
 
 __all__ = ["BambaAttentionForCausalLM", "BambaForCausalLM", "GraniteForCausalLM", "GraniteHybridForCausalLM",
-           "GraniteHybridMoeForCausalLM", "GraniteMoeHybridForCausalLM"]
+           "GraniteHybridMoeForCausalLM", "GraniteMoeHybridForCausalLM", "HyperClovaxForCausalLM"]
 
 
 class GraniteDecoderLayer(DecoderLayer):
@@ -239,3 +240,39 @@ class BambaForCausalLM(BambaNames, GraniteHybridForCausalLM):
 
 class BambaAttentionForCausalLM(BambaNames, LlamaForCausalLM):
     """A Bamba config whose every layer is attention: the Llama model under Bamba's names."""
+
+
+class HyperClovaxLayer(GraniteDecoderLayer):
+    """Granite 3's layer with a norm on each sublayer's output (`post_norm1`, `post_norm2`: Peri-LN), before the
+    residual multiplier."""
+
+    def __init__(self, config, shard, comm, rotary_emb, ops: ModuleType, layer: int) -> None:
+        super().__init__(config, shard, comm, rotary_emb, ops, layer)
+        self.post_norm1 = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.post_norm2 = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope_rows: RopeRows,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, backend
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        scale = self.self_attn.config.residual_multiplier
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.post_norm1(self.self_attn(hidden, rope_rows, kv_cache, meta, backend)) * scale
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.post_norm2(self.mlp(hidden)) * scale, residual
+
+
+class HyperClovaxForCausalLM(GraniteForCausalLM):
+    """HyperCLOVA X SEED: Granite 3's model (its scaled embeddings; the logits times `logit_scale`), its layers
+    `HyperClovaxLayer`s where `ModelConfig.peri_norms` (the module path then: the CPU flat loop has no such norms)."""
+
+    def __init__(self, config, *args, **kwargs) -> None:
+        self.supports_flat_forward = not config.peri_norms
+        super().__init__(config, *args, **kwargs)
+
+    def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
+        if not self.config.peri_norms:
+            return super().make_layer(index, ops)
+        return HyperClovaxLayer(self.config, self.shard, self.comm, self.rotary_emb, ops, index)

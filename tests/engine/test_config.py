@@ -1885,3 +1885,16 @@ def test_exaone3_reads_as_transformers_does():
     assert ModelConfig.from_hf_config(resaved).architecture == "ExaoneForCausalLM"
     with pytest.raises(ConfigError, match="^hidden_act:"):
         ModelConfig.from_hf_config({**hub, "activation_function": "gelu_new"})
+
+
+def test_hyperclovax_reads_as_transformers_does():
+    """HyperCLOVA X SEED (`HyperCLOVAXForCausalLM`, HyperCLOVAXConfig's defaults): Granite 3's scalars with the
+    logits multiplied by `logits_scaling` (Granite divides), q.k scaled by head_dim ** -0.5 unless
+    `attention_multiplier` says otherwise, a norm on each sublayer's output unless `use_post_norm` is false; the
+    parameter count is transformers' model's either way."""
+    hf, cfg = _at_class_defaults("HyperCLOVAXConfig", {"architectures": ["HyperCLOVAXForCausalLM"]})
+    assert cfg.peri_norms and cfg.attention_scale == hf.attention_multiplier == hf.head_dim ** -0.5
+    scaled = {"architectures": ["HyperCLOVAXForCausalLM"], "logits_scaling": 0.25, "attention_multiplier": 0.5,
+              "use_post_norm": False}
+    _, plain = _at_class_defaults("HyperCLOVAXConfig", scaled)
+    assert (plain.logit_scale, plain.logits_scaling, plain.attention_scale, plain.peri_norms) == (0.25, 1.0, 0.5, False)

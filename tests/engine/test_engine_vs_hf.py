@@ -293,6 +293,9 @@ TINY_MODELS = [
     ("ministral", dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"], head_dim=16)),
     # EXAONE 3.5: the Llama layer under EXAONE's tensor and config names, its rope's base 500,000
     ("exaone", {}),
+    # HyperCLOVA X SEED: Granite's scalars (the logits multiplied), a norm on each sublayer's output; then without
+    ("hyperclovax", {**GRANITE, "attention_multiplier": None}),
+    ("hyperclovax", {**GRANITE, "use_post_norm": False, "tie_word_embeddings": True}),
     # CWM: Llama's layer, each 4th from the first full, the others sliding (a window of 8), Llama 3.1's rope
     ("cwm", dict(sliding_window=8, num_hidden_layers=4, head_dim=16)),
     ("ministral3", MINISTRAL3),
