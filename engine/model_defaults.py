@@ -130,7 +130,7 @@ DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32_768, "
                          "ArceeForCausalLM": 4096, "CwmForCausalLM": 131_072,
                          "YoutuForCausalLM": 131_072, "BambaForCausalLM": 262_144,
                          "FalconH1ForCausalLM": 8192, "ExaoneForCausalLM": 4096,
-                         "HyperCLOVAXForCausalLM": 2048}
+                         "HyperCLOVAXForCausalLM": 2048, "MellumForCausalLM": 131_072}
 # their rms_norm_eps, where it is not 1e-6
 DEFAULT_RMS_NORM_EPS = {"MixtralForCausalLM": 1e-5, "Phi3ForCausalLM": 1e-5, "Olmo2ForCausalLM": 1e-5,
                         "Olmo3ForCausalLM": 1e-5,
@@ -149,11 +149,15 @@ DEFAULT_KV_HEADS = {"Qwen2ForCausalLM": 32, "MistralForCausalLM": 8, "Qwen3ForCa
                     "MiniMaxM2ForCausalLM": 8, "Llama4ForCausalLM": 8, "Ministral3ForCausalLM": 8,
                     "Exaone4ForCausalLM": 32, "MinistralForCausalLM": 8,
                     "ExaoneMoeForCausalLM": 32, "CwmForCausalLM": 8, "BambaForCausalLM": 8,
-                    "FalconH1ForCausalLM": 8, "ExaoneForCausalLM": 8}
+                    "FalconH1ForCausalLM": 8, "ExaoneForCausalLM": 8, "MellumForCausalLM": 4}
 # their head_dim where config.json names none (else hidden_size / num_attention_heads)
-DEFAULT_HEAD_DIM = {"Qwen3ForCausalLM": 128, "GptOssForCausalLM": 64, "Ernie4_5ForCausalLM": 128, "CwmForCausalLM": 128,
-                    "Llama4ForCausalLM": 128, "Ministral3ForCausalLM": 128,
+DEFAULT_HEAD_DIM = {"Qwen3ForCausalLM": 128, "GptOssForCausalLM": 64, "Ernie4_5ForCausalLM": 128,
+                    "CwmForCausalLM": 128, "MellumForCausalLM": 128, "Llama4ForCausalLM": 128,
+                    "Ministral3ForCausalLM": 128,
                     "Glm4ForCausalLM": 128, "MiniMaxM2ForCausalLM": 128, "SeedOssForCausalLM": 128}
+# MellumConfig's ropes where config.json names none: a base per layer type
+MELLUM_ROPE = {"full_attention": {"rope_type": "default", "rope_theta": 500_000.0},
+               "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}
 # their rope_theta where config.json names none (else 10,000)
 DEFAULT_ROPE_THETA = {"MixtralForCausalLM": 1_000_000.0, "SmolLM3ForCausalLM": 2_000_000.0,
                       "GptOssForCausalLM": 150_000.0, "Ernie4_5ForCausalLM": 500_000.0,

@@ -13,14 +13,16 @@ from typing import Any
 
 from engine.config import ConfigError
 from engine.config_values import is_int, read_bool, read_float, read_int, read_object, rope_type
+from engine.model_defaults import MELLUM_ROPE
+from engine.rope_config import per_type_rope
 from engine.gated_delta_config import HYBRID_FIELDS
 from engine.cohere_moe_config import cohere2_moe_fields
 from engine.mimo_config import mimo_fields
 from engine.granite_config import GRANITE_ARCHITECTURES, bamba_fields, granite_fields, hyperclovax_fields
 from engine.falcon_h1_config import falcon_h1_fields
 from engine.hunyuan_config import HUNYUAN_FIELDS
-from engine.deepseek_config import (DEEPSEEK_TOPK_METHODS, check_silu, deepseek_fields, exaone_moe_experts,
-                                    grouped_experts, hy_v3_fields, mistral4_fields, youtu_fields)
+from engine.deepseek_config import (DEEPSEEK_TOPK_METHODS, check_silu, deepseek_fields, dense_layers,
+                                    exaone_moe_experts, grouped_experts, hy_v3_fields, mistral4_fields, youtu_fields)
 from engine.gemma4_config import MOE_ROUTER as GEMMA4_ROUTER, gemma4_fields
 from engine.llama4_config import MISTRAL_FIELDS, llama4_fields
 
@@ -96,6 +98,8 @@ def family_fields(cfg: dict[str, Any], arch: str, num_layers: int) -> dict[str, 
         return minimax_m2_fields(cfg)
     if arch == "Ernie4_5_MoeForCausalLM":
         return ernie4_5_moe_fields(cfg, num_layers)
+    if arch == "MellumForCausalLM":
+        return mellum_fields(cfg, num_layers)
     return _bias_fields(cfg, arch)
 
 
@@ -123,7 +127,7 @@ def gemma3_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
     (none by default, applied where set, as Gemma 2's). What we do not serve is refused."""
     _check_causal(cfg)
     layer_types = _layer_types(cfg, lambda: _every_nth_full(cfg, num_layers))
-    full_rope, local_theta = _per_type_rope(cfg, "Gemma 3")
+    full_rope, local_theta = per_type_rope(cfg, "Gemma 3")
     scalar = read_float(cfg, "query_pre_attn_scalar", None)
     return {"layer_types": tuple(layer_types), "sliding_window": read_int(cfg, "sliding_window", None), "qk_norm": True,
             "rope_local_theta": local_theta if local_theta is not None else
@@ -140,7 +144,7 @@ def olmo3_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
     3's (`rope_parameters.<type>`, or `rope_theta` with a legacy `rope_scaling` for the full layers; 500,000)."""
     layer_types = _layer_types(cfg, lambda: ["sliding_attention" if (i + 1) % 4 else "full_attention"
                                              for i in range(num_layers)])
-    full_rope, local_theta = _per_type_rope(cfg, "OLMo 3")
+    full_rope, local_theta = per_type_rope(cfg, "OLMo 3")
     top_theta = read_float(cfg, "rope_theta", 500_000.0)
     return {"layer_types": tuple(layer_types), "sliding_window": read_int(cfg, "sliding_window", 4096),
             "rope_local_theta": top_theta if local_theta is None else local_theta,
@@ -161,33 +165,6 @@ def exaone4_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
                                        for i in range(num_layers)])
     return {"qk_norm": True, "sliding_window": window, "layer_types": tuple(kinds),
             "no_rope_layers": tuple(int(kind == "sliding_attention") for kind in kinds)}
-
-
-def _per_type_rope(cfg: dict[str, Any], family: str) -> tuple[tuple[Any, ...], float | None]:
-    """Gemma 3's and OLMo 3's rope per layer type, as transformers 5 writes it or as earlier ones did: (the
-    arguments of RopeScaling.from_hf_config for the full layers' rope, with its scaling:
-    `rope_parameters.full_attention`, or `rope_theta` + `rope_scaling`; the sliding layers' base where
-    `rope_parameters.sliding_attention` names one). The sliding layers' rope is the default one, else refused."""
-    params, local = read_object(cfg, "rope_parameters"), {}
-    # the full layers' yarn takes its own original context, else max_position_embeddings (never the top level's:
-    # transformers moves a legacy rope_scaling into rope_parameters.full_attention too)
-    top = {key: value for key, value in cfg.items() if key != "original_max_position_embeddings"}
-    full_rope: tuple[dict[str, Any], str] = (top, "rope_parameters")
-    full, full_name = cfg.get("rope_scaling"), "rope_scaling"
-    if params is not None and ("full_attention" in params or "sliding_attention" in params):   # per layer type
-        local = read_object(params, "sliding_attention", name="rope_parameters.sliding_attention") or {}
-        full = read_object(params, "full_attention", name=(full_name := "rope_parameters.full_attention"))
-        full_rope = ({**top, "rope_parameters": full}, full_name)
-    elif params:   # transformers reads only the layer types' entries: the rest would be dropped
-        raise ConfigError(f"rope_parameters: {family} takes one entry per layer type (full_attention, "
-                          f"sliding_attention), got {sorted(params)}")
-    if isinstance(full, dict) and full.get("truncate", True) is not True:   # transformers reads it beside the types
-        raise ConfigError(f"{full_name}.truncate: {family}'s yarn is served with truncate true "
-                          f"(transformers reads no layer type's own), got {full['truncate']!r}")
-    if rope_type(local) != "default":
-        raise ConfigError(f"rope_parameters.sliding_attention.rope_type: only 'default' is supported for the "
-                          f"sliding layers, got {rope_type(local)!r}")
-    return full_rope, read_float(local, "rope_theta", None, path="rope_parameters.sliding_attention.")
 
 
 def gemma2_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
@@ -498,3 +475,24 @@ def _layer_types(cfg: dict[str, Any], default: Callable[[], list[str]]) -> list[
     if not isinstance(kinds, list):
         raise ConfigError(f"layer_types: must be a list, one of {', '.join(LAYER_TYPES)} for each layer, got {kinds!r}")
     return kinds
+
+
+def mellum_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """JetBrains' Mellum (`MellumForCausalLM`, transformers' `MellumConfig`): Qwen3-MoE's layers (q/k norms per head;
+    64 experts of 896, the softmax's top 8 renormalised, by default) on every layer but the dense ones
+    `mlp_layer_types` names; `layer_types` (all full by default) with a window of `sliding_window` (1,024) and a
+    rope base per layer type (500,000 full, 10,000 sliding by default; no partial rotary)."""
+    given = {key: value for key, value in cfg.items() if value is not None}
+    experts = qwen3_moe_fields({"num_local_experts": 64, "moe_intermediate_size": 896, "norm_topk_prob": True, **given,
+                                "mlp_only_layers": list(dense_layers(cfg, num_layers, 0)), "decoder_sparse_step": 1},
+                               "Mellum")
+    ropes = read_object(cfg, "rope_parameters") or MELLUM_ROPE
+    for kind, rope in ropes.items():
+        if isinstance(rope, dict) and rope.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ConfigError(f"rope_parameters.{kind}.partial_rotary_factor: Mellum is served turning whole heads, "
+                              f"got {rope['partial_rotary_factor']!r}")
+    full_rope, local_theta = per_type_rope({**cfg, "rope_parameters": ropes}, "Mellum")
+    kinds = _layer_types(cfg, lambda: ["full_attention"] * num_layers)
+    return {**experts, "qk_norm": True, "layer_types": tuple(kinds), "full_rope": full_rope,
+            "rope_local_theta": local_theta,
+            "sliding_window": read_int(cfg, "sliding_window", None) if "sliding_window" in cfg else 1024}

@@ -131,3 +131,30 @@ def _factors(raw: dict[str, Any], key: str, path: str) -> tuple[float, ...]:
             isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in value):
         raise ConfigError(f"{path}{key}: longrope needs a list of positive numbers, got {value!r:.80}")
     return tuple(float(v) for v in value)
+
+
+def per_type_rope(cfg: dict[str, Any], family: str) -> tuple[tuple[Any, ...], float | None]:
+    """Gemma 3's, OLMo 3's and Mellum's rope per layer type, as transformers 5 writes it or as earlier ones did: (the
+    arguments of RopeScaling.from_hf_config for the full layers' rope, with its scaling:
+    `rope_parameters.full_attention`, or `rope_theta` + `rope_scaling`; the sliding layers' base where
+    `rope_parameters.sliding_attention` names one). The sliding layers' rope is the default one, else refused."""
+    params, local = read_object(cfg, "rope_parameters"), {}
+    # the full layers' yarn takes its own original context, else max_position_embeddings (never the top level's:
+    # transformers moves a legacy rope_scaling into rope_parameters.full_attention too)
+    top = {key: value for key, value in cfg.items() if key != "original_max_position_embeddings"}
+    full_rope: tuple[dict[str, Any], str] = (top, "rope_parameters")
+    full, full_name = cfg.get("rope_scaling"), "rope_scaling"
+    if params is not None and ("full_attention" in params or "sliding_attention" in params):   # per layer type
+        local = read_object(params, "sliding_attention", name="rope_parameters.sliding_attention") or {}
+        full = read_object(params, "full_attention", name=(full_name := "rope_parameters.full_attention"))
+        full_rope = ({**top, "rope_parameters": full}, full_name)
+    elif params:   # transformers reads only the layer types' entries: the rest would be dropped
+        raise ConfigError(f"rope_parameters: {family} takes one entry per layer type (full_attention, "
+                          f"sliding_attention), got {sorted(params)}")
+    if isinstance(full, dict) and full.get("truncate", True) is not True:   # transformers reads it beside the types
+        raise ConfigError(f"{full_name}.truncate: {family}'s yarn is served with truncate true "
+                          f"(transformers reads no layer type's own), got {full['truncate']!r}")
+    if rope_type(local) != "default":
+        raise ConfigError(f"rope_parameters.sliding_attention.rope_type: only 'default' is supported for the "
+                          f"sliding layers, got {rope_type(local)!r}")
+    return full_rope, read_float(local, "rope_theta", None, path="rope_parameters.sliding_attention.")

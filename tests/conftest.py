@@ -128,7 +128,8 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
            "granitemoe_swa": transformers.GraniteMoeSWAConfig, "hy_v3": transformers.HYV3Config,
            "cwm": transformers.CwmConfig, "youtu": transformers.YoutuConfig,
            "bamba": transformers.BambaConfig, "falcon_h1": transformers.FalconH1Config,
-           "exaone": transformers.ExaoneConfig, "hyperclovax": transformers.HyperCLOVAXConfig}[arch]
+           "exaone": transformers.ExaoneConfig, "hyperclovax": transformers.HyperCLOVAXConfig,
+           "mellum": transformers.MellumConfig}[arch]
     config = cls(**common)
     if arch == "mistral4":   # transformers maps Mistral4Config to no causal LM class (only its pretraining one)
         transformers.AutoModelForCausalLM.register(transformers.Mistral4Config, transformers.Mistral4ForCausalLM,

@@ -74,7 +74,7 @@ from engine.models.phi3 import Phi3ForCausalLM
 from engine.models.smollm3 import SmolLM3ForCausalLM
 from engine.models.nemotron_h import NemotronHForCausalLM
 from engine.models.qwen3_5 import Qwen3NextForCausalLM, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
-from engine.models.qwen3_moe import Qwen3MoeForCausalLM, SparseMoeBlock
+from engine.models.qwen3_moe import MellumForCausalLM, Qwen3MoeForCausalLM, SparseMoeBlock
 from engine.parallel import Collectives, ShardShape
 from engine.roofline import expert_params
 from kernels.fused import get_fused_ops
@@ -142,7 +142,8 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "HYV3ForCausalLM": HYV3ForCausalLM,
                                                 "FalconH1ForCausalLM": FalconH1ForCausalLM,
                                                 "ExaoneForCausalLM": ExaoneForCausalLM,
-                                                "HyperCLOVAXForCausalLM": HyperClovaxForCausalLM}
+                                                "HyperCLOVAXForCausalLM": HyperClovaxForCausalLM,
+                                                "MellumForCausalLM": MellumForCausalLM}
 
 
 def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:

@@ -46,13 +46,14 @@ from engine.int4_weights import dequantize_int4
 from engine.layers import SiluAndMul
 from engine.model import MLP, LlamaForCausalLM, WeightLoadError
 from engine.model_config import ModelConfig
+from engine.models.gemma3 import sliding_rotary
 from engine.parallel import Collectives, ShardShape
 from kernels.fp8_gemm import FP8_WEIGHT_DTYPE, dequantize_blocks, scale_grid
 from kernels.mxfp4 import MXFP4_GROUP, dequantize_packed
 
 log = logging.getLogger("cliffguard.engine")
 
-__all__ = ["Qwen3MoeForCausalLM", "SparseMoeBlock"]
+__all__ = ["MellumForCausalLM", "Qwen3MoeForCausalLM", "SparseMoeBlock"]
 
 GROUPED_MM = getattr(torch, "_grouped_mm", None)   # torch's grouped matmul (group ends on the device), where built
 
@@ -331,3 +332,16 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
             raise WeightLoadError(f"{hf_name}: shape {tuple(tensor.shape)} does not match the config ({full} along "
                                   f"dimension {dim})")
         return tensor.narrow(dim, rank * size // per, size // per)
+
+
+class MellumForCausalLM(Qwen3MoeForCausalLM):
+    """JetBrains' Mellum: Qwen3-MoE's model whose sliding layers turn by their own rope base (`sliding_rotary`: the
+    first sliding layer makes it), its multi-token-prediction layer (`mtp.`) not read."""
+
+    def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
+        layer = super().make_layer(index, ops)
+        layer.self_attn.rotary_emb = sliding_rotary(self, index, ops)
+        return layer
+
+    def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
+        return () if name.startswith("mtp.") else super().read_tensor(hf_name, name, tensor)

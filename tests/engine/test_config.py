@@ -1898,3 +1898,24 @@ def test_hyperclovax_reads_as_transformers_does():
               "use_post_norm": False}
     _, plain = _at_class_defaults("HyperCLOVAXConfig", scaled)
     assert (plain.logit_scale, plain.logits_scaling, plain.attention_scale, plain.peri_norms) == (0.25, 1.0, 0.5, False)
+
+
+def test_mellum_reads_as_transformers_does():
+    """Mellum (`MellumForCausalLM`, MellumConfig's defaults): Qwen3-MoE's layers with q/k norms, 64 experts of 896 on
+    every layer (8 a token, renormalised), every layer full, the full layers' rope base 500,000 and the sliding
+    layers' 10,000; the parameter count is transformers' model's, with dense layers too. A partial rotary is refused
+    by name."""
+    hf, cfg = _at_class_defaults("MellumConfig", {"architectures": ["MellumForCausalLM"]})
+    assert (cfg.num_experts, cfg.moe_intermediate_size, cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.qk_norm) == \
+        (hf.num_experts, hf.moe_intermediate_size, hf.num_experts_per_tok, True, True) == (64, 896, 8, True, True)
+    assert cfg.layer_types == tuple(hf.layer_types) and cfg.sliding_window == hf.sliding_window == 1024
+    assert (cfg.rope_theta, cfg.rope_local_theta) == (hf.rope_parameters["full_attention"]["rope_theta"],
+                                                      hf.rope_parameters["sliding_attention"]["rope_theta"])
+    kinds = ["dense"] * 2 + ["sparse"] * (hf.num_hidden_layers - 2)
+    _, mixed = _at_class_defaults("MellumConfig", {"architectures": ["MellumForCausalLM"], "mlp_layer_types": kinds})
+    assert mixed.mlp_only_layers == (0, 1)
+    with pytest.raises(ConfigError, match="^rope_parameters.full_attention.partial_rotary_factor:"):
+        ModelConfig.from_hf_config({"architectures": ["MellumForCausalLM"], "vocab_size": 1000, "hidden_size": 64,
+                                    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                    "rope_parameters": {"full_attention": {"rope_theta": 1e4,
+                                                                           "partial_rotary_factor": 0.5}}})

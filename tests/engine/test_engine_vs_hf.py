@@ -296,6 +296,11 @@ TINY_MODELS = [
     # HyperCLOVA X SEED: Granite's scalars (the logits multiplied), a norm on each sublayer's output; then without
     ("hyperclovax", {**GRANITE, "attention_multiplier": None}),
     ("hyperclovax", {**GRANITE, "use_post_norm": False, "tie_word_embeddings": True}),
+    # Mellum: Qwen3-MoE's layers (8 experts of 32, 2 a token) past a dense first one, sliding (a window of 8) and full
+    # layers, each type its rope base
+    ("mellum", dict(num_hidden_layers=3, head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                    sliding_window=8, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                    mlp_layer_types=["dense", "sparse", "sparse"])),
     # CWM: Llama's layer, each 4th from the first full, the others sliding (a window of 8), Llama 3.1's rope
     ("cwm", dict(sliding_window=8, num_hidden_layers=4, head_dim=16)),
     ("ministral3", MINISTRAL3),
