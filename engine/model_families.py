@@ -16,6 +16,7 @@ from engine.config_values import is_int, read_bool, read_float, read_int, read_o
 from engine.model_defaults import MELLUM_ROPE
 from engine.rope_config import per_type_rope
 from engine.gated_delta_config import HYBRID_FIELDS
+from engine.bias_config import bias_fields
 from engine.cohere_moe_config import cohere2_moe_fields
 from engine.mimo_config import mimo_fields
 from engine.granite_config import GRANITE_ARCHITECTURES, bamba_fields, granite_fields, hyperclovax_fields
@@ -100,22 +101,7 @@ def family_fields(cfg: dict[str, Any], arch: str, num_layers: int) -> dict[str, 
         return ernie4_5_moe_fields(cfg, num_layers)
     if arch == "MellumForCausalLM":
         return mellum_fields(cfg, num_layers)
-    return _bias_fields(cfg, arch)
-
-
-def _bias_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
-    """The fields of the Llama-layer families that differ from Llama's by their biases and norms (none for Llama)."""
-    if arch == "Jais2ForCausalLM":   # Jais2Config: LayerNorms (weight and bias), every projection biased by default
-        return {"rms_norm_eps": read_float(cfg, "layer_norm_eps", 1e-5), "mlp_bias": read_bool(cfg, "mlp_bias", True),
-                "attention_bias": read_bool(cfg, "attention_bias", True)}
-    if arch == "SeedOssForCausalLM":   # SeedOssConfig: q/k/v biased by default, o_proj by its own switch
-        return {"attention_bias": read_bool(cfg, "attention_bias", True),
-                "attention_out_bias": read_bool(cfg, "attention_out_bias", False)}
-    if arch == "Ernie4_5ForCausalLM":   # Ernie4_5Config: one switch for every projection's bias, a tied head
-        bias = read_bool(cfg, "use_bias", False)
-        return {"attention_bias": bias, "mlp_bias": bias,
-                "tie_word_embeddings": read_bool(cfg, "tie_word_embeddings", True)}
-    return {}
+    return bias_fields(cfg, arch)
 
 
 def gemma3_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:

@@ -20,6 +20,9 @@ COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM", "Cohere2MoeFo
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma4ForCausalLM")   # four norms, scaled embeds
 FOUR_NORMS = (*GEMMA_ARCHITECTURES, "Glm4ForCausalLM", "AfmoeForCausalLM")   # a norm on each sublayer's output too
 # q and k normed over the whole projection
+# an MLP of up, its activation and down, no gate
+UNGATED_MLP = ("ApertusForCausalLM", "ArceeForCausalLM", "Jais2ForCausalLM", "Starcoder2ForCausalLM")
+LAYER_NORMS = ("Jais2ForCausalLM", "Starcoder2ForCausalLM")   # LayerNorms (a weight and a bias), not RMSNorms
 WIDE_QK_NORM = ("Olmo2ForCausalLM", "Olmo3ForCausalLM", "MiniMaxM2ForCausalLM", "OlmoeForCausalLM",
                 "OlmoHybridForCausalLM")
 
@@ -56,7 +59,7 @@ def count_params(config: Any, heads: int, kv_heads: int, i: int, moe_i: int, v: 
     if config.mla is not None:
         attn = config.mla.num_params(h, heads, config.attention_bias)
     mlp = 3 * h * i + (2 * i + h if config.mlp_bias else 0)
-    if config.architecture in ("ApertusForCausalLM", "ArceeForCausalLM", "Jais2ForCausalLM"):   # no gate
+    if config.architecture in UNGATED_MLP:   # no gate
         mlp = 2 * h * i + (2 if config.architecture == "ApertusForCausalLM" else 0) + (i + h if config.mlp_bias else 0)
     experts = config.num_experts * (3 * h * moe_i + h)   # every expert, and the router
     if config.moe_bias:   # GPT-OSS: each expert's gate/up and down biases, the router's
@@ -67,7 +70,7 @@ def count_params(config: Any, heads: int, kv_heads: int, i: int, moe_i: int, v: 
         experts += config.num_experts
     norms = 4 if config.architecture in FOUR_NORMS or config.peri_norms else 2   # on the sublayers' outputs too
     norms = 1 if config.architecture in COHERE_ARCHITECTURES else norms   # Cohere: one before both sublayers
-    norms *= 2 if config.architecture == "Jais2ForCausalLM" else 1   # LayerNorms: a weight and a bias
+    norms *= 2 if config.architecture in LAYER_NORMS else 1   # LayerNorms: a weight and a bias
     # q/k norms: a weight per channel of a head (Cohere: each head its own)
     qk = (q + kv if config.architecture in COHERE_ARCHITECTURES else 2 * d) if config.qk_norm else 0
     per_layer = attn + norms * h + qk + (heads if config.attention_sinks else 0)
@@ -80,6 +83,6 @@ def count_params(config: Any, heads: int, kv_heads: int, i: int, moe_i: int, v: 
     linear = 0 if state is None else len(config.stateful_layers) * state.num_params(h) + \
         (config.num_layers - config.num_kv_layers) * norms * h   # a state layer's norms (Falcon-H1's: its K/V layer's)
     linear += config.mla.indexers_params(h, config.num_layers) if config.mla is not None else 0   # DeepSeek V3.2's
-    final = h * (2 if config.architecture == "Jais2ForCausalLM" else 1)   # the final norm (Jais 2's: a bias too)
+    final = h * (2 if config.architecture in LAYER_NORMS else 1)   # the final norm (a LayerNorm's: a bias too)
     head = 0 if config.tie_word_embeddings else v * h
     return v * h + config.num_kv_layers * per_layer + linear + mlps + final + head

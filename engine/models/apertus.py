@@ -3,7 +3,8 @@ before the rotary (Qwen3's), its norms under their own names (`attention_layerno
 an MLP without a gate whose activation is xIELU (`XIELU`: two learned slopes a layer, transformers'
 `XIELUActivation` in its Python form). Arcee's AFM (`ArceeForCausalLM`: AFM-4.5B) is the Llama layer with that MLP
 shape, its activation squared ReLU; Inception's Jais 2 (`Jais2ForCausalLM`) is AFM's layer with LayerNorms (a weight
-and a bias) and every projection biased. The module path runs them (the CPU flat loop's MLP is the gated one).
+and a bias) and every projection biased; BigCode's StarCoder2 (`Starcoder2ForCausalLM`) is Jais 2's with GELU-tanh.
+The module path runs them (the CPU flat loop's MLP is the gated one).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from engine.model_config import ModelConfig
 from engine.models.nemotron_h import ReluSquared
 from engine.parallel import Collectives, ShardShape
 
-__all__ = ["ApertusForCausalLM", "ArceeForCausalLM", "Jais2ForCausalLM", "XIELU"]
+__all__ = ["ApertusForCausalLM", "ArceeForCausalLM", "Jais2ForCausalLM", "Starcoder2ForCausalLM", "XIELU"]
 
 
 class XIELU(nn.Module):
@@ -105,3 +106,21 @@ class Jais2ForCausalLM(ArceeForCausalLM):
 
     def make_norm(self, ops: ModuleType) -> nn.Module:
         return BiasLayerNorm(self.config.hidden_size, self.config.rms_norm_eps)
+
+
+class GeluTanh(nn.Module):
+    """GELU's tanh approximation (transformers' `gelu_pytorch_tanh`)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(x, approximate="tanh")
+
+
+class Starcoder2ForCausalLM(Jais2ForCausalLM):
+    """StarCoder2 (see the module docstring): Jais 2's model, its MLP's activation GELU-tanh, its MLP's tensors
+    under their own names (`c_fc`, `c_proj`)."""
+
+    activation = GeluTanh
+
+    def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
+        return super().read_tensor(hf_name, name.replace(".mlp.c_fc.", ".mlp.up_proj.")
+                                   .replace(".mlp.c_proj.", ".mlp.down_proj."), tensor)

@@ -1919,3 +1919,19 @@ def test_mellum_reads_as_transformers_does():
                                     "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
                                     "rope_parameters": {"full_attention": {"rope_theta": 1e4,
                                                                            "partial_rotary_factor": 0.5}}})
+
+
+def test_starcoder2_reads_as_transformers_does():
+    """StarCoder2 (`Starcoder2ForCausalLM`, Starcoder2Config's defaults: starcoder2-7b's shape): LayerNorms of
+    `norm_epsilon`, an ungated GELU-tanh MLP, every projection biased, 2 KV heads, the head tied; the parameter count
+    is transformers' model's, unbiased too. Another activation is refused by name."""
+    hf, cfg = _at_class_defaults("Starcoder2Config", {"architectures": ["Starcoder2ForCausalLM"]})
+    assert (cfg.num_kv_heads, cfg.rms_norm_eps, cfg.hidden_act, cfg.attention_bias, cfg.mlp_bias) == \
+        (hf.num_key_value_heads, hf.norm_epsilon, hf.hidden_act, True, True)
+    assert cfg.tie_word_embeddings and cfg.sliding_window is None and cfg.rope_theta == hf.rope_parameters["rope_theta"]
+    _at_class_defaults("Starcoder2Config", {"architectures": ["Starcoder2ForCausalLM"], "use_bias": False,
+                                            "sliding_window": 4096})
+    with pytest.raises(ConfigError, match="^hidden_act:"):
+        ModelConfig.from_hf_config({"architectures": ["Starcoder2ForCausalLM"], "vocab_size": 1000, "hidden_size": 64,
+                                    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                    "hidden_act": "gelu"})

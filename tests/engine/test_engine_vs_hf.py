@@ -301,6 +301,9 @@ TINY_MODELS = [
     ("mellum", dict(num_hidden_layers=3, head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                     sliding_window=8, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
                     mlp_layer_types=["dense", "sparse", "sparse"])),
+    # StarCoder2: LayerNorms, an ungated GELU-tanh MLP, every projection biased, a window of 8; then unbiased, no window
+    ("starcoder2", {"sliding_window": 8, "norm_epsilon": 1e-5}),
+    ("starcoder2", {"use_bias": False, "tie_word_embeddings": False}),
     # CWM: Llama's layer, each 4th from the first full, the others sliding (a window of 8), Llama 3.1's rope
     ("cwm", dict(sliding_window=8, num_hidden_layers=4, head_dim=16)),
     ("ministral3", MINISTRAL3),

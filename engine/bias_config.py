@@ -1,0 +1,32 @@
+"""The config.json fields of the families whose layer is Llama's but for its biases and norms (StarCoder2, Jais 2,
+Seed-OSS, ERNIE 4.5's dense models), their transformers config classes' names and defaults. What we do not serve is
+refused naming the key."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.config import ConfigError
+from engine.config_values import read_bool, read_float, read_int
+
+
+def bias_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+    """The fields of the Llama-layer families that differ from Llama's by their biases and norms (none for Llama)."""
+    if arch == "Starcoder2ForCausalLM":   # Starcoder2Config: LayerNorms, every projection biased (`use_bias`), tied
+        if cfg.get("hidden_act", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+            raise ConfigError(f"hidden_act: StarCoder2 is served with gelu_pytorch_tanh, got {cfg['hidden_act']!r}")
+        bias = read_bool(cfg, "use_bias", True)
+        return {"rms_norm_eps": read_float(cfg, "norm_epsilon", 1e-5), "mlp_bias": bias, "attention_bias": bias,
+                "sliding_window": read_int(cfg, "sliding_window", None), "hidden_act": "gelu_pytorch_tanh",
+                "tie_word_embeddings": read_bool(cfg, "tie_word_embeddings", True)}
+    if arch == "Jais2ForCausalLM":   # Jais2Config: LayerNorms (weight and bias), every projection biased by default
+        return {"rms_norm_eps": read_float(cfg, "layer_norm_eps", 1e-5), "mlp_bias": read_bool(cfg, "mlp_bias", True),
+                "attention_bias": read_bool(cfg, "attention_bias", True)}
+    if arch == "SeedOssForCausalLM":   # SeedOssConfig: q/k/v biased by default, o_proj by its own switch
+        return {"attention_bias": read_bool(cfg, "attention_bias", True),
+                "attention_out_bias": read_bool(cfg, "attention_out_bias", False)}
+    if arch == "Ernie4_5ForCausalLM":   # Ernie4_5Config: one switch for every projection's bias, a tied head
+        bias = read_bool(cfg, "use_bias", False)
+        return {"attention_bias": bias, "mlp_bias": bias,
+                "tie_word_embeddings": read_bool(cfg, "tie_word_embeddings", True)}
+    return {}
