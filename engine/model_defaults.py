@@ -117,7 +117,8 @@ DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32_768, "
                          "SmolLM3ForCausalLM": 32_768, "GptOssForCausalLM": 131_072, "Qwen2MoeForCausalLM": 32_768,
                          "CohereForCausalLM": 8192, "Cohere2ForCausalLM": 8192, "Ernie4_5ForCausalLM": 131_072,
                          "Ernie4_5_MoeForCausalLM": 131_072, "SeedOssForCausalLM": 524_288,
-                         "Glm4ForCausalLM": 131_072, "DeepseekV2ForCausalLM": 2048, "DeepseekV3ForCausalLM": 4096,
+                         "Glm4ForCausalLM": 131_072, "GlmForCausalLM": 131_072, "DeepseekV2ForCausalLM": 2048,
+                         "DeepseekV3ForCausalLM": 4096,
                          "Glm4MoeForCausalLM": 131_072, "MiniMaxM2ForCausalLM": 196_608,
                          "Gemma2ForCausalLM": 8192, "Gemma3ForCausalLM": 131_072, "Llama4ForCausalLM": 131_072,
                          "Ministral3ForCausalLM": 262_144, "Glm4MoeLiteForCausalLM": 202_752,
@@ -136,7 +137,7 @@ DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32_768, "
 DEFAULT_RMS_NORM_EPS = {"MixtralForCausalLM": 1e-5, "Phi3ForCausalLM": 1e-5, "Olmo2ForCausalLM": 1e-5,
                         "Olmo3ForCausalLM": 1e-5,
                         "GptOssForCausalLM": 1e-5, "Ernie4_5ForCausalLM": 1e-5, "Ernie4_5_MoeForCausalLM": 1e-5,
-                        "Glm4ForCausalLM": 1.5625e-7,
+                        "Glm4ForCausalLM": 1.5625e-7, "GlmForCausalLM": 1.5625e-7,
                         "Glm4MoeForCausalLM": 1e-5, "Llama4ForCausalLM": 1e-5, "Ministral3ForCausalLM": 1e-5,
                         "Glm4MoeLiteForCausalLM": 1e-5, "Exaone4ForCausalLM": 1e-5, "ExaoneMoeForCausalLM": 1e-5,
                         "HunYuanDenseV1ForCausalLM": 1e-5, "OlmoeForCausalLM": 1e-5, "HunYuanMoEV1ForCausalLM": 1e-5,
@@ -146,7 +147,7 @@ DEFAULT_RMS_NORM_EPS = {"MixtralForCausalLM": 1e-5, "Phi3ForCausalLM": 1e-5, "Ol
 DEFAULT_KV_HEADS = {"Qwen2ForCausalLM": 32, "MistralForCausalLM": 8, "Qwen3ForCausalLM": 32, "Qwen3MoeForCausalLM": 4,
                     "MixtralForCausalLM": 8, "SmolLM3ForCausalLM": 4, "GptOssForCausalLM": 8,
                     "Qwen2MoeForCausalLM": 16, "Ernie4_5ForCausalLM": 2, "Ernie4_5_MoeForCausalLM": 4,
-                    "Glm4ForCausalLM": 2, "Glm4MoeForCausalLM": 8, "SeedOssForCausalLM": 8,
+                    "Glm4ForCausalLM": 2, "GlmForCausalLM": 2, "Glm4MoeForCausalLM": 8, "SeedOssForCausalLM": 8,
                     "MiniMaxM2ForCausalLM": 8, "Llama4ForCausalLM": 8, "Ministral3ForCausalLM": 8,
                     "Exaone4ForCausalLM": 32, "MinistralForCausalLM": 8,
                     "ExaoneMoeForCausalLM": 32, "CwmForCausalLM": 8, "BambaForCausalLM": 8,
@@ -156,7 +157,8 @@ DEFAULT_KV_HEADS = {"Qwen2ForCausalLM": 32, "MistralForCausalLM": 8, "Qwen3ForCa
 DEFAULT_HEAD_DIM = {"Qwen3ForCausalLM": 128, "GptOssForCausalLM": 64, "Ernie4_5ForCausalLM": 128,
                     "CwmForCausalLM": 128, "MellumForCausalLM": 128, "Llama4ForCausalLM": 128,
                     "Ministral3ForCausalLM": 128,
-                    "Glm4ForCausalLM": 128, "MiniMaxM2ForCausalLM": 128, "SeedOssForCausalLM": 128}
+                    "Glm4ForCausalLM": 128, "GlmForCausalLM": 128, "MiniMaxM2ForCausalLM": 128,
+                    "SeedOssForCausalLM": 128}
 # MellumConfig's ropes where config.json names none: a base per layer type
 MELLUM_ROPE = {"full_attention": {"rope_type": "default", "rope_theta": 500_000.0},
                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}

@@ -83,7 +83,7 @@ def family_fields(cfg: dict[str, Any], arch: str, num_layers: int) -> dict[str, 
         return gpt_oss_fields(cfg, num_layers)
     if arch in ("CohereForCausalLM", "Cohere2ForCausalLM"):
         return cohere_fields(cfg, arch, num_layers)
-    if arch == "Glm4ForCausalLM":
+    if arch in ("Glm4ForCausalLM", "GlmForCausalLM"):
         return glm4_fields(cfg)
     if arch in DEEPSEEK_TOPK_METHODS:
         return deepseek_fields(cfg, arch)

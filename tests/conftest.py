@@ -129,7 +129,8 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
            "cwm": transformers.CwmConfig, "youtu": transformers.YoutuConfig,
            "bamba": transformers.BambaConfig, "falcon_h1": transformers.FalconH1Config,
            "exaone": transformers.ExaoneConfig, "hyperclovax": transformers.HyperCLOVAXConfig,
-           "mellum": transformers.MellumConfig, "starcoder2": transformers.Starcoder2Config}[arch]
+           "mellum": transformers.MellumConfig, "starcoder2": transformers.Starcoder2Config,
+           "glm": transformers.GlmConfig}[arch]
     config = cls(**common)
     if arch == "mistral4":   # transformers maps Mistral4Config to no causal LM class (only its pretraining one)
         transformers.AutoModelForCausalLM.register(transformers.Mistral4Config, transformers.Mistral4ForCausalLM,
@@ -139,7 +140,7 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
     # transformers starts the biases at zero, which would hide one read wrong; sinks near it
     if arch in ("gpt_oss", "deepseek_v3", "glm4_moe", "ernie4_5_moe", "seed_oss", "glm4_moe_lite", "mistral4",
                 "deepseek_v32", "glm_moe_dsa", "lfm2", "lfm2_moe", "solar_open", "arcee", "mimo_v2_flash", "jais2",
-                "granite_swa", "granitemoe_swa", "falcon_h1", "starcoder2"):
+                "granite_swa", "granitemoe_swa", "falcon_h1", "starcoder2", "glm"):
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if name.endswith(("bias", "sinks")):   # Jais 2's small: a bias on every norm and projection,

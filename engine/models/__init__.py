@@ -53,7 +53,8 @@ from engine.models.deepseek_v32 import DeepseekV32ForCausalLM
 from engine.models.ernie import Ernie45ForCausalLM, Ernie45MoeForCausalLM
 from engine.models.gemma3 import Gemma3ForCausalLM
 from engine.models.gemma4 import Gemma4ForCausalLM
-from engine.models.glm4 import ExaoneMoeForCausalLM, Glm4ForCausalLM, Glm4MoeForCausalLM, HYV3ForCausalLM
+from engine.models.glm4 import (ExaoneMoeForCausalLM, Glm4ForCausalLM, Glm4MoeForCausalLM, GlmForCausalLM,
+                                HYV3ForCausalLM)
 from engine.models.gpt_oss import GptOssForCausalLM
 from engine.models.llama4 import Llama4ForCausalLM
 from engine.models.ministral3 import Ministral3ForCausalLM
@@ -144,7 +145,8 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "ExaoneForCausalLM": ExaoneForCausalLM,
                                                 "HyperCLOVAXForCausalLM": HyperClovaxForCausalLM,
                                                 "MellumForCausalLM": MellumForCausalLM,
-                                                "Starcoder2ForCausalLM": Starcoder2ForCausalLM}
+                                                "Starcoder2ForCausalLM": Starcoder2ForCausalLM,
+                                                "GlmForCausalLM": GlmForCausalLM}
 
 
 def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:

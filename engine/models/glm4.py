@@ -38,7 +38,7 @@ from engine.models.phi3 import Phi3ForCausalLM, partial_rotary_rows
 from engine.models.qwen3_moe import Qwen3MoeForCausalLM
 from engine.models.smollm3 import layer_rotary
 
-__all__ = ["ExaoneMoeForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM", "HYV3ForCausalLM"]
+__all__ = ["ExaoneMoeForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM", "GlmForCausalLM", "HYV3ForCausalLM"]
 
 
 class Glm4DecoderLayer(Gemma3DecoderLayer):
@@ -69,6 +69,11 @@ class Glm4ForCausalLM(InterleavedRotaryWeights, Phi3ForCausalLM):
         the same places (`_NORMS`)."""
         for read, piece in super().read_tensor(hf_name, name, tensor):
             yield ".".join(_NORMS.get(part, part) for part in read.split(".")), piece
+
+
+class GlmForCausalLM(InterleavedRotaryWeights, Phi3ForCausalLM):
+    """GLM-4-9B of 2024 (`GlmForCausalLM`): GLM-4's loading and rotary under the Llama layer (no norms on the
+    sublayers' outputs)."""
 
 
 class Glm4MoeForCausalLM(Qwen3MoeForCausalLM):

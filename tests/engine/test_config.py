@@ -1935,3 +1935,11 @@ def test_starcoder2_reads_as_transformers_does():
         ModelConfig.from_hf_config({"architectures": ["Starcoder2ForCausalLM"], "vocab_size": 1000, "hidden_size": 64,
                                     "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
                                     "hidden_act": "gelu"})
+
+
+def test_glm_reads_as_transformers_does():
+    """GLM-4-9B of 2024 (`GlmForCausalLM`, GlmConfig's defaults): GLM-4's attention (2 KV heads of 128, q/k/v biased,
+    half of each head rotated) under the Llama layer; the parameter count is transformers' model's."""
+    hf, cfg = _at_class_defaults("GlmConfig", {"architectures": ["GlmForCausalLM"]})
+    assert (cfg.num_kv_heads, cfg.head_dim, cfg.rotary_dim, cfg.attention_bias, cfg.o_proj_bias, cfg.rms_norm_eps) == \
+        (hf.num_key_value_heads, hf.head_dim, 64, True, False, hf.rms_norm_eps)

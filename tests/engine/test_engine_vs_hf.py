@@ -240,6 +240,8 @@ TINY_MODELS = [
     # quarter rotated and one KV head
     ("glm4", dict(head_dim=32, pad_token_id=0)),
     ("glm4", dict(partial_rotary_factor=0.25, num_key_value_heads=1, pad_token_id=0)),
+    # GLM-4-9B (2024): GLM-4's rotary, biases and fused gate/up under the Llama layer
+    ("glm", dict(head_dim=32, pad_token_id=0)),
     ("qwen2_moe", QWEN2_MOE),
     ("qwen2_moe", {**QWEN2_MOE, "num_hidden_layers": 3, "mlp_only_layers": [], "norm_topk_prob": True,
                    "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2}),
