@@ -26,6 +26,7 @@ from engine.kimi_linear_config import KdaShape, kimi_linear_config
 from engine.lfm2_config import ShortConvShape, lfm2_config, lfm2_moe_config
 from engine.cohere_moe_config import CohereMoeShape
 from engine.mimo_config import MimoShape
+from engine.laguna_config import LagunaShape
 from engine.model_params import GEMMA_ARCHITECTURES, count_params, float32_params
 from engine.multimodal_config import (FLAT_TEXT_CONFIGS, MROPE_TEXT, MULTIMODAL_ARCHITECTURES, is_multimodal,
                                       text_model)
@@ -58,7 +59,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
                            "GraniteMoeSharedForCausalLM", "GraniteMoeSWAForCausalLM", "HYV3ForCausalLM",
                            "CwmForCausalLM", "YoutuForCausalLM", "BambaForCausalLM", "FalconH1ForCausalLM",
                            "ExaoneForCausalLM", "HyperCLOVAXForCausalLM", "MellumForCausalLM",
-                           "Starcoder2ForCausalLM", "GlmForCausalLM")
+                           "Starcoder2ForCausalLM", "GlmForCausalLM", "LagunaForCausalLM")
 # their attention bias: q/k/v's, not o_proj's
 QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM", "GlmForCausalLM")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -112,6 +113,7 @@ class ModelConfig:
     rope_proportional: bool = False     # Gemma 4's full layers: the turning pairs' frequencies over the whole head
     gemma4: Gemma4Shape | None = None   # Gemma 4: its full layers' own attention shape, per-layer inputs, shared K/V
     mimo: MimoShape | None = None       # MiMo-V2-Flash: its sliding layers' KV heads, its value heads' size and factor
+    laguna: LagunaShape | None = None   # Laguna: each layer's query heads, its output gate, ropes and router cap
     cohere_moe: CohereMoeShape | None = None   # Command A Plus: its norm, its router's scores, its shared experts' join
     no_rope_layers: tuple[int, ...] = ()   # SmolLM3: 1 where a layer rotates q and k, 0 where not (NoPE); (): all do
     layer_rope_thetas: tuple[float, ...] = ()   # Granite SWA: each layer's rope base (0: NoPE); (): the model's

@@ -132,7 +132,7 @@ DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32_768, "
                          "YoutuForCausalLM": 131_072, "BambaForCausalLM": 262_144,
                          "FalconH1ForCausalLM": 8192, "ExaoneForCausalLM": 4096,
                          "HyperCLOVAXForCausalLM": 2048, "MellumForCausalLM": 131_072,
-                         "Starcoder2ForCausalLM": 4096}
+                         "Starcoder2ForCausalLM": 4096, "LagunaForCausalLM": 131_072}
 # their rms_norm_eps, where it is not 1e-6
 DEFAULT_RMS_NORM_EPS = {"MixtralForCausalLM": 1e-5, "Phi3ForCausalLM": 1e-5, "Olmo2ForCausalLM": 1e-5,
                         "Olmo3ForCausalLM": 1e-5,
@@ -152,10 +152,10 @@ DEFAULT_KV_HEADS = {"Qwen2ForCausalLM": 32, "MistralForCausalLM": 8, "Qwen3ForCa
                     "Exaone4ForCausalLM": 32, "MinistralForCausalLM": 8,
                     "ExaoneMoeForCausalLM": 32, "CwmForCausalLM": 8, "BambaForCausalLM": 8,
                     "FalconH1ForCausalLM": 8, "ExaoneForCausalLM": 8, "MellumForCausalLM": 4,
-                    "Starcoder2ForCausalLM": 2}
+                    "Starcoder2ForCausalLM": 2, "LagunaForCausalLM": 8}
 # their head_dim where config.json names none (else hidden_size / num_attention_heads)
 DEFAULT_HEAD_DIM = {"Qwen3ForCausalLM": 128, "GptOssForCausalLM": 64, "Ernie4_5ForCausalLM": 128,
-                    "CwmForCausalLM": 128, "MellumForCausalLM": 128, "Llama4ForCausalLM": 128,
+                    "CwmForCausalLM": 128, "MellumForCausalLM": 128, "Llama4ForCausalLM": 128, "LagunaForCausalLM": 128,
                     "Ministral3ForCausalLM": 128,
                     "Glm4ForCausalLM": 128, "GlmForCausalLM": 128, "MiniMaxM2ForCausalLM": 128,
                     "SeedOssForCausalLM": 128}

@@ -19,6 +19,7 @@ from engine.gated_delta_config import HYBRID_FIELDS
 from engine.bias_config import bias_fields
 from engine.cohere_moe_config import cohere2_moe_fields
 from engine.mimo_config import mimo_fields
+from engine.laguna_config import laguna_fields
 from engine.granite_config import GRANITE_ARCHITECTURES, bamba_fields, granite_fields, hyperclovax_fields
 from engine.falcon_h1_config import falcon_h1_fields
 from engine.hunyuan_config import HUNYUAN_FIELDS
@@ -42,7 +43,7 @@ OWN_MODULE_FIELDS: dict[str, Callable[[dict[str, Any], int], dict[str, Any]]] = 
     "Gemma4ForCausalLM": gemma4_fields, "Mistral4ForCausalLM": mistral4_fields, **MISTRAL_FIELDS, **HUNYUAN_FIELDS,
     **HYBRID_FIELDS, "MiMoV2FlashForCausalLM": mimo_fields, "Cohere2MoeForCausalLM": cohere2_moe_fields,
     "YoutuForCausalLM": youtu_fields, "BambaForCausalLM": bamba_fields, "FalconH1ForCausalLM": falcon_h1_fields,
-    "HyperCLOVAXForCausalLM": hyperclovax_fields}
+    "HyperCLOVAXForCausalLM": hyperclovax_fields, "LagunaForCausalLM": laguna_fields}
 
 
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from engine.gemma4_config import gemma4_params
 from engine.mimo_config import mimo_params
+from engine.laguna_config import laguna_params
 from engine.nemotron_h_config import nemotron_h_params
 
 __all__ = ["COHERE_ARCHITECTURES", "FOUR_NORMS", "GEMMA_ARCHITECTURES", "WIDE_QK_NORM", "count_params",
@@ -52,6 +53,8 @@ def count_params(config: Any, heads: int, kv_heads: int, i: int, moe_i: int, v: 
         return gemma4_params(config, heads, kv_heads, i, moe_i, v)
     if config.mimo is not None:   # two attention shapes, value heads of their own size
         return mimo_params(config, heads, kv_heads, i, moe_i, v)
+    if config.laguna is not None:   # each layer its query heads, an output gate
+        return laguna_params(config, heads, kv_heads, i, moe_i, v, shared_i)
     h, d = config.hidden_size, config.head_dim
     q, kv = heads * d, kv_heads * d
     attn = h * (q + 2 * kv) + q * h

@@ -130,7 +130,7 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
            "bamba": transformers.BambaConfig, "falcon_h1": transformers.FalconH1Config,
            "exaone": transformers.ExaoneConfig, "hyperclovax": transformers.HyperCLOVAXConfig,
            "mellum": transformers.MellumConfig, "starcoder2": transformers.Starcoder2Config,
-           "glm": transformers.GlmConfig}[arch]
+           "glm": transformers.GlmConfig, "laguna": transformers.LagunaConfig}[arch]
     config = cls(**common)
     if arch == "mistral4":   # transformers maps Mistral4Config to no causal LM class (only its pretraining one)
         transformers.AutoModelForCausalLM.register(transformers.Mistral4Config, transformers.Mistral4ForCausalLM,
@@ -140,7 +140,7 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
     # transformers starts the biases at zero, which would hide one read wrong; sinks near it
     if arch in ("gpt_oss", "deepseek_v3", "glm4_moe", "ernie4_5_moe", "seed_oss", "glm4_moe_lite", "mistral4",
                 "deepseek_v32", "glm_moe_dsa", "lfm2", "lfm2_moe", "solar_open", "arcee", "mimo_v2_flash", "jais2",
-                "granite_swa", "granitemoe_swa", "falcon_h1", "starcoder2", "glm"):
+                "granite_swa", "granitemoe_swa", "falcon_h1", "starcoder2", "glm", "laguna"):
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if name.endswith(("bias", "sinks")):   # Jais 2's small: a bias on every norm and projection,
@@ -170,7 +170,7 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
                     param.normal_(1.0, 0.5)
     # the router's correction bias (a buffer; LFM2-MoE's expert bias), and LFM2-MoE's router, which starts at zero
     if arch in ("deepseek_v3", "glm4_moe", "minimax_m2", "glm4_moe_lite", "nemotron_h", "lfm2_moe", "kimi_linear",
-                "dots1", "solar_open", "afmoe", "mimo_v2_flash", "exaone_moe", "hy_v3"):
+                "dots1", "solar_open", "afmoe", "mimo_v2_flash", "exaone_moe", "hy_v3", "laguna"):
         with torch.no_grad():
             for name, tensor in [*model.named_buffers(), *model.named_parameters()]:
                 if name.endswith(("e_score_correction_bias", "feed_forward.expert_bias", "mlp.expert_bias")):

@@ -56,6 +56,7 @@ from engine.models.gemma4 import Gemma4ForCausalLM
 from engine.models.glm4 import (ExaoneMoeForCausalLM, Glm4ForCausalLM, Glm4MoeForCausalLM, GlmForCausalLM,
                                 HYV3ForCausalLM)
 from engine.models.gpt_oss import GptOssForCausalLM
+from engine.models.laguna import LagunaForCausalLM
 from engine.models.llama4 import Llama4ForCausalLM
 from engine.models.ministral3 import Ministral3ForCausalLM
 from engine.models.exaone import ExaoneForCausalLM
@@ -146,7 +147,8 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "HyperCLOVAXForCausalLM": HyperClovaxForCausalLM,
                                                 "MellumForCausalLM": MellumForCausalLM,
                                                 "Starcoder2ForCausalLM": Starcoder2ForCausalLM,
-                                                "GlmForCausalLM": GlmForCausalLM}
+                                                "GlmForCausalLM": GlmForCausalLM,
+                                                "LagunaForCausalLM": LagunaForCausalLM}
 
 
 def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:

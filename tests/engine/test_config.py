@@ -1943,3 +1943,41 @@ def test_glm_reads_as_transformers_does():
     hf, cfg = _at_class_defaults("GlmConfig", {"architectures": ["GlmForCausalLM"]})
     assert (cfg.num_kv_heads, cfg.head_dim, cfg.rotary_dim, cfg.attention_bias, cfg.o_proj_bias, cfg.rms_norm_eps) == \
         (hf.num_key_value_heads, hf.head_dim, 64, True, False, hf.rms_norm_eps)
+
+
+def test_laguna_reads_as_transformers_does():
+    """Laguna (`LagunaForCausalLM`, LagunaConfig's defaults): 48 query heads a layer over 8 KV heads of 128, a gate
+    per head, every layer full (its rotary on half of each head, base 500,000; the sliding layers' whole, 10,000),
+    a dense first layer, then 256 experts of 512 (8 a token) beside a shared expert of 512; the parameter count is
+    transformers' model's, with per-layer heads and gates per channel too. A router weighing the experts' inputs
+    and an unknown gating are refused by name."""
+    bare = {"architectures": ["LagunaForCausalLM"]}
+    hf, cfg = _at_class_defaults("LagunaConfig", bare)
+    assert cfg.laguna.heads == tuple(hf.num_attention_heads_per_layer) and cfg.laguna.gate_per_head
+    assert (cfg.num_kv_heads, cfg.head_dim, cfg.rotary_dim, cfg.laguna.local_rotary_factor) == (8, 128, 64, 1.0)
+    assert (cfg.rope_theta, cfg.rope_local_theta) == (5e5, 1e4) and cfg.mlp_only_layers == (0,)
+    assert (cfg.num_experts, cfg.moe_intermediate_size, cfg.num_experts_per_tok,
+            cfg.shared_expert_intermediate_size) == (256, 512, 8, 512)
+    layers = hf.num_hidden_layers
+    _at_class_defaults("LagunaConfig", {**bare, "gating": "per-element", "attention_bias": True,
+                                        "num_attention_heads_per_layer": [48, 64] * (layers // 2)})
+    small = {**bare, "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
+    for key, value in (("moe_apply_router_weight_on_input", True), ("gating", "per-token"),
+                       ("num_attention_heads_per_layer", [4])):
+        with pytest.raises(ConfigError, match=f"^{key}:"):
+            ModelConfig.from_hf_config({**small, key: value})
+
+
+def test_laguna_layers_the_ranks_cannot_split_are_refused_naming_tensor_parallel_size():
+    """A Laguna layer whose query heads the ranks do not divide is refused before any rank starts, naming the key."""
+    from engine.parallel import check_tensor_parallel
+
+    cfg = ModelConfig.from_hf_config({"architectures": ["LagunaForCausalLM"], "vocab_size": 1000, "hidden_size": 64,
+                                      "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                      "num_key_value_heads": 2, "head_dim": 16, "num_experts": 4,
+                                      "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                      "shared_expert_intermediate_size": 32, "num_attention_heads_per_layer": [4, 6]})
+    check_tensor_parallel(cfg, 2)
+    with pytest.raises(ConfigError, match="^tensor_parallel_size: 4 does not divide the model's 6 attention heads"):
+        check_tensor_parallel(cfg, 4)

@@ -116,6 +116,11 @@ FALCON_H1 = dict(num_hidden_layers=3, mamba_n_heads=4, mamba_d_ssm=64, mamba_d_h
                  attention_out_multiplier=0.9, ssm_in_multiplier=1.25, ssm_out_multiplier=0.7,
                  ssm_multipliers=[0.5, 1.5, 0.75, 1.25, 2.0], mlp_multipliers=[0.6, 1.4], embedding_multiplier=2.0,
                  lm_head_multiplier=0.5)
+# Laguna: three layers, sliding and full
+LAGUNA = dict(num_hidden_layers=3, head_dim=16, num_attention_heads_per_layer=[4, 8, 4], num_experts=8,
+              num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48, sliding_window=8,
+              layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+              moe_router_logit_softcapping=2.0, moe_routed_scaling_factor=1.5)
 # Youtu-LLM: DeepSeek V3's latent attention (a KV "head" per query head, as YoutuConfig keeps them) and dense MLPs
 YOUTU = dict(num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=8,
              v_head_dim=16)
@@ -306,6 +311,12 @@ TINY_MODELS = [
     # StarCoder2: LayerNorms, an ungated GELU-tanh MLP, every projection biased, a window of 8; then unbiased, no window
     ("starcoder2", {"sliding_window": 8, "norm_epsilon": 1e-5}),
     ("starcoder2", {"use_bias": False, "tie_word_embeddings": False}),
+    # Laguna: each layer its query heads (4, then 8), q/k norms, a softplus gate per head, the full layers' rotary on
+    # half of each head and the sliding layers' (a window of 8) on all; past a dense first layer 8 experts of 32 (2
+    # a token) by a soft-capped sigmoid router beside a shared expert; then a gate per channel, no cap
+    ("laguna", LAGUNA),
+    ("laguna", {**LAGUNA, "gating": "per-element", "moe_router_logit_softcapping": 0.0, "attention_bias": True,
+                "num_attention_heads_per_layer": [8, 4, 4]}),
     # CWM: Llama's layer, each 4th from the first full, the others sliding (a window of 8), Llama 3.1's rope
     ("cwm", dict(sliding_window=8, num_hidden_layers=4, head_dim=16)),
     ("ministral3", MINISTRAL3),

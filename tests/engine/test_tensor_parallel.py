@@ -63,6 +63,8 @@ def _hf(arch: str, **extra) -> ModelConfig:
     _hf("Qwen3NextForCausalLM", num_hidden_layers=4, linear_num_key_heads=8, linear_num_value_heads=16,
         linear_key_head_dim=8, linear_value_head_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
         shared_expert_intermediate_size=16, mlp_only_layers=[1]),
+    _hf("LagunaForCausalLM", num_hidden_layers=3, num_attention_heads_per_layer=[8, 16, 8], num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=16, attention_bias=True),
 ], ids=lambda c: c.architecture)
 def test_the_capacity_plans_count_of_a_ranks_weights_is_what_the_rank_builds(config):
     """ShardShape.num_params: what the plan sets aside on each GPU for the weights is what the
@@ -291,6 +293,12 @@ QWEN3 = {"head_dim": 32, "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
     ("bamba", {"attn_layer_indices": [1], "num_hidden_layers": 3, "mamba_n_heads": 4, "mamba_d_state": 16,
                "mamba_n_groups": 2}, None),
     ("starcoder2", {"sliding_window": 8}, None),
+    ("laguna", {"num_hidden_layers": 3, "head_dim": 16, "num_attention_heads_per_layer": [4, 8, 4], "num_experts": 8,
+                "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
+                "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+                "moe_router_logit_softcapping": 2.0}, None),
+    ("laguna", {"num_hidden_layers": 2, "head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2,
+                "moe_intermediate_size": 32, "gating": "per-element"}, None),
     ("mellum", {"num_hidden_layers": 3, "head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2,
                 "moe_intermediate_size": 32, "sliding_window": 8, "mlp_layer_types": ["dense", "sparse", "sparse"],
                 "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}, None),
