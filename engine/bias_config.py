@@ -1,6 +1,6 @@
-"""The config.json fields of the families whose layer is Llama's but for its biases and norms (StarCoder2, Jais 2,
-Seed-OSS, ERNIE 4.5's dense models), their transformers config classes' names and defaults. What we do not serve is
-refused naming the key."""
+"""The config.json fields of the families whose layer is Llama's but for its biases and norms (StarCoder2, Nemotron,
+Jais 2, Seed-OSS, ERNIE 4.5's dense models), their transformers config classes' names and defaults. What we do not
+serve is refused naming the key."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Any
 
 from engine.config import ConfigError
 from engine.config_values import read_bool, read_float, read_int
+from engine.rope_config import partial_rotary_factor
 
 
 def bias_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
@@ -19,6 +20,11 @@ def bias_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
         return {"rms_norm_eps": read_float(cfg, "norm_epsilon", 1e-5), "mlp_bias": bias, "attention_bias": bias,
                 "sliding_window": read_int(cfg, "sliding_window", None), "hidden_act": "gelu_pytorch_tanh",
                 "tie_word_embeddings": read_bool(cfg, "tie_word_embeddings", True)}
+    if arch == "NemotronForCausalLM":   # NemotronConfig: LayerNorms of weight + 1, squared ReLU, half a head turned
+        if cfg.get("hidden_act", "relu2") != "relu2":
+            raise ConfigError(f"hidden_act: Nemotron is served with relu2, got {cfg['hidden_act']!r}")
+        return {"rms_norm_eps": read_float(cfg, "norm_eps", 1e-5), "hidden_act": "relu2",
+                "partial_rotary_factor": partial_rotary_factor(cfg, 0.5)}
     if arch == "Jais2ForCausalLM":   # Jais2Config: LayerNorms (weight and bias), every projection biased by default
         return {"rms_norm_eps": read_float(cfg, "layer_norm_eps", 1e-5), "mlp_bias": read_bool(cfg, "mlp_bias", True),
                 "attention_bias": read_bool(cfg, "attention_bias", True)}

@@ -59,7 +59,8 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
                            "GraniteMoeSharedForCausalLM", "GraniteMoeSWAForCausalLM", "HYV3ForCausalLM",
                            "CwmForCausalLM", "YoutuForCausalLM", "BambaForCausalLM", "FalconH1ForCausalLM",
                            "ExaoneForCausalLM", "HyperCLOVAXForCausalLM", "MellumForCausalLM",
-                           "Starcoder2ForCausalLM", "GlmForCausalLM", "LagunaForCausalLM")
+                           "Starcoder2ForCausalLM", "GlmForCausalLM", "LagunaForCausalLM",
+                           "NemotronForCausalLM")
 # their attention bias: q/k/v's, not o_proj's
 QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM", "GlmForCausalLM")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -168,7 +169,8 @@ class ModelConfig:
                 raise ConfigError(f"rope_scaling.{key}: longrope needs one factor a rotary frequency "
                                   f"({self.rotary_dim // 2}), got {len(getattr(self.rope_scaling, key))}")
         if self.hidden_act not in SUPPORTED_ACTIVATIONS and (self.hidden_act, self.architecture) not in (
-                ("xielu", "ApertusForCausalLM"), ("relu2", "ArceeForCausalLM"), ("relu2", "Jais2ForCausalLM")):
+                ("xielu", "ApertusForCausalLM"), ("relu2", "ArceeForCausalLM"), ("relu2", "Jais2ForCausalLM"),
+                ("relu2", "NemotronForCausalLM")):
             raise ConfigError(f"hidden_act: unsupported {self.hidden_act!r}; supported: {', '.join(SUPPORTED_ACTIVATIONS)}")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ConfigError(f"sliding_window: must be positive, got {self.sliding_window}")

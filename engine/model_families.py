@@ -14,7 +14,7 @@ from typing import Any
 from engine.config import ConfigError
 from engine.config_values import is_int, read_bool, read_float, read_int, read_object, rope_type
 from engine.model_defaults import MELLUM_ROPE
-from engine.rope_config import per_type_rope
+from engine.rope_config import partial_rotary_factor, per_type_rope
 from engine.gated_delta_config import HYBRID_FIELDS
 from engine.bias_config import bias_fields
 from engine.cohere_moe_config import cohere2_moe_fields
@@ -234,14 +234,7 @@ def phi3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
             raise ConfigError(f"{key}.rope_type: Phi-3 reads {rope_type(rope)!r} as 'longrope' (its factors' "
                               "meaning): write rope_type 'longrope' to serve it")
     return {"sliding_window": read_int(cfg, "sliding_window", None),
-            "partial_rotary_factor": _partial_rotary_factor(cfg, 1.0)}
-
-
-def _partial_rotary_factor(cfg: dict[str, Any], default: float) -> float:
-    """The share of each head the rotary turns, as Phi-3's and GLM's config classes read it: the rope's parameters'
-    `partial_rotary_factor` (`rope_parameters`, else `rope_scaling`), else the top level's, else `default`."""
-    rope = read_object(cfg, "rope_parameters") or read_object(cfg, "rope_scaling") or {}
-    return read_float(rope, "partial_rotary_factor", read_float(cfg, "partial_rotary_factor", default))
+            "partial_rotary_factor": partial_rotary_factor(cfg, 1.0)}
 
 
 def smollm3_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
@@ -313,7 +306,7 @@ def glm4_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     """GLM-4's fields (transformers' `Glm4Config` names and defaults): half of each head rotated
     (`partial_rotary_factor`, at the top level or in the rope's parameters; 0.5 by default), q/k/v biases
     (`attention_bias`, on by default)."""
-    return {"partial_rotary_factor": _partial_rotary_factor(cfg, 0.5),
+    return {"partial_rotary_factor": partial_rotary_factor(cfg, 0.5),
             "attention_bias": read_bool(cfg, "attention_bias", True)}
 
 
@@ -323,7 +316,7 @@ def glm4_moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     DeepSeek V3's experts (`grouped_experts`: 128 of 1408, 8 a token from one group, renormalised, the first layer
     dense, one shared expert)."""
     check_silu(cfg, "GLM-4.5")
-    factor = _partial_rotary_factor(cfg, 0.5)
+    factor = partial_rotary_factor(cfg, 0.5)
     defaults = dict(n_routed_experts=128, moe_intermediate_size=1408, num_experts_per_tok=8, n_group=1, topk_group=1,
                     norm_topk_prob=True, first_k_dense_replace=1, routed_scaling_factor=1.0, n_shared_experts=1)
     return {"partial_rotary_factor": factor, "qk_norm": read_bool(cfg, "use_qk_norm", False),

@@ -22,8 +22,10 @@ GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma4ForCausa
 FOUR_NORMS = (*GEMMA_ARCHITECTURES, "Glm4ForCausalLM", "AfmoeForCausalLM")   # a norm on each sublayer's output too
 # q and k normed over the whole projection
 # an MLP of up, its activation and down, no gate
-UNGATED_MLP = ("ApertusForCausalLM", "ArceeForCausalLM", "Jais2ForCausalLM", "Starcoder2ForCausalLM")
-LAYER_NORMS = ("Jais2ForCausalLM", "Starcoder2ForCausalLM")   # LayerNorms (a weight and a bias), not RMSNorms
+UNGATED_MLP = ("ApertusForCausalLM", "ArceeForCausalLM", "Jais2ForCausalLM", "Starcoder2ForCausalLM",
+               "NemotronForCausalLM")
+# LayerNorms (a weight and a bias), not RMSNorms
+LAYER_NORMS = ("Jais2ForCausalLM", "Starcoder2ForCausalLM", "NemotronForCausalLM")
 WIDE_QK_NORM = ("Olmo2ForCausalLM", "Olmo3ForCausalLM", "MiniMaxM2ForCausalLM", "OlmoeForCausalLM",
                 "OlmoHybridForCausalLM")
 

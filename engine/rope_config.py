@@ -158,3 +158,11 @@ def per_type_rope(cfg: dict[str, Any], family: str) -> tuple[tuple[Any, ...], fl
         raise ConfigError(f"rope_parameters.sliding_attention.rope_type: only 'default' is supported for the "
                           f"sliding layers, got {rope_type(local)!r}")
     return full_rope, read_float(local, "rope_theta", None, path="rope_parameters.sliding_attention.")
+
+
+def partial_rotary_factor(cfg: dict[str, Any], default: float) -> float:
+    """The share of each head the rotary turns, as Phi-3's, GLM's and Nemotron's config classes read it: the rope's
+    parameters' `partial_rotary_factor` (`rope_parameters`, else `rope_scaling`), else the top level's, else
+    `default`."""
+    rope = read_object(cfg, "rope_parameters") or read_object(cfg, "rope_scaling") or {}
+    return read_float(rope, "partial_rotary_factor", read_float(cfg, "partial_rotary_factor", default))

@@ -46,7 +46,8 @@ from engine.layers.fp8_linear import Fp8Experts, Fp8Linear, swap_fp8_linears
 from engine.layers.int4_linear import Int4Linear, swap_int4_linears
 from engine.model import LlamaForCausalLM
 from engine.models.afmoe import AfmoeForCausalLM
-from engine.models.apertus import ApertusForCausalLM, ArceeForCausalLM, Jais2ForCausalLM, Starcoder2ForCausalLM
+from engine.models.apertus import (ApertusForCausalLM, ArceeForCausalLM, Jais2ForCausalLM, NemotronForCausalLM,
+                                   Starcoder2ForCausalLM)
 from engine.models.cohere import Cohere2MoeForCausalLM, CohereForCausalLM
 from engine.models.deepseek import DeepseekForCausalLM
 from engine.models.deepseek_v32 import DeepseekV32ForCausalLM
@@ -148,7 +149,8 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "MellumForCausalLM": MellumForCausalLM,
                                                 "Starcoder2ForCausalLM": Starcoder2ForCausalLM,
                                                 "GlmForCausalLM": GlmForCausalLM,
-                                                "LagunaForCausalLM": LagunaForCausalLM}
+                                                "LagunaForCausalLM": LagunaForCausalLM,
+                                                "NemotronForCausalLM": NemotronForCausalLM}
 
 
 def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:

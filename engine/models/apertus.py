@@ -3,7 +3,8 @@ before the rotary (Qwen3's), its norms under their own names (`attention_layerno
 an MLP without a gate whose activation is xIELU (`XIELU`: two learned slopes a layer, transformers'
 `XIELUActivation` in its Python form). Arcee's AFM (`ArceeForCausalLM`: AFM-4.5B) is the Llama layer with that MLP
 shape, its activation squared ReLU; Inception's Jais 2 (`Jais2ForCausalLM`) is AFM's layer with LayerNorms (a weight
-and a bias) and every projection biased; BigCode's StarCoder2 (`Starcoder2ForCausalLM`) is Jais 2's with GELU-tanh.
+and a bias) and every projection biased; BigCode's StarCoder2 (`Starcoder2ForCausalLM`) is Jais 2's with GELU-tanh,
+NVIDIA's Nemotron (`NemotronForCausalLM`) Jais 2's with LayerNorms of weight + 1 and a partial rotary.
 The module path runs them (the CPU flat loop's MLP is the gated one).
 """
 
@@ -20,9 +21,11 @@ from engine.layers import BiasLayerNorm
 from engine.model import DecoderLayer, LlamaForCausalLM, WeightLoadError
 from engine.model_config import ModelConfig
 from engine.models.nemotron_h import ReluSquared
+from engine.models.phi3 import partial_rotary_rows
 from engine.parallel import Collectives, ShardShape
 
-__all__ = ["ApertusForCausalLM", "ArceeForCausalLM", "Jais2ForCausalLM", "Starcoder2ForCausalLM", "XIELU"]
+__all__ = ["ApertusForCausalLM", "ArceeForCausalLM", "Jais2ForCausalLM", "NemotronForCausalLM", "Starcoder2ForCausalLM",
+           "XIELU"]
 
 
 class XIELU(nn.Module):
@@ -124,3 +127,14 @@ class Starcoder2ForCausalLM(Jais2ForCausalLM):
     def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
         return super().read_tensor(hf_name, name.replace(".mlp.c_fc.", ".mlp.up_proj.")
                                    .replace(".mlp.c_proj.", ".mlp.down_proj."), tensor)
+
+
+class NemotronForCausalLM(Jais2ForCausalLM):
+    """Nemotron (Nemotron-4, Minitron; see the module docstring): Jais 2's model whose LayerNorms scale by weight + 1
+    (the stored weight plus one, as read: transformers adds it in the weight's dtype too), the first
+    `partial_rotary_factor` of each head turned with rotate-half pairs (q/k rows reordered as read)."""
+
+    def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
+        if name.endswith(("layernorm.weight", "norm.weight")):
+            tensor = tensor + 1.0
+        return super().read_tensor(hf_name, name, partial_rotary_rows(self.config, name, tensor))

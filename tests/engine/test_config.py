@@ -1981,3 +1981,22 @@ def test_laguna_layers_the_ranks_cannot_split_are_refused_naming_tensor_parallel
     check_tensor_parallel(cfg, 2)
     with pytest.raises(ConfigError, match="^tensor_parallel_size: 4 does not divide the model's 6 attention heads"):
         check_tensor_parallel(cfg, 4)
+
+
+def test_nemotron_reads_as_transformers_does():
+    """Nemotron (`NemotronForCausalLM`, NemotronConfig's defaults: Nemotron-4 15B's shape): LayerNorms of
+    `norm_eps`, an ungated squared-ReLU MLP, half of each head rotated, a KV head per query head by default; the
+    parameter count is transformers' model's (with 8 KV heads: transformers builds none at its default of null),
+    biased too. Another activation is refused by name."""
+    bare = {"architectures": ["NemotronForCausalLM"], "num_key_value_heads": 8}
+    hf, cfg = _at_class_defaults("NemotronConfig", bare)
+    assert (cfg.hidden_act, cfg.rms_norm_eps, cfg.num_kv_heads, cfg.rotary_dim) == \
+        ("relu2", hf.norm_eps, 8, hf.hidden_size // hf.num_attention_heads // 2)
+    _at_class_defaults("NemotronConfig", {**bare, "attention_bias": True, "mlp_bias": True})
+    with pytest.raises(ConfigError, match="^hidden_act:"):
+        ModelConfig.from_hf_config({"architectures": ["NemotronForCausalLM"], "vocab_size": 1000, "hidden_size": 64,
+                                    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                    "hidden_act": "silu"})
+    assert ModelConfig.from_hf_config({"architectures": ["NemotronForCausalLM"], "vocab_size": 1000, "hidden_size": 64,
+                                       "intermediate_size": 128, "num_hidden_layers": 2,
+                                       "num_attention_heads": 4}).num_kv_heads == 4

@@ -317,6 +317,9 @@ TINY_MODELS = [
     ("laguna", LAGUNA),
     ("laguna", {**LAGUNA, "gating": "per-element", "moe_router_logit_softcapping": 0.0, "attention_bias": True,
                 "num_attention_heads_per_layer": [8, 4, 4]}),
+    # Nemotron: LayerNorms of weight + 1, an ungated squared-ReLU MLP, half of each head rotated; then biased
+    ("nemotron", {}),
+    ("nemotron", {"attention_bias": True, "mlp_bias": True, "partial_rotary_factor": 0.25, "head_dim": 32}),
     # CWM: Llama's layer, each 4th from the first full, the others sliding (a window of 8), Llama 3.1's rope
     ("cwm", dict(sliding_window=8, num_hidden_layers=4, head_dim=16)),
     ("ministral3", MINISTRAL3),
