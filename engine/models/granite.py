@@ -39,7 +39,8 @@ __all__ = ["BambaAttentionForCausalLM", "BambaForCausalLM", "GraniteForCausalLM"
 
 
 class GraniteDecoderLayer(DecoderLayer):
-    """The Llama block, each sublayer's output scaled by `residual_multiplier` before the residual add."""
+    """The Llama block, each sublayer's output scaled by `residual_multiplier` before the residual add (normed first
+    where a subclass norms it: `output_norm`)."""
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope_rows: RopeRows,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, backend
@@ -49,9 +50,13 @@ class GraniteDecoderLayer(DecoderLayer):
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, rope_rows, kv_cache, meta, backend) * scale
+        hidden = self.output_norm(1, self.self_attn(hidden, rope_rows, kv_cache, meta, backend)) * scale
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden) * scale, residual
+        return self.output_norm(2, self.mlp(hidden)) * scale, residual
+
+    def output_norm(self, sublayer: int, out: torch.Tensor) -> torch.Tensor:
+        """Sublayer `sublayer`'s (1: attention, 2: MLP) output as it joins the stream: itself."""
+        return out
 
 
 class GraniteForCausalLM(LlamaForCausalLM):
@@ -251,17 +256,8 @@ class HyperClovaxLayer(GraniteDecoderLayer):
         self.post_norm1 = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.post_norm2 = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope_rows: RopeRows,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, backend
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        scale = self.self_attn.config.residual_multiplier
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.post_norm1(self.self_attn(hidden, rope_rows, kv_cache, meta, backend)) * scale
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.post_norm2(self.mlp(hidden)) * scale, residual
+    def output_norm(self, sublayer: int, out: torch.Tensor) -> torch.Tensor:
+        return (self.post_norm1 if sublayer == 1 else self.post_norm2)(out)
 
 
 class HyperClovaxForCausalLM(GraniteForCausalLM):
