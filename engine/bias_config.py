@@ -1,6 +1,6 @@
 """The config.json fields of the families whose layer is Llama's but for its biases and norms (StarCoder2, Nemotron,
-Jais 2, Seed-OSS, ERNIE 4.5's dense models), their transformers config classes' names and defaults. What we do not
-serve is refused naming the key."""
+StableLM, Jais 2, Seed-OSS, ERNIE 4.5's dense models), their transformers config classes' names and defaults. What we
+do not serve is refused naming the key."""
 
 from __future__ import annotations
 
@@ -25,6 +25,13 @@ def bias_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
             raise ConfigError(f"hidden_act: Nemotron is served with relu2, got {cfg['hidden_act']!r}")
         return {"rms_norm_eps": read_float(cfg, "norm_eps", 1e-5), "hidden_act": "relu2",
                 "partial_rotary_factor": partial_rotary_factor(cfg, 0.5)}
+    if arch == "StableLmForCausalLM":   # StableLmConfig: LayerNorms, q/k/v biases, a quarter of a head turned
+        return {"rms_norm_eps": read_float(cfg, "layer_norm_eps", 1e-5),   # heads of hidden / heads, whatever
+                "head_dim": read_int(cfg, "hidden_size") // read_int(cfg, "num_attention_heads"),   # head_dim says
+                "attention_bias": read_bool(cfg, "use_qkv_bias", False),
+                "qk_norm": read_bool(cfg, "qk_layernorm", False),
+                "parallel_residual": read_bool(cfg, "use_parallel_residual", False),
+                "partial_rotary_factor": partial_rotary_factor(cfg, 0.25)}
     if arch == "Jais2ForCausalLM":   # Jais2Config: LayerNorms (weight and bias), every projection biased by default
         return {"rms_norm_eps": read_float(cfg, "layer_norm_eps", 1e-5), "mlp_bias": read_bool(cfg, "mlp_bias", True),
                 "attention_bias": read_bool(cfg, "attention_bias", True)}

@@ -60,9 +60,10 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
                            "CwmForCausalLM", "YoutuForCausalLM", "BambaForCausalLM", "FalconH1ForCausalLM",
                            "ExaoneForCausalLM", "HyperCLOVAXForCausalLM", "MellumForCausalLM",
                            "Starcoder2ForCausalLM", "GlmForCausalLM", "LagunaForCausalLM",
-                           "NemotronForCausalLM")
+                           "NemotronForCausalLM", "StableLmForCausalLM")
 # their attention bias: q/k/v's, not o_proj's
-QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM", "GlmForCausalLM")
+QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM", "GlmForCausalLM",
+                 "StableLmForCausalLM")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 @dataclass(frozen=True)
 class ModelConfig:
@@ -110,6 +111,7 @@ class ModelConfig:
     logits_scaling: float = 1.0         # Granite: the logits are divided by it
     logit_scale: float = 1.0            # Cohere: the logits are multiplied by it
     peri_norms: bool = False            # HyperCLOVA X: a norm on each sublayer's output before the residual add
+    parallel_residual: bool = False     # StableLM 2 12B: attention and MLP side by side off one norm (Cohere's)
     partial_rotary_factor: float = 1.0  # GLM-4: the share of each head the rotary turns (the default rope only)
     rope_proportional: bool = False     # Gemma 4's full layers: the turning pairs' frequencies over the whole head
     gemma4: Gemma4Shape | None = None   # Gemma 4: its full layers' own attention shape, per-layer inputs, shared K/V

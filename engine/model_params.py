@@ -18,6 +18,7 @@ __all__ = ["COHERE_ARCHITECTURES", "FOUR_NORMS", "GEMMA_ARCHITECTURES", "WIDE_QK
 
 # one norm a layer, a parallel block
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM", "Cohere2MoeForCausalLM")
+HEAD_QK_NORMS = (*COHERE_ARCHITECTURES, "StableLmForCausalLM")   # q/k norms with a weight of its own a head
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma4ForCausalLM")   # four norms, scaled embeds
 FOUR_NORMS = (*GEMMA_ARCHITECTURES, "Glm4ForCausalLM", "AfmoeForCausalLM")   # a norm on each sublayer's output too
 # q and k normed over the whole projection
@@ -25,7 +26,7 @@ FOUR_NORMS = (*GEMMA_ARCHITECTURES, "Glm4ForCausalLM", "AfmoeForCausalLM")   # a
 UNGATED_MLP = ("ApertusForCausalLM", "ArceeForCausalLM", "Jais2ForCausalLM", "Starcoder2ForCausalLM",
                "NemotronForCausalLM")
 # LayerNorms (a weight and a bias), not RMSNorms
-LAYER_NORMS = ("Jais2ForCausalLM", "Starcoder2ForCausalLM", "NemotronForCausalLM")
+LAYER_NORMS = ("Jais2ForCausalLM", "Starcoder2ForCausalLM", "NemotronForCausalLM", "StableLmForCausalLM")
 WIDE_QK_NORM = ("Olmo2ForCausalLM", "Olmo3ForCausalLM", "MiniMaxM2ForCausalLM", "OlmoeForCausalLM",
                 "OlmoHybridForCausalLM")
 
@@ -74,10 +75,11 @@ def count_params(config: Any, heads: int, kv_heads: int, i: int, moe_i: int, v: 
     if config.moe_router in ("deepseek_v3", "minimax_m2", "ernie4_5", "lfm2", "afmoe"):   # the router's correction bias
         experts += config.num_experts
     norms = 4 if config.architecture in FOUR_NORMS or config.peri_norms else 2   # on the sublayers' outputs too
-    norms = 1 if config.architecture in COHERE_ARCHITECTURES else norms   # Cohere: one before both sublayers
+    parallel = config.architecture in COHERE_ARCHITECTURES or config.parallel_residual
+    norms = 1 if parallel else norms   # Cohere, StableLM 2 12B: one before both sublayers
     norms *= 2 if config.architecture in LAYER_NORMS else 1   # LayerNorms: a weight and a bias
     # q/k norms: a weight per channel of a head (Cohere: each head its own)
-    qk = (q + kv if config.architecture in COHERE_ARCHITECTURES else 2 * d) if config.qk_norm else 0
+    qk = (q + kv if config.architecture in HEAD_QK_NORMS else 2 * d) if config.qk_norm else 0
     per_layer = attn + norms * h + qk + (heads if config.attention_sinks else 0)
     if config.architecture in WIDE_QK_NORM:   # q and k normed whole: a weight per channel
         per_layer += q + kv

@@ -131,7 +131,7 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
            "exaone": transformers.ExaoneConfig, "hyperclovax": transformers.HyperCLOVAXConfig,
            "mellum": transformers.MellumConfig, "starcoder2": transformers.Starcoder2Config,
            "glm": transformers.GlmConfig, "laguna": transformers.LagunaConfig,
-           "nemotron": transformers.NemotronConfig}[arch]
+           "nemotron": transformers.NemotronConfig, "stablelm": transformers.StableLmConfig}[arch]
     config = cls(**common)
     if arch == "mistral4":   # transformers maps Mistral4Config to no causal LM class (only its pretraining one)
         transformers.AutoModelForCausalLM.register(transformers.Mistral4Config, transformers.Mistral4ForCausalLM,
@@ -141,12 +141,13 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
     # transformers starts the biases at zero, which would hide one read wrong; sinks near it
     if arch in ("gpt_oss", "deepseek_v3", "glm4_moe", "ernie4_5_moe", "seed_oss", "glm4_moe_lite", "mistral4",
                 "deepseek_v32", "glm_moe_dsa", "lfm2", "lfm2_moe", "solar_open", "arcee", "mimo_v2_flash", "jais2",
-                "granite_swa", "granitemoe_swa", "falcon_h1", "starcoder2", "glm", "laguna", "nemotron"):
+                "granite_swa", "granitemoe_swa", "falcon_h1", "starcoder2", "glm", "laguna", "nemotron",
+                "stablelm"):
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if name.endswith(("bias", "sinks")):   # LayerNorm models' small: a bias on every norm and
                     # projection, larger, would outweigh the inputs
-                    param.normal_(0.0, 0.1 if arch in ("jais2", "starcoder2", "nemotron") else 1.0)
+                    param.normal_(0.0, 0.1 if arch in ("jais2", "starcoder2", "nemotron", "stablelm") else 1.0)
     # state layers' decay rates (A = -exp(A_log)) small, so a state holds tens of tokens: transformers starts them
     # at up to 16 a step, which forgets a state within a token or two and would hide one resumed wrong
     with torch.no_grad():
@@ -164,7 +165,8 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
             for name, param in model.named_parameters():
                 if name.endswith(("query_layernorm.weight", "key_layernorm.weight")):
                     param.normal_(1.0, 0.5)
-    if arch in ("hyperclovax", "nemotron"):   # every norm its own weights: a norm read into another's place would show
+    if arch in ("hyperclovax", "nemotron", "stablelm"):   # every norm its own weights: one read into another's place
+        # would show
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if "norm" in name:

@@ -75,6 +75,7 @@ from engine.models.olmo2 import (Exaone4ForCausalLM, Olmo2ForCausalLM, Olmo3ForC
                                  OlmoHybridForCausalLM)
 from engine.models.phi3 import Phi3ForCausalLM
 from engine.models.smollm3 import SmolLM3ForCausalLM
+from engine.models.stablelm import StableLmForCausalLM
 from engine.models.nemotron_h import NemotronHForCausalLM
 from engine.models.qwen3_5 import Qwen3NextForCausalLM, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
 from engine.models.qwen3_moe import MellumForCausalLM, Qwen3MoeForCausalLM, SparseMoeBlock
@@ -150,7 +151,8 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "Starcoder2ForCausalLM": Starcoder2ForCausalLM,
                                                 "GlmForCausalLM": GlmForCausalLM,
                                                 "LagunaForCausalLM": LagunaForCausalLM,
-                                                "NemotronForCausalLM": NemotronForCausalLM}
+                                                "NemotronForCausalLM": NemotronForCausalLM,
+                                                "StableLmForCausalLM": StableLmForCausalLM}
 
 
 def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:

@@ -35,7 +35,7 @@ from engine.parallel import Collectives, ShardShape
 from kernels import AttentionMetadata
 
 __all__ = ["Cohere2MoeForCausalLM", "CohereForCausalLM", "CohereLayerNorm", "CohereMoeBlock",
-           "InterleavedRotaryWeights", "interleaved_to_halves"]
+           "InterleavedRotaryWeights", "cut_head_norm", "interleaved_to_halves"]
 
 
 def _layer_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -140,17 +140,23 @@ class CohereForCausalLM(InterleavedRotaryWeights):
         return CohereLayerNorm(self.config.hidden_size, self.config.rms_norm_eps)
 
     def _shard_of(self, hf_name: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """Command R+'s q/k norms cut to this rank's heads (its KV heads: replicated where the ranks outnumber
-        them); the rest as the Llama model's."""
-        shard, c = self.shard, self.config
-        if shard.size == 1 or not name.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight")):
-            return super()._shard_of(hf_name, name, tensor)
-        heads, start, count = (c.num_heads, shard.head_start, shard.num_heads) if ".q_norm." in name else \
-            (c.num_kv_heads, shard.kv_head_start, shard.num_kv_heads)
-        if tuple(tensor.shape) != (heads, c.head_dim):
-            raise WeightLoadError(f"{hf_name}: shape {tuple(tensor.shape)} does not match the config's "
-                                  f"{(heads, c.head_dim)}")
-        return tensor.narrow(0, start, count)
+        """Command R+'s q/k norms cut to this rank's heads (`cut_head_norm`); the rest as the Llama model's."""
+        cut = cut_head_norm(self.shard, self.config, hf_name, name, tensor)
+        return super()._shard_of(hf_name, name, tensor) if cut is None else cut
+
+
+def cut_head_norm(shard: ShardShape, c: ModelConfig, hf_name: str, name: str, tensor: torch.Tensor
+                  ) -> torch.Tensor | None:
+    """A per-head q/k norm's weight [heads, head_dim] cut to this rank's heads (its KV heads: replicated where the
+    ranks outnumber them); None for any other tensor, or on one rank."""
+    if shard.size == 1 or not name.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight")):
+        return None
+    heads, start, count = (c.num_heads, shard.head_start, shard.num_heads) if ".q_norm." in name else \
+        (c.num_kv_heads, shard.kv_head_start, shard.num_kv_heads)
+    if tuple(tensor.shape) != (heads, c.head_dim):
+        raise WeightLoadError(f"{hf_name}: shape {tuple(tensor.shape)} does not match the config's "
+                              f"{(heads, c.head_dim)}")
+    return tensor.narrow(0, start, count)
 
 
 class CohereMoeBlock(SparseMoeBlock):

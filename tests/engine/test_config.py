@@ -2000,3 +2000,16 @@ def test_nemotron_reads_as_transformers_does():
     assert ModelConfig.from_hf_config({"architectures": ["NemotronForCausalLM"], "vocab_size": 1000, "hidden_size": 64,
                                        "intermediate_size": 128, "num_hidden_layers": 2,
                                        "num_attention_heads": 4}).num_kv_heads == 4
+
+
+def test_stablelm_reads_as_transformers_does():
+    """StableLM (`StableLmForCausalLM`, StableLmConfig's defaults: StableLM 3B's shape): LayerNorms of
+    `layer_norm_eps`, a quarter of each head rotated, no biases; StableLM 2 12B's form (q/k/v biases, parallel
+    layers, a LayerNorm a q/k head) too; the parameter count is transformers' model's either way."""
+    hf, cfg = _at_class_defaults("StableLmConfig", {"architectures": ["StableLmForCausalLM"]})
+    assert (cfg.rms_norm_eps, cfg.rotary_dim, cfg.attention_bias, cfg.qk_norm, cfg.parallel_residual) == \
+        (hf.layer_norm_eps, hf.hidden_size // hf.num_attention_heads // 4, False, False, False)
+    _, twelve = _at_class_defaults("StableLmConfig", {"architectures": ["StableLmForCausalLM"], "use_qkv_bias": True,
+                                                      "use_parallel_residual": True, "qk_layernorm": True,
+                                                      "num_key_value_heads": 8})
+    assert twelve.parallel_residual and twelve.qk_norm and twelve.attention_bias and not twelve.o_proj_bias

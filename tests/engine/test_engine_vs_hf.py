@@ -320,6 +320,11 @@ TINY_MODELS = [
     # Nemotron: LayerNorms of weight + 1, an ungated squared-ReLU MLP, half of each head rotated; then biased
     ("nemotron", {}),
     ("nemotron", {"attention_bias": True, "mlp_bias": True, "partial_rotary_factor": 0.25, "head_dim": 32}),
+    # StableLM 2: LayerNorms, a quarter of each head rotated; then q/k/v biases, StableLM 2 12B's parallel layers and
+    # per-head q/k LayerNorms
+    ("stablelm", {}),
+    ("stablelm", {"use_qkv_bias": True, "use_parallel_residual": True, "qk_layernorm": True,
+                  "partial_rotary_factor": 0.5}),
     # CWM: Llama's layer, each 4th from the first full, the others sliding (a window of 8), Llama 3.1's rope
     ("cwm", dict(sliding_window=8, num_hidden_layers=4, head_dim=16)),
     ("ministral3", MINISTRAL3),
