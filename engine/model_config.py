@@ -60,7 +60,8 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
                            "CwmForCausalLM", "YoutuForCausalLM", "BambaForCausalLM", "FalconH1ForCausalLM",
                            "ExaoneForCausalLM", "HyperCLOVAXForCausalLM", "MellumForCausalLM",
                            "Starcoder2ForCausalLM", "GlmForCausalLM", "LagunaForCausalLM",
-                           "NemotronForCausalLM", "StableLmForCausalLM")
+                           "NemotronForCausalLM", "StableLmForCausalLM",
+                           "GemmaForCausalLM", "VaultGemmaForCausalLM")
 # their attention bias: q/k/v's, not o_proj's
 QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM", "GlmForCausalLM",
                  "StableLmForCausalLM")
@@ -387,6 +388,9 @@ class ModelConfig:
         cfg = {"NemotronHForCausalLM": nemotron_h_config, "Lfm2ForCausalLM": lfm2_config,
                "Lfm2MoeForCausalLM": lfm2_moe_config, "KimiLinearForCausalLM": kimi_linear_config}.get(arch, dict)(cfg)
         if cfg.get("max_position_embeddings") is None:
+            if arch not in DEFAULT_MAX_POSITIONS:
+                raise ConfigError(f"max_position_embeddings: missing from config.json ({arch}'s default is not known "
+                                  f"here: name the model's context)")
             cfg = {**cfg, "max_position_embeddings": DEFAULT_MAX_POSITIONS[arch]}
         num_heads = read_int(cfg, "num_attention_heads")
         hidden = read_int(cfg, "hidden_size")

@@ -41,7 +41,8 @@ GEMMA2_DEFAULTS = {
     "eos_token_id": 1}
 # the keys a family's config class gives where config.json names none (Llama 4: its expert size, which
 # `engine.llama4_config` reads)
-FAMILY_DEFAULTS = {"Gemma2ForCausalLM": GEMMA2_DEFAULTS, "Gemma3ForCausalLM": GEMMA3_TEXT_DEFAULTS,
+FAMILY_DEFAULTS = {"Gemma2ForCausalLM": GEMMA2_DEFAULTS, "VaultGemmaForCausalLM": GEMMA2_DEFAULTS,
+                   "Gemma3ForCausalLM": GEMMA3_TEXT_DEFAULTS,
                    "MiMoV2FlashForCausalLM": MIMO_DEFAULTS, "Cohere2MoeForCausalLM": COHERE2_MOE_DEFAULTS,
                    "GraniteMoeSWAForCausalLM": {"max_position_embeddings": 2048},   # GraniteMoeSWAConfig's
                    "HYV3ForCausalLM": {   # HYV3Config's (Hy3-preview's shape)
@@ -133,7 +134,8 @@ DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32_768, "
                          "FalconH1ForCausalLM": 8192, "ExaoneForCausalLM": 4096,
                          "HyperCLOVAXForCausalLM": 2048, "MellumForCausalLM": 131_072,
                          "Starcoder2ForCausalLM": 4096, "LagunaForCausalLM": 131_072, "NemotronForCausalLM": 4096,
-                         "StableLmForCausalLM": 4096}
+                         "StableLmForCausalLM": 4096, "GemmaForCausalLM": 8192,
+                         "VaultGemmaForCausalLM": 8192}
 # their rms_norm_eps, where it is not 1e-6
 DEFAULT_RMS_NORM_EPS = {"MixtralForCausalLM": 1e-5, "Phi3ForCausalLM": 1e-5, "Olmo2ForCausalLM": 1e-5,
                         "Olmo3ForCausalLM": 1e-5,
@@ -157,7 +159,7 @@ DEFAULT_KV_HEADS = {"Qwen2ForCausalLM": 32, "MistralForCausalLM": 8, "Qwen3ForCa
 # their head_dim where config.json names none (else hidden_size / num_attention_heads)
 DEFAULT_HEAD_DIM = {"Qwen3ForCausalLM": 128, "GptOssForCausalLM": 64, "Ernie4_5ForCausalLM": 128,
                     "CwmForCausalLM": 128, "MellumForCausalLM": 128, "Llama4ForCausalLM": 128, "LagunaForCausalLM": 128,
-                    "Ministral3ForCausalLM": 128,
+                    "Ministral3ForCausalLM": 128, "GemmaForCausalLM": 256,
                     "Glm4ForCausalLM": 128, "GlmForCausalLM": 128, "MiniMaxM2ForCausalLM": 128,
                     "SeedOssForCausalLM": 128}
 # MellumConfig's ropes where config.json names none: a base per layer type

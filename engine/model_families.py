@@ -53,7 +53,9 @@ def family_fields(cfg: dict[str, Any], arch: str, num_layers: int) -> dict[str, 
         return OWN_MODULE_FIELDS[arch](cfg, num_layers)
     if arch == "Gemma3ForCausalLM":
         return gemma3_fields(cfg, num_layers)
-    if arch == "Gemma2ForCausalLM":
+    if arch == "GemmaForCausalLM":
+        return gemma_fields(cfg)
+    if arch in ("Gemma2ForCausalLM", "VaultGemmaForCausalLM"):
         return gemma2_fields(cfg, num_layers)
     if arch == "Olmo3ForCausalLM":
         return olmo3_fields(cfg, num_layers)
@@ -168,6 +170,16 @@ def gemma2_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
             "query_pre_attn_scalar": read_float(cfg, "query_pre_attn_scalar", None),
             "hidden_act": cfg.get("hidden_activation") or "gelu_pytorch_tanh",   # Gemma2Config reads no hidden_act
             "tie_word_embeddings": read_bool(cfg, "tie_word_embeddings", True), **_softcaps(cfg)}
+
+
+def gemma_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Gemma's (`GemmaForCausalLM`: Gemma 1, CodeGemma; transformers' `GemmaConfig`): Gemma 2's layer without the norms
+    on the sublayers' outputs, the soft caps or sliding layers; GELU-tanh (a legacy `gelu`, as transformers reads it),
+    the head tied by default."""
+    _check_causal(cfg)
+    act = cfg.get("hidden_act", "gelu_pytorch_tanh")
+    return {"hidden_act": "gelu_pytorch_tanh" if act == "gelu" else act,
+            "tie_word_embeddings": read_bool(cfg, "tie_word_embeddings", True)}
 
 
 def _softcaps(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -19,8 +19,11 @@ __all__ = ["COHERE_ARCHITECTURES", "FOUR_NORMS", "GEMMA_ARCHITECTURES", "WIDE_QK
 # one norm a layer, a parallel block
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM", "Cohere2MoeForCausalLM")
 HEAD_QK_NORMS = (*COHERE_ARCHITECTURES, "StableLmForCausalLM")   # q/k norms with a weight of its own a head
-GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma4ForCausalLM")   # four norms, scaled embeds
-FOUR_NORMS = (*GEMMA_ARCHITECTURES, "Glm4ForCausalLM", "AfmoeForCausalLM")   # a norm on each sublayer's output too
+# Gemma's norms (1 + weight), scaled embeddings
+GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma4ForCausalLM", "GemmaForCausalLM",
+                       "VaultGemmaForCausalLM")
+FOUR_NORMS = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma4ForCausalLM", "Glm4ForCausalLM",   # a norm on each
+              "AfmoeForCausalLM")   # sublayer's output too
 # q and k normed over the whole projection
 # an MLP of up, its activation and down, no gate
 UNGATED_MLP = ("ApertusForCausalLM", "ArceeForCausalLM", "Jais2ForCausalLM", "Starcoder2ForCausalLM",

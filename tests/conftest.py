@@ -131,7 +131,8 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
            "exaone": transformers.ExaoneConfig, "hyperclovax": transformers.HyperCLOVAXConfig,
            "mellum": transformers.MellumConfig, "starcoder2": transformers.Starcoder2Config,
            "glm": transformers.GlmConfig, "laguna": transformers.LagunaConfig,
-           "nemotron": transformers.NemotronConfig, "stablelm": transformers.StableLmConfig}[arch]
+           "nemotron": transformers.NemotronConfig, "stablelm": transformers.StableLmConfig,
+           "gemma": transformers.GemmaConfig, "vaultgemma": transformers.VaultGemmaConfig}[arch]
     config = cls(**common)
     if arch == "mistral4":   # transformers maps Mistral4Config to no causal LM class (only its pretraining one)
         transformers.AutoModelForCausalLM.register(transformers.Mistral4Config, transformers.Mistral4ForCausalLM,
@@ -165,8 +166,8 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
             for name, param in model.named_parameters():
                 if name.endswith(("query_layernorm.weight", "key_layernorm.weight")):
                     param.normal_(1.0, 0.5)
-    if arch in ("hyperclovax", "nemotron", "stablelm"):   # every norm its own weights: one read into another's place
-        # would show
+    # every norm its own weights: one read into another's place would show
+    if arch in ("hyperclovax", "nemotron", "stablelm", "gemma", "vaultgemma"):
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if "norm" in name:

@@ -52,7 +52,7 @@ from engine.models.cohere import Cohere2MoeForCausalLM, CohereForCausalLM
 from engine.models.deepseek import DeepseekForCausalLM
 from engine.models.deepseek_v32 import DeepseekV32ForCausalLM
 from engine.models.ernie import Ernie45ForCausalLM, Ernie45MoeForCausalLM
-from engine.models.gemma3 import Gemma3ForCausalLM
+from engine.models.gemma3 import Gemma3ForCausalLM, GemmaForCausalLM
 from engine.models.gemma4 import Gemma4ForCausalLM
 from engine.models.glm4 import (ExaoneMoeForCausalLM, Glm4ForCausalLM, Glm4MoeForCausalLM, GlmForCausalLM,
                                 HYV3ForCausalLM)
@@ -152,7 +152,9 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "GlmForCausalLM": GlmForCausalLM,
                                                 "LagunaForCausalLM": LagunaForCausalLM,
                                                 "NemotronForCausalLM": NemotronForCausalLM,
-                                                "StableLmForCausalLM": StableLmForCausalLM}
+                                                "StableLmForCausalLM": StableLmForCausalLM,
+                                                "GemmaForCausalLM": GemmaForCausalLM,
+                                                "VaultGemmaForCausalLM": GemmaForCausalLM}
 
 
 def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:

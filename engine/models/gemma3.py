@@ -21,6 +21,7 @@ scores (`Attention.softcap`, applied by the kernels) and of the logits (`LlamaFo
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import replace
 from types import ModuleType
 
@@ -30,11 +31,11 @@ from torch import nn
 from engine.model_config import ModelConfig
 from engine.rope_config import RopeScaling
 from engine.layers import GemmaHeadRMSNorm, GemmaRMSNorm, RopeRows, RotaryEmbedding
-from engine.model import MLP, Attention, LlamaForCausalLM
+from engine.model import MLP, Attention, DecoderLayer, LlamaForCausalLM
 from engine.parallel import Collectives, ShardShape
 from kernels import AttentionMetadata
 
-__all__ = ["Gemma3ForCausalLM", "sliding_rotary"]
+__all__ = ["Gemma3ForCausalLM", "GemmaForCausalLM", "sliding_rotary"]
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -89,6 +90,22 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         model multiplies by 34.0 at hidden size 1152, not 33.94), as transformers does."""
         hidden = super().embed(input_ids)
         return hidden * float(torch.tensor(self.config.hidden_size ** 0.5).to(hidden.dtype))
+
+
+class GemmaForCausalLM(Gemma3ForCausalLM):
+    """Gemma (Gemma 1, CodeGemma; see the module docstring) and VaultGemma (Gemma 2's model, its config's soft caps
+    and sliding layers): Gemma 3's model with the Llama layer's two norms, Gemma's (1 + weight); VaultGemma's second
+    is stored as `pre_feedforward_layernorm`."""
+
+    def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
+        layer = DecoderLayer(self.config, self.shard, self.comm, sliding_rotary(self, index, ops), ops, index)
+        layer.input_layernorm = GemmaRMSNorm(self.config.hidden_size, self.config.rms_norm_eps)
+        layer.post_attention_layernorm = GemmaRMSNorm(self.config.hidden_size, self.config.rms_norm_eps)
+        return layer
+
+    def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
+        return super().read_tensor(hf_name, name.replace(".pre_feedforward_layernorm.", ".post_attention_layernorm."),
+                                   tensor)
 
 
 def sliding_rotary(model: LlamaForCausalLM, index: int, ops: ModuleType) -> RotaryEmbedding:

@@ -2013,3 +2013,37 @@ def test_stablelm_reads_as_transformers_does():
                                                       "use_parallel_residual": True, "qk_layernorm": True,
                                                       "num_key_value_heads": 8})
     assert twelve.parallel_residual and twelve.qk_norm and twelve.attention_bias and not twelve.o_proj_bias
+
+
+@pytest.mark.parametrize("config_class,arch", [("GemmaConfig", "GemmaForCausalLM"),
+                                               ("VaultGemmaConfig", "VaultGemmaForCausalLM")])
+def test_gemma_and_vaultgemma_read_as_transformers_does(config_class, arch):
+    """Gemma (GemmaConfig's defaults: gemma-7b's shape) and VaultGemma (Gemma 2's defaults): two Gemma norms a layer,
+    GELU-tanh, heads of 256, the head tied, VaultGemma's soft caps and sliding layers as Gemma 2's; the parameter
+    count is transformers' model's. Gemma's legacy `hidden_act: gelu` reads as GELU-tanh, as transformers reads it."""
+    hf, cfg = _at_class_defaults(config_class, {"architectures": [arch]})
+    assert (cfg.hidden_act, cfg.head_dim, cfg.tie_word_embeddings) == ("gelu_pytorch_tanh", hf.head_dim, True)
+    assert cfg.final_logit_softcapping == getattr(hf, "final_logit_softcapping", None)
+    if arch == "GemmaForCausalLM":
+        legacy = ModelConfig.from_hf_config({"architectures": [arch], "vocab_size": 1000, "hidden_size": 64,
+                                             "intermediate_size": 128, "num_hidden_layers": 2,
+                                             "num_attention_heads": 4, "hidden_act": "gelu"})
+        assert legacy.hidden_act == "gelu_pytorch_tanh"
+    else:
+        assert cfg.layer_types == tuple(hf.layer_types) and cfg.sliding_window == hf.sliding_window
+
+
+
+def test_every_architecture_knows_its_context_where_config_json_names_none():
+    """Every architecture served reads a config.json naming no max_position_embeddings with its config class's
+    default (`DEFAULT_MAX_POSITIONS` or its family's defaults): a small config is read, or refused for another key,
+    never for that one (one without a known default is refused naming it, not a crash)."""
+    from engine.model_config import SUPPORTED_ARCHITECTURES
+
+    small = {"vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+             "num_attention_heads": 4}
+    for arch in SUPPORTED_ARCHITECTURES:
+        try:
+            ModelConfig.from_hf_config({**small, "architectures": [arch]})
+        except ConfigError as exc:
+            assert not str(exc).startswith("max_position_embeddings"), arch

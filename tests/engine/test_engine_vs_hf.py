@@ -325,6 +325,11 @@ TINY_MODELS = [
     ("stablelm", {}),
     ("stablelm", {"use_qkv_bias": True, "use_parallel_residual": True, "qk_layernorm": True,
                   "partial_rotary_factor": 0.5}),
+    # Gemma (1): Gemma's two norms (1 + weight), scaled embeddings, GELU-tanh, a tied head; VaultGemma: Gemma 2's
+    # attention (soft caps, sliding layers with a window of 8) under those two norms
+    ("gemma", {"head_dim": 32}),
+    ("vaultgemma", {"head_dim": 32, "sliding_window": 8, "attn_logit_softcapping": 2.0,
+                    "final_logit_softcapping": 5.0, "query_pre_attn_scalar": 24}),
     # CWM: Llama's layer, each 4th from the first full, the others sliding (a window of 8), Llama 3.1's rope
     ("cwm", dict(sliding_window=8, num_hidden_layers=4, head_dim=16)),
     ("ministral3", MINISTRAL3),
