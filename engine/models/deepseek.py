@@ -150,7 +150,10 @@ class DeepseekRouter(nn.Module):
 
 
 class DeepseekMoeBlock(SparseMoeBlock):
-    """Qwen3-MoE's experts with DeepSeek's router (the module docstring) and ungated shared experts."""
+    """Qwen3-MoE's experts with DeepSeek's router (the module docstring) and ungated shared experts; `softcap` (0:
+    none) caps the router's logits, cap x tanh(logit / cap), before their scores (Laguna's)."""
+
+    softcap = 0.0
 
     def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives, ops: ModuleType) -> None:
         super().__init__(config, shard, comm, ops)
@@ -168,6 +171,8 @@ class DeepseekMoeBlock(SparseMoeBlock):
         softmax's in V3's groups) pick and weigh them."""
         weight = self.gate.weight                                               # [num_experts, hidden]
         logits = F.linear(x.float(), weight) if self.gate.float32_parameters else F.linear(x, weight).float()
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
         scores = logits.sigmoid() if self.sigmoid else logits.softmax(dim=-1)
         choice = scores + self.gate.e_score_correction_bias if self.biased else scores
         if self.num_groups > 1:

@@ -73,18 +73,7 @@ class LagunaMoeBlock(DeepseekMoeBlock):
 
     def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives, ops: ModuleType) -> None:
         super().__init__(config, shard, comm, ops)
-        self.softcap = config.laguna.router_softcap
-
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.softcap:
-            return super().route(x)
-        logits = F.linear(x, self.gate.weight).float()
-        scores = (torch.tanh(logits / self.softcap) * self.softcap).sigmoid()
-        experts = torch.topk(scores + self.gate.e_score_correction_bias.float(), k=self.top_k, dim=-1,
-                             sorted=False)[1]
-        weights = scores.gather(1, experts)
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * self.routed_scaling_factor, experts
+        self.softcap = config.laguna.router_softcap   # DeepSeek's route caps the logits with it
 
 
 class LagunaForCausalLM(Qwen3MoeForCausalLM):
