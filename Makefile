@@ -34,10 +34,17 @@ CONFIG ?= config/pools.yaml
 serve: install
 	HF_HUB_OFFLINE=1 $(BIN)/cliffguard serve --config $(CONFIG) $(if $(HOST),--host $(HOST)) $(if $(PORT),--port $(PORT))
 
-test: install
+# What the tests check against besides the test extra: AutoAWQ's unpacking of AWQ checkpoints (and its conversion to
+# GPTQ's layout), read from its packing_utils alone (tests/engine/test_awq_gptq_weights.py). Its dependencies are not
+# ours, and the server never imports it.
+$(VENV)/.test-references: $(VENV)/.installed
+	$(BIN)/pip install --quiet --no-deps autoawq==0.2.9
+	touch $@
+
+test: install $(VENV)/.test-references
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
 
-test-slow: install
+test-slow: install $(VENV)/.test-references
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m slow
 
 bench-engine: install

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from engine.fp8_weights import dequantized, fp8_part
-from engine.int4_weights import int4_tensors
+from engine.int4_formats import Int4Scheme, int4_tensors
 from engine.layers.fp8_linear import Fp8Linear
 from engine.weights import model_tensor_name
 
@@ -48,7 +48,8 @@ class CheckpointReading:
         pending: dict[str, dict[str, torch.Tensor]] = {}
         keep = self._keeps_fp8 if self.fp8_exact else None
         if self.config.int4_group is not None:
-            weights = int4_tensors(weights, self._keeps_packed, torch.float32)   # rounded once, as copied
+            weights = int4_tensors(weights, Int4Scheme.of(self.config), self._keeps_packed,
+                                   torch.float32)   # rounded once, as copied
         try:
             for hf_name, tensor in weights:
                 if self.config.fp8_weight_block is not None:

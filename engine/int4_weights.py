@@ -1,28 +1,28 @@
 """INT4 weights from llm-compressor's pack-quantized checkpoints (`quant_method: compressed-tensors`, `format:
 pack-quantized`: Kimi K2 Thinking's and K2.5's routed experts, the `-quantized.w4a16` releases). Each quantized
-linear layer X is stored as three tensors:
+linear layer X is stored as three tensors (four under an asymmetric scheme: `engine.int4_formats` reads them all, and
+AWQ's and GPTQ's):
 
 - `X.weight_packed` int32 [out, in / 8]: eight 4-bit values a word, the first in the lowest bits, each the signed
   value plus 8 (0 .. 15);
 - `X.weight_scale` [out, in / group] (the model's dtype): one scale per `group_size` inputs of a row;
 - `X.weight_shape` int [2]: the float weight's shape (its columns unpadded).
 
-    weight[r, c] = (nibble[r, c] - 8) x scale[r, c // group]      (symmetric: no zero point)
+    weight[r, c] = (nibble[r, c] - 8) x scale[r, c // group]      (symmetric: no zero point; else its nibble's)
 
 A little-endian word's bytes hold values (0, 1), (2, 3) ..., the low nibble first: MXFP4's byte layout
-(`kernels.mxfp4`), so a held weight is half a byte plus its share of a scale. Served: 4-bit integers, symmetric, one
-scale a group (`strategy: group`), the weights alone quantized; anything else is refused naming its key. Which
-layers are stored so is the config's `targets` and `ignore` (`int4_modules`, `int4_quantizes`). How the model holds
-them is the device's `quantization` (`engine.models.held_packed`, `held_int4`): the routed experts
+(`kernels.mxfp4`), so a held weight is half a byte plus its share of a scale. Served: 4-bit integers, one scale (and an
+asymmetric scheme's zero point) a group (`strategy: group`), the weights alone quantized; anything else is refused
+naming its key. Which layers are stored so is the config's `targets` and `ignore` (`int4_modules`, `int4_quantizes`).
+How the model holds them is the device's `quantization` (`engine.models.held_packed`, `held_int4`): the routed experts
 (`SparseMoeBlock.hold_packed`) and a decoder layer's projections (`engine.layers.int4_linear`) kept as stored under
-`auto` on a GPU and `int4` (or `fp8`) anywhere; every other INT4 tensor, and all of them otherwise, dequantized to
-the model's dtype as read (`dequantize_int4`: the product in float32, rounded once).
+`auto` on a GPU and `int4` (or `fp8`) anywhere; every other INT4 tensor, and all of them otherwise, dequantized to the
+model's dtype as read (`dequantize_int4`: the product in float32, rounded once).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -30,7 +30,7 @@ import torch
 from engine.config import ConfigError
 
 __all__ = ["INT4_STD", "INT4_SUFFIXES", "dequantize_int4", "int4_group", "int4_modules", "int4_quantizes",
-           "int4_tensors", "packed_bytes"]
+           "packed_bytes"]
 
 INT4_SUFFIXES = (".weight_packed", ".weight_scale", ".weight_shape")
 INT4_STD = (sum((v - 8) ** 2 for v in range(16)) / 16) ** 0.5   # of uniformly drawn values, -8 .. 7: 4.64
@@ -95,52 +95,22 @@ def packed_bytes(packed: torch.Tensor) -> torch.Tensor:
     return packed.contiguous().view(torch.uint8)
 
 
-def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Held INT4 weights as `dtype`: packed [..., rows, cols / 2] uint8 (two values a byte, the low nibble first,
-    each the value plus 8), scales [..., rows, cols / group] -> [..., rows, cols]: each value times its group's scale
-    in float32, rounded once to `dtype`."""
+def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, zeros: torch.Tensor | None = None,
+                    g_idx: torch.Tensor | None = None) -> torch.Tensor:
+    """Held INT4 weights as `dtype`: packed [..., rows, cols / 2] uint8 (two codes a byte, the low nibble first),
+    scales [..., rows, groups] and zeros [..., rows, groups] (uint8; None: 8, a symmetric scheme's) -> [..., rows,
+    cols]: each (code - its group's zero) times its group's scale in float32, rounded once to `dtype`. A column's
+    group is its position's (cols / groups of them each), or `g_idx`'s [cols] (GPTQ's activation order)."""
     rows, half = packed.shape[-2:]
-    group = 2 * half // scales.shape[-1]
-    if packed.dtype != torch.uint8 or scales.shape[:-1] != packed.shape[:-1] or group * scales.shape[-1] != 2 * half:
+    groups = scales.shape[-1]
+    whole = g_idx is None and groups and (2 * half) % groups == 0
+    if packed.dtype != torch.uint8 or scales.shape[:-1] != packed.shape[:-1] or not (whole or g_idx is not None
+            and tuple(g_idx.shape) == (2 * half,)) or zeros is not None and zeros.shape != scales.shape:
         raise ValueError(f"INT4 bytes [..., rows, inputs / 2] and scales [..., rows, groups] of whole groups: got "
                          f"{tuple(packed.shape)} {packed.dtype} and {tuple(scales.shape)}")
-    values = torch.stack([packed & 0x0F, packed >> 4], dim=-1).flatten(-2).to(torch.int8) - 8   # [..., rows, cols]
-    return (values.float().unflatten(-1, (-1, group)) * scales.float()[..., None]).flatten(-2).to(dtype)
-
-
-def int4_tensors(weights: Iterable[tuple[str, torch.Tensor]], keep: Callable[[str, torch.Tensor], bool],
-                 dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """A checkpoint's tensors with each INT4 layer's three read together: `X.blocks` (its bytes, [out, in / 2]) and
-    `X.scales` where `keep(X.weight, shape)` says the model holds it as stored, else `X.weight` dequantized to
-    `dtype`; the rest as they come. ValueError naming a layer whose tensors do not fit or do not all come."""
-    pending: dict[str, dict[str, torch.Tensor]] = {}
-    for name, tensor in weights:
-        suffix = next((s for s in INT4_SUFFIXES if name.endswith(s)), None)
-        if suffix is None:
-            yield name, tensor
-            continue
-        key = name[:-len(suffix)]
-        parts = pending.setdefault(key, {})
-        parts[suffix] = tensor
-        if len(parts) < 3:
-            continue
-        del pending[key]
-        shape = tuple(int(n) for n in parts[".weight_shape"].flatten().tolist())
-        packed, scales = packed_bytes(parts[".weight_packed"]), parts[".weight_scale"]
-        if len(shape) != 2 or tuple(packed.shape) != (shape[0], (shape[1] + 7) // 8 * 4):
-            raise ValueError(f"{key}.weight_packed: shape {tuple(parts['.weight_packed'].shape)} does not hold a "
-                             f"weight of {shape}")
-        packed = packed[:, :shape[1] // 2]   # a row padded to whole words
-        if keep(f"{key}.weight", torch.Size(shape)):
-            yield f"{key}.blocks", packed
-            yield f"{key}.scales", scales
-            continue
-        try:
-            yield f"{key}.weight", dequantize_int4(packed, scales, dtype)
-        except ValueError as exc:
-            raise ValueError(f"{key}.weight_scale: {exc}") from None
-    if pending:
-        key, parts = next(iter(pending.items()))
-        missing = [s for s in INT4_SUFFIXES if s not in parts]
-        raise ValueError(f"{key}{missing[0]}: missing beside {key}{next(iter(parts))} (an INT4 layer is stored as "
-                         f"{', '.join(INT4_SUFFIXES)})")
+    codes = torch.stack([packed & 0x0F, packed >> 4], dim=-1).flatten(-2).float()   # [..., rows, cols]
+    if g_idx is not None:
+        zero = 8.0 if zeros is None else zeros.float()[..., g_idx]
+        return ((codes - zero) * scales.float()[..., g_idx]).to(dtype)
+    zero = 8.0 if zeros is None else zeros.float()[..., None]
+    return ((codes.unflatten(-1, (groups, -1)) - zero) * scales.float()[..., None]).flatten(-2).to(dtype)

@@ -415,7 +415,7 @@ class LlamaForCausalLM(CheckpointReading, nn.Module):
         if is_bias and dim == 1:   # a row-parallel layer's bias is added once, after the sum: on rank 0
             return tensor if shard.rank == 0 else torch.zeros_like(tensor)
         dim = 0 if is_bias else dim
-        if dim == 1 and name.endswith((".blocks", ".scales")):   # INT4 held as stored: columns of whole groups
+        if dim == 1 and name.endswith((".blocks", ".scales", ".zeros")):   # INT4 held as stored: whole groups
             per = 2 if name.endswith(".blocks") else self.config.int4_group
             full, start, length = full // per, start // per, length // per
         if tensor.dim() <= dim or tensor.shape[dim] != full:
@@ -448,6 +448,8 @@ class LlamaForCausalLM(CheckpointReading, nn.Module):
                     param.fill_(std)
                 elif name.endswith(("w13_scales", "w2_scales", ".scales")):   # packed weights': codes drawn alike
                     param.fill_(mxfp4_scale(std) if param.dtype == torch.uint8 else std / INT4_STD)   # about std
+                elif name.endswith(".zeros"):   # INT4 zero points: the codes' middle
+                    param.fill_(8)
                 elif param.dtype in (torch.float8_e4m3fn, torch.uint8):   # FP8 values; MXFP4's codes, two a byte
                     param.copy_(torch.randint(0, 256, param.shape, generator=gen) if param.dtype == torch.uint8
                                 else torch.randn(param.shape, generator=gen))

@@ -146,8 +146,11 @@ class ModelConfig:
     fp8_weight_block: tuple[int, int] | None = None   # an FP8 checkpoint's scale blocks: dequantized as read
     fp8_scale_suffix: str = SCALE_SUFFIX   # ... its scales' name past the weight's (llm-compressor's: .weight_scale)
     mxfp4_experts: bool = False         # GPT-OSS's MXFP4 experts: held so or dequantized (`engine.models.held_packed`)
-    int4_group: int | None = None       # pack-quantized INT4 weights' group (`engine.int4_weights`)
+    int4_group: int | None = None       # INT4 weights' group (`engine.int4_formats`: pack-quantized, AWQ, GPTQ)
     int4_modules: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())   # ... the layers quantized: (targets, ignore)
+    int4_format: str = ""               # ... how they are stored: `Int4Scheme.format`
+    int4_zero_points: bool = False      # ... with a zero point a group (asymmetric: AWQ's)
+    int4_act_order: bool = False        # ... in GPTQ's activation order: dequantized as read, never held so
     rotary_positions: int = 0           # the rotary cache's rows as served (`serving`: the longest pool's); 0: all
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -456,13 +459,23 @@ class ModelConfig:
         path = Path(folder) / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"config.json: not found in model folder {folder}")
-        if (Path(folder) / "quantize_config.json").is_file():   # AutoGPTQ's, its config.json silent of it
-            raise ConfigError("quantize_config.json: quantized checkpoints (GPTQ) are not supported; serve bfloat16")
         try:
             cfg = json.loads(path.read_bytes())
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ConfigError(f"config.json: not valid JSON ({exc})") from exc
-        return cls.from_hf_config(cfg)
+        gptq = Path(folder) / "quantize_config.json"   # AutoGPTQ's, where its config.json is silent of it
+        if not isinstance(cfg, dict) or cfg.get("quantization_config") is not None or not gptq.is_file():
+            return cls.from_hf_config(cfg)
+        try:
+            quant = json.loads(gptq.read_bytes())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"quantize_config.json: not valid JSON ({exc})") from exc
+        if not isinstance(quant, dict):
+            raise ConfigError(f"quantize_config.json: must be a JSON object, got {quant!r:.80}")
+        try:
+            return cls.from_hf_config({**cfg, "quantization_config": {"quant_method": "gptq", **quant}})
+        except ConfigError as exc:   # named by the file that says it
+            raise ConfigError(str(exc).replace("quantization_config.", "quantize_config.json: ", 1)) from None
 
 
 def _check_architecture(arch: Any) -> None:

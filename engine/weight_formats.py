@@ -4,8 +4,8 @@
 - FP8 weights with block, per-channel or per-tensor scales (`engine.fp8_weights`): `fp8_weight_block`,
   `fp8_scale_suffix`;
 - GPT-OSS's MXFP4 experts (`quant_method: mxfp4`, that architecture alone; `kernels.mxfp4`): `mxfp4_experts`;
-- llm-compressor's pack-quantized INT4 weights (`engine.int4_weights`): `int4_group`, and the layers it quantizes,
-  `int4_modules`;
+- INT4 weights (`engine.int4_formats`: llm-compressor's pack-quantized, AutoAWQ's, GPTQ's): `int4_group`, the layers
+  quantized (`int4_modules`), `int4_format`, `int4_zero_points`, `int4_act_order`;
 - a KV-cache-only scheme (the cache's scales: `engine.config.quantizes_kv_cache_only`): no field.
 
 Any other method is refused naming the key, before anything loads.
@@ -17,7 +17,7 @@ from typing import Any
 
 from engine.config import ConfigError, quantizes_kv_cache_only
 from engine.fp8_weights import SCALE_SUFFIX, fp8_weights
-from engine.int4_weights import int4_group, int4_modules
+from engine.int4_formats import int4_scheme
 
 __all__ = ["weight_format_fields"]
 
@@ -30,11 +30,14 @@ def weight_format_fields(cfg: dict[str, Any], arch: Any) -> dict[str, Any]:
         "config_groups", "quant_method", "kv_cache_scheme"} & set(old) else "quantization_config"
     quant = cfg.get(key)
     mxfp4 = arch == "GptOssForCausalLM" and isinstance(quant, dict) and quant.get("quant_method") == "mxfp4"
-    int4 = int4_group(quant, key)
+    int4 = int4_scheme(quant, key)
     fp8 = None if int4 is not None else fp8_weights(quant, key)
     if quant is not None and not quantizes_kv_cache_only(quant) and not mxfp4 and fp8 is None and int4 is None:
         method = quant.get("quant_method", "unnamed") if isinstance(quant, dict) else repr(quant)
-        raise ConfigError(f"{key}: quantized checkpoints ({method}) are not supported; serve "
+        raise ConfigError(f"{key}: quantized checkpoints ({method}) are not supported (served: FP8, INT4 as "
+                          "compressed-tensors, AWQ or GPTQ store it, GPT-OSS's MXFP4); serve "
                           "the model's bfloat16 checkpoint (an FP8 KV cache is the device key kv_cache_dtype)")
     return {"fp8_weight_block": fp8[0] if fp8 else None, "fp8_scale_suffix": fp8[1] if fp8 else SCALE_SUFFIX,
-            "mxfp4_experts": mxfp4, "int4_group": int4, "int4_modules": int4_modules(quant, key) if int4 else ((), ())}
+            "mxfp4_experts": mxfp4, "int4_group": int4.group if int4 else None,
+            "int4_modules": int4.modules if int4 else ((), ()), "int4_format": int4.format if int4 else "",
+            "int4_zero_points": bool(int4 and int4.zero_points), "int4_act_order": bool(int4 and int4.act_order)}

@@ -44,10 +44,11 @@ def dequantize_tile(w, s, DTYPE: tl.constexpr, BF16_BY_BITS: tl.constexpr):
 
 @triton.jit(do_not_specialize=["M"])   # one compiled variant whatever a step's row count
 def _fp8_linear_kernel(
-    x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr,
+    x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr,
     M, N, K, scale_rows, scale_cols,
     stride_xm, stride_wn, stride_sn, stride_om,
-    HAS_BIAS: tl.constexpr, SCALE_COLUMN_TILE: tl.constexpr, INT4: tl.constexpr, BF16_BY_BITS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SCALE_COLUMN_TILE: tl.constexpr, INT4: tl.constexpr, ZEROS: tl.constexpr,
+    BF16_BY_BITS: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -57,21 +58,26 @@ def _fp8_linear_kernel(
     mask_n, mask_m = offs_n < N, offs_m < M
     offs_k = tl.arange(0, BLOCK_K)
     w_base = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn            # [1, BLOCK_N]: Q read as [BLOCK_K, BLOCK_N]
-    s_base = s_ptr + (offs_n // scale_rows)[None, :].to(tl.int64) * stride_sn
+    s_off = (offs_n // scale_rows)[None, :].to(tl.int64) * stride_sn   # INT4 zero points lie as the scales do
     x_base = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + offs_k
         mask_k = ks < K
-        if INT4:   # the input's nibble of its byte (the low one first), less 8
+        if SCALE_COLUMN_TILE:   # the tile lies in one column of scale blocks
+            s_at, s_mask = s_off + k0 // scale_cols, mask_n[None, :]
+        else:
+            s_at, s_mask = s_off + (ks // scale_cols)[:, None], mask_k[:, None] & mask_n[None, :]
+        s = tl.load(s_ptr + s_at, mask=s_mask, other=0.0)
+        if INT4:   # the input's nibble of its byte (the low one first), less its zero point (8, or its group's)
             byte = tl.load(w_base + (ks // 2)[:, None], mask=mask_k[:, None] & mask_n[None, :], other=0)
-            w = (((byte.to(tl.int32) >> ((ks % 2) * 4)[:, None]) & 15) - 8).to(tl.float32)
+            w = ((byte.to(tl.int32) >> ((ks % 2) * 4)[:, None]) & 15).to(tl.float32)
+            if ZEROS:
+                w = w - tl.load(z_ptr + s_at, mask=s_mask, other=0).to(tl.float32)
+            else:
+                w = w - 8.0
         else:
             w = tl.load(w_base + ks[:, None], mask=mask_k[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
-        if SCALE_COLUMN_TILE:   # the tile lies in one column of scale blocks
-            s = tl.load(s_base + k0 // scale_cols, mask=mask_n[None, :], other=0.0)
-        else:
-            s = tl.load(s_base + (ks // scale_cols)[:, None], mask=mask_k[:, None] & mask_n[None, :], other=0.0)
         w = dequantize_tile(w, s.to(tl.float32), x_ptr.dtype.element_ty, BF16_BY_BITS)
         x = tl.load(x_base + ks[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         acc = tl.dot(x.to(DOT_DTYPE), w.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
@@ -104,9 +110,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
 
 
 def dequantizing_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_rows: int, scale_cols: int,
-                        k: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+                        k: int, bias: torch.Tensor | None = None, zeros: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., k] @ W^T (+ bias) in x's dtype, W [N, k] held as `weight` (FP8 values, or INT4 codes two a byte: uint8
-    [N, k / 2]) times `scale`, one a block of `scale_rows` x `scale_cols` (each at most its axis)."""
+    [N, k / 2], less `zeros` where given, laid out as `scale`, else 8) times `scale`, one a block of `scale_rows` x
+    `scale_cols` (each at most its axis)."""
     n = weight.shape[0]
     assert x.shape[-1] == k, f"x {tuple(x.shape)} against weight {(n, k)}"
     assert bias is None or (bias.shape == (n,) and bias.stride(0) == 1), f"bias {tuple(bias.shape)}"
@@ -120,11 +127,12 @@ def dequantizing_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tens
     dtype = dot_dtype(x.dtype)
     grid = (triton.cdiv(n, block_n), triton.cdiv(rows.shape[0], block_m))
     _fp8_linear_kernel[grid](
-        rows, weight, scale, bias if bias is not None else out, out,
+        rows, weight, scale, zeros if zeros is not None else scale, bias if bias is not None else out, out,
         rows.shape[0], n, k, scale_rows, scale_cols,
         rows.stride(0), weight.stride(0), scale.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, SCALE_COLUMN_TILE=scale_cols % block_k == 0 or scale_cols >= k,
-        INT4=weight.dtype == torch.uint8, BF16_BY_BITS=INTERPRETED and x.dtype == torch.bfloat16,
+        INT4=weight.dtype == torch.uint8, ZEROS=zeros is not None,
+        BF16_BY_BITS=INTERPRETED and x.dtype == torch.bfloat16,
         DOT_DTYPE=dtype, DOT_PRECISION="ieee" if dtype == tl.float32 else "tf32",
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
     )

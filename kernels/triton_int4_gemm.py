@@ -1,10 +1,11 @@
 """A linear layer over INT4 weights held as a checkpoint packs them (weight-only, W4A16), as one Triton GEMM that
 decodes each weight tile as it loads it:
 
-    out[m, n] = sum over k of x[m, k] x W[n, k]  (+ bias[n]),   W[n, k] = round_dtype((code[n, k] - 8) x S[n, k // G])
+    out[m, n] = sum over k of x[m, k] x W[n, k]  (+ bias[n]),   W[n, k] = round_dtype((code[n, k] - Z) x S[n, k // G])
 
 W is held as bytes [N, K / 2], two 4-bit codes a byte (input 2j in the low nibble, 2j + 1 in the high one; each code
-the signed value plus 8) and scales S [N, K / G] in the model's dtype, one per group of G inputs of a row: what
+the signed value plus 8) and scales S [N, K / G] in the model's dtype, one per group of G inputs of a row, Z 8 or,
+where the checkpoint stores zero points (AWQ's), Z[n, k // G] uint8 [N, K / G] beside the scales: what
 `engine.int4_weights.dequantize_int4` computes, value for value (the product in float32, rounded once to x's dtype),
 so the layer computes what the same layer over the dequantized weight computes, up to the order of its sums. A tile
 reads half a byte a weight plus its group's scale: a quarter of a bfloat16 weight's traffic, which is what a decode
@@ -25,13 +26,16 @@ from kernels.triton_fp8_gemm import dequantizing_linear
 __all__ = ["int4_linear"]
 
 
-def int4_linear(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+def int4_linear(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
+                zeros: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] (float16, bfloat16 or float32) @ W^T (+ bias [N]) -> [..., N] in x's dtype, W the INT4 weight
-    held as `blocks` [N, K / 2] uint8 and `scales` [N, K / G] (G, the group, from their shapes)."""
+    held as `blocks` [N, K / 2] uint8, `scales` [N, K / G] (G, the group, from their shapes) and `zeros` (uint8, as
+    the scales; None: 8)."""
     n, half = blocks.shape
     k = 2 * half
     assert blocks.dtype == torch.uint8 and blocks.stride(1) == 1, f"blocks {blocks.dtype} {tuple(blocks.shape)}"
     assert scales.dim() == 2 and scales.shape[0] == n and scales.shape[1] and k % scales.shape[1] == 0 \
         and scales.stride(1) == 1, f"scales {tuple(scales.shape)} for a weight of {(n, k)}"
-    return dequantizing_linear(x, blocks, scales, 1, k // scales.shape[1], k, bias)
+    assert zeros is None or zeros.dtype == torch.uint8 and zeros.shape == scales.shape \
+        and zeros.stride() == scales.stride(), f"zeros {zeros.dtype} {tuple(zeros.shape)} beside the scales"
+    return dequantizing_linear(x, blocks, scales, 1, k // scales.shape[1], k, bias, zeros)

@@ -1,11 +1,12 @@
 """A linear layer whose weight is held as an INT4 checkpoint packs it (`engine.int4_weights`): half a byte a weight
 plus a scale a group, a quarter of a bfloat16 weight's bytes in memory and in every decode step's reads.
 
-`Int4Linear` takes an `nn.Linear`'s place (`swap_int4_linears`, while the model is still on the meta device, before
-its parameters are allocated) and holds `blocks` [N, K / 2] uint8 (two codes a byte, the low nibble first),
-`scales` [N, K / group] and the bias, if any, in the model's dtype. Loading fills them as it fills a float weight:
-a fused projection's parts (q, k and v in qkv_proj) take their rows of both, a row-parallel layer's rank its columns
-(whole groups: `engine.models.held_int4`). Where the model runs the Triton kernels (CUDA; the interpreter in the
+`Int4Linear` takes an `nn.Linear`'s place (`swap_int4_linears`, while the model is still on the meta device, before its
+parameters are allocated) and holds `blocks` [N, K / 2] uint8 (two codes a byte, the low nibble first), `scales` [N, K /
+group] and the bias, if any, in the model's dtype, and where the checkpoint stores zero points (AWQ's, an asymmetric
+scheme's) `zeros` [N, K / group] uint8 (a code's zero; 8 where none is held). Loading fills them as it fills a float
+weight: a fused projection's parts (q, k and v in qkv_proj) take their rows of both, a row-parallel layer's rank its
+columns (whole groups: `engine.models.held_int4`). Where the model runs the Triton kernels (CUDA; the interpreter in the
 tests) it runs `kernels.triton_int4_gemm`, which decodes each tile as it loads it; elsewhere the weight is
 dequantized on each call and multiplied by `F.linear` (a CPU holds INT4 weights to save memory, not time).
 """
@@ -25,15 +26,19 @@ __all__ = ["Int4Linear", "swap_int4_linears"]
 class Int4Linear(nn.Module):
     """`y = x W^T + b` over W held as INT4 codes and a scale for each `group` inputs of a row."""
 
-    parameter_dtypes = {"blocks": torch.uint8}   # `build_model` allocates them; the scales in the model's dtype
+    parameter_dtypes = {"blocks": torch.uint8, "zeros": torch.uint8}   # `build_model` allocates them; the scales in
+                                                                       # the model's dtype
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, group: int, triton: bool = False) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool, group: int, triton: bool = False,
+                 zeros: bool = False) -> None:
         super().__init__()
         if in_features % group:
             raise ValueError(f"an INT4 layer of {in_features} inputs in groups of {group}: not whole groups")
         self.in_features, self.out_features, self.group = in_features, out_features, group
         self.blocks = nn.Parameter(torch.empty(out_features, in_features // 2), requires_grad=False)
         self.scales = nn.Parameter(torch.empty(out_features, in_features // group), requires_grad=False)
+        self.zeros = nn.Parameter(torch.empty(out_features, in_features // group), requires_grad=False) if zeros \
+            else None
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.triton = triton   # the Triton GEMM (where the model runs the Triton kernels), else dequantized per call
 
@@ -41,21 +46,22 @@ class Int4Linear(nn.Module):
         if self.triton:
             from kernels.triton_int4_gemm import int4_linear
 
-            return int4_linear(x, self.blocks, self.scales, self.bias)
-        return F.linear(x, dequantize_int4(self.blocks, self.scales, x.dtype), self.bias)
+            return int4_linear(x, self.blocks, self.scales, self.bias, self.zeros)
+        return F.linear(x, dequantize_int4(self.blocks, self.scales, x.dtype, self.zeros), self.bias)
 
     @property
     def held_bytes(self) -> int:
-        """The bytes of its codes and scales (the bias not counted: a float layer has it too)."""
-        return self.blocks.numel() + self.scales.numel() * self.scales.element_size()
+        """The bytes of its codes, scales and zero points (the bias not counted: a float layer has it too)."""
+        zeros = self.zeros.numel() if self.zeros is not None else 0
+        return self.blocks.numel() + self.scales.numel() * self.scales.element_size() + zeros
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"group={self.group}")
+                f"group={self.group}, zeros={self.zeros is not None}")
 
 
-def swap_int4_linears(model: nn.Module, names: set[str], group: int, triton: bool = False) -> None:
+def swap_int4_linears(model: nn.Module, names: set[str], group: int, triton: bool = False, zeros: bool = False) -> None:
     """Each `nn.Linear` of `model` (on the meta device) whose name is in `names` replaced by an `Int4Linear` in
-    groups of `group`, on the Triton GEMM where `triton`."""
+    groups of `group` (with zero points where `zeros`), on the Triton GEMM where `triton`."""
     replace_linears(model, names.__contains__, lambda linear: Int4Linear(
-        linear.in_features, linear.out_features, linear.bias is not None, group, triton))
+        linear.in_features, linear.out_features, linear.bias is not None, group, triton, zeros))

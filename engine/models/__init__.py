@@ -285,10 +285,11 @@ def _keeps_stored_fp8(model: LlamaForCausalLM | ModelConfig, shard: ShardShape) 
 
 def held_packed(config: ModelConfig, shard: ShardShape, quantization: str, device_type: str) -> str | None:
     """How one rank (`shard`) holds a checkpoint's 4-bit experts as stored: "mxfp4" (GPT-OSS's, `kernels.mxfp4`: 4.25
-    bits a weight), "int4" (pack-quantized, `engine.int4_weights`: 4 bits plus a scale a group), or None where they
-    are dequantized as read. Held under `quantization` auto on a GPU (the Triton kernels decode each tile as loaded),
-    fp8 or the format's own key on any device (a CPU dequantizes each expert a step hits: memory, not speed), where
-    the rank's share of the intermediate size is whole groups; a ConfigError naming the key where that key cannot."""
+    bits a weight), "int4" (`engine.int4_formats`: 4 bits plus a scale a group), or None where they are dequantized as
+    read (INT4 experts with zero points or in activation order too). Held under `quantization` auto on a GPU (the Triton
+    kernels decode each tile as loaded), fp8 or the format's own key on any device (a CPU dequantizes each expert a step
+    hits: memory, not speed), where the rank's share of the intermediate size is whole groups; a ConfigError naming the
+    key where that key cannot."""
     kind, group = ("mxfp4", MXFP4_GROUP) if config.mxfp4_experts else ("int4", config.int4_group or 0)
     stored = config.mxfp4_experts or config.int4_group is not None
     if quantization in ("mxfp4", "int4") and quantization != kind or quantization == kind and not stored:
@@ -299,8 +300,8 @@ def held_packed(config: ModelConfig, shard: ShardShape, quantization: str, devic
         raise ConfigError("quantization: mxfp4 holds a checkpoint's MXFP4 experts as stored; this model has no "
                           "experts: use auto or none")
     if not stored or quantization == "none" or quantization == "auto" and device_type != "cuda" \
-            or not config.num_experts:
-        return None
+            or not config.num_experts or config.int4_zero_points or config.int4_act_order:
+        return None   # (INT4 experts with zero points, or in activation order: dequantized as read)
     if shard.moe_intermediate_size % group and quantization == kind:
         raise ConfigError(f"quantization: {kind} under tensor parallelism {shard.size} cuts each expert's "
                           f"{config.moe_intermediate_size} inputs into shares of {shard.moe_intermediate_size}, not "
@@ -323,7 +324,7 @@ def held_int4(model: LlamaForCausalLM, quantization: str, device_type: str) -> s
     A ConfigError naming `quantization: int4` where a rank's cut would split a group."""
     config, group = model.config, model.config.int4_group
     reader = _fp8_reader(type(model))
-    if group is None or reader is None or quantization not in ("auto", "fp8", "int4") \
+    if group is None or reader is None or config.int4_act_order or quantization not in ("auto", "fp8", "int4") \
             or quantization == "auto" and device_type != "cuda":
         return set()
     columns = fp8_cuts(config, model.shard)
@@ -358,7 +359,7 @@ def _hold_quantized(model: LlamaForCausalLM, quantization: str, device_type: str
             module.hold_packed(kind, MXFP4_GROUP if kind == "mxfp4" else config.int4_group)
             model.packed_params |= {f"{name}.w13", f"{name}.w2"}
     int4 = held_int4(model, quantization, device_type)
-    swap_int4_linears(model, int4, config.int4_group, triton)
+    swap_int4_linears(model, int4, config.int4_group, triton, config.int4_zero_points)
     model.packed_params |= {f"{name}.weight" for name in int4}   # the float weight's name, as the reading asks
     if quantization == "int4" and not kind and not int4:
         raise ConfigError("quantization: int4 holds a checkpoint's INT4 experts and projections as stored; this model "
@@ -412,6 +413,7 @@ def held_weight_bytes(config: ModelConfig, shard: ShardShape, dtype: torch.dtype
     model = _meta_model(config, shard, dtype, quantization, device_type)
     saved = sum(m.weight.numel() * (dtype.itemsize - 1) - m.weight_scale.numel() * 4 for m in model.fp8_layers.values())
     saved += sum((2 * m.blocks.numel() - m.scales.numel()) * dtype.itemsize - m.blocks.numel()   # two codes a byte
+                 - (m.zeros.numel() if m.zeros is not None else 0)   # a zero point a group, a byte each
                  for m in model.modules() if isinstance(m, Int4Linear))
     saved += sum(2 * (m.w13.numel() + m.w2.numel()) * dtype.itemsize - _expert_bytes(m, dtype)   # two codes a byte
                  for m in _held_blocks(model) if m.packed)

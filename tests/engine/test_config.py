@@ -55,7 +55,7 @@ LLAMA = {"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size"
     ({"quantization_config": {"quant_method": "compressed-tensors", "sparsity_config": {"format": "sparse-24"},
                               "kv_cache_scheme": {"num_bits": 8, "type": "float"}}}, r"quantization_config: "),
     ({"architectures": ["Gemma3ForConditionalGeneration"], "text_config": {},
-      "quantization_config": {"quant_method": "awq"}}, r"quantization_config: .*\(awq\)"),
+      "quantization_config": {"quant_method": "bitsandbytes"}}, r"quantization_config: .*\(bitsandbytes\)"),
     ({"compression_config": {"quant_method": "compressed-tensors"}}, r"compression_config: .*compressed-tensors"),
     ({"quantization_config": None, "compression_config": {"config_groups": {"group_0": {"weights": {"num_bits": 4}}}}},
      r"compression_config: quantized checkpoints \(unnamed\)"),
@@ -211,8 +211,11 @@ def test_missing_and_malformed_config_json(tmp_path):
     with pytest.raises(ConfigError, match=r"config.json: must be a JSON object, got \[1\]"):
         ModelConfig.from_folder(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(LLAMA))   # AutoGPTQ's checkpoints say it beside config.json
-    (tmp_path / "quantize_config.json").write_text('{"bits": 4, "group_size": 128}')
-    with pytest.raises(ConfigError, match=r"quantize_config.json: quantized checkpoints \(GPTQ\) are not supported"):
+    (tmp_path / "quantize_config.json").write_text('{"bits": 3, "group_size": 128}')
+    with pytest.raises(ConfigError, match=r"^quantize_config.json: bits: GPTQ checkpoints of 4 bits are served"):
+        ModelConfig.from_folder(tmp_path)
+    (tmp_path / "quantize_config.json").write_text('{"bits": 4, "group_size": 128')
+    with pytest.raises(ConfigError, match=r"^quantize_config.json: not valid JSON"):
         ModelConfig.from_folder(tmp_path)
 
 
@@ -847,8 +850,8 @@ def test_gpt_oss_as_its_model_card_writes_it_and_its_defaults_as_transformers_re
          theirs.sliding_window, tuple(theirs.layer_types), rope["rope_theta"], rope["factor"], rope["truncate"],
          rope["original_max_position_embeddings"], theirs.max_position_embeddings, theirs.rms_norm_eps,
          theirs.swiglu_alpha, theirs.swiglu_limit, theirs.attention_bias)
-    with pytest.raises(ConfigError, match=r"^quantization_config: quantized checkpoints \(gptq\) are not supported"):
-        ModelConfig.from_hf_config({**GPT_OSS_20B, "quantization_config": {"quant_method": "gptq"}})
+    with pytest.raises(ConfigError, match=r"^quantization_config: quantized checkpoints \(hqq\) are not supported"):
+        ModelConfig.from_hf_config({**GPT_OSS_20B, "quantization_config": {"quant_method": "hqq"}})
     with pytest.raises(ConfigError, match=r"^quantization_config: quantized checkpoints \(mxfp4\) are not supported"):
         ModelConfig.from_hf_config({**LLAMA, "quantization_config": {"quant_method": "mxfp4"}})
 

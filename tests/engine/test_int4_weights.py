@@ -138,16 +138,16 @@ def test_two_ranks_hold_their_halves_of_each_int4_expert_and_decode_as_one(tmp_p
 
 
 def test_the_config_and_the_device_key_choose_and_refuse_by_name(tmp_path, builtin_path):
-    """A pack-quantized config reads its group; what it says that is not served (8 bits, asymmetric, activation
-    order, quantized activations, two group sizes) is refused naming the key. auto holds INT4 experts on a GPU and
-    dequantizes them on a CPU; int4 and fp8 hold them anywhere; int4 on a checkpoint without them, or a rank's share
-    that splits a group, is refused naming the key. A layer missing one of its three tensors is named."""
+    """A pack-quantized config reads its group; what it says that is not served (8 bits, a symmetry that is not true or
+    false, activation order, quantized activations, two group sizes) is refused naming the key. auto holds INT4 experts
+    on a GPU and dequantizes them on a CPU; int4 and fp8 hold them anywhere; int4 on a checkpoint without them, or a
+    rank's share that splits a group, is refused naming the key. A layer missing one of its three tensors is named."""
     weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}
     quant = {"quant_method": "compressed-tensors", "format": "pack-quantized",
              "config_groups": {"group_0": {"weights": weights}}}
     assert int4_group(quant, "quantization_config") == 32
     assert int4_group({**quant, "format": "float-quantized"}, "q") is None
-    for change, named in (({"num_bits": 8}, "weights: served are 4-bit"), ({"symmetric": False}, "weights: served"),
+    for change, named in (({"num_bits": 8}, "weights: served are 4-bit"), ({"symmetric": "no"}, "weights: served"),
                           ({"actorder": "group"}, "weights: activation-ordered"),
                           ({"group_size": 0}, "weights.group_size")):
         bad = {**quant, "config_groups": {"group_0": {"weights": {**weights, **change}}}}

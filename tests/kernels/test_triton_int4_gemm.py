@@ -54,6 +54,20 @@ def test_the_triton_int4_gemm_computes_what_the_dequantized_weight_computes(n, k
         assert_the_product(int4_linear(x, blocks, scales, b), want, dtype, seed)
 
 
+@pytest.mark.parametrize("n,k,group,rows", [CASES[0], CASES[1], CASES[3]])
+def test_zero_points_are_subtracted_as_the_dequantized_weight_subtracts_them(n, k, group, rows):
+    """AWQ's kind (`Int4Linear.zeros`, a zero point 0 .. 15 a group beside its scale, one byte each): each output is
+    x times (code - zero) x scale rounded to bfloat16, summed in float32, with groups narrower than a K tile (each
+    element's zero gathered) and as wide (one a row)."""
+    seed = _make_seed()
+    x, blocks, scales, bias = _operands(n, k, group, rows, torch.bfloat16, seed)
+    zeros = torch.randint(0, 16, scales.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.uint8)
+    dequantized = dequantize_int4(blocks, scales, torch.bfloat16, zeros)
+    assert not torch.equal(dequantized, dequantize_int4(blocks, scales, torch.bfloat16)), f"seed {seed}"
+    want = x.float() @ dequantized.float().T + bias.float()
+    assert_the_product(int4_linear(x, blocks, scales, bias, zeros), want, torch.bfloat16, seed)
+
+
 def test_leading_dimensions_an_empty_batch_and_a_strided_input():
     """x of any leading shape comes back in it; no rows launch nothing; rows of a wider tensor (a stride past K)
     are read in place."""
@@ -67,23 +81,28 @@ def test_leading_dimensions_an_empty_batch_and_a_strided_input():
     torch.testing.assert_close(int4_linear(wide, blocks, scales), int4_linear(x, blocks, scales))
 
 
+@pytest.mark.parametrize("kind", ["pack-quantized", "awq"])
 def test_a_dense_int4_model_decodes_alike_on_the_triton_gemm_and_on_the_cpu_layer(tmp_path, builtin_path,
-                                                                                  monkeypatch):
-    """A dense W4A16 checkpoint held as stored (`quantization: int4`, every decoder projection an `Int4Linear`): the
-    Triton GEMM decoding each tile as loaded gives the greedy tokens the CPU's layer (the weight dequantized on each
-    call) gives."""
+                                                                                  monkeypatch, kind):
+    """A dense W4A16 checkpoint held as stored (`quantization: int4`, every decoder projection an `Int4Linear`;
+    pack-quantized, or AWQ's with a zero point a group): the Triton GEMM decoding each tile as loaded gives the
+    greedy tokens the CPU's layer (the weight dequantized on each call) gives."""
     pytest.importorskip("compressed_tensors")
     from engine.config import CacheConfig, EngineConfig, PoolConfig, SchedulerConfig
     from engine.layers.int4_linear import Int4Linear
     from engine.llm_engine import LLMEngine
     from engine.sampling import SamplingParams
     from tests.conftest import make_tiny_model
+    from tests.engine.test_awq_gptq_weights import awq_checkpoint, awq_packing
     from tests.engine.test_int4_weights import int4_checkpoint
 
     rng = random.Random(11)
     prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (5, 21)]
     folder = make_tiny_model(tmp_path / "qwen3", "qwen3", builtin_path, head_dim=16, intermediate_size=128)
-    int4_checkpoint(folder, experts_only=False)
+    if kind == "awq":
+        awq_checkpoint(folder, awq_packing())
+    else:
+        int4_checkpoint(folder, experts_only=False)
     results = {}
     for backend in ("triton", "torch"):
         monkeypatch.setenv("CLIFFGUARD_ATTENTION_BACKEND", backend)
@@ -94,6 +113,7 @@ def test_a_dense_int4_model_decodes_alike_on_the_triton_gemm_and_on_the_cpu_laye
                            progress=False)
         held = [m for m in engine.model.modules() if isinstance(m, Int4Linear)]
         assert len(held) == 4 * len(engine.model.layers) and all(m.triton == (backend == "triton") for m in held)
+        assert all((m.zeros is not None) == (kind == "awq") for m in held)
         outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
         results[backend] = [o.outputs[0].token_ids for o in outs]
     assert results["triton"] == results["torch"]

@@ -479,6 +479,7 @@ def test_the_examples_measure_their_gpus_where_they_are_served():
     ("deepseek-v3.2-8xh200.yaml", 141 * GiB, 681_924_704_256, "bfloat16"),
     ("kimi-k2-thinking-8xh200.yaml", 141 * GiB, 594_535_653_376, "bfloat16"),
     ("qwen3-32b-w4a16-l40s.yaml", 48 * GiB, 19_203_401_728, "float8_e4m3fn"),
+    ("qwen3-32b-awq-l40s.yaml", 48 * GiB, 19_447_195_648, "float8_e4m3fn"),   # + a zero point a group: 243,793,920 B
     ("mimo-v2-flash-8xh200.yaml", 141 * GiB, 617_656_151_936, "float8_e4m3fn"),
 ])
 def test_the_example_files_plan(name, vram, dense_bytes, kv):
@@ -490,7 +491,8 @@ def test_the_example_files_plan(name, vram, dense_bytes, kv):
     12 attention layers' K/V alone, and each sequence's state of its 36 linear layers beside them: S_state), and
     Mistral Small 4 on two H200s with an FP8 cache (its latent cache whole on each GPU: 36 layers x 320 B a token),
     and the FP8 releases of Qwen3-32B on one H100 and DeepSeek V3.2 on eight H200s, held in FP8, and Kimi K2
-    Thinking's INT4 experts held as stored on eight H200s, and Qwen3-32B's INT4 projections on one 48 GB card, and
+    Thinking's INT4 experts held as stored on eight H200s, and Qwen3-32B's INT4 projections on one 48 GB card (and
+    AWQ's, a zero point a group beside them), and
     MiMo-V2-Flash on eight H200s with an FP8 cache (its two attention shapes, each GPU one KV head a layer)."""
     data = yaml.safe_load((REPO / "config" / "examples" / name).read_text())
     config = parse_config(data, env={}, base_dir=REPO / "config" / "examples")

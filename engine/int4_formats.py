@@ -1,0 +1,231 @@
+"""The INT4 checkpoints we read, each turned as it is read into one held form (`engine.int4_weights`): codes two a
+byte [out, in / 2], a scale for each group of inputs of a row [out, in / group], and where the format has them a zero
+point a group [out, in / group] (uint8):
+
+    weight[r, c] = (code[r, c] - zero[r, c // group]) x scale[r, c // group]      (zero = 8 where none is stored)
+
+- llm-compressor's pack-quantized (`quant_method: compressed-tensors`, `format: pack-quantized`; `engine.int4_weights`
+  reads its config): `X.weight_packed` int32 [out, in / 8] (sequential, the first value in the lowest bits, each the
+  signed value plus 8), `X.weight_scale`, `X.weight_shape`, and for an asymmetric scheme `X.weight_zero_point` int32
+  [out / 8, groups] packed along the rows (the signed zero plus 8). Its `W4A16_ASYM` and AWQ recipes write these.
+- AutoAWQ's (`quant_method: awq`, `version: gemm`: the `-AWQ` releases of Qwen, Llama, Mistral ...): `X.qweight`
+  int32 [in, out / 8] and `X.qzeros` int32 [in / group, out / 8], eight outputs a word in AWQ's order (the word's
+  nibbles hold outputs 0, 2, 4, 6, 1, 3, 5, 7 of its eight, the lowest first), `X.scales` [in / group, out].
+- GPTQ's (`quant_method: gptq`: AutoGPTQ's and GPTQModel's, the `-GPTQ-Int4` releases): `X.qweight` int32
+  [in / 8, out] (eight inputs a word, the first in the lowest bits), `X.qzeros` int32 [in / group, out / 8] (eight
+  outputs a word, in order), `X.scales` [in / group, out], `X.g_idx` [in] (each input's group). In the format
+  `checkpoint_format: gptq` (v1, the default) each zero is stored less one, as GPTQ's kernels read it. Under
+  `desc_act: true` (activation order) an input's group is `g_idx`'s, not its position's: such weights are
+  dequantized as read (`dequantize_int4` gathers each input's scale), never held as stored.
+
+Served: 4 bits, one group size (a group of whole inputs, not -1: a row), the weights alone quantized. Which layers a
+checkpoint quantizes (`int4_modules`' (targets, ignore), matched by `engine.int4_weights.int4_quantizes`): for AWQ
+and GPTQ every linear layer of the decoder layers, less those `modules_to_not_convert` names (a part of the name, as
+AutoAWQ matches it), or those `modules_in_block_to_quantize` lists alone. Anything else the config says that is not
+served is refused naming its key.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.config import ConfigError
+from engine.int4_weights import INT4_SUFFIXES, dequantize_int4, int4_group, int4_modules
+
+__all__ = ["Int4Scheme", "int4_scheme", "int4_tensors", "pack_codes", "unpack_words"]
+
+AWQ_COLUMNS = (0, 4, 1, 5, 2, 6, 3, 7)   # output j of a word's eight: its nibble's place in AWQ's order
+_DECODER_LAYERS = r"re:.*\blayers\.\d+\."
+
+
+@dataclass(frozen=True)
+class Int4Scheme:
+    """How a checkpoint stores its INT4 weights: `format` ("pack-quantized", "awq", "gptq" or "gptq_v2"), the inputs a
+    scale covers (`group`), whether zero points are stored (`zero_points`), whether an input's group is `g_idx`'s
+    (`act_order`), and the layers quantized (`modules`: (targets, ignore))."""
+
+    format: str
+    group: int
+    zero_points: bool
+    act_order: bool
+    modules: tuple[tuple[str, ...], tuple[str, ...]]
+
+    @classmethod
+    def of(cls, config: Any) -> "Int4Scheme":
+        """The scheme a `ModelConfig` read (its `int4_*` fields)."""
+        return cls(config.int4_format, config.int4_group, config.int4_zero_points, config.int4_act_order,
+                   config.int4_modules)
+
+    @property
+    def suffixes(self) -> tuple[str, ...]:
+        """The tensors each quantized layer X stores, after X."""
+        if self.format == "pack-quantized":
+            return INT4_SUFFIXES + ((".weight_zero_point",) if self.zero_points else ())
+        return (".qweight", ".qzeros", ".scales") + ((".g_idx",) if self.format.startswith("gptq") else ())
+
+
+def int4_scheme(quant: Any, key: str) -> Int4Scheme | None:
+    """The INT4 scheme of config.json's `quantization_config` (`key`: its key there), None for another method; a
+    ConfigError naming what it says that is not served."""
+    group = int4_group(quant, key)
+    if group is not None:
+        symmetric = all(g["weights"]["symmetric"] for g in quant["config_groups"].values())
+        return Int4Scheme("pack-quantized", group, not symmetric, False, int4_modules(quant, key))
+    method = quant.get("quant_method") if isinstance(quant, dict) else None
+    if method not in ("awq", "gptq"):
+        return None
+    bits = quant.get("bits", quant.get("w_bit"))
+    if bits != 4:
+        raise ConfigError(f"{key}.bits: {method.upper()} checkpoints of 4 bits are served, got {bits!r}")
+    size = quant.get("group_size", quant.get("q_group_size"))
+    if not isinstance(size, int) or isinstance(size, bool) or size < 2 or size % 2:
+        raise ConfigError(f"{key}.group_size: an even number of inputs a scale covers, got {size!r} (a scale a whole "
+                          "row, -1, is not served)")
+    return _awq_scheme(quant, key, size) if method == "awq" else _gptq_scheme(quant, key, size)
+
+
+def _awq_scheme(quant: dict[str, Any], key: str, group: int) -> Int4Scheme:
+    version = str(quant.get("version", "gemm")).lower()
+    if version != "gemm":
+        raise ConfigError(f"{key}.version: AWQ's gemm layout is served, got {quant.get('version')!r}")
+    if quant.get("zero_point", True) is not True:
+        raise ConfigError(f"{key}.zero_point: AWQ checkpoints with zero points are served, got "
+                          f"{quant.get('zero_point')!r}")
+    skipped = _names(quant, key, "modules_to_not_convert")
+    return Int4Scheme("awq", group, True, False, ((_DECODER_LAYERS,), tuple(f"re:.*{re.escape(n)}" for n in skipped)))
+
+
+def _gptq_scheme(quant: dict[str, Any], key: str, group: int) -> Int4Scheme:
+    form = quant.get("checkpoint_format", "gptq")
+    if form not in ("gptq", "gptq_v2"):
+        raise ConfigError(f"{key}.checkpoint_format: gptq or gptq_v2 is served, got {form!r}")
+    for flag in ("desc_act", "sym"):
+        if not isinstance(quant.get(flag, flag == "sym"), bool):
+            raise ConfigError(f"{key}.{flag}: true or false, got {quant.get(flag)!r}")
+    if quant.get("dynamic"):
+        raise ConfigError(f"{key}.dynamic: per-module GPTQ settings are not served")
+    if quant.get("lm_head"):
+        raise ConfigError(f"{key}.lm_head: a quantized lm_head is not served")
+    blocks = quant.get("modules_in_block_to_quantize") or []
+    if not isinstance(blocks, list) or not all(isinstance(b, list) for b in blocks):
+        raise ConfigError(f"{key}.modules_in_block_to_quantize: lists of module names, got {blocks!r:.120}")
+    names = _names({"modules": [n for b in blocks for n in b]}, key, "modules") if blocks else ()
+    targets = tuple(rf"re:.*\blayers\.\d+\.{re.escape(n)}$" for n in names) or (_DECODER_LAYERS,)
+    return Int4Scheme(form, group, not quant.get("sym", True), quant.get("desc_act", False), (targets, ()))
+
+
+def _names(quant: dict[str, Any], key: str, part: str) -> tuple[str, ...]:
+    names = quant.get(part) or ()
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) and n for n in names):
+        raise ConfigError(f"{key}.{part}: a list of module names, got {names!r:.120}")
+    return tuple(names)
+
+
+def unpack_words(words: torch.Tensor, dim: int) -> torch.Tensor:
+    """int32 words [rows, cols] as their eight 4-bit values (uint8, 0 .. 15), the lowest bits first, spread along
+    `dim` (0: [8 rows, cols]; 1: [rows, 8 cols])."""
+    if words.dtype != torch.int32 or words.dim() != 2:
+        raise ValueError(f"packed 4-bit values are int32 words [rows, cols], got {words.dtype} {tuple(words.shape)}")
+    nibbles = torch.stack([(words >> (4 * i)) & 15 for i in range(8)], dim=dim + 1)
+    return nibbles.flatten(dim, dim + 1).to(torch.uint8)
+
+
+def pack_codes(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit codes [rows, cols] (uint8, 0 .. 15) as the held bytes [rows, cols / 2], an even input's the low nibble."""
+    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
+
+
+Decoded = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]   # codes, scales, zeros, g_idx
+
+
+def _decode(scheme: Int4Scheme, key: str, parts: dict[str, torch.Tensor]) -> Decoded:
+    """One layer's stored tensors as (codes [out, in] uint8, scales [out, groups], zeros [out, groups] uint8 or None
+    where every one is 8, each input's group [in] or None where it is its position's); ValueError naming the tensor
+    that does not fit."""
+    if scheme.format == "pack-quantized":
+        shape = tuple(int(n) for n in parts[".weight_shape"].flatten().tolist())
+        packed = parts[".weight_packed"]
+        if len(shape) != 2 or tuple(packed.shape) != (shape[0], (shape[1] + 7) // 8):
+            raise ValueError(f"{key}.weight_packed: shape {tuple(packed.shape)} does not hold a weight of {shape}")
+        codes, scales = unpack_words(packed, 1)[:, :shape[1]], parts[".weight_scale"]
+        zeros = parts.get(".weight_zero_point")
+        if zeros is not None:
+            zeros = _fitted(key, ".weight_zero_point", unpack_words(zeros, 0), (shape[0], scales.shape[-1]))
+        return codes, scales, zeros, None
+    qweight, qzeros, scales = parts[".qweight"], parts[".qzeros"], parts[".scales"]
+    awq = scheme.format == "awq"
+    codes = unpack_words(qweight, 1 if awq else 0)
+    zeros = unpack_words(qzeros, 1)
+    if awq:   # each word's eight outputs from AWQ's order
+        codes, zeros = (t.unflatten(-1, (-1, 8))[..., AWQ_COLUMNS].flatten(-2) for t in (codes, zeros))
+    elif scheme.format == "gptq":
+        zeros = zeros + 1   # stored less one (v1)
+    inputs, outputs = codes.shape
+    groups = -(-inputs // scheme.group)
+    scales = _fitted(key, ".scales", scales, (groups, outputs)).t().contiguous()
+    zeros = _fitted(key, ".qzeros", zeros, (groups, outputs)).t().contiguous()
+    g_idx = parts.get(".g_idx")
+    if g_idx is not None:
+        g_idx = _fitted(key, ".g_idx", g_idx.long(), (inputs,))
+        if not scheme.act_order and not torch.equal(g_idx, torch.arange(inputs) // scheme.group):
+            raise ValueError(f"{key}.g_idx: inputs out of their groups' order where desc_act is false")
+        g_idx = g_idx if scheme.act_order else None
+    if not scheme.zero_points:
+        if not bool((zeros == 8).all()):
+            raise ValueError(f"{key}.qzeros: a symmetric (sym: true) checkpoint's zero points are 8, got "
+                             f"{sorted(set(zeros.flatten().tolist()))[:4]}")
+        zeros = None
+    return codes.t().contiguous(), scales, zeros, g_idx
+
+
+def _fitted(key: str, suffix: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """`tensor` cut to `shape` where it is padded to whole words, else a ValueError naming it."""
+    if tensor.dim() != len(shape) or any(have < want for have, want in zip(tensor.shape, shape)) \
+            or any(have >= want + 8 for have, want in zip(tensor.shape, shape)):
+        raise ValueError(f"{key}{suffix}: shape {tuple(tensor.shape)} does not fit the layer's {shape}")
+    return tensor[tuple(slice(0, n) for n in shape)]
+
+
+def int4_tensors(weights: Iterable[tuple[str, torch.Tensor]], scheme: Int4Scheme,
+                 keep: Callable[[str, torch.Tensor], bool], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """A checkpoint's tensors with each INT4 layer's read together (`scheme.suffixes`): `X.blocks` (its codes two a
+    byte, [out, in / 2]), `X.scales` and, where the scheme has them, `X.zeros` where `keep(X.weight, shape)` says the
+    model holds it as stored, else `X.weight` dequantized to `dtype`; the rest as they come. ValueError naming a
+    layer whose tensors do not fit or do not all come."""
+    suffixes, pending = scheme.suffixes, {}
+    for name, tensor in weights:
+        suffix = next((s for s in suffixes if name.endswith(s)), None)
+        if suffix is None:
+            yield name, tensor
+            continue
+        key = name[:-len(suffix)]
+        parts = pending.setdefault(key, {})
+        parts[suffix] = tensor
+        if len(parts) < len(suffixes):
+            continue
+        del pending[key]
+        codes, scales, zeros, g_idx = _decode(scheme, key, parts)
+        if codes.shape[1] % 2 or codes.shape[1] % scheme.group and g_idx is None:
+            raise ValueError(f"{key}: {codes.shape[1]} inputs are not whole groups of {scheme.group}")
+        if keep(f"{key}.weight", codes.shape):
+            if g_idx is not None:
+                raise ValueError(f"{key}.g_idx: weights in activation order are dequantized as read, not held")
+            yield f"{key}.blocks", pack_codes(codes)
+            yield f"{key}.scales", scales
+            if scheme.zero_points:
+                yield f"{key}.zeros", zeros
+            continue
+        try:
+            yield f"{key}.weight", dequantize_int4(pack_codes(codes), scales, dtype, zeros, g_idx)
+        except ValueError as exc:
+            raise ValueError(f"{key}{suffixes[1] if scheme.format == 'pack-quantized' else '.scales'}: {exc}") from None
+    if pending:
+        key, parts = next(iter(pending.items()))
+        missing = [s for s in suffixes if s not in parts]
+        raise ValueError(f"{key}{missing[0]}: missing beside {key}{next(iter(parts))} (an INT4 layer is stored as "
+                         f"{', '.join(suffixes)})")
