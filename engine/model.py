@@ -448,7 +448,7 @@ class LlamaForCausalLM(CheckpointReading, nn.Module):
                     param.fill_(std)
                 elif name.endswith(("w13_scales", "w2_scales", ".scales")):   # packed weights': codes drawn alike
                     param.fill_(mxfp4_scale(std) if param.dtype == torch.uint8 else std / INT4_STD)   # about std
-                elif name.endswith(".zeros"):   # INT4 zero points: the codes' middle
+                elif name.endswith((".zeros", "_zeros")):   # INT4 zero points: the codes' middle
                     param.fill_(8)
                 elif param.dtype in (torch.float8_e4m3fn, torch.uint8):   # FP8 values; MXFP4's codes, two a byte
                     param.copy_(torch.randint(0, 256, param.shape, generator=gen) if param.dtype == torch.uint8

@@ -22,8 +22,8 @@ value times its block's scale in float32, rounded once to x's dtype, one byte a 
 MXFP4 experts (GPT-OSS's, held as stored: `kernels.mxfp4`) are decoded the same way: each input's byte loaded (a
 byte serves two neighbouring inputs, so the second load is a cache hit), its nibble's e2m1 value times its group's
 power of two built from the e8m0 bits, exact in float32 and in x's dtype: half a byte a weight read. INT4 experts
-(pack-quantized checkpoints' 4-bit integers, `engine.int4_weights`) alike: the nibble less 8 times its group's scale
-in float32, rounded once to x's dtype.
+(INT4 checkpoints' 4-bit integers, `engine.int4_formats`) alike: the nibble less 8, or less its group's zero point
+where the checkpoint stores them (`ZEROS`: AWQ's), times its group's scale in float32, rounded once to x's dtype.
 
 `y` stays in float32 and each pair writes its own row (at its place in the unsorted order), so the sum
 over a token's experts has no atomics and is the same from run to run. Products accumulate in float32
@@ -52,11 +52,11 @@ PACKINGS = (None, "mxfp4", "int4")   # how 4-bit experts are packed: the kernel'
 
 @triton.jit(do_not_specialize=["num_pairs"])   # one compiled variant whatever a step's pair count
 def _moe_gemm_kernel(
-    a_ptr, w_ptr, out_ptr, weight_ptr, bias_ptr, sorted_pairs_ptr, block_expert_ptr, s_ptr,
+    a_ptr, w_ptr, out_ptr, weight_ptr, bias_ptr, sorted_pairs_ptr, block_expert_ptr, s_ptr, z_ptr,
     num_pairs, N, K, row_div, scale_rows, scale_cols,
     stride_am, stride_we, stride_wn, stride_wk, stride_om, stride_be, stride_se, stride_sn,
     MUL_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, W_FP8: tl.constexpr, PACKED: tl.constexpr,
-    BF16_BY_BITS: tl.constexpr,
+    ZEROS: tl.constexpr, BF16_BY_BITS: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -73,7 +73,7 @@ def _moe_gemm_kernel(
     mask_n = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     w_base = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn
-    s_base = s_ptr + expert * stride_se + (offs_n // scale_rows)[None, :].to(tl.int64) * stride_sn   # (W_FP8)
+    s_off = expert * stride_se + (offs_n // scale_rows)[None, :].to(tl.int64) * stride_sn   # INT4's zeros alike
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + offs_k
@@ -81,18 +81,23 @@ def _moe_gemm_kernel(
         a = tl.load(a_ptr + rows[:, None] * stride_am + ks[None, :], mask=valid[:, None] & mask_k[None, :], other=0.0)
         mask_w = mask_k[:, None] & mask_n[None, :]
         if PACKED != 0:   # the input's nibble of its byte, and its group's scale
-            s = tl.load(s_base + (ks // scale_cols)[:, None], mask=mask_w, other=0)
+            s_at = s_off + (ks // scale_cols)[:, None]
+            s = tl.load(s_ptr + s_at, mask=mask_w, other=0)
             byte = tl.load(w_base + (ks // 2)[:, None] * stride_wk, mask=mask_w, other=0)
             code = byte.to(tl.int32) >> ((ks % 2) * 4)[:, None]
             if PACKED == 1:   # MXFP4: e2m1 times an e8m0 power of two, exact
                 w = (_e2m1(code) * _e8m0(s)).to(a_ptr.dtype.element_ty)
-            else:             # INT4: the value less 8, times the group's scale, rounded once
-                w = dequantize_tile(((code & 15) - 8).to(tl.float32), s.to(tl.float32), a_ptr.dtype.element_ty,
+            else:             # INT4: the value less 8 (or its group's zero point), times the group's scale
+                if ZEROS:
+                    zero = tl.load(z_ptr + s_at, mask=mask_w, other=0).to(tl.float32)
+                else:
+                    zero = 8.0
+                w = dequantize_tile((code & 15).to(tl.float32) - zero, s.to(tl.float32), a_ptr.dtype.element_ty,
                                     BF16_BY_BITS)
         else:
             w = tl.load(w_base + ks[:, None] * stride_wk, mask=mask_w, other=0.0)
         if W_FP8:   # each element times its block's scale, rounded to the activations' dtype
-            s = tl.load(s_base + (ks // scale_cols)[:, None], mask=mask_w, other=0.0)
+            s = tl.load(s_ptr + s_off + (ks // scale_cols)[:, None], mask=mask_w, other=0.0)
             w = dequantize_tile(w.to(tl.float32), s, a_ptr.dtype.element_ty, BF16_BY_BITS)
         acc = tl.dot(a.to(DOT_DTYPE), w.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)   # [BLOCK_M, BLOCK_N]
     if HAS_BIAS:   # the expert's bias row, contiguous: [E, N]
@@ -151,11 +156,12 @@ def moe_align(experts: torch.Tensor, num_experts: int, block_m: int) -> tuple[to
 def _gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, sorted_pairs: torch.Tensor,
           block_expert: torch.Tensor, block_m: int, row_div: int, weights: torch.Tensor | None,
           bias: torch.Tensor | None = None, scale: torch.Tensor | None = None,
-          block: tuple[int, int] = (1, 1), packed: str | None = None) -> None:
+          block: tuple[int, int] = (1, 1), packed: str | None = None, zeros: torch.Tensor | None = None) -> None:
     """out[pair] = a[pair // row_div] @ w[expert of pair]^T (plus bias[expert] when given; times weights[pair]
     when given); FP8 weights (`scale` given: [E, rows in blocks, columns in blocks], blocks of `block`)
     dequantized tile by tile; packed 4-bit ones (`packed`: w [E, rows, columns / 2] uint8 and scale [E, rows,
-    columns / group]: MXFP4's e8m0, group 32; INT4's in a float dtype, group `block[1]`) decoded so."""
+    columns / group]: MXFP4's e8m0, group 32; INT4's in a float dtype, group `block[1]`, less `zeros` laid out as
+    the scales where given) decoded so."""
     num_pairs, n, k = out.shape[0], w.shape[1], w.shape[2] * (2 if packed else 1)
     block = (1, MXFP4_GROUP) if packed == "mxfp4" else block
     dtype = dot_dtype(a.dtype)
@@ -165,10 +171,12 @@ def _gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, sorted_pairs: tor
     fp8 = scale is not None and not packed
     _moe_gemm_kernel[grid](
         a, w, out, weights if weights is not None else out, bias if bias is not None else out, sorted_pairs,
-        block_expert, scale if scale is not None else out, num_pairs, n, k, row_div, min(block[0], n), min(block[1], k),
+        block_expert, scale if scale is not None else out, zeros if zeros is not None else out,
+        num_pairs, n, k, row_div, min(block[0], n), min(block[1], k),
         a.stride(0), w.stride(0), w.stride(1), w.stride(2), out.stride(0), bias.stride(0) if bias is not None else 0,
         scale.stride(0) if scale is not None else 0, scale.stride(1) if scale is not None else 0,
         MUL_WEIGHT=weights is not None, HAS_BIAS=bias is not None, W_FP8=fp8, PACKED=PACKINGS.index(packed),
+        ZEROS=zeros is not None,
         BF16_BY_BITS=(fp8 or packed == "int4") and INTERPRETED and a.dtype == torch.bfloat16, DOT_DTYPE=dtype,
         DOT_PRECISION="ieee" if dtype == tl.float32 else "tf32",
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
@@ -179,8 +187,8 @@ def _gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, sorted_pairs: tor
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
               experts: torch.Tensor, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
               act: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul, w13_scale: torch.Tensor | None = None,
-              w2_scale: torch.Tensor | None = None, block: tuple[int, int] = (1, 1), packed: str | None = None
-              ) -> torch.Tensor:
+              w2_scale: torch.Tensor | None = None, block: tuple[int, int] = (1, 1), packed: str | None = None,
+              w13_zeros: torch.Tensor | None = None, w2_zeros: torch.Tensor | None = None) -> torch.Tensor:
     """x: [T, hidden]; w13: [E, 2 x inter, hidden]; w2: [E, hidden, inter]; weights, experts: [T, k] (the
     router's) -> [T, hidden] in x's dtype: each token's experts' gated MLPs, weighted and summed. b13 [E, 2 x
     inter] and b2 [E, hidden]: the experts' biases (GPT-OSS's), where they have them; act: the gate's activation
@@ -189,13 +197,17 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     (`kernels.fp8_gemm`), each weight tile dequantized as it is loaded. Packed 4-bit experts (`packed`: "mxfp4",
     `kernels.mxfp4`; "int4", `engine.int4_weights`): w13 [E, 2 x inter, hidden / 2] and w2 [E, hidden, inter / 2]
     uint8, two codes a byte, w13_scale [E, 2 x inter, hidden / group] and w2_scale alike (MXFP4's e8m0, group 32;
-    INT4's in a float dtype, group `block[1]`), each tile decoded as it is loaded."""
+    INT4's in a float dtype, group `block[1]`), each tile decoded as it is loaded; INT4's zero points w13_zeros and
+    w2_zeros (uint8, laid out as their scales; none: 8) where the checkpoint stores them."""
     num_tokens, top_k = experts.shape
     num_experts, two_inter, hidden = w13.shape
     if packed:
         hidden *= 2
         group = MXFP4_GROUP if packed == "mxfp4" else block[1]
         assert w13_scale.shape == (num_experts, two_inter, hidden // group), f"w13_scale {w13_scale.shape}"
+        for zeros, scale in ((w13_zeros, w13_scale), (w2_zeros, w2_scale)):
+            assert zeros is None or packed == "int4" and zeros.dtype == torch.uint8 and zeros.shape == scale.shape \
+                and zeros.stride() == scale.stride(), "INT4 zero points: uint8, laid out as their scales"
     assert x.dim() == 2 and x.shape[1] == hidden and x.stride(1) == 1, f"x {tuple(x.shape)}, hidden {hidden}"
     assert w2.shape == (num_experts, hidden, two_inter // (4 if packed else 2)), \
         f"w2 {tuple(w2.shape)} against w13 {tuple(w13.shape)}"
@@ -210,9 +222,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     block_m = moe_block_m(num_pairs, num_experts)
     sorted_pairs, block_expert = moe_align(experts, num_experts, block_m)
     h = torch.empty(num_pairs, two_inter, dtype=x.dtype, device=x.device)
-    _gemm(x, w13, h, sorted_pairs, block_expert, block_m, top_k, None, b13, w13_scale, block, packed)
+    _gemm(x, w13, h, sorted_pairs, block_expert, block_m, top_k, None, b13, w13_scale, block, packed, w13_zeros)
     gated = act(h).contiguous()                                                # [P, inter]
     y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
     _gemm(gated, w2, y, sorted_pairs, block_expert, block_m, 1, weights.flatten().contiguous(), b2, w2_scale, block,
-          packed)
+          packed, w2_zeros)
     return out.copy_(y.view(num_tokens, top_k, hidden).sum(dim=1))

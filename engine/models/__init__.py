@@ -286,7 +286,7 @@ def _keeps_stored_fp8(model: LlamaForCausalLM | ModelConfig, shard: ShardShape) 
 def held_packed(config: ModelConfig, shard: ShardShape, quantization: str, device_type: str) -> str | None:
     """How one rank (`shard`) holds a checkpoint's 4-bit experts as stored: "mxfp4" (GPT-OSS's, `kernels.mxfp4`: 4.25
     bits a weight), "int4" (`engine.int4_formats`: 4 bits plus a scale a group), or None where they are dequantized as
-    read (INT4 experts with zero points or in activation order too). Held under `quantization` auto on a GPU (the Triton
+    read (INT4 experts in activation order too). Held under `quantization` auto on a GPU (the Triton
     kernels decode each tile as loaded), fp8 or the format's own key on any device (a CPU dequantizes each expert a step
     hits: memory, not speed), where the rank's share of the intermediate size is whole groups; a ConfigError naming the
     key where that key cannot."""
@@ -300,8 +300,8 @@ def held_packed(config: ModelConfig, shard: ShardShape, quantization: str, devic
         raise ConfigError("quantization: mxfp4 holds a checkpoint's MXFP4 experts as stored; this model has no "
                           "experts: use auto or none")
     if not stored or quantization == "none" or quantization == "auto" and device_type != "cuda" \
-            or not config.num_experts or config.int4_zero_points or config.int4_act_order:
-        return None   # (INT4 experts with zero points, or in activation order: dequantized as read)
+            or not config.num_experts or config.int4_act_order:
+        return None   # (INT4 experts in activation order: dequantized as read)
     if shard.moe_intermediate_size % group and quantization == kind:
         raise ConfigError(f"quantization: {kind} under tensor parallelism {shard.size} cuts each expert's "
                           f"{config.moe_intermediate_size} inputs into shares of {shard.moe_intermediate_size}, not "
@@ -356,7 +356,7 @@ def _hold_quantized(model: LlamaForCausalLM, quantization: str, device_type: str
     kind = held_packed(config, model.shard, quantization, device_type)
     for name, module in model.named_modules() if kind else ():
         if _runs_own_experts(module):
-            module.hold_packed(kind, MXFP4_GROUP if kind == "mxfp4" else config.int4_group)
+            module.hold_packed(kind, MXFP4_GROUP if kind == "mxfp4" else config.int4_group, config.int4_zero_points)
             model.packed_params |= {f"{name}.w13", f"{name}.w2"}
     int4 = held_int4(model, quantization, device_type)
     swap_int4_linears(model, int4, config.int4_group, triton, config.int4_zero_points)
@@ -438,9 +438,10 @@ def _held_blocks(model: LlamaForCausalLM) -> list[SparseMoeBlock]:
 
 
 def _expert_bytes(block: SparseMoeBlock, dtype: torch.dtype) -> int:
-    """The bytes of one layer's held experts: their values, and their scales (float32 FP8 ones, e8m0 MXFP4 ones)."""
+    """The bytes of one layer's held experts: their values, and their scales (float32 FP8 ones, e8m0 MXFP4 ones) and
+    zero points (INT4's, a byte each)."""
     if block.packed:   # MXFP4's scales a byte each; INT4's the model's dtype
-        scale = 1 if block.packed == "mxfp4" else dtype.itemsize
+        scale = 1 if block.packed == "mxfp4" else dtype.itemsize + (block.w13_zeros is not None)
         return block.w13.numel() + block.w2.numel() + scale * (block.w13_scales.numel() + block.w2_scales.numel())
     return block.w13.numel() + block.w2.numel() + 4 * (block.w13_scale.numel() + block.w2_scale.numel())
 

@@ -104,26 +104,33 @@ class SparseMoeBlock(nn.Module):
         self.parameter_dtypes = {"w13": FP8_WEIGHT_DTYPE, "w2": FP8_WEIGHT_DTYPE, "w13_scale": torch.float32,
                                  "w2_scale": torch.float32}
 
-    def hold_packed(self, kind: str, group: int = MXFP4_GROUP) -> None:
+    def hold_packed(self, kind: str, group: int = MXFP4_GROUP, zeros: bool = False) -> None:
         """Hold the experts packed as a checkpoint stores them (on the meta device, before the parameters are
         allocated): w13 [E, 2 x inter, hidden / 2] and w2 [E, hidden, inter / 2] uint8, two 4-bit codes a byte, beside
         `w13_scales` [E, 2 x inter, hidden / group] and `w2_scales`: MXFP4's e2m1 codes and e8m0 scales
-        (`kernels.mxfp4`, group 32) or INT4's values and scales in the model's dtype (`engine.int4_weights`). The
-        Triton kernels decode each tile as loaded; the loop an expert's weights when it is hit (no grouped matmul)."""
+        (`kernels.mxfp4`, group 32) or INT4's values and scales in the model's dtype (`engine.int4_formats`), and
+        where `zeros` INT4's zero points `w13_zeros` and `w2_zeros` (uint8, as the scales: AWQ's). The Triton kernels
+        decode each tile as loaded; the loop an expert's weights when it is hit (no grouped matmul)."""
         self.packed, self.packed_group, self._grouped = kind, group, False
+        self.w13_zeros = self.w2_zeros = None
         for name in ("w13", "w2"):
             experts, rows, cols = getattr(self, name).shape
             setattr(self, name, nn.Parameter(torch.empty(experts, rows, cols // 2), requires_grad=False))
-            scales = torch.empty(experts, rows, cols // group)
-            setattr(self, f"{name}_scales", nn.Parameter(scales, requires_grad=False))
-        codes = ("w13", "w2", "w13_scales", "w2_scales") if kind == "mxfp4" else ("w13", "w2")
+            for part in ("scales", "zeros") if zeros else ("scales",):
+                setattr(self, f"{name}_{part}", nn.Parameter(torch.empty(experts, rows, cols // group),
+                                                             requires_grad=False))
+        codes = ("w13", "w2", "w13_scales", "w2_scales") if kind == "mxfp4" else ("w13", "w2", "w13_zeros", "w2_zeros")
         self.parameter_dtypes = dict.fromkeys(codes, torch.uint8)
 
     def _expert_weights(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert e's w13 and w2 in `dtype`, the model's (FP8 and packed ones dequantized)."""
+        if self.packed == "mxfp4":
+            return (dequantize_packed(self.w13[e], self.w13_scales[e], dtype),
+                    dequantize_packed(self.w2[e], self.w2_scales[e], dtype))
         if self.packed:
-            decode = dequantize_packed if self.packed == "mxfp4" else dequantize_int4
-            return decode(self.w13[e], self.w13_scales[e], dtype), decode(self.w2[e], self.w2_scales[e], dtype)
+            return tuple(dequantize_int4(getattr(self, name)[e], getattr(self, f"{name}_scales")[e], dtype,
+                                         None if self.w13_zeros is None else getattr(self, f"{name}_zeros")[e])
+                         for name in ("w13", "w2"))
         if self.fp8_block is None:
             return self.w13[e], self.w2[e]
         return tuple(dequantize_blocks(getattr(self, name)[e], getattr(self, f"{name}_scale")[e], self.fp8_block)
@@ -154,7 +161,8 @@ class SparseMoeBlock(nn.Module):
         the loop over the experts hit."""
         if self.fused_moe is not None and self.packed:
             return self.fused_moe(x, self.w13, self.w2, weights, experts, self.b13, self.b2, self.act_fn,
-                                  self.w13_scales, self.w2_scales, (1, self.packed_group), self.packed)
+                                  self.w13_scales, self.w2_scales, (1, self.packed_group), self.packed,
+                                  self.w13_zeros, self.w2_zeros)
         if self.fused_moe is not None and self.fp8_block is not None:
             return self.fused_moe(x, self.w13, self.w2, weights, experts, self.b13, self.b2, self.act_fn,
                                   self.w13_scale, self.w2_scale, self.fp8_block)
@@ -270,9 +278,9 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
 
     def _destination(self, name: str, hf_name: str) -> tuple[str, Callable[[torch.Tensor], torch.Tensor]]:
         head, _, kind = name.rpartition(".")
-        if kind in ("blocks", "scales") and ".mlp.experts." in name:   # packed rows into w13 / w2, scales beside
-            target, part = self._destination(f"{head}.weight", hf_name)
-            return (target if kind == "blocks" else f"{target}_scales"), part
+        if kind in ("blocks", "scales", "zeros") and ".mlp.experts." in name:   # packed rows into w13 / w2, scales
+            target, part = self._destination(f"{head}.weight", hf_name)        # (and zero points) beside
+            return (target if kind == "blocks" else f"{target}_{kind}"), part
         if ".mlp.shared_expert." in name:   # Qwen2-MoE's: gate and up into its fused rows, as a dense MLP's
             head, _, proj = name.partition(".mlp.shared_expert.")
             size = self.shard.shared_expert_intermediate_size
@@ -311,7 +319,7 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
             return tensor.narrow(dim, shard.rank * size, size)
         if shard.size == 1 or ".mlp.experts." not in name:
             return super()._shard_of(hf_name, name, tensor)
-        if name.endswith((".blocks", ".scales")):   # an expert's packed rows, or groups of inputs
+        if name.endswith((".blocks", ".scales", ".zeros")):   # an expert's packed rows, or groups of inputs
             return self._packed_shard(hf_name, name, tensor)
         if name.endswith("down_proj.bias"):
             return tensor if shard.rank == 0 else torch.zeros_like(tensor)

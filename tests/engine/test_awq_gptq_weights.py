@@ -241,10 +241,12 @@ def test_a_gptq_checkpoint_decodes_as_transformers_and_two_ranks_as_one(tmp_path
     _assert_same_or_near_tie(_generate(one, PROMPTS), _generate(two, PROMPTS))
 
 
-def test_symmetric_gptq_experts_are_held_as_stored_and_awq_ones_dequantized(tmp_path, builtin_path, awq):
+def test_moe_experts_are_held_as_stored_with_or_without_zero_points(tmp_path, builtin_path, awq):
     """Qwen3-MoE in GPTQ, symmetric (the `-GPTQ-Int4` releases' kind: zeros all 8): `int4` holds each expert packed
-    as stored, no zero points, and decodes as transformers. The experts of a checkpoint with zero points are
-    dequantized as read (the packed experts' kernels have none)."""
+    as stored, no zero points, and decodes as transformers; in AWQ each expert is held with its zero points (`w13_zeros`
+    beside `w13_scales`: the gate's then the up's rows, as stored), what the capacity plan counts to the byte, and
+    decodes as transformers, and two ranks (each its half of every expert's rows and zero points) as one. In
+    activation order the experts are dequantized as read."""
     import transformers
     from safetensors.torch import load_file, save_file
 
@@ -266,10 +268,33 @@ def test_symmetric_gptq_experts_are_held_as_stored_and_awq_ones_dequantized(tmp_
     assert not any(m.zeros is not None for m in held.model.modules() if isinstance(m, Int4Linear))
     assert _greedy(held) == [_hf_greedy(hf, prompt, 12, eos_ids=None) for prompt in PROMPTS]
     config = ModelConfig.from_folder(folder)
-    asymmetric = ModelConfig.from_hf_config({**json.loads((folder / "config.json").read_text()), "quantization_config":
-                                             {"quant_method": "awq", "bits": 4, "group_size": GROUP}})
     assert held_packed(config, ShardShape.of(config), "auto", "cuda") == "int4"
-    assert held_packed(asymmetric, ShardShape.of(asymmetric), "int4", "cpu") is None
+    (folder / "quantize_config.json").write_text(json.dumps({"bits": 4, "group_size": GROUP, "desc_act": True}))
+    act = ModelConfig.from_folder(folder)
+    assert held_packed(act, ShardShape.of(act), "int4", "cpu") is None
+
+    folder = make_tiny_model(tmp_path / "awq", "qwen3_moe", builtin_path, **{**QWEN3_MOE, "moe_intermediate_size": 64})
+    hf = transformers.AutoModelForCausalLM.from_pretrained(awq_checkpoint(folder, awq), dtype=torch.float32).eval()
+    held = LLMEngine(_config(folder, "int4"), progress=False)
+    sparse, stored = _sparse(held), load_file(folder / "model.safetensors")
+    index = next(i for i, layer in enumerate(held.model.layers) if layer.mlp is sparse[0])
+    zeros = stored[f"model.layers.{index}.mlp.experts.5.up_proj.qzeros"]
+    want = torch.stack([(zeros >> (4 * i)) & 15 for i in range(8)], -1)[..., [0, 4, 1, 5, 2, 6, 3, 7]].flatten(-2).T
+    assert torch.equal(sparse[0].w13_zeros[5, 64:], want.to(torch.uint8)) and sparse[0].w2_zeros.dtype == torch.uint8
+    config, shard = held.model_config, ShardShape.of(held.model_config)
+    experts = sum(m.w13.numel() + m.w2.numel() for m in sparse) * 2
+    projections = sum(m.blocks.numel() * 2 for m in held.model.modules() if isinstance(m, Int4Linear))
+    assert held.weights_bytes == held_weight_bytes(config, shard, torch.float32, "int4", "cpu") == \
+        held_weight_bytes(config, shard, torch.float32, "none", "cpu") - (experts + projections) * 7 // 2 \
+        + (experts + projections) // GROUP * 5
+    assert _greedy(held) == [_hf_greedy(hf, prompt, 12, eos_ids=None) for prompt in PROMPTS]
+    from tests.engine.test_tensor_parallel import _assert_same_or_near_tie, _generate
+
+    two = LLMEngine(_config(folder, "int4", tp=2), progress=False)
+    half = _sparse(two)[0]
+    assert torch.equal(half.w2_zeros, sparse[0].w2_zeros[:, :, :1]) and torch.equal(half.w13_zeros[:, 32:],
+                                                                                      sparse[0].w13_zeros[:, 64:96])
+    _assert_same_or_near_tie(_generate(held, PROMPTS), _generate(two, PROMPTS))
 
 
 def _awq_from_gptq(awq, stored: dict, key: str):

@@ -368,11 +368,12 @@ def test_on_cuda_fused_moe_over_mxfp4_experts_at_gpt_oss_shape_equals_it_over_th
     assert torch.equal(got, fused_moe(x, dense13, dense2, weights, chosen, b13, b2, act))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_moe_over_int4_experts_equals_it_over_their_dequantized_weights(dtype):
-    """INT4 experts (pack-quantized checkpoints': every value of -8 .. 7, a scale in x's dtype per 32 inputs, signed)
-    decoded tile by tile as the kernels load them (the value times its scale in float32, rounded once) give the bits
-    the kernels give over the weights dequantized whole; in float32 the loop's sums too."""
+@pytest.mark.parametrize("dtype,zeros", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
+def test_fused_moe_over_int4_experts_equals_it_over_their_dequantized_weights(dtype, zeros):
+    """INT4 experts (pack-quantized checkpoints': every value of -8 .. 7, a scale in x's dtype per 32 inputs, signed;
+    AWQ's: less a zero point 0 .. 15 a group instead of 8) decoded tile by tile as the kernels load them (the value
+    times its scale in float32, rounded once) give the bits the kernels give over the weights dequantized whole; in
+    float32 the loop's sums too."""
     from engine.int4_weights import dequantize_int4
 
     seed = _make_seed()
@@ -382,33 +383,42 @@ def test_fused_moe_over_int4_experts_equals_it_over_their_dequantized_weights(dt
     def int4(rows, cols):
         packed = torch.randint(0, 256, (experts, rows, cols // 2), generator=gen, dtype=torch.int32).to(torch.uint8)
         scales = (torch.randn(experts, rows, cols // 32, generator=gen) * 0.03).to(dtype)
-        return packed, scales, dequantize_int4(packed, scales, dtype)
+        zero = torch.randint(0, 16, scales.shape, generator=gen, dtype=torch.int32).to(torch.uint8) if zeros else None
+        return packed, scales, zero, dequantize_int4(packed, scales, dtype, zero)
 
-    w13, s13, dense13 = int4(2 * inter, hidden)
-    w2, s2, dense2 = int4(hidden, inter)
+    w13, s13, z13, dense13 = int4(2 * inter, hidden)
+    w2, s2, z2, dense2 = int4(hidden, inter)
     x = torch.randn(tokens, hidden, generator=gen).to(dtype)
     weights, chosen = torch.randn(tokens, experts, generator=gen).softmax(-1).topk(top_k, dim=-1)
     weights = weights.to(dtype)
-    got = fused_moe(x, w13, w2, weights, chosen, w13_scale=s13, w2_scale=s2, block=(1, 32), packed="int4")
+    got = fused_moe(x, w13, w2, weights, chosen, w13_scale=s13, w2_scale=s2, block=(1, 32), packed="int4",
+                    w13_zeros=z13, w2_zeros=z2)
     assert torch.equal(got, fused_moe(x, dense13, dense2, weights, chosen)), f"seed {seed}"
     if dtype == torch.float32:
         torch.testing.assert_close(got, _loop(x, dense13, dense2, weights, chosen), rtol=1e-5, atol=1e-4,
                                    msg=lambda m: f"seed {seed}: {m}")
 
 
-def test_int4_experts_decode_alike_on_the_triton_kernels_and_on_the_loop(tmp_path, builtin_path, monkeypatch):
-    """A DeepSeek V3 checkpoint with pack-quantized INT4 experts held as stored (`quantization: int4`, Kimi K2's
-    kind): the Triton kernels decoding each tile as loaded give the greedy tokens the loop over the experts gives."""
+@pytest.mark.parametrize("kind", ["pack-quantized", "awq"])
+def test_int4_experts_decode_alike_on_the_triton_kernels_and_on_the_loop(tmp_path, builtin_path, monkeypatch, kind):
+    """A DeepSeek V3 checkpoint with INT4 experts held as stored (`quantization: int4`): pack-quantized (Kimi K2's
+    kind), or AWQ's with a zero point a group (every projection): the Triton kernels decoding each tile as loaded give
+    the greedy tokens the loop over the experts gives."""
     pytest.importorskip("compressed_tensors")
     from tests.conftest import make_tiny_model
+    from tests.engine.test_awq_gptq_weights import awq_checkpoint, awq_packing
     from tests.engine.test_engine_vs_hf import DEEPSEEK
     from tests.engine.test_int4_weights import int4_checkpoint
 
     rng = random.Random(7)
     prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (6, 19)]
     folder = make_tiny_model(tmp_path / "deepseek", "deepseek_v3", builtin_path, **DEEPSEEK)
-    int4_checkpoint(folder, experts_only=True)
-    results = _greedy_by_backend(folder, "int4", prompts, monkeypatch, lambda mlp: mlp.packed == "int4")
+    if kind == "awq":
+        awq_checkpoint(folder, awq_packing())
+    else:
+        int4_checkpoint(folder, experts_only=True)
+    results = _greedy_by_backend(folder, "int4", prompts, monkeypatch,
+                                 lambda mlp: mlp.packed == "int4" and (mlp.w13_zeros is not None) == (kind == "awq"))
     assert results["triton"] == results["torch"]
 
 
