@@ -73,7 +73,7 @@ def gemma4_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
         raise ConfigError(f"layer_types: must be a list of sliding_attention / full_attention, got {kinds!r:.80}")
     kinds = [*kinds[:-1], "full_attention"] if kinds else kinds   # transformers forces the last layer full
     _refuse_unserved(cfg, kinds)
-    full_theta, rotary, local_theta = _ropes(cfg)
+    full_theta, rotary, local_theta = proportional_ropes(cfg, "Gemma 4", 0.25)
     head_dim = read_int(cfg, "head_dim", 256)
     k_eq_v = read_bool(cfg, "attention_k_eq_v", False)
     full = replace(_full_attention(cfg, kinds, head_dim, k_eq_v), **_per_layer_fields(cfg))
@@ -113,15 +113,16 @@ def _per_layer_fields(cfg: dict[str, Any]) -> dict[str, Any]:
             "double_wide_mlp": read_bool(cfg, "use_double_wide_mlp", False)}
 
 
-def _ropes(cfg: dict[str, Any]) -> tuple[float, float, float]:
+def proportional_ropes(cfg: dict[str, Any], family: str, rotary: float) -> tuple[float, float, float]:
     """(the full layers' rope base, the share of their pairs that turn, the sliding layers' base) from
     `rope_parameters.full_attention` (`proportional`, or `default` turning every pair) and `.sliding_attention`
-    (`default`); transformers' defaults where `rope_parameters` is absent."""
+    (`default`): Gemma 4's and LFM3's (`family`); transformers' defaults (1,000,000, `rotary`, 10,000) where
+    `rope_parameters` is absent."""
     params = read_object(cfg, "rope_parameters")
     if params is None:
-        return 1_000_000.0, 0.25, 10_000.0
+        return 1_000_000.0, rotary, 10_000.0
     if set(params) - {"full_attention", "sliding_attention"}:
-        raise ConfigError(f"rope_parameters: Gemma 4 takes one entry per layer type (full_attention, "
+        raise ConfigError(f"rope_parameters: {family} takes one entry per layer type (full_attention, "
                           f"sliding_attention), got {sorted(params)}")
     full = read_object(params, "full_attention", name="rope_parameters.full_attention") or {}
     local = read_object(params, "sliding_attention", name="rope_parameters.sliding_attention") or {}

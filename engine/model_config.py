@@ -51,7 +51,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
                            "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM", "NemotronHForCausalLM",
                            "MinistralForCausalLM", "HunYuanMoEV1ForCausalLM", "ApertusForCausalLM",
                            "OlmoHybridForCausalLM", "Gemma4ForCausalLM", "Mistral4ForCausalLM",
-                           "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM", "Lfm2ForCausalLM",
+                           "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM", "Lfm2ForCausalLM", "Lfm3ForCausalLM",
                            "Lfm2MoeForCausalLM", "KimiLinearForCausalLM", "Dots1ForCausalLM", "SolarOpenForCausalLM",
                            "AfmoeForCausalLM", "MiMoV2FlashForCausalLM",
                            "ExaoneMoeForCausalLM", "Cohere2MoeForCausalLM",
@@ -112,6 +112,7 @@ class ModelConfig:
     logits_scaling: float = 1.0         # Granite: the logits are divided by it
     logit_scale: float = 1.0            # Cohere: the logits are multiplied by it
     peri_norms: bool = False            # HyperCLOVA X: a norm on each sublayer's output before the residual add
+    head_gates: bool = False            # LFM3: each head's output x sigmoid(its row of g_proj over the layer's input)
     parallel_residual: bool = False     # StableLM 2 12B: attention and MLP side by side off one norm (Cohere's)
     partial_rotary_factor: float = 1.0  # GLM-4: the share of each head the rotary turns (the default rope only)
     rope_proportional: bool = False     # Gemma 4's full layers: the turning pairs' frequencies over the whole head
@@ -389,7 +390,8 @@ class ModelConfig:
         _check_architecture(arch)
         cfg = FAMILY_DEFAULTS.get(arch, {}) | cfg
         cfg = {"NemotronHForCausalLM": nemotron_h_config, "Lfm2ForCausalLM": lfm2_config,
-               "Lfm2MoeForCausalLM": lfm2_moe_config, "KimiLinearForCausalLM": kimi_linear_config}.get(arch, dict)(cfg)
+               "Lfm2MoeForCausalLM": lfm2_moe_config, "Lfm3ForCausalLM": lfm2_moe_config,
+               "KimiLinearForCausalLM": kimi_linear_config}.get(arch, dict)(cfg)
         if cfg.get("max_position_embeddings") is None:
             if arch not in DEFAULT_MAX_POSITIONS:
                 raise ConfigError(f"max_position_embeddings: missing from config.json ({arch}'s default is not known "

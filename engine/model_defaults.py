@@ -106,6 +106,9 @@ FAMILY_DEFAULTS = {"Gemma2ForCausalLM": GEMMA2_DEFAULTS, "VaultGemmaForCausalLM"
                        "vocab_size": 200_192, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 32,
                        "num_attention_heads": 16, "head_dim": 128, "rms_norm_eps": 1e-5,
                        "max_position_embeddings": 16_384},
+                   "Lfm3ForCausalLM": {   # Lfm3Config's (its ropes and layout: engine.lfm3_config)
+                       "vocab_size": 128_000, "hidden_size": 2048, "intermediate_size": 7680, "num_hidden_layers": 24,
+                       "num_attention_heads": 16, "num_key_value_heads": 4, "max_position_embeddings": 128_000},
                    "Lfm2MoeForCausalLM": {   # Lfm2MoeConfig's
                        "vocab_size": 65_536, "hidden_size": 2048, "intermediate_size": 7168, "num_hidden_layers": 32,
                        "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 128_000}}

@@ -88,6 +88,7 @@ def count_params(config: Any, heads: int, kv_heads: int, i: int, moe_i: int, v: 
         per_layer += q + kv
     if config.attn_output_gate:   # Qwen3.5: q_proj makes a gate beside each query head
         per_layer += h * q + (q if config.attention_bias else 0)
+    per_layer += h * heads if config.head_gates else 0   # LFM3: g_proj, a gate a head
     mlps = sum(experts if config.is_sparse_layer(layer) else mlp for layer in range(config.num_layers))
     state = None if config.state_shape is None else config.state_shape.per_rank(config.num_heads // heads)
     linear = 0 if state is None else len(config.stateful_layers) * state.num_params(h) + \

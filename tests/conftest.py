@@ -132,7 +132,8 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
            "mellum": transformers.MellumConfig, "starcoder2": transformers.Starcoder2Config,
            "glm": transformers.GlmConfig, "laguna": transformers.LagunaConfig,
            "nemotron": transformers.NemotronConfig, "stablelm": transformers.StableLmConfig,
-           "gemma": transformers.GemmaConfig, "vaultgemma": transformers.VaultGemmaConfig}[arch]
+           "gemma": transformers.GemmaConfig, "vaultgemma": transformers.VaultGemmaConfig,
+           "lfm3": transformers.Lfm3Config}[arch]
     config = cls(**common)
     if arch == "mistral4":   # transformers maps Mistral4Config to no causal LM class (only its pretraining one)
         transformers.AutoModelForCausalLM.register(transformers.Mistral4Config, transformers.Mistral4ForCausalLM,
@@ -143,7 +144,7 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
     if arch in ("gpt_oss", "deepseek_v3", "glm4_moe", "ernie4_5_moe", "seed_oss", "glm4_moe_lite", "mistral4",
                 "deepseek_v32", "glm_moe_dsa", "lfm2", "lfm2_moe", "solar_open", "arcee", "mimo_v2_flash", "jais2",
                 "granite_swa", "granitemoe_swa", "falcon_h1", "starcoder2", "glm", "laguna", "nemotron",
-                "stablelm"):
+                "stablelm", "lfm3"):
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if name.endswith(("bias", "sinks")):   # LayerNorm models' small: a bias on every norm and
@@ -167,7 +168,7 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
                 if name.endswith(("query_layernorm.weight", "key_layernorm.weight")):
                     param.normal_(1.0, 0.5)
     # every norm its own weights: one read into another's place would show
-    if arch in ("hyperclovax", "nemotron", "stablelm", "gemma", "vaultgemma"):
+    if arch in ("hyperclovax", "nemotron", "stablelm", "gemma", "vaultgemma", "lfm3"):
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if "norm" in name:

@@ -48,8 +48,13 @@ class MixerLayerForward:
             hidden = state_mixer(hidden, meta, cache)
         else:
             hidden = self.self_attn(hidden, rope_rows, cache, meta, backend)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        hidden, residual = self.post_attention_layernorm(self.output_norm(1, hidden), residual)
+        return self.output_norm(2, self.mlp(hidden)), residual
+
+    def output_norm(self, sublayer: int, out: torch.Tensor) -> torch.Tensor:
+        """Sublayer `sublayer`'s (1: the token mixer, 2: the MLP) output as it joins the stream: itself (LFM3's sandwich
+        norms: `engine.models.lfm3`)."""
+        return out
 
 
 class StatefulForCausalLM(LlamaForCausalLM):

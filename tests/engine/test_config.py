@@ -2036,6 +2036,34 @@ def test_gemma_and_vaultgemma_read_as_transformers_does(config_class, arch):
         assert cfg.layer_types == tuple(hf.layer_types) and cfg.sliding_window == hf.sliding_window
 
 
+def test_lfm3_reads_as_transformers_does():
+    """LFM3 (`Lfm3ForCausalLM`, Lfm3Config's defaults: LFM3-1.7B's shape): its layout of convolutions (7 taps),
+    sliding (256) and full layers, heads of 128, the full layers' proportional rope turning half the pairs over
+    1,000,000 and the sliding layers' default one over 10,000, head gates and sandwich norms, the MLP as wide as
+    `intermediate_size`; the parameter count is transformers' model's, with gates and norms or without. A layout
+    without attention, or a rope type it does not take, is refused naming the key."""
+    hf, cfg = _at_class_defaults("Lfm3Config", {"architectures": ["Lfm3ForCausalLM"]})
+    kinds = tuple("linear_attention" if k == "conv" else k for k in hf.layer_types)
+    rope = hf.rope_parameters
+    assert (cfg.layer_types, cfg.sliding_window, cfg.head_dim, cfg.state_layers.kernel, cfg.intermediate_size) == \
+        (kinds, hf.sliding_window, hf.head_dim, hf.conv_L_cache, hf.intermediate_size)
+    assert (cfg.rope_theta, cfg.partial_rotary_factor, cfg.rope_local_theta, cfg.rope_proportional) == \
+        (rope["full_attention"]["rope_theta"], rope["full_attention"]["partial_rotary_factor"],
+         rope["sliding_attention"]["rope_theta"], True)
+    assert cfg.head_gates and cfg.peri_norms and cfg.tie_word_embeddings
+    _, bare = _at_class_defaults("Lfm3Config", {"architectures": ["Lfm3ForCausalLM"], "use_sandwich_norm": False,
+                                                "use_attention_gate": False})
+    assert not bare.head_gates and not bare.peri_norms
+    base = {"architectures": ["Lfm3ForCausalLM"], "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 3, "num_attention_heads": 4}
+    assert ModelConfig.from_hf_config(base).layer_types == ("linear_attention", "linear_attention", "full_attention")
+    with pytest.raises(ConfigError, match=r"^layer_types: LFM3 with no attention layer"):
+        ModelConfig.from_hf_config({**base, "layer_types": ["conv"] * 3})
+    with pytest.raises(ConfigError, match=r"^layer_types: conv, sliding_attention, full_attention for each of the 3"):
+        ModelConfig.from_hf_config({**base, "layer_types": ["conv", "linear_attention", "full_attention"]})
+    with pytest.raises(ConfigError, match=r"^rope_parameters.full_attention.rope_type: 'proportional' or 'default'"):
+        ModelConfig.from_hf_config({**base, "rope_parameters": {"full_attention": {"rope_type": "llama3"}}})
+
 
 def test_every_architecture_knows_its_context_where_config_json_names_none():
     """Every architecture served reads a config.json naming no max_position_embeddings with its config class's

@@ -418,6 +418,14 @@ TINY_MODELS = [
     ("lfm2_moe", {"num_hidden_layers": 3, "layer_types": ["conv", "full_attention", "conv"], "intermediate_size": 96,
                   "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "num_dense_layers": 1,
                   "routed_scaling_factor": 1.5, "norm_eps": 1e-5}),
+    # LFM3: LFM2's convolutions (7 taps, biased) beside sliding (a window of 8, the default rope) and full attention
+    # layers (the proportional rope, half the pairs turning), each head gated by a sigmoid of g_proj, sandwich norms;
+    # then Lfm3Config's own layout (5 layers: a full one at 2, a sliding one at 4) without gates or sandwich norms
+    ("lfm3", {"num_hidden_layers": 4, "layer_types": ["conv", "sliding_attention", "full_attention", "conv"],
+              "head_dim": 16, "sliding_window": 8, "conv_bias": True, "norm_eps": 1e-5, "pad_token_id": 0}),
+    ("lfm3", {"num_hidden_layers": 5, "head_dim": 16, "sliding_window": 8, "conv_L_cache": 3,
+              "use_sandwich_norm": False, "use_attention_gate": False, "tie_word_embeddings": False,
+              "norm_eps": 1e-5, "pad_token_id": 0}),
     # dots.llm1: Qwen3's attention (its top layer sliding, a window of 8) with DeepSeek V3's experts past the first
     # layer: 8 of 32 in 2 groups, 2 a token from 1 group, beside two shared
     ("dots1", {"num_hidden_layers": 3, "head_dim": 16, "n_routed_experts": 8, "num_experts_per_tok": 2,
@@ -795,6 +803,30 @@ def test_a_multimodal_lfm2_checkpoint_serves_its_text_model(tmp_path, builtin_pa
                 param.normal_(0.0, 0.2)
     hf.save_pretrained(tmp_path / "lfm2_vl")
     _assert_serves_its_text_model(hf, tmp_path / "lfm2_vl", builtin_path, "Lfm2ForCausalLM")
+
+
+def test_a_multimodal_lfm3_checkpoint_serves_its_text_model(tmp_path, builtin_path):
+    """LFM3-VL (`Lfm3VlForConditionalGeneration`: its own vision tower and a projector beside an LFM3 text model under
+    `language_model.`, the head tied) served as its text model (sliding, full and convolution layers, head gates,
+    sandwich norms), greedy text token-identical to transformers' multimodal model on text input."""
+    import transformers
+
+    text = transformers.Lfm3Config(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                                   initializer_range=0.2, intermediate_size=96, sliding_window=8, pad_token_id=0,
+                                   layer_types=["conv", "sliding_attention", "full_attention", "conv"])
+    vision = transformers.Lfm3VlVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, num_key_value_heads=2, patch_size=4)
+    config = transformers.Lfm3VlConfig(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                                       projector_hidden_size=32)
+    torch.manual_seed(0)
+    hf = transformers.Lfm3VlForConditionalGeneration(config).eval()
+    with torch.no_grad():   # the text model's matrices with a large std (its norms stay 1): no greedy ties
+        for param in hf.model.language_model.parameters():
+            if param.dim() > 1:
+                param.normal_(0.0, 0.2)
+    hf.save_pretrained(tmp_path / "lfm3_vl")
+    _assert_serves_its_text_model(hf, tmp_path / "lfm3_vl", builtin_path, "Lfm3ForCausalLM")
 
 
 # --- slow: the builtin model under every block size x preemption mode x prefix-cache state --------

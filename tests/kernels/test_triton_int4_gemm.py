@@ -121,14 +121,17 @@ def test_a_dense_int4_model_decodes_alike_on_the_triton_gemm_and_on_the_cpu_laye
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 16, 300])
-def test_on_cuda_the_int4_gemm_at_qwen3_32b_shapes_equals_the_dequantized_product(rows):
+@pytest.mark.parametrize("zero_points", [False, True])
+def test_on_cuda_the_int4_gemm_at_qwen3_32b_shapes_equals_the_dequantized_product(rows, zero_points):
     """Compiled on a GPU (TRITON_INTERPRET=0, `bench/gpu_session.sh`'s tests step): Qwen3-32B's gate_up and down
-    projections in groups of 128, bfloat16 activations and scales, against the float32 product of the dequantized
-    weight."""
+    projections in groups of 128, bfloat16 activations and scales (and AWQ's zero points), against the float32
+    product of the dequantized weight."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     for n, k in ((2 * 25600, 5120), (5120, 25600)):
         x, blocks, scales, _ = _operands(n, k, 128, rows, torch.bfloat16, rows)
-        want = x.float() @ dequantize_int4(blocks, scales, torch.bfloat16).float().T
-        got = int4_linear(x.cuda(), blocks.cuda(), scales.cuda()).float().cpu()
+        zeros = torch.randint(0, 16, scales.shape, dtype=torch.uint8) if zero_points else None
+        want = x.float() @ dequantize_int4(blocks, scales, torch.bfloat16, zeros).float().T
+        got = int4_linear(x.cuda(), blocks.cuda(), scales.cuda(), None,
+                          zeros.cuda() if zeros is not None else None).float().cpu()
         assert ((got - want).abs() <= want.abs() * 2 ** -7 + want.abs().max() * 1e-5).all(), (n, k, rows)
