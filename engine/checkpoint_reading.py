@@ -82,6 +82,23 @@ class CheckpointReading:
         except (ValueError, RuntimeError, NotImplementedError):   # a name or shape it refuses: refused as read
             return None
 
+    def _fill_order(self, hf_name: str, name: str, tensor: torch.Tensor, params: dict[str, torch.Tensor],
+                    orders: dict[str, str]) -> str:
+        """An INT4 layer's input order (`X.perm`: GPTQ's activation order, `engine.int4_formats`) into its `perm`,
+        whole: the parts of a fused layer (q, k and v; gate and up) share their input, so their orders must agree
+        (`orders`: each parameter set -> the tensor that set it). Returns the parameter's name."""
+        target = self._destination(name, hf_name)[0]
+        if target not in params or tuple(params[target].shape) != tuple(tensor.shape):
+            raise WeightLoadError(f"{hf_name}: not a tensor of {self.config.architecture} with this config")
+        dest = params[target].data
+        if target in orders and not torch.equal(dest, tensor.to(dest.dtype)):   # named by the tensors that say it
+            raise WeightLoadError(f"{hf_name.removesuffix('.perm')}.g_idx: its inputs' groups are not in the order of "
+                                  f"{orders[target].removesuffix('.perm')}.g_idx's, whose layer it is fused with in "
+                                  f"{target.removesuffix('.perm')}")
+        dest.copy_(tensor)
+        orders.setdefault(target, hf_name)
+        return target
+
     def _keeps_fp8(self, hf_weight: str, weight: torch.Tensor) -> bool:
         """Whether stored FP8 weight `hf_weight` goes into FP8 projections as stored (its scales with it): every tensor
         this family reads from it goes into one."""

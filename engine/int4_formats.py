@@ -15,8 +15,9 @@ point a group [out, in / group] (uint8):
   [in / 8, out] (eight inputs a word, the first in the lowest bits), `X.qzeros` int32 [in / group, out / 8] (eight
   outputs a word, in order), `X.scales` [in / group, out], `X.g_idx` [in] (each input's group). In the format
   `checkpoint_format: gptq` (v1, the default) each zero is stored less one, as GPTQ's kernels read it. Under
-  `desc_act: true` (activation order) an input's group is `g_idx`'s, not its position's: such weights are
-  dequantized as read (`dequantize_int4` gathers each input's scale), never held as stored.
+  `desc_act: true` (activation order) an input's group is `g_idx`'s, not its position's: a layer held as stored keeps
+  its inputs sorted by group (`X.perm`, the order `Int4Linear` gathers its input in, as vLLM's kernels do), one
+  dequantized as read gathers each input's scale (`dequantize_int4`).
 
 Served: 4 bits, one group size (a group of whole inputs, not -1: a row), the weights alone quantized. Which layers a
 checkpoint quantizes (`int4_modules`' (targets, ignore), matched by `engine.int4_weights.int4_quantizes`): for AWQ
@@ -213,8 +214,12 @@ def int4_tensors(weights: Iterable[tuple[str, torch.Tensor]], scheme: Int4Scheme
         if codes.shape[1] % 2 or codes.shape[1] % scheme.group and g_idx is None:
             raise ValueError(f"{key}: {codes.shape[1]} inputs are not whole groups of {scheme.group}")
         if keep(f"{key}.weight", codes.shape):
-            if g_idx is not None:
-                raise ValueError(f"{key}.g_idx: weights in activation order are dequantized as read, not held")
+            if g_idx is not None:   # held with its inputs sorted by group, and the order to gather them in
+                order = g_idx.argsort(stable=True)
+                if not torch.equal(g_idx[order], torch.arange(len(g_idx)) // scheme.group):
+                    raise ValueError(f"{key}.g_idx: groups of other than {scheme.group} inputs cannot be held")
+                codes = codes[:, order]
+                yield f"{key}.perm", order.to(torch.int32)
             yield f"{key}.blocks", pack_codes(codes)
             yield f"{key}.scales", scales
             if scheme.zero_points:

@@ -264,6 +264,7 @@ class LlamaForCausalLM(CheckpointReading, nn.Module):
         filled: dict[str, int] = {}
         parts: dict[tuple[str, int], str] = {}   # (parameter, storage offset of the part) -> the tensor that filled it
         stored_head: torch.Tensor | None = None
+        orders: dict[str, str] = {}   # an INT4 layer's input order (GPTQ's activation order) -> the tensor that set it
         prefix = self.config.text_weights_prefix   # a multimodal checkpoint: its text model's tensors only
         for hf_name, name, tensor in self._read_tensors(weights, prefix):
             if "rotary_emb" in name:
@@ -273,6 +274,10 @@ class LlamaForCausalLM(CheckpointReading, nn.Module):
                 continue
             if name.endswith(KV_SCALE_NAMES):   # an FP8 checkpoint's per-layer KV scales
                 self._kv_scale(hf_name, name, tensor)
+                continue
+            if name.endswith(".perm"):   # whole on every rank, one for a fused layer's parts
+                target = self._fill_order(hf_name, name, tensor, params, orders)
+                filled[target] = params[target].numel()
                 continue
             target, part = self._destination(name, hf_name)
             if target not in params:
@@ -450,6 +455,8 @@ class LlamaForCausalLM(CheckpointReading, nn.Module):
                     param.fill_(mxfp4_scale(std) if param.dtype == torch.uint8 else std / INT4_STD)   # about std
                 elif name.endswith((".zeros", "_zeros")):   # INT4 zero points: the codes' middle
                     param.fill_(8)
+                elif name.endswith(".perm"):   # an INT4 layer's input order: as they come
+                    param.copy_(torch.arange(param.numel()))
                 elif param.dtype in (torch.float8_e4m3fn, torch.uint8):   # FP8 values; MXFP4's codes, two a byte
                     param.copy_(torch.randint(0, 256, param.shape, generator=gen) if param.dtype == torch.uint8
                                 else torch.randn(param.shape, generator=gen))

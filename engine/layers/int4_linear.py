@@ -26,11 +26,11 @@ __all__ = ["Int4Linear", "swap_int4_linears"]
 class Int4Linear(nn.Module):
     """`y = x W^T + b` over W held as INT4 codes and a scale for each `group` inputs of a row."""
 
-    parameter_dtypes = {"blocks": torch.uint8, "zeros": torch.uint8}   # `build_model` allocates them; the scales in
-                                                                       # the model's dtype
+    # `build_model` allocates them; the scales in the model's dtype
+    parameter_dtypes = {"blocks": torch.uint8, "zeros": torch.uint8, "perm": torch.int32}
 
     def __init__(self, in_features: int, out_features: int, bias: bool, group: int, triton: bool = False,
-                 zeros: bool = False) -> None:
+                 zeros: bool = False, act_order: bool = False) -> None:
         super().__init__()
         if in_features % group:
             raise ValueError(f"an INT4 layer of {in_features} inputs in groups of {group}: not whole groups")
@@ -39,10 +39,14 @@ class Int4Linear(nn.Module):
         self.scales = nn.Parameter(torch.empty(out_features, in_features // group), requires_grad=False)
         self.zeros = nn.Parameter(torch.empty(out_features, in_features // group), requires_grad=False) if zeros \
             else None
+        # GPTQ's activation order: the weight's columns sorted by group, x gathered in that order
+        self.perm = nn.Parameter(torch.empty(in_features), requires_grad=False) if act_order else None
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.triton = triton   # the Triton GEMM (where the model runs the Triton kernels), else dequantized per call
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.perm is not None:
+            x = x.index_select(-1, self.perm)
         if self.triton:
             from kernels.triton_int4_gemm import int4_linear
 
@@ -51,17 +55,24 @@ class Int4Linear(nn.Module):
 
     @property
     def held_bytes(self) -> int:
-        """The bytes of its codes, scales and zero points (the bias not counted: a float layer has it too)."""
-        zeros = self.zeros.numel() if self.zeros is not None else 0
-        return self.blocks.numel() + self.scales.numel() * self.scales.element_size() + zeros
+        """The bytes of its codes, scales, zero points and input order (the bias not counted: a float layer has it
+        too)."""
+        extra = (self.zeros.numel() if self.zeros is not None else 0) + (4 * self.perm.numel() if self.act_order else 0)
+        return self.blocks.numel() + self.scales.numel() * self.scales.element_size() + extra
+
+    @property
+    def act_order(self) -> bool:
+        return self.perm is not None
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"group={self.group}, zeros={self.zeros is not None}")
+                f"group={self.group}, zeros={self.zeros is not None}, act_order={self.act_order}")
 
 
-def swap_int4_linears(model: nn.Module, names: set[str], group: int, triton: bool = False, zeros: bool = False) -> None:
+def swap_int4_linears(model: nn.Module, names: set[str], group: int, triton: bool = False, zeros: bool = False,
+                      act_order: bool = False) -> None:
     """Each `nn.Linear` of `model` (on the meta device) whose name is in `names` replaced by an `Int4Linear` in
-    groups of `group` (with zero points where `zeros`), on the Triton GEMM where `triton`."""
+    groups of `group` (with zero points where `zeros`, an input order where `act_order`), on the Triton GEMM where
+    `triton`."""
     replace_linears(model, names.__contains__, lambda linear: Int4Linear(
-        linear.in_features, linear.out_features, linear.bias is not None, group, triton, zeros))
+        linear.in_features, linear.out_features, linear.bias is not None, group, triton, zeros, act_order))

@@ -323,10 +323,11 @@ def held_int4(model: LlamaForCausalLM, quantization: str, device_type: str) -> s
     a decoder layer's attention and MLP projections (`FP8_LINEARS`) whose every part the checkpoint stores in INT4
     (its targets and ignore list, matched to `model.<layer's name>`), where the family's loading reads them
     unchanged (`_FP8_READERS`) and a row-parallel rank's columns start on a group; the rest dequantized as read.
-    A ConfigError naming `quantization: int4` where a rank's cut would split a group."""
+    In GPTQ's activation order a row-parallel rank's layers are not held (its columns are no whole groups). A
+    ConfigError naming `quantization: int4` where a rank's cut would split a group."""
     config, group = model.config, model.config.int4_group
     reader = _fp8_reader(type(model))
-    if group is None or reader is None or config.int4_act_order or quantization not in ("auto", "fp8", "int4") \
+    if group is None or reader is None or quantization not in ("auto", "fp8", "int4") \
             or quantization == "auto" and device_type != "cuda":
         return set()
     columns = fp8_cuts(config, model.shard)
@@ -339,6 +340,8 @@ def held_int4(model: LlamaForCausalLM, quantization: str, device_type: str) -> s
                   for part in _STORED_PARTS.get(suffix, (suffix,))]
         if not all(int4_quantizes(config.int4_modules, n) for n in stored):
             continue
+        if config.int4_act_order and model.shard.size > 1 and suffix in ("self_attn.o_proj", "mlp.down_proj"):
+            continue   # a rank's columns in activation order are no whole groups: dequantized as read
         if module.in_features % group or any(c % group for c in columns[suffix.split(".")[1]][1]):
             if quantization == "int4":
                 raise ConfigError(f"quantization: int4 cannot hold {name} as stored under tensor parallelism "
@@ -361,7 +364,7 @@ def _hold_quantized(model: LlamaForCausalLM, quantization: str, device_type: str
             module.hold_packed(kind, MXFP4_GROUP if kind == "mxfp4" else config.int4_group, config.int4_zero_points)
             model.packed_params |= {f"{name}.w13", f"{name}.w2"}
     int4 = held_int4(model, quantization, device_type)
-    swap_int4_linears(model, int4, config.int4_group, triton, config.int4_zero_points)
+    swap_int4_linears(model, int4, config.int4_group, triton, config.int4_zero_points, config.int4_act_order)
     model.packed_params |= {f"{name}.weight" for name in int4}   # the float weight's name, as the reading asks
     if quantization == "int4" and not kind and not int4:
         raise ConfigError("quantization: int4 holds a checkpoint's INT4 experts and projections as stored; this model "
@@ -416,6 +419,7 @@ def held_weight_bytes(config: ModelConfig, shard: ShardShape, dtype: torch.dtype
     saved = sum(m.weight.numel() * (dtype.itemsize - 1) - m.weight_scale.numel() * 4 for m in model.fp8_layers.values())
     saved += sum((2 * m.blocks.numel() - m.scales.numel()) * dtype.itemsize - m.blocks.numel()   # two codes a byte
                  - (m.zeros.numel() if m.zeros is not None else 0)   # a zero point a group, a byte each
+                 - (4 * m.perm.numel() if m.act_order else 0)        # GPTQ's input order
                  for m in model.modules() if isinstance(m, Int4Linear))
     saved += sum(2 * (m.w13.numel() + m.w2.numel()) * dtype.itemsize - _expert_bytes(m, dtype)   # two codes a byte
                  for m in _held_blocks(model) if m.packed)

@@ -76,7 +76,8 @@ def test_awq_and_gptq_layers_decode_to_the_weights_autoawq_unpacks(awq):
     float16 bit, dequantized as read or held (codes, scales, zero points) and dequantized per call; the same layer in
     GPTQ's layout as AutoAWQ converts it (eight inputs a word, zeros stored less one: v1) and with its zeros as they
     are (v2) decodes alike; a symmetric GPTQ layer holds no zero points (every one 8); activation order gathers each
-    input's group; a symmetric layer whose zeros are not 8, or groups out of order without desc_act, is named."""
+    input's group, dequantized as read or held with its inputs sorted by group and the order to gather them in; a
+    symmetric layer whose zeros are not 8, or groups out of order without desc_act, is named."""
     gen = torch.Generator().manual_seed(0)
     qweight, qzeros, scales = _awq_layer(gen, 128, 48, low=1)
     want = awq.dequantize_gemm(qweight, qzeros, scales, 4, GROUP).T   # [out, in] float16
@@ -104,8 +105,16 @@ def test_awq_and_gptq_layers_decode_to_the_weights_autoawq_unpacks(awq):
     assert torch.equal(got["m.weight"][:, order], want)
     with pytest.raises(ValueError, match=r"^m.g_idx: inputs out of their groups' order where desc_act is false"):
         _read(_scheme("gptq_v2"), {**gptq, "qweight": act_weight, "qzeros": v2_zeros, "g_idx": act})
-    with pytest.raises(ValueError, match=r"^m.g_idx: weights in activation order are dequantized as read, not held"):
-        _read(_scheme("gptq_v2", act_order=True), {**gptq, "g_idx": act}, keep=True)
+    held = _read(_scheme("gptq_v2", act_order=True), {**gptq, "qweight": act_weight, "qzeros": v2_zeros, "g_idx": act},
+                 keep=True)
+    sorted_weight = dequantize_int4(held["m.blocks"], held["m.scales"], torch.float16, held["m.zeros"])
+    perm = held["m.perm"].long()   # x[perm] times the held weight is x times the layer's
+    assert torch.equal(act[perm].long(), torch.arange(128) // GROUP) and torch.equal(sorted_weight,
+                                                                                     got["m.weight"][:, perm])
+    uneven = act.clone()
+    uneven[(act == 3).nonzero()[0]] = 2   # a group of 33 inputs, one of 31
+    with pytest.raises(ValueError, match=r"^m.g_idx: groups of other than 32 inputs cannot be held"):
+        _read(_scheme("gptq_v2", act_order=True), {**gptq, "g_idx": uneven}, keep=True)
 
     eights = _words(torch.full((4, 48), 7))   # v1 stores 8 less one
     symmetric = _read(_scheme("gptq", zero_points=False), {**gptq, "qzeros": eights}, keep=True)
@@ -241,6 +250,82 @@ def test_a_gptq_checkpoint_decodes_as_transformers_and_two_ranks_as_one(tmp_path
     _assert_same_or_near_tie(_generate(one, PROMPTS), _generate(two, PROMPTS))
 
 
+def act_order_checkpoint(folder: Path, awq) -> Path:
+    """The tiny checkpoint in `folder` rewritten as GPTQ's in activation order (v1, asymmetric: AutoGPTQ's
+    `desc_act: true`): each decoder projection's inputs taken in a random order (one order for q, k and v, one for
+    gate and up, which share their input, as GPTQ's Hessian gives them), quantized in groups of 32 in that order
+    (`g_idx`), packed in GPTQ's layout by AutoAWQ's `pack_exllama`; beside it the float checkpoint of the weights
+    AutoAWQ's `dequantize_gemm` gives, each column back in its place. Returns that folder."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    reference = folder.parent / f"{folder.name}-float"
+    shutil.copytree(folder, reference)
+    gen, orders, stored, floats = torch.Generator().manual_seed(3), {}, {}, {}
+    for name, w in _taken_weights(folder).items():
+        if not (name.endswith("proj.weight") and ".layers." in name):
+            stored[name] = floats[name] = w
+            continue
+        proj = name.split(".")[-2]
+        shared = {"q_proj": "attn", "k_proj": "attn", "v_proj": "attn", "gate_proj": "mlp", "up_proj": "mlp"}
+        order = orders.setdefault((name.split(".")[2], shared.get(proj, proj)),
+                                  torch.randperm(w.shape[1], generator=gen))
+        codes, zeros, scales = _quantized(w[:, order])   # [in, out], its inputs in the order's groups
+        floats[name] = torch.empty_like(w)
+        floats[name][:, order] = awq.dequantize_gemm(_words(codes, AWQ_ORDER), _words(zeros, AWQ_ORDER),
+                                                     scales.float(), 4, GROUP).T
+        in_place, g_idx = torch.empty_like(codes), torch.empty(w.shape[1], dtype=torch.int32)
+        in_place[order], g_idx[order] = codes, (torch.arange(w.shape[1]) // GROUP).to(torch.int32)
+        key = name.removesuffix("weight")
+        stored[key + "qweight"], stored[key + "qzeros"] = awq.pack_exllama(in_place, zeros - 1, 4)   # v1
+        stored |= {key + "scales": scales, key + "g_idx": g_idx}
+    for target, tensors in ((folder, stored), (reference, floats)):
+        for path in target.glob("*.safetensors*"):
+            path.unlink()
+        save_file(tensors, str(target / "model.safetensors"))
+    (folder / "quantize_config.json").write_text(json.dumps({"bits": 4, "group_size": GROUP, "desc_act": True,
+                                                             "sym": False}))
+    return reference
+
+
+def test_a_gptq_checkpoint_in_activation_order_is_held_with_its_input_order(tmp_path, builtin_path, awq):
+    """GPTQ's activation order (`desc_act: true`), a Qwen2 model: `int4` holds every projection as stored with its
+    inputs sorted by group (`Int4Linear.perm`, one for the fused q/k/v and gate/up), `auto` on a CPU dequantizes
+    each input with its group's scale; both decode greedily as transformers over the weights AutoAWQ defines. Under
+    tensor parallelism 2 the column-parallel layers are held so and the row-parallel ones dequantized, decoding as one
+    rank does. Parts of a fused layer stored in different orders are refused naming the tensor."""
+    import transformers
+
+    from tests.engine.test_tensor_parallel import _assert_same_or_near_tie, _generate
+
+    folder = make_tiny_model(tmp_path / "qwen2", "qwen2", builtin_path, intermediate_size=128)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(act_order_checkpoint(folder, awq),
+                                                           dtype=torch.float32).eval()
+    want = [_hf_greedy(hf, prompt, 12, eos_ids=None) for prompt in PROMPTS]
+    held = LLMEngine(_config(folder, "int4"), progress=False)
+    layer = held.model.layers[1]
+    assert all(m.act_order for m in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj))
+    assert held.weights_bytes == held_weight_bytes(held.model_config, held.shard, torch.float32, "int4", "cpu")
+    assert _greedy(held) == want
+    assert _greedy(LLMEngine(_config(folder, "auto"), progress=False)) == want
+    two = LLMEngine(_config(folder, "int4", tp=2), progress=False)
+    assert two.model.layers[0].mlp.gate_up_proj.act_order and not isinstance(two.model.layers[0].mlp.down_proj,
+                                                                              Int4Linear)
+    _assert_same_or_near_tie(_generate(held, PROMPTS), _generate(two, PROMPTS))
+    from safetensors.torch import load_file, save_file
+
+    from engine.model import WeightLoadError
+
+    stored = load_file(folder / "model.safetensors")
+    stored["model.layers.0.self_attn.k_proj.g_idx"] = stored["model.layers.0.self_attn.k_proj.g_idx"].sort()[0]
+    save_file(stored, str(folder / "model.safetensors"))
+    with pytest.raises(WeightLoadError, match=r"^model.layers.0.self_attn.(q|k)_proj.g_idx: its inputs' groups are "
+                                              r"not in the order of model.layers.0.self_attn.(k|q)_proj.g_idx's, whose "
+                                              r"layer it is fused with in layers.0.self_attn.qkv_proj$"):
+        LLMEngine(_config(folder, "int4"), progress=False)
+
+
 def test_moe_experts_are_held_as_stored_with_or_without_zero_points(tmp_path, builtin_path, awq):
     """Qwen3-MoE in GPTQ, symmetric (the `-GPTQ-Int4` releases' kind: zeros all 8): `int4` holds each expert packed
     as stored, no zero points, and decodes as transformers; in AWQ each expert is held with its zero points (`w13_zeros`
@@ -308,7 +393,8 @@ def _awq_from_gptq(awq, stored: dict, key: str):
 def test_the_config_says_what_is_served_and_refuses_the_rest_by_key(tmp_path):
     """AWQ's and GPTQ's configs read into their scheme (the layers quantized: the decoder layers' linears, less
     `modules_to_not_convert`, or those `modules_in_block_to_quantize` lists); what is not served is refused naming
-    the key, in quantize_config.json by that file's name. Activation order is never held as stored."""
+    the key, in quantize_config.json by that file's name. Layers in activation order are held with their input order,
+    but for a row-parallel rank's (its columns are no whole groups: dequantized as read)."""
     from engine.int4_weights import int4_quantizes
 
     awq_cfg = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "GEMM",
@@ -347,11 +433,12 @@ def test_the_config_says_what_is_served_and_refuses_the_rest_by_key(tmp_path):
     (tmp_path / "quantize_config.json").write_text('[4]')
     with pytest.raises(ConfigError, match=r"^quantize_config.json: must be a JSON object"):
         ModelConfig.from_folder(tmp_path)
-    (tmp_path / "quantize_config.json").write_text('{"bits": 4, "group_size": 128, "desc_act": true}')
+    (tmp_path / "quantize_config.json").write_text('{"bits": 4, "group_size": 32, "desc_act": true}')
     config = ModelConfig.from_folder(tmp_path)
-    assert (config.int4_format, config.int4_group, config.int4_act_order) == ("gptq", 128, True)
+    assert (config.int4_format, config.int4_group, config.int4_act_order) == ("gptq", 32, True)
     from engine.models import build_model
 
-    with pytest.raises(ConfigError, match=r"^quantization: int4 holds a checkpoint's INT4 experts and projections as "
-                                          r"stored; this model holds none"):
-        build_model(config, torch.float32, "cpu", quantization="int4")
+    one = build_model(config, torch.float32, "cpu", quantization="int4").layers[0]
+    assert one.self_attn.o_proj.act_order and one.mlp.gate_up_proj.act_order and one.mlp.down_proj.perm.shape == (128,)
+    two = build_model(config, torch.float32, "cpu", ShardShape.of(config, 0, 2), quantization="int4").layers[0]
+    assert two.mlp.gate_up_proj.act_order and not isinstance(two.mlp.down_proj, Int4Linear)   # a rank's columns

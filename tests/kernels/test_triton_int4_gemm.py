@@ -81,19 +81,20 @@ def test_leading_dimensions_an_empty_batch_and_a_strided_input():
     torch.testing.assert_close(int4_linear(wide, blocks, scales), int4_linear(x, blocks, scales))
 
 
-@pytest.mark.parametrize("kind", ["pack-quantized", "awq"])
+@pytest.mark.parametrize("kind", ["pack-quantized", "awq", "gptq-act-order"])
 def test_a_dense_int4_model_decodes_alike_on_the_triton_gemm_and_on_the_cpu_layer(tmp_path, builtin_path,
                                                                                   monkeypatch, kind):
     """A dense W4A16 checkpoint held as stored (`quantization: int4`, every decoder projection an `Int4Linear`;
-    pack-quantized, or AWQ's with a zero point a group): the Triton GEMM decoding each tile as loaded gives the
-    greedy tokens the CPU's layer (the weight dequantized on each call) gives."""
+    pack-quantized, AWQ's with a zero point a group, or GPTQ's in activation order, its input gathered in its
+    order): the Triton GEMM decoding each tile as loaded gives the greedy tokens the CPU's layer (the weight
+    dequantized on each call) gives."""
     pytest.importorskip("compressed_tensors")
     from engine.config import CacheConfig, EngineConfig, PoolConfig, SchedulerConfig
     from engine.layers.int4_linear import Int4Linear
     from engine.llm_engine import LLMEngine
     from engine.sampling import SamplingParams
     from tests.conftest import make_tiny_model
-    from tests.engine.test_awq_gptq_weights import awq_checkpoint, awq_packing
+    from tests.engine.test_awq_gptq_weights import act_order_checkpoint, awq_checkpoint, awq_packing
     from tests.engine.test_int4_weights import int4_checkpoint
 
     rng = random.Random(11)
@@ -101,6 +102,8 @@ def test_a_dense_int4_model_decodes_alike_on_the_triton_gemm_and_on_the_cpu_laye
     folder = make_tiny_model(tmp_path / "qwen3", "qwen3", builtin_path, head_dim=16, intermediate_size=128)
     if kind == "awq":
         awq_checkpoint(folder, awq_packing())
+    elif kind == "gptq-act-order":
+        act_order_checkpoint(folder, awq_packing())
     else:
         int4_checkpoint(folder, experts_only=False)
     results = {}
@@ -113,7 +116,8 @@ def test_a_dense_int4_model_decodes_alike_on_the_triton_gemm_and_on_the_cpu_laye
                            progress=False)
         held = [m for m in engine.model.modules() if isinstance(m, Int4Linear)]
         assert len(held) == 4 * len(engine.model.layers) and all(m.triton == (backend == "triton") for m in held)
-        assert all((m.zeros is not None) == (kind == "awq") for m in held)
+        assert all((m.zeros is not None) == (kind != "pack-quantized") for m in held)
+        assert all(m.act_order == (kind == "gptq-act-order") for m in held)
         outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
         results[backend] = [o.outputs[0].token_ids for o in outs]
     assert results["triton"] == results["torch"]
