@@ -23,6 +23,7 @@ from engine.gemma4_config import Gemma4Shape
 from engine.mamba_config import Mamba2Shape
 from engine.falcon_h1_config import FalconH1Scales
 from engine.kimi_linear_config import KdaShape, kimi_linear_config
+from engine.kolibri_config import kolibri_config
 from engine.lfm2_config import ShortConvShape, lfm2_config, lfm2_moe_config
 from engine.cohere_moe_config import CohereMoeShape
 from engine.mimo_config import MimoShape
@@ -53,7 +54,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
                            "OlmoHybridForCausalLM", "Gemma4ForCausalLM", "Mistral4ForCausalLM",
                            "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM", "Lfm2ForCausalLM", "Lfm3ForCausalLM",
                            "Lfm2MoeForCausalLM", "KimiLinearForCausalLM", "Dots1ForCausalLM", "SolarOpenForCausalLM",
-                           "AfmoeForCausalLM", "MiMoV2FlashForCausalLM",
+                           "AfmoeForCausalLM", "Kolibri1ForCausalLM", "MiMoV2FlashForCausalLM",
                            "ExaoneMoeForCausalLM", "Cohere2MoeForCausalLM",
                            "Jais2ForCausalLM", "GraniteSWAForCausalLM", "GraniteMoeForCausalLM",
                            "GraniteMoeSharedForCausalLM", "GraniteMoeSWAForCausalLM", "HYV3ForCausalLM",
@@ -391,7 +392,7 @@ class ModelConfig:
         cfg = FAMILY_DEFAULTS.get(arch, {}) | cfg
         cfg = {"NemotronHForCausalLM": nemotron_h_config, "Lfm2ForCausalLM": lfm2_config,
                "Lfm2MoeForCausalLM": lfm2_moe_config, "Lfm3ForCausalLM": lfm2_moe_config,
-               "KimiLinearForCausalLM": kimi_linear_config}.get(arch, dict)(cfg)
+               "KimiLinearForCausalLM": kimi_linear_config, "Kolibri1ForCausalLM": kolibri_config}.get(arch, dict)(cfg)
         if cfg.get("max_position_embeddings") is None:
             if arch not in DEFAULT_MAX_POSITIONS:
                 raise ConfigError(f"max_position_embeddings: missing from config.json ({arch}'s default is not known "

@@ -23,7 +23,7 @@ HEAD_QK_NORMS = (*COHERE_ARCHITECTURES, "StableLmForCausalLM")   # q/k norms wit
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma4ForCausalLM", "GemmaForCausalLM",
                        "VaultGemmaForCausalLM")
 FOUR_NORMS = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma4ForCausalLM", "Glm4ForCausalLM",   # a norm on each
-              "AfmoeForCausalLM")   # sublayer's output too
+              "AfmoeForCausalLM", "Kolibri1ForCausalLM")   # sublayer's output too
 # q and k normed over the whole projection
 # an MLP of up, its activation and down, no gate
 UNGATED_MLP = ("ApertusForCausalLM", "ArceeForCausalLM", "Jais2ForCausalLM", "Starcoder2ForCausalLM",
@@ -35,15 +35,15 @@ WIDE_QK_NORM = ("Olmo2ForCausalLM", "Olmo3ForCausalLM", "MiniMaxM2ForCausalLM", 
 
 
 def float32_params(config: Any) -> int:
-    """Parameters held in float32 whatever the model's dtype: DeepSeek's and ERNIE 4.5's routers (weight, the
-    correction bias of V3's and ERNIE's), LFM2-MoE's and AFMoE's expert bias, DeepSeek V3.2's indexers' head
+    """Parameters held in float32 whatever the model's dtype: DeepSeek's and ERNIE 4.5's routers (weight, the correction
+    bias of V3's and ERNIE's), the expert bias of LFM2-MoE's, AFMoE's and Kolibri-1's, DeepSeek V3.2's indexers' head
     weights, Kimi Linear's dt_bias (the whole model's: a rank's is at most that)."""
     h, layers = config.hidden_size, config.num_layers
     indexers = config.mla.num_indexer_weights(h, layers) if config.mla is not None else 0
     indexers += getattr(config.state_layers, "qkv_dim", 0) * (layers - config.num_kv_layers)   # KDA's dt_bias
-    if config.moe_router not in ("deepseek_v2", "deepseek_v3", "ernie4_5", "lfm2", "afmoe"):
+    if config.moe_router not in ("deepseek_v2", "deepseek_v3", "ernie4_5", "lfm2", "afmoe", "kolibri"):
         return indexers
-    weights = 0 if config.moe_router in ("lfm2", "afmoe") else config.hidden_size   # their routers: the bias alone
+    weights = 0 if config.moe_router in ("lfm2", "afmoe", "kolibri") else config.hidden_size   # the bias alone
     per_layer = config.num_experts * (weights + (config.moe_router != "deepseek_v2"))
     return indexers + per_layer * sum(config.is_sparse_layer(layer) for layer in range(config.num_layers))
 
@@ -75,7 +75,7 @@ def count_params(config: Any, heads: int, kv_heads: int, i: int, moe_i: int, v: 
         experts += config.num_experts * (2 * moe_i + h + 1)
     if config.shared_expert_intermediate_size:   # Qwen2-MoE: the shared expert and its gate (DeepSeek: ungated)
         experts += 3 * h * shared_i + (h if config.shared_expert_gated else 0)
-    if config.moe_router in ("deepseek_v3", "minimax_m2", "ernie4_5", "lfm2", "afmoe"):   # the router's correction bias
+    if config.moe_router in ("deepseek_v3", "minimax_m2", "ernie4_5", "lfm2", "afmoe", "kolibri"):   # the router's bias
         experts += config.num_experts
     norms = 4 if config.architecture in FOUR_NORMS or config.peri_norms else 2   # on the sublayers' outputs too
     parallel = config.architecture in COHERE_ARCHITECTURES or config.parallel_residual

@@ -40,15 +40,17 @@ __all__ = ["Gemma3ForCausalLM", "GemmaForCausalLM", "sliding_rotary"]
 
 class Gemma3DecoderLayer(nn.Module):
     """One Gemma 3 block; the residual stream travels beside the hidden states as in the Llama layer, so
-    the residual adds are fused into the input and pre-feed-forward norms. A subclass changes the norm
-    (`make_norm`: GLM-4's layer is this one with Llama's RMSNorm, `engine.models.glm4`)."""
+    the residual adds are fused into the input and pre-feed-forward norms. A subclass changes the norms
+    (`make_norm`, `head_norm`: GLM-4's layer is this one with Llama's RMSNorm, `engine.models.glm4`)."""
+
+    head_norm: type[nn.Module] = GemmaHeadRMSNorm   # q/k's, where the config norms them
 
     def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives, rotary_emb: RotaryEmbedding,
                  ops: ModuleType, layer: int) -> None:
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = self.make_norm(h, eps, ops)
-        self.self_attn = Attention(config, shard, comm, rotary_emb, layer, GemmaHeadRMSNorm)
+        self.self_attn = Attention(config, shard, comm, rotary_emb, layer, self.head_norm)
         self.post_attention_layernorm = self.make_norm(h, eps, ops)
         self.pre_feedforward_layernorm = self.make_norm(h, eps, ops)
         self.mlp = MLP(config, shard, comm, ops)

@@ -30,7 +30,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from engine.layers import RMSNorm
+from engine.layers import HeadRMSNorm, RMSNorm
 from engine.models.cohere import InterleavedRotaryWeights
 from engine.models.deepseek import DeepseekMoeBlock, moe_checkpoint_name
 from engine.models.gemma3 import Gemma3DecoderLayer
@@ -43,7 +43,9 @@ __all__ = ["ExaoneMoeForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM", "Glm
 
 class Glm4DecoderLayer(Gemma3DecoderLayer):
     """One GLM-4 block: Gemma 3's with Llama's RMSNorm (GLM-4's checkpoint names its norms otherwise:
-    `Glm4ForCausalLM.read_tensor` renames them)."""
+    `Glm4ForCausalLM.read_tensor` renames them), and Llama's q/k norms where the config has them (Kolibri-1's)."""
+
+    head_norm = HeadRMSNorm
 
     @staticmethod
     def make_norm(hidden_size: int, eps: float, ops: ModuleType) -> nn.Module:
@@ -51,7 +53,7 @@ class Glm4DecoderLayer(Gemma3DecoderLayer):
 
 
 # GLM-4's norms by the names of Gemma's in the same places
-_NORMS = {"post_self_attn_layernorm": "post_attention_layernorm",
+NORM_NAMES = {"post_self_attn_layernorm": "post_attention_layernorm",
           "post_attention_layernorm": "pre_feedforward_layernorm", "post_mlp_layernorm": "post_feedforward_layernorm"}
 
 
@@ -66,9 +68,9 @@ class Glm4ForCausalLM(InterleavedRotaryWeights, Phi3ForCausalLM):
 
     def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
         """The tensors as `InterleavedRotaryWeights` and Phi-3 read them, the norms under the names of Gemma's in
-        the same places (`_NORMS`)."""
+        the same places (`NORM_NAMES`)."""
         for read, piece in super().read_tensor(hf_name, name, tensor):
-            yield ".".join(_NORMS.get(part, part) for part in read.split(".")), piece
+            yield ".".join(NORM_NAMES.get(part, part) for part in read.split(".")), piece
 
 
 class GlmForCausalLM(InterleavedRotaryWeights, Phi3ForCausalLM):

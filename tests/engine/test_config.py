@@ -2065,6 +2065,26 @@ def test_lfm3_reads_as_transformers_does():
         ModelConfig.from_hf_config({**base, "rope_parameters": {"full_attention": {"rope_type": "llama3"}}})
 
 
+def test_kolibri_reads_as_transformers_does():
+    """Kolibri-1 (`Kolibri1ForCausalLM`, Kolibri1Config's defaults: its release's shape): every 5th layer full and
+    NoPE, the rest sliding (513) and rotating, q/k normed per head, four norms a layer, 384 experts of 512, 6 a token
+    by the kolibri router (not renormalised) beside an ungated shared expert; the parameter count is transformers'
+    model's. Sliding layers without a window are refused naming the key."""
+    transformers = pytest.importorskip("transformers")
+    hf, model = _meta_model(transformers.Kolibri1Config, {"architectures": ["Kolibri1ForCausalLM"]})
+    cfg = ModelConfig.from_hf_config({"architectures": ["Kolibri1ForCausalLM"]})   # its defaults: Kolibri1Config's
+    assert cfg.num_params() == _params_and_router_biases(model)
+    assert (cfg.layer_types, cfg.sliding_window, cfg.head_dim, cfg.num_experts, cfg.num_experts_per_tok) == \
+        (tuple(hf.layer_types), hf.sliding_window, hf.head_dim, hf.num_local_experts, hf.num_experts_per_tok)
+    assert cfg.no_rope_layers == tuple(int(k == "sliding_attention") for k in hf.layer_types)
+    assert (cfg.moe_router, cfg.norm_topk_prob, cfg.shared_expert_gated, cfg.moe_intermediate_size,
+            cfg.shared_expert_intermediate_size, cfg.mlp_only_layers) == \
+        ("kolibri", False, False, hf.moe_intermediate_size, hf.shared_expert_intermediate_size, ())
+    with pytest.raises(ConfigError, match=r"^sliding_window: sliding-attention layers need a positive window"):
+        ModelConfig.from_hf_config({"architectures": ["Kolibri1ForCausalLM"], "num_hidden_layers": 2,
+                                    "sliding_window": None})
+
+
 def test_every_architecture_knows_its_context_where_config_json_names_none():
     """Every architecture served reads a config.json naming no max_position_embeddings with its config class's
     default (`DEFAULT_MAX_POSITIONS` or its family's defaults): a small config is read, or refused for another key,

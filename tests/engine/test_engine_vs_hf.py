@@ -421,6 +421,12 @@ TINY_MODELS = [
     # LFM3: LFM2's convolutions (7 taps, biased) beside sliding (a window of 8, the default rope) and full attention
     # layers (the proportional rope, half the pairs turning), each head gated by a sigmoid of g_proj, sandwich norms;
     # then Lfm3Config's own layout (5 layers: a full one at 2, a sliding one at 4) without gates or sandwich norms
+    # Kolibri-1: GLM-4's four norms around EXAONE 4's attention (sliding layers rotate in a window of 8, the full one
+    # NoPE), every layer 8 experts of 32 picked by float32 logits plus an expert bias, weighed by their sigmoid (not
+    # renormalised), beside an ungated shared expert of 48
+    ("kolibri1", {"num_hidden_layers": 3, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+                  "head_dim": 16, "sliding_window": 8, "num_experts": 8, "num_experts_per_tok": 2,
+                  "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48}),
     ("lfm3", {"num_hidden_layers": 4, "layer_types": ["conv", "sliding_attention", "full_attention", "conv"],
               "head_dim": 16, "sliding_window": 8, "conv_bias": True, "norm_eps": 1e-5, "pad_token_id": 0}),
     ("lfm3", {"num_hidden_layers": 5, "head_dim": 16, "sliding_window": 8, "conv_L_cache": 3,

@@ -1,0 +1,75 @@
+"""Aleph Alpha's Kolibri-1 (`Kolibri1ForCausalLM`; its config: `engine.kolibri_config`): GLM-4's four-norm layer
+(`Glm4DecoderLayer`: each sublayer's input and output normed) whose attention is EXAONE 4's (q and k RMS-normed per
+head; the rotary on the sliding layers only, the full ones NoPE), and on every layer Qwen3-MoE's experts beside an
+ungated shared expert, picked by `KolibriMoeBlock`'s router.
+
+The checkpoint's names: the router `mlp.gate` with its float32 bias `mlp.gate.e_score_correction_bias` (as
+transformers holds it; `moe.router.expert_bias` as the release stores it), the shared expert `mlp.shared_experts`,
+the norms GLM-4's (`post_self_attn_layernorm` or the release's `post_attn_norm` on the attention's output,
+`post_attention_layernorm` before the MLP, `post_mlp_layernorm` or `post_ffn_norm` after it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.models.glm4 import NORM_NAMES, Glm4DecoderLayer
+from engine.models.lfm2 import Lfm2MoeBlock
+from engine.models.qwen3_moe import Qwen3MoeForCausalLM, with_experts
+from engine.models.smollm3 import layer_rotary
+
+__all__ = ["KolibriForCausalLM", "KolibriMoeBlock"]
+
+_RENAMES = ((".mlp.gate.e_score_correction_bias", ".mlp.expert_bias.weight"),
+            (".moe.router.expert_bias", ".mlp.expert_bias.weight"), (".mlp.shared_experts.", ".mlp.shared_expert."),
+            (".post_attn_norm.", ".post_self_attn_layernorm."), (".post_ffn_norm.", ".post_mlp_layernorm."))
+
+
+class KolibriRouter(nn.Module):
+    """The router's weight [num_experts, hidden] in the model's dtype, a plain parameter (no linear layer a backend
+    would swap: its product is float32's)."""
+
+    def __init__(self, num_experts: int, hidden_size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+
+
+class KolibriMoeBlock(Lfm2MoeBlock):
+    """Qwen3-MoE's experts with Kolibri-1's router: float32 logits (of the weight as held, both sides widened), the top
+    k of the logits plus the float32 expert bias, weighed by the sigmoid of their logits, renormalised where
+    `norm_topk_prob` (no epsilon), in float32, as transformers' `Kolibri1TopKRouter`."""
+
+    def __init__(self, config, shard, comm, ops: ModuleType) -> None:
+        super().__init__(config, shard, comm, ops)
+        self.gate = KolibriRouter(config.num_experts, config.hidden_size)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x.float(), self.gate.weight.float())                   # [num_tokens, num_experts]
+        experts = torch.topk(logits + self.expert_bias.weight, k=self.top_k, dim=-1)[1]
+        weights = logits.gather(1, experts).sigmoid()
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, experts
+
+
+class KolibriForCausalLM(Qwen3MoeForCausalLM):
+    """Kolibri-1 (see the module docstring)."""
+
+    supports_flat_forward = False
+    moe_block = KolibriMoeBlock
+
+    def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
+        layer = Glm4DecoderLayer(self.config, self.shard, self.comm, layer_rotary(self, index), ops, index)
+        return with_experts(self, layer, index, ops)
+
+    def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
+        """The checkpoint's names as the model's (the module docstring), then Qwen3-MoE's reading."""
+        for theirs, ours in _RENAMES:
+            name = name.replace(theirs, ours)
+        name = ".".join(NORM_NAMES.get(part, part) for part in name.split("."))
+        return super().read_tensor(hf_name, name, tensor)
