@@ -201,15 +201,7 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
         return RotaryEmbedding(self.config.layer_config(self.config.num_layers - 1), ops)
 
     def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
-        c = self.config
-        rotary = self.rotary_emb
-        if c.layer_window(index) is not None:
-            if "rotary_local" not in self._modules:   # the sliding layers' default rope over their whole heads
-                self.rotary_local = RotaryEmbedding(replace(
-                    c, rope_theta=c.rope_local_theta, rope_scaling=RopeScaling(), partial_rotary_factor=1.0,
-                    rope_proportional=False, max_position_embeddings=c.context_length), ops)
-            rotary = self.rotary_local
-        return Gemma4DecoderLayer(c, self.shard, self.comm, rotary, ops, index)
+        return Gemma4DecoderLayer(self.config, self.shard, self.comm, proportional_rotary(self, index, ops), ops, index)
 
     def make_norm(self, ops: ModuleType) -> nn.Module:
         return FloatRMSNorm(self.config.hidden_size, self.config.rms_norm_eps)
@@ -295,3 +287,16 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
             raise WeightLoadError(f"{hf_name}: not a tensor of {self.config.architecture} with this config")
         return super()._destination(name, hf_name)
 
+
+def proportional_rotary(model: nn.Module, index: int, ops: ModuleType) -> RotaryEmbedding:
+    """The rotary of `model`'s layer `index` where full layers turn by a proportional rope (Gemma 4's, LFM3's): the
+    model's, or on a sliding layer the sliding layers' default rope over their whole heads (`rope_local_theta`, no
+    scaling), made with the first sliding layer."""
+    c = model.config
+    if c.layer_window(index) is None:
+        return model.rotary_emb
+    if "rotary_local" not in model._modules:
+        model.rotary_local = RotaryEmbedding(replace(
+            c, rope_theta=c.rope_local_theta, rope_scaling=RopeScaling(), partial_rotary_factor=1.0,
+            rope_proportional=False, max_position_embeddings=c.context_length), ops)
+    return model.rotary_local

@@ -14,15 +14,13 @@ The checkpoint names its parts as LFM2's (`feed_forward.w1` / `w3` / `w2`, `oper
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import replace
 from types import ModuleType
 
 import torch
 from torch import nn
 
 from engine.layers.norm import HeadRMSNorm, RMSNorm
-from engine.layers.rotary import RotaryEmbedding
-from engine.rope_config import RopeScaling
+from engine.models.gemma4 import proportional_rotary
 from engine.models.lfm2 import Lfm2ForCausalLM, Lfm2Layer
 from engine.models.qwen3_5 import GatedAttention
 
@@ -53,14 +51,8 @@ class Lfm3ForCausalLM(Lfm2ForCausalLM):
     """LFM3 (see the module docstring): `Lfm3Layer`s, the sliding layers turning by their own rope."""
 
     def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
-        c, rotary = self.config, self.rotary_emb
-        if c.layer_window(index) is not None:
-            if "rotary_local" not in self._modules:   # the sliding layers' default rope over their whole heads
-                self.rotary_local = RotaryEmbedding(replace(
-                    c, rope_theta=c.rope_local_theta, rope_scaling=RopeScaling(), partial_rotary_factor=1.0,
-                    rope_proportional=False, max_position_embeddings=c.context_length), ops)
-            rotary = self.rotary_local
-        return Lfm3Layer(c, self.shard, self.comm, rotary, ops, index, self.state_index.get(index, -1))
+        return Lfm3Layer(self.config, self.shard, self.comm, proportional_rotary(self, index, ops), ops, index,
+                         self.state_index.get(index, -1))
 
     def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
         """The gates under their stored name (`gate_proj`), whichever they come under; the rest as LFM2's."""

@@ -787,52 +787,45 @@ def test_a_multimodal_mistral3_checkpoint_serves_its_text_model(tmp_path, builti
         ModelConfig.from_hf_config(saved)
 
 
-def test_a_multimodal_lfm2_checkpoint_serves_its_text_model(tmp_path, builtin_path):
-    """LFM2-VL (`Lfm2VlForConditionalGeneration`: a SigLIP2 vision tower and a projector beside an LFM2 text model
-    under `language_model.`, the head tied to its embedding) served as its text model, greedy text token-identical to
-    transformers' multimodal model on text input."""
+def _lfm_vl_configs(family: str):
+    """(text config, vision config, the multimodal config's class) of a tiny LFM2-VL or LFM3-VL."""
     import transformers
 
-    text = transformers.Lfm2Config(vocab_size=512, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2,
-                                   layer_types=["conv", "full_attention", "conv"], intermediate_size=96,
-                                   block_multiple_of=16)
-    vision = transformers.Siglip2VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                              num_attention_heads=2, num_patches=16, patch_size=4)
-    config = transformers.Lfm2VlConfig(text_config=text.to_dict(), vision_config=vision.to_dict(),
-                                       projector_hidden_size=32)
+    shape = dict(vocab_size=512, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                 max_position_embeddings=512, initializer_range=0.2, intermediate_size=96)
+    if family == "lfm2":
+        return (transformers.Lfm2Config(**shape, num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"],
+                                        block_multiple_of=16),
+                transformers.Siglip2VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                 num_attention_heads=2, num_patches=16, patch_size=4),
+                transformers.Lfm2VlConfig)
+    return (transformers.Lfm3Config(**shape, num_hidden_layers=4, head_dim=16, sliding_window=8, pad_token_id=0,
+                                    layer_types=["conv", "sliding_attention", "full_attention", "conv"]),
+            transformers.Lfm3VlVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                            num_attention_heads=2, num_key_value_heads=2, patch_size=4),
+            transformers.Lfm3VlConfig)
+
+
+@pytest.mark.parametrize("family", ["lfm2", "lfm3"])
+def test_a_multimodal_lfm_checkpoint_serves_its_text_model(tmp_path, builtin_path, family):
+    """LFM2-VL (`Lfm2VlForConditionalGeneration`: a SigLIP2 vision tower and a projector beside an LFM2 text model)
+    and LFM3-VL (`Lfm3VlForConditionalGeneration`: its own tower beside an LFM3 text model: sliding, full and
+    convolution layers, head gates, sandwich norms), the text model under `language_model.` and the head tied to its
+    embedding, served as their text model, greedy text token-identical to transformers' multimodal model on text
+    input."""
+    import transformers
+
+    text, vision, config_class = _lfm_vl_configs(family)
+    config = config_class(text_config=text.to_dict(), vision_config=vision.to_dict(), projector_hidden_size=32)
     torch.manual_seed(0)
-    hf = transformers.Lfm2VlForConditionalGeneration(config).eval()
+    model_class = getattr(transformers, f"{config_class.__name__.removesuffix('Config')}ForConditionalGeneration")
+    hf = model_class(config).eval()
     with torch.no_grad():   # the text model's matrices with a large std (its norms stay 1): no greedy ties
         for param in hf.model.language_model.parameters():
             if param.dim() > 1:
                 param.normal_(0.0, 0.2)
-    hf.save_pretrained(tmp_path / "lfm2_vl")
-    _assert_serves_its_text_model(hf, tmp_path / "lfm2_vl", builtin_path, "Lfm2ForCausalLM")
-
-
-def test_a_multimodal_lfm3_checkpoint_serves_its_text_model(tmp_path, builtin_path):
-    """LFM3-VL (`Lfm3VlForConditionalGeneration`: its own vision tower and a projector beside an LFM3 text model under
-    `language_model.`, the head tied) served as its text model (sliding, full and convolution layers, head gates,
-    sandwich norms), greedy text token-identical to transformers' multimodal model on text input."""
-    import transformers
-
-    text = transformers.Lfm3Config(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
-                                   num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                                   initializer_range=0.2, intermediate_size=96, sliding_window=8, pad_token_id=0,
-                                   layer_types=["conv", "sliding_attention", "full_attention", "conv"])
-    vision = transformers.Lfm3VlVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                             num_attention_heads=2, num_key_value_heads=2, patch_size=4)
-    config = transformers.Lfm3VlConfig(text_config=text.to_dict(), vision_config=vision.to_dict(),
-                                       projector_hidden_size=32)
-    torch.manual_seed(0)
-    hf = transformers.Lfm3VlForConditionalGeneration(config).eval()
-    with torch.no_grad():   # the text model's matrices with a large std (its norms stay 1): no greedy ties
-        for param in hf.model.language_model.parameters():
-            if param.dim() > 1:
-                param.normal_(0.0, 0.2)
-    hf.save_pretrained(tmp_path / "lfm3_vl")
-    _assert_serves_its_text_model(hf, tmp_path / "lfm3_vl", builtin_path, "Lfm3ForCausalLM")
+    hf.save_pretrained(tmp_path / f"{family}_vl")
+    _assert_serves_its_text_model(hf, tmp_path / f"{family}_vl", builtin_path, f"{family.capitalize()}ForCausalLM")
 
 
 # --- slow: the builtin model under every block size x preemption mode x prefix-cache state --------
