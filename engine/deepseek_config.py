@@ -13,7 +13,8 @@ from engine.mla_config import DSA_DEFAULTS, MLA_DEFAULTS, read_mla
 
 DEEPSEEK_TOPK_METHODS = {"DeepseekV2ForCausalLM": ("greedy", "group_limited_greedy"),
                          "DeepseekV3ForCausalLM": ("noaux_tc",), "Glm4MoeLiteForCausalLM": ("noaux_tc",),
-                         "DeepseekV32ForCausalLM": ("noaux_tc",), "GlmMoeDsaForCausalLM": ("noaux_tc",)}
+                         "DeepseekV32ForCausalLM": ("noaux_tc",), "GlmMoeDsaForCausalLM": ("noaux_tc",),
+                         "AXK1ForCausalLM": ("noaux_tc",)}
 
 
 def deepseek_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
@@ -23,7 +24,8 @@ def deepseek_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
     in groups where `topk_method: group_limited_greedy`. Unlike transformers, V2 renormalises its top k where
     `norm_topk_prob` says so (DeepSeek's and vLLM's reading; DeepSeek's V2 configs say not). DeepSeek V3.2
     (`DeepseekV32Config`) and GLM-5 (`GlmMoeDsaConfig`): V3's, every layer's attention sparse through an indexer
-    (`_sparse_attention`)."""
+    (`_sparse_attention`). A.X-K1 (`AXK1Config`): V3's, its dense layers as `mlp_layer_types` says (else the first
+    one), a norm on each sparse layer's output (`engine.models.deepseek.AXK1ForCausalLM`)."""
     v3 = arch != "DeepseekV2ForCausalLM"   # V3's router and keys: GLM-4.7-Flash's too (`Glm4MoeLiteForCausalLM`)
     method = cfg.get("topk_method") or ("noaux_tc" if v3 else "greedy")
     if method not in DEEPSEEK_TOPK_METHODS[arch]:
@@ -48,6 +50,9 @@ def deepseek_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
         defaults, cfg = GLM4_MOE_LITE_EXPERTS, {**cfg, "first_k_dense_replace": dense_first(cfg, 1)}
     if arch == "GlmMoeDsaForCausalLM":
         defaults = GLM5_EXPERTS
+    if arch == "AXK1ForCausalLM":   # A.X-K1: V3's, one dense layer first by default
+        defaults = {**defaults, "n_routed_experts": 192, "first_k_dense_replace": 1}
+        cfg = {**cfg, "first_k_dense_replace": dense_first(cfg, read_int(cfg, "first_k_dense_replace", 1, minimum=0))}
     experts = grouped_experts(cfg, defaults, "deepseek_v3" if v3 else "deepseek_v2",
                                grouped=v3 or method == "group_limited_greedy")
     return {"mla": mla, "head_dim": mla.cache_dim, "num_kv_heads": 1, **experts}

@@ -15,7 +15,8 @@ from engine.config_values import read_bool, read_int
 MLA_DEFAULTS = {"DeepseekV2ForCausalLM": (1536, 512, 128, 64, 128), "DeepseekV3ForCausalLM": (1536, 512, 128, 64, 128),
                 "Mistral4ForCausalLM": (1024, 256, 64, 64, 128),
                 "Glm4MoeLiteForCausalLM": (768, 512, 192, 64, 256),
-                "DeepseekV32ForCausalLM": (1536, 512, 128, 64, 128), "GlmMoeDsaForCausalLM": (2048, 512, 192, 64, 256)}
+                "DeepseekV32ForCausalLM": (1536, 512, 128, 64, 128), "GlmMoeDsaForCausalLM": (2048, 512, 192, 64, 256),
+                "AXK1ForCausalLM": (1536, 512, 128, 64, 128)}
 # DeepSeek V3.2's and GLM-5's indexer where config.json names none: (index_n_heads, index_head_dim, index_topk)
 DSA_DEFAULTS = {"DeepseekV32ForCausalLM": (64, 128, 2048), "GlmMoeDsaForCausalLM": (32, 128, 2048)}
 

@@ -77,6 +77,7 @@ def count_params(config: Any, heads: int, kv_heads: int, i: int, moe_i: int, v: 
         experts += 3 * h * shared_i + (h if config.shared_expert_gated else 0)
     if config.moe_router in ("deepseek_v3", "minimax_m2", "ernie4_5", "lfm2", "afmoe", "kolibri"):   # the router's bias
         experts += config.num_experts
+    experts += h if config.architecture == "AXK1ForCausalLM" else 0   # A.X-K1: a norm on the sparse layer's output
     norms = 4 if config.architecture in FOUR_NORMS or config.peri_norms else 2   # on the sublayers' outputs too
     parallel = config.architecture in COHERE_ARCHITECTURES or config.parallel_residual
     norms = 1 if parallel else norms   # Cohere, StableLM 2 12B: one before both sublayers

@@ -133,7 +133,8 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
            "glm": transformers.GlmConfig, "laguna": transformers.LagunaConfig,
            "nemotron": transformers.NemotronConfig, "stablelm": transformers.StableLmConfig,
            "gemma": transformers.GemmaConfig, "vaultgemma": transformers.VaultGemmaConfig,
-           "lfm3": transformers.Lfm3Config, "kolibri1": transformers.Kolibri1Config}[arch]
+           "lfm3": transformers.Lfm3Config, "kolibri1": transformers.Kolibri1Config,
+           "axk1": transformers.AXK1Config}[arch]
     config = cls(**common)
     if arch == "mistral4":   # transformers maps Mistral4Config to no causal LM class (only its pretraining one)
         transformers.AutoModelForCausalLM.register(transformers.Mistral4Config, transformers.Mistral4ForCausalLM,
@@ -168,14 +169,14 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
                 if name.endswith(("query_layernorm.weight", "key_layernorm.weight")):
                     param.normal_(1.0, 0.5)
     # every norm its own weights: one read into another's place would show
-    if arch in ("hyperclovax", "nemotron", "stablelm", "gemma", "vaultgemma", "lfm3", "kolibri1"):
+    if arch in ("hyperclovax", "nemotron", "stablelm", "gemma", "vaultgemma", "lfm3", "kolibri1", "axk1"):
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if "norm" in name:
                     param.normal_(1.0, 0.5)
     # the router's correction bias (a buffer; LFM2-MoE's expert bias), and LFM2-MoE's router, which starts at zero
     if arch in ("deepseek_v3", "glm4_moe", "minimax_m2", "glm4_moe_lite", "nemotron_h", "lfm2_moe", "kimi_linear",
-                "dots1", "solar_open", "afmoe", "mimo_v2_flash", "exaone_moe", "hy_v3", "laguna", "kolibri1"):
+                "dots1", "solar_open", "afmoe", "mimo_v2_flash", "exaone_moe", "hy_v3", "laguna", "kolibri1", "axk1"):
         with torch.no_grad():
             for name, tensor in [*model.named_buffers(), *model.named_parameters()]:
                 if name.endswith(("e_score_correction_bias", "feed_forward.expert_bias", "mlp.expert_bias")):

@@ -49,7 +49,7 @@ from engine.models.afmoe import AfmoeForCausalLM
 from engine.models.apertus import (ApertusForCausalLM, ArceeForCausalLM, Jais2ForCausalLM, NemotronForCausalLM,
                                    Starcoder2ForCausalLM)
 from engine.models.cohere import Cohere2MoeForCausalLM, CohereForCausalLM
-from engine.models.deepseek import DeepseekForCausalLM
+from engine.models.deepseek import AXK1ForCausalLM, DeepseekForCausalLM
 from engine.models.deepseek_v32 import DeepseekV32ForCausalLM
 from engine.models.ernie import Ernie45ForCausalLM, Ernie45MoeForCausalLM
 from engine.models.gemma3 import Gemma3ForCausalLM, GemmaForCausalLM
@@ -112,6 +112,7 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "MiniMaxM2ForCausalLM": MiniMaxM2ForCausalLM,
                                                 "DeepseekV2ForCausalLM": DeepseekForCausalLM,
                                                 "DeepseekV3ForCausalLM": DeepseekForCausalLM,
+                                                "AXK1ForCausalLM": AXK1ForCausalLM,
                                                 "Llama4ForCausalLM": Llama4ForCausalLM,
                                                 "Ministral3ForCausalLM": Ministral3ForCausalLM,
                                                 "Glm4MoeLiteForCausalLM": DeepseekForCausalLM,   # GLM-4.7-Flash

@@ -54,7 +54,7 @@ from engine.models.qwen3_moe import Qwen3MoeForCausalLM, SparseMoeBlock
 from engine.parallel import Collectives, ShardShape
 from kernels import AttentionMetadata
 
-__all__ = ["DeepseekForCausalLM", "DeepseekMoeBlock", "MlaAttention", "moe_checkpoint_name"]
+__all__ = ["AXK1ForCausalLM", "DeepseekForCausalLM", "DeepseekMoeBlock", "MlaAttention", "moe_checkpoint_name"]
 
 LATENT_NORM_EPS = 1e-6   # transformers' DeepseekV3RMSNorm default: q_a_layernorm and kv_a_layernorm take no config eps
 
@@ -277,3 +277,32 @@ def rope_rows_to_halves(rows: torch.Tensor, group: int, rope: int, first: bool =
     turned = groups[:, part]
     groups[:, part] = interleaved_to_halves(turned.reshape(-1, *rows.shape[1:]), rope).reshape(turned.shape)
     return groups.reshape(rows.shape)
+
+
+class AXK1MoeBlock(DeepseekMoeBlock):
+    """A.X-K1's sparse layer: DeepSeek V3's, its output (the routed experts' sum plus the shared expert's, summed
+    over the ranks) normed (`post_mlp_layernorm`), as transformers' `AXK1MoE`."""
+
+    def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives, ops: ModuleType) -> None:
+        super().__init__(config, shard, comm, ops)
+        self.post_mlp_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.post_mlp_layernorm(super().forward(x))
+
+
+class AXK1ForCausalLM(DeepseekForCausalLM):
+    """SK Telecom's A.X-K1: DeepSeek V3 whose sparse layers norm their output (`AXK1MoeBlock`). The release stores
+    that norm on every layer (`layers.N.post_mlp_layernorm`, transformers' `mlp.post_mlp_layernorm`); a dense
+    layer's is not used, as transformers' model does not use it, and is skipped."""
+
+    moe_block = AXK1MoeBlock
+
+    def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
+        parts = name.split(".")
+        if len(parts) > 2 and parts[0] == "layers" and parts[1].isdigit() and "post_mlp_layernorm" in parts:
+            if not self.config.is_sparse_layer(int(parts[1])):
+                return ()
+            name = name.replace(".mlp.post_mlp_layernorm.", ".post_mlp_layernorm.").replace(
+                ".post_mlp_layernorm.", ".mlp.post_mlp_layernorm.")
+        return super().read_tensor(hf_name, name, tensor)

@@ -2085,6 +2085,33 @@ def test_kolibri_reads_as_transformers_does():
                                     "sliding_window": None})
 
 
+def test_axk1_reads_as_transformers_does(tmp_path, builtin_path):
+    """A.X-K1 (`AXK1ForCausalLM`, AXK1Config's defaults: its release's shape): DeepSeek V3's latent attention and
+    grouped sigmoid router, 192 experts, one dense layer first, a norm on each sparse layer's output; the parameter
+    count is transformers' model's. The release stores that norm on the dense layer too, where neither transformers
+    nor the engine uses it: a checkpoint with it decodes as transformers does."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file, save_file
+
+    from engine.llm_engine import LLMEngine
+    from tests.conftest import make_tiny_model
+    from tests.engine.test_engine_vs_hf import DEEPSEEK, _hf_greedy
+    from tests.engine.test_mxfp4_weights import PROMPTS, _config, _greedy
+
+    hf, cfg = _at_class_defaults("AXK1Config", {"architectures": ["AXK1ForCausalLM"]})
+    assert (cfg.num_experts, cfg.mlp_only_layers, cfg.mla.q_lora_rank, cfg.moe_router) == \
+        (hf.n_routed_experts, (0,), hf.q_lora_rank, "deepseek_v3")
+    folder = make_tiny_model(tmp_path / "axk1", "axk1", builtin_path, **{**DEEPSEEK, "q_lora_rank": 24})
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    tensors = {name: t for path in sorted(folder.glob("*.safetensors")) for name, t in load_file(path).items()}
+    tensors["model.layers.0.post_mlp_layernorm.weight"] = torch.full((64,), 3.0)   # the release's dense-layer norm
+    for path in folder.glob("*.safetensors*"):
+        path.unlink()
+    save_file(tensors, str(folder / "model.safetensors"))
+    assert _greedy(LLMEngine(_config(folder, "none"), progress=False)) == \
+        [_hf_greedy(model, prompt, 12, eos_ids=None) for prompt in PROMPTS]
+
+
 def test_every_architecture_knows_its_context_where_config_json_names_none():
     """Every architecture served reads a config.json naming no max_position_embeddings with its config class's
     default (`DEFAULT_MAX_POSITIONS` or its family's defaults): a small config is read, or refused for another key,

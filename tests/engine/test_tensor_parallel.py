@@ -20,7 +20,7 @@ from engine.llm_engine import LLMEngine
 from engine.parallel import ShardShape, check_tensor_parallel
 from engine.sampling import SamplingParams
 from tests.conftest import BUILTIN, assert_all_free, make_tiny_model
-from tests.engine.test_engine_vs_hf import COHERE2_MOE, GEMMA4, GEMMA4_E, GEMMA4_MOE
+from tests.engine.test_engine_vs_hf import COHERE2_MOE, DEEPSEEK, GEMMA4, GEMMA4_E, GEMMA4_MOE
 
 NEAR_TIE = 1e-4
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
@@ -321,6 +321,7 @@ QWEN3 = {"head_dim": 32, "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
                     "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48, "mlp_only_layers": [2]}, None),
     ("lfm2", {"num_hidden_layers": 3, "full_attn_idxs": [1], "conv_bias": True, "block_multiple_of": 16,
               "norm_eps": 1e-5}, None),
+    ("axk1", {**DEEPSEEK, "q_lora_rank": 24}, None),
     ("kolibri1", {"num_hidden_layers": 2, "layer_types": ["sliding_attention", "full_attention"], "head_dim": 16,
                   "sliding_window": 8, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                   "shared_expert_intermediate_size": 48, "norm_topk_prob": True}, None),
