@@ -16,7 +16,7 @@ from typing import Any
 
 from engine.config import ConfigError, PoolConfig
 from engine.config_values import read_bool, read_float, read_int, read_object
-from engine.kimi_linear_config import KdaShape, kimi_linear_fields
+from engine.kimi_linear_config import KdaShape, bailing_hybrid_fields, kimi_linear_fields
 from engine.lfm2_config import ShortConvShape, lfm2_fields, lfm2_moe_fields
 from engine.lfm3_config import lfm3_fields
 from engine.mamba_config import Mamba2Shape, state_bytes
@@ -189,7 +189,7 @@ HYBRID_FIELDS = {"Qwen3_5ForCausalLM": qwen3_5_fields, "Qwen3_5MoeForCausalLM": 
                  "Qwen3NextForCausalLM": qwen3_next_fields, "NemotronHForCausalLM": nemotron_h_fields,
                  "OlmoHybridForCausalLM": olmo_hybrid_fields, "Lfm2ForCausalLM": lfm2_fields,
                  "Lfm2MoeForCausalLM": lfm2_moe_fields, "Lfm3ForCausalLM": lfm3_fields,
-                 "KimiLinearForCausalLM": kimi_linear_fields}
+                 "KimiLinearForCausalLM": kimi_linear_fields, "BailingHybridForCausalLM": bailing_hybrid_fields}
 
 def serving_pool(pool: PoolConfig, stateful: bool) -> PoolConfig:
     """A pool as a model serves it: itself, with a swapping preemption mode refused (naming the pool's key) for a

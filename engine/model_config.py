@@ -22,7 +22,7 @@ from engine.gated_delta_config import GatedDeltaShape, StateShape, serving_pool
 from engine.gemma4_config import Gemma4Shape
 from engine.mamba_config import Mamba2Shape
 from engine.falcon_h1_config import FalconH1Scales
-from engine.kimi_linear_config import KdaShape, kimi_linear_config
+from engine.kimi_linear_config import KdaShape, bailing_hybrid_config, kimi_linear_config
 from engine.kolibri_config import kolibri_config
 from engine.lfm2_config import ShortConvShape, lfm2_config, lfm2_moe_config
 from engine.cohere_moe_config import CohereMoeShape
@@ -54,8 +54,8 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
                            "OlmoHybridForCausalLM", "Gemma4ForCausalLM", "Mistral4ForCausalLM",
                            "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM", "Lfm2ForCausalLM", "Lfm3ForCausalLM",
                            "Lfm2MoeForCausalLM", "KimiLinearForCausalLM", "Dots1ForCausalLM", "SolarOpenForCausalLM",
-                           "AfmoeForCausalLM", "Kolibri1ForCausalLM", "AXK1ForCausalLM", "MiMoV2FlashForCausalLM",
-                           "ExaoneMoeForCausalLM", "Cohere2MoeForCausalLM",
+                           "AfmoeForCausalLM", "Kolibri1ForCausalLM", "AXK1ForCausalLM", "BailingHybridForCausalLM",
+                           "MiMoV2FlashForCausalLM", "ExaoneMoeForCausalLM", "Cohere2MoeForCausalLM",
                            "Jais2ForCausalLM", "GraniteSWAForCausalLM", "GraniteMoeForCausalLM",
                            "GraniteMoeSharedForCausalLM", "GraniteMoeSWAForCausalLM", "HYV3ForCausalLM",
                            "CwmForCausalLM", "YoutuForCausalLM", "BambaForCausalLM", "FalconH1ForCausalLM",
@@ -392,7 +392,8 @@ class ModelConfig:
         cfg = FAMILY_DEFAULTS.get(arch, {}) | cfg
         cfg = {"NemotronHForCausalLM": nemotron_h_config, "Lfm2ForCausalLM": lfm2_config,
                "Lfm2MoeForCausalLM": lfm2_moe_config, "Lfm3ForCausalLM": lfm2_moe_config,
-               "KimiLinearForCausalLM": kimi_linear_config, "Kolibri1ForCausalLM": kolibri_config}.get(arch, dict)(cfg)
+               "KimiLinearForCausalLM": kimi_linear_config, "Kolibri1ForCausalLM": kolibri_config,
+               "BailingHybridForCausalLM": bailing_hybrid_config}.get(arch, dict)(cfg)
         if cfg.get("max_position_embeddings") is None:
             if arch not in DEFAULT_MAX_POSITIONS:
                 raise ConfigError(f"max_position_embeddings: missing from config.json ({arch}'s default is not known "

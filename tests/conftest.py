@@ -134,7 +134,7 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
            "nemotron": transformers.NemotronConfig, "stablelm": transformers.StableLmConfig,
            "gemma": transformers.GemmaConfig, "vaultgemma": transformers.VaultGemmaConfig,
            "lfm3": transformers.Lfm3Config, "kolibri1": transformers.Kolibri1Config,
-           "axk1": transformers.AXK1Config}[arch]
+           "axk1": transformers.AXK1Config, "bailing_hybrid": transformers.BailingHybridConfig}[arch]
     config = cls(**common)
     if arch == "mistral4":   # transformers maps Mistral4Config to no causal LM class (only its pretraining one)
         transformers.AutoModelForCausalLM.register(transformers.Mistral4Config, transformers.Mistral4ForCausalLM,
@@ -176,7 +176,8 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
                     param.normal_(1.0, 0.5)
     # the router's correction bias (a buffer; LFM2-MoE's expert bias), and LFM2-MoE's router, which starts at zero
     if arch in ("deepseek_v3", "glm4_moe", "minimax_m2", "glm4_moe_lite", "nemotron_h", "lfm2_moe", "kimi_linear",
-                "dots1", "solar_open", "afmoe", "mimo_v2_flash", "exaone_moe", "hy_v3", "laguna", "kolibri1", "axk1"):
+                "dots1", "solar_open", "afmoe", "mimo_v2_flash", "exaone_moe", "hy_v3", "laguna", "kolibri1", "axk1",
+                "bailing_hybrid"):
         with torch.no_grad():
             for name, tensor in [*model.named_buffers(), *model.named_parameters()]:
                 if name.endswith(("e_score_correction_bias", "feed_forward.expert_bias", "mlp.expert_bias")):

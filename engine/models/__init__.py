@@ -68,7 +68,7 @@ from engine.models.granite import (BambaAttentionForCausalLM, BambaForCausalLM, 
 from engine.models.hunyuan import HunyuanDenseForCausalLM, HunyuanMoeForCausalLM
 from engine.models.mimo import MimoV2FlashForCausalLM
 from engine.models.minimax_m2 import MiniMaxM2ForCausalLM
-from engine.models.kimi_linear import KimiLinearForCausalLM
+from engine.models.kimi_linear import BailingHybridForCausalLM, KimiLinearForCausalLM
 from engine.models.lfm2 import Lfm2ForCausalLM, Lfm2MoeForCausalLM
 from engine.models.kolibri import KolibriForCausalLM
 from engine.models.lfm3 import Lfm3ForCausalLM
@@ -138,6 +138,7 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "Lfm3ForCausalLM": Lfm3ForCausalLM,
                                                 "Kolibri1ForCausalLM": KolibriForCausalLM,
                                                 "KimiLinearForCausalLM": KimiLinearForCausalLM,
+                                                "BailingHybridForCausalLM": BailingHybridForCausalLM,
                                                 "Dots1ForCausalLM": Glm4MoeForCausalLM,   # dots.llm1: its layers
                                                 "SolarOpenForCausalLM": Glm4MoeForCausalLM,   # Solar Open: alike
                                                 "ArceeForCausalLM": ArceeForCausalLM,

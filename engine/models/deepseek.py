@@ -95,6 +95,8 @@ class MlaAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, LATENT_NORM_EPS, ops)
         self.kv_b_proj = LatentUpProjection(self.num_heads, mla.qk_nope_head_dim + mla.v_head_dim, mla.kv_lora_rank)
         self.o_proj = nn.Linear(self.num_heads * mla.v_head_dim, hidden, bias=bias)
+        # Ling 3: each head's output x sigmoid(its row of g_proj over the layer's input)
+        self.g_proj = nn.Linear(hidden, self.num_heads, bias=False) if config.head_gates else None
 
     def forward(self, hidden: torch.Tensor, rope_rows: RopeRows, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata, backend) -> torch.Tensor:
@@ -105,6 +107,8 @@ class MlaAttention(nn.Module):
         w = self.kv_b_proj.weight                                                # [heads, nope + v, latent]
         out = torch.bmm(out[..., :mla.kv_lora_rank].transpose(0, 1),
                         w[:, mla.qk_nope_head_dim:].transpose(1, 2)).transpose(0, 1)
+        if self.g_proj is not None:   # the gate in float32, rounded to the model's dtype, as transformers does
+            out = out * torch.sigmoid(self.g_proj(hidden).float()).to(out.dtype)[..., None]
         return self.comm.all_reduce(self.o_proj(out.reshape(-1, heads * mla.v_head_dim)))
 
     def latent_query_and_entry(self, hidden: torch.Tensor, bottleneck: torch.Tensor | None, rope_rows: RopeRows
@@ -233,14 +237,14 @@ class DeepseekForCausalLM(Qwen3MoeForCausalLM):
         return name, lambda data: data
 
     def _shard_of(self, hf_name: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's heads' rows of q_proj / q_b_proj and kv_b_proj, their o_proj columns (its bias on rank 0); the
-        latent projections and norms whole; the rest as Qwen3-MoE's."""
+        """This rank's heads' rows of q_proj / q_b_proj, kv_b_proj and g_proj (Ling 3's), their o_proj columns (its
+        bias on rank 0); the latent projections and norms whole; the rest as Qwen3-MoE's."""
         shard, mla = self.shard, self.config.mla
         if shard.size == 1 or ".self_attn." not in name:
             return super()._shard_of(hf_name, name, tensor)
         qk, heads = mla.qk_nope_head_dim + mla.qk_rope_head_dim, self.config.num_heads
         per_head = {"q_proj.weight": (0, qk), "q_b_proj.weight": (0, qk), "o_proj.weight": (1, mla.v_head_dim),
-                    "kv_b_proj.weight": (0, mla.qk_nope_head_dim + mla.v_head_dim)}
+                    "kv_b_proj.weight": (0, mla.qk_nope_head_dim + mla.v_head_dim), "g_proj.weight": (0, 1)}
         kind = ".".join(name.split(".")[-2:])
         if kind == "o_proj.bias":
             return tensor if shard.rank == 0 else torch.zeros_like(tensor)

@@ -34,7 +34,7 @@ from engine.models.smollm3 import NoRope
 from engine.parallel import Collectives
 from kernels import AttentionMetadata, gated_delta
 
-__all__ = ["KimiDeltaAttention", "KimiLinearForCausalLM"]
+__all__ = ["BailingHybridForCausalLM", "KimiDeltaAttention", "KimiLinearForCausalLM"]
 
 _EXPERT_PARTS = ((".w1.", ".gate_proj."), (".w3.", ".up_proj."), (".w2.", ".down_proj."))
 _CONVS = ("q_conv1d", "k_conv1d", "v_conv1d")
@@ -55,11 +55,14 @@ class KimiDeltaAttention(StateMixer):
         self.q_proj, self.k_proj, self.v_proj = (nn.Linear(h, n, bias=False) for _ in range(3))
         self.conv1d = nn.Module()
         self.conv1d.weight = nn.Parameter(torch.empty(3 * n, 1, shape.conv_kernel))
-        self.f_a_proj, self.f_b_proj = nn.Linear(h, d, bias=False), nn.Linear(d, n, bias=False)
+        if shape.full_rank:   # Ling 3's gates: one projection each
+            self.f_proj, self.g_proj = nn.Linear(h, n, bias=False), nn.Linear(h, n, bias=False)
+        else:
+            self.f_a_proj, self.f_b_proj = nn.Linear(h, d, bias=False), nn.Linear(d, n, bias=False)
+            self.g_a_proj, self.g_b_proj = nn.Linear(h, d, bias=False), nn.Linear(d, n, bias=False)
         self.dt_bias = nn.Parameter(torch.empty(n))
         self.A_log = nn.Parameter(torch.empty(shape.num_heads))
         self.b_proj = nn.Linear(h, shape.num_heads, bias=False)
-        self.g_a_proj, self.g_b_proj = nn.Linear(h, d, bias=False), nn.Linear(d, n, bias=False)
         self.o_norm = nn.Module()
         self.o_norm.weight = nn.Parameter(torch.empty(d))
         self.o_proj = nn.Linear(n, h, bias=False)
@@ -70,14 +73,26 @@ class KimiDeltaAttention(StateMixer):
         s = self.shape
         heads = (s.num_heads, s.head_dim)
         mixed = torch.cat([self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)], dim=-1)
-        gate = (self.f_b_proj(self.f_a_proj(hidden)).float() + self.dt_bias.float()).unflatten(-1, heads)
-        softplus = torch.where(gate > 20.0, gate, torch.log(1.0 + torch.exp(gate)))   # transformers' (FLA's) form
-        g = -self.A_log.float().exp()[:, None] * softplus                        # [num_tokens, heads, head_dim]
+        g = self.forget_gate(hidden)                                             # [num_tokens, heads, head_dim]
         beta = self.b_proj(hidden).sigmoid()
         out = self.scan(mixed, (g, beta), meta, states).to(hidden.dtype).float()   # [num_tokens, heads, head_dim]
         normed = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.eps) * self.o_norm.weight.float()
-        normed = normed * self.g_b_proj(self.g_a_proj(hidden)).unflatten(-1, heads).float().sigmoid()
+        gate = self.g_proj(hidden) if s.full_rank else self.g_b_proj(self.g_a_proj(hidden))
+        normed = normed * gate.unflatten(-1, heads).float().sigmoid()
         return self.comm.all_reduce(self.o_proj(normed.to(hidden.dtype).flatten(1)))
+
+    def forget_gate(self, hidden: torch.Tensor) -> torch.Tensor:
+        """g, a decay per channel of each head (float32): -exp(A_log) x softplus(f + dt_bias) (Kimi's, transformers'
+        form of softplus), or Ling 3's bound x sigmoid(exp(A_log) x (f + dt_bias)), rounded to the model's dtype."""
+        s = self.shape
+        f = self.f_proj(hidden) if s.full_rank else self.f_b_proj(self.f_a_proj(hidden))
+        gate = (f.float() + self.dt_bias.float()).unflatten(-1, (s.num_heads, s.head_dim))
+        decay = self.A_log.float().exp()[:, None]
+        if s.gate_bound is not None:
+            g = s.gate_bound * torch.sigmoid(decay * gate)
+        else:
+            g = -decay * torch.where(gate > 20.0, gate, torch.log(1.0 + torch.exp(gate)))
+        return g.to(hidden.dtype).float() if s.full_rank else g
 
     def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         s = self.shape
@@ -145,5 +160,29 @@ class KimiLinearForCausalLM(StatefulForCausalLM, DeepseekForCausalLM):
         if part in ("f_a_proj", "g_a_proj", "o_norm"):
             return tensor
         per_head = 1 if part in ("A_log", "b_proj") else shape.head_dim
-        pieces = [(shape.num_heads * per_head, 0, True)]
+        n = shape.num_heads * per_head
+        pieces = [(n, o, True) for o in (0, n, 2 * n)] if part == "conv1d" else [(n, 0, True)]   # q, k, v's together
         return cut_pieces(hf_name, tensor, 1 if part == "o_proj" else 0, pieces, self.shard.rank, self.shard.size)
+
+
+# Ling 3's names (as the release stores them) -> Kimi Linear's
+_BAILING_NAMES = (("word_embeddings.", "embed_tokens."), (".attention.", ".self_attn."),
+                  (".self_attn.dense.", ".self_attn.o_proj."), (".self_attn.forget_gate.", ".self_attn."),
+                  (".mlp.gate.expert_bias", ".mlp.gate.e_score_correction_bias"))
+
+
+class BailingHybridForCausalLM(KimiLinearForCausalLM):
+    """inclusionAI's Ling 3 (`BailingHybridForCausalLM`: Ling-3.0-Flash): Kimi Linear's model with Ling's KDA
+    (`KdaShape.full_rank`, its bounded forget gate), latent attention that turns its rope (DeepSeek V3's rotary,
+    interleaved pairs) and gates each head's output (`MlaAttention.g_proj`), and V3's grouped experts. Read under the
+    release's names (`word_embeddings`, `attention`, `dense`, `expert_bias`) or transformers' (`forget_gate.`, one
+    `conv1d` for q, k and v)."""
+
+    def make_rotary(self, ops: ModuleType) -> RotaryEmbedding:
+        return DeepseekForCausalLM.make_rotary(self, ops)
+
+    def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
+        for theirs, ours in _BAILING_NAMES:
+            name = ours + name.removeprefix(theirs) if theirs == "word_embeddings." and name.startswith(theirs) \
+                else name.replace(theirs, ours)
+        return super().read_tensor(hf_name, name, tensor)

@@ -2112,6 +2112,21 @@ def test_axk1_reads_as_transformers_does(tmp_path, builtin_path):
         [_hf_greedy(model, prompt, 12, eos_ids=None) for prompt in PROMPTS]
 
 
+def test_ling3_reads_as_transformers_does():
+    """Ling 3 (`BailingHybridForCausalLM`, BailingHybridConfig's defaults: Ling-3.0-Flash's shape, under its own keys:
+    `num_experts`, `num_experts_per_token`, `num_expert_group`, `moe_renormalize`, `model_max_length`): a full layer
+    every 6th, KDA of 32 heads of 128 (4 taps) with one-projection gates and the bounded forget gate, latent attention
+    with an interleaved rope and head gates, two dense layers first, 512 experts in 8 groups; the parameter count is
+    transformers' model's."""
+    hf, cfg = _at_class_defaults("BailingHybridConfig", {"architectures": ["BailingHybridForCausalLM"]})
+    kda = cfg.state_layers
+    assert (kda.num_heads, kda.head_dim, kda.conv_kernel, kda.full_rank, kda.gate_bound) == \
+        (hf.linear_num_heads, hf.linear_head_dim, hf.linear_conv_kernel_dim, True, hf.kda_lower_bound)
+    assert cfg.layer_types == tuple(hf.layer_types) and cfg.mla.rope_interleave and cfg.head_gates
+    assert (cfg.num_experts, cfg.moe_groups, cfg.mlp_only_layers, cfg.max_position_embeddings) == \
+        (hf.num_experts, (hf.num_expert_group, hf.topk_group), (0, 1), hf.model_max_length)
+
+
 def test_every_architecture_knows_its_context_where_config_json_names_none():
     """Every architecture served reads a config.json naming no max_position_embeddings with its config class's
     default (`DEFAULT_MAX_POSITIONS` or its family's defaults): a small config is read, or refused for another key,

@@ -110,6 +110,11 @@ QWEN2_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
 DEEPSEEK = dict(num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                 first_k_dense_replace=1, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
                 n_group=2, topk_group=1, num_hidden_layers=3)
+# Ling 3 (Ling-3.0-Flash's kind): KDA and latent attention layers, the first MLP dense, 8 experts of 32 in 2 groups
+BAILING = dict(num_hidden_layers=3, layer_types=["linear_attention", "full_attention", "linear_attention"],
+               mlp_layer_types=["dense", "sparse", "sparse"], intermediate_size=96, moe_intermediate_size=32,
+               num_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, kv_lora_rank=32, qk_rope_head_dim=8,
+               qk_nope_head_dim=16, v_head_dim=16, head_dim=16, num_key_value_heads=4, pad_token_id=0)
 # Falcon-H1: parallel hybrid layers, its muP multipliers each its own value
 FALCON_H1 = dict(num_hidden_layers=3, mamba_n_heads=4, mamba_d_ssm=64, mamba_d_head=16, mamba_d_state=16,
                  mamba_n_groups=2, mamba_chunk_size=16, attention_in_multiplier=0.8, key_multiplier=1.3,
@@ -509,6 +514,10 @@ TINY_MODELS = [
                      "topk_group": 1, "kv_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16,
                      "v_head_dim": 16, "linear_head_dim": 16, "linear_num_heads": 4, "num_key_value_heads": 4,
                      "pad_token_id": 0}),
+    # Ling 3: Kimi Linear's layers with KDA's gates one projection each and the forget gate bounded (kda_safe_gate),
+    # latent attention that turns its rope (interleaved pairs) and gates each head; then the unbounded gate
+    ("bailing_hybrid", {**BAILING, "kda_lower_bound": -3.0}),
+    ("bailing_hybrid", {**BAILING, "kda_safe_gate": False, "q_lora_rank": 24}),
     # OLMo Hybrid: pre-norm Gated DeltaNet blocks (beta up to 2) beside OLMo 3's post-norm attention, with a rope;
     # then NoPE attention
     ("olmo_hybrid", dict(num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,

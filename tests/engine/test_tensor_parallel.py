@@ -20,7 +20,7 @@ from engine.llm_engine import LLMEngine
 from engine.parallel import ShardShape, check_tensor_parallel
 from engine.sampling import SamplingParams
 from tests.conftest import BUILTIN, assert_all_free, make_tiny_model
-from tests.engine.test_engine_vs_hf import COHERE2_MOE, DEEPSEEK, GEMMA4, GEMMA4_E, GEMMA4_MOE
+from tests.engine.test_engine_vs_hf import BAILING, COHERE2_MOE, DEEPSEEK, GEMMA4, GEMMA4_E, GEMMA4_MOE
 
 NEAR_TIE = 1e-4
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
@@ -348,6 +348,7 @@ QWEN3 = {"head_dim": 32, "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
                      "moe_intermediate_size": 32, "num_local_experts": 8, "num_experts_per_tok": 2, "kv_lora_rank": 32,
                      "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16, "linear_head_dim": 16,
                      "linear_num_heads": 4, "num_key_value_heads": 4, "pad_token_id": 0}, None),
+    ("bailing_hybrid", BAILING, None),
     ("lfm2_moe", {"num_hidden_layers": 3, "layer_types": ["conv", "full_attention", "conv"], "intermediate_size": 96,
                   "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "num_dense_layers": 1,
                   "norm_eps": 1e-5}, None),
