@@ -154,6 +154,7 @@ class LlamaForCausalLM(CheckpointReading, nn.Module):
     """
 
     supports_flat_forward = True   # engine.cpu_forward's loop runs these layers on the CPU backend
+    norm_class: type[nn.Module] | None = None   # a family's own norm (hidden_size, eps) in place of RMSNorm
     graph_safe = True              # its forward reads nothing back from the device: CUDA graphs can capture it
     norm_init = 1.0                # a norm's weight in `init_random` (Gemma's 1 + weight: 0)
 
@@ -185,10 +186,20 @@ class LlamaForCausalLM(CheckpointReading, nn.Module):
         return RotaryEmbedding(self.config, ops)
 
     def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
-        return DecoderLayer(self.config, self.shard, self.comm, self.rotary_emb, ops, index)
+        return self.with_own_norms(DecoderLayer(self.config, self.shard, self.comm, self.rotary_emb, ops, index))
 
     def make_norm(self, ops: ModuleType) -> nn.Module:
+        if self.norm_class is not None:
+            return self.norm_class(self.config.hidden_size, self.config.rms_norm_eps)
         return RMSNorm(self.config.hidden_size, self.config.rms_norm_eps, ops)
+
+    def with_own_norms(self, layer: nn.Module) -> nn.Module:
+        """A Llama layer with its two norms the family's `norm_class` where it has one (the final norm too:
+        `make_norm`)."""
+        if self.norm_class is not None:
+            layer.input_layernorm = self.norm_class(self.config.hidden_size, self.config.rms_norm_eps)
+            layer.post_attention_layernorm = self.norm_class(self.config.hidden_size, self.config.rms_norm_eps)
+        return layer
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[num_tokens] -> [num_tokens, hidden_size]; vocab-parallel: each rank looks up the ids in its

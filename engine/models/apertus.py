@@ -70,7 +70,7 @@ class ApertusForCausalLM(LlamaForCausalLM):
     def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
         layer = DecoderLayer(self.config, self.shard, self.comm, self.rotary_emb, ops, index)
         layer.mlp = ApertusMLP(self.config, self.shard, self.comm, self.activation())
-        return layer
+        return self.with_own_norms(layer)
 
     def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
         """The norms' and up_proj's names as the Llama layer's and `ApertusMLP`'s; xIELU's constants (`beta`, `eps`,
@@ -101,14 +101,7 @@ class ArceeForCausalLM(ApertusForCausalLM):
 class Jais2ForCausalLM(ArceeForCausalLM):
     """Jais 2 (see the module docstring): AFM's model with LayerNorms in place of its RMSNorms."""
 
-    def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
-        layer = super().make_layer(index, ops)
-        layer.input_layernorm = BiasLayerNorm(self.config.hidden_size, self.config.rms_norm_eps)
-        layer.post_attention_layernorm = BiasLayerNorm(self.config.hidden_size, self.config.rms_norm_eps)
-        return layer
-
-    def make_norm(self, ops: ModuleType) -> nn.Module:
-        return BiasLayerNorm(self.config.hidden_size, self.config.rms_norm_eps)
+    norm_class = BiasLayerNorm
 
 
 class GeluTanh(nn.Module):

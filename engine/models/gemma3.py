@@ -99,11 +99,11 @@ class GemmaForCausalLM(Gemma3ForCausalLM):
     and sliding layers): Gemma 3's model with the Llama layer's two norms, Gemma's (1 + weight); VaultGemma's second
     is stored as `pre_feedforward_layernorm`."""
 
+    norm_class = GemmaRMSNorm
+
     def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
-        layer = DecoderLayer(self.config, self.shard, self.comm, sliding_rotary(self, index, ops), ops, index)
-        layer.input_layernorm = GemmaRMSNorm(self.config.hidden_size, self.config.rms_norm_eps)
-        layer.post_attention_layernorm = GemmaRMSNorm(self.config.hidden_size, self.config.rms_norm_eps)
-        return layer
+        return self.with_own_norms(DecoderLayer(self.config, self.shard, self.comm, sliding_rotary(self, index, ops),
+                                                ops, index))
 
     def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
         return super().read_tensor(hf_name, name.replace(".pre_feedforward_layernorm.", ".post_attention_layernorm."),

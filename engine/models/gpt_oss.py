@@ -31,7 +31,6 @@ from types import ModuleType
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from engine.layers import ClampedSwiGLU, FloatRMSNorm
 from engine.model import WeightLoadError
@@ -64,20 +63,12 @@ class GptOssForCausalLM(Qwen3MoeForCausalLM):
     experts and its checkpoints' stacked (or MXFP4) expert tensors."""
 
     moe_block = GptOssMoeBlock
+    norm_class = FloatRMSNorm
 
     def __init__(self, config: ModelConfig, shard: ShardShape | None = None, comm: Collectives | None = None,
                  ops: ModuleType = fused) -> None:
         super().__init__(config, shard, comm, ops)
         self._mxfp4: dict[str, dict[str, torch.Tensor]] = {}   # a stacked tensor's blocks or scales, until both came
-
-    def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
-        layer = super().make_layer(index, ops)
-        layer.input_layernorm = FloatRMSNorm(self.config.hidden_size, self.config.rms_norm_eps)
-        layer.post_attention_layernorm = FloatRMSNorm(self.config.hidden_size, self.config.rms_norm_eps)
-        return layer
-
-    def make_norm(self, ops: ModuleType) -> nn.Module:
-        return FloatRMSNorm(self.config.hidden_size, self.config.rms_norm_eps)
 
     def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
         """`mlp.router.*` read as the block's `mlp.gate.*`; a stacked expert tensor as each expert's (its MXFP4
