@@ -106,6 +106,10 @@ FAMILY_DEFAULTS = {"Gemma2ForCausalLM": GEMMA2_DEFAULTS, "VaultGemmaForCausalLM"
                        "vocab_size": 196_608, "hidden_size": 4096, "intermediate_size": 10_944, "num_hidden_layers": 48,
                        "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-5,
                        "max_position_embeddings": 131_072, "rope_theta": 1_000_000.0},
+                   "FlintForCausalLM": {   # FlintConfig's (its layers and experts: engine.flint_config)
+                       "vocab_size": 150_144, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 49,
+                       "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "rms_norm_eps": 1e-6,
+                       "max_position_embeddings": 262_144},
                    "Kolibri1ForCausalLM": {   # Kolibri1Config's (its layers and experts: engine.kolibri_config)
                        "vocab_size": 128_000, "hidden_size": 2560, "num_hidden_layers": 50, "num_attention_heads": 48,
                        "num_key_value_heads": 4, "head_dim": 128, "rms_norm_eps": 1e-6,

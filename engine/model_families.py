@@ -21,6 +21,7 @@ from engine.cohere_moe_config import cohere2_moe_fields
 from engine.mimo_config import mimo_fields
 from engine.laguna_config import laguna_fields
 from engine.kolibri_config import kolibri_fields
+from engine.flint_config import flint_fields
 from engine.granite_config import GRANITE_ARCHITECTURES, bamba_fields, granite_fields, hyperclovax_fields
 from engine.falcon_h1_config import falcon_h1_fields
 from engine.hunyuan_config import HUNYUAN_FIELDS
@@ -37,14 +38,14 @@ LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 # Mistral 4's: the softmax's within the groups of the best top-2 sums, in the model's dtype, no correction bias;
 # LFM2-MoE's: the sigmoid's top k after a float32 expert bias, in the model's dtype, renormalised past a 1e-6;
 # AFMoE's: that in float32, renormalised past 1e-20; Kolibri-1's: the float32 logits' top k after a float32 expert
-# bias, weighed by their sigmoid
+# bias, weighed by their sigmoid; Flint's: the top k of the float32 logits' sigmoid, no bias
 MOE_ROUTERS = ("softmax", "deepseek_v2", "deepseek_v3", "minimax_m2", "ernie4_5", "llama4", GEMMA4_ROUTER, "mistral4",
-               "lfm2", "afmoe", "cohere2_moe", "kolibri")
+               "lfm2", "afmoe", "cohere2_moe", "kolibri", "flint")
 # the families whose fields are read in a module of their own, each reader taking (config.json, its layer count)
 OWN_MODULE_FIELDS: dict[str, Callable[[dict[str, Any], int], dict[str, Any]]] = {"Llama4ForCausalLM": llama4_fields,
     "Gemma4ForCausalLM": gemma4_fields, "Mistral4ForCausalLM": mistral4_fields, **MISTRAL_FIELDS, **HUNYUAN_FIELDS,
     **HYBRID_FIELDS, "MiMoV2FlashForCausalLM": mimo_fields, "Cohere2MoeForCausalLM": cohere2_moe_fields,
-    "YoutuForCausalLM": youtu_fields, "Kolibri1ForCausalLM": kolibri_fields,
+    "YoutuForCausalLM": youtu_fields, "Kolibri1ForCausalLM": kolibri_fields, "FlintForCausalLM": flint_fields,
     "BambaForCausalLM": bamba_fields, "FalconH1ForCausalLM": falcon_h1_fields,
     "HyperCLOVAXForCausalLM": hyperclovax_fields, "LagunaForCausalLM": laguna_fields}
 

@@ -35,17 +35,19 @@ WIDE_QK_NORM = ("Olmo2ForCausalLM", "Olmo3ForCausalLM", "MiniMaxM2ForCausalLM", 
 
 
 def float32_params(config: Any) -> int:
-    """Parameters held in float32 whatever the model's dtype: DeepSeek's and ERNIE 4.5's routers (weight, the correction
-    bias of V3's and ERNIE's), the expert bias of LFM2-MoE's, AFMoE's and Kolibri-1's, DeepSeek V3.2's indexers' head
-    weights, Kimi Linear's dt_bias (the whole model's: a rank's is at most that)."""
+    """Parameters held in float32 whatever the model's dtype: DeepSeek's, ERNIE 4.5's and Flint's routers (weight, the
+    correction bias of V3's and ERNIE's), the expert bias of LFM2-MoE's, AFMoE's and Kolibri-1's, Flint's attention
+    sinks, DeepSeek V3.2's indexers' head weights, Kimi Linear's dt_bias (the whole model's: a rank's is at most
+    that)."""
     h, layers = config.hidden_size, config.num_layers
     indexers = config.mla.num_indexer_weights(h, layers) if config.mla is not None else 0
     indexers += getattr(config.state_layers, "qkv_dim", 0) * (layers - config.num_kv_layers)   # KDA's dt_bias
-    if config.moe_router not in ("deepseek_v2", "deepseek_v3", "ernie4_5", "lfm2", "afmoe", "kolibri"):
+    if config.moe_router not in ("deepseek_v2", "deepseek_v3", "ernie4_5", "lfm2", "afmoe", "kolibri", "flint"):
         return indexers
     weights = 0 if config.moe_router in ("lfm2", "afmoe", "kolibri") else config.hidden_size   # the bias alone
-    per_layer = config.num_experts * (weights + (config.moe_router != "deepseek_v2"))
-    return indexers + per_layer * sum(config.is_sparse_layer(layer) for layer in range(config.num_layers))
+    per_layer = config.num_experts * (weights + (config.moe_router not in ("deepseek_v2", "flint")))
+    sinks = config.num_heads * layers if config.moe_router == "flint" else 0   # Flint's sinks too
+    return indexers + sinks + per_layer * sum(config.is_sparse_layer(layer) for layer in range(config.num_layers))
 
 
 def count_params(config: Any, heads: int, kv_heads: int, i: int, moe_i: int, v: int,

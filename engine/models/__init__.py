@@ -70,7 +70,7 @@ from engine.models.mimo import MimoV2FlashForCausalLM
 from engine.models.minimax_m2 import MiniMaxM2ForCausalLM
 from engine.models.kimi_linear import BailingHybridForCausalLM, KimiLinearForCausalLM
 from engine.models.lfm2 import Lfm2ForCausalLM, Lfm2MoeForCausalLM
-from engine.models.kolibri import KolibriForCausalLM
+from engine.models.kolibri import FlintForCausalLM, KolibriForCausalLM
 from engine.models.lfm3 import Lfm3ForCausalLM
 from engine.models.mixtral import MixtralForCausalLM
 from engine.models.olmo2 import (Exaone4ForCausalLM, Olmo2ForCausalLM, Olmo3ForCausalLM, OlmoeForCausalLM,
@@ -137,6 +137,7 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "Lfm2MoeForCausalLM": Lfm2MoeForCausalLM,
                                                 "Lfm3ForCausalLM": Lfm3ForCausalLM,
                                                 "Kolibri1ForCausalLM": KolibriForCausalLM,
+                                                "FlintForCausalLM": FlintForCausalLM,
                                                 "KimiLinearForCausalLM": KimiLinearForCausalLM,
                                                 "BailingHybridForCausalLM": BailingHybridForCausalLM,
                                                 "Dots1ForCausalLM": Glm4MoeForCausalLM,   # dots.llm1: its layers

@@ -20,10 +20,11 @@ from torch import nn
 
 from engine.models.glm4 import NORM_NAMES, Glm4DecoderLayer
 from engine.models.lfm2 import Lfm2MoeBlock
-from engine.models.qwen3_moe import Qwen3MoeForCausalLM, with_experts
+from engine.layers import FloatRMSNorm
+from engine.models.qwen3_moe import Qwen3MoeForCausalLM, SparseMoeBlock, with_experts
 from engine.models.smollm3 import layer_rotary
 
-__all__ = ["KolibriForCausalLM", "KolibriMoeBlock"]
+__all__ = ["FlintForCausalLM", "FlintMoeBlock", "KolibriForCausalLM", "KolibriMoeBlock"]
 
 _RENAMES = ((".mlp.gate.e_score_correction_bias", ".mlp.expert_bias.weight"),
             (".moe.router.expert_bias", ".mlp.expert_bias.weight"), (".mlp.shared_experts.", ".mlp.shared_expert."),
@@ -31,11 +32,12 @@ _RENAMES = ((".mlp.gate.e_score_correction_bias", ".mlp.expert_bias.weight"),
 
 
 class KolibriRouter(nn.Module):
-    """The router's weight [num_experts, hidden] in the model's dtype, a plain parameter (no linear layer a backend
-    would swap: its product is float32's)."""
+    """The router's weight [num_experts, hidden] in the model's dtype (in float32 where `float32_parameters`: Flint's,
+    as transformers keeps it), a plain parameter (no linear layer a backend would swap: its product is float32's)."""
 
-    def __init__(self, num_experts: int, hidden_size: int) -> None:
+    def __init__(self, num_experts: int, hidden_size: int, float32: bool = False) -> None:
         super().__init__()
+        self.float32_parameters = float32   # `engine.models.build_model` allocates it so
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
 
 
@@ -73,3 +75,38 @@ class KolibriForCausalLM(Qwen3MoeForCausalLM):
             name = name.replace(theirs, ours)
         name = ".".join(NORM_NAMES.get(part, part) for part in name.split("."))
         return super().read_tensor(hf_name, name, tensor)
+
+
+class FlintMoeBlock(SparseMoeBlock):
+    """Qwen3-MoE's experts with Flint's router: float32 logits of a float32 weight, the top k of their sigmoid (no
+    bias), renormalised where `norm_topk_prob` (no epsilon), in float32, as transformers' `FlintTopKRouter`; its shared
+    expert ungated."""
+
+    def __init__(self, config, shard, comm, ops: ModuleType) -> None:
+        super().__init__(config, shard, comm, ops)
+        self.gate = KolibriRouter(config.num_experts, config.hidden_size, float32=True)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        weights, experts = torch.topk(F.linear(x.float(), self.gate.weight.float()).sigmoid(), self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, experts
+
+
+class FlintForCausalLM(Qwen3MoeForCausalLM):
+    """RecursiveSI's Flint (`engine.flint_config`): Qwen3-MoE's model with GPT-OSS's float32 norms and attention
+    sinks (held in float32, as transformers keeps them; read from the release's `self_attn.softmax_offset` too), the
+    rotary on the sliding layers alone, and `FlintMoeBlock`s."""
+
+    supports_flat_forward = False
+    moe_block = FlintMoeBlock
+    norm_class = FloatRMSNorm
+
+    def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
+        layer = super().make_layer(index, ops)
+        layer.self_attn.rotary_emb = layer_rotary(self, index)
+        layer.self_attn.parameter_dtypes = {"sinks": torch.float32}   # as transformers keeps them
+        return layer
+
+    def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
+        return super().read_tensor(hf_name, name.replace(".self_attn.softmax_offset", ".self_attn.sinks"), tensor)

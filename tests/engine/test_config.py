@@ -2127,6 +2127,28 @@ def test_ling3_reads_as_transformers_does():
         (hf.num_experts, (hf.num_expert_group, hf.topk_group), (0, 1), hf.model_max_length)
 
 
+def test_flint_reads_as_transformers_does():
+    """Flint (`FlintForCausalLM`, FlintConfig's defaults): full layers first, every fourth from the second and last
+    (NoPE), the rest sliding (513) and rotating, sinks, 256 experts of 512 past two dense layers, 6 a token by the flint
+    router beside an ungated shared expert of 1,024; the parameter count is transformers' model's, and the float32
+    ones are its router weights and sinks."""
+    hf, cfg = _at_class_defaults("FlintConfig", {"architectures": ["FlintForCausalLM"]})
+    assert (cfg.layer_types, cfg.sliding_window, cfg.mlp_only_layers, cfg.num_experts, cfg.moe_router) == \
+        (tuple(hf.layer_types), hf.sliding_window, tuple(hf.mlp_only_layers), hf.num_experts, "flint")
+    assert cfg.attention_sinks and not cfg.shared_expert_gated and cfg.no_rope_layers[:3] == (0, 0, 1)
+    sparse = hf.num_hidden_layers - len(hf.mlp_only_layers)
+    assert cfg.num_float32_params == sparse * hf.num_experts * hf.hidden_size + hf.num_hidden_layers * 32
+    from engine.models import build_model
+
+    small = ModelConfig.from_hf_config({"architectures": ["FlintForCausalLM"], "vocab_size": 64, "hidden_size": 32,
+                                        "num_hidden_layers": 3, "num_attention_heads": 2, "num_key_value_heads": 1,
+                                        "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
+                                        "moe_intermediate_size": 16})
+    layer = build_model(small, torch.bfloat16, "cpu").layers[2]   # held as transformers holds them
+    assert layer.self_attn.sinks.dtype == layer.mlp.gate.weight.dtype == torch.float32
+    assert layer.self_attn.o_proj.weight.dtype == torch.bfloat16
+
+
 def test_every_architecture_knows_its_context_where_config_json_names_none():
     """Every architecture served reads a config.json naming no max_position_embeddings with its config class's
     default (`DEFAULT_MAX_POSITIONS` or its family's defaults): a small config is read, or refused for another key,

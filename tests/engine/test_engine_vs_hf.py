@@ -429,6 +429,12 @@ TINY_MODELS = [
     # Kolibri-1: GLM-4's four norms around EXAONE 4's attention (sliding layers rotate in a window of 8, the full one
     # NoPE), every layer 8 experts of 32 picked by float32 logits plus an expert bias, weighed by their sigmoid (not
     # renormalised), beside an ungated shared expert of 48
+    # Flint: Qwen3-MoE's layers with a sink a query head, sliding layers (a window of 8) rotating beside NoPE full ones,
+    # float32 norms, after 2 dense layers 8 experts of 32 by the top 2 of their logits' sigmoid beside a shared one
+    ("flint", {"num_hidden_layers": 4, "layer_types": ["full_attention", "sliding_attention", "sliding_attention",
+                                                       "full_attention"], "head_dim": 16, "sliding_window": 8,
+               "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+               "shared_expert_intermediate_size": 48, "intermediate_size": 96}),
     # A.X-K1: DeepSeek V3 whose sparse layers norm their output (the dense first layer's stored norm unused)
     ("axk1", {**DEEPSEEK, "q_lora_rank": 24}),
     ("kolibri1", {"num_hidden_layers": 3, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
