@@ -12,7 +12,8 @@ a write of 1 GiB), and the largest difference of the outputs over the largest ou
 decode step reads every weight once: on a GPU the FP8 layer's time at a few rows is what a decode step's projections
 cost, half the bytes of bfloat16's. `--int4`: random INT4 codes with a bfloat16 (the model's dtype) scale a group of
 128 inputs (`engine.layers.int4_linear.Int4Linear`: the Triton GEMM decoding each tile as loaded, or the weight
-dequantized on each call), about a quarter of bfloat16's bytes.
+dequantized on each call), about a quarter of bfloat16's bytes; with `--zero-points` a zero point a group beside
+each scale too (AWQ's kind: `Int4Linear.zeros`, one byte a group more).
 """
 
 from __future__ import annotations
@@ -43,14 +44,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=10, help="timed calls per size and path (median)")
     p.add_argument("--int4", action="store_true",
                    help="INT4 weights (pack-quantized, a scale a group of 128 inputs) instead of FP8")
+    p.add_argument("--zero-points", action="store_true",
+                   help="with --int4: a zero point a group beside each scale (AWQ's and asymmetric checkpoints')")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
 
 
-def _layers(shape: str, device: torch.device, dtype: torch.dtype, int4: bool = False):
+def _layers(shape: str, device: torch.device, dtype: torch.dtype, int4: bool = False, zeros: bool = False):
     """The four projections of one layer as (name, Fp8Linear, dense weight in `dtype`), random FP8 values in
     128 x 128 blocks with scales of 1e-4 to 3e-4 (weights of about a 0.02 standard deviation), or (`int4`) an
-    Int4Linear of random codes in groups of 128 (`_int4_layer`); the Triton GEMM where the engine would run the
-    Triton kernels (CUDA; `CLIFFGUARD_ATTENTION_BACKEND=triton`)."""
+    Int4Linear of random codes in groups of 128 (`_int4_layer`, with zero points where `zeros`); the Triton GEMM where
+    the engine would run the Triton kernels (CUDA; `CLIFFGUARD_ATTENTION_BACKEND=triton`)."""
     from engine.layers.fp8_linear import Fp8Linear
     from kernels.fp8_gemm import dequantize_blocks
     from kernels.fused import get_fused_ops
@@ -64,7 +67,7 @@ def _layers(shape: str, device: torch.device, dtype: torch.dtype, int4: bool = F
     layers = []
     for name, (n, k) in shapes.items():
         if int4:
-            layers.append((name, *_int4_layer(n, k, device, dtype, triton, gen)))
+            layers.append((name, *_int4_layer(n, k, device, dtype, triton, gen, zeros)))
             continue
         layer = Fp8Linear(k, n, False, BLOCK, triton=triton).to(device)
         values = (torch.randn(n, k, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
@@ -74,20 +77,24 @@ def _layers(shape: str, device: torch.device, dtype: torch.dtype, int4: bool = F
     return layers
 
 
-def _int4_layer(n: int, k: int, device: torch.device, dtype: torch.dtype, triton: bool, gen: torch.Generator):
+def _int4_layer(n: int, k: int, device: torch.device, dtype: torch.dtype, triton: bool, gen: torch.Generator,
+                zeros: bool = False):
     """An Int4Linear [n, k] of uniformly drawn codes, scales of about 0.02 over INT4's deviation in `dtype` (weights
-    of about a 0.02 standard deviation), and its dequantized weight."""
+    of about a 0.02 standard deviation) and, where `zeros`, zero points of 6 to 10, and its dequantized weight."""
     from engine.int4_weights import INT4_STD, dequantize_int4
     from engine.layers.int4_linear import Int4Linear
 
-    layer = Int4Linear(k, n, False, 128, triton=triton)
+    layer = Int4Linear(k, n, False, 128, triton=triton, zeros=zeros)
     with torch.no_grad():
         layer.blocks = torch.nn.Parameter(torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8),
                                           requires_grad=False)
         layer.scales = torch.nn.Parameter(((torch.rand(n, k // 128, generator=gen) + 0.5) * 0.02 / INT4_STD)
                                           .to(dtype), requires_grad=False)
+        if zeros:
+            layer.zeros = torch.nn.Parameter(torch.randint(6, 11, (n, k // 128), generator=gen, dtype=torch.uint8),
+                                             requires_grad=False)
     layer = layer.to(device)
-    return layer, dequantize_int4(layer.blocks, layer.scales, dtype)
+    return layer, dequantize_int4(layer.blocks, layer.scales, dtype, layer.zeros)
 
 
 def _held_bytes(layer) -> int:
@@ -123,21 +130,25 @@ def run(args: argparse.Namespace) -> int:
     sizes = int_list(args.tokens, "--tokens", 1, "row counts must be >= 1")
     if args.repeats < 1:
         raise ValueError(f"--repeats: must be >= 1, got {args.repeats}")
+    if args.zero_points and not args.int4:
+        raise ValueError("--zero-points: INT4 weights' (with --int4)")
     device, dtype = device_and_dtype(args.device, args.dtype)
     with torch.inference_mode():
-        layers = _layers(args.shape, device, dtype, args.int4)
+        layers = _layers(args.shape, device, dtype, args.int4, args.zero_points)
         bandwidth = measure_copy_bandwidth(device) if device.type == "cuda" else None
         rows = [_row(layers, n, device, dtype, args.repeats, bandwidth) for n in sizes]
     # the same products up to the order of their float32 sums (and one rounding of each output to dtype)
     bound = 2 ** -6 if dtype != torch.float32 else 1e-5
     result = {"device": str(device), "dtype": str(dtype).removeprefix("torch."), "shape": args.shape,
-              "format": "int4" if args.int4 else "fp8", "path": "triton" if layers[0][1].triton else "reference",
+              "format": "int4" if args.int4 else "fp8", "zero_points": args.zero_points,
+              "path": "triton" if layers[0][1].triton else "reference",
               "block": [1, 128] if args.int4 else list(BLOCK),
               "copy_bytes_per_s": bandwidth, "rows": rows, "agree": all(r["max_rel_diff"] <= bound for r in rows)}
     if args.json:
         print(json.dumps(result, indent=2))
         return 0 if result["agree"] else 1
-    held = "INT4 (groups of 128" if args.int4 else "FP8 (blocks of 128 x 128"
+    held = f"INT4 (groups of 128{', zero points' if args.zero_points else ''}" if args.int4 \
+        else "FP8 (blocks of 128 x 128"
     print(f"one layer's projections at the {args.shape} shape on {device} ({result['dtype']}): {held}, "
           f"{result['path']}) vs F.linear over the dequantized weight"
           + (f"; copy bandwidth {bandwidth / 1e9:.0f} GB/s" if bandwidth else ""))
