@@ -106,6 +106,10 @@ FAMILY_DEFAULTS = {"Gemma2ForCausalLM": GEMMA2_DEFAULTS, "VaultGemmaForCausalLM"
                        "vocab_size": 196_608, "hidden_size": 4096, "intermediate_size": 10_944, "num_hidden_layers": 48,
                        "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-5,
                        "max_position_embeddings": 131_072, "rope_theta": 1_000_000.0},
+                   "HeliumForCausalLM": {   # HeliumConfig's (Helium-1 2B's)
+                       "vocab_size": 48_000, "hidden_size": 2560, "intermediate_size": 7040, "num_hidden_layers": 24,
+                       "num_attention_heads": 20, "num_key_value_heads": 20, "head_dim": 128, "rms_norm_eps": 1e-8,
+                       "max_position_embeddings": 4096, "rope_theta": 100_000.0, "bos_token_id": 1, "eos_token_id": 2},
                    "FlintForCausalLM": {   # FlintConfig's (its layers and experts: engine.flint_config)
                        "vocab_size": 150_144, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 49,
                        "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "rms_norm_eps": 1e-6,

@@ -135,7 +135,7 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
            "gemma": transformers.GemmaConfig, "vaultgemma": transformers.VaultGemmaConfig,
            "lfm3": transformers.Lfm3Config, "kolibri1": transformers.Kolibri1Config,
            "axk1": transformers.AXK1Config, "bailing_hybrid": transformers.BailingHybridConfig,
-           "flint": transformers.FlintConfig}[arch]
+           "flint": transformers.FlintConfig, "helium": transformers.HeliumConfig}[arch]
     config = cls(**common)
     if arch == "mistral4":   # transformers maps Mistral4Config to no causal LM class (only its pretraining one)
         transformers.AutoModelForCausalLM.register(transformers.Mistral4Config, transformers.Mistral4ForCausalLM,
@@ -146,7 +146,7 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
     if arch in ("gpt_oss", "deepseek_v3", "glm4_moe", "ernie4_5_moe", "seed_oss", "glm4_moe_lite", "mistral4",
                 "deepseek_v32", "glm_moe_dsa", "lfm2", "lfm2_moe", "solar_open", "arcee", "mimo_v2_flash", "jais2",
                 "granite_swa", "granitemoe_swa", "falcon_h1", "starcoder2", "glm", "laguna", "nemotron",
-                "stablelm", "lfm3", "flint"):
+                "stablelm", "lfm3", "flint", "helium"):
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if name.endswith(("bias", "sinks")):   # LayerNorm models' small: a bias on every norm and
@@ -170,7 +170,8 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
                 if name.endswith(("query_layernorm.weight", "key_layernorm.weight")):
                     param.normal_(1.0, 0.5)
     # every norm its own weights: one read into another's place would show
-    if arch in ("hyperclovax", "nemotron", "stablelm", "gemma", "vaultgemma", "lfm3", "kolibri1", "axk1", "flint"):
+    if arch in ("hyperclovax", "nemotron", "stablelm", "gemma", "vaultgemma", "lfm3", "kolibri1", "axk1", "flint",
+                "helium"):
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if "norm" in name:

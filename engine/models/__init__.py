@@ -48,7 +48,7 @@ from engine.model import LlamaForCausalLM
 from engine.models.afmoe import AfmoeForCausalLM
 from engine.models.apertus import (ApertusForCausalLM, ArceeForCausalLM, Jais2ForCausalLM, NemotronForCausalLM,
                                    Starcoder2ForCausalLM)
-from engine.models.cohere import Cohere2MoeForCausalLM, CohereForCausalLM
+from engine.models.cohere import Cohere2MoeForCausalLM, CohereForCausalLM, HeliumForCausalLM
 from engine.models.deepseek import AXK1ForCausalLM, DeepseekForCausalLM
 from engine.models.deepseek_v32 import DeepseekV32ForCausalLM
 from engine.models.ernie import Ernie45ForCausalLM, Ernie45MoeForCausalLM
@@ -138,6 +138,7 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "Lfm3ForCausalLM": Lfm3ForCausalLM,
                                                 "Kolibri1ForCausalLM": KolibriForCausalLM,
                                                 "FlintForCausalLM": FlintForCausalLM,
+                                                "HeliumForCausalLM": HeliumForCausalLM,
                                                 "KimiLinearForCausalLM": KimiLinearForCausalLM,
                                                 "BailingHybridForCausalLM": BailingHybridForCausalLM,
                                                 "Dots1ForCausalLM": Glm4MoeForCausalLM,   # dots.llm1: its layers

@@ -34,7 +34,7 @@ from engine.models.smollm3 import layer_rotary
 from engine.parallel import Collectives, ShardShape
 from kernels import AttentionMetadata
 
-__all__ = ["Cohere2MoeForCausalLM", "CohereForCausalLM", "CohereLayerNorm", "CohereMoeBlock",
+__all__ = ["Cohere2MoeForCausalLM", "CohereForCausalLM", "CohereLayerNorm", "CohereMoeBlock", "HeliumForCausalLM",
            "InterleavedRotaryWeights", "cut_head_norm", "interleaved_to_halves"]
 
 
@@ -203,3 +203,12 @@ class Cohere2MoeForCausalLM(CohereForCausalLM, Qwen3MoeForCausalLM):
 
     def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
         return super().read_tensor(hf_name, name.replace(".mlp.shared_experts.", ".mlp.shared_expert."), tensor)
+
+
+class HeliumForCausalLM(InterleavedRotaryWeights):
+    """Kyutai's Helium (`HeliumForCausalLM`: Helium-1 2B): the Llama model whose rotary pairs dimensions 2i and 2i + 1
+    (its q and k rows reordered as read) and whose norms are float32's (`FloatRMSNorm`, transformers'
+    `HeliumRMSNorm`); o_proj without a bias whatever `attention_bias` says of q, k and v."""
+
+    supports_flat_forward = False
+    norm_class = FloatRMSNorm

@@ -429,6 +429,8 @@ TINY_MODELS = [
     # Kolibri-1: GLM-4's four norms around EXAONE 4's attention (sliding layers rotate in a window of 8, the full one
     # NoPE), every layer 8 experts of 32 picked by float32 logits plus an expert bias, weighed by their sigmoid (not
     # renormalised), beside an ungated shared expert of 48
+    # Helium: the Llama model with its rotary over interleaved pairs and float32 norms; q/k/v biased, o_proj not
+    ("helium", {"head_dim": 16, "attention_bias": True, "rms_norm_eps": 1e-6}),
     # Flint: Qwen3-MoE's layers with a sink a query head, sliding layers (a window of 8) rotating beside NoPE full ones,
     # float32 norms, after 2 dense layers 8 experts of 32 by the top 2 of their logits' sigmoid beside a shared one
     ("flint", {"num_hidden_layers": 4, "layer_types": ["full_attention", "sliding_attention", "sliding_attention",
