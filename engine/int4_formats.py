@@ -115,7 +115,8 @@ def _gptq_scheme(quant: dict[str, Any], key: str, group: int) -> Int4Scheme:
     blocks = quant.get("modules_in_block_to_quantize") or []
     if not isinstance(blocks, list) or not all(isinstance(b, list) for b in blocks):
         raise ConfigError(f"{key}.modules_in_block_to_quantize: lists of module names, got {blocks!r:.120}")
-    names = _names({"modules": [n for b in blocks for n in b]}, key, "modules") if blocks else ()
+    part = "modules_in_block_to_quantize"
+    names = _names({part: [n for b in blocks for n in b]}, key, part) if blocks else ()
     targets = tuple(rf"re:.*\blayers\.\d+\.{re.escape(n)}$" for n in names) or (_DECODER_LAYERS,)
     return Int4Scheme(form, group, not quant.get("sym", True), quant.get("desc_act", False), (targets, ()))
 

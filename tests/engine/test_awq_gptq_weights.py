@@ -420,7 +420,9 @@ def test_the_config_says_what_is_served_and_refuses_the_rest_by_key(tmp_path):
                        ({**gptq, "desc_act": "yes"}, "desc_act: true or false"),
                        ({**gptq, "dynamic": {"-:.*": {}}}, "dynamic: per-module GPTQ settings"),
                        ({**gptq, "lm_head": True}, "lm_head: a quantized lm_head"),
-                       ({**gptq, "modules_in_block_to_quantize": ["q_proj"]}, "modules_in_block_to_quantize: lists")):
+                       ({**gptq, "modules_in_block_to_quantize": ["q_proj"]}, "modules_in_block_to_quantize: lists"),
+                       ({**gptq, "modules_in_block_to_quantize": [["q_proj", 3]]},
+                        "modules_in_block_to_quantize: a list of module names")):
         with pytest.raises(ConfigError, match=rf"^quantization_config.{named}"):
             int4_scheme(bad, "quantization_config")
 
