@@ -269,10 +269,12 @@ def test_a_swapped_sequence_holds_back_only_arrivals_no_more_urgent_than_it():
 def test_a_batch_line_waits_behind_an_interactive_request_of_any_priority_and_is_the_first_victim(tiny):
     """A tenant's interactive request clamped to priority 10, a batch line at 0: one prefill chunk a step, the
     interactive one goes first (the engine sorted by priority alone, so the batch line passed it); under
-    victim_policy priority the batch line is preempted before it."""
+    victim_policy priority the batch line is preempted before it. (EOS ignored: a first token sampled as EOS would end
+    the interactive request within the first step, and it would not be running after it.)"""
     engine = _engine(tiny, max_num_batched_tokens=64, victim_policy="priority")
-    engine.add_request("line", list(range(3, 53)), SamplingParams(max_tokens=4), priority=0, background=True)
-    engine.add_request("chat", list(range(3, 53)), SamplingParams(max_tokens=4), priority=10)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    engine.add_request("line", list(range(3, 53)), params, priority=0, background=True)
+    engine.add_request("chat", list(range(3, 53)), params, priority=10)
     scheduler = engine.schedulers["default"]
     assert [s.request_id for s in scheduler.waiting] == ["chat", "line"]
     engine.step()
