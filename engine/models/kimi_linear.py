@@ -183,6 +183,5 @@ class BailingHybridForCausalLM(KimiLinearForCausalLM):
 
     def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
         for theirs, ours in _BAILING_NAMES:
-            name = ours + name.removeprefix(theirs) if theirs == "word_embeddings." and name.startswith(theirs) \
-                else name.replace(theirs, ours)
+            name = name.replace(theirs, ours)
         return super().read_tensor(hf_name, name, tensor)
