@@ -100,7 +100,7 @@ def _int4_layer(n: int, k: int, device: torch.device, dtype: torch.dtype, triton
 def _held_bytes(layer) -> int:
     """The bytes a held layer reads: FP8 values and float32 scales, or INT4 codes two a byte and their scales."""
     if hasattr(layer, "held_bytes"):   # Int4Linear
-        return layer.held_bytes
+        return layer.held_bytes()
     return layer.weight.numel() + layer.weight_scale.numel() * 4
 
 

@@ -53,12 +53,12 @@ class Int4Linear(nn.Module):
             return int4_linear(x, self.blocks, self.scales, self.bias, self.zeros)
         return F.linear(x, dequantize_int4(self.blocks, self.scales, x.dtype, self.zeros), self.bias)
 
-    @property
-    def held_bytes(self) -> int:
-        """The bytes of its codes, scales, zero points and input order (the bias not counted: a float layer has it
-        too)."""
+    def held_bytes(self, scale_dtype: torch.dtype | None = None) -> int:
+        """The bytes of its codes (two a byte), scales (in `scale_dtype`, else as held: the meta model a plan counts
+        holds them in float32), zero points (a byte each) and input order (the bias not counted: a float layer has
+        it too)."""
         extra = (self.zeros.numel() if self.zeros is not None else 0) + (4 * self.perm.numel() if self.act_order else 0)
-        return self.blocks.numel() + self.scales.numel() * self.scales.element_size() + extra
+        return self.blocks.numel() + self.scales.numel() * (scale_dtype or self.scales.dtype).itemsize + extra
 
     @property
     def act_order(self) -> bool:

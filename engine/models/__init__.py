@@ -423,9 +423,7 @@ def held_weight_bytes(config: ModelConfig, shard: ShardShape, dtype: torch.dtype
         return plain
     model = _meta_model(config, shard, dtype, quantization, device_type)
     saved = sum(m.weight.numel() * (dtype.itemsize - 1) - m.weight_scale.numel() * 4 for m in model.fp8_layers.values())
-    saved += sum((2 * m.blocks.numel() - m.scales.numel()) * dtype.itemsize - m.blocks.numel()   # two codes a byte
-                 - (m.zeros.numel() if m.zeros is not None else 0)   # a zero point a group, a byte each
-                 - (4 * m.perm.numel() if m.act_order else 0)        # GPTQ's input order
+    saved += sum(m.in_features * m.out_features * dtype.itemsize - m.held_bytes(dtype)
                  for m in model.modules() if isinstance(m, Int4Linear))
     saved += sum(2 * (m.w13.numel() + m.w2.numel()) * dtype.itemsize - _expert_bytes(m, dtype)   # two codes a byte
                  for m in _held_blocks(model) if m.packed)
