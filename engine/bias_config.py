@@ -1,6 +1,6 @@
 """The config.json fields of the families whose layer is Llama's but for its biases and norms (StarCoder2, Nemotron,
-StableLM, Jais 2, Seed-OSS, ERNIE 4.5's dense models), their transformers config classes' names and defaults. What we
-do not serve is refused naming the key."""
+StableLM, Phi, Jais 2, Seed-OSS, ERNIE 4.5's dense models), their transformers config classes' names and defaults. What
+we do not serve is refused naming the key."""
 
 from __future__ import annotations
 
@@ -32,6 +32,17 @@ def bias_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
                 "qk_norm": read_bool(cfg, "qk_layernorm", False),
                 "parallel_residual": read_bool(cfg, "use_parallel_residual", False),
                 "partial_rotary_factor": partial_rotary_factor(cfg, 0.25)}
+    if arch == "PhiForCausalLM":   # PhiConfig: parallel layers, LayerNorms, every projection and the head biased
+        if read_bool(cfg, "qk_layernorm", False):
+            raise ConfigError("qk_layernorm: Phi is served without q/k LayerNorms (no released Phi has them)")
+        if read_bool(cfg, "tie_word_embeddings", False):   # its head's bias stays its own: no released Phi ties
+            raise ConfigError("tie_word_embeddings: Phi is served with a head of its own (a weight and a bias)")
+        if cfg.get("hidden_act", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
+            raise ConfigError(f"hidden_act: Phi is served with gelu_new (GELU-tanh), got {cfg['hidden_act']!r}")
+        return {"rms_norm_eps": read_float(cfg, "layer_norm_eps", 1e-5), "hidden_act": "gelu_pytorch_tanh",
+                "head_dim": read_int(cfg, "hidden_size") // read_int(cfg, "num_attention_heads"),
+                "attention_bias": True, "mlp_bias": True, "lm_head_bias": True, "parallel_residual": True,
+                "partial_rotary_factor": partial_rotary_factor(cfg, 0.5)}
     if arch == "Jais2ForCausalLM":   # Jais2Config: LayerNorms (weight and bias), every projection biased by default
         return {"rms_norm_eps": read_float(cfg, "layer_norm_eps", 1e-5), "mlp_bias": read_bool(cfg, "mlp_bias", True),
                 "attention_bias": read_bool(cfg, "attention_bias", True)}

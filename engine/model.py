@@ -172,7 +172,7 @@ class LlamaForCausalLM(CheckpointReading, nn.Module):
         self.layers = nn.ModuleList(self.make_layer(i, ops) for i in range(config.num_layers))
         self.norm = self.make_norm(ops)
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, shard.vocab_rows, bias=False)
+            self.lm_head = nn.Linear(config.hidden_size, shard.vocab_rows, bias=config.lm_head_bias)
         self._flat: tuple[object, object] | None = None   # (backend, its engine.cpu_forward.CpuForward or None)
         self.kv_scales_from_checkpoint = False   # an FP8 cache's scales: the checkpoint's (`_kv_scale`), not measured
         self.kv_scales_read: set[tuple[int, str]] = set()   # (layer, "k_scale" / "v_scale") the checkpoint brought

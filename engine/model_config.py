@@ -62,7 +62,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
                            "CwmForCausalLM", "YoutuForCausalLM", "BambaForCausalLM", "FalconH1ForCausalLM",
                            "ExaoneForCausalLM", "HyperCLOVAXForCausalLM", "MellumForCausalLM",
                            "Starcoder2ForCausalLM", "GlmForCausalLM", "LagunaForCausalLM",
-                           "NemotronForCausalLM", "StableLmForCausalLM",
+                           "NemotronForCausalLM", "StableLmForCausalLM", "PhiForCausalLM",
                            "GemmaForCausalLM", "VaultGemmaForCausalLM")
 # their attention bias: q/k/v's, not o_proj's
 QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM", "GlmForCausalLM",
@@ -92,6 +92,7 @@ class ModelConfig:
     attention_bias: bool = False        # q/k/v projections carry a bias (Qwen2: always)
     attention_out_bias: bool | None = None   # Seed-OSS: o_proj's apart from q/k/v's (None: `o_proj_bias`'s rule)
     mlp_bias: bool = False
+    lm_head_bias: bool = False          # Phi: the head's logits carry a bias of their own
     sliding_window: int | None = None   # Mistral: keys older than this many positions are not attended
     qk_norm: bool = False               # Qwen3, Gemma 3, Command R+: each q and k head normed before rotary
     hidden_act: str = "silu"            # the MLP's gate activation: silu | gelu_pytorch_tanh (Gemma 3)

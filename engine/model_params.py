@@ -27,9 +27,10 @@ FOUR_NORMS = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma4ForCausalLM", "Gl
 # q and k normed over the whole projection
 # an MLP of up, its activation and down, no gate
 UNGATED_MLP = ("ApertusForCausalLM", "ArceeForCausalLM", "Jais2ForCausalLM", "Starcoder2ForCausalLM",
-               "NemotronForCausalLM")
+               "NemotronForCausalLM", "PhiForCausalLM")
 # LayerNorms (a weight and a bias), not RMSNorms
-LAYER_NORMS = ("Jais2ForCausalLM", "Starcoder2ForCausalLM", "NemotronForCausalLM", "StableLmForCausalLM")
+LAYER_NORMS = ("Jais2ForCausalLM", "Starcoder2ForCausalLM", "NemotronForCausalLM", "StableLmForCausalLM",
+               "PhiForCausalLM")
 WIDE_QK_NORM = ("Olmo2ForCausalLM", "Olmo3ForCausalLM", "MiniMaxM2ForCausalLM", "OlmoeForCausalLM",
                 "OlmoHybridForCausalLM")
 
@@ -98,5 +99,5 @@ def count_params(config: Any, heads: int, kv_heads: int, i: int, moe_i: int, v: 
         (config.num_layers - config.num_kv_layers) * norms * h   # a state layer's norms (Falcon-H1's: its K/V layer's)
     linear += config.mla.indexers_params(h, config.num_layers) if config.mla is not None else 0   # DeepSeek V3.2's
     final = h * (2 if config.architecture in LAYER_NORMS else 1)   # the final norm (a LayerNorm's: a bias too)
-    head = 0 if config.tie_word_embeddings else v * h
+    head = (0 if config.tie_word_embeddings else v * h) + (v if config.lm_head_bias else 0)   # Phi: biased
     return v * h + config.num_kv_layers * per_layer + linear + mlps + final + head

@@ -2018,6 +2018,21 @@ def test_stablelm_reads_as_transformers_does():
     assert twelve.parallel_residual and twelve.qk_norm and twelve.attention_bias and not twelve.o_proj_bias
 
 
+def test_phi_reads_as_transformers_does():
+    """Phi (`PhiForCausalLM`, PhiConfig's defaults: phi-1.5's shape): parallel layers off one LayerNorm of
+    `layer_norm_eps`, half of each head rotated, every projection and the head biased, GELU-tanh; the parameter count
+    is transformers' model's. q/k LayerNorms, another activation and a tied head are refused by key."""
+    hf, cfg = _at_class_defaults("PhiConfig", {"architectures": ["PhiForCausalLM"]})
+    assert (cfg.rms_norm_eps, cfg.rotary_dim, cfg.parallel_residual, cfg.hidden_act, cfg.max_position_embeddings) == \
+        (hf.layer_norm_eps, hf.hidden_size // hf.num_attention_heads // 2, True, "gelu_pytorch_tanh", 2048)
+    assert cfg.attention_bias and cfg.o_proj_bias and cfg.mlp_bias and cfg.lm_head_bias and not cfg.tie_word_embeddings
+    base = {"architectures": ["PhiForCausalLM"], "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 96,
+            "num_hidden_layers": 2, "num_attention_heads": 4}
+    for key, value in (("qk_layernorm", True), ("hidden_act", "relu"), ("tie_word_embeddings", True)):
+        with pytest.raises(ConfigError, match=key):
+            ModelConfig.from_hf_config(base | {key: value})
+
+
 @pytest.mark.parametrize("config_class,arch", [("GemmaConfig", "GemmaForCausalLM"),
                                                ("VaultGemmaConfig", "VaultGemmaForCausalLM")])
 def test_gemma_and_vaultgemma_read_as_transformers_does(config_class, arch):

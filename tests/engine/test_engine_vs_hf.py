@@ -431,6 +431,9 @@ TINY_MODELS = [
     # renormalised), beside an ungated shared expert of 48
     # Helium: the Llama model with its rotary over interleaved pairs and float32 norms; q/k/v biased, o_proj not
     ("helium", {"head_dim": 16, "attention_bias": True, "rms_norm_eps": 1e-6}),
+    # Phi (phi-2's form): Cohere's parallel layer with a LayerNorm, every projection and the head biased, an MLP of
+    # fc1, GELU-tanh, fc2, the first 40% of each head turned (rotate-half pairs)
+    ("phi", {"num_key_value_heads": 4, "partial_rotary_factor": 0.4, "layer_norm_eps": 1e-5}),
     # Flint: Qwen3-MoE's layers with a sink a query head, sliding layers (a window of 8) rotating beside NoPE full ones,
     # float32 norms, after 2 dense layers 8 experts of 32 by the top 2 of their logits' sigmoid beside a shared one
     ("flint", {"num_hidden_layers": 4, "layer_types": ["full_attention", "sliding_attention", "sliding_attention",
