@@ -1,6 +1,6 @@
 """The config.json fields of the families whose layer is Llama's but for its biases and norms (StarCoder2, Nemotron,
-StableLM, Phi, Jais 2, Seed-OSS, ERNIE 4.5's dense models), their transformers config classes' names and defaults. What
-we do not serve is refused naming the key."""
+StableLM, Phi, GPT-NeoX, Jais 2, Seed-OSS, ERNIE 4.5's dense models), their transformers config classes' names and
+defaults. What we do not serve is refused naming the key."""
 
 from __future__ import annotations
 
@@ -43,6 +43,8 @@ def bias_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
                 "head_dim": read_int(cfg, "hidden_size") // read_int(cfg, "num_attention_heads"),
                 "attention_bias": True, "mlp_bias": True, "lm_head_bias": True, "parallel_residual": True,
                 "partial_rotary_factor": partial_rotary_factor(cfg, 0.5)}
+    if arch == "GPTNeoXForCausalLM":   # GPTNeoXConfig: multi-head, LayerNorms, two norms a parallel layer
+        return gpt_neox_fields(cfg)
     if arch == "Jais2ForCausalLM":   # Jais2Config: LayerNorms (weight and bias), every projection biased by default
         return {"rms_norm_eps": read_float(cfg, "layer_norm_eps", 1e-5), "mlp_bias": read_bool(cfg, "mlp_bias", True),
                 "attention_bias": read_bool(cfg, "attention_bias", True)}
@@ -54,3 +56,20 @@ def bias_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
         return {"attention_bias": bias, "mlp_bias": bias,
                 "tie_word_embeddings": read_bool(cfg, "tie_word_embeddings", True)}
     return {}
+
+
+def gpt_neox_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """GPT-NeoX's fields, its older keys read as GPTNeoXConfig reads them (`rotary_emb_base` the rope's base,
+    `rotary_pct` the share of a head turned, where the rope's parameters name neither)."""
+    act = cfg.get("hidden_act", "gelu")
+    if act not in ("gelu", "gelu_fast", "gelu_new", "gelu_pytorch_tanh"):
+        raise ConfigError(f"hidden_act: GPT-NeoX is served with gelu or its tanh form (gelu_fast, gelu_new), "
+                          f"got {act!r}")
+    base = read_float(cfg, "rotary_emb_base", None)
+    rope = {**cfg, "rope_theta": base} if base is not None and "rope_theta" not in cfg else cfg
+    heads = read_int(cfg, "num_attention_heads")
+    return {"rms_norm_eps": read_float(cfg, "layer_norm_eps", 1e-5), "num_kv_heads": heads,
+            "head_dim": read_int(cfg, "hidden_size") // heads, "hidden_act": "gelu" if act == "gelu" else
+            "gelu_pytorch_tanh", "attention_bias": read_bool(cfg, "attention_bias", True), "mlp_bias": True,
+            "parallel_residual": read_bool(cfg, "use_parallel_residual", True), "full_rope": (rope,),
+            "partial_rotary_factor": partial_rotary_factor(cfg, read_float(cfg, "rotary_pct", 0.25))}

@@ -62,7 +62,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
                            "CwmForCausalLM", "YoutuForCausalLM", "BambaForCausalLM", "FalconH1ForCausalLM",
                            "ExaoneForCausalLM", "HyperCLOVAXForCausalLM", "MellumForCausalLM",
                            "Starcoder2ForCausalLM", "GlmForCausalLM", "LagunaForCausalLM",
-                           "NemotronForCausalLM", "StableLmForCausalLM", "PhiForCausalLM",
+                           "NemotronForCausalLM", "StableLmForCausalLM", "PhiForCausalLM", "GPTNeoXForCausalLM",
                            "GemmaForCausalLM", "VaultGemmaForCausalLM")
 # their attention bias: q/k/v's, not o_proj's
 QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM", "GlmForCausalLM",
@@ -180,7 +180,7 @@ class ModelConfig:
                                   f"({self.rotary_dim // 2}), got {len(getattr(self.rope_scaling, key))}")
         if self.hidden_act not in SUPPORTED_ACTIVATIONS and (self.hidden_act, self.architecture) not in (
                 ("xielu", "ApertusForCausalLM"), ("relu2", "ArceeForCausalLM"), ("relu2", "Jais2ForCausalLM"),
-                ("relu2", "NemotronForCausalLM")):
+                ("relu2", "NemotronForCausalLM"), ("gelu", "GPTNeoXForCausalLM")):
             raise ConfigError(f"hidden_act: unsupported {self.hidden_act!r}; supported: {', '.join(SUPPORTED_ACTIVATIONS)}")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ConfigError(f"sliding_window: must be positive, got {self.sliding_window}")

@@ -77,6 +77,7 @@ from engine.models.olmo2 import (Exaone4ForCausalLM, Olmo2ForCausalLM, Olmo3ForC
                                  OlmoHybridForCausalLM)
 from engine.models.phi3 import Phi3ForCausalLM
 from engine.models.smollm3 import SmolLM3ForCausalLM
+from engine.models.gpt_neox import GPTNeoXForCausalLM
 from engine.models.phi import PhiForCausalLM
 from engine.models.stablelm import StableLmForCausalLM
 from engine.models.nemotron_h import NemotronHForCausalLM
@@ -163,6 +164,7 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "NemotronForCausalLM": NemotronForCausalLM,
                                                 "StableLmForCausalLM": StableLmForCausalLM,
                                                 "PhiForCausalLM": PhiForCausalLM,
+                                                "GPTNeoXForCausalLM": GPTNeoXForCausalLM,
                                                 "GemmaForCausalLM": GemmaForCausalLM,
                                                 "VaultGemmaForCausalLM": GemmaForCausalLM}
 

@@ -2033,6 +2033,37 @@ def test_phi_reads_as_transformers_does():
             ModelConfig.from_hf_config(base | {key: value})
 
 
+# pythia-70m's config.json (EleutherAI, 2023): the rope's base and share under their older keys
+PYTHIA_70M = {"architectures": ["GPTNeoXForCausalLM"], "bos_token_id": 0, "eos_token_id": 0, "hidden_act": "gelu",
+              "hidden_size": 512, "initializer_range": 0.02, "intermediate_size": 2048, "layer_norm_eps": 1e-05,
+              "max_position_embeddings": 2048, "model_type": "gpt_neox", "num_attention_heads": 8,
+              "num_hidden_layers": 6, "rotary_emb_base": 10000, "rotary_pct": 0.25, "tie_word_embeddings": False,
+              "torch_dtype": "float16", "use_cache": True, "use_parallel_residual": True, "vocab_size": 50304}
+
+
+def test_gpt_neox_reads_as_transformers_does():
+    """GPT-NeoX (`GPTNeoXForCausalLM`, GPTNeoXConfig's defaults: GPT-NeoX-20B's shape; then pythia-70m's config.json,
+    whose rope keys are the older `rotary_emb_base` / `rotary_pct`): multi-head, LayerNorms, two norms a parallel layer,
+    exact GELU, the attention biased; the parameter count is transformers' model's either way, and so are the rope's
+    base and turned share. Another activation is refused by key."""
+    transformers = pytest.importorskip("transformers")
+    hf, cfg = _at_class_defaults("GPTNeoXConfig", {"architectures": ["GPTNeoXForCausalLM"]})
+    assert (cfg.num_kv_heads, cfg.hidden_act, cfg.parallel_residual, cfg.attention_bias, cfg.o_proj_bias) == \
+        (hf.num_attention_heads, "gelu", True, True, True)
+    pythia = ModelConfig.from_hf_config(PYTHIA_70M)
+    theirs = transformers.GPTNeoXConfig(**PYTHIA_70M)
+    assert pythia.num_params() == sum(p.numel() for p in _meta_model(transformers.GPTNeoXConfig, PYTHIA_70M)[1]
+                                      .parameters())
+    assert (pythia.rope_theta, pythia.rotary_dim) == (theirs.rope_parameters["rope_theta"], int(
+        theirs.hidden_size // theirs.num_attention_heads * theirs.rope_parameters["partial_rotary_factor"]))
+    sequential = ModelConfig.from_hf_config(PYTHIA_70M | {"use_parallel_residual": False, "hidden_act": "gelu_fast",
+                                                          "rotary_emb_base": 500, "rotary_pct": 0.5})
+    assert (sequential.parallel_residual, sequential.hidden_act, sequential.rope_theta, sequential.rotary_dim) == \
+        (False, "gelu_pytorch_tanh", 500.0, 32)
+    with pytest.raises(ConfigError, match="hidden_act"):
+        ModelConfig.from_hf_config(PYTHIA_70M | {"hidden_act": "relu"})
+
+
 @pytest.mark.parametrize("config_class,arch", [("GemmaConfig", "GemmaForCausalLM"),
                                                ("VaultGemmaConfig", "VaultGemmaForCausalLM")])
 def test_gemma_and_vaultgemma_read_as_transformers_does(config_class, arch):

@@ -434,6 +434,12 @@ TINY_MODELS = [
     # Phi (phi-2's form): Cohere's parallel layer with a LayerNorm, every projection and the head biased, an MLP of
     # fc1, GELU-tanh, fc2, the first 40% of each head turned (rotate-half pairs)
     ("phi", {"num_key_value_heads": 4, "partial_rotary_factor": 0.4, "layer_norm_eps": 1e-5}),
+    # GPT-NeoX (Pythia's form): multi-head attention of a fused query_key_value a head, two LayerNorms off the stream
+    # of a parallel layer, exact GELU, a quarter of each head turned; then sequential layers, GELU-tanh, no attention
+    # biases, its older keys for the rope
+    ("gpt_neox", {"layer_norm_eps": 1e-5}),
+    ("gpt_neox", {"use_parallel_residual": False, "hidden_act": "gelu_fast", "attention_bias": False,
+                  "rotary_emb_base": 500.0, "rotary_pct": 0.5, "layer_norm_eps": 1e-5}),
     # Flint: Qwen3-MoE's layers with a sink a query head, sliding layers (a window of 8) rotating beside NoPE full ones,
     # float32 norms, after 2 dense layers 8 experts of 32 by the top 2 of their logits' sigmoid beside a shared one
     ("flint", {"num_hidden_layers": 4, "layer_types": ["full_attention", "sliding_attention", "sliding_attention",

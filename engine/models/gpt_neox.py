@@ -1,0 +1,95 @@
+"""EleutherAI's GPT-NeoX (`GPTNeoXForCausalLM`: GPT-NeoX-20B, Pythia, and the models trained on its code: Dolly v2,
+RedPajama-INCITE, StableLM-Tuned-Alpha): multi-head attention (as many KV heads as query heads), LayerNorms of a weight
+and a bias, q/k/v and `dense` (o_proj) biased where `attention_bias` (by default), an ungated biased MLP
+(`dense_h_to_4h`, GELU — exact, or its tanh form where `hidden_act` says `gelu_fast` / `gelu_new` —, `dense_4h_to_h`),
+the first `rotary_pct` of each head turned with rotate-half pairs (q/k rows reordered as read: `partial_rotary_rows`).
+
+Its layer is parallel by default (`use_parallel_residual`) with two norms off the same stream, unlike Cohere's one:
+x + attention(norm_1(x)) + MLP(norm_2(x)) (`GPTNeoXParallelLayer`); else the Llama layer's sequence. The checkpoint
+names the model `gpt_neox.` (`embed_in`, `final_layer_norm`, a layer's `attention.query_key_value` holding each head's
+q, k and v rows one after the other, split as read) and the head `embed_out`; the older releases' attention buffers
+(`attention.bias`, `attention.masked_bias`, `attention.rotary_emb.inv_freq`) are skipped. The module path runs it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from types import ModuleType
+
+import torch
+from torch import nn
+
+from engine.layers import BiasLayerNorm, RopeRows
+from engine.model import Attention, DecoderLayer, WeightLoadError
+from engine.model_config import ModelConfig
+from engine.models.apertus import ApertusMLP, GeluTanh, Jais2ForCausalLM
+from engine.models.phi3 import partial_rotary_rows
+from engine.parallel import Collectives, ShardShape
+from kernels import AttentionMetadata
+
+__all__ = ["GPTNeoXForCausalLM", "GPTNeoXParallelLayer"]
+
+# the checkpoint's names (past `gpt_neox.`) -> the model's (before Jais 2's reading: the MLP's up_proj as its `up`)
+_RENAMES = ((".attention.dense.", ".self_attn.o_proj."), (".mlp.dense_h_to_4h.", ".mlp.up_proj."),
+            (".mlp.dense_4h_to_h.", ".mlp.down_proj."))
+_TOP_NAMES = {"embed_in.weight": "embed_tokens.weight", "embed_out.weight": "lm_head.weight",
+              "final_layer_norm.weight": "norm.weight", "final_layer_norm.bias": "norm.bias"}
+_BUFFERS = (".attention.bias", ".attention.masked_bias", ".attention.rotary_emb.inv_freq")   # not weights
+
+
+class GPTNeoXParallelLayer(nn.Module):
+    """One parallel block of two norms: the attention off `input_layernorm`, the MLP off `post_attention_layernorm`,
+    both of the same stream x; hands on (MLP, x + attention), the next layer's fused add making the sum."""
+
+    def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives, rotary_emb: nn.Module,
+                 act_fn: nn.Module, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = BiasLayerNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, shard, comm, rotary_emb, layer)
+        self.post_attention_layernorm = BiasLayerNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = ApertusMLP(config, shard, comm, act_fn)
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope_rows: RopeRows,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, backend
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden: [num_tokens, hidden_size], the previous layer's MLP output (the embeddings, with residual None,
+        for the first) -> (this layer's MLP output, the stream with its attention output added)."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        mlp = self.mlp(self.post_attention_layernorm(residual))
+        return mlp, residual + self.self_attn(hidden, rope_rows, kv_cache, meta, backend)
+
+
+class GPTNeoXForCausalLM(Jais2ForCausalLM):
+    """GPT-NeoX (see the module docstring): Jais 2's LayerNorms, ungated MLP and reading, its own layer and names."""
+
+    def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
+        c = self.config
+        act_fn = nn.GELU() if c.hidden_act == "gelu" else GeluTanh()
+        if c.parallel_residual:
+            return GPTNeoXParallelLayer(c, self.shard, self.comm, self.rotary_emb, act_fn, index)
+        layer = self.with_own_norms(DecoderLayer(c, self.shard, self.comm, self.rotary_emb, ops, index))
+        layer.mlp = ApertusMLP(c, self.shard, self.comm, act_fn)
+        return layer
+
+    def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
+        """`gpt_neox.` names as the model's; a fused query_key_value (weight or bias) as its q_proj, k_proj and
+        v_proj rows, q and k reordered for the partial rotary."""
+        name = name.removeprefix("gpt_neox.")
+        if name.endswith(_BUFFERS):
+            return ()
+        name = _TOP_NAMES.get(name, name)
+        for theirs, ours in _RENAMES:
+            name = name.replace(theirs, ours)
+        head, fused, suffix = name.partition(".attention.query_key_value.")
+        if not fused:
+            return super().read_tensor(hf_name, name, tensor)
+        c = self.config
+        if tensor.shape[0] != 3 * c.num_heads * c.head_dim:
+            raise WeightLoadError(f"{hf_name}: shape {tuple(tensor.shape)} does not match the config "
+                                  f"({c.num_heads} heads of q, k and v rows, {c.head_dim} each)")
+        parts = tensor.reshape(c.num_heads, 3, c.head_dim, *tensor.shape[1:]).unbind(1)
+        return [(f"{head}.self_attn.{proj}.{suffix}",
+                 partial_rotary_rows(c, f"{head}.self_attn.{proj}.", part.reshape(-1, *tensor.shape[1:])))
+                for proj, part in zip(("q_proj", "k_proj", "v_proj"), parts)]
