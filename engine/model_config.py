@@ -63,6 +63,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
                            "ExaoneForCausalLM", "HyperCLOVAXForCausalLM", "MellumForCausalLM",
                            "Starcoder2ForCausalLM", "GlmForCausalLM", "LagunaForCausalLM",
                            "NemotronForCausalLM", "StableLmForCausalLM", "PhiForCausalLM", "GPTNeoXForCausalLM",
+                           "PhimoeForCausalLM",
                            "GemmaForCausalLM", "VaultGemmaForCausalLM")
 # their attention bias: q/k/v's, not o_proj's
 QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM", "GlmForCausalLM",
@@ -103,6 +104,7 @@ class ModelConfig:
     num_experts_per_tok: int = 0        # the experts each token is routed to (top-k of the router's softmax)
     moe_intermediate_size: int = 0      # each expert's intermediate size
     norm_topk_prob: bool = False        # the top-k weights renormalised to sum to 1
+    router_jitter_noise: float = 0.0    # Phi-3.5-MoE: how near (relatively) a logit weighs in SparseMixer's softmax
     decoder_sparse_step: int = 1        # every this many layers is sparse ...
     mlp_only_layers: tuple[int, ...] = ()   # ... except these, dense
     moe_float_weights: bool = False     # Mixtral: the top-k weights stay float32 (Qwen3-MoE's: the model's dtype)
@@ -384,7 +386,7 @@ class ModelConfig:
         archs = cfg.get("architectures") or []
         if not isinstance(archs, list) or not archs:
             raise ConfigError("architectures: config.json has no 'architectures' list")
-        arch = archs[0]
+        arch = "PhimoeForCausalLM" if archs[0] == "PhiMoEForCausalLM" else archs[0]   # Phi-3.5-MoE's release's name
         if arch == "ExaoneForCausalLM" or arch == "LlamaForCausalLM" and cfg.get("model_type") == "exaone":
             cfg, arch = exaone_config(cfg), "ExaoneForCausalLM"   # transformers 5 saves EXAONE 3 as Llama
         quantized = weight_format_fields(cfg, arch)   # how a quantized checkpoint stores its weights

@@ -155,7 +155,7 @@ DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32_768, "
                          "Starcoder2ForCausalLM": 4096, "LagunaForCausalLM": 131_072, "NemotronForCausalLM": 4096,
                          "StableLmForCausalLM": 4096, "GemmaForCausalLM": 8192,
                          "VaultGemmaForCausalLM": 8192, "PhiForCausalLM": 2048,
-                         "GPTNeoXForCausalLM": 2048}
+                         "GPTNeoXForCausalLM": 2048, "PhimoeForCausalLM": 131_072}
 # their rms_norm_eps, where it is not 1e-6
 DEFAULT_RMS_NORM_EPS = {"MixtralForCausalLM": 1e-5, "Phi3ForCausalLM": 1e-5, "Olmo2ForCausalLM": 1e-5,
                         "Olmo3ForCausalLM": 1e-5,
@@ -165,7 +165,8 @@ DEFAULT_RMS_NORM_EPS = {"MixtralForCausalLM": 1e-5, "Phi3ForCausalLM": 1e-5, "Ol
                         "Glm4MoeLiteForCausalLM": 1e-5, "Exaone4ForCausalLM": 1e-5, "ExaoneMoeForCausalLM": 1e-5,
                         "HunYuanDenseV1ForCausalLM": 1e-5, "OlmoeForCausalLM": 1e-5, "HunYuanMoEV1ForCausalLM": 1e-5,
                         "ApertusForCausalLM": 1e-5, "ArceeForCausalLM": 1e-5, "CwmForCausalLM": 1e-5,
-                        "BambaForCausalLM": 1e-5, "FalconH1ForCausalLM": 1e-5, "ExaoneForCausalLM": 1e-5}
+                        "BambaForCausalLM": 1e-5, "FalconH1ForCausalLM": 1e-5, "ExaoneForCausalLM": 1e-5,
+                        "PhimoeForCausalLM": 1e-5}
 # their num_key_value_heads where config.json names none (else one per query head)
 DEFAULT_KV_HEADS = {"Qwen2ForCausalLM": 32, "MistralForCausalLM": 8, "Qwen3ForCausalLM": 32, "Qwen3MoeForCausalLM": 4,
                     "MixtralForCausalLM": 8, "SmolLM3ForCausalLM": 4, "GptOssForCausalLM": 8,
@@ -175,7 +176,7 @@ DEFAULT_KV_HEADS = {"Qwen2ForCausalLM": 32, "MistralForCausalLM": 8, "Qwen3ForCa
                     "Exaone4ForCausalLM": 32, "MinistralForCausalLM": 8,
                     "ExaoneMoeForCausalLM": 32, "CwmForCausalLM": 8, "BambaForCausalLM": 8,
                     "FalconH1ForCausalLM": 8, "ExaoneForCausalLM": 8, "MellumForCausalLM": 4,
-                    "Starcoder2ForCausalLM": 2, "LagunaForCausalLM": 8}
+                    "Starcoder2ForCausalLM": 2, "LagunaForCausalLM": 8, "PhimoeForCausalLM": 8}
 # their head_dim where config.json names none (else hidden_size / num_attention_heads)
 DEFAULT_HEAD_DIM = {"Qwen3ForCausalLM": 128, "GptOssForCausalLM": 64, "Ernie4_5ForCausalLM": 128,
                     "CwmForCausalLM": 128, "MellumForCausalLM": 128, "Llama4ForCausalLM": 128, "LagunaForCausalLM": 128,
@@ -191,7 +192,7 @@ DEFAULT_ROPE_THETA = {"MixtralForCausalLM": 1_000_000.0, "SmolLM3ForCausalLM": 2
                       "Ernie4_5_MoeForCausalLM": 500_000.0,
                       "MiniMaxM2ForCausalLM": 5_000_000.0, "Llama4ForCausalLM": 500_000.0,
                       "Lfm2ForCausalLM": 1_000_000.0, "Lfm2MoeForCausalLM": 1_000_000.0,
-                      "HYV3ForCausalLM": 11_158_840.0, "ExaoneForCausalLM": 500_000.0}
+                      "HYV3ForCausalLM": 11_158_840.0, "ExaoneForCausalLM": 500_000.0, "PhimoeForCausalLM": 1_000_000.0}
 
 
 def vl_text_keys(text: dict[str, Any]) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from engine.deepseek_config import (DEEPSEEK_TOPK_METHODS, check_silu, deepseek_
                                     exaone_moe_experts, grouped_experts, hy_v3_fields, mistral4_fields, youtu_fields)
 from engine.gemma4_config import MOE_ROUTER as GEMMA4_ROUTER, gemma4_fields
 from engine.llama4_config import MISTRAL_FIELDS, llama4_fields
+from engine.phimoe_config import phimoe_fields
 
 # chunked: Llama 4's (`llama4_config`); Qwen3.5's linear_attention: `gated_delta_config` (its models' alone)
 LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
@@ -38,16 +39,17 @@ LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 # Mistral 4's: the softmax's within the groups of the best top-2 sums, in the model's dtype, no correction bias;
 # LFM2-MoE's: the sigmoid's top k after a float32 expert bias, in the model's dtype, renormalised past a 1e-6;
 # AFMoE's: that in float32, renormalised past 1e-20; Kolibri-1's: the float32 logits' top k after a float32 expert
-# bias, weighed by their sigmoid; Flint's: the top k of the float32 logits' sigmoid, no bias
+# bias, weighed by their sigmoid; Flint's: the top k of the float32 logits' sigmoid, no bias; Phi-3.5-MoE's SparseMixer
 MOE_ROUTERS = ("softmax", "deepseek_v2", "deepseek_v3", "minimax_m2", "ernie4_5", "llama4", GEMMA4_ROUTER, "mistral4",
-               "lfm2", "afmoe", "cohere2_moe", "kolibri", "flint")
+               "lfm2", "afmoe", "cohere2_moe", "kolibri", "flint", "sparsemixer")
 # the families whose fields are read in a module of their own, each reader taking (config.json, its layer count)
 OWN_MODULE_FIELDS: dict[str, Callable[[dict[str, Any], int], dict[str, Any]]] = {"Llama4ForCausalLM": llama4_fields,
     "Gemma4ForCausalLM": gemma4_fields, "Mistral4ForCausalLM": mistral4_fields, **MISTRAL_FIELDS, **HUNYUAN_FIELDS,
     **HYBRID_FIELDS, "MiMoV2FlashForCausalLM": mimo_fields, "Cohere2MoeForCausalLM": cohere2_moe_fields,
     "YoutuForCausalLM": youtu_fields, "Kolibri1ForCausalLM": kolibri_fields, "FlintForCausalLM": flint_fields,
     "BambaForCausalLM": bamba_fields, "FalconH1ForCausalLM": falcon_h1_fields,
-    "HyperCLOVAXForCausalLM": hyperclovax_fields, "LagunaForCausalLM": laguna_fields}
+    "HyperCLOVAXForCausalLM": hyperclovax_fields, "LagunaForCausalLM": laguna_fields,
+    "PhimoeForCausalLM": phimoe_fields}
 
 
 

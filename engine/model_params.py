@@ -30,7 +30,7 @@ UNGATED_MLP = ("ApertusForCausalLM", "ArceeForCausalLM", "Jais2ForCausalLM", "St
                "NemotronForCausalLM", "PhiForCausalLM", "GPTNeoXForCausalLM")
 # LayerNorms (a weight and a bias), not RMSNorms
 LAYER_NORMS = ("Jais2ForCausalLM", "Starcoder2ForCausalLM", "NemotronForCausalLM", "StableLmForCausalLM",
-               "PhiForCausalLM", "GPTNeoXForCausalLM")
+               "PhiForCausalLM", "GPTNeoXForCausalLM", "PhimoeForCausalLM")
 WIDE_QK_NORM = ("Olmo2ForCausalLM", "Olmo3ForCausalLM", "MiniMaxM2ForCausalLM", "OlmoeForCausalLM",
                 "OlmoHybridForCausalLM")
 

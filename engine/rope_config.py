@@ -37,6 +37,8 @@ class RopeScaling:
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
     long: bool = False
+    short_mscale: float | None = None   # Phi-3.5-MoE's LongRoPE: the attention factor of each set (None: one for both)
+    long_mscale: float | None = None
 
     def __post_init__(self) -> None:
         if self.rope_type not in SUPPORTED_ROPE_TYPES:

@@ -80,11 +80,13 @@ def _yarn_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 def rope_attention_factor(config: ModelConfig) -> float:
     """What scales cos and sin (YaRN's attention factor, given or inferred from `factor` and the mscales;
-    LongRoPE's, given or sqrt(1 + ln factor / ln original context), both of its sets alike); 1.0 for every other
-    rope type."""
+    LongRoPE's, given or sqrt(1 + ln factor / ln original context), both of its sets alike, or Phi-3.5-MoE's mscale of
+    the set the engine turns by); 1.0 for every other rope type."""
     scaling = config.rope_scaling
     if scaling.rope_type not in ("yarn", "longrope"):
         return 1.0
+    if scaling.long_mscale is not None:   # Phi-3.5-MoE: each set's own
+        return scaling.long_mscale if scaling.long else scaling.short_mscale
     if scaling.attention_factor is not None:
         return scaling.attention_factor
     if scaling.rope_type == "longrope":

@@ -79,6 +79,7 @@ from engine.models.phi3 import Phi3ForCausalLM
 from engine.models.smollm3 import SmolLM3ForCausalLM
 from engine.models.gpt_neox import GPTNeoXForCausalLM
 from engine.models.phi import PhiForCausalLM
+from engine.models.phimoe import PhimoeForCausalLM
 from engine.models.stablelm import StableLmForCausalLM
 from engine.models.nemotron_h import NemotronHForCausalLM
 from engine.models.qwen3_5 import Qwen3NextForCausalLM, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
@@ -165,6 +166,7 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "StableLmForCausalLM": StableLmForCausalLM,
                                                 "PhiForCausalLM": PhiForCausalLM,
                                                 "GPTNeoXForCausalLM": GPTNeoXForCausalLM,
+                                                "PhimoeForCausalLM": PhimoeForCausalLM,
                                                 "GemmaForCausalLM": GemmaForCausalLM,
                                                 "VaultGemmaForCausalLM": GemmaForCausalLM}
 

@@ -692,6 +692,54 @@ def test_phi3_as_its_model_cards_write_it_phi4_minis_longrope_over_part_of_each_
             ModelConfig.from_hf_config({**mini4, **change})
 
 
+# Phi-3.5-MoE-instruct's config.json (Microsoft, 2024), its LongRoPE's factors shortened to a pattern of its length
+PHI35_MOE_CARD = {
+    "architectures": ["PhiMoEForCausalLM"], "attention_bias": True, "bos_token_id": 1, "eos_token_id": 32000,
+    "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02, "input_jitter_noise": 0.01,
+    "intermediate_size": 6400, "lm_head_bias": True, "max_position_embeddings": 131072, "model_type": "phimoe",
+    "num_attention_heads": 32, "num_experts_per_tok": 2, "num_hidden_layers": 32, "num_key_value_heads": 8,
+    "num_local_experts": 16, "original_max_position_embeddings": 4096, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"long_factor": [1.0 + i / 2 for i in range(64)], "long_mscale": 1.243163121016122,
+                     "original_max_position_embeddings": 4096, "short_factor": [1.0 + i / 64 for i in range(64)],
+                     "short_mscale": 1.243163121016122, "type": "longrope"},
+    "rope_theta": 10000.0, "router_jitter_noise": 0.01, "sliding_window": 131072, "tie_word_embeddings": False,
+    "vocab_size": 32064}
+
+
+def test_phi35_moe_as_its_model_card_writes_it_reads_as_transformers_does():
+    """Phi-3.5-MoE-instruct's config (`PhiMoEForCausalLM`, the release's name for transformers' `PhimoeForCausalLM`):
+    41.9 B parameters as transformers' model holds them (LayerNorms, biased attention and head, 16 experts a layer);
+    SparseMixer's two picks and jitter; the LongRoPE's cos and sin those of transformers' own LongRoPE frequencies
+    for the set the engine turns by (the long one where a pool serves past 4,096 positions) times that set's mscale.
+    Another expert count a token, or a LongRoPE without its mscales, is refused by key."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from engine.layers.rotary import rope_cos_sin_cache
+
+    cfg = ModelConfig.from_hf_config(PHI35_MOE_CARD)
+    theirs = transformers.PhimoeConfig(**{k: v for k, v in PHI35_MOE_CARD.items() if k != "architectures"})
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(theirs)
+    assert cfg.num_params() == sum(p.numel() for p in hf.parameters())
+    assert round(cfg.num_params() / 1e9, 1) == 41.9
+    assert (cfg.architecture, cfg.moe_router, cfg.num_experts, cfg.num_experts_per_tok, cfg.router_jitter_noise) == \
+        ("PhimoeForCausalLM", "sparsemixer", 16, 2, 0.01)
+    small = {**PHI35_MOE_CARD, "max_position_embeddings": 8192, "original_max_position_embeddings": 4096}
+    small_theirs = transformers.PhimoeConfig(**{k: v for k, v in small.items() if k != "architectures"})
+    for max_model_len, seq_len, mscale in ((4096, None, "short_mscale"), (8192, 8192, "long_mscale")):
+        served = ModelConfig.from_hf_config(small).serving([max_model_len])
+        inv_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](small_theirs, "cpu", seq_len=seq_len)
+        freqs = torch.arange(max_model_len, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        factor = small_theirs.rope_parameters[mscale]
+        torch.testing.assert_close(rope_cos_sin_cache(served), torch.cat((freqs.cos(), freqs.sin()), -1) * factor)
+    rope = {k: v for k, v in PHI35_MOE_CARD["rope_scaling"].items() if k != "long_mscale"}
+    for change, key in (({"num_experts_per_tok": 4}, "num_experts_per_tok"),
+                        ({"rope_scaling": rope}, r"rope_scaling\.long_mscale")):
+        with pytest.raises(ConfigError, match=key):
+            ModelConfig.from_hf_config({**PHI35_MOE_CARD, **change})
+
+
 def test_gemma2_as_its_model_card_writes_it_and_its_defaults_as_transformers_reads_them():
     """gemma-2-9b's config: 9.24 B parameters, every other layer sliding over 4,096 positions, scores capped at 50
     and logits at 30. A config.json that leaves keys out reads them as transformers' Gemma2Config does; a scaled

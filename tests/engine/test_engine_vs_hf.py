@@ -180,6 +180,11 @@ GEMMA4_E = {**GEMMA4, "num_hidden_layers": 6, "layer_types": ["sliding_attention
             "hidden_size_per_layer_input": 16, "vocab_size_per_layer_input": 512, "num_kv_shared_layers": 2,
             "use_double_wide_mlp": True}
 
+# Phi-3.5-MoE's LongRoPE on the tiny model: a factor a frequency pair of each set, an mscale each, the original
+# context the whole one (so the short set serves)
+PHIMOE_ROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 512,
+               "short_factor": [1.0 + 0.2 * i for i in range(8)], "long_factor": [2.0 + 1.5 * i for i in range(8)],
+               "short_mscale": 1.3, "long_mscale": 1.7}
 TINY_MODELS = [
     ("llama", dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 32})),
@@ -440,6 +445,12 @@ TINY_MODELS = [
     ("gpt_neox", {"layer_norm_eps": 1e-5}),
     ("gpt_neox", {"use_parallel_residual": False, "hidden_act": "gelu_fast", "attention_bias": False,
                   "rotary_emb_base": 500.0, "rotary_pct": 0.5, "layer_norm_eps": 1e-5}),
+    # Phi-3.5-MoE: Mixtral's experts (8 of 32) under LayerNorms, its attention and head biased, SparseMixer's router
+    # (a jitter of 0.5: a pick's softmax over the experts near it); then the default jitter and a LongRoPE with its
+    # own mscales, the context within the original (the short set)
+    ("phimoe", {"num_local_experts": 8, "intermediate_size": 32, "attention_bias": True, "lm_head_bias": True,
+                "router_jitter_noise": 0.5}),
+    ("phimoe", {"num_local_experts": 8, "intermediate_size": 32, "rope_parameters": PHIMOE_ROPE}),
     # Flint: Qwen3-MoE's layers with a sink a query head, sliding layers (a window of 8) rotating beside NoPE full ones,
     # float32 norms, after 2 dense layers 8 experts of 32 by the top 2 of their logits' sigmoid beside a shared one
     ("flint", {"num_hidden_layers": 4, "layer_types": ["full_attention", "sliding_attention", "sliding_attention",
