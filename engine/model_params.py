@@ -86,6 +86,7 @@ def count_params(config: Any, heads: int, kv_heads: int, i: int, moe_i: int, v: 
     parallel = parallel and config.architecture != "GPTNeoXForCausalLM"   # GPT-NeoX's parallel layer: two norms
     norms = 1 if parallel else norms   # Cohere, StableLM 2 12B: one before both sublayers
     norms *= 2 if config.architecture in LAYER_NORMS else 1   # LayerNorms: a weight and a bias
+    norms *= 0 if config.architecture == "OlmoForCausalLM" else 1   # OLMo's: neither
     # q/k norms: a weight per channel of a head (Cohere: each head its own)
     qk = (q + kv if config.architecture in HEAD_QK_NORMS else 2 * d) if config.qk_norm else 0
     per_layer = attn + norms * h + qk + (heads if config.attention_sinks else 0)
@@ -99,6 +100,6 @@ def count_params(config: Any, heads: int, kv_heads: int, i: int, moe_i: int, v: 
     linear = 0 if state is None else len(config.stateful_layers) * state.num_params(h) + \
         (config.num_layers - config.num_kv_layers) * norms * h   # a state layer's norms (Falcon-H1's: its K/V layer's)
     linear += config.mla.indexers_params(h, config.num_layers) if config.mla is not None else 0   # DeepSeek V3.2's
-    final = h * (2 if config.architecture in LAYER_NORMS else 1)   # the final norm (a LayerNorm's: a bias too)
+    final = h * (2 if config.architecture in LAYER_NORMS else 0 if config.architecture == "OlmoForCausalLM" else 1)
     head = (0 if config.tie_word_embeddings else v * h) + (v if config.lm_head_bias else 0)   # Phi: biased
     return v * h + config.num_kv_layers * per_layer + linear + mlps + final + head

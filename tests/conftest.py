@@ -137,7 +137,7 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
            "axk1": transformers.AXK1Config, "bailing_hybrid": transformers.BailingHybridConfig,
            "flint": transformers.FlintConfig, "helium": transformers.HeliumConfig,
            "phi": transformers.PhiConfig, "gpt_neox": transformers.GPTNeoXConfig,
-           "phimoe": transformers.PhimoeConfig}[arch]
+           "phimoe": transformers.PhimoeConfig, "olmo": transformers.OlmoConfig}[arch]
     config = cls(**common)
     if arch == "mistral4":   # transformers maps Mistral4Config to no causal LM class (only its pretraining one)
         transformers.AutoModelForCausalLM.register(transformers.Mistral4Config, transformers.Mistral4ForCausalLM,

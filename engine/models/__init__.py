@@ -79,6 +79,7 @@ from engine.models.phi3 import Phi3ForCausalLM
 from engine.models.smollm3 import SmolLM3ForCausalLM
 from engine.models.gpt_neox import GPTNeoXForCausalLM
 from engine.models.phi import PhiForCausalLM
+from engine.models.olmo import OlmoForCausalLM
 from engine.models.phimoe import PhimoeForCausalLM
 from engine.models.stablelm import StableLmForCausalLM
 from engine.models.nemotron_h import NemotronHForCausalLM
@@ -167,6 +168,7 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "PhiForCausalLM": PhiForCausalLM,
                                                 "GPTNeoXForCausalLM": GPTNeoXForCausalLM,
                                                 "PhimoeForCausalLM": PhimoeForCausalLM,
+                                                "OlmoForCausalLM": OlmoForCausalLM,
                                                 "GemmaForCausalLM": GemmaForCausalLM,
                                                 "VaultGemmaForCausalLM": GemmaForCausalLM}
 

@@ -2081,6 +2081,16 @@ def test_phi_reads_as_transformers_does():
             ModelConfig.from_hf_config(base | {key: value})
 
 
+def test_olmo_reads_as_transformers_does():
+    """OLMo (`OlmoForCausalLM`, OlmoConfig's defaults: OLMo-7B's shape): the Llama layer with LayerNorms that hold
+    nothing (the parameter count is transformers' model's), multi-head, `clip_qkv` read where set."""
+    hf, cfg = _at_class_defaults("OlmoConfig", {"architectures": ["OlmoForCausalLM"]})
+    assert (cfg.num_kv_heads, cfg.clip_qkv, cfg.rms_norm_eps, cfg.max_position_embeddings) == \
+        (hf.num_key_value_heads, None, 1e-5, hf.max_position_embeddings)
+    _, clipped = _at_class_defaults("OlmoConfig", {"architectures": ["OlmoForCausalLM"], "clip_qkv": 8.0})
+    assert clipped.clip_qkv == 8.0
+
+
 # pythia-70m's config.json (EleutherAI, 2023): the rope's base and share under their older keys
 PYTHIA_70M = {"architectures": ["GPTNeoXForCausalLM"], "bos_token_id": 0, "eos_token_id": 0, "hidden_act": "gelu",
               "hidden_size": 512, "initializer_range": 0.02, "intermediate_size": 2048, "layer_norm_eps": 1e-05,

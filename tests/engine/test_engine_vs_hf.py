@@ -451,6 +451,9 @@ TINY_MODELS = [
     ("phimoe", {"num_local_experts": 8, "intermediate_size": 32, "attention_bias": True, "lm_head_bias": True,
                 "router_jitter_noise": 0.5}),
     ("phimoe", {"num_local_experts": 8, "intermediate_size": 32, "rope_parameters": PHIMOE_ROPE}),
+    # OLMo: the Llama layer with LayerNorms of neither weight nor bias; then q, k and v clipped at 0.5
+    ("olmo", {}),
+    ("olmo", {"clip_qkv": 0.5, "num_key_value_heads": 4}),
     # Flint: Qwen3-MoE's layers with a sink a query head, sliding layers (a window of 8) rotating beside NoPE full ones,
     # float32 norms, after 2 dense layers 8 experts of 32 by the top 2 of their logits' sigmoid beside a shared one
     ("flint", {"num_hidden_layers": 4, "layer_types": ["full_attention", "sliding_attention", "sliding_attention",
