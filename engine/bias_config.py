@@ -73,5 +73,6 @@ def gpt_neox_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     return {"rms_norm_eps": read_float(cfg, "layer_norm_eps", 1e-5), "num_kv_heads": heads,
             "head_dim": read_int(cfg, "hidden_size") // heads, "hidden_act": "gelu" if act == "gelu" else
             "gelu_pytorch_tanh", "attention_bias": read_bool(cfg, "attention_bias", True), "mlp_bias": True,
-            "parallel_residual": read_bool(cfg, "use_parallel_residual", True), "full_rope": (rope,),
+            "parallel_residual": read_bool(cfg, "use_parallel_residual", True), "parallel_norms": 2,
+            "full_rope": (rope,),
             "partial_rotary_factor": partial_rotary_factor(cfg, read_float(cfg, "rotary_pct", 0.25))}

@@ -21,6 +21,7 @@ from engine.config_values import read_bool, read_float, read_int, read_object, r
 from engine.gated_delta_config import GatedDeltaShape, StateShape, serving_pool
 from engine.gemma4_config import Gemma4Shape
 from engine.mamba_config import Mamba2Shape
+from engine.falcon_config import falcon_config
 from engine.falcon_h1_config import FalconH1Scales
 from engine.kimi_linear_config import KdaShape, bailing_hybrid_config, kimi_linear_config
 from engine.kolibri_config import kolibri_config
@@ -63,7 +64,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
                            "ExaoneForCausalLM", "HyperCLOVAXForCausalLM", "MellumForCausalLM",
                            "Starcoder2ForCausalLM", "GlmForCausalLM", "LagunaForCausalLM",
                            "NemotronForCausalLM", "StableLmForCausalLM", "PhiForCausalLM", "GPTNeoXForCausalLM",
-                           "PhimoeForCausalLM", "OlmoForCausalLM",
+                           "PhimoeForCausalLM", "OlmoForCausalLM", "FalconForCausalLM",
                            "GemmaForCausalLM", "VaultGemmaForCausalLM")
 # their attention bias: q/k/v's, not o_proj's
 QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM", "GlmForCausalLM",
@@ -119,6 +120,7 @@ class ModelConfig:
     peri_norms: bool = False            # HyperCLOVA X: a norm on each sublayer's output before the residual add
     head_gates: bool = False            # LFM3: each head's output x sigmoid(its row of g_proj over the layer's input)
     parallel_residual: bool = False     # StableLM 2 12B: attention and MLP side by side off one norm (Cohere's)
+    parallel_norms: int = 1             # GPT-NeoX, Falcon-40B: a parallel layer's norms (2: one a sublayer)
     partial_rotary_factor: float = 1.0  # GLM-4: the share of each head the rotary turns (the default rope only)
     rope_proportional: bool = False     # Gemma 4's full layers: the turning pairs' frequencies over the whole head
     gemma4: Gemma4Shape | None = None   # Gemma 4: its full layers' own attention shape, per-layer inputs, shared K/V
@@ -182,7 +184,8 @@ class ModelConfig:
                                   f"({self.rotary_dim // 2}), got {len(getattr(self.rope_scaling, key))}")
         if self.hidden_act not in SUPPORTED_ACTIVATIONS and (self.hidden_act, self.architecture) not in (
                 ("xielu", "ApertusForCausalLM"), ("relu2", "ArceeForCausalLM"), ("relu2", "Jais2ForCausalLM"),
-                ("relu2", "NemotronForCausalLM"), ("gelu", "GPTNeoXForCausalLM")):
+                ("relu2", "NemotronForCausalLM"), ("gelu", "GPTNeoXForCausalLM"),
+                ("gelu", "FalconForCausalLM")):
             raise ConfigError(f"hidden_act: unsupported {self.hidden_act!r}; supported: {', '.join(SUPPORTED_ACTIVATIONS)}")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ConfigError(f"sliding_window: must be positive, got {self.sliding_window}")
@@ -397,7 +400,8 @@ class ModelConfig:
         cfg = {"NemotronHForCausalLM": nemotron_h_config, "Lfm2ForCausalLM": lfm2_config,
                "Lfm2MoeForCausalLM": lfm2_moe_config, "Lfm3ForCausalLM": lfm2_moe_config,
                "KimiLinearForCausalLM": kimi_linear_config, "Kolibri1ForCausalLM": kolibri_config,
-               "BailingHybridForCausalLM": bailing_hybrid_config}.get(arch, dict)(cfg)
+               "BailingHybridForCausalLM": bailing_hybrid_config,
+               "FalconForCausalLM": falcon_config}.get(arch, dict)(cfg)
         if cfg.get("max_position_embeddings") is None:
             if arch not in DEFAULT_MAX_POSITIONS:
                 raise ConfigError(f"max_position_embeddings: missing from config.json ({arch}'s default is not known "

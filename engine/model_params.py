@@ -27,10 +27,10 @@ FOUR_NORMS = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma4ForCausalLM", "Gl
 # q and k normed over the whole projection
 # an MLP of up, its activation and down, no gate
 UNGATED_MLP = ("ApertusForCausalLM", "ArceeForCausalLM", "Jais2ForCausalLM", "Starcoder2ForCausalLM",
-               "NemotronForCausalLM", "PhiForCausalLM", "GPTNeoXForCausalLM")
+               "NemotronForCausalLM", "PhiForCausalLM", "GPTNeoXForCausalLM", "FalconForCausalLM")
 # LayerNorms (a weight and a bias), not RMSNorms
 LAYER_NORMS = ("Jais2ForCausalLM", "Starcoder2ForCausalLM", "NemotronForCausalLM", "StableLmForCausalLM",
-               "PhiForCausalLM", "GPTNeoXForCausalLM", "PhimoeForCausalLM")
+               "PhiForCausalLM", "GPTNeoXForCausalLM", "PhimoeForCausalLM", "FalconForCausalLM")
 WIDE_QK_NORM = ("Olmo2ForCausalLM", "Olmo3ForCausalLM", "MiniMaxM2ForCausalLM", "OlmoeForCausalLM",
                 "OlmoHybridForCausalLM")
 
@@ -83,8 +83,7 @@ def count_params(config: Any, heads: int, kv_heads: int, i: int, moe_i: int, v: 
     experts += h if config.architecture == "AXK1ForCausalLM" else 0   # A.X-K1: a norm on the sparse layer's output
     norms = 4 if config.architecture in FOUR_NORMS or config.peri_norms else 2   # on the sublayers' outputs too
     parallel = config.architecture in COHERE_ARCHITECTURES or config.parallel_residual
-    parallel = parallel and config.architecture != "GPTNeoXForCausalLM"   # GPT-NeoX's parallel layer: two norms
-    norms = 1 if parallel else norms   # Cohere, StableLM 2 12B: one before both sublayers
+    norms = config.parallel_norms if parallel else norms   # Cohere, StableLM 2 12B: one before both; GPT-NeoX: two
     norms *= 2 if config.architecture in LAYER_NORMS else 1   # LayerNorms: a weight and a bias
     norms *= 0 if config.architecture == "OlmoForCausalLM" else 1   # OLMo's: neither
     # q/k norms: a weight per channel of a head (Cohere: each head its own)

@@ -77,6 +77,7 @@ from engine.models.olmo2 import (Exaone4ForCausalLM, Olmo2ForCausalLM, Olmo3ForC
                                  OlmoHybridForCausalLM)
 from engine.models.phi3 import Phi3ForCausalLM
 from engine.models.smollm3 import SmolLM3ForCausalLM
+from engine.models.falcon import FalconForCausalLM
 from engine.models.gpt_neox import GPTNeoXForCausalLM
 from engine.models.phi import PhiForCausalLM
 from engine.models.olmo import OlmoForCausalLM
@@ -169,6 +170,7 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "GPTNeoXForCausalLM": GPTNeoXForCausalLM,
                                                 "PhimoeForCausalLM": PhimoeForCausalLM,
                                                 "OlmoForCausalLM": OlmoForCausalLM,
+                                                "FalconForCausalLM": FalconForCausalLM,
                                                 "GemmaForCausalLM": GemmaForCausalLM,
                                                 "VaultGemmaForCausalLM": GemmaForCausalLM}
 

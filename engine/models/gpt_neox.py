@@ -19,14 +19,15 @@ import torch
 from torch import nn
 
 from engine.layers import BiasLayerNorm, RopeRows
-from engine.model import Attention, DecoderLayer, WeightLoadError
+from engine.model import Attention, DecoderLayer, LlamaForCausalLM, WeightLoadError
 from engine.model_config import ModelConfig
 from engine.models.apertus import ApertusMLP, GeluTanh, Jais2ForCausalLM
+from engine.models.cohere import CohereDecoderLayer
 from engine.models.phi3 import partial_rotary_rows
 from engine.parallel import Collectives, ShardShape
 from kernels import AttentionMetadata
 
-__all__ = ["GPTNeoXForCausalLM", "GPTNeoXParallelLayer"]
+__all__ = ["GPTNeoXForCausalLM", "GPTNeoXParallelLayer", "split_grouped_qkv", "ungated_layer"]
 
 # the checkpoint's names (past `gpt_neox.`) -> the model's (before Jais 2's reading: the MLP's up_proj as its `up`)
 _RENAMES = ((".attention.dense.", ".self_attn.o_proj."), (".mlp.dense_h_to_4h.", ".mlp.up_proj."),
@@ -61,21 +62,51 @@ class GPTNeoXParallelLayer(nn.Module):
         return mlp, residual + self.self_attn(hidden, rope_rows, kv_cache, meta, backend)
 
 
+def ungated_layer(model: LlamaForCausalLM, index: int, ops: ModuleType, act_fn: nn.Module) -> nn.Module:
+    """Layer `index` of `model` with LayerNorms and an ungated MLP through `act_fn` (`ApertusMLP`): parallel with two
+    norms (`GPTNeoXParallelLayer`) or one (Cohere's layer: Phi's, Falcon-7B's) where the config's layer is parallel,
+    else the Llama layer's sequence."""
+    c, shard = model.config, model.shard
+    if c.parallel_residual and c.parallel_norms == 2:
+        return GPTNeoXParallelLayer(c, shard, model.comm, model.rotary_emb, act_fn, index)
+    if c.parallel_residual:
+        layer = CohereDecoderLayer(c, shard, model.comm, model.rotary_emb, ops, index)
+        layer.input_layernorm = BiasLayerNorm(c.hidden_size, c.rms_norm_eps)
+    else:
+        layer = DecoderLayer(c, shard, model.comm, model.rotary_emb, ops, index)
+        layer.input_layernorm = BiasLayerNorm(c.hidden_size, c.rms_norm_eps)
+        layer.post_attention_layernorm = BiasLayerNorm(c.hidden_size, c.rms_norm_eps)
+    layer.mlp = ApertusMLP(c, shard, model.comm, act_fn)
+    return layer
+
+
+def split_grouped_qkv(config: ModelConfig, hf_name: str, head: str, suffix: str, tensor: torch.Tensor
+                      ) -> list[tuple[str, torch.Tensor]]:
+    """A fused q/k/v weight or bias whose rows are grouped by KV head, each group its query heads' rows, then its key
+    head's, then its value head's (GPT-NeoX's and Falcon's original layout: a KV head a query head; Falcon-7B's one
+    group; Falcon-40B's one a KV head), as `{head}.self_attn.q_proj/k_proj/v_proj.{suffix}`, q and k reordered for
+    a partial rotary (`partial_rotary_rows`)."""
+    c = config
+    heads, kv, d = c.num_heads, c.num_kv_heads, c.head_dim
+    if tensor.shape[0] != (heads + 2 * kv) * d:
+        raise WeightLoadError(f"{hf_name}: shape {tuple(tensor.shape)} does not match the config ({heads} query "
+                              f"heads and {kv} key and value heads of {d} rows, grouped by key head)")
+    groups = tensor.reshape(kv, heads // kv + 2, d, *tensor.shape[1:])
+    parts = (groups[:, :-2], groups[:, -2], groups[:, -1])
+    return [(name, partial_rotary_rows(c, name, part.reshape(-1, *tensor.shape[1:])))
+            for name, part in zip((f"{head}.self_attn.{proj}.{suffix}" for proj in ("q_proj", "k_proj", "v_proj")),
+                                  parts)]
+
+
 class GPTNeoXForCausalLM(Jais2ForCausalLM):
     """GPT-NeoX (see the module docstring): Jais 2's LayerNorms, ungated MLP and reading, its own layer and names."""
 
     def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
-        c = self.config
-        act_fn = nn.GELU() if c.hidden_act == "gelu" else GeluTanh()
-        if c.parallel_residual:
-            return GPTNeoXParallelLayer(c, self.shard, self.comm, self.rotary_emb, act_fn, index)
-        layer = self.with_own_norms(DecoderLayer(c, self.shard, self.comm, self.rotary_emb, ops, index))
-        layer.mlp = ApertusMLP(c, self.shard, self.comm, act_fn)
-        return layer
+        return ungated_layer(self, index, ops, nn.GELU() if self.config.hidden_act == "gelu" else GeluTanh())
 
     def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
         """`gpt_neox.` names as the model's; a fused query_key_value (weight or bias) as its q_proj, k_proj and
-        v_proj rows, q and k reordered for the partial rotary."""
+        v_proj rows (`split_grouped_qkv`: a group a head)."""
         name = name.removeprefix("gpt_neox.")
         if name.endswith(_BUFFERS):
             return ()
@@ -85,11 +116,4 @@ class GPTNeoXForCausalLM(Jais2ForCausalLM):
         head, fused, suffix = name.partition(".attention.query_key_value.")
         if not fused:
             return super().read_tensor(hf_name, name, tensor)
-        c = self.config
-        if tensor.shape[0] != 3 * c.num_heads * c.head_dim:
-            raise WeightLoadError(f"{hf_name}: shape {tuple(tensor.shape)} does not match the config "
-                                  f"({c.num_heads} heads of q, k and v rows, {c.head_dim} each)")
-        parts = tensor.reshape(c.num_heads, 3, c.head_dim, *tensor.shape[1:]).unbind(1)
-        return [(f"{head}.self_attn.{proj}.{suffix}",
-                 partial_rotary_rows(c, f"{head}.self_attn.{proj}.", part.reshape(-1, *tensor.shape[1:])))
-                for proj, part in zip(("q_proj", "k_proj", "v_proj"), parts)]
+        return split_grouped_qkv(self.config, hf_name, head, suffix, tensor)

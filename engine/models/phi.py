@@ -13,9 +13,8 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from engine.layers import BiasLayerNorm
-from engine.models.apertus import ApertusMLP, GeluTanh, Starcoder2ForCausalLM
-from engine.models.cohere import CohereDecoderLayer
+from engine.models.apertus import GeluTanh, Starcoder2ForCausalLM
+from engine.models.gpt_neox import ungated_layer
 from engine.models.phi3 import partial_rotary_rows
 
 __all__ = ["PhiForCausalLM"]
@@ -26,14 +25,11 @@ _RENAMES = ((".self_attn.dense.", ".self_attn.o_proj."), (".mlp.fc1.", ".mlp.up_
 
 
 class PhiForCausalLM(Starcoder2ForCausalLM):
-    """Phi (see the module docstring): StarCoder2's norms, MLP and reading on Cohere's parallel layer."""
+    """Phi (see the module docstring): StarCoder2's norms, MLP and reading on Cohere's parallel layer
+    (`ungated_layer`: the config's layer is parallel with one norm)."""
 
     def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
-        c = self.config
-        layer = CohereDecoderLayer(c, self.shard, self.comm, self.rotary_emb, ops, index)
-        layer.input_layernorm = BiasLayerNorm(c.hidden_size, c.rms_norm_eps)
-        layer.mlp = ApertusMLP(c, self.shard, self.comm, GeluTanh())
-        return layer
+        return ungated_layer(self, index, ops, GeluTanh())
 
     def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
         for theirs, ours in _RENAMES:

@@ -2091,6 +2091,37 @@ def test_olmo_reads_as_transformers_does():
     assert clipped.clip_qkv == 8.0
 
 
+# falcon-7b's config.json (TII, 2023, as first released: the older head and layer keys) and falcon-40b's
+FALCON_7B = {"alibi": False, "architectures": ["FalconForCausalLM"], "bias": False, "bos_token_id": 11,
+             "eos_token_id": 11, "hidden_size": 4544, "layer_norm_epsilon": 1e-05, "model_type": "falcon",
+             "multi_query": True, "n_head": 71, "n_layer": 32, "parallel_attn": True, "vocab_size": 65024}
+FALCON_40B = {"alibi": False, "architectures": ["FalconForCausalLM"], "bias": False, "bos_token_id": 11,
+              "eos_token_id": 11, "hidden_size": 8192, "layer_norm_epsilon": 1e-05, "model_type": "falcon",
+              "new_decoder_architecture": True, "num_attention_heads": 128, "num_hidden_layers": 60,
+              "num_kv_heads": 8, "parallel_attn": True, "vocab_size": 65024}
+
+
+@pytest.mark.parametrize("card,billions,kv,norms", [(FALCON_7B, 6.9, 1, 1), (FALCON_40B, 41.3, 8, 2)],
+                         ids=["7b", "40b"])
+def test_falcon_as_its_model_cards_write_it_reads_as_transformers_does(card, billions, kv, norms):
+    """Falcon-7B's and -40B's configs: the parameter count is transformers' model's (6.9 B and 41.3 B), one KV head
+    for 7B's multi-query attention and 8 for 40B's groups, one norm before 7B's parallel sublayers and one each for
+    40B's, the head tied. ALiBi, another activation and the new architecture's sequential layer are refused by key."""
+    transformers = pytest.importorskip("transformers")
+    cfg = ModelConfig.from_hf_config(card)
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(transformers.FalconConfig(
+            **{k: v for k, v in card.items() if k != "architectures"}))
+    assert cfg.num_params() == sum(p.numel() for p in hf.parameters())
+    assert round(cfg.num_params() / 1e9, 1) == billions
+    assert (cfg.num_kv_heads, cfg.parallel_residual, cfg.parallel_norms, cfg.tie_word_embeddings, cfg.hidden_act,
+            cfg.intermediate_size) == (kv, True, norms, True, "gelu", 4 * card["hidden_size"])
+    for change, key in (({"alibi": True}, "alibi"), ({"activation": "relu"}, "activation"),
+                        ({"new_decoder_architecture": True, "parallel_attn": False}, "parallel_attn")):
+        with pytest.raises(ConfigError, match=key):
+            ModelConfig.from_hf_config({**card, **change})
+
+
 # pythia-70m's config.json (EleutherAI, 2023): the rope's base and share under their older keys
 PYTHIA_70M = {"architectures": ["GPTNeoXForCausalLM"], "bos_token_id": 0, "eos_token_id": 0, "hidden_act": "gelu",
               "hidden_size": 512, "initializer_range": 0.02, "intermediate_size": 2048, "layer_norm_eps": 1e-05,

@@ -454,6 +454,12 @@ TINY_MODELS = [
     # OLMo: the Llama layer with LayerNorms of neither weight nor bias; then q, k and v clipped at 0.5
     ("olmo", {}),
     ("olmo", {"clip_qkv": 0.5, "num_key_value_heads": 4}),
+    # Falcon: Falcon-7B's form (one KV head, parallel layers off one LayerNorm, tied); Falcon-40B's (q/k/v grouped by
+    # 2 KV heads, a LayerNorm a sublayer), biased; then sequential layers, a KV head a query head, GELU-tanh
+    ("falcon", {"layer_norm_epsilon": 1e-5}),
+    ("falcon", {"new_decoder_architecture": True, "num_kv_heads": 2, "bias": True, "tie_word_embeddings": False,
+                "ffn_hidden_size": 96, "layer_norm_epsilon": 1e-5}),
+    ("falcon", {"multi_query": False, "parallel_attn": False, "activation": "gelu_fast", "layer_norm_epsilon": 1e-5}),
     # Flint: Qwen3-MoE's layers with a sink a query head, sliding layers (a window of 8) rotating beside NoPE full ones,
     # float32 norms, after 2 dense layers 8 experts of 32 by the top 2 of their logits' sigmoid beside a shared one
     ("flint", {"num_hidden_layers": 4, "layer_types": ["full_attention", "sliding_attention", "sliding_attention",
