@@ -22,6 +22,7 @@ from engine.gated_delta_config import GatedDeltaShape, StateShape, serving_pool
 from engine.gemma4_config import Gemma4Shape
 from engine.mamba_config import Mamba2Shape
 from engine.falcon_config import falcon_config
+from engine.gptj_config import gptj_config
 from engine.falcon_h1_config import FalconH1Scales
 from engine.kimi_linear_config import KdaShape, bailing_hybrid_config, kimi_linear_config
 from engine.kolibri_config import kolibri_config
@@ -64,7 +65,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
                            "ExaoneForCausalLM", "HyperCLOVAXForCausalLM", "MellumForCausalLM",
                            "Starcoder2ForCausalLM", "GlmForCausalLM", "LagunaForCausalLM",
                            "NemotronForCausalLM", "StableLmForCausalLM", "PhiForCausalLM", "GPTNeoXForCausalLM",
-                           "PhimoeForCausalLM", "OlmoForCausalLM", "FalconForCausalLM",
+                           "PhimoeForCausalLM", "OlmoForCausalLM", "FalconForCausalLM", "GPTJForCausalLM",
                            "GemmaForCausalLM", "VaultGemmaForCausalLM")
 # their attention bias: q/k/v's, not o_proj's
 QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM", "GlmForCausalLM",
@@ -401,7 +402,7 @@ class ModelConfig:
                "Lfm2MoeForCausalLM": lfm2_moe_config, "Lfm3ForCausalLM": lfm2_moe_config,
                "KimiLinearForCausalLM": kimi_linear_config, "Kolibri1ForCausalLM": kolibri_config,
                "BailingHybridForCausalLM": bailing_hybrid_config,
-               "FalconForCausalLM": falcon_config}.get(arch, dict)(cfg)
+               "FalconForCausalLM": falcon_config, "GPTJForCausalLM": gptj_config}.get(arch, dict)(cfg)
         if cfg.get("max_position_embeddings") is None:
             if arch not in DEFAULT_MAX_POSITIONS:
                 raise ConfigError(f"max_position_embeddings: missing from config.json ({arch}'s default is not known "

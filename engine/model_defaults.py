@@ -156,7 +156,8 @@ DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32_768, "
                          "StableLmForCausalLM": 4096, "GemmaForCausalLM": 8192,
                          "VaultGemmaForCausalLM": 8192, "PhiForCausalLM": 2048,
                          "GPTNeoXForCausalLM": 2048, "PhimoeForCausalLM": 131_072,
-                         "OlmoForCausalLM": 2048, "FalconForCausalLM": 2048}
+                         "OlmoForCausalLM": 2048, "FalconForCausalLM": 2048,
+                         "GPTJForCausalLM": 2048}
 # their rms_norm_eps, where it is not 1e-6
 DEFAULT_RMS_NORM_EPS = {"MixtralForCausalLM": 1e-5, "Phi3ForCausalLM": 1e-5, "Olmo2ForCausalLM": 1e-5,
                         "Olmo3ForCausalLM": 1e-5,

@@ -28,6 +28,7 @@ from engine.hunyuan_config import HUNYUAN_FIELDS
 from engine.deepseek_config import (DEEPSEEK_TOPK_METHODS, check_silu, deepseek_fields, dense_layers,
                                     exaone_moe_experts, grouped_experts, hy_v3_fields, mistral4_fields, youtu_fields)
 from engine.falcon_config import falcon_fields
+from engine.gptj_config import gptj_fields
 from engine.gemma4_config import MOE_ROUTER as GEMMA4_ROUTER, gemma4_fields
 from engine.llama4_config import MISTRAL_FIELDS, llama4_fields
 from engine.phimoe_config import phimoe_fields
@@ -50,7 +51,7 @@ OWN_MODULE_FIELDS: dict[str, Callable[[dict[str, Any], int], dict[str, Any]]] = 
     "YoutuForCausalLM": youtu_fields, "Kolibri1ForCausalLM": kolibri_fields, "FlintForCausalLM": flint_fields,
     "BambaForCausalLM": bamba_fields, "FalconH1ForCausalLM": falcon_h1_fields,
     "HyperCLOVAXForCausalLM": hyperclovax_fields, "LagunaForCausalLM": laguna_fields,
-    "PhimoeForCausalLM": phimoe_fields, "FalconForCausalLM": falcon_fields}
+    "PhimoeForCausalLM": phimoe_fields, "FalconForCausalLM": falcon_fields, "GPTJForCausalLM": gptj_fields}
 
 
 

@@ -79,6 +79,7 @@ from engine.models.phi3 import Phi3ForCausalLM
 from engine.models.smollm3 import SmolLM3ForCausalLM
 from engine.models.falcon import FalconForCausalLM
 from engine.models.gpt_neox import GPTNeoXForCausalLM
+from engine.models.gptj import GPTJForCausalLM
 from engine.models.phi import PhiForCausalLM
 from engine.models.olmo import OlmoForCausalLM
 from engine.models.phimoe import PhimoeForCausalLM
@@ -171,6 +172,7 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "PhimoeForCausalLM": PhimoeForCausalLM,
                                                 "OlmoForCausalLM": OlmoForCausalLM,
                                                 "FalconForCausalLM": FalconForCausalLM,
+                                                "GPTJForCausalLM": GPTJForCausalLM,
                                                 "GemmaForCausalLM": GemmaForCausalLM,
                                                 "VaultGemmaForCausalLM": GemmaForCausalLM}
 

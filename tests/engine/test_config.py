@@ -2122,6 +2122,34 @@ def test_falcon_as_its_model_cards_write_it_reads_as_transformers_does(card, bil
             ModelConfig.from_hf_config({**card, **change})
 
 
+# gpt-j-6b's config.json (EleutherAI, 2021; its task-specific keys left out)
+GPTJ_6B = {"activation_function": "gelu_new", "architectures": ["GPTJForCausalLM"], "bos_token_id": 50256,
+           "embd_pdrop": 0.0, "eos_token_id": 50256, "gradient_checkpointing": False, "initializer_range": 0.02,
+           "layer_norm_epsilon": 1e-05, "model_type": "gptj", "n_embd": 4096, "n_head": 16, "n_inner": None,
+           "n_layer": 28, "n_positions": 2048, "resid_pdrop": 0.0, "rotary": True, "rotary_dim": 64,
+           "scale_attn_weights": True, "tie_word_embeddings": False, "use_cache": True, "vocab_size": 50400}
+
+
+def test_gptj_as_its_model_card_writes_it_reads_as_transformers_does():
+    """GPT-J-6B's config: GPT-2's key names read as GPTJConfig's attribute map reads them, 6.05 B parameters as
+    transformers' model holds them (a biased head, unbiased attention), a parallel layer off one norm, 64 of each
+    head's 256 dimensions rotated; null `rotary_dim` the whole head (transformers 4's reading). Another activation or
+    an odd rotary is refused by key."""
+    transformers = pytest.importorskip("transformers")
+    cfg = ModelConfig.from_hf_config(GPTJ_6B)
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(transformers.GPTJConfig(
+            **{k: v for k, v in GPTJ_6B.items() if k != "architectures"}))
+    assert cfg.num_params() == sum(p.numel() for p in hf.parameters())
+    assert round(cfg.num_params() / 1e9, 2) == 6.05
+    assert (cfg.hidden_size, cfg.num_layers, cfg.num_kv_heads, cfg.intermediate_size, cfg.rotary_dim,
+            cfg.parallel_residual, cfg.lm_head_bias, cfg.attention_bias) == (4096, 28, 16, 16384, 64, True, True, False)
+    assert ModelConfig.from_hf_config({**GPTJ_6B, "rotary_dim": None}).rotary_dim == 256
+    for change, key in (({"activation_function": "relu"}, "activation_function"), ({"rotary_dim": 63}, "rotary_dim")):
+        with pytest.raises(ConfigError, match=key):
+            ModelConfig.from_hf_config({**GPTJ_6B, **change})
+
+
 # pythia-70m's config.json (EleutherAI, 2023): the rope's base and share under their older keys
 PYTHIA_70M = {"architectures": ["GPTNeoXForCausalLM"], "bos_token_id": 0, "eos_token_id": 0, "hidden_act": "gelu",
               "hidden_size": 512, "initializer_range": 0.02, "intermediate_size": 2048, "layer_norm_eps": 1e-05,

@@ -460,6 +460,12 @@ TINY_MODELS = [
     ("falcon", {"new_decoder_architecture": True, "num_kv_heads": 2, "bias": True, "tie_word_embeddings": False,
                 "ffn_hidden_size": 96, "layer_norm_epsilon": 1e-5}),
     ("falcon", {"multi_query": False, "parallel_attn": False, "activation": "gelu_fast", "layer_norm_epsilon": 1e-5}),
+    # GPT-J: a parallel layer off one LayerNorm, unbiased attention, a biased MLP and head, the first 6 of each
+    # head's 16 dimensions turned in interleaved pairs; then all 16
+    ("gptj", {"n_embd": 64, "n_head": 4, "n_layer": 2, "n_positions": 512, "rotary_dim": 6,
+              "layer_norm_epsilon": 1e-5}),
+    ("gptj", {"n_embd": 64, "n_head": 4, "n_layer": 2, "n_positions": 512, "rotary_dim": 16, "n_inner": 96,
+              "layer_norm_epsilon": 1e-5}),
     # Flint: Qwen3-MoE's layers with a sink a query head, sliding layers (a window of 8) rotating beside NoPE full ones,
     # float32 norms, after 2 dense layers 8 experts of 32 by the top 2 of their logits' sigmoid beside a shared one
     ("flint", {"num_hidden_layers": 4, "layer_types": ["full_attention", "sliding_attention", "sliding_attention",

@@ -1,0 +1,38 @@
+"""EleutherAI's GPT-J (`GPTJForCausalLM`; its config `engine.gptj_config`): GPT-NeoX's parallel layer off one norm
+(`ungated_layer`: Phi's), q/k/v and o_proj unbiased, the MLP (`fc_in`, GELU-tanh, `fc_out`) and the head biased,
+under GPT-J's names (`transformer.wte`, `transformer.h.N`, `ln_1`, `attn.out_proj`, `transformer.ln_f`); the first
+`rotary_dim` of each head turned in interleaved pairs (2i, 2i + 1), served by reordering each q and k head's rows as
+read (`interleaved_to_halves`, Cohere's and GLM-4's way). The older checkpoints' attention buffers
+(`attn.bias`, `attn.masked_bias`) are skipped."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from engine.models.cohere import interleaved_to_halves
+from engine.models.gpt_neox import GPTNeoXForCausalLM
+
+__all__ = ["GPTJForCausalLM"]
+
+# the checkpoint's names (past `transformer.`) -> the model's (before Jais 2's reading: the MLP's up_proj as its `up`)
+_RENAMES = ((".attn.out_proj.", ".self_attn.o_proj."), (".attn.", ".self_attn."), (".mlp.fc_in.", ".mlp.up_proj."),
+            (".mlp.fc_out.", ".mlp.down_proj."), (".ln_1.", ".input_layernorm."))
+_TOP_NAMES = {"wte.weight": "embed_tokens.weight", "ln_f.weight": "norm.weight", "ln_f.bias": "norm.bias"}
+
+
+class GPTJForCausalLM(GPTNeoXForCausalLM):
+    """GPT-J (see the module docstring)."""
+
+    def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
+        name = name.removeprefix("transformer.")
+        if name.endswith((".attn.bias", ".attn.masked_bias")):
+            return ()
+        name = _TOP_NAMES.get(name, "layers." + name.removeprefix("h.") if name.startswith("h.") else name)
+        for theirs, ours in _RENAMES:
+            name = name.replace(theirs, ours)
+        c = self.config
+        if any(f".self_attn.{part}." in name for part in ("q_proj", "k_proj")) and tensor.shape[0] % c.head_dim == 0:
+            tensor = interleaved_to_halves(tensor, c.head_dim, c.rotary_dim)
+        return super(GPTNeoXForCausalLM, self).read_tensor(hf_name, name, tensor)
