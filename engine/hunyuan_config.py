@@ -42,5 +42,5 @@ def hunyuan_moe_fields(cfg: dict[str, Any], num_layers: int = 0) -> dict[str, An
             "moe_float_weights": True, "shared_expert_intermediate_size": inter, "shared_expert_gated": False}
 
 
-# the readers of this module (`engine.model_families.OWN_MODULE_FIELDS`)
+# the readers of this module (`engine.family_readers.OWN_MODULE_FIELDS`)
 HUNYUAN_FIELDS = {"HunYuanDenseV1ForCausalLM": hunyuan_fields, "HunYuanMoEV1ForCausalLM": hunyuan_moe_fields}

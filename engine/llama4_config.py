@@ -122,6 +122,6 @@ def cwm_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
             "full_rope": (cfg,)}
 
 
-# the Mistral family's readers of this module (`engine.model_families.OWN_MODULE_FIELDS`), and CWM's
+# the Mistral family's readers of this module (`engine.family_readers.OWN_MODULE_FIELDS`), and CWM's
 MISTRAL_FIELDS = {"Ministral3ForCausalLM": ministral3_fields, "MinistralForCausalLM": ministral_fields,
                   "CwmForCausalLM": cwm_fields}

@@ -21,23 +21,20 @@ from engine.config_values import read_bool, read_float, read_int, read_object, r
 from engine.gated_delta_config import GatedDeltaShape, StateShape, serving_pool
 from engine.gemma4_config import Gemma4Shape
 from engine.mamba_config import Mamba2Shape
-from engine.falcon_config import falcon_config
-from engine.gptj_config import gptj_config
 from engine.falcon_h1_config import FalconH1Scales
-from engine.kimi_linear_config import KdaShape, bailing_hybrid_config, kimi_linear_config
-from engine.kolibri_config import kolibri_config
-from engine.lfm2_config import ShortConvShape, lfm2_config, lfm2_moe_config
+from engine.kimi_linear_config import KdaShape
+from engine.lfm2_config import ShortConvShape
 from engine.cohere_moe_config import CohereMoeShape
 from engine.mimo_config import MimoShape
 from engine.laguna_config import LagunaShape
 from engine.model_params import GEMMA_ARCHITECTURES, count_params, float32_params
 from engine.multimodal_config import (FLAT_TEXT_CONFIGS, MROPE_TEXT, MULTIMODAL_ARCHITECTURES, is_multimodal,
                                       text_model)
-from engine.nemotron_h_config import nemotron_h_config
 from engine.mla_config import MlaShape
 from engine.model_defaults import (DEFAULT_HEAD_DIM, DEFAULT_KV_HEADS, DEFAULT_MAX_POSITIONS, DEFAULT_RMS_NORM_EPS,
                                    DEFAULT_ROPE_THETA, FAMILY_DEFAULTS, TEXT_DEFAULTS, exaone_config,
                                    vl_text_keys)
+from engine.family_readers import KEY_READERS
 from engine.model_families import LAYER_TYPES, MOE_ROUTERS, family_fields
 from engine.rope_config import RopeScaling
 from engine.weight_formats import weight_format_fields
@@ -398,11 +395,7 @@ class ModelConfig:
             return cls._from_text_config(cfg, arch)
         _check_architecture(arch)
         cfg = FAMILY_DEFAULTS.get(arch, {}) | cfg
-        cfg = {"NemotronHForCausalLM": nemotron_h_config, "Lfm2ForCausalLM": lfm2_config,
-               "Lfm2MoeForCausalLM": lfm2_moe_config, "Lfm3ForCausalLM": lfm2_moe_config,
-               "KimiLinearForCausalLM": kimi_linear_config, "Kolibri1ForCausalLM": kolibri_config,
-               "BailingHybridForCausalLM": bailing_hybrid_config,
-               "FalconForCausalLM": falcon_config, "GPTJForCausalLM": gptj_config}.get(arch, dict)(cfg)
+        cfg = KEY_READERS.get(arch, dict)(cfg)   # a family's own keys under the Llama reading's names
         if cfg.get("max_position_embeddings") is None:
             if arch not in DEFAULT_MAX_POSITIONS:
                 raise ConfigError(f"max_position_embeddings: missing from config.json ({arch}'s default is not known "

@@ -13,25 +13,14 @@ from typing import Any
 
 from engine.config import ConfigError
 from engine.config_values import is_int, read_bool, read_float, read_int, read_object, rope_type
+from engine.family_readers import OWN_MODULE_FIELDS
 from engine.model_defaults import MELLUM_ROPE
 from engine.rope_config import partial_rotary_factor, per_type_rope
-from engine.gated_delta_config import HYBRID_FIELDS
 from engine.bias_config import bias_fields
-from engine.cohere_moe_config import cohere2_moe_fields
-from engine.mimo_config import mimo_fields
-from engine.laguna_config import laguna_fields
-from engine.kolibri_config import kolibri_fields
-from engine.flint_config import flint_fields
-from engine.granite_config import GRANITE_ARCHITECTURES, bamba_fields, granite_fields, hyperclovax_fields
-from engine.falcon_h1_config import falcon_h1_fields
-from engine.hunyuan_config import HUNYUAN_FIELDS
+from engine.granite_config import GRANITE_ARCHITECTURES, granite_fields
 from engine.deepseek_config import (DEEPSEEK_TOPK_METHODS, check_silu, deepseek_fields, dense_layers,
-                                    exaone_moe_experts, grouped_experts, hy_v3_fields, mistral4_fields, youtu_fields)
-from engine.falcon_config import falcon_fields
-from engine.gptj_config import gptj_fields
-from engine.gemma4_config import MOE_ROUTER as GEMMA4_ROUTER, gemma4_fields
-from engine.llama4_config import MISTRAL_FIELDS, llama4_fields
-from engine.phimoe_config import phimoe_fields
+                                    exaone_moe_experts, grouped_experts, hy_v3_fields)
+from engine.gemma4_config import MOE_ROUTER as GEMMA4_ROUTER
 
 # chunked: Llama 4's (`llama4_config`); Qwen3.5's linear_attention: `gated_delta_config` (its models' alone)
 LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
@@ -44,19 +33,11 @@ LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 # bias, weighed by their sigmoid; Flint's: the top k of the float32 logits' sigmoid, no bias; Phi-3.5-MoE's SparseMixer
 MOE_ROUTERS = ("softmax", "deepseek_v2", "deepseek_v3", "minimax_m2", "ernie4_5", "llama4", GEMMA4_ROUTER, "mistral4",
                "lfm2", "afmoe", "cohere2_moe", "kolibri", "flint", "sparsemixer")
-# the families whose fields are read in a module of their own, each reader taking (config.json, its layer count)
-OWN_MODULE_FIELDS: dict[str, Callable[[dict[str, Any], int], dict[str, Any]]] = {"Llama4ForCausalLM": llama4_fields,
-    "Gemma4ForCausalLM": gemma4_fields, "Mistral4ForCausalLM": mistral4_fields, **MISTRAL_FIELDS, **HUNYUAN_FIELDS,
-    **HYBRID_FIELDS, "MiMoV2FlashForCausalLM": mimo_fields, "Cohere2MoeForCausalLM": cohere2_moe_fields,
-    "YoutuForCausalLM": youtu_fields, "Kolibri1ForCausalLM": kolibri_fields, "FlintForCausalLM": flint_fields,
-    "BambaForCausalLM": bamba_fields, "FalconH1ForCausalLM": falcon_h1_fields,
-    "HyperCLOVAXForCausalLM": hyperclovax_fields, "LagunaForCausalLM": laguna_fields,
-    "PhimoeForCausalLM": phimoe_fields, "FalconForCausalLM": falcon_fields, "GPTJForCausalLM": gptj_fields}
-
 
 
 def family_fields(cfg: dict[str, Any], arch: str, num_layers: int) -> dict[str, Any]:
-    """The `ModelConfig` fields past Llama's shape that `arch`'s config.json gives (none for Llama and Mistral)."""
+    """The `ModelConfig` fields past Llama's shape that `arch`'s config.json gives (none for Llama and Mistral); a
+    family of `engine.family_readers.OWN_MODULE_FIELDS` read by its own module."""
     if arch in OWN_MODULE_FIELDS:
         return OWN_MODULE_FIELDS[arch](cfg, num_layers)
     if arch == "Gemma3ForCausalLM":

@@ -341,8 +341,8 @@ def test_dtype_auto_on_a_cpu_is_bfloat16_where_it_computes_bfloat16_natively(mon
 
 
 def test_unsupported_architecture_in_a_model_folder(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({**LLAMA, "architectures": ["FalconForCausalLM"]}))
-    with pytest.raises(ConfigError, match="FalconForCausalLM"):
+    (tmp_path / "config.json").write_text(json.dumps({**LLAMA, "architectures": ["BloomForCausalLM"]}))
+    with pytest.raises(ConfigError, match="BloomForCausalLM"):
         LLMEngine.from_args(str(tmp_path), progress=False)
 
 

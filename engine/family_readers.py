@@ -1,0 +1,45 @@
+"""Which module reads each family's config.json, where it is not the Llama reading with a few fields of
+`engine.model_families`: `KEY_READERS` (config.json under the Llama reading's key names, before that reading: GPT-2's
+keys of GPT-J, Falcon's older ones, LFM2's, Nemotron-H's, Kimi Linear's and Kolibri-1's own) and `OWN_MODULE_FIELDS`
+(a family's `ModelConfig` fields, read by its own module from config.json and the layer count)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from engine.cohere_moe_config import cohere2_moe_fields
+from engine.deepseek_config import mistral4_fields, youtu_fields
+from engine.falcon_config import falcon_config, falcon_fields
+from engine.falcon_h1_config import falcon_h1_fields
+from engine.flint_config import flint_fields
+from engine.gated_delta_config import HYBRID_FIELDS
+from engine.gemma4_config import gemma4_fields
+from engine.gptj_config import gptj_config, gptj_fields
+from engine.granite_config import bamba_fields, hyperclovax_fields
+from engine.hunyuan_config import HUNYUAN_FIELDS
+from engine.kimi_linear_config import bailing_hybrid_config, kimi_linear_config
+from engine.kolibri_config import kolibri_config, kolibri_fields
+from engine.laguna_config import laguna_fields
+from engine.lfm2_config import lfm2_config, lfm2_moe_config
+from engine.llama4_config import MISTRAL_FIELDS, llama4_fields
+from engine.mimo_config import mimo_fields
+from engine.nemotron_h_config import nemotron_h_config
+from engine.phimoe_config import phimoe_fields
+
+__all__ = ["KEY_READERS", "OWN_MODULE_FIELDS"]
+
+# config.json -> config.json under the Llama reading's names
+KEY_READERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    "NemotronHForCausalLM": nemotron_h_config, "Lfm2ForCausalLM": lfm2_config, "Lfm2MoeForCausalLM": lfm2_moe_config,
+    "Lfm3ForCausalLM": lfm2_moe_config, "KimiLinearForCausalLM": kimi_linear_config,
+    "Kolibri1ForCausalLM": kolibri_config, "BailingHybridForCausalLM": bailing_hybrid_config,
+    "FalconForCausalLM": falcon_config, "GPTJForCausalLM": gptj_config}
+# (config.json, its layer count) -> the family's ModelConfig fields
+OWN_MODULE_FIELDS: dict[str, Callable[[dict[str, Any], int], dict[str, Any]]] = {
+    "Llama4ForCausalLM": llama4_fields, "Gemma4ForCausalLM": gemma4_fields, "Mistral4ForCausalLM": mistral4_fields,
+    **MISTRAL_FIELDS, **HUNYUAN_FIELDS, **HYBRID_FIELDS, "MiMoV2FlashForCausalLM": mimo_fields,
+    "Cohere2MoeForCausalLM": cohere2_moe_fields, "YoutuForCausalLM": youtu_fields, "Kolibri1ForCausalLM": kolibri_fields,
+    "FlintForCausalLM": flint_fields, "BambaForCausalLM": bamba_fields, "FalconH1ForCausalLM": falcon_h1_fields,
+    "HyperCLOVAXForCausalLM": hyperclovax_fields, "LagunaForCausalLM": laguna_fields,
+    "PhimoeForCausalLM": phimoe_fields, "FalconForCausalLM": falcon_fields, "GPTJForCausalLM": gptj_fields}
