@@ -1,7 +1,8 @@
 """Which module reads each family's config.json, where it is not the Llama reading with a few fields of
 `engine.model_families`: `KEY_READERS` (config.json under the Llama reading's key names, before that reading: GPT-2's
-keys of GPT-J, Falcon's older ones, LFM2's, Nemotron-H's, Kimi Linear's and Kolibri-1's own) and `OWN_MODULE_FIELDS`
-(a family's `ModelConfig` fields, read by its own module from config.json and the layer count)."""
+keys of GPT-J, GPT-2 and GPT-BigCode, OPT's and Falcon's older ones, LFM2's, Nemotron-H's, Kimi Linear's and Kolibri-1's
+own) and `OWN_MODULE_FIELDS` (a family's `ModelConfig` fields, read by its own module from config.json and the layer
+count)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from engine.falcon_config import falcon_config, falcon_fields
 from engine.falcon_h1_config import falcon_h1_fields
 from engine.flint_config import flint_fields
 from engine.gated_delta_config import HYBRID_FIELDS
+from engine.gpt2_config import (gpt2_config, gpt2_fields, gpt_bigcode_config, gpt_bigcode_fields, opt_config,
+                                opt_fields)
 from engine.gemma4_config import gemma4_fields
 from engine.gptj_config import gptj_config, gptj_fields
 from engine.granite_config import bamba_fields, hyperclovax_fields
@@ -34,7 +37,8 @@ KEY_READERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "NemotronHForCausalLM": nemotron_h_config, "Lfm2ForCausalLM": lfm2_config, "Lfm2MoeForCausalLM": lfm2_moe_config,
     "Lfm3ForCausalLM": lfm2_moe_config, "KimiLinearForCausalLM": kimi_linear_config,
     "Kolibri1ForCausalLM": kolibri_config, "BailingHybridForCausalLM": bailing_hybrid_config,
-    "FalconForCausalLM": falcon_config, "GPTJForCausalLM": gptj_config}
+    "FalconForCausalLM": falcon_config, "GPTJForCausalLM": gptj_config,
+    "GPTBigCodeForCausalLM": gpt_bigcode_config, "GPT2LMHeadModel": gpt2_config, "OPTForCausalLM": opt_config}
 # (config.json, its layer count) -> the family's ModelConfig fields
 OWN_MODULE_FIELDS: dict[str, Callable[[dict[str, Any], int], dict[str, Any]]] = {
     "Llama4ForCausalLM": llama4_fields, "Gemma4ForCausalLM": gemma4_fields, "Mistral4ForCausalLM": mistral4_fields,
@@ -42,4 +46,5 @@ OWN_MODULE_FIELDS: dict[str, Callable[[dict[str, Any], int], dict[str, Any]]] = 
     "Cohere2MoeForCausalLM": cohere2_moe_fields, "YoutuForCausalLM": youtu_fields, "Kolibri1ForCausalLM": kolibri_fields,
     "FlintForCausalLM": flint_fields, "BambaForCausalLM": bamba_fields, "FalconH1ForCausalLM": falcon_h1_fields,
     "HyperCLOVAXForCausalLM": hyperclovax_fields, "LagunaForCausalLM": laguna_fields,
-    "PhimoeForCausalLM": phimoe_fields, "FalconForCausalLM": falcon_fields, "GPTJForCausalLM": gptj_fields}
+    "PhimoeForCausalLM": phimoe_fields, "FalconForCausalLM": falcon_fields, "GPTJForCausalLM": gptj_fields,
+    "GPTBigCodeForCausalLM": gpt_bigcode_fields, "GPT2LMHeadModel": gpt2_fields, "OPTForCausalLM": opt_fields}

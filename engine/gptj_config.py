@@ -11,27 +11,20 @@ from typing import Any
 
 from engine.config import ConfigError
 from engine.config_values import read_float, read_int
+from engine.gpt2_config import TANH_GELUS, gpt2_keys
 
 __all__ = ["gptj_config", "gptj_fields"]
 
-# GPTJConfig's attribute map: its own keys for the Llama reading's
-_KEYS = (("n_embd", "hidden_size"), ("n_head", "num_attention_heads"), ("n_layer", "num_hidden_layers"),
-         ("n_positions", "max_position_embeddings"))
-
-
 def gptj_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    """config.json under the Llama reading's names (theirs first, as GPTJConfig's attribute map reads them); the
-    MLP's width `n_inner`, else 4 x n_embd."""
-    cfg = {**cfg, **{ours: cfg[theirs] for theirs, ours in _KEYS if theirs in cfg}}
-    inner = read_int(cfg, "n_inner", None)
-    return {**cfg, "intermediate_size": 4 * read_int(cfg, "hidden_size") if inner is None else inner,
-            "num_key_value_heads": read_int(cfg, "num_attention_heads")}
+    """GPT-J's config.json under the Llama reading's names (`gpt2_keys`), a KV head a query head."""
+    cfg = gpt2_keys(cfg)
+    return {**cfg, "num_key_value_heads": read_int(cfg, "num_attention_heads")}
 
 
 def gptj_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
     """GPT-J's `ModelConfig` fields (see the module docstring)."""
     act = cfg.get("activation_function", "gelu_new")
-    if act not in ("gelu_new", "gelu_fast", "gelu_pytorch_tanh"):
+    if act not in TANH_GELUS:
         raise ConfigError(f"activation_function: GPT-J is served with gelu_new (GELU's tanh form), got {act!r}")
     head_dim = read_int(cfg, "hidden_size") // read_int(cfg, "num_attention_heads")
     rotary = None if cfg.get("rotary_dim", 64) is None else read_int(cfg, "rotary_dim", 64)   # null: the whole head

@@ -32,8 +32,8 @@ from engine.multimodal_config import (FLAT_TEXT_CONFIGS, MROPE_TEXT, MULTIMODAL_
                                       text_model)
 from engine.mla_config import MlaShape
 from engine.model_defaults import (DEFAULT_HEAD_DIM, DEFAULT_KV_HEADS, DEFAULT_MAX_POSITIONS, DEFAULT_RMS_NORM_EPS,
-                                   DEFAULT_ROPE_THETA, FAMILY_DEFAULTS, TEXT_DEFAULTS, exaone_config,
-                                   vl_text_keys)
+                                   DEFAULT_ROPE_THETA, FAMILY_DEFAULTS, OWN_ACTIVATIONS, TEXT_DEFAULTS,
+                                   exaone_config, vl_text_keys)
 from engine.family_readers import KEY_READERS
 from engine.model_families import LAYER_TYPES, MOE_ROUTERS, family_fields
 from engine.rope_config import RopeScaling
@@ -63,6 +63,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
                            "Starcoder2ForCausalLM", "GlmForCausalLM", "LagunaForCausalLM",
                            "NemotronForCausalLM", "StableLmForCausalLM", "PhiForCausalLM", "GPTNeoXForCausalLM",
                            "PhimoeForCausalLM", "OlmoForCausalLM", "FalconForCausalLM", "GPTJForCausalLM",
+                           "GPTBigCodeForCausalLM", "GPT2LMHeadModel", "OPTForCausalLM",
                            "GemmaForCausalLM", "VaultGemmaForCausalLM")
 # their attention bias: q/k/v's, not o_proj's
 QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM", "GlmForCausalLM",
@@ -119,6 +120,7 @@ class ModelConfig:
     head_gates: bool = False            # LFM3: each head's output x sigmoid(its row of g_proj over the layer's input)
     parallel_residual: bool = False     # StableLM 2 12B: attention and MLP side by side off one norm (Cohere's)
     parallel_norms: int = 1             # GPT-NeoX, Falcon-40B: a parallel layer's norms (2: one a sublayer)
+    learned_positions: int = 0          # GPT-BigCode: rows of a learned position embedding (0: none, a rotary)
     partial_rotary_factor: float = 1.0  # GLM-4: the share of each head the rotary turns (the default rope only)
     rope_proportional: bool = False     # Gemma 4's full layers: the turning pairs' frequencies over the whole head
     gemma4: Gemma4Shape | None = None   # Gemma 4: its full layers' own attention shape, per-layer inputs, shared K/V
@@ -180,10 +182,8 @@ class ModelConfig:
             if len(getattr(self.rope_scaling, key)) != self.rotary_dim // 2:
                 raise ConfigError(f"rope_scaling.{key}: longrope needs one factor a rotary frequency "
                                   f"({self.rotary_dim // 2}), got {len(getattr(self.rope_scaling, key))}")
-        if self.hidden_act not in SUPPORTED_ACTIVATIONS and (self.hidden_act, self.architecture) not in (
-                ("xielu", "ApertusForCausalLM"), ("relu2", "ArceeForCausalLM"), ("relu2", "Jais2ForCausalLM"),
-                ("relu2", "NemotronForCausalLM"), ("gelu", "GPTNeoXForCausalLM"),
-                ("gelu", "FalconForCausalLM")):
+        if self.hidden_act not in SUPPORTED_ACTIVATIONS and \
+                (self.hidden_act, self.architecture) not in OWN_ACTIVATIONS:   # an ungated MLP's own
             raise ConfigError(f"hidden_act: unsupported {self.hidden_act!r}; supported: {', '.join(SUPPORTED_ACTIVATIONS)}")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ConfigError(f"sliding_window: must be positive, got {self.sliding_window}")

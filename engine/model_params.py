@@ -27,10 +27,12 @@ FOUR_NORMS = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma4ForCausalLM", "Gl
 # q and k normed over the whole projection
 # an MLP of up, its activation and down, no gate
 UNGATED_MLP = ("ApertusForCausalLM", "ArceeForCausalLM", "Jais2ForCausalLM", "Starcoder2ForCausalLM",
-               "NemotronForCausalLM", "PhiForCausalLM", "GPTNeoXForCausalLM", "FalconForCausalLM", "GPTJForCausalLM")
+               "NemotronForCausalLM", "PhiForCausalLM", "GPTNeoXForCausalLM", "FalconForCausalLM", "GPTJForCausalLM",
+               "GPTBigCodeForCausalLM", "GPT2LMHeadModel", "OPTForCausalLM")
 # LayerNorms (a weight and a bias), not RMSNorms
 LAYER_NORMS = ("Jais2ForCausalLM", "Starcoder2ForCausalLM", "NemotronForCausalLM", "StableLmForCausalLM",
-               "PhiForCausalLM", "GPTNeoXForCausalLM", "PhimoeForCausalLM", "FalconForCausalLM", "GPTJForCausalLM")
+               "PhiForCausalLM", "GPTNeoXForCausalLM", "PhimoeForCausalLM", "FalconForCausalLM", "GPTJForCausalLM",
+               "GPTBigCodeForCausalLM", "GPT2LMHeadModel", "OPTForCausalLM")
 WIDE_QK_NORM = ("Olmo2ForCausalLM", "Olmo3ForCausalLM", "MiniMaxM2ForCausalLM", "OlmoeForCausalLM",
                 "OlmoHybridForCausalLM")
 
@@ -101,4 +103,5 @@ def count_params(config: Any, heads: int, kv_heads: int, i: int, moe_i: int, v: 
     linear += config.mla.indexers_params(h, config.num_layers) if config.mla is not None else 0   # DeepSeek V3.2's
     final = h * (2 if config.architecture in LAYER_NORMS else 0 if config.architecture == "OlmoForCausalLM" else 1)
     head = (0 if config.tie_word_embeddings else v * h) + (v if config.lm_head_bias else 0)   # Phi: biased
-    return v * h + config.num_kv_layers * per_layer + linear + mlps + final + head
+    positions = config.learned_positions * h   # GPT-2's learned position embedding, whole on every rank
+    return v * h + config.num_kv_layers * per_layer + linear + mlps + final + head + positions

@@ -138,7 +138,9 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
            "flint": transformers.FlintConfig, "helium": transformers.HeliumConfig,
            "phi": transformers.PhiConfig, "gpt_neox": transformers.GPTNeoXConfig,
            "phimoe": transformers.PhimoeConfig, "olmo": transformers.OlmoConfig,
-           "falcon": transformers.FalconConfig, "gptj": transformers.GPTJConfig}[arch]
+           "falcon": transformers.FalconConfig, "gptj": transformers.GPTJConfig,
+           "gpt_bigcode": transformers.GPTBigCodeConfig, "gpt2": transformers.GPT2Config,
+           "opt": transformers.OPTConfig}[arch]
     config = cls(**common)
     if arch == "mistral4":   # transformers maps Mistral4Config to no causal LM class (only its pretraining one)
         transformers.AutoModelForCausalLM.register(transformers.Mistral4Config, transformers.Mistral4ForCausalLM,
@@ -150,13 +152,14 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
                 "deepseek_v32", "glm_moe_dsa", "lfm2", "lfm2_moe", "solar_open", "arcee", "mimo_v2_flash", "jais2",
                 "granite_swa", "granitemoe_swa", "falcon_h1", "starcoder2", "glm", "laguna", "nemotron",
                 "stablelm", "lfm3", "flint", "helium", "phi", "gpt_neox", "phimoe", "falcon",
-                "gptj"):
+                "gptj", "gpt_bigcode", "gpt2", "opt"):
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if name.endswith(("bias", "sinks")):   # LayerNorm models' small: a bias on every norm and
                     # projection, larger, would outweigh the inputs
                     param.normal_(0.0, 0.1 if arch in ("jais2", "starcoder2", "nemotron", "stablelm", "phi",
-                                                       "gpt_neox", "phimoe", "falcon", "gptj") else 1.0)
+                                                       "gpt_neox", "phimoe", "falcon", "gptj",
+                                                       "gpt_bigcode", "gpt2", "opt") else 1.0)
     # state layers' decay rates (A = -exp(A_log)) small, so a state holds tens of tokens: transformers starts them
     # at up to 16 a step, which forgets a state within a token or two and would hide one resumed wrong
     with torch.no_grad():

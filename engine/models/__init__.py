@@ -78,6 +78,7 @@ from engine.models.olmo2 import (Exaone4ForCausalLM, Olmo2ForCausalLM, Olmo3ForC
 from engine.models.phi3 import Phi3ForCausalLM
 from engine.models.smollm3 import SmolLM3ForCausalLM
 from engine.models.falcon import FalconForCausalLM
+from engine.models.gpt2 import GPT2LMHeadModel, GPTBigCodeForCausalLM, OPTForCausalLM
 from engine.models.gpt_neox import GPTNeoXForCausalLM
 from engine.models.gptj import GPTJForCausalLM
 from engine.models.phi import PhiForCausalLM
@@ -173,6 +174,9 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "OlmoForCausalLM": OlmoForCausalLM,
                                                 "FalconForCausalLM": FalconForCausalLM,
                                                 "GPTJForCausalLM": GPTJForCausalLM,
+                                                "GPTBigCodeForCausalLM": GPTBigCodeForCausalLM,
+                                                "GPT2LMHeadModel": GPT2LMHeadModel,
+                                                "OPTForCausalLM": OPTForCausalLM,
                                                 "GemmaForCausalLM": GemmaForCausalLM,
                                                 "VaultGemmaForCausalLM": GemmaForCausalLM}
 

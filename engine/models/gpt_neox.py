@@ -24,6 +24,7 @@ from engine.model_config import ModelConfig
 from engine.models.apertus import ApertusMLP, GeluTanh, Jais2ForCausalLM
 from engine.models.cohere import CohereDecoderLayer
 from engine.models.phi3 import partial_rotary_rows
+from engine.models.smollm3 import layer_rotary
 from engine.parallel import Collectives, ShardShape
 from kernels import AttentionMetadata
 
@@ -66,14 +67,14 @@ def ungated_layer(model: LlamaForCausalLM, index: int, ops: ModuleType, act_fn: 
     """Layer `index` of `model` with LayerNorms and an ungated MLP through `act_fn` (`ApertusMLP`): parallel with two
     norms (`GPTNeoXParallelLayer`) or one (Cohere's layer: Phi's, Falcon-7B's) where the config's layer is parallel,
     else the Llama layer's sequence."""
-    c, shard = model.config, model.shard
+    c, shard, rotary = model.config, model.shard, layer_rotary(model, index)   # GPT-BigCode's: NoPE
     if c.parallel_residual and c.parallel_norms == 2:
-        return GPTNeoXParallelLayer(c, shard, model.comm, model.rotary_emb, act_fn, index)
+        return GPTNeoXParallelLayer(c, shard, model.comm, rotary, act_fn, index)
     if c.parallel_residual:
-        layer = CohereDecoderLayer(c, shard, model.comm, model.rotary_emb, ops, index)
+        layer = CohereDecoderLayer(c, shard, model.comm, rotary, ops, index)
         layer.input_layernorm = BiasLayerNorm(c.hidden_size, c.rms_norm_eps)
     else:
-        layer = DecoderLayer(c, shard, model.comm, model.rotary_emb, ops, index)
+        layer = DecoderLayer(c, shard, model.comm, rotary, ops, index)
         layer.input_layernorm = BiasLayerNorm(c.hidden_size, c.rms_norm_eps)
         layer.post_attention_layernorm = BiasLayerNorm(c.hidden_size, c.rms_norm_eps)
     layer.mlp = ApertusMLP(c, shard, model.comm, act_fn)
@@ -102,7 +103,9 @@ class GPTNeoXForCausalLM(Jais2ForCausalLM):
     """GPT-NeoX (see the module docstring): Jais 2's LayerNorms, ungated MLP and reading, its own layer and names."""
 
     def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
-        return ungated_layer(self, index, ops, nn.GELU() if self.config.hidden_act == "gelu" else GeluTanh())
+        act = self.config.hidden_act   # exact GELU, OPT's ReLU, else GELU's tanh form
+        act_fn = nn.GELU() if act == "gelu" else nn.ReLU() if act == "relu" else GeluTanh()
+        return ungated_layer(self, index, ops, act_fn)
 
     def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
         """`gpt_neox.` names as the model's; a fused query_key_value (weight or bias) as its q_proj, k_proj and

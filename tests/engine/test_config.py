@@ -22,8 +22,8 @@ LLAMA = {"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size"
 
 
 @pytest.mark.parametrize("change,match", [
-    ({"architectures": ["GPT2LMHeadModel"]},
-     "unsupported architecture 'GPT2LMHeadModel'.*Gemma3ForConditionalGeneration"),
+    ({"architectures": ["BloomForCausalLM"]},
+     "unsupported architecture 'BloomForCausalLM'.*Gemma3ForConditionalGeneration"),
     ({"architectures": []}, "architectures"),
     ({"num_key_value_heads": 3}, "num_key_value_heads: 3 does not divide"),
     ({"hidden_size": -1}, "hidden_size"),
@@ -2148,6 +2148,70 @@ def test_gptj_as_its_model_card_writes_it_reads_as_transformers_does():
     for change, key in (({"activation_function": "relu"}, "activation_function"), ({"rotary_dim": 63}, "rotary_dim")):
         with pytest.raises(ConfigError, match=key):
             ModelConfig.from_hf_config({**GPTJ_6B, **change})
+
+
+# starcoder's config.json (BigCode, 2023; its training-only keys left out)
+STARCODER = {"activation_function": "gelu_pytorch_tanh", "architectures": ["GPTBigCodeForCausalLM"],
+             "attention_softmax_in_fp32": True, "bos_token_id": 0, "eos_token_id": 0, "initializer_range": 0.02,
+             "layer_norm_epsilon": 1e-05, "model_type": "gpt_bigcode", "multi_query": True, "n_embd": 6144,
+             "n_head": 48, "n_inner": 24576, "n_layer": 40, "n_positions": 8192,
+             "scale_attention_softmax_in_fp32": True, "scale_attn_weights": True, "use_cache": True,
+             "vocab_size": 49152}
+
+
+def test_gpt_bigcode_as_starcoders_card_writes_it_reads_as_transformers_does():
+    """StarCoder's config (`GPTBigCodeForCausalLM`): 15.5 B parameters as transformers' model holds them (a learned
+    position embedding of 8,192 rows, one KV head, every projection biased, a tied head), no rotary on any layer; a
+    KV head a query head where `multi_query` is false. Another activation, unscaled attention or cross-attention are
+    refused by key."""
+    transformers = pytest.importorskip("transformers")
+    cfg = ModelConfig.from_hf_config(STARCODER)
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(transformers.GPTBigCodeConfig(
+            **{k: v for k, v in STARCODER.items() if k != "architectures"}))
+    assert cfg.num_params() == sum(p.numel() for p in hf.parameters())
+    assert round(cfg.num_params() / 1e9, 1) == 15.5
+    assert (cfg.num_kv_heads, cfg.learned_positions, cfg.context_length, cfg.tie_word_embeddings,
+            set(cfg.no_rope_layers), cfg.intermediate_size) == (1, 8192, 8192, True, {0}, 24576)
+    assert ModelConfig.from_hf_config({**STARCODER, "multi_query": False}).num_kv_heads == 48
+    for change, key in (({"activation_function": "relu"}, "activation_function"),
+                        ({"scale_attn_weights": False}, "scale_attn_weights"),
+                        ({"add_cross_attention": True}, "add_cross_attention")):
+        with pytest.raises(ConfigError, match=key):
+            ModelConfig.from_hf_config({**STARCODER, **change})
+
+
+# gpt2's config.json (OpenAI, 2019; its task heads' keys left out) and opt-125m's (Meta, 2022)
+GPT2 = {"activation_function": "gelu_new", "architectures": ["GPT2LMHeadModel"], "bos_token_id": 50256,
+        "eos_token_id": 50256, "layer_norm_epsilon": 1e-05, "model_type": "gpt2", "n_ctx": 1024, "n_embd": 768,
+        "n_head": 12, "n_layer": 12, "n_positions": 1024, "vocab_size": 50257}
+OPT_125M = {"activation_function": "relu", "architectures": ["OPTForCausalLM"], "bos_token_id": 2,
+            "do_layer_norm_before": True, "eos_token_id": 2, "ffn_dim": 3072, "hidden_size": 768,
+            "max_position_embeddings": 2048, "model_type": "opt", "num_attention_heads": 12, "num_hidden_layers": 12,
+            "pad_token_id": 1, "vocab_size": 50272, "word_embed_proj_dim": 768}
+
+
+@pytest.mark.parametrize("card,config_class,millions,rows", [(GPT2, "GPT2Config", 124, 1024),
+                                                             (OPT_125M, "OPTConfig", 125, 2050)], ids=["gpt2", "opt"])
+def test_gpt2_and_opt_as_their_cards_write_them_read_as_transformers_does(card, config_class, millions, rows):
+    """gpt2's and opt-125m's configs: 124 M and 125 M parameters as transformers' models hold them (a learned position
+    table of 1,024 rows; OPT's 2,050: looked up two rows on), a KV head a query head, no rotary, the head tied. GPT-2's
+    per-layer attention scaling and OPT-350M's post-norm layers and projected embeddings are refused by key."""
+    transformers = pytest.importorskip("transformers")
+    cfg = ModelConfig.from_hf_config(card)
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(getattr(transformers, config_class)(
+            **{k: v for k, v in card.items() if k != "architectures"}))
+    assert cfg.num_params() == sum(p.numel() for p in hf.parameters())
+    assert round(cfg.num_params() / 1e6) == millions
+    assert (cfg.num_kv_heads, cfg.learned_positions, cfg.tie_word_embeddings, set(cfg.no_rope_layers)) == \
+        (12, rows, True, {0})
+    changes = [({"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx")] if card is GPT2 else [
+        ({"do_layer_norm_before": False}, "do_layer_norm_before"),
+        ({"word_embed_proj_dim": 512}, "word_embed_proj_dim")]
+    for change, key in changes:
+        with pytest.raises(ConfigError, match=key):
+            ModelConfig.from_hf_config({**card, **change})
 
 
 # pythia-70m's config.json (EleutherAI, 2023): the rope's base and share under their older keys

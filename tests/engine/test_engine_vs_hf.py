@@ -466,6 +466,17 @@ TINY_MODELS = [
               "layer_norm_epsilon": 1e-5}),
     ("gptj", {"n_embd": 64, "n_head": 4, "n_layer": 2, "n_positions": 512, "rotary_dim": 16, "n_inner": 96,
               "layer_norm_epsilon": 1e-5}),
+    # GPT-BigCode (StarCoder's form): one KV head, a learned position embedding, no rotary, LayerNorms, every
+    # projection biased, a tied head; then a KV head a query head
+    ("gpt_bigcode", {"n_embd": 64, "n_head": 4, "n_layer": 2, "n_positions": 512, "n_inner": 96,
+                     "layer_norm_epsilon": 1e-5}),
+    ("gpt_bigcode", {"n_embd": 64, "n_head": 4, "n_layer": 2, "n_positions": 512, "multi_query": False,
+                     "activation_function": "gelu_fast", "tie_word_embeddings": False, "layer_norm_epsilon": 1e-5}),
+    # GPT-2: GPT-BigCode's block with a KV head a query head, its projections Conv1Ds ([in, out]); OPT: that block with
+    # a ReLU MLP, its positions two rows on in their table; then without biases
+    ("gpt2", {"n_embd": 64, "n_head": 4, "n_layer": 2, "n_positions": 512, "layer_norm_epsilon": 1e-5}),
+    ("opt", {"ffn_dim": 96, "word_embed_proj_dim": 64, "pad_token_id": 0}),
+    ("opt", {"ffn_dim": 96, "word_embed_proj_dim": 64, "enable_bias": False, "pad_token_id": 0}),
     # Flint: Qwen3-MoE's layers with a sink a query head, sliding layers (a window of 8) rotating beside NoPE full ones,
     # float32 norms, after 2 dense layers 8 experts of 32 by the top 2 of their logits' sigmoid beside a shared one
     ("flint", {"num_hidden_layers": 4, "layer_types": ["full_attention", "sliding_attention", "sliding_attention",
