@@ -158,7 +158,7 @@ DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32_768, "
                          "GPTNeoXForCausalLM": 2048, "PhimoeForCausalLM": 131_072,
                          "OlmoForCausalLM": 2048, "FalconForCausalLM": 2048,
                          "GPTJForCausalLM": 2048, "GPTBigCodeForCausalLM": 1024,
-                         "GPT2LMHeadModel": 1024, "OPTForCausalLM": 2048}
+                         "GPT2LMHeadModel": 1024, "OPTForCausalLM": 2048, "FlexOlmoForCausalLM": 4096}
 # (activation, architecture): the ungated MLPs' activations past `model_config.SUPPORTED_ACTIVATIONS`, each served by
 # its family's model alone
 OWN_ACTIVATIONS = {("xielu", "ApertusForCausalLM"), ("relu2", "ArceeForCausalLM"), ("relu2", "Jais2ForCausalLM"),
@@ -200,7 +200,8 @@ DEFAULT_ROPE_THETA = {"MixtralForCausalLM": 1_000_000.0, "SmolLM3ForCausalLM": 2
                       "Ernie4_5_MoeForCausalLM": 500_000.0,
                       "MiniMaxM2ForCausalLM": 5_000_000.0, "Llama4ForCausalLM": 500_000.0,
                       "Lfm2ForCausalLM": 1_000_000.0, "Lfm2MoeForCausalLM": 1_000_000.0,
-                      "HYV3ForCausalLM": 11_158_840.0, "ExaoneForCausalLM": 500_000.0, "PhimoeForCausalLM": 1_000_000.0}
+                      "HYV3ForCausalLM": 11_158_840.0, "ExaoneForCausalLM": 500_000.0, "PhimoeForCausalLM": 1_000_000.0,
+                      "FlexOlmoForCausalLM": 500_000.0}
 
 
 def vl_text_keys(text: dict[str, Any]) -> dict[str, Any]:

@@ -54,10 +54,8 @@ def family_fields(cfg: dict[str, Any], arch: str, num_layers: int) -> dict[str, 
         return {**exaone4_fields(cfg, num_layers), **exaone_moe_experts(cfg)}
     if arch == "HYV3ForCausalLM":
         return hy_v3_fields(cfg)
-    if arch == "OlmoeForCausalLM":   # OlmoeConfig: 64 experts of intermediate_size, 8 a token, on every layer
-        return {**qwen3_moe_fields({"num_experts": 64, "num_experts_per_tok": 8, **cfg, "mlp_only_layers": [],
-                                    "moe_intermediate_size": read_int(cfg, "intermediate_size")}, "OLMoE"),
-                "clip_qkv": read_float(cfg, "clip_qkv", None)}
+    if arch in ("OlmoeForCausalLM", "FlexOlmoForCausalLM"):
+        return olmoe_fields(cfg, arch)
     if arch == "Qwen2MoeForCausalLM":
         return qwen2_moe_fields(cfg, num_layers)
     if arch.startswith("Qwen"):
@@ -210,6 +208,16 @@ def qwen2_moe_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
     kinds = _layer_types(cfg, lambda: ["sliding_attention" if (i + 1) % 2 and i < first else "full_attention"
                                        for i in range(num_layers)])
     return {**fields, "sliding_window": read_int(cfg, "sliding_window", 4096), "layer_types": tuple(kinds)}
+
+
+def olmoe_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+    """OLMoE's experts (OlmoeConfig: 64 of `intermediate_size`, 8 a token) or FlexOlmo's (FlexOlmoConfig: 7, 5 a
+    token) on every layer; OLMoE's `clip_qkv`."""
+    olmoe = arch == "OlmoeForCausalLM"
+    fields = qwen3_moe_fields({"num_experts": 64 if olmoe else 7, "num_experts_per_tok": 8 if olmoe else 5, **cfg,
+                               "mlp_only_layers": [], "moe_intermediate_size": read_int(cfg, "intermediate_size")},
+                              "OLMoE" if olmoe else "FlexOlmo")
+    return {**fields, "clip_qkv": read_float(cfg, "clip_qkv", None)} if olmoe else fields
 
 
 def mixtral_fields(cfg: dict[str, Any]) -> dict[str, Any]:

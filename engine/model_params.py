@@ -34,7 +34,7 @@ LAYER_NORMS = ("Jais2ForCausalLM", "Starcoder2ForCausalLM", "NemotronForCausalLM
                "PhiForCausalLM", "GPTNeoXForCausalLM", "PhimoeForCausalLM", "FalconForCausalLM", "GPTJForCausalLM",
                "GPTBigCodeForCausalLM", "GPT2LMHeadModel", "OPTForCausalLM")
 WIDE_QK_NORM = ("Olmo2ForCausalLM", "Olmo3ForCausalLM", "MiniMaxM2ForCausalLM", "OlmoeForCausalLM",
-                "OlmoHybridForCausalLM")
+                "FlexOlmoForCausalLM", "OlmoHybridForCausalLM")
 
 
 def float32_params(config: Any) -> int:

@@ -73,8 +73,8 @@ from engine.models.lfm2 import Lfm2ForCausalLM, Lfm2MoeForCausalLM
 from engine.models.kolibri import FlintForCausalLM, KolibriForCausalLM
 from engine.models.lfm3 import Lfm3ForCausalLM
 from engine.models.mixtral import MixtralForCausalLM
-from engine.models.olmo2 import (Exaone4ForCausalLM, Olmo2ForCausalLM, Olmo3ForCausalLM, OlmoeForCausalLM,
-                                 OlmoHybridForCausalLM)
+from engine.models.olmo2 import (Exaone4ForCausalLM, FlexOlmoForCausalLM, Olmo2ForCausalLM, Olmo3ForCausalLM,
+                                 OlmoeForCausalLM, OlmoHybridForCausalLM)
 from engine.models.phi3 import Phi3ForCausalLM
 from engine.models.smollm3 import SmolLM3ForCausalLM
 from engine.models.falcon import FalconForCausalLM
@@ -177,6 +177,7 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "GPTBigCodeForCausalLM": GPTBigCodeForCausalLM,
                                                 "GPT2LMHeadModel": GPT2LMHeadModel,
                                                 "OPTForCausalLM": OPTForCausalLM,
+                                                "FlexOlmoForCausalLM": FlexOlmoForCausalLM,
                                                 "GemmaForCausalLM": GemmaForCausalLM,
                                                 "VaultGemmaForCausalLM": GemmaForCausalLM}
 

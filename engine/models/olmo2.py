@@ -2,7 +2,8 @@
 (`Olmo3ForCausalLM`) the same layers, sliding and full, each type its own rope (Gemma 3's `sliding_rotary`); EXAONE 4
 (`Exaone4ForCausalLM`) the post-norm layer with Llama's norms and Qwen3's q/k norms per head, its full layers NoPE
 where it has sliding ones (`Exaone4DecoderLayer`); OLMoE (`OlmoeForCausalLM`) the Llama layer with Qwen3-MoE's
-experts and OLMo 2's whole-projection q/k norms in Llama's order, clamped where `clip_qkv` (`OlmoeAttention`).
+experts and OLMo 2's whole-projection q/k norms in Llama's order, clamped where `clip_qkv` (`OlmoeAttention`);
+FlexOlmo (`FlexOlmoForCausalLM`) OLMo 2's layers with those experts in place of every MLP.
 
 - no norm before a sublayer: each sublayer's output is normed (`post_attention_layernorm`,
   `post_feedforward_layernorm`) and then added to the residual stream; the model's final norm as Llama's.
@@ -31,13 +32,14 @@ from engine.model import MLP, Attention, LlamaForCausalLM, WeightLoadError
 from engine.model_config import ModelConfig
 from engine.models.gemma3 import sliding_rotary
 from engine.models.hybrid import StatefulForCausalLM
-from engine.models.qwen3_moe import Qwen3MoeForCausalLM
+from engine.models.qwen3_moe import Qwen3MoeForCausalLM, with_experts
 from engine.models.smollm3 import layer_rotary
 from engine.parallel import Collectives, ShardShape
 from kernels import AttentionMetadata, fused
 
-__all__ = ["Exaone4ForCausalLM", "Olmo2Attention", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "OlmoHybridForCausalLM",
-           "OlmoHybridLinearLayer", "OlmoeAttention", "OlmoeForCausalLM", "RoundedWideRMSNorm", "wide_norm_shard"]
+__all__ = ["Exaone4ForCausalLM", "FlexOlmoForCausalLM", "Olmo2Attention", "Olmo2ForCausalLM", "Olmo3ForCausalLM",
+           "OlmoHybridForCausalLM", "OlmoHybridLinearLayer", "OlmoeAttention", "OlmoeForCausalLM", "RoundedWideRMSNorm",
+           "wide_norm_shard"]
 
 
 class WideRMSNorm(nn.Module):
@@ -190,6 +192,18 @@ class OlmoeForCausalLM(Qwen3MoeForCausalLM):
         if self.shard.size > 1 and name.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight")):
             return wide_norm_shard(self.config, self.shard, hf_name, name, tensor)
         return super()._shard_of(hf_name, name, tensor)
+
+
+class FlexOlmoForCausalLM(OlmoeForCausalLM):
+    """AI2's FlexOlmo (FlexOlmo-7x7B-1T): OLMo 2's post-norm layers and whole-projection q/k norms (`Olmo2DecoderLayer`)
+    with Qwen3-MoE's experts in place of every MLP (the softmax's top 5 of 7, renormalised where `norm_topk_prob`)."""
+
+    def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
+        layer = Olmo2DecoderLayer(self.config, self.shard, self.comm, self.rotary_emb, ops, index)
+        return with_experts(self, layer, index, ops)
+
+    def make_norm(self, ops: ModuleType) -> nn.Module:
+        return FloatRMSNorm(self.config.hidden_size, self.config.rms_norm_eps)
 
 
 class OlmoHybridLinearLayer(nn.Module):

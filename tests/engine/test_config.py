@@ -2081,6 +2081,16 @@ def test_phi_reads_as_transformers_does():
             ModelConfig.from_hf_config(base | {key: value})
 
 
+def test_flex_olmo_reads_as_transformers_does():
+    """FlexOlmo (`FlexOlmoForCausalLM`, FlexOlmoConfig's defaults: FlexOlmo-7x7B-1T's shape): OLMo 2's layers with 7
+    experts of intermediate_size on every layer, 5 a token, not renormalised; the parameter count is transformers'
+    model's (whole-projection q/k norms, two norms a layer)."""
+    hf, cfg = _at_class_defaults("FlexOlmoConfig", {"architectures": ["FlexOlmoForCausalLM"]})
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.norm_topk_prob, cfg.rope_theta,
+            cfg.max_position_embeddings) == (7, 5, hf.intermediate_size, False, 500_000.0, 4096)
+    assert all(cfg.is_sparse_layer(layer) for layer in range(cfg.num_layers))
+
+
 def test_olmo_reads_as_transformers_does():
     """OLMo (`OlmoForCausalLM`, OlmoConfig's defaults: OLMo-7B's shape): the Llama layer with LayerNorms that hold
     nothing (the parameter count is transformers' model's), multi-head, `clip_qkv` read where set."""
