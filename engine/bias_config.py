@@ -1,6 +1,6 @@
 """The config.json fields of the families whose layer is Llama's but for its biases and norms (StarCoder2, Nemotron,
-StableLM, Phi, GPT-NeoX, OLMo, Jais 2, Seed-OSS, ERNIE 4.5's dense models), their transformers config classes' names and
-defaults. What we do not serve is refused naming the key."""
+StableLM, Phi, GPT-NeoX, OLMo, nanochat, Jais 2, Seed-OSS, ERNIE 4.5's dense models), their transformers config classes'
+names and defaults. What we do not serve is refused naming the key."""
 
 from __future__ import annotations
 
@@ -45,6 +45,11 @@ def bias_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
                 "partial_rotary_factor": partial_rotary_factor(cfg, 0.5)}
     if arch == "GPTNeoXForCausalLM":   # GPTNeoXConfig: multi-head, LayerNorms, two norms a parallel layer
         return gpt_neox_fields(cfg)
+    if arch == "NanoChatForCausalLM":   # NanoChatConfig: weightless RMSNorms, logits capped at 15, squared ReLU
+        if cfg.get("hidden_act", "relu2") != "relu2":
+            raise ConfigError(f"hidden_act: nanochat is served with relu2, got {cfg['hidden_act']!r}")
+        return {"hidden_act": "relu2", "attention_bias": read_bool(cfg, "attention_bias", False),
+                "final_logit_softcapping": read_float(cfg, "final_logit_softcapping", 15.0)}
     if arch == "OlmoForCausalLM":   # OlmoConfig: LayerNorms without parameters (their epsilon 1e-5), q/k/v clipped
         return {"rms_norm_eps": 1e-5, "clip_qkv": read_float(cfg, "clip_qkv", None)}
     if arch == "Jais2ForCausalLM":   # Jais2Config: LayerNorms (weight and bias), every projection biased by default

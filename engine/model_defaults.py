@@ -158,12 +158,13 @@ DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32_768, "
                          "GPTNeoXForCausalLM": 2048, "PhimoeForCausalLM": 131_072,
                          "OlmoForCausalLM": 2048, "FalconForCausalLM": 2048,
                          "GPTJForCausalLM": 2048, "GPTBigCodeForCausalLM": 1024,
-                         "GPT2LMHeadModel": 1024, "OPTForCausalLM": 2048, "FlexOlmoForCausalLM": 4096}
+                         "GPT2LMHeadModel": 1024, "OPTForCausalLM": 2048, "FlexOlmoForCausalLM": 4096,
+                         "NanoChatForCausalLM": 2048}
 # (activation, architecture): the ungated MLPs' activations past `model_config.SUPPORTED_ACTIVATIONS`, each served by
 # its family's model alone
 OWN_ACTIVATIONS = {("xielu", "ApertusForCausalLM"), ("relu2", "ArceeForCausalLM"), ("relu2", "Jais2ForCausalLM"),
                    ("relu2", "NemotronForCausalLM"), ("gelu", "GPTNeoXForCausalLM"), ("gelu", "FalconForCausalLM"),
-                   ("relu", "OPTForCausalLM")}
+                   ("relu", "OPTForCausalLM"), ("relu2", "NanoChatForCausalLM")}
 # their rms_norm_eps, where it is not 1e-6
 DEFAULT_RMS_NORM_EPS = {"MixtralForCausalLM": 1e-5, "Phi3ForCausalLM": 1e-5, "Olmo2ForCausalLM": 1e-5,
                         "Olmo3ForCausalLM": 1e-5,

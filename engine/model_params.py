@@ -26,13 +26,14 @@ FOUR_NORMS = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma4ForCausalLM", "Gl
               "AfmoeForCausalLM", "Kolibri1ForCausalLM")   # sublayer's output too
 # q and k normed over the whole projection
 # an MLP of up, its activation and down, no gate
-UNGATED_MLP = ("ApertusForCausalLM", "ArceeForCausalLM", "Jais2ForCausalLM", "Starcoder2ForCausalLM",
-               "NemotronForCausalLM", "PhiForCausalLM", "GPTNeoXForCausalLM", "FalconForCausalLM", "GPTJForCausalLM",
-               "GPTBigCodeForCausalLM", "GPT2LMHeadModel", "OPTForCausalLM")
+UNGATED_MLP = ("ApertusForCausalLM", "ArceeForCausalLM", "NanoChatForCausalLM", "Jais2ForCausalLM",
+               "Starcoder2ForCausalLM", "NemotronForCausalLM", "PhiForCausalLM", "GPTNeoXForCausalLM", "FalconForCausalLM",
+               "GPTJForCausalLM", "GPTBigCodeForCausalLM", "GPT2LMHeadModel", "OPTForCausalLM")
 # LayerNorms (a weight and a bias), not RMSNorms
 LAYER_NORMS = ("Jais2ForCausalLM", "Starcoder2ForCausalLM", "NemotronForCausalLM", "StableLmForCausalLM",
                "PhiForCausalLM", "GPTNeoXForCausalLM", "PhimoeForCausalLM", "FalconForCausalLM", "GPTJForCausalLM",
                "GPTBigCodeForCausalLM", "GPT2LMHeadModel", "OPTForCausalLM")
+WEIGHTLESS_NORMS = ("OlmoForCausalLM", "NanoChatForCausalLM")   # norms without parameters
 WIDE_QK_NORM = ("Olmo2ForCausalLM", "Olmo3ForCausalLM", "MiniMaxM2ForCausalLM", "OlmoeForCausalLM",
                 "FlexOlmoForCausalLM", "OlmoHybridForCausalLM")
 
@@ -87,7 +88,7 @@ def count_params(config: Any, heads: int, kv_heads: int, i: int, moe_i: int, v: 
     parallel = config.architecture in COHERE_ARCHITECTURES or config.parallel_residual
     norms = config.parallel_norms if parallel else norms   # Cohere, StableLM 2 12B: one before both; GPT-NeoX: two
     norms *= 2 if config.architecture in LAYER_NORMS else 1   # LayerNorms: a weight and a bias
-    norms *= 0 if config.architecture == "OlmoForCausalLM" else 1   # OLMo's: neither
+    norms *= 0 if config.architecture in WEIGHTLESS_NORMS else 1
     # q/k norms: a weight per channel of a head (Cohere: each head its own)
     qk = (q + kv if config.architecture in HEAD_QK_NORMS else 2 * d) if config.qk_norm else 0
     per_layer = attn + norms * h + qk + (heads if config.attention_sinks else 0)
@@ -101,7 +102,7 @@ def count_params(config: Any, heads: int, kv_heads: int, i: int, moe_i: int, v: 
     linear = 0 if state is None else len(config.stateful_layers) * state.num_params(h) + \
         (config.num_layers - config.num_kv_layers) * norms * h   # a state layer's norms (Falcon-H1's: its K/V layer's)
     linear += config.mla.indexers_params(h, config.num_layers) if config.mla is not None else 0   # DeepSeek V3.2's
-    final = h * (2 if config.architecture in LAYER_NORMS else 0 if config.architecture == "OlmoForCausalLM" else 1)
+    final = h * (2 if config.architecture in LAYER_NORMS else 0 if config.architecture in WEIGHTLESS_NORMS else 1)
     head = (0 if config.tie_word_embeddings else v * h) + (v if config.lm_head_bias else 0)   # Phi: biased
     positions = config.learned_positions * h   # GPT-2's learned position embedding, whole on every rank
     return v * h + config.num_kv_layers * per_layer + linear + mlps + final + head + positions

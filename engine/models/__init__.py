@@ -82,6 +82,7 @@ from engine.models.gpt2 import GPT2LMHeadModel, GPTBigCodeForCausalLM, OPTForCau
 from engine.models.gpt_neox import GPTNeoXForCausalLM
 from engine.models.gptj import GPTJForCausalLM
 from engine.models.phi import PhiForCausalLM
+from engine.models.nanochat import NanoChatForCausalLM
 from engine.models.olmo import OlmoForCausalLM
 from engine.models.phimoe import PhimoeForCausalLM
 from engine.models.stablelm import StableLmForCausalLM
@@ -178,6 +179,7 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "GPT2LMHeadModel": GPT2LMHeadModel,
                                                 "OPTForCausalLM": OPTForCausalLM,
                                                 "FlexOlmoForCausalLM": FlexOlmoForCausalLM,
+                                                "NanoChatForCausalLM": NanoChatForCausalLM,
                                                 "GemmaForCausalLM": GemmaForCausalLM,
                                                 "VaultGemmaForCausalLM": GemmaForCausalLM}
 

@@ -2091,6 +2091,19 @@ def test_flex_olmo_reads_as_transformers_does():
     assert all(cfg.is_sparse_layer(layer) for layer in range(cfg.num_layers))
 
 
+def test_nanochat_reads_as_transformers_does():
+    """nanochat (`NanoChatForCausalLM`, NanoChatConfig's defaults: nanochat d12's shape): weightless norms (the
+    parameter count is transformers' model's), a squared-ReLU MLP without a gate, the logits capped at 15; another
+    activation is refused by key."""
+    hf, cfg = _at_class_defaults("NanoChatConfig", {"architectures": ["NanoChatForCausalLM"]})
+    assert (cfg.hidden_act, cfg.final_logit_softcapping, cfg.num_kv_heads, cfg.tie_word_embeddings) == \
+        ("relu2", hf.final_logit_softcapping, hf.num_key_value_heads, False)
+    with pytest.raises(ConfigError, match="hidden_act"):
+        ModelConfig.from_hf_config({"architectures": ["NanoChatForCausalLM"], "vocab_size": 1000, "hidden_size": 64,
+                                    "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                    "hidden_act": "silu"})
+
+
 def test_olmo_reads_as_transformers_does():
     """OLMo (`OlmoForCausalLM`, OlmoConfig's defaults: OLMo-7B's shape): the Llama layer with LayerNorms that hold
     nothing (the parameter count is transformers' model's), multi-head, `clip_qkv` read where set."""

@@ -479,6 +479,9 @@ TINY_MODELS = [
     ("opt", {"ffn_dim": 96, "word_embed_proj_dim": 64, "enable_bias": False, "pad_token_id": 0}),
     # FlexOlmo: OLMo 2's post-norm layers and whole-projection q/k norms, every MLP 7 experts of 32, 5 a token
     ("flex_olmo", {"num_experts": 7, "num_experts_per_tok": 5, "intermediate_size": 32, "pad_token_id": 0}),
+    # nanochat: weightless RMSNorms (the embeddings normed too), q/k normed after its reversed rotary, squared ReLU,
+    # logits capped at 15
+    ("nanochat", {"pad_token_id": 0}),
     # Flint: Qwen3-MoE's layers with a sink a query head, sliding layers (a window of 8) rotating beside NoPE full ones,
     # float32 norms, after 2 dense layers 8 experts of 32 by the top 2 of their logits' sigmoid beside a shared one
     ("flint", {"num_hidden_layers": 4, "layer_types": ["full_attention", "sliding_attention", "sliding_attention",
