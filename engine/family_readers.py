@@ -44,7 +44,8 @@ OWN_MODULE_FIELDS: dict[str, Callable[[dict[str, Any], int], dict[str, Any]]] = 
     "Llama4ForCausalLM": llama4_fields, "Gemma4ForCausalLM": gemma4_fields, "Mistral4ForCausalLM": mistral4_fields,
     **MISTRAL_FIELDS, **HUNYUAN_FIELDS, **HYBRID_FIELDS, "MiMoV2FlashForCausalLM": mimo_fields,
     "Cohere2MoeForCausalLM": cohere2_moe_fields, "YoutuForCausalLM": youtu_fields,
-    "Kolibri1ForCausalLM": kolibri_fields, "FlintForCausalLM": flint_fields, "BambaForCausalLM": bamba_fields, "FalconH1ForCausalLM": falcon_h1_fields,
+    "Kolibri1ForCausalLM": kolibri_fields, "FlintForCausalLM": flint_fields, "BambaForCausalLM": bamba_fields,
+    "FalconH1ForCausalLM": falcon_h1_fields,
     "HyperCLOVAXForCausalLM": hyperclovax_fields, "LagunaForCausalLM": laguna_fields,
     "PhimoeForCausalLM": phimoe_fields, "FalconForCausalLM": falcon_fields, "GPTJForCausalLM": gptj_fields,
     "GPTBigCodeForCausalLM": gpt_bigcode_fields, "GPT2LMHeadModel": gpt2_fields, "OPTForCausalLM": opt_fields}

@@ -61,7 +61,8 @@ class LearnedPositions(GPTNeoXForCausalLM):
         return super().embed(input_ids) + self.wpe(self.positions + self.position_offset)
 
     def renamed(self, name: str, prefix: str, top: dict[str, str], renames: tuple[tuple[str, str], ...]) -> str:
-        """A checkpoint name past `prefix` as the model's: `top`'s whole names, `h.N` as `layers.N`, `renames`' parts."""
+        """A checkpoint name past `prefix` as the model's: `top`'s whole names, `h.N` as `layers.N`, `renames`'
+        parts."""
         name = name.removeprefix(prefix)
         name = top.get(name, "layers." + name.removeprefix("h.") if name.startswith("h.") else name)
         for theirs, ours in renames:

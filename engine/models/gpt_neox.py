@@ -1,7 +1,7 @@
 """EleutherAI's GPT-NeoX (`GPTNeoXForCausalLM`: GPT-NeoX-20B, Pythia, and the models trained on its code: Dolly v2,
 RedPajama-INCITE, StableLM-Tuned-Alpha): multi-head attention (as many KV heads as query heads), LayerNorms of a weight
 and a bias, q/k/v and `dense` (o_proj) biased where `attention_bias` (by default), an ungated biased MLP
-(`dense_h_to_4h`, GELU — exact, or its tanh form where `hidden_act` says `gelu_fast` / `gelu_new` —, `dense_4h_to_h`),
+(`dense_h_to_4h`, GELU: exact, or its tanh form where `hidden_act` says `gelu_fast` / `gelu_new`; `dense_4h_to_h`),
 the first `rotary_pct` of each head turned with rotate-half pairs (q/k rows reordered as read: `partial_rotary_rows`).
 
 Its layer is parallel by default (`use_parallel_residual`) with two norms off the same stream, unlike Cohere's one:
