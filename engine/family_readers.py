@@ -1,8 +1,8 @@
 """Which module reads each family's config.json, where it is not the Llama reading with a few fields of
 `engine.model_families`: `KEY_READERS` (config.json under the Llama reading's key names, before that reading: GPT-2's
-keys of GPT-J, GPT-2 and GPT-BigCode, OPT's and Falcon's older ones, LFM2's, Nemotron-H's, Kimi Linear's and Kolibri-1's
-own) and `OWN_MODULE_FIELDS` (a family's `ModelConfig` fields, read by its own module from config.json and the layer
-count)."""
+keys of GPT-J, GPT-2 and GPT-BigCode, OPT's, DBRX's and Falcon's older ones, LFM2's, Nemotron-H's, Kimi Linear's and
+Kolibri-1's own) and `OWN_MODULE_FIELDS` (a family's `ModelConfig` fields, read by its own module from config.json and
+the layer count)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.cohere_moe_config import cohere2_moe_fields
+from engine.dbrx_config import dbrx_config, dbrx_fields
 from engine.deepseek_config import mistral4_fields, youtu_fields
 from engine.falcon_config import falcon_config, falcon_fields
 from engine.falcon_h1_config import falcon_h1_fields
@@ -38,7 +39,8 @@ KEY_READERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "Lfm3ForCausalLM": lfm2_moe_config, "KimiLinearForCausalLM": kimi_linear_config,
     "Kolibri1ForCausalLM": kolibri_config, "BailingHybridForCausalLM": bailing_hybrid_config,
     "FalconForCausalLM": falcon_config, "GPTJForCausalLM": gptj_config,
-    "GPTBigCodeForCausalLM": gpt_bigcode_config, "GPT2LMHeadModel": gpt2_config, "OPTForCausalLM": opt_config}
+    "GPTBigCodeForCausalLM": gpt_bigcode_config, "GPT2LMHeadModel": gpt2_config, "OPTForCausalLM": opt_config,
+    "DbrxForCausalLM": dbrx_config}
 # (config.json, its layer count) -> the family's ModelConfig fields
 OWN_MODULE_FIELDS: dict[str, Callable[[dict[str, Any], int], dict[str, Any]]] = {
     "Llama4ForCausalLM": llama4_fields, "Gemma4ForCausalLM": gemma4_fields, "Mistral4ForCausalLM": mistral4_fields,
@@ -48,4 +50,5 @@ OWN_MODULE_FIELDS: dict[str, Callable[[dict[str, Any], int], dict[str, Any]]] = 
     "FalconH1ForCausalLM": falcon_h1_fields,
     "HyperCLOVAXForCausalLM": hyperclovax_fields, "LagunaForCausalLM": laguna_fields,
     "PhimoeForCausalLM": phimoe_fields, "FalconForCausalLM": falcon_fields, "GPTJForCausalLM": gptj_fields,
-    "GPTBigCodeForCausalLM": gpt_bigcode_fields, "GPT2LMHeadModel": gpt2_fields, "OPTForCausalLM": opt_fields}
+    "GPTBigCodeForCausalLM": gpt_bigcode_fields, "GPT2LMHeadModel": gpt2_fields, "OPTForCausalLM": opt_fields,
+    "DbrxForCausalLM": dbrx_fields}

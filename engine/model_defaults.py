@@ -159,7 +159,7 @@ DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32_768, "
                          "OlmoForCausalLM": 2048, "FalconForCausalLM": 2048,
                          "GPTJForCausalLM": 2048, "GPTBigCodeForCausalLM": 1024,
                          "GPT2LMHeadModel": 1024, "OPTForCausalLM": 2048, "FlexOlmoForCausalLM": 4096,
-                         "NanoChatForCausalLM": 2048}
+                         "NanoChatForCausalLM": 2048, "DbrxForCausalLM": 2048}
 # (activation, architecture): the ungated MLPs' activations past `model_config.SUPPORTED_ACTIVATIONS`, each served by
 # its family's model alone
 OWN_ACTIVATIONS = {("xielu", "ApertusForCausalLM"), ("relu2", "ArceeForCausalLM"), ("relu2", "Jais2ForCausalLM"),

@@ -82,6 +82,7 @@ from engine.models.gpt2 import GPT2LMHeadModel, GPTBigCodeForCausalLM, OPTForCau
 from engine.models.gpt_neox import GPTNeoXForCausalLM
 from engine.models.gptj import GPTJForCausalLM
 from engine.models.phi import PhiForCausalLM
+from engine.models.dbrx import DbrxForCausalLM
 from engine.models.nanochat import NanoChatForCausalLM
 from engine.models.olmo import OlmoForCausalLM
 from engine.models.phimoe import PhimoeForCausalLM
@@ -180,6 +181,7 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "OPTForCausalLM": OPTForCausalLM,
                                                 "FlexOlmoForCausalLM": FlexOlmoForCausalLM,
                                                 "NanoChatForCausalLM": NanoChatForCausalLM,
+                                                "DbrxForCausalLM": DbrxForCausalLM,
                                                 "GemmaForCausalLM": GemmaForCausalLM,
                                                 "VaultGemmaForCausalLM": GemmaForCausalLM}
 

@@ -2104,6 +2104,40 @@ def test_nanochat_reads_as_transformers_does():
                                     "hidden_act": "silu"})
 
 
+# dbrx-instruct's config.json (Databricks, 2024; its training-only keys left out)
+DBRX_INSTRUCT = {"architectures": ["DbrxForCausalLM"], "attn_config": {"clip_qkv": 8, "kv_n_heads": 8,
+                                                                       "rope_theta": 500000},
+                 "d_model": 6144, "ffn_config": {"ffn_act_fn": {"name": "silu"}, "ffn_hidden_size": 10752,
+                                                 "moe_normalize_expert_weights": 1, "moe_num_experts": 16,
+                                                 "moe_top_k": 4},
+                 "max_seq_len": 32768, "model_type": "dbrx", "n_heads": 48, "n_layers": 40, "vocab_size": 100352}
+
+
+def test_dbrx_as_its_model_card_writes_it_reads_as_transformers_does():
+    """DBRX Instruct's config: 131.6 B parameters as transformers' model holds them (16 experts of 10,752 a layer,
+    weight-only LayerNorms, no biases), 8 KV heads and the rope's base from `attn_config`, q/k/v clipped at 8, the
+    top 4 renormalised. Another activation or p-norm of the weights is refused by key."""
+    transformers = pytest.importorskip("transformers")
+    cfg = ModelConfig.from_hf_config(DBRX_INSTRUCT)
+    floats = {"attn_config": {**DBRX_INSTRUCT["attn_config"], "clip_qkv": 8.0, "rope_theta": 500000.0},
+              "ffn_config": {**DBRX_INSTRUCT["ffn_config"], "moe_normalize_expert_weights": 1.0}}   # its strict types
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(transformers.DbrxConfig(
+            **{k: v for k, v in {**DBRX_INSTRUCT, **floats}.items() if k != "architectures"}))
+    assert cfg.num_params() == sum(p.numel() for p in hf.parameters())
+    assert round(cfg.num_params() / 1e9, 1) == 131.6
+    assert (cfg.num_kv_heads, cfg.rope_theta, cfg.clip_qkv, cfg.num_experts, cfg.num_experts_per_tok,
+            cfg.moe_intermediate_size, cfg.norm_topk_prob, cfg.context_length) == \
+        (8, 500_000.0, 8.0, 16, 4, 10752, True, 32768)
+    ffn = DBRX_INSTRUCT["ffn_config"]
+    for change, key in (({**ffn, "ffn_act_fn": {"name": "gelu"}}, "ffn_act_fn"),
+                        ({**ffn, "moe_normalize_expert_weights": 2}, "moe_normalize_expert_weights")):
+        with pytest.raises(ConfigError, match=key):
+            ModelConfig.from_hf_config({**DBRX_INSTRUCT, "ffn_config": change})
+    assert not ModelConfig.from_hf_config({**DBRX_INSTRUCT, "ffn_config": {
+        **ffn, "moe_normalize_expert_weights": None}}).norm_topk_prob
+
+
 def test_olmo_reads_as_transformers_does():
     """OLMo (`OlmoForCausalLM`, OlmoConfig's defaults: OLMo-7B's shape): the Llama layer with LayerNorms that hold
     nothing (the parameter count is transformers' model's), multi-head, `clip_qkv` read where set."""

@@ -482,6 +482,11 @@ TINY_MODELS = [
     # nanochat: weightless RMSNorms (the embeddings normed too), q/k normed after its reversed rotary, squared ReLU,
     # logits capped at 15
     ("nanochat", {"pad_token_id": 0}),
+    # DBRX: weight-only LayerNorms, q/k/v clipped at 0.5, every MLP 4 experts of 32 (2 a token, renormalised) stored
+    # stacked as w1 / v1 / w2
+    ("dbrx", {"d_model": 64, "n_heads": 4, "n_layers": 2, "max_seq_len": 512, "pad_token_id": 0,
+              "attn_config": {"kv_n_heads": 2, "clip_qkv": 0.5, "rope_theta": 500.0},
+              "ffn_config": {"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2}}),
     # Flint: Qwen3-MoE's layers with a sink a query head, sliding layers (a window of 8) rotating beside NoPE full ones,
     # float32 norms, after 2 dense layers 8 experts of 32 by the top 2 of their logits' sigmoid beside a shared one
     ("flint", {"num_hidden_layers": 4, "layer_types": ["full_attention", "sliding_attention", "sliding_attention",
