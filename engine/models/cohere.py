@@ -94,6 +94,7 @@ class CohereDecoderLayer(nn.Module):
             self.self_attn.q_norm = CohereHeadLayerNorm(shard.num_heads, config.head_dim, config.rms_norm_eps)
             self.self_attn.k_norm = CohereHeadLayerNorm(shard.num_kv_heads, config.head_dim, config.rms_norm_eps)
         self.mlp = MLP(config, shard, comm, ops)
+        self.post_attention_layernorm: nn.Module | None = None   # GPT-NeoX's: the MLP's own norm of the stream
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope_rows: RopeRows,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, backend
@@ -104,8 +105,9 @@ class CohereDecoderLayer(nn.Module):
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
+        mlp_input = hidden if self.post_attention_layernorm is None else self.post_attention_layernorm(residual)
         residual = residual + self.self_attn(hidden, rope_rows, kv_cache, meta, backend)
-        return self.mlp(hidden), residual
+        return self.mlp(mlp_input), residual
 
 
 class InterleavedRotaryWeights(LlamaForCausalLM):

@@ -35,9 +35,7 @@ class DbrxMoeBlock(SparseMoeBlock):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         weights, experts = torch.topk(self.gate(x).softmax(dim=-1), self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights, experts
+        return self.renormalised(weights), experts
 
 
 class DbrxForCausalLM(Qwen3MoeForCausalLM):

@@ -4,11 +4,12 @@ and a bias, q/k/v and `dense` (o_proj) biased where `attention_bias` (by default
 (`dense_h_to_4h`, GELU: exact, or its tanh form where `hidden_act` says `gelu_fast` / `gelu_new`; `dense_4h_to_h`),
 the first `rotary_pct` of each head turned with rotate-half pairs (q/k rows reordered as read: `partial_rotary_rows`).
 
-Its layer is parallel by default (`use_parallel_residual`) with two norms off the same stream, unlike Cohere's one:
-x + attention(norm_1(x)) + MLP(norm_2(x)) (`GPTNeoXParallelLayer`); else the Llama layer's sequence. The checkpoint
-names the model `gpt_neox.` (`embed_in`, `final_layer_norm`, a layer's `attention.query_key_value` holding each head's
-q, k and v rows one after the other, split as read) and the head `embed_out`; the older releases' attention buffers
-(`attention.bias`, `attention.masked_bias`, `attention.rotary_emb.inv_freq`) are skipped. The module path runs it."""
+Its layer is parallel by default (`use_parallel_residual`) with two norms off the same stream, unlike Cohere's one: x +
+attention(norm_1(x)) + MLP(norm_2(x)) (`ungated_layer`: Cohere's layer with a norm for the MLP); else the Llama layer's
+sequence. The checkpoint names the model `gpt_neox.` (`embed_in`, `final_layer_norm`, a layer's
+`attention.query_key_value` holding each head's q, k and v rows one after the other, split as read) and the head
+`embed_out`; the older releases' attention buffers (`attention.bias`, `attention.masked_bias`,
+`attention.rotary_emb.inv_freq`) are skipped. The module path runs it."""
 
 from __future__ import annotations
 
@@ -18,17 +19,15 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from engine.layers import BiasLayerNorm, RopeRows
-from engine.model import Attention, DecoderLayer, LlamaForCausalLM, WeightLoadError
+from engine.layers import BiasLayerNorm
+from engine.model import DecoderLayer, LlamaForCausalLM, WeightLoadError
 from engine.model_config import ModelConfig
 from engine.models.apertus import ApertusMLP, GeluTanh, Jais2ForCausalLM
 from engine.models.cohere import CohereDecoderLayer
 from engine.models.phi3 import partial_rotary_rows
 from engine.models.smollm3 import layer_rotary
-from engine.parallel import Collectives, ShardShape
-from kernels import AttentionMetadata
 
-__all__ = ["GPTNeoXForCausalLM", "GPTNeoXParallelLayer", "split_grouped_qkv", "ungated_layer"]
+__all__ = ["GPTNeoXForCausalLM", "split_grouped_qkv", "ungated_layer"]
 
 # the checkpoint's names (past `gpt_neox.`) -> the model's (before Jais 2's reading: the MLP's up_proj as its `up`)
 _RENAMES = ((".attention.dense.", ".self_attn.o_proj."), (".mlp.dense_h_to_4h.", ".mlp.up_proj."),
@@ -38,41 +37,16 @@ _TOP_NAMES = {"embed_in.weight": "embed_tokens.weight", "embed_out.weight": "lm_
 _BUFFERS = (".attention.bias", ".attention.masked_bias", ".attention.rotary_emb.inv_freq")   # not weights
 
 
-class GPTNeoXParallelLayer(nn.Module):
-    """One parallel block of two norms: the attention off `input_layernorm`, the MLP off `post_attention_layernorm`,
-    both of the same stream x; hands on (MLP, x + attention), the next layer's fused add making the sum."""
-
-    def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives, rotary_emb: nn.Module,
-                 act_fn: nn.Module, layer: int) -> None:
-        super().__init__()
-        self.input_layernorm = BiasLayerNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, shard, comm, rotary_emb, layer)
-        self.post_attention_layernorm = BiasLayerNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = ApertusMLP(config, shard, comm, act_fn)
-
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope_rows: RopeRows,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, backend
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden: [num_tokens, hidden_size], the previous layer's MLP output (the embeddings, with residual None,
-        for the first) -> (this layer's MLP output, the stream with its attention output added)."""
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        mlp = self.mlp(self.post_attention_layernorm(residual))
-        return mlp, residual + self.self_attn(hidden, rope_rows, kv_cache, meta, backend)
-
-
 def ungated_layer(model: LlamaForCausalLM, index: int, ops: ModuleType, act_fn: nn.Module) -> nn.Module:
-    """Layer `index` of `model` with LayerNorms and an ungated MLP through `act_fn` (`ApertusMLP`): parallel with two
-    norms (`GPTNeoXParallelLayer`) or one (Cohere's layer: Phi's, Falcon-7B's) where the config's layer is parallel,
-    else the Llama layer's sequence."""
+    """Layer `index` of `model` with LayerNorms and an ungated MLP through `act_fn` (`ApertusMLP`): where the config's
+    layer is parallel, Cohere's layer with one norm (Phi's, Falcon-7B's) or two (GPT-NeoX's, Falcon-40B's: the MLP's
+    `post_attention_layernorm` of the same stream), else the Llama layer's sequence."""
     c, shard, rotary = model.config, model.shard, layer_rotary(model, index)   # GPT-BigCode's: NoPE
-    if c.parallel_residual and c.parallel_norms == 2:
-        return GPTNeoXParallelLayer(c, shard, model.comm, rotary, act_fn, index)
     if c.parallel_residual:
         layer = CohereDecoderLayer(c, shard, model.comm, rotary, ops, index)
         layer.input_layernorm = BiasLayerNorm(c.hidden_size, c.rms_norm_eps)
+        if c.parallel_norms == 2:   # the MLP's own norm of the same stream
+            layer.post_attention_layernorm = BiasLayerNorm(c.hidden_size, c.rms_norm_eps)
     else:
         layer = DecoderLayer(c, shard, model.comm, rotary, ops, index)
         layer.input_layernorm = BiasLayerNorm(c.hidden_size, c.rms_norm_eps)

@@ -53,10 +53,7 @@ class KolibriMoeBlock(Lfm2MoeBlock):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x.float(), self.gate.weight.float())                   # [num_tokens, num_experts]
         experts = torch.topk(logits + self.expert_bias.weight, k=self.top_k, dim=-1)[1]
-        weights = logits.gather(1, experts).sigmoid()
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights, experts
+        return self.renormalised(logits.gather(1, experts).sigmoid()), experts
 
 
 class KolibriForCausalLM(Qwen3MoeForCausalLM):
@@ -88,9 +85,7 @@ class FlintMoeBlock(SparseMoeBlock):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         weights, experts = torch.topk(F.linear(x.float(), self.gate.weight.float()).sigmoid(), self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights, experts
+        return self.renormalised(weights), experts
 
 
 class FlintForCausalLM(Qwen3MoeForCausalLM):

@@ -141,9 +141,12 @@ class SparseMoeBlock(nn.Module):
         experts [num_tokens, top_k])."""
         logits = self.gate(x)                                                    # [num_tokens, num_experts]
         weights, experts = torch.topk(F.softmax(logits, dim=-1, dtype=torch.float), self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights /= weights.sum(dim=-1, keepdim=True)
+        weights = self.renormalised(weights)
         return (weights if self.float_weights else weights.to(logits.dtype)), experts
+
+    def renormalised(self, weights: torch.Tensor) -> torch.Tensor:
+        """The picks' weights [num_tokens, top_k] divided by their sum where `norm_topk_prob` (no epsilon)."""
+        return weights / weights.sum(dim=-1, keepdim=True) if self.norm_topk_prob else weights
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, hidden]. The collective once, at the end: a rank whose grouped matmul fell back to the
