@@ -717,11 +717,7 @@ def test_phi35_moe_as_its_model_card_writes_it_reads_as_transformers_does():
 
     from engine.layers.rotary import rope_cos_sin_cache
 
-    cfg = ModelConfig.from_hf_config(PHI35_MOE_CARD)
-    theirs = transformers.PhimoeConfig(**{k: v for k, v in PHI35_MOE_CARD.items() if k != "architectures"})
-    with torch.device("meta"):
-        hf = transformers.AutoModelForCausalLM.from_config(theirs)
-    assert cfg.num_params() == sum(p.numel() for p in hf.parameters())
+    cfg = _card_as_transformers_counts(PHI35_MOE_CARD, "PhimoeConfig")
     assert round(cfg.num_params() / 1e9, 1) == 41.9
     assert (cfg.architecture, cfg.moe_router, cfg.num_experts, cfg.num_experts_per_tok, cfg.router_jitter_noise) == \
         ("PhimoeForCausalLM", "sparsemixer", 16, 2, 0.01)
@@ -1078,6 +1074,16 @@ def _meta_model(config_class, card: dict):
     hf_config = config_class(**{k: v for k, v in card.items() if k != "architectures"})
     with torch.device("meta"):
         return hf_config, transformers.AutoModelForCausalLM.from_config(hf_config)
+
+
+def _card_as_transformers_counts(card: dict, config_class: str, theirs: dict | None = None) -> ModelConfig:
+    """Our reading of a model card's config.json, its parameter count checked against transformers' model of it
+    (`config_class`, built on the meta device from `theirs` where its strict types want another spelling)."""
+    transformers = pytest.importorskip("transformers")
+    cfg = ModelConfig.from_hf_config(card)
+    _, hf = _meta_model(getattr(transformers, config_class), theirs or card)
+    assert cfg.num_params() == sum(p.numel() for p in hf.parameters())
+    return cfg
 
 
 def _params_and_router_biases(hf) -> int:
@@ -2117,14 +2123,9 @@ def test_dbrx_as_its_model_card_writes_it_reads_as_transformers_does():
     """DBRX Instruct's config: 131.6 B parameters as transformers' model holds them (16 experts of 10,752 a layer,
     weight-only LayerNorms, no biases), 8 KV heads and the rope's base from `attn_config`, q/k/v clipped at 8, the
     top 4 renormalised. Another activation or p-norm of the weights is refused by key."""
-    transformers = pytest.importorskip("transformers")
-    cfg = ModelConfig.from_hf_config(DBRX_INSTRUCT)
     floats = {"attn_config": {**DBRX_INSTRUCT["attn_config"], "clip_qkv": 8.0, "rope_theta": 500000.0},
-              "ffn_config": {**DBRX_INSTRUCT["ffn_config"], "moe_normalize_expert_weights": 1.0}}   # its strict types
-    with torch.device("meta"):
-        hf = transformers.AutoModelForCausalLM.from_config(transformers.DbrxConfig(
-            **{k: v for k, v in {**DBRX_INSTRUCT, **floats}.items() if k != "architectures"}))
-    assert cfg.num_params() == sum(p.numel() for p in hf.parameters())
+              "ffn_config": {**DBRX_INSTRUCT["ffn_config"], "moe_normalize_expert_weights": 1.0}}
+    cfg = _card_as_transformers_counts(DBRX_INSTRUCT, "DbrxConfig", {**DBRX_INSTRUCT, **floats})
     assert round(cfg.num_params() / 1e9, 1) == 131.6
     assert (cfg.num_kv_heads, cfg.rope_theta, cfg.clip_qkv, cfg.num_experts, cfg.num_experts_per_tok,
             cfg.moe_intermediate_size, cfg.norm_topk_prob, cfg.context_length) == \
@@ -2164,12 +2165,7 @@ def test_falcon_as_its_model_cards_write_it_reads_as_transformers_does(card, bil
     """Falcon-7B's and -40B's configs: the parameter count is transformers' model's (6.9 B and 41.3 B), one KV head
     for 7B's multi-query attention and 8 for 40B's groups, one norm before 7B's parallel sublayers and one each for
     40B's, the head tied. ALiBi, another activation and the new architecture's sequential layer are refused by key."""
-    transformers = pytest.importorskip("transformers")
-    cfg = ModelConfig.from_hf_config(card)
-    with torch.device("meta"):
-        hf = transformers.AutoModelForCausalLM.from_config(transformers.FalconConfig(
-            **{k: v for k, v in card.items() if k != "architectures"}))
-    assert cfg.num_params() == sum(p.numel() for p in hf.parameters())
+    cfg = _card_as_transformers_counts(card, "FalconConfig")
     assert round(cfg.num_params() / 1e9, 1) == billions
     assert (cfg.num_kv_heads, cfg.parallel_residual, cfg.parallel_norms, cfg.tie_word_embeddings, cfg.hidden_act,
             cfg.intermediate_size) == (kv, True, norms, True, "gelu", 4 * card["hidden_size"])
@@ -2192,12 +2188,7 @@ def test_gptj_as_its_model_card_writes_it_reads_as_transformers_does():
     transformers' model holds them (a biased head, unbiased attention), a parallel layer off one norm, 64 of each
     head's 256 dimensions rotated; null `rotary_dim` the whole head (transformers 4's reading). Another activation or
     an odd rotary is refused by key."""
-    transformers = pytest.importorskip("transformers")
-    cfg = ModelConfig.from_hf_config(GPTJ_6B)
-    with torch.device("meta"):
-        hf = transformers.AutoModelForCausalLM.from_config(transformers.GPTJConfig(
-            **{k: v for k, v in GPTJ_6B.items() if k != "architectures"}))
-    assert cfg.num_params() == sum(p.numel() for p in hf.parameters())
+    cfg = _card_as_transformers_counts(GPTJ_6B, "GPTJConfig")
     assert round(cfg.num_params() / 1e9, 2) == 6.05
     assert (cfg.hidden_size, cfg.num_layers, cfg.num_kv_heads, cfg.intermediate_size, cfg.rotary_dim,
             cfg.parallel_residual, cfg.lm_head_bias, cfg.attention_bias) == (4096, 28, 16, 16384, 64, True, True, False)
@@ -2221,12 +2212,7 @@ def test_gpt_bigcode_as_starcoders_card_writes_it_reads_as_transformers_does():
     position embedding of 8,192 rows, one KV head, every projection biased, a tied head), no rotary on any layer; a
     KV head a query head where `multi_query` is false. Another activation, unscaled attention or cross-attention are
     refused by key."""
-    transformers = pytest.importorskip("transformers")
-    cfg = ModelConfig.from_hf_config(STARCODER)
-    with torch.device("meta"):
-        hf = transformers.AutoModelForCausalLM.from_config(transformers.GPTBigCodeConfig(
-            **{k: v for k, v in STARCODER.items() if k != "architectures"}))
-    assert cfg.num_params() == sum(p.numel() for p in hf.parameters())
+    cfg = _card_as_transformers_counts(STARCODER, "GPTBigCodeConfig")
     assert round(cfg.num_params() / 1e9, 1) == 15.5
     assert (cfg.num_kv_heads, cfg.learned_positions, cfg.context_length, cfg.tie_word_embeddings,
             set(cfg.no_rope_layers), cfg.intermediate_size) == (1, 8192, 8192, True, {0}, 24576)
@@ -2254,12 +2240,7 @@ def test_gpt2_and_opt_as_their_cards_write_them_read_as_transformers_does(card, 
     """gpt2's and opt-125m's configs: 124 M and 125 M parameters as transformers' models hold them (a learned position
     table of 1,024 rows; OPT's 2,050: looked up two rows on), a KV head a query head, no rotary, the head tied. GPT-2's
     per-layer attention scaling and OPT-350M's post-norm layers and projected embeddings are refused by key."""
-    transformers = pytest.importorskip("transformers")
-    cfg = ModelConfig.from_hf_config(card)
-    with torch.device("meta"):
-        hf = transformers.AutoModelForCausalLM.from_config(getattr(transformers, config_class)(
-            **{k: v for k, v in card.items() if k != "architectures"}))
-    assert cfg.num_params() == sum(p.numel() for p in hf.parameters())
+    cfg = _card_as_transformers_counts(card, config_class)
     assert round(cfg.num_params() / 1e6) == millions
     assert (cfg.num_kv_heads, cfg.learned_positions, cfg.tie_word_embeddings, set(cfg.no_rope_layers)) == \
         (12, rows, True, {0})
