@@ -5,6 +5,8 @@ refused naming the key."""
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
 from typing import Any
 
 from engine.config import ConfigError
@@ -229,4 +231,21 @@ def youtu_fields(cfg: dict[str, Any], num_layers: int = 0) -> dict[str, Any]:
     the embedding unless `tie_word_embeddings` says not."""
     mla = read_mla(cfg, MLA_DEFAULTS["DeepseekV3ForCausalLM"], interleave_key=True)
     return {"mla": mla, "head_dim": mla.cache_dim, "num_kv_heads": 1,
+            "tie_word_embeddings": read_bool(cfg, "tie_word_embeddings", True)}
+
+
+def minicpm3_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """OpenBMB's MiniCPM3 (`MiniCPM3ForCausalLM`; transformers' `MiniCPM3Config` names and defaults, MiniCPM3-4B's):
+    DeepSeek V2's latent attention with its rotary over halves (`rope_interleave` false) and a dense MLP on every
+    layer, with muP's scalars as Granite's fields: the embeddings times `scale_emb` (12), each sublayer's output times
+    `scale_depth` / sqrt(layers) (1.4; null: 1), the logits over hidden / `dim_model_base` (256; null: 1); the head
+    tied."""
+    check_silu(cfg, "MiniCPM3")
+    mla = replace(read_mla(cfg, (768, 256, 64, 32, 64), interleave_key=False), rope_interleave=False)
+    depth = None if cfg.get("scale_depth", 1.4) is None else read_float(cfg, "scale_depth", 1.4)
+    base = None if cfg.get("dim_model_base", 256) is None else read_int(cfg, "dim_model_base", 256)
+    return {"mla": mla, "head_dim": mla.cache_dim, "num_kv_heads": 1,
+            "embedding_multiplier": read_float(cfg, "scale_emb", 12.0),
+            "residual_multiplier": 1.0 if depth is None else depth / math.sqrt(num_layers),
+            "logits_scaling": 1.0 if base is None else read_int(cfg, "hidden_size") / base,
             "tie_word_embeddings": read_bool(cfg, "tie_word_embeddings", True)}

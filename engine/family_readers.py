@@ -11,7 +11,7 @@ from typing import Any
 
 from engine.cohere_moe_config import cohere2_moe_fields
 from engine.dbrx_config import dbrx_config, dbrx_fields
-from engine.deepseek_config import mistral4_fields, youtu_fields
+from engine.deepseek_config import minicpm3_fields, mistral4_fields, youtu_fields
 from engine.falcon_config import falcon_config, falcon_fields
 from engine.falcon_h1_config import falcon_h1_fields
 from engine.flint_config import flint_fields
@@ -51,4 +51,4 @@ OWN_MODULE_FIELDS: dict[str, Callable[[dict[str, Any], int], dict[str, Any]]] = 
     "HyperCLOVAXForCausalLM": hyperclovax_fields, "LagunaForCausalLM": laguna_fields,
     "PhimoeForCausalLM": phimoe_fields, "FalconForCausalLM": falcon_fields, "GPTJForCausalLM": gptj_fields,
     "GPTBigCodeForCausalLM": gpt_bigcode_fields, "GPT2LMHeadModel": gpt2_fields, "OPTForCausalLM": opt_fields,
-    "DbrxForCausalLM": dbrx_fields}
+    "DbrxForCausalLM": dbrx_fields, "MiniCPM3ForCausalLM": minicpm3_fields}

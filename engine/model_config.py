@@ -64,7 +64,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
                            "NemotronForCausalLM", "StableLmForCausalLM", "PhiForCausalLM", "GPTNeoXForCausalLM",
                            "PhimoeForCausalLM", "OlmoForCausalLM", "FalconForCausalLM", "GPTJForCausalLM",
                            "GPTBigCodeForCausalLM", "GPT2LMHeadModel", "OPTForCausalLM", "FlexOlmoForCausalLM",
-                           "NanoChatForCausalLM", "DbrxForCausalLM",
+                           "NanoChatForCausalLM", "DbrxForCausalLM", "MiniCPM3ForCausalLM",
                            "GemmaForCausalLM", "VaultGemmaForCausalLM")
 # their attention bias: q/k/v's, not o_proj's
 QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM", "GlmForCausalLM",
@@ -180,9 +180,10 @@ class ModelConfig:
             raise ConfigError(f"partial_rotary_factor: {self.partial_rotary_factor} of head_dim {self.head_dim} is "
                               "served as an even count of dimensions, with the default rope or longrope only")
         for key in ("short_factor", "long_factor") if self.rope_scaling.rope_type == "longrope" else ():
-            if len(getattr(self.rope_scaling, key)) != self.rotary_dim // 2:
+            pairs = (self.mla.qk_rope_head_dim if self.mla is not None else self.rotary_dim) // 2   # MiniCPM3: MLA
+            if len(getattr(self.rope_scaling, key)) != pairs:
                 raise ConfigError(f"rope_scaling.{key}: longrope needs one factor a rotary frequency "
-                                  f"({self.rotary_dim // 2}), got {len(getattr(self.rope_scaling, key))}")
+                                  f"({pairs}), got {len(getattr(self.rope_scaling, key))}")
         if self.hidden_act not in SUPPORTED_ACTIVATIONS and \
                 (self.hidden_act, self.architecture) not in OWN_ACTIVATIONS:   # an ungated MLP's own
             raise ConfigError(f"hidden_act: unsupported {self.hidden_act!r}; supported: {', '.join(SUPPORTED_ACTIVATIONS)}")

@@ -159,7 +159,8 @@ DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32_768, "
                          "OlmoForCausalLM": 2048, "FalconForCausalLM": 2048,
                          "GPTJForCausalLM": 2048, "GPTBigCodeForCausalLM": 1024,
                          "GPT2LMHeadModel": 1024, "OPTForCausalLM": 2048, "FlexOlmoForCausalLM": 4096,
-                         "NanoChatForCausalLM": 2048, "DbrxForCausalLM": 2048}
+                         "NanoChatForCausalLM": 2048, "DbrxForCausalLM": 2048,
+                         "MiniCPM3ForCausalLM": 32_768}
 # (activation, architecture): the ungated MLPs' activations past `model_config.SUPPORTED_ACTIVATIONS`, each served by
 # its family's model alone
 OWN_ACTIVATIONS = {("xielu", "ApertusForCausalLM"), ("relu2", "ArceeForCausalLM"), ("relu2", "Jais2ForCausalLM"),
@@ -175,7 +176,7 @@ DEFAULT_RMS_NORM_EPS = {"MixtralForCausalLM": 1e-5, "Phi3ForCausalLM": 1e-5, "Ol
                         "HunYuanDenseV1ForCausalLM": 1e-5, "OlmoeForCausalLM": 1e-5, "HunYuanMoEV1ForCausalLM": 1e-5,
                         "ApertusForCausalLM": 1e-5, "ArceeForCausalLM": 1e-5, "CwmForCausalLM": 1e-5,
                         "BambaForCausalLM": 1e-5, "FalconH1ForCausalLM": 1e-5, "ExaoneForCausalLM": 1e-5,
-                        "PhimoeForCausalLM": 1e-5}
+                        "PhimoeForCausalLM": 1e-5, "MiniCPM3ForCausalLM": 1e-5}
 # their num_key_value_heads where config.json names none (else one per query head)
 DEFAULT_KV_HEADS = {"Qwen2ForCausalLM": 32, "MistralForCausalLM": 8, "Qwen3ForCausalLM": 32, "Qwen3MoeForCausalLM": 4,
                     "MixtralForCausalLM": 8, "SmolLM3ForCausalLM": 4, "GptOssForCausalLM": 8,

@@ -83,6 +83,7 @@ from engine.models.gpt_neox import GPTNeoXForCausalLM
 from engine.models.gptj import GPTJForCausalLM
 from engine.models.phi import PhiForCausalLM
 from engine.models.dbrx import DbrxForCausalLM
+from engine.models.minicpm3 import MiniCPM3ForCausalLM
 from engine.models.nanochat import NanoChatForCausalLM
 from engine.models.olmo import OlmoForCausalLM
 from engine.models.phimoe import PhimoeForCausalLM
@@ -182,6 +183,7 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "FlexOlmoForCausalLM": FlexOlmoForCausalLM,
                                                 "NanoChatForCausalLM": NanoChatForCausalLM,
                                                 "DbrxForCausalLM": DbrxForCausalLM,
+                                                "MiniCPM3ForCausalLM": MiniCPM3ForCausalLM,
                                                 "GemmaForCausalLM": GemmaForCausalLM,
                                                 "VaultGemmaForCausalLM": GemmaForCausalLM}
 

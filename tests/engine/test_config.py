@@ -2139,6 +2139,25 @@ def test_dbrx_as_its_model_card_writes_it_reads_as_transformers_does():
         **ffn, "moe_normalize_expert_weights": None}}).norm_topk_prob
 
 
+def test_minicpm3_reads_as_transformers_does():
+    """MiniCPM3 (`MiniCPM3ForCausalLM`, MiniCPM3Config's defaults: MiniCPM3-4B's shape): DeepSeek V2's latent
+    attention (one cache row of latent and rotated key a token) with its rotary over halves, dense MLPs, muP's scalars
+    as Granite's fields; the parameter count is transformers' model's. Null `scale_depth` / `dim_model_base` scale
+    nothing, as transformers reads them; a LongRoPE has a factor a pair of the rotated part."""
+    hf, cfg = _at_class_defaults("MiniCPM3Config", {"architectures": ["MiniCPM3ForCausalLM"]})
+    assert (cfg.mla.qk_rope_head_dim, cfg.mla.rope_interleave, cfg.num_experts, cfg.head_dim) == \
+        (hf.qk_rope_head_dim, False, 0, hf.kv_lora_rank + hf.qk_rope_head_dim)
+    assert (cfg.embedding_multiplier, cfg.residual_multiplier, cfg.logits_scaling, cfg.tie_word_embeddings) == \
+        (hf.scale_emb, hf.scale_depth / hf.num_hidden_layers ** 0.5, hf.hidden_size / hf.dim_model_base, True)
+    bare = {"architectures": ["MiniCPM3ForCausalLM"], "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 96,
+            "num_hidden_layers": 4, "num_attention_heads": 4, "scale_depth": None, "dim_model_base": None}
+    assert (ModelConfig.from_hf_config(bare).residual_multiplier, ModelConfig.from_hf_config(bare).logits_scaling) == \
+        (1.0, 1.0)
+    longrope = {"rope_type": "longrope", "short_factor": [1.0] * 16, "long_factor": [2.0] * 16,
+                "original_max_position_embeddings": 4096}
+    assert ModelConfig.from_hf_config({**bare, "rope_scaling": longrope}).rope_scaling.rope_type == "longrope"
+
+
 def test_olmo_reads_as_transformers_does():
     """OLMo (`OlmoForCausalLM`, OlmoConfig's defaults: OLMo-7B's shape): the Llama layer with LayerNorms that hold
     nothing (the parameter count is transformers' model's), multi-head, `clip_qkv` read where set."""

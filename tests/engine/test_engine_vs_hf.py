@@ -110,6 +110,9 @@ QWEN2_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
 DEEPSEEK = dict(num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                 first_k_dense_replace=1, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
                 n_group=2, topk_group=1, num_hidden_layers=3)
+# MiniCPM3's latent attention on the tiny model
+MINICPM3 = dict(q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                num_key_value_heads=4, dim_model_base=16, pad_token_id=0)
 # Ling 3 (Ling-3.0-Flash's kind): KDA and latent attention layers, the first MLP dense, 8 experts of 32 in 2 groups
 BAILING = dict(num_hidden_layers=3, layer_types=["linear_attention", "full_attention", "linear_attention"],
                mlp_layer_types=["dense", "sparse", "sparse"], intermediate_size=96, moe_intermediate_size=32,
@@ -487,6 +490,13 @@ TINY_MODELS = [
     ("dbrx", {"d_model": 64, "n_heads": 4, "n_layers": 2, "max_seq_len": 512, "pad_token_id": 0,
               "attn_config": {"kv_n_heads": 2, "clip_qkv": 0.5, "rope_theta": 500.0},
               "ffn_config": {"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2}}),
+    # MiniCPM3: DeepSeek V2's latent attention (its rotary over halves), dense MLPs, muP's scalars (the embeddings times
+    # 12, each sublayer's output times 1.4 / sqrt(2), the logits over 64 / 16); then a LongRoPE over the rotated part
+    ("minicpm3", MINICPM3),
+    ("minicpm3", {**MINICPM3, "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,
+                                                  "original_max_position_embeddings": 512,
+                                                  "short_factor": [1.0, 1.3, 1.6, 1.9],
+                                                  "long_factor": [2.0, 3.0, 4.0, 5.0]}}),
     # Flint: Qwen3-MoE's layers with a sink a query head, sliding layers (a window of 8) rotating beside NoPE full ones,
     # float32 norms, after 2 dense layers 8 experts of 32 by the top 2 of their logits' sigmoid beside a shared one
     ("flint", {"num_hidden_layers": 4, "layer_types": ["full_attention", "sliding_attention", "sliding_attention",
