@@ -16,6 +16,7 @@ from torch import nn
 
 from engine.model import WeightLoadError
 from engine.models.cohere import CohereLayerNorm
+from engine.models.gpt_neox import checkpoint_name
 from engine.models.olmo import OlmoAttention
 from engine.models.qwen3_moe import Qwen3MoeForCausalLM, SparseMoeBlock
 
@@ -52,10 +53,7 @@ class DbrxForCausalLM(Qwen3MoeForCausalLM):
     def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
         """DBRX's names as the model's; the fused Wqkv as q_proj, k_proj and v_proj; the stacked experts as each
         expert's gate_proj, up_proj and down_proj (w2 transposed)."""
-        name = name.removeprefix("transformer.")
-        name = _TOP_NAMES.get(name, "layers." + name.removeprefix("blocks.") if name.startswith("blocks.") else name)
-        for theirs, ours in _RENAMES:
-            name = name.replace(theirs, ours)
+        name = checkpoint_name(name, "transformer.", _TOP_NAMES, _RENAMES, blocks="blocks.")
         c = self.config
         head, fused, suffix = name.partition(".norm_attn_norm.attn.Wqkv.")
         if fused:

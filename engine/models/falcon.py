@@ -10,7 +10,7 @@ from collections.abc import Iterable
 
 import torch
 
-from engine.models.gpt_neox import GPTNeoXForCausalLM, split_grouped_qkv
+from engine.models.gpt_neox import GPTNeoXForCausalLM, checkpoint_name, split_grouped_qkv
 
 __all__ = ["FalconForCausalLM"]
 
@@ -25,10 +25,7 @@ class FalconForCausalLM(GPTNeoXForCausalLM):
     """Falcon (see the module docstring)."""
 
     def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
-        name = name.removeprefix("transformer.")
-        name = _TOP_NAMES.get(name, "layers." + name.removeprefix("h.") if name.startswith("h.") else name)
-        for theirs, ours in _RENAMES:
-            name = name.replace(theirs, ours)
+        name = checkpoint_name(name, "transformer.", _TOP_NAMES, _RENAMES)
         head, fused, suffix = name.partition(".self_attention.query_key_value.")
         if not fused:
             return super(GPTNeoXForCausalLM, self).read_tensor(hf_name, name, tensor)

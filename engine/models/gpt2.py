@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from engine.model import WeightLoadError
-from engine.models.gpt_neox import GPTNeoXForCausalLM, split_grouped_qkv
+from engine.models.gpt_neox import GPTNeoXForCausalLM, checkpoint_name, split_grouped_qkv
 
 __all__ = ["GPT2LMHeadModel", "GPTBigCodeForCausalLM", "LearnedPositions", "OPTForCausalLM"]
 
@@ -60,15 +60,6 @@ class LearnedPositions(GPTNeoXForCausalLM):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return super().embed(input_ids) + self.wpe(self.positions + self.position_offset)
 
-    def renamed(self, name: str, prefix: str, top: dict[str, str], renames: tuple[tuple[str, str], ...]) -> str:
-        """A checkpoint name past `prefix` as the model's: `top`'s whole names, `h.N` as `layers.N`, `renames`'
-        parts."""
-        name = name.removeprefix(prefix)
-        name = top.get(name, "layers." + name.removeprefix("h.") if name.startswith("h.") else name)
-        for theirs, ours in renames:
-            name = name.replace(theirs, ours)
-        return name
-
     def plain_read(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
         """The reading past GPT-NeoX's own (Jais 2's: the MLP's up_proj as `up`)."""
         return super(GPTNeoXForCausalLM, self).read_tensor(hf_name, name, tensor)
@@ -78,7 +69,7 @@ class GPTBigCodeForCausalLM(LearnedPositions):
     """GPT-BigCode (see the module docstring)."""
 
     def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
-        name = self.renamed(name, "transformer.", _GPT2_TOP, _GPT2_RENAMES)
+        name = checkpoint_name(name, "transformer.", _GPT2_TOP, _GPT2_RENAMES)
         head, fused, suffix = name.partition(".attn.c_attn.")
         if not fused:
             return self.plain_read(hf_name, name, tensor)
@@ -91,7 +82,7 @@ class GPT2LMHeadModel(LearnedPositions):
     def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
         if name.endswith((".attn.bias", ".attn.masked_bias")):
             return ()
-        name = self.renamed(name, "transformer.", _GPT2_TOP, _GPT2_RENAMES)
+        name = checkpoint_name(name, "transformer.", _GPT2_TOP, _GPT2_RENAMES)
         if name.startswith("layers.") and name.endswith(".weight") and tensor.dim() == 2:   # Conv1D: [in, out]
             tensor = tensor.t()
         head, fused, suffix = name.partition(".attn.c_attn.")
@@ -111,4 +102,4 @@ class OPTForCausalLM(LearnedPositions):
     position_offset = 2
 
     def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
-        return self.plain_read(hf_name, self.renamed(name, "decoder.", _OPT_TOP, _OPT_RENAMES), tensor)
+        return self.plain_read(hf_name, checkpoint_name(name, "decoder.", _OPT_TOP, _OPT_RENAMES), tensor)

@@ -27,7 +27,7 @@ from engine.models.cohere import CohereDecoderLayer
 from engine.models.phi3 import partial_rotary_rows
 from engine.models.smollm3 import layer_rotary
 
-__all__ = ["GPTNeoXForCausalLM", "split_grouped_qkv", "ungated_layer"]
+__all__ = ["GPTNeoXForCausalLM", "checkpoint_name", "split_grouped_qkv", "ungated_layer"]
 
 # the checkpoint's names (past `gpt_neox.`) -> the model's (before Jais 2's reading: the MLP's up_proj as its `up`)
 _RENAMES = ((".attention.dense.", ".self_attn.o_proj."), (".mlp.dense_h_to_4h.", ".mlp.up_proj."),
@@ -53,6 +53,17 @@ def ungated_layer(model: LlamaForCausalLM, index: int, ops: ModuleType, act_fn: 
         layer.post_attention_layernorm = BiasLayerNorm(c.hidden_size, c.rms_norm_eps)
     layer.mlp = ApertusMLP(c, shard, model.comm, act_fn)
     return layer
+
+
+def checkpoint_name(name: str, prefix: str, top: dict[str, str], renames: tuple[tuple[str, str], ...],
+                    blocks: str = "h.") -> str:
+    """A checkpoint tensor's name past `prefix` (`gpt_neox.`, `transformer.`, `decoder.`) as the model's: `top`'s
+    whole names (the embedding, the final norm), a block `{blocks}N.` as `layers.N.`, then `renames`' parts."""
+    name = name.removeprefix(prefix)
+    name = top.get(name, "layers." + name.removeprefix(blocks) if name.startswith(blocks) else name)
+    for theirs, ours in renames:
+        name = name.replace(theirs, ours)
+    return name
 
 
 def split_grouped_qkv(config: ModelConfig, hf_name: str, head: str, suffix: str, tensor: torch.Tensor
@@ -84,12 +95,9 @@ class GPTNeoXForCausalLM(Jais2ForCausalLM):
     def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
         """`gpt_neox.` names as the model's; a fused query_key_value (weight or bias) as its q_proj, k_proj and
         v_proj rows (`split_grouped_qkv`: a group a head)."""
-        name = name.removeprefix("gpt_neox.")
         if name.endswith(_BUFFERS):
             return ()
-        name = _TOP_NAMES.get(name, name)
-        for theirs, ours in _RENAMES:
-            name = name.replace(theirs, ours)
+        name = checkpoint_name(name, "gpt_neox.", _TOP_NAMES, _RENAMES)
         head, fused, suffix = name.partition(".attention.query_key_value.")
         if not fused:
             return super().read_tensor(hf_name, name, tensor)

@@ -2,7 +2,7 @@
 (`ungated_layer`: Phi's), q/k/v and o_proj unbiased, the MLP (`fc_in`, GELU-tanh, `fc_out`) and the head biased,
 under GPT-J's names (`transformer.wte`, `transformer.h.N`, `ln_1`, `attn.out_proj`, `transformer.ln_f`); the first
 `rotary_dim` of each head turned in interleaved pairs (2i, 2i + 1), served by reordering each q and k head's rows as
-read (`interleaved_to_halves`, Cohere's and GLM-4's way). The older checkpoints' attention buffers
+read (`InterleavedRotaryWeights`, Cohere's and GLM-4's way). The older checkpoints' attention buffers
 (`attn.bias`, `attn.masked_bias`) are skipped."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from collections.abc import Iterable
 
 import torch
 
-from engine.models.cohere import interleaved_to_halves
-from engine.models.gpt_neox import GPTNeoXForCausalLM
+from engine.models.cohere import InterleavedRotaryWeights
+from engine.models.gpt_neox import GPTNeoXForCausalLM, checkpoint_name
 
 __all__ = ["GPTJForCausalLM"]
 
@@ -22,17 +22,11 @@ _RENAMES = ((".attn.out_proj.", ".self_attn.o_proj."), (".attn.", ".self_attn.")
 _TOP_NAMES = {"wte.weight": "embed_tokens.weight", "ln_f.weight": "norm.weight", "ln_f.bias": "norm.bias"}
 
 
-class GPTJForCausalLM(GPTNeoXForCausalLM):
-    """GPT-J (see the module docstring)."""
+class GPTJForCausalLM(InterleavedRotaryWeights, GPTNeoXForCausalLM):
+    """GPT-J (see the module docstring): GPT-NeoX's model and reading under GPT-J's names, its q/k rows reordered by
+    `InterleavedRotaryWeights` (Cohere's)."""
 
     def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
-        name = name.removeprefix("transformer.")
         if name.endswith((".attn.bias", ".attn.masked_bias")):
             return ()
-        name = _TOP_NAMES.get(name, "layers." + name.removeprefix("h.") if name.startswith("h.") else name)
-        for theirs, ours in _RENAMES:
-            name = name.replace(theirs, ours)
-        c = self.config
-        if any(f".self_attn.{part}." in name for part in ("q_proj", "k_proj")) and tensor.shape[0] % c.head_dim == 0:
-            tensor = interleaved_to_halves(tensor, c.head_dim, c.rotary_dim)
-        return super(GPTNeoXForCausalLM, self).read_tensor(hf_name, name, tensor)
+        return super().read_tensor(hf_name, checkpoint_name(name, "transformer.", _TOP_NAMES, _RENAMES), tensor)
