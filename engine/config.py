@@ -77,6 +77,7 @@ class CacheConfig:
 
 # The one definition of each choice; the scheduler implements them and the YAML spec imports them.
 QUANTIZATIONS = ("auto", "fp8", "mxfp4", "int4", "none")   # the weights (`EngineConfig.quantization`)
+SLIDING_KV = ("auto", "window", "full")   # engine.sliding_kv: a sliding layer's K/V, a ring a sequence or all
 KV_CACHE_DTYPES = ("auto", "fp8")   # auto: the model's dtype; fp8: float8_e4m3fn with per-layer scales
 DEFAULT_MIN_SHARE = 0.2   # of the device's step time, for a throughput pool with work (engine.composer)
 PREEMPTION_MODES = ("recompute", "swap", "auto")   # auto: swap or recompute per victim, by measured cost
@@ -266,6 +267,7 @@ class EngineConfig:
     enforce_eager: bool = False     # CUDA: no decode graphs (engine.cuda_graphs); every step launched eagerly
     async_scheduling: bool | None = None   # overlapped steps (engine.overlap); None: on CUDA
     kv_cache_dtype: str = "auto"    # auto: the model's dtype | fp8 (e4m3, per-layer K and V scales)
+    sliding_kv: str = "auto"        # sliding layers' K/V: auto | window (a ring a sequence) | full (engine.sliding_kv)
     quantization: str = "auto"      # the weights: auto (FP8 or MXFP4 checkpoints kept as stored on GPUs that read it)
                                     # | fp8 (FP8 everywhere, a float checkpoint quantized) | none (engine.fp8_weights)
     calculate_kv_scales: bool = True   # fp8 without the checkpoint's scales: measure them at start
@@ -285,6 +287,8 @@ class EngineConfig:
             raise ConfigError(f"enforce_eager: must be true or false, got {self.enforce_eager!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype: must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.sliding_kv not in SLIDING_KV:
+            raise ConfigError(f"sliding_kv: must be one of {', '.join(SLIDING_KV)}, got {self.sliding_kv!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"quantization: must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if not isinstance(self.calculate_kv_scales, bool):
@@ -312,6 +316,11 @@ class EngineConfig:
     def num_blocks(self) -> int:
         """Blocks of the device's KV tensor: its pools' blocks together."""
         return sum(p.num_blocks for p in self.pools)
+
+    @property
+    def max_num_seqs(self) -> int:
+        """The sequences the device runs at once at most: its pools' max_num_seqs together."""
+        return sum(p.scheduler.max_num_seqs for p in self.pools)
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":

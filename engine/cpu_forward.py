@@ -133,8 +133,6 @@ class CpuForward:
               kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> SimpleNamespace:
         """One forward's buffers (every layer reuses them) and each C call's arguments that do not change
         from layer to layer."""
-        from kernels import cpu_attention
-
         self._check(kv_caches, meta)
         dtype, n, hidden = self.dtype, int(input_ids.shape[0]), self.hidden_size
         q_size, kv_size, hd = self.q_size, self.kv_size, self.head_dim
@@ -153,20 +151,32 @@ class CpuForward:
         step.k_ptr, step.v_ptr = step.qkv_ptr + q_size * element, step.qkv_ptr + (q_size + kv_size) * element
         step.query = step.qkv.view(n, width // hd, hd)[:, :self.num_heads] \
             if any(q_len > 1 for q_len in meta.query_lens_list) else None      # prefill chunks: torch's path
-        k0 = kv_caches[0][0]
-        step.num_slots = k0.shape[0] * k0.shape[1]
         step.norm_tail = (n, hidden, hidden, hidden, hidden)
         step.rotary_tail = (n, self.num_heads + self.num_kv_heads, hd, width)
-        step.store_tail = (n, step.num_slots, kv_size * element, width * element, width * element)
+        step.paged = self._reads(meta, kv_caches[0][0], width, element)
+        ring = next((cache for layer, cache in zip(self.layers, kv_caches) if layer.window), None)
+        step.ring = self._reads(meta.ring, ring[0], width, element) \
+            if meta.ring is not None and ring is not None else step.paged   # window-bounded (engine.sliding_kv)
+        return step
+
+    def _reads(self, meta: AttentionMetadata, k_cache: torch.Tensor, width: int, element: int) -> SimpleNamespace:
+        """What a layer's store and decode read of `meta` over caches shaped as `k_cache` (qkv rows of `width`
+        elements of `element` bytes): the slots, the store's arguments past the pointers, the decode call's head
+        (None: no decode tokens), the metadata itself."""
+        from kernels import cpu_attention
+
+        num_slots = k_cache.shape[0] * k_cache.shape[1]
+        reads = SimpleNamespace(meta=meta, slots_ptr=meta.slot_mapping.data_ptr(), num_slots=num_slots,
+                                store_tail=(meta.num_tokens, num_slots, self.kv_size * element, width * element,
+                                            width * element), decode_head=None)
         plan = cpu_attention.decode_plan(meta)
-        step.decode_head = None
         if plan is not None:
             rows, seqs = plan
             tables = meta.block_tables
-            step.decode_head = (tables.data_ptr(), meta.seq_lens.data_ptr(), rows.data_ptr(), seqs.data_ptr(),
-                                len(rows), width, self.num_heads, self.num_kv_heads, hd, k0.shape[1], tables.shape[1],
-                                self.scale)
-        return step
+            reads.decode_head = (tables.data_ptr(), meta.seq_lens.data_ptr(), rows.data_ptr(), seqs.data_ptr(),
+                                 len(rows), width, self.num_heads, self.num_kv_heads,
+                                 self.head_dim, k_cache.shape[1], tables.shape[1], self.scale)
+        return reads
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
@@ -177,8 +187,7 @@ class CpuForward:
         residual, normed, qkv_buf, query = step.residual, step.normed, step.qkv, step.query
         residual_ptr, normed_ptr, qkv_ptr, out_ptr = (residual.data_ptr(), normed.data_ptr(), step.qkv_ptr,
                                                       step.attn_out.data_ptr())
-        cos_sin_ptr, slots_ptr = step.cos_sin.data_ptr(), meta.slot_mapping.data_ptr()
-        norm_tail, decode_head = step.norm_tail, step.decode_head
+        cos_sin_ptr, norm_tail = step.cos_sin.data_ptr(), step.norm_tail
         rms_norm, rotary, store_kv, decode, silu_and_mul = (self.rms_norm, self.rotary, self.store_kv, self.decode,
                                                             self.silu_and_mul)
         all_reduce, inter = self.all_reduce, self.intermediate
@@ -199,13 +208,16 @@ class CpuForward:
                 layer.k_norm(step.heads[:, self.num_heads:self.num_heads + self.num_kv_heads])
             if layer.rope:
                 rotary(qkv_ptr, cos_sin_ptr, *step.rotary_tail)
-            if store_kv(step.k_ptr, step.v_ptr, k_cache.data_ptr(), v_cache.data_ptr(), slots_ptr, *step.store_tail):
-                raise IndexError(f"store_kv: a slot past the cache's {step.num_slots} slots")
-            if decode_head is not None and decode(qkv_ptr, k_cache.data_ptr(), v_cache.data_ptr(), out_ptr,
-                                                  *decode_head, layer.window):
+            reads = step.ring if layer.window else step.paged   # a sliding layer's ring, where it has one
+            if store_kv(step.k_ptr, step.v_ptr, k_cache.data_ptr(), v_cache.data_ptr(), reads.slots_ptr,
+                        *reads.store_tail):
+                raise IndexError(f"store_kv: a slot past the cache's {reads.num_slots} slots")
+            if reads.decode_head is not None and decode(qkv_ptr, k_cache.data_ptr(), v_cache.data_ptr(), out_ptr,
+                                                        *reads.decode_head, layer.window):
                 raise MemoryError("cpu_attention: the kernel could not allocate its score buffer")
             if query is not None:
-                prefill_attention(query, k_cache, v_cache, meta, self.scale, layer.window or None, step.attn_out)
+                prefill_attention(query, k_cache, v_cache, reads.meta, self.scale, layer.window or None,
+                                  step.attn_out)
             hidden = layer.o(step.attn_flat, step.o)
             if all_reduce is not None:
                 hidden = all_reduce(hidden)

@@ -127,7 +127,8 @@ class DecodeGraphs:
     """
 
     def __init__(self, model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend, device: torch.device,
-                 max_batch: int, max_model_len: int, block_size: int, graphs: GraphBackend) -> None:
+                 max_batch: int, max_model_len: int, block_size: int, graphs: GraphBackend, rings: bool = False
+                 ) -> None:
         self.model, self.kv_caches, self.backend, self.graphs = model, kv_caches, backend, graphs
         self.device, self.max_model_len, self.block_size = device, max_model_len, block_size
         self.sizes = capture_sizes(max_batch)
@@ -145,18 +146,25 @@ class DecodeGraphs:
         states = getattr(model, "states", None)
         self.padding_row = states.padding_row if states is not None else 0
         self.rows = torch.full((n,), self.padding_row, dtype=torch.int64, device=device)
+        # a window-bounded cache's (engine.sliding_kv): the sliding layers' slots and block tables over their rings
+        self.ring_slots = self.slots.clone() if rings else None
+        self.ring_tables = self.block_tables.clone() if rings else None
         # size -> (graph, its output, its metadata: the attention plan's tensors in `backend_cache` that the
         # graph reads stay alive with it)
         self._graphs: dict[int, tuple[Any, torch.Tensor, AttentionMetadata]] = {}
         self.capture_seconds = 0.0
         self.memory_bytes = 0
 
-    def _meta(self, size: int) -> AttentionMetadata:
-        return AttentionMetadata(
-            slot_mapping=self.slots[:size], block_tables=self.block_tables[:size],
+    def _meta(self, size: int, ring: bool = False) -> AttentionMetadata:
+        slots, tables = (self.ring_slots, self.ring_tables) if ring else (self.slots, self.block_tables)
+        meta = AttentionMetadata(
+            slot_mapping=slots[:size], block_tables=tables[:size],
             query_start_loc=self.query_start_loc[:size + 1], seq_lens=self.seq_lens[:size],
             block_size=self.block_size, query_lens_list=[1] * size, seq_lens_list=[self.max_model_len] * size,
             has_invalid_slots=True, rows=self.rows[:size])   # padded rows: slot -1
+        if not ring and self.ring_slots is not None:
+            meta.ring = self._meta(size, ring=True)
+        return meta
 
     def capture(self) -> None:
         """Capture every size, largest first (the later ones reuse its pool). Each is run once eagerly
@@ -197,6 +205,12 @@ class DecodeGraphs:
             self.seq_lens[n:size].fill_(1)
             self.block_tables[n:size, 0].zero_()
             self.rows[n:size].fill_(self.padding_row)
+            if meta.ring is not None:
+                self.ring_slots[n:size].fill_(-1)
+                self.ring_tables[n:size, 0].zero_()
+        if meta.ring is not None:
+            self.ring_slots[:n].copy_(meta.ring.slot_mapping, non_blocking=True)
+            self.ring_tables[:n, :width].copy_(meta.ring.block_tables, non_blocking=True)
         if meta.rows is not None:
             self.rows[:n].copy_(meta.rows, non_blocking=True)
         self.seq_lens[:n].copy_(meta.seq_lens, non_blocking=True)

@@ -19,10 +19,11 @@ model runner; not thread-safe.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from engine.sliding_kv import SlidingRing
 from kernels import AttentionMetadata
 from kernels.transfer import to_device, to_device_tensor
 
@@ -39,8 +40,15 @@ class RowUpdate:
 class InputBatch:
     """Rows of block tables that persist across steps, and the step's inputs made from them."""
 
-    def __init__(self, max_rows: int, max_blocks: int, block_size: int, device: torch.device) -> None:
+    def __init__(self, max_rows: int, max_blocks: int, block_size: int, device: torch.device,
+                 ring: SlidingRing | None = None) -> None:
         self.block_size, self.device = block_size, device
+        # a window-bounded cache's rings (engine.sliding_kv): each pool's sequences take the rows of its range, each
+        # row its pool's ring; ring_base / ring_size: [rows] int64, each row's first ring block and its count
+        self.ring = ring
+        if ring is not None:
+            base, sizes = ring.row_layout()
+            self.ring_base, self.ring_size = (to_device(values, torch.int64, device) for values in (base, sizes))
         self.on_host = device.type == "cpu"
         # block_tables: [max_rows, max_blocks] int32 on the device; `_host` is its copy in (pinned) host
         # memory where the updates are written first (the same tensor on a CPU device)
@@ -49,6 +57,9 @@ class InputBatch:
         # rank 0's bookkeeping: which sequence holds which row, and what the row holds
         self._row_of: dict[int, int] = {}
         self._free = list(range(max_rows - 1, -1, -1))
+        if ring is not None:   # each pool's own rows (its index in the device's pools: `_pool_free`)
+            self._pool_free = [list(range(first + rows - 1, first - 1, -1))
+                               for first, rows in zip(ring.first_rows(), ring.rows)]
         self._known: dict[int, tuple[int, int]] = {}     # row -> (its holder's blocks written, the last one)
         self._extent: dict[int, int] = {}                 # row -> entries written since they were last zeroed
 
@@ -58,15 +69,17 @@ class InputBatch:
         return len(self._row_of)
 
     # --- rank 0: rows for the step's sequences ---------------------------------------------------
-    def assign(self, seqs: Iterable[tuple[int, Sequence[int]]]) -> tuple[list[int], list[RowUpdate]]:
-        """(seq_id, block table) of each scheduled sequence, in step order -> each one's row, and the
+    def assign(self, seqs: Iterable[tuple[int, Sequence[int]] | tuple[int, Sequence[int], str]]
+               ) -> tuple[list[int], list[RowUpdate]]:
+        """(seq_id, block table[, pool]) of each scheduled sequence, in step order -> each one's row (with rings, of
+        the pool's range: the pool is needed then), and the
         updates that bring the rows up to date: the blocks appended since the last step, or the whole
         table when its last known block changed (copy on write) or the row is new."""
         rows, updates = [], []
-        for seq_id, table in seqs:
+        for seq_id, table, *pool in seqs:
             row = self._row_of.get(seq_id)
             if row is None:
-                row = self._take_row()
+                row = self._take_row(*pool)
                 self._row_of[seq_id] = row
                 known = (0, -1)
             else:
@@ -88,9 +101,18 @@ class InputBatch:
         row = self._row_of.pop(seq_id, None)
         if row is not None:
             self._known.pop(row, None)
-            self._free.append(row)
+            if self.ring is None:
+                self._free.append(row)
+            else:
+                self._pool_free[self._pool_of_row(row)].append(row)
 
-    def _take_row(self) -> int:
+    def _take_row(self, pool: str = "default") -> int:
+        if self.ring is not None:   # a row of the pool's range, its ring the pool's size
+            index = self.ring.pools.index(pool)
+            if not self._pool_free[index]:
+                raise RuntimeError(f"pool {pool!r} runs more sequences than the {self.ring.rows[index]} rings the KV "
+                                   "cache was made with (its max_num_seqs)")
+            return self._pool_free[index].pop()
         if not self._free:
             old = self.block_tables.shape[0]
             self._grow(rows=2 * old)
@@ -130,6 +152,7 @@ class InputBatch:
         if all(q == 1 for q in query_lens):   # decodes only: token i is sequence i's (not counts: 0 + 2 rows tie)
             blocks = tables.gather(1, (pos // self.block_size).unsqueeze(1)).squeeze(1).to(torch.int64)
             starts = torch.arange(num_seqs + 1, dtype=torch.int32, device=self.device)
+            seq_of_token = None
         else:
             seq_of_token = torch.repeat_interleave(torch.arange(num_seqs, device=self.device), q_lens,
                                                    output_size=num_tokens)          # [num_tokens]
@@ -145,7 +168,13 @@ class InputBatch:
             seq_lens_list=list(seq_lens),
             rows=row_t,
             rows_list=list(rows))
+        if self.ring is not None:
+            token_rows = row_t if seq_of_token is None else row_t[seq_of_token]
+            meta.ring = ring_metadata(meta, token_rows, pos, width, self.ring_base, self.ring_size)
         return ids, pos, meta
+
+    def _pool_of_row(self, row: int) -> int:
+        return next(i for i, first in reversed(list(enumerate(self.ring.first_rows()))) if row >= first)
 
     def _grow(self, rows: int | None = None, blocks: int | None = None) -> None:
         """Make room for more rows or longer tables (the device's tensor and its host copy)."""
@@ -157,3 +186,16 @@ class InputBatch:
         else:
             self._host = grown.pin_memory()
             self.block_tables = to_device_tensor(grown, self.device)   # its own pinned copy: _host changes next
+
+
+def ring_metadata(meta: AttentionMetadata, token_rows: torch.Tensor, positions: torch.Tensor, width: int,
+                  ring_base: torch.Tensor, ring_size: torch.Tensor) -> AttentionMetadata:
+    """`meta` over the sliding layers' rings (`engine.sliding_kv`): row r's logical block j is its ring block
+    ring_base[r] + j % ring_size[r]. token_rows, positions: [num_tokens], each token's row and position; width:
+    the block tables' entries. A slot `meta` does not store (-1, a padded row's) is not stored here either."""
+    size = meta.block_size
+    blocks = ring_base[token_rows] + (positions // size) % ring_size[token_rows]
+    slots = torch.where(meta.slot_mapping < 0, -1, blocks * size + positions % size)
+    offsets = torch.arange(width, dtype=torch.int64, device=token_rows.device)
+    tables = (ring_base[meta.rows].unsqueeze(1) + offsets % ring_size[meta.rows].unsqueeze(1)).to(torch.int32)
+    return replace(meta, slot_mapping=slots, block_tables=tables, backend_cache={}, ring=None)

@@ -6,16 +6,22 @@ One tensor backs all pools of a device; a pool is a range of its block ids.
 
 from __future__ import annotations
 
+import logging
 import math
 import mmap
 
 import torch
 
 import engine.capacity as capacity
-from engine.config import ConfigError
+from engine.config import ConfigError, EngineConfig
 from engine.gemma4_config import rank_kv_heads
 from engine.model_config import ModelConfig
+from engine.parallel import ShardShape
+from engine.sliding_kv import SlidingRing, paged_bytes_per_token, rings_bytes
+from engine.state_cache import states_bytes
 from kernels.transfer import to_device, to_device_tensor
+
+log = logging.getLogger("cliffguard.engine")
 
 
 class KVCache:
@@ -31,28 +37,35 @@ class KVCache:
     with per-layer scales). `raws` are the same memory as the block copies move it (bytes for FP8, which has no
     index_copy on a CPU). `num_kv_heads`: this rank's under tensor parallelism (default: the model's), of one of
     `tensor_parallel_size` ranks (which give a model of several shapes each shape's share).
+    With a `ring` (`engine.sliding_kv`: `sliding_kv: window`) its sliding layers keep their K/V in `ring_tensors`
+    instead, laid out alike with `ring.num_blocks` blocks (each row of the persistent batch its pool's ring:
+    `SlidingRing.row_layout`); `layers` hands each layer its own (a ring layer's views of the ring tensors), `tensors`
+    are the paged blocks alone.
     """
 
     def __init__(self, model: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device | str, num_kv_heads: int | None = None, tensor_parallel_size: int = 1) -> None:
+                 device: torch.device | str, num_kv_heads: int | None = None, tensor_parallel_size: int = 1,
+                 ring: SlidingRing | None = None) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks: must be > 0, got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = dtype
+        self._device = torch.device(device)
         if len({model.layer_kv_shape(i) for i in model.kv_layers}) <= 1:   # one shape: this rank's heads
             shapes = [(num_kv_heads or model.num_kv_heads, model.head_dim)] * model.num_kv_layers
         else:   # each layer's own, this rank's share of its heads
             shapes = [(rank_kv_heads(heads, tensor_parallel_size), dim)
                       for heads, dim in map(model.layer_kv_shape, model.kv_layers)]
-        kinds = sorted(set(shapes), key=shapes.index)
-        # Zeroed, so that a slot no step has written yet holds finite values.
-        self.tensors = [zeros((shapes.count(kind), model.kv_planes, num_blocks, block_size, *kind), dtype,
-                              torch.device(device)) for kind in kinds]
-        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for i, kind in enumerate(shapes):
-            tensor = self.tensors[kinds.index(kind)][shapes[:i].count(kind)]
-            self.layers.append((tensor[0], tensor[-1]))
+        in_ring = set(ring.layers) if ring is not None else set()
+        self.ring = ring
+        self.tensors, paged = _tensors([s for i, s in enumerate(shapes) if i not in in_ring], model.kv_planes,
+                                       num_blocks, block_size, dtype, self._device)
+        self.ring_tensors, rings = _tensors([s for i, s in enumerate(shapes) if i in in_ring], model.kv_planes,
+                                            ring.num_blocks if ring is not None else 0, block_size, dtype,
+                                            self._device)
+        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
+            rings.pop(0) if i in in_ring else paged.pop(0) for i in range(len(shapes))]
         self.raws = [raw(tensor) for tensor in self.tensors]
 
     @property
@@ -68,11 +81,17 @@ class KVCache:
 
     @property
     def device(self) -> torch.device:
-        return self.tensors[0].device
+        return self._device
 
     @property
     def num_bytes(self) -> int:
+        """The paged blocks' bytes (the rings' are `ring_bytes`)."""
         return sum(tensor.numel() * tensor.element_size() for tensor in self.tensors)
+
+    @property
+    def ring_bytes(self) -> int:
+        """The sliding layers' rings' bytes (`engine.sliding_kv`; 0 where those layers keep every position)."""
+        return sum(tensor.numel() * tensor.element_size() for tensor in self.ring_tensors)
 
     @property
     def bytes_per_block(self) -> int:
@@ -86,6 +105,24 @@ class KVCache:
         dst = to_device([d for _, d in pairs], torch.int64, self.device)
         for tensor in self.raws:
             tensor.index_copy_(2, dst, tensor.index_select(2, src))
+
+
+def device_kv_cache(config: EngineConfig, model: ModelConfig, shard: ShardShape, dtype: torch.dtype,
+                    device: torch.device, ring: SlidingRing | None) -> KVCache:
+    """Rank 0's KV cache for an EngineConfig: its pools' blocks of this rank's KV heads in `dtype`, and where the
+    device has a `ring` (`engine.sliding_kv`) one for each sequence its pools run (a decode graph's padded rows read
+    ring block 0 and store nothing); on CUDA first checked to fit beside what is loaded (`check_fits_device`, the
+    state layers' states counted)."""
+    rings = rings_bytes(ring, model, dtype, shard.size)
+    check_fits_device(device, config.num_blocks, paged_bytes_per_token(model, dtype, shard.size, ring)
+                      * config.cache.block_size, config.memory_utilization, states_bytes(config, model, dtype) + rings)
+    cache = KVCache(model, config.num_blocks, config.cache.block_size, dtype, device, shard.num_kv_heads, shard.size,
+                    ring)
+    if ring is not None:
+        log.info("sliding layers (window %d): rings of %s positions for %s sequences, %.0f MiB", ring.window,
+                 "/".join(map(str, (b * ring.block_size for b in ring.blocks))), "/".join(map(str, ring.rows)),
+                 rings / 2**20)
+    return cache
 
 
 def check_fits_device(device: torch.device, num_blocks: int, block_bytes: int, memory_utilization: float,
@@ -114,6 +151,20 @@ def check_fits_device(device: torch.device, num_blocks: int, block_bytes: int, m
             f"pools: the plan's {num_blocks} blocks need {needed / 2**30:.2f} GiB of KV cache{_with(states_bytes)}, "
             f"but {device} has {free / 2**30:.2f} GiB free now: {(total - free - loaded) / 2**30:.2f} GiB are held "
             "outside this worker (another process, or a worker of this device still ending)")
+
+
+def _tensors(shapes: list[tuple[int, int]], planes: int, num_blocks: int, block_size: int, dtype: torch.dtype,
+             device: torch.device) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """One zeroed tensor per distinct (KV heads, head size) of `shapes` (each layer's, in order), each [its layers,
+    planes, num_blocks, block_size, heads, head size]; and each layer's (K, V) views of them, in order."""
+    kinds = sorted(set(shapes), key=shapes.index)
+    # Zeroed, so that a slot no step has written yet holds finite values.
+    tensors = [zeros((shapes.count(kind), planes, num_blocks, block_size, *kind), dtype, device) for kind in kinds]
+    views = []
+    for i, kind in enumerate(shapes):
+        tensor = tensors[kinds.index(kind)][shapes[:i].count(kind)]
+        views.append((tensor[0], tensor[-1]))
+    return tensors, views
 
 
 def _with(states_bytes: int) -> str:

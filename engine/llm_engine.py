@@ -25,7 +25,7 @@ from engine.composer import StepComposer
 from engine.config import CacheConfig, ConfigError, EngineConfig, PoolConfig, SchedulerConfig
 from engine.model_config import ModelConfig
 from engine.forks import SampleForks
-from engine.kv_cache import KVCache, SwapSpace, check_fits_device
+from engine.kv_cache import SwapSpace, device_kv_cache
 from engine.kv_scales import calibrate_kv_scales
 from engine.cuda_graphs import MAX_GRAPH_BATCH
 from engine.models import build_model
@@ -38,7 +38,8 @@ from engine.sampling import SamplingParams, SamplingRow, make_generator
 from engine.scheduler import RequestTooLargeError, Scheduler, SchedulerOutput, build_scheduler
 from engine.sequence import FinishReason, Sequence, SequenceStatus
 from engine.stats import Laps, StepStats
-from engine.state_cache import attach_snapshots, states_bytes
+from engine.sliding_kv import device_ring, paged_bytes_per_token
+from engine.state_cache import attach_snapshots
 from engine.step_commit import check_pools, commit_step
 from engine.structured import GrammarCompiler, PendingGrammars
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -66,6 +67,7 @@ class LLMEngine:
         started = time.perf_counter()
         self.model_path = resolve_model(config.model, cache_dir=config.cache_dir)
         self.model_config = ModelConfig.from_folder(self.model_path).serving(config.max_model_lens)
+        self.ring = device_ring(config, self.model_config)   # sliding layers' window-bounded K/V (engine.sliding_kv)
         self.shard = ShardShape.of(self.model_config, 0, config.tensor_parallel_size)
         # With tensor parallelism the other ranks start now and load their shards while this one loads its own.
         self.group = (TensorParallelGroup.start(config, rank_devices, follower_main) if config.tensor_parallel_size > 1
@@ -92,10 +94,7 @@ class LLMEngine:
         self._load_model()
         lap("weights")
         self.num_blocks = config.num_blocks
-        check_fits_device(self.device, self.num_blocks, self.kv_bytes_per_token * config.cache.block_size,
-                          config.memory_utilization, states_bytes(config, self.model_config, self.dtype))
-        self.kv_cache = KVCache(self.model_config, self.num_blocks, config.cache.block_size, self.kv_dtype,
-                                self.device, self.shard.num_kv_heads, self.shard.size)
+        self.kv_cache = device_kv_cache(config, self.model_config, self.shard, self.kv_dtype, self.device, self.ring)
         lap("kv")
         context = self.model_config.context_length   # a pool's max_model_len 0: the model's context
         max_len = max((p.scheduler.max_model_len or context for p in config.pools), default=context)
@@ -127,7 +126,7 @@ class LLMEngine:
         self.default_pool = config.pools[0].name
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.draw_sampling_seed()))
         self.requests: dict[str, RequestState] = {}
-        self._forks = SampleForks(self.schedulers, share_prefill=self.model_config.state_shape is None)
+        self._forks = SampleForks(self.schedulers, share_prefill=not (self.model_config.state_shape or self.ring))
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids))
         self._building = PendingGrammars(self.grammars)   # requests whose grammar is being built
         self.overlap = overlap_applies(config.async_scheduling, self.device)
@@ -166,8 +165,9 @@ class LLMEngine:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """S_KV of this rank's shard (the model's whole S_KV with one rank)."""
-        return self.shard.kv_bytes_per_token(self.model_config, self.kv_dtype)
+        """S_KV of this rank's shard (the model's whole S_KV with one rank): the paged blocks' layers, without the
+        sliding layers a ring holds (`engine.sliding_kv`)."""
+        return paged_bytes_per_token(self.model_config, self.kv_dtype, self.shard.size, self.ring)
 
     def close(self) -> None:
         """Stop the other ranks of a tensor-parallel group (nothing with one rank). Idempotent."""

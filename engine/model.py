@@ -81,6 +81,7 @@ class Attention(nn.Module):
         """k and v stored in the layer's cache (seen first by an FP8 cache's scale measurement), then q's attention
         over it -> [num_tokens, num_heads, head_dim]."""
         k_cache, v_cache = kv_cache
+        meta = meta.for_layer(self.sliding_window)   # a window-bounded cache's ring (engine.sliding_kv)
         if self.kv_observer is not None:
             self.kv_observer(k, v)
         backend.store_kv(k, v, k_cache, v_cache, meta, k_scale=self.k_scale, v_scale=self.v_scale)

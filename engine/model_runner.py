@@ -31,6 +31,7 @@ from engine.parallel import (CaptureGraphs, Collectives, FollowerArgs, PlanLink,
                              TensorParallelGroup, die_with_parent, join_group)
 from engine.scheduler_output import ScheduledSeq
 from engine.sequence import Sequence
+from engine.sliding_kv import device_ring
 from engine.state_cache import num_snapshot_slots
 from kernels import get_backend
 from kernels.transfer import to_device
@@ -120,7 +121,7 @@ class _Forward:
         with self._grad_mode():
             self.graphs = DecodeGraphs(self.model, self.kv_cache.layers, self.backend, self.device, max_batch,
                                        max_model_len, self.kv_cache.block_size,
-                                       graphs or CudaGraphBackend(self.device))
+                                       graphs or CudaGraphBackend(self.device), self.kv_cache.ring is not None)
             self.graphs.capture()
         if getattr(self.model, "states", None) is not None:   # the graphs read these tensors: they stay put
             self.model.states.frozen = True
@@ -149,7 +150,7 @@ class ModelRunner(_Forward):
         self.group = group or TensorParallelGroup.single()
         self.tensor_parallel = self.group.size > 1
         self.swap_spaces: dict[str, SwapSpace] = {}
-        self.input_batch = InputBatch(max_rows, max_blocks, kv_cache.block_size, device)
+        self.input_batch = InputBatch(max_rows, max_blocks, kv_cache.block_size, device, kv_cache.ring)
         if hasattr(model, "reserve_states"):   # linear-attention layers: a state per row, made now
             model.reserve_states(max_rows)
             if model.states is not None:
@@ -163,7 +164,7 @@ class ModelRunner(_Forward):
         plan = StepPlan()
         sampled: list[Sequence] = []
         self.prompt_spans = spans = prompt_logprobs.PromptSpans()
-        plan.rows, plan.row_updates = self.input_batch.assign((item.seq.seq_id, item.seq.block_table)
+        plan.rows, plan.row_updates = self.input_batch.assign((item.seq.seq_id, item.seq.block_table, item.seq.pool)
                                                               for item in batch)
         input_ids, positions, sample_rows = plan.input_ids, plan.positions, plan.sample_rows
         for index, item in enumerate(batch):
@@ -265,7 +266,8 @@ class FollowerRunner(_Forward):
         self.link = link
         self.tensor_parallel = True
         self.swap_spaces = {}
-        self.input_batch = InputBatch(64, 64, kv_cache.block_size, device)   # rows as rank 0's plans update them
+        self.input_batch = InputBatch(64, 64, kv_cache.block_size, device,   # rows as rank 0's plans update them
+                                      kv_cache.ring)
         self.prompt_spans = prompt_logprobs.PromptSpans()
 
     @classmethod
@@ -288,8 +290,9 @@ class FollowerRunner(_Forward):
             model.load_weights(iter_weights(path))
         if use_packed_linears(device, dtype):
             pack_linears(model)
+        ring = device_ring(config, model_config)   # rank 0's (engine.sliding_kv): the same rows
         kv_cache = KVCache(model_config, config.num_blocks, config.cache.block_size, config.resolved_kv_dtype(device),
-                           device, shard.num_kv_heads, shard.size)
+                           device, shard.num_kv_heads, shard.size, ring)
         runner = cls(model, kv_cache, device, link)
         if hasattr(model, "reserve_states"):   # as rank 0's: its pools' rows, before any graph reads them
             model.reserve_states(sum(p.scheduler.max_num_seqs for p in config.pools))

@@ -36,8 +36,16 @@ class AttentionMetadata:
     # linear-attention layers keeps its state; None where the metadata was built without one. rows_list: as ints.
     rows: torch.Tensor | None = None
     rows_list: list[int] = field(default_factory=list)
+    # ring: the same step's metadata over the rings of sliding layers whose K/V are window-bounded (engine.sliding_kv:
+    # each row's own blocks, reused as the window moves on); None where every layer's K/V lie in the paged blocks.
+    ring: AttentionMetadata | None = None
     # Scratch space a backend may fill once per step and reuse across layers (e.g. gather indices).
     backend_cache: dict[str, Any] = field(default_factory=dict)
+
+    def for_layer(self, sliding_window: int | None) -> AttentionMetadata:
+        """The metadata a layer of this `sliding_window` reads its cache with: a sliding layer's ring where the
+        step has one, this step's paged blocks otherwise."""
+        return self.ring if sliding_window is not None and self.ring is not None else self
 
     @property
     def num_seqs(self) -> int:

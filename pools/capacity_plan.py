@@ -3,7 +3,9 @@
 Per device (with tensor parallelism T the weights and the KV heads are split over T GPUs):
 
     S_KV        = 2 x num_kv_layers x num_kv_heads x head_dim x dtype_bytes          (per token, whole model;
-                  DeepSeek's latent attention: 1 x num_layers x 1 x its latent and rotated key)
+                  DeepSeek's latent attention: 1 x num_layers x 1 x its latent and rotated key; sliding layers
+                  that keep rings instead, `pools.ring_plan`: not counted)
+    S_state     = a running sequence's linear-attention state, or its ring of sliding-layer K/V (per GPU; 0: none)
     weights     = num_params x dtype_bytes                                          (not file sizes; DeepSeek's
                   float32 routers at 4; FP8 projections at 1, MXFP4 experts at 1/2, plus scales)
     graphs      = one rank's decode CUDA graphs (`graph_memory_bytes`; 0 off CUDA or enforce_eager)
@@ -11,8 +13,8 @@ Per device (with tensor parallelism T the weights and the KV heads are split ove
                   replicated with their heads, norms and row-parallel biases whole (`ShardShape.num_params`)
     KV space    = memory_utilization x memory - weights / T - graphs                (per GPU)
     pool KV     = kv_share x KV space   |   kv_cache_bytes                          (per GPU)
-    blocks      = floor(pool KV / (S_KV / T x block_size))
-    max_num_seqs = floor(pool KV / (S_KV / T x avg_len))    (unless overridden; at most blocks / ceil(avg_len / bs))
+    blocks      = floor((pool KV - max_num_seqs x S_state) / (S_KV / T x block_size))
+    max_num_seqs = floor(pool KV / (S_KV / T x avg_len + S_state))  (unless overridden; <= blocks / ceil(avg_len / bs))
 
 The formulas are `engine.capacity`'s (the engine checks its plan with them once loaded): `plan_capacity` computes a
 `CapacityPlan` from a `CliffguardConfig` and each model's `ModelConfig`; `engine_configs` turns it into each device's
@@ -30,8 +32,6 @@ from fractions import Fraction
 import torch
 
 import engine.capacity as formula
-from engine.cuda_graphs import MAX_GRAPH_BATCH, graph_memory_bytes
-from engine.gemma4_config import rank_kv_heads
 from engine.gated_delta_config import NOT_SWAPPED
 from engine.config import (CacheConfig, ConfigError, EngineConfig, PoolConfig, auto_dtype, ceil_div, dtype_name,
                            kv_cache_dtype, parse_dtype)
@@ -40,9 +40,10 @@ from engine.models import check_dtype, held_fp8_block, held_int4_projections, he
 from engine.parallel import ShardShape
 from pools.config.spec import CliffguardConfig, DeviceSpec, GatewaySpec, PoolSpec, SpecError
 from pools.config.checks import fmt_bytes, within
-from pools.device_memory import device_memory, headroom_warning, no_room_for_kv, resolve_device_type
+from pools.device_memory import device_memory, graph_reserve, headroom_warning, no_room_for_kv, resolve_device_type
 from pools.host_memory import check_gpu_memory, host_memory_bytes, past_host_memory
 from pools.model_configs import resolve_model_configs
+from pools.ring_plan import device_ring_plan
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,7 @@ class DevicePlan:
     fp8_weights: bool = False        # the layers' projections held in FP8 (the device's `quantization`)
     packed_experts: str = ""         # the experts held as a checkpoint packs them: MXFP4 (GPT-OSS's), INT4, or not
     int4_projections: int = 0        # a rank's projections held in INT4 as stored (a W4A16 checkpoint's)
+    sliding_window: int = 0          # sliding layers in rings of this window (engine.sliding_kv); 0: all kept
 
     @property
     def autoscaled(self) -> bool:
@@ -96,8 +98,8 @@ class DevicePlan:
 
 @dataclass(frozen=True)
 class PoolPlan:
-    """One local pool: what the plan derived for it. The pool's own settings (route, block_size,
-    avg_len, preemption, ...) stay in `spec`, the one place they are written."""
+    """One local pool: what the plan derived for it (its own settings stay in `spec`, the one place they are written).
+    S_state counts a linear-attention state with its snapshots (one a sequence, or state_snapshots), and a ring."""
 
     spec: PoolSpec
     max_model_len: int               # the spec's, or the model's context
@@ -109,8 +111,8 @@ class PoolPlan:
     formula_max_num_seqs: int        # floor(pool KV / (S_KV x avg_len + S_state))
     max_num_seqs: int                # the formula's, or the config's override (per replica)
     replicas: int = 1                # the device's: each holds this pool's blocks and runs max_num_seqs
-    state_bytes_per_seq: int = 0     # S_state: a running sequence's linear-attention state (Qwen3.5's); 0: none
-                                     # (and its prefix cache's snapshots: one a sequence, or state_snapshots)
+    state_bytes_per_seq: int = 0     # S_state: a sequence's linear-attention state and snapshots, or its ring
+    sliding_ring_tokens: int = 0     # positions of that ring (engine.sliding_kv); 0: the sliding layers keep every one
 
     @property
     def pool_max_num_seqs(self) -> int:
@@ -240,11 +242,11 @@ def plan_capacity(config: CliffguardConfig, model_configs: Mapping[str, ModelCon
         shard, packed, int4 = _device_shard(model, dev, dtype, dkey, device_type)   # held MXFP4 / INT4
         fp8 = held_fp8_block(model, shard, dev.quantization, device_type) is not None   # projections in FP8
         kv_dtype = kv_cache_dtype(dev.kv_cache_dtype, dtype)   # fp8: one byte an element
-        s_kv = model.kv_bytes_per_token(kv_dtype)
-        s_kv_dev = shard.kv_bytes_per_token(model, kv_dtype)
+        rings = device_ring_plan(dev_name, dev, model, members, kv_dtype, tp, warnings)   # engine.sliding_kv
+        s_kv, s_kv_dev = rings.kv_bytes_per_token, rings.kv_bytes_per_token_per_device
         weights = held_weight_bytes(model, ShardShape.of(model), dtype, dev.quantization, device_type)
         weights_dev = held_weight_bytes(model, shard, dtype, dev.quantization, device_type)   # each rank alike
-        graphs_dev = _graph_reserve(model, dev, device_type, tp, dtype)
+        graphs_dev = graph_reserve(model, dev, device_type, tp, dtype)
         # what the engine finds loaded: the rope's too, over the positions its pools serve
         loaded_dev = weights_dev + model.serving(p.max_model_len for _, p in members).rotary_cache_bytes(dtype)
         kv_dev = formula.kv_cache_bytes(memory, loaded_dev, dev.memory_utilization) - graphs_dev
@@ -252,9 +254,9 @@ def plan_capacity(config: CliffguardConfig, model_configs: Mapping[str, ModelCon
             stored = held_weight_bytes(model, shard, dtype, "auto", device_type) if dev.quantization == "none" else 0
             raise no_room_for_kv(dkey, dev, memory, source, p0.model, weights_dev,
                                  (dtype_name(dtype), fp8, packed, int4), graphs_dev, kv_dev, stored)
-        shares = sum((Fraction(p.kv_share) for _, p in members if p.kv_share is not None), Fraction(0))
-        device_pools = [_plan_pool(i, p, model, s_kv, s_kv_dev, _pool_bytes(p, kv_dev, shares), tp, warnings,
-                                   dev.replicas, model.state_bytes_per_seq(dtype, tp)) for i, p in members]
+        device_pools = [_plan_pool(i, p, model, s_kv, s_kv_dev, _pool_bytes(p, kv_dev, members), tp, warnings,
+                                   dev.replicas, model.state_bytes_per_seq(dtype, tp) + rings.ring_bytes(k),
+                                   rings.ring_tokens(k)) for k, (i, p) in enumerate(members)]
         _check_device_budget(dev_name, members, device_pools, kv_dev)
         if device_type == "cuda" and (short := headroom_warning(dev, memory, model.vocab_size, dtype.itemsize, [
                 (pp.max_num_seqs, pp.spec.max_num_batched_tokens) for pp in device_pools])) is not None:
@@ -265,7 +267,7 @@ def plan_capacity(config: CliffguardConfig, model_configs: Mapping[str, ModelCon
             kv_cache_dtype=dtype_name(kv_dtype), fp8_weights=fp8, packed_experts=packed, int4_projections=int4,
             memory_source=source, memory_utilization=dev.memory_utilization, tensor_parallel_size=tp,
             weights_bytes=weights, weights_bytes_per_device=weights_dev, kv_bytes_per_token=s_kv,
-            kv_bytes_per_token_per_device=s_kv_dev, kv_space_bytes_per_device=kv_dev,
+            kv_bytes_per_token_per_device=s_kv_dev, kv_space_bytes_per_device=kv_dev, sliding_window=rings.window,
             block_size=p0.block_size, pools=tuple(p.name for _, p in members), replicas=dev.replicas,
             min_replicas=dev.min_replicas, placement=dev.placement, graph_bytes_per_device=graphs_dev)
     upstream = tuple(p.name for p in config.pools if p.is_upstream)
@@ -275,11 +277,13 @@ def plan_capacity(config: CliffguardConfig, model_configs: Mapping[str, ModelCon
     return plan
 
 
-def _pool_bytes(p: PoolSpec, kv_dev: int, shares: Fraction) -> int:
+def _pool_bytes(p: PoolSpec, kv_dev: int, members: list[tuple[int, PoolSpec]]) -> int:
     """A pool's KV bytes per GPU: kv_cache_bytes, or kv_share of `kv_dev` in integers (a float product rounds
-    past a large device); `shares` (the device's, exact) a hair over 1 are scaled down to fit `kv_dev`."""
+    past a large device); the shares of the device's pools `members` (exact) a hair over 1 are scaled down to fit
+    `kv_dev`."""
     if p.kv_share is None:
         return p.kv_cache_bytes
+    shares = sum((Fraction(q.kv_share) for _, q in members if q.kv_share is not None), Fraction(0))
     return int(Fraction(p.kv_share) * kv_dev / max(shares, Fraction(1)))
 
 
@@ -296,22 +300,8 @@ def _check_device_budget(dev_name: str, members: list[tuple[int, PoolSpec]], dev
                     f"ask for {fmt_bytes(asked)} per GPU ({parts}) but it has {fmt_bytes(kv_dev)}")
 
 
-def _graph_reserve(model: ModelConfig, dev: DeviceSpec, device_type: str, tp: int, dtype: torch.dtype) -> int:
-    """Bytes per GPU for the decode graphs where the engine captures them (CUDA, not `enforce_eager`, not DeepSeek's
-    sparse attention): the largest batch it captures (`MAX_GRAPH_BATCH`: the pools' sizes come from what is left)."""
-    if device_type != "cuda" or dev.enforce_eager or model.mla is not None and model.mla.index_topk:
-        return 0
-    shard = ShardShape.of(model, 0, tp)
-    shapes = [(rank_kv_heads(heads, tp), dim) for heads, dim in map(model.layer_kv_shape, range(model.num_layers))]
-    dim, kv_size = max(d for _, d in shapes), max(h * d for h, d in shapes)   # the widest layer's (Gemma 4's full)
-    return graph_memory_bytes(model.hidden_size, shard.num_heads * dim, kv_size,
-                              shard.intermediate_size, shard.num_heads, dim, MAX_GRAPH_BATCH,
-                              dtype.itemsize, num_experts=model.num_experts, top_k=model.num_experts_per_tok,
-                              moe_intermediate_size=shard.moe_intermediate_size)
-
-
 def _plan_pool(i: int, p: PoolSpec, model: ModelConfig, s_kv: int, s_kv_dev: int, pool_kv: int, tp: int,
-               warnings: list[str], replicas: int = 1, s_state: int = 0) -> PoolPlan:
+               warnings: list[str], replicas: int = 1, s_state: int = 0, ring_tokens: int = 0) -> PoolPlan:
     key = f"pools[{i}]"
     context = model.context_length
     if p.max_model_len is not None and p.max_model_len > context:
@@ -365,7 +355,8 @@ def _plan_pool(i: int, p: PoolSpec, model: ModelConfig, s_kv: int, s_kv_dev: int
     return PoolPlan(
         spec=p, max_model_len=max_model_len, kv_bytes_per_token=s_kv, kv_bytes_per_token_per_device=s_kv_dev,
         kv_cache_bytes_per_device=pool_kv, tensor_parallel_size=tp, num_blocks=num_blocks,
-        formula_max_num_seqs=by_formula, max_num_seqs=max_num_seqs, replicas=replicas, state_bytes_per_seq=s_state)
+        formula_max_num_seqs=by_formula, max_num_seqs=max_num_seqs, replicas=replicas, state_bytes_per_seq=s_state,
+        sliding_ring_tokens=ring_tokens)
 
 
 def _snapshot_budget(p: PoolSpec, pool_kv: int, s_state: int) -> tuple[int, int]:
@@ -439,6 +430,7 @@ def replica_engine_configs(config: CliffguardConfig, plan: CapacityPlan) -> dict
                                 memory_utilization=dplan.memory_utilization,
                                 tensor_parallel_size=dplan.tensor_parallel_size, enforce_eager=dev.enforce_eager,
                                 async_scheduling=dev.async_scheduling, kv_cache_dtype=dev.kv_cache_dtype,
+                                sliding_kv=dev.sliding_kv,
                                 calculate_kv_scales=dev.calculate_kv_scales, quantization=dev.quantization,
                                 collective_timeout_seconds=dev.collective_timeout_seconds)
         result[dplan.name] = [_replica_config(template, dev, r, key) for r in range(dev.replicas)]

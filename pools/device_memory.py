@@ -17,6 +17,10 @@ from collections.abc import Callable
 import torch
 
 import engine.capacity as formula
+from engine.cuda_graphs import MAX_GRAPH_BATCH, graph_memory_bytes
+from engine.gemma4_config import rank_kv_heads
+from engine.model_config import ModelConfig
+from engine.parallel import ShardShape
 from engine.penalties import table_bytes
 from engine.sampler import sampling_memory_bytes
 from pools.config.checks import fmt_bytes
@@ -103,3 +107,17 @@ def no_room_for_kv(dkey: str, dev: DeviceSpec, memory: int, source: str, model: 
                      f"per GPU cannot hold the weights of {model!r}: {fmt_bytes(weights_dev)} per GPU in "
                      f"{held} (TP={dev.tensor_parallel_size}){graphs}, leaving {fmt_bytes(kv_dev)} for "
                      f"KV{hint}")
+
+
+def graph_reserve(model: ModelConfig, dev: DeviceSpec, device_type: str, tp: int, dtype: torch.dtype) -> int:
+    """Bytes per GPU for the decode graphs where the engine captures them (CUDA, not `enforce_eager`, not DeepSeek's
+    sparse attention): the largest batch it captures (`MAX_GRAPH_BATCH`: the pools' sizes come from what is left)."""
+    if device_type != "cuda" or dev.enforce_eager or model.mla is not None and model.mla.index_topk:
+        return 0
+    shard = ShardShape.of(model, 0, tp)
+    shapes = [(rank_kv_heads(heads, tp), dim) for heads, dim in map(model.layer_kv_shape, range(model.num_layers))]
+    dim, kv_size = max(d for _, d in shapes), max(h * d for h, d in shapes)   # the widest layer's (Gemma 4's full)
+    return graph_memory_bytes(model.hidden_size, shard.num_heads * dim, kv_size,
+                              shard.intermediate_size, shard.num_heads, dim, MAX_GRAPH_BATCH,
+                              dtype.itemsize, num_experts=model.num_experts, top_k=model.num_experts_per_tok,
+                              moe_intermediate_size=shard.moe_intermediate_size)

@@ -58,7 +58,9 @@ def _device_lines(d: DevicePlan) -> list[str]:
                      + (f", {fmt_bytes(d.kv_space_bytes)} per replica" if tp > 1 and d.replicas > 1 else "")
                      + (f", {fmt_bytes(d.kv_space_bytes * d.replicas)} total" if tp > 1 or d.replicas > 1 else "")),
         ("S_KV", f"{d.kv_bytes_per_token:,} B/token ({fmt_bytes(d.kv_bytes_per_token)}, {d.kv_cache_dtype})"
-                 + (f", {d.kv_bytes_per_token_per_device:,} B per GPU" if tp > 1 else "")),
+                 + (f", {d.kv_bytes_per_token_per_device:,} B per GPU" if tp > 1 else "")
+                 + (f", the full layers' (the sliding ones, a window of {d.sliding_window:,}: a ring a sequence, "
+                    "in S_state)" if d.sliding_window else "")),
     ]
     return ([f"device {d.name}: {d.device_type}, {d.dtype}, TP={tp}{copies}, model {d.model}"]
             + [f"  {k:<13} {v}" for k, v in rows] + [""])
@@ -94,10 +96,11 @@ def format_plan(plan: CapacityPlan) -> str:
             ("fragmentation", [f"{fmt_bytes(p.fragmentation_bytes)} ({100 * p.fragmentation_fraction:.2f}%)"
                                for p in pools]),
         ]
-        if any(p.state_bytes_per_seq for p in pools):   # linear-attention layers: a state per running sequence
+        if any(p.state_bytes_per_seq for p in pools):   # linear-attention layers' states, sliding layers' rings
             table.insert(table.index(next(row for row in table if row[0] == "S_KV")) + 1,
                          ("S_state", [f"{fmt_bytes(p.state_bytes_per_seq)} a sequence"
                                       + ("/GPU" if p.tensor_parallel_size > 1 else "")
+                                      + (f" (a ring of {p.sliding_ring_tokens:,})" if p.sliding_ring_tokens else "")
                                       + _snapshots(p.spec)
                                       for p in pools]))
         if any(p.replicas > 1 for p in pools):

@@ -87,7 +87,8 @@ class Gemma4Attention(Attention):
             q = self.qkv_proj(hidden).view(-1, heads, self.config.head_dim)
             self.q_norm(q)
             self.rotary_emb(q, rope_rows)
-            out = backend.paged_attention(q, *kv_cache, meta, self.scale, self.sliding_window,
+            out = backend.paged_attention(q, *kv_cache, meta.for_layer(self.sliding_window), self.scale,
+                                          self.sliding_window,
                                           k_scale=self.producer.k_scale, v_scale=self.producer.v_scale)
             return self.comm.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
         qkv = self.qkv_proj(hidden)

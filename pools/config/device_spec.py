@@ -16,8 +16,8 @@ from typing import Annotated, Literal, get_args
 import msgspec
 
 from engine.capacity import DEFAULT_MEMORY_UTILIZATION
-from engine.config import (DEFAULT_COLLECTIVE_TIMEOUT_SECONDS, KV_CACHE_DTYPES, QUANTIZATIONS, check_device_name,
-                           parse_dtype)
+from engine.config import (DEFAULT_COLLECTIVE_TIMEOUT_SECONDS, KV_CACHE_DTYPES, QUANTIZATIONS, SLIDING_KV,
+                           check_device_name, parse_dtype)
 from pools.config.checks import ByteSize, Fraction, Seconds, Spec, SpecError, Text, engine_rules
 
 MIN_COLLECTIVE_TIMEOUT_SECONDS = 1.0   # `collective_timeout_seconds`: below a step's own time on a loaded host
@@ -25,6 +25,7 @@ MAX_COLLECTIVE_TIMEOUT_SECONDS = 86_400.0   # a day: a rank that late is hung wh
                                             # torch.distributed's timedelta holds, a rank's start fails)
 
 KvCacheDtype = Literal[KV_CACHE_DTYPES]   # engine.config's choices, one definition
+SlidingKv = Literal[SLIDING_KV]
 Quantization = Literal[QUANTIZATIONS]
 Placement = Literal["local", "ray"]   # local: worker processes on this machine; ray: actors on a Ray cluster
 PLACEMENTS: tuple[str, ...] = get_args(Placement)
@@ -85,6 +86,7 @@ class DeviceSpec(Spec):
     enforce_eager: bool = False          # CUDA: no decode graphs (their memory is then not set aside)
     async_scheduling: bool | None = None  # overlapped steps (engine.overlap); None: on CUDA
     kv_cache_dtype: KvCacheDtype = "auto"   # auto: the model's dtype; fp8: e4m3, 1 byte an element of S_KV
+    sliding_kv: SlidingKv = "auto"       # sliding layers' K/V: window (a ring a sequence) | full (engine.sliding_kv)
     quantization: Quantization = "auto"   # the weights: auto (FP8, MXFP4 checkpoints kept so on CUDA), fp8, mxfp4, none
     calculate_kv_scales: bool = True     # fp8 without the checkpoint's scales: measured at start (false: 1.0)
     collective_timeout_seconds: Seconds = DEFAULT_COLLECTIVE_TIMEOUT_SECONDS   # tensor parallel: a rank this late is hung

@@ -391,3 +391,31 @@ def test_mistral4_decode_graphs_replay_its_scaled_latent_queries(tmp_path, built
         assert_all_free(engine)
     assert recorder.replays > 5
     assert results[True] == results[False]
+
+
+def test_window_bounded_decode_graphs_read_and_write_each_rows_ring(tmp_path, builtin_path, monkeypatch):
+    """Gemma 3's sliding layers keep rings (`sliding_kv: window`): a replay copies the step's ring slots and ring
+    block tables into the graph's buffers beside the paged ones, padded rows store nothing in either, and greedy
+    tokens over decodes that wrap the rings (24 positions: a step of 8 and a window of 8) equal the eager torch
+    reference's."""
+    import tests.engine.test_engine_vs_hf as parity
+
+    path = make_tiny_model(tmp_path / "gemma3", "gemma3", builtin_path, **parity.GEMMA3)
+    rng = random.Random(17)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (3, 20, 12)]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (24, 9, 16)]
+    results = {}
+    for graphs in (False, True):
+        monkeypatch.setenv("CLIFFGUARD_ATTENTION_BACKEND", "triton" if graphs else "torch")
+        engine = LLMEngine(EngineConfig(model=str(path), dtype="float32", cache=CacheConfig(block_size=8),
+                                        sliding_kv="window", pools=(PoolConfig(num_blocks=24, scheduler=SchedulerConfig(
+                                            max_num_seqs=MAX_SEQS, max_num_batched_tokens=8, max_model_len=128,
+                                            enable_prefix_caching=False)),)), progress=False)
+        assert engine.kv_cache.ring.tokens(0) == 24
+        recorder = RecordingGraphBackend() if graphs else None
+        if graphs:
+            engine.runner.capture_graphs(MAX_SEQS, 128, recorder)
+        results[graphs] = [out.outputs[0].token_ids for out in engine.generate(prompts, params)]
+        assert_all_free(engine)
+    assert recorder.replays > 10
+    assert results[True] == results[False]

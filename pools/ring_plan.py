@@ -1,0 +1,73 @@
+"""The capacity plan's side of window-bounded K/V (`engine.sliding_kv`): which layout a device's sliding layers get,
+and what it does to S_KV and to each running sequence's bytes.
+
+With a ring the sliding layers leave S_KV (the paged blocks hold the full layers alone) and each running sequence
+holds its pool's ring instead, counted as a state a sequence (`_plan_pool`'s S_state), so the capacity formula reads
+`max_num_seqs = KV bytes / (S_KV_full x avg_len + S_ring)`, S_ring the ring's positions (the pool's step and the
+window before it) x the sliding layers' bytes a position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.model_config import ModelConfig
+from engine.sliding_kv import PoolLimits, SlidingRing, paged_bytes_per_token, plan_ring, ring_layers
+from pools.config.checks import engine_rules
+from pools.config.device_spec import DeviceSpec
+from pools.config.spec import PoolSpec
+
+__all__ = ["DeviceRing", "device_ring_plan"]
+
+
+@dataclass(frozen=True)
+class DeviceRing:
+    """A device's sliding-layer layout as planned: `ring` (None: every position kept), S_KV of the paged blocks
+    (whole model and per GPU) and a sequence's ring per GPU in each of its pools (`ring_bytes`, 0 without rings);
+    `note` says why `auto` kept every position where rings would serve the model, for the plan's warnings."""
+
+    ring: SlidingRing | None
+    kv_bytes_per_token: int
+    kv_bytes_per_token_per_device: int
+    ring_bytes_per_device: tuple[int, ...]
+    note: str = ""
+
+    def ring_bytes(self, pool: int) -> int:
+        """A running sequence's ring per GPU in the device's pool `pool` (its index among the device's pools)."""
+        return self.ring_bytes_per_device[pool] if self.ring is not None else 0
+
+    @property
+    def window(self) -> int:
+        """The rings' window (0: no rings)."""
+        return self.ring.window if self.ring is not None else 0
+
+    def ring_tokens(self, pool: int) -> int:
+        return self.ring.tokens(pool) if self.ring is not None else 0
+
+
+def device_ring_plan(dev_name: str, dev: DeviceSpec, model: ModelConfig, members: list[tuple[int, PoolSpec]],
+                     kv_dtype: torch.dtype, tp: int, warnings: list[str]) -> DeviceRing:
+    """The ring `dev.sliding_kv` gives device `dev_name`'s pools `members` ((index, spec) of each), a SpecError
+    naming the key where `window` cannot serve them; `warnings` gains the note where `auto` keeps every position."""
+    limits = [PoolLimits(name=p.name, key=f"pools[{i}]", max_num_batched_tokens=p.max_num_batched_tokens,
+                         max_model_len=p.max_model_len or model.context_length,
+                         enable_prefix_caching=p.enable_prefix_caching, uses_swap=p.uses_swap) for i, p in members]
+    block_size = members[0][1].block_size
+    with engine_rules():
+        ring = plan_ring(model, dev.sliding_kv, block_size, limits, key=f"devices.{dev_name}.sliding_kv")
+    note = ""
+    if ring is None and dev.sliding_kv == "auto" and ring_layers(model) \
+            and len(ring_layers(model)) < model.num_kv_layers:
+        if (keeps := next((p for p in limits if p.enable_prefix_caching or p.uses_swap), None)) is not None:
+            why = "caches prefixes" if keeps.enable_prefix_caching else "may swap"
+            note = (f"devices.{dev_name}.sliding_kv: auto keeps every position of the sliding layers' K/V because pool "
+                    f"{keeps.name!r} {why}; with every pool of the device at enable_prefix_caching: false and "
+                    "preemption_mode: recompute they would keep a ring of their window a sequence (sliding_kv: full "
+                    "keeps this layout without this note)")
+    warnings.extend([note] if note else [])
+    per_seq = tuple(ring.bytes_per_seq(k, model, kv_dtype, tp) for k in range(len(members))) if ring else ()
+    return DeviceRing(ring=ring, kv_bytes_per_token=paged_bytes_per_token(model, kv_dtype, 1, ring),
+                      kv_bytes_per_token_per_device=paged_bytes_per_token(model, kv_dtype, tp, ring),
+                      ring_bytes_per_device=per_seq, note=note)

@@ -1,0 +1,205 @@
+"""Window-bounded K/V (`engine.sliding_kv`): sliding layers keep a ring of their window a sequence, and greedy output
+is still transformers' own, token for token, on prompts and outputs that wrap each ring several times."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+import torch
+
+from engine.config import CacheConfig, ConfigError, EngineConfig, PoolConfig, SchedulerConfig
+from engine.llm_engine import LLMEngine
+from engine.model_config import ModelConfig
+from engine.sampling import SamplingParams
+from engine.sliding_kv import PoolLimits, plan_ring, ring_layers
+from tests.conftest import assert_all_free, make_tiny_model
+from tests.engine.test_engine_vs_hf import TINY_MODELS, _hf_greedy
+
+BLOCK, STEP = 8, 16   # a window of 8 and steps of 16 tokens: rings of ceil((16 + 8 - 1) / 8) + 1 = 4 blocks
+
+
+def _case(arch: str, index: int = 0) -> dict:
+    return [overrides for name, overrides in TINY_MODELS if name == arch][index]
+
+
+def _window_engine(folder, **scheduler) -> LLMEngine:
+    pool = PoolConfig(num_blocks=96, scheduler=SchedulerConfig(
+        max_num_seqs=3, max_num_batched_tokens=STEP, enable_prefix_caching=False, **scheduler))
+    return LLMEngine(EngineConfig(model=str(folder), dtype="float32", cache=CacheConfig(block_size=BLOCK),
+                                  pools=(pool,), sliding_kv="window"), progress=False)
+
+
+# Gemma 3 (the module path, each layer type its rope), Qwen2 (the Llama layer: the CPU's flat loop), GPT-OSS (sinks,
+# experts), Gemma 4 (full layers of their own shape, the last layers reading earlier layers' K/V), MiMo-V2-Flash (the
+# sliding layers' own KV heads, in a ring tensor of their shape), Command R7B (sliding layers beside NoPE full ones)
+WINDOWED = [("gemma3", 0), ("qwen2", 2), ("gpt_oss", 0), ("gemma4", 1), ("mimo_v2_flash", 0), ("cohere2", 0)]
+
+
+@pytest.mark.parametrize("arch,index", WINDOWED, ids=[f"{a}-{i}" for a, i in WINDOWED])
+def test_window_bounded_sliding_layers_match_transformers(tmp_path, builtin_path, arch, index):
+    import transformers
+
+    folder = make_tiny_model(tmp_path / arch, arch, builtin_path, **_case(arch, index))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    engine = _window_engine(folder)
+    ring, model = engine.kv_cache.ring, engine.model_config
+    assert ring is not None and ring.tokens(0) == 4 * BLOCK and ring.window == 8 and ring.rows == (3,)
+    assert 0 < len(ring.layers) < model.num_kv_layers
+    full = [i for i in range(model.num_kv_layers) if i not in ring.layers]
+    # the paged blocks hold the full layers alone; each ring layer's K/V lies in its rows' ring blocks
+    assert sum(t.shape[0] for t in engine.kv_cache.tensors) == len(full)
+    assert engine.kv_bytes_per_token == model.kv_planes * 4 * sum(
+        h * d for h, d in (model.layer_kv_shape(model.kv_layers[i]) for i in full))
+    assert all(t.shape[2] == 4 * 3 for t in engine.kv_cache.ring_tensors)   # a ring for each of 3 rows
+    gen = torch.Generator().manual_seed(3)
+    # five prompts over three rows: rows are taken again, their rings holding an earlier sequence's K/V
+    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (1, 40, 17, 100, 9)]
+    outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == _hf_greedy(hf, prompt, 24, eos_ids=None)
+    assert_all_free(engine)
+
+
+def test_each_pool_keeps_rings_of_its_own_step_in_rows_of_its_own(tmp_path, builtin_path):
+    """A chat pool of 8-token steps beside a RAG pool of 32: rings of 3 and 6 blocks, each pool's sequences in the
+    rows of its range, and both pools' answers transformers' while they run side by side."""
+    import transformers
+
+    folder = make_tiny_model(tmp_path / "gemma3", "gemma3", builtin_path, **_case("gemma3"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    pools = tuple(PoolConfig(name=name, num_blocks=48, scheduler=SchedulerConfig(
+        max_num_seqs=seqs, max_num_batched_tokens=step, enable_prefix_caching=False))
+        for name, seqs, step in (("chat", 2, 8), ("rag", 3, 32)))
+    engine = LLMEngine(EngineConfig(model=str(folder), dtype="float32", cache=CacheConfig(block_size=BLOCK),
+                                    pools=pools, sliding_kv="window"), progress=False)
+    ring = engine.kv_cache.ring
+    assert (ring.pools, ring.blocks, ring.rows) == (("chat", "rag"), (3, 6), (2, 3))   # ceil((8 + 7) / 8) + 1
+    assert ring.row_layout() == ([0, 3, 6, 12, 18], [3, 3, 6, 6, 6])
+    assert all(t.shape[2] == 2 * 3 + 3 * 6 for t in engine.kv_cache.ring_tensors)
+    gen = torch.Generator().manual_seed(5)
+    requests = [(f"r{i}", pool, torch.randint(3, 512, (n,), generator=gen).tolist())
+                for i, (pool, n) in enumerate([("chat", 12), ("rag", 90), ("chat", 30), ("rag", 45), ("chat", 5),
+                                               ("rag", 70), ("chat", 21)])]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    for request_id, pool, prompt in requests:
+        engine.add_request(request_id, prompt, params, pool=pool)
+    outputs, rows = {}, {"chat": set(), "rag": set()}
+    while engine.has_unfinished_requests():
+        outputs.update((out.request_id, out) for out in engine.step() if out.finished)
+        batch = engine.runner.input_batch
+        for request_id, pool, _ in requests:
+            state = engine.requests.get(request_id)
+            row = batch._row_of.get(state.seqs[0].seq_id) if state is not None else None
+            if row is not None:
+                rows[pool].add(row)
+    assert rows["chat"] <= {0, 1} and rows["rag"] <= {2, 3, 4} and len(rows["rag"]) == 3
+    for request_id, _, prompt in requests:
+        assert outputs[request_id].outputs[0].token_ids == _hf_greedy(hf, prompt, 20, eos_ids=None), request_id
+    assert_all_free(engine)
+
+
+def test_a_ring_shorter_than_a_step_and_its_window_changes_the_answer(tmp_path, builtin_path, monkeypatch):
+    """The ring's size is what correctness needs, not slack: a ring of 2 blocks (16 positions) under steps of 16
+    tokens lets a prefill chunk overwrite positions its own queries still read, and greedy output leaves
+    transformers'."""
+    import transformers
+
+    import engine.sliding_kv as sliding_kv
+
+    folder = make_tiny_model(tmp_path / "gemma3", "gemma3", builtin_path, **_case("gemma3"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    planned = sliding_kv.plan_ring
+    monkeypatch.setattr(sliding_kv, "plan_ring", lambda *a, **k: dataclasses.replace(planned(*a, **k), blocks=(2,)))
+    engine = _window_engine(folder)
+    assert engine.kv_cache.ring.blocks == (2,)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (40, 100, 33)]
+    outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    assert any(out.outputs[0].token_ids != _hf_greedy(hf, prompt, 24, eos_ids=None)
+               for prompt, out in zip(prompts, outs))
+
+
+def _limits(**overrides) -> PoolLimits:
+    values = dict(name="rag", key="pools[1]", max_num_batched_tokens=2048, max_model_len=32768,
+                  enable_prefix_caching=False, uses_swap=False)
+    return PoolLimits(**{**values, **overrides})
+
+
+@pytest.fixture(scope="module")
+def gemma3_config(tmp_path_factory, builtin_path) -> ModelConfig:
+    folder = make_tiny_model(tmp_path_factory.mktemp("g3"), "gemma3", builtin_path,
+                             **{**_case("gemma3"), "sliding_window": 1024})
+    return ModelConfig.from_folder(folder)
+
+
+def test_the_ring_holds_a_step_and_the_window_before_it(gemma3_config):
+    ring = plan_ring(gemma3_config, "auto", 16, [_limits(max_num_batched_tokens=512), _limits()])
+    assert ring.layers == ring_layers(gemma3_config) == (0, 2)   # the sliding ones of sliding, full, sliding
+    assert ring.window == 1024 and ring.blocks == (-(-(512 + 1023) // 16) + 1, -(-(2048 + 1023) // 16) + 1) == (97, 193)
+    assert ring.pools == ("rag", "rag") and ring.rows == ()
+    assert plan_ring(gemma3_config, "full", 16, [_limits()]) is None
+
+
+def test_auto_keeps_every_position_where_a_pool_caches_prefixes_swaps_or_the_ring_bounds_nothing(gemma3_config):
+    assert plan_ring(gemma3_config, "auto", 16, [_limits(enable_prefix_caching=True), _limits()]) is None
+    assert plan_ring(gemma3_config, "auto", 16, [_limits(uses_swap=True)]) is None
+    assert plan_ring(gemma3_config, "auto", 16, [_limits(max_model_len=3072)]) is None   # 3,088 ring positions
+    # a ring is at most the pool's longest sequence
+    assert plan_ring(gemma3_config, "window", 16, [_limits(max_model_len=3072)]).tokens(0) == 3072
+
+
+@pytest.mark.parametrize("limits,key,why", [
+    (dict(enable_prefix_caching=True), "pools[1].enable_prefix_caching", "caches prefixes"),
+    (dict(uses_swap=True), "pools[1].preemption_mode", "may swap"),
+])
+def test_window_is_refused_naming_the_pool_key_that_rules_it_out(gemma3_config, limits, key, why):
+    with pytest.raises(ConfigError, match=rf"^{re.escape(key)}: .*{why}.*sliding_kv: window needs it"):
+        plan_ring(gemma3_config, "window", 16, [_limits(**limits)])
+    with pytest.raises(ConfigError, match=r"^sliding_kv: must be one of auto, window, full, got 'ring'"):
+        plan_ring(gemma3_config, "ring", 16, [_limits()])
+
+
+def test_window_is_refused_for_a_model_without_sliding_or_without_full_layers(tmp_path, builtin_path):
+    llama = ModelConfig.from_folder(make_tiny_model(tmp_path / "llama", "llama", builtin_path))
+    with pytest.raises(ConfigError, match=r"^sliding_kv: LlamaForCausalLM has no sliding-window layer"):
+        plan_ring(llama, "window", 16, [_limits()])
+    mistral = ModelConfig.from_folder(make_tiny_model(tmp_path / "mistral", "mistral", builtin_path,
+                                                      sliding_window=64))
+    with pytest.raises(ConfigError, match=r"every KV layer of MistralForCausalLM slides"):
+        plan_ring(mistral, "window", 16, [_limits()])
+    assert plan_ring(llama, "auto", 16, [_limits()]) is None and plan_ring(mistral, "auto", 16, [_limits()]) is None
+
+
+def test_an_engine_config_refuses_an_unknown_setting():
+    with pytest.raises(ConfigError, match=r"^sliding_kv: must be one of auto, window, full, got 'on'"):
+        EngineConfig(sliding_kv="on")
+
+
+def test_two_ranks_keep_their_heads_rings_and_generate_what_one_rank_does(tmp_path, builtin_path):
+    """MiMo-V2-Flash's sliding layers (two KV heads: one a rank) keep rings on each rank, of that rank's heads;
+    the full layers' one KV head is on both. Greedy output over two ranks is one rank's with every position kept."""
+    case = _case("mimo_v2_flash")
+    folder = make_tiny_model(tmp_path / "mimo", "mimo_v2_flash", builtin_path, **case)
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (70, 9, 33)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    def run(tp: int, sliding_kv: str) -> list[list[int]]:
+        pool = PoolConfig(num_blocks=64, scheduler=SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=STEP,
+                                                                   enable_prefix_caching=False))
+        engine = LLMEngine(EngineConfig(model=str(folder), device="cpu", dtype="float32", tensor_parallel_size=tp,
+                                        cache=CacheConfig(block_size=BLOCK), pools=(pool,), sliding_kv=sliding_kv),
+                           progress=False)
+        try:
+            assert (engine.kv_cache.ring is not None) == (sliding_kv == "window")
+            if tp == 2:   # this rank's one sliding KV head of two
+                assert {t.shape[-2] for t in engine.kv_cache.ring_tensors} == {1}
+            outs = engine.generate(prompts, params)
+            assert_all_free(engine)
+            return [o.outputs[0].token_ids for o in outs]
+        finally:
+            engine.close()
+
+    assert run(2, "window") == run(1, "full")
