@@ -129,6 +129,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 0        # 0: the model's max_position_embeddings
     enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0   # the most prompt tokens one sequence computes in a step (0: the budget)
     preemption_mode: str = "recompute"   # recompute | swap | auto (per victim, by measured cost)
     victim_policy: str = "reverse_fifo"  # see VICTIM_POLICIES
     swap_space_bytes: int = 0            # CPU block pool for swapped-out blocks (swap and auto)
@@ -139,7 +140,8 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         for name, low in (("max_num_seqs", 1), ("max_num_batched_tokens", 1), ("max_model_len", 0),
-                          ("swap_space_bytes", 0), ("stability_floor_tokens", 0)):
+                          ("swap_space_bytes", 0), ("stability_floor_tokens", 0),
+                          ("long_prefill_token_threshold", 0)):
             check_int(name, getattr(self, name), low)
         if self.state_snapshots is not None:
             check_int("state_snapshots", self.state_snapshots, 0)
@@ -152,11 +154,21 @@ class SchedulerConfig:
         if self.uses_swap and self.swap_space_bytes <= 0:
             raise ConfigError(f"swap_space_bytes: preemption_mode {self.preemption_mode!r} needs a CPU swap "
                               "space > 0")
+        if self.long_prefill_token_threshold and not self.enable_chunked_prefill:
+            raise ConfigError("long_prefill_token_threshold: cuts prompts into chunks, which needs chunked prefill")
         if (not self.enable_chunked_prefill and self.max_model_len
                 and self.max_num_batched_tokens < self.max_model_len):
             raise ConfigError(
                 "max_num_batched_tokens: without chunked prefill it must be >= max_model_len "
                 f"({self.max_num_batched_tokens} < {self.max_model_len})")
+
+    @property
+    def max_step_tokens(self) -> int:
+        """The most tokens one sequence computes in a step: the step's budget, or `long_prefill_token_threshold` below
+        it (a long prompt's chunks then leave the rest of a step to others, and a sliding layer's ring is shorter:
+        `engine.sliding_kv`)."""
+        threshold = self.long_prefill_token_threshold
+        return min(threshold, self.max_num_batched_tokens) if threshold else self.max_num_batched_tokens
 
     @property
     def uses_swap(self) -> bool:

@@ -4,7 +4,9 @@ preemption by recompute or swap when the pool runs out of blocks.
 Each `schedule()` fills a token budget of `max_num_batched_tokens`: first the running sequences (a decode token
 each, or the next chunk of an unfinished prefill), then swapped-out ones (before new arrivals, but for those of a
 more urgent priority than every swapped one), then waiting ones
-in order while `max_num_seqs`, the budget and the free blocks allow; sequences leave and join at every step.
+in order while `max_num_seqs`, the budget and the free blocks allow; sequences leave and join at every step. One
+sequence's chunk is at most `long_prefill_token_threshold` where set (vLLM's knob): a long prompt then leaves the
+rest of a step to other prompts, and a sliding layer's ring (`engine.sliding_kv`) holds that much less.
 A budget short of the running decodes (a throughput pool's under the step composer's time target) serves those
 scheduled longest ago first: every decode slows in turn, none waits behind the others for good.
 
@@ -55,6 +57,7 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._step, self._promised = 0, 0   # steps so far; blocks promised this step to sequences waiting for them
         self._served: set[int] | None = None   # this step's decodes under a short budget (`_decodes_served`)
+        self._max_step = config.max_step_tokens   # a sequence's tokens in one step (`long_prefill_token_threshold`)
         self.state_snapshots: StateSnapshots | None = None   # a state model's prefixes' states (the engine's)
         if config.preemption_mode in ("swap", "auto") and swap_manager is None:
             raise ValueError(f"pool {name!r}: preemption_mode {config.preemption_mode!r} needs a swap_manager")
@@ -155,7 +158,7 @@ class Scheduler:
                     served is not None and seq.num_uncomputed_tokens == 1 and id(seq) not in served):
                 skipped += 1
                 continue
-            i, num_new = len(out.scheduled) + skipped, min(seq.num_uncomputed_tokens, budget)
+            i, num_new = len(out.scheduled) + skipped, min(seq.num_uncomputed_tokens, budget, self._max_step)
             if seq.num_uncomputed_tokens > 1 and (ahead := sum(   # the decodes after it
                     s.num_uncomputed_tokens == 1 and not self.is_paused(s) and not self._ending(s)
                     for s in self.running[i + 1:])):
@@ -220,7 +223,7 @@ class Scheduler:
         while resumable and budget > 0 and self._num_seqs_held() + 1 + resumable[0].num_pending_forks <= \
                 self.config.max_num_seqs:
             seq = resumable[0]
-            num_new, bm = min(seq.num_uncomputed_tokens, budget), self.block_manager
+            num_new, bm = min(seq.num_uncomputed_tokens, budget, self._max_step), self.block_manager
             counted = (bm.num_prefix_queries, bm.num_prefix_hits)   # the cache's hit counts stay the prompts'
             shared = bm.acquire_cached(seq.block_table, seq.token_ids[:seq.num_computed_tokens + 1], seq.cache_salt)
             bm.num_prefix_queries, bm.num_prefix_hits = counted     # (blocks a sibling holds take no free one)
@@ -254,7 +257,7 @@ class Scheduler:
             if seq.num_computed_tokens == 0 and not seq.block_table and not seq.wants_prompt_logits:
                 seq.num_computed_tokens = bm.acquire_cached(seq.block_table, seq.token_ids, seq.cache_salt)
             load = self.state_snapshots.admit(seq) if self.state_snapshots and seq.block_table else None
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            num_new = min(seq.num_uncomputed_tokens, budget, self._max_step)
             reading = self._being_read(seq)
             if reading or (num_new < seq.num_uncomputed_tokens and not self.config.enable_chunked_prefill) or \
                     not bm.can_allocate(seq.block_table, seq.num_computed_tokens + num_new):

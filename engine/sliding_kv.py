@@ -9,14 +9,15 @@ sequence in row r lies in ring block `base[r] + (p // block_size) % blocks[r]`. 
 pools' paged blocks, so S_KV counts them alone, and each running sequence holds its ring once, as a linear-attention
 layer's state: the capacity plan counts the ring as the sequence's S_state.
 
-A ring is large enough when no step overwrites a position a query of that step still reads: a step writes a
-sequence's next C tokens (C <= its pool's `max_num_batched_tokens`) and their queries read back `window - 1`
-positions before them, C + window - 1 positions, which span at most ceil((C + window - 1) / block_size) + 1 blocks;
-nor does a ring need more blocks than the pool's longest sequence. A pool's step size is thus its ring's size: a RAG
-pool that prefills 8,192 tokens a step keeps rings of 8,192 + window positions, a chat pool of 512, 512 + window.
-The kernels are unchanged: they read a ring through a block table (`kernels.metadata.AttentionMetadata.ring`) whose
-entry j is the ring block of logical block j; entries before the window name blocks that hold later positions now,
-and the window's mask never reads them.
+A ring is large enough when no step overwrites a position a query of that step still reads: a step writes a sequence's
+next C tokens (C <= its pool's `max_num_batched_tokens`, or `long_prefill_token_threshold`) and their queries read back
+`window - 1` positions before them, C + window - 1 positions, which span at most ceil((C + window - 1) / block_size) + 1
+blocks; nor does a ring need more blocks than the pool's longest sequence. A pool's step size is thus its ring's size: a
+RAG pool that prefills 8,192 tokens a step keeps rings of 8,192 + window positions, a chat pool of 512, 512 + window; a
+pool's `long_prefill_token_threshold` bounds a sequence's chunk below the step's budget, and its ring with it. The
+kernels are unchanged: they read a ring through a block table (`kernels.metadata.AttentionMetadata.ring`) whose entry j
+is the ring block of logical block j; entries before the window name blocks that hold later positions now, and the
+window's mask never reads them.
 
 What a ring gives up: a cached prefix cannot resume a sequence whose sliding layers' K/V are gone (their K/V at a
 position depend on the hidden states of every earlier one through the layers below), nor can a swapped-out sequence
@@ -120,7 +121,7 @@ class PoolLimits:
 
     name: str
     key: str                      # the pool's path in the user's configuration, for an error
-    max_num_batched_tokens: int
+    max_step_tokens: int          # the most tokens one sequence computes in a step (`SchedulerConfig.max_step_tokens`)
     max_model_len: int
     enable_prefix_caching: bool
     uses_swap: bool
@@ -149,7 +150,7 @@ def plan_ring(model: ModelConfig, setting: str, block_size: int, pools: Iterable
                               "position of the sliding layers)")
         return None
     window = max(model.layer_window(model.kv_layers[i]) for i in layers)
-    blocks = tuple(min(-(-(p.max_num_batched_tokens + window - 1) // block_size) + 1,
+    blocks = tuple(min(-(-(p.max_step_tokens + window - 1) // block_size) + 1,
                        -(-p.max_model_len // block_size)) for p in pools)
     if setting == "auto" and all(b * block_size >= p.max_model_len for b, p in zip(blocks, pools)):
         return None   # no pool's ring is shorter than its longest sequence
@@ -180,7 +181,7 @@ def engine_pool_limits(config: EngineConfig, model: ModelConfig) -> list[PoolLim
 
 def _limits(key: str, pool: PoolConfig, model: ModelConfig) -> PoolLimits:
     sc = pool.scheduler
-    return PoolLimits(name=pool.name, key=key, max_num_batched_tokens=sc.max_num_batched_tokens,
+    return PoolLimits(name=pool.name, key=key, max_step_tokens=sc.max_step_tokens,
                       max_model_len=sc.max_model_len or model.context_length,
                       enable_prefix_caching=sc.enable_prefix_caching, uses_swap=sc.uses_swap)
 

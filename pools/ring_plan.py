@@ -51,7 +51,8 @@ def device_ring_plan(dev_name: str, dev: DeviceSpec, model: ModelConfig, members
                      kv_dtype: torch.dtype, tp: int, warnings: list[str]) -> DeviceRing:
     """The ring `dev.sliding_kv` gives device `dev_name`'s pools `members` ((index, spec) of each), a SpecError
     naming the key where `window` cannot serve them; `warnings` gains the note where `auto` keeps every position."""
-    limits = [PoolLimits(name=p.name, key=f"pools[{i}]", max_num_batched_tokens=p.max_num_batched_tokens,
+    limits = [PoolLimits(name=p.name, key=f"pools[{i}]", max_step_tokens=min(
+        p.max_num_batched_tokens, p.long_prefill_token_threshold or p.max_num_batched_tokens),
                          max_model_len=p.max_model_len or model.context_length,
                          enable_prefix_caching=p.enable_prefix_caching, uses_swap=p.uses_swap) for i, p in members]
     block_size = members[0][1].block_size

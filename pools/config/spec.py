@@ -140,6 +140,7 @@ class PoolSpec(Spec):
     UPSTREAM_KEYS: ClassVar[tuple[str, ...]] = ("upstream", "upstream_api_key_env", "tokenizer")
     LOCAL_KEYS: ClassVar[tuple[str, ...]] = (
         "device", "kv_share", "kv_cache_bytes", "avg_len", "block_size", "max_num_batched_tokens", "max_num_seqs",
+        "long_prefill_token_threshold",
         "preemption_mode", "victim_policy", "swap_space", "enable_prefix_caching", "state_snapshots",
         "share_prefix_cache", "slo", "max_queue_seconds", "min_share", "death_spiral", "chat_template_kwargs", "generation_config")
 
@@ -158,6 +159,7 @@ class PoolSpec(Spec):
     block_size: BlockSize = DEFAULT_BLOCK_SIZE
     max_model_len: Count | None = None   # None: the model's context length
     max_num_batched_tokens: Count = 2048   # this pool's token budget per step
+    long_prefill_token_threshold: CountOrZero = 0   # one sequence's most prompt tokens a step (0: the budget)
     max_num_seqs: Count | None = None    # None: from the capacity formula
     preemption_mode: PreemptionMode = "recompute"
     victim_policy: VictimPolicy = "reverse_fifo"
@@ -244,7 +246,8 @@ class PoolSpec(Spec):
         """The engine's limits for this pool, given the two numbers the capacity plan derives."""
         return SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
-            max_model_len=max_model_len, preemption_mode=self.preemption_mode, victim_policy=self.victim_policy,
+            long_prefill_token_threshold=self.long_prefill_token_threshold, max_model_len=max_model_len,
+            preemption_mode=self.preemption_mode, victim_policy=self.victim_policy,
             swap_space_bytes=self.swap_space_bytes, enable_prefix_caching=self.enable_prefix_caching,
             state_snapshots=self.state_snapshots)
 

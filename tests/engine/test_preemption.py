@@ -11,7 +11,7 @@ from engine.block_manager import BlockManager
 from engine.llm_engine import LLMEngine
 from engine.sampling import SamplingParams
 from engine.config import (PREEMPTION_MODES, VICTIM_POLICIES, CacheConfig, EngineConfig, PoolConfig,
-                           SchedulerConfig)
+                           ConfigError, SchedulerConfig)
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
 from tests.conftest import assert_all_free, make_tiny_model, price_preemption
@@ -605,3 +605,38 @@ def test_prefill_chunks_leave_the_decodes_after_them_their_token_or_go_behind_th
     assert scheduled(1, 1) == ([(10, 1)], [10, 11, 12, 0])   # one token left: a decode's, not the chunk's
     assert scheduled(10, 2) == ([(0, 7), (10, 1), (11, 1), (12, 1)], [0, 10, 11, 12, 1])
     assert scheduled(64, 1) == ([(0, 24), (10, 1), (11, 1), (12, 1)], [0, 10, 11, 12])
+
+
+def test_a_long_prefill_token_threshold_cuts_each_prompts_chunks_and_leaves_the_budget_to_others():
+    """`long_prefill_token_threshold: 16` in a step of 64: two running prompts and a waiting one each compute 16
+    tokens (not the first one 64) beside a decode's token; the next step the chunks go on at 16, the last prompt
+    computes its tail of 5."""
+    bm = BlockManager(num_blocks=64, block_size=16, enable_prefix_caching=False)
+    config = SchedulerConfig(max_num_batched_tokens=64, long_prefill_token_threshold=16, enable_prefix_caching=False)
+    assert config.max_step_tokens == 16
+    scheduler = Scheduler(config, bm, max_model_len=1000)
+    running = [_seq(100, 0), _seq(40, 1), _seq(20, 2)]
+    for s, computed in zip(running, (16, 0, 19)):
+        bm.allocate(s.block_table, computed)
+        s.num_computed_tokens, s.status = computed, SequenceStatus.RUNNING
+        scheduler.running.append(s)
+    scheduler.add(_seq(21, 3))
+    out = scheduler.schedule()
+    assert [(s.seq.seq_id, s.num_new_tokens) for s in out.scheduled] == [(0, 16), (1, 16), (2, 1), (3, 16)]
+    for item in out.scheduled:   # the step's bookkeeping: its tokens computed, a decode's next one sampled
+        item.seq.num_computed_tokens += item.num_new_tokens
+        if item.seq.num_uncomputed_tokens == 0:
+            item.seq.token_ids.append(7)
+    out = scheduler.schedule()
+    assert [(s.seq.seq_id, s.num_new_tokens) for s in out.scheduled] == [(0, 16), (1, 16), (2, 1), (3, 5)]
+    scheduler.check_integrity()
+    assert SchedulerConfig(max_num_batched_tokens=8, long_prefill_token_threshold=16).max_step_tokens == 8
+    assert SchedulerConfig().max_step_tokens == 2048
+
+
+def test_a_long_prefill_token_threshold_needs_chunked_prefill_and_a_count():
+    with pytest.raises(ConfigError, match="^long_prefill_token_threshold: cuts prompts into chunks, which needs "
+                                          "chunked prefill"):
+        SchedulerConfig(long_prefill_token_threshold=16, enable_chunked_prefill=False)
+    with pytest.raises(ConfigError, match=r"^long_prefill_token_threshold: must be an integer >= 0, got -1"):
+        SchedulerConfig(long_prefill_token_threshold=-1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -122,7 +123,7 @@ def test_a_ring_shorter_than_a_step_and_its_window_changes_the_answer(tmp_path, 
 
 
 def _limits(**overrides) -> PoolLimits:
-    values = dict(name="rag", key="pools[1]", max_num_batched_tokens=2048, max_model_len=32768,
+    values = dict(name="rag", key="pools[1]", max_step_tokens=2048, max_model_len=32768,
                   enable_prefix_caching=False, uses_swap=False)
     return PoolLimits(**{**values, **overrides})
 
@@ -135,7 +136,7 @@ def gemma3_config(tmp_path_factory, builtin_path) -> ModelConfig:
 
 
 def test_the_ring_holds_a_step_and_the_window_before_it(gemma3_config):
-    ring = plan_ring(gemma3_config, "auto", 16, [_limits(max_num_batched_tokens=512), _limits()])
+    ring = plan_ring(gemma3_config, "auto", 16, [_limits(max_step_tokens=512), _limits()])
     assert ring.layers == ring_layers(gemma3_config) == (0, 2)   # the sliding ones of sliding, full, sliding
     assert ring.window == 1024 and ring.blocks == (-(-(512 + 1023) // 16) + 1, -(-(2048 + 1023) // 16) + 1) == (97, 193)
     assert ring.pools == ("rag", "rag") and ring.rows == ()
@@ -203,3 +204,55 @@ def test_two_ranks_keep_their_heads_rings_and_generate_what_one_rank_does(tmp_pa
             engine.close()
 
     assert run(2, "window") == run(1, "full")
+
+
+def _plan_gpt_oss(device: dict | None = None, **pools):
+    """gpt-oss-20b on one H100 (config/examples), its device's keys updated by `device`, each pool's by
+    `pools[name]`."""
+    import yaml
+
+    from pools.capacity_plan import plan_capacity
+    from pools.config.yaml_file import parse_config
+    from pools.model_configs import resolve_model_configs
+
+    examples = Path(__file__).resolve().parents[2] / "config" / "examples"
+    data = yaml.safe_load((examples / "gpt-oss-20b-h100.yaml").read_text())
+    data["devices"]["h100"].update(device or {})
+    for pool in data["pools"]:
+        pool.update(pools.get(pool["name"], {}))
+    config = parse_config(data, env={}, base_dir=examples)
+    return plan_capacity(config, resolve_model_configs(config), vram_bytes=80 << 30)
+
+
+def test_the_plan_counts_the_full_layers_in_s_kv_and_each_pools_ring_as_its_state():
+    """gpt-oss-20b's 12 sliding layers of 24 (a window of 128) leave S_KV; a chat pool's ring holds its step of 2,048
+    and the window (2,192 positions), a RAG pool's its step of 8,192 (8,336), or the 512 of its
+    long_prefill_token_threshold (656); each is S_state, and the RAG pool runs more sequences than with every
+    position kept (the file as it is, whose prefix caching keeps them: a warning says so)."""
+    full = _plan_gpt_oss()
+    assert any("sliding_kv: auto keeps every position" in w and "pool 'chat' caches prefixes" in w
+               for w in full.warnings)
+    off = {"enable_prefix_caching": False}
+    rings = _plan_gpt_oss(chat=off, rag=off)
+    position = 12 * 8 * 64 * 2 * 2   # 12 layers' 8 KV heads of 64, K and V, bfloat16
+    (device,) = rings.devices.values()
+    assert device.kv_bytes_per_token == position == full.devices[device.name].kv_bytes_per_token // 2
+    assert device.sliding_window == 128
+    chat, rag = rings.pools["chat"], rings.pools["rag"]
+    assert (chat.sliding_ring_tokens, rag.sliding_ring_tokens) == (2192, 8336)
+    assert (chat.state_bytes_per_seq, rag.state_bytes_per_seq) == (2192 * position, 8336 * position)
+    assert rag.max_num_seqs == rag.formula_max_num_seqs == rag.kv_cache_bytes_per_device // (
+        position * 16384 + 8336 * position) > full.pools["rag"].max_num_seqs
+    short = _plan_gpt_oss(chat=off, rag={**off, "long_prefill_token_threshold": 512})
+    assert short.pools["rag"].sliding_ring_tokens == 656 and short.pools["rag"].max_num_seqs > rag.max_num_seqs
+    assert not any("sliding_kv" in w for w in short.warnings)
+    assert not any("sliding_kv" in w for w in _plan_gpt_oss({"sliding_kv": "full"}).warnings)   # asked: no note
+
+
+def test_the_plan_refuses_window_naming_the_key_that_rules_it_out():
+    from pools.config.spec import SpecError
+
+    with pytest.raises(SpecError, match=r"^pools\[1\]\.enable_prefix_caching: pool 'rag' caches prefixes"):
+        _plan_gpt_oss({"sliding_kv": "window"}, chat={"enable_prefix_caching": False})
+    with pytest.raises(SpecError, match=r"^devices\.h100\.sliding_kv: must be one of auto, full, window, got 'ring'"):
+        _plan_gpt_oss({"sliding_kv": "ring"})
