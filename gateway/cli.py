@@ -51,6 +51,8 @@ BENCHMARKS = {   # command -> help line; `cliffguard bench NAME` is bench.NAME's
     "serve": "open-loop load (gamma arrivals) on any OpenAI-compatible server: TTFT/ITL/e2e, goodput, /metrics",
     "prefill": "long-prompt prefill: our engine vs transformers' forward",
     "prefix": "conversations sharing a system prompt with prefix caching and without (a state model's kept states)",
+    "sliding": "one KV budget, a model with sliding layers: every position kept against a ring a sequence "
+               "(sliding_kv): planned sequences, sequences run, output tokens/s, answers compared",
     "admission": "KV credit queue vs reject-when-full (429 + back-off) on one overload: goodput, p99, KV idle, retries",
     "simulate": "cliffguard simulate's predictions (measured step model) against real runs at three rates: "
                 "throughput, p50 and p99 TTFT",

@@ -476,12 +476,13 @@ def _replica_config(template: EngineConfig, dev: DeviceSpec, replica: int, key: 
 
 
 def plan_single_pool(model: str, *, device: str = "auto", dtype: str = "auto", kv_cache_bytes: int,
-                     vram_bytes: int | None = None, **pool: object) -> tuple[CapacityPlan, EngineConfig]:
+                     vram_bytes: int | None = None, sliding_kv: str = "auto", **pool: object
+                     ) -> tuple[CapacityPlan, EngineConfig]:
     """One pool named `default` on one device, planned like any YAML pool (its `kv_cache_bytes` must fit the
     device's KV space; `max_num_seqs`, unless in `pool`, from the formula). `pool`: other PoolSpec fields
     (block_size, max_num_seqs, max_model_len, preemption_mode, ...). For `cliffguard generate`, the benchmarks."""
     pool_spec = PoolSpec(name="default", model=model, kv_cache_bytes=kv_cache_bytes, **pool)
-    config = CliffguardConfig(gateway=GatewaySpec(), devices={"default": DeviceSpec(device=device, dtype=dtype)},
-                              pools=(pool_spec,))
+    device_spec = DeviceSpec(device=device, dtype=dtype, sliding_kv=sliding_kv)
+    config = CliffguardConfig(gateway=GatewaySpec(), devices={"default": device_spec}, pools=(pool_spec,))
     plan = plan_capacity(config, resolve_model_configs(config), vram_bytes=vram_bytes)
     return plan, engine_configs(config, plan)["default"]
