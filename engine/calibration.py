@@ -35,17 +35,18 @@ def warm_up(engine: Any) -> None:
     an H200, where the warm-up had been skipped)."""
     if not engine.composer.needs_cost_model and engine.device.type != "cuda":
         return
-    bm = max(engine.schedulers.values(), key=lambda s: s.block_manager.num_blocks).block_manager
-    lengths = [length for length, _ in WARM_UP_STEPS]
-    if bm.num_blocks_for(lengths[0] + 2) + bm.num_blocks_for(lengths[1] + 1) > bm.num_free_blocks:
-        return
+    lender = max(engine.schedulers.values(), key=lambda s: s.block_manager.num_blocks)
+    bm, lengths = lender.block_manager, [length for length, _ in WARM_UP_STEPS]
+    if bm.num_blocks_for(lengths[0] + 2) + bm.num_blocks_for(lengths[1] + 1) > bm.num_free_blocks or (
+            getattr(engine, "ring", None) is not None and lender.config.max_num_seqs < len(lengths)):
+        return   # (with sliding-layer rings a pool's rows are its own: `engine.sliding_kv`)
     gen = torch.Generator().manual_seed(0)
     seqs = []
     for i, length in enumerate(lengths):
         ids = torch.randint(0, engine.model_config.vocab_size, (length,), generator=gen).tolist()
         seqs.append(Sequence(seq_id=-1 - i, request_id="calibration", index=0, token_ids=ids,
                              num_prompt_tokens=length, params=SamplingParams(), max_tokens=1, priority=0,
-                             arrival_order=-1, generator=None))
+                             arrival_order=-1, generator=None, pool=lender.name))
     try:
         for step in range(len(WARM_UP_STEPS[0][1])):
             batch, features = [], StepFeatures()
@@ -139,7 +140,7 @@ def measure_decode_step(engine: Any, pool: str, batch: int, context: int, *,
         return None
     seqs = [Sequence(seq_id=-1 - i, request_id="calibration", index=0, token_ids=[1] * (context + 1),
                      num_prompt_tokens=context, params=SamplingParams(), max_tokens=1, priority=0, arrival_order=-1,
-                     generator=None) for i in range(batch)]
+                     generator=None, pool=pool) for i in range(batch)]
 
     def step() -> float:
         started = clock()

@@ -64,15 +64,18 @@ def calibrate_kv_scales(engine: Any) -> dict[str, tuple[float, float]] | None:
         return None
     if not engine.config.calculate_kv_scales:
         return None
-    bm = max((s.block_manager for s in engine.schedulers.values()), key=lambda b: b.num_blocks)   # lends blocks
-    ids = _calibration_ids(engine, max(s.max_model_len for s in engine.schedulers.values()))
+    lender = max(engine.schedulers.values(), key=lambda s: s.block_manager.num_blocks)   # lends blocks
+    bm, ids = lender.block_manager, _calibration_ids(engine, max(s.max_model_len for s in engine.schedulers.values()))
+    if getattr(engine, "ring", None) is not None:   # one step that its row's sliding-layer rings hold (`engine.sliding_kv`)
+        ids = ids[:lender.config.max_step_tokens]
     if bm.num_blocks_for(len(ids)) > bm.num_free_blocks:
         log.warning("FP8 KV cache: the scales were not measured (the largest pool has %d free blocks, the %d-token "
                     "calibration text needs %d): every layer's stay 1.0, which loses precision on small values",
                     bm.num_free_blocks, len(ids), bm.num_blocks_for(len(ids)))
         return None
     seq = Sequence(seq_id=-100, request_id="kv-scales", index=0, token_ids=ids, num_prompt_tokens=len(ids),
-                   params=SamplingParams(), max_tokens=1, priority=0, arrival_order=-1, generator=None)
+                   params=SamplingParams(), max_tokens=1, priority=0, arrival_order=-1, generator=None,
+                   pool=lender.name)
     batch = [ScheduledSeq(seq, len(ids))]
     try:
         bm.allocate(seq.block_table, len(ids))

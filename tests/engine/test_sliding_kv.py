@@ -256,3 +256,49 @@ def test_the_plan_refuses_window_naming_the_key_that_rules_it_out():
         _plan_gpt_oss({"sliding_kv": "window"}, chat={"enable_prefix_caching": False})
     with pytest.raises(SpecError, match=r"^devices\.h100\.sliding_kv: must be one of auto, full, window, got 'ring'"):
         _plan_gpt_oss({"sliding_kv": "ring"})
+
+
+def test_an_engine_of_named_pools_starts_with_rings_its_made_up_sequences_in_a_pools_rows(tmp_path, builtin_path):
+    """Pools named chat (interactive, its SLO derived from a measured decode step) and rag, an FP8 cache whose scales
+    are measured at start: the warm-up, the SLO probe and the scale measurement each run made-up sequences, which take
+    rows of the pool that lends them blocks (a ring is its pool's; they took a pool named 'default' and failed), the
+    measurement on one step its rings hold. Then both pools serve."""
+    from engine.config import LatencySLO
+
+    folder = make_tiny_model(tmp_path / "gemma3", "gemma3", builtin_path, **_case("gemma3"))
+    pools = (PoolConfig(name="chat", num_blocks=40, slo=LatencySLO(ttft_ms=60_000, itl_ms=10_000), derive_slo=True,
+                        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16,
+                                                  enable_prefix_caching=False)),
+             PoolConfig(name="rag", num_blocks=80, scheduler=SchedulerConfig(
+                 max_num_seqs=2, max_num_batched_tokens=64, enable_prefix_caching=False)))
+    engine = LLMEngine(EngineConfig(model=str(folder), dtype="float32", cache=CacheConfig(block_size=BLOCK),
+                                    pools=pools, sliding_kv="window", kv_cache_dtype="fp8"), progress=False)
+    assert engine.kv_cache.ring.pools == ("chat", "rag") and engine.composer.needs_cost_model
+    assert "chat" in engine.derived_slos   # the probe's step ran in chat's rows
+    assert all(layer.self_attn.k_scale != 1.0 for layer in engine.model.layers)   # measured, in rag's rows
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    engine.add_request("a", list(range(5, 45)), params, pool="chat")
+    engine.add_request("b", list(range(7, 107)), params, pool="rag")
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update((out.request_id, out) for out in engine.step() if out.finished)
+    assert [len(done[r].outputs[0].token_ids) for r in "ab"] == [6, 6]
+    assert_all_free(engine)
+
+
+def test_a_requests_samples_each_keep_a_ring_and_draw_what_they_draw_with_every_position_kept(tmp_path, builtin_path):
+    """n = 3 seeded samples of a 50-token prompt: with rings each sample is a sequence of its own (a row and a ring
+    each, its prompt computed for it: no shared blocks carry the sliding layers), and draws exactly the tokens it
+    draws where every position is kept and the samples share the prompt's blocks."""
+    folder = make_tiny_model(tmp_path / "gemma3", "gemma3", builtin_path, **_case("gemma3"))
+    prompt = torch.randint(3, 512, (50,), generator=torch.Generator().manual_seed(11)).tolist()
+    params = SamplingParams(temperature=0.9, n=3, seed=5, max_tokens=20, ignore_eos=True)
+    answers = {}
+    for layout in ("window", "full"):
+        pool = PoolConfig(num_blocks=64, scheduler=SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=STEP,
+                                                                   enable_prefix_caching=False))
+        engine = LLMEngine(EngineConfig(model=str(folder), dtype="float32", cache=CacheConfig(block_size=BLOCK),
+                                        pools=(pool,), sliding_kv=layout), progress=False)
+        answers[layout] = [o.token_ids for o in engine.generate([prompt], params)[0].outputs]
+        assert_all_free(engine)
+    assert len(set(map(tuple, answers["window"]))) == 3 and answers["window"] == answers["full"]
