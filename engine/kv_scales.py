@@ -66,7 +66,7 @@ def calibrate_kv_scales(engine: Any) -> dict[str, tuple[float, float]] | None:
         return None
     lender = max(engine.schedulers.values(), key=lambda s: s.block_manager.num_blocks)   # lends blocks
     bm, ids = lender.block_manager, _calibration_ids(engine, max(s.max_model_len for s in engine.schedulers.values()))
-    if getattr(engine, "ring", None) is not None:   # one step that its row's sliding-layer rings hold (`engine.sliding_kv`)
+    if getattr(engine, "ring", None) is not None:   # one step, which its row's rings hold (`engine.sliding_kv`)
         ids = ids[:lender.config.max_step_tokens]
     if bm.num_blocks_for(len(ids)) > bm.num_free_blocks:
         log.warning("FP8 KV cache: the scales were not measured (the largest pool has %d free blocks, the %d-token "
