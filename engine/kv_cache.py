@@ -17,8 +17,8 @@ from engine.config import ConfigError, EngineConfig
 from engine.gemma4_config import rank_kv_heads
 from engine.model_config import ModelConfig
 from engine.parallel import ShardShape
-from engine.sliding_kv import SlidingRing, paged_bytes_per_token, rings_bytes
-from engine.state_cache import states_bytes
+from engine.sliding_kv import SlidingRing, paged_bytes_per_token, ring_snapshots_bytes, rings_bytes
+from engine.state_cache import num_snapshot_slots, states_bytes
 from kernels.transfer import to_device, to_device_tensor
 
 log = logging.getLogger("cliffguard.engine")
@@ -67,6 +67,36 @@ class KVCache:
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
             rings.pop(0) if i in in_ring else paged.pop(0) for i in range(len(shapes))]
         self.raws = [raw(tensor) for tensor in self.tensors]
+        self.ring_snapshots: list[torch.Tensor] = []   # prefix caching's (`reserve_ring_snapshots`)
+        self._row_layout = ring.row_layout() if ring is not None else ([], [])
+
+    def reserve_ring_snapshots(self, num_slots: int) -> None:
+        """Prefix caching's snapshot slots of the rings (`engine.state_cache` decides which prefix each holds): a
+        slot is the `SlidingRing.snapshot_blocks` blocks of every ring layer before a block boundary, zeroed."""
+        if self.ring is None or not num_slots:
+            return
+        count = num_slots * self.ring.snapshot_blocks
+        self.ring_snapshots = [zeros((*t.shape[:2], count, *t.shape[3:]), self.dtype, self.device)
+                               for t in self.ring_tensors]
+
+    def copy_ring_windows(self, moves: list[tuple[int, int, int]], save: bool) -> None:
+        """(row, position, slot) each: `save`, the row's ring blocks of the window before block-aligned `position` into
+        snapshot `slot` (after the step that computed them); else back into the row's ring (before the step that
+        resumes there). Blocks before position 0 are not moved."""
+        if not moves or not self.ring_snapshots:
+            return
+        (base, sizes), nb, bs = self._row_layout, self.ring.snapshot_blocks, self.block_size
+        pairs = [(base[row] + j % sizes[row], slot * nb + k) for row, position, slot in moves
+                 for k, j in enumerate(range(position // bs - nb, position // bs)) if j >= 0]
+        if not pairs:
+            return
+        ring = to_device([r for r, _ in pairs], torch.int64, self.device)
+        snap = to_device([s for _, s in pairs], torch.int64, self.device)
+        for rings, snaps in zip(map(raw, self.ring_tensors), map(raw, self.ring_snapshots)):
+            if save:
+                snaps.index_copy_(2, snap, rings.index_select(2, ring))
+            else:
+                rings.index_copy_(2, ring, snaps.index_select(2, snap))
 
     @property
     def data(self) -> torch.Tensor:
@@ -90,8 +120,9 @@ class KVCache:
 
     @property
     def ring_bytes(self) -> int:
-        """The sliding layers' rings' bytes (`engine.sliding_kv`; 0 where those layers keep every position)."""
-        return sum(tensor.numel() * tensor.element_size() for tensor in self.ring_tensors)
+        """The sliding layers' rings' bytes and their snapshots' (`engine.sliding_kv`; 0 where those layers keep every
+        position)."""
+        return sum(t.numel() * t.element_size() for t in (*self.ring_tensors, *self.ring_snapshots))
 
     @property
     def bytes_per_block(self) -> int:
@@ -113,7 +144,8 @@ def device_kv_cache(config: EngineConfig, model: ModelConfig, shard: ShardShape,
     device has a `ring` (`engine.sliding_kv`) one for each sequence its pools run (a decode graph's padded rows read
     ring block 0 and store nothing); on CUDA first checked to fit beside what is loaded (`check_fits_device`, the
     state layers' states counted)."""
-    rings = rings_bytes(ring, model, dtype, shard.size)
+    rings = rings_bytes(ring, model, dtype, shard.size) + ring_snapshots_bytes(ring, model, dtype, shard.size,
+                                                                               num_snapshot_slots(config.pools))
     check_fits_device(device, config.num_blocks, paged_bytes_per_token(model, dtype, shard.size, ring)
                       * config.cache.block_size, config.memory_utilization, states_bytes(config, model, dtype) + rings)
     cache = KVCache(model, config.num_blocks, config.cache.block_size, dtype, device, shard.num_kv_heads, shard.size,

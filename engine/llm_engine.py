@@ -110,7 +110,7 @@ class LLMEngine:
         for pool in config.pools:
             self.schedulers[pool.name] = self._make_scheduler(pool, first_block)
             first_block += pool.num_blocks
-        attach_snapshots(self.schedulers.values(), self.model)   # a state model's prefix cache (`engine.state_cache`)
+        attach_snapshots(self.schedulers.values(), self.model, self.kv_cache)   # prefix caching's kept states, rings
         self.runner.setup_followers()
         self.composer = StepComposer(self.schedulers, {p.name: p.slo for p in config.pools},
                                      min_shares={p.name: p.min_share for p in config.pools})

@@ -76,11 +76,14 @@ class _Forward:
             self.last_inputs_seconds = time.perf_counter() - started
             if getattr(self.model, "states", None) is not None:   # a state model's prefix cache (`engine.state_cache`)
                 self.model.states.prepare(plan.state_loads, plan.state_saves)
+            loads, saves = ring_moves(plan) if self.kv_cache.ring_snapshots else ([], [])   # rings' (sliding_kv)
+            self.kv_cache.copy_ring_windows(loads, save=False)
             if self.graphs is not None and not plan.state_saves and self.graphs.can_run(plan.query_lens,
                                                                                          plan.seq_lens):
                 hidden = self.graphs.run(input_ids, positions, meta)
             else:
                 hidden = self.model(input_ids, positions, self.kv_cache.layers, meta, self.backend)
+            self.kv_cache.copy_ring_windows(saves, save=True)
             if plan.prompt_rows:
                 self.prompt_spans.hold(prompt_logprobs.compute(self.model, hidden, plan))
             if not plan.sample_rows:
@@ -294,6 +297,7 @@ class FollowerRunner(_Forward):
         kv_cache = KVCache(model_config, config.num_blocks, config.cache.block_size, config.resolved_kv_dtype(device),
                            device, shard.num_kv_heads, shard.size, ring)
         runner = cls(model, kv_cache, device, link)
+        kv_cache.reserve_ring_snapshots(num_snapshot_slots(config.pools))   # as rank 0's (nothing without rings)
         if hasattr(model, "reserve_states"):   # as rank 0's: its pools' rows, before any graph reads them
             model.reserve_states(sum(p.scheduler.max_num_seqs for p in config.pools))
             if model.states is not None:   # and prefix caching's snapshot slots
@@ -356,3 +360,16 @@ def follower_main() -> None:
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+def ring_moves(plan: StepPlan) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
+    """The plan's prefix-cache snapshots as the sliding layers' rings take them (`KVCache.copy_ring_windows`): (row,
+    position, slot) of each load, at the position its sequence resumes from, and of each save, at the block boundary
+    it keeps (the piece's first position plus its offset)."""
+    starts, first = [], 0
+    for n in plan.query_lens:
+        starts.append(first)
+        first += n
+    loads = [(row, plan.positions[starts[plan.rows.index(row)]], slot) for slot, row in plan.state_loads]
+    saves = [(plan.rows[i], plan.positions[starts[i]] + offset, slot) for i, offset, slot in plan.state_saves]
+    return loads, saves

@@ -19,10 +19,14 @@ kernels are unchanged: they read a ring through a block table (`kernels.metadata
 is the ring block of logical block j; entries before the window name blocks that hold later positions now, and the
 window's mask never reads them.
 
-What a ring gives up: a cached prefix cannot resume a sequence whose sliding layers' K/V are gone (their K/V at a
-position depend on the hidden states of every earlier one through the layers below), nor can a swapped-out sequence
-bring them back. So `window` needs the device's pools to serve without prefix caching and to preempt by recompute,
-and `auto` (the default) chooses the rings exactly where they do; `full` keeps every position as before.
+A cached prefix's full layers are its paged blocks, but its sliding layers' K/V are gone from a ring once it moves
+on, and a sliding layer's K/V at a position depend on every earlier position through the layers below (recomputing
+the window alone does not rebuild them). So prefix caching keeps a **snapshot** of the window before a block boundary
+(`SlidingRing.snapshot_blocks` blocks of every ring layer) in the slots `engine.state_cache` keeps a state model's
+states in, tied to the prefix-cache entry of the block it ends with: saved after the step that computed it, copied
+back into a resuming sequence's ring before its step (`KVCache.copy_ring_windows`). Rings are not swapped: `window`
+is refused beside a pool that swaps, and `auto` (the default) chooses rings where no pool of the device does; `full`
+keeps every position as before.
 """
 
 from __future__ import annotations
@@ -52,6 +56,12 @@ class SlidingRing:
     blocks: tuple[int, ...]
     pools: tuple[str, ...]
     rows: tuple[int, ...] = ()
+
+    @property
+    def snapshot_blocks(self) -> int:
+        """Blocks a prefix-cache snapshot of a ring keeps: those of the `window - 1` positions before a block boundary,
+        which the first query resuming there reads."""
+        return -(-(self.window - 1) // self.block_size)
 
     def tokens(self, pool: int) -> int:
         """Positions a ring of the device's pool `pool` (its index) holds."""
@@ -102,6 +112,14 @@ def rings_bytes(ring: SlidingRing | None, model: ModelConfig, dtype: torch.dtype
         if ring is not None else 0
 
 
+def ring_snapshots_bytes(ring: SlidingRing | None, model: ModelConfig, dtype: torch.dtype, tensor_parallel_size: int,
+                         num_slots: int) -> int:
+    """Prefix caching's `num_slots` snapshots of the rings on one rank (`SlidingRing.snapshot_blocks` each)."""
+    if ring is None:
+        return 0
+    return num_slots * ring.snapshot_blocks * ring.block_size * ring.bytes_per_token(model, dtype, tensor_parallel_size)
+
+
 def _layers_bytes(model: ModelConfig, dtype: torch.dtype, tensor_parallel_size: int, layers: Iterable[int]) -> int:
     """A position's K/V in cache layers `layers` (indices into `kv_layers`) on one rank, each layer's own shape."""
     return model.kv_planes * dtype.itemsize * sum(
@@ -117,7 +135,7 @@ def ring_layers(model: ModelConfig) -> tuple[int, ...]:
 @dataclass(frozen=True)
 class PoolLimits:
     """What of a pool decides the ring: its longest step for one sequence and its longest sequence, and whether it
-    caches prefixes or swaps (either rules the ring out)."""
+    swaps (which rules the ring out; prefix caching keeps snapshots of the window beside it)."""
 
     name: str
     key: str                      # the pool's path in the user's configuration, for an error
@@ -132,7 +150,7 @@ def plan_ring(model: ModelConfig, setting: str, block_size: int, pools: Iterable
     """The device's ring for `setting` (auto | window | full), or None where its sliding layers keep every position.
 
     `window` is refused, naming `key` or the pool's key, where the model has no sliding layer, has no full layer
-    (every position's K/V would be a ring: not served), or a pool caches prefixes or swaps; `auto` chooses the
+    (every position's K/V would be a ring: not served), or a pool swaps; `auto` chooses the
     rings where none of those holds and some pool's ring is shorter than its longest sequence (else they would bound
     nothing). Each pool's ring: its step and the window before it, at most its `max_model_len`.
     """
@@ -165,9 +183,6 @@ def _ruled_out(model: ModelConfig, layers: tuple[int, ...], pools: list[PoolLimi
     if len(layers) == len(model.kv_layers):
         return "", f"every KV layer of {model.architecture} slides (a ring needs full layers beside them)"
     for p in pools:
-        if p.enable_prefix_caching:
-            return f"{p.key}.enable_prefix_caching", (f"pool {p.name!r} caches prefixes, whose sliding layers' K/V a "
-                                                      "ring does not keep")
         if p.uses_swap:
             return f"{p.key}.preemption_mode", (f"pool {p.name!r} may swap, and a ring's K/V are not swapped "
                                                 "(preemption_mode: recompute)")

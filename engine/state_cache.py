@@ -1,6 +1,7 @@
-"""Prefix caching for a model whose layers keep a state per sequence (Qwen3.5's Gated DeltaNet, Mamba-2): which
-cached prefixes also have their state kept, on the host side. The device side is `engine.layers.gated_delta_net.
-RecurrentStates`' snapshot slots.
+"""Prefix caching for a model whose layers keep a state per sequence (Qwen3.5's Gated DeltaNet, Mamba-2), or whose
+sliding layers keep a ring of their window (`engine.sliding_kv`): which cached prefixes also have their state (the
+window's K/V) kept, on the host side. The device side is `engine.layers.gated_delta_net.RecurrentStates`' snapshot
+slots, and `engine.kv_cache.KVCache.ring_snapshots` (the same slot numbers).
 
 A cached prefix's K/V alone cannot resume such a sequence: the state layers need their state after exactly those
 tokens. So a pool keeps **snapshots**, copies of every state layer's state taken after a prefix that ends on a
@@ -141,8 +142,9 @@ def num_snapshot_slots(pools: Iterable) -> int:
 
 
 def give_snapshots(schedulers: Iterable) -> int:
-    """Give each prefix-caching pool (`Scheduler`s) of a state model its snapshot slots, side by side from 0; the
-    slots in all (the engine's, and the simulator's for such a model, which then schedules as the engine does)."""
+    """Give each prefix-caching pool (`Scheduler`s) of a state model (or one with rings) its snapshot slots, side by
+    side from 0; the slots in all (the engine's, and the simulator's for such a model, which then schedules as the
+    engine does)."""
     first = 0
     for scheduler in schedulers:
         count = scheduler.config.snapshot_slots   # (0 without prefix caching)
@@ -152,11 +154,17 @@ def give_snapshots(schedulers: Iterable) -> int:
     return first
 
 
-def attach_snapshots(schedulers: Iterable, model) -> None:
-    """`give_snapshots`, and the model (`model.states`) the device tensors of them all; nothing for a model without
-    state layers."""
-    if getattr(model, "states", None) is not None:
-        model.states.reserve_snapshots(give_snapshots(schedulers))
+def attach_snapshots(schedulers: Iterable, model, kv_cache=None) -> None:
+    """`give_snapshots`, and the device tensors of them all: the model's states' (`model.states`) and the sliding
+    layers' rings' (`kv_cache.reserve_ring_snapshots`, `engine.sliding_kv`); nothing for a model without either."""
+    states, rings = getattr(model, "states", None), getattr(kv_cache, "ring", None)
+    if states is None and rings is None:
+        return
+    slots = give_snapshots(schedulers)
+    if states is not None:
+        states.reserve_snapshots(slots)
+    if rings is not None:
+        kv_cache.reserve_ring_snapshots(slots)
 
 
 def states_bytes(config, model_config, dtype) -> int:

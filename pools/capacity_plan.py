@@ -255,8 +255,8 @@ def plan_capacity(config: CliffguardConfig, model_configs: Mapping[str, ModelCon
             raise no_room_for_kv(dkey, dev, memory, source, p0.model, weights_dev,
                                  (dtype_name(dtype), fp8, packed, int4), graphs_dev, kv_dev, stored)
         device_pools = [_plan_pool(i, p, model, s_kv, s_kv_dev, _pool_bytes(p, kv_dev, members), tp, warnings,
-                                   dev.replicas, model.state_bytes_per_seq(dtype, tp) + rings.ring_bytes(k),
-                                   rings.ring_tokens(k)) for k, (i, p) in enumerate(members)]
+                                   dev.replicas, *rings.pool_state(k, model.state_bytes_per_seq(dtype, tp)))
+                        for k, (i, p) in enumerate(members)]
         _check_device_budget(dev_name, members, device_pools, kv_dev)
         if device_type == "cuda" and (short := headroom_warning(dev, memory, model.vocab_size, dtype.itemsize, [
                 (pp.max_num_seqs, pp.spec.max_num_batched_tokens) for pp in device_pools])) is not None:
@@ -301,7 +301,8 @@ def _check_device_budget(dev_name: str, members: list[tuple[int, PoolSpec]], dev
 
 
 def _plan_pool(i: int, p: PoolSpec, model: ModelConfig, s_kv: int, s_kv_dev: int, pool_kv: int, tp: int,
-               warnings: list[str], replicas: int = 1, s_state: int = 0, ring_tokens: int = 0) -> PoolPlan:
+               warnings: list[str], replicas: int = 1, s_state: int = 0, ring_tokens: int = 0,
+               s_snapshot: int | None = None) -> PoolPlan:
     key = f"pools[{i}]"
     context = model.context_length
     if p.max_model_len is not None and p.max_model_len > context:
@@ -320,7 +321,7 @@ def _plan_pool(i: int, p: PoolSpec, model: ModelConfig, s_kv: int, s_kv_dev: int
         budget_key, budget = f"{key}.kv_share", f"{p.kv_share}"
     else:
         budget_key, budget = f"{key}.kv_cache_bytes", fmt_bytes(p.kv_cache_bytes)
-    seq_kv, s_held = _snapshot_budget(p, pool_kv, s_state)
+    seq_kv, s_held = _snapshot_budget(p, pool_kv, s_state, s_state if s_snapshot is None else s_snapshot)
     num_blocks = formula.num_blocks(seq_kv - _states_bytes(p, seq_kv, s_kv_dev, s_held), s_kv_dev, p.block_size)
     per_request = ceil_div(max_model_len, p.block_size)
     if num_blocks < per_request:
@@ -359,15 +360,16 @@ def _plan_pool(i: int, p: PoolSpec, model: ModelConfig, s_kv: int, s_kv_dev: int
         sliding_ring_tokens=ring_tokens)
 
 
-def _snapshot_budget(p: PoolSpec, pool_kv: int, s_state: int) -> tuple[int, int]:
-    """(The bytes the pool's running sequences share, each one's state bytes) where a state model's prefix cache keeps
-    snapshots (`engine.state_cache`): one a sequence by default (its state counted twice), or `state_snapshots` set
-    aside first; the pool's bytes and S_state otherwise."""
-    if not (s_state and p.enable_prefix_caching):
+def _snapshot_budget(p: PoolSpec, pool_kv: int, s_state: int, s_snapshot: int) -> tuple[int, int]:
+    """(The bytes the pool's running sequences share, each one's state bytes) where its prefix cache keeps snapshots
+    of `s_snapshot` bytes (`engine.state_cache`: a state model's state, a sliding layer ring's window): one a sequence
+    by default (counted beside its state), or `state_snapshots` set aside first; the pool's bytes and S_state
+    otherwise."""
+    if not (s_snapshot and p.enable_prefix_caching):
         return pool_kv, s_state
     if p.state_snapshots is None:
-        return pool_kv, 2 * s_state
-    return max(0, pool_kv - p.state_snapshots * s_state), s_state
+        return pool_kv, s_state + s_snapshot
+    return max(0, pool_kv - p.state_snapshots * s_snapshot), s_state
 
 
 def _states_bytes(p: PoolSpec, pool_kv: int, s_kv_dev: int, s_state: int) -> int:

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.model_config import ModelConfig
-from engine.sliding_kv import PoolLimits, SlidingRing, paged_bytes_per_token, plan_ring, ring_layers
+from engine.sliding_kv import (PoolLimits, SlidingRing, paged_bytes_per_token, plan_ring, ring_layers,
+                               ring_snapshots_bytes)
 from pools.config.checks import engine_rules
 from pools.config.device_spec import DeviceSpec
 from pools.config.spec import PoolSpec
@@ -32,6 +33,7 @@ class DeviceRing:
     kv_bytes_per_token: int
     kv_bytes_per_token_per_device: int
     ring_bytes_per_device: tuple[int, ...]
+    snapshot_bytes: int = 0           # a prefix-cache snapshot of a ring per GPU (`SlidingRing.snapshot_blocks`)
     note: str = ""
 
     def ring_bytes(self, pool: int) -> int:
@@ -45,6 +47,11 @@ class DeviceRing:
 
     def ring_tokens(self, pool: int) -> int:
         return self.ring.tokens(pool) if self.ring is not None else 0
+
+    def pool_state(self, pool: int, model_state: int) -> tuple[int, int, int]:
+        """(S_state, ring positions, a prefix-cache snapshot's bytes) of a sequence in the device's pool `pool` (its
+        index among them), for a model whose own state layers keep `model_state` bytes a sequence."""
+        return model_state + self.ring_bytes(pool), self.ring_tokens(pool), model_state + self.snapshot_bytes
 
 
 def device_ring_plan(dev_name: str, dev: DeviceSpec, model: ModelConfig, members: list[tuple[int, PoolSpec]],
@@ -61,14 +68,13 @@ def device_ring_plan(dev_name: str, dev: DeviceSpec, model: ModelConfig, members
     note = ""
     if ring is None and dev.sliding_kv == "auto" and ring_layers(model) \
             and len(ring_layers(model)) < model.num_kv_layers:
-        if (keeps := next((p for p in limits if p.enable_prefix_caching or p.uses_swap), None)) is not None:
-            why = "caches prefixes" if keeps.enable_prefix_caching else "may swap"
+        if (swaps := next((p for p in limits if p.uses_swap), None)) is not None:
             note = (f"devices.{dev_name}.sliding_kv: auto keeps every position of the sliding layers' K/V because pool "
-                    f"{keeps.name!r} {why}; with every pool of the device at enable_prefix_caching: false and "
-                    "preemption_mode: recompute they would keep a ring of their window a sequence (sliding_kv: full "
-                    "keeps this layout without this note)")
+                    f"{swaps.name!r} may swap; with every pool of the device at preemption_mode: recompute they would "
+                    "keep a ring of their window a sequence (sliding_kv: full keeps this layout without this note)")
     warnings.extend([note] if note else [])
     per_seq = tuple(ring.bytes_per_seq(k, model, kv_dtype, tp) for k in range(len(members))) if ring else ()
+    snapshot = ring_snapshots_bytes(ring, model, kv_dtype, tp, 1)
     return DeviceRing(ring=ring, kv_bytes_per_token=paged_bytes_per_token(model, kv_dtype, 1, ring),
                       kv_bytes_per_token_per_device=paged_bytes_per_token(model, kv_dtype, tp, ring),
-                      ring_bytes_per_device=per_seq, note=note)
+                      ring_bytes_per_device=per_seq, snapshot_bytes=snapshot, note=note)

@@ -121,7 +121,7 @@ class DeviceSim:
                                         swap_latency_seconds=step_time.swap_latency)
             self.schedulers[pool.name] = scheduler
             first_block += pool.num_blocks
-        if state_model:   # its prefix caches resume only where they kept a state, as the engine's (engine.state_cache)
+        if state_model:   # its prefix caches resume only where they kept a state (or a ring's window), as the engine's
             give_snapshots(self.schedulers.values())
         self.composer = StepComposer(self.schedulers, {p.name: p.slo for p in pools},
                                      min_shares={p.name: p.min_share for p in pools})

@@ -268,7 +268,7 @@ def _device_group(config: CliffguardConfig, plan: CapacityPlan, dplan: DevicePla
     for _ in range(dplan.replicas):
         DeviceSim(pools, block_size=dplan.block_size, max_model_lens=lens, step_time=step_time,
                   kv_bytes_per_token=dplan.kv_bytes_per_token_per_device, spirals=spirals, group=group,
-                  state_model=model.state_bytes_per_seq(torch.float32) > 0)
+                  state_model=model.state_bytes_per_seq(torch.float32) > 0 or dplan.sliding_window > 0)
     return group
 
 

@@ -4,7 +4,6 @@ is still transformers' own, token for token, on prompts and outputs that wrap ea
 from __future__ import annotations
 
 import dataclasses
-import re
 from pathlib import Path
 
 import pytest
@@ -143,21 +142,18 @@ def test_the_ring_holds_a_step_and_the_window_before_it(gemma3_config):
     assert plan_ring(gemma3_config, "full", 16, [_limits()]) is None
 
 
-def test_auto_keeps_every_position_where_a_pool_caches_prefixes_swaps_or_the_ring_bounds_nothing(gemma3_config):
-    assert plan_ring(gemma3_config, "auto", 16, [_limits(enable_prefix_caching=True), _limits()]) is None
-    assert plan_ring(gemma3_config, "auto", 16, [_limits(uses_swap=True)]) is None
+def test_auto_keeps_every_position_where_a_pool_swaps_or_the_ring_bounds_nothing(gemma3_config):
+    assert plan_ring(gemma3_config, "auto", 16, [_limits(enable_prefix_caching=True), _limits()]) is not None
+    assert plan_ring(gemma3_config, "auto", 16, [_limits(uses_swap=True), _limits()]) is None
     assert plan_ring(gemma3_config, "auto", 16, [_limits(max_model_len=3072)]) is None   # 3,088 ring positions
     # a ring is at most the pool's longest sequence
     assert plan_ring(gemma3_config, "window", 16, [_limits(max_model_len=3072)]).tokens(0) == 3072
 
 
-@pytest.mark.parametrize("limits,key,why", [
-    (dict(enable_prefix_caching=True), "pools[1].enable_prefix_caching", "caches prefixes"),
-    (dict(uses_swap=True), "pools[1].preemption_mode", "may swap"),
-])
-def test_window_is_refused_naming_the_pool_key_that_rules_it_out(gemma3_config, limits, key, why):
-    with pytest.raises(ConfigError, match=rf"^{re.escape(key)}: .*{why}.*sliding_kv: window needs it"):
-        plan_ring(gemma3_config, "window", 16, [_limits(**limits)])
+def test_window_is_refused_naming_the_pool_key_that_rules_it_out(gemma3_config):
+    with pytest.raises(ConfigError, match=r"^pools\[1\]\.preemption_mode: pool 'rag' may swap.*sliding_kv: window "
+                                          "needs it"):
+        plan_ring(gemma3_config, "window", 16, [_limits(uses_swap=True)])
     with pytest.raises(ConfigError, match=r"^sliding_kv: must be one of auto, window, full, got 'ring'"):
         plan_ring(gemma3_config, "ring", 16, [_limits()])
 
@@ -224,16 +220,14 @@ def _plan_gpt_oss(device: dict | None = None, **pools):
     return plan_capacity(config, resolve_model_configs(config), vram_bytes=80 << 30)
 
 
-def test_the_plan_counts_the_full_layers_in_s_kv_and_each_pools_ring_as_its_state():
+def test_the_plan_counts_the_full_layers_in_s_kv_and_each_pools_ring_and_window_snapshot_as_its_state():
     """gpt-oss-20b's 12 sliding layers of 24 (a window of 128) leave S_KV; a chat pool's ring holds its step of 2,048
     and the window (2,192 positions), a RAG pool's its step of 8,192 (8,336), or the 512 of its
-    long_prefill_token_threshold (656); each is S_state, and the RAG pool runs more sequences than with every
-    position kept (the file as it is, whose prefix caching keeps them: a warning says so)."""
-    full = _plan_gpt_oss()
-    assert any("sliding_kv: auto keeps every position" in w and "pool 'chat' caches prefixes" in w
-               for w in full.warnings)
-    off = {"enable_prefix_caching": False}
-    rings = _plan_gpt_oss(chat=off, rag=off)
+    long_prefill_token_threshold (656); each is S_state, beside a prefix-cache snapshot of the window's 8 blocks (128
+    positions) a sequence where the pool caches prefixes, and the RAG pool runs more sequences than with every
+    position kept (`sliding_kv: full`)."""
+    full = _plan_gpt_oss({"sliding_kv": "full"})
+    rings = _plan_gpt_oss()   # the file as it is: auto, prefix caching on
     position = 12 * 8 * 64 * 2 * 2   # 12 layers' 8 KV heads of 64, K and V, bfloat16
     (device,) = rings.devices.values()
     assert device.kv_bytes_per_token == position == full.devices[device.name].kv_bytes_per_token // 2
@@ -242,18 +236,23 @@ def test_the_plan_counts_the_full_layers_in_s_kv_and_each_pools_ring_as_its_stat
     assert (chat.sliding_ring_tokens, rag.sliding_ring_tokens) == (2192, 8336)
     assert (chat.state_bytes_per_seq, rag.state_bytes_per_seq) == (2192 * position, 8336 * position)
     assert rag.max_num_seqs == rag.formula_max_num_seqs == rag.kv_cache_bytes_per_device // (
-        position * 16384 + 8336 * position) > full.pools["rag"].max_num_seqs
-    short = _plan_gpt_oss(chat=off, rag={**off, "long_prefill_token_threshold": 512})
+        position * 16384 + (8336 + 128) * position) > full.pools["rag"].max_num_seqs
+    off = {"enable_prefix_caching": False}   # no snapshot a sequence
+    assert _plan_gpt_oss(chat=off, rag=off).pools["rag"].max_num_seqs == rag.kv_cache_bytes_per_device // (
+        position * 16384 + 8336 * position)
+    short = _plan_gpt_oss(rag={"long_prefill_token_threshold": 512})
     assert short.pools["rag"].sliding_ring_tokens == 656 and short.pools["rag"].max_num_seqs > rag.max_num_seqs
-    assert not any("sliding_kv" in w for w in short.warnings)
-    assert not any("sliding_kv" in w for w in _plan_gpt_oss({"sliding_kv": "full"}).warnings)   # asked: no note
+    assert not any("sliding_kv" in w for w in (*rings.warnings, *full.warnings))
+    swaps = _plan_gpt_oss(rag={"preemption_mode": "swap", "swap_space": "1GiB"})
+    assert swaps.devices["h100"].sliding_window == 0
+    assert any("sliding_kv: auto keeps every position" in w and "pool 'rag' may swap" in w for w in swaps.warnings)
 
 
 def test_the_plan_refuses_window_naming_the_key_that_rules_it_out():
     from pools.config.spec import SpecError
 
-    with pytest.raises(SpecError, match=r"^pools\[1\]\.enable_prefix_caching: pool 'rag' caches prefixes"):
-        _plan_gpt_oss({"sliding_kv": "window"}, chat={"enable_prefix_caching": False})
+    with pytest.raises(SpecError, match=r"^pools\[1\]\.preemption_mode: pool 'rag' may swap"):
+        _plan_gpt_oss({"sliding_kv": "window"}, rag={"preemption_mode": "swap", "swap_space": "1GiB"})
     with pytest.raises(SpecError, match=r"^devices\.h100\.sliding_kv: must be one of auto, full, window, got 'ring'"):
         _plan_gpt_oss({"sliding_kv": "ring"})
 
@@ -302,3 +301,30 @@ def test_a_requests_samples_each_keep_a_ring_and_draw_what_they_draw_with_every_
         answers[layout] = [o.token_ids for o in engine.generate([prompt], params)[0].outputs]
         assert_all_free(engine)
     assert len(set(map(tuple, answers["window"]))) == 3 and answers["window"] == answers["full"]
+
+
+@pytest.mark.parametrize("arch,index", [("gemma3", 0), ("qwen2", 2), ("mimo_v2_flash", 0)])
+def test_a_cached_prefix_resumes_with_its_rings_window_kept(tmp_path, builtin_path, arch, index):
+    """Prefix caching with rings: a prompt's chunks keep the window before each chunk's last block boundary (a
+    snapshot of the ring's blocks, `engine.state_cache`'s slots), so the same prompt again, and its first 70 tokens
+    before another's, resume from the cached blocks and the kept window (once other prompts have written over every
+    row's ring): transformers' answers, snapshots loaded."""
+    import transformers
+
+    folder = make_tiny_model(tmp_path / arch, arch, builtin_path, **_case(arch, index))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    pool = PoolConfig(num_blocks=96, scheduler=SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=STEP,
+                                                               state_snapshots=24))   # every chunk's kept
+    engine = LLMEngine(EngineConfig(model=str(folder), dtype="float32", cache=CacheConfig(block_size=BLOCK),
+                                    pools=(pool,), sliding_kv="window"), progress=False)
+    assert engine.kv_cache.ring is not None and engine.kv_cache.ring_snapshots
+    gen = torch.Generator().manual_seed(9)
+    first, other, *scribble = (torch.randint(3, 512, (n,), generator=gen).tolist() for n in (100, 17, 60, 61, 62))
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    # between the two rounds three other prompts write every row's ring over
+    for prompts in ([first], scribble, [first, first[:70] + other]):
+        outs = engine.generate(prompts, params)
+        assert [o.outputs[0].token_ids for o in outs] == [_hf_greedy(hf, p, 12, eos_ids=None) for p in prompts]
+    scheduler = engine.schedulers["default"]
+    assert scheduler.state_snapshots.num_loaded >= 2 and scheduler.block_manager.num_prefix_hits >= 64 + 64
+    assert_all_free(engine)
