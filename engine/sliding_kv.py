@@ -143,6 +143,7 @@ class PoolLimits:
     max_model_len: int
     enable_prefix_caching: bool
     uses_swap: bool
+    avg_len: int = 0              # the plan's `avg_len` (0: not known, an EngineConfig built in code)
 
 
 def plan_ring(model: ModelConfig, setting: str, block_size: int, pools: Iterable[PoolLimits],
@@ -150,9 +151,10 @@ def plan_ring(model: ModelConfig, setting: str, block_size: int, pools: Iterable
     """The device's ring for `setting` (auto | window | full), or None where its sliding layers keep every position.
 
     `window` is refused, naming `key` or the pool's key, where the model has no sliding layer, has no full layer
-    (every position's K/V would be a ring: not served), or a pool swaps; `auto` chooses the
-    rings where none of those holds and some pool's ring is shorter than its longest sequence (else they would bound
-    nothing). Each pool's ring: its step and the window before it, at most its `max_model_len`.
+    (every position's K/V would be a ring: not served), or a pool swaps; `auto` chooses the rings where none of those
+    holds, some pool's ring is shorter than its longest sequence (else they would bound nothing) and no pool's ring
+    and snapshot outgrow its `avg_len` where the plan knows it (`ring_outgrows`: that pool would run fewer
+    sequences). Each pool's ring: its step and the window before it, at most its `max_model_len`.
     """
     if setting not in SLIDING_KV:
         raise ConfigError(f"{key}: must be one of {', '.join(SLIDING_KV)}, got {setting!r}")
@@ -170,10 +172,21 @@ def plan_ring(model: ModelConfig, setting: str, block_size: int, pools: Iterable
     window = max(model.layer_window(model.kv_layers[i]) for i in layers)
     blocks = tuple(min(-(-(p.max_step_tokens + window - 1) // block_size) + 1,
                        -(-p.max_model_len // block_size)) for p in pools)
-    if setting == "auto" and all(b * block_size >= p.max_model_len for b, p in zip(blocks, pools)):
-        return None   # no pool's ring is shorter than its longest sequence
-    return SlidingRing(layers=layers, window=window, block_size=block_size, blocks=blocks,
+    ring = SlidingRing(layers=layers, window=window, block_size=block_size, blocks=blocks,
                        pools=tuple(p.name for p in pools))
+    if setting == "auto" and (all(b * block_size >= p.max_model_len for b, p in zip(blocks, pools))
+                              or ring_outgrows(ring, pools) is not None):
+        return None   # no pool's ring bounds anything, or a pool would run fewer sequences with its ring
+    return ring
+
+
+def ring_outgrows(ring: SlidingRing, pools: list[PoolLimits]) -> PoolLimits | None:
+    """The first pool whose ring, with its window's prefix-cache snapshot where it caches prefixes, holds more
+    positions than its `avg_len` (so the capacity formula gives it fewer sequences with the ring than with every
+    position kept); None where no pool's does (or none's avg_len is known)."""
+    snapshot = ring.snapshot_blocks * ring.block_size
+    return next((p for k, p in enumerate(pools) if p.avg_len and ring.tokens(k) + snapshot * p.enable_prefix_caching
+                 > p.avg_len), None)
 
 
 def _ruled_out(model: ModelConfig, layers: tuple[int, ...], pools: list[PoolLimits]) -> tuple[str, str] | None:

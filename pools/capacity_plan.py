@@ -113,6 +113,7 @@ class PoolPlan:
     replicas: int = 1                # the device's: each holds this pool's blocks and runs max_num_seqs
     state_bytes_per_seq: int = 0     # S_state: a sequence's linear-attention state and snapshots, or its ring
     sliding_ring_tokens: int = 0     # positions of that ring (engine.sliding_kv); 0: the sliding layers keep every one
+    snapshot_bytes_per_seq: int = 0  # a prefix-cache snapshot of S_state (a state, a ring's window); 0: none kept
 
     @property
     def pool_max_num_seqs(self) -> int:
@@ -357,7 +358,7 @@ def _plan_pool(i: int, p: PoolSpec, model: ModelConfig, s_kv: int, s_kv_dev: int
         spec=p, max_model_len=max_model_len, kv_bytes_per_token=s_kv, kv_bytes_per_token_per_device=s_kv_dev,
         kv_cache_bytes_per_device=pool_kv, tensor_parallel_size=tp, num_blocks=num_blocks,
         formula_max_num_seqs=by_formula, max_num_seqs=max_num_seqs, replicas=replicas, state_bytes_per_seq=s_state,
-        sliding_ring_tokens=ring_tokens)
+        sliding_ring_tokens=ring_tokens, snapshot_bytes_per_seq=s_snapshot if s_snapshot is not None else s_state)
 
 
 def _snapshot_budget(p: PoolSpec, pool_kv: int, s_state: int, s_snapshot: int) -> tuple[int, int]:
@@ -432,7 +433,8 @@ def replica_engine_configs(config: CliffguardConfig, plan: CapacityPlan) -> dict
                                 memory_utilization=dplan.memory_utilization,
                                 tensor_parallel_size=dplan.tensor_parallel_size, enforce_eager=dev.enforce_eager,
                                 async_scheduling=dev.async_scheduling, kv_cache_dtype=dev.kv_cache_dtype,
-                                sliding_kv=dev.sliding_kv,
+                                sliding_kv=("window" if dplan.sliding_window else "full") if dev.sliding_kv == "auto"
+                                else dev.sliding_kv,   # the plan's choice: the engine has no avg_len to make it
                                 calculate_kv_scales=dev.calculate_kv_scales, quantization=dev.quantization,
                                 collective_timeout_seconds=dev.collective_timeout_seconds)
         result[dplan.name] = [_replica_config(template, dev, r, key) for r in range(dev.replicas)]

@@ -101,7 +101,7 @@ def format_plan(plan: CapacityPlan) -> str:
                          ("S_state", [f"{fmt_bytes(p.state_bytes_per_seq)} a sequence"
                                       + ("/GPU" if p.tensor_parallel_size > 1 else "")
                                       + (f" (a ring of {p.sliding_ring_tokens:,})" if p.sliding_ring_tokens else "")
-                                      + _snapshots(p.spec)
+                                      + _snapshots(p)
                                       for p in pools]))
         if any(p.replicas > 1 for p in pools):
             table.insert(table.index(next(row for row in table if row[0] == "max_num_seqs")) + 1,
@@ -217,8 +217,10 @@ def format_verdicts(verdicts: Mapping[str, dict[str, Any]], *, unrouted: float =
     return lines
 
 
-def _snapshots(spec) -> str:
-    """What a state model's prefix cache keeps beside the running sequences' states (`engine.state_cache`)."""
-    if not spec.enable_prefix_caching or spec.state_snapshots == 0:
+def _snapshots(pool) -> str:
+    """What a pool's prefix cache keeps beside its running sequences' states or rings (`engine.state_cache`)."""
+    spec, size = pool.spec, fmt_bytes(pool.snapshot_bytes_per_seq)
+    if not spec.enable_prefix_caching or spec.state_snapshots == 0 or not pool.snapshot_bytes_per_seq:
         return ""
-    return " (x2: prefix-cache snapshots)" if spec.state_snapshots is None else f" (+ {spec.state_snapshots} snapshots)"
+    return f" (+ a prefix-cache snapshot of {size})" if spec.state_snapshots is None else \
+        f" (+ {spec.state_snapshots} snapshots of {size})"

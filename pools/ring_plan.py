@@ -15,7 +15,7 @@ import torch
 
 from engine.model_config import ModelConfig
 from engine.sliding_kv import (PoolLimits, SlidingRing, paged_bytes_per_token, plan_ring, ring_layers,
-                               ring_snapshots_bytes)
+                               ring_outgrows, ring_snapshots_bytes)
 from pools.config.checks import engine_rules
 from pools.config.device_spec import DeviceSpec
 from pools.config.spec import PoolSpec
@@ -61,20 +61,37 @@ def device_ring_plan(dev_name: str, dev: DeviceSpec, model: ModelConfig, members
     limits = [PoolLimits(name=p.name, key=f"pools[{i}]", max_step_tokens=min(
         p.max_num_batched_tokens, p.long_prefill_token_threshold or p.max_num_batched_tokens),
                          max_model_len=p.max_model_len or model.context_length,
-                         enable_prefix_caching=p.enable_prefix_caching, uses_swap=p.uses_swap) for i, p in members]
+                         enable_prefix_caching=p.enable_prefix_caching, uses_swap=p.uses_swap, avg_len=p.avg_len)
+              for i, p in members]
     block_size = members[0][1].block_size
     with engine_rules():
         ring = plan_ring(model, dev.sliding_kv, block_size, limits, key=f"devices.{dev_name}.sliding_kv")
     note = ""
     if ring is None and dev.sliding_kv == "auto" and ring_layers(model) \
             and len(ring_layers(model)) < model.num_kv_layers:
-        if (swaps := next((p for p in limits if p.uses_swap), None)) is not None:
-            note = (f"devices.{dev_name}.sliding_kv: auto keeps every position of the sliding layers' K/V because pool "
-                    f"{swaps.name!r} may swap; with every pool of the device at preemption_mode: recompute they would "
-                    "keep a ring of their window a sequence (sliding_kv: full keeps this layout without this note)")
+        note = _kept_note(f"devices.{dev_name}.sliding_kv", model, block_size, limits)
     warnings.extend([note] if note else [])
     per_seq = tuple(ring.bytes_per_seq(k, model, kv_dtype, tp) for k in range(len(members))) if ring else ()
     snapshot = ring_snapshots_bytes(ring, model, kv_dtype, tp, 1)
     return DeviceRing(ring=ring, kv_bytes_per_token=paged_bytes_per_token(model, kv_dtype, 1, ring),
                       kv_bytes_per_token_per_device=paged_bytes_per_token(model, kv_dtype, tp, ring),
                       ring_bytes_per_device=per_seq, snapshot_bytes=snapshot, note=note)
+
+
+def _kept_note(key: str, model: ModelConfig, block_size: int, limits: list[PoolLimits]) -> str:
+    """Why `auto` kept every position of a model whose sliding layers rings could hold (empty: the rings would bound
+    nothing), for the plan's warnings."""
+    if (swaps := next((p for p in limits if p.uses_swap), None)) is not None:
+        return (f"{key}: auto keeps every position of the sliding layers' K/V because pool {swaps.name!r} may swap; "
+                "with every pool of the device at preemption_mode: recompute they would keep a ring a sequence "
+                "(sliding_kv: full keeps this layout without this note)")
+    rings = plan_ring(model, "window", block_size, limits)
+    if (pool := ring_outgrows(rings, limits)) is None:
+        return ""
+    k = limits.index(pool)
+    snapshot = rings.snapshot_blocks * block_size if pool.enable_prefix_caching else 0
+    return (f"{key}: auto keeps every position of the sliding layers' K/V because pool {pool.name!r} would run fewer "
+            f"sequences with rings: its ring of {rings.tokens(k):,} positions (its step and the window"
+            + (f", and a {snapshot}-position snapshot for the prefix cache" if snapshot else "")
+            + f") outgrows its avg_len {pool.avg_len:,}; a smaller long_prefill_token_threshold shortens it, "
+            "sliding_kv: window takes rings anyway, sliding_kv: full keeps this layout without this note")

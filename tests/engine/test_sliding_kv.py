@@ -142,8 +142,14 @@ def test_the_ring_holds_a_step_and_the_window_before_it(gemma3_config):
     assert plan_ring(gemma3_config, "full", 16, [_limits()]) is None
 
 
-def test_auto_keeps_every_position_where_a_pool_swaps_or_the_ring_bounds_nothing(gemma3_config):
+def test_auto_keeps_every_position_where_a_pool_swaps_the_ring_bounds_nothing_or_outgrows_avg_len(gemma3_config):
     assert plan_ring(gemma3_config, "auto", 16, [_limits(enable_prefix_caching=True), _limits()]) is not None
+    # a ring of 3,088 positions (and 1,024 of snapshot where prefixes are cached) against the pool's avg_len
+    assert plan_ring(gemma3_config, "auto", 16, [_limits(avg_len=3088)]) is not None
+    assert plan_ring(gemma3_config, "auto", 16, [_limits(avg_len=3087)]) is None
+    assert plan_ring(gemma3_config, "auto", 16, [_limits(avg_len=4111, enable_prefix_caching=True)]) is None
+    assert plan_ring(gemma3_config, "auto", 16, [_limits(avg_len=4112, enable_prefix_caching=True)]) is not None
+    assert plan_ring(gemma3_config, "window", 16, [_limits(avg_len=100)]) is not None
     assert plan_ring(gemma3_config, "auto", 16, [_limits(uses_swap=True), _limits()]) is None
     assert plan_ring(gemma3_config, "auto", 16, [_limits(max_model_len=3072)]) is None   # 3,088 ring positions
     # a ring is at most the pool's longest sequence
@@ -222,12 +228,16 @@ def _plan_gpt_oss(device: dict | None = None, **pools):
 
 def test_the_plan_counts_the_full_layers_in_s_kv_and_each_pools_ring_and_window_snapshot_as_its_state():
     """gpt-oss-20b's 12 sliding layers of 24 (a window of 128) leave S_KV; a chat pool's ring holds its step of 2,048
-    and the window (2,192 positions), a RAG pool's its step of 8,192 (8,336), or the 512 of its
+    and the window (2,192 positions), a RAG pool's its step of 8,192 (8,336), or the 512 of a
     long_prefill_token_threshold (656); each is S_state, beside a prefix-cache snapshot of the window's 8 blocks (128
-    positions) a sequence where the pool caches prefixes, and the RAG pool runs more sequences than with every
-    position kept (`sliding_kv: full`)."""
-    full = _plan_gpt_oss({"sliding_kv": "full"})
-    rings = _plan_gpt_oss()   # the file as it is: auto, prefix caching on
+    positions) a sequence where the pool caches prefixes. `auto` takes rings only where no pool would run fewer
+    sequences with them: not as the file is (chat's ring and snapshot outgrow its avg_len of 2,048: a warning says
+    so), but with chat's threshold at 512, and then both pools run more sequences than with every position kept."""
+    as_is, full = _plan_gpt_oss(), _plan_gpt_oss({"sliding_kv": "full"})
+    assert as_is.devices["h100"].sliding_window == 0 and not any("sliding_kv" in w for w in full.warnings)
+    assert any("pool 'chat' would run fewer sequences with rings: its ring of 2,192 positions" in w
+               and "outgrows its avg_len 2,048" in w for w in as_is.warnings)
+    rings = _plan_gpt_oss({"sliding_kv": "window"})
     position = 12 * 8 * 64 * 2 * 2   # 12 layers' 8 KV heads of 64, K and V, bfloat16
     (device,) = rings.devices.values()
     assert device.kv_bytes_per_token == position == full.devices[device.name].kv_bytes_per_token // 2
@@ -235,15 +245,19 @@ def test_the_plan_counts_the_full_layers_in_s_kv_and_each_pools_ring_and_window_
     chat, rag = rings.pools["chat"], rings.pools["rag"]
     assert (chat.sliding_ring_tokens, rag.sliding_ring_tokens) == (2192, 8336)
     assert (chat.state_bytes_per_seq, rag.state_bytes_per_seq) == (2192 * position, 8336 * position)
+    assert chat.snapshot_bytes_per_seq == 128 * position
     assert rag.max_num_seqs == rag.formula_max_num_seqs == rag.kv_cache_bytes_per_device // (
         position * 16384 + (8336 + 128) * position) > full.pools["rag"].max_num_seqs
+    assert chat.max_num_seqs < full.pools["chat"].max_num_seqs   # what auto declined
     off = {"enable_prefix_caching": False}   # no snapshot a sequence
-    assert _plan_gpt_oss(chat=off, rag=off).pools["rag"].max_num_seqs == rag.kv_cache_bytes_per_device // (
-        position * 16384 + 8336 * position)
-    short = _plan_gpt_oss(rag={"long_prefill_token_threshold": 512})
-    assert short.pools["rag"].sliding_ring_tokens == 656 and short.pools["rag"].max_num_seqs > rag.max_num_seqs
-    assert not any("sliding_kv" in w for w in (*rings.warnings, *full.warnings))
-    swaps = _plan_gpt_oss(rag={"preemption_mode": "swap", "swap_space": "1GiB"})
+    assert _plan_gpt_oss({"sliding_kv": "window"}, rag=off).pools["rag"].max_num_seqs == \
+        rag.kv_cache_bytes_per_device // (position * 16384 + 8336 * position)
+    short = _plan_gpt_oss(chat={"long_prefill_token_threshold": 512})   # auto: rings now
+    assert short.devices["h100"].sliding_window == 128 and not any("sliding_kv" in w for w in short.warnings)
+    assert short.pools["chat"].sliding_ring_tokens == 656
+    assert all(short.pools[n].max_num_seqs > full.pools[n].max_num_seqs for n in ("chat", "rag"))
+    swaps = _plan_gpt_oss(chat={"long_prefill_token_threshold": 512},
+                          rag={"preemption_mode": "swap", "swap_space": "1GiB"})
     assert swaps.devices["h100"].sliding_window == 0
     assert any("sliding_kv: auto keeps every position" in w and "pool 'rag' may swap" in w for w in swaps.warnings)
 

@@ -493,8 +493,7 @@ def test_the_example_files_plan(name, vram, dense_bytes, kv):
     and the FP8 releases of Qwen3-32B on one H100 and DeepSeek V3.2 on eight H200s, held in FP8, and Kimi K2
     Thinking's INT4 experts held as stored on eight H200s, and Qwen3-32B's INT4 projections on one 48 GB card (and
     AWQ's, a zero point a group beside them), and
-    MiMo-V2-Flash on eight H200s with an FP8 cache (its two attention shapes, each GPU one KV head a layer; the sliding
-    layers' in rings, `sliding_kv: auto`)."""
+    MiMo-V2-Flash on eight H200s with an FP8 cache (its two attention shapes, each GPU one KV head a layer)."""
     data = yaml.safe_load((REPO / "config" / "examples" / name).read_text())
     config = parse_config(data, env={}, base_dir=REPO / "config" / "examples")
     plan = plan_capacity(config, resolve_model_configs(config), vram_bytes=vram)
@@ -504,9 +503,9 @@ def test_the_example_files_plan(name, vram, dense_bytes, kv):
         assert device.kv_bytes_per_token == 27 * 576 * 2
     if name.startswith("deepseek-v3.2"):   # the latent, its rotated key and the indexer's key: 704 a layer
         assert device.kv_bytes_per_token == 61 * 704 * 2 and device.fp8_weights
-    if name.startswith("mimo"):   # the full layers' 4 KV heads, each V padded to 192; the sliding layers' in rings
-        assert device.kv_bytes_per_token == 9 * 4 * 192 * 2 * 1 and device.sliding_window == 129
-        assert device.kv_bytes_per_token_per_device == 9 * 1 * 192 * 2 * 1
+    if name.startswith("mimo"):   # the full layers' 4 KV heads, the sliding layers' 8, each V padded to 192
+        assert device.kv_bytes_per_token == (9 * 4 + 39 * 8) * 192 * 2 * 1
+        assert device.kv_bytes_per_token_per_device == 48 * 1 * 192 * 2 * 1
     if name.startswith("mistral-small-4"):
         assert device.kv_bytes_per_token == 36 * 320 * 1
     if name.startswith("qwen3-next"):   # per GPU: 36 layers' 8 key heads' conv inputs, 16 value heads' 128 x 128
