@@ -40,7 +40,8 @@ from engine.config import SLIDING_KV, ConfigError, EngineConfig, PoolConfig
 from engine.gemma4_config import rank_kv_heads
 from engine.model_config import ModelConfig
 
-__all__ = ["SLIDING_KV", "SlidingRing", "device_ring", "plan_ring", "ring_layers"]
+__all__ = ["SLIDING_KV", "PoolLimits", "SlidingRing", "device_ring", "engine_pool_limits", "paged_bytes_per_token",
+           "plan_ring", "ring_layers", "ring_outgrows", "ring_snapshots_bytes", "rings_bytes"]
 
 
 @dataclass(frozen=True)
