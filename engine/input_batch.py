@@ -18,6 +18,7 @@ model runner; not thread-safe.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
@@ -58,8 +59,9 @@ class InputBatch:
         self._row_of: dict[int, int] = {}
         self._free = list(range(max_rows - 1, -1, -1))
         if ring is not None:   # each pool's own rows (its index in the device's pools: `_pool_free`)
+            self._first_rows = ring.first_rows()
             self._pool_free = [list(range(first + rows - 1, first - 1, -1))
-                               for first, rows in zip(ring.first_rows(), ring.rows)]
+                               for first, rows in zip(self._first_rows, ring.rows)]
         self._known: dict[int, tuple[int, int]] = {}     # row -> (its holder's blocks written, the last one)
         self._extent: dict[int, int] = {}                 # row -> entries written since they were last zeroed
 
@@ -104,7 +106,7 @@ class InputBatch:
             if self.ring is None:
                 self._free.append(row)
             else:
-                self._pool_free[self._pool_of_row(row)].append(row)
+                self._pool_free[bisect.bisect_right(self._first_rows, row) - 1].append(row)   # its pool's
 
     def _take_row(self, pool: str = "default") -> int:
         if self.ring is not None:   # a row of the pool's range, its ring the pool's size
@@ -172,9 +174,6 @@ class InputBatch:
             token_rows = row_t if seq_of_token is None else row_t[seq_of_token]
             meta.ring = ring_metadata(meta, token_rows, pos, width, self.ring_base, self.ring_size)
         return ids, pos, meta
-
-    def _pool_of_row(self, row: int) -> int:
-        return next(i for i, first in reversed(list(enumerate(self.ring.first_rows()))) if row >= first)
 
     def _grow(self, rows: int | None = None, blocks: int | None = None) -> None:
         """Make room for more rows or longer tables (the device's tensor and its host copy)."""

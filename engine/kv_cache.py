@@ -115,14 +115,9 @@ class KVCache:
 
     @property
     def num_bytes(self) -> int:
-        """The paged blocks' bytes (the rings' are `ring_bytes`)."""
+        """The paged blocks' bytes (the rings' and their snapshots': `engine.sliding_kv.rings_bytes`,
+        `ring_snapshots_bytes`)."""
         return sum(tensor.numel() * tensor.element_size() for tensor in self.tensors)
-
-    @property
-    def ring_bytes(self) -> int:
-        """The sliding layers' rings' bytes and their snapshots' (`engine.sliding_kv`; 0 where those layers keep every
-        position)."""
-        return sum(t.numel() * t.element_size() for t in (*self.ring_tensors, *self.ring_snapshots))
 
     @property
     def bytes_per_block(self) -> int:

@@ -69,10 +69,6 @@ class SlidingRing:
         return self.blocks[pool] * self.block_size
 
     @property
-    def num_rows(self) -> int:
-        return sum(self.rows)
-
-    @property
     def num_blocks(self) -> int:
         """Ring blocks of every row together (each pool's rows x its ring's blocks)."""
         return sum(rows * blocks for rows, blocks in zip(self.rows, self.blocks))
