@@ -33,6 +33,18 @@ def torch_threads_given_back():
         pytest.fail(f"torch's thread count left at {left} (was {threads}): give it back when done")
 
 
+@pytest.fixture
+def one_thread():
+    """Torch on one thread in this process for the test. A tiny model needs no second one; with one, a busy
+    machine cannot slow the steps a hundredfold, and a tensor-parallel group on a 2-core machine (rank 0 here, a
+    follower on `cpu_threads: 1`) gets a core per rank: two threads each, the ranks' collectives wait on each
+    other's descheduled threads (a step of two tiny ranks took 4-5x as long)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 _READ_TOKENIZER = Tokenizer.from_folder
 
 

@@ -227,6 +227,7 @@ def test_an_awq_checkpoint_is_held_with_its_zero_points_or_dequantized_and_decod
     assert _greedy(engine) == want
 
 
+@pytest.mark.usefixtures("one_thread")   # a core per rank
 def test_a_gptq_checkpoint_decodes_as_transformers_and_two_ranks_as_one(tmp_path, builtin_path, awq):
     """The same model in GPTQ's layout (v1, asymmetric), its config in quantize_config.json beside a silent
     config.json (AutoGPTQ's way): held as stored it decodes as transformers over AutoAWQ's weights; under tensor
@@ -289,6 +290,7 @@ def act_order_checkpoint(folder: Path, awq) -> Path:
     return reference
 
 
+@pytest.mark.usefixtures("one_thread")   # a core per rank
 def test_a_gptq_checkpoint_in_activation_order_is_held_with_its_input_order(tmp_path, builtin_path, awq):
     """GPTQ's activation order (`desc_act: true`), a Qwen2 model: `int4` holds every projection as stored with its
     inputs sorted by group (`Int4Linear.perm`, one for the fused q/k/v and gate/up), `auto` on a CPU dequantizes
@@ -326,6 +328,7 @@ def test_a_gptq_checkpoint_in_activation_order_is_held_with_its_input_order(tmp_
         LLMEngine(_config(folder, "int4"), progress=False)
 
 
+@pytest.mark.usefixtures("one_thread")   # a core per rank
 def test_moe_experts_are_held_as_stored_with_or_without_zero_points(tmp_path, builtin_path, awq):
     """Qwen3-MoE in GPTQ, symmetric (the `-GPTQ-Int4` releases' kind: zeros all 8): `int4` holds each expert packed
     as stored, no zero points, and decodes as transformers; in AWQ each expert is held with its zero points (`w13_zeros`

@@ -79,6 +79,7 @@ def test_greedy_tokens_are_the_same_with_graphs_and_without(tiny, monkeypatch):
 
 
 @pytest.mark.slow   # two ranks through the Triton interpreter: 17 s on 2 cores (make test-slow)
+@pytest.mark.usefixtures("one_thread")   # a core per rank
 def test_two_ranks_capture_and_replay_their_graphs_in_lockstep(tiny, monkeypatch, tmp_path):
     """Tensor parallelism 2 (gloo, two processes) with an FP8 cache, started as on CUDA: rank 0 measures
     the scales with its follower (`engine.kv_scales`) before anything is captured, since a capture freezes
@@ -103,7 +104,7 @@ def test_two_ranks_capture_and_replay_their_graphs_in_lockstep(tiny, monkeypatch
             monkeypatch.setattr(model_runner.ModelRunner, "capture_graphs",
                                 lambda self, max_batch, max_len: capture(self, max_batch, max_len, recorder))
         engine = LLMEngine(EngineConfig(model=str(tiny), device="cpu", dtype="float32", tensor_parallel_size=1 + graphs,
-                                        kv_cache_dtype="fp8", cache=CacheConfig(block_size=8),
+                                        cpu_threads=1, kv_cache_dtype="fp8", cache=CacheConfig(block_size=8),
                                         pools=(PoolConfig(num_blocks=24, scheduler=SchedulerConfig(
                                             max_num_seqs=MAX_SEQS, max_num_batched_tokens=32, max_model_len=128)),)),
                            progress=False)

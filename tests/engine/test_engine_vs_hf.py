@@ -615,6 +615,7 @@ TINY_CASES += [pytest.param(linear, *TINY_MODELS[i], id=f"{linear}-{TINY_MODELS[
                for linear in CPU_LINEARS[1:] for i in (0, 7)]
 
 
+@pytest.mark.usefixtures("one_thread")   # tiny models: a second thread costs more than it gives
 @pytest.mark.parametrize("cpu_linear,arch,overrides", TINY_CASES)
 def test_tiny_random_models_match_transformers(tmp_path, monkeypatch, builtin_path, arch, overrides, cpu_linear):
     import transformers

@@ -218,6 +218,7 @@ def test_a_checkpoint_whose_cuts_split_its_blocks_is_requantized_by_rows(tmp_pat
     assert not _fp8_layers(_engine(folder, "auto"))
 
 
+@pytest.mark.usefixtures("one_thread")   # a core per rank
 def test_two_ranks_hold_their_cuts_of_the_stored_blocks_and_decode_as_one(tmp_path, builtin_path):
     """Tensor parallelism 2 over a Qwen3-MoE FP8 checkpoint in blocks of 16 x 16: each rank holds its rows of the
     column-parallel projections, its columns of o_proj and down_proj, and its half of each expert's intermediate
@@ -251,7 +252,7 @@ def _tp_config(folder, tp: int) -> EngineConfig:
 
     pool = PoolConfig(num_blocks=64, scheduler=SchedulerConfig(max_num_batched_tokens=64))
     return EngineConfig(model=str(folder), device="cpu", dtype="float32", tensor_parallel_size=tp,
-                        cache=CacheConfig(block_size=8), pools=(pool,), quantization="fp8")
+                        cpu_threads=1, cache=CacheConfig(block_size=8), pools=(pool,), quantization="fp8")
 
 
 def test_the_device_key_chooses_and_refuses_by_name():

@@ -120,6 +120,7 @@ def _taken_weights_copy(folder):
     return load_file(folder / "model.safetensors")
 
 
+@pytest.mark.usefixtures("one_thread")   # a core per rank
 def test_two_ranks_hold_their_halves_of_each_int4_expert_and_decode_as_one(tmp_path, builtin_path):
     """Tensor parallelism 2 over the W4A16 kind: each rank holds its 32 of each expert's 64 gate and up rows and the
     packed bytes and scale of its 32 down inputs, and the two decode what one does."""
@@ -215,6 +216,7 @@ def test_a_dense_w4a16_checkpoint_is_held_as_stored_or_dequantized_and_decodes_a
     assert _greedy(engine) == want
 
 
+@pytest.mark.usefixtures("one_thread")   # a core per rank
 def test_two_ranks_hold_their_halves_of_each_int4_projection_and_decode_as_one(tmp_path, builtin_path):
     """Tensor parallelism 2 over a dense W4A16 checkpoint held as stored: each rank holds its heads' rows of qkv_proj
     and its columns of o_proj and down_proj (packed bytes and scales of whole groups), and the two decode what one

@@ -29,7 +29,7 @@ def _engine(path, kv: str = "fp8", num_blocks: int = 256, calculate_kv_scales: b
     pool = PoolConfig(num_blocks=num_blocks, scheduler=SchedulerConfig(**sched))
     return LLMEngine(EngineConfig(model=str(path), device="cpu", dtype="float32", cache=CacheConfig(block_size=8),
                                   pools=(pool,), kv_cache_dtype=kv, calculate_kv_scales=calculate_kv_scales,
-                                  tensor_parallel_size=tp), progress=False)
+                                  tensor_parallel_size=tp, cpu_threads=1), progress=False)
 
 
 def _scales(engine: LLMEngine) -> list[tuple[float, float]]:
@@ -104,6 +104,7 @@ def test_scales_do_not_depend_on_another_pools_length_and_a_pool_too_small_to_me
     assert "the scales were not measured" in caplog.text
 
 
+@pytest.mark.usefixtures("one_thread")   # a core per rank
 def test_a_tensor_parallel_group_measures_the_scales_one_rank_would(tiny_path):
     """Each rank observes its own KV head; one MAX all-reduce gives every rank the layer's scale, so two
     ranks set the scales one rank does and their answers (each rank storing and reading its half of the

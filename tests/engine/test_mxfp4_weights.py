@@ -26,7 +26,7 @@ def _config(folder, quantization: str, tp: int = 1) -> EngineConfig:
 
     pool = PoolConfig(num_blocks=64, scheduler=SchedulerConfig(max_num_batched_tokens=64))
     return EngineConfig(model=str(folder), device="cpu", dtype="float32", tensor_parallel_size=tp,
-                        cache=CacheConfig(block_size=8), pools=(pool,), quantization=quantization)
+                        cpu_threads=1, cache=CacheConfig(block_size=8), pools=(pool,), quantization=quantization)
 
 
 def _greedy(engine: LLMEngine) -> list[list[int]]:
@@ -69,6 +69,7 @@ def test_mxfp4_experts_are_held_as_stored_and_decode_as_transformers(tmp_path, b
     assert _greedy(dequantized) == tokens
 
 
+@pytest.mark.usefixtures("one_thread")   # a core per rank
 def test_two_ranks_hold_their_halves_of_each_expert_and_decode_as_one(tmp_path, builtin_path):
     """Tensor parallelism 2: each rank holds its 32 of each expert's 64 gate and up rows and the packed bytes and
     scales of its 32 down inputs, as stored, and the two decode what one does."""

@@ -180,6 +180,7 @@ def test_an_engine_config_refuses_an_unknown_setting():
         EngineConfig(sliding_kv="on")
 
 
+@pytest.mark.usefixtures("one_thread")   # a core per rank
 def test_two_ranks_keep_their_heads_rings_and_generate_what_one_rank_does(tmp_path, builtin_path):
     """MiMo-V2-Flash's sliding layers (two KV heads: one a rank) keep rings on each rank, of that rank's heads;
     the full layers' one KV head is on both. Greedy output over two ranks is one rank's with every position kept."""
@@ -193,7 +194,8 @@ def test_two_ranks_keep_their_heads_rings_and_generate_what_one_rank_does(tmp_pa
         pool = PoolConfig(num_blocks=64, scheduler=SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=STEP,
                                                                    enable_prefix_caching=False))
         engine = LLMEngine(EngineConfig(model=str(folder), device="cpu", dtype="float32", tensor_parallel_size=tp,
-                                        cache=CacheConfig(block_size=BLOCK), pools=(pool,), sliding_kv=sliding_kv),
+                                        cpu_threads=1, cache=CacheConfig(block_size=BLOCK), pools=(pool,),
+                                        sliding_kv=sliding_kv),
                            progress=False)
         try:
             assert (engine.kv_cache.ring is not None) == (sliding_kv == "window")

@@ -22,6 +22,8 @@ from engine.sampling import SamplingParams
 from tests.conftest import BUILTIN, assert_all_free, make_tiny_model
 from tests.engine.test_engine_vs_hf import BAILING, COHERE2_MOE, DEEPSEEK, GEMMA4, GEMMA4_E, GEMMA4_MOE
 
+pytestmark = pytest.mark.usefixtures("one_thread")   # and `cpu_threads=1` in each follower: a core per rank
+
 NEAR_TIE = 1e-4
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
 
@@ -196,7 +198,8 @@ def _engine(model: str, tp: int, num_blocks: int = 256, overlap: bool | None = N
     sched.setdefault("max_num_batched_tokens", 64)
     pool = PoolConfig(num_blocks=num_blocks, scheduler=SchedulerConfig(**sched))
     return LLMEngine(EngineConfig(model=model, device="cpu", dtype="float32", tensor_parallel_size=tp,
-                                  cache=CacheConfig(block_size=16), pools=(pool,), async_scheduling=overlap),
+                                  cpu_threads=1, cache=CacheConfig(block_size=16), pools=(pool,),
+                                  async_scheduling=overlap),
                      progress=False)
 
 
@@ -506,7 +509,7 @@ def test_a_killed_worker_takes_its_other_ranks_with_it(llama):
 
     from engine.client import AsyncEngineClient
 
-    config = EngineConfig(model=llama, device="cpu", dtype="float32", tensor_parallel_size=2,
+    config = EngineConfig(model=llama, device="cpu", dtype="float32", tensor_parallel_size=2, cpu_threads=1,
                           pools=(PoolConfig(num_blocks=64),))
 
     async def scenario() -> list[int]:
@@ -536,7 +539,7 @@ def test_a_hung_rank_fails_the_step_within_the_collective_timeout_and_a_dead_one
     import signal
     import time
 
-    config = EngineConfig(model=llama, device="cpu", dtype="float32", tensor_parallel_size=2,
+    config = EngineConfig(model=llama, device="cpu", dtype="float32", tensor_parallel_size=2, cpu_threads=1,
                           collective_timeout_seconds=2, pools=(PoolConfig(num_blocks=64),))
     engine = LLMEngine(config, progress=False)
     lost: list[str] = []
