@@ -147,11 +147,11 @@ def plan_ring(model: ModelConfig, setting: str, block_size: int, pools: Iterable
               key: str = "sliding_kv") -> SlidingRing | None:
     """The device's ring for `setting` (auto | window | full), or None where its sliding layers keep every position.
 
-    `window` is refused, naming `key` or the pool's key, where the model has no sliding layer, has no full layer
-    (every position's K/V would be a ring: not served), or a pool swaps; `auto` chooses the rings where none of those
-    holds, some pool's ring is shorter than its longest sequence (else they would bound nothing) and no pool's ring
-    and snapshot outgrow its `avg_len` where the plan knows it (`ring_outgrows`: that pool would run fewer
-    sequences). Each pool's ring: its step and the window before it, at most its `max_model_len`.
+    `window` is refused, naming `key` or the pool's key, where the model has no sliding layer or a pool swaps (a
+    model whose every KV layer slides keeps all of them in rings, its paged blocks holding none); `auto` chooses the
+    rings where neither holds, some pool's ring is shorter than its longest sequence (else they would bound nothing)
+    and no pool's ring and snapshot outgrow its `avg_len` where the plan knows it (`ring_outgrows`: that pool would
+    run fewer sequences). Each pool's ring: its step and the window before it, at most its `max_model_len`.
     """
     if setting not in SLIDING_KV:
         raise ConfigError(f"{key}: must be one of {', '.join(SLIDING_KV)}, got {setting!r}")
@@ -190,8 +190,6 @@ def _ruled_out(model: ModelConfig, layers: tuple[int, ...], pools: list[PoolLimi
     """(The key to name, why) where a ring cannot serve this model and these pools; None where it can."""
     if not layers:
         return "", f"{model.architecture} has no sliding-window layer"
-    if len(layers) == len(model.kv_layers):
-        return "", f"every KV layer of {model.architecture} slides (a ring needs full layers beside them)"
     for p in pools:
         if p.uses_swap:
             return f"{p.key}.preemption_mode", (f"pool {p.name!r} may swap, and a ring's K/V are not swapped "

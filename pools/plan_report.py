@@ -59,11 +59,16 @@ def _device_lines(d: DevicePlan) -> list[str]:
                      + (f", {fmt_bytes(d.kv_space_bytes * d.replicas)} total" if tp > 1 or d.replicas > 1 else "")),
         ("S_KV", f"{d.kv_bytes_per_token:,} B/token ({fmt_bytes(d.kv_bytes_per_token)}, {d.kv_cache_dtype})"
                  + (f", {d.kv_bytes_per_token_per_device:,} B per GPU" if tp > 1 else "")
-                 + (f", the full layers' (the sliding ones, a window of {d.sliding_window:,}: a ring a sequence, "
-                    "in S_state)" if d.sliding_window else "")),
+                 + (f"{_ring_layers(d)}, a window of {d.sliding_window:,}: a ring a sequence, in S_state)"
+                    if d.sliding_window else "")),
     ]
     return ([f"device {d.name}: {d.device_type}, {d.dtype}, TP={tp}{copies}, model {d.model}"]
             + [f"  {k:<13} {v}" for k, v in rows] + [""])
+
+
+def _ring_layers(d: DevicePlan) -> str:
+    """What S_KV counts where a device keeps rings: the full layers, or none where every layer slides."""
+    return ", the full layers' (the sliding ones" if d.kv_bytes_per_token else ", no layer's (every one slides"
 
 
 def format_plan(plan: CapacityPlan) -> str:

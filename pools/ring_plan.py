@@ -4,7 +4,9 @@ and what it does to S_KV and to each running sequence's bytes.
 With a ring the sliding layers leave S_KV (the paged blocks hold the full layers alone) and each running sequence
 holds its pool's ring instead, counted as a state a sequence (`_plan_pool`'s S_state), so the capacity formula reads
 `max_num_seqs = KV bytes / (S_KV_full x avg_len + S_ring)`, S_ring the ring's positions (the pool's step and the
-window before it) x the sliding layers' bytes a position.
+window before it) x the sliding layers' bytes a position. Where every KV layer slides (Mistral 7B v0.1, StarCoder2,
+Phi-3-mini) S_KV_full is 0: a sequence's bytes are its ring whatever its length, and a block holds no bytes, only a
+place in a sequence's table (`ring_only_blocks`).
 """
 
 from __future__ import annotations
@@ -16,11 +18,11 @@ import torch
 from engine.model_config import ModelConfig
 from engine.sliding_kv import (PoolLimits, SlidingRing, paged_bytes_per_token, plan_ring, ring_layers,
                                ring_outgrows, ring_snapshots_bytes)
-from pools.config.checks import engine_rules
+from pools.config.checks import SpecError, engine_rules
 from pools.config.device_spec import DeviceSpec
 from pools.config.spec import PoolSpec
 
-__all__ = ["DeviceRing", "device_ring_plan"]
+__all__ = ["DeviceRing", "device_ring_plan", "ring_only_blocks"]
 
 
 @dataclass(frozen=True)
@@ -67,8 +69,7 @@ def device_ring_plan(dev_name: str, dev: DeviceSpec, model: ModelConfig, members
     with engine_rules():
         ring = plan_ring(model, dev.sliding_kv, block_size, limits, key=f"devices.{dev_name}.sliding_kv")
     note = ""
-    if ring is None and dev.sliding_kv == "auto" and ring_layers(model) \
-            and len(ring_layers(model)) < model.num_kv_layers:
+    if ring is None and dev.sliding_kv == "auto" and ring_layers(model):
         note = _kept_note(f"devices.{dev_name}.sliding_kv", model, block_size, limits)
     warnings.extend([note] if note else [])
     per_seq = tuple(ring.bytes_per_seq(k, model, kv_dtype, tp) for k in range(len(members))) if ring else ()
@@ -95,3 +96,19 @@ def _kept_note(key: str, model: ModelConfig, block_size: int, limits: list[PoolL
             + (f", and a {snapshot}-position snapshot for the prefix cache" if snapshot else "")
             + f") outgrows its avg_len {pool.avg_len:,}; a smaller long_prefill_token_threshold shortens it, "
             "sliding_kv: window takes rings anyway, sliding_kv: full keeps this layout without this note")
+
+
+def ring_only_blocks(key: str, p: PoolSpec, seq_kv: int, s_held: int, max_model_len: int, budget: str) -> int:
+    """The blocks of a pool whose every KV layer is in a ring (S_KV 0): a block holds no bytes, only a place in a
+    sequence's table, so the pool gets its max_num_seqs (the config's, or the formula's `seq_kv // s_held`, `s_held`
+    a sequence's ring and snapshot) sequences of max_model_len. SpecError, naming `key` or `budget` (the pool's
+    budget key and value), where not one ring fits or the config's max_num_seqs rings outgrow the pool's bytes."""
+    seqs = p.max_num_seqs if p.max_num_seqs is not None else seq_kv // s_held
+    if seqs == 0:
+        raise SpecError(f"{budget} gives pool {p.name!r} {seq_kv:,} B per GPU for its sequences, less than one "
+                        f"sequence's ring of every layer ({s_held:,} B): raise the budget, or lower "
+                        f"{key}.max_num_batched_tokens or long_prefill_token_threshold")
+    if seqs * s_held > seq_kv:
+        raise SpecError(f"{key}.max_num_seqs: {seqs} sequences hold {seqs * s_held:,} B of rings per GPU, above the "
+                        f"{seq_kv:,} B pool {p.name!r} has for them ({budget}): at most {seq_kv // s_held}")
+    return seqs * -(-max_model_len // p.block_size)

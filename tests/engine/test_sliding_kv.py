@@ -13,7 +13,7 @@ from engine.config import CacheConfig, ConfigError, EngineConfig, PoolConfig, Sc
 from engine.llm_engine import LLMEngine
 from engine.model_config import ModelConfig
 from engine.sampling import SamplingParams
-from engine.sliding_kv import PoolLimits, plan_ring, ring_layers
+from engine.sliding_kv import PoolLimits, paged_bytes_per_token, plan_ring, ring_layers
 from tests.conftest import assert_all_free, make_tiny_model
 from tests.engine.test_engine_vs_hf import TINY_MODELS, _hf_greedy
 
@@ -33,8 +33,10 @@ def _window_engine(folder, **scheduler) -> LLMEngine:
 
 # Gemma 3 (the module path, each layer type its rope), Qwen2 (the Llama layer: the CPU's flat loop), GPT-OSS (sinks,
 # experts), Gemma 4 (full layers of their own shape, the last layers reading earlier layers' K/V), MiMo-V2-Flash (the
-# sliding layers' own KV heads, in a ring tensor of their shape), Command R7B (sliding layers beside NoPE full ones)
-WINDOWED = [("gemma3", 0), ("qwen2", 2), ("gpt_oss", 0), ("gemma4", 1), ("mimo_v2_flash", 0), ("cohere2", 0)]
+# sliding layers' own KV heads, in a ring tensor of their shape), Command R7B (sliding layers beside NoPE full ones),
+# StarCoder2 and Phi-3 (every layer slides: the paged blocks hold no layer at all)
+WINDOWED = [("gemma3", 0), ("qwen2", 2), ("gpt_oss", 0), ("gemma4", 1), ("mimo_v2_flash", 0), ("cohere2", 0),
+            ("starcoder2", 0), ("phi3", 1)]
 
 
 @pytest.mark.parametrize("arch,index", WINDOWED, ids=[f"{a}-{i}" for a, i in WINDOWED])
@@ -46,7 +48,7 @@ def test_window_bounded_sliding_layers_match_transformers(tmp_path, builtin_path
     engine = _window_engine(folder)
     ring, model = engine.kv_cache.ring, engine.model_config
     assert ring is not None and ring.tokens(0) == 4 * BLOCK and ring.window == 8 and ring.rows == (3,)
-    assert 0 < len(ring.layers) < model.num_kv_layers
+    assert 0 < len(ring.layers) <= model.num_kv_layers
     full = [i for i in range(model.num_kv_layers) if i not in ring.layers]
     # the paged blocks hold the full layers alone; each ring layer's K/V lies in its rows' ring blocks
     assert sum(t.shape[0] for t in engine.kv_cache.tensors) == len(full)
@@ -164,15 +166,18 @@ def test_window_is_refused_naming_the_pool_key_that_rules_it_out(gemma3_config):
         plan_ring(gemma3_config, "ring", 16, [_limits()])
 
 
-def test_window_is_refused_for_a_model_without_sliding_or_without_full_layers(tmp_path, builtin_path):
+def test_window_is_refused_for_a_model_without_sliding_layers_and_takes_every_layer_of_one_whose_layers_all_slide(
+        tmp_path, builtin_path):
     llama = ModelConfig.from_folder(make_tiny_model(tmp_path / "llama", "llama", builtin_path))
     with pytest.raises(ConfigError, match=r"^sliding_kv: LlamaForCausalLM has no sliding-window layer"):
         plan_ring(llama, "window", 16, [_limits()])
+    assert plan_ring(llama, "auto", 16, [_limits()]) is None
     mistral = ModelConfig.from_folder(make_tiny_model(tmp_path / "mistral", "mistral", builtin_path,
                                                       sliding_window=64))
-    with pytest.raises(ConfigError, match=r"every KV layer of MistralForCausalLM slides"):
-        plan_ring(mistral, "window", 16, [_limits()])
-    assert plan_ring(llama, "auto", 16, [_limits()]) is None and plan_ring(mistral, "auto", 16, [_limits()]) is None
+    ring = plan_ring(mistral, "window", 16, [_limits()])
+    assert ring.layers == tuple(range(mistral.num_kv_layers)) and ring.tokens(0) == 2048 + 64 + 16
+    assert plan_ring(mistral, "auto", 16, [_limits()]) == ring
+    assert paged_bytes_per_token(mistral, torch.float32, 1, ring) == 0
 
 
 def test_an_engine_config_refuses_an_unknown_setting():
@@ -319,7 +324,92 @@ def test_a_requests_samples_each_keep_a_ring_and_draw_what_they_draw_with_every_
     assert len(set(map(tuple, answers["window"]))) == 3 and answers["window"] == answers["full"]
 
 
-@pytest.mark.parametrize("arch,index", [("gemma3", 0), ("qwen2", 2), ("mimo_v2_flash", 0)])
+def test_the_mistral_example_keeps_rings_of_every_layer_on_its_rag_gpu_alone():
+    """Mistral 7B v0.1 on two H100s (config/examples): the rag device's 32 layers, each a window of 4,096, keep rings
+    of 6,160 positions (2,048-token chunks and the window) and S_KV is 0, so its 58 GiB hold 46 sequences of avg_len
+    16,384 with their prefix-cache snapshots (29 with every position kept; 77 without snapshots), each free to grow
+    to max_model_len; chat's device keeps every position."""
+    import yaml
+
+    from pools.capacity_plan import plan_capacity
+    from pools.config.yaml_file import parse_config
+    from pools.model_configs import resolve_model_configs
+
+    examples = Path(__file__).resolve().parents[2] / "config" / "examples"
+    data = yaml.safe_load((examples / "mistral-7b-v0.1-2xh100.yaml").read_text())
+
+    def plan(**rag):
+        data["devices"]["rag"].update(rag.pop("device", {}))
+        data["pools"][1].update(rag)
+        config = parse_config(data, env={}, base_dir=examples)
+        return plan_capacity(config, resolve_model_configs(config), vram_bytes=80 << 30)
+
+    from pools.plan_report import format_plan
+
+    rings = plan()
+    assert (rings.devices["rag"].kv_bytes_per_token, rings.devices["rag"].sliding_window) == (0, 4096)
+    assert "S_KV          0 B/token (0 B, bfloat16), no layer's (every one slides, a window of 4,096" \
+        in format_plan(rings)
+    assert rings.devices["chat"].sliding_window == 0 and rings.warnings == ()
+    rag = rings.pools["rag"]
+    position = 32 * 8 * 128 * 2 * 2   # every layer's 8 KV heads of 128, K and V, bfloat16
+    assert (rag.sliding_ring_tokens, rag.state_bytes_per_seq, rag.snapshot_bytes_per_seq) == (
+        6160, 6160 * position, 4096 * position)
+    assert rag.max_num_seqs == rag.kv_cache_bytes_per_device // ((6160 + 4096) * position) == 46
+    assert rag.num_blocks == 46 * 32768 // 16
+    assert plan(enable_prefix_caching=False).pools["rag"].max_num_seqs == 77
+    full = plan(device={"sliding_kv": "full"}, enable_prefix_caching=True).pools["rag"]
+    assert full.max_num_seqs == full.kv_cache_bytes_per_device // (16384 * position) == 29
+
+
+def test_a_model_whose_every_layer_slides_plans_its_rings_alone_and_the_engine_serves_them(tmp_path, builtin_path):
+    """Mistral 7B v0.1's kind, every layer a window of 8: with rings S_KV is 0 and a sequence holds its ring (its step
+    of 16 and the window: 4 blocks of 8) and the prefix cache's snapshot of the window (1 block) whatever its length,
+    so max_num_seqs is the pool's bytes over those 40 positions, and its blocks are only places in tables (max_num_seqs
+    sequences of max_model_len). `auto` takes the rings where the 40 positions are below avg_len (3x the sequences of
+    every position kept at avg_len 128), not at avg_len 32 (a warning says why); the engine built from the plan
+    answers as transformers; a budget below one ring, or more sequences than its rings, is refused by key."""
+    import transformers
+
+    from pools.capacity_plan import plan_single_pool
+    from pools.config.spec import SpecError
+
+    folder = make_tiny_model(tmp_path / "mistral", "mistral", builtin_path, sliding_window=8)
+    model = ModelConfig.from_folder(folder)
+    position = model.kv_bytes_per_token(torch.float32)
+
+    def plan(sliding_kv="auto", avg_len=128, kv=1 << 20, **pool):
+        return plan_single_pool(str(folder), device="cpu", dtype="float32", kv_cache_bytes=kv, sliding_kv=sliding_kv,
+                                avg_len=avg_len, max_model_len=512, max_num_batched_tokens=16, block_size=8, **pool)
+
+    (rings, config), (full, _) = plan(), plan("full")
+    pool = rings.pools["default"]
+    assert config.sliding_kv == "window" and pool.kv_bytes_per_token == 0 and pool.sliding_ring_tokens == 32
+    assert (pool.state_bytes_per_seq, pool.snapshot_bytes_per_seq) == (32 * position, 8 * position)
+    assert pool.max_num_seqs == pool.formula_max_num_seqs == (1 << 20) // (40 * position)
+    assert pool.num_blocks == pool.max_num_seqs * 512 // 8
+    assert pool.max_num_seqs >= 3 * full.pools["default"].max_num_seqs
+    short, _ = plan(avg_len=32)
+    assert short.devices["default"].sliding_window == 0 and any(
+        "would run fewer sequences with rings: its ring of 32 positions" in w for w in short.warnings)
+
+    engine = LLMEngine(config, progress=False)
+    assert engine.kv_cache.tensors == [] and engine.kv_bytes_per_token == 0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (70, 9)]
+    outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == [_hf_greedy(hf, p, 12, eos_ids=None) for p in prompts]
+    assert_all_free(engine)
+
+    with pytest.raises(SpecError, match=r"^pools\[0\]\.kv_cache_bytes: .* less than one sequence's ring of every"):
+        plan("window", kv=30 * position)
+    most = rf"at most {pool.max_num_seqs}$"
+    with pytest.raises(SpecError, match=rf"^pools\[0\]\.max_num_seqs: 100 sequences hold .* \(pools\[0\].*: {most}"):
+        plan("window", max_num_seqs=100)
+
+
+@pytest.mark.parametrize("arch,index", [("gemma3", 0), ("qwen2", 2), ("mimo_v2_flash", 0), ("starcoder2", 0)])
 def test_a_cached_prefix_resumes_with_its_rings_window_kept(tmp_path, builtin_path, arch, index):
     """Prefix caching with rings: a prompt's chunks keep the window before each chunk's last block boundary (a
     snapshot of the ring's blocks, `engine.state_cache`'s slots), so the same prompt again, and its first 70 tokens
