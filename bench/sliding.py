@@ -28,8 +28,8 @@ LAYOUTS = ("full", "window")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL,
-                   help=f"HF model folder with sliding and full layers (default {DEFAULT_MODEL}, a Gemma-3-shaped "
-                        "folder without weights: give --random-weights)")
+                   help=f"HF model folder with sliding layers (default {DEFAULT_MODEL}, a Gemma-3-shaped folder "
+                        "without weights: give --random-weights; bench/models/mistral-small: every layer slides)")
     p.add_argument("--random-weights", action="store_true", help="the folder's shape with random weights")
     p.add_argument("--requests", type=positive_int, default=12, help="long prompts submitted together (default 12)")
     p.add_argument("--prompt-tokens", type=positive_int, default=1024, help="each prompt's tokens (default 1024)")
