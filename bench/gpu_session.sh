@@ -26,7 +26,8 @@
 # contexts), the fp8 step a layer's projections with FP8 weights (`bench fp8`: the Triton GEMM against bfloat16's
 # F.linear, the weights' fraction of copy bandwidth; with INT4 weights too, `--int4`, and AWQ's zero points,
 # `--zero-points`, at Qwen3-32B's shape),
-# engine_fp8 the 8B engine with them; the kvcache step (not a default: it needs real weights, KVCACHE_MODEL, which a
+# engine_fp8 the 8B engine with them; the sliding step (not a default) one KV budget with every position kept and in
+# rings (`bench sliding`: Gemma-3-shaped, and Mistral-shaped with every layer sliding); the kvcache step (not a default: it needs real weights, KVCACHE_MODEL, which a
 # device machine cannot be given) an FP8 cache's agreement on CUDA. The tests
 # step reads the builtin's tokenizer from .gpu/smollm2 (CLIFFGUARD_BUILTIN_DIR: its tiny models take only the
 # tokenizer). The device machine lacks msgspec (the worker protocol): carry
@@ -38,7 +39,8 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFL
 PY=${PY:-python3}
 CLI="$PY -m gateway.cli"
 # A device call is at most 600 s: the default steps (GPU_STEPS unset) are the first call's; the second call is
-# GPU_STEPS="sync eager engine_fp8 hostcost moe kernels_mla dsa". Each step is killed past STEP_TIMEOUT seconds
+# GPU_STEPS="sync eager engine_fp8 hostcost moe kernels_mla dsa", a third (if time is left) GPU_STEPS="sliding prefix".
+# Each step is killed past STEP_TIMEOUT seconds
 # (default 300; simulate, chaos and isolation 540, so run each of those alone): a hung step costs its own time, not
 # the call's.
 step() { local name=$1; shift; echo "=== $name: $*"; local t0=$SECONDS;
@@ -72,6 +74,7 @@ for what in ${GPU_STEPS:-tests kernels kernels_fp8 fp8 engine}; do
                tests/kernels/test_triton_int4_gemm.py \
                tests/engine/test_sampling.py \
                tests/engine/test_cuda_graphs.py tests/engine/test_overlap.py tests/engine/test_prompt_logprobs.py \
+               tests/engine/test_sliding_kv.py \
                tests/kernels/test_transfer.py \
                tests/kernels/test_engine_triton.py ;;
     kernels) step bench_kernels $CLI bench kernels ;;
@@ -97,6 +100,9 @@ for what in ${GPU_STEPS:-tests kernels kernels_fp8 fp8 engine}; do
                  --experts 128 --mxfp4 ;;
     prefix)  step bench_prefix $CLI bench prefix --random-weights --dtype bfloat16 --device cuda --users 16 \
                --system-tokens 4096 --max-num-batched-tokens 2048 --max-num-seqs 32 --kv-cache-mib 4096 ;;
+    sliding) step bench_sliding $CLI bench sliding --random-weights --device cuda --max-tokens 256
+             step bench_sliding_mistral $CLI bench sliding --model bench/models/mistral-small --random-weights \
+               --device cuda --max-tokens 256 ;;
     sync)    step bench_engine_sync $CLI bench engine --model .gpu/llama-3-8b --random-weights --dtype bfloat16 \
                --skip-hf --async-scheduling off ;;
     simulate) smollm2 && printf '%s\n' 'devices:' '  gpu: {device: cuda, memory: 4GiB, dtype: bfloat16}' 'pools:' \

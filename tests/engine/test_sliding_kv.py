@@ -434,3 +434,27 @@ def test_a_cached_prefix_resumes_with_its_rings_window_kept(tmp_path, builtin_pa
     scheduler = engine.schedulers["default"]
     assert scheduler.state_snapshots.num_loaded >= 2 and scheduler.block_manager.num_prefix_hits >= 64 + 64
     assert_all_free(engine)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch,index", [("gemma3", 0), ("gpt_oss", 0), ("starcoder2", 0)])
+def test_on_cuda_rings_answer_what_every_position_kept_answers(tmp_path, builtin_path, arch, index):
+    """The real thing: the Triton kernels reading the rings through their tables, decode steps replaying CUDA graphs
+    captured at start, prefix caching on; six prompts over three rows (each row's ring taken again) decode the same
+    greedy tokens in rings as with every position kept (float32), StarCoder2's every layer in rings."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    folder = make_tiny_model(tmp_path / arch, arch, builtin_path, **_case(arch, index))
+    gen = torch.Generator().manual_seed(17)
+    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (1, 40, 17, 100, 9, 64)]
+    results = {}
+    for layout in ("full", "window"):
+        pool = PoolConfig(num_blocks=96, scheduler=SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=STEP))
+        engine = LLMEngine(EngineConfig(model=str(folder), device="cuda", dtype="float32",
+                                        cache=CacheConfig(block_size=BLOCK), pools=(pool,), sliding_kv=layout),
+                           progress=False)
+        assert (engine.kv_cache.ring is not None) == (layout == "window")
+        outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+        results[layout] = [o.outputs[0].token_ids for o in outs]
+        assert_all_free(engine)
+    assert results["window"] == results["full"]

@@ -33,11 +33,11 @@ from bench.live import LiveServer
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "smollm2-135m-instruct"
 WRITE_TIMEOUT = 3.0
-STALL_SECONDS = 6.0
+STALL_SECONDS = 4.0
 POISON_MARKER = "qqz-poison-marker-qqz"   # a prompt holding it crashes the worker's step (engine.faults)
 REJECT_MARKER = "qqz-reject-marker-qqz"   # a prompt holding it fails its own add in the worker
 SLOW_MARKER = "qqz-slow-marker-qqz"       # a prompt holding it makes one step last SLOW_STEP_SECONDS longer
-SLOW_STEP_SECONDS = STALL_SECONDS + 3
+SLOW_STEP_SECONDS = STALL_SECONDS + 2.5
 MAX_RESPONSE_BUFFER_BYTES = 256 << 10     # a stream pauses its engine requests past this (1 MiB by default)
 
 

@@ -64,7 +64,7 @@ def test_a_stopped_idle_worker_is_found_stalled_by_its_silent_heartbeat(live):
 
 
 def test_a_long_healthy_step_is_not_taken_for_a_hang(live):
-    # One step lasts stall_seconds + 3 s (CLIFFGUARD_FAULT_SLOW_STEP: a sleep in the step, as a first
+    # One step lasts stall_seconds + 2.5 s (CLIFFGUARD_FAULT_SLOW_STEP: a sleep in the step, as a first
     # kernel compile or a huge chunk would take): the heartbeat beats on, so the worker lives and the
     # request is answered; the watchdog used to count the silence of a worker with requests in flight.
     pid, num_lines = worker_pid(live), len(live.log)
