@@ -204,13 +204,16 @@ def _engine(model: str, tp: int, num_blocks: int = 256, overlap: bool | None = N
 
 
 def _generate(engine: LLMEngine, prompts, params: SamplingParams | None = None) -> list:
-    """Each prompt's first sample (with `params`: each request's output)."""
+    """Each prompt's first sample (with `params`: each request's output); then every follower has ended itself, exit
+    code 0, on rank 0's `stop` (not killed as one that lingers)."""
+    followers = engine.group.processes
     try:
         outs = engine.generate(prompts, params or GREEDY)
         assert_all_free(engine)
-        return outs if params is not None else [o.outputs[0] for o in outs]
     finally:
         engine.close()
+    assert [p.returncode for p in followers] == [0] * len(followers)
+    return outs if params is not None else [o.outputs[0] for o in outs]
 
 
 def _assert_same_or_near_tie(reference: list, got: list) -> None:
