@@ -27,8 +27,9 @@
 # F.linear, the weights' fraction of copy bandwidth; with INT4 weights too, `--int4`, and AWQ's zero points,
 # `--zero-points`, at Qwen3-32B's shape),
 # engine_fp8 the 8B engine with them; the sliding step (not a default) one KV budget with every position kept and in
-# rings (`bench sliding`: Gemma-3-shaped, and Mistral-shaped with every layer sliding); the kvcache step (not a default: it needs real weights, KVCACHE_MODEL, which a
-# device machine cannot be given) an FP8 cache's agreement on CUDA. The tests
+# rings (`bench sliding`: Gemma-3-shaped, and Mistral-shaped with every layer sliding); the kvcache step (not a
+# default: it needs real weights, KVCACHE_MODEL, which a device machine cannot be given) an FP8 cache's agreement on
+# CUDA. The tests
 # step reads the builtin's tokenizer from .gpu/smollm2 (CLIFFGUARD_BUILTIN_DIR: its tiny models take only the
 # tokenizer). The device machine lacks msgspec (the worker protocol): carry
 # its wheel in `.whl` and install it first (see the device tool's notes). Logs go to $OUT (or ./gpu-out); the last lines printed are a short summary.
