@@ -8,6 +8,7 @@ what each of those ranks runs: the same forward pass from the same plan, on its 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import pickle
@@ -373,10 +374,7 @@ def ring_moves(plan: StepPlan) -> tuple[list[tuple[int, int, int]], list[tuple[i
     """The plan's prefix-cache snapshots as the sliding layers' rings take them (`KVCache.copy_ring_windows`): (row,
     position, slot) of each load, at the position its sequence resumes from, and of each save, at the block boundary
     it keeps (the piece's first position plus its offset)."""
-    starts, first = [], 0
-    for n in plan.query_lens:
-        starts.append(first)
-        first += n
+    starts = [0, *itertools.accumulate(plan.query_lens)]   # each piece's first token in the step
     loads = [(row, plan.positions[starts[plan.rows.index(row)]], slot) for slot, row in plan.state_loads]
     saves = [(plan.rows[i], plan.positions[starts[i]] + offset, slot) for i, offset, slot in plan.state_saves]
     return loads, saves

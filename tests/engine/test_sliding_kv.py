@@ -215,9 +215,9 @@ def test_two_ranks_keep_their_heads_rings_and_generate_what_one_rank_does(tmp_pa
     assert run(2, "window") == run(1, "full")
 
 
-def _plan_gpt_oss(device: dict | None = None, **pools):
-    """gpt-oss-20b on one H100 (config/examples), its device's keys updated by `device`, each pool's by
-    `pools[name]`."""
+def _plan_example(name: str, devices: dict | None = None, **pools):
+    """The example file `name` (config/examples) planned on 80 GiB GPUs, each device's keys updated by
+    `devices[device]`, each pool's by `pools[name]`."""
     import yaml
 
     from pools.capacity_plan import plan_capacity
@@ -225,12 +225,19 @@ def _plan_gpt_oss(device: dict | None = None, **pools):
     from pools.model_configs import resolve_model_configs
 
     examples = Path(__file__).resolve().parents[2] / "config" / "examples"
-    data = yaml.safe_load((examples / "gpt-oss-20b-h100.yaml").read_text())
-    data["devices"]["h100"].update(device or {})
+    data = yaml.safe_load((examples / name).read_text())
+    for device, keys in (devices or {}).items():
+        data["devices"][device].update(keys)
     for pool in data["pools"]:
         pool.update(pools.get(pool["name"], {}))
     config = parse_config(data, env={}, base_dir=examples)
     return plan_capacity(config, resolve_model_configs(config), vram_bytes=80 << 30)
+
+
+def _plan_gpt_oss(device: dict | None = None, **pools):
+    """gpt-oss-20b on one H100 (config/examples), its device's keys updated by `device`, each pool's by
+    `pools[name]`."""
+    return _plan_example("gpt-oss-20b-h100.yaml", {"h100": device or {}}, **pools)
 
 
 def test_the_plan_counts_the_full_layers_in_s_kv_and_each_pools_ring_and_window_snapshot_as_its_state():
@@ -329,22 +336,10 @@ def test_the_mistral_example_keeps_rings_of_every_layer_on_its_rag_gpu_alone():
     of 6,160 positions (2,048-token chunks and the window) and S_KV is 0, so its 58 GiB hold 46 sequences of avg_len
     16,384 with their prefix-cache snapshots (29 with every position kept; 77 without snapshots), each free to grow
     to max_model_len; chat's device keeps every position."""
-    import yaml
-
-    from pools.capacity_plan import plan_capacity
-    from pools.config.yaml_file import parse_config
-    from pools.model_configs import resolve_model_configs
-
-    examples = Path(__file__).resolve().parents[2] / "config" / "examples"
-    data = yaml.safe_load((examples / "mistral-7b-v0.1-2xh100.yaml").read_text())
-
-    def plan(**rag):
-        data["devices"]["rag"].update(rag.pop("device", {}))
-        data["pools"][1].update(rag)
-        config = parse_config(data, env={}, base_dir=examples)
-        return plan_capacity(config, resolve_model_configs(config), vram_bytes=80 << 30)
-
     from pools.plan_report import format_plan
+
+    def plan(device: dict | None = None, **rag):
+        return _plan_example("mistral-7b-v0.1-2xh100.yaml", {"rag": device or {}}, rag=rag)
 
     rings = plan()
     assert (rings.devices["rag"].kv_bytes_per_token, rings.devices["rag"].sliding_window) == (0, 4096)
@@ -358,7 +353,7 @@ def test_the_mistral_example_keeps_rings_of_every_layer_on_its_rag_gpu_alone():
     assert rag.max_num_seqs == rag.kv_cache_bytes_per_device // ((6160 + 4096) * position) == 46
     assert rag.num_blocks == 46 * 32768 // 16
     assert plan(enable_prefix_caching=False).pools["rag"].max_num_seqs == 77
-    full = plan(device={"sliding_kv": "full"}, enable_prefix_caching=True).pools["rag"]
+    full = plan({"sliding_kv": "full"}).pools["rag"]
     assert full.max_num_seqs == full.kv_cache_bytes_per_device // (16384 * position) == 29
 
 
