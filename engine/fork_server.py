@@ -5,6 +5,13 @@ no CUDA context, no thread, no model. It starts with the first worker, or earlie
 `cliffguard serve` starts it before planning, so that its import runs beside the gateway's). A restart then
 skips the interpreter's start and torch's import (1.7 s of the 2.9 s a spawned worker took on a 2-core CPU;
 `cliffguard bench restart`), and one gateway's replicas share one import.
+
+A process that runs the fork server and may have children (not a daemon: the device worker is one) forks its
+tensor-parallel followers from it too (`forks_followers`, `fork_follower`): an engine built in such a process (the
+test suite, which builds hundreds of groups one after another) starts a group without a follower's interpreter start
+and torch import, 1.2 s of each group's start on a 2-core CPU. A follower forked so is the server's child: it dies
+with the server (`PR_SET_PDEATHSIG`), which ends with the process that started it; its exit status comes back
+through multiprocessing's sentinel (`ForkedProcess`).
 """
 
 from __future__ import annotations
@@ -12,12 +19,21 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import dataclasses
 import multiprocessing as mp
+import os
+import pickle
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import weakref
+from collections.abc import Callable
+from pathlib import Path
 
-__all__ = ["WORKER_PRELOAD", "forget_at_exit", "kill_at_exit", "launch", "start_fork_server"]
+__all__ = ["WORKER_PRELOAD", "ForkedProcess", "forget_at_exit", "forks_followers", "kill_at_exit", "launch",
+           "start_fork_server", "start_follower"]
 
 WORKER_PRELOAD = ["engine.worker"]   # what the fork server imports once (torch with it) for every worker
 
@@ -66,6 +82,71 @@ def start_fork_server() -> None:
         multiprocessing.forkserver.ensure_running()   # the server inherits the mask
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    start_fork_server.started = True
+
+
+def forks_followers() -> bool:
+    """Whether this process forks its tensor-parallel followers from its fork server: it started one
+    (`start_fork_server`) and may have children (a daemon, the device worker, spawns them instead)."""
+    return getattr(start_fork_server, "started", False) and not mp.current_process().daemon
+
+
+class ForkedProcess:
+    """A process forked from the fork server, seen as the `subprocess.Popen` a spawned follower is: `pid`,
+    `returncode` (negative: the signal that ended it), `poll`, `wait` (`subprocess.TimeoutExpired`), `kill`."""
+
+    def __init__(self, process: mp.process.BaseProcess) -> None:
+        self.process = process
+        self.pid = process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.exitcode
+
+    def poll(self) -> int | None:
+        return self.process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.process.join(timeout)
+        if self.process.exitcode is None:
+            raise subprocess.TimeoutExpired(f"follower {self.pid}", timeout)
+        forget_at_exit(self.process)
+        return self.process.exitcode
+
+    def kill(self) -> None:
+        self.process.kill()
+
+
+def start_follower(follower: Callable, args, link: socket.socket) -> ForkedProcess | subprocess.Popen:
+    """A tensor-parallel follower's process running `follower` (`engine.model_runner.follower_main`) with `args`
+    (its `engine.parallel.FollowerArgs`) and `link` (its end of the `PlanLink`, numbered `args.link_fd` here):
+    forked from the fork server where this process forks its followers (`forks_followers`), else spawned."""
+    return _fork_follower(follower, args, link) if forks_followers() else _spawn_follower(follower, args)
+
+
+def _spawn_follower(follower: Callable, args) -> subprocess.Popen:
+    """`follower()` in a new Python process (not a multiprocessing child: the device worker is a daemon) that
+    reads `args` from its stdin and inherits `args.link_fd` under the same number."""
+    root = str(Path(__file__).resolve().parent.parent)   # where the `engine` package is
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH")))))
+    command = [sys.executable, "-c", f"from {follower.__module__} import {follower.__name__}; {follower.__name__}()"]
+    process = subprocess.Popen(command, stdin=subprocess.PIPE, env=env, pass_fds=(args.link_fd,))
+    process.stdin.write(pickle.dumps(args))
+    process.stdin.close()
+    return process
+
+
+def _fork_follower(follower: Callable, args, link: socket.socket) -> ForkedProcess:
+    """`follower(args)` forked from the fork server, `link` handed over by multiprocessing."""
+    process = mp.get_context("forkserver").Process(target=_run_follower, args=(follower, args, link),
+                                                   name=f"cliffguard-tp-rank-{args.rank}", daemon=True)
+    process.start()
+    kill_at_exit(process)   # it ignores SIGTERM: one left running at exit is killed, not joined
+    return ForkedProcess(process)
+
+
+def _run_follower(follower: Callable, args, link: socket.socket) -> None:
+    follower(dataclasses.replace(args, link_fd=link.detach()))
 
 
 _LEFT_AT_EXIT: weakref.WeakSet = weakref.WeakSet()   # workers started: killed if alive when the process ends

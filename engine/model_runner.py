@@ -335,14 +335,14 @@ class FollowerRunner(_Forward):
                 self.run(plan)
 
 
-def follower_main() -> None:
-    """A follower rank's process (`python -c`): read its `FollowerArgs` from stdin, join the group, load
-    its shard, then run rank 0's plans until `stop`."""
+def follower_main(args: FollowerArgs | None = None) -> None:
+    """A follower rank's process: its `FollowerArgs` (forked from the fork server), or read from stdin (`python
+    -c`); join the group, load its shard, then run rank 0's plans until `stop`."""
     die_with_parent()
     for signum in (signal.SIGINT, signal.SIGTERM):   # sent to the process group: rank 0 says when to go
         signal.signal(signum, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    args: FollowerArgs = pickle.load(sys.stdin.buffer)
+    args = args or pickle.load(sys.stdin.buffer)
     config, rank, device = args.config, args.rank, torch.device(args.device)
     if config.cpu_threads:
         torch.set_num_threads(config.cpu_threads)

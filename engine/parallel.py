@@ -18,7 +18,8 @@ it ends (`kill -9`, the OOM killer, a crash), and rank 0 then calls `on_rank_exi
 worker turns into its own death (`engine.worker`: a `Fatal` saying the group broke, then exit) within milliseconds,
 idle or mid-step (a follower that ended by itself, its step failed, `OWN_END_SECONDS` later: rank 0's failed step is
 said first, `engine.worker`): the gateway restarts the worker as it restarts any dead worker. A follower that loses rank
-0 dies with it (`PR_SET_PDEATHSIG`, and its link's end-of-file).
+0 dies with it (`PR_SET_PDEATHSIG`, and its link's end-of-file). A follower is spawned (`python -c`), or forked from
+the fork server where rank 0's process runs one (`engine.fork_server.start_follower`).
 
 How a model is cut (`ShardShape`), Megatron-style:
 - q/k/v and gate/up are column-parallel: rank r holds heads `[r·H/T, (r+1)·H/T)` and a 1/T slice of the MLP's
@@ -42,11 +43,9 @@ import signal
 import socket
 import struct
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from dataclasses import dataclass, field
 
 import torch
@@ -168,7 +167,7 @@ class StepPlan:
 
 @dataclass(frozen=True)
 class FollowerArgs:
-    """What a follower rank's process is started with (pickled to its stdin)."""
+    """What a follower rank's process is started with (pickled to its stdin, or its fork's argument)."""
 
     config: object          # the device's EngineConfig
     rank: int
@@ -297,29 +296,24 @@ class TensorParallelGroup:
         return cls(1, Collectives())
 
     @classmethod
-    def start(cls, config, rank_devices: list[torch.device], follower: Callable[[], None]) -> TensorParallelGroup:
+    def start(cls, config, rank_devices: list[torch.device], follower: Callable[..., None]) -> TensorParallelGroup:
         """Start ranks 1..T-1 of `config` (an EngineConfig), join the group as rank 0 and return it.
-        `rank_devices[r]` is the torch device of rank r. Each follower is a new Python process (not a
-        multiprocessing child: the device worker may itself be a daemon) that runs `follower()`
-        (`engine.model_runner.follower_main`), which reads its `FollowerArgs` from its stdin and
-        inherits its end of a socket pair, its `PlanLink`."""
+        `rank_devices[r]` is the torch device of rank r. Each follower runs `follower`
+        (`engine.model_runner.follower_main`) with its `FollowerArgs` and its end of a socket pair, its `PlanLink`:
+        forked from this process's fork server where it runs one, else a new Python process reading them from its
+        stdin (`engine.fork_server.start_follower`)."""
+        from engine.fork_server import start_follower
+
         size = len(rank_devices)
         init_method = f"tcp://127.0.0.1:{_free_port()}"
-        root = str(Path(__file__).resolve().parent.parent)   # where the `engine` package is
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH")))))
-        command = [sys.executable, "-c", f"from {follower.__module__} import {follower.__name__}; "
-                                         f"{follower.__name__}()"]
         processes, links = [], []
         try:
             for rank in range(1, size):
                 ours, theirs = socket.socketpair()
                 links.append(PlanLink(ours))
-                with theirs:   # the child inherits this end under the same number; ours closes it
-                    process = subprocess.Popen(command, stdin=subprocess.PIPE, env=env, pass_fds=(theirs.fileno(),))
+                with theirs:   # the child holds its own copy; ours closes it
                     args = FollowerArgs(config, rank, size, str(rank_devices[rank]), init_method, theirs.fileno())
-                processes.append(process)
-                process.stdin.write(pickle.dumps(args))
-                process.stdin.close()
+                    processes.append(start_follower(follower, args, theirs))
             collectives = join_group(rank_devices[0], 0, size, init_method, config.collective_timeout_seconds)
         except BaseException:
             for process in processes:
@@ -484,7 +478,8 @@ def join_group(device: torch.device, rank: int, size: int, init_method: str,
 
 
 def die_with_parent() -> None:
-    """On Linux, SIGKILL this process when its parent (rank 0's worker) dies, however it dies."""
+    """On Linux, SIGKILL this process when its parent (rank 0's worker, or the fork server, which ends with
+    rank 0's process) dies, however it dies."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)

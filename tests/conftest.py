@@ -45,6 +45,17 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def fork_server():
+    """The workers' fork server started with the run, as `cliffguard serve` starts it (`engine.fork_server`): the
+    device workers the tests start are forked from it, and so are the tensor-parallel followers of every engine
+    built in this process, without a Python start and torch import each (1.2 s of a group's start on a 2-core
+    machine; the suite builds about a hundred groups). The device workers' own followers are still spawned."""
+    from engine.fork_server import start_fork_server
+
+    start_fork_server()
+
+
 _READ_TOKENIZER = Tokenizer.from_folder
 
 

@@ -156,7 +156,7 @@ def test_a_rank_that_fails_to_load_is_named_with_its_own_reason():
                 theirs.close()
 
 
-def follower_that_cannot_load() -> None:
+def follower_that_cannot_load(*args) -> None:
     """`engine.model_runner.follower_main` whose shard's load fails as a GPU out of memory does (a follower's
     process runs it: `TensorParallelGroup.start`)."""
     import engine.model_runner as runner
@@ -165,7 +165,7 @@ def follower_that_cannot_load() -> None:
         raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
     runner.FollowerRunner.load = staticmethod(load)
-    runner.follower_main()
+    runner.follower_main(*args)
 
 
 @pytest.fixture(scope="module")
@@ -502,6 +502,48 @@ def _alive(pid: int) -> bool:
             return f.read().split(") ")[1][0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def rank0_that_forks_its_followers(model: str) -> None:
+    """Rank 0 of a group in a process of its own that runs the fork server (as this one does: tests/conftest.py):
+    say its follower's pid, serve a request, then wait to be killed."""
+    import sys
+    import time
+
+    from engine.fork_server import start_fork_server
+
+    start_fork_server()
+    engine = _engine(model, 2)
+    out = engine.generate([[5, 6, 7, 8]], dataclasses.replace(GREEDY, max_tokens=4))[0].outputs[0]
+    print(engine.group.processes[0].pid, len(out.token_ids), flush=True)
+    sys.stdout.close()
+    time.sleep(120)
+
+
+def test_followers_forked_from_the_fork_server_die_with_rank_0s_process(llama):
+    """A process that runs the fork server forks its followers from it (`engine.fork_server.start_follower`): the
+    follower is the server's child, not rank 0's, and serves as a spawned one does; when rank 0's process is killed
+    (-9), the server ends with it and the follower with the server (`PR_SET_PDEATHSIG`)."""
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    command = [sys.executable, "-c", "from tests.engine.test_tensor_parallel import rank0_that_forks_its_followers; "
+                                     f"rank0_that_forks_its_followers({llama!r})"]
+    rank0 = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[2])
+    try:
+        follower, generated = map(int, rank0.stdout.readline().split())
+        assert generated == 4
+        assert follower not in _children(rank0.pid)
+        assert any(follower in _children(child) for child in _children(rank0.pid))   # the fork server's child
+    finally:
+        rank0.kill()
+        rank0.wait()
+    deadline = time.monotonic() + 10
+    while _alive(follower) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(follower)
 
 
 def test_a_killed_worker_takes_its_other_ranks_with_it(llama):
