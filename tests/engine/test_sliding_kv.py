@@ -407,9 +407,10 @@ def test_a_model_whose_every_layer_slides_plans_its_rings_alone_and_the_engine_s
 @pytest.mark.parametrize("arch,index", [("gemma3", 0), ("qwen2", 2), ("mimo_v2_flash", 0), ("starcoder2", 0)])
 def test_a_cached_prefix_resumes_with_its_rings_window_kept(tmp_path, builtin_path, arch, index):
     """Prefix caching with rings: a prompt's chunks keep the window before each chunk's last block boundary (a
-    snapshot of the ring's blocks, `engine.state_cache`'s slots), so the same prompt again, and its first 70 tokens
+    snapshot of the ring's blocks, `engine.state_cache`'s slots), so the same prompt again, and its first 85 tokens
     before another's, resume from the cached blocks and the kept window (once other prompts have written over every
-    row's ring): transformers' answers, snapshots loaded."""
+    row's ring): transformers' answers, snapshots loaded. The two resume in one step at 96 and at 80, positions
+    two ring blocks apart: a window loaded at the other piece's position lands in the wrong blocks of the ring."""
     import transformers
 
     folder = make_tiny_model(tmp_path / arch, arch, builtin_path, **_case(arch, index))
@@ -423,12 +424,24 @@ def test_a_cached_prefix_resumes_with_its_rings_window_kept(tmp_path, builtin_pa
     first, other, *scribble = (torch.randint(3, 512, (n,), generator=gen).tolist() for n in (100, 17, 60, 61, 62))
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     # between the two rounds three other prompts write every row's ring over
-    for prompts in ([first], scribble, [first, first[:70] + other]):
+    for prompts in ([first], scribble, [first, first[:85] + other]):
         outs = engine.generate(prompts, params)
         assert [o.outputs[0].token_ids for o in outs] == [_hf_greedy(hf, p, 12, eos_ids=None) for p in prompts]
     scheduler = engine.schedulers["default"]
     assert scheduler.state_snapshots.num_loaded >= 2 and scheduler.block_manager.num_prefix_hits >= 64 + 64
     assert_all_free(engine)
+
+
+def test_ring_moves_take_each_piece_its_own_first_position():
+    """`engine.model_runner.ring_moves`: a step of two pieces (row 2 resumes at 96 for 4 tokens, row 0 at 80 for 12)
+    loads each row's kept window at its own piece's first position, and saves row 0's at its first position plus
+    the offset of the block boundary it keeps."""
+    from engine.model_runner import ring_moves
+    from engine.parallel import StepPlan
+
+    plan = StepPlan(input_ids=[7] * 16, positions=[*range(96, 100), *range(80, 92)], rows=[2, 0], query_lens=[4, 12],
+                    seq_lens=[100, 92], state_loads=[(5, 0), (6, 2)], state_saves=[(1, 8, 7)])
+    assert ring_moves(plan) == ([(0, 80, 5), (2, 96, 6)], [(0, 88, 7)])
 
 
 @pytest.mark.gpu
