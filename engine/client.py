@@ -44,7 +44,7 @@ from engine.ipc import Channel, FrameError
 from engine.messages import (AbortRequest, AddRequest, Fatal, Heartbeat, Lease, LeaseAck, Outputs, PauseRequest, Ready,
                              Rejected, ReportWaiting, Shutdown, StartupError, StatsQuery, StatsReply)
 from engine.outputs import RequestDelta
-from engine.parallel import describe_exit
+from engine.rendezvous import describe_exit
 from engine.sampling import SamplingParams
 from engine.stats import EngineStats, WorkerInfo
 from engine.worker import worker_main

@@ -30,7 +30,8 @@ from engine.models import build_model
 from engine import prompt_logprobs
 from engine.overlap import fill_pending
 from engine.parallel import (CaptureGraphs, Collectives, FollowerArgs, PlanLink, RankSetup, ShardShape, StepPlan,
-                             TensorParallelGroup, die_with_parent, join_group)
+                             TensorParallelGroup, die_with_parent)
+from engine.rendezvous import join_group
 from engine.scheduler_output import ScheduledSeq
 from engine.sequence import Sequence
 from engine.sliding_kv import device_ring
@@ -347,7 +348,8 @@ def follower_main(args: FollowerArgs | None = None) -> None:
     if config.cpu_threads:
         torch.set_num_threads(config.cpu_threads)
     link = PlanLink(socket.socket(fileno=args.link_fd))
-    collectives = join_group(device, rank, args.size, args.init_method, config.collective_timeout_seconds)
+    collectives = Collectives(args.size, join_group(device, rank, args.size, args.init_method,
+                                                       config.collective_timeout_seconds))
     try:
         try:
             runner = FollowerRunner.load(config, rank, args.size, device, collectives, link)

@@ -4,7 +4,8 @@ Rank 0, the device worker process, runs the whole engine (schedulers, step compo
 spawns ranks 1..T-1 (`TensorParallelGroup.start`): processes (`engine.model_runner.follower_main`) holding their
 shard of the weights and KV cache, doing what rank 0 says. Each step rank 0 sends one `StepPlan` (the merged batch's
 token ids, positions and block tables, the block copies and swaps to do first) to every follower; every rank runs
-the same forward pass on its shard (two all-reduces a layer, an all-gather of the logits rank 0 samples from).
+the same forward pass on its shard (two all-reduces a layer, an all-gather of the logits rank 0 samples from). The
+ranks meet through rank 0's store (`engine.rendezvous`): a follower that ends before it joins fails the start at once.
 
 **Liveness.** Plans travel on a socket pair per follower (`PlanLink`: length-prefixed pickles), not on a collective:
 a follower waits for its next plan in a plain blocking read, which has no timeout, so a group idle for hours stays
@@ -12,14 +13,14 @@ whole. Collectives (NCCL on CUDA, gloo on a CPU) run only inside a step, under
 `EngineConfig.collective_timeout_seconds` (the device key `collective_timeout_seconds`,
 `DEFAULT_COLLECTIVE_TIMEOUT_SECONDS`): a rank that has not reached a collective that long after another is hung, the
 collective fails, the step fails and the worker is restarted whole. Joining the group (the rendezvous) has its own
-bound, `INIT_TIMEOUT_SECONDS`. After loading, each follower says `ready` on its link, and rank 0 watches the links
-from a thread (`TensorParallelGroup.wait_ready` starts it): a follower's end closes when its process ends, however
-it ends (`kill -9`, the OOM killer, a crash), and rank 0 then calls `on_rank_exit` with the reason, which the device
-worker turns into its own death (`engine.worker`: a `Fatal` saying the group broke, then exit) within milliseconds,
-idle or mid-step (a follower that ended by itself, its step failed, `OWN_END_SECONDS` later: rank 0's failed step is
-said first, `engine.worker`): the gateway restarts the worker as it restarts any dead worker. A follower that loses rank
-0 dies with it (`PR_SET_PDEATHSIG`, and its link's end-of-file). A follower is spawned (`python -c`), or forked from
-the fork server where rank 0's process runs one (`engine.fork_server.start_follower`).
+bound, `engine.rendezvous.INIT_TIMEOUT_SECONDS`. After loading, each follower says `ready` on its link, and rank 0
+watches the links from a thread (`TensorParallelGroup.wait_ready` starts it): a follower's end closes when its process
+ends, however it ends (`kill -9`, the OOM killer, a crash), and rank 0 then calls `on_rank_exit` with the reason, which
+the device worker turns into its own death (`engine.worker`: a `Fatal` saying the group broke, then exit) within
+milliseconds, idle or mid-step (a follower that ended by itself, its step failed, `OWN_END_SECONDS` later: rank 0's
+failed step is said first, `engine.worker`): the gateway restarts the worker as it restarts any dead worker. A follower
+that loses rank 0 dies with it (`PR_SET_PDEATHSIG`, and its link's end-of-file). A follower is spawned (`python -c`), or
+forked from the fork server where rank 0's process runs one (`engine.fork_server.start_follower`).
 
 How a model is cut (`ShardShape`), Megatron-style:
 - q/k/v and gate/up are column-parallel: rank r holds heads `[r·H/T, (r+1)·H/T)` and a 1/T slice of the MLP's
@@ -34,7 +35,6 @@ Rules on the shape live in `check_tensor_parallel`, which the capacity plan and 
 from __future__ import annotations
 
 import ctypes
-import datetime
 import logging
 import os
 import pickle
@@ -50,13 +50,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.config import DEFAULT_COLLECTIVE_TIMEOUT_SECONDS, ConfigError, ceil_div
+from engine.config import ConfigError, ceil_div
 from engine.gemma4_config import rank_kv_heads
 from engine.model_config import ModelConfig
+from engine.rendezvous import describe_exit, join_group, serve_store
 
 log = logging.getLogger("cliffguard.engine")
 
-INIT_TIMEOUT_SECONDS = 300   # how long rank 0 waits for its followers to join the group (the rendezvous)
 LOAD_TIMEOUT_SECONDS = 3600   # how long rank 0 waits for its followers to load their shards and say ready
 OWN_END_SECONDS = 1.0   # a follower that ended by itself (its step failed): rank 0's failed step is said first
 _READY = b"R"
@@ -304,8 +304,8 @@ class TensorParallelGroup:
         stdin (`engine.fork_server.start_follower`)."""
         from engine.fork_server import start_follower
 
-        size = len(rank_devices)
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        size, store = len(rank_devices), serve_store(len(rank_devices))
+        init_method = f"tcp://127.0.0.1:{store.port}"
         processes, links = [], []
         try:
             for rank in range(1, size):
@@ -314,13 +314,13 @@ class TensorParallelGroup:
                 with theirs:   # the child holds its own copy; ours closes it
                     args = FollowerArgs(config, rank, size, str(rank_devices[rank]), init_method, theirs.fileno())
                     processes.append(start_follower(follower, args, theirs))
-            collectives = join_group(rank_devices[0], 0, size, init_method, config.collective_timeout_seconds)
+            group = join_group(rank_devices[0], 0, size, store, config.collective_timeout_seconds, processes)
         except BaseException:
             for process in processes:
                 process.kill()
                 process.wait()
             raise
-        return cls(size, collectives, links, processes)
+        return cls(size, Collectives(size, group), links, processes)
 
     def broadcast(self, plan: object) -> None:
         """Send one plan (or the `RankSetup`) to every follower (rank 0 only); RuntimeError naming the
@@ -430,16 +430,6 @@ class TensorParallelGroup:
         self.size = 1
 
 
-def describe_exit(exitcode: int) -> str:
-    """A process's exit code in words: `exit code 1`, `signal 9, SIGKILL` (negative codes are signals)."""
-    if exitcode >= 0:
-        return f"exit code {exitcode}"
-    try:
-        return f"signal {-exitcode}, {signal.Signals(-exitcode).name}"
-    except ValueError:
-        return f"signal {-exitcode}"
-
-
 def end_process(reason: str) -> None:
     """The default `on_rank_exit`: a group that lost a rank cannot step again; log why and end this
     process, so whoever supervises it (the gateway, a Ray actor's restart) starts the device again whole."""
@@ -455,28 +445,6 @@ def use_device(device: torch.device) -> None:
         torch.cuda.set_device(device)
 
 
-def join_group(device: torch.device, rank: int, size: int, init_method: str,
-               collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT_SECONDS) -> Collectives:
-    """Join the group as `rank` (NCCL on CUDA, gloo on a CPU): the rendezvous waits up to
-    `INIT_TIMEOUT_SECONDS`, every collective after it `collective_timeout` seconds."""
-    timeout = datetime.timedelta(seconds=INIT_TIMEOUT_SECONDS)
-    if device.type == "cuda":
-        # NCCL's cuMem buffers cost each all-reduce captured in a decode graph memory of its own (1-2 GiB
-        # over the graphs of a large model, NVIDIA/nccl#1234) that the capacity plan does not set aside;
-        # one node's ranks need no cuMem. Set before the communicator exists; a user's own value wins.
-        os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
-        use_device(device)
-        torch.distributed.init_process_group("nccl", init_method=init_method, rank=rank, world_size=size,
-                                             timeout=timeout, device_id=device)
-    else:
-        torch.distributed.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size,
-                                             timeout=timeout)
-    from torch.distributed.distributed_c10d import _set_pg_timeout
-
-    _set_pg_timeout(datetime.timedelta(seconds=collective_timeout), torch.distributed.group.WORLD)
-    return Collectives(size, torch.distributed.group.WORLD)
-
-
 def die_with_parent() -> None:
     """On Linux, SIGKILL this process when its parent (rank 0's worker, or the fork server, which ends with
     rank 0's process) dies, however it dies."""
@@ -487,9 +455,3 @@ def die_with_parent() -> None:
         pass
     if os.getppid() == 1:   # the parent died before the call above
         os._exit(0)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

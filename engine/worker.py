@@ -51,7 +51,7 @@ from engine.ipc import Channel
 from engine.messages import (AbortRequest, AddRequest, Fatal, Heartbeat, Outputs, PauseRequest, Ready, Rejected,
                              ReportWaiting, Shutdown, StartupError, StatsQuery, StatsReply)
 from engine.outputs import RequestDelta
-from engine.parallel import describe_exit
+from engine.rendezvous import describe_exit
 from engine.scheduler import Scheduler
 from engine.stats import IDLE_STATS_INTERVAL, STATS_INTERVAL, EngineStats, PoolInfo, PoolStats, StepCounters, WorkerInfo
 

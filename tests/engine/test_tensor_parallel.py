@@ -168,6 +168,11 @@ def follower_that_cannot_load(*args) -> None:
     runner.follower_main(*args)
 
 
+def follower_that_cannot_start(*args) -> None:
+    """A follower rank's process that ends before it joins the group (a driver it cannot open, a bad install)."""
+    raise SystemExit(3)
+
+
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory, builtin_path) -> str:
     """The tiny Llama of the tests below that do not compare architectures (read only: one for the module)."""
@@ -186,6 +191,26 @@ def test_a_real_follower_that_fails_to_load_exits_non_zero_and_says_why(llama):
         assert group.processes[0].wait(30) == 1
     finally:
         group.close()
+
+
+@pytest.mark.parametrize("forked", [True, False], ids=["forked", "spawned"])
+def test_a_follower_that_ends_before_it_joins_fails_the_start_at_once_naming_it(llama, monkeypatch, forked):
+    """Rank 0 waits for each follower to say it joined (a key in the group's store) and watches its process meanwhile:
+    one that ends first fails the group's start at once, with how it ended, not at the rendezvous's 300 s bound."""
+    import time
+
+    import engine.fork_server
+    from engine.parallel import TensorParallelGroup
+
+    if not forked:
+        monkeypatch.setattr(engine.fork_server, "forks_followers", lambda: False)
+    config = EngineConfig(model=llama, device="cpu", dtype="float32", tensor_parallel_size=3,
+                          cache=CacheConfig(block_size=8), pools=(PoolConfig(num_blocks=16),))
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"^tensor-parallel rank 1 of 3 \(pid \d+\) exited before it joined the "
+                                           r"group \(exit code 3\)$"):
+        TensorParallelGroup.start(config, [torch.device("cpu")] * 3, follower_that_cannot_start)
+    assert time.monotonic() - started < 10
 
 
 def test_the_engine_refuses_it_before_any_rank_starts():
