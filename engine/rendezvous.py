@@ -6,8 +6,8 @@ and hands them its address. A follower connects to it and sets its key (`joined/
 own rendezvous, so rank 0 can tell a follower on its way from one that will never come: it waits for every
 follower's key while watching its process, and one that ends first (an import that fails, a device it cannot open,
 a fork whose start fails) fails the group's start at once, naming the rank and how its process ended, instead of
-the rendezvous's `INIT_TIMEOUT_SECONDS` later. Then every rank builds the process group on the store (NCCL on CUDA,
-gloo on a CPU).
+the rendezvous's `INIT_TIMEOUT_SECONDS` later (`describe_exit` words how it ended). Then every rank builds the
+process group on the store (NCCL on CUDA, gloo on a CPU).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from engine.config import DEFAULT_COLLECTIVE_TIMEOUT_SECONDS
+
 __all__ = ["INIT_TIMEOUT_SECONDS", "describe_exit", "join_group", "serve_store"]
 
 INIT_TIMEOUT_SECONDS = 300   # how long a rank waits for the others to join the group (the rendezvous)
