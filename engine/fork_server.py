@@ -7,11 +7,11 @@ skips the interpreter's start and torch's import (1.7 s of the 2.9 s a spawned w
 `cliffguard bench restart`), and one gateway's replicas share one import.
 
 A process that runs the fork server and may have children (not a daemon: the device worker is one) forks its
-tensor-parallel followers from it too (`forks_followers`, `start_follower`): an engine built in such a process (the
-test suite, which builds about a hundred groups one after another) starts a group without a follower's interpreter
-start and torch import, about a second of each group's start on a 2-core CPU. A follower forked so is the server's child: it dies
-with the server (`PR_SET_PDEATHSIG`), which ends with the process that started it; its exit status comes back
-through multiprocessing's sentinel (`ForkedProcess`).
+tensor-parallel followers from it too (`forks_followers`, `start_follower`): an engine built in such a process (the test
+suite, which builds about a hundred groups one after another) starts a group without a follower's interpreter start and
+torch import, about a second of each group's start on a 2-core CPU. A follower forked so is the server's child: it dies
+with the server (`PR_SET_PDEATHSIG`), which ends with the process that started it; its exit status comes back through
+multiprocessing's sentinel (`ForkedProcess`).
 """
 
 from __future__ import annotations
