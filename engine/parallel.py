@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.config import ConfigError, ceil_div
+from engine.fork_server import start_follower
 from engine.gemma4_config import rank_kv_heads
 from engine.model_config import ModelConfig
 from engine.rendezvous import describe_exit, join_group, serve_store
@@ -302,9 +303,8 @@ class TensorParallelGroup:
         (`engine.model_runner.follower_main`) with its `FollowerArgs` and its end of a socket pair, its `PlanLink`:
         forked from this process's fork server where it runs one, else a new Python process reading them from its
         stdin (`engine.fork_server.start_follower`)."""
-        from engine.fork_server import start_follower
-
-        size, store = len(rank_devices), serve_store(len(rank_devices))
+        size = len(rank_devices)
+        store = serve_store(size)
         init_method = f"tcp://127.0.0.1:{store.port}"
         processes, links = [], []
         try:
