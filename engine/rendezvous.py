@@ -1,13 +1,13 @@
 """How a tensor-parallel group's ranks meet: rank 0's store, each follower's word that it joined, the process group.
 
-Rank 0 serves the group's `torch.distributed.TCPStore` on a free port of 127.0.0.1 it binds itself (`serve_store`:
-no port chosen, freed and taken again, which another process could take meanwhile) before it starts its followers,
-and hands them its address. A follower connects to it and sets its key (`joined/<rank>`) before the process group's
-own rendezvous, so rank 0 can tell a follower on its way from one that will never come: it waits for every
-follower's key while watching its process, and one that ends first (an import that fails, a device it cannot open,
-a fork whose start fails) fails the group's start at once, naming the rank and how its process ended, instead of
-the rendezvous's `INIT_TIMEOUT_SECONDS` later (`describe_exit` words how it ended). Then every rank builds the
-process group on the store (NCCL on CUDA, gloo on a CPU).
+Rank 0 serves the group's `torch.distributed.TCPStore` on a free port of 127.0.0.1 it binds itself (`serve_store`: no
+port chosen, freed and taken again, which another process could take meanwhile; no other interface) before it starts its
+followers, and hands them its address. A follower connects to it and sets its key (`joined/<rank>`) before the process
+group's own rendezvous, so rank 0 can tell a follower on its way from one that will never come: it waits for every
+follower's key while watching its process, and one that ends first (an import that fails, a device it cannot open, a
+fork whose start fails) fails the group's start at once, naming the rank and how its process ended, instead of the
+rendezvous's `INIT_TIMEOUT_SECONDS` later (`describe_exit` words how it ended). Then every rank builds the process group
+on the store (NCCL on CUDA, gloo on a CPU).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 import os
 import signal
+import socket
 import time
 from collections.abc import Sequence
 
@@ -29,9 +30,15 @@ _POLL_SECONDS = 0.02         # how often rank 0 looks for a follower's key, and 
 
 
 def serve_store(size: int) -> torch.distributed.TCPStore:
-    """Rank 0's store for a group of `size` ranks, listening on a port of 127.0.0.1 it chose (`store.port`)."""
-    return torch.distributed.TCPStore("127.0.0.1", 0, size, is_master=True,
-                                      timeout=datetime.timedelta(seconds=INIT_TIMEOUT_SECONDS), wait_for_workers=False)
+    """Rank 0's store for a group of `size` ranks, listening on a port of 127.0.0.1 (`store.port`): on a socket
+    bound here, as the store given a host and port of its own listens on every interface."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    port = listener.getsockname()[1]
+    return torch.distributed.TCPStore("127.0.0.1", port, size, is_master=True, wait_for_workers=False,
+                                      timeout=datetime.timedelta(seconds=INIT_TIMEOUT_SECONDS),
+                                      master_listen_fd=listener.detach())
 
 
 def join_group(device: torch.device, rank: int, size: int, store: torch.distributed.TCPStore | str,

@@ -193,6 +193,22 @@ def test_a_real_follower_that_fails_to_load_exits_non_zero_and_says_why(llama):
         group.close()
 
 
+def test_the_groups_store_listens_on_127_0_0_1_alone():
+    """Rank 0's store (`engine.rendezvous.serve_store`) listens on the loopback address only, never on every
+    interface (as a TCPStore given a host and a port of its own does)."""
+    from engine.rendezvous import serve_store
+
+    store = serve_store(2)
+    listening = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                if state == "0A" and int(local.rsplit(":", 1)[1], 16) == store.port:   # 0A: LISTEN
+                    listening.append(local.rsplit(":", 1)[0])
+    assert listening == ["0100007F"]   # 127.0.0.1, little-endian
+
+
 @pytest.mark.parametrize("forked", [True, False], ids=["forked", "spawned"])
 def test_a_follower_that_ends_before_it_joins_fails_the_start_at_once_naming_it(llama, monkeypatch, forked):
     """Rank 0 waits for each follower to say it joined (a key in the group's store) and watches its process meanwhile:
