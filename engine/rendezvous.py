@@ -8,25 +8,33 @@ follower's key while watching its process, and one that ends first (an import th
 fork whose start fails) fails the group's start at once, naming the rank and how its process ended, instead of the
 rendezvous's `INIT_TIMEOUT_SECONDS` later (`describe_exit` words how it ended). Then every rank builds the process group
 on the store (NCCL on CUDA, gloo on a CPU).
+
+The ranks are one machine's processes, so gloo's own sockets (a listening one per rank, a pair per peer) are on the
+loopback interface too: left to itself gloo takes the address this machine's hostname resolves to, often the address
+other machines reach (a container's, a host's). `join_group` names the loopback interface in `GLOO_SOCKET_IFNAME`
+while the group is built, unless the operator set it.
 """
 
 from __future__ import annotations
 
 import datetime
+import contextlib
 import os
 import signal
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import torch
 
 from engine.config import DEFAULT_COLLECTIVE_TIMEOUT_SECONDS
 
-__all__ = ["INIT_TIMEOUT_SECONDS", "describe_exit", "join_group", "serve_store"]
+__all__ = ["INIT_TIMEOUT_SECONDS", "describe_exit", "join_group", "loopback_interface", "serve_store"]
 
 INIT_TIMEOUT_SECONDS = 300   # how long a rank waits for the others to join the group (the rendezvous)
 _POLL_SECONDS = 0.02         # how often rank 0 looks for a follower's key, and at its process
+_IFF_LOOPBACK = 0x8          # an interface's flag (Linux's if.h) that says it is the loopback
 
 
 def serve_store(size: int) -> torch.distributed.TCPStore:
@@ -63,11 +71,40 @@ def join_group(device: torch.device, rank: int, size: int, store: torch.distribu
         torch.distributed.init_process_group("nccl", store=store, rank=rank, world_size=size, timeout=timeout,
                                              device_id=device)
     else:
-        torch.distributed.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=timeout)
+        with _gloo_on_loopback():
+            torch.distributed.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=timeout)
     from torch.distributed.distributed_c10d import _set_pg_timeout
 
     _set_pg_timeout(datetime.timedelta(seconds=collective_timeout), torch.distributed.group.WORLD)
     return torch.distributed.group.WORLD
+
+
+def loopback_interface() -> str | None:
+    """The name of this machine's loopback interface (`lo` on Linux), or None where the kernel does not say
+    (no /sys/class/net)."""
+    for _, name in socket.if_nameindex():
+        try:
+            flags = int(Path("/sys/class/net", name, "flags").read_text(), 16)
+        except (OSError, ValueError):
+            continue
+        if flags & _IFF_LOOPBACK:
+            return name
+    return None
+
+
+@contextlib.contextmanager
+def _gloo_on_loopback() -> Iterator[None]:
+    """Within: gloo's sockets on the loopback interface (`GLOO_SOCKET_IFNAME`, read as the group is built), unless
+    the operator named interfaces of their own or none is found."""
+    interface = None if "GLOO_SOCKET_IFNAME" in os.environ else loopback_interface()
+    if interface is None:
+        yield
+        return
+    os.environ["GLOO_SOCKET_IFNAME"] = interface
+    try:
+        yield
+    finally:
+        del os.environ["GLOO_SOCKET_IFNAME"]
 
 
 def describe_exit(exitcode: int) -> str:
