@@ -1,5 +1,5 @@
-"""`cliffguard bench fp8`: a decoder layer's four projections with FP8 weights (`--int4`: INT4 ones, as a
-pack-quantized checkpoint stores them) against the same weights in the model's dtype.
+"""`cliffguard bench fp8`: a decoder layer's four projections with FP8 weights (`--int4`, `--int8`: INT4 or INT8
+ones, as an integer checkpoint stores them) against the same weights in the model's dtype.
 
 At a model's shape (Llama 3 8B's by default: hidden 4096, 32 heads and 8 KV heads of 128, MLP 14,336; `--shape
 32b`: Qwen3-32B's), random FP8 weights in 128 x 128 blocks are multiplied by `--tokens` rows each way the engine
@@ -12,8 +12,9 @@ a write of 1 GiB), and the largest difference of the outputs over the largest ou
 decode step reads every weight once: on a GPU the FP8 layer's time at a few rows is what a decode step's projections
 cost, half the bytes of bfloat16's. `--int4`: random INT4 codes with a bfloat16 (the model's dtype) scale a group of
 128 inputs (`engine.layers.int4_linear.Int4Linear`: the Triton GEMM decoding each tile as loaded, or the weight
-dequantized on each call), about a quarter of bfloat16's bytes; with `--zero-points` a zero point a group beside
-each scale too (AWQ's kind: `Int4Linear.zeros`, one byte a group more).
+dequantized on each call), about a quarter of bfloat16's bytes; `--int8`: 8-bit codes a byte alike (W8A16: GPTQ's
+`-GPTQ-Int8`, about half of bfloat16's bytes); with `--zero-points` a zero point a group beside each scale too (AWQ's
+kind: `Int4Linear.zeros`, one byte a group more).
 """
 
 from __future__ import annotations
@@ -44,14 +45,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=10, help="timed calls per size and path (median)")
     p.add_argument("--int4", action="store_true",
                    help="INT4 weights (pack-quantized, a scale a group of 128 inputs) instead of FP8")
+    p.add_argument("--int8", action="store_true",
+                   help="INT8 weights (GPTQ's 8-bit, W8A16: a code a byte, a scale a group of 128) instead of FP8")
     p.add_argument("--zero-points", action="store_true",
-                   help="with --int4: a zero point a group beside each scale (AWQ's and asymmetric checkpoints')")
+                   help="with --int4 or --int8: a zero point a group beside each scale (AWQ's and asymmetric "
+                        "checkpoints')")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
 
 
-def _layers(shape: str, device: torch.device, dtype: torch.dtype, int4: bool = False, zeros: bool = False):
+def _layers(shape: str, device: torch.device, dtype: torch.dtype, bits: int = 0, zeros: bool = False):
     """The four projections of one layer as (name, Fp8Linear, dense weight in `dtype`), random FP8 values in
-    128 x 128 blocks with scales of 1e-4 to 3e-4 (weights of about a 0.02 standard deviation), or (`int4`) an
+    128 x 128 blocks with scales of 1e-4 to 3e-4 (weights of about a 0.02 standard deviation), or (`bits` 4 or 8) an
     Int4Linear of random codes in groups of 128 (`_int4_layer`, with zero points where `zeros`); the Triton GEMM where
     the engine would run the Triton kernels (CUDA; `CLIFFGUARD_ATTENTION_BACKEND=triton`)."""
     from engine.layers.fp8_linear import Fp8Linear
@@ -66,8 +70,8 @@ def _layers(shape: str, device: torch.device, dtype: torch.dtype, int4: bool = F
     gen = torch.Generator().manual_seed(0)
     layers = []
     for name, (n, k) in shapes.items():
-        if int4:
-            layers.append((name, *_int4_layer(n, k, device, dtype, triton, gen, zeros)))
+        if bits:
+            layers.append((name, *_int4_layer(n, k, device, dtype, triton, gen, zeros, bits)))
             continue
         layer = Fp8Linear(k, n, False, BLOCK, triton=triton).to(device)
         values = (torch.randn(n, k, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
@@ -78,27 +82,30 @@ def _layers(shape: str, device: torch.device, dtype: torch.dtype, int4: bool = F
 
 
 def _int4_layer(n: int, k: int, device: torch.device, dtype: torch.dtype, triton: bool, gen: torch.Generator,
-                zeros: bool = False):
-    """An Int4Linear [n, k] of uniformly drawn codes, scales of about 0.02 over INT4's deviation in `dtype` (weights
-    of about a 0.02 standard deviation) and, where `zeros`, zero points of 6 to 10, and its dequantized weight."""
-    from engine.int4_weights import INT4_STD, dequantize_int4
+                zeros: bool = False, bits: int = 4):
+    """An Int4Linear [n, k] of uniformly drawn codes of `bits`, scales of about 0.02 over the codes' deviation in
+    `dtype` (weights of about a 0.02 standard deviation) and, where `zeros`, zero points within 2 (32) of the
+    middle, and its dequantized weight."""
+    from engine.int4_weights import code_std, dequantize_int4
     from engine.layers.int4_linear import Int4Linear
 
-    layer = Int4Linear(k, n, False, 128, triton=triton, zeros=zeros)
+    layer = Int4Linear(k, n, False, 128, triton=triton, zeros=zeros, bits=bits)
+    middle, spread = 1 << (bits - 1), 2 if bits == 4 else 32
     with torch.no_grad():
-        layer.blocks = torch.nn.Parameter(torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8),
-                                          requires_grad=False)
-        layer.scales = torch.nn.Parameter(((torch.rand(n, k // 128, generator=gen) + 0.5) * 0.02 / INT4_STD)
+        layer.blocks = torch.nn.Parameter(torch.randint(0, 256, (n, k * bits // 8), generator=gen,
+                                                        dtype=torch.uint8), requires_grad=False)
+        layer.scales = torch.nn.Parameter(((torch.rand(n, k // 128, generator=gen) + 0.5) * 0.02 / code_std(bits))
                                           .to(dtype), requires_grad=False)
         if zeros:
-            layer.zeros = torch.nn.Parameter(torch.randint(6, 11, (n, k // 128), generator=gen, dtype=torch.uint8),
-                                             requires_grad=False)
+            layer.zeros = torch.nn.Parameter(torch.randint(middle - spread, middle + spread + 1, (n, k // 128),
+                                                           generator=gen, dtype=torch.uint8), requires_grad=False)
     layer = layer.to(device)
-    return layer, dequantize_int4(layer.blocks, layer.scales, dtype, layer.zeros)
+    return layer, dequantize_int4(layer.blocks, layer.scales, dtype, layer.zeros, bits=bits)
 
 
 def _held_bytes(layer) -> int:
-    """The bytes a held layer reads: FP8 values and float32 scales, or INT4 codes two a byte and their scales."""
+    """The bytes a held layer reads: FP8 values and float32 scales, or integer codes (two a byte, or one) and their
+    scales."""
     if hasattr(layer, "held_bytes"):   # Int4Linear
         return layer.held_bytes()
     return layer.weight.numel() + layer.weight_scale.numel() * 4
@@ -130,24 +137,27 @@ def run(args: argparse.Namespace) -> int:
     sizes = int_list(args.tokens, "--tokens", 1, "row counts must be >= 1")
     if args.repeats < 1:
         raise ValueError(f"--repeats: must be >= 1, got {args.repeats}")
-    if args.zero_points and not args.int4:
-        raise ValueError("--zero-points: INT4 weights' (with --int4)")
+    if args.int4 and args.int8:
+        raise ValueError("--int4, --int8: one width at a time")
+    bits = 4 if args.int4 else 8 if args.int8 else 0
+    if args.zero_points and not bits:
+        raise ValueError("--zero-points: integer weights' (with --int4 or --int8)")
     device, dtype = device_and_dtype(args.device, args.dtype)
     with torch.inference_mode():
-        layers = _layers(args.shape, device, dtype, args.int4, args.zero_points)
+        layers = _layers(args.shape, device, dtype, bits, args.zero_points)
         bandwidth = measure_copy_bandwidth(device) if device.type == "cuda" else None
         rows = [_row(layers, n, device, dtype, args.repeats, bandwidth) for n in sizes]
     # the same products up to the order of their float32 sums (and one rounding of each output to dtype)
     bound = 2 ** -6 if dtype != torch.float32 else 1e-5
     result = {"device": str(device), "dtype": str(dtype).removeprefix("torch."), "shape": args.shape,
-              "format": "int4" if args.int4 else "fp8", "zero_points": args.zero_points,
+              "format": f"int{bits}" if bits else "fp8", "zero_points": args.zero_points,
               "path": "triton" if layers[0][1].triton else "reference",
-              "block": [1, 128] if args.int4 else list(BLOCK),
+              "block": [1, 128] if bits else list(BLOCK),
               "copy_bytes_per_s": bandwidth, "rows": rows, "agree": all(r["max_rel_diff"] <= bound for r in rows)}
     if args.json:
         print(json.dumps(result, indent=2))
         return 0 if result["agree"] else 1
-    held = f"INT4 (groups of 128{', zero points' if args.zero_points else ''}" if args.int4 \
+    held = f"INT{bits} (groups of 128{', zero points' if args.zero_points else ''}" if bits \
         else "FP8 (blocks of 128 x 128"
     print(f"one layer's projections at the {args.shape} shape on {device} ({result['dtype']}): {held}, "
           f"{result['path']}) vs F.linear over the dequantized weight"

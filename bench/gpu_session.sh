@@ -25,7 +25,7 @@
 # sparse attention (`bench dsa`: the Triton indexer and sparse kernel against the dense latent kernel, 32k and 128k
 # contexts), the fp8 step a layer's projections with FP8 weights (`bench fp8`: the Triton GEMM against bfloat16's
 # F.linear, the weights' fraction of copy bandwidth; with INT4 weights too, `--int4`, and AWQ's zero points,
-# `--zero-points`, at Qwen3-32B's shape),
+# `--zero-points`, and INT8 weights, `--int8`, at Qwen3-32B's shape),
 # engine_fp8 the 8B engine with them; the sliding step (not a default) one KV budget with every position kept and in
 # rings (`bench sliding`: Gemma-3-shaped, and Mistral-shaped with every layer sliding); the kvcache step (not a
 # default: it needs real weights, KVCACHE_MODEL, which a device machine cannot be given) an FP8 cache's agreement on
@@ -92,7 +92,8 @@ for what in ${GPU_STEPS:-tests kernels kernels_fp8 fp8 engine}; do
     fp8)     step bench_fp8 $CLI bench fp8 --device cuda
              step bench_fp8_32b $CLI bench fp8 --device cuda --shape 32b --tokens 1,16,256
              step bench_int4_32b $CLI bench fp8 --device cuda --shape 32b --tokens 1,16,256 --int4
-             step bench_awq_32b $CLI bench fp8 --device cuda --shape 32b --tokens 1,16,256 --int4 --zero-points ;;
+             step bench_awq_32b $CLI bench fp8 --device cuda --shape 32b --tokens 1,16,256 --int4 --zero-points
+             step bench_int8_32b $CLI bench fp8 --device cuda --shape 32b --tokens 1,16,256 --int8 ;;
     engine_fp8) step bench_engine_fp8 $CLI bench engine --model .gpu/llama-3-8b --random-weights --dtype bfloat16 \
                --skip-hf --quantization fp8 ;;
     moe)     step bench_moe $CLI bench moe --device cuda --tokens 1,16,64,256,1024 --fp8 --int4

@@ -122,7 +122,7 @@ def _packed_blocks(args: argparse.Namespace, device: torch.device, dtype: torch.
     experts as those weights dequantized, run by the loop."""
     from torch import nn
 
-    from engine.int4_weights import INT4_STD, dequantize_int4
+    from engine.int4_weights import code_std, dequantize_int4
     from kernels.mxfp4 import MXFP4_GROUP, dequantize_packed, mxfp4_scale
 
     if args.hidden_size % MXFP4_GROUP or args.moe_intermediate_size % MXFP4_GROUP:
@@ -140,7 +140,7 @@ def _packed_blocks(args: argparse.Namespace, device: torch.device, dtype: torch.
                 scales = torch.full(scale_shape, mxfp4_scale(0.02), dtype=torch.uint8)
                 dense = dequantize_packed(packed, scales, dtype)
             else:   # values of -8 .. 7 drawn alike, scales about 0.02 over their deviation
-                scales = (torch.rand(scale_shape, generator=gen) * 0.01 + 0.02 / INT4_STD).to(dtype)
+                scales = (torch.rand(scale_shape, generator=gen) * 0.01 + 0.02 / code_std(4)).to(dtype)
                 dense = dequantize_int4(packed, scales, dtype)
             setattr(held, name, nn.Parameter(packed.to(device), requires_grad=False))
             setattr(held, f"{name}_scales", nn.Parameter(scales.to(device), requires_grad=False))

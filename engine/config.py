@@ -76,7 +76,7 @@ class CacheConfig:
 
 
 # The one definition of each choice; the scheduler implements them and the YAML spec imports them.
-QUANTIZATIONS = ("auto", "fp8", "mxfp4", "int4", "none")   # the weights (`EngineConfig.quantization`)
+QUANTIZATIONS = ("auto", "fp8", "mxfp4", "int4", "int8", "none")   # the weights (`EngineConfig.quantization`)
 SLIDING_KV = ("auto", "window", "full")   # engine.sliding_kv: a sliding layer's K/V, a ring a sequence or all
 KV_CACHE_DTYPES = ("auto", "fp8")   # auto: the model's dtype; fp8: float8_e4m3fn with per-layer scales
 DEFAULT_MIN_SHARE = 0.2   # of the device's step time, for a throughput pool with work (engine.composer)

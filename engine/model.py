@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.checkpoint_reading import CheckpointReading, WeightLoadError
-from engine.int4_weights import INT4_STD
+from engine.int4_weights import code_std
 from engine.model_config import ModelConfig
 from engine.layers import GeluTanhAndMul, HeadRMSNorm, RMSNorm, RopeRows, RotaryEmbedding, SiluAndMul
 from engine.layers.fp8_linear import Fp8Linear
@@ -432,9 +432,10 @@ class LlamaForCausalLM(CheckpointReading, nn.Module):
         if is_bias and dim == 1:   # a row-parallel layer's bias is added once, after the sum: on rank 0
             return tensor if shard.rank == 0 else torch.zeros_like(tensor)
         dim = 0 if is_bias else dim
-        if dim == 1 and name.endswith((".blocks", ".scales", ".zeros")):   # INT4 held as stored: whole groups
-            per = 2 if name.endswith(".blocks") else self.config.int4_group
-            full, start, length = full // per, start // per, length // per
+        if dim == 1 and name.endswith((".blocks", ".scales", ".zeros")):   # integers held as stored: whole groups
+            per = 8 // self.config.int4_bits if name.endswith(".blocks") else self.config.int4_group
+            # a scale a row (group 0): every rank holds the row's
+            full, start, length = (full // per, start // per, length // per) if per else (1, 0, 1)
         if tensor.dim() <= dim or tensor.shape[dim] != full:
             raise WeightLoadError(f"{hf_name}: shape {tuple(tensor.shape)} does not match the config "
                                   f"({full} along dimension {dim})")
@@ -464,9 +465,10 @@ class LlamaForCausalLM(CheckpointReading, nn.Module):
                 elif name.endswith(("weight_scale", "w13_scale", "w2_scale")):   # FP8 values of about 1, times std
                     param.fill_(std)
                 elif name.endswith(("w13_scales", "w2_scales", ".scales")):   # packed weights': codes drawn alike
-                    param.fill_(mxfp4_scale(std) if param.dtype == torch.uint8 else std / INT4_STD)   # about std
-                elif name.endswith((".zeros", "_zeros")):   # INT4 zero points: the codes' middle
-                    param.fill_(8)
+                    param.fill_(mxfp4_scale(std) if param.dtype == torch.uint8
+                                else std / code_std(self.config.int4_bits))   # about std
+                elif name.endswith((".zeros", "_zeros")):   # integer zero points: the codes' middle
+                    param.fill_(1 << (self.config.int4_bits - 1))
                 elif name.endswith(".perm"):   # an INT4 layer's input order: as they come
                     param.copy_(torch.arange(param.numel()))
                 elif param.dtype in (torch.float8_e4m3fn, torch.uint8):   # FP8 values; MXFP4's codes, two a byte

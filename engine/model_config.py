@@ -155,7 +155,8 @@ class ModelConfig:
     fp8_weight_block: tuple[int, int] | None = None   # an FP8 checkpoint's scale blocks: dequantized as read
     fp8_scale_suffix: str = SCALE_SUFFIX   # ... its scales' name past the weight's (llm-compressor's: .weight_scale)
     mxfp4_experts: bool = False         # GPT-OSS's MXFP4 experts: held so or dequantized (`engine.models.held_packed`)
-    int4_group: int | None = None       # INT4 weights' group (`engine.int4_formats`: pack-quantized, AWQ, GPTQ)
+    int4_group: int | None = None       # integer weights' group (`engine.int4_formats`; 0: a scale a row)
+    int4_bits: int = 4                  # ... a code's width: 4, or 8 (W8A16)
     int4_modules: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())   # ... the layers quantized: (targets, ignore)
     int4_format: str = ""               # ... how they are stored: `Int4Scheme.format`
     int4_zero_points: bool = False      # ... with a zero point a group (asymmetric: AWQ's)

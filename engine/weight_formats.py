@@ -4,8 +4,8 @@
 - FP8 weights with block, per-channel or per-tensor scales (`engine.fp8_weights`): `fp8_weight_block`,
   `fp8_scale_suffix`;
 - GPT-OSS's MXFP4 experts (`quant_method: mxfp4`, that architecture alone; `kernels.mxfp4`): `mxfp4_experts`;
-- INT4 weights (`engine.int4_formats`: llm-compressor's pack-quantized, AutoAWQ's, GPTQ's): `int4_group`, the layers
-  quantized (`int4_modules`), `int4_format`, `int4_zero_points`, `int4_act_order`;
+- INT4 and INT8 weights (`engine.int4_formats`: llm-compressor's pack-quantized, AutoAWQ's, GPTQ's): `int4_group`,
+  the layers quantized (`int4_modules`), `int4_format`, `int4_zero_points`, `int4_act_order`, `int4_bits`;
 - a KV-cache-only scheme (the cache's scales: `engine.config.quantizes_kv_cache_only`): no field.
 
 Any other method is refused naming the key, before anything loads.
@@ -35,9 +35,11 @@ def weight_format_fields(cfg: dict[str, Any], arch: Any) -> dict[str, Any]:
     if quant is not None and not quantizes_kv_cache_only(quant) and not mxfp4 and fp8 is None and int4 is None:
         method = quant.get("quant_method", "unnamed") if isinstance(quant, dict) else repr(quant)
         raise ConfigError(f"{key}: quantized checkpoints ({method}) are not supported (served: FP8, INT4 as "
-                          "compressed-tensors, AWQ or GPTQ store it, GPT-OSS's MXFP4); serve "
-                          "the model's bfloat16 checkpoint (an FP8 KV cache is the device key kv_cache_dtype)")
+                          "compressed-tensors, AWQ or GPTQ store it, INT8 as compressed-tensors or GPTQ do, "
+                          "GPT-OSS's MXFP4); serve the model's bfloat16 checkpoint (an FP8 KV cache is the device key "
+                          "kv_cache_dtype)")
     return {"fp8_weight_block": fp8[0] if fp8 else None, "fp8_scale_suffix": fp8[1] if fp8 else SCALE_SUFFIX,
             "mxfp4_experts": mxfp4, "int4_group": int4.group if int4 else None,
             "int4_modules": int4.modules if int4 else ((), ()), "int4_format": int4.format if int4 else "",
-            "int4_zero_points": bool(int4 and int4.zero_points), "int4_act_order": bool(int4 and int4.act_order)}
+            "int4_zero_points": bool(int4 and int4.zero_points), "int4_act_order": bool(int4 and int4.act_order),
+            "int4_bits": int4.bits if int4 else 4}

@@ -13,8 +13,8 @@ output row, loaded as one [BLOCK_N] vector; otherwise each element's scale is ga
 Any N and K (tiles masked at the edges); x [M, K] with unit stride along K; Q [N, K] and S [ceil(N / rows),
 ceil(K / columns)] as the layer holds them. The output is rounded once to x's dtype. FP8 loads need Triton's e4m3
 type: a GPU of compute capability 8.9 or newer, or the interpreter (TRITON_INTERPRET=1), where the tests run it.
-The same kernel reads INT4 weights (`INT4`: two 4-bit codes a byte, scales in blocks of one row and a group of
-inputs: `kernels.triton_int4_gemm`).
+The same kernel reads integer weights (`CODE_BITS`: two 4-bit codes a byte or an 8-bit code a byte, scales in blocks
+of one row and a group of inputs: `kernels.triton_int4_gemm`).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def _fp8_linear_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr,
     M, N, K, scale_rows, scale_cols,
     stride_xm, stride_wn, stride_sn, stride_om,
-    HAS_BIAS: tl.constexpr, SCALE_COLUMN_TILE: tl.constexpr, INT4: tl.constexpr, ZEROS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SCALE_COLUMN_TILE: tl.constexpr, CODE_BITS: tl.constexpr, ZEROS: tl.constexpr,
     BF16_BY_BITS: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -69,13 +69,16 @@ def _fp8_linear_kernel(
         else:
             s_at, s_mask = s_off + (ks // scale_cols)[:, None], mask_k[:, None] & mask_n[None, :]
         s = tl.load(s_ptr + s_at, mask=s_mask, other=0.0)
-        if INT4:   # the input's nibble of its byte (the low one first), less its zero point (8, or its group's)
-            byte = tl.load(w_base + (ks // 2)[:, None], mask=mask_k[:, None] & mask_n[None, :], other=0)
-            w = ((byte.to(tl.int32) >> ((ks % 2) * 4)[:, None]) & 15).to(tl.float32)
+        if CODE_BITS:   # the input's code: its byte, or its nibble (the low one first); less its zero point
+            if CODE_BITS == 8:
+                w = tl.load(w_base + ks[:, None], mask=mask_k[:, None] & mask_n[None, :], other=0).to(tl.float32)
+            else:
+                byte = tl.load(w_base + (ks // 2)[:, None], mask=mask_k[:, None] & mask_n[None, :], other=0)
+                w = ((byte.to(tl.int32) >> ((ks % 2) * 4)[:, None]) & 15).to(tl.float32)
             if ZEROS:
                 w = w - tl.load(z_ptr + s_at, mask=s_mask, other=0).to(tl.float32)
             else:
-                w = w - 8.0
+                w = w - (1 << (CODE_BITS - 1))
         else:
             w = tl.load(w_base + ks[:, None], mask=mask_k[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
         w = dequantize_tile(w, s.to(tl.float32), x_ptr.dtype.element_ty, BF16_BY_BITS)
@@ -110,10 +113,11 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
 
 
 def dequantizing_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_rows: int, scale_cols: int,
-                        k: int, bias: torch.Tensor | None = None, zeros: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., k] @ W^T (+ bias) in x's dtype, W [N, k] held as `weight` (FP8 values, or INT4 codes two a byte: uint8
-    [N, k / 2], less `zeros` where given, laid out as `scale`, else 8) times `scale`, one a block of `scale_rows` x
-    `scale_cols` (each at most its axis)."""
+                        k: int, bias: torch.Tensor | None = None, zeros: torch.Tensor | None = None,
+                        bits: int = 4) -> torch.Tensor:
+    """x [..., k] @ W^T (+ bias) in x's dtype, W [N, k] held as `weight` (FP8 values, or integer codes of `bits`:
+    uint8 [N, k x bits / 8], two 4-bit codes a byte or one of 8, less `zeros` where given, laid out as `scale`, else
+    2^(bits - 1)) times `scale`, one a block of `scale_rows` x `scale_cols` (each at most its axis)."""
     n = weight.shape[0]
     assert x.shape[-1] == k, f"x {tuple(x.shape)} against weight {(n, k)}"
     assert bias is None or (bias.shape == (n,) and bias.stride(0) == 1), f"bias {tuple(bias.shape)}"
@@ -131,7 +135,7 @@ def dequantizing_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tens
         rows.shape[0], n, k, scale_rows, scale_cols,
         rows.stride(0), weight.stride(0), scale.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, SCALE_COLUMN_TILE=scale_cols % block_k == 0 or scale_cols >= k,
-        INT4=weight.dtype == torch.uint8, ZEROS=zeros is not None,
+        CODE_BITS=bits if weight.dtype == torch.uint8 else 0, ZEROS=zeros is not None,
         BF16_BY_BITS=INTERPRETED and x.dtype == torch.bfloat16,
         DOT_DTYPE=dtype, DOT_PRECISION="ieee" if dtype == tl.float32 else "tf32",
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,

@@ -74,7 +74,8 @@ class DevicePlan:
     graph_bytes_per_device: int = 0  # set aside for the decode CUDA graphs (engine.cuda_graphs); 0: none
     fp8_weights: bool = False        # the layers' projections held in FP8 (the device's `quantization`)
     packed_experts: str = ""         # the experts held as a checkpoint packs them: MXFP4 (GPT-OSS's), INT4, or not
-    int4_projections: int = 0        # a rank's projections held in INT4 as stored (a W4A16 checkpoint's)
+    int4_projections: int = 0        # a rank's projections held in INT4 as stored (a W4A16 checkpoint's) ...
+    int_bits: int = 4                # ... or INT8 (a W8A16 checkpoint's)
     sliding_window: int = 0          # sliding layers in rings of this window (engine.sliding_kv); 0: all kept
 
     @property
@@ -202,16 +203,17 @@ class CapacityPlan:
 
 
 def _device_shard(model: ModelConfig, dev: DeviceSpec, dtype: torch.dtype, dkey: str, device_type: str
-                  ) -> tuple[ShardShape, str, int]:
+                  ) -> tuple[ShardShape, str, int, bool]:
     """A rank's shard: its KV heads split over TP ranks (T > num_kv_heads: each holds a replica of one, as vLLM
-    does), its share of the rest; what packs the experts it holds as stored (MXFP4, INT4 or ""), how many INT4
-    projections it holds so. The engine's rules (`check_tensor_parallel`, `check_dtype`, `held_packed`,
-    `held_int4`) named `dkey`.*."""
+    does), its share of the rest; what packs the experts it holds as stored (MXFP4, INT4 or ""), how many integer
+    projections it holds so, whether it holds projections in FP8. The engine's rules (`check_tensor_parallel`,
+    `check_dtype`, `held_packed`, `held_int4`, `held_fp8_block`) named `dkey`.*."""
     try:
         check_dtype(model, dtype)
         shard = ShardShape.of(model, 0, dev.tensor_parallel_size)
         return shard, (held_packed(model, shard, dev.quantization, device_type) or "").upper(), \
-            held_int4_projections(model, shard, dev.quantization, device_type)
+            held_int4_projections(model, shard, dev.quantization, device_type), \
+            held_fp8_block(model, shard, dev.quantization, device_type) is not None
     except ConfigError as exc:
         raise SpecError(f"{dkey}.{exc}") from None
 
@@ -223,8 +225,7 @@ def plan_capacity(config: CliffguardConfig, model_configs: Mapping[str, ModelCon
     `model_configs`: each local pool's `model` string -> its ModelConfig (the caller resolves them). `vram_bytes`:
     overrides every device's memory (`--vram`); a device `auto` is then planned as CUDA (bfloat16) even on a CPU-only
     machine. `memory: auto` is the GPU's total memory (`cuda_memory(device)`, default torch's) on CUDA and
-    DEFAULT_CPU_MEMORY on CPU. `dtype: auto`: `engine.config.auto_dtype` (bfloat16 on CUDA, of float16's size).
-    Errors are SpecError naming the key path and the value."""
+    DEFAULT_CPU_MEMORY on CPU. `dtype: auto`: `engine.config.auto_dtype`. Errors: SpecError naming the key path."""
     devices: dict[str, DevicePlan] = {}
     pools: dict[str, PoolPlan] = {}
     warnings: list[str] = []
@@ -240,8 +241,7 @@ def plan_capacity(config: CliffguardConfig, model_configs: Mapping[str, ModelCon
         device_type = resolve_device_type(dev, vram_bytes, warnings)
         dtype = parse_dtype(dev.dtype) if dev.dtype != "auto" else auto_dtype(device_type)
         memory, source = device_memory(dev, device_type, vram_bytes, cuda_memory)
-        shard, packed, int4 = _device_shard(model, dev, dtype, dkey, device_type)   # held MXFP4 / INT4
-        fp8 = held_fp8_block(model, shard, dev.quantization, device_type) is not None   # projections in FP8
+        shard, packed, int4, fp8 = _device_shard(model, dev, dtype, dkey, device_type)   # MXFP4 / INT4 / FP8 held
         kv_dtype = kv_cache_dtype(dev.kv_cache_dtype, dtype)   # fp8: one byte an element
         rings = device_ring_plan(dev_name, dev, model, members, kv_dtype, tp, warnings)   # engine.sliding_kv
         s_kv, s_kv_dev = rings.kv_bytes_per_token, rings.kv_bytes_per_token_per_device
@@ -254,7 +254,7 @@ def plan_capacity(config: CliffguardConfig, model_configs: Mapping[str, ModelCon
         if kv_dev <= 0:
             stored = held_weight_bytes(model, shard, dtype, "auto", device_type) if dev.quantization == "none" else 0
             raise no_room_for_kv(dkey, dev, memory, source, p0.model, weights_dev,
-                                 (dtype_name(dtype), fp8, packed, int4), graphs_dev, kv_dev, stored)
+                                 (dtype_name(dtype), fp8, packed, int4, model.int4_bits), graphs_dev, kv_dev, stored)
         device_pools = [_plan_pool(i, p, model, s_kv, s_kv_dev, _pool_bytes(p, kv_dev, members), tp, warnings,
                                    dev.replicas, *rings.pool_state(k, model.state_bytes_per_seq(dtype, tp)))
                         for k, (i, p) in enumerate(members)]
@@ -266,11 +266,12 @@ def plan_capacity(config: CliffguardConfig, model_configs: Mapping[str, ModelCon
         devices[dev_name] = DevicePlan(
             name=dev_name, device_type=device_type, dtype=dtype_name(dtype), model=p0.model, memory_bytes=memory,
             kv_cache_dtype=dtype_name(kv_dtype), fp8_weights=fp8, packed_experts=packed, int4_projections=int4,
-            memory_source=source, memory_utilization=dev.memory_utilization, tensor_parallel_size=tp,
-            weights_bytes=weights, weights_bytes_per_device=weights_dev, kv_bytes_per_token=s_kv,
-            kv_bytes_per_token_per_device=s_kv_dev, kv_space_bytes_per_device=kv_dev, sliding_window=rings.window,
-            block_size=p0.block_size, pools=tuple(p.name for _, p in members), replicas=dev.replicas,
-            min_replicas=dev.min_replicas, placement=dev.placement, graph_bytes_per_device=graphs_dev)
+            int_bits=model.int4_bits, memory_source=source, memory_utilization=dev.memory_utilization,
+            tensor_parallel_size=tp, weights_bytes=weights, weights_bytes_per_device=weights_dev,
+            kv_bytes_per_token=s_kv, kv_bytes_per_token_per_device=s_kv_dev, kv_space_bytes_per_device=kv_dev,
+            sliding_window=rings.window, block_size=p0.block_size, pools=tuple(p.name for _, p in members),
+            replicas=dev.replicas, min_replicas=dev.min_replicas, placement=dev.placement,
+            graph_bytes_per_device=graphs_dev)
     upstream = tuple(p.name for p in config.pools if p.is_upstream)
     plan = CapacityPlan(devices=devices, pools=pools, upstream_pools=upstream, warnings=tuple(warnings))
     if (over := past_host_memory(config, plan.cpu_ranks(), host_memory_bytes())) is not None:

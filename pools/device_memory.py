@@ -89,16 +89,18 @@ def headroom_warning(device: DeviceSpec, memory: int, vocab_size: int, dtype_byt
 
 
 def no_room_for_kv(dkey: str, dev: DeviceSpec, memory: int, source: str, model: str, weights_dev: int,
-                   held: tuple[str, bool, str, int], graphs_dev: int, kv_dev: int, as_stored: int = 0) -> SpecError:
+                   held: tuple[str, bool, str, int, int], graphs_dev: int, kv_dev: int,
+                   as_stored: int = 0) -> SpecError:
     """The SpecError of a device whose weights (held as `held` says: their dtype, whether projections are in FP8, what
-    packs the experts: MXFP4, INT4 or "", how many projections are in INT4) and decode graphs leave no KV space,
+    packs the experts: MXFP4, INT4 or "", how many projections are held as an integer checkpoint stores them, its
+    codes' bits) and decode graphs leave no KV space,
     naming `dkey`.memory and what took
     it; where `quantization: auto` would hold the checkpoint's quantized weights as stored in fewer bytes (`as_stored`
     per GPU, the device being set to `none`), it says so."""
     usable = formula.usable_bytes(memory, dev.memory_utilization)
-    dtype, fp8, packed, int4 = held
+    dtype, fp8, packed, int4, bits = held
     held = dtype + (", its projections in FP8" if fp8 else "") + (f", its experts in {packed}" if packed else "") \
-        + (f", {int4} projections in INT4" if int4 else "")
+        + (f", {int4} projections in INT{bits}" if int4 else "")
     where = f" ({source})" if source != "config" else ""
     graphs = f" and {fmt_bytes(graphs_dev)} for decode graphs (enforce_eager: true frees it)" if graphs_dev else ""
     hint = (f"; quantization: auto holds the checkpoint's quantized weights as stored, {fmt_bytes(as_stored)} per GPU"

@@ -50,7 +50,8 @@ def _device_lines(d: DevicePlan) -> list[str]:
         ("weights", f"{fmt_bytes(d.weights_bytes)} ({d.weights_bytes:,} B)"
                     + (", its layers' projections in FP8" if d.fp8_weights else "")
                     + (f", its experts in {d.packed_experts} as stored" if d.packed_experts else "")
-                    + (f", {d.int4_projections} projections in INT4 as stored" if d.int4_projections else "")
+                    + (f", {d.int4_projections} projections in INT{d.int_bits} as stored" if d.int4_projections
+                       else "")
                     + (f", {fmt_bytes(d.weights_bytes_per_device)} per GPU" if tp > 1 else "")),
         *([("graphs", f"{fmt_bytes(d.graph_bytes_per_device)}{per} for the decode CUDA graphs "
                       "(enforce_eager: true frees it)")] if d.graph_bytes_per_device else []),

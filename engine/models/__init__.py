@@ -216,7 +216,7 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | 
     if packed:
         log.info("weights: the experts of %d layers held in %s as stored", len(packed), packed[0].upper())
     if int4 := sum(isinstance(m, Int4Linear) for m in model.modules()):
-        log.info("weights: %d projections held in INT4 as stored", int4)
+        log.info("weights: %d projections held in INT%d as stored", int4, model.config.int4_bits)
     if model.fp8_layers:   # what `quantization` made of the checkpoint, once a worker's log
         log.info("weights: %d projections held in FP8 (%s), the rest in %s", len(model.fp8_layers),
                  "as stored" if model.fp8_exact else "quantized as read, a scale an output row or block",
@@ -317,13 +317,14 @@ def _keeps_stored_fp8(model: LlamaForCausalLM | ModelConfig, shard: ShardShape) 
 def held_packed(config: ModelConfig, shard: ShardShape, quantization: str, device_type: str) -> str | None:
     """How one rank (`shard`) holds a checkpoint's 4-bit experts as stored: "mxfp4" (GPT-OSS's, `kernels.mxfp4`: 4.25
     bits a weight), "int4" (`engine.int4_formats`: 4 bits plus a scale a group), or None where they are dequantized as
-    read (INT4 experts in activation order too). Held under `quantization` auto on a GPU (the Triton
+    read (INT4 experts in activation order or a scale a row too, and INT8 ones). Held under `quantization` auto on a
+    GPU (the Triton
     kernels decode each tile as loaded), fp8 or the format's own key on any device (a CPU dequantizes each expert a step
     hits: memory, not speed), where the rank's share of the intermediate size is whole groups; a ConfigError naming the
     key where that key cannot."""
-    kind, group = ("mxfp4", MXFP4_GROUP) if config.mxfp4_experts else ("int4", config.int4_group or 0)
+    kind, group = ("mxfp4", MXFP4_GROUP) if config.mxfp4_experts else (f"int{config.int4_bits}", config.int4_group or 0)
     stored = config.mxfp4_experts or config.int4_group is not None
-    if quantization in ("mxfp4", "int4") and quantization != kind or quantization == kind and not stored:
+    if quantization in ("mxfp4", "int4", "int8") and quantization != kind or quantization == kind and not stored:
         raise ConfigError(f"quantization: {quantization} holds a checkpoint's {quantization.upper()} experts as "
                           f"stored; this checkpoint has {kind.upper() + ' ones' if stored else 'none'}: use auto, fp8 "
                           "or none")
@@ -331,8 +332,8 @@ def held_packed(config: ModelConfig, shard: ShardShape, quantization: str, devic
         raise ConfigError("quantization: mxfp4 holds a checkpoint's MXFP4 experts as stored; this model has no "
                           "experts: use auto or none")
     if not stored or quantization == "none" or quantization == "auto" and device_type != "cuda" \
-            or not config.num_experts or config.int4_act_order:
-        return None   # (INT4 experts in activation order: dequantized as read)
+            or not config.num_experts or config.int4_act_order or kind == "int8" or not group:
+        return None   # (INT4 experts in activation order or a scale a row, INT8 ones: dequantized as read)
     if shard.moe_intermediate_size % group and quantization == kind:
         raise ConfigError(f"quantization: {kind} under tensor parallelism {shard.size} cuts each expert's "
                           f"{config.moe_intermediate_size} inputs into shares of {shard.moe_intermediate_size}, not "
@@ -346,17 +347,18 @@ _STORED_PARTS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", 
 
 
 def held_int4(model: LlamaForCausalLM, quantization: str, device_type: str) -> set[str]:
-    """The projections of `model` (on the meta device, not yet swapped) held in INT4 as a pack-quantized checkpoint
+    """The projections of `model` (on the meta device, not yet swapped) held in INT4 or INT8 as an integer checkpoint
     stores them (`engine.layers.int4_linear`): under `quantization` auto on a GPU (the Triton GEMM decodes each tile
-    as loaded), int4 or fp8 on any device (a CPU dequantizes a layer's weight on each call: memory, not speed). Held:
-    a decoder layer's attention and MLP projections (`FP8_LINEARS`) whose every part the checkpoint stores in INT4
+    as loaded), int4 / int8 (its width) or fp8 on any device (a CPU dequantizes a layer's weight on each call:
+    memory, not speed). A scale a row (group 0) holds under any cut. Held:
+    a decoder layer's attention and MLP projections (`FP8_LINEARS`) whose every part the checkpoint stores so
     (its targets and ignore list, matched to `model.<layer's name>`), where the family's loading reads them
     unchanged (`_FP8_READERS`) and a row-parallel rank's columns start on a group; the rest dequantized as read.
     In GPTQ's activation order a row-parallel rank's layers are not held (its columns are no whole groups). A
-    ConfigError naming `quantization: int4` where a rank's cut would split a group."""
+    ConfigError naming `quantization: int4` (int8) where a rank's cut would split a group."""
     config, group = model.config, model.config.int4_group
     reader = _fp8_reader(type(model))
-    if group is None or reader is None or quantization not in ("auto", "fp8", "int4") \
+    if group is None or reader is None or quantization not in ("auto", "fp8", "int4", "int8") \
             or quantization == "auto" and device_type != "cuda":
         return set()
     columns = fp8_cuts(config, model.shard)
@@ -371,9 +373,9 @@ def held_int4(model: LlamaForCausalLM, quantization: str, device_type: str) -> s
             continue
         if config.int4_act_order and model.shard.size > 1 and suffix in ("self_attn.o_proj", "mlp.down_proj"):
             continue   # a rank's columns in activation order are no whole groups: dequantized as read
-        if module.in_features % group or any(c % group for c in columns[suffix.split(".")[1]][1]):
-            if quantization == "int4":
-                raise ConfigError(f"quantization: int4 cannot hold {name} as stored under tensor parallelism "
+        if group and (module.in_features % group or any(c % group for c in columns[suffix.split(".")[1]][1])):
+            if quantization in ("int4", "int8"):
+                raise ConfigError(f"quantization: {quantization} cannot hold {name} as stored under tensor parallelism "
                                   f"{model.shard.size}: a rank's {module.in_features} inputs are not whole groups of "
                                   f"{group} scaled together: use auto (dequantized) or another size")
             continue
@@ -384,8 +386,8 @@ def held_int4(model: LlamaForCausalLM, quantization: str, device_type: str) -> s
 def _hold_quantized(model: LlamaForCausalLM, quantization: str, device_type: str,
                     capability: tuple[int, int] | None, triton: bool = False) -> None:
     """`model` (on the meta device) with the experts of each block that runs its own held packed (`held_packed`),
-    its INT4 projections as stored (`held_int4`) and its projections in FP8 (`_hold_fp8`) where `quantization` says
-    so. A ConfigError naming `quantization: int4` where nothing is held in INT4."""
+    its integer projections as stored (`held_int4`) and its projections in FP8 (`_hold_fp8`) where `quantization`
+    says so. A ConfigError naming `quantization: int4` (int8) where nothing is held so."""
     config = model.config
     kind = held_packed(config, model.shard, quantization, device_type)
     for name, module in model.named_modules() if kind else ():
@@ -393,11 +395,13 @@ def _hold_quantized(model: LlamaForCausalLM, quantization: str, device_type: str
             module.hold_packed(kind, MXFP4_GROUP if kind == "mxfp4" else config.int4_group, config.int4_zero_points)
             model.packed_params |= {f"{name}.w13", f"{name}.w2"}
     int4 = held_int4(model, quantization, device_type)
-    swap_int4_linears(model, int4, config.int4_group, triton, config.int4_zero_points, config.int4_act_order)
+    swap_int4_linears(model, int4, config.int4_group, triton, config.int4_zero_points, config.int4_act_order,
+                      config.int4_bits)
     model.packed_params |= {f"{name}.weight" for name in int4}   # the float weight's name, as the reading asks
-    if quantization == "int4" and not kind and not int4:
-        raise ConfigError("quantization: int4 holds a checkpoint's INT4 experts and projections as stored; this model "
-                          "holds none (its layers are float, or read otherwise): use auto or none")
+    if quantization in ("int4", "int8") and not kind and not int4:
+        raise ConfigError(f"quantization: {quantization} holds a checkpoint's {quantization.upper()} experts and "
+                          "projections as stored; this model holds none (its layers are float, or read otherwise): "
+                          "use auto or none")
     _hold_fp8(model, quantization, device_type, capability, triton)
 
 

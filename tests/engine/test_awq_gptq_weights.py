@@ -150,6 +150,81 @@ def test_an_asymmetric_pack_quantized_layer_decodes_as_compressed_tensors_dequan
     assert torch.equal(dequantize_int4(held["m.blocks"], held["m.scales"], torch.bfloat16, held["m.zeros"]), want)
 
 
+def test_8_bit_gptq_layers_decode_to_the_codes_autoawq_packs(awq):
+    """GPTQ's 8-bit layout (`-GPTQ-Int8`: four inputs a word, four outputs a word of zeros), packed by AutoAWQ's
+    `pack_exllama`: each weight is (code - zero) x scale, the zeros stored less one (v1) or as they are (v2),
+    dequantized as read or held a code a byte; symmetric (every zero 128) holds none; a scale a row (group_size -1,
+    group 0) covers every input."""
+    gen = torch.Generator().manual_seed(2)
+    inputs, outputs = 128, 48
+    codes = torch.randint(0, 256, (inputs, outputs), generator=gen)
+    zeros = torch.randint(1, 256, (inputs // GROUP, outputs), generator=gen)
+    scales = ((torch.rand(inputs // GROUP, outputs, generator=gen) - 0.3) * 0.002).half()
+    want = ((codes - zeros.repeat_interleave(GROUP, 0)).float() * scales.float().repeat_interleave(GROUP, 0)).T.half()
+    g_idx = torch.arange(inputs, dtype=torch.int32) // GROUP
+    scheme = Int4Scheme("gptq", GROUP, True, False, ((), ()), 8)
+    qweight, qzeros = awq.pack_exllama(codes, zeros - 1, 8)   # v1
+    stored = {"qweight": qweight, "qzeros": qzeros, "scales": scales, "g_idx": g_idx}
+    assert qweight.shape == (inputs // 4, outputs) and qzeros.shape == (inputs // GROUP, outputs // 4)
+    assert torch.equal(_read(scheme, stored)["m.weight"], want)
+    held = _read(scheme, stored, keep=True)
+    assert held["m.blocks"].shape == (outputs, inputs) and torch.equal(held["m.blocks"], codes.T.to(torch.uint8))
+    assert torch.equal(dequantize_int4(held["m.blocks"], held["m.scales"], torch.float16, held["m.zeros"], bits=8),
+                       want)
+    v2 = Int4Scheme("gptq_v2", GROUP, True, False, ((), ()), 8)
+    assert torch.equal(_read(v2, {**stored, "qzeros": awq.pack_exllama(codes, zeros, 8)[1]})["m.weight"], want)
+
+    middle = torch.full_like(zeros, 128)
+    symmetric = Int4Scheme("gptq", GROUP, False, False, ((), ()), 8)
+    held = _read(symmetric, {**stored, "qzeros": awq.pack_exllama(codes, middle - 1, 8)[1]}, keep=True)
+    assert set(held) == {"m.blocks", "m.scales"}
+    assert torch.equal(dequantize_int4(held["m.blocks"], held["m.scales"], torch.float32, bits=8),
+                       ((codes - 128).float() * scales.float().repeat_interleave(GROUP, 0)).T)
+    with pytest.raises(ValueError, match=r"^m.qzeros: a symmetric \(sym: true\) checkpoint's zero points are 128"):
+        _read(symmetric, stored)
+
+    row = Int4Scheme("gptq", 0, False, False, ((), ()), 8)   # group_size -1
+    one = {"qweight": qweight, "qzeros": awq.pack_exllama(codes, middle[:1] - 1, 8)[1], "scales": scales[:1],
+           "g_idx": torch.zeros(inputs, dtype=torch.int32)}
+    assert torch.equal(_read(row, one, torch.float32)["m.weight"],
+                       ((codes - 128).float() * scales[:1].float()).T)
+
+
+def test_an_8_bit_pack_quantized_layer_decodes_as_compressed_tensors_dequantizes_it():
+    """llm-compressor's W8A16 (`strategy: channel`, a scale a row, symmetric) and an asymmetric 8-bit scheme in
+    groups: values (and zero points) packed by compressed-tensors, four a word, decode to what its `dequantize`
+    gives over its own unpacking, held or dequantized as read."""
+    packing = pytest.importorskip("compressed_tensors.compressors")
+    from compressed_tensors.quantization import QuantizationArgs, dequantize
+
+    gen = torch.Generator().manual_seed(4)
+    rows, cols = 37, 96
+    values = torch.randint(-128, 128, (rows, cols), generator=gen, dtype=torch.int8)
+    unpacked = packing.unpack_from_int32(packing.pack_to_int32(values, 8), 8, torch.Size([rows, cols]))
+    row_scale = (torch.rand(rows, 1, generator=gen) * 2e-4 + 1e-5).to(torch.bfloat16)
+    channel = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel")
+    stored = {"weight_packed": packing.pack_to_int32(values, 8), "weight_scale": row_scale,
+              "weight_shape": torch.tensor([rows, cols])}
+    assert stored["weight_packed"].shape == (rows, cols // 4)
+    want = dequantize(unpacked, row_scale, None, channel, dtype=torch.bfloat16)
+    scheme = Int4Scheme("pack-quantized", 0, False, False, ((), ()), 8)
+    assert torch.equal(_read(scheme, stored, torch.bfloat16)["m.weight"], want)
+    held = _read(scheme, stored, keep=True)
+    assert torch.equal(dequantize_int4(held["m.blocks"], held["m.scales"], torch.bfloat16, bits=8), want)
+
+    zero = torch.randint(-128, 128, (rows, cols // GROUP), generator=gen, dtype=torch.int8)
+    scale = (torch.rand(rows, cols // GROUP, generator=gen) * 2e-4 + 1e-5).to(torch.bfloat16)
+    groups = QuantizationArgs(num_bits=8, type="int", symmetric=False, strategy="group", group_size=GROUP)
+    stored = {**stored, "weight_scale": scale, "weight_zero_point": packing.pack_to_int32(zero, 8, 0)}
+    zeros = packing.unpack_from_int32(stored["weight_zero_point"], 8, torch.Size([rows, cols // GROUP]), 0)
+    want = dequantize(unpacked, scale, zeros, groups, dtype=torch.bfloat16)
+    asymmetric = Int4Scheme("pack-quantized", GROUP, True, False, ((), ()), 8)
+    assert torch.equal(_read(asymmetric, stored, torch.bfloat16)["m.weight"], want)
+    held = _read(asymmetric, stored, keep=True)
+    assert torch.equal(dequantize_int4(held["m.blocks"], held["m.scales"], torch.bfloat16, held["m.zeros"], bits=8),
+                       want)
+
+
 def _quantized(w: torch.Tensor):
     """Weight [out, in] as AWQ quantizes a group: codes round(w / scale) + zero in 0 .. 15, float16 scale (max - min)
     / 15 of the group, zero in 1 .. 15 (so GPTQ's v1 can store it less one). Returns codes, zeros, scales, each

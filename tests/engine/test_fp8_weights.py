@@ -272,8 +272,8 @@ def test_the_device_key_chooses_and_refuses_by_name():
     assert served_fp8_block(blocks, "none", "cuda", (9, 0), True) is None
     with pytest.raises(ConfigError, match="quantization: fp8 needs a GPU of compute capability 8.9"):
         served_fp8_block(None, "fp8", "cuda", (8, 0), True)
-    with pytest.raises(ConfigError, match="quantization: must be one of auto, fp8, mxfp4, int4, none, got .int8."):
-        EngineConfig(quantization="int8")
+    with pytest.raises(ConfigError, match="quantization: must be one of auto, fp8, mxfp4, int4, int8, none, got .nf4."):
+        EngineConfig(quantization="nf4")
     assert fp8_cuts_aligned((16, 32), {"qkv_proj": ([64, 96], []), "o_proj": ([], [64])})
     assert not fp8_cuts_aligned((16, 32), {"o_proj": ([], [48])})
     assert fp8_cuts_aligned((WHOLE, WHOLE), {"qkv_proj": ([8], []), "o_proj": ([], [8])})

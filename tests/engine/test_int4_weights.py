@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from engine.config import ConfigError
-from engine.int4_weights import dequantize_int4, int4_group, int4_quantizes
+from engine.int4_weights import dequantize_int4, int4_quantizes, pack_quantized_weights
 from engine.layers.int4_linear import Int4Linear
 from engine.llm_engine import LLMEngine
 from engine.model import WeightLoadError
@@ -139,27 +139,32 @@ def test_two_ranks_hold_their_halves_of_each_int4_expert_and_decode_as_one(tmp_p
 
 
 def test_the_config_and_the_device_key_choose_and_refuse_by_name(tmp_path, builtin_path):
-    """A pack-quantized config reads its group; what it says that is not served (8 bits, a symmetry that is not true or
-    false, activation order, quantized activations, two group sizes) is refused naming the key. auto holds INT4 experts
+    """A pack-quantized config reads its width and group (8 bits, a scale a row too); what it says that is not served
+    (2 bits, a symmetry that is not true or false, activation order, quantized activations, two group sizes) is
+    refused naming the key. auto holds INT4 experts
     on a GPU and dequantizes them on a CPU; int4 and fp8 hold them anywhere; int4 on a checkpoint without them, or a
     rank's share that splits a group, is refused naming the key. A layer missing one of its three tensors is named."""
     weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}
     quant = {"quant_method": "compressed-tensors", "format": "pack-quantized",
              "config_groups": {"group_0": {"weights": weights}}}
-    assert int4_group(quant, "quantization_config") == 32
-    assert int4_group({**quant, "format": "float-quantized"}, "q") is None
-    for change, named in (({"num_bits": 8}, "weights: served are 4-bit"), ({"symmetric": "no"}, "weights: served"),
+    assert pack_quantized_weights(quant, "quantization_config") == (4, 32)
+    assert pack_quantized_weights({**quant, "format": "float-quantized"}, "q") is None
+    channel = {**weights, "num_bits": 8, "strategy": "channel", "group_size": None, "symmetric": False}
+    assert pack_quantized_weights({**quant, "config_groups": {"g": {"weights": channel}}}, "q") == (8, 0)
+    for change, named in (({"num_bits": 2}, "weights: served are 4- or 8-bit"),
+                          ({"symmetric": "no"}, "weights: served"),
                           ({"actorder": "group"}, "weights: activation-ordered"),
                           ({"group_size": 0}, "weights.group_size")):
         bad = {**quant, "config_groups": {"group_0": {"weights": {**weights, **change}}}}
         with pytest.raises(ConfigError, match=rf"^quantization_config.config_groups.group_0.{named}"):
-            int4_group(bad, "quantization_config")
+            pack_quantized_weights(bad, "quantization_config")
     with pytest.raises(ConfigError, match=r"group_0.input_activations: the activations are not quantized"):
-        int4_group({**quant, "config_groups": {"group_0": {"weights": weights, "input_activations": {"num_bits": 8}}}},
-                   "quantization_config")
+        pack_quantized_weights({**quant, "config_groups": {"group_0": {"weights": weights,
+                                                                        "input_activations": {"num_bits": 8}}}},
+                               "quantization_config")
     two = {"a": {"weights": weights}, "b": {"weights": {**weights, "group_size": 64}}}
-    with pytest.raises(ConfigError, match=r"one group size for every group, got \[32, 64\]"):
-        int4_group({**quant, "config_groups": two}, "quantization_config")
+    with pytest.raises(ConfigError, match=r"one width and group size for every group, got \[\(4, 32\), \(4, 64\)\]"):
+        pack_quantized_weights({**quant, "config_groups": two}, "quantization_config")
 
     folder = make_tiny_model(tmp_path / "moe", "qwen3_moe", builtin_path, **{**QWEN3_MOE, "moe_intermediate_size": 96})
     int4_checkpoint(folder, experts_only=True)
@@ -279,16 +284,23 @@ def test_the_layers_a_checkpoint_leaves_in_float_stay_float(tmp_path, builtin_pa
         LLMEngine(_config(folder, "int4"), progress=False)
 
 
-def test_dequantizing_is_the_value_less_8_times_its_groups_scale_rounded_once():
-    """Every byte, two values each, under bfloat16 scales: (nibble - 8) x scale in float32, then `dtype`."""
+def test_dequantizing_is_the_value_less_its_middle_times_its_groups_scale_rounded_once():
+    """Every byte, two 4-bit values each or one 8-bit value, under bfloat16 scales: (nibble - 8) or (byte - 128)
+    times the scale in float32, then `dtype`."""
     codes = torch.arange(256, dtype=torch.uint8).view(4, 64)
     scales = torch.tensor([[0.013, 1.7, -0.25, 3e-3]] * 4, dtype=torch.bfloat16).repeat(1, 1)
     values = torch.stack([codes & 15, codes >> 4], dim=-1).flatten(-2).float() - 8
     want = values * scales.float().repeat_interleave(32, dim=1)
     for dtype in (torch.float32, torch.bfloat16):
         assert torch.equal(dequantize_int4(codes, scales, dtype), want.to(dtype))
-    with pytest.raises(ValueError, match="INT4 bytes"):
+    with pytest.raises(ValueError, match=r"^4-bit codes \[\.\.\., rows, inputs x 4 / 8\] uint8"):
         dequantize_int4(codes, scales[:, :3], torch.float32)
+    bytes_ = (codes.float() - 128) * scales.float().repeat_interleave(16, dim=1)
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(dequantize_int4(codes, scales, dtype, bits=8), bytes_.to(dtype))
+    zeros = torch.full((4, 4), 100, dtype=torch.uint8)
+    assert torch.equal(dequantize_int4(codes, scales, torch.float32, zeros, bits=8),
+                       (codes.float() - 100) * scales.float().repeat_interleave(16, dim=1))
 
 
 def test_random_weights_of_int4_experts_are_about_the_asked_deviation(tmp_path, builtin_path):

@@ -1,6 +1,6 @@
-"""The INT4-weight linear layer (W4A16): the Triton GEMM (`kernels.triton_int4_gemm`, through Triton's interpreter on
-the CPU) against F.linear over the weight `engine.int4_weights.dequantize_int4` gives, and a dense pack-quantized
-model held as stored decoding alike on the Triton GEMM and on the CPU's dequantizing layer.
+"""The INT4- and INT8-weight linear layer (W4A16, W8A16): the Triton GEMM (`kernels.triton_int4_gemm`, through
+Triton's interpreter on the CPU) against F.linear over the weight `engine.int4_weights.dequantize_int4` gives, and a
+dense pack-quantized model held as stored decoding alike on the Triton GEMM and on the CPU's dequantizing layer.
 
 Inputs are fresh random every run; the seed is in every assertion message (rerun one case with
 `CLIFFGUARD_TEST_SEED=<seed>`).
@@ -29,43 +29,47 @@ from tests.kernels.test_triton_fp8_gemm import assert_the_product  # noqa: E402
 CASES = [(96, 64, 32, 3), (200, 256, 128, 40), (50, 96, 96, 1), (72, 160, 32, 17), (40, 128, 64, 70)]
 
 
-def _operands(n: int, k: int, group: int, rows: int, dtype: torch.dtype, seed: int):
-    """Every code 0 .. 15 drawn, signed scales of about 0.01 in x's dtype (a checkpoint's: the model's dtype)."""
+def _operands(n: int, k: int, group: int, rows: int, dtype: torch.dtype, seed: int, bits: int = 4):
+    """Every code drawn (0 .. 15, two a byte; or 0 .. 255), signed scales of about 0.01 in x's dtype (a
+    checkpoint's: the model's dtype)."""
     gen = torch.Generator().manual_seed(seed)
-    blocks = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8)
+    blocks = torch.randint(0, 256, (n, k * bits // 8), generator=gen, dtype=torch.uint8)
     scales = ((torch.rand(n, k // group, generator=gen) - 0.3) * 0.02).to(dtype)
     x = torch.randn(rows, k, generator=gen).to(dtype)
     bias = torch.randn(n, generator=gen).to(dtype)
     return x, blocks, scales, bias
 
 
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n,k,group,rows", CASES)
-def test_the_triton_int4_gemm_computes_what_the_dequantized_weight_computes(n, k, group, rows, dtype):
+def test_the_triton_int4_gemm_computes_what_the_dequantized_weight_computes(n, k, group, rows, dtype, bits):
     """Each output is x times the weight dequantized as loading would dequantize it ((code - 8) x scale in float32,
-    rounded once to x's dtype), summed in float32: float32 to the sums' rounding, bfloat16 to one rounding of each
-    result; with and without a bias. The layer's CPU path (F.linear over the dequantized weight) agrees to its own
-    bfloat16 sums."""
+    or (code - 128) x scale for 8-bit codes, rounded once to x's dtype), summed in float32: float32 to the sums'
+    rounding, bfloat16 to one rounding of each result; with and without a bias. The layer's CPU path (F.linear over
+    the dequantized weight) agrees to its own bfloat16 sums."""
     seed = _make_seed()
-    x, blocks, scales, bias = _operands(n, k, group, rows, dtype, seed)
-    dequantized = dequantize_int4(blocks, scales, dtype)
+    x, blocks, scales, bias = _operands(n, k, group, rows, dtype, seed, bits)
+    dequantized = dequantize_int4(blocks, scales, dtype, bits=bits)
     for b in (bias, None):
         want = x.float() @ dequantized.float().T + (b.float() if b is not None else 0.0)
-        assert_the_product(int4_linear(x, blocks, scales, b), want, dtype, seed)
+        assert_the_product(int4_linear(x, blocks, scales, b, bits=bits), want, dtype, seed)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("n,k,group,rows", [CASES[0], CASES[1], CASES[3]])
-def test_zero_points_are_subtracted_as_the_dequantized_weight_subtracts_them(n, k, group, rows):
-    """AWQ's kind (`Int4Linear.zeros`, a zero point 0 .. 15 a group beside its scale, one byte each): each output is
-    x times (code - zero) x scale rounded to bfloat16, summed in float32, with groups narrower than a K tile (each
-    element's zero gathered) and as wide (one a row)."""
+def test_zero_points_are_subtracted_as_the_dequantized_weight_subtracts_them(n, k, group, rows, bits):
+    """AWQ's kind (`Int4Linear.zeros`, a zero point a group beside its scale, one byte each: 0 .. 15, or 0 .. 255 for
+    8-bit codes): each output is x times (code - zero) x scale rounded to bfloat16, summed in float32, with groups
+    narrower than a K tile (each element's zero gathered) and as wide (one a row)."""
     seed = _make_seed()
-    x, blocks, scales, bias = _operands(n, k, group, rows, torch.bfloat16, seed)
-    zeros = torch.randint(0, 16, scales.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.uint8)
-    dequantized = dequantize_int4(blocks, scales, torch.bfloat16, zeros)
-    assert not torch.equal(dequantized, dequantize_int4(blocks, scales, torch.bfloat16)), f"seed {seed}"
+    x, blocks, scales, bias = _operands(n, k, group, rows, torch.bfloat16, seed, bits)
+    zeros = torch.randint(0, 1 << bits, scales.shape, generator=torch.Generator().manual_seed(seed),
+                          dtype=torch.uint8)
+    dequantized = dequantize_int4(blocks, scales, torch.bfloat16, zeros, bits=bits)
+    assert not torch.equal(dequantized, dequantize_int4(blocks, scales, torch.bfloat16, bits=bits)), f"seed {seed}"
     want = x.float() @ dequantized.float().T + bias.float()
-    assert_the_product(int4_linear(x, blocks, scales, bias, zeros), want, torch.bfloat16, seed)
+    assert_the_product(int4_linear(x, blocks, scales, bias, zeros, bits), want, torch.bfloat16, seed)
 
 
 def test_leading_dimensions_an_empty_batch_and_a_strided_input():

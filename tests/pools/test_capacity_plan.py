@@ -480,6 +480,7 @@ def test_the_examples_measure_their_gpus_where_they_are_served():
     ("kimi-k2-thinking-8xh200.yaml", 141 * GiB, 594_535_653_376, "bfloat16"),
     ("qwen3-32b-w4a16-l40s.yaml", 48 * GiB, 19_203_401_728, "float8_e4m3fn"),
     ("qwen3-32b-awq-l40s.yaml", 48 * GiB, 19_447_195_648, "float8_e4m3fn"),   # + a zero point a group: 243,793,920 B
+    ("qwen2.5-72b-gptq-int8-2xh100.yaml", 80 * GiB, 76_552_421_376, "float16"),
     ("mimo-v2-flash-8xh200.yaml", 141 * GiB, 617_656_151_936, "float8_e4m3fn"),
 ])
 def test_the_example_files_plan(name, vram, dense_bytes, kv):
@@ -492,7 +493,8 @@ def test_the_example_files_plan(name, vram, dense_bytes, kv):
     Mistral Small 4 on two H200s with an FP8 cache (its latent cache whole on each GPU: 36 layers x 320 B a token),
     and the FP8 releases of Qwen3-32B on one H100 and DeepSeek V3.2 on eight H200s, held in FP8, and Kimi K2
     Thinking's INT4 experts held as stored on eight H200s, and Qwen3-32B's INT4 projections on one 48 GB card (and
-    AWQ's, a zero point a group beside them), and
+    AWQ's, a zero point a group beside them), and Qwen2.5-72B's GPTQ INT8 on two H100s (70,464,307,200 projection
+    weights a byte each, a float16 scale a 128 of them, the rest in float16), and
     MiMo-V2-Flash on eight H200s with an FP8 cache (its two attention shapes, each GPU one KV head a layer)."""
     data = yaml.safe_load((REPO / "config" / "examples" / name).read_text())
     config = parse_config(data, env={}, base_dir=REPO / "config" / "examples")
@@ -501,6 +503,8 @@ def test_the_example_files_plan(name, vram, dense_bytes, kv):
     assert device.weights_bytes == dense_bytes and device.kv_cache_dtype == kv
     if name.startswith("deepseek-v2"):
         assert device.kv_bytes_per_token == 27 * 576 * 2
+    if name.startswith("qwen2.5-72b"):   # every rank holds its share of every decoder projection
+        assert (device.int4_projections, device.int_bits) == (4 * 80, 8)
     if name.startswith("deepseek-v3.2"):   # the latent, its rotated key and the indexer's key: 704 a layer
         assert device.kv_bytes_per_token == 61 * 704 * 2 and device.fp8_weights
     if name.startswith("mimo"):   # the full layers' 4 KV heads, the sliding layers' 8, each V padded to 192
@@ -621,6 +625,11 @@ def test_an_fp8_checkpoint_held_in_fp8_gives_one_h100_room_for_its_pools():
         plan_capacity(parse_config(data, env={}, base_dir=REPO / "config" / "examples"),
                       resolve_model_configs(config), vram_bytes=80 * GiB)
     data["devices"]["h100"]["quantization"] = "int8"
+    with pytest.raises(SpecError, match=r"^devices.h100.quantization: int8 holds a checkpoint's INT8 experts as "
+                                        r"stored; this checkpoint has none"):
+        plan_capacity(parse_config(data, env={}, base_dir=REPO / "config" / "examples"),
+                      resolve_model_configs(config), vram_bytes=80 * GiB)
+    data["devices"]["h100"]["quantization"] = "nf4"
     with pytest.raises(SpecError, match="quantization"):
         parse_config(data, env={}, base_dir=REPO / "config" / "examples")
 

@@ -1,0 +1,190 @@
+"""8-bit integer checkpoints (W8A16): GPTQ's `-GPTQ-Int8` layout (packed by AutoAWQ's `pack_exllama`, its config in
+quantize_config.json) and llm-compressor's pack-quantized W8A16 (`strategy: channel`, a scale a row, packed by
+compressed-tensors). Whole models held as stored (`quantization: int8`: a code a byte, `Int4Linear` of 8 bits) or
+dequantized as read decode greedily as transformers' model over the weights the codes define, two ranks as one (a
+row's scale whole on each rank), the capacity plan counting what the engine holds to the byte; what cannot be held so
+is refused by key."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.config import ConfigError
+from engine.layers.int4_linear import Int4Linear
+from engine.llm_engine import LLMEngine
+from engine.model_config import ModelConfig
+from engine.models import held_int4_projections, held_weight_bytes
+from engine.parallel import ShardShape
+from tests.conftest import make_tiny_model
+from tests.engine.test_awq_gptq_weights import awq_packing
+from tests.engine.test_engine_vs_hf import _hf_greedy, _taken_weights
+from tests.engine.test_mxfp4_weights import PROMPTS, _config, _greedy
+
+GROUP = 32
+
+
+def _rewrite(folder: Path, stored: dict, floats: dict) -> Path:
+    """`stored` as the checkpoint in `folder`, `floats` as a float one beside it (`<folder>-float`), for
+    transformers. Returns that folder."""
+    from safetensors.torch import save_file
+
+    reference = folder.parent / f"{folder.name}-float"
+    shutil.copytree(folder, reference)
+    for target, tensors in ((folder, stored), (reference, floats)):
+        for path in target.glob("*.safetensors*"):
+            path.unlink()
+        save_file(tensors, str(target / "model.safetensors"))
+    return reference
+
+
+def _projections(folder: Path):
+    """The checkpoint's tensors as (name, weight, whether a decoder projection: quantized)."""
+    for name, w in _taken_weights(folder).items():
+        yield name, w, name.endswith("proj.weight") and ".layers." in name
+
+
+def gptq_int8_checkpoint(folder: Path, awq) -> Path:
+    """The tiny checkpoint in `folder` rewritten as a symmetric 8-bit GPTQ one (v1, groups of 32, float16 scales: a
+    group's largest value over 127; zeros 128 stored less one), as AutoGPTQ writes the `-GPTQ-Int8` releases. Returns
+    the float checkpoint of the weights the codes define."""
+    stored, floats = {}, {}
+    for name, w, quantized in _projections(folder):
+        if not quantized:
+            stored[name] = floats[name] = w
+            continue
+        rows, cols = w.shape
+        grouped = w.float().view(rows, cols // GROUP, GROUP)
+        scale = (grouped.abs().amax(-1) / 127).clamp(min=1e-6).half()                    # [out, groups]
+        codes = (torch.round(grouped / scale.float()[..., None]) + 128).clamp(0, 255).view(rows, cols).long()
+        floats[name] = ((codes - 128).float() * scale.float().repeat_interleave(GROUP, 1)).to(w.dtype)
+        key = name.removesuffix("weight")
+        qweight, qzeros = awq.pack_exllama(codes.T.contiguous(), torch.full((cols // GROUP, rows), 127), 8)
+        stored |= {key + "qweight": qweight, key + "qzeros": qzeros, key + "scales": scale.T.contiguous(),
+                   key + "g_idx": torch.arange(cols, dtype=torch.int32) // GROUP}
+    reference = _rewrite(folder, stored, floats)
+    (folder / "quantize_config.json").write_text(json.dumps(
+        {"bits": 8, "group_size": GROUP, "desc_act": False, "sym": True, "checkpoint_format": "gptq"}))
+    return reference
+
+
+def w8a16_checkpoint(folder: Path) -> Path:
+    """The tiny checkpoint in `folder` rewritten as llm-compressor's W8A16 (pack-quantized, 8-bit values a row's
+    largest over 127 scales, packed four a word by compressed-tensors, bfloat16 scales [out, 1]), lm_head left in
+    float. Returns the float checkpoint of the weights compressed-tensors' unpacking and the scales define."""
+    packing = pytest.importorskip("compressed_tensors.compressors")
+    stored, floats = {}, {}
+    for name, w, quantized in _projections(folder):
+        if not quantized:
+            stored[name] = floats[name] = w
+            continue
+        rows, cols = w.shape
+        scale = (w.float().abs().amax(-1, keepdim=True) / 127).clamp(min=1e-6).to(torch.bfloat16)
+        values = torch.round(w.float() / scale.float()).clamp(-128, 127).to(torch.int8)
+        packed = packing.pack_to_int32(values, 8)
+        unpacked = packing.unpack_from_int32(packed, 8, torch.Size([rows, cols]))
+        floats[name] = (unpacked.float() * scale.float()).to(w.dtype)
+        key = name.removesuffix("weight")
+        stored |= {key + "weight_packed": packed, key + "weight_scale": scale,
+                   key + "weight_shape": torch.tensor([rows, cols])}
+    reference = _rewrite(folder, stored, floats)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "output_activations": None,
+                                      "weights": {"num_bits": 8, "type": "int", "symmetric": True,
+                                                  "strategy": "channel", "group_size": None, "dynamic": False,
+                                                  "actorder": None}}},
+        "ignore": ["lm_head"]}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return reference
+
+
+@pytest.mark.usefixtures("one_thread")   # a core per rank
+def test_a_gptq_int8_checkpoint_is_held_a_code_a_byte_and_decodes_as_transformers(tmp_path, builtin_path, caplog):
+    """A Qwen2 model in GPTQ's 8-bit layout: `int8` holds every decoder projection as stored (a code a byte, a float
+    scale a group, no zero points: symmetric), what the capacity plan counts to the byte; `auto` on a CPU dequantizes
+    as read. Both decode greedily as transformers' model over the weights the codes define; under tensor parallelism
+    2 each rank holds its columns of down_proj and the two decode what one does. `int4` on it is refused by key."""
+    import transformers
+
+    from tests.engine.test_tensor_parallel import _assert_same_or_near_tie, _generate
+
+    folder = make_tiny_model(tmp_path / "qwen2", "qwen2", builtin_path, intermediate_size=128)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(gptq_int8_checkpoint(folder, awq_packing()),
+                                                           dtype=torch.float32).eval()
+    want = [_hf_greedy(hf, prompt, 12, eos_ids=None) for prompt in PROMPTS]
+    with caplog.at_level("INFO", logger="cliffguard.engine"):
+        held = LLMEngine(_config(folder, "int8"), progress=False)
+    config, shard = held.model_config, ShardShape.of(held.model_config)
+    assert (config.int4_format, config.int4_bits, config.int4_group, config.int4_zero_points) == ("gptq", 8, 32, False)
+    layers = [m for m in held.model.modules() if isinstance(m, Int4Linear)]
+    assert len(layers) == 4 * len(held.model.layers) and all(m.bits == 8 and m.zeros is None for m in layers)
+    assert f"weights: {len(layers)} projections held in INT8 as stored" in caplog.text
+    down = held.model.layers[0].mlp.down_proj
+    assert down.blocks.shape == (down.out_features, 128) and down.blocks.dtype == torch.uint8
+    plain = held_weight_bytes(config, shard, torch.float32, "none", "cpu")
+    weights = sum(m.blocks.numel() for m in layers)
+    assert held.weights_bytes == held_weight_bytes(config, shard, torch.float32, "int8", "cpu") \
+        == plain - weights * 4 + weights + weights // GROUP * 4
+    assert held_int4_projections(config, shard, "int8", "cpu") == len(layers)
+    tokens = _greedy(held)
+    assert tokens == want
+    dequantized = LLMEngine(_config(folder, "auto"), progress=False)
+    assert not any(isinstance(m, Int4Linear) for m in dequantized.model.modules())
+    assert dequantized.weights_bytes == plain and _greedy(dequantized) == want
+    two = LLMEngine(_config(folder, "int8", tp=2), progress=False)
+    half = two.model.layers[0].mlp.down_proj
+    assert torch.equal(half.blocks, down.blocks[:, :64]) and torch.equal(half.scales, down.scales[:, :2])
+    _assert_same_or_near_tie(_generate(held, PROMPTS), _generate(two, PROMPTS))
+    with pytest.raises(ConfigError, match=r"^quantization: int4 holds a checkpoint's INT4 experts as stored; this "
+                                          r"checkpoint has INT8 ones"):
+        LLMEngine(_config(folder, "int4"), progress=False)
+
+
+@pytest.mark.usefixtures("one_thread")   # a core per rank
+def test_a_w8a16_checkpoint_with_a_scale_a_row_holds_under_any_cut(tmp_path, builtin_path):
+    """llm-compressor's W8A16 on a Llama model (`strategy: channel`): `int8` holds every decoder projection a code a
+    byte beside one scale a row and decodes greedily as transformers; under tensor parallelism 2 the row-parallel
+    layers are held too (each rank its columns, every rank the row's whole scale), decoding as one rank does."""
+    import transformers
+
+    from tests.engine.test_tensor_parallel import _assert_same_or_near_tie, _generate
+
+    folder = make_tiny_model(tmp_path / "llama", "llama", builtin_path, intermediate_size=96)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(w8a16_checkpoint(folder), dtype=torch.float32).eval()
+    config = ModelConfig.from_folder(folder)
+    assert (config.int4_format, config.int4_bits, config.int4_group) == ("pack-quantized", 8, 0)
+    held = LLMEngine(_config(folder, "int8"), progress=False)
+    down = held.model.layers[0].mlp.down_proj
+    assert isinstance(down, Int4Linear) and down.group == 96 and down.scales.shape == (down.out_features, 1)
+    assert _greedy(held) == [_hf_greedy(hf, prompt, 12, eos_ids=None) for prompt in PROMPTS]
+    two = LLMEngine(_config(folder, "int8", tp=2), progress=False)
+    half = two.model.layers[0].mlp.down_proj
+    assert isinstance(half, Int4Linear) and half.group == 48
+    assert torch.equal(half.blocks, down.blocks[:, :48]) and torch.equal(half.scales, down.scales)
+    assert two.weights_bytes == held_weight_bytes(two.model_config, two.shard, torch.float32, "int8", "cpu")
+    _assert_same_or_near_tie(_generate(held, PROMPTS), _generate(two, PROMPTS))
+
+
+def test_what_an_integer_config_says_that_is_not_served_is_refused_by_key(tmp_path, builtin_path):
+    """AWQ of 8 bits, GPTQ of 3, GPTQ's activation order with a scale a row: refused naming the key before any
+    weight is read."""
+    folder = make_tiny_model(tmp_path / "qwen2", "qwen2", builtin_path)
+    gptq = {"bits": 8, "group_size": 32, "desc_act": False, "sym": True}
+    for quant, named in (({**gptq, "bits": 3}, r"^quantize_config.json: bits: GPTQ checkpoints of 4 or 8 bits are served, got 3$"),
+                         ({**gptq, "group_size": -1, "desc_act": True},
+                          r"desc_act: activation order needs groups; group_size -1 has one a row")):
+        (folder / "quantize_config.json").write_text(json.dumps(quant))
+        with pytest.raises(ConfigError, match=named):
+            ModelConfig.from_folder(folder)
+    (folder / "quantize_config.json").unlink()
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "awq", "bits": 8, "group_size": 32, "version": "gemm"}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=r"^quantization_config.bits: AWQ checkpoints of 4 bits are served, got 8"):
+        ModelConfig.from_folder(folder)
