@@ -28,9 +28,9 @@ How the model holds them is the device's `quantization` (`QUANTIZATIONS`, `serve
   checkpoint's projections quantized as they are read, one scale an output row (`kernels.fp8_gemm.quantize_rows`);
   an FP8 checkpoint whose loading changes its tensors, or whose cuts split a block, the same way from its
   dequantized weights (a second rounding of each value);
-- `mxfp4`, `int4`: a checkpoint's MXFP4 (GPT-OSS's) experts or INT4 (pack-quantized) experts and projections held as
-  stored on every device (`engine.models.held_packed`, `held_int4`; `auto` holds them so on a GPU, `fp8` too, beside
-  its FP8 projections), nothing held in FP8;
+- `mxfp4`, `int4`, `int8`: a checkpoint's MXFP4 (GPT-OSS's) experts, INT4 experts and projections or INT8
+  projections held as stored on every device (`engine.models.held_packed`, `held_int4`; `auto` holds them so on a
+  GPU, `fp8` too, beside its FP8 projections), nothing held in FP8;
 - `none`: everything in the model's dtype.
 
 The capacity plan counts what the model holds (`engine.models.held_weight_bytes`).
@@ -162,8 +162,8 @@ def served_fp8_block(checkpoint_block: Fp8Block | None, setting: str, device_typ
     if setting not in QUANTIZATIONS:
         raise ConfigError(f"quantization: one of {', '.join(QUANTIZATIONS)}, got {setting!r}")
     gpu_converts = device_type == "cuda" and (capability is None or capability >= FP8_MIN_CAPABILITY)
-    if setting in ("none", "mxfp4", "int4") or setting == "auto" and (checkpoint_block is None or not gpu_converts
-                                                              or not exact):
+    if setting in ("none", "mxfp4", "int4", "int8") or setting == "auto" and (
+            checkpoint_block is None or not gpu_converts or not exact):
         return None
     if device_type == "cuda" and not gpu_converts:
         raise ConfigError(f"quantization: fp8 needs a GPU of compute capability "

@@ -1,9 +1,9 @@
 """8-bit integer checkpoints (W8A16): GPTQ's `-GPTQ-Int8` layout (packed by AutoAWQ's `pack_exllama`, its config in
 quantize_config.json) and llm-compressor's pack-quantized W8A16 (`strategy: channel`, a scale a row, packed by
-compressed-tensors). Whole models held as stored (`quantization: int8`: a code a byte, `Int4Linear` of 8 bits) or
-dequantized as read decode greedily as transformers' model over the weights the codes define, two ranks as one (a
-row's scale whole on each rank), the capacity plan counting what the engine holds to the byte; what cannot be held so
-is refused by key."""
+compressed-tensors), and its asymmetric schemes of 4 and 8 bits. Whole models held as stored (`quantization: int8`:
+a code a byte, `Int4Linear` of 8 bits) or dequantized as read decode greedily as transformers' model over the
+weights the codes define, two ranks as one (a row's scale whole on each rank), the capacity plan counting what the
+engine holds to the byte; what cannot be held so is refused by key."""
 
 from __future__ import annotations
 
@@ -72,33 +72,51 @@ def gptq_int8_checkpoint(folder: Path, awq) -> Path:
     return reference
 
 
-def w8a16_checkpoint(folder: Path) -> Path:
-    """The tiny checkpoint in `folder` rewritten as llm-compressor's W8A16 (pack-quantized, 8-bit values a row's
-    largest over 127 scales, packed four a word by compressed-tensors, bfloat16 scales [out, 1]), lm_head left in
-    float. Returns the float checkpoint of the weights compressed-tensors' unpacking and the scales define."""
+def pack_quantized_checkpoint(folder: Path, bits: int = 8, group: int = 0, symmetric: bool = True) -> Path:
+    """The tiny checkpoint in `folder` rewritten as llm-compressor's pack-quantized one (`bits`-bit values, bfloat16
+    scales a `group` of inputs or, group 0, a row: `strategy: channel`, W8A16's; asymmetric: a zero point beside each
+    scale, W4A16_ASYM's), packed by compressed-tensors (`pack_to_int32`, the zero points along the rows), lm_head
+    left in float. Returns the float checkpoint of the weights compressed-tensors' `dequantize` gives over its own
+    unpacking."""
     packing = pytest.importorskip("compressed_tensors.compressors")
+    from compressed_tensors.quantization import QuantizationArgs, dequantize
+
+    strategy = {"strategy": "group", "group_size": group} if group else {"strategy": "channel"}
+    args = QuantizationArgs(num_bits=bits, type="int", symmetric=symmetric, **strategy)
+    low, high = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
     stored, floats = {}, {}
     for name, w, quantized in _projections(folder):
         if not quantized:
             stored[name] = floats[name] = w
             continue
         rows, cols = w.shape
-        scale = (w.float().abs().amax(-1, keepdim=True) / 127).clamp(min=1e-6).to(torch.bfloat16)
-        values = torch.round(w.float() / scale.float()).clamp(-128, 127).to(torch.int8)
-        packed = packing.pack_to_int32(values, 8)
-        unpacked = packing.unpack_from_int32(packed, 8, torch.Size([rows, cols]))
-        floats[name] = (unpacked.float() * scale.float()).to(w.dtype)
+        grouped = w.float().view(rows, cols // (group or cols), group or cols)
+        if symmetric:
+            scale = (grouped.abs().amax(-1) / high).clamp(min=1e-6).to(torch.bfloat16)
+            zero = torch.zeros_like(scale, dtype=torch.int8)
+        else:
+            lo, hi = grouped.amin(-1).clamp(max=0), grouped.amax(-1).clamp(min=0)
+            scale = ((hi - lo) / (high - low)).clamp(min=1e-6).to(torch.bfloat16)
+            zero = (low - torch.round(lo / scale.float())).clamp(low, high).to(torch.int8)
+        values = (torch.round(grouped / scale.float()[..., None]) + zero[..., None]).clamp(low, high)
+        packed = packing.pack_to_int32(values.view(rows, cols).to(torch.int8), bits)
+        unpacked = packing.unpack_from_int32(packed, bits, torch.Size([rows, cols]))
+        # its dequantization over float32 scales: the product exact, as the engine's (bfloat16's would round it)
+        floats[name] = dequantize(unpacked, scale.float(), None if symmetric else zero, args,
+                                  dtype=torch.float32).to(w.dtype)
         key = name.removesuffix("weight")
         stored |= {key + "weight_packed": packed, key + "weight_scale": scale,
                    key + "weight_shape": torch.tensor([rows, cols])}
+        if not symmetric:
+            stored[key + "weight_zero_point"] = packing.pack_to_int32(zero, bits, 0)
     reference = _rewrite(folder, stored, floats)
     cfg = json.loads((folder / "config.json").read_text())
+    weights = {"num_bits": bits, "type": "int", "symmetric": symmetric, "group_size": group or None, "dynamic": False,
+               "actorder": None, **strategy}
     cfg["quantization_config"] = {
         "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
         "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "output_activations": None,
-                                      "weights": {"num_bits": 8, "type": "int", "symmetric": True,
-                                                  "strategy": "channel", "group_size": None, "dynamic": False,
-                                                  "actorder": None}}},
+                                      "weights": weights}},
         "ignore": ["lm_head"]}
     (folder / "config.json").write_text(json.dumps(cfg))
     return reference
@@ -156,7 +174,8 @@ def test_a_w8a16_checkpoint_with_a_scale_a_row_holds_under_any_cut(tmp_path, bui
     from tests.engine.test_tensor_parallel import _assert_same_or_near_tie, _generate
 
     folder = make_tiny_model(tmp_path / "llama", "llama", builtin_path, intermediate_size=96)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(w8a16_checkpoint(folder), dtype=torch.float32).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(pack_quantized_checkpoint(folder),
+                                                           dtype=torch.float32).eval()
     config = ModelConfig.from_folder(folder)
     assert (config.int4_format, config.int4_bits, config.int4_group) == ("pack-quantized", 8, 0)
     held = LLMEngine(_config(folder, "int8"), progress=False)
@@ -171,12 +190,58 @@ def test_a_w8a16_checkpoint_with_a_scale_a_row_holds_under_any_cut(tmp_path, bui
     _assert_same_or_near_tie(_generate(held, PROMPTS), _generate(two, PROMPTS))
 
 
+@pytest.mark.usefixtures("one_thread")   # a core per rank
+def test_an_asymmetric_pack_quantized_checkpoint_is_held_with_its_zero_points(tmp_path, builtin_path):
+    """llm-compressor's W4A16_ASYM (4 bits, a zero point beside each scale of 32 inputs) and an asymmetric 8-bit
+    scheme in groups, on a Llama model: `auto` on a CPU dequantizes, `int4` / `int8` holds every projection with its
+    zero points; both decode greedily as transformers over the weights compressed-tensors' `dequantize` gives, and
+    two ranks as one."""
+    import transformers
+
+    from tests.engine.test_tensor_parallel import _assert_same_or_near_tie, _generate
+
+    for bits in (4, 8):
+        folder = make_tiny_model(tmp_path / f"llama{bits}", "llama", builtin_path, intermediate_size=128)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(
+            pack_quantized_checkpoint(folder, bits, GROUP, symmetric=False), dtype=torch.float32).eval()
+        want = [_hf_greedy(hf, prompt, 12, eos_ids=None) for prompt in PROMPTS]
+        held = LLMEngine(_config(folder, f"int{bits}"), progress=False)
+        qkv = held.model.layers[0].self_attn.qkv_proj
+        assert isinstance(qkv, Int4Linear) and qkv.bits == bits and qkv.zeros is not None
+        assert _greedy(held) == want, bits
+        assert _greedy(LLMEngine(_config(folder, "auto"), progress=False)) == want, bits
+        two = LLMEngine(_config(folder, f"int{bits}", tp=2), progress=False)
+        assert two.model.layers[0].mlp.down_proj.zeros.shape[1] == 2
+        _assert_same_or_near_tie(_generate(held, PROMPTS), _generate(two, PROMPTS))
+
+
+def test_8_bit_experts_are_dequantized_as_read_beside_projections_held(tmp_path, builtin_path):
+    """Qwen3-MoE in GPTQ's 8-bit layout, every projection its experts' too: `int8` holds the attention projections a
+    code a byte and dequantizes the experts as read (the MoE kernels decode 4-bit codes alone); the model decodes
+    greedily as transformers over the weights the codes define, and the plan counts what it holds."""
+    import transformers
+
+    from engine.models.qwen3_moe import SparseMoeBlock
+    from tests.engine.test_engine_vs_hf import QWEN3_MOE
+
+    folder = make_tiny_model(tmp_path / "moe", "qwen3_moe", builtin_path, **{**QWEN3_MOE, "moe_intermediate_size": 64})
+    hf = transformers.AutoModelForCausalLM.from_pretrained(gptq_int8_checkpoint(folder, awq_packing()),
+                                                           dtype=torch.float32).eval()
+    held = LLMEngine(_config(folder, "int8"), progress=False)
+    sparse = [m for m in held.model.modules() if isinstance(m, SparseMoeBlock)]
+    assert sparse and not any(m.packed for m in sparse) and sparse[0].w13.dtype == torch.float32
+    assert isinstance(held.model.layers[0].self_attn.o_proj, Int4Linear)
+    assert held.weights_bytes == held_weight_bytes(held.model_config, held.shard, torch.float32, "int8", "cpu")
+    assert _greedy(held) == [_hf_greedy(hf, prompt, 12, eos_ids=None) for prompt in PROMPTS]
+
+
 def test_what_an_integer_config_says_that_is_not_served_is_refused_by_key(tmp_path, builtin_path):
     """AWQ of 8 bits, GPTQ of 3, GPTQ's activation order with a scale a row: refused naming the key before any
     weight is read."""
     folder = make_tiny_model(tmp_path / "qwen2", "qwen2", builtin_path)
     gptq = {"bits": 8, "group_size": 32, "desc_act": False, "sym": True}
-    for quant, named in (({**gptq, "bits": 3}, r"^quantize_config.json: bits: GPTQ checkpoints of 4 or 8 bits are served, got 3$"),
+    for quant, named in (({**gptq, "bits": 3},
+                          r"^quantize_config.json: bits: GPTQ checkpoints of 4 or 8 bits are served, got 3$"),
                          ({**gptq, "group_size": -1, "desc_act": True},
                           r"desc_act: activation order needs groups; group_size -1 has one a row")):
         (folder / "quantize_config.json").write_text(json.dumps(quant))
