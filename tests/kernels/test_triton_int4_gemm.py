@@ -85,12 +85,12 @@ def test_leading_dimensions_an_empty_batch_and_a_strided_input():
     torch.testing.assert_close(int4_linear(wide, blocks, scales), int4_linear(x, blocks, scales))
 
 
-@pytest.mark.parametrize("kind", ["pack-quantized", "awq", "gptq-act-order"])
+@pytest.mark.parametrize("kind", ["pack-quantized", "awq", "gptq-act-order", "gptq-int8"])
 def test_a_dense_int4_model_decodes_alike_on_the_triton_gemm_and_on_the_cpu_layer(tmp_path, builtin_path,
                                                                                   monkeypatch, kind):
     """A dense W4A16 checkpoint held as stored (`quantization: int4`, every decoder projection an `Int4Linear`;
     pack-quantized, AWQ's with a zero point a group, or GPTQ's in activation order, its input gathered in its
-    order): the Triton GEMM decoding each tile as loaded gives the greedy tokens the CPU's layer (the weight
+    order; and GPTQ's INT8, `quantization: int8`, a code a byte): the Triton GEMM decoding each tile as loaded gives the greedy tokens the CPU's layer (the weight
     dequantized on each call) gives."""
     pytest.importorskip("compressed_tensors")
     from engine.config import CacheConfig, EngineConfig, PoolConfig, SchedulerConfig
@@ -100,6 +100,7 @@ def test_a_dense_int4_model_decodes_alike_on_the_triton_gemm_and_on_the_cpu_laye
     from tests.conftest import make_tiny_model
     from tests.engine.test_awq_gptq_weights import act_order_checkpoint, awq_checkpoint, awq_packing
     from tests.engine.test_int4_weights import int4_checkpoint
+    from tests.engine.test_int8_weights import gptq_int8_checkpoint
 
     rng = random.Random(11)
     prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (5, 21)]
@@ -108,19 +109,23 @@ def test_a_dense_int4_model_decodes_alike_on_the_triton_gemm_and_on_the_cpu_laye
         awq_checkpoint(folder, awq_packing())
     elif kind == "gptq-act-order":
         act_order_checkpoint(folder, awq_packing())
+    elif kind == "gptq-int8":
+        gptq_int8_checkpoint(folder, awq_packing())
     else:
         int4_checkpoint(folder, experts_only=False)
     results = {}
     for backend in ("triton", "torch"):
         monkeypatch.setenv("CLIFFGUARD_ATTENTION_BACKEND", backend)
-        engine = LLMEngine(EngineConfig(model=str(folder), dtype="float32", quantization="int4",
+        engine = LLMEngine(EngineConfig(model=str(folder), dtype="float32",
+                                        quantization="int8" if kind == "gptq-int8" else "int4",
                                         cache=CacheConfig(block_size=8),
                                         pools=(PoolConfig(num_blocks=16, scheduler=SchedulerConfig(
                                             max_num_seqs=2, max_num_batched_tokens=32, max_model_len=64)),)),
                            progress=False)
         held = [m for m in engine.model.modules() if isinstance(m, Int4Linear)]
         assert len(held) == 4 * len(engine.model.layers) and all(m.triton == (backend == "triton") for m in held)
-        assert all((m.zeros is not None) == (kind != "pack-quantized") for m in held)
+        assert all((m.zeros is not None) == (kind not in ("pack-quantized", "gptq-int8")) for m in held)
+        assert all(m.bits == (8 if kind == "gptq-int8" else 4) for m in held)
         assert all(m.act_order == (kind == "gptq-act-order") for m in held)
         outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
         results[backend] = [o.outputs[0].token_ids for o in outs]
@@ -130,16 +135,17 @@ def test_a_dense_int4_model_decodes_alike_on_the_triton_gemm_and_on_the_cpu_laye
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 16, 300])
 @pytest.mark.parametrize("zero_points", [False, True])
-def test_on_cuda_the_int4_gemm_at_qwen3_32b_shapes_equals_the_dequantized_product(rows, zero_points):
+@pytest.mark.parametrize("bits", [4, 8])
+def test_on_cuda_the_int4_gemm_at_qwen3_32b_shapes_equals_the_dequantized_product(rows, zero_points, bits):
     """Compiled on a GPU (TRITON_INTERPRET=0, `bench/gpu_session.sh`'s tests step): Qwen3-32B's gate_up and down
-    projections in groups of 128, bfloat16 activations and scales (and AWQ's zero points), against the float32
-    product of the dequantized weight."""
+    projections in groups of 128, bfloat16 activations and scales (and AWQ's zero points), 4- and 8-bit codes,
+    against the float32 product of the dequantized weight."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     for n, k in ((2 * 25600, 5120), (5120, 25600)):
-        x, blocks, scales, _ = _operands(n, k, 128, rows, torch.bfloat16, rows)
-        zeros = torch.randint(0, 16, scales.shape, dtype=torch.uint8) if zero_points else None
-        want = x.float() @ dequantize_int4(blocks, scales, torch.bfloat16, zeros).float().T
+        x, blocks, scales, _ = _operands(n, k, 128, rows, torch.bfloat16, rows, bits)
+        zeros = torch.randint(0, 1 << bits, scales.shape, dtype=torch.uint8) if zero_points else None
+        want = x.float() @ dequantize_int4(blocks, scales, torch.bfloat16, zeros, bits=bits).float().T
         got = int4_linear(x.cuda(), blocks.cuda(), scales.cuda(), None,
-                          zeros.cuda() if zeros is not None else None).float().cpu()
+                          zeros.cuda() if zeros is not None else None, bits).float().cpu()
         assert ((got - want).abs() <= want.abs() * 2 ** -7 + want.abs().max() * 1e-5).all(), (n, k, rows)
