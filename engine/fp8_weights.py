@@ -28,9 +28,9 @@ How the model holds them is the device's `quantization` (`QUANTIZATIONS`, `serve
   checkpoint's projections quantized as they are read, one scale an output row (`kernels.fp8_gemm.quantize_rows`);
   an FP8 checkpoint whose loading changes its tensors, or whose cuts split a block, the same way from its
   dequantized weights (a second rounding of each value);
-- `mxfp4`, `int4`, `int8`: a checkpoint's MXFP4 (GPT-OSS's) experts, INT4 experts and projections or INT8
-  projections held as stored on every device (`engine.models.held_packed`, `held_int4`; `auto` holds them so on a
-  GPU, `fp8` too, beside its FP8 projections), nothing held in FP8;
+- `mxfp4`, `int4`, `int8`: a checkpoint's MXFP4 (GPT-OSS's) experts, or INT4 or INT8 experts and projections held
+  as stored on every device (`engine.models.held_packed`, `held_int4`; `auto` holds them so on a GPU, `fp8` too,
+  beside its FP8 projections), nothing held in FP8;
 - `none`: everything in the model's dtype.
 
 The capacity plan counts what the model holds (`engine.models.held_weight_bytes`).

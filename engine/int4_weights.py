@@ -17,8 +17,8 @@ names say INT4, the first width served; every one of them reads the 8-bit checkp
 so. Served: 4- or 8-bit integers, one scale (and an asymmetric scheme's zero point) a group (`strategy: group`) or a
 row (`channel`), the weights alone quantized; anything else is refused naming its key. Which layers are stored so is
 the config's `targets` and `ignore` (`int4_modules`, `int4_quantizes`). How the model holds them is the device's
-`quantization` (`engine.models.held_packed`, `held_int4`): the routed experts of 4 bits (`SparseMoeBlock.hold_packed`)
-and a decoder layer's projections (`engine.layers.int4_linear`) kept as stored under `auto` on a GPU and `int4` /
+`quantization` (`engine.models.held_packed`, `held_int4`): the routed experts (`SparseMoeBlock.hold_packed`) and a
+decoder layer's projections (`engine.layers.int4_linear`) kept as stored under `auto` on a GPU and `int4` /
 `int8` (the checkpoint's width) or `fp8` anywhere; every other integer tensor, and all of them otherwise, dequantized
 to the model's dtype as read (`dequantize_int4`: the product in float32, rounded once).
 """

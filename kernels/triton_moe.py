@@ -23,7 +23,8 @@ MXFP4 experts (GPT-OSS's, held as stored: `kernels.mxfp4`) are decoded the same 
 byte serves two neighbouring inputs, so the second load is a cache hit), its nibble's e2m1 value times its group's
 power of two built from the e8m0 bits, exact in float32 and in x's dtype: half a byte a weight read. INT4 experts
 (INT4 checkpoints' 4-bit integers, `engine.int4_formats`) alike: the nibble less 8, or less its group's zero point
-where the checkpoint stores them (`ZEROS`: AWQ's), times its group's scale in float32, rounded once to x's dtype.
+where the checkpoint stores them (`ZEROS`: AWQ's), times its group's scale in float32, rounded once to x's dtype;
+INT8 experts (8-bit GPTQ's and pack-quantized ones) a byte a code, less 128 or their zero point, alike.
 
 `y` stays in float32 and each pair writes its own row (at its place in the unsorted order), so the sum
 over a token's experts has no atomics and is the same from run to run. Products accumulate in float32
@@ -47,7 +48,8 @@ from kernels.triton_prefill import INTERPRETED, dot_dtype
 
 __all__ = ["PACKINGS", "fused_moe", "moe_align", "moe_block_m"]
 
-PACKINGS = (None, "mxfp4", "int4")   # how 4-bit experts are packed: the kernel's PACKED
+PACKINGS = (None, "mxfp4", "int4", "int8")   # how packed experts are held: the kernel's PACKED
+CODES_A_BYTE = {"mxfp4": 2, "int4": 2, "int8": 1}
 
 
 @triton.jit(do_not_specialize=["num_pairs"])   # one compiled variant whatever a step's pair count
@@ -80,19 +82,22 @@ def _moe_gemm_kernel(
         mask_k = ks < K
         a = tl.load(a_ptr + rows[:, None] * stride_am + ks[None, :], mask=valid[:, None] & mask_k[None, :], other=0.0)
         mask_w = mask_k[:, None] & mask_n[None, :]
-        if PACKED != 0:   # the input's nibble of its byte, and its group's scale
+        if PACKED != 0:   # the input's nibble of its byte (INT8: its byte), and its group's scale
             s_at = s_off + (ks // scale_cols)[:, None]
             s = tl.load(s_ptr + s_at, mask=mask_w, other=0)
-            byte = tl.load(w_base + (ks // 2)[:, None] * stride_wk, mask=mask_w, other=0)
-            code = byte.to(tl.int32) >> ((ks % 2) * 4)[:, None]
+            if PACKED == 3:
+                code = tl.load(w_base + ks[:, None] * stride_wk, mask=mask_w, other=0).to(tl.int32)
+            else:
+                byte = tl.load(w_base + (ks // 2)[:, None] * stride_wk, mask=mask_w, other=0)
+                code = (byte.to(tl.int32) >> ((ks % 2) * 4)[:, None]) & 15
             if PACKED == 1:   # MXFP4: e2m1 times an e8m0 power of two, exact
                 w = (_e2m1(code) * _e8m0(s)).to(a_ptr.dtype.element_ty)
-            else:             # INT4: the value less 8 (or its group's zero point), times the group's scale
+            else:             # INT4 / INT8: the value less 8 / 128 (or its group's zero point), times the scale
                 if ZEROS:
                     zero = tl.load(z_ptr + s_at, mask=mask_w, other=0).to(tl.float32)
                 else:
-                    zero = 8.0
-                w = dequantize_tile((code & 15).to(tl.float32) - zero, s.to(tl.float32), a_ptr.dtype.element_ty,
+                    zero = 128.0 if PACKED == 3 else 8.0
+                w = dequantize_tile(code.to(tl.float32) - zero, s.to(tl.float32), a_ptr.dtype.element_ty,
                                     BF16_BY_BITS)
         else:
             w = tl.load(w_base + ks[:, None] * stride_wk, mask=mask_w, other=0.0)
@@ -162,7 +167,7 @@ def _gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, sorted_pairs: tor
     dequantized tile by tile; packed 4-bit ones (`packed`: w [E, rows, columns / 2] uint8 and scale [E, rows,
     columns / group]: MXFP4's e8m0, group 32; INT4's in a float dtype, group `block[1]`, less `zeros` laid out as
     the scales where given) decoded so."""
-    num_pairs, n, k = out.shape[0], w.shape[1], w.shape[2] * (2 if packed else 1)
+    num_pairs, n, k = out.shape[0], w.shape[1], w.shape[2] * CODES_A_BYTE.get(packed, 1)
     block = (1, MXFP4_GROUP) if packed == "mxfp4" else block
     dtype = dot_dtype(a.dtype)
     block_n = min(128, max(16, triton.next_power_of_2(n)))
@@ -177,7 +182,8 @@ def _gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, sorted_pairs: tor
         scale.stride(0) if scale is not None else 0, scale.stride(1) if scale is not None else 0,
         MUL_WEIGHT=weights is not None, HAS_BIAS=bias is not None, W_FP8=fp8, PACKED=PACKINGS.index(packed),
         ZEROS=zeros is not None,
-        BF16_BY_BITS=(fp8 or packed == "int4") and INTERPRETED and a.dtype == torch.bfloat16, DOT_DTYPE=dtype,
+        BF16_BY_BITS=(fp8 or packed in ("int4", "int8")) and INTERPRETED and a.dtype == torch.bfloat16,
+        DOT_DTYPE=dtype,
         DOT_PRECISION="ieee" if dtype == tl.float32 else "tf32",
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=4 if block_m * block_n < 64 * 128 else 8,
@@ -196,20 +202,22 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     scales w13_scale [E, ceil(2 x inter / rows), ceil(hidden / columns)] and w2_scale alike, in blocks of `block`
     (`kernels.fp8_gemm`), each weight tile dequantized as it is loaded. Packed 4-bit experts (`packed`: "mxfp4",
     `kernels.mxfp4`; "int4", `engine.int4_weights`): w13 [E, 2 x inter, hidden / 2] and w2 [E, hidden, inter / 2]
-    uint8, two codes a byte, w13_scale [E, 2 x inter, hidden / group] and w2_scale alike (MXFP4's e8m0, group 32;
-    INT4's in a float dtype, group `block[1]`), each tile decoded as it is loaded; INT4's zero points w13_zeros and
-    w2_zeros (uint8, laid out as their scales; none: 8) where the checkpoint stores them."""
+    uint8, two codes a byte ("int8": [E, 2 x inter, hidden] and [E, hidden, inter], a code a byte), w13_scale [E, 2
+    x inter, hidden / group] and w2_scale alike (MXFP4's e8m0, group 32; INT4's and INT8's in a float dtype, group
+    `block[1]`), each tile decoded as it is loaded; the integers' zero points w13_zeros and w2_zeros (uint8, laid out
+    as their scales; none: 8, or 128) where the checkpoint stores them."""
     num_tokens, top_k = experts.shape
     num_experts, two_inter, hidden = w13.shape
+    per_byte = CODES_A_BYTE.get(packed, 1)
     if packed:
-        hidden *= 2
+        hidden *= per_byte
         group = MXFP4_GROUP if packed == "mxfp4" else block[1]
         assert w13_scale.shape == (num_experts, two_inter, hidden // group), f"w13_scale {w13_scale.shape}"
         for zeros, scale in ((w13_zeros, w13_scale), (w2_zeros, w2_scale)):
-            assert zeros is None or packed == "int4" and zeros.dtype == torch.uint8 and zeros.shape == scale.shape \
-                and zeros.stride() == scale.stride(), "INT4 zero points: uint8, laid out as their scales"
+            assert zeros is None or packed != "mxfp4" and zeros.dtype == torch.uint8 and zeros.shape == scale.shape \
+                and zeros.stride() == scale.stride(), "integer zero points: uint8, laid out as their scales"
     assert x.dim() == 2 and x.shape[1] == hidden and x.stride(1) == 1, f"x {tuple(x.shape)}, hidden {hidden}"
-    assert w2.shape == (num_experts, hidden, two_inter // (4 if packed else 2)), \
+    assert w2.shape == (num_experts, hidden, two_inter // (2 * per_byte)), \
         f"w2 {tuple(w2.shape)} against w13 {tuple(w13.shape)}"
     assert w13.stride(2) == 1 and w2.stride(2) == 1, "expert weights need contiguous rows"
     for name, bias, size in (("b13", b13, two_inter), ("b2", b2, hidden)):

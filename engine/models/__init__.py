@@ -315,10 +315,10 @@ def _keeps_stored_fp8(model: LlamaForCausalLM | ModelConfig, shard: ShardShape) 
 
 
 def held_packed(config: ModelConfig, shard: ShardShape, quantization: str, device_type: str) -> str | None:
-    """How one rank (`shard`) holds a checkpoint's 4-bit experts as stored: "mxfp4" (GPT-OSS's, `kernels.mxfp4`: 4.25
-    bits a weight), "int4" (`engine.int4_formats`: 4 bits plus a scale a group), or None where they are dequantized as
-    read (INT4 experts in activation order or a scale a row too, and INT8 ones). Held under `quantization` auto on a
-    GPU (the Triton
+    """How one rank (`shard`) holds a checkpoint's quantized experts as stored: "mxfp4" (GPT-OSS's, `kernels.mxfp4`:
+    4.25 bits a weight), "int4" or "int8" (`engine.int4_formats`: 4 or 8 bits plus a scale a group), or None where
+    they are dequantized as read (integer experts in activation order or with a scale a row too). Held under
+    `quantization` auto on a GPU (the Triton
     kernels decode each tile as loaded), fp8 or the format's own key on any device (a CPU dequantizes each expert a step
     hits: memory, not speed), where the rank's share of the intermediate size is whole groups; a ConfigError naming the
     key where that key cannot."""
@@ -332,8 +332,8 @@ def held_packed(config: ModelConfig, shard: ShardShape, quantization: str, devic
         raise ConfigError("quantization: mxfp4 holds a checkpoint's MXFP4 experts as stored; this model has no "
                           "experts: use auto or none")
     if not stored or quantization == "none" or quantization == "auto" and device_type != "cuda" \
-            or not config.num_experts or config.int4_act_order or kind == "int8" or not group:
-        return None   # (INT4 experts in activation order or a scale a row, INT8 ones: dequantized as read)
+            or not config.num_experts or config.int4_act_order or not group:
+        return None   # (integer experts in activation order or with a scale a row: dequantized as read)
     if shard.moe_intermediate_size % group and quantization == kind:
         raise ConfigError(f"quantization: {kind} under tensor parallelism {shard.size} cuts each expert's "
                           f"{config.moe_intermediate_size} inputs into shares of {shard.moe_intermediate_size}, not "
@@ -452,8 +452,8 @@ def held_weight_bytes(config: ModelConfig, shard: ShardShape, dtype: torch.dtype
     saved = sum(m.weight.numel() * (dtype.itemsize - 1) - m.weight_scale.numel() * 4 for m in model.fp8_layers.values())
     saved += sum(m.in_features * m.out_features * dtype.itemsize - m.held_bytes(dtype)
                  for m in model.modules() if isinstance(m, Int4Linear))
-    saved += sum(2 * (m.w13.numel() + m.w2.numel()) * dtype.itemsize - _expert_bytes(m, dtype)   # two codes a byte
-                 for m in _held_blocks(model) if m.packed)
+    saved += sum((1 if m.packed == "int8" else 2) * (m.w13.numel() + m.w2.numel()) * dtype.itemsize   # codes a byte
+                 - _expert_bytes(m, dtype) for m in _held_blocks(model) if m.packed)
     return plain - saved
 
 
@@ -470,14 +470,14 @@ def held_expert_bytes(config: ModelConfig, dtype: torch.dtype, quantization: str
 
 
 def _held_blocks(model: LlamaForCausalLM) -> list[SparseMoeBlock]:
-    """The sparse layers whose experts `model` holds in FP8 or MXFP4."""
+    """The sparse layers whose experts `model` holds in FP8 or packed (MXFP4, INT4, INT8)."""
     return [m for m in model.modules() if isinstance(m, SparseMoeBlock) and (m.fp8_block is not None or m.packed)]
 
 
 def _expert_bytes(block: SparseMoeBlock, dtype: torch.dtype) -> int:
     """The bytes of one layer's held experts: their values, and their scales (float32 FP8 ones, e8m0 MXFP4 ones) and
-    zero points (INT4's, a byte each)."""
-    if block.packed:   # MXFP4's scales a byte each; INT4's the model's dtype
+    zero points (INT4's and INT8's, a byte each)."""
+    if block.packed:   # MXFP4's scales a byte each; INT4's and INT8's the model's dtype
         scale = 1 if block.packed == "mxfp4" else dtype.itemsize + (block.w13_zeros is not None)
         return block.w13.numel() + block.w2.numel() + scale * (block.w13_scales.numel() + block.w2_scales.numel())
     return block.w13.numel() + block.w2.numel() + 4 * (block.w13_scale.numel() + block.w2_scale.numel())

@@ -88,7 +88,7 @@ class SparseMoeBlock(nn.Module):
                 self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
         self._grouped = True   # the grouped matmul until it fails for this dtype / device
         self.fp8_block: tuple[int, int] | None = None   # FP8 experts' scale blocks (`hold_fp8`)
-        self.packed: str | None = None                  # 4-bit experts, "mxfp4" or "int4" (`hold_packed`)
+        self.packed: str | None = None                  # "mxfp4", "int4" or "int8" experts (`hold_packed`)
         self.packed_group = 0                           # ... inputs a scale covers
 
     def hold_fp8(self, block: tuple[int, int]) -> None:
@@ -106,16 +106,18 @@ class SparseMoeBlock(nn.Module):
 
     def hold_packed(self, kind: str, group: int = MXFP4_GROUP, zeros: bool = False) -> None:
         """Hold the experts packed as a checkpoint stores them (on the meta device, before the parameters are
-        allocated): w13 [E, 2 x inter, hidden / 2] and w2 [E, hidden, inter / 2] uint8, two 4-bit codes a byte, beside
-        `w13_scales` [E, 2 x inter, hidden / group] and `w2_scales`: MXFP4's e2m1 codes and e8m0 scales
-        (`kernels.mxfp4`, group 32) or INT4's values and scales in the model's dtype (`engine.int4_formats`), and
-        where `zeros` INT4's zero points `w13_zeros` and `w2_zeros` (uint8, as the scales: AWQ's). The Triton kernels
-        decode each tile as loaded; the loop an expert's weights when it is hit (no grouped matmul)."""
+        allocated): w13 [E, 2 x inter, hidden / 2] and w2 [E, hidden, inter / 2] uint8, two 4-bit codes a byte (INT8:
+        [E, 2 x inter, hidden] and [E, hidden, inter], a code a byte), beside `w13_scales` [E, 2 x inter, hidden /
+        group] and `w2_scales`: MXFP4's e2m1 codes and e8m0 scales (`kernels.mxfp4`, group 32) or INT4's (INT8's)
+        values and scales in the model's dtype (`engine.int4_formats`), and where `zeros` their zero points
+        `w13_zeros` and `w2_zeros` (uint8, as the scales: AWQ's). The Triton kernels decode each tile as loaded; the
+        loop an expert's weights when it is hit (no grouped matmul)."""
         self.packed, self.packed_group, self._grouped = kind, group, False
         self.w13_zeros = self.w2_zeros = None
         for name in ("w13", "w2"):
             experts, rows, cols = getattr(self, name).shape
-            setattr(self, name, nn.Parameter(torch.empty(experts, rows, cols // 2), requires_grad=False))
+            width = cols if kind == "int8" else cols // 2
+            setattr(self, name, nn.Parameter(torch.empty(experts, rows, width), requires_grad=False))
             for part in ("scales", "zeros") if zeros else ("scales",):
                 setattr(self, f"{name}_{part}", nn.Parameter(torch.empty(experts, rows, cols // group),
                                                              requires_grad=False))
@@ -129,7 +131,8 @@ class SparseMoeBlock(nn.Module):
                     dequantize_packed(self.w2[e], self.w2_scales[e], dtype))
         if self.packed:
             return tuple(dequantize_int4(getattr(self, name)[e], getattr(self, f"{name}_scales")[e], dtype,
-                                         None if self.w13_zeros is None else getattr(self, f"{name}_zeros")[e])
+                                         None if self.w13_zeros is None else getattr(self, f"{name}_zeros")[e],
+                                         bits=8 if self.packed == "int8" else 4)
                          for name in ("w13", "w2"))
         if self.fp8_block is None:
             return self.w13[e], self.w2[e]
@@ -333,12 +336,13 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
         return tensor.narrow(dim, shard.rank * shard.moe_intermediate_size, shard.moe_intermediate_size)
 
     def _packed_shard(self, hf_name: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's share of an expert's packed gate/up rows, or of its down rows' packed inputs (two a byte, a
-        group a scale): the intermediate size cut as the float weights' (on a group's edge: `held_packed`)."""
+        """This rank's share of an expert's packed gate/up rows, or of its down rows' packed inputs (two a byte or
+        one, a group a scale): the intermediate size cut as the float weights' (on a group's edge: `held_packed`)."""
         size, rank, inter = self.shard.moe_intermediate_size, self.shard.rank, self.config.moe_intermediate_size
         group = MXFP4_GROUP if self.config.mxfp4_experts else self.config.int4_group
-        per = 1 if ".down_proj." not in name else 2 if name.endswith(".blocks") else group
-        dim, full = (0, inter) if per == 1 else (1, inter // per)
+        down = ".down_proj." in name
+        per = 1 if not down else (8 // self.config.int4_bits if name.endswith(".blocks") else group)
+        dim, full = (1, inter // per) if down else (0, inter)
         if tensor.dim() != 2 or tensor.shape[dim] != full:
             raise WeightLoadError(f"{hf_name}: shape {tuple(tensor.shape)} does not match the config ({full} along "
                                   f"dimension {dim})")

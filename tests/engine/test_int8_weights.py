@@ -215,24 +215,41 @@ def test_an_asymmetric_pack_quantized_checkpoint_is_held_with_its_zero_points(tm
         _assert_same_or_near_tie(_generate(held, PROMPTS), _generate(two, PROMPTS))
 
 
-def test_8_bit_experts_are_dequantized_as_read_beside_projections_held(tmp_path, builtin_path):
-    """Qwen3-MoE in GPTQ's 8-bit layout, every projection its experts' too: `int8` holds the attention projections a
-    code a byte and dequantizes the experts as read (the MoE kernels decode 4-bit codes alone); the model decodes
-    greedily as transformers over the weights the codes define, and the plan counts what it holds."""
+@pytest.mark.usefixtures("one_thread")   # a core per rank
+def test_8_bit_experts_are_held_a_code_a_byte_beside_the_projections(tmp_path, builtin_path):
+    """Qwen3-MoE in GPTQ's 8-bit layout, every projection its experts' too: `int8` holds the experts a code a byte
+    (w13 [E, 2 x inter, hidden], w2 [E, hidden, inter] uint8 beside their scales) and the attention projections so;
+    the model decodes greedily as transformers over the weights the codes define, holds what the plan counts (a byte
+    a weight, a float32 scale a 32), and two ranks, each its half of every expert's intermediate size, decode as
+    one. `auto` on a CPU dequantizes all of it: the same tokens."""
     import transformers
 
+    from engine.models import held_expert_bytes
     from engine.models.qwen3_moe import SparseMoeBlock
     from tests.engine.test_engine_vs_hf import QWEN3_MOE
+    from tests.engine.test_tensor_parallel import _assert_same_or_near_tie, _generate
 
     folder = make_tiny_model(tmp_path / "moe", "qwen3_moe", builtin_path, **{**QWEN3_MOE, "moe_intermediate_size": 64})
     hf = transformers.AutoModelForCausalLM.from_pretrained(gptq_int8_checkpoint(folder, awq_packing()),
                                                            dtype=torch.float32).eval()
     held = LLMEngine(_config(folder, "int8"), progress=False)
     sparse = [m for m in held.model.modules() if isinstance(m, SparseMoeBlock)]
-    assert sparse and not any(m.packed for m in sparse) and sparse[0].w13.dtype == torch.float32
+    hidden = held.model_config.hidden_size
+    assert sparse and all(m.packed == "int8" and m.w13_zeros is None for m in sparse)
+    assert sparse[0].w13.shape == (8, 128, hidden) and sparse[0].w2.shape == (8, hidden, 64)
+    assert sparse[0].w13.dtype == torch.uint8 and sparse[0].w13_scales.shape == (8, 128, hidden // GROUP)
     assert isinstance(held.model.layers[0].self_attn.o_proj, Int4Linear)
-    assert held.weights_bytes == held_weight_bytes(held.model_config, held.shard, torch.float32, "int8", "cpu")
-    assert _greedy(held) == [_hf_greedy(hf, prompt, 12, eos_ids=None) for prompt in PROMPTS]
+    config, shard = held.model_config, held.shard
+    experts = sum(m.w13.numel() + m.w2.numel() for m in sparse)
+    assert held_expert_bytes(config, torch.float32, "int8", "cpu") == experts + experts // GROUP * 4
+    assert held.weights_bytes == held_weight_bytes(config, shard, torch.float32, "int8", "cpu")
+    tokens = _greedy(held)
+    assert tokens == [_hf_greedy(hf, prompt, 12, eos_ids=None) for prompt in PROMPTS]
+    assert _greedy(LLMEngine(_config(folder, "auto"), progress=False)) == tokens
+    two = LLMEngine(_config(folder, "int8", tp=2), progress=False)
+    layer = next(m for m in two.model.modules() if isinstance(m, SparseMoeBlock))
+    assert torch.equal(layer.w13[:, 32:], sparse[0].w13[:, 64:96]) and torch.equal(layer.w2, sparse[0].w2[:, :, :32])
+    _assert_same_or_near_tie(_generate(held, PROMPTS), _generate(two, PROMPTS))
 
 
 def test_what_an_integer_config_says_that_is_not_served_is_refused_by_key(tmp_path, builtin_path):

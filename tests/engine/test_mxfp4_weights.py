@@ -114,8 +114,8 @@ def test_the_device_key_holds_mxfp4_experts_where_it_says_and_refuses_by_name(tm
     fp8 = LLMEngine(_config(folder, "fp8"), progress=False)
     assert all(m.packed == "mxfp4" and m.fp8_block is None for m in _sparse(fp8)) and fp8.model.fp8_layers
     assert fp8.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
-    with pytest.raises(ConfigError, match="quantization: must be one of auto, fp8, mxfp4, int4, none, got 'int8'"):
-        EngineConfig(quantization="int8")
+    with pytest.raises(ConfigError, match="quantization: must be one of auto, fp8, mxfp4, int4, int8, none, got 'nf4'"):
+        EngineConfig(quantization="nf4")
 
 
 def make_plain(tmp_path, builtin_path):

@@ -368,12 +368,13 @@ def test_on_cuda_fused_moe_over_mxfp4_experts_at_gpt_oss_shape_equals_it_over_th
     assert torch.equal(got, fused_moe(x, dense13, dense2, weights, chosen, b13, b2, act))
 
 
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("dtype,zeros", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
-def test_fused_moe_over_int4_experts_equals_it_over_their_dequantized_weights(dtype, zeros):
+def test_fused_moe_over_int4_experts_equals_it_over_their_dequantized_weights(dtype, zeros, bits):
     """INT4 experts (pack-quantized checkpoints': every value of -8 .. 7, a scale in x's dtype per 32 inputs, signed;
-    AWQ's: less a zero point 0 .. 15 a group instead of 8) decoded tile by tile as the kernels load them (the value
-    times its scale in float32, rounded once) give the bits the kernels give over the weights dequantized whole; in
-    float32 the loop's sums too."""
+    AWQ's: less a zero point 0 .. 15 a group instead of 8) and INT8 ones (a code a byte, less 128 or a zero point of
+    0 .. 255) decoded tile by tile as the kernels load them (the value times its scale in float32, rounded once) give
+    the bits the kernels give over the weights dequantized whole; in float32 the loop's sums too."""
     from engine.int4_weights import dequantize_int4
 
     seed = _make_seed()
@@ -381,17 +382,19 @@ def test_fused_moe_over_int4_experts_equals_it_over_their_dequantized_weights(dt
     tokens, hidden, inter, experts, top_k = 11, 96, 64, 4, 2
 
     def int4(rows, cols):
-        packed = torch.randint(0, 256, (experts, rows, cols // 2), generator=gen, dtype=torch.int32).to(torch.uint8)
-        scales = (torch.randn(experts, rows, cols // 32, generator=gen) * 0.03).to(dtype)
-        zero = torch.randint(0, 16, scales.shape, generator=gen, dtype=torch.int32).to(torch.uint8) if zeros else None
-        return packed, scales, zero, dequantize_int4(packed, scales, dtype, zero)
+        packed = torch.randint(0, 256, (experts, rows, cols * bits // 8), generator=gen,
+                               dtype=torch.int32).to(torch.uint8)
+        scales = (torch.randn(experts, rows, cols // 32, generator=gen) * 0.03 * 8 / (1 << (bits - 1))).to(dtype)
+        zero = torch.randint(0, 1 << bits, scales.shape, generator=gen, dtype=torch.int32).to(torch.uint8) if zeros \
+            else None
+        return packed, scales, zero, dequantize_int4(packed, scales, dtype, zero, bits=bits)
 
     w13, s13, z13, dense13 = int4(2 * inter, hidden)
     w2, s2, z2, dense2 = int4(hidden, inter)
     x = torch.randn(tokens, hidden, generator=gen).to(dtype)
     weights, chosen = torch.randn(tokens, experts, generator=gen).softmax(-1).topk(top_k, dim=-1)
     weights = weights.to(dtype)
-    got = fused_moe(x, w13, w2, weights, chosen, w13_scale=s13, w2_scale=s2, block=(1, 32), packed="int4",
+    got = fused_moe(x, w13, w2, weights, chosen, w13_scale=s13, w2_scale=s2, block=(1, 32), packed=f"int{bits}",
                     w13_zeros=z13, w2_zeros=z2)
     assert torch.equal(got, fused_moe(x, dense13, dense2, weights, chosen)), f"seed {seed}"
     if dtype == torch.float32:
@@ -399,26 +402,30 @@ def test_fused_moe_over_int4_experts_equals_it_over_their_dequantized_weights(dt
                                    msg=lambda m: f"seed {seed}: {m}")
 
 
-@pytest.mark.parametrize("kind", ["pack-quantized", "awq"])
+@pytest.mark.parametrize("kind", ["pack-quantized", "awq", "gptq-int8"])
 def test_int4_experts_decode_alike_on_the_triton_kernels_and_on_the_loop(tmp_path, builtin_path, monkeypatch, kind):
     """A DeepSeek V3 checkpoint with INT4 experts held as stored (`quantization: int4`): pack-quantized (Kimi K2's
-    kind), or AWQ's with a zero point a group (every projection): the Triton kernels decoding each tile as loaded give
-    the greedy tokens the loop over the experts gives."""
+    kind), or AWQ's with a zero point a group (every projection); or with INT8 ones (GPTQ's 8 bits, `int8`): the
+    Triton kernels decoding each tile as loaded give the greedy tokens the loop over the experts gives."""
     pytest.importorskip("compressed_tensors")
     from tests.conftest import make_tiny_model
     from tests.engine.test_awq_gptq_weights import awq_checkpoint, awq_packing
     from tests.engine.test_engine_vs_hf import DEEPSEEK
     from tests.engine.test_int4_weights import int4_checkpoint
+    from tests.engine.test_int8_weights import gptq_int8_checkpoint
 
     rng = random.Random(7)
     prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (6, 19)]
     folder = make_tiny_model(tmp_path / "deepseek", "deepseek_v3", builtin_path, **DEEPSEEK)
     if kind == "awq":
         awq_checkpoint(folder, awq_packing())
+    elif kind == "gptq-int8":
+        gptq_int8_checkpoint(folder, awq_packing())
     else:
         int4_checkpoint(folder, experts_only=True)
-    results = _greedy_by_backend(folder, "int4", prompts, monkeypatch,
-                                 lambda mlp: mlp.packed == "int4" and (mlp.w13_zeros is not None) == (kind == "awq"))
+    packing = "int8" if kind == "gptq-int8" else "int4"
+    results = _greedy_by_backend(folder, packing, prompts, monkeypatch,
+                                 lambda mlp: mlp.packed == packing and (mlp.w13_zeros is not None) == (kind == "awq"))
     assert results["triton"] == results["torch"]
 
 
