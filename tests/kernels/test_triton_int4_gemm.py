@@ -90,8 +90,8 @@ def test_a_dense_int4_model_decodes_alike_on_the_triton_gemm_and_on_the_cpu_laye
                                                                                   monkeypatch, kind):
     """A dense W4A16 checkpoint held as stored (`quantization: int4`, every decoder projection an `Int4Linear`;
     pack-quantized, AWQ's with a zero point a group, or GPTQ's in activation order, its input gathered in its
-    order; and GPTQ's INT8, `quantization: int8`, a code a byte): the Triton GEMM decoding each tile as loaded gives the greedy tokens the CPU's layer (the weight
-    dequantized on each call) gives."""
+    order; and GPTQ's INT8, `quantization: int8`, a code a byte): the Triton GEMM decoding each tile as loaded
+    gives the greedy tokens the CPU's layer (the weight dequantized on each call) gives."""
     pytest.importorskip("compressed_tensors")
     from engine.config import CacheConfig, EngineConfig, PoolConfig, SchedulerConfig
     from engine.layers.int4_linear import Int4Linear
