@@ -42,10 +42,14 @@ def _rewrite(folder: Path, stored: dict, floats: dict) -> Path:
     return reference
 
 
-def _projections(folder: Path):
-    """The checkpoint's tensors as (name, weight, whether a decoder projection: quantized)."""
+def _projections(folder: Path, stored: dict, floats: dict):
+    """The checkpoint's decoder projections to quantize, as (name, weight); every other tensor put into `stored` and
+    `floats` as it is."""
     for name, w in _taken_weights(folder).items():
-        yield name, w, name.endswith("proj.weight") and ".layers." in name
+        if name.endswith("proj.weight") and ".layers." in name:
+            yield name, w
+        else:
+            stored[name] = floats[name] = w
 
 
 def gptq_int8_checkpoint(folder: Path, awq) -> Path:
@@ -53,10 +57,7 @@ def gptq_int8_checkpoint(folder: Path, awq) -> Path:
     group's largest value over 127; zeros 128 stored less one), as AutoGPTQ writes the `-GPTQ-Int8` releases. Returns
     the float checkpoint of the weights the codes define."""
     stored, floats = {}, {}
-    for name, w, quantized in _projections(folder):
-        if not quantized:
-            stored[name] = floats[name] = w
-            continue
+    for name, w in _projections(folder, stored, floats):
         rows, cols = w.shape
         grouped = w.float().view(rows, cols // GROUP, GROUP)
         scale = (grouped.abs().amax(-1) / 127).clamp(min=1e-6).half()                    # [out, groups]
@@ -85,10 +86,7 @@ def pack_quantized_checkpoint(folder: Path, bits: int = 8, group: int = 0, symme
     args = QuantizationArgs(num_bits=bits, type="int", symmetric=symmetric, **strategy)
     low, high = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
     stored, floats = {}, {}
-    for name, w, quantized in _projections(folder):
-        if not quantized:
-            stored[name] = floats[name] = w
-            continue
+    for name, w in _projections(folder, stored, floats):
         rows, cols = w.shape
         grouped = w.float().view(rows, cols // (group or cols), group or cols)
         if symmetric:
