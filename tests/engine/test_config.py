@@ -212,7 +212,8 @@ def test_missing_and_malformed_config_json(tmp_path):
         ModelConfig.from_folder(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(LLAMA))   # AutoGPTQ's checkpoints say it beside config.json
     (tmp_path / "quantize_config.json").write_text('{"bits": 3, "group_size": 128}')
-    with pytest.raises(ConfigError, match=r"^quantize_config.json: bits: GPTQ checkpoints of 4 or 8 bits are served, got 3$"):
+    with pytest.raises(ConfigError,
+                       match=r"^quantize_config.json: bits: GPTQ checkpoints of 4 or 8 bits are served, got 3$"):
         ModelConfig.from_folder(tmp_path)
     (tmp_path / "quantize_config.json").write_text('{"bits": 4, "group_size": 128')
     with pytest.raises(ConfigError, match=r"^quantize_config.json: not valid JSON"):
