@@ -177,7 +177,7 @@ def _gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, sorted_pairs: tor
     _moe_gemm_kernel[grid](
         a, w, out, weights if weights is not None else out, bias if bias is not None else out, sorted_pairs,
         block_expert, scale if scale is not None else out, zeros if zeros is not None else out,
-        num_pairs, n, k, row_div, min(block[0], n), min(block[1], k),
+        num_pairs, n, k, row_div, min(block[0], n), min(block[1] or k, k),
         a.stride(0), w.stride(0), w.stride(1), w.stride(2), out.stride(0), bias.stride(0) if bias is not None else 0,
         scale.stride(0) if scale is not None else 0, scale.stride(1) if scale is not None else 0,
         MUL_WEIGHT=weights is not None, HAS_BIAS=bias is not None, W_FP8=fp8, PACKED=PACKINGS.index(packed),
@@ -204,14 +204,14 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     `kernels.mxfp4`; "int4", `engine.int4_weights`): w13 [E, 2 x inter, hidden / 2] and w2 [E, hidden, inter / 2]
     uint8, two codes a byte ("int8": [E, 2 x inter, hidden] and [E, hidden, inter], a code a byte), w13_scale [E, 2
     x inter, hidden / group] and w2_scale alike (MXFP4's e8m0, group 32; INT4's and INT8's in a float dtype, group
-    `block[1]`), each tile decoded as it is loaded; the integers' zero points w13_zeros and w2_zeros (uint8, laid out
-    as their scales; none: 8, or 128) where the checkpoint stores them."""
+    `block[1]`, 0 for one a row), each tile decoded as it is loaded; the integers' zero points w13_zeros and
+    w2_zeros (uint8, laid out as their scales; none: 8, or 128) where the checkpoint stores them."""
     num_tokens, top_k = experts.shape
     num_experts, two_inter, hidden = w13.shape
     per_byte = CODES_A_BYTE.get(packed, 1)
     if packed:
         hidden *= per_byte
-        group = MXFP4_GROUP if packed == "mxfp4" else block[1]
+        group = MXFP4_GROUP if packed == "mxfp4" else block[1] or hidden   # 0: a scale a row
         assert w13_scale.shape == (num_experts, two_inter, hidden // group), f"w13_scale {w13_scale.shape}"
         for zeros, scale in ((w13_zeros, w13_scale), (w2_zeros, w2_scale)):
             assert zeros is None or packed != "mxfp4" and zeros.dtype == torch.uint8 and zeros.shape == scale.shape \

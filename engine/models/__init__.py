@@ -317,7 +317,7 @@ def _keeps_stored_fp8(model: LlamaForCausalLM | ModelConfig, shard: ShardShape) 
 def held_packed(config: ModelConfig, shard: ShardShape, quantization: str, device_type: str) -> str | None:
     """How one rank (`shard`) holds a checkpoint's quantized experts as stored: "mxfp4" (GPT-OSS's, `kernels.mxfp4`:
     4.25 bits a weight), "int4" or "int8" (`engine.int4_formats`: 4 or 8 bits plus a scale a group), or None where
-    they are dequantized as read (integer experts in activation order or with a scale a row too). Held under
+    they are dequantized as read (integer experts in activation order too). Held under
     `quantization` auto on a GPU (the Triton
     kernels decode each tile as loaded), fp8 or the format's own key on any device (a CPU dequantizes each expert a step
     hits: memory, not speed), where the rank's share of the intermediate size is whole groups; a ConfigError naming the
@@ -332,8 +332,10 @@ def held_packed(config: ModelConfig, shard: ShardShape, quantization: str, devic
         raise ConfigError("quantization: mxfp4 holds a checkpoint's MXFP4 experts as stored; this model has no "
                           "experts: use auto or none")
     if not stored or quantization == "none" or quantization == "auto" and device_type != "cuda" \
-            or not config.num_experts or config.int4_act_order or not group:
-        return None   # (integer experts in activation order or with a scale a row: dequantized as read)
+            or not config.num_experts or config.int4_act_order:
+        return None   # (integer experts in activation order: dequantized as read)
+    if not group:   # a scale a row: every rank holds its rows' scales whole
+        return kind
     if shard.moe_intermediate_size % group and quantization == kind:
         raise ConfigError(f"quantization: {kind} under tensor parallelism {shard.size} cuts each expert's "
                           f"{config.moe_intermediate_size} inputs into shares of {shard.moe_intermediate_size}, not "

@@ -109,7 +109,8 @@ class SparseMoeBlock(nn.Module):
         allocated): w13 [E, 2 x inter, hidden / 2] and w2 [E, hidden, inter / 2] uint8, two 4-bit codes a byte (INT8:
         [E, 2 x inter, hidden] and [E, hidden, inter], a code a byte), beside `w13_scales` [E, 2 x inter, hidden /
         group] and `w2_scales`: MXFP4's e2m1 codes and e8m0 scales (`kernels.mxfp4`, group 32) or INT4's (INT8's)
-        values and scales in the model's dtype (`engine.int4_formats`), and where `zeros` their zero points
+        values and scales in the model's dtype (`engine.int4_formats`; group 0: one a row), and where `zeros` their
+        zero points
         `w13_zeros` and `w2_zeros` (uint8, as the scales: AWQ's). The Triton kernels decode each tile as loaded; the
         loop an expert's weights when it is hit (no grouped matmul)."""
         self.packed, self.packed_group, self._grouped = kind, group, False
@@ -119,7 +120,7 @@ class SparseMoeBlock(nn.Module):
             width = cols if kind == "int8" else cols // 2
             setattr(self, name, nn.Parameter(torch.empty(experts, rows, width), requires_grad=False))
             for part in ("scales", "zeros") if zeros else ("scales",):
-                setattr(self, f"{name}_{part}", nn.Parameter(torch.empty(experts, rows, cols // group),
+                setattr(self, f"{name}_{part}", nn.Parameter(torch.empty(experts, rows, cols // group if group else 1),
                                                              requires_grad=False))
         codes = ("w13", "w2", "w13_scales", "w2_scales") if kind == "mxfp4" else ("w13", "w2", "w13_zeros", "w2_zeros")
         self.parameter_dtypes = dict.fromkeys(codes, torch.uint8)
@@ -342,6 +343,8 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
         group = MXFP4_GROUP if self.config.mxfp4_experts else self.config.int4_group
         down = ".down_proj." in name
         per = 1 if not down else (8 // self.config.int4_bits if name.endswith(".blocks") else group)
+        if not per:   # down's scale a row (group 0): every rank holds it whole
+            return tensor
         dim, full = (1, inter // per) if down else (0, inter)
         if tensor.dim() != 2 or tensor.shape[dim] != full:
             raise WeightLoadError(f"{hf_name}: shape {tuple(tensor.shape)} does not match the config ({full} along "

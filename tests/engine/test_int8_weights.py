@@ -250,6 +250,32 @@ def test_8_bit_experts_are_held_a_code_a_byte_beside_the_projections(tmp_path, b
     _assert_same_or_near_tie(_generate(held, PROMPTS), _generate(two, PROMPTS))
 
 
+@pytest.mark.usefixtures("one_thread")   # a core per rank
+def test_w8a16_experts_with_a_scale_a_row_are_held_under_any_cut(tmp_path, builtin_path):
+    """Qwen3-MoE in llm-compressor's W8A16 (a scale a row of every projection, the experts' too): `int8` holds the
+    experts a code a byte beside one scale a row (w13_scales [E, 2 x inter, 1]), decodes greedily as transformers, and
+    under tensor parallelism 2 each rank holds its half of every expert's intermediate size with down's whole row
+    scales, decoding as one rank does."""
+    import transformers
+
+    from engine.models.qwen3_moe import SparseMoeBlock
+    from tests.engine.test_engine_vs_hf import QWEN3_MOE
+    from tests.engine.test_tensor_parallel import _assert_same_or_near_tie, _generate
+
+    folder = make_tiny_model(tmp_path / "moe", "qwen3_moe", builtin_path, **{**QWEN3_MOE, "moe_intermediate_size": 48})
+    hf = transformers.AutoModelForCausalLM.from_pretrained(pack_quantized_checkpoint(folder),
+                                                           dtype=torch.float32).eval()
+    held = LLMEngine(_config(folder, "int8"), progress=False)
+    layer = next(m for m in held.model.modules() if isinstance(m, SparseMoeBlock))
+    assert layer.packed == "int8" and layer.w13_scales.shape == (8, 96, 1) and layer.w2_scales.shape[2] == 1
+    assert held.weights_bytes == held_weight_bytes(held.model_config, held.shard, torch.float32, "int8", "cpu")
+    assert _greedy(held) == [_hf_greedy(hf, prompt, 12, eos_ids=None) for prompt in PROMPTS]
+    two = LLMEngine(_config(folder, "int8", tp=2), progress=False)
+    half = next(m for m in two.model.modules() if isinstance(m, SparseMoeBlock))
+    assert torch.equal(half.w2, layer.w2[:, :, :24]) and torch.equal(half.w2_scales, layer.w2_scales)
+    _assert_same_or_near_tie(_generate(held, PROMPTS), _generate(two, PROMPTS))
+
+
 def test_what_an_integer_config_says_that_is_not_served_is_refused_by_key(tmp_path, builtin_path):
     """AWQ of 8 bits, GPTQ of 3, GPTQ's activation order with a scale a row: refused naming the key before any
     weight is read."""

@@ -368,13 +368,14 @@ def test_on_cuda_fused_moe_over_mxfp4_experts_at_gpt_oss_shape_equals_it_over_th
     assert torch.equal(got, fused_moe(x, dense13, dense2, weights, chosen, b13, b2, act))
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits,group", [(4, 32), (8, 32), (8, 0)])
 @pytest.mark.parametrize("dtype,zeros", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
-def test_fused_moe_over_int4_experts_equals_it_over_their_dequantized_weights(dtype, zeros, bits):
+def test_fused_moe_over_int4_experts_equals_it_over_their_dequantized_weights(dtype, zeros, bits, group):
     """INT4 experts (pack-quantized checkpoints': every value of -8 .. 7, a scale in x's dtype per 32 inputs, signed;
     AWQ's: less a zero point 0 .. 15 a group instead of 8) and INT8 ones (a code a byte, less 128 or a zero point of
-    0 .. 255) decoded tile by tile as the kernels load them (the value times its scale in float32, rounded once) give
-    the bits the kernels give over the weights dequantized whole; in float32 the loop's sums too."""
+    0 .. 255; a scale a 32 or, group 0, one a row: W8A16's) decoded tile by tile as the kernels load them (the value
+    times its scale in float32, rounded once) give the bits the kernels give over the weights dequantized whole; in
+    float32 the loop's sums too."""
     from engine.int4_weights import dequantize_int4
 
     seed = _make_seed()
@@ -384,7 +385,8 @@ def test_fused_moe_over_int4_experts_equals_it_over_their_dequantized_weights(dt
     def int4(rows, cols):
         packed = torch.randint(0, 256, (experts, rows, cols * bits // 8), generator=gen,
                                dtype=torch.int32).to(torch.uint8)
-        scales = (torch.randn(experts, rows, cols // 32, generator=gen) * 0.03 * 8 / (1 << (bits - 1))).to(dtype)
+        scales = (torch.randn(experts, rows, cols // (group or cols), generator=gen) * 0.03 * 8
+                  / (1 << (bits - 1))).to(dtype)
         zero = torch.randint(0, 1 << bits, scales.shape, generator=gen, dtype=torch.int32).to(torch.uint8) if zeros \
             else None
         return packed, scales, zero, dequantize_int4(packed, scales, dtype, zero, bits=bits)
@@ -394,7 +396,7 @@ def test_fused_moe_over_int4_experts_equals_it_over_their_dequantized_weights(dt
     x = torch.randn(tokens, hidden, generator=gen).to(dtype)
     weights, chosen = torch.randn(tokens, experts, generator=gen).softmax(-1).topk(top_k, dim=-1)
     weights = weights.to(dtype)
-    got = fused_moe(x, w13, w2, weights, chosen, w13_scale=s13, w2_scale=s2, block=(1, 32), packed=f"int{bits}",
+    got = fused_moe(x, w13, w2, weights, chosen, w13_scale=s13, w2_scale=s2, block=(1, group), packed=f"int{bits}",
                     w13_zeros=z13, w2_zeros=z2)
     assert torch.equal(got, fused_moe(x, dense13, dense2, weights, chosen)), f"seed {seed}"
     if dtype == torch.float32:
@@ -402,17 +404,18 @@ def test_fused_moe_over_int4_experts_equals_it_over_their_dequantized_weights(dt
                                    msg=lambda m: f"seed {seed}: {m}")
 
 
-@pytest.mark.parametrize("kind", ["pack-quantized", "awq", "gptq-int8"])
+@pytest.mark.parametrize("kind", ["pack-quantized", "awq", "gptq-int8", "w8a16"])
 def test_int4_experts_decode_alike_on_the_triton_kernels_and_on_the_loop(tmp_path, builtin_path, monkeypatch, kind):
     """A DeepSeek V3 checkpoint with INT4 experts held as stored (`quantization: int4`): pack-quantized (Kimi K2's
-    kind), or AWQ's with a zero point a group (every projection); or with INT8 ones (GPTQ's 8 bits, `int8`): the
-    Triton kernels decoding each tile as loaded give the greedy tokens the loop over the experts gives."""
+    kind), or AWQ's with a zero point a group (every projection); or with INT8 ones (GPTQ's 8 bits, `int8`; W8A16's,
+    a scale a row): the Triton kernels decoding each tile as loaded give the greedy tokens the loop over the experts
+    gives."""
     pytest.importorskip("compressed_tensors")
     from tests.conftest import make_tiny_model
     from tests.engine.test_awq_gptq_weights import awq_checkpoint, awq_packing
     from tests.engine.test_engine_vs_hf import DEEPSEEK
     from tests.engine.test_int4_weights import int4_checkpoint
-    from tests.engine.test_int8_weights import gptq_int8_checkpoint
+    from tests.engine.test_int8_weights import gptq_int8_checkpoint, pack_quantized_checkpoint
 
     rng = random.Random(7)
     prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (6, 19)]
@@ -421,9 +424,11 @@ def test_int4_experts_decode_alike_on_the_triton_kernels_and_on_the_loop(tmp_pat
         awq_checkpoint(folder, awq_packing())
     elif kind == "gptq-int8":
         gptq_int8_checkpoint(folder, awq_packing())
+    elif kind == "w8a16":
+        pack_quantized_checkpoint(folder)
     else:
         int4_checkpoint(folder, experts_only=True)
-    packing = "int8" if kind == "gptq-int8" else "int4"
+    packing = "int8" if kind in ("gptq-int8", "w8a16") else "int4"
     results = _greedy_by_backend(folder, packing, prompts, monkeypatch,
                                  lambda mlp: mlp.packed == packing and (mlp.w13_zeros is not None) == (kind == "awq"))
     assert results["triton"] == results["torch"]
