@@ -10,6 +10,11 @@ group of inputs of a row [out, in / group], and where the format has them a zero
   each the signed value plus 2^(bits - 1)), `X.weight_scale`, `X.weight_shape`, and for an asymmetric scheme
   `X.weight_zero_point` int32 [out x bits / 32, groups] packed along the rows (the signed zero plus 2^(bits - 1)).
   Its `W4A16_ASYM`, `W8A16` and AWQ recipes write these (a scale a row: `strategy: channel`, group 0).
+- llm-compressor's int-quantized (`format: int-quantized`: the `-quantized.w8a8` releases): `X.weight` int8 [out, in]
+  (the signed values), `X.weight_scale` [out, groups] and, asymmetric, `X.weight_zero_point` int8 [out, groups]. Its
+  activations' scheme (`input_activations`, 8-bit per token or tensor) is not applied: the activations stay in the
+  model's dtype, as an FP8 checkpoint's do (`engine.fp8_weights`), and a static scheme's `X.input_scale` is not
+  read.
 - AutoAWQ's (`quant_method: awq`, `version: gemm`: the `-AWQ` releases of Qwen, Llama, Mistral ...): `X.qweight`
   int32 [in, out / 8] and `X.qzeros` int32 [in / group, out / 8], eight outputs a word in AWQ's order (the word's
   nibbles hold outputs 0, 2, 4, 6, 1, 3, 5, 7 of its eight, the lowest first), `X.scales` [in / group, out].
@@ -69,9 +74,22 @@ class Int4Scheme:
     @property
     def suffixes(self) -> tuple[str, ...]:
         """The tensors each quantized layer X stores, after X."""
+        zero_point = (".weight_zero_point",) if self.zero_points else ()
         if self.format == "pack-quantized":
-            return INT4_SUFFIXES + ((".weight_zero_point",) if self.zero_points else ())
+            return INT4_SUFFIXES + zero_point
+        if self.format == "int-quantized":
+            return (".weight", ".weight_scale") + zero_point
         return (".qweight", ".qzeros", ".scales") + ((".g_idx",) if self.format.startswith("gptq") else ())
+
+    def part_of(self, name: str, tensor: torch.Tensor) -> str | None:
+        """The suffix of checkpoint tensor `name` where it is a quantized layer's (`suffixes`), "" where it is not
+        read (an int-quantized checkpoint's static activation scales), None for any other tensor."""
+        if self.format == "int-quantized":
+            if name.endswith((".input_scale", ".input_zero_point")):
+                return ""
+            if name.endswith(".weight") and tensor.dtype != torch.int8:   # a float layer's
+                return None
+        return next((s for s in self.suffixes if name.endswith(s)), None)
 
 
 def int4_scheme(quant: Any, key: str) -> Int4Scheme | None:
@@ -80,7 +98,7 @@ def int4_scheme(quant: Any, key: str) -> Int4Scheme | None:
     layout = pack_quantized_weights(quant, key)
     if layout is not None:
         symmetric = all(g["weights"]["symmetric"] for g in quant["config_groups"].values())
-        return Int4Scheme("pack-quantized", layout[1], not symmetric, False, int4_modules(quant, key), layout[0])
+        return Int4Scheme(quant["format"], layout[1], not symmetric, False, int4_modules(quant, key), layout[0])
     method = quant.get("quant_method") if isinstance(quant, dict) else None
     if method not in ("awq", "gptq"):
         return None
@@ -164,6 +182,9 @@ def _decode(scheme: Int4Scheme, key: str, parts: dict[str, torch.Tensor]) -> Dec
     where every one is 2^(bits - 1), each input's group [in] or None where it is its position's); ValueError naming
     the tensor that does not fit."""
     bits, middle = scheme.bits, 1 << (scheme.bits - 1)
+    if scheme.format == "int-quantized":   # int8 values [out, in], the zero points [out, groups] likewise
+        zeros = parts.get(".weight_zero_point")
+        return _offset(parts[".weight"]), parts[".weight_scale"], None if zeros is None else _offset(zeros), None
     if scheme.format == "pack-quantized":
         shape = tuple(int(n) for n in parts[".weight_shape"].flatten().tolist())
         packed, per_word = parts[".weight_packed"], 32 // bits
@@ -202,6 +223,13 @@ def _decode(scheme: Int4Scheme, key: str, parts: dict[str, torch.Tensor]) -> Dec
     return codes.t().contiguous(), scales, zeros, g_idx
 
 
+def _offset(values: torch.Tensor) -> torch.Tensor:
+    """Signed 8-bit values (int8, as an int-quantized checkpoint stores them) as codes, the value plus 128 (uint8)."""
+    if values.dtype != torch.int8:
+        raise ValueError(f"int-quantized values are int8, got {values.dtype}")
+    return (values.to(torch.int16) + 128).to(torch.uint8)
+
+
 def _fitted(key: str, suffix: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """`tensor` cut to `shape` where it is padded to whole words, else a ValueError naming it."""
     if tensor.dim() != len(shape) or any(have < want for have, want in zip(tensor.shape, shape)) \
@@ -219,9 +247,10 @@ def int4_tensors(weights: Iterable[tuple[str, torch.Tensor]], scheme: Int4Scheme
     layer whose tensors do not fit or do not all come."""
     suffixes, pending = scheme.suffixes, {}
     for name, tensor in weights:
-        suffix = next((s for s in suffixes if name.endswith(s)), None)
+        suffix = scheme.part_of(name, tensor)
         if suffix is None:
             yield name, tensor
+        if not suffix:
             continue
         key = name[:-len(suffix)]
         parts = pending.setdefault(key, {})
@@ -249,7 +278,7 @@ def int4_tensors(weights: Iterable[tuple[str, torch.Tensor]], scheme: Int4Scheme
             yield f"{key}.weight", dequantize_int4(pack_codes(codes, scheme.bits), scales, dtype, zeros, g_idx,
                                                    scheme.bits)
         except ValueError as exc:
-            raise ValueError(f"{key}{suffixes[1] if scheme.format == 'pack-quantized' else '.scales'}: {exc}") from None
+            raise ValueError(f"{key}{suffixes[1] if 'quantized' in scheme.format else '.scales'}: {exc}") from None
     if pending:
         key, parts = next(iter(pending.items()))
         missing = [s for s in suffixes if s not in parts]

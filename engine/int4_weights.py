@@ -46,37 +46,47 @@ def code_std(bits: int) -> float:
 
 
 def pack_quantized_weights(quant: Any, key: str) -> tuple[int, int] | None:
-    """(bits, group) of a pack-quantized checkpoint's `quantization_config` (`key`: its key in config.json; group 0:
-    a scale a row, `strategy: channel`), None for another kind; a ConfigError naming what it says that is not
-    served."""
+    """(bits, group) of a pack-quantized or int-quantized checkpoint's `quantization_config` (`key`: its key in
+    config.json; group 0: a scale a row, `strategy: channel`), None for another kind; a ConfigError naming what it
+    says that is not served. int-quantized (W8A8's: 8-bit weights stored as int8) may quantize its activations too
+    (`input_activations`: 8-bit integers, per token or tensor); they are not quantized here, as an FP8 checkpoint's
+    are not (`engine.fp8_weights`)."""
+    form = quant.get("format") if isinstance(quant, dict) else None
     if not isinstance(quant, dict) or quant.get("quant_method") != "compressed-tensors" \
-            or quant.get("format") != "pack-quantized":
+            or form not in ("pack-quantized", "int-quantized"):
         return None
     groups, layouts = quant.get("config_groups"), set()
     if not isinstance(groups, dict) or not groups:
-        raise ConfigError(f"{key}.config_groups: a pack-quantized checkpoint names its weights' scheme, got {groups!r}")
+        raise ConfigError(f"{key}.config_groups: a {form} checkpoint names its weights' scheme, got {groups!r}")
     for name, group in groups.items():
         where = f"{key}.config_groups.{name}"
-        weights = group.get("weights") if isinstance(group, dict) else None
-        if not isinstance(weights, dict) or weights.get("type") != "int" \
-                or weights.get("num_bits") not in WEIGHT_BITS or not isinstance(weights.get("symmetric"), bool) \
-                or weights.get("strategy") not in ("group", "channel"):
-            raise ConfigError(f"{where}.weights: served are 4- or 8-bit integers, symmetric or not, a scale a group or "
-                              f"a row (W4A16, W8A16), got {weights!r:.160}")
-        if weights.get("actorder") not in (None, False) or weights.get("dynamic") not in (None, False):
-            raise ConfigError(f"{where}.weights: activation-ordered or dynamic groups are not served")
-        size = weights.get("group_size") if weights["strategy"] == "group" else 0
-        if not isinstance(size, int) or isinstance(size, bool) or weights["strategy"] == "group" and (
-                size < 2 or size % 2):
-            raise ConfigError(f"{where}.weights.group_size: an even number of inputs, got {size!r}")
-        for part in ("input_activations", "output_activations"):
-            if group.get(part):
-                raise ConfigError(f"{where}.{part}: the activations are not quantized (W4A16 and W8A16 only)")
-        layouts.add((weights["num_bits"], size))
+        layouts.add(_weight_layout(group.get("weights") if isinstance(group, dict) else None, where, form))
+        acts = group.get("input_activations")
+        if acts and (form != "int-quantized" or not isinstance(acts, dict) or acts.get("type") != "int"
+                     or acts.get("num_bits") != 8):
+            raise ConfigError(f"{where}.input_activations: quantized activations are served with int-quantized 8-bit "
+                              f"weights as 8-bit integers (W8A8), got {acts!r:.160}")
+        if group.get("output_activations"):
+            raise ConfigError(f"{where}.output_activations: quantized outputs are not served")
     if len(layouts) != 1:
         raise ConfigError(f"{key}.config_groups: one width and group size for every group, got "
                           f"{sorted(layouts)} ((bits, group size); 0: a row)")
     return layouts.pop()
+
+
+def _weight_layout(weights: Any, where: str, form: str) -> tuple[int, int]:
+    """(bits, group) of one config group's `weights` (`where`: its key); a ConfigError naming what is not served."""
+    if not isinstance(weights, dict) or weights.get("type") != "int" \
+            or weights.get("num_bits") not in (WEIGHT_BITS if form == "pack-quantized" else (8,)) \
+            or not isinstance(weights.get("symmetric"), bool) or weights.get("strategy") not in ("group", "channel"):
+        raise ConfigError(f"{where}.weights: served are 4- or 8-bit integers (int-quantized: 8), symmetric or not, a "
+                          f"scale a group or a row (W4A16, W8A16, W8A8), got {weights!r:.160}")
+    if weights.get("actorder") not in (None, False) or weights.get("dynamic") not in (None, False):
+        raise ConfigError(f"{where}.weights: activation-ordered or dynamic groups are not served")
+    size = weights.get("group_size") if weights["strategy"] == "group" else 0
+    if not isinstance(size, int) or isinstance(size, bool) or weights["strategy"] == "group" and (size < 2 or size % 2):
+        raise ConfigError(f"{where}.weights.group_size: an even number of inputs, got {size!r}")
+    return weights["num_bits"], size
 
 
 def int4_modules(quant: dict[str, Any], key: str) -> tuple[tuple[str, ...], tuple[str, ...]]:

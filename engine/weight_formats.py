@@ -35,9 +35,9 @@ def weight_format_fields(cfg: dict[str, Any], arch: Any) -> dict[str, Any]:
     if quant is not None and not quantizes_kv_cache_only(quant) and not mxfp4 and fp8 is None and int4 is None:
         method = quant.get("quant_method", "unnamed") if isinstance(quant, dict) else repr(quant)
         raise ConfigError(f"{key}: quantized checkpoints ({method}) are not supported (served: FP8, INT4 as "
-                          "compressed-tensors, AWQ or GPTQ store it, INT8 as compressed-tensors or GPTQ do, "
-                          "GPT-OSS's MXFP4); serve the model's bfloat16 checkpoint (an FP8 KV cache is the device key "
-                          "kv_cache_dtype)")
+                          "compressed-tensors, AWQ or GPTQ store it, INT8 as compressed-tensors (pack- or "
+                          "int-quantized) or GPTQ do, GPT-OSS's MXFP4); serve the model's bfloat16 checkpoint (an FP8 "
+                          "KV cache is the device key kv_cache_dtype)")
     return {"fp8_weight_block": fp8[0] if fp8 else None, "fp8_scale_suffix": fp8[1] if fp8 else SCALE_SUFFIX,
             "mxfp4_experts": mxfp4, "int4_group": int4.group if int4 else None,
             "int4_modules": int4.modules if int4 else ((), ()), "int4_format": int4.format if int4 else "",

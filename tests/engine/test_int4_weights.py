@@ -158,7 +158,7 @@ def test_the_config_and_the_device_key_choose_and_refuse_by_name(tmp_path, built
         bad = {**quant, "config_groups": {"group_0": {"weights": {**weights, **change}}}}
         with pytest.raises(ConfigError, match=rf"^quantization_config.config_groups.group_0.{named}"):
             pack_quantized_weights(bad, "quantization_config")
-    with pytest.raises(ConfigError, match=r"group_0.input_activations: the activations are not quantized"):
+    with pytest.raises(ConfigError, match=r"group_0.input_activations: quantized activations are served with int-"):
         pack_quantized_weights({**quant, "config_groups": {"group_0": {"weights": weights,
                                                                         "input_activations": {"num_bits": 8}}}},
                                "quantization_config")

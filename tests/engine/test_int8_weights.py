@@ -1,6 +1,7 @@
 """8-bit integer checkpoints (W8A16): GPTQ's `-GPTQ-Int8` layout (packed by AutoAWQ's `pack_exllama`, its config in
 quantize_config.json) and llm-compressor's pack-quantized W8A16 (`strategy: channel`, a scale a row, packed by
-compressed-tensors), and its asymmetric schemes of 4 and 8 bits. Whole models held as stored (`quantization: int8`:
+compressed-tensors), its asymmetric schemes of 4 and 8 bits, and its W8A8 (`int-quantized`: int8 values, the
+activations' scheme not applied). Whole models held as stored (`quantization: int8`:
 a code a byte, `Int4Linear` of 8 bits) or dequantized as read decode greedily as transformers' model over the
 weights the codes define, two ranks as one (a row's scale whole on each rank), the capacity plan counting what the
 engine holds to the byte; what cannot be held so is refused by key."""
@@ -115,6 +116,38 @@ def pack_quantized_checkpoint(folder: Path, bits: int = 8, group: int = 0, symme
         "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
         "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "output_activations": None,
                                       "weights": weights}},
+        "ignore": ["lm_head"]}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return reference
+
+
+def int_quantized_checkpoint(folder: Path, static: bool = False) -> Path:
+    """The tiny checkpoint in `folder` rewritten as llm-compressor's W8A8 (`format: int-quantized`: each projection's
+    values quantized by compressed-tensors' `quantize` to int8, a bfloat16 scale a row, its activations' scheme 8-bit
+    per token, dynamic; `static`: per tensor, with an `input_scale` beside each layer), lm_head left in float.
+    Returns the float checkpoint of the weights compressed-tensors' `dequantize` gives."""
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.quantization import QuantizationArgs, dequantize, quantize
+
+    args = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel")
+    stored, floats = {}, {}
+    for name, w in _projections(folder, stored, floats):
+        scale = (w.float().abs().amax(-1, keepdim=True) / 127).clamp(min=1e-6).to(torch.bfloat16)
+        values = quantize(w.float(), scale.float(), torch.zeros_like(scale, dtype=torch.int8), args, dtype=torch.int8)
+        floats[name] = dequantize(values, scale.float(), None, args, dtype=torch.float32).to(w.dtype)
+        key = name.removesuffix("weight")
+        stored |= {key + "weight": values, key + "weight_scale": scale}
+        if static:
+            stored[key + "input_scale"] = torch.tensor([0.05])
+    reference = _rewrite(folder, stored, floats)
+    acts = {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": not static,
+            "strategy": "tensor" if static else "token"}
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": acts, "output_activations": None,
+                                      "weights": {"num_bits": 8, "type": "int", "symmetric": True,
+                                                  "strategy": "channel", "dynamic": False}}},
         "ignore": ["lm_head"]}
     (folder / "config.json").write_text(json.dumps(cfg))
     return reference
@@ -276,6 +309,36 @@ def test_w8a16_experts_with_a_scale_a_row_are_held_under_any_cut(tmp_path, built
     _assert_same_or_near_tie(_generate(held, PROMPTS), _generate(two, PROMPTS))
 
 
+@pytest.mark.usefixtures("one_thread")   # a core per rank
+@pytest.mark.parametrize("static", [False, True], ids=["per-token", "static"])
+def test_a_w8a8_checkpoint_is_held_as_its_int8_weights(tmp_path, builtin_path, static):
+    """llm-compressor's W8A8 (`int-quantized`: int8 values and a scale a row, its activations' scheme per token or,
+    static, per tensor with an `input_scale` a layer, not read): `int8` holds every projection a code a byte (the
+    value plus 128), `auto` on a CPU dequantizes; both decode greedily as transformers over the weights
+    compressed-tensors' `dequantize` gives (the activations in the model's dtype), and two ranks as one."""
+    import transformers
+
+    from tests.engine.test_tensor_parallel import _assert_same_or_near_tie, _generate
+
+    folder = make_tiny_model(tmp_path / "llama", "llama", builtin_path, intermediate_size=96)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(int_quantized_checkpoint(folder, static),
+                                                           dtype=torch.float32).eval()
+    config = ModelConfig.from_folder(folder)
+    assert (config.int4_format, config.int4_bits, config.int4_group) == ("int-quantized", 8, 0)
+    held = LLMEngine(_config(folder, "int8"), progress=False)
+    down = held.model.layers[0].mlp.down_proj
+    from safetensors.torch import load_file
+
+    stored = load_file(folder / "model.safetensors")["model.layers.0.mlp.down_proj.weight"]
+    assert isinstance(down, Int4Linear) and torch.equal(down.blocks, (stored.to(torch.int16) + 128).to(torch.uint8))
+    want = [_hf_greedy(hf, prompt, 12, eos_ids=None) for prompt in PROMPTS]
+    assert _greedy(held) == want
+    assert _greedy(LLMEngine(_config(folder, "auto"), progress=False)) == want
+    if not static:
+        _assert_same_or_near_tie(_generate(held, PROMPTS), _generate(LLMEngine(_config(folder, "int8", tp=2),
+                                                                               progress=False), PROMPTS))
+
+
 def test_what_an_integer_config_says_that_is_not_served_is_refused_by_key(tmp_path, builtin_path):
     """AWQ of 8 bits, GPTQ of 3, GPTQ's activation order with a scale a row: refused naming the key before any
     weight is read."""
@@ -294,3 +357,17 @@ def test_what_an_integer_config_says_that_is_not_served_is_refused_by_key(tmp_pa
     (folder / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match=r"^quantization_config.bits: AWQ checkpoints of 4 bits are served, got 8"):
         ModelConfig.from_folder(folder)
+    weights = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}
+    for form, group, named in (
+            ("int-quantized", {"weights": {**weights, "num_bits": 4}}, r"group_0.weights: served are 4- or 8-bit"),
+            ("pack-quantized", {"weights": weights, "input_activations": {"num_bits": 8, "type": "int"}},
+             r"group_0.input_activations: quantized activations are served with int-quantized 8-bit weights"),
+            ("int-quantized", {"weights": weights, "input_activations": {"num_bits": 8, "type": "float"}},
+             r"group_0.input_activations: quantized activations"),
+            ("int-quantized", {"weights": weights, "output_activations": {"num_bits": 8, "type": "int"}},
+             r"group_0.output_activations: quantized outputs are not served")):
+        cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": form,
+                                      "config_groups": {"group_0": group}}
+        (folder / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(ConfigError, match=rf"^quantization_config.config_groups.{named}"):
+            ModelConfig.from_folder(folder)
