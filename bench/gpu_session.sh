@@ -96,7 +96,7 @@ for what in ${GPU_STEPS:-tests kernels kernels_fp8 fp8 engine}; do
              step bench_int8_32b $CLI bench fp8 --device cuda --shape 32b --tokens 1,16,256 --int8 ;;
     engine_fp8) step bench_engine_fp8 $CLI bench engine --model .gpu/llama-3-8b --random-weights --dtype bfloat16 \
                --skip-hf --quantization fp8 ;;
-    moe)     step bench_moe $CLI bench moe --device cuda --tokens 1,16,64,256,1024 --fp8 --int4
+    moe)     step bench_moe $CLI bench moe --device cuda --tokens 1,16,64,256,1024 --fp8 --int4 --int8
              step bench_moe_gpt_oss $CLI bench moe --device cuda --tokens 1,16,64,256,1024 --gpt-oss --mxfp4
              step bench_moe_gpt_oss_120b $CLI bench moe --device cuda --tokens 1,16,64,256,1024 --gpt-oss \
                  --experts 128 --mxfp4 ;;

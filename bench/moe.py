@@ -12,7 +12,8 @@ its outputs from the loop's. `--fp8` adds the experts in FP8 (a scale an output 
 dequantizing each weight tile as loaded where the block has them, else the loop, timed against the fastest
 unquantized path and checked against the loop over the dequantized FP8 weights. `--mxfp4` adds them in MXFP4 as
 GPT-OSS's checkpoints store them (`quantization: auto` on a GPU holds them so: random codes, half a byte a weight),
-timed and checked the same way; `--int4` in INT4 as pack-quantized checkpoints store them (Kimi K2's experts).
+timed and checked the same way; `--int4` in INT4 as pack-quantized checkpoints store them (Kimi K2's experts),
+`--int8` in INT8 (8-bit GPTQ's and W8A16's experts: a code a byte).
 On a GPU each timing synchronises before and after (`bench.engine.sync`).
 """
 
@@ -53,6 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also the experts in INT4 (pack-quantized checkpoints' experts, Kimi K2's: groups of 32, "
                         "held as stored): the Triton kernels decoding each tile where the block has them, else the "
                         "loop")
+    p.add_argument("--int8", action="store_true",
+                   help="also the experts in INT8 (8-bit GPTQ's and W8A16's: a code a byte, groups of 32, held as "
+                        "stored): the Triton kernels where the block has them, else the loop")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
 
 
@@ -118,8 +122,8 @@ def _fp8_blocks(args: argparse.Namespace, device: torch.device, dtype: torch.dty
 
 def _packed_blocks(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, kind: str):
     """Two more of the block: its experts packed as `kind` says (`SparseMoeBlock.hold_packed`: MXFP4, GPT-OSS's, or
-    INT4 in groups of 32, Kimi K2's; random codes, scales that make them about the float weights' size), and its
-    experts as those weights dequantized, run by the loop."""
+    INT4 / INT8 in groups of 32, Kimi K2's / 8-bit GPTQ's; random codes, scales that make them about the float
+    weights' size), and its experts as those weights dequantized, run by the loop."""
     from torch import nn
 
     from engine.int4_weights import code_std, dequantize_int4
@@ -134,14 +138,15 @@ def _packed_blocks(args: argparse.Namespace, device: torch.device, dtype: torch.
         shapes = {name: tuple(getattr(reference, name).shape) for name in ("w13", "w2")}
         held.hold_packed(kind, MXFP4_GROUP)
         for name, (experts, rows, cols) in shapes.items():
-            packed = torch.randint(0, 256, (experts, rows, cols // 2), generator=gen, dtype=torch.int32)
+            bits = 8 if kind == "int8" else 4
+            packed = torch.randint(0, 256, (experts, rows, cols * bits // 8), generator=gen, dtype=torch.int32)
             packed, scale_shape = packed.to(torch.uint8), (experts, rows, cols // MXFP4_GROUP)
             if kind == "mxfp4":
                 scales = torch.full(scale_shape, mxfp4_scale(0.02), dtype=torch.uint8)
                 dense = dequantize_packed(packed, scales, dtype)
-            else:   # values of -8 .. 7 drawn alike, scales about 0.02 over their deviation
-                scales = (torch.rand(scale_shape, generator=gen) * 0.01 + 0.02 / code_std(4)).to(dtype)
-                dense = dequantize_int4(packed, scales, dtype)
+            else:   # values drawn alike (-8 .. 7, or -128 .. 127), scales about 0.02 over their deviation
+                scales = (torch.rand(scale_shape, generator=gen) * 0.01 + 0.02 / code_std(bits)).to(dtype)
+                dense = dequantize_int4(packed, scales, dtype, bits=bits)
             setattr(held, name, nn.Parameter(packed.to(device), requires_grad=False))
             setattr(held, f"{name}_scales", nn.Parameter(scales.to(device), requires_grad=False))
             getattr(reference, name).copy_(dense)
@@ -210,8 +215,8 @@ def run(args: argparse.Namespace) -> int:
     device, dtype = device_and_dtype(args.device, args.dtype)
     block = _block(args, device, dtype)
     with torch.inference_mode():
-        makers = {"fp8": _fp8_blocks, "mxfp4": lambda *a: _packed_blocks(*a, "mxfp4"),
-                  "int4": lambda *a: _packed_blocks(*a, "int4")}
+        makers = {"fp8": _fp8_blocks, **{kind: (lambda *a, kind=kind: _packed_blocks(*a, kind))
+                                         for kind in ("mxfp4", "int4", "int8")}}
         quantized = {kind: make(args, device, dtype) for kind, make in makers.items() if getattr(args, kind)}
         paths = _paths(block, torch.randn(2, args.hidden_size).to(device, dtype))
         rows = [_row(block, paths, torch.randn(n, args.hidden_size, generator=torch.Generator().manual_seed(n)
@@ -220,7 +225,7 @@ def run(args: argparse.Namespace) -> int:
               "block": "gpt_oss" if args.gpt_oss else "qwen3_moe", "hidden_size": args.hidden_size,
               "experts": args.experts, "top_k": args.top_k, "moe_intermediate_size": args.moe_intermediate_size,
               "paths": list(paths), "rows": rows, **{kind: None if kind not in quantized else (
-                  "triton" if quantized[kind][0].fused_moe else "loop") for kind in ("fp8", "mxfp4", "int4")}}
+                  "triton" if quantized[kind][0].fused_moe else "loop") for kind in ("fp8", "mxfp4", "int4", "int8")}}
     if args.json:
         print(json.dumps(result, indent=2))
         return 0

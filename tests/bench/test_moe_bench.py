@@ -46,17 +46,17 @@ def test_it_times_every_path_on_the_same_routing(capsys, monkeypatch, backend, g
 
 @pytest.mark.parametrize("backend", ["cpu", "triton"])
 def test_quantized_experts_are_timed_and_checked_against_their_dequantized_weights(capsys, monkeypatch, backend):
-    # --fp8, --mxfp4, --int4 (GPT-OSS's block): the experts in FP8, MXFP4 and INT4 beside the unquantized paths,
-    # through the Triton kernels where the block has them.
+    # --fp8, --mxfp4, --int4, --int8 (GPT-OSS's block): the experts in FP8, MXFP4, INT4 and INT8 beside the
+    # unquantized paths, through the Triton kernels where the block has them.
     if backend == "triton":
         pytest.importorskip("triton")
     monkeypatch.setenv("CLIFFGUARD_ATTENTION_BACKEND", backend)
     args = _parse("--device", "cpu", "--dtype", "float32", "--hidden-size", "64", "--experts", "8", "--top-k", "2",
                   "--moe-intermediate-size", "32", "--tokens", "1,8", "--repeats", "1", "--json", "--fp8", "--mxfp4",
-                  "--int4", "--gpt-oss")
+                  "--int4", "--int8", "--gpt-oss")
     assert moe.run(args) == 0
     result = json.loads(capsys.readouterr().out)
-    for kind in ("fp8", "mxfp4", "int4"):
+    for kind in ("fp8", "mxfp4", "int4", "int8"):
         assert result[kind] == ("triton" if backend == "triton" else "loop")
         for row in result["rows"]:
             assert row[f"{kind}_ms"] > 0 and row[f"{kind}_max_abs_diff"] < 1e-4
