@@ -317,11 +317,10 @@ def _keeps_stored_fp8(model: LlamaForCausalLM | ModelConfig, shard: ShardShape) 
 def held_packed(config: ModelConfig, shard: ShardShape, quantization: str, device_type: str) -> str | None:
     """How one rank (`shard`) holds a checkpoint's quantized experts as stored: "mxfp4" (GPT-OSS's, `kernels.mxfp4`:
     4.25 bits a weight), "int4" or "int8" (`engine.int4_formats`: 4 or 8 bits plus a scale a group), or None where
-    they are dequantized as read (integer experts in activation order too). Held under
-    `quantization` auto on a GPU (the Triton
-    kernels decode each tile as loaded), fp8 or the format's own key on any device (a CPU dequantizes each expert a step
-    hits: memory, not speed), where the rank's share of the intermediate size is whole groups; a ConfigError naming the
-    key where that key cannot."""
+    they are dequantized as read (integer experts in activation order too). Held under `quantization` auto on a GPU
+    (the Triton kernels decode each tile as loaded), fp8 or the format's own key on any device (a CPU dequantizes
+    each expert a step hits: memory, not speed), where the rank's share of the intermediate size is whole groups (any
+    share, with a scale a row); a ConfigError naming the key where that key cannot."""
     kind, group = ("mxfp4", MXFP4_GROUP) if config.mxfp4_experts else (f"int{config.int4_bits}", config.int4_group or 0)
     stored = config.mxfp4_experts or config.int4_group is not None
     if quantization in ("mxfp4", "int4", "int8") and quantization != kind or quantization == kind and not stored:
@@ -352,10 +351,10 @@ def held_int4(model: LlamaForCausalLM, quantization: str, device_type: str) -> s
     """The projections of `model` (on the meta device, not yet swapped) held in INT4 or INT8 as an integer checkpoint
     stores them (`engine.layers.int4_linear`): under `quantization` auto on a GPU (the Triton GEMM decodes each tile
     as loaded), int4 / int8 (its width) or fp8 on any device (a CPU dequantizes a layer's weight on each call:
-    memory, not speed). A scale a row (group 0) holds under any cut. Held:
-    a decoder layer's attention and MLP projections (`FP8_LINEARS`) whose every part the checkpoint stores so
-    (its targets and ignore list, matched to `model.<layer's name>`), where the family's loading reads them
-    unchanged (`_FP8_READERS`) and a row-parallel rank's columns start on a group; the rest dequantized as read.
+    memory, not speed). Held: a decoder layer's attention and MLP projections (`FP8_LINEARS`) whose every part the
+    checkpoint stores so (its targets and ignore list, matched to `model.<layer's name>`), where the family's loading
+    reads them unchanged (`_FP8_READERS`) and a row-parallel rank's columns start on a group (any column, with a
+    scale a row: group 0); the rest dequantized as read.
     In GPTQ's activation order a row-parallel rank's layers are not held (its columns are no whole groups). A
     ConfigError naming `quantization: int4` (int8) where a rank's cut would split a group."""
     config, group = model.config, model.config.int4_group
