@@ -27,6 +27,7 @@ from engine.kolibri_config import kolibri_config, kolibri_fields
 from engine.laguna_config import laguna_fields
 from engine.lfm2_config import lfm2_config, lfm2_moe_config
 from engine.llama4_config import MISTRAL_FIELDS, llama4_fields
+from engine.mamba1_config import jamba_fields
 from engine.mimo_config import mimo_fields
 from engine.nemotron_h_config import nemotron_h_config
 from engine.phimoe_config import phimoe_fields
@@ -51,4 +52,4 @@ OWN_MODULE_FIELDS: dict[str, Callable[[dict[str, Any], int], dict[str, Any]]] = 
     "HyperCLOVAXForCausalLM": hyperclovax_fields, "LagunaForCausalLM": laguna_fields,
     "PhimoeForCausalLM": phimoe_fields, "FalconForCausalLM": falcon_fields, "GPTJForCausalLM": gptj_fields,
     "GPTBigCodeForCausalLM": gpt_bigcode_fields, "GPT2LMHeadModel": gpt2_fields, "OPTForCausalLM": opt_fields,
-    "DbrxForCausalLM": dbrx_fields, "MiniCPM3ForCausalLM": minicpm3_fields}
+    "DbrxForCausalLM": dbrx_fields, "MiniCPM3ForCausalLM": minicpm3_fields, "JambaForCausalLM": jamba_fields}

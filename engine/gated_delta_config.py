@@ -19,6 +19,7 @@ from engine.config_values import read_bool, read_float, read_int, read_object
 from engine.kimi_linear_config import KdaShape, bailing_hybrid_fields, kimi_linear_fields
 from engine.lfm2_config import ShortConvShape, lfm2_fields, lfm2_moe_fields
 from engine.lfm3_config import lfm3_fields
+from engine.mamba1_config import Mamba1Shape
 from engine.mamba_config import Mamba2Shape, state_bytes
 from engine.nemotron_h_config import nemotron_h_fields
 
@@ -98,7 +99,7 @@ class GatedDeltaShape:
         return state_bytes(self, itemsize)
 
 
-StateShape = GatedDeltaShape | Mamba2Shape | ShortConvShape | KdaShape
+StateShape = GatedDeltaShape | Mamba2Shape | ShortConvShape | KdaShape | Mamba1Shape
 
 
 def qwen3_5_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:

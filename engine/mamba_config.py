@@ -1,9 +1,10 @@
 """Mamba-2 layers' shape (Granite 4's -H models, `engine.granite_config`; Nemotron-H, `engine.nemotron_h_config`;
-Falcon-H1, `engine.falcon_h1_config`), and
-the bytes of a state layer's per-sequence state (Mamba-2's, and Gated DeltaNet's: `engine.gated_delta_config`)."""
+Falcon-H1, `engine.falcon_h1_config`), and the bytes of a state layer's per-sequence state (Mamba-2's, Gated
+DeltaNet's: `engine.gated_delta_config`; Mamba-1's: `engine.mamba1_config`)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -106,4 +107,4 @@ def state_bytes(shape: Any, itemsize: int) -> int:
     """One sequence's state in one layer: the convolution's last kernel - 1 inputs (in the model's dtype, `itemsize`
     bytes) and the float32 recurrent state."""
     conv, ssm = shape.conv_state_shape, shape.ssm_state_shape
-    return conv[0] * conv[1] * itemsize + ssm[0] * ssm[1] * ssm[2] * SSM_STATE_BYTES
+    return math.prod(conv) * itemsize + math.prod(ssm) * SSM_STATE_BYTES

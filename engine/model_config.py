@@ -24,6 +24,7 @@ from engine.mamba_config import Mamba2Shape
 from engine.falcon_h1_config import FalconH1Scales
 from engine.kimi_linear_config import KdaShape
 from engine.lfm2_config import ShortConvShape
+from engine.mamba1_config import Mamba1Shape
 from engine.cohere_moe_config import CohereMoeShape
 from engine.mimo_config import MimoShape
 from engine.laguna_config import LagunaShape
@@ -65,7 +66,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
                            "PhimoeForCausalLM", "OlmoForCausalLM", "FalconForCausalLM", "GPTJForCausalLM",
                            "GPTBigCodeForCausalLM", "GPT2LMHeadModel", "OPTForCausalLM", "FlexOlmoForCausalLM",
                            "NanoChatForCausalLM", "DbrxForCausalLM", "MiniCPM3ForCausalLM",
-                           "GemmaForCausalLM", "VaultGemmaForCausalLM")
+                           "GemmaForCausalLM", "VaultGemmaForCausalLM", "JambaForCausalLM")
 # their attention bias: q/k/v's, not o_proj's
 QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM", "GlmForCausalLM",
                  "StableLmForCausalLM", "HeliumForCausalLM")
@@ -142,7 +143,8 @@ class ModelConfig:
     gated_delta: GatedDeltaShape | None = None   # Qwen3.5: its linear_attention layers' shape (None: none)
     mamba: Mamba2Shape | None = None    # Granite 4's -H models: their Mamba-2 layers' (`linear_attention` too)
     falcon_h1: FalconH1Scales | None = None   # Falcon-H1: its muP multipliers (its `hybrid` layers: Mamba-2, attention)
-    state_layers: ShortConvShape | KdaShape | None = None   # LFM2's short convolutions', Kimi Linear's KDA's
+    state_layers: ShortConvShape | KdaShape | Mamba1Shape | None = None   # LFM2's short convolutions', Kimi
+    # Linear's KDA's, Jamba's Mamba-1
     attn_output_gate: bool = False      # Qwen3.5: attention's output x sigmoid(a gate q_proj makes beside each head)
     mla: MlaShape | None = None         # DeepSeek: latent attention (head_dim the cache's, one KV head; None: none)
     moe_router: str = "softmax"         # how experts are picked (MOE_ROUTERS): the softmax's top k, or DeepSeek's

@@ -160,7 +160,7 @@ DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32_768, "
                          "GPTJForCausalLM": 2048, "GPTBigCodeForCausalLM": 1024,
                          "GPT2LMHeadModel": 1024, "OPTForCausalLM": 2048, "FlexOlmoForCausalLM": 4096,
                          "NanoChatForCausalLM": 2048, "DbrxForCausalLM": 2048,
-                         "MiniCPM3ForCausalLM": 32_768}
+                         "MiniCPM3ForCausalLM": 32_768, "JambaForCausalLM": 262_144}
 # (activation, architecture): the ungated MLPs' activations past `model_config.SUPPORTED_ACTIVATIONS`, each served by
 # its family's model alone
 OWN_ACTIVATIONS = {("xielu", "ApertusForCausalLM"), ("relu2", "ArceeForCausalLM"), ("relu2", "Jais2ForCausalLM"),
@@ -186,7 +186,8 @@ DEFAULT_KV_HEADS = {"Qwen2ForCausalLM": 32, "MistralForCausalLM": 8, "Qwen3ForCa
                     "Exaone4ForCausalLM": 32, "MinistralForCausalLM": 8,
                     "ExaoneMoeForCausalLM": 32, "CwmForCausalLM": 8, "BambaForCausalLM": 8,
                     "FalconH1ForCausalLM": 8, "ExaoneForCausalLM": 8, "MellumForCausalLM": 4,
-                    "Starcoder2ForCausalLM": 2, "LagunaForCausalLM": 8, "PhimoeForCausalLM": 8}
+                    "Starcoder2ForCausalLM": 2, "LagunaForCausalLM": 8, "PhimoeForCausalLM": 8,
+                    "JambaForCausalLM": 8}
 # their head_dim where config.json names none (else hidden_size / num_attention_heads)
 DEFAULT_HEAD_DIM = {"Qwen3ForCausalLM": 128, "GptOssForCausalLM": 64, "Ernie4_5ForCausalLM": 128,
                     "CwmForCausalLM": 128, "MellumForCausalLM": 128, "Llama4ForCausalLM": 128, "LagunaForCausalLM": 128,

@@ -28,7 +28,8 @@ from kernels.transfer import to_device
 class RecurrentStates:
     """Each state layer's state for `num_rows` rows of the persistent batch: conv [rows + 1, conv_dim, kernel - 1]
     in the model's dtype, ssm [rows + 1, *shape.ssm_state_shape] float32 (Gated DeltaNet's [num_v_heads,
-    k_head_dim, v_head_dim], Mamba-2's [num_heads, head_dim, d_state]); the last row, `padding_row`,
+    k_head_dim, v_head_dim], Mamba-2's [num_heads, head_dim, d_state], Mamba-1's [channels, d_state]); the last
+    row, `padding_row`,
     is what a decode graph's padded rows read and write (`engine.cuda_graphs`). Grows (doubling) when the persistent
     batch hands out a row past it, but not once `frozen` (decode graphs captured: they hold these tensors). Owned
     by the model; one forward pass at a time."""
@@ -158,7 +159,8 @@ class StateMixer(nn.Module):
             keep = (meta.seq_lens > 1).unsqueeze(-1).unsqueeze(-1)     # a 1-token prompt starts from zeros
             x, conv_new = gated_delta.causal_conv_step(mixed, weight, conv.index_select(0, rows) * keep, bias,
                                                        self.conv_silu)
-            out, ssm_new = self.step(x, extras, ssm.index_select(0, rows) * keep.unsqueeze(-1))
+            held = ssm.index_select(0, rows)
+            out, ssm_new = self.step(x, extras, held * keep.view(-1, *(1,) * (held.dim() - 1)))
             conv.index_copy_(0, rows, conv_new.to(conv.dtype))
             ssm.index_copy_(0, rows, ssm_new)
             for seq, saves in states.saves.items():   # a 1-token piece ending on a snapshot's boundary

@@ -62,6 +62,7 @@ from engine.models.llama4 import Llama4ForCausalLM
 from engine.models.ministral3 import Ministral3ForCausalLM
 from engine.models.exaone import ExaoneForCausalLM
 from engine.models.falcon_h1 import FalconH1ForCausalLM
+from engine.models.jamba import JambaForCausalLM
 from engine.models.granite import (BambaAttentionForCausalLM, BambaForCausalLM, GraniteForCausalLM,
                                    GraniteHybridForCausalLM, GraniteHybridMoeForCausalLM, GraniteMoeHybridForCausalLM,
                                    GraniteMoeSWAForCausalLM, GraniteSWAForCausalLM, HyperClovaxForCausalLM)
@@ -185,7 +186,8 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "DbrxForCausalLM": DbrxForCausalLM,
                                                 "MiniCPM3ForCausalLM": MiniCPM3ForCausalLM,
                                                 "GemmaForCausalLM": GemmaForCausalLM,
-                                                "VaultGemmaForCausalLM": GemmaForCausalLM}
+                                                "VaultGemmaForCausalLM": GemmaForCausalLM,
+                                                "JambaForCausalLM": JambaForCausalLM}
 
 
 def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:

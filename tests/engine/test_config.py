@@ -1900,6 +1900,39 @@ def test_bamba_reads_as_transformers_does():
             ModelConfig.from_hf_config({**small, "attn_layer_indices": attn})
 
 
+def test_jamba_reads_as_transformers_does():
+    """Jamba (`JambaForCausalLM`, JambaConfig's defaults: Jamba 1.5 Mini's shape): an attention layer every 8 from
+    the 5th, Mamba-1 on the rest (8,192 channels, a state of 16 each, dt of rank 256), 16 experts (2 a token) on every
+    other layer from the 2nd; the parameter count is transformers' model's (51.6 B, as AI21 states 52 B), the state a
+    sequence holds per Mamba layer its convolution's last 3 inputs and 8,192 x 16 float32s. A config whose offsets
+    name no attention layer, or pass their period, is refused by name."""
+    hf, cfg = _at_class_defaults("JambaConfig", {"architectures": ["JambaForCausalLM"]})
+    assert cfg.layer_types == tuple(hf.layer_types) and cfg.kv_layers == (4, 12, 20, 28)
+    m = cfg.state_layers
+    assert (m.intermediate_size, m.d_state, m.conv_kernel, m.dt_rank) == \
+        (hf.mamba_expand * hf.hidden_size, hf.mamba_d_state, hf.mamba_d_conv, hf.mamba_dt_rank) == (8192, 16, 4, 256)
+    assert [cfg.is_sparse_layer(i) for i in range(hf.num_hidden_layers)] == [n > 1 for n in hf.layers_num_experts]
+    assert round(cfg.num_params() / 1e9, 1) == 51.6
+    assert cfg.state_bytes_per_seq(torch.bfloat16) == 28 * (8192 * 3 * 2 + 8192 * 16 * 4)
+    assert (cfg.max_position_embeddings, cfg.rms_norm_eps, cfg.num_kv_heads, cfg.tie_word_embeddings) == \
+        (hf.max_position_embeddings, hf.rms_norm_eps, hf.num_key_value_heads, False) == (262_144, 1e-6, 8, False)
+    _at_class_defaults("JambaConfig", {"architectures": ["JambaForCausalLM"], "num_experts": 1,
+                                       "mamba_proj_bias": True, "mamba_conv_bias": False, "mamba_dt_rank": 64})
+    small = {"architectures": ["JambaForCausalLM"], "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "attn_layer_period": 2,
+             "attn_layer_offset": 1}
+    ModelConfig.from_hf_config(small)
+    for key, bad in (("attn_layer_offset", {"attn_layer_offset": 2}),
+                     ("expert_layer_offset", {"expert_layer_offset": 2}),
+                     ("attn_layer_offset", {"attn_layer_period": 8, "attn_layer_offset": 4}),   # no attention layer
+                     ("hidden_act", {"hidden_act": "gelu"})):
+        with pytest.raises(ConfigError, match=f"^{key}:"):
+            ModelConfig.from_hf_config({**small, **bad})
+    with pytest.raises(ConfigError, match="^tensor_parallel_size: 3 does not divide the model's 128 Mamba channels"):
+        check_tensor_parallel(ModelConfig.from_hf_config({**small, "num_attention_heads": 6, "num_key_value_heads": 3,
+                                                          "head_dim": 16, "intermediate_size": 96}), 3)
+
+
 def test_falcon_h1_reads_as_transformers_does():
     """Falcon-H1 (`FalconH1ForCausalLM`, FalconH1Config's defaults): every layer a parallel hybrid of attention (K/V
     in the cache) and Mamba-2 (128 heads of 8 over mamba_d_ssm 1,024, a state of 256, one group; its state per

@@ -161,6 +161,9 @@ LLAMA4 = dict(intermediate_size=48, intermediate_size_mlp=96, num_local_experts=
 MINISTRAL3 = dict(head_dim=16, rope_parameters={
     "type": "yarn", "rope_theta": 1000000.0, "factor": 16.0, "original_max_position_embeddings": 8, "beta_fast": 32.0,
     "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.5, "max_position_embeddings": 512})
+JAMBA = dict(num_hidden_layers=4, intermediate_size=96, num_experts=4, num_experts_per_tok=2, attn_layer_period=2,
+             attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=0, mamba_d_state=8, mamba_dt_rank=8,
+             pad_token_id=0)
 QWEN3_5 = dict(num_hidden_layers=4, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
                linear_key_head_dim=16, linear_value_head_dim=8)
 GRANITE = dict(embedding_multiplier=3.0, attention_multiplier=0.05, residual_multiplier=0.5, logits_scaling=2.0,
@@ -407,6 +410,12 @@ TINY_MODELS = [
     ("falcon_h1", FALCON_H1),
     ("falcon_h1", {**FALCON_H1, "mamba_rms_norm": True, "mamba_norm_before_gate": False, "mamba_proj_bias": True,
                    "projectors_bias": True, "attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True}),
+    # Jamba: Mamba-1 layers (128 channels, a state of 8 each, dt from a rank of 8; dt's input, B and C normed) beside
+    # NoPE attention, every other layer's MLP 4 experts (2 a token, not renormalised); then biased projections, no
+    # convolution bias, one expert (dense MLPs), attention on the last of 3 layers
+    ("jamba", JAMBA),
+    ("jamba", {**JAMBA, "num_hidden_layers": 3, "attn_layer_period": 3, "attn_layer_offset": 2, "num_experts": 1,
+               "mamba_proj_bias": True, "mamba_conv_bias": False, "mamba_d_conv": 3}),
     # Nemotron-H: Mamba-2 blocks (B and C in 2 groups), NoPE attention blocks and squared-ReLU MLP blocks, each its own
     # pre-norm residual step, under `backbone.` names
     ("nemotron_h", {"layers_block_type": ["linear_attention", "mlp", "full_attention", "mlp", "linear_attention",

@@ -426,6 +426,9 @@ QWEN3 = {"head_dim": 32, "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
     ("lfm2_moe", {"num_hidden_layers": 3, "layer_types": ["conv", "full_attention", "conv"], "intermediate_size": 96,
                   "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "num_dense_layers": 1,
                   "norm_eps": 1e-5}, None),
+    ("jamba", {"num_hidden_layers": 3, "intermediate_size": 96, "num_experts": 4, "attn_layer_period": 2,
+               "attn_layer_offset": 1, "mamba_d_state": 8, "mamba_dt_rank": 8, "mamba_proj_bias": True,
+               "pad_token_id": 0}, None),
     ("mimo_v2_flash", {"num_hidden_layers": 3, "head_dim": 32, "v_head_dim": 16, "num_key_value_heads": 1,
                        "sliding_window": 8, "n_routed_experts": 8, "num_experts_per_tok": 2,
                        "moe_intermediate_size": 32, "attention_bias": True, "pad_token_id": 0}, None),
@@ -466,7 +469,8 @@ def test_two_ranks_generate_what_one_does(tmp_path, builtin_path, prompts, arch,
     # q/k rows, its experts' rows and its shared expert's averaged partial outputs; Jais 2 its LayerNorms whole on each
     # rank, o_proj's and down_proj's biases added once; Granite SWA each rank's heads' sinks beside per-layer ropes;
     # Granite 3's MoE its stacked experts' and shared MLP's rows; HY V3 its per-head q/k norms whole on each rank, its
-    # experts' and shared experts' rows.
+    # experts' and shared experts' rows; Jamba each rank's Mamba-1 channels (x_proj's partial products summed over
+    # both, the norms of dt, B and C whole on each) beside experts.
     # Qwen3's,
     # Mixtral's and DeepSeek's groups overlap their steps: the other rank fills the placeholders of each step's
     # inputs from rank 0's sampled ids (engine.overlap).

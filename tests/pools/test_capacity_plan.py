@@ -482,6 +482,7 @@ def test_the_examples_measure_their_gpus_where_they_are_served():
     ("qwen3-32b-awq-l40s.yaml", 48 * GiB, 19_447_195_648, "float8_e4m3fn"),   # + a zero point a group: 243,793,920 B
     ("qwen2.5-72b-gptq-int8-2xh100.yaml", 80 * GiB, 76_552_421_376, "float16"),
     ("mimo-v2-flash-8xh200.yaml", 141 * GiB, 617_656_151_936, "float8_e4m3fn"),
+    ("jamba-1.5-mini-h200.yaml", 141 * GiB, 103_140_646_656, "bfloat16"),
 ])
 def test_the_example_files_plan(name, vram, dense_bytes, kv):
     """The example files plan from the config.json beside them: Qwen3-32B's weights (YaRN to 131,072
@@ -495,7 +496,8 @@ def test_the_example_files_plan(name, vram, dense_bytes, kv):
     Thinking's INT4 experts held as stored on eight H200s, and Qwen3-32B's INT4 projections on one 48 GB card (and
     AWQ's, a zero point a group beside them), and Qwen2.5-72B's GPTQ INT8 on two H100s (70,464,307,200 projection
     weights a byte each, a float16 scale a 128 of them, the rest in float16), and
-    MiMo-V2-Flash on eight H200s with an FP8 cache (its two attention shapes, each GPU one KV head a layer)."""
+    MiMo-V2-Flash on eight H200s with an FP8 cache (its two attention shapes, each GPU one KV head a layer), and Jamba
+    1.5 Mini on one H200 (its 4 attention layers' K/V alone, each sequence's state of its 28 Mamba-1 layers beside)."""
     data = yaml.safe_load((REPO / "config" / "examples" / name).read_text())
     config = parse_config(data, env={}, base_dir=REPO / "config" / "examples")
     plan = plan_capacity(config, resolve_model_configs(config), vram_bytes=vram)
@@ -515,6 +517,9 @@ def test_the_example_files_plan(name, vram, dense_bytes, kv):
     if name.startswith("qwen3-next"):   # per GPU: 36 layers' 8 key heads' conv inputs, 16 value heads' 128 x 128
         assert device.kv_bytes_per_token == 12 * 2 * 2 * 256 * 2
         assert {p.state_bytes_per_seq for p in plan.pools.values()} == {36 * (4096 * 3 * 2 + 16 * 128 * 128 * 4)}
+    if name.startswith("jamba"):   # a float32 state of 16 for each of 8,192 channels, 3 conv inputs
+        assert device.kv_bytes_per_token == 4 * 8 * 128 * 2 * 2
+        assert {p.state_bytes_per_seq for p in plan.pools.values()} == {28 * (8192 * 3 * 2 + 8192 * 16 * 4)}
     assert all(p.max_num_seqs >= 1 for p in plan.pools.values())
     if kv == "float8_e4m3fn":   # the same file with a bfloat16 cache: half the blocks
         data["devices"][next(iter(data["devices"]))]["kv_cache_dtype"] = "auto"

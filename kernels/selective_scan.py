@@ -1,0 +1,56 @@
+"""Mamba-1's selective scan (the state space of Jamba's Mamba layers), in torch: the CPU path and the yardstick for a
+fused kernel. The causal convolution before it is `kernels.gated_delta.causal_conv`.
+
+Each channel c of a sequence carries a state h_c [d_state] (float32). For each token t, with dt_t,c the channel's
+step (after softplus) and A_c = -exp(A_log_c) [d_state] < 0:
+
+    h_c = exp(dt_t,c A_c) * h_c + dt_t,c B_t x_t,c          (B_t, C_t: [d_state], shared by the channels)
+    y_t,c = C_t . h_c + D_c x_t,c
+
+Unlike Mamba-2's (`kernels.ssd`), the decay differs per state entry, so the scan has no chunked matrix form short of
+a [chunk, chunk, channels, d_state] tensor: `scan` runs the recurrence token by token (transformers' and mamba_ssm's
+reference order of products), over pieces of `PIECE` tokens whose decays and inputs it makes at once. `step` runs one
+token of many sequences (decode).
+"""
+
+from __future__ import annotations
+
+import torch
+
+PIECE = 256   # tokens whose [tokens, channels, d_state] decays and inputs are held at once
+
+
+def step(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: torch.Tensor,
+         ssm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of each of many sequences.
+
+    x: [num_seqs, channels]; dt: [num_seqs, channels] float32 (after softplus); A: [channels, d_state] float32; D:
+    [channels]; B, C: [num_seqs, d_state]; ssm: [num_seqs, channels, d_state] float32 -> (y [num_seqs, channels]
+    float32, the new states)."""
+    decay, inputs = _discretized(x, dt, A, B)
+    state = ssm * decay + inputs
+    return (state * C.float()[:, None, :]).sum(-1) + D.float() * x.float(), state
+
+
+def scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: torch.Tensor,
+         ssm: torch.Tensor, piece: int = PIECE) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's new tokens, from its state.
+
+    x: [num_tokens, channels]; dt: [num_tokens, channels] float32; A: [channels, d_state]; D: [channels]; B, C:
+    [num_tokens, d_state]; ssm: [channels, d_state] float32 -> (y [num_tokens, channels] float32, the state after
+    the last token)."""
+    outs = []
+    for start in range(0, x.shape[0], piece):
+        part = slice(start, start + piece)
+        decay, states = _discretized(x[part], dt[part], A, B[part])   # states: the inputs, then each token's state
+        for t in range(states.shape[0]):
+            ssm = torch.addcmul(states[t], decay[t], ssm, out=states[t])
+        outs.append(torch.einsum("tcn,tn->tc", states, C[part].float()))
+    return torch.cat(outs) + D.float() * x.float(), ssm.clone()
+
+
+def _discretized(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(exp(dt A) [..., channels, d_state], dt B x [..., channels, d_state]), float32."""
+    decay = torch.exp(dt[..., None] * A.float())
+    return decay, dt[..., None] * B.float()[..., None, :] * x.float()[..., None]
