@@ -9,8 +9,9 @@ step (after softplus) and A_c = -exp(A_log_c) [d_state] < 0:
 
 Unlike Mamba-2's (`kernels.ssd`), the decay differs per state entry, so the scan has no chunked matrix form short of
 a [chunk, chunk, channels, d_state] tensor: `scan` runs the recurrence token by token (transformers' and mamba_ssm's
-reference order of products), over pieces of `PIECE` tokens whose decays and inputs it makes at once. `step` runs one
-token of many sequences (decode).
+reference order of products), over pieces of `PIECE` tokens whose decays and inputs it makes at once; on CUDA the
+Triton kernel runs that recurrence in one launch (`kernels.triton_selective_scan`). `step` runs one token of many
+sequences (decode): a few elementwise ops, captured in decode graphs.
 """
 
 from __future__ import annotations
@@ -38,7 +39,11 @@ def scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C:
 
     x: [num_tokens, channels]; dt: [num_tokens, channels] float32; A: [channels, d_state]; D: [channels]; B, C:
     [num_tokens, d_state]; ssm: [channels, d_state] float32 -> (y [num_tokens, channels] float32, the state after
-    the last token)."""
+    the last token). On CUDA the Triton kernel (`kernels.triton_selective_scan`: one launch, not one a token)."""
+    if x.is_cuda:
+        from kernels.triton_selective_scan import scan as triton_scan
+
+        return triton_scan(x, dt, A, B, C, D, ssm)
     outs = []
     for start in range(0, x.shape[0], piece):
         part = slice(start, start + piece)

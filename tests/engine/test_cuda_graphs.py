@@ -298,19 +298,22 @@ HYBRIDS = {"qwen3_5": {}, "qwen3_next": dict(num_experts=4, num_experts_per_tok=
            "granitemoehybrid": dict(layer_types=["mamba", "attention", "mamba"], num_hidden_layers=3,
                                     num_local_experts=0, mamba_n_heads=4, mamba_d_state=16, mamba_n_groups=2),
            "nemotron_h": dict(layers_block_type=["linear_attention", "mlp", "full_attention", "linear_attention"],
-                              head_dim=16, mamba_num_heads=4, mamba_head_dim=32, ssm_state_size=16, n_groups=2)}
+                              head_dim=16, mamba_num_heads=4, mamba_head_dim=32, ssm_state_size=16, n_groups=2),
+           "jamba": dict(num_hidden_layers=3, attn_layer_period=3, attn_layer_offset=1, num_experts=1,
+                         mamba_d_state=8, mamba_dt_rank=8)}
+OWN_SHAPES = ("granitemoehybrid", "nemotron_h", "jamba")   # the rest are Qwen3.5's layers
 
 
 @pytest.mark.parametrize("arch", list(HYBRIDS))
 def test_a_hybrid_models_decode_graphs_keep_each_sequences_state(tmp_path, builtin_path, monkeypatch, arch):
-    """Qwen3.5's linear-attention layers (and Granite 4-H's Mamba-2 ones) gather each sequence's state by its row of
-    the persistent batch and scatter it back, on the device: decode steps replay (batches of 3, 2 and 1: padded rows,
-    whose writes land in the states' padding row), prefills run eagerly between them, and greedy tokens equal the
-    eager run's, a sequence resumed from a kept prefix state too (copied into its row before the replay); the states
-    stay where the graphs read them (a row past them is refused, not reallocated)."""
+    """Qwen3.5's linear-attention layers (and Granite 4-H's Mamba-2 ones, Jamba's Mamba-1) gather each sequence's state
+    by its row of the persistent batch and scatter it back, on the device: decode steps replay (batches of 3, 2 and 1:
+    padded rows, whose writes land in the states' padding row), prefills run eagerly between them, and greedy tokens
+    equal the eager run's, a sequence resumed from a kept prefix state too (copied into its row before the replay);
+    the states stay where the graphs read them (a row past them is refused, not reallocated)."""
     from tests.engine.test_engine_vs_hf import QWEN3_5
 
-    overrides = HYBRIDS[arch] if arch in ("granitemoehybrid", "nemotron_h") else {**QWEN3_5, **HYBRIDS[arch]}
+    overrides = HYBRIDS[arch] if arch in OWN_SHAPES else {**QWEN3_5, **HYBRIDS[arch]}
     path = make_tiny_model(tmp_path / arch, arch, builtin_path, **overrides)
     prompts, params = _three_decoders(11)
     results = {}
@@ -333,13 +336,14 @@ def test_a_hybrid_models_decode_graphs_keep_each_sequences_state(tmp_path, built
 @pytest.mark.parametrize("arch", list(HYBRIDS))
 def test_on_cuda_a_hybrid_models_greedy_tokens_are_the_same_with_graphs_and_without(tmp_path, builtin_path, arch):
     """The real thing for the models with state layers (Qwen3.5's Gated DeltaNet, Qwen3-Next's experts beside them,
-    Granite 4-H's Mamba-2, Nemotron-H's blocks): CUDA graphs captured at start against `enforce_eager`, in bfloat16,
-    six requests decoding together (padded batches) and finishing at different steps."""
+    Granite 4-H's Mamba-2, Nemotron-H's blocks, Jamba's Mamba-1 and its Triton scan): CUDA graphs captured at start
+    against `enforce_eager`, in bfloat16, six requests decoding together (padded batches) and finishing at different
+    steps."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     from tests.engine.test_engine_vs_hf import QWEN3_5
 
-    overrides = HYBRIDS[arch] if arch in ("granitemoehybrid", "nemotron_h") else {**QWEN3_5, **HYBRIDS[arch]}
+    overrides = HYBRIDS[arch] if arch in OWN_SHAPES else {**QWEN3_5, **HYBRIDS[arch]}
     path = make_tiny_model(tmp_path / arch, arch, builtin_path, **overrides)
     rng = random.Random(13)
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (5, 70, 30, 3, 41, 9)]
