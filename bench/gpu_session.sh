@@ -40,7 +40,8 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFL
 PY=${PY:-python3}
 CLI="$PY -m gateway.cli"
 # A device call is at most 600 s: the default steps (GPU_STEPS unset) are the first call's; the second call is
-# GPU_STEPS="sync eager engine_fp8 hostcost moe kernels_mla dsa", a third (if time is left) GPU_STEPS="sliding prefix".
+# GPU_STEPS="sync eager engine_fp8 hostcost moe kernels_mla dsa mamba", a third (if time is left)
+# GPU_STEPS="sliding prefix".
 # Each step is killed past STEP_TIMEOUT seconds
 # (default 300; simulate, chaos and isolation 540, so run each of those alone): a hung step costs its own time, not
 # the call's.
@@ -72,7 +73,7 @@ for what in ${GPU_STEPS:-tests kernels kernels_fp8 fp8 engine}; do
     tests)   CLIFFGUARD_BUILTIN_DIR=${CLIFFGUARD_BUILTIN_DIR:-$PWD/.gpu/smollm2} TRITON_INTERPRET=0 step gpu_tests $PY -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_triton.py \
                tests/kernels/test_triton_prefill.py tests/kernels/test_triton_fused.py tests/kernels/test_triton_moe.py \
                tests/kernels/test_triton_dsa.py tests/kernels/test_triton_fp8_gemm.py \
-               tests/kernels/test_triton_int4_gemm.py \
+               tests/kernels/test_triton_int4_gemm.py tests/kernels/test_selective_scan.py \
                tests/engine/test_sampling.py \
                tests/engine/test_cuda_graphs.py tests/engine/test_overlap.py tests/engine/test_prompt_logprobs.py \
                tests/engine/test_sliding_kv.py \
@@ -87,6 +88,7 @@ for what in ${GPU_STEPS:-tests kernels kernels_fp8 fp8 engine}; do
                --skip-hf --enforce-eager ;;
     kvcache) if [ -n "${KVCACHE_MODEL:-}" ]; then step bench_kvcache $CLI bench kvcache --device cuda --max-tokens 32 \
                --model "$KVCACHE_MODEL"; else echo "=== kvcache: skipped (KVCACHE_MODEL unset: real weights needed)"; fi ;;
+    mamba)   step bench_mamba $CLI bench mamba --device cuda --tokens 1024,4096,16384 ;;
     dsa)     step bench_dsa $CLI bench dsa --device cuda --batch 8 --context 32768
              step bench_dsa_long $CLI bench dsa --device cuda --batch 8 --context 131072 ;;
     fp8)     step bench_fp8 $CLI bench fp8 --device cuda

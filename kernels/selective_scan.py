@@ -44,6 +44,12 @@ def scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C:
         from kernels.triton_selective_scan import scan as triton_scan
 
         return triton_scan(x, dt, A, B, C, D, ssm)
+    return recurrence(x, dt, A, B, C, D, ssm, piece)
+
+
+def recurrence(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: torch.Tensor,
+               ssm: torch.Tensor, piece: int = PIECE) -> tuple[torch.Tensor, torch.Tensor]:
+    """`scan` in torch on any device: the recurrence token by token, a piece's decays and inputs made at once."""
     outs = []
     for start in range(0, x.shape[0], piece):
         part = slice(start, start + piece)

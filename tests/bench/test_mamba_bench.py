@@ -1,0 +1,42 @@
+"""`cliffguard bench mamba` on short prefills: what it reports, with the Triton kernel through the interpreter, and bad
+options named."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+
+import pytest  # noqa: E402
+
+from bench import mamba  # noqa: E402
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    mamba.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_it_times_the_recurrence_and_the_kernel_and_checks_the_kernel(capsys):
+    pytest.importorskip("triton")
+    args = _parse("--device", "cpu", "--dtype", "float32", "--tokens", "3,17", "--channels", "40", "--d-state", "12",
+                  "--repeats", "1", "--json")
+    assert mamba.run(args) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["tokens"], r["channels"], r["d_state"]) for r in rows] == [(3, 40, 12), (17, 40, 12)]
+    for row in rows:
+        assert row["recurrence_ms"] > 0 and row["triton_ms"] > 0
+        assert row["triton_speedup"] == pytest.approx(row["recurrence_ms"] / row["triton_ms"])
+        assert row["recurrence_tokens_per_s"] == pytest.approx(row["tokens"] / row["recurrence_ms"] * 1e3)
+        assert row["max_rel_diff"] < 1e-5   # the kernel against the recurrence
+
+
+@pytest.mark.parametrize("option,value", [("--tokens", "0"), ("--channels", "0"), ("--d-state", "-1"),
+                                          ("--repeats", "0")])
+def test_bad_sizes_are_named(option, value):
+    with pytest.raises(ValueError, match=f"^{option}:"):
+        mamba.run(_parse("--device", "cpu", option, value))
