@@ -1,11 +1,13 @@
-"""Mamba-1 layers' shape (`Mamba1Shape`) and Jamba's config.json fields (`jamba_fields`: transformers' `JambaConfig`
-names and defaults).
+"""Mamba-1 layers' shape (`Mamba1Shape`), Jamba's config.json fields (`jamba_fields`: transformers' `JambaConfig` names
+and defaults), and those of Mamba and FalconMamba, models of Mamba-1 layers alone (`mamba_config`, `mamba_fields`).
 
 A Mamba-1 layer (the selective state space of AI21's Jamba; `engine.layers.mamba1`) keeps, per sequence, the causal
 convolution's last `conv_kernel - 1` inputs and a float32 state of `d_state` per channel of its `intermediate_size`
 (`mamba_expand` x hidden_size): unlike Mamba-2's, its decay is a matrix (a rate per channel and state entry) and
 dt is made per channel from a low-rank projection (`dt_rank`) of the convolution's output. Jamba's layers norm
-dt's low-rank input, B and C (RMSNorms with weights) before the scan. What we do not serve is refused naming the key.
+dt's low-rank input, B and C (RMSNorms with weights) before the scan, FalconMamba's without weights. A model without
+attention layers keeps no K/V: its pools plan blocks that hold no bytes and sequences by their state alone. What we
+do not serve is refused naming the key.
 """
 
 from __future__ import annotations
@@ -18,13 +20,17 @@ from engine.config import ConfigError
 from engine.config_values import read_bool, read_float, read_int
 from engine.mamba_config import state_bytes
 
+# how dt's low-rank input, B and C are normed before the scan: RMSNorms with weights (Jamba's), without (FalconMamba's),
+# not at all (Mamba's)
+BCDT_NORMS = ("weighted", "weightless", "none")
+
 
 @dataclass(frozen=True)
 class Mamba1Shape:
     """One Mamba-1 layer's shape: `intermediate_size` channels (this rank's share under tensor parallelism, of
     `full_size`), a state of `d_state` per channel, the causal convolution's `conv_kernel` taps over x (with a bias
     where `conv_bias`), dt from a projection of rank `dt_rank`, in_proj and out_proj biased where `proj_bias`;
-    dt's input, B and C RMS-normed with weights (eps `norm_eps`) where `bcdt_norms` (Jamba's)."""
+    dt's input, B and C RMS-normed (eps `norm_eps`) as `bcdt_norms` says (`BCDT_NORMS`)."""
 
     intermediate_size: int
     d_state: int
@@ -32,13 +38,15 @@ class Mamba1Shape:
     dt_rank: int
     conv_bias: bool = True
     proj_bias: bool = False
-    bcdt_norms: bool = True
+    bcdt_norms: str = "weighted"
     norm_eps: float = 1e-6
     full_size: int = 0   # the whole layer's channels (0: `intermediate_size`, one rank)
 
     def __post_init__(self) -> None:
-        if self.conv_kernel < 2:
-            raise ConfigError(f"mamba_d_conv: must be >= 2, got {self.conv_kernel}")
+        if self.conv_kernel < 2:   # the readers refuse it naming their key
+            raise ValueError(f"conv_kernel: must be >= 2, got {self.conv_kernel}")
+        if self.bcdt_norms not in BCDT_NORMS:
+            raise ValueError(f"bcdt_norms: one of {', '.join(BCDT_NORMS)}, got {self.bcdt_norms!r}")
 
     @property
     def ranks(self) -> int:
@@ -72,7 +80,7 @@ class Mamba1Shape:
         projections = 2 * i * h + i * (r + 2 * n) + r * i + i + i * h
         biases = (2 * i + h) if self.proj_bias else 0
         conv = i * self.conv_kernel + (i if self.conv_bias else 0)
-        return projections + biases + conv + i * n + i + ((r + 2 * n) if self.bcdt_norms else 0)
+        return projections + biases + conv + i * n + i + ((r + 2 * n) if self.bcdt_norms == "weighted" else 0)
 
     def state_bytes(self, itemsize: int) -> int:
         return state_bytes(self, itemsize)
@@ -95,7 +103,8 @@ def jamba_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
     hidden = read_int(cfg, "hidden_size")
     rank = cfg.get("mamba_dt_rank", "auto")
     shape = Mamba1Shape(intermediate_size=read_int(cfg, "mamba_expand", 2) * hidden,
-                        d_state=read_int(cfg, "mamba_d_state", 16), conv_kernel=read_int(cfg, "mamba_d_conv", 4),
+                        d_state=read_int(cfg, "mamba_d_state", 16),
+                        conv_kernel=read_int(cfg, "mamba_d_conv", 4, minimum=2),
                         dt_rank=math.ceil(hidden / 16) if rank == "auto" else read_int(cfg, "mamba_dt_rank"),
                         conv_bias=read_bool(cfg, "mamba_conv_bias", True),
                         proj_bias=read_bool(cfg, "mamba_proj_bias", False),
@@ -117,3 +126,50 @@ def _period(cfg: dict[str, Any], key: str, period: int, offset: int) -> tuple[in
     if offset >= period:
         raise ConfigError(f"{key}_offset: {offset} must be below {key}_period {period}")
     return period, offset
+
+
+# models of Mamba-1 layers alone, each a pre-norm residual step around its mixer: no attention, no MLP
+MAMBA_ARCHITECTURES = ("MambaForCausalLM", "FalconMambaForCausalLM")
+
+
+def mamba_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Mamba's and FalconMamba's config.json (transformers' `MambaConfig` / `FalconMambaConfig` names: `state_size`,
+    `conv_kernel`, `layer_norm_epsilon`; the channels `intermediate_size`, else `expand` x hidden_size; a tied head by
+    default) under the Llama reading's names. A model
+    without attention names its channels as heads of 2 (`num_attention_heads`, `intermediate_size`: no attention
+    layer or MLP is built from them), so the checks that a tensor-parallel size divides the heads and the MLP check
+    that it divides the Mamba channels."""
+    channels = read_int(cfg, "intermediate_size") if cfg.get("intermediate_size") is not None else \
+        read_int(cfg, "expand", 2) * read_int(cfg, "hidden_size")   # transformers: the key where given
+    return {**cfg, "num_attention_heads": channels, "num_key_value_heads": channels, "head_dim": 2,
+            "intermediate_size": channels, "rms_norm_eps": read_float(cfg, "layer_norm_epsilon", 1e-5),
+            "tie_word_embeddings": read_bool(cfg, "tie_word_embeddings", True)}
+
+
+def mamba_fields(cfg: dict[str, Any], num_layers: int, norms: str = "none") -> dict[str, Any]:
+    """Every layer Mamba-1 (`state_size` 16, `conv_kernel` 4, `expand` 2, `time_step_rank` "auto": ceil(hidden /
+    16), in_proj and out_proj biased where `use_bias`, the convolution where `use_conv_bias`); dt's input, B and C
+    normed as `norms` says (FalconMamba: without weights, eps `mixer_rms_eps`)."""
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"hidden_act: Mamba's layers are served with silu only, got {cfg['hidden_act']!r}")
+    hidden = read_int(cfg, "hidden_size")
+    rank = cfg.get("time_step_rank", "auto")
+    shape = Mamba1Shape(intermediate_size=read_int(cfg, "intermediate_size"), d_state=read_int(cfg, "state_size", 16),
+                        conv_kernel=read_int(cfg, "conv_kernel", 4, minimum=2),
+                        dt_rank=math.ceil(hidden / 16) if rank == "auto" else read_int(cfg, "time_step_rank"),
+                        conv_bias=read_bool(cfg, "use_conv_bias", True), proj_bias=read_bool(cfg, "use_bias", False),
+                        bcdt_norms=norms, norm_eps=read_float(cfg, "mixer_rms_eps", 1e-6))
+    return {"layer_types": ("linear_attention",) * num_layers, "state_layers": shape}
+
+
+def falcon_mamba_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    return mamba_fields(cfg, num_layers, "weightless")
+
+
+def mamba_params(config: Any, channels: int, vocab_rows: int) -> int:
+    """Parameters of one rank of a Mamba model holding `channels` of each layer's: each layer's norm and mixer, the
+    embedding, the final norm and an untied head."""
+    shape = config.state_layers.per_rank(config.state_layers.intermediate_size // channels)
+    h = config.hidden_size
+    return vocab_rows * h * (1 if config.tie_word_embeddings else 2) + config.num_layers * (
+        h + shape.num_params(h)) + h

@@ -129,13 +129,13 @@ def check_tensor_parallel(model: ModelConfig, size: int, key: str = "tensor_para
     heads and the MLP's intermediate size, and divide the KV heads or be a multiple of them."""
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise ConfigError(f"{key}: must be an integer >= 1, got {size!r}")
+    if model.state_shape is not None and (why := model.state_shape.split_error(size)):   # Qwen3.5's, Granite 4-H's
+        raise ConfigError(f"{key}: {why}")   # first: a model of state layers alone names its channels as heads
     if heads := next((n for n in (model.num_heads, *(model.laguna.heads if model.laguna else ())) if n % size), 0):
         raise ConfigError(f"{key}: {size} does not divide the model's {heads} attention heads")   # Laguna's: a layer's
     for kv_heads in {model.layer_kv_shape(layer)[0] for layer in model.kv_layers}:   # Gemma 4's: two counts
         if kv_heads % size and size % kv_heads:
             raise ConfigError(f"{key}: {size} neither divides nor is a multiple of the model's {kv_heads} KV heads")
-    if model.state_shape is not None and (why := model.state_shape.split_error(size)):   # Qwen3.5's, Granite 4-H's
-        raise ConfigError(f"{key}: {why}")
     for name in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
         if getattr(model, name) % size:
             raise ConfigError(f"{key}: {size} does not divide the model's {name} {getattr(model, name)}"

@@ -1,4 +1,5 @@
-"""Mamba-1, the state layer of Jamba (`JambaForCausalLM`'s `mamba` layers), over the per-sequence states of
+"""Mamba-1, the state layer of Jamba (`JambaForCausalLM`'s `mamba` layers) and of Mamba and FalconMamba (every layer's
+mixer: `engine.models.mamba`), over the per-sequence states of
 `engine.layers.gated_delta_net` (its rows plumbing: `StateMixer`; the shape: `engine.mamba1_config.Mamba1Shape`)."""
 
 from __future__ import annotations
@@ -11,6 +12,12 @@ from engine.mamba1_config import Mamba1Shape
 from engine.parallel import Collectives
 from engine.layers.gated_delta_net import RecurrentStates, StateMixer
 from kernels import AttentionMetadata, selective_scan
+
+
+def rms_normed(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x RMS-normed in float32, back in its dtype, without a weight (FalconMamba's `FalconMambaWeightlessRMSNorm`)."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 class WeightedRMSNorm(nn.Module):
@@ -28,8 +35,9 @@ class WeightedRMSNorm(nn.Module):
 
 class Mamba1Mixer(StateMixer):
     """One Mamba-1 layer, its checkpoint's names: in_proj (x, then the gate z), the causal convolution over x and
-    SiLU, x_proj (dt's low-rank input, B, C; Jamba's norms on each), dt = softplus(dt_proj(...)) per channel, the
-    selective scan (`kernels.selective_scan`) from each sequence's state with D's skip, times SiLU(z), out_proj.
+    SiLU, x_proj (dt's low-rank input, B, C; Jamba's and FalconMamba's norms on each), dt = softplus(dt_proj(...))
+    per channel, the selective scan (`kernels.selective_scan`) from each sequence's state with D's skip, times SiLU(z),
+    out_proj.
 
     Under tensor parallelism each rank holds its channels: in_proj's and dt_proj's rows, the convolution, A_log, D,
     x_proj's and out_proj's columns; x_proj's partial products are summed over the ranks (B, C and dt's input are
@@ -51,7 +59,7 @@ class Mamba1Mixer(StateMixer):
         self.dt_proj.bias = nn.Parameter(torch.empty(inter))
         self.A_log = nn.Parameter(torch.empty(inter, n))
         self.D = nn.Parameter(torch.empty(inter))
-        if s.bcdt_norms:
+        if s.bcdt_norms == "weighted":
             self.dt_layernorm = WeightedRMSNorm(r, s.norm_eps)
             self.b_layernorm = WeightedRMSNorm(n, s.norm_eps)
             self.c_layernorm = WeightedRMSNorm(n, s.norm_eps)
@@ -69,8 +77,10 @@ class Mamba1Mixer(StateMixer):
         float32, softplus."""
         s = self.shape
         low, B, C = self.comm.all_reduce(self.x_proj(x)).split([s.dt_rank, s.d_state, s.d_state], dim=-1)
-        if s.bcdt_norms:
+        if s.bcdt_norms == "weighted":
             low, B, C = self.dt_layernorm(low), self.b_layernorm(B), self.c_layernorm(C)
+        elif s.bcdt_norms == "weightless":
+            low, B, C = (rms_normed(t, s.norm_eps) for t in (low, B, C))
         dt = F.softplus(F.linear(low, self.dt_proj.weight) + self.dt_proj.bias.float())
         return dt, B, C
 

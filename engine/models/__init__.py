@@ -63,6 +63,7 @@ from engine.models.ministral3 import Ministral3ForCausalLM
 from engine.models.exaone import ExaoneForCausalLM
 from engine.models.falcon_h1 import FalconH1ForCausalLM
 from engine.models.jamba import JambaForCausalLM
+from engine.models.mamba import MambaForCausalLM
 from engine.models.granite import (BambaAttentionForCausalLM, BambaForCausalLM, GraniteForCausalLM,
                                    GraniteHybridForCausalLM, GraniteHybridMoeForCausalLM, GraniteMoeHybridForCausalLM,
                                    GraniteMoeSWAForCausalLM, GraniteSWAForCausalLM, HyperClovaxForCausalLM)
@@ -187,7 +188,9 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "MiniCPM3ForCausalLM": MiniCPM3ForCausalLM,
                                                 "GemmaForCausalLM": GemmaForCausalLM,
                                                 "VaultGemmaForCausalLM": GemmaForCausalLM,
-                                                "JambaForCausalLM": JambaForCausalLM}
+                                                "JambaForCausalLM": JambaForCausalLM,
+                                                "MambaForCausalLM": MambaForCausalLM,
+                                                "FalconMambaForCausalLM": MambaForCausalLM}
 
 
 def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:

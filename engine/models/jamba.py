@@ -17,6 +17,7 @@ from torch import nn
 
 from engine.layers import RMSNorm
 from engine.layers.mamba1 import Mamba1Mixer
+from engine.mamba1_config import Mamba1Shape
 from engine.model import MLP, Attention
 from engine.model_config import ModelConfig
 from engine.models.hybrid import MixerLayerForward, StatefulForCausalLM, cut_pieces
@@ -24,7 +25,7 @@ from engine.models.qwen3_moe import Qwen3MoeForCausalLM, with_experts
 from engine.models.smollm3 import NoRope
 from engine.parallel import Collectives, ShardShape
 
-__all__ = ["JambaForCausalLM", "JambaLayer"]
+__all__ = ["JambaForCausalLM", "JambaLayer", "mamba1_cut"]
 
 # the checkpoints' names -> ours (in order: the router before the rest of the MLP)
 _NAMES = ((".feed_forward.router.", ".mlp.gate."), (".feed_forward.", ".mlp."),
@@ -69,16 +70,22 @@ class JambaForCausalLM(StatefulForCausalLM, Qwen3MoeForCausalLM):
         return super().read_tensor(hf_name, name, tensor)
 
     def _shard_of(self, hf_name: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """A Mamba layer's part on this rank: its channels' in_proj (x and gate), convolution, dt_proj rows, A_log and
-        D, x_proj's and out_proj's columns; the norms of dt, B and C whole; the rest as Qwen3-MoE's."""
         if self.shard.size == 1 or ".mamba." not in name:
             return super()._shard_of(hf_name, name, tensor)
-        part = name.split(".mamba.")[1].split(".")[0]
-        if part.endswith("layernorm"):
-            return tensor
-        if name.endswith("out_proj.bias"):   # row-parallel: added once, after the ranks' sum
-            return tensor if self.shard.rank == 0 else torch.zeros_like(tensor)
-        inter = self.config.state_layers.intermediate_size
-        pieces = [(inter, 0, True), (inter, inter, True)] if part == "in_proj" else [(inter, 0, True)]
-        dim = 1 if part in ("x_proj", "out_proj") and name.endswith("weight") else 0
-        return cut_pieces(hf_name, tensor, dim, pieces, self.shard.rank, self.shard.size)
+        return mamba1_cut(self.config.state_layers, hf_name, name, tensor, self.shard.rank, self.shard.size)
+
+
+def mamba1_cut(shape: Mamba1Shape, hf_name: str, name: str, tensor: torch.Tensor, rank: int, size: int
+               ) -> torch.Tensor:
+    """A Mamba-1 layer's tensor `name` (`layers.N.mamba.<part>...`) on `rank` of `size`: its channels' in_proj rows
+    (x and gate), convolution, dt_proj rows, A_log and D, x_proj's and out_proj's columns (out_proj's bias on rank 0,
+    added once after the ranks' sum); the norms of dt, B and C whole."""
+    part = name.split(".mamba.")[1].split(".")[0]
+    if part.endswith("layernorm"):
+        return tensor
+    if name.endswith("out_proj.bias"):
+        return tensor if rank == 0 else torch.zeros_like(tensor)
+    inter = shape.intermediate_size
+    pieces = [(inter, 0, True), (inter, inter, True)] if part == "in_proj" else [(inter, 0, True)]
+    dim = 1 if part in ("x_proj", "out_proj") and name.endswith("weight") else 0
+    return cut_pieces(hf_name, tensor, dim, pieces, rank, size)

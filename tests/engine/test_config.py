@@ -1933,6 +1933,34 @@ def test_jamba_reads_as_transformers_does():
                                                           "head_dim": 16, "intermediate_size": 96}), 3)
 
 
+@pytest.mark.parametrize("config_class,arch", [("MambaConfig", "MambaForCausalLM"),
+                                                ("FalconMambaConfig", "FalconMambaForCausalLM")])
+def test_mamba_and_falcon_mamba_read_as_transformers_does(config_class, arch):
+    """Mamba and FalconMamba (their config classes' defaults: mamba-130m's shape): every layer Mamba-1 (1,536
+    channels, a state of 16, dt of rank 48), no attention (the KV cache holds no layer), a tied head; the parameter
+    count is transformers' model's, FalconMamba's norms of dt, B and C without weights (its dummy ones buffers there).
+    A tensor-parallel size that does not divide the channels is refused naming them; bad keys by name."""
+    transformers = pytest.importorskip("transformers")
+    hf, model = _meta_model(getattr(transformers, config_class), {"architectures": [arch]})
+    cfg = ModelConfig.from_hf_config({"architectures": [arch], **{k: getattr(hf, k) for k in (
+        "vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size", "time_step_rank")}})
+    assert cfg.num_params() == sum(p.numel() for p in model.parameters())
+    m = cfg.state_layers
+    assert (m.intermediate_size, m.d_state, m.conv_kernel, m.dt_rank, cfg.tie_word_embeddings) == \
+        (hf.intermediate_size, hf.state_size, hf.conv_kernel, hf.time_step_rank, True) == (1536, 16, 4, 48, True)
+    assert m.bcdt_norms == ("weightless" if arch.startswith("Falcon") else "none")
+    assert cfg.kv_layers == () and cfg.stateful_layers == tuple(range(hf.num_hidden_layers))
+    assert cfg.kv_bytes_per_token(torch.bfloat16) == 0 and cfg.rms_norm_eps == hf.layer_norm_epsilon == 1e-5
+    assert cfg.state_bytes_per_seq(torch.bfloat16) == 32 * (1536 * 3 * 2 + 1536 * 16 * 4)
+    check_tensor_parallel(cfg, 4)
+    with pytest.raises(ConfigError, match="^tensor_parallel_size: 5 does not divide the model's 1536 Mamba channels"):
+        check_tensor_parallel(cfg, 5)
+    small = {"architectures": [arch], "vocab_size": 1000, "hidden_size": 64, "num_hidden_layers": 2}
+    for key, value in (("conv_kernel", 1), ("state_size", 0), ("hidden_act", "gelu"), ("expand", "2")):
+        with pytest.raises(ConfigError, match=f"^{key}:"):
+            ModelConfig.from_hf_config({**small, key: value})
+
+
 def test_falcon_h1_reads_as_transformers_does():
     """Falcon-H1 (`FalconH1ForCausalLM`, FalconH1Config's defaults): every layer a parallel hybrid of attention (K/V
     in the cache) and Mamba-2 (128 heads of 8 over mamba_d_ssm 1,024, a state of 256, one group; its state per

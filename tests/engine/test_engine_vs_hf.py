@@ -416,6 +416,12 @@ TINY_MODELS = [
     ("jamba", JAMBA),
     ("jamba", {**JAMBA, "num_hidden_layers": 3, "attn_layer_period": 3, "attn_layer_offset": 2, "num_experts": 1,
                "mamba_proj_bias": True, "mamba_conv_bias": False, "mamba_d_conv": 3}),
+    # Mamba: blocks of a norm and a Mamba-1 mixer alone (160 channels: its intermediate_size; a state of 8, dt of
+    # rank 8), no attention: the KV cache holds no layer; FalconMamba: dt's input, B and C normed without weights,
+    # biased projections, no convolution bias, 3 taps
+    ("mamba", {"num_hidden_layers": 3, "state_size": 8, "time_step_rank": 8, "pad_token_id": 0}),
+    ("falcon_mamba", {"num_hidden_layers": 3, "state_size": 8, "time_step_rank": 8, "use_bias": True,
+                      "use_conv_bias": False, "conv_kernel": 3, "pad_token_id": 0}),
     # Nemotron-H: Mamba-2 blocks (B and C in 2 groups), NoPE attention blocks and squared-ReLU MLP blocks, each its own
     # pre-norm residual step, under `backbone.` names
     ("nemotron_h", {"layers_block_type": ["linear_attention", "mlp", "full_attention", "mlp", "linear_attention",
@@ -639,8 +645,9 @@ def test_tiny_random_models_match_transformers(tmp_path, monkeypatch, builtin_pa
     buffers = sum(b.numel() for name, b in hf.named_buffers()
                   if name.endswith(("e_score_correction_bias", "layer_scalar", "expert_bias")))
     assert engine.model_config.num_params() == sum(p.numel() for p in hf.parameters()) + buffers   # the plan's count
-    attn = next(layer.self_attn for layer in engine.model.layers if hasattr(layer, "self_attn"))
-    packed = isinstance(attn.o_proj, PackedLinear)
+    out = next(m for layer in engine.model.layers for name, m in layer.named_modules()   # attention's, or a mixer's
+               if name.endswith(("o_proj", "out_proj")))
+    packed = isinstance(out, PackedLinear)
     assert packed == (cpu_linear == "onednn" and torch.backends.mkldnn.is_available())
     gen = torch.Generator().manual_seed(1)
     state = arch in ("qwen3_5", "qwen3_5_moe", "qwen3_next", "nemotron_h", "olmo_hybrid", "lfm2", "lfm2_moe",

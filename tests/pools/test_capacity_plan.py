@@ -948,3 +948,31 @@ def test_an_eager_plan_fits_what_the_engine_finds_loaded(monkeypatch, arch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: ((64 << 20) - loaded, 64 << 20))
     block_bytes = device.kv_bytes_per_token_per_device * device.block_size
     check_fits_device(torch.device("cuda:0"), sum(p.num_blocks for p in plan.pools.values()), block_bytes, 0.9)
+
+
+def test_a_model_of_state_layers_alone_plans_its_sequences_by_their_state():
+    """FalconMamba 7B's shape (64 Mamba-1 layers of 8,192 channels, a state of 16 each; no attention) on an 80 GiB
+    GPU: S_KV is 0, each sequence holds its state and a prefix-cache snapshot of it (64 x (8,192 x 3 x 2 + 8,192 x
+    16 x 4) B each), max_num_seqs is a pool's budget over them, and each sequence gets the blocks of max_model_len
+    (they hold no bytes). A budget below one sequence's state is refused naming it."""
+    model = ModelConfig.from_hf_config({"architectures": ["FalconMambaForCausalLM"], "hidden_size": 4096,
+                                        "num_hidden_layers": 64, "vocab_size": 65024, "time_step_rank": 256,
+                                        "tie_word_embeddings": False})
+    assert model.kv_layers == () and model.context_length == 131_072
+    chat = {"name": "chat", "model": "falcon-mamba", "route": {"max_prompt_tokens": 4096}, "kv_share": 0.3,
+            "avg_len": 2048, "max_model_len": 8192}
+    rag = {"name": "rag", "model": "falcon-mamba", "route": {"min_prompt_tokens": 4097}, "kv_share": 0.7,
+           "avg_len": 32768}
+    data = {"devices": {"default": {"device": "cuda", "dtype": "bfloat16"}}, "pools": [chat, rag]}
+    plan = plan_capacity(parse_config(data, env={}), {"falcon-mamba": model}, vram_bytes=80 * GiB)
+    device = plan.devices["default"]
+    state = 64 * (8192 * 3 * 2 + 8192 * 16 * 4)
+    assert device.kv_bytes_per_token == 0 and device.weights_bytes == model.num_params() * 2
+    for pool in plan.pools.values():
+        assert pool.state_bytes_per_seq == pool.snapshot_bytes_per_seq == state
+        assert pool.max_num_seqs == pool.kv_cache_bytes_per_device // (2 * state) > 0
+        assert pool.num_blocks == pool.max_num_seqs * -(-pool.max_model_len // 16)
+    assert plan.pools["rag"].max_model_len == 131_072
+    data["pools"][0]["kv_share"], data["pools"][1]["kv_share"] = 0.0001, 0.9999
+    with pytest.raises(SpecError, match=r"^pools\[0\].kv_share: 0.0001 gives pool 'chat' .* less than one sequence's"):
+        plan_capacity(parse_config(data, env={}), {"falcon-mamba": model}, vram_bytes=80 * GiB)
