@@ -11,7 +11,7 @@ from typing import Any
 
 from engine.config import ConfigError
 from engine.config_values import read_bool, read_float, read_int
-from engine.mamba_config import Mamba2Shape
+from engine.mamba_config import Mamba2Shape, read_dt_limit
 
 GRANITE3_MOE = ("GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM")   # Granite 3's MoE models
 # the architectures `granite_fields` reads
@@ -114,17 +114,12 @@ def mamba2_shape(cfg: dict[str, Any], inter: int | None = None, inter_key: str =
     head_dim = inter // heads if head_dim == "auto" else read_int(cfg, "mamba_d_head")
     if head_dim * heads != inter:
         raise ConfigError(f"mamba_d_head: {head_dim} x mamba_n_heads {heads} is not {inter_key} {inter}")
-    limit = cfg.get("time_step_limit") or (0.0, float("inf"))
-    if isinstance(limit, (list, tuple)):   # transformers 5 writes infinity as {"__float__": "Infinity"}
-        limit = [float(v["__float__"]) if isinstance(v, dict) and v.get("__float__") in ("Infinity", "-Infinity")
-                 else v for v in limit]
-    if not isinstance(limit, (list, tuple)) or len(limit) != 2 or not all(isinstance(v, (int, float)) for v in limit):
-        raise ConfigError(f"time_step_limit: two numbers (the least and the most dt), got {limit!r:.40}")
+    limit = read_dt_limit(cfg)
     return Mamba2Shape(num_heads=heads, head_dim=head_dim, d_state=read_int(cfg, "mamba_d_state", 256),
                        n_groups=read_int(cfg, "mamba_n_groups", 1), conv_kernel=read_int(cfg, "mamba_d_conv", 4),
                        conv_bias=read_bool(cfg, "mamba_conv_bias", True),
                        proj_bias=read_bool(cfg, "mamba_proj_bias", False),
-                       dt_limit=(float(limit[0]), float(limit[1])))
+                       dt_limit=limit)
 
 
 def bamba_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:

@@ -129,7 +129,7 @@ def _period(cfg: dict[str, Any], key: str, period: int, offset: int) -> tuple[in
 
 
 # models of Mamba-1 layers alone, each a pre-norm residual step around its mixer: no attention, no MLP
-MAMBA_ARCHITECTURES = ("MambaForCausalLM", "FalconMambaForCausalLM")
+MAMBA_ARCHITECTURES = ("MambaForCausalLM", "FalconMambaForCausalLM", "Mamba2ForCausalLM")   # Mamba-2's: mamba_config
 
 
 def mamba_config(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -166,10 +166,11 @@ def falcon_mamba_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
     return mamba_fields(cfg, num_layers, "weightless")
 
 
-def mamba_params(config: Any, channels: int, vocab_rows: int) -> int:
-    """Parameters of one rank of a Mamba model holding `channels` of each layer's: each layer's norm and mixer, the
-    embedding, the final norm and an untied head."""
-    shape = config.state_layers.per_rank(config.state_layers.intermediate_size // channels)
+def mamba_params(config: Any, heads: int, vocab_rows: int) -> int:
+    """Parameters of one rank of a model of Mamba layers alone holding `heads` of the config's (its channels, or its
+    Mamba-2 heads: `mamba_config`, `engine.mamba_config.mamba2_config`): each layer's norm and mixer, the embedding,
+    the final norm and an untied head."""
+    shape = config.state_shape.per_rank(config.num_heads // heads)
     h = config.hidden_size
     return vocab_rows * h * (1 if config.tie_word_embeddings else 2) + config.num_layers * (
         h + shape.num_params(h)) + h

@@ -1,5 +1,6 @@
 """Mamba-2 layers' shape (Granite 4's -H models, `engine.granite_config`; Nemotron-H, `engine.nemotron_h_config`;
-Falcon-H1, `engine.falcon_h1_config`), and the bytes of a state layer's per-sequence state (Mamba-2's, Gated
+Falcon-H1, `engine.falcon_h1_config`; Mamba2, a model of Mamba-2 layers alone: `mamba2_config`, `mamba2_fields`), and
+the bytes of a state layer's per-sequence state (Mamba-2's, Gated
 DeltaNet's: `engine.gated_delta_config`; Mamba-1's: `engine.mamba1_config`)."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from engine.config import ConfigError
+from engine.config_values import read_bool, read_float, read_int
 
 SSM_STATE_BYTES = 4   # the recurrent state is float32 whatever the model's dtype: it sums every token of a sequence
 # how the gate z joins the scan's output y: RMSNorm(y x SiLU(z)) per group (Granite's, Nemotron-H's, Bamba's),
@@ -108,3 +110,43 @@ def state_bytes(shape: Any, itemsize: int) -> int:
     bytes) and the float32 recurrent state."""
     conv, ssm = shape.conv_state_shape, shape.ssm_state_shape
     return math.prod(conv) * itemsize + math.prod(ssm) * SSM_STATE_BYTES
+
+
+def read_dt_limit(cfg: dict[str, Any]) -> tuple[float, float]:
+    """`time_step_limit`: the least and the most dt of a prefill's scan ((0, inf) where absent or null)."""
+    limit = cfg.get("time_step_limit") or (0.0, float("inf"))
+    if isinstance(limit, (list, tuple)):   # transformers 5 writes infinity as {"__float__": "Infinity"}
+        limit = [float(v["__float__"]) if isinstance(v, dict) and v.get("__float__") in ("Infinity", "-Infinity")
+                 else v for v in limit]
+    if not isinstance(limit, (list, tuple)) or len(limit) != 2 or \
+            not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in limit):
+        raise ConfigError(f"time_step_limit: two numbers (the least and the most dt), got {limit!r:.40}")
+    return float(limit[0]), float(limit[1])
+
+
+def mamba2_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Mamba2's config.json (transformers' `Mamba2Config`: Mamba-Codestral-7B, mamba2-130m to -2.7b) under the Llama
+    reading's names: its Mamba heads (`num_heads`, 128, of `head_dim`, 64) named as the heads (no attention is built
+    from them: the tensor-parallel checks check them), `expand` (2) x hidden_size its MLP width, `layer_norm_epsilon`
+    its norms' eps; an untied head by default."""
+    heads, hidden = read_int(cfg, "num_heads", 128), read_int(cfg, "hidden_size")
+    return {**cfg, "num_attention_heads": heads, "num_key_value_heads": heads,
+            "head_dim": read_int(cfg, "head_dim", 64), "intermediate_size": read_int(cfg, "expand", 2) * hidden,
+            "rms_norm_eps": read_float(cfg, "layer_norm_epsilon", 1e-5)}
+
+
+def mamba2_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """Every layer Mamba-2 (`num_heads` x `head_dim` = `expand` x hidden_size, a state of `state_size` (128) per head
+    channel, B and C in `n_groups` (8), `conv_kernel` (4) taps, biases where `use_conv_bias` / `use_bias`, dt clamped
+    to `time_step_limit` in a prefill), its gate joining through the grouped norm, gate first."""
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"hidden_act: Mamba2's layers are served with silu only, got {cfg['hidden_act']!r}")
+    heads, head_dim = read_int(cfg, "num_heads", 128), read_int(cfg, "head_dim", 64)
+    if heads * head_dim != cfg["intermediate_size"]:
+        raise ConfigError(f"head_dim: {head_dim} x num_heads {heads} is not expand x hidden_size "
+                          f"{cfg['intermediate_size']}")
+    shape = Mamba2Shape(num_heads=heads, head_dim=head_dim, d_state=read_int(cfg, "state_size", 128),
+                        n_groups=read_int(cfg, "n_groups", 8), conv_kernel=read_int(cfg, "conv_kernel", 4, minimum=2),
+                        conv_bias=read_bool(cfg, "use_conv_bias", True), proj_bias=read_bool(cfg, "use_bias", False),
+                        dt_limit=read_dt_limit(cfg))
+    return {"layer_types": ("linear_attention",) * num_layers, "mamba": shape}

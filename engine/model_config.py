@@ -67,7 +67,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
                            "GPTBigCodeForCausalLM", "GPT2LMHeadModel", "OPTForCausalLM", "FlexOlmoForCausalLM",
                            "NanoChatForCausalLM", "DbrxForCausalLM", "MiniCPM3ForCausalLM",
                            "GemmaForCausalLM", "VaultGemmaForCausalLM", "JambaForCausalLM",
-                           "MambaForCausalLM", "FalconMambaForCausalLM")
+                           "MambaForCausalLM", "FalconMambaForCausalLM", "Mamba2ForCausalLM")
 # their attention bias: q/k/v's, not o_proj's
 QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM", "GlmForCausalLM",
                  "StableLmForCausalLM", "HeliumForCausalLM")

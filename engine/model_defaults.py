@@ -162,7 +162,8 @@ DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32_768, "
                          "NanoChatForCausalLM": 2048, "DbrxForCausalLM": 2048,
                          "MiniCPM3ForCausalLM": 32_768, "JambaForCausalLM": 262_144,
                          # models of state layers alone hold any length: the engine's default, a RAG pool's
-                         "MambaForCausalLM": 131_072, "FalconMambaForCausalLM": 131_072}
+                         "MambaForCausalLM": 131_072, "FalconMambaForCausalLM": 131_072,
+                         "Mamba2ForCausalLM": 131_072}
 # (activation, architecture): the ungated MLPs' activations past `model_config.SUPPORTED_ACTIVATIONS`, each served by
 # its family's model alone
 OWN_ACTIVATIONS = {("xielu", "ApertusForCausalLM"), ("relu2", "ArceeForCausalLM"), ("relu2", "Jais2ForCausalLM"),

@@ -166,7 +166,8 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
            "opt": transformers.OPTConfig, "flex_olmo": transformers.FlexOlmoConfig,
            "nanochat": transformers.NanoChatConfig, "dbrx": transformers.DbrxConfig,
            "minicpm3": transformers.MiniCPM3Config, "jamba": transformers.JambaConfig,
-           "mamba": transformers.MambaConfig, "falcon_mamba": transformers.FalconMambaConfig}[arch]
+           "mamba": transformers.MambaConfig, "falcon_mamba": transformers.FalconMambaConfig,
+           "mamba2": transformers.Mamba2Config}[arch]
     config = cls(**common)
     if arch == "mistral4":   # transformers maps Mistral4Config to no causal LM class (only its pretraining one)
         transformers.AutoModelForCausalLM.register(transformers.Mistral4Config, transformers.Mistral4ForCausalLM,

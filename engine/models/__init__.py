@@ -190,7 +190,8 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "VaultGemmaForCausalLM": GemmaForCausalLM,
                                                 "JambaForCausalLM": JambaForCausalLM,
                                                 "MambaForCausalLM": MambaForCausalLM,
-                                                "FalconMambaForCausalLM": MambaForCausalLM}
+                                                "FalconMambaForCausalLM": MambaForCausalLM,
+                                                "Mamba2ForCausalLM": MambaForCausalLM}
 
 
 def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:

@@ -27,6 +27,7 @@ from torch import nn
 from engine.layers import RMSNorm, RopeRows, RotaryEmbedding
 from engine.layers.gated_delta_net import RecurrentStates
 from engine.layers.mamba2 import Mamba2Mixer
+from engine.mamba_config import Mamba2Shape
 from engine.model import DecoderLayer, LlamaForCausalLM, WeightLoadError
 from engine.models.hybrid import StatefulForCausalLM, cut_pieces
 from engine.models.phi3 import partial_rotary_rows
@@ -35,7 +36,7 @@ from engine.models.smollm3 import NoRope, layer_rotary
 from kernels import AttentionMetadata
 
 __all__ = ["BambaAttentionForCausalLM", "BambaForCausalLM", "GraniteForCausalLM", "GraniteHybridForCausalLM",
-           "GraniteHybridMoeForCausalLM", "GraniteMoeHybridForCausalLM", "HyperClovaxForCausalLM"]
+           "GraniteHybridMoeForCausalLM", "GraniteMoeHybridForCausalLM", "HyperClovaxForCausalLM", "mamba2_cut"]
 
 
 class GraniteDecoderLayer(DecoderLayer):
@@ -158,17 +159,24 @@ class GraniteHybridForCausalLM(StatefulForCausalLM, GraniteMoeHybridForCausalLM)
         groups' B and C (each rank all of one group where there is one); the rest as Granite 4's."""
         if self.shard.size == 1 or ".mamba." not in name:
             return super()._shard_of(hf_name, name, tensor)
-        s, inter, rank = self.config.mamba, self.config.mamba.intermediate_size, self.shard.rank
-        if name.endswith("out_proj.bias"):   # row-parallel: added once, after the ranks' sum
-            return tensor if rank == 0 else torch.zeros_like(tensor)
-        groups, heads = s.n_groups * s.d_state, [(s.num_heads, 0, True)]
-        split = s.n_groups % self.shard.size == 0   # else one group, whole on every rank
-        xbc = [(inter, 0, True), (groups, inter, split), (groups, inter + groups, split)]
-        rows = [(inter, 0, True)] + [(n, inter + o, sp) for n, o, sp in xbc] + [(s.num_heads, inter + s.conv_dim, True)]
-        parts = {"in_proj": (0, rows), "conv1d": (0, xbc), "dt_bias": (0, heads), "A_log": (0, heads),
-                 "D": (0, heads), "norm": (0, [(inter, 0, True)]), "out_proj": (1, [(inter, 0, True)])}
-        dim, pieces = parts[name.split(".mamba.")[1].split(".")[0]]
-        return cut_pieces(hf_name, tensor, dim, pieces, rank, self.shard.size)
+        return mamba2_cut(self.config.mamba, hf_name, name, tensor, self.shard.rank, self.shard.size)
+
+
+def mamba2_cut(s: Mamba2Shape, hf_name: str, name: str, tensor: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """A Mamba-2 layer's tensor `name` (`layers.N.mamba.<part>...`) on `rank` of `size`: its heads' gate, x, dt rows
+    and parameters and out_proj columns (out_proj's bias on rank 0, added once after the ranks' sum), its groups' B
+    and C (each rank all of one group where there is one)."""
+    inter = s.intermediate_size
+    if name.endswith("out_proj.bias"):
+        return tensor if rank == 0 else torch.zeros_like(tensor)
+    groups, heads = s.n_groups * s.d_state, [(s.num_heads, 0, True)]
+    split = s.n_groups % size == 0   # else one group, whole on every rank
+    xbc = [(inter, 0, True), (groups, inter, split), (groups, inter + groups, split)]
+    rows = [(inter, 0, True)] + [(n, inter + o, sp) for n, o, sp in xbc] + [(s.num_heads, inter + s.conv_dim, True)]
+    parts = {"in_proj": (0, rows), "conv1d": (0, xbc), "dt_bias": (0, heads), "A_log": (0, heads),
+             "D": (0, heads), "norm": (0, [(inter, 0, True)]), "out_proj": (1, [(inter, 0, True)])}
+    dim, pieces = parts[name.split(".mamba.")[1].split(".")[0]]
+    return cut_pieces(hf_name, tensor, dim, pieces, rank, size)
 
 
 # transformers 5's names of Granite's stacked experts and router, as the checkpoints' own

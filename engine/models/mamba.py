@@ -1,14 +1,17 @@
-"""Mamba (`MambaForCausalLM`: state-spaces' mamba-130m to -2.8b) and TII's FalconMamba (`FalconMambaForCausalLM`:
-Falcon-Mamba-7B, Falcon3-Mamba-7B): a stack of blocks, each a pre-norm residual step around a Mamba-1 mixer
-(`engine.layers.mamba1`, over the states of `StatefulForCausalLM`; FalconMamba's norms dt's input, B and C without
-weights); no attention, no MLP. The KV cache holds no layer: a sequence's state is all it keeps, whatever its length
-(the capacity plan gives such a pool blocks that hold no bytes, `pools.ring_plan.ring_only_blocks`).
+"""Mamba (`MambaForCausalLM`: state-spaces' mamba-130m to -2.8b), TII's FalconMamba (`FalconMambaForCausalLM`:
+Falcon-Mamba-7B, Falcon3-Mamba-7B) and Mamba2 (`Mamba2ForCausalLM`: Mamba-Codestral-7B, mamba2-130m to -2.7b): a
+stack of blocks, each a pre-norm residual step around a Mamba mixer (Mamba-1's, `engine.layers.mamba1`, FalconMamba's
+norming dt's input, B and C without weights; Mamba-2's, `engine.layers.mamba2`, its gate through the grouped norm),
+over the states of `StatefulForCausalLM`; no attention, no MLP. The KV cache holds no layer: a sequence's state is
+all it keeps, whatever its length (the capacity plan gives such a pool blocks that hold no bytes,
+`pools.ring_plan.ring_only_blocks`).
 
 Their checkpoints name the model `backbone.` (the embedding `embeddings`, the final norm `norm_f`) and each block's
 mixer `mixer`, read as the model's names. transformers keeps the residual stream in float32 where
 `residual_in_fp32` (their default); it is in the model's dtype here (the same in float32; within a rounding a layer
-in bfloat16). Under tensor parallelism each rank holds its channels of every mixer (`engine.models.jamba.
-mamba1_cut`)."""
+in bfloat16). Under tensor parallelism each rank holds its channels of every Mamba-1 mixer
+(`engine.models.jamba.mamba1_cut`), its heads and groups of every Mamba-2 one (`engine.models.granite.mamba2_cut`).
+"""
 
 from __future__ import annotations
 
@@ -22,6 +25,8 @@ from engine.config import ConfigError
 from engine.layers import RMSNorm, RopeRows
 from engine.layers.gated_delta_net import RecurrentStates
 from engine.layers.mamba1 import Mamba1Mixer
+from engine.layers.mamba2 import Mamba2Mixer
+from engine.models.granite import mamba2_cut
 from engine.models.hybrid import StatefulForCausalLM
 from engine.models.jamba import mamba1_cut
 from engine.models.smollm3 import NoRope
@@ -31,12 +36,16 @@ __all__ = ["MambaBlock", "MambaForCausalLM"]
 
 
 class MambaBlock(nn.Module):
-    """One block: its norm, then its Mamba-1 mixer."""
+    """One block: its norm, then its Mamba mixer (Mamba-2's where the config has that shape)."""
 
     def __init__(self, config, shard, comm, ops: ModuleType, state_index: int) -> None:
         super().__init__()
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-        self.mamba = Mamba1Mixer(config.state_layers.per_rank(shard.size), config.hidden_size, state_index, comm)
+        if config.mamba is not None:
+            self.mamba = Mamba2Mixer(config.mamba.per_rank(shard.size), config.hidden_size, config.rms_norm_eps,
+                                     state_index, comm)
+        else:
+            self.mamba = Mamba1Mixer(config.state_layers.per_rank(shard.size), config.hidden_size, state_index, comm)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope_rows: RopeRows | None,
                 states: RecurrentStates, meta: AttentionMetadata, backend) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,7 +58,7 @@ class MambaBlock(nn.Module):
 
 
 class MambaForCausalLM(StatefulForCausalLM):
-    """Mamba and FalconMamba (see the module docstring): Llama's loading and head, `MambaBlock`s over
+    """Mamba, FalconMamba and Mamba2 (see the module docstring): Llama's loading and head, `MambaBlock`s over
     `StatefulForCausalLM`'s states."""
 
     def make_rotary(self, ops: ModuleType) -> nn.Module:
@@ -73,4 +82,6 @@ class MambaForCausalLM(StatefulForCausalLM):
     def _shard_of(self, hf_name: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
         if self.shard.size == 1 or ".mamba." not in name:
             return super()._shard_of(hf_name, name, tensor)
+        if self.config.mamba is not None:
+            return mamba2_cut(self.config.mamba, hf_name, name, tensor, self.shard.rank, self.shard.size)
         return mamba1_cut(self.config.state_layers, hf_name, name, tensor, self.shard.rank, self.shard.size)

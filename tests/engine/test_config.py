@@ -1961,6 +1961,35 @@ def test_mamba_and_falcon_mamba_read_as_transformers_does(config_class, arch):
             ModelConfig.from_hf_config({**small, key: value})
 
 
+def test_mamba2_reads_as_transformers_does():
+    """Mamba2 (Mamba2Config's defaults: Mamba-Codestral-7B's shape): 64 Mamba-2 layers of 128 heads of 64, a state of
+    128, B and C in 8 groups, no attention, an untied head; the parameter count is transformers' model's (7.3 B), the
+    state a sequence holds per layer its convolution's last 3 inputs and 128 x 64 x 128 float32s. Heads that do not
+    make expand x hidden_size are refused by name, a tensor-parallel size that does not divide the heads too."""
+    transformers = pytest.importorskip("transformers")
+    bare = {"architectures": ["Mamba2ForCausalLM"]}
+    hf, model = _meta_model(transformers.Mamba2Config, bare)
+    cfg = ModelConfig.from_hf_config({**bare, **{k: getattr(hf, k) for k in ("vocab_size", "hidden_size",
+                                                                             "num_hidden_layers")}})
+    assert cfg.num_params() == sum(p.numel() for p in model.parameters())
+    assert round(cfg.num_params() / 1e9, 1) == 7.3
+    m = cfg.mamba
+    assert (m.num_heads, m.head_dim, m.d_state, m.n_groups, m.conv_kernel, m.gated_norm) == \
+        (hf.num_heads, hf.head_dim, hf.state_size, hf.n_groups, hf.conv_kernel, "gate_first") == \
+        (128, 64, 128, 8, 4, "gate_first")
+    assert cfg.kv_layers == () and not cfg.tie_word_embeddings and cfg.rms_norm_eps == hf.layer_norm_epsilon
+    assert cfg.state_bytes_per_seq(torch.bfloat16) == 64 * ((8192 + 2 * 8 * 128) * 3 * 2 + 128 * 64 * 128 * 4)
+    check_tensor_parallel(cfg, 8)
+    with pytest.raises(ConfigError, match="^tensor_parallel_size: 3 does not divide the model's 128 Mamba heads"):
+        check_tensor_parallel(cfg, 3)
+    small = {**bare, "vocab_size": 1000, "hidden_size": 64, "num_hidden_layers": 2, "num_heads": 4, "head_dim": 32,
+             "n_groups": 2}
+    ModelConfig.from_hf_config(small)
+    for key, value in (("head_dim", 16), ("time_step_limit", [0.0]), ("conv_kernel", 1)):
+        with pytest.raises(ConfigError, match=f"^{key}:"):
+            ModelConfig.from_hf_config({**small, key: value})
+
+
 def test_falcon_h1_reads_as_transformers_does():
     """Falcon-H1 (`FalconH1ForCausalLM`, FalconH1Config's defaults): every layer a parallel hybrid of attention (K/V
     in the cache) and Mamba-2 (128 heads of 8 over mamba_d_ssm 1,024, a state of 256, one group; its state per

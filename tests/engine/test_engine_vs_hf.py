@@ -422,6 +422,10 @@ TINY_MODELS = [
     ("mamba", {"num_hidden_layers": 3, "state_size": 8, "time_step_rank": 8, "pad_token_id": 0}),
     ("falcon_mamba", {"num_hidden_layers": 3, "state_size": 8, "time_step_rank": 8, "use_bias": True,
                       "use_conv_bias": False, "conv_kernel": 3, "pad_token_id": 0}),
+    # Mamba2: blocks of a norm and a Mamba-2 mixer alone (4 heads of 32, a state of 16, B and C in 2 groups; prompts
+    # past its chunk of 16), the gate through the grouped norm
+    ("mamba2", {"num_hidden_layers": 3, "num_heads": 4, "head_dim": 32, "state_size": 16, "n_groups": 2,
+                "chunk_size": 16, "pad_token_id": 0}),
     # Nemotron-H: Mamba-2 blocks (B and C in 2 groups), NoPE attention blocks and squared-ReLU MLP blocks, each its own
     # pre-norm residual step, under `backbone.` names
     ("nemotron_h", {"layers_block_type": ["linear_attention", "mlp", "full_attention", "mlp", "linear_attention",

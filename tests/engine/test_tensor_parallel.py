@@ -392,6 +392,8 @@ QWEN3 = {"head_dim": 32, "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
                    "pad_token_id": 0}, None),
     ("falcon_mamba", {"num_hidden_layers": 2, "state_size": 8, "time_step_rank": 8, "use_bias": True,
                       "pad_token_id": 0}, None),
+    ("mamba2", {"num_hidden_layers": 2, "num_heads": 4, "head_dim": 32, "state_size": 16, "n_groups": 2,
+                "chunk_size": 16, "pad_token_id": 0}, None),
     ("falcon", {"layer_norm_epsilon": 1e-5}, None),
     ("phimoe", {"num_local_experts": 8, "intermediate_size": 32, "attention_bias": True, "lm_head_bias": True,
                 "router_jitter_noise": 0.5}, None),
@@ -473,7 +475,7 @@ def test_two_ranks_generate_what_one_does(tmp_path, builtin_path, prompts, arch,
     # Granite 3's MoE its stacked experts' and shared MLP's rows; HY V3 its per-head q/k norms whole on each rank, its
     # experts' and shared experts' rows; Jamba each rank's Mamba-1 channels (x_proj's partial products summed over
     # both, the norms of dt, B and C whole on each) beside experts; FalconMamba the same with no attention layer (its
-    # "heads" its channels, its KV cache of no layer on either rank).
+    # "heads" its channels, its KV cache of no layer on either rank); Mamba2 each rank's Mamba-2 heads and groups.
     # Qwen3's,
     # Mixtral's and DeepSeek's groups overlap their steps: the other rank fills the placeholders of each step's
     # inputs from rank 0's sampled ids (engine.overlap).
