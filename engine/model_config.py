@@ -34,7 +34,7 @@ from engine.multimodal_config import (FLAT_TEXT_CONFIGS, MROPE_TEXT, MULTIMODAL_
 from engine.mla_config import MlaShape
 from engine.model_defaults import (DEFAULT_HEAD_DIM, DEFAULT_KV_HEADS, DEFAULT_MAX_POSITIONS, DEFAULT_RMS_NORM_EPS,
                                    DEFAULT_ROPE_THETA, FAMILY_DEFAULTS, OWN_ACTIVATIONS, TEXT_DEFAULTS,
-                                   exaone_config, vl_text_keys)
+                                   pruned_head, served_as, vl_text_keys)
 from engine.family_readers import KEY_READERS
 from engine.model_families import LAYER_TYPES, MOE_ROUTERS, family_fields
 from engine.rope_config import RopeScaling
@@ -97,6 +97,7 @@ class ModelConfig:
     attention_out_bias: bool | None = None   # Seed-OSS: o_proj's apart from q/k/v's (None: `o_proj_bias`'s rule)
     mlp_bias: bool = False
     lm_head_bias: bool = False          # Phi: the head's logits carry a bias of their own
+    output_vocab_size: int | None = None   # Apertus 1.5: the head's rows, the vocabulary's first (None: all of it)
     sliding_window: int | None = None   # Mistral: keys older than this many positions are not attended
     qk_norm: bool = False               # Qwen3, Gemma 3, Command R+: each q and k head normed before rotary
     hidden_act: str = "silu"            # the MLP's gate activation: silu | gelu_pytorch_tanh (Gemma 3)
@@ -393,9 +394,7 @@ class ModelConfig:
         archs = cfg.get("architectures") or []
         if not isinstance(archs, list) or not archs:
             raise ConfigError("architectures: config.json has no 'architectures' list")
-        arch = "PhimoeForCausalLM" if archs[0] == "PhiMoEForCausalLM" else archs[0]   # Phi-3.5-MoE's release's name
-        if arch == "ExaoneForCausalLM" or arch == "LlamaForCausalLM" and cfg.get("model_type") == "exaone":
-            cfg, arch = exaone_config(cfg), "ExaoneForCausalLM"   # transformers 5 saves EXAONE 3 as Llama
+        cfg, arch = served_as(cfg, archs[0])   # another name of an architecture served (Phi-3.5-MoE's, EXAONE 3's)
         quantized = weight_format_fields(cfg, arch)   # how a quantized checkpoint stores its weights
         if isinstance(arch, str) and is_multimodal(arch):
             return cls._from_text_config(cfg, arch)
@@ -435,6 +434,7 @@ class ModelConfig:
             hidden_act=cfg.get("hidden_act", "silu"),
             bos_token_id=read_int(cfg, "bos_token_id", None, minimum=0),
             eos_token_ids=read_token_ids(cfg, "eos_token_id"),
+            output_vocab_size=pruned_head(cfg) if arch == "ApertusForCausalLM" else None,
             **quantized,
         ), **family})
 

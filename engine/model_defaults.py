@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.config_values import rope_type
+from engine.config import ConfigError
+from engine.config_values import read_int, rope_type
 from engine.cohere_moe_config import COHERE2_MOE_DEFAULTS
 from engine.mimo_config import MIMO_DEFAULTS
 
@@ -242,3 +243,36 @@ def exaone_config(cfg: dict[str, Any]) -> dict[str, Any]:
         if theirs in out and ours not in out:
             out[ours] = out.pop(theirs)
     return out
+
+
+# Apertus 1.5's text model (`Apertus1p5TextForCausalLM`; `Apertus1p5ForConditionalGeneration`'s): Apertus's, read as
+# it with Apertus1p5TextConfig's vocabulary where config.json names none, and its head pruned to the text tokens
+APERTUS_1_5 = "Apertus1p5TextForCausalLM"
+APERTUS_1_5_TEXT = {"vocab_size": 266_752}
+
+
+def pruned_head(cfg: dict[str, Any]) -> int | None:
+    """`output_vocab_size`: the rows of a head pruned to the vocabulary's first ids (Apertus 1.5's), at most
+    `vocab_size`, untied; None where absent, null or the whole vocabulary (transformers' canonical unpruned head)."""
+    rows, vocab = read_int(cfg, "output_vocab_size", None), read_int(cfg, "vocab_size")
+    if rows is None or rows == vocab:
+        return None
+    if rows > vocab:
+        raise ConfigError(f"output_vocab_size: the head's rows, at most vocab_size {vocab}, got {rows}")
+    if cfg.get("tie_word_embeddings"):
+        raise ConfigError(f"tie_word_embeddings: a head pruned to output_vocab_size {rows} rows is not the embedding "
+                          f"table of {vocab}")
+    return rows
+
+
+def served_as(cfg: dict[str, Any], arch: Any) -> tuple[dict[str, Any], Any]:
+    """(config.json, architecture) as served, where a checkpoint names another: Phi-3.5-MoE's release's name, Apertus
+    1.5's text model (Apertus's, its vocabulary where config.json names none), EXAONE 3 (transformers 5 saves it as
+    Llama, `exaone_config`)."""
+    if arch == "PhiMoEForCausalLM":
+        return cfg, "PhimoeForCausalLM"
+    if arch == APERTUS_1_5:
+        return {**APERTUS_1_5_TEXT, **cfg}, "ApertusForCausalLM"
+    if arch == "ExaoneForCausalLM" or arch == "LlamaForCausalLM" and cfg.get("model_type") == "exaone":
+        return exaone_config(cfg), "ExaoneForCausalLM"
+    return cfg, arch

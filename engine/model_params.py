@@ -106,6 +106,8 @@ def count_params(config: Any, heads: int, kv_heads: int, i: int, moe_i: int, v: 
         (config.num_layers - config.num_kv_layers) * norms * h   # a state layer's norms (Falcon-H1's: its K/V layer's)
     linear += config.mla.indexers_params(h, config.num_layers) if config.mla is not None else 0   # DeepSeek V3.2's
     final = h * (2 if config.architecture in LAYER_NORMS else 0 if config.architecture in WEIGHTLESS_NORMS else 1)
-    head = (0 if config.tie_word_embeddings else v * h) + (v if config.lm_head_bias else 0)   # Phi: biased
+    rows = v if not config.output_vocab_size else -(-config.output_vocab_size // (config.num_heads // heads))
+    head = (0 if config.tie_word_embeddings else rows * h) + (rows if config.lm_head_bias else 0)   # Phi: biased;
+    # Apertus 1.5: the head pruned to the vocabulary's first ids, cut across the ranks as the table is
     positions = config.learned_positions * h   # GPT-2's learned position embedding, whole on every rank
     return v * h + config.num_kv_layers * per_layer + linear + mlps + final + head + positions

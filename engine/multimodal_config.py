@@ -35,7 +35,11 @@ TEXT_MODELS = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "language
                "Glm46VForConditionalGeneration": ("Glm4ForCausalLM", "language_model.", "glm4v_text"),
                "Exaone4_5_ForConditionalGeneration": ("Exaone4ForCausalLM", "language_model.", "exaone4"),
                "Kimi_K25ForConditionalGeneration": ("DeepseekV3ForCausalLM", "language_model.", "deepseek_v3"),
-               "KimiK25ForConditionalGeneration": ("DeepseekV3ForCausalLM", "language_model.", "deepseek_v3")}
+               "KimiK25ForConditionalGeneration": ("DeepseekV3ForCausalLM", "language_model.", "deepseek_v3"),
+               # Apertus 1.5: its text model (`engine.model_defaults.APERTUS_1_5`); its image and audio tokenizers
+               # not read
+               "Apertus1p5ForConditionalGeneration": ("Apertus1p5TextForCausalLM", "language_model.",
+                                                      "apertus1p5_text")}
 # a multimodal architecture whose text model is another by its text_config's model_type (Mistral 3's from December
 # 2025 on: Ministral 3, Devstral 2, Mistral Small 4)
 TEXT_MODEL_TYPES = {("Mistral3ForConditionalGeneration", "ministral3"): "Ministral3ForCausalLM",

@@ -167,7 +167,7 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
            "nanochat": transformers.NanoChatConfig, "dbrx": transformers.DbrxConfig,
            "minicpm3": transformers.MiniCPM3Config, "jamba": transformers.JambaConfig,
            "mamba": transformers.MambaConfig, "falcon_mamba": transformers.FalconMambaConfig,
-           "mamba2": transformers.Mamba2Config}[arch]
+           "mamba2": transformers.Mamba2Config, "apertus1p5_text": transformers.Apertus1p5TextConfig}[arch]
     config = cls(**common)
     if arch == "mistral4":   # transformers maps Mistral4Config to no causal LM class (only its pretraining one)
         transformers.AutoModelForCausalLM.register(transformers.Mistral4Config, transformers.Mistral4ForCausalLM,
@@ -193,7 +193,7 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
         for name, param in model.named_parameters():
             if name.endswith("A_log"):
                 param.uniform_(-6.0, -4.0)
-    if arch == "apertus":   # xIELU's slopes away from where transformers starts them
+    if arch in ("apertus", "apertus1p5_text"):   # xIELU's slopes away from where transformers starts them
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if name.endswith(("alpha_p", "alpha_n")):

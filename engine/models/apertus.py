@@ -62,10 +62,33 @@ class ApertusMLP(nn.Module):
 
 
 class ApertusForCausalLM(LlamaForCausalLM):
-    """Apertus (see the module docstring); `activation` its MLP's."""
+    """Apertus (see the module docstring); `activation` its MLP's. Apertus 1.5's head is pruned to the vocabulary's
+    first `output_vocab_size` ids (its text tokens; the image and audio codes past them are input only): the head
+    holds those rows (a rank its share, as the table's are cut) and the logits of the ids past them are -inf, so the
+    logits keep the vocabulary's width (what the sampler, penalties and grammars index) and a pruned id is never
+    sampled."""
 
     supports_flat_forward = False
     activation: type[nn.Module] = XIELU
+
+    def __init__(self, config: ModelConfig, *args, **kwargs) -> None:
+        super().__init__(config, *args, **kwargs)
+        if config.output_vocab_size:
+            self.lm_head = nn.Linear(config.hidden_size, self.head_rows, bias=False)
+
+    @property
+    def head_rows(self) -> int:
+        """Rows of this rank's share of a pruned head."""
+        return -(-self.config.output_vocab_size // self.shard.size)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if not self.config.output_vocab_size:
+            return super().compute_logits(hidden)
+        logits = self.lm_head(hidden)
+        if self.shard.size > 1:
+            logits = self.comm.all_gather_last(logits)
+        kept = self.config.output_vocab_size
+        return F.pad(logits[:, :kept], (0, self.config.vocab_size - kept), value=float("-inf"))
 
     def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
         layer = DecoderLayer(self.config, self.shard, self.comm, self.rotary_emb, ops, index)
@@ -87,7 +110,17 @@ class ApertusForCausalLM(LlamaForCausalLM):
                  .replace(".mlp.up_proj.", ".mlp.up."), tensor),)
 
     def _shard_of(self, hf_name: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """`up` cut as the Llama MLP's up_proj; xIELU's slopes whole on every rank."""
+        """`up` cut as the Llama MLP's up_proj; xIELU's slopes whole on every rank; a pruned head's rows cut as the
+        table's (the last rank's tail padding)."""
+        if name == "lm_head.weight" and self.config.output_vocab_size:
+            kept, rows = self.config.output_vocab_size, self.head_rows
+            if tuple(tensor.shape) != (kept, self.config.hidden_size):
+                raise WeightLoadError(f"{hf_name}: shape {tuple(tensor.shape)} is not the pruned head's "
+                                      f"({kept}, {self.config.hidden_size}) of output_vocab_size {kept}")
+            part = tensor.new_zeros(rows, tensor.shape[1])
+            start = self.shard.rank * rows
+            part[:max(0, min(kept - start, rows))] = tensor[start:start + rows]
+            return part
         return super()._shard_of(hf_name, name.replace(".mlp.up.", ".mlp.up_proj."), tensor)
 
 

@@ -372,6 +372,8 @@ TINY_MODELS = [
     # Apertus: q/k normed per head, an MLP without a gate through xIELU (its slopes drawn away from their start),
     # its llama3 rope
     ("apertus", dict(head_dim=16)),
+    # Apertus 1.5's text model: Apertus's, its head pruned to the first 300 of 512 ids (the prompts hold ids past them)
+    ("apertus1p5_text", dict(head_dim=16, output_vocab_size=300)),
     # Hunyuan's MoE: that layer, every MLP 8 experts of 32 (2 a token) beside a shared one of 32
     ("hunyuan_v1_moe", dict(head_dim=16, intermediate_size=32, num_experts=8, moe_topk=2)),
     # OLMoE: 8 experts of 32 (its intermediate_size), 2 a token, q/k normed over the whole projection; then 3 a token
@@ -668,6 +670,62 @@ def test_tiny_random_models_match_transformers(tmp_path, monkeypatch, builtin_pa
         assert [o.outputs[0].token_ids for o in outs] == [_hf_greedy(hf, p, 16, eos_ids=None) for p in prompts]
         assert engine.schedulers["default"].state_snapshots.num_loaded >= 1
     assert_all_free(engine)
+
+
+def test_a_pruned_head_never_samples_the_ids_past_it(tmp_path, builtin_path):
+    """Apertus 1.5's head holds the vocabulary's first `output_vocab_size` ids (300 of 512): the logits keep the
+    vocabulary's width, -inf past the head's rows, so sampling at temperature 2 never picks a pruned id, though the
+    prompts hold them; a head of another size is refused by name, as a pruned head tied to the table is."""
+    import json
+
+    from engine.config import ConfigError
+    from engine.checkpoint_reading import WeightLoadError
+
+    folder = make_tiny_model(tmp_path / "apertus1p5", "apertus1p5_text", builtin_path, head_dim=16,
+                             output_vocab_size=300)
+    engine = LLMEngine.from_args(str(folder), dtype="float32", block_size=8, num_blocks=64, progress=False)
+    logits = engine.model.compute_logits(torch.randn(3, 64))
+    assert logits.shape == (3, 512) and torch.isneginf(logits[:, 300:]).all() and logits[:, :300].isfinite().all()
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(300, 512, (n,), generator=gen).tolist() for n in (4, 9)]
+    outs = engine.generate(prompts, SamplingParams(temperature=2.0, max_tokens=64, ignore_eos=True, seed=3))
+    assert all(0 <= t < 300 for out in outs for t in out.outputs[0].token_ids)
+    cfg = json.loads((folder / "config.json").read_text())
+    for changes, error in (({"output_vocab_size": 200}, WeightLoadError),
+                           ({"tie_word_embeddings": True}, ConfigError), ({"output_vocab_size": 600}, ConfigError)):
+        (folder / "config.json").write_text(json.dumps({**cfg, **changes}))
+        with pytest.raises(error, match="^(lm_head.weight: shape .* pruned head's|tie_word_embeddings:|"
+                                        "output_vocab_size:)"):
+            LLMEngine.from_args(str(folder), dtype="float32", block_size=8, num_blocks=64, progress=False)
+
+
+def test_an_apertus_1_5_checkpoint_serves_its_text_model(tmp_path, builtin_path):
+    """Apertus 1.5 as its hub checkpoints lay it out (`Apertus1p5ForConditionalGeneration`: the text model under
+    `model.language_model.`, the pruned head at `lm_head`, the image and audio tokenizers beside, not read), its
+    config.json's text_config an `apertus1p5_text` one: served as its text model, greedy tokens those of transformers'
+    text model holding the same tensors."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    import transformers
+
+    text = make_tiny_model(tmp_path / "text", "apertus1p5_text", builtin_path, head_dim=16, output_vocab_size=300)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(text, dtype=torch.float32).eval()
+    tensors = {}
+    for shard in sorted(text.glob("*.safetensors")):
+        tensors |= load_file(shard)
+    folder = tmp_path / "apertus1p5"
+    folder.mkdir()
+    save_file({("lm_head.weight" if name == "lm_head.weight" else name.replace("model.", "model.language_model.", 1)):
+               tensor for name, tensor in tensors.items()} | {"model.vision_tokenizer.quantize.embedding.weight":
+                                                             torch.zeros(8, 4)}, folder / "model.safetensors")
+    text_config = json.loads((text / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["Apertus1p5ForConditionalGeneration"], "model_type": "apertus1p5",
+        "text_config": {k: v for k, v in text_config.items() if k != "architectures"}, "tie_word_embeddings": False,
+        "vision_config": {"codebook_size": 8}}))
+    _assert_serves_its_text_model(hf, folder, builtin_path, "ApertusForCausalLM")
 
 
 def test_a_tied_checkpoint_that_stores_its_table_as_the_head_alone_serves_it(tmp_path, builtin_path):

@@ -347,6 +347,7 @@ QWEN3 = {"head_dim": 32, "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
                                                               "rope_theta": 10000.0}}, None),
     ("olmoe", {"intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2, "clip_qkv": 0.5}, None),
     ("apertus", {"head_dim": 16}, None),
+    ("apertus1p5_text", {"head_dim": 16, "output_vocab_size": 301}, None),
     ("granitemoehybrid", {"layer_types": ["mamba", "attention", "mamba"], "num_hidden_layers": 3,
                           "num_local_experts": 0, "shared_intermediate_size": 96, "mamba_n_heads": 4,
                           "mamba_d_state": 16, "mamba_n_groups": 2, "position_embedding_type": "rope"}, None),
@@ -475,7 +476,8 @@ def test_two_ranks_generate_what_one_does(tmp_path, builtin_path, prompts, arch,
     # Granite 3's MoE its stacked experts' and shared MLP's rows; HY V3 its per-head q/k norms whole on each rank, its
     # experts' and shared experts' rows; Jamba each rank's Mamba-1 channels (x_proj's partial products summed over
     # both, the norms of dt, B and C whole on each) beside experts; FalconMamba the same with no attention layer (its
-    # "heads" its channels, its KV cache of no layer on either rank); Mamba2 each rank's Mamba-2 heads and groups.
+    # "heads" its channels, its KV cache of no layer on either rank); Mamba2 each rank's Mamba-2 heads and groups;
+    # Apertus 1.5 its pruned head's rows (301: the second rank's last row padding), the ids past it -inf.
     # Qwen3's,
     # Mixtral's and DeepSeek's groups overlap their steps: the other rank fills the placeholders of each step's
     # inputs from rank 0's sampled ids (engine.overlap).
