@@ -29,6 +29,7 @@ from engine.lfm2_config import lfm2_config, lfm2_moe_config
 from engine.llama4_config import MISTRAL_FIELDS, llama4_fields
 from engine.mamba1_config import falcon_mamba_fields, jamba_fields, mamba_config, mamba_fields
 from engine.mamba_config import mamba2_config, mamba2_fields
+from engine.zamba2_config import zamba2_config, zamba2_fields
 from engine.mimo_config import mimo_fields
 from engine.nemotron_h_config import nemotron_h_config
 from engine.phimoe_config import phimoe_fields
@@ -43,7 +44,7 @@ KEY_READERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "FalconForCausalLM": falcon_config, "GPTJForCausalLM": gptj_config,
     "GPTBigCodeForCausalLM": gpt_bigcode_config, "GPT2LMHeadModel": gpt2_config, "OPTForCausalLM": opt_config,
     "DbrxForCausalLM": dbrx_config, "MambaForCausalLM": mamba_config, "FalconMambaForCausalLM": mamba_config,
-    "Mamba2ForCausalLM": mamba2_config}
+    "Mamba2ForCausalLM": mamba2_config, "Zamba2ForCausalLM": zamba2_config}
 # (config.json, its layer count) -> the family's ModelConfig fields
 OWN_MODULE_FIELDS: dict[str, Callable[[dict[str, Any], int], dict[str, Any]]] = {
     "Llama4ForCausalLM": llama4_fields, "Gemma4ForCausalLM": gemma4_fields, "Mistral4ForCausalLM": mistral4_fields,
@@ -56,4 +57,4 @@ OWN_MODULE_FIELDS: dict[str, Callable[[dict[str, Any], int], dict[str, Any]]] = 
     "GPTBigCodeForCausalLM": gpt_bigcode_fields, "GPT2LMHeadModel": gpt2_fields, "OPTForCausalLM": opt_fields,
     "DbrxForCausalLM": dbrx_fields, "MiniCPM3ForCausalLM": minicpm3_fields, "JambaForCausalLM": jamba_fields,
     "MambaForCausalLM": mamba_fields, "FalconMambaForCausalLM": falcon_mamba_fields,
-    "Mamba2ForCausalLM": mamba2_fields}
+    "Mamba2ForCausalLM": mamba2_fields, "Zamba2ForCausalLM": zamba2_fields}

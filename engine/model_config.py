@@ -25,6 +25,7 @@ from engine.falcon_h1_config import FalconH1Scales
 from engine.kimi_linear_config import KdaShape
 from engine.lfm2_config import ShortConvShape
 from engine.mamba1_config import Mamba1Shape
+from engine.zamba2_config import Zamba2Blocks
 from engine.cohere_moe_config import CohereMoeShape
 from engine.mimo_config import MimoShape
 from engine.laguna_config import LagunaShape
@@ -67,7 +68,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
                            "GPTBigCodeForCausalLM", "GPT2LMHeadModel", "OPTForCausalLM", "FlexOlmoForCausalLM",
                            "NanoChatForCausalLM", "DbrxForCausalLM", "MiniCPM3ForCausalLM",
                            "GemmaForCausalLM", "VaultGemmaForCausalLM", "JambaForCausalLM",
-                           "MambaForCausalLM", "FalconMambaForCausalLM", "Mamba2ForCausalLM")
+                           "MambaForCausalLM", "FalconMambaForCausalLM", "Mamba2ForCausalLM", "Zamba2ForCausalLM")
 # their attention bias: q/k/v's, not o_proj's
 QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM", "GlmForCausalLM",
                  "StableLmForCausalLM", "HeliumForCausalLM")
@@ -145,6 +146,7 @@ class ModelConfig:
     gated_delta: GatedDeltaShape | None = None   # Qwen3.5: its linear_attention layers' shape (None: none)
     mamba: Mamba2Shape | None = None    # Granite 4's -H models: their Mamba-2 layers' (`linear_attention` too)
     falcon_h1: FalconH1Scales | None = None   # Falcon-H1: its muP multipliers (its `hybrid` layers: Mamba-2, attention)
+    zamba2: Zamba2Blocks | None = None   # Zamba2: its shared blocks (its `hybrid` layers: a block, then Mamba-2)
     state_layers: ShortConvShape | KdaShape | Mamba1Shape | None = None   # LFM2's short convolutions', Kimi
     # Linear's KDA's, Jamba's Mamba-1
     attn_output_gate: bool = False      # Qwen3.5: attention's output x sigmoid(a gate q_proj makes beside each head)
@@ -195,7 +197,7 @@ class ModelConfig:
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ConfigError(f"sliding_window: must be positive, got {self.sliding_window}")
         kinds = LAYER_TYPES + (("linear_attention",) if self.state_shape is not None else ()) + (   # Qwen3.5's ...
-            ("hybrid",) if self.falcon_h1 is not None else ()) + (   # ... Falcon-H1's ...
+            ("hybrid",) if self.falcon_h1 is not None or self.zamba2 is not None else ()) + (   # Falcon-H1's, Zamba2's
             ("mlp", "moe") if self.architecture == "NemotronHForCausalLM" else ())   # ... Nemotron-H's blocks
         if self.layer_types and (len(self.layer_types) != self.num_layers
                                  or any(t not in kinds for t in self.layer_types)):

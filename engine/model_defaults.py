@@ -164,12 +164,12 @@ DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32_768, "
                          "MiniCPM3ForCausalLM": 32_768, "JambaForCausalLM": 262_144,
                          # models of state layers alone hold any length: the engine's default, a RAG pool's
                          "MambaForCausalLM": 131_072, "FalconMambaForCausalLM": 131_072,
-                         "Mamba2ForCausalLM": 131_072}
+                         "Mamba2ForCausalLM": 131_072, "Zamba2ForCausalLM": 4096}
 # (activation, architecture): the ungated MLPs' activations past `model_config.SUPPORTED_ACTIVATIONS`, each served by
 # its family's model alone
 OWN_ACTIVATIONS = {("xielu", "ApertusForCausalLM"), ("relu2", "ArceeForCausalLM"), ("relu2", "Jais2ForCausalLM"),
                    ("relu2", "NemotronForCausalLM"), ("gelu", "GPTNeoXForCausalLM"), ("gelu", "FalconForCausalLM"),
-                   ("relu", "OPTForCausalLM"), ("relu2", "NanoChatForCausalLM")}
+                   ("relu", "OPTForCausalLM"), ("relu2", "NanoChatForCausalLM"), ("gelu", "Zamba2ForCausalLM")}
 # their rms_norm_eps, where it is not 1e-6
 DEFAULT_RMS_NORM_EPS = {"MixtralForCausalLM": 1e-5, "Phi3ForCausalLM": 1e-5, "Olmo2ForCausalLM": 1e-5,
                         "Olmo3ForCausalLM": 1e-5,

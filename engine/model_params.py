@@ -12,6 +12,7 @@ from engine.gemma4_config import gemma4_params
 from engine.mimo_config import mimo_params
 from engine.laguna_config import laguna_params
 from engine.mamba1_config import MAMBA_ARCHITECTURES, mamba_params
+from engine.zamba2_config import zamba2_params
 from engine.nemotron_h_config import nemotron_h_params
 
 __all__ = ["COHERE_ARCHITECTURES", "FOUR_NORMS", "GEMMA_ARCHITECTURES", "WIDE_QK_NORM", "count_params",
@@ -60,6 +61,8 @@ def count_params(config: Any, heads: int, kv_heads: int, i: int, moe_i: int, v: 
     """Parameters of `config`'s layers built with `heads` query heads, `kv_heads` KV heads, `i` MLP rows, `moe_i` rows
     per expert, `shared_i` rows of the shared expert and `v` vocab rows (engine.model); the norms, the router and
     the shared expert's gate whole."""
+    if config.architecture == "Zamba2ForCausalLM":   # Mamba-2 layers, shared blocks (one rank)
+        return zamba2_params(config, v)
     if config.architecture in MAMBA_ARCHITECTURES:   # Mamba-1 blocks alone: its "heads" are its channels
         return mamba_params(config, heads, v)
     if config.architecture == "NemotronHForCausalLM":   # single-mixer blocks

@@ -167,7 +167,8 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
            "nanochat": transformers.NanoChatConfig, "dbrx": transformers.DbrxConfig,
            "minicpm3": transformers.MiniCPM3Config, "jamba": transformers.JambaConfig,
            "mamba": transformers.MambaConfig, "falcon_mamba": transformers.FalconMambaConfig,
-           "mamba2": transformers.Mamba2Config, "apertus1p5_text": transformers.Apertus1p5TextConfig}[arch]
+           "mamba2": transformers.Mamba2Config, "apertus1p5_text": transformers.Apertus1p5TextConfig,
+           "zamba2": transformers.Zamba2Config}[arch]
     config = cls(**common)
     if arch == "mistral4":   # transformers maps Mistral4Config to no causal LM class (only its pretraining one)
         transformers.AutoModelForCausalLM.register(transformers.Mistral4Config, transformers.Mistral4ForCausalLM,

@@ -63,7 +63,9 @@ from engine.models.ministral3 import Ministral3ForCausalLM
 from engine.models.exaone import ExaoneForCausalLM
 from engine.models.falcon_h1 import FalconH1ForCausalLM
 from engine.models.jamba import JambaForCausalLM
+from engine.mamba1_config import MAMBA_ARCHITECTURES
 from engine.models.mamba import MambaForCausalLM
+from engine.models.zamba2 import Zamba2ForCausalLM
 from engine.models.granite import (BambaAttentionForCausalLM, BambaForCausalLM, GraniteForCausalLM,
                                    GraniteHybridForCausalLM, GraniteHybridMoeForCausalLM, GraniteMoeHybridForCausalLM,
                                    GraniteMoeSWAForCausalLM, GraniteSWAForCausalLM, HyperClovaxForCausalLM)
@@ -189,9 +191,8 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "GemmaForCausalLM": GemmaForCausalLM,
                                                 "VaultGemmaForCausalLM": GemmaForCausalLM,
                                                 "JambaForCausalLM": JambaForCausalLM,
-                                                "MambaForCausalLM": MambaForCausalLM,
-                                                "FalconMambaForCausalLM": MambaForCausalLM,
-                                                "Mamba2ForCausalLM": MambaForCausalLM}
+                                                "Zamba2ForCausalLM": Zamba2ForCausalLM,
+                                                **dict.fromkeys(MAMBA_ARCHITECTURES, MambaForCausalLM)}
 
 
 def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:

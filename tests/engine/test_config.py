@@ -1990,6 +1990,32 @@ def test_mamba2_reads_as_transformers_does():
             ModelConfig.from_hf_config({**small, key: value})
 
 
+def test_zamba2_reads_as_transformers_does():
+    """Zamba2 (Zamba2Config's defaults: 54 Mamba-2 layers of 8 heads of 640, 9 of them hybrid, one shared block of 32
+    attention heads of 160 over 2 x 2,560; then two blocks with attention adapters): the parameter count is
+    transformers' model's; only the hybrid layers keep K/V, every layer a state. Layer kinds without a hybrid one,
+    YaRN's long-context switch, attention adapters beside fewer KV heads and more than one rank are refused by key."""
+    transformers = pytest.importorskip("transformers")
+    bare = {"architectures": ["Zamba2ForCausalLM"]}
+    for extra in ({}, {"num_mem_blocks": 2, "use_shared_attention_adapter": True, "add_bias_linear": True}):
+        hf, model = _meta_model(transformers.Zamba2Config, {**bare, **extra})
+        cfg = ModelConfig.from_hf_config({**bare, **extra, **{k: getattr(hf, k) for k in (
+            "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "layers_block_type")}})
+        assert cfg.num_params() == sum(p.numel() for p in model.parameters())
+    assert cfg.kv_layers == tuple(hf.hybrid_layer_ids) and len(cfg.kv_layers) == 9
+    assert cfg.stateful_layers == tuple(range(54)) and (cfg.head_dim, cfg.mamba.head_dim) == (160, 640)
+    assert cfg.kv_bytes_per_token(torch.bfloat16) == 9 * 2 * 32 * 160 * 2
+    small = {**bare, "vocab_size": 1000, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "n_mamba_heads": 4, "layers_block_type": ["linear_attention", "hybrid"]}
+    check_tensor_parallel(ModelConfig.from_hf_config(small), 1)
+    with pytest.raises(ConfigError, match="^tensor_parallel_size: 2 ranks; these Mamba-2 layers are served on one"):
+        check_tensor_parallel(ModelConfig.from_hf_config(small), 2)
+    for key, value in (("layers_block_type", ["mamba", "mamba"]), ("use_long_context", True),
+                       ("num_key_value_heads", 2), ("n_mamba_heads", 3)):
+        with pytest.raises(ConfigError, match=f"^{key}:"):
+            ModelConfig.from_hf_config({**small, "use_shared_attention_adapter": True, key: value})
+
+
 def test_falcon_h1_reads_as_transformers_does():
     """Falcon-H1 (`FalconH1ForCausalLM`, FalconH1Config's defaults): every layer a parallel hybrid of attention (K/V
     in the cache) and Mamba-2 (128 heads of 8 over mamba_d_ssm 1,024, a state of 256, one group; its state per

@@ -301,18 +301,21 @@ HYBRIDS = {"qwen3_5": {}, "qwen3_next": dict(num_experts=4, num_experts_per_tok=
                               head_dim=16, mamba_num_heads=4, mamba_head_dim=32, ssm_state_size=16, n_groups=2),
            "jamba": dict(num_hidden_layers=3, attn_layer_period=3, attn_layer_offset=1, num_experts=1,
                          mamba_d_state=8, mamba_dt_rank=8),
-           "mamba": dict(num_hidden_layers=2, state_size=8, time_step_rank=8)}
-OWN_SHAPES = ("granitemoehybrid", "nemotron_h", "jamba", "mamba")   # the rest are Qwen3.5's layers
+           "mamba": dict(num_hidden_layers=2, state_size=8, time_step_rank=8),
+           "zamba2": dict(num_hidden_layers=3, layers_block_type=["linear_attention", "hybrid", "hybrid"],
+                          mamba_d_state=16, n_mamba_heads=4, num_mem_blocks=2, use_shared_attention_adapter=True,
+                          adapter_rank=8, num_key_value_heads=4, use_mem_rope=True)}
+OWN_SHAPES = ("granitemoehybrid", "nemotron_h", "jamba", "mamba", "zamba2")   # the rest are Qwen3.5's layers
 
 
 @pytest.mark.parametrize("arch", list(HYBRIDS))
 def test_a_hybrid_models_decode_graphs_keep_each_sequences_state(tmp_path, builtin_path, monkeypatch, arch):
-    """Qwen3.5's linear-attention layers (and Granite 4-H's Mamba-2 ones, Jamba's and Mamba's Mamba-1, Mamba's beside a
-    KV cache of no layer) gather each sequence's state by its row of the persistent batch and scatter it back, on the
-    device: decode steps replay (batches of 3, 2 and 1: padded rows, whose writes land in the states' padding row),
-    prefills run eagerly between them, and greedy tokens equal the eager run's, a sequence resumed from a kept prefix
-    state too (copied into its row before the replay); the states stay where the graphs read them (a row past them is
-    refused, not reallocated)."""
+    """Qwen3.5's linear-attention layers (and Granite 4-H's Mamba-2 ones, Zamba2's beside its shared blocks, Jamba's and
+    Mamba's Mamba-1, Mamba's beside a KV cache of no layer) gather each sequence's state by its row of the persistent
+    batch and scatter it back, on the device: decode steps replay (batches of 3, 2 and 1: padded rows, whose writes
+    land in the states' padding row), prefills run eagerly between them, and greedy tokens equal the eager run's, a
+    sequence resumed from a kept prefix state too (copied into its row before the replay); the states stay where the
+    graphs read them (a row past them is refused, not reallocated)."""
     from tests.engine.test_engine_vs_hf import QWEN3_5
 
     overrides = HYBRIDS[arch] if arch in OWN_SHAPES else {**QWEN3_5, **HYBRIDS[arch]}

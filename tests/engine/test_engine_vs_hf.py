@@ -164,6 +164,9 @@ MINISTRAL3 = dict(head_dim=16, rope_parameters={
 JAMBA = dict(num_hidden_layers=4, intermediate_size=96, num_experts=4, num_experts_per_tok=2, attn_layer_period=2,
              attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=0, mamba_d_state=8, mamba_dt_rank=8,
              pad_token_id=0)
+ZAMBA2 = dict(num_hidden_layers=6, layers_block_type=["linear_attention", "hybrid", "hybrid", "linear_attention",
+                                                  "hybrid", "hybrid"], mamba_d_state=16, n_mamba_heads=4,
+              mamba_ngroups=2, chunk_size=16, adapter_rank=8, num_key_value_heads=4, pad_token_id=0)
 QWEN3_5 = dict(num_hidden_layers=4, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
                linear_key_head_dim=16, linear_value_head_dim=8)
 GRANITE = dict(embedding_multiplier=3.0, attention_multiplier=0.05, residual_multiplier=0.5, logits_scaling=2.0,
@@ -428,6 +431,11 @@ TINY_MODELS = [
     # past its chunk of 16), the gate through the grouped norm
     ("mamba2", {"num_hidden_layers": 3, "num_heads": 4, "head_dim": 32, "state_size": 16, "n_groups": 2,
                 "chunk_size": 16, "pad_token_id": 0}),
+    # Zamba2: Mamba-2 layers (4 heads of 32, a state of 16, B and C in 2 groups) of which four run a shared block first
+    # (two blocks used in turn, each use its own adapters on q, k, v and the MLP's gate/up; NoPE attention from the
+    # layer's input beside the embeddings); then one block, a rotary, GQA without attention adapters, biases
+    ("zamba2", {**ZAMBA2, "num_mem_blocks": 2, "use_shared_attention_adapter": True}),
+    ("zamba2", {**ZAMBA2, "num_key_value_heads": 2, "use_mem_rope": True, "add_bias_linear": True}),
     # Nemotron-H: Mamba-2 blocks (B and C in 2 groups), NoPE attention blocks and squared-ReLU MLP blocks, each its own
     # pre-norm residual step, under `backbone.` names
     ("nemotron_h", {"layers_block_type": ["linear_attention", "mlp", "full_attention", "mlp", "linear_attention",
