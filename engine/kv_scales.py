@@ -92,7 +92,11 @@ def calibrate_kv_scales(engine: Any) -> dict[str, tuple[float, float]] | None:
 
 
 def attentions(model: Any) -> dict[int, Any]:
-    """Each layer's attention that stores K/V, by layer index (Qwen3.5's linear-attention layers have none)."""
+    """Each attention module that stores K/V, by the index of its layer (Qwen3.5's linear-attention layers have none);
+    a model whose layers share attention modules names each once itself (`kv_attentions`: Zamba2's blocks)."""
+    own = getattr(model, "kv_attentions", None)
+    if own is not None:
+        return own()
     return {i: layer.self_attn for i, layer in enumerate(model.layers) if hasattr(layer, "self_attn")}
 
 

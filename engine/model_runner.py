@@ -98,9 +98,9 @@ class _Forward:
         """Compile every attention kernel variant a step can need before serving, where the backend
         compiles them (`kernels.triton_attention.compile_kernels`, on CUDA); nothing elsewhere."""
         compile_kernels = getattr(self.backend, "compile_kernels", None)
-        if compile_kernels is None or self.device.type != "cuda":
-            return
         attns = list(attentions(self.model).values())
+        if compile_kernels is None or self.device.type != "cuda" or not attns:   # Mamba's layers: no attention
+            return
         attn = attns[0]
         started = time.perf_counter()
         # (KV heads, head size, window, chunk; 0: none): Gemma 4's full layers have a shape of their own

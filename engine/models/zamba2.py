@@ -111,6 +111,11 @@ class Zamba2ForCausalLM(StatefulForCausalLM):
                                                 [k for k in range(len(hybrids)) if k % count == b])
                                     for b in range(count))
 
+    def kv_attentions(self) -> dict[int, Attention]:
+        """Each shared block's attention once, by the first hybrid layer using it (`engine.kv_scales.attentions`):
+        an FP8 cache's scales are a block's, measured over every use."""
+        return {layer: self.blocks[block].self_attn for layer, block in self.first_use.items()}
+
     def make_rotary(self, ops: ModuleType) -> nn.Module:
         return super().make_rotary(ops) if self.config.zamba2.rope else NoRope()
 

@@ -707,6 +707,23 @@ def test_a_pruned_head_never_samples_the_ids_past_it(tmp_path, builtin_path):
             LLMEngine.from_args(str(folder), dtype="float32", block_size=8, num_blocks=64, progress=False)
 
 
+def test_a_model_without_attention_has_no_attention_kernel_to_compile(tmp_path, builtin_path, monkeypatch):
+    """Mamba's blocks hold no attention: a CUDA worker's start compiles no attention kernel variant (it looked at the
+    first attention layer's shapes, and a model with none failed there) and an FP8 cache has no scale to measure."""
+    from types import SimpleNamespace
+
+    from engine.kv_scales import attentions
+
+    folder = make_tiny_model(tmp_path / "mamba", "mamba", builtin_path, num_hidden_layers=2, state_size=8,
+                             time_step_rank=8, pad_token_id=0)
+    engine = LLMEngine.from_args(str(folder), dtype="float32", block_size=8, num_blocks=16, progress=False)
+    calls = []
+    monkeypatch.setattr(engine.runner, "device", torch.device("cuda"))
+    monkeypatch.setattr(engine.runner, "backend", SimpleNamespace(compile_kernels=lambda *a, **k: calls.append(a)))
+    engine.runner.compile_kernels()
+    assert calls == [] and attentions(engine.model) == {}
+
+
 def test_an_apertus_1_5_checkpoint_serves_its_text_model(tmp_path, builtin_path):
     """Apertus 1.5 as its hub checkpoints lay it out (`Apertus1p5ForConditionalGeneration`: the text model under
     `model.language_model.`, the pruned head at `lm_head`, the image and audio tokenizers beside, not read), its

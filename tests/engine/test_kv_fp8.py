@@ -217,3 +217,20 @@ def test_preemption_prefix_caching_and_forks_with_an_fp8_cache(tiny_path, mode):
     if mode == "swap":
         assert stats.num_swap_preemptions > 0
     assert_all_free(engine)
+
+
+def test_shared_attention_blocks_measure_one_scale_over_every_use(tmp_path, builtin_path):
+    """Zamba2's shared blocks: each block's attention stores K/V for every hybrid layer using it, so its FP8 scales
+    are measured once over all of them (each block its own: `Zamba2ForCausalLM.kv_attentions`), and greedy answers
+    with the FP8 cache mostly agree with the model's dtype's."""
+    from tests.engine.test_engine_vs_hf import ZAMBA2
+
+    path = make_tiny_model(tmp_path / "zamba2", "zamba2", builtin_path, **{**ZAMBA2, "num_mem_blocks": 2,
+                                                                            "initializer_range": 0.05})
+    engines = {kv: _engine(path, kv=kv, num_blocks=64) for kv in ("auto", "fp8")}
+    scales = [(b.self_attn.k_scale, b.self_attn.v_scale) for b in engines["fp8"].model.blocks]
+    assert len(scales) == 2 and all(k != 1.0 and v != 1.0 for k, v in scales) and scales[0] != scales[1]
+    prompts = [[5 + (7 * i + j) % 400 for j in range(12 + 9 * i)] for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outs = {kv: [o.outputs[0].token_ids for o in engine.generate(prompts, params)] for kv, engine in engines.items()}
+    assert sum(a == b for a, b in zip(outs["auto"], outs["fp8"])) >= 2
