@@ -53,7 +53,7 @@ def calibrate_kv_scales(engine: Any) -> dict[str, tuple[float, float]] | None:
     measured: not an FP8 cache, `calculate_kv_scales` false, scales from the checkpoint, or too few free
     blocks. Rank 0 of a tensor-parallel group measures with its other ranks (the module docstring)."""
     attns = attentions(engine.model)
-    if engine.kv_dtype != FP8_KV_DTYPE:
+    if engine.kv_dtype != FP8_KV_DTYPE or not attns:   # a model without attention (Mamba's) stores no K/V
         return None
     if engine.model.kv_scales_from_checkpoint:   # its 1.0s too: they were chosen
         unscaled = [f"{i}.{attr}" for i in attns for attr in ("k_scale", "v_scale")

@@ -709,7 +709,8 @@ def test_a_pruned_head_never_samples_the_ids_past_it(tmp_path, builtin_path):
 
 def test_a_model_without_attention_has_no_attention_kernel_to_compile(tmp_path, builtin_path, monkeypatch):
     """Mamba's blocks hold no attention: a CUDA worker's start compiles no attention kernel variant (it looked at the
-    first attention layer's shapes, and a model with none failed there) and an FP8 cache has no scale to measure."""
+    first attention layer's shapes, and a model with none failed there), and an FP8 cache has no scale to measure
+    (the calibration failed on none) and changes no answer."""
     from types import SimpleNamespace
 
     from engine.kv_scales import attentions
@@ -717,6 +718,11 @@ def test_a_model_without_attention_has_no_attention_kernel_to_compile(tmp_path, 
     folder = make_tiny_model(tmp_path / "mamba", "mamba", builtin_path, num_hidden_layers=2, state_size=8,
                              time_step_rank=8, pad_token_id=0)
     engine = LLMEngine.from_args(str(folder), dtype="float32", block_size=8, num_blocks=16, progress=False)
+    fp8 = LLMEngine.from_args(str(folder), dtype="float32", block_size=8, num_blocks=16, kv_cache_dtype="fp8",
+                              progress=False)   # nothing to measure, nothing stored: its answers are the same
+    prompt, params = [[5, 9, 300, 41, 7]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in fp8.generate(prompt, params)] == \
+        [o.outputs[0].token_ids for o in engine.generate(prompt, params)]
     calls = []
     monkeypatch.setattr(engine.runner, "device", torch.device("cuda"))
     monkeypatch.setattr(engine.runner, "backend", SimpleNamespace(compile_kernels=lambda *a, **k: calls.append(a)))
