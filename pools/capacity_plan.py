@@ -325,7 +325,8 @@ def _plan_pool(i: int, p: PoolSpec, model: ModelConfig, s_kv: int, s_kv_dev: int
         budget_key, budget = f"{key}.kv_cache_bytes", fmt_bytes(p.kv_cache_bytes)
     seq_kv, s_held = _snapshot_budget(p, pool_kv, s_state, s_state if s_snapshot is None else s_snapshot)
     num_blocks = formula.num_blocks(seq_kv - _states_bytes(p, seq_kv, s_kv_dev, s_held), s_kv_dev, p.block_size) \
-        if s_kv_dev else ring_only_blocks(key, p, seq_kv, s_held, max_model_len, f"{budget_key}: {budget}")
+        if s_kv_dev else ring_only_blocks(key, p, seq_kv, s_held, max_model_len, f"{budget_key}: {budget}",
+                                          ring_tokens > 0)
     per_request = ceil_div(max_model_len, p.block_size)
     if num_blocks < per_request:
         raise SpecError(f"{budget_key}: {budget} gives pool {p.name!r} {fmt_bytes(pool_kv)} per GPU = {num_blocks} "

@@ -98,17 +98,20 @@ def _kept_note(key: str, model: ModelConfig, block_size: int, limits: list[PoolL
             "sliding_kv: window takes rings anyway, sliding_kv: full keeps this layout without this note")
 
 
-def ring_only_blocks(key: str, p: PoolSpec, seq_kv: int, s_held: int, max_model_len: int, budget: str) -> int:
+def ring_only_blocks(key: str, p: PoolSpec, seq_kv: int, s_held: int, max_model_len: int, budget: str,
+                     ring: bool = True) -> int:
     """The blocks of a pool whose every KV layer is in a ring, or whose model has no KV layer (Mamba's: S_KV 0): a
     block holds no bytes, only a place in a sequence's table, so the pool gets its max_num_seqs (the config's, or the
     formula's `seq_kv // s_held`, `s_held` a sequence's ring or state and its snapshot) sequences of max_model_len.
     SpecError, naming `key` or `budget` (the pool's budget key and value), where not one sequence's fits or the
-    config's max_num_seqs outgrow the pool's bytes."""
+    config's max_num_seqs outgrow the pool's bytes; `ring`: what a sequence holds is a ring (else a state, whose size
+    no step's length changes)."""
     seqs = p.max_num_seqs if p.max_num_seqs is not None else seq_kv // s_held
     if seqs == 0:
+        held = "ring of every layer" if ring else "state"
+        advice = f", or lower {key}.max_num_batched_tokens or long_prefill_token_threshold" if ring else ""
         raise SpecError(f"{budget} gives pool {p.name!r} {seq_kv:,} B per GPU for its sequences, less than one "
-                        f"sequence's ring of every layer or state ({s_held:,} B): raise the budget, or lower "
-                        f"{key}.max_num_batched_tokens or long_prefill_token_threshold")
+                        f"sequence's {held} ({s_held:,} B): raise the budget{advice}")
     if seqs * s_held > seq_kv:
         raise SpecError(f"{key}.max_num_seqs: {seqs} sequences hold {seqs * s_held:,} B of rings or states per GPU, "
                         f"above the {seq_kv:,} B pool {p.name!r} has for them ({budget}): at most {seq_kv // s_held}")

@@ -29,10 +29,9 @@ class RecurrentStates:
     """Each state layer's state for `num_rows` rows of the persistent batch: conv [rows + 1, conv_dim, kernel - 1]
     in the model's dtype, ssm [rows + 1, *shape.ssm_state_shape] float32 (Gated DeltaNet's [num_v_heads,
     k_head_dim, v_head_dim], Mamba-2's [num_heads, head_dim, d_state], Mamba-1's [channels, d_state]); the last
-    row, `padding_row`,
-    is what a decode graph's padded rows read and write (`engine.cuda_graphs`). Grows (doubling) when the persistent
-    batch hands out a row past it, but not once `frozen` (decode graphs captured: they hold these tensors). Owned
-    by the model; one forward pass at a time."""
+    row, `padding_row`, is what a decode graph's padded rows read and write (`engine.cuda_graphs`). Grows (doubling)
+    when the persistent batch hands out a row past it, but not once `frozen` (decode graphs captured: they hold these
+    tensors). Owned by the model; one forward pass at a time."""
 
     def __init__(self, shape: StateShape, num_layers: int, dtype: torch.dtype, device: torch.device,
                  num_rows: int = 0) -> None:

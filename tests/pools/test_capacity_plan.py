@@ -974,5 +974,6 @@ def test_a_model_of_state_layers_alone_plans_its_sequences_by_their_state():
         assert pool.num_blocks == pool.max_num_seqs * -(-pool.max_model_len // 16)
     assert plan.pools["rag"].max_model_len == 131_072
     data["pools"][0]["kv_share"], data["pools"][1]["kv_share"] = 0.0001, 0.9999
-    with pytest.raises(SpecError, match=r"^pools\[0\].kv_share: 0.0001 gives pool 'chat' .* less than one sequence's"):
+    with pytest.raises(SpecError, match=r"^pools\[0\].kv_share: 0.0001 gives pool 'chat' .* less than one sequence's "
+                                        r"state \(\d[\d,]* B\): raise the budget$"):
         plan_capacity(parse_config(data, env={}), {"falcon-mamba": model}, vram_bytes=80 * GiB)
