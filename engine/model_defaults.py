@@ -267,12 +267,32 @@ def pruned_head(cfg: dict[str, Any]) -> int | None:
 
 def served_as(cfg: dict[str, Any], arch: Any) -> tuple[dict[str, Any], Any]:
     """(config.json, architecture) as served, where a checkpoint names another: Phi-3.5-MoE's release's name, Apertus
-    1.5's text model (Apertus's, its vocabulary where config.json names none), EXAONE 3 (transformers 5 saves it as
-    Llama, `exaone_config`)."""
+    1.5's text model (Apertus's, its vocabulary where config.json names none), InternLM3 (`internlm3_config`: the
+    Llama model, as transformers runs it), EXAONE 3 (transformers 5 saves it as Llama, `exaone_config`)."""
     if arch == "PhiMoEForCausalLM":
         return cfg, "PhimoeForCausalLM"
+    if arch == "InternLM3ForCausalLM" or arch == "LlamaForCausalLM" and cfg.get("model_type") == "internlm3":
+        return internlm3_config(cfg), "LlamaForCausalLM"
     if arch == APERTUS_1_5:
         return {**APERTUS_1_5_TEXT, **cfg}, "ApertusForCausalLM"
     if arch == "ExaoneForCausalLM" or arch == "LlamaForCausalLM" and cfg.get("model_type") == "exaone":
         return exaone_config(cfg), "ExaoneForCausalLM"
     return cfg, arch
+
+
+# InternLM3Config's where config.json names none (its shape: InternLM3-8B's)
+INTERNLM3_DEFAULTS = {"vocab_size": 128_512, "hidden_size": 4096, "intermediate_size": 10_240, "num_hidden_layers": 48,
+                      "num_attention_heads": 32, "num_key_value_heads": 2, "head_dim": 128, "rms_norm_eps": 1e-5,
+                      "max_position_embeddings": 32_768, "rope_theta": 10_000.0}
+
+
+def internlm3_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Shanghai AI Lab's InternLM3 (`InternLM3ForCausalLM`: internlm3-8b-instruct) as the Llama model transformers
+    runs it with: `InternLM3Config`'s defaults, its `qkv_bias` as `attention_bias` (q, k, v and o_proj), `bias` as
+    `mlp_bias`, which must agree (transformers refuses them apart: its Llama has one setting for the four)."""
+    cfg = {**INTERNLM3_DEFAULTS, **cfg}
+    qkv, mlp = cfg.get("qkv_bias", cfg.get("attention_bias", False)), cfg.get("bias", cfg.get("mlp_bias", False))
+    if qkv != mlp:
+        raise ConfigError(f"bias: InternLM3 is served with qkv_bias and bias alike (transformers' Llama has one "
+                          f"setting for q, k, v and o), got qkv_bias {qkv!r}, bias {mlp!r}")
+    return {**cfg, "attention_bias": qkv, "mlp_bias": mlp}

@@ -168,7 +168,7 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
            "minicpm3": transformers.MiniCPM3Config, "jamba": transformers.JambaConfig,
            "mamba": transformers.MambaConfig, "falcon_mamba": transformers.FalconMambaConfig,
            "mamba2": transformers.Mamba2Config, "apertus1p5_text": transformers.Apertus1p5TextConfig,
-           "zamba2": transformers.Zamba2Config}[arch]
+           "zamba2": transformers.Zamba2Config, "internlm3": transformers.InternLM3Config}[arch]
     config = cls(**common)
     if arch == "mistral4":   # transformers maps Mistral4Config to no causal LM class (only its pretraining one)
         transformers.AutoModelForCausalLM.register(transformers.Mistral4Config, transformers.Mistral4ForCausalLM,
@@ -180,7 +180,7 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
                 "deepseek_v32", "glm_moe_dsa", "lfm2", "lfm2_moe", "solar_open", "arcee", "mimo_v2_flash", "jais2",
                 "granite_swa", "granitemoe_swa", "falcon_h1", "starcoder2", "glm", "laguna", "nemotron",
                 "stablelm", "lfm3", "flint", "helium", "phi", "gpt_neox", "phimoe", "falcon",
-                "gptj", "gpt_bigcode", "gpt2", "opt"):
+                "gptj", "gpt_bigcode", "gpt2", "opt", "internlm3"):
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if name.endswith(("bias", "sinks")):   # LayerNorm models' small: a bias on every norm and
@@ -234,6 +234,11 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
                              ("activation_function", "hidden_act")):
             cfg[theirs] = cfg.pop(ours)
         (folder / "config.json").write_text(json.dumps({**cfg, "architectures": ["ExaoneForCausalLM"]}))
+    if arch == "internlm3":   # as its hub checkpoints write it: their architecture, qkv_bias and bias
+        cfg = json.loads((folder / "config.json").read_text())
+        cfg |= {"architectures": ["InternLM3ForCausalLM"], "qkv_bias": cfg.pop("attention_bias"),
+                "bias": cfg.pop("mlp_bias")}
+        (folder / "config.json").write_text(json.dumps(cfg))
     for name in TOKENIZER_FILES:
         if (builtin / name).exists():
             shutil.copy(builtin / name, folder / name)

@@ -2016,6 +2016,24 @@ def test_zamba2_reads_as_transformers_does():
             ModelConfig.from_hf_config({**small, "use_shared_attention_adapter": True, key: value})
 
 
+def test_internlm3_reads_as_transformers_does():
+    """InternLM3 (`InternLM3ForCausalLM`, as its hub config.json names it; InternLM3Config's defaults, InternLM3-8B's
+    shape) is the Llama model transformers runs: the parameter count is transformers' model's (8.8 B), head_dim 128
+    beside 32 heads of a 4,096 stream, 2 KV heads; its qkv_bias and bias biases q, k, v, o and the MLP alike, and
+    a config that sets them apart is refused by key (transformers refuses it too)."""
+    transformers = pytest.importorskip("transformers")
+    bare = {"architectures": ["InternLM3ForCausalLM"], "model_type": "internlm3"}
+    hf, model = _meta_model(transformers.InternLM3Config, {**bare, "qkv_bias": True, "bias": True})
+    cfg = ModelConfig.from_hf_config({**bare, "qkv_bias": True, "bias": True})
+    assert cfg.num_params() == sum(p.numel() for p in model.parameters()) and round(cfg.num_params() / 1e9, 1) == 8.8
+    assert (cfg.architecture, cfg.head_dim, cfg.num_kv_heads, cfg.vocab_size, cfg.max_position_embeddings) == \
+        ("LlamaForCausalLM", hf.head_dim, hf.num_key_value_heads, hf.vocab_size, hf.max_position_embeddings) == \
+        ("LlamaForCausalLM", 128, 2, 128_512, 32_768)
+    assert cfg.attention_bias and cfg.o_proj_bias and cfg.mlp_bias and cfg.rms_norm_eps == hf.rms_norm_eps == 1e-5
+    with pytest.raises(ConfigError, match="^bias: InternLM3 is served with qkv_bias and bias alike"):
+        ModelConfig.from_hf_config({**bare, "qkv_bias": True, "bias": False})
+
+
 def test_falcon_h1_reads_as_transformers_does():
     """Falcon-H1 (`FalconH1ForCausalLM`, FalconH1Config's defaults): every layer a parallel hybrid of attention (K/V
     in the cache) and Mamba-2 (128 heads of 8 over mamba_d_ssm 1,024, a state of 256, one group; its state per

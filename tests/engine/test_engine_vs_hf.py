@@ -375,6 +375,8 @@ TINY_MODELS = [
     # Apertus: q/k normed per head, an MLP without a gate through xIELU (its slopes drawn away from their start),
     # its llama3 rope
     ("apertus", dict(head_dim=16)),
+    # InternLM3: the Llama model under its hub name, its biases (q, k, v, o and the MLP's) by qkv_bias and bias
+    ("internlm3", dict(head_dim=16, qkv_bias=True, bias=True)),
     # Apertus 1.5's text model: Apertus's, its head pruned to the first 300 of 512 ids (the prompts hold ids past them)
     ("apertus1p5_text", dict(head_dim=16, output_vocab_size=300)),
     # Hunyuan's MoE: that layer, every MLP 8 experts of 32 (2 a token) beside a shared one of 32
