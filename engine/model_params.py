@@ -61,8 +61,8 @@ def count_params(config: Any, heads: int, kv_heads: int, i: int, moe_i: int, v: 
     """Parameters of `config`'s layers built with `heads` query heads, `kv_heads` KV heads, `i` MLP rows, `moe_i` rows
     per expert, `shared_i` rows of the shared expert and `v` vocab rows (engine.model); the norms, the router and
     the shared expert's gate whole."""
-    if config.architecture == "Zamba2ForCausalLM":   # Mamba-2 layers, shared blocks (one rank)
-        return zamba2_params(config, v)
+    if config.architecture == "Zamba2ForCausalLM":   # Mamba-2 layers, shared blocks
+        return zamba2_params(config, heads, kv_heads, i, v)
     if config.architecture in MAMBA_ARCHITECTURES:   # Mamba-1 blocks alone: its "heads" are its channels
         return mamba_params(config, heads, v)
     if config.architecture == "NemotronHForCausalLM":   # single-mixer blocks

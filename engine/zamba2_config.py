@@ -1,6 +1,6 @@
 """Zyphra's Zamba2 config.json (transformers' `Zamba2Config` names and defaults) as `ModelConfig` fields.
 
-Every Zamba2 layer is Mamba-2 (`engine.mamba_config.Mamba2Shape`, on one rank); the `hybrid` ones (`layers_block_type`)
+Every Zamba2 layer is Mamba-2 (`engine.mamba_config.Mamba2Shape`); the `hybrid` ones (`layers_block_type`)
 run a shared transformer block first, whose output, through the layer's own linear, joins the Mamba layer's input.
 The shared blocks are `num_mem_blocks` (`Zamba2Blocks`), the hybrid layers cycling through them; each use of a block
 has its own low-rank adapters (`adapter_rank`) on the MLP's gate/up and, where `use_shared_attention_adapter`, on q,
@@ -65,8 +65,7 @@ def zamba2_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
     shape = Mamba2Shape(num_heads=heads, head_dim=inter // heads, d_state=read_int(cfg, "mamba_d_state", 64),
                         n_groups=read_int(cfg, "mamba_ngroups", 1),
                         conv_kernel=read_int(cfg, "mamba_d_conv", 4, minimum=2), conv_bias=True, proj_bias=bias,
-                        dt_limit=(read_float(cfg, "time_step_min", 0.001, positive=False), float("inf")),
-                        splits=False)
+                        dt_limit=(read_float(cfg, "time_step_min", 0.001, positive=False), float("inf")))
     blocks = Zamba2Blocks(count=read_int(cfg, "num_mem_blocks", 1), adapter_rank=read_int(cfg, "adapter_rank", 128),
                           attention_adapters=read_bool(cfg, "use_shared_attention_adapter", False),
                           rope=read_bool(cfg, "use_mem_rope", False))
@@ -76,15 +75,16 @@ def zamba2_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
             "zamba2": blocks, "mlp_bias": bias, "query_pre_attn_scalar": cfg["head_dim"] / 2}
 
 
-def zamba2_params(config: Any, vocab_rows: int) -> int:
-    """Parameters of a Zamba2 model (one rank): each layer's norm and Mamba mixer, each hybrid layer's linear and its
-    adapters, the shared blocks (two norms, attention from 2 x hidden, the gated MLP), the embedding, the final norm
-    and an untied head."""
-    h, d, i, b = config.hidden_size, config.head_dim, config.intermediate_size, config.zamba2
-    q, kv = config.num_heads * d, config.num_kv_heads * d
+def zamba2_params(config: Any, heads: int, kv_heads: int, i: int, vocab_rows: int) -> int:
+    """Parameters of a Zamba2 model's rank holding `heads` query and `kv_heads` KV heads, `i` MLP rows (its share of
+    the Mamba heads too): each layer's norm and Mamba mixer, each hybrid layer's linear and its adapters, the shared
+    blocks (two norms, attention from 2 x hidden, the gated MLP), the embedding, the final norm and an untied head."""
+    h, d, b = config.hidden_size, config.head_dim, config.zamba2
+    q, kv = heads * d, kv_heads * d
     hybrids = config.layer_types.count("hybrid")
-    layers = config.num_layers * (h + config.mamba.num_params(h)) + hybrids * h * h
-    adapters = hybrids * b.adapter_rank * (h + 2 * i + (3 * (2 * h + q) if b.attention_adapters else 0))
+    mamba = config.mamba.per_rank(config.num_heads // heads)
+    layers = config.num_layers * (h + mamba.num_params(h)) + hybrids * h * h
+    adapters = hybrids * b.adapter_rank * (h + 2 * i + (3 * 2 * h + q + 2 * kv if b.attention_adapters else 0))
     mlp = 3 * h * i + (2 * i + h if config.mlp_bias else 0)   # gate_up, down
     block = 2 * h + (2 * h) * (q + 2 * kv) + q * h + h + mlp
     return vocab_rows * h * (1 if config.tie_word_embeddings else 2) + layers + adapters + b.count * block + h

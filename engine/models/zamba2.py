@@ -3,7 +3,8 @@ states of `StatefulForCausalLM`), some of them `hybrid`: a shared transformer bl
 beside the embeddings, and its output, through the layer's own linear, is added to the Mamba layer's input (not to
 the residual stream). The shared blocks are `num_mem_blocks` (`Zamba2Block`), the hybrid layers using them in turn;
 each use keeps its own K/V in the paged cache (the cache's layers are the hybrid ones) and its own low-rank adapters
-(`engine.zamba2_config`). One rank (its Mamba-2 layers are not split).
+(`engine.zamba2_config`). Under tensor parallelism a rank holds its Mamba heads and groups (Granite 4-H's cut), its
+attention heads, MLP rows and their adapters' second halves; the layers' linears and the adapters' first halves whole.
 
 Checkpoints store a block's weights under the first hybrid layer that uses it (`layers.N.shared_transformer.`, its
 adapters for every use as `..._adapter_list.{use}`); the copies a checkpoint may store under later hybrid layers are
@@ -24,7 +25,8 @@ from engine.layers import RMSNorm
 from engine.layers.mamba2 import Mamba2Mixer
 from engine.model import Attention
 from engine.model_config import ModelConfig
-from engine.models.hybrid import StatefulForCausalLM
+from engine.models.granite import mamba2_cut
+from engine.models.hybrid import StatefulForCausalLM, cut_pieces
 from engine.models.smollm3 import NoRope
 from engine.parallel import Collectives, ShardShape
 from kernels import AttentionMetadata
@@ -44,11 +46,13 @@ class Zamba2Block(nn.Module):
     plus the use's adapters), RMSNorm, an MLP gated by exact GELU (gate/up plus the use's adapter); its `uses`: the
     indices among the hybrid layers that run it, each with its adapters."""
 
-    def __init__(self, config: ModelConfig, shard: ShardShape, rotary_emb: nn.Module, uses: list[int]) -> None:
+    def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives, rotary_emb: nn.Module,
+                 uses: list[int]) -> None:
         super().__init__()
-        h, i, b = config.hidden_size, config.intermediate_size, config.zamba2
+        h, i, b = config.hidden_size, shard.intermediate_size, config.zamba2
+        self.comm = comm   # o_proj's and down_proj's partial outputs summed over the ranks
         self.input_layernorm = RMSNorm(2 * h, config.rms_norm_eps)
-        self.self_attn = Attention(config, shard, Collectives(), rotary_emb)
+        self.self_attn = Attention(config, shard, comm, rotary_emb)
         attn = self.self_attn
         attn.qkv_proj = nn.Linear(2 * h, attn.q_size + 2 * attn.kv_size, bias=False)   # from the concatenation
         if b.attention_adapters:
@@ -76,22 +80,23 @@ class Zamba2Block(nn.Module):
         qkv = qkv.view(-1, attn.num_heads + 2 * attn.num_kv_heads, attn.config.head_dim)
         attn.position_qk(qkv, rope_rows)
         q, k, v = qkv.split([attn.num_heads, attn.num_kv_heads, attn.num_kv_heads], dim=1)
-        out = attn.o_proj(attn.attend(q, k, v, kv_cache, meta, backend).reshape(-1, attn.q_size))
+        out = self.comm.all_reduce(attn.o_proj(attn.attend(q, k, v, kv_cache, meta, backend).reshape(-1, attn.q_size)))
         x = self.pre_ff_layernorm(out)
         mlp = self.feed_forward
         gate, up = (mlp.gate_up_proj(x) + mlp.gate_up_proj_adapter_list[str(use)](x)).chunk(2, dim=-1)
-        return mlp.down_proj(F.gelu(gate) * up)
+        return self.comm.all_reduce(mlp.down_proj(F.gelu(gate) * up))
 
 
 class Zamba2Layer(nn.Module):
     """A Mamba-2 layer (its norm, its mixer); a hybrid one's `linear` takes its block's output into the mixer's
     input, `block` and `use` say which block and which of its uses."""
 
-    def __init__(self, config: ModelConfig, ops: ModuleType, state_index: int, hybrid: tuple[int, int] | None
-                 ) -> None:
+    def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives, ops: ModuleType, state_index: int,
+                 hybrid: tuple[int, int] | None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-        self.mamba = Mamba2Mixer(config.mamba, config.hidden_size, MIXER_NORM_EPS, state_index)
+        self.mamba = Mamba2Mixer(config.mamba.per_rank(shard.size), config.hidden_size, MIXER_NORM_EPS, state_index,
+                                 comm)
         self.block, self.use = hybrid if hybrid is not None else (None, None)
         if hybrid is not None:
             self.linear = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
@@ -107,7 +112,7 @@ class Zamba2ForCausalLM(StatefulForCausalLM):
         self.hybrid_of = {layer: (k % count, k) for k, layer in enumerate(hybrids)}   # layer -> (block, use)
         self.first_use = {hybrids[b]: b for b in range(min(count, len(hybrids)))}   # where a checkpoint stores each
         super().__init__(config, *args, **kwargs)
-        self.blocks = nn.ModuleList(Zamba2Block(config, self.shard, self.rotary_emb,
+        self.blocks = nn.ModuleList(Zamba2Block(config, self.shard, self.comm, self.rotary_emb,
                                                 [k for k in range(len(hybrids)) if k % count == b])
                                     for b in range(count))
 
@@ -120,7 +125,7 @@ class Zamba2ForCausalLM(StatefulForCausalLM):
         return super().make_rotary(ops) if self.config.zamba2.rope else NoRope()
 
     def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
-        return Zamba2Layer(self.config, ops, self.state_index[index], self.hybrid_of.get(index))
+        return Zamba2Layer(self.config, self.shard, self.comm, ops, self.state_index[index], self.hybrid_of.get(index))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
@@ -156,3 +161,25 @@ class Zamba2ForCausalLM(StatefulForCausalLM):
                 return ()
             return ((".".join(["blocks", str(self.first_use[layer]), *parts[3:]]), tensor),)
         return ((name, tensor),)
+
+    def _shard_of(self, hf_name: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part: a Mamba layer's heads and groups (`mamba2_cut`); a block's attention as a Llama layer's
+        (its q/k/v adapters' second halves as q/k/v's rows, their first halves whole), its MLP's gate and up rows
+        (gate/up_proj and its adapters' second halves, gate rows then up rows) and down's columns; the rest whole."""
+        if self.shard.size == 1 or not name.startswith(("layers.", "blocks.")):
+            return super()._shard_of(hf_name, name, tensor)
+        if ".mamba." in name:
+            return mamba2_cut(self.config.mamba, hf_name, name, tensor, self.shard.rank, self.shard.size)
+        if not name.startswith("blocks.") or ".0.weight" in name:   # a layer's linear; an adapter's first half
+            return tensor
+        part = name.split(".", 2)[2]   # past `blocks.N.`
+        for kind in "qkv":
+            if part.startswith(f"self_attn.linear_{kind}_adapter_list."):
+                return super()._shard_of(hf_name, f"layers.0.self_attn.{kind}_proj.weight", tensor)
+        if part.startswith("feed_forward.gate_up_proj"):   # the projection, or its adapter's second half
+            inter = self.config.intermediate_size
+            return cut_pieces(hf_name, tensor, 0, [(inter, 0, True), (inter, inter, True)], self.shard.rank,
+                              self.shard.size)
+        if part.startswith("feed_forward.down_proj."):
+            return super()._shard_of(hf_name, "layers.0.mlp." + part.removeprefix("feed_forward."), tensor)
+        return super()._shard_of(hf_name, "layers.0." + part, tensor)

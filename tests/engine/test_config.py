@@ -1994,7 +1994,8 @@ def test_zamba2_reads_as_transformers_does():
     """Zamba2 (Zamba2Config's defaults: 54 Mamba-2 layers of 8 heads of 640, 9 of them hybrid, one shared block of 32
     attention heads of 160 over 2 x 2,560; then two blocks with attention adapters): the parameter count is
     transformers' model's; only the hybrid layers keep K/V, every layer a state. Layer kinds without a hybrid one,
-    YaRN's long-context switch, attention adapters beside fewer KV heads and more than one rank are refused by key."""
+    YaRN's long-context switch, attention adapters beside fewer KV heads and ranks that do not divide the Mamba heads
+    are refused by key."""
     transformers = pytest.importorskip("transformers")
     bare = {"architectures": ["Zamba2ForCausalLM"]}
     for extra in ({}, {"num_mem_blocks": 2, "use_shared_attention_adapter": True, "add_bias_linear": True}):
@@ -2007,9 +2008,9 @@ def test_zamba2_reads_as_transformers_does():
     assert cfg.kv_bytes_per_token(torch.bfloat16) == 9 * 2 * 32 * 160 * 2
     small = {**bare, "vocab_size": 1000, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
              "n_mamba_heads": 4, "layers_block_type": ["linear_attention", "hybrid"]}
-    check_tensor_parallel(ModelConfig.from_hf_config(small), 1)
-    with pytest.raises(ConfigError, match="^tensor_parallel_size: 2 ranks; these Mamba-2 layers are served on one"):
-        check_tensor_parallel(ModelConfig.from_hf_config(small), 2)
+    check_tensor_parallel(ModelConfig.from_hf_config(small), 2)
+    with pytest.raises(ConfigError, match="^tensor_parallel_size: 8 does not divide the model's 4 Mamba heads"):
+        check_tensor_parallel(ModelConfig.from_hf_config(small), 8)
     for key, value in (("layers_block_type", ["mamba", "mamba"]), ("use_long_context", True),
                        ("num_key_value_heads", 2), ("n_mamba_heads", 3)):
         with pytest.raises(ConfigError, match=f"^{key}:"):

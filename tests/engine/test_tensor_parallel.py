@@ -395,6 +395,10 @@ QWEN3 = {"head_dim": 32, "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
                       "pad_token_id": 0}, None),
     ("mamba2", {"num_hidden_layers": 2, "num_heads": 4, "head_dim": 32, "state_size": 16, "n_groups": 2,
                 "chunk_size": 16, "pad_token_id": 0}, None),
+    ("zamba2", {"num_hidden_layers": 4, "layers_block_type": ["linear_attention", "hybrid", "hybrid", "hybrid"],
+                "mamba_d_state": 16, "n_mamba_heads": 4, "mamba_ngroups": 2, "num_mem_blocks": 2,
+                "use_shared_attention_adapter": True, "adapter_rank": 8, "num_key_value_heads": 4,
+                "add_bias_linear": True, "pad_token_id": 0}, None),
     ("falcon", {"layer_norm_epsilon": 1e-5}, None),
     ("phimoe", {"num_local_experts": 8, "intermediate_size": 32, "attention_bias": True, "lm_head_bias": True,
                 "router_jitter_noise": 0.5}, None),
@@ -477,7 +481,8 @@ def test_two_ranks_generate_what_one_does(tmp_path, builtin_path, prompts, arch,
     # experts' and shared experts' rows; Jamba each rank's Mamba-1 channels (x_proj's partial products summed over
     # both, the norms of dt, B and C whole on each) beside experts; FalconMamba the same with no attention layer (its
     # "heads" its channels, its KV cache of no layer on either rank); Mamba2 each rank's Mamba-2 heads and groups;
-    # Apertus 1.5 its pruned head's rows (301: the second rank's last row padding), the ids past it -inf.
+    # Apertus 1.5 its pruned head's rows (301: the second rank's last row padding), the ids past it -inf; Zamba2 its
+    # Mamba heads and groups, its shared blocks' heads, MLP rows and adapters' second halves (biased MLPs).
     # Qwen3's,
     # Mixtral's and DeepSeek's groups overlap their steps: the other rank fills the placeholders of each step's
     # inputs from rank 0's sampled ids (engine.overlap).
