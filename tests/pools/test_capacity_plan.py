@@ -483,6 +483,7 @@ def test_the_examples_measure_their_gpus_where_they_are_served():
     ("qwen2.5-72b-gptq-int8-2xh100.yaml", 80 * GiB, 76_552_421_376, "float16"),
     ("mimo-v2-flash-8xh200.yaml", 141 * GiB, 617_656_151_936, "float8_e4m3fn"),
     ("jamba-1.5-mini-h200.yaml", 141 * GiB, 103_140_646_656, "bfloat16"),
+    ("mamba-codestral-7b-h100.yaml", 80 * GiB, 14_570_807_296, "bfloat16"),
 ])
 def test_the_example_files_plan(name, vram, dense_bytes, kv):
     """The example files plan from the config.json beside them: Qwen3-32B's weights (YaRN to 131,072
@@ -497,7 +498,8 @@ def test_the_example_files_plan(name, vram, dense_bytes, kv):
     AWQ's, a zero point a group beside them), and Qwen2.5-72B's GPTQ INT8 on two H100s (70,464,307,200 projection
     weights a byte each, a float16 scale a 128 of them, the rest in float16), and
     MiMo-V2-Flash on eight H200s with an FP8 cache (its two attention shapes, each GPU one KV head a layer), and Jamba
-    1.5 Mini on one H200 (its 4 attention layers' K/V alone, each sequence's state of its 28 Mamba-1 layers beside)."""
+    1.5 Mini on one H200 (its 4 attention layers' K/V alone, each sequence's state of its 28 Mamba-1 layers beside),
+    and Mamba-Codestral-7B on one H100 (no K/V at all: its pools' sequences by their 64 Mamba-2 layers' states)."""
     data = yaml.safe_load((REPO / "config" / "examples" / name).read_text())
     config = parse_config(data, env={}, base_dir=REPO / "config" / "examples")
     plan = plan_capacity(config, resolve_model_configs(config), vram_bytes=vram)
@@ -520,6 +522,12 @@ def test_the_example_files_plan(name, vram, dense_bytes, kv):
     if name.startswith("jamba"):   # a float32 state of 16 for each of 8,192 channels, 3 conv inputs
         assert device.kv_bytes_per_token == 4 * 8 * 128 * 2 * 2
         assert {p.state_bytes_per_seq for p in plan.pools.values()} == {28 * (8192 * 3 * 2 + 8192 * 16 * 4)}
+    if name.startswith("mamba-codestral"):   # 128 heads' 64 x 128 float32 states, 3 inputs of 10,240 channels
+        state = 64 * (10240 * 3 * 2 + 128 * 64 * 128 * 4)
+        assert device.kv_bytes_per_token == 0
+        assert {p.state_bytes_per_seq for p in plan.pools.values()} == {state}
+        assert [p.max_num_seqs for p in plan.pools.values()] == [
+            p.kv_cache_bytes_per_device // (2 * state) for p in plan.pools.values()] == [45, 68]
     assert all(p.max_num_seqs >= 1 for p in plan.pools.values())
     if kv == "float8_e4m3fn":   # the same file with a bfloat16 cache: half the blocks
         data["devices"][next(iter(data["devices"]))]["kv_cache_dtype"] = "auto"
