@@ -3,7 +3,8 @@ without the device (`engine.step_cost`'s module docstring says what it models), 
 (`step_flops`, `expert_params`, `experts_read`). DeepSeek V3.2's and GLM-5's sparse attention (`MlaShape.index_topk`):
 each query attends to its `index_topk` best tokens alone (the latent rows of at most that many, as a window of that
 size counts them), after its indexer scored every earlier token (2 x index heads x index_head_dim FLOPs a query-key
-pair, each token's indexer key read)."""
+pair, each token's indexer key read). A model with state layers reads and writes each running sequence's state once
+a step (`state_bytes_per_seq`)."""
 
 from __future__ import annotations
 
@@ -95,6 +96,10 @@ class RooflineStepTime:
         # the group's: a head each GPU where TP > KV heads (replicated); each layer's heads and head size
         self.kv_bytes_per_token = model.kv_planes * kv_bytes * sum(
             -(-heads // tp) * tp * dim for heads, dim in map(model.layer_kv_shape, model.kv_layers))
+        # a state layer's sequence reads its state and writes it back every step it runs (its conv inputs in the
+        # model's dtype, the float32 recurrent state): a Mamba-2 model's are megabytes a sequence
+        shape = model.state_shape
+        self.state_bytes_per_seq = 0 if shape is None else len(model.stateful_layers) * shape.state_bytes(dtype_bytes)
         windows = [w for layer in range(model.num_layers) if (w := model.layer_window(layer))]
         self.window, self.num_windowed = (windows[0] if windows else None), len(windows)   # Gemma 3's, Mistral's
         mla = model.mla
@@ -123,7 +128,8 @@ class RooflineStepTime:
             latent_bytes = self.kv_bytes_per_token - self.index_bytes_per_token
             kv_read = keys * self.index_bytes_per_token + latent * latent_bytes
         weights = self.weights_bytes + self.expert_bytes * experts_read(m, tokens)
-        traffic = weights + kv_read + tokens * self.kv_bytes_per_token
+        states = 2 * self.state_bytes_per_seq * (len(features.spans) if features.spans else len(batch))
+        traffic = weights + kv_read + tokens * self.kv_bytes_per_token + states
         compute_s = flops / self.tp / (p.peak_flops * p.flops_efficiency)
         memory_s = traffic / self.tp / (p.memory_bandwidth * p.bandwidth_efficiency)
         allreduce_s = 0.0

@@ -6,6 +6,8 @@ models (Qwen3.5, Qwen3-Next, Granite 4-H, Nemotron-H) is in test_engine_vs_hf.py
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -254,6 +256,28 @@ def test_the_roofline_reads_the_attention_layers_kv_alone(tiny):
     roofline = RooflineStepTime(PRESETS["h100"], model, dtype_bytes=2)
     assert roofline.kv_bytes_per_token == model.kv_bytes_per_token(torch.bfloat16) == 2 * 1 * 2 * 16 * 2
     assert step_flops(model, 1, 1000, 0) - step_flops(model, 1, 0, 0) == 4 * 1 * 4 * 16 * 1000
+
+
+def test_the_roofline_moves_each_running_sequences_state_every_step():
+    """A decode step of Mamba-Codestral-7B (no K/V; 259.75 MiB of state a sequence) is memory-bound: each sequence in
+    the step adds its state read and written back to the weights' bytes, 64 sequences 33 GiB beside the weights'
+    13.6 GiB, where a transformer's decode adds only its K/V."""
+    from engine.roofline import PRESETS, RooflineStepTime
+    from engine.step_cost import StepFeatures
+
+    model = ModelConfig.from_folder(Path(__file__).parents[2] / "config" / "examples" / "mamba-codestral-7b")
+    roofline, preset = RooflineStepTime(PRESETS["h100"], model, dtype_bytes=2), PRESETS["h100"]
+    state = 64 * (10240 * 3 * 2 + 128 * 64 * 128 * 4)
+    assert roofline.state_bytes_per_seq == state == model.state_bytes_per_seq(torch.bfloat16)
+
+    def decode(batch: int) -> float:
+        features = StepFeatures()
+        for _ in range(batch):
+            features.add(1000, 1, is_decode=True)
+        return roofline.seconds([], features, batch)
+
+    per_byte = 1 / (preset.memory_bandwidth * preset.bandwidth_efficiency)
+    assert decode(64) - decode(1) == pytest.approx(63 * 2 * state * per_byte, rel=1e-6)
 
 
 def test_the_gateway_credits_a_state_models_requests_their_whole_prompts(tiny, tmp_path):
