@@ -8,29 +8,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.layers.norm import RMSNorm, rms_normed
 from engine.mamba1_config import Mamba1Shape
 from engine.parallel import Collectives
 from engine.layers.gated_delta_net import RecurrentStates, StateMixer
 from kernels import AttentionMetadata, selective_scan
-
-
-def rms_normed(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x RMS-normed in float32, back in its dtype, without a weight (FalconMamba's `FalconMambaWeightlessRMSNorm`)."""
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
-class WeightedRMSNorm(nn.Module):
-    """RMSNorm in float32, times its weight in the input's dtype (transformers' `JambaRMSNorm`)."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
 class Mamba1Mixer(StateMixer):
@@ -60,9 +42,9 @@ class Mamba1Mixer(StateMixer):
         self.A_log = nn.Parameter(torch.empty(inter, n))
         self.D = nn.Parameter(torch.empty(inter))
         if s.bcdt_norms == "weighted":
-            self.dt_layernorm = WeightedRMSNorm(r, s.norm_eps)
-            self.b_layernorm = WeightedRMSNorm(n, s.norm_eps)
-            self.c_layernorm = WeightedRMSNorm(n, s.norm_eps)
+            self.dt_layernorm = RMSNorm(r, s.norm_eps)   # transformers' JambaRMSNorm: Llama's
+            self.b_layernorm = RMSNorm(n, s.norm_eps)
+            self.c_layernorm = RMSNorm(n, s.norm_eps)
         self.out_proj = nn.Linear(inter, hidden_size, bias=s.proj_bias)
 
     def forward(self, hidden: torch.Tensor, meta: AttentionMetadata, states: RecurrentStates) -> torch.Tensor:
@@ -71,10 +53,10 @@ class Mamba1Mixer(StateMixer):
         y = self.scan(x, (), meta, states)                                      # [num_tokens, channels] float32
         return self.comm.all_reduce(self.out_proj((y * F.silu(gate.float())).to(hidden.dtype)))
 
-    def _selective(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The convolution's output [tokens, channels] -> (dt float32 [tokens, channels], B, C [tokens, d_state]):
-        x_proj (summed over the ranks), Jamba's norms, dt_proj's product in the model's dtype plus its bias in
-        float32, softplus."""
+    def _selective(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The convolution's output [tokens, channels] -> the scan's inputs past x: dt float32 [tokens, channels]
+        (x_proj, summed over the ranks, Jamba's or FalconMamba's norms, dt_proj's product in the model's dtype plus
+        its bias in float32, softplus), A = -exp(A_log) float32, B, C [tokens, d_state], D."""
         s = self.shape
         low, B, C = self.comm.all_reduce(self.x_proj(x)).split([s.dt_rank, s.d_state, s.d_state], dim=-1)
         if s.bcdt_norms == "weighted":
@@ -82,12 +64,10 @@ class Mamba1Mixer(StateMixer):
         elif s.bcdt_norms == "weightless":
             low, B, C = (rms_normed(t, s.norm_eps) for t in (low, B, C))
         dt = F.softplus(F.linear(low, self.dt_proj.weight) + self.dt_proj.bias.float())
-        return dt, B, C
+        return dt, -torch.exp(self.A_log.float()), B, C, self.D
 
     def step(self, x, extras, ssm):
-        dt, B, C = self._selective(x)
-        return selective_scan.step(x, dt, -torch.exp(self.A_log.float()), B, C, self.D, ssm)
+        return selective_scan.step(x, *self._selective(x), ssm)
 
     def chunk(self, x, extras, ssm):
-        dt, B, C = self._selective(x)
-        return selective_scan.scan(x, dt, -torch.exp(self.A_log.float()), B, C, self.D, ssm)
+        return selective_scan.scan(x, *self._selective(x), ssm)

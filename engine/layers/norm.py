@@ -11,6 +11,13 @@ from torch import nn
 from kernels import fused
 
 
+def rms_normed(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x RMS-normed over its last dimension without a weight, in float32 and rounded once to x's dtype (nanochat's
+    norms, FalconMamba's norms of dt, B and C)."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     """Llama's RMSNorm: the statistics in float32, the normalised row rounded to the input's dtype, then
     multiplied by `weight` (transformers' `LlamaRMSNorm`, in its order).

@@ -15,15 +15,11 @@ import torch
 from torch import nn
 
 from engine.layers import RopeRows
+from engine.layers.norm import rms_normed
 from engine.model import Attention
 from engine.models.apertus import ArceeForCausalLM
 
 __all__ = ["NanoChatAttention", "NanoChatForCausalLM", "ParameterlessRMSNorm"]
-
-
-def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 class ParameterlessRMSNorm(nn.Module):
@@ -38,9 +34,9 @@ class ParameterlessRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
-            return _rms(x, self.eps)
+            return rms_normed(x, self.eps)
         residual.add_(x)
-        return _rms(residual, self.eps), residual
+        return rms_normed(residual, self.eps), residual
 
 
 class NanoChatAttention(Attention):
@@ -49,7 +45,7 @@ class NanoChatAttention(Attention):
     def position_qk(self, qkv: torch.Tensor, rope_rows: RopeRows) -> None:
         qk = qkv[:, :self.num_heads + self.num_kv_heads]
         self.rotary_emb(qk, rope_rows)
-        qk.copy_(_rms(qk, self.config.rms_norm_eps))
+        qk.copy_(rms_normed(qk, self.config.rms_norm_eps))
 
 
 class NanoChatForCausalLM(ArceeForCausalLM):
@@ -63,7 +59,7 @@ class NanoChatForCausalLM(ArceeForCausalLM):
         return layer
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return _rms(super().embed(input_ids), self.config.rms_norm_eps)
+        return rms_normed(super().embed(input_ids), self.config.rms_norm_eps)
 
     def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
         """`fc1` / `fc2` as AFM's up_proj / down_proj; q and k rows with each head's halves swapped."""
