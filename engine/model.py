@@ -146,6 +146,15 @@ class DecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
+def rank_rows(tensor: torch.Tensor, rank: int, rows: int) -> torch.Tensor:
+    """Rank `rank`'s `rows` rows of a tensor cut in equal shares of rows (the vocabulary's: the embedding, a head), the
+    last rank's tail past the tensor zeros."""
+    part = tensor.new_zeros(rows, *tensor.shape[1:])
+    start = rank * rows
+    part[:max(0, min(tensor.shape[0] - start, rows))] = tensor[start:start + rows]
+    return part
+
+
 class LlamaForCausalLM(CheckpointReading, nn.Module):
     """The Llama-family decoder. Build it on the meta device, then `load_weights` or `init_random`.
 
@@ -423,9 +432,7 @@ class LlamaForCausalLM(CheckpointReading, nn.Module):
             if tensor.shape[0] != c.vocab_size:
                 raise WeightLoadError(f"{hf_name}: shape {tuple(tensor.shape)} does not match the config's "
                                       f"vocab_size {c.vocab_size}")
-            rows = tensor.new_zeros(shard.vocab_rows, *tensor.shape[1:])
-            rows[:shard.num_vocab_rows_used] = tensor[shard.vocab_start:shard.vocab_start + shard.num_vocab_rows_used]
-            return rows
+            return rank_rows(tensor, shard.rank, shard.vocab_rows)
         if part not in cuts:
             return tensor   # norms: every rank holds all of them
         dim, full, start, length = cuts[part]

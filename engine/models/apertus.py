@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.layers import BiasLayerNorm
-from engine.model import DecoderLayer, LlamaForCausalLM, WeightLoadError
+from engine.model import DecoderLayer, LlamaForCausalLM, WeightLoadError, rank_rows
 from engine.model_config import ModelConfig
 from engine.models.nemotron_h import ReluSquared
 from engine.models.phi3 import partial_rotary_rows
@@ -117,10 +117,7 @@ class ApertusForCausalLM(LlamaForCausalLM):
             if tuple(tensor.shape) != (kept, self.config.hidden_size):
                 raise WeightLoadError(f"{hf_name}: shape {tuple(tensor.shape)} is not the pruned head's "
                                       f"({kept}, {self.config.hidden_size}) of output_vocab_size {kept}")
-            part = tensor.new_zeros(rows, tensor.shape[1])
-            start = self.shard.rank * rows
-            part[:max(0, min(kept - start, rows))] = tensor[start:start + rows]
-            return part
+            return rank_rows(tensor, self.shard.rank, rows)
         return super()._shard_of(hf_name, name.replace(".mlp.up.", ".mlp.up_proj."), tensor)
 
 
