@@ -27,10 +27,10 @@ BCDT_NORMS = ("weighted", "weightless", "none")
 
 @dataclass(frozen=True)
 class Mamba1Shape:
-    """One Mamba-1 layer's shape: `intermediate_size` channels (this rank's share under tensor parallelism, of
-    `full_size`), a state of `d_state` per channel, the causal convolution's `conv_kernel` taps over x (with a bias
-    where `conv_bias`), dt from a projection of rank `dt_rank`, in_proj and out_proj biased where `proj_bias`;
-    dt's input, B and C RMS-normed (eps `norm_eps`) as `bcdt_norms` says (`BCDT_NORMS`)."""
+    """One Mamba-1 layer's shape: `intermediate_size` channels (this rank's share under tensor parallelism), a state of
+    `d_state` per channel, the causal convolution's `conv_kernel` taps over x (with a bias where `conv_bias`), dt from
+    a projection of rank `dt_rank`, in_proj and out_proj biased where `proj_bias`; dt's input, B and C RMS-normed (eps
+    `norm_eps`) as `bcdt_norms` says (`BCDT_NORMS`)."""
 
     intermediate_size: int
     d_state: int
@@ -40,18 +40,12 @@ class Mamba1Shape:
     proj_bias: bool = False
     bcdt_norms: str = "weighted"
     norm_eps: float = 1e-6
-    full_size: int = 0   # the whole layer's channels (0: `intermediate_size`, one rank)
 
     def __post_init__(self) -> None:
         if self.conv_kernel < 2:   # the readers refuse it naming their key
             raise ValueError(f"conv_kernel: must be >= 2, got {self.conv_kernel}")
         if self.bcdt_norms not in BCDT_NORMS:
             raise ValueError(f"bcdt_norms: one of {', '.join(BCDT_NORMS)}, got {self.bcdt_norms!r}")
-
-    @property
-    def ranks(self) -> int:
-        """The tensor-parallel ranks the layer's channels are split over."""
-        return (self.full_size or self.intermediate_size) // self.intermediate_size
 
     def split_error(self, size: int) -> str | None:
         """Why `size` tensor-parallel ranks cannot split these layers (None: each takes its share of the channels)."""
@@ -61,9 +55,7 @@ class Mamba1Shape:
 
     def per_rank(self, size: int) -> Mamba1Shape:
         """The shape one of `size` ranks holds: its channels (x_proj's output summed over the ranks)."""
-        if size == 1:
-            return self
-        return replace(self, intermediate_size=self.intermediate_size // size, full_size=self.intermediate_size)
+        return self if size == 1 else replace(self, intermediate_size=self.intermediate_size // size)
 
     @property
     def conv_state_shape(self) -> tuple[int, int]:
