@@ -35,7 +35,6 @@ class Mamba2Shape:
     conv_bias: bool = True
     proj_bias: bool = False
     dt_limit: tuple[float, float] = (0.0, float("inf"))
-    splits: bool = True      # tensor parallelism may split its heads (Nemotron-H's blocks: one rank)
     norm_ranks: int = 1      # the ranks one group of the gated norm spans (a rank's shape with its groups replicated)
     gated_norm: str = "gate_first"
     out_bias: bool | None = None
@@ -58,8 +57,6 @@ class Mamba2Shape:
         the groups, or all of one group, replicated)."""
         if size == 1:
             return None
-        if not self.splits:
-            return f"{size} ranks; these Mamba-2 layers are served on one rank"
         if self.num_heads % size:
             return f"{size} does not divide the model's {self.num_heads} Mamba heads"
         if self.n_groups % size and self.n_groups != 1:

@@ -66,7 +66,7 @@ def count_params(config: Any, heads: int, kv_heads: int, i: int, moe_i: int, v: 
     if config.architecture in MAMBA_ARCHITECTURES:   # Mamba-1 blocks alone: its "heads" are its channels
         return mamba_params(config, heads, v)
     if config.architecture == "NemotronHForCausalLM":   # single-mixer blocks
-        return nemotron_h_params(config, heads, kv_heads, v)
+        return nemotron_h_params(config, heads, kv_heads, i, moe_i, shared_i, v)
     if config.architecture == "Gemma4ForCausalLM":   # two attention shapes, experts beside the MLP
         return gemma4_params(config, heads, kv_heads, i, moe_i, v)
     if config.mimo is not None:   # two attention shapes, value heads of their own size

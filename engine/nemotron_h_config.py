@@ -56,8 +56,7 @@ def nemotron_h_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
                         d_state=read_int(cfg, "ssm_state_size", 128), n_groups=either("n_groups", "mamba_n_groups", 8),
                         conv_kernel=either("conv_kernel", "mamba_d_conv", 4),
                         conv_bias=either("use_conv_bias", "mamba_conv_bias", True, read_bool),
-                        proj_bias=read_bool(cfg, "use_bias", False), dt_limit=(least, float("inf")),
-                        splits=False)
+                        proj_bias=read_bool(cfg, "use_bias", False), dt_limit=(least, float("inf")))
     kinds = block_kinds(cfg)
     fields = {"layer_types": tuple(kinds), "mamba": shape, "no_rope_layers": (0,) * num_layers,
               "attention_bias": False, "rms_norm_eps": read_float(cfg, "layer_norm_epsilon", 1e-5)}
@@ -87,14 +86,16 @@ def _experts(cfg: dict[str, Any], kinds: list[str]) -> dict[str, Any]:
             "mlp_only_layers": tuple(i for i, kind in enumerate(kinds) if kind != "moe")}
 
 
-def nemotron_h_params(config: Any, heads: int, kv_heads: int, vocab_rows: int) -> int:
-    """Parameters of a Nemotron-H model with `heads` query and `kv_heads` KV heads: each block its norm and its mixer
-    (attention's q, k, v, o; Mamba-2's, `Mamba2Shape.num_params`; the MLP's up and down; the MoE's experts, router
-    and shared expert), the embedding, the final norm and an untied head."""
-    h, d, inter = config.hidden_size, config.head_dim, config.intermediate_size
-    experts = config.num_experts * (2 * h * config.moe_intermediate_size + h + 1)   # up, down; the router and its bias
+def nemotron_h_params(config: Any, heads: int, kv_heads: int, i: int, moe_i: int, shared_i: int,
+                      vocab_rows: int) -> int:
+    """Parameters of a Nemotron-H rank holding `heads` query and `kv_heads` KV heads (its share of the Mamba heads
+    too), `i` MLP rows, `moe_i` rows of each expert and `shared_i` of the shared one: each block its norm and its
+    mixer (attention's q, k, v, o; Mamba-2's, `Mamba2Shape.num_params`; the MLP's up and down; the MoE's experts,
+    router and shared expert), the embedding, the final norm and an untied head."""
+    h, d = config.hidden_size, config.head_dim
+    experts = config.num_experts * (2 * h * moe_i + h + 1)   # up, down; the router and its bias
     mixer = {"full_attention": h * (heads + 2 * kv_heads) * d + heads * d * h,
-             "linear_attention": config.mamba.num_params(h), "mlp": 2 * h * inter,
-             "moe": experts + 2 * h * config.shared_expert_intermediate_size}
+             "linear_attention": config.mamba.per_rank(config.num_heads // heads).num_params(h), "mlp": 2 * h * i,
+             "moe": experts + 2 * h * shared_i}
     blocks = sum(h + mixer[kind] for kind in config.layer_types)
     return vocab_rows * h * (1 if config.tie_word_embeddings else 2) + blocks + h

@@ -23,6 +23,7 @@ from engine.layers.mamba2 import Mamba2Mixer
 from engine.model import Attention, WeightLoadError
 from engine.model_config import ModelConfig
 from engine.models.deepseek import DeepseekMoeBlock
+from engine.models.granite import mamba2_cut
 from engine.models.hybrid import StatefulForCausalLM
 from engine.models.smollm3 import NoRope
 from engine.parallel import Collectives, ShardShape
@@ -32,15 +33,17 @@ __all__ = ["NemotronHForCausalLM", "NemotronHMoeBlock", "ReluSquaredMLP"]
 
 
 class ReluSquaredMLP(nn.Module):
-    """up_proj, relu(x)^2, down_proj: no gate."""
+    """up_proj, relu(x)^2, down_proj: no gate. Under tensor parallelism this rank's `intermediate_size` rows of
+    up_proj and columns of down_proj, the output summed over the ranks by `comm` (none: the caller sums it)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, comm: Collectives | None = None) -> None:
         super().__init__()
+        self.comm = comm or Collectives()
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(relu_squared(self.up_proj(x)))
+        return self.comm.all_reduce(self.down_proj(relu_squared(self.up_proj(x))))
 
 
 class NemotronHBlock(nn.Module):
@@ -54,11 +57,12 @@ class NemotronHBlock(nn.Module):
         if kind == "full_attention":
             self.self_attn = Attention(config, shard, comm, NoRope(), layer)
         elif kind == "linear_attention":
-            self.mamba = Mamba2Mixer(config.mamba, config.hidden_size, config.rms_norm_eps, state_index)
+            self.mamba = Mamba2Mixer(config.mamba.per_rank(shard.size), config.hidden_size, config.rms_norm_eps,
+                                     state_index, comm)
         elif kind == "moe":
             self.ffn = NemotronHMoeBlock(config, shard, comm, ops)
         else:
-            self.ffn = ReluSquaredMLP(config.hidden_size, config.intermediate_size)
+            self.ffn = ReluSquaredMLP(config.hidden_size, shard.intermediate_size, comm)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope_rows: RopeRows | None,
                 cache: tuple[torch.Tensor, torch.Tensor] | RecurrentStates, meta: AttentionMetadata, backend
@@ -78,7 +82,8 @@ class NemotronHBlock(nn.Module):
 
 class NemotronHForCausalLM(StatefulForCausalLM):
     """Nemotron-H (see the module docstring): Llama's loading and head, its blocks over `StatefulForCausalLM`'s
-    states; one rank (its Mamba-2 layers are not split: `Mamba2Shape.split_error`)."""
+    states. Tensor parallelism splits attention's heads, the Mamba heads and groups (Granite 4-H's cut), the MLP's
+    rows and each expert's (the router whole on every rank)."""
 
     def make_rotary(self, ops: ModuleType) -> nn.Module:
         return NoRope()
@@ -105,6 +110,25 @@ class NemotronHForCausalLM(StatefulForCausalLM):
             parts[3] = "shared_expert" if parts[3] == "shared_experts" else parts[3]
         return ((".".join(parts), tensor),)
 
+    def _shard_of(self, hf_name: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a block's mixer: a Mamba block's as Granite 4-H's (`mamba2_cut`); the MLP's, an
+        expert's or the shared expert's up rows and down columns (its share of their intermediate size); the router
+        and the rest as Llama's."""
+        shard, config = self.shard, self.config
+        head, sep, rest = name.partition(".ffn.")
+        if shard.size > 1 and ".mamba." in name:
+            return mamba2_cut(config.mamba, hf_name, name, tensor, shard.rank, shard.size)
+        if shard.size == 1 or not sep or not rest.endswith(("up_proj.weight", "down_proj.weight")):
+            return super()._shard_of(hf_name, name, tensor)
+        full, size = (config.moe_intermediate_size, shard.moe_intermediate_size) if rest.startswith("experts.") \
+            else (config.shared_expert_intermediate_size, shard.shared_expert_intermediate_size) \
+            if rest.startswith("shared_expert.") else (config.intermediate_size, shard.intermediate_size)
+        dim = 1 if rest.endswith("down_proj.weight") else 0
+        if tensor.dim() != 2 or tensor.shape[dim] != full:
+            raise WeightLoadError(f"{hf_name}: shape {tuple(tensor.shape)} does not match the config "
+                                  f"({full} along dimension {dim})")
+        return tensor.narrow(dim, shard.rank * size, size)
+
     def _destination(self, name: str, hf_name: str) -> tuple[str, Callable[[torch.Tensor], torch.Tensor]]:
         """A MoE block's expert `e`'s up_proj into w13[e], its down_proj into w2[e]."""
         prefix, sep, rest = name.partition(".ffn.experts.")
@@ -128,8 +152,8 @@ class NemotronHMoeBlock(DeepseekMoeBlock):
         self.w13 = nn.Parameter(torch.empty(config.num_experts, shard.moe_intermediate_size, config.hidden_size))
         self.act_fn = ReluSquared()
         self.fused_moe = None
-        self.shared_expert = ReluSquaredMLP(config.hidden_size, config.shared_expert_intermediate_size) \
-            if config.shared_expert_intermediate_size else None
+        self.shared_expert = ReluSquaredMLP(config.hidden_size, shard.shared_expert_intermediate_size) \
+            if config.shared_expert_intermediate_size else None   # this rank's rows, summed with the experts
 
 
 def relu_squared(x: torch.Tensor) -> torch.Tensor:

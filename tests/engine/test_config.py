@@ -1761,8 +1761,9 @@ def test_qwen3_next_reads_as_transformers_does():
 def test_nemotron_h_reads_as_transformers_does():
     """Nemotron-H as its hub configs write it (`hybrid_override_pattern`, a character a block; `num_hidden_layers`
     beside it) and as transformers 5 saves it (`layers_block_type`): the blocks' kinds, the KV cache holding the
-    attention blocks alone, the parameter count of transformers' model; latent experts, a block of no known kind,
-    or no attention block at all refused by key; Nemotron 3's MoE blocks counted as transformers counts them."""
+    attention blocks alone, the parameter count of transformers' model, ranks splitting the Mamba heads and groups
+    (refused by key where they cannot); latent experts, a block of no known kind, or no attention block at all
+    refused by key; Nemotron 3's MoE blocks counted as transformers counts them."""
     transformers = pytest.importorskip("transformers")
 
     pattern = "M-M-M-M*-M-M-M-M*-M-M-M-"   # 24 blocks: 11 Mamba-2, 2 attention, 11 MLP
@@ -1775,8 +1776,11 @@ def test_nemotron_h_reads_as_transformers_does():
     assert ours.num_params() == sum(p.numel() for p in hf.parameters())
     assert (ours.num_layers, ours.kv_layers, ours.mamba.conv_dim) == (24, (7, 16), 32 * 64 + 2 * 8 * 128)
     assert ours.layer_types[:4] == ("linear_attention", "mlp", "linear_attention", "mlp")
-    with pytest.raises(ConfigError, match=r"^tensor_parallel_size: 2 ranks; these Mamba-2 layers are served on one"):
-        check_tensor_parallel(ours, 2)
+    check_tensor_parallel(ours, 8)   # a Mamba group a rank
+    for size, named in ((3, "3 does not divide the model's 32 Mamba heads"),
+                        (16, "16 neither divides the model's 8 Mamba groups")):
+        with pytest.raises(ConfigError, match=f"^tensor_parallel_size: {named}"):
+            check_tensor_parallel(ours, size)
     saved = {**{k: v for k, v in card.items() if k not in ("hybrid_override_pattern", "num_hidden_layers")},
              "layers_block_type": list(ours.layer_types)}
     assert ModelConfig.from_hf_config(saved).num_params() == ours.num_params()
