@@ -34,8 +34,7 @@ class GatedDeltaShape:
     """One linear-attention layer's shape: `num_k_heads` query/key heads of `k_head_dim`, `num_v_heads` value heads
     of `v_head_dim` (a multiple of the key heads: each key head serves that many consecutive value heads), the
     causal convolution's `conv_kernel` taps over q, k and v. OLMo Hybrid's: the write strength beta in (0, 2)
-    (`beta_scale` 2: `linear_allow_neg_eigval`), the gated norm's own eps (`norm_eps`; None: the model's), its layers
-    on one rank (`splits` false)."""
+    (`beta_scale` 2: `linear_allow_neg_eigval`), the gated norm's own eps (`norm_eps`; None: the model's)."""
 
     num_k_heads: int
     num_v_heads: int
@@ -44,7 +43,6 @@ class GatedDeltaShape:
     conv_kernel: int
     beta_scale: float = 1.0
     norm_eps: float | None = None
-    splits: bool = True
 
     def __post_init__(self) -> None:
         if self.num_v_heads % self.num_k_heads:
@@ -55,8 +53,6 @@ class GatedDeltaShape:
 
     def split_error(self, size: int) -> str | None:
         """Why `size` tensor-parallel ranks cannot split these layers (None: they can, by key head)."""
-        if not self.splits and size > 1:
-            return f"{size} ranks; these linear-attention layers are served on one rank"
         if self.num_k_heads % size:
             return f"{size} does not divide the model's {self.num_k_heads} linear-attention key heads"
         return None
@@ -178,7 +174,7 @@ def olmo_hybrid_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
                             k_head_dim=k_dim, v_head_dim=read_int(cfg, "linear_value_head_dim", 2 * k_dim),
                             conv_kernel=read_int(cfg, "linear_conv_kernel_dim", 4),
                             beta_scale=2.0 if read_bool(cfg, "linear_allow_neg_eigval", True) else 1.0,
-                            norm_eps=1e-5, splits=False)
+                            norm_eps=1e-5)
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     nope = not (isinstance(rope, dict) and rope.get("rope_theta") is not None) and cfg.get("rope_theta") is None
     return {"layer_types": tuple(kinds), "gated_delta": shape,

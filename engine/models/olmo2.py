@@ -31,7 +31,7 @@ from engine.layers.gated_delta_net import GatedDeltaNet
 from engine.model import MLP, Attention, LlamaForCausalLM, WeightLoadError
 from engine.model_config import ModelConfig
 from engine.models.gemma3 import sliding_rotary
-from engine.models.hybrid import StatefulForCausalLM
+from engine.models.hybrid import StatefulForCausalLM, cut_pieces
 from engine.models.qwen3_moe import Qwen3MoeForCausalLM, with_experts
 from engine.models.smollm3 import layer_rotary
 from engine.parallel import Collectives, ShardShape
@@ -214,7 +214,8 @@ class OlmoHybridLinearLayer(nn.Module):
                  state_index: int) -> None:
         super().__init__()
         self.input_layernorm = FloatRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.linear_attn = GatedDeltaNet(config.gated_delta, config.hidden_size, config.rms_norm_eps, state_index, comm)
+        self.linear_attn = GatedDeltaNet(config.gated_delta.per_rank(shard.size), config.hidden_size,
+                                         config.rms_norm_eps, state_index, comm)
         self.post_attention_layernorm = FloatRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config, shard, comm, ops)
 
@@ -231,7 +232,8 @@ class OlmoHybridLinearLayer(nn.Module):
 class OlmoHybridForCausalLM(StatefulForCausalLM):
     """OLMo Hybrid: OLMo 2's post-norm attention blocks (NoPE where the config names no rope) between pre-norm Gated
     DeltaNet blocks whose q, k, v, gate (`g_proj`), b and a projections are stored apart, read into one in_proj; its
-    gated norm `o_norm`, its output `o_proj`. One rank."""
+    gated norm `o_norm`, its output `o_proj`. Tensor parallelism cuts a linear block as Qwen3.5's: each rank its key
+    heads' q and k, their value heads' v, gate, b, a and decay parameters and o_proj columns."""
 
     def __init__(self, config: ModelConfig, shard: ShardShape | None = None, comm: Collectives | None = None,
                  ops: ModuleType = fused) -> None:
@@ -270,8 +272,8 @@ class OlmoHybridForCausalLM(StatefulForCausalLM):
         return ((f"{head}.linear_attn.conv1d.weight", torch.cat([parts["q"], parts["k"], parts["v"]])),)
 
     def _destination(self, name: str, hf_name: str) -> tuple[str, Callable[[torch.Tensor], torch.Tensor]]:
-        """q, k, v, g, b and a into in_proj's rows."""
-        s = self.config.gated_delta
+        """q, k, v, g, b and a into in_proj's rows (this rank's)."""
+        s = self.config.gated_delta.per_rank(self.shard.size)
         qkv = {"q": (0, s.key_dim), "k": (s.key_dim, s.key_dim), "v": (2 * s.key_dim, s.value_dim)}
         rows = {f"{x}_proj": span for x, span in qkv.items()} | {
             "g_proj": (s.conv_dim, s.value_dim), "b_proj": (s.conv_dim + s.value_dim, s.num_v_heads),
@@ -280,3 +282,20 @@ class OlmoHybridForCausalLM(StatefulForCausalLM):
             if f".linear_attn.{part}." in name:
                 return name.replace(part, "in_proj"), lambda data, o=offset, n=size: data.narrow(0, o, n)
         return super()._destination(name, hf_name)
+
+    def _shard_of(self, hf_name: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a linear block: its key heads' q and k rows (and convolution channels), its value
+        heads' v, g, b and a rows, decay parameters and o_proj columns (the gated norm whole); the rest as OLMo 2's
+        (its q/k norms' weights a rank's heads)."""
+        if self.shard.size > 1 and name.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight")):
+            return wide_norm_shard(self.config, self.shard, hf_name, name, tensor)
+        if self.shard.size == 1 or ".linear_attn." not in name or name.endswith("norm.weight"):
+            return super()._shard_of(hf_name, name, tensor)
+        s = self.config.gated_delta
+        keys, values, heads = [(s.key_dim, 0, True)], [(s.value_dim, 0, True)], [(s.num_v_heads, 0, True)]
+        qkv = [(s.key_dim, 0, True), (s.key_dim, s.key_dim, True), (s.value_dim, 2 * s.key_dim, True)]
+        parts = {"q_proj": (0, keys), "k_proj": (0, keys), "v_proj": (0, values), "g_proj": (0, values),
+                 "b_proj": (0, heads), "a_proj": (0, heads), "conv1d": (0, qkv), "dt_bias": (0, heads),
+                 "A_log": (0, heads), "out_proj": (1, values)}
+        dim, pieces = parts[name.split(".linear_attn.")[1].split(".")[0]]
+        return cut_pieces(hf_name, tensor, dim, pieces, self.shard.rank, self.shard.size)

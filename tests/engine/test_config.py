@@ -1833,7 +1833,7 @@ def test_apertus_reads_as_transformers_does():
 def test_olmo_hybrid_reads_as_transformers_does():
     """OLMo Hybrid as transformers' defaults write it (Olmo-Hybrid-7B's shape: 32 layers, every 4th OLMo 3 attention,
     the rest Gated DeltaNet with 30 key heads of 96 and value heads twice as wide): the parameter count of its model;
-    its linear layers are served on one rank, refused by key past it."""
+    ranks that do not divide its linear layers' key heads are refused by key."""
     transformers = pytest.importorskip("transformers")
 
     ours = ModelConfig.from_hf_config({"architectures": ["OlmoHybridForCausalLM"], "vocab_size": 100352,
@@ -1845,8 +1845,9 @@ def test_olmo_hybrid_reads_as_transformers_does():
     shape = ours.gated_delta
     assert (shape.num_k_heads, shape.k_head_dim, shape.v_head_dim, shape.beta_scale, ours.num_kv_layers) == \
         (30, 96, 192, 2.0, 8)
-    with pytest.raises(ConfigError, match=r"^tensor_parallel_size: 2 ranks; these linear-attention layers"):
-        check_tensor_parallel(ours, 2)
+    check_tensor_parallel(ours, 2)
+    with pytest.raises(ConfigError, match=r"^tensor_parallel_size: 4 does not divide the model's 30 linear-attention"):
+        check_tensor_parallel(ours, 4)
 
 
 def test_cwm_reads_as_transformers_does():

@@ -69,6 +69,8 @@ def _hf(arch: str, **extra) -> ModelConfig:
     _hf("NemotronHForCausalLM", layers_block_type=["linear_attention", "moe", "full_attention", "mlp"],
         mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=8, n_routed_experts=4,
         num_experts_per_tok=2, moe_intermediate_size=32, moe_shared_expert_intermediate_size=48),
+    _hf("OlmoHybridForCausalLM", layer_types=["linear_attention", "full_attention", "linear_attention"],
+        linear_num_key_heads=8, linear_key_head_dim=8, linear_value_head_dim=8),
     _hf("PhiForCausalLM"),
     _hf("GPTNeoXForCausalLM"),
     _hf("GPTNeoXForCausalLM", use_parallel_residual=False, attention_bias=False),
@@ -359,6 +361,8 @@ QWEN3 = {"head_dim": 32, "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
                     "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                     "moe_shared_expert_intermediate_size": 48, "n_group": 2, "topk_group": 1,
                     "routed_scaling_factor": 2.5, "pad_token_id": 0}, None),
+    ("olmo_hybrid", {"num_hidden_layers": 4, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                     "linear_key_head_dim": 16, "linear_value_head_dim": 8, "pad_token_id": 0}, None),
     ("bamba", {"attn_layer_indices": [1], "num_hidden_layers": 3, "mamba_n_heads": 4, "mamba_d_state": 16,
                "mamba_n_groups": 2}, None),
     ("starcoder2", {"sliding_window": 8}, None),
@@ -492,7 +496,8 @@ def test_two_ranks_generate_what_one_does(tmp_path, builtin_path, prompts, arch,
     # Apertus 1.5 its pruned head's rows (301: the second rank's last row padding), the ids past it -inf; Zamba2 its
     # Mamba heads and groups, its shared blocks' heads, MLP rows and adapters' second halves (biased MLPs); Nemotron
     # 3 its Mamba heads and groups, its NoPE heads, its squared-ReLU MLP's rows, its experts' and shared expert's
-    # rows under the router whole on each rank. Qwen3's,
+    # rows under the router whole on each rank; OLMo Hybrid each rank's key heads of its linear blocks' q, k and
+    # convolutions, their value heads' v, gate, b and a (stored apart), OLMo 3's q/k norms over both ranks. Qwen3's,
     # Mixtral's and DeepSeek's groups overlap their steps: the other rank fills the placeholders of each step's
     # inputs from rank 0's sampled ids (engine.overlap).
     # six tokens each: a wrong cut shows at once, and each step of two gloo ranks costs ~80 ms on a 2-core machine
