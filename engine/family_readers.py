@@ -1,8 +1,8 @@
 """Which module reads each family's config.json, where it is not the Llama reading with a few fields of
 `engine.model_families`: `KEY_READERS` (config.json under the Llama reading's key names, before that reading: GPT-2's
-keys of GPT-J, GPT-2 and GPT-BigCode, OPT's, DBRX's and Falcon's older ones, LFM2's, Nemotron-H's, Kimi Linear's and
-Kolibri-1's own) and `OWN_MODULE_FIELDS` (a family's `ModelConfig` fields, read by its own module from config.json and
-the layer count)."""
+keys of GPT-J, GPT-2 and GPT-BigCode, OPT's, DBRX's and Falcon's older ones, LFM2's, Nemotron-H's, Kimi Linear's,
+Kolibri-1's and LongCat-Flash's own) and `OWN_MODULE_FIELDS` (a family's `ModelConfig` fields, read by its own module
+from config.json and the layer count)."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from engine.kolibri_config import kolibri_config, kolibri_fields
 from engine.laguna_config import laguna_fields
 from engine.lfm2_config import lfm2_config, lfm2_moe_config
 from engine.llama4_config import MISTRAL_FIELDS, llama4_fields
+from engine.longcat_config import longcat_config, longcat_fields
 from engine.mamba1_config import falcon_mamba_fields, jamba_fields, mamba_config, mamba_fields
 from engine.mamba_config import mamba2_config, mamba2_fields
 from engine.zamba2_config import zamba2_config, zamba2_fields
@@ -44,7 +45,8 @@ KEY_READERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "FalconForCausalLM": falcon_config, "GPTJForCausalLM": gptj_config,
     "GPTBigCodeForCausalLM": gpt_bigcode_config, "GPT2LMHeadModel": gpt2_config, "OPTForCausalLM": opt_config,
     "DbrxForCausalLM": dbrx_config, "MambaForCausalLM": mamba_config, "FalconMambaForCausalLM": mamba_config,
-    "Mamba2ForCausalLM": mamba2_config, "Zamba2ForCausalLM": zamba2_config}
+    "Mamba2ForCausalLM": mamba2_config, "Zamba2ForCausalLM": zamba2_config,
+    "LongcatFlashForCausalLM": longcat_config}
 # (config.json, its layer count) -> the family's ModelConfig fields
 OWN_MODULE_FIELDS: dict[str, Callable[[dict[str, Any], int], dict[str, Any]]] = {
     "Llama4ForCausalLM": llama4_fields, "Gemma4ForCausalLM": gemma4_fields, "Mistral4ForCausalLM": mistral4_fields,
@@ -57,4 +59,5 @@ OWN_MODULE_FIELDS: dict[str, Callable[[dict[str, Any], int], dict[str, Any]]] = 
     "GPTBigCodeForCausalLM": gpt_bigcode_fields, "GPT2LMHeadModel": gpt2_fields, "OPTForCausalLM": opt_fields,
     "DbrxForCausalLM": dbrx_fields, "MiniCPM3ForCausalLM": minicpm3_fields, "JambaForCausalLM": jamba_fields,
     "MambaForCausalLM": mamba_fields, "FalconMambaForCausalLM": falcon_mamba_fields,
-    "Mamba2ForCausalLM": mamba2_fields, "Zamba2ForCausalLM": zamba2_fields}
+    "Mamba2ForCausalLM": mamba2_fields, "Zamba2ForCausalLM": zamba2_fields,
+    "LongcatFlashForCausalLM": longcat_fields}

@@ -56,7 +56,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
                            "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM", "Lfm2ForCausalLM", "Lfm3ForCausalLM",
                            "Lfm2MoeForCausalLM", "KimiLinearForCausalLM", "Dots1ForCausalLM", "SolarOpenForCausalLM",
                            "AfmoeForCausalLM", "Kolibri1ForCausalLM", "AXK1ForCausalLM", "BailingHybridForCausalLM",
-                           "FlintForCausalLM", "HeliumForCausalLM",
+                           "FlintForCausalLM", "HeliumForCausalLM", "LongcatFlashForCausalLM",
                            "MiMoV2FlashForCausalLM", "ExaoneMoeForCausalLM", "Cohere2MoeForCausalLM",
                            "Jais2ForCausalLM", "GraniteSWAForCausalLM", "GraniteMoeForCausalLM",
                            "GraniteMoeSharedForCausalLM", "GraniteMoeSWAForCausalLM", "HYV3ForCausalLM",
@@ -154,6 +154,7 @@ class ModelConfig:
     moe_router: str = "softmax"         # how experts are picked (MOE_ROUTERS): the softmax's top k, or DeepSeek's
     moe_groups: tuple[int, int] = (1, 1)   # DeepSeek: the experts' groups, and how many a token's experts come from
     routed_scaling_factor: float = 1.0  # DeepSeek: the routed experts' weights' factor
+    zero_experts: int = 0               # LongCat-Flash: experts past num_experts that pass a token through
     shared_expert_gated: bool = True    # Qwen2-MoE's shared expert is gated; DeepSeek's are not
     text_weights_prefix: str = ""       # a multimodal checkpoint's text model: its weights' prefix (the rest skipped)
     bare_text_weights: bool = False     # ... or at `model.` itself, the vision tower at `visual.` (Qwen2.5-VL's)

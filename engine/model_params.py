@@ -13,6 +13,7 @@ from engine.mimo_config import mimo_params
 from engine.laguna_config import laguna_params
 from engine.mamba1_config import MAMBA_ARCHITECTURES, mamba_params
 from engine.zamba2_config import zamba2_params
+from engine.longcat_config import longcat_params
 from engine.nemotron_h_config import nemotron_h_params
 
 __all__ = ["COHERE_ARCHITECTURES", "FOUR_NORMS", "GEMMA_ARCHITECTURES", "WIDE_QK_NORM", "count_params",
@@ -65,6 +66,8 @@ def count_params(config: Any, heads: int, kv_heads: int, i: int, moe_i: int, v: 
         return zamba2_params(config, heads, kv_heads, i, v)
     if config.architecture in MAMBA_ARCHITECTURES:   # Mamba-1 blocks alone: its "heads" are its channels
         return mamba_params(config, heads, v)
+    if config.architecture == "LongcatFlashForCausalLM":   # sublayers, experts beside every other one
+        return longcat_params(config, heads, i, moe_i, v)
     if config.architecture == "NemotronHForCausalLM":   # single-mixer blocks
         return nemotron_h_params(config, heads, kv_heads, i, moe_i, shared_i, v)
     if config.architecture == "Gemma4ForCausalLM":   # two attention shapes, experts beside the MLP

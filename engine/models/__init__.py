@@ -25,7 +25,7 @@ Attention beside DeepSeek's latent attention without a rotary), `jamba` (Jamba: 
 experts), `mamba` (Mamba, FalconMamba, Mamba2: Mamba blocks alone), `zamba2` (Zamba2: Mamba-2 layers and shared
 transformer blocks), over `hybrid`'s states; `mimo` (MiMo-V2-Flash: sliding layers with twice the KV heads and sinks,
 value heads narrower than q/k's, DeepSeek V3's router); `apertus` (Apertus: xIELU; Arcee's AFM and Jais 2: squared
-ReLU, Jais 2's LayerNorms with biases).
+ReLU, Jais 2's LayerNorms with biases). LongCat-Flash's sublayers and experts are in `deepseek`.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from engine.models.afmoe import AfmoeForCausalLM
 from engine.models.apertus import (ApertusForCausalLM, ArceeForCausalLM, Jais2ForCausalLM, NemotronForCausalLM,
                                    Starcoder2ForCausalLM)
 from engine.models.cohere import Cohere2MoeForCausalLM, CohereForCausalLM, HeliumForCausalLM
-from engine.models.deepseek import AXK1ForCausalLM, DeepseekForCausalLM
+from engine.models.deepseek import AXK1ForCausalLM, DeepseekForCausalLM, LongcatFlashForCausalLM
 from engine.models.deepseek_v32 import DeepseekV32ForCausalLM
 from engine.models.ernie import Ernie45ForCausalLM, Ernie45MoeForCausalLM
 from engine.models.gemma3 import Gemma3ForCausalLM, GemmaForCausalLM
@@ -190,6 +190,7 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "GemmaForCausalLM": GemmaForCausalLM,
                                                 "VaultGemmaForCausalLM": GemmaForCausalLM,
                                                 "JambaForCausalLM": JambaForCausalLM,
+                                                "LongcatFlashForCausalLM": LongcatFlashForCausalLM,
                                                 "Zamba2ForCausalLM": Zamba2ForCausalLM,
                                                 **dict.fromkeys(MAMBA_ARCHITECTURES, MambaForCausalLM)}
 
@@ -413,9 +414,9 @@ def _hold_quantized(model: LlamaForCausalLM, quantization: str, device_type: str
 
 
 def _runs_own_experts(module: nn.Module) -> bool:
-    """A block whose experts `SparseMoeBlock` runs (Qwen3-MoE's, DeepSeek's, GPT-OSS's; not Llama 4's, Nemotron-H's)."""
+    """A block whose experts `SparseMoeBlock` runs (Qwen3-MoE's, DeepSeek's, GPT-OSS's, LongCat's; not Llama 4's)."""
     return isinstance(module, SparseMoeBlock) and type(module)._experts is SparseMoeBlock._experts \
-        and type(module).forward is SparseMoeBlock.forward
+        and (type(module).forward is SparseMoeBlock.forward or module.forward_runs_experts)
 
 
 def _hold_fp8(model: LlamaForCausalLM, quantization: str, device_type: str,

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.layers import RMSNorm, RopeRows, RotaryEmbedding
-from engine.model import WeightLoadError
+from engine.model import MLP, WeightLoadError
 from engine.model_config import ModelConfig
 from engine.models.cohere import interleaved_to_halves
 from engine.models.ministral3 import Ministral3Rotary
@@ -54,7 +54,8 @@ from engine.models.qwen3_moe import Qwen3MoeForCausalLM, SparseMoeBlock
 from engine.parallel import Collectives, ShardShape
 from kernels import AttentionMetadata
 
-__all__ = ["AXK1ForCausalLM", "DeepseekForCausalLM", "DeepseekMoeBlock", "MlaAttention", "moe_checkpoint_name"]
+__all__ = ["AXK1ForCausalLM", "DeepseekForCausalLM", "DeepseekMoeBlock", "LongcatFlashForCausalLM", "MlaAttention",
+           "moe_checkpoint_name"]
 
 LATENT_NORM_EPS = 1e-6   # transformers' DeepseekV3RMSNorm default: q_a_layernorm and kv_a_layernorm take no config eps
 
@@ -310,3 +311,104 @@ class AXK1ForCausalLM(DeepseekForCausalLM):
             name = name.replace(".mlp.post_mlp_layernorm.", ".post_mlp_layernorm.").replace(
                 ".post_mlp_layernorm.", ".mlp.post_mlp_layernorm.")
         return super().read_tensor(hf_name, name, tensor)
+
+
+class LongcatMoeBlock(DeepseekMoeBlock):
+    """LongCat-Flash's experts (`engine.longcat_config`): ERNIE 4.5's router (the softmax's scores plus the correction
+    bias choose, the scores weigh, not renormalised) over the routed experts and the zero experts past them; a token
+    routed to a zero expert takes back itself times that expert's weight, added after the ranks' sum (the routed
+    experts run as Qwen3-MoE's, a zero expert's pick among them as expert 0 weighted 0, held in FP8 or packed alike)."""
+
+    forward_runs_experts = True
+
+    def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives, ops: ModuleType) -> None:
+        super().__init__(config, shard, comm, ops)
+        self.gate = DeepseekRouter(replace(config, num_experts=config.num_experts + config.zero_experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, experts = self.route(x)                                         # float32 weights [tokens, top_k]
+        zero = experts >= self.num_experts
+        routed = self._experts(x, weights.masked_fill(zero, 0.0), experts.masked_fill(zero, 0))
+        passed = (weights * zero).sum(dim=-1, keepdim=True)                      # the zero experts' weights' sum
+        return self.comm.all_reduce(routed) + (passed * x.float()).to(x.dtype)
+
+
+class LongcatSublayer(nn.Module):
+    """One of the two sublayers of a LongCat-Flash layer: latent attention, then a dense MLP, each pre-norm with its
+    residual. The first also runs the layer's experts (`moe`) over its MLP's input and keeps their output in
+    `shortcut` (the pair's); the second adds it to its MLP's output, so the residual stream takes it there, as
+    transformers' layer adds it after its second MLP."""
+
+    def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives, rotary_emb: RotaryEmbedding,
+                 ops: ModuleType, shortcut: list[torch.Tensor], first: bool) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.self_attn = MlaAttention(config, shard, comm, rotary_emb, ops)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.mlp = MLP(config, shard, comm, ops)
+        self.moe = LongcatMoeBlock(config, shard, comm, ops) if first else None
+        self.shortcut = shortcut   # a plain list the pair shares, not a module
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope_rows: RopeRows,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, backend
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, rope_rows, kv_cache, meta, backend)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        if self.moe is not None:
+            self.shortcut[:] = [self.moe(hidden)]
+            return self.mlp(hidden), residual
+        return self.mlp(hidden) + self.shortcut.pop(), residual
+
+
+class LongcatFlashForCausalLM(DeepseekForCausalLM):
+    """Meituan's LongCat-Flash (`engine.longcat_config`): each checkpoint layer J is the engine's layers 2J and 2J + 1
+    (`LongcatSublayer`), its `self_attn.K`, `mlps.K` and norms `.K` read as layer 2J + K's, its experts and router
+    (`mlp.router.classifier`) as layer 2J's `moe` (read, cut and placed as Qwen3-MoE's `mlp`); its latent attention
+    scales q's bottleneck projection by sqrt(hidden / q_lora_rank) and the normed latent by sqrt(hidden /
+    kv_lora_rank), folded into `q_b_proj` and `kv_a_layernorm` as read (equal up to rounding). Experts per expert, or
+    stacked as transformers saves them (with gate/up rows for the zero experts too, not read)."""
+
+    @property
+    def graph_safe(self) -> bool:
+        return all(layer.moe is None or layer.moe.fused_moe is not None for layer in self.layers)
+
+    def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
+        pairs = self.__dict__.setdefault("_shortcuts", {})
+        return LongcatSublayer(self.config, self.shard, self.comm, self.rotary_emb, ops,
+                               pairs.setdefault(index // 2, []), index % 2 == 0)
+
+    def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
+        parts, config, mla = name.split("."), self.config, self.config.mla
+        moe = len(parts) > 3 and parts[0] == "layers" and parts[1].isdigit() and parts[2] == "mlp"
+        if moe:
+            rest = ".".join(parts[3:]).replace("router.classifier.", "gate.").replace("router.", "gate.")
+            if rest == "experts.gate_up_proj" and tensor.dim() == 3:
+                tensor = tensor[:config.num_experts]   # the zero experts' rows: nothing reads them
+            expert = rest.split(".")[1] if rest.startswith("experts.") else ""
+            if expert.isdigit() and config.num_experts <= int(expert) < config.num_experts + config.zero_experts:
+                return ()   # a zero expert's (transformers saves gate/up rows for them too)
+            name = f"layers.{2 * int(parts[1])}.mlp.{rest}"
+        elif len(parts) > 3 and parts[0] == "layers" and parts[1].isdigit() and parts[3] in ("0", "1") \
+                and parts[2] in ("self_attn", "mlps", "input_layernorm", "post_attention_layernorm"):
+            kind = "mlp" if parts[2] == "mlps" else parts[2]
+            name = ".".join(("layers", str(2 * int(parts[1]) + int(parts[3])), kind, *parts[4:]))
+        if name.endswith(".self_attn.q_b_proj.weight"):
+            tensor = tensor * (config.hidden_size / mla.q_lora_rank) ** 0.5
+        elif name.endswith(".self_attn.kv_a_layernorm.weight"):
+            tensor = tensor * (config.hidden_size / mla.kv_lora_rank) ** 0.5
+        read = super().read_tensor(hf_name, name, tensor)   # the experts as Qwen3-MoE's `mlp`'s, then our `moe`'s
+        return ((n.replace(".mlp.", ".moe.", 1) if moe else n, t) for n, t in read)
+
+    def _destination(self, name: str, hf_name: str) -> tuple[str, Callable[[torch.Tensor], torch.Tensor]]:
+        """The experts and router (`moe`) as Qwen3-MoE's `mlp`: each expert's gate, up and down into w13 and w2."""
+        if ".moe." not in name:
+            return super()._destination(name, hf_name)
+        target, part = super()._destination(name.replace(".moe.", ".mlp."), hf_name)
+        return target.replace(".mlp.", ".moe."), part
+
+    def _shard_of(self, hf_name: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        return super()._shard_of(hf_name, name.replace(".moe.", ".mlp."), tensor)

@@ -61,6 +61,8 @@ GROUPED_MM = getattr(torch, "_grouped_mm", None)   # torch's grouped matmul (gro
 class SparseMoeBlock(nn.Module):
     """The experts of one sparse layer and their router (see the module docstring)."""
 
+    forward_runs_experts = False   # a subclass whose own forward runs the experts through `_experts` (LongCat-Flash's)
+
     def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives, ops: ModuleType) -> None:
         super().__init__()
         self.comm, self.num_experts, self.top_k = comm, config.num_experts, config.num_experts_per_tok

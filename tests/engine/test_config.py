@@ -1850,6 +1850,36 @@ def test_olmo_hybrid_reads_as_transformers_does():
         check_tensor_parallel(ours, 4)
 
 
+def test_longcat_flash_reads_as_transformers_does():
+    """LongCat-Flash at LongcatFlashConfig's defaults (LongCat-Flash-Chat's shape: 28 layers of two sublayers, 512
+    experts of 2,048 beside 256 zero experts, 12 a token): 56 engine layers, each holding its latent's K/V, the
+    experts on the even ones; the parameter count of transformers' model less the gate/up rows its stack holds for
+    the zero experts, plus the routers' correction biases (560B); the config class's other names of its keys read
+    as its own; what we do not serve refused by key."""
+    transformers = pytest.importorskip("transformers")
+
+    bare = {"architectures": ["LongcatFlashForCausalLM"]}
+    _, hf = _meta_model(transformers.LongcatFlashConfig, bare)
+    ours = ModelConfig.from_hf_config(bare)
+    unread = sum(m.gate_up_proj[m.num_routed_experts:].numel() for m in hf.modules() if hasattr(m, "zero_expert_num"))
+    assert ours.num_params() == _params_and_router_biases(hf) - unread
+    assert round(ours.num_params() / 1e9) == 561
+    assert (ours.num_layers, ours.num_kv_layers, ours.head_dim, ours.num_kv_heads, ours.num_experts,
+            ours.zero_experts, ours.num_experts_per_tok, ours.rope_theta) == (56, 56, 576, 1, 512, 256, 12, 1e7)
+    assert [ours.is_sparse_layer(i) for i in range(4)] == [True, False, True, False]
+    aliased = ModelConfig.from_hf_config({**bare, "num_local_experts": 64, "num_experts_per_tok": 4,
+                                          "intermediate_size": 1024, "moe_intermediate_size": 256})
+    assert (aliased.num_experts, aliased.num_experts_per_tok, aliased.intermediate_size,
+            aliased.moe_intermediate_size) == (64, 4, 1024, 256)
+    for change, named in (({"router_bias": True}, "router_bias"), ({"head_dim": 128}, "head_dim: LongCat-Flash's"),
+                          ({"num_hidden_layers": 28}, "num_hidden_layers: two sublayers"),
+                          ({"hidden_act": "gelu"}, "hidden_act"), ({"q_lora_rank": None}, "q_lora_rank"),
+                          ({"qk_head_dim": 128}, "qk_head_dim"), ({"moe_topk": 1000}, "moe_topk"),
+                          ({"zero_expert_type": "zero"}, "zero_expert_type")):
+        with pytest.raises(ConfigError, match=f"^{named}"):
+            ModelConfig.from_hf_config({**bare, **change})
+
+
 def test_cwm_reads_as_transformers_does():
     """CWM (`CwmForCausalLM`, CwmConfig's defaults: CWM 32B's shape): Llama's layer with 8 KV heads of 128, each 4th
     layer from the first full and the rest sliding over 8,192, Llama 3.1's rope x 16 from 8,192 positions at base 1e6

@@ -110,6 +110,10 @@ QWEN2_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
 DEEPSEEK = dict(num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                 first_k_dense_replace=1, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
                 n_group=2, topk_group=1, num_hidden_layers=3)
+# LongCat-Flash's shape on the tiny model (`num_layers` 2: four sublayers)
+LONGCAT = dict(num_layers=2, num_hidden_layers=4, q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16,
+               qk_rope_head_dim=8, head_dim=8, v_head_dim=16, n_routed_experts=8, zero_expert_num=4, moe_topk=3,
+               expert_ffn_hidden_size=32, routed_scaling_factor=2.5, num_key_value_heads=4, pad_token_id=0)
 # MiniCPM3's latent attention on the tiny model
 MINICPM3 = dict(q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
                 num_key_value_heads=4, dim_model_base=16, pad_token_id=0)
@@ -283,6 +287,10 @@ TINY_MODELS = [
     # the head tied; then one q projection, rotating halves, an untied head
     ("youtu", YOUTU),
     ("youtu", {**YOUTU, "q_lora_rank": None, "rope_interleave": False, "tie_word_embeddings": False}),
+    # LongCat-Flash: two layers, each two sublayers of V3's latent attention (q and the latent scaled) and a dense
+    # MLP, 8 experts of 32 and 4 zero experts (a token routed there passes itself through), 3 a token by the softmax
+    # plus a correction bias, x 2.5, beside them from the first sublayer's MLP input to the second's output
+    ("longcat_flash", LONGCAT),
     # DeepSeek V3.2 (DEEPSEEK_V32); then YaRN with DeepSeek's mscales and biases on q_a, kv_a and o
     ("deepseek_v32", DEEPSEEK_V32),
     ("deepseek_v32", {**DEEPSEEK_V32, "attention_bias": True, "index_topk": 12, "rope_parameters": {
@@ -660,7 +668,9 @@ def test_tiny_random_models_match_transformers(tmp_path, monkeypatch, builtin_pa
                                  progress=False)
     buffers = sum(b.numel() for name, b in hf.named_buffers()
                   if name.endswith(("e_score_correction_bias", "layer_scalar", "expert_bias")))
-    assert engine.model_config.num_params() == sum(p.numel() for p in hf.parameters()) + buffers   # the plan's count
+    # LongCat-Flash's stacked gate/up holds rows for its zero experts too, which compute nothing and are not read
+    unused = sum(m.gate_up_proj[m.num_routed_experts:].numel() for m in hf.modules() if hasattr(m, "zero_expert_num"))
+    assert engine.model_config.num_params() == sum(p.numel() for p in hf.parameters()) + buffers - unused
     out = next(m for layer in engine.model.layers for name, m in layer.named_modules()   # attention's, or a mixer's
                if name.endswith(("o_proj", "out_proj")))
     packed = isinstance(out, PackedLinear)

@@ -21,7 +21,8 @@ from engine.models import held_weight_bytes
 from engine.sampling import SamplingParams
 from kernels.fp8_gemm import dequantize_blocks, quantize_rows
 from tests.conftest import make_tiny_model
-from tests.engine.test_engine_vs_hf import QWEN3_MOE, _compressed_fp8_checkpoint, _fp8_checkpoint, _hf_greedy
+from tests.engine.test_engine_vs_hf import (LONGCAT, QWEN3_MOE, _compressed_fp8_checkpoint, _fp8_checkpoint,
+                                           _hf_greedy)
 
 PROMPTS = [[5, 9, 200, 31, 7], list(range(40, 77))]
 PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
@@ -197,6 +198,31 @@ def test_a_float_checkpoint_is_quantized_a_row_at_a_time_and_decodes_as_its_quan
     assert len(layers) == 4 * engine.model_config.num_layers and not engine.model.fp8_exact
     assert all(m.block == (1, m.in_features) for m in layers.values())
     assert not _fp8_layers(_engine(folder, "auto"))
+    assert _greedy(engine) == [_hf_greedy(hf, p, 12, eos_ids=None) for p in PROMPTS]
+
+
+def test_longcat_flash_quantized_as_read_holds_its_experts_and_dense_mlps_in_fp8(tmp_path, builtin_path):
+    """LongCat-Flash under `quantization: fp8`: its experts (run by its own forward, beside the zero experts), its
+    sublayers' dense MLPs and o_proj held in FP8 a row at a time; it decodes greedily as transformers does with those
+    weights rounded so (each expert's rows too; the router and the latent projections left float, as ours are)."""
+    import transformers
+
+    folder = make_tiny_model(tmp_path / "longcat", "longcat_flash", builtin_path, **LONGCAT)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, module in hf.named_modules():
+            if isinstance(module, nn.Linear) and name.endswith(("o_proj", "gate_proj", "up_proj", "down_proj")):
+                module.weight.copy_(dequantize_blocks(*quantize_rows(module.weight), ROW_SCALES))
+            if hasattr(module, "zero_expert_num"):   # the stacked experts: each expert's rows
+                for stack in (module.gate_up_proj, module.down_proj):
+                    for expert in stack:
+                        expert.copy_(dequantize_blocks(*quantize_rows(expert), ROW_SCALES))
+    engine = _engine(folder, "fp8")
+    held = _fp8_layers(engine)
+    assert sorted({name.split(".", 2)[2] for name in held}) == ["mlp.down_proj", "mlp.gate_up_proj",
+                                                                 "self_attn.o_proj"]
+    assert len(held) == 3 * engine.model_config.num_layers
+    assert all(layer.moe.fp8_block == ROW_SCALES for layer in engine.model.layers[::2])
     assert _greedy(engine) == [_hf_greedy(hf, p, 12, eos_ids=None) for p in PROMPTS]
 
 

@@ -20,7 +20,7 @@ from engine.llm_engine import LLMEngine
 from engine.parallel import ShardShape, check_tensor_parallel
 from engine.sampling import SamplingParams
 from tests.conftest import BUILTIN, assert_all_free, make_tiny_model
-from tests.engine.test_engine_vs_hf import BAILING, COHERE2_MOE, DEEPSEEK, GEMMA4, GEMMA4_E, GEMMA4_MOE
+from tests.engine.test_engine_vs_hf import BAILING, COHERE2_MOE, DEEPSEEK, GEMMA4, GEMMA4_E, GEMMA4_MOE, LONGCAT
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # and `cpu_threads=1` in each follower: a core per rank
 
@@ -71,6 +71,7 @@ def _hf(arch: str, **extra) -> ModelConfig:
         num_experts_per_tok=2, moe_intermediate_size=32, moe_shared_expert_intermediate_size=48),
     _hf("OlmoHybridForCausalLM", layer_types=["linear_attention", "full_attention", "linear_attention"],
         linear_num_key_heads=8, linear_key_head_dim=8, linear_value_head_dim=8),
+    _hf("LongcatFlashForCausalLM", **{**LONGCAT, "num_key_value_heads": 8, "pad_token_id": None}),
     _hf("PhiForCausalLM"),
     _hf("GPTNeoXForCausalLM"),
     _hf("GPTNeoXForCausalLM", use_parallel_residual=False, attention_bias=False),
@@ -363,6 +364,7 @@ QWEN3 = {"head_dim": 32, "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
                     "routed_scaling_factor": 2.5, "pad_token_id": 0}, None),
     ("olmo_hybrid", {"num_hidden_layers": 4, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
                      "linear_key_head_dim": 16, "linear_value_head_dim": 8, "pad_token_id": 0}, None),
+    ("longcat_flash", LONGCAT, None),
     ("bamba", {"attn_layer_indices": [1], "num_hidden_layers": 3, "mamba_n_heads": 4, "mamba_d_state": 16,
                "mamba_n_groups": 2}, None),
     ("starcoder2", {"sliding_window": 8}, None),
@@ -497,7 +499,9 @@ def test_two_ranks_generate_what_one_does(tmp_path, builtin_path, prompts, arch,
     # Mamba heads and groups, its shared blocks' heads, MLP rows and adapters' second halves (biased MLPs); Nemotron
     # 3 its Mamba heads and groups, its NoPE heads, its squared-ReLU MLP's rows, its experts' and shared expert's
     # rows under the router whole on each rank; OLMo Hybrid each rank's key heads of its linear blocks' q, k and
-    # convolutions, their value heads' v, gate, b and a (stored apart), OLMo 3's q/k norms over both ranks. Qwen3's,
+    # convolutions, their value heads' v, gate, b and a (stored apart), OLMo 3's q/k norms over both ranks;
+    # LongCat-Flash each rank's heads of its sublayers' latent attention, its dense MLPs' and experts' rows (the zero
+    # experts' pass-through added once, after the sum). Qwen3's,
     # Mixtral's and DeepSeek's groups overlap their steps: the other rank fills the placeholders of each step's
     # inputs from rank 0's sampled ids (engine.overlap).
     # six tokens each: a wrong cut shows at once, and each step of two gloo ranks costs ~80 ms on a 2-core machine
