@@ -1,10 +1,10 @@
 """The roofline of one forward step on a GPU preset (`RooflineStepTime`, `PRESETS`: H100, H200, A100), for planning
 without the device (`engine.step_cost`'s module docstring says what it models), and the counts it is made of
-(`step_flops`, `expert_params`, `experts_read`). DeepSeek V3.2's and GLM-5's sparse attention (`MlaShape.index_topk`):
-each query attends to its `index_topk` best tokens alone (the latent rows of at most that many, as a window of that
-size counts them), after its indexer scored every earlier token (2 x index heads x index_head_dim FLOPs a query-key
-pair, each token's indexer key read). A model with state layers reads and writes each running sequence's state once
-a step (`state_bytes_per_seq`)."""
+(`step_flops`, `expert_params`, `experts_read`, `routed_per_token`). DeepSeek V3.2's and GLM-5's sparse attention
+(`MlaShape.index_topk`): each query attends to its `index_topk` best tokens alone (the latent rows of at most that
+many, as a window of that size counts them), after its indexer scored every earlier token (2 x index heads x
+index_head_dim FLOPs a query-key pair, each token's indexer key read). A model with state layers reads and writes
+each running sequence's state once a step (`state_bytes_per_seq`)."""
 
 from __future__ import annotations
 
@@ -55,12 +55,18 @@ def expert_params(model: ModelConfig) -> int:
     return sparse * model.num_experts * 3 * model.hidden_size * model.moe_intermediate_size
 
 
+def routed_per_token(model: ModelConfig) -> float:
+    """How many experts a token computes with: `num_experts_per_tok`, less its picks that fall, uniformly, on
+    LongCat-Flash's zero experts (which compute nothing)."""
+    return model.num_experts_per_tok * model.num_experts / (model.num_experts + model.zero_experts)
+
+
 def experts_read(model: ModelConfig, num_tokens: int) -> float:
     """The fraction of the experts a step of `num_tokens` tokens reads, each token routed to
-    `num_experts_per_tok` of them uniformly (1 for a dense model: nothing to leave out)."""
+    `routed_per_token` of them uniformly (1 for a dense model: nothing to leave out)."""
     if not model.num_experts:
         return 1.0
-    return 1.0 - (1.0 - model.num_experts_per_tok / model.num_experts) ** num_tokens
+    return 1.0 - (1.0 - routed_per_token(model) / model.num_experts) ** num_tokens
 
 
 def step_flops(model: ModelConfig, num_tokens: int, num_attended: int, num_sampled: int) -> float:
@@ -70,7 +76,7 @@ def step_flops(model: ModelConfig, num_tokens: int, num_attended: int, num_sampl
     that read an earlier layer's K/V keep none, yet attend)."""
     head = model.vocab_size * model.hidden_size
     experts = expert_params(model)
-    idle = experts - experts * model.num_experts_per_tok // model.num_experts if model.num_experts else 0
+    idle = experts - round(experts * routed_per_token(model) / model.num_experts) if model.num_experts else 0
     matmul_params = model.num_params() - head * (1 if model.tie_word_embeddings else 2) - idle
     attending = model.kv_layers if model.gemma4 is None else range(model.num_layers)
     attention = 4 * model.num_heads * sum(model.layer_kv_shape(i)[1] for i in attending) * num_attended

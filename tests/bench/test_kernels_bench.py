@@ -226,7 +226,7 @@ def test_the_decode_roofline_of_a_mixture_of_experts_counts_the_experts_a_step_u
     for a 30B-A3B shape than all its experts."""
     from types import SimpleNamespace
 
-    from engine.roofline import expert_params, experts_read, step_flops
+    from engine.roofline import expert_params, experts_read, routed_per_token, step_flops
 
     monkeypatch.setattr(engine_bench, "measure_copy_bandwidth", lambda device: 1e12)
     monkeypatch.setattr(engine_bench, "measure_matmul_rate", lambda device, dtype: 1e15)
@@ -246,3 +246,8 @@ def test_the_decode_roofline_of_a_mixture_of_experts_counts_the_experts_a_step_u
     assert roof["gflop_per_step"] == pytest.approx(2 * 8 * (dense.num_params() - dense.vocab_size * 4096) / 1e9
                                                    + 4 * 32 * 32 * 128 * 800 / 1e9)   # dense: every weight
     assert step_flops(moe, 8, 800, 8) < 0.2 * 2 * 8 * moe.num_params()
+    # LongCat-Flash: a third of a token's 12 picks fall on its 256 zero experts, which read and compute nothing
+    longcat = ModelConfig.from_hf_config({"architectures": ["LongcatFlashForCausalLM"]})
+    assert routed_per_token(longcat) == 8 and experts_read(longcat, 1) == pytest.approx(8 / 512)
+    assert step_flops(longcat, 1, 0, 0) == pytest.approx(
+        2 * (longcat.num_params() - 2 * longcat.vocab_size * 6144 - expert_params(longcat) * (1 - 8 / 512)))

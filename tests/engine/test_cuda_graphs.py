@@ -387,13 +387,16 @@ def test_gemma4_decode_graphs_replay_two_cache_shapes_and_shared_kv_layers(tmp_p
     assert results[True] == results[False]
 
 
-def test_mistral4_decode_graphs_replay_its_scaled_latent_queries(tmp_path, builtin_path, monkeypatch):
+@pytest.mark.parametrize("arch", ["mistral4", "longcat_flash"])
+def test_latent_attention_decode_graphs_replay_scaled_queries_and_a_shortcut(tmp_path, builtin_path, monkeypatch,
+                                                                              arch):
     """Mistral Small 4's latent attention scales each query by its position (rows computed in the captured step,
-    the positions of each replay's): decode steps replay the captured graphs (batches of 3, 2 and 1, padded rows),
-    prefills run eagerly between them, and greedy tokens equal the eager torch reference's."""
-    from tests.engine.test_engine_vs_hf import MISTRAL4
+    the positions of each replay's); LongCat-Flash's experts run in one sublayer and their output joins the next's
+    (a tensor the pair hands on within the captured forward). Decode steps replay the captured graphs (batches of 3,
+    2 and 1, padded rows), prefills run eagerly between them, and greedy tokens equal the eager torch reference's."""
+    from tests.engine.test_engine_vs_hf import LONGCAT, MISTRAL4
 
-    path = make_tiny_model(tmp_path / "mistral4", "mistral4", builtin_path, **MISTRAL4)
+    path = make_tiny_model(tmp_path / arch, arch, builtin_path, **{"mistral4": MISTRAL4, "longcat_flash": LONGCAT}[arch])
     prompts, params = _three_decoders(17)
     results = {}
     for graphs in (False, True):
