@@ -3,10 +3,10 @@
 then a dense MLP of `ffn_hidden_size`, and one mixture of experts beside them (the shortcut: it takes the first
 sublayer's MLP input and its output joins the second sublayer's). The engine serves the sublayers as its layers
 (`num_hidden_layers` = 2 x `num_layers`, every one of them holding K/V), the experts on the even ones
-(`engine.models.longcat`). The experts: `n_routed_experts` of `expert_ffn_hidden_size` and `zero_expert_num` that
-compute nothing (a token routed there takes back itself times the weight), `moe_topk` a token picked by ERNIE 4.5's
-router (the softmax's scores plus a correction bias choose, the scores weigh; not renormalised) times
-`routed_scaling_factor`."""
+(`engine.models.deepseek`'s `LongcatFlashForCausalLM`). The experts: `n_routed_experts` of `expert_ffn_hidden_size`
+and `zero_expert_num` that compute nothing (a token routed there takes back itself times the weight), `moe_topk` a
+token picked by ERNIE 4.5's router (the softmax's scores plus a correction bias choose, the scores weigh; not
+renormalised) times `routed_scaling_factor`."""
 
 from __future__ import annotations
 
@@ -21,8 +21,6 @@ from engine.mla_config import read_mla
 LONGCAT_DEFAULTS = {"num_layers": 28, "ffn_hidden_size": 12288, "max_position_embeddings": 131072,
                     "rope_theta": 10000000.0, "rms_norm_eps": 1e-5, "vocab_size": 131072, "hidden_size": 6144,
                     "num_attention_heads": 64}
-
-
 # LongcatFlashConfig's `attribute_map`: the names it also takes for its own keys
 ALIASES = {"num_local_experts": "n_routed_experts", "num_experts_per_tok": "moe_topk",
            "intermediate_size": "ffn_hidden_size", "moe_intermediate_size": "expert_ffn_hidden_size"}

@@ -33,6 +33,10 @@ Tensor parallelism: each rank holds its query heads' rows of q and of `kv_b_proj
 projection (and its norm) is whole on every rank, so is the cache (one KV head, replicated); the experts split as
 Qwen3-MoE's. Checkpoints' multi-token-prediction layers (past `num_hidden_layers`) are skipped, as transformers skips
 them.
+
+LongCat-Flash (`LongcatFlashForCausalLM`, `engine.longcat_config`) is built of the same latent attention: each of its
+layers two sublayers of attention and a dense MLP (the engine's layers), its experts, beside zero experts that pass a
+token through, running from the first sublayer's MLP input into the second's output (`LongcatSublayer`).
 """
 
 from __future__ import annotations

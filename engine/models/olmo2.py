@@ -297,5 +297,7 @@ class OlmoHybridForCausalLM(StatefulForCausalLM):
         parts = {"q_proj": (0, keys), "k_proj": (0, keys), "v_proj": (0, values), "g_proj": (0, values),
                  "b_proj": (0, heads), "a_proj": (0, heads), "conv1d": (0, qkv), "dt_bias": (0, heads),
                  "A_log": (0, heads), "out_proj": (1, values)}
-        dim, pieces = parts[name.split(".linear_attn.")[1].split(".")[0]]
-        return cut_pieces(hf_name, tensor, dim, pieces, self.shard.rank, self.shard.size)
+        part = parts.get(name.split(".linear_attn.")[1].split(".")[0])
+        if part is None:
+            raise WeightLoadError(f"{hf_name}: not a tensor of {self.config.architecture} with this config")
+        return cut_pieces(hf_name, tensor, *part, self.shard.rank, self.shard.size)
