@@ -147,14 +147,14 @@ class ModelConfig:
     mamba: Mamba2Shape | None = None    # Granite 4's -H models: their Mamba-2 layers' (`linear_attention` too)
     falcon_h1: FalconH1Scales | None = None   # Falcon-H1: its muP multipliers (its `hybrid` layers: Mamba-2, attention)
     zamba2: Zamba2Blocks | None = None   # Zamba2: its shared blocks (its `hybrid` layers: a block, then Mamba-2)
-    state_layers: ShortConvShape | KdaShape | Mamba1Shape | None = None   # LFM2's short convolutions', Kimi
-    # Linear's KDA's, Jamba's Mamba-1
+    state_layers: ShortConvShape | KdaShape | Mamba1Shape | None = None   # LFM2's, Kimi Linear's, Jamba's
     attn_output_gate: bool = False      # Qwen3.5: attention's output x sigmoid(a gate q_proj makes beside each head)
     mla: MlaShape | None = None         # DeepSeek: latent attention (head_dim the cache's, one KV head; None: none)
     moe_router: str = "softmax"         # how experts are picked (MOE_ROUTERS): the softmax's top k, or DeepSeek's
     moe_groups: tuple[int, int] = (1, 1)   # DeepSeek: the experts' groups, and how many a token's experts come from
     routed_scaling_factor: float = 1.0  # DeepSeek: the routed experts' weights' factor
     zero_experts: int = 0               # LongCat-Flash: experts past num_experts that pass a token through
+    moe_latent_size: int = 0            # Nemotron 3 Super: experts over a projection of the hidden state (0: none)
     shared_expert_gated: bool = True    # Qwen2-MoE's shared expert is gated; DeepSeek's are not
     text_weights_prefix: str = ""       # a multimodal checkpoint's text model: its weights' prefix (the rest skipped)
     bare_text_weights: bool = False     # ... or at `model.` itself, the vision tower at `visual.` (Qwen2.5-VL's)

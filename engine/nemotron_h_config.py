@@ -1,8 +1,8 @@
-"""NVIDIA's Nemotron-H config.json (`NemotronHForCausalLM`: Nemotron-H 8B, 47B, 56B, Nemotron Nano 2 9B and 12B) as
-transformers' `NemotronHConfig` reads it: a stack of single-mixer blocks, each Mamba-2 (`M`), attention without a
-rotary (`*`) or a squared-ReLU MLP (`-`), given as `layers_block_type` (or `layer_types`) or the hub checkpoints'
-`hybrid_override_pattern` string; Nemotron 3's MoE blocks (`E`: DeepSeek V3's grouped sigmoid router over
-squared-ReLU experts without a gate, beside a shared one) too, its latent experts (`moe_latent_size`) refused."""
+"""NVIDIA's Nemotron-H config.json (`NemotronHForCausalLM`: Nemotron-H 8B, 47B, 56B, Nemotron Nano 2 9B and 12B,
+Nemotron 3) as transformers' `NemotronHConfig` reads it: a stack of single-mixer blocks, each Mamba-2 (`M`),
+attention without a rotary (`*`) or a squared-ReLU MLP (`-`), given as `layers_block_type` (or `layer_types`) or the
+hub checkpoints' `hybrid_override_pattern` string; Nemotron 3's MoE blocks (`E`: DeepSeek V3's grouped sigmoid router
+over squared-ReLU experts without a gate, beside a shared one) too, and Nemotron 3 Super's over a latent projection."""
 
 from __future__ import annotations
 
@@ -47,6 +47,8 @@ def nemotron_h_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
     for key, want in (("mlp_hidden_act", "relu2"), ("mamba_hidden_act", "silu")):
         if cfg.get(key, want) != want:
             raise ConfigError(f"{key}: Nemotron-H is served with {want} there, got {cfg[key]!r}")
+    if read_bool(cfg, "mlp_bias", False):
+        raise ConfigError("mlp_bias: Nemotron-H's MLPs and latent projections are served without biases, got true")
 
     def either(new: str, old: str, default: Any, read=read_int) -> Any:
         return read(cfg, new, default) if new in cfg else read(cfg, old, default)
@@ -67,10 +69,8 @@ def _experts(cfg: dict[str, Any], kinds: list[str]) -> dict[str, Any]:
     """Nemotron 3's MoE blocks: `n_routed_experts` of `moe_intermediate_size`, `num_experts_per_tok` a token from the
     `topk_group` best of `n_group` groups by DeepSeek V3's sigmoid router (its correction bias, renormalised where
     `norm_topk_prob`, times `routed_scaling_factor`), beside `n_shared_experts` of `moe_shared_expert_intermediate_size`
-    (one MLP of their rows); the other blocks have none."""
-    if cfg.get("moe_latent_size") is not None:
-        raise ConfigError(f"moe_latent_size: experts over a latent projection are not served, got "
-                          f"{cfg['moe_latent_size']!r}")
+    (one MLP of their rows); the other blocks have none. Nemotron 3 Super's experts work in a latent space of
+    `moe_latent_size` (null: none), the hidden state projected into it and their sum back out."""
     experts, groups = read_int(cfg, "n_routed_experts", 8), read_int(cfg, "n_group", 1)
     top_k, topk_group = read_int(cfg, "num_experts_per_tok", 2), read_int(cfg, "topk_group", 1)
     if experts % groups or topk_group > groups or top_k > topk_group * (experts // groups):
@@ -83,6 +83,7 @@ def _experts(cfg: dict[str, Any], kinds: list[str]) -> dict[str, Any]:
             "norm_topk_prob": read_bool(cfg, "norm_topk_prob", True), "moe_router": "deepseek_v3",
             "moe_groups": (groups, topk_group), "routed_scaling_factor": read_float(cfg, "routed_scaling_factor", 1.0),
             "shared_expert_intermediate_size": shared, "shared_expert_gated": False, "moe_float_weights": True,
+            "moe_latent_size": read_int(cfg, "moe_latent_size", None) or 0,
             "mlp_only_layers": tuple(i for i, kind in enumerate(kinds) if kind != "moe")}
 
 
@@ -91,9 +92,11 @@ def nemotron_h_params(config: Any, heads: int, kv_heads: int, i: int, moe_i: int
     """Parameters of a Nemotron-H rank holding `heads` query and `kv_heads` KV heads (its share of the Mamba heads
     too), `i` MLP rows, `moe_i` rows of each expert and `shared_i` of the shared one: each block its norm and its
     mixer (attention's q, k, v, o; Mamba-2's, `Mamba2Shape.num_params`; the MLP's up and down; the MoE's experts,
-    router and shared expert), the embedding, the final norm and an untied head."""
-    h, d = config.hidden_size, config.head_dim
-    experts = config.num_experts * (2 * h * moe_i + h + 1)   # up, down; the router and its bias
+    router, shared expert and latent projections, whole on every rank), the embedding, the final norm and an untied
+    head."""
+    h, d, latent = config.hidden_size, config.head_dim, config.moe_latent_size
+    experts = config.num_experts * (2 * (latent or h) * moe_i + h + 1)   # up, down; the router and its bias
+    experts += 2 * h * latent   # into the latent space and back
     mixer = {"full_attention": h * (heads + 2 * kv_heads) * d + heads * d * h,
              "linear_attention": config.mamba.per_rank(config.num_heads // heads).num_params(h), "mlp": 2 * h * i,
              "moe": experts + 2 * h * shared_i}

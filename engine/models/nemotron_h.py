@@ -1,10 +1,11 @@
-"""NVIDIA's Nemotron-H (`NemotronHForCausalLM`: Nemotron-H 8B, 47B, 56B; Nemotron Nano 2 9B and 12B; Nemotron 3
-Nano): a stack of single-mixer blocks, each a pre-norm residual step around one of Mamba-2 (`engine.layers.mamba2`,
-over the states of `StatefulForCausalLM`), attention without a rotary (NoPE) over the paged cache, a squared-ReLU
-MLP (`ReluSquaredMLP`, no gate), or Nemotron 3's experts (`NemotronHMoeBlock`). The norms keep their weight's
-product in float32 (OLMo 2's `FloatRMSNorm`). Its checkpoints name the model `backbone.` (the embedding
-`embeddings`, the final norm `norm_f`) and every block's mixer `mixer`, read as the block's attention, Mamba, MLP or
-experts by the block's kind; multi-token-prediction layers are not read (the engine decodes one token a step).
+"""NVIDIA's Nemotron-H (`NemotronHForCausalLM`: Nemotron-H 8B, 47B, 56B; Nemotron Nano 2 9B and 12B; Nemotron 3 Nano and
+Super): a stack of single-mixer blocks, each a pre-norm residual step around one of Mamba-2 (`engine.layers.mamba2`,
+over the states of `StatefulForCausalLM`), attention without a rotary (NoPE) over the paged cache, a squared-ReLU MLP
+(`ReluSquaredMLP`, no gate), or Nemotron 3's experts (`NemotronHMoeBlock`, Nemotron 3 Super's in a latent space). The
+norms keep their weight's product in float32 (OLMo 2's `FloatRMSNorm`). Its checkpoints name the model `backbone.`
+(the embedding `embeddings`, the final norm `norm_f`) and every block's mixer `mixer`, read as the block's attention,
+Mamba, MLP or experts by the block's kind; multi-token-prediction layers are not read (the engine decodes one token a
+step).
 """
 
 from __future__ import annotations
@@ -145,15 +146,33 @@ class NemotronHForCausalLM(StatefulForCausalLM):
 class NemotronHMoeBlock(DeepseekMoeBlock):
     """Nemotron 3's MoE block: DeepSeek V3's grouped sigmoid router over experts without a gate (`w13` holds each
     expert's up rows alone, relu(x)^2 between the products: the loop or the grouped matmuls, not the gated Triton
-    kernel) beside a squared-ReLU shared expert."""
+    kernel) beside a squared-ReLU shared expert. Nemotron 3 Super's experts work in a latent space: the router and
+    the shared expert read the hidden state, the experts its projection (`fc1_latent_proj`, whole on every rank), and
+    their sum is projected back (`fc2_latent_proj`) before the ranks' sum."""
+
+    forward_runs_experts = True
 
     def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives, ops: ModuleType) -> None:
         super().__init__(config, shard, comm, ops)
-        self.w13 = nn.Parameter(torch.empty(config.num_experts, shard.moe_intermediate_size, config.hidden_size))
+        h, latent = config.hidden_size, config.moe_latent_size
+        self.w13 = nn.Parameter(torch.empty(config.num_experts, shard.moe_intermediate_size, latent or h))
+        self.w2 = nn.Parameter(torch.empty(config.num_experts, latent or h, shard.moe_intermediate_size))
+        self.fc1_latent_proj = nn.Linear(h, latent, bias=False) if latent else None
+        self.fc2_latent_proj = nn.Linear(latent, h, bias=False) if latent else None
         self.act_fn = ReluSquared()
         self.fused_moe = None
         self.shared_expert = ReluSquaredMLP(config.hidden_size, shard.shared_expert_intermediate_size) \
             if config.shared_expert_intermediate_size else None   # this rank's rows, summed with the experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, experts = self.route(x)
+        if self.fc1_latent_proj is None:
+            out = self._experts(x, weights, experts)
+        else:
+            out = self.fc2_latent_proj(self._experts(self.fc1_latent_proj(x), weights, experts))
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(x)
+        return self.comm.all_reduce(out)
 
 
 def relu_squared(x: torch.Tensor) -> torch.Tensor:

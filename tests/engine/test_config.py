@@ -1762,8 +1762,8 @@ def test_nemotron_h_reads_as_transformers_does():
     """Nemotron-H as its hub configs write it (`hybrid_override_pattern`, a character a block; `num_hidden_layers`
     beside it) and as transformers 5 saves it (`layers_block_type`): the blocks' kinds, the KV cache holding the
     attention blocks alone, the parameter count of transformers' model, ranks splitting the Mamba heads and groups
-    (refused by key where they cannot); latent experts, a block of no known kind, or no attention block at all
-    refused by key; Nemotron 3's MoE blocks counted as transformers counts them."""
+    (refused by key where they cannot); biased MLPs, a block of no known kind, or no attention block at all refused
+    by key; Nemotron 3's MoE blocks counted as transformers counts them, Super's latent experts too."""
     transformers = pytest.importorskip("transformers")
 
     pattern = "M-M-M-M*-M-M-M-M*-M-M-M-"   # 24 blocks: 11 Mamba-2, 2 attention, 11 MLP
@@ -1789,7 +1789,10 @@ def test_nemotron_h_reads_as_transformers_does():
     ours, (_, hf) = ModelConfig.from_hf_config(moe), _meta_model(transformers.NemotronHConfig, moe)
     assert ours.num_params() == sum(p.numel() for p in hf.parameters()) + 6 * 2 * 64   # + the correction biases
     assert [ours.is_sparse_layer(i) for i in range(4)] == [False, True, False, True] and ours.kv_layers[:2] == (2, 6)
-    for change, named in (({**moe, "moe_latent_size": 256}, "moe_latent_size"),
+    latent = {**moe, "moe_latent_size": 256}   # Nemotron 3 Super's kind: the experts in a latent space
+    ours, (_, hf) = ModelConfig.from_hf_config(latent), _meta_model(transformers.NemotronHConfig, latent)
+    assert ours.num_params() == sum(p.numel() for p in hf.parameters()) + 6 * 2 * 64 and ours.moe_latent_size == 256
+    for change, named in (({"mlp_bias": True}, "mlp_bias"),
                           ({"hybrid_override_pattern": "M*X"}, "hybrid_override_pattern: one of M"),
                           ({"hybrid_override_pattern": "M-M-"}, "layers_block_type: Nemotron-H with no attention"),
                           ({"mlp_hidden_act": "silu"}, "mlp_hidden_act")):

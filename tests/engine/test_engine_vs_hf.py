@@ -458,6 +458,12 @@ TINY_MODELS = [
                     "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                     "moe_shared_expert_intermediate_size": 48, "n_group": 2, "topk_group": 1,
                     "routed_scaling_factor": 2.5, "pad_token_id": 0}),
+    # Nemotron 3 Super's: the experts in a latent space of 16 (the hidden state projected in, their sum back out)
+    ("nemotron_h", {"layers_block_type": ["linear_attention", "moe", "full_attention", "moe"], "head_dim": 16,
+                    "mamba_num_heads": 4, "mamba_head_dim": 32, "ssm_state_size": 16, "n_groups": 2, "chunk_size": 16,
+                    "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "moe_latent_size": 16,
+                    "moe_shared_expert_intermediate_size": 48, "n_group": 2, "topk_group": 1,
+                    "routed_scaling_factor": 2.5, "pad_token_id": 0}),
     # LFM2: gated short convolutions (3 taps, over B x x; a state of the last 2 inputs) beside attention with per-head
     # q/k norms, its MLP two thirds of block_ff_dim rounded up to 16s; then biased convolutions of 4 taps, the layers
     # by full_attn_idxs, the MLP's width as given

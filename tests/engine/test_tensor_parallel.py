@@ -68,7 +68,7 @@ def _hf(arch: str, **extra) -> ModelConfig:
     _hf("StableLmForCausalLM", use_qkv_bias=True, use_parallel_residual=True, qk_layernorm=True),
     _hf("NemotronHForCausalLM", layers_block_type=["linear_attention", "moe", "full_attention", "mlp"],
         mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=8, n_routed_experts=4,
-        num_experts_per_tok=2, moe_intermediate_size=32, moe_shared_expert_intermediate_size=48),
+        num_experts_per_tok=2, moe_intermediate_size=32, moe_shared_expert_intermediate_size=48, moe_latent_size=16),
     _hf("OlmoHybridForCausalLM", layer_types=["linear_attention", "full_attention", "linear_attention"],
         linear_num_key_heads=8, linear_key_head_dim=8, linear_value_head_dim=8),
     _hf("LongcatFlashForCausalLM", **{**LONGCAT, "num_key_value_heads": 8, "pad_token_id": None}),
@@ -360,7 +360,7 @@ QWEN3 = {"head_dim": 32, "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
     ("nemotron_h", {"layers_block_type": ["linear_attention", "moe", "full_attention", "mlp"], "head_dim": 16,
                     "mamba_num_heads": 4, "mamba_head_dim": 32, "ssm_state_size": 16, "n_groups": 2, "chunk_size": 16,
                     "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-                    "moe_shared_expert_intermediate_size": 48, "n_group": 2, "topk_group": 1,
+                    "moe_shared_expert_intermediate_size": 48, "n_group": 2, "topk_group": 1, "moe_latent_size": 16,
                     "routed_scaling_factor": 2.5, "pad_token_id": 0}, None),
     ("olmo_hybrid", {"num_hidden_layers": 4, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
                      "linear_key_head_dim": 16, "linear_value_head_dim": 8, "pad_token_id": 0}, None),
@@ -497,9 +497,10 @@ def test_two_ranks_generate_what_one_does(tmp_path, builtin_path, prompts, arch,
     # "heads" its channels, its KV cache of no layer on either rank); Mamba2 each rank's Mamba-2 heads and groups;
     # Apertus 1.5 its pruned head's rows (301: the second rank's last row padding), the ids past it -inf; Zamba2 its
     # Mamba heads and groups, its shared blocks' heads, MLP rows and adapters' second halves (biased MLPs); Nemotron
-    # 3 its Mamba heads and groups, its NoPE heads, its squared-ReLU MLP's rows, its experts' and shared expert's
-    # rows under the router whole on each rank; OLMo Hybrid each rank's key heads of its linear blocks' q, k and
-    # convolutions, their value heads' v, gate, b and a (stored apart), OLMo 3's q/k norms over both ranks;
+    # 3 its Mamba heads and groups, its NoPE heads, its squared-ReLU MLP's rows, its experts' rows in their latent
+    # space (Super's: the projections whole on each rank) and shared expert's rows under the router whole on each
+    # rank; OLMo Hybrid each rank's key heads of its linear blocks' q, k and convolutions, their value heads' v, gate,
+    # b and a (stored apart), OLMo 3's q/k norms over both ranks;
     # LongCat-Flash each rank's heads of its sublayers' latent attention, its dense MLPs' and experts' rows (the zero
     # experts' pass-through added once, after the sum). Qwen3's,
     # Mixtral's and DeepSeek's groups overlap their steps: the other rank fills the placeholders of each step's
