@@ -50,9 +50,13 @@ PRESETS = {
 
 
 def expert_params(model: ModelConfig) -> int:
-    """The weights of every expert of the sparse layers (their routers not included); 0 for a dense model."""
+    """The weights of every expert of the sparse layers (their routers not included); 0 for a dense model. An expert
+    is gate, up and down over the hidden state; Nemotron-H's up and down alone, over its latent space where it has
+    one (Nemotron 3 Super's)."""
     sparse = sum(model.is_sparse_layer(layer) for layer in range(model.num_layers))
-    return sparse * model.num_experts * 3 * model.hidden_size * model.moe_intermediate_size
+    matrices = 2 if model.architecture == "NemotronHForCausalLM" else 3
+    return sparse * model.num_experts * matrices * (model.moe_latent_size or model.hidden_size) * \
+        model.moe_intermediate_size
 
 
 def routed_per_token(model: ModelConfig) -> float:

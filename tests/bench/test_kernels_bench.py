@@ -246,6 +246,13 @@ def test_the_decode_roofline_of_a_mixture_of_experts_counts_the_experts_a_step_u
     assert roof["gflop_per_step"] == pytest.approx(2 * 8 * (dense.num_params() - dense.vocab_size * 4096) / 1e9
                                                    + 4 * 32 * 32 * 128 * 800 / 1e9)   # dense: every weight
     assert step_flops(moe, 8, 800, 8) < 0.2 * 2 * 8 * moe.num_params()
+    # Nemotron 3's experts: up and down alone, Super's over a latent space of 1,024
+    nemotron = ModelConfig.from_hf_config({"architectures": ["NemotronHForCausalLM"], "hidden_size": 4096,
+                                           "hybrid_override_pattern": "ME*E", "n_routed_experts": 64,
+                                           "num_experts_per_tok": 4, "moe_intermediate_size": 512,
+                                           "moe_latent_size": 1024, "vocab_size": 1000, "num_attention_heads": 32,
+                                           "num_key_value_heads": 2, "intermediate_size": 1024, "head_dim": 128})
+    assert expert_params(nemotron) == 2 * 64 * 2 * 1024 * 512
     # LongCat-Flash: a third of a token's 12 picks fall on its 256 zero experts, which read and compute nothing
     longcat = ModelConfig.from_hf_config({"architectures": ["LongcatFlashForCausalLM"]})
     assert routed_per_token(longcat) == 8 and experts_read(longcat, 1) == pytest.approx(8 / 512)
