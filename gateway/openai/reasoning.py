@@ -1,8 +1,8 @@
-"""Reasoning output of models that think in `<think>…</think>` (Qwen3, QwQ, DeepSeek-R1 distills, GLM-4.5,
-MiniMax-M2), `<seed:think>…</seed:think>` (Seed-OSS), `[THINK]…[/THINK]` (Magistral) or Gemma 4's thought channel
-(`<|channel>thought\n…<channel|>`, its label read as part of the opening tag), split from the answer as
-vLLM's reasoning parsers do: the text inside the block is `reasoning_content`, what follows the closing tag is
-`content`, and the tags are in neither.
+"""Reasoning output of models that think in `<think>…</think>` (Qwen3, QwQ, DeepSeek-R1 distills, GLM-4.5, MiniMax-M2),
+`<seed:think>…</seed:think>` (Seed-OSS), `<longcat_think>…</longcat_think>` (LongCat-Flash-Thinking),
+`[THINK]…[/THINK]` (Magistral) or Gemma 4's thought channel (`<|channel>thought\n…<channel|>`, its label read as part
+of the opening tag), split from the answer as vLLM's reasoning parsers do: the text inside the block is
+`reasoning_content`, what follows the closing tag is `content`, and the tags are in neither.
 
 A pool's model thinks when its chat template mentions one of these tags or `enable_thinking` (`think_tags`, the
 first family's tags it names: `Think.tags`). Its reply may open the block itself (Qwen3 writes `<think>` first),
@@ -31,9 +31,10 @@ import msgspec
 
 THINK_START, THINK_END = "<think>", "</think>"
 THINK_TAGS = (THINK_START, THINK_END)
-# each family's tags, the first a template names winning: Seed-OSS's, Magistral's (Mistral's tokens), then `<think>`
+# each family's tags, the first a template names winning: Seed-OSS's, Magistral's (Mistral's tokens), Gemma 4's,
+# LongCat-Flash's, then `<think>`
 _FAMILIES_TAGS = (("<seed:think>", "</seed:think>"), ("[THINK]", "[/THINK]"), ("<|channel>thought", "<channel|>"),
-                  THINK_TAGS)
+                  ("<longcat_think>", "</longcat_think>"), THINK_TAGS)
 _PROMPT_TAIL_TOKENS = 16   # the prompt's last tokens decoded to see whether it ends inside a think block
 
 

@@ -1,5 +1,5 @@
 """Which tool-call format a pool's chat template writes: `tool_format` of a template's source, `format_for` of a
-pool's tokenizer. The formats: `gateway.openai.tools` (hermes, llama3_json), `gateway.openai.xml_tools`
+pool's tokenizer. The formats: `gateway.openai.tools` (hermes, longcat, llama3_json), `gateway.openai.xml_tools`
 (qwen3_xml), `gateway.openai.tagged_tools` (glm45, minimax_m2, seed_oss), `gateway.openai.deepseek_tools`
 (deepseek_v3, deepseek_v31), `gateway.openai.dsml_tools` (deepseek_v32), `gateway.openai.mistral_tools` (mistral,
 mistral_args), `gateway.openai.kimi_tools` (kimi_k2) and `gateway.openai.gemma4_tools` (gemma4)."""
@@ -14,7 +14,7 @@ from gateway.openai.mistral_tools import mistral_format, writes_mistral_calls
 from gateway.openai.tagged_tools import (MINIMAX_FORM, SEED_FORM, TaggedFormat, glm_form, writes_glm_calls,
                                         writes_minimax_calls, writes_seed_calls)
 from gateway.openai.tool_specs import Tool
-from gateway.openai.tools import HermesFormat, Llama3JsonFormat, ToolFormat
+from gateway.openai.tools import HermesFormat, Llama3JsonFormat, LongcatFormat, ToolFormat
 from gateway.openai.xml_tools import XmlFormat, writes_xml_calls
 
 
@@ -31,6 +31,8 @@ def written_format(template: str, tools: list[Tool]) -> ToolFormat | None:
         return KimiFormat(tools)
     if writes_gemma4_calls(template):
         return Gemma4Format(tools)
+    if LongcatFormat.start in template:
+        return LongcatFormat(tools)
     if writes_dsml_calls(template):
         return DsmlFormat(tools)
     if writes_glm_calls(template):   # before hermes and the XML form: their calls are inside `<tool_call>` too

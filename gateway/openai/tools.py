@@ -5,6 +5,7 @@ that turns the model's text back into OpenAI `tool_calls` (the request's `tools`
 The pool model's chat template decides the format (`tool_format`):
 - **hermes** (the template writes `<tool_call>`: Qwen2/2.5, Hermes, many fine-tunes): each call is
   `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, several one after another;
+- **longcat** (the template writes `<longcat_tool_call>`: LongCat-Flash): hermes' calls between its own tags;
 - **llama3_json** (the template asks for `"parameters"`: Llama 3.1-3.3): the reply is
   `{"name": ..., "parameters": {...}}`, several joined by `; `;
 - a template that knows no tools (SmolLM2's): `gateway.openai.chat_prompt` shows the tools in a system message
@@ -283,6 +284,16 @@ class HermesFormat(ToolFormat):
         if found >= 0:
             return found
         return len(text) - partial_tag(text, self.start)   # the marker's first characters at the end
+
+
+class LongcatFormat(HermesFormat):
+    """LongCat-Flash's: hermes' calls between `<longcat_tool_call>` tags (vLLM's `longcat` parser)."""
+
+    name = "longcat"
+    start = "<longcat_tool_call>"
+    end = "</longcat_tool_call>"
+    markers = (start, end)
+    syntax = CallSyntax(f"{start}\n", f"\n{end}", "\n", "arguments", rf"/(?s:.)*/ & ~/(?s:.)*{start}(?s:.)*/")
 
 
 class Llama3JsonFormat(ToolFormat):

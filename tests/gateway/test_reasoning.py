@@ -368,8 +368,9 @@ async def test_gemma4s_thought_channel_is_split_and_its_special_tags_decoded(aio
 
 
 def test_a_templates_own_think_tags_are_the_ones_split():
-    """Seed-OSS thinks in `<seed:think>`, Magistral in `[THINK]`, Qwen3 and most in `<think>` (or a template that
-    only takes `enable_thinking`): each reply is split at its template's tags, another family's are its text."""
+    """Seed-OSS thinks in `<seed:think>`, Magistral in `[THINK]`, LongCat-Flash-Thinking in `<longcat_think>`, Qwen3
+    and most in `<think>` (or a template that only takes `enable_thinking`): each reply is split at its template's
+    tags, another family's are its text."""
     assert think_tags(SEED_THINKS) == ("<seed:think>", "</seed:think>") and think_tags(MODEL_OPENS) == THINK_TAGS
     assert think_tags("{{ '[THINK]' + m.thinking + '[/THINK]' }}") == ("[THINK]", "[/THINK]")
     assert think_tags("{% if enable_thinking %}x{% endif %}") == THINK_TAGS and think_tags("{{ m.content }}") is None
@@ -380,6 +381,10 @@ def test_a_templates_own_think_tags_are_the_ones_split():
     gemma4 = ("<|channel>thought", "<channel|>")   # its label read as part of the opening tag
     assert think_tags(GEMMA4_THINKS) == gemma4
     assert split_reasoning("<|channel>thought\nI add.<channel|>It is 4.", tags=gemma4) == ("I add.", "It is 4.")
+    longcat = ("<longcat_think>", "</longcat_think>")   # LongCat-Flash-Thinking's
+    assert think_tags("{{ '<longcat_think>' + m.reasoning_content + '</longcat_think>' }}") == longcat
+    assert split_reasoning("<longcat_think>\nI add.\n</longcat_think>\n\nIt is 4.", tags=longcat) == (
+        "I add.", "It is 4.")
     splitter, parts = ReasoningSplitter(True, tags=seed), []
     for piece in "I add.</seed:th", "ink>It is 4.":
         parts.append(splitter.feed(piece))

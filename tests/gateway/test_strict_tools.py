@@ -21,7 +21,7 @@ from gateway.openai.chat import parse_chat
 from gateway.openai.errors import ApiError
 from gateway.openai.tool_grammar import thinking_first
 from gateway.openai.tool_specs import ToolError, parse_tools
-from gateway.openai.tools import HermesFormat, Llama3JsonFormat
+from gateway.openai.tools import HermesFormat, Llama3JsonFormat, LongcatFormat
 from tests.gateway.conftest import DEFAULT_CONFIG, accepts
 
 MODEL = "smollm2-135m-instruct"
@@ -46,7 +46,13 @@ def _llama3(*calls: tuple[str, dict]) -> str:
     return "; ".join(json.dumps({"name": n, "parameters": a}) for n, a in calls)
 
 
-FORMATS = [(HermesFormat, _hermes), (Llama3JsonFormat, _llama3)]
+def _longcat(*calls: tuple[str, dict]) -> str:
+    return "\n".join(f"<longcat_tool_call>\n{json.dumps({'name': n, 'arguments': a})}\n</longcat_tool_call>"
+                     for n, a in calls)
+
+
+FORMATS = [(HermesFormat, _hermes), (Llama3JsonFormat, _llama3), (LongcatFormat, _longcat)]
+IDS = ["hermes", "llama3_json", "longcat"]
 
 
 def _auto(fmt_class, parallel: bool = True, reply: StructuredOutput | None = None) -> StructuredOutput:
@@ -58,7 +64,7 @@ def _auto(fmt_class, parallel: bool = True, reply: StructuredOutput | None = Non
 
 # --- the grammar -------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("fmt_class, write", FORMATS, ids=["hermes", "llama3_json"])
+@pytest.mark.parametrize("fmt_class, write", FORMATS, ids=IDS)
 def test_auto_with_a_strict_tool_admits_plain_text_or_calls_that_match_its_schema(lltokenizer, fmt_class, write):
     grammar = _auto(fmt_class)
     for text in PLAIN_TEXTS:
@@ -95,7 +101,7 @@ def test_plain_text_never_starts_a_call_and_may_lead_to_calls(lltokenizer):
         assert accepts(lltokenizer, llama3, text) == text.startswith("Sure."), text
 
 
-@pytest.mark.parametrize("fmt_class, write", FORMATS, ids=["hermes", "llama3_json"])
+@pytest.mark.parametrize("fmt_class, write", FORMATS, ids=IDS)
 def test_parallel_tool_calls_false_allows_one_call(lltokenizer, fmt_class, write):
     two = write(("get_weather", PARIS), ("search", {"query": "x"}))
     assert accepts(lltokenizer, _auto(fmt_class, parallel=True), two) == fmt_class.parallel_calls   # llama3: one
@@ -114,7 +120,7 @@ def test_a_response_format_is_what_a_reply_that_is_not_a_call_must_be(lltokenize
     assert accepts(lltokenizer, _auto(HermesFormat, reply=StructuredOutput("json_object")), '{"a": [1]}')
 
 
-@pytest.mark.parametrize("fmt_class, write", FORMATS, ids=["hermes", "llama3_json"])
+@pytest.mark.parametrize("fmt_class, write", FORMATS, ids=IDS)
 def test_a_thinking_models_reply_thinks_before_the_constrained_part(lltokenizer, fmt_class, write):
     """`think` "optional": a `<think>` block may come first (whitespace after it), then what the grammar
     asks; plain text never begins with `<think>` (the block is read as one) and a block after text is
@@ -152,7 +158,7 @@ def test_a_thinking_models_reply_thinks_before_the_constrained_part(lltokenizer,
     assert accepts(lltokenizer, thinking_first(reply, "optional"), '{"a": 1}')
 
 
-@pytest.mark.parametrize("fmt_class, write", FORMATS, ids=["hermes", "llama3_json"])
+@pytest.mark.parametrize("fmt_class, write", FORMATS, ids=IDS)
 def test_a_schemas_own_refs_mean_in_the_call_grammar_what_they_mean_alone(lltokenizer, fmt_class, write):
     """`$ref`s resolve against the schema's root: inside the grammar of calls, where each arguments schema sits
     in a schema of its own, they are rebased onto it (a `$defs` ref was refused, "#" meant the call)."""

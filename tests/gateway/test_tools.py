@@ -19,7 +19,7 @@ from gateway.openai.chat import parse_chat
 from gateway.openai.errors import ApiError
 from gateway.openai.tool_specs import parse_tools
 from gateway.openai.tool_formats import tool_format
-from gateway.openai.tools import HermesFormat, Llama3JsonFormat, ToolCallStream
+from gateway.openai.tools import HermesFormat, Llama3JsonFormat, LongcatFormat, ToolCallStream
 
 MODEL = "smollm2-135m-instruct"
 
@@ -127,6 +127,34 @@ def test_hermes_parses_calls_between_text_and_leaves_lookalikes_as_content() -> 
         assert fmt.parse(lookalike) == (lookalike, [])
     tricky = '<tool_call>\n{"name": "search", "arguments": {"query": "</tool_call> x", "limit": 1}}\n</tool_call>'
     assert [json.loads(c.arguments)["query"] for c in fmt.parse(tricky)[1]] == ["</tool_call> x"]
+
+
+def test_longcat_writes_hermes_calls_between_its_own_tags() -> None:
+    """LongCat-Flash's template writes `<longcat_tool_call>`: hermes' calls between those tags, read whole (a closing
+    tag inside a string argument is the argument's) and as a stream, char by char; hermes' own tags in its reply are
+    text; its grammars build."""
+    tools = parse_tools(TOOLS)
+    fmt = tool_format("{% if tools %}<longcat_tool_call>{{ tool | tojson }}{% endif %}", tools)
+    assert isinstance(fmt, LongcatFormat) and fmt.name == "longcat"
+    call = {"name": "search", "arguments": {"query": "</longcat_tool_call> x", "limit": 2}}
+    reply = f"Let me look.\n<longcat_tool_call>\n{json.dumps(call)}\n</longcat_tool_call>"
+    content, calls = fmt.parse(reply)
+    assert content == "Let me look." and [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("search", call["arguments"])]
+    hermes = '<tool_call>\n{"name": "search", "arguments": {"query": "q", "limit": 1}}\n</tool_call>'
+    assert fmt.parse(hermes) == (hermes, [])
+    stream, sent, streamed = ToolCallStream(fmt, forced=False), "", {}
+    for end in range(1, len(reply) + 1):
+        sent += stream.content_delta(reply[:end])
+        assert "<longcat" not in sent and reply.startswith(sent)
+        for entry in stream.call_deltas(reply[:end]):
+            _merge(streamed, entry)
+    rest, entries, num_calls = stream.finish(reply)
+    for entry in entries:
+        _merge(streamed, entry)
+    assert sent + rest == "Let me look." and num_calls == 1 and streamed[0]["arguments"] == calls[0].arguments
+    for parallel in (False, True):
+        check(fmt.grammar(tools, parallel))
 
 
 def test_llama3_json_parses_one_or_several_calls() -> None:
