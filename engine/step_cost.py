@@ -37,9 +37,10 @@ with it (`StepTime`), and the benchmarks fit it to measured steps and compare it
   the K/V written, at a fraction of peak bandwidth; each GPU's KV heads, one replicated where TP exceeds them),
   plus two ring all-reduces
   per layer over the interconnect when TP > 1. A mixture of experts computes each token with its
-  `num_experts_per_tok` experts only, and a step reads the experts its tokens hit (under uniform
-  routing, a fraction 1 - (1 - k/E)^tokens of them); K/V bytes are the cache's (an FP8 cache's one). The efficiencies and the overhead are assumptions
-  written in the preset, not measurements.
+  `num_experts_per_tok` experts only (less the picks that land on LongCat-Flash's zero experts,
+  `engine.roofline.routed_per_token`), and a step reads the experts its tokens hit (under uniform
+  routing, a fraction 1 - (1 - k/E)^tokens of them); K/V bytes are the cache's (an FP8 cache's one). The
+  efficiencies and the overhead are assumptions written in the preset, not measurements.
 """
 
 from __future__ import annotations
