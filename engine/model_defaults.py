@@ -266,11 +266,14 @@ def pruned_head(cfg: dict[str, Any]) -> int | None:
 
 
 def served_as(cfg: dict[str, Any], arch: Any) -> tuple[dict[str, Any], Any]:
-    """(config.json, architecture) as served, where a checkpoint names another: Phi-3.5-MoE's release's name, Apertus
-    1.5's text model (Apertus's, its vocabulary where config.json names none), InternLM3 (`internlm3_config`: the
-    Llama model, as transformers runs it), EXAONE 3 (transformers 5 saves it as Llama, `exaone_config`)."""
+    """(config.json, architecture) as served, where a checkpoint names another: Phi-3.5-MoE's release's name,
+    Phi-4-multimodal's text model (Phi-3's), Apertus 1.5's text model (Apertus's, its vocabulary where config.json
+    names none), InternLM3 (`internlm3_config`: the Llama model, as transformers runs it), EXAONE 3 (transformers 5
+    saves it as Llama, `exaone_config`)."""
     if arch == "PhiMoEForCausalLM":
         return cfg, "PhimoeForCausalLM"
+    if arch == "Phi4MultimodalForCausalLM":   # its text model, Phi-3's (its image and audio embedders not read)
+        return cfg, "Phi3ForCausalLM"
     if arch == "InternLM3ForCausalLM" or arch == "LlamaForCausalLM" and cfg.get("model_type") == "internlm3":
         return internlm3_config(cfg), "LlamaForCausalLM"
     if arch == APERTUS_1_5:

@@ -1,4 +1,5 @@
-"""Phi-3 and Phi-4 (`Phi3ForCausalLM`): the Llama layer, its checkpoints storing q/k/v and gate/up fused.
+"""Phi-3 and Phi-4 (`Phi3ForCausalLM`; Phi-4-multimodal's text model too, its image and audio embedders, under
+`embed_tokens_extend`, not read): the Llama layer, its checkpoints storing q/k/v and gate/up fused.
 
 Its checkpoints keep each layer's `self_attn.qkv_proj` ([q + 2 x kv rows, hidden]: the query heads' rows,
 then the key heads', then the value heads') and `mlp.gate_up_proj` ([2 x intermediate, hidden]: gate rows,
@@ -27,8 +28,10 @@ class Phi3ForCausalLM(LlamaForCausalLM):
 
     def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
         """`layers.N.self_attn.qkv_proj.weight` as its q_proj, k_proj and v_proj rows (a bias as well; q and k
-        reordered for a partial rotary), and `layers.N.mlp.gate_up_proj.weight` as gate_proj and up_proj; anything
-        else as it is."""
+        reordered for a partial rotary), and `layers.N.mlp.gate_up_proj.weight` as gate_proj and up_proj; Phi-4-
+        multimodal's image and audio embedders (`embed_tokens_extend.`) not read; anything else as it is."""
+        if name.startswith("embed_tokens_extend."):
+            return ()
         c = self.config
         q, kv, inter = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
         for fused, parts in ((".self_attn.qkv_proj.", (("q_proj", q), ("k_proj", kv), ("v_proj", kv))),

@@ -110,6 +110,10 @@ QWEN2_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
 DEEPSEEK = dict(num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                 first_k_dense_replace=1, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
                 n_group=2, topk_group=1, num_hidden_layers=3)
+# Phi-4-multimodal's image and audio embedders, tiny
+PHI4_MM_TOWERS = dict(vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2),
+                      audio_config=dict(hidden_size=32, intermediate_size=64, num_blocks=1, num_attention_heads=2))
 # LongCat-Flash's shape on the tiny model (`num_layers` 2: four sublayers)
 LONGCAT = dict(num_layers=2, num_hidden_layers=4, q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16,
                qk_rope_head_dim=8, head_dim=8, v_head_dim=16, n_routed_experts=8, zero_expert_num=4, moe_topk=3,
@@ -235,6 +239,10 @@ TINY_MODELS = [
     # Phi-3: q/k/v and gate/up stored fused; then grouped KV heads, a window of 8 and a tied head
     ("phi3", dict(num_key_value_heads=4, pad_token_id=0)),
     ("phi3", dict(sliding_window=8, tie_word_embeddings=True, pad_token_id=0)),
+    # Phi-4-multimodal's text model: Phi-4-mini's (a rotary over 0.75 of each head, tied embeddings; its longrope
+    # as Phi-4-mini's, below), its image and audio embedders (tiny here) beside it not read
+    ("phi4_multimodal", dict(pad_token_id=0, tie_word_embeddings=True, rope_parameters={
+        "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}, **PHI4_MM_TOWERS)),
     # Gemma 2: its default layer types (sliding, full, sliding; a window of 8) and soft-capping low enough to bend
     # these scores and logits; then its own caps (50, 30), grouped KV heads and an untied head
     ("gemma2", GEMMA2),
@@ -674,8 +682,10 @@ def test_tiny_random_models_match_transformers(tmp_path, monkeypatch, builtin_pa
                                  progress=False)
     buffers = sum(b.numel() for name, b in hf.named_buffers()
                   if name.endswith(("e_score_correction_bias", "layer_scalar", "expert_bias")))
-    # LongCat-Flash's stacked gate/up holds rows for its zero experts too, which compute nothing and are not read
+    # LongCat-Flash's stacked gate/up holds rows for its zero experts too, which compute nothing and are not read;
+    # Phi-4-multimodal's image and audio embedders serve no text
     unused = sum(m.gate_up_proj[m.num_routed_experts:].numel() for m in hf.modules() if hasattr(m, "zero_expert_num"))
+    unused += sum(p.numel() for name, p in hf.named_parameters() if ".embed_tokens_extend." in name)
     assert engine.model_config.num_params() == sum(p.numel() for p in hf.parameters()) + buffers - unused
     out = next(m for layer in engine.model.layers for name, m in layer.named_modules()   # attention's, or a mixer's
                if name.endswith(("o_proj", "out_proj")))
@@ -1181,16 +1191,19 @@ PHI4_MINI = dict(pad_token_id=0, tie_word_embeddings=True, original_max_position
     "short_factor": [1.0 + 0.15 * i for i in range(6)], "long_factor": [2.0 + 1.7 * i for i in range(6)]})
 
 
-def test_a_longrope_turns_by_the_set_transformers_picks_for_what_each_pool_serves(tmp_path, builtin_path):
+@pytest.mark.parametrize("arch, towers", [("phi3", {}), ("phi4_multimodal", PHI4_MM_TOWERS)])
+def test_a_longrope_turns_by_the_set_transformers_picks_for_what_each_pool_serves(tmp_path, builtin_path, arch,
+                                                                                    towers):
     """transformers turns each forward by LongRoPE's short factors while the sequence is within the original
     context, by its long ones past it; the engine turns every sequence of a pool by one set (a key cached under
     the short set would go stale as the sequence grew): the short set where every pool stays within the original
     context, which transformers uses on prompts and outputs that fit in it; the long set where a pool serves past
     it, which transformers uses on prompts that start past it. Greedy, token-identical either way (the partial
-    rotary's attention factor on the turned pairs only: it scaled the pairs left alone too)."""
+    rotary's attention factor on the turned pairs only: it scaled the pairs left alone too). Phi-4-mini's rope, on
+    Phi-3's model and on Phi-4-multimodal's text model."""
     import transformers
 
-    folder = make_tiny_model(tmp_path / "phi4", "phi3", builtin_path, **PHI4_MINI)
+    folder = make_tiny_model(tmp_path / "phi4", arch, builtin_path, **PHI4_MINI, **towers)
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     gen = torch.Generator().manual_seed(5)
     for max_model_len, lengths, long in ((32, (3, 9, 15), False), (0, (40, 33, 60), True)):
