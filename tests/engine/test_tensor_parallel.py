@@ -20,7 +20,8 @@ from engine.llm_engine import LLMEngine
 from engine.parallel import ShardShape, check_tensor_parallel
 from engine.sampling import SamplingParams
 from tests.conftest import BUILTIN, assert_all_free, make_tiny_model
-from tests.engine.test_engine_vs_hf import BAILING, COHERE2_MOE, DEEPSEEK, GEMMA4, GEMMA4_E, GEMMA4_MOE, LONGCAT
+from tests.engine.test_engine_vs_hf import (BAILING, COHERE2_MOE, DEEPSEEK, GEMMA4, GEMMA4_E, GEMMA4_MOE, GLM4_MOE,
+                                             LONGCAT)
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # and `cpu_threads=1` in each follower: a core per rank
 
@@ -351,6 +352,10 @@ QWEN3 = {"head_dim": 32, "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
     ("exaone4", {"num_hidden_layers": 4, "sliding_window": 8, "head_dim": 16}, None),
     ("hunyuan_v1_dense", {"head_dim": 16, "rope_parameters": {"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0,
                                                               "rope_theta": 10000.0}}, None),
+    ("hunyuan_v1_moe", {"head_dim": 16, "intermediate_size": 32, "num_experts": 8, "moe_topk": 2}, None),
+    ("glm4_moe", {**GLM4_MOE, "use_qk_norm": True, "attention_bias": True, "num_key_value_heads": 4}, None),
+    ("ernie4_5_moe", {"moe_num_experts": 8, "moe_k": 2, "moe_intermediate_size": 32, "moe_num_shared_experts": 1,
+                      "num_hidden_layers": 3}, None),
     ("olmoe", {"intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2, "clip_qkv": 0.5}, None),
     ("apertus", {"head_dim": 16}, None),
     ("apertus1p5_text", {"head_dim": 16, "output_vocab_size": 301}, None),
@@ -502,7 +507,8 @@ def test_two_ranks_generate_what_one_does(tmp_path, builtin_path, prompts, arch,
     # rank; OLMo Hybrid each rank's key heads of its linear blocks' q, k and convolutions, their value heads' v, gate,
     # b and a (stored apart), OLMo 3's q/k norms over both ranks;
     # LongCat-Flash each rank's heads of its sublayers' latent attention, its dense MLPs' and experts' rows (the zero
-    # experts' pass-through added once, after the sum). Qwen3's,
+    # experts' pass-through added once, after the sum); Hunyuan's MoE, GLM-4.5 and ERNIE 4.5's MoE their experts'
+    # rows beside their attention's parts. Qwen3's,
     # Mixtral's and DeepSeek's groups overlap their steps: the other rank fills the placeholders of each step's
     # inputs from rank 0's sampled ids (engine.overlap).
     # six tokens each: a wrong cut shows at once, and each step of two gloo ranks costs ~80 ms on a 2-core machine
