@@ -353,6 +353,14 @@ QWEN3 = {"head_dim": 32, "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
     ("hunyuan_v1_dense", {"head_dim": 16, "rope_parameters": {"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0,
                                                               "rope_theta": 10000.0}}, None),
     ("hunyuan_v1_moe", {"head_dim": 16, "intermediate_size": 32, "num_experts": 8, "moe_topk": 2}, None),
+    ("gptj", {"n_embd": 64, "n_head": 4, "n_layer": 2, "n_positions": 512, "rotary_dim": 8, "n_inner": 96}, None),
+    ("gpt2", {"n_embd": 64, "n_head": 4, "n_layer": 2, "n_positions": 512, "layer_norm_epsilon": 1e-5}, None),
+    ("falcon", {"new_decoder_architecture": True, "num_kv_heads": 2, "bias": True, "tie_word_embeddings": False,
+                "ffn_hidden_size": 96, "layer_norm_epsilon": 1e-5}, None),
+    ("opt", {"ffn_dim": 96, "word_embed_proj_dim": 64, "pad_token_id": 0}, None),
+    ("nanochat", {"pad_token_id": 0}, None),
+    ("minicpm3", {"q_lora_rank": 24, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+                  "v_head_dim": 16, "num_key_value_heads": 4, "dim_model_base": 16, "pad_token_id": 0}, None),
     ("glm4_moe", {**GLM4_MOE, "use_qk_norm": True, "attention_bias": True, "num_key_value_heads": 4}, None),
     ("ernie4_5_moe", {"moe_num_experts": 8, "moe_k": 2, "moe_intermediate_size": 32, "moe_num_shared_experts": 1,
                       "num_hidden_layers": 3}, None),
@@ -508,7 +516,8 @@ def test_two_ranks_generate_what_one_does(tmp_path, builtin_path, prompts, arch,
     # b and a (stored apart), OLMo 3's q/k norms over both ranks;
     # LongCat-Flash each rank's heads of its sublayers' latent attention, its dense MLPs' and experts' rows (the zero
     # experts' pass-through added once, after the sum); Hunyuan's MoE, GLM-4.5 and ERNIE 4.5's MoE their experts'
-    # rows beside their attention's parts. Qwen3's,
+    # rows beside their attention's parts; GPT-J, GPT-2, OPT, nanochat, MiniCPM3 and Falcon-40B's form (two norms a
+    # layer, its q/k/v grouped by KV head) their layers' heads and rows. Qwen3's,
     # Mixtral's and DeepSeek's groups overlap their steps: the other rank fills the placeholders of each step's
     # inputs from rank 0's sampled ids (engine.overlap).
     # six tokens each: a wrong cut shows at once, and each step of two gloo ranks costs ~80 ms on a 2-core machine
