@@ -16,7 +16,7 @@ from engine.mla_config import DSA_DEFAULTS, MLA_DEFAULTS, read_mla
 DEEPSEEK_TOPK_METHODS = {"DeepseekV2ForCausalLM": ("greedy", "group_limited_greedy"),
                          "DeepseekV3ForCausalLM": ("noaux_tc",), "Glm4MoeLiteForCausalLM": ("noaux_tc",),
                          "DeepseekV32ForCausalLM": ("noaux_tc",), "GlmMoeDsaForCausalLM": ("noaux_tc",),
-                         "AXK1ForCausalLM": ("noaux_tc",)}
+                         "AXK1ForCausalLM": ("noaux_tc",), "AXK2ForCausalLM": ("noaux_tc",)}
 
 
 def deepseek_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
@@ -42,6 +42,8 @@ def deepseek_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
                           f"got {cfg['moe_layer_freq']!r}")
     check_silu(cfg, "DeepSeek")
     cfg, indexer = _sparse_attention(cfg, arch) if arch in DSA_DEFAULTS else (cfg, {})
+    if arch == "AXK2ForCausalLM":   # its q and output gate from one projection, its norms gated
+        indexer |= {"q_gate": True, "gated_norm_rank": read_int(cfg, "gated_norm_rank", 16)}
     mla = read_mla(cfg, MLA_DEFAULTS[arch], interleave_key=v3 and arch not in DSA_DEFAULTS,
                    dsa=DSA_DEFAULTS.get(arch), **indexer)
     defaults = dict(n_routed_experts=256, moe_intermediate_size=2048, num_experts_per_tok=8, n_group=8, topk_group=4,
@@ -52,6 +54,8 @@ def deepseek_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
         defaults, cfg = GLM4_MOE_LITE_EXPERTS, {**cfg, "first_k_dense_replace": dense_first(cfg, 1)}
     if arch == "GlmMoeDsaForCausalLM":
         defaults = GLM5_EXPERTS
+    if arch == "AXK2ForCausalLM":
+        defaults = AXK2_EXPERTS
     if arch == "AXK1ForCausalLM":   # A.X-K1: V3's, one dense layer first by default
         defaults = {**defaults, "n_routed_experts": 192, "first_k_dense_replace": 1}
         cfg = {**cfg, "first_k_dense_replace": dense_first(cfg, read_int(cfg, "first_k_dense_replace", 1, minimum=0))}
@@ -70,7 +74,8 @@ def _sparse_attention(cfg: dict[str, Any], arch: str) -> tuple[dict[str, Any], d
     kinds = cfg.get("layer_types")
     if kinds is not None and kinds != ["indexed_attention"] * layers:
         raise ConfigError(f"layer_types: {arch} is served with indexed_attention on every layer, got {kinds!r:.80}")
-    cfg = {**cfg, "first_k_dense_replace": dense_first(cfg, read_int(cfg, "first_k_dense_replace", 3, minimum=0))}
+    first = read_int(cfg, "first_k_dense_replace", 1 if arch == "AXK2ForCausalLM" else 3, minimum=0)
+    cfg = {**cfg, "first_k_dense_replace": dense_first(cfg, first)}
     if arch != "GlmMoeDsaForCausalLM":
         return cfg, {}
     key, kinds = "indexer_types", cfg.get("indexer_types")
@@ -90,6 +95,9 @@ def _sparse_attention(cfg: dict[str, Any], arch: str) -> tuple[dict[str, Any], d
 # GlmMoeDsaConfig's experts where config.json names none: 256 of 2,048, 8 a token from one group, one shared
 GLM5_EXPERTS = dict(n_routed_experts=256, moe_intermediate_size=2048, num_experts_per_tok=8, n_group=1, topk_group=1,
                     norm_topk_prob=True, first_k_dense_replace=3, routed_scaling_factor=2.5, n_shared_experts=1)
+# AXK2Config's experts where config.json names none (A.X-K2-Light's): 128 of 512, 8 a token, no groups, one shared
+AXK2_EXPERTS = dict(n_routed_experts=128, moe_intermediate_size=512, num_experts_per_tok=8, n_group=1, topk_group=1,
+                    norm_topk_prob=True, first_k_dense_replace=1, routed_scaling_factor=2.5, n_shared_experts=1)
 # Glm4MoeLiteConfig's experts where config.json names none: 64 of 1,536, 4 a token, one shared, the first layer dense
 GLM4_MOE_LITE_EXPERTS = dict(n_routed_experts=64, moe_intermediate_size=1536, num_experts_per_tok=4, n_group=1,
                              topk_group=1, norm_topk_prob=True, first_k_dense_replace=1, routed_scaling_factor=1.8,

@@ -1,6 +1,7 @@
 """DeepSeek's multi-head latent attention as a config.json gives it (`MlaShape`, `read_mla`): DeepSeek V2's and V3's
 (Kimi K2's, DeepSeek-R1's), GLM-4.7-Flash's (`Glm4MoeLiteForCausalLM`), Mistral Small 4's, and DeepSeek V3.2's with
-its sparse attention's indexer, each family's defaults its transformers config class's."""
+its sparse attention's indexer (A.X-K2's with a gate on each head's output), each family's defaults its transformers
+config class's."""
 
 from __future__ import annotations
 
@@ -16,9 +17,11 @@ MLA_DEFAULTS = {"DeepseekV2ForCausalLM": (1536, 512, 128, 64, 128), "DeepseekV3F
                 "Mistral4ForCausalLM": (1024, 256, 64, 64, 128),
                 "Glm4MoeLiteForCausalLM": (768, 512, 192, 64, 256),
                 "DeepseekV32ForCausalLM": (1536, 512, 128, 64, 128), "GlmMoeDsaForCausalLM": (2048, 512, 192, 64, 256),
-                "AXK1ForCausalLM": (1536, 512, 128, 64, 128)}
-# DeepSeek V3.2's and GLM-5's indexer where config.json names none: (index_n_heads, index_head_dim, index_topk)
-DSA_DEFAULTS = {"DeepseekV32ForCausalLM": (64, 128, 2048), "GlmMoeDsaForCausalLM": (32, 128, 2048)}
+                "AXK1ForCausalLM": (1536, 512, 128, 64, 128), "AXK2ForCausalLM": (384, 128, 64, 32, 64)}
+# DeepSeek V3.2's, GLM-5's and A.X-K2's indexer where config.json names none: (index_n_heads, index_head_dim,
+# index_topk)
+DSA_DEFAULTS = {"DeepseekV32ForCausalLM": (64, 128, 2048), "GlmMoeDsaForCausalLM": (32, 128, 2048),
+                "AXK2ForCausalLM": (16, 128, 2048)}
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,8 @@ class MlaShape:
     index_topk: int = 0   # 0: no indexer, every query attends to every earlier token
     index_shared: tuple[int, ...] = ()
     index_rope_interleave: bool = False
+    q_gate: bool = False        # A.X-K2: q and a gate on each head's output, one projection of [normed, raw] q
+    gated_norm_rank: int = 0    # A.X-K2: its norms' sigmoid gate through a bottleneck of this rank (0: plain norms)
 
     @property
     def latent_dim(self) -> int:
@@ -63,16 +68,20 @@ class MlaShape:
         qk = self.qk_nope_head_dim + self.qk_rope_head_dim
         r, latent = self.q_lora_rank, self.kv_lora_rank
         q = hidden * r + r + r * heads * qk if r else hidden * heads * qk
+        q += r * heads * (qk + 2 * self.v_head_dim) if self.q_gate else 0   # A.X-K2's: from 2r, a gate beside
         kv = hidden * self.latent_dim + latent + latent * heads * (self.qk_nope_head_dim + self.v_head_dim)
         biases = (r + self.latent_dim + hidden) if bias else 0   # q_a, kv_a and o_proj's (DeepSeek's attention_bias)
         return q + kv + heads * self.v_head_dim * hidden + biases
 
-    def indexers_params(self, hidden: int, num_layers: int) -> int:
+    def indexers_params(self, hidden: int, num_layers: int, sparse_layers: int = 0) -> int:
         """The indexers' of all `num_layers` layers (whole on every rank): each one's query from q's bottleneck, its
-        key (and the key's LayerNorm), its heads' weights (`weights_proj`, float32: `num_indexer_weights`)."""
+        key (and the key's LayerNorm), its heads' weights (`weights_proj`, float32: `num_indexer_weights`); and A.X-K2's
+        norms' gates (each a bottleneck of `gated_norm_rank` and back): every layer's input norm's, and the norm's
+        before each of the `sparse_layers`' experts."""
         d = self.index_head_dim
+        gates = 2 * hidden * self.gated_norm_rank * (num_layers + sparse_layers)
         return (num_layers - len(self.index_shared)) * (self.q_lora_rank * self.index_heads * d + hidden * d + 2 * d) \
-            + self.num_indexer_weights(hidden, num_layers)
+            + self.num_indexer_weights(hidden, num_layers) + gates
 
     def num_indexer_weights(self, hidden: int, num_layers: int) -> int:
         """The indexers' head weights (float32 whatever the model's dtype)."""

@@ -56,7 +56,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
                            "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM", "Lfm2ForCausalLM", "Lfm3ForCausalLM",
                            "Lfm2MoeForCausalLM", "KimiLinearForCausalLM", "Dots1ForCausalLM", "SolarOpenForCausalLM",
                            "AfmoeForCausalLM", "Kolibri1ForCausalLM", "AXK1ForCausalLM", "BailingHybridForCausalLM",
-                           "FlintForCausalLM", "HeliumForCausalLM", "LongcatFlashForCausalLM",
+                           "FlintForCausalLM", "HeliumForCausalLM", "LongcatFlashForCausalLM", "AXK2ForCausalLM",
                            "MiMoV2FlashForCausalLM", "ExaoneMoeForCausalLM", "Cohere2MoeForCausalLM",
                            "Jais2ForCausalLM", "GraniteSWAForCausalLM", "GraniteMoeForCausalLM",
                            "GraniteMoeSharedForCausalLM", "GraniteMoeSWAForCausalLM", "HYV3ForCausalLM",

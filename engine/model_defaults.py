@@ -64,6 +64,10 @@ FAMILY_DEFAULTS = {"Gemma2ForCausalLM": GEMMA2_DEFAULTS, "VaultGemmaForCausalLM"
                        "num_attention_heads": 8, "num_key_value_heads": 4, "max_position_embeddings": 131_072,
                        "bos_token_id": 2, "eos_token_id": 1},
                    "Llama4ForCausalLM": {"intermediate_size": 8192},
+                   "AXK2ForCausalLM": {   # AXK2Config's (A.X-K2-Light's; its attention and experts: deepseek_config)
+                       "vocab_size": 163_840, "hidden_size": 2048, "intermediate_size": 5120, "num_hidden_layers": 48,
+                       "num_attention_heads": 32, "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6,
+                       "bos_token_id": 163_691, "eos_token_id": 163_691},
                    "AXK1ForCausalLM": {   # AXK1Config's (its attention and experts: deepseek_config)
                        "vocab_size": 163_840, "hidden_size": 7168, "intermediate_size": 18_432, "num_hidden_layers": 61,
                        "num_attention_heads": 64, "max_position_embeddings": 32_768, "rms_norm_eps": 1e-6,

@@ -76,8 +76,7 @@ def count_params(config: Any, heads: int, kv_heads: int, i: int, moe_i: int, v: 
         return mimo_params(config, heads, kv_heads, i, moe_i, v)
     if config.laguna is not None:   # each layer its query heads, an output gate
         return laguna_params(config, heads, kv_heads, i, moe_i, v, shared_i)
-    h, d = config.hidden_size, config.head_dim
-    q, kv = heads * d, kv_heads * d
+    h, d, q, kv = config.hidden_size, config.head_dim, heads * config.head_dim, kv_heads * config.head_dim
     attn = h * (q + 2 * kv) + q * h
     attn += (q + 2 * kv if config.attention_bias else 0) + (h if config.o_proj_bias else 0)
     if config.mla is not None:
@@ -106,11 +105,12 @@ def count_params(config: Any, heads: int, kv_heads: int, i: int, moe_i: int, v: 
     if config.attn_output_gate:   # Qwen3.5: q_proj makes a gate beside each query head
         per_layer += h * q + (q if config.attention_bias else 0)
     per_layer += h * heads if config.head_gates else 0   # LFM3: g_proj, a gate a head
-    mlps = sum(experts if config.is_sparse_layer(layer) else mlp for layer in range(config.num_layers))
+    sparse = sum(config.is_sparse_layer(layer) for layer in range(config.num_layers))
+    mlps = sparse * experts + (config.num_layers - sparse) * mlp
     state = None if config.state_shape is None else config.state_shape.per_rank(config.num_heads // heads)
     linear = 0 if state is None else len(config.stateful_layers) * state.num_params(h) + \
         (config.num_layers - config.num_kv_layers) * norms * h   # a state layer's norms (Falcon-H1's: its K/V layer's)
-    linear += config.mla.indexers_params(h, config.num_layers) if config.mla is not None else 0   # DeepSeek V3.2's
+    linear += config.mla.indexers_params(h, config.num_layers, sparse) if config.mla is not None else 0   # V3.2's
     final = h * (2 if config.architecture in LAYER_NORMS else 0 if config.architecture in WEIGHTLESS_NORMS else 1)
     rows = v if not config.output_vocab_size else -(-config.output_vocab_size // (config.num_heads // heads))
     head = (0 if config.tie_word_embeddings else rows * h) + (rows if config.lm_head_bias else 0)   # Phi: biased;

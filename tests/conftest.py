@@ -169,7 +169,8 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
            "mamba": transformers.MambaConfig, "falcon_mamba": transformers.FalconMambaConfig,
            "mamba2": transformers.Mamba2Config, "apertus1p5_text": transformers.Apertus1p5TextConfig,
            "zamba2": transformers.Zamba2Config, "internlm3": transformers.InternLM3Config,
-           "longcat_flash": transformers.LongcatFlashConfig, "phi4_multimodal": transformers.Phi4MultimodalConfig}[arch]
+           "longcat_flash": transformers.LongcatFlashConfig, "phi4_multimodal": transformers.Phi4MultimodalConfig,
+           "axk2": transformers.AXK2Config}[arch]
     config = cls(**common)
     if arch == "mistral4":   # transformers maps Mistral4Config to no causal LM class (only its pretraining one)
         transformers.AutoModelForCausalLM.register(transformers.Mistral4Config, transformers.Mistral4ForCausalLM,
@@ -216,7 +217,7 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
     # the router's correction bias (a buffer; LFM2-MoE's expert bias), and LFM2-MoE's router, which starts at zero
     if arch in ("deepseek_v3", "glm4_moe", "minimax_m2", "glm4_moe_lite", "nemotron_h", "lfm2_moe", "kimi_linear",
                 "dots1", "solar_open", "afmoe", "mimo_v2_flash", "exaone_moe", "hy_v3", "laguna", "kolibri1", "axk1",
-                "bailing_hybrid", "longcat_flash"):
+                "bailing_hybrid", "longcat_flash", "axk2"):
         with torch.no_grad():
             for name, tensor in [*model.named_buffers(), *model.named_parameters()]:
                 if name.endswith(("e_score_correction_bias", "feed_forward.expert_bias", "mlp.expert_bias")):

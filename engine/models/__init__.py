@@ -49,7 +49,7 @@ from engine.models.apertus import (ApertusForCausalLM, ArceeForCausalLM, Jais2Fo
                                    Starcoder2ForCausalLM)
 from engine.models.cohere import Cohere2MoeForCausalLM, CohereForCausalLM, HeliumForCausalLM
 from engine.models.deepseek import AXK1ForCausalLM, DeepseekForCausalLM, LongcatFlashForCausalLM
-from engine.models.deepseek_v32 import DeepseekV32ForCausalLM
+from engine.models.deepseek_v32 import AXK2ForCausalLM, DeepseekV32ForCausalLM
 from engine.models.ernie import Ernie45ForCausalLM, Ernie45MoeForCausalLM
 from engine.models.gemma3 import Gemma3ForCausalLM, GemmaForCausalLM
 from engine.models.gemma4 import Gemma4ForCausalLM
@@ -125,7 +125,7 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "MiniMaxM2ForCausalLM": MiniMaxM2ForCausalLM,
                                                 "DeepseekV2ForCausalLM": DeepseekForCausalLM,
                                                 "DeepseekV3ForCausalLM": DeepseekForCausalLM,
-                                                "AXK1ForCausalLM": AXK1ForCausalLM,
+                                                "AXK1ForCausalLM": AXK1ForCausalLM, "AXK2ForCausalLM": AXK2ForCausalLM,
                                                 "Llama4ForCausalLM": Llama4ForCausalLM,
                                                 "Ministral3ForCausalLM": Ministral3ForCausalLM,
                                                 "Glm4MoeLiteForCausalLM": DeepseekForCausalLM,   # GLM-4.7-Flash

@@ -106,24 +106,32 @@ class MlaAttention(nn.Module):
     def forward(self, hidden: torch.Tensor, rope_rows: RopeRows, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata, backend) -> torch.Tensor:
         mla, heads = self.mla, self.num_heads
-        bottleneck = self.q_a_layernorm(self.q_a_proj(hidden)) if mla.q_lora_rank else None
-        query, entry = self.latent_query_and_entry(hidden, bottleneck, rope_rows)
+        bottleneck, q, gate = self.queries(hidden)
+        query, entry = self.latent_query_and_entry(hidden, q, rope_rows)
         out = self.attend(hidden, bottleneck, rope_rows, query, entry, kv_cache[0], meta, backend)
         w = self.kv_b_proj.weight                                                # [heads, nope + v, latent]
         out = torch.bmm(out[..., :mla.kv_lora_rank].transpose(0, 1),
                         w[:, mla.qk_nope_head_dim:].transpose(1, 2)).transpose(0, 1)
+        if gate is not None:   # A.X-K2: each head's output x sigmoid(its gate), in float32 as transformers does
+            out = (out * torch.sigmoid(gate.float())).to(out.dtype)
         if self.g_proj is not None:   # the gate in float32, rounded to the model's dtype, as transformers does
             out = out * torch.sigmoid(self.g_proj(hidden).float()).to(out.dtype)[..., None]
         return self.comm.all_reduce(self.o_proj(out.reshape(-1, heads * mla.v_head_dim)))
 
-    def latent_query_and_entry(self, hidden: torch.Tensor, bottleneck: torch.Tensor | None, rope_rows: RopeRows
+    def queries(self, hidden: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+        """(q's bottleneck, normed (None: one q projection); each head's query [T, heads, nope + rope]; a gate on
+        each head's output [T, heads, v_head_dim] or None)."""
+        mla = self.mla
+        bottleneck = self.q_a_layernorm(self.q_a_proj(hidden)) if mla.q_lora_rank else None
+        q = self.q_b_proj(bottleneck) if mla.q_lora_rank else self.q_proj(hidden)
+        return bottleneck, q.view(-1, self.num_heads, mla.qk_nope_head_dim + mla.qk_rope_head_dim), None
+
+    def latent_query_and_entry(self, hidden: torch.Tensor, q: torch.Tensor, rope_rows: RopeRows
                                ) -> tuple[torch.Tensor, torch.Tensor]:
         """Each head's query in the latent space [T, heads, latent_dim] and each token's cache row [T, 1, latent_dim]
-        (its normed latent and rotated key); `bottleneck`: q's, normed (None: one q projection)."""
+        (its normed latent and rotated key); `q`: each head's query, [T, heads, nope + rope]."""
         mla, heads = self.mla, self.num_heads
         nope, latent = mla.qk_nope_head_dim, mla.kv_lora_rank
-        q = self.q_b_proj(bottleneck) if mla.q_lora_rank else self.q_proj(hidden)
-        q = q.view(-1, heads, nope + mla.qk_rope_head_dim)                     # [T, heads, nope + rope]
         kv = self.kv_a_proj_with_mqa(hidden)                                     # [T, latent + rope]
         pe = torch.cat([q[..., nope:], kv[:, None, latent:]], dim=1)            # q_pe and k_pe: [T, heads + 1, rope]
         self.rotary_emb(pe, rope_rows)                                           # (Mistral 4's: turns, scales none)
@@ -163,6 +171,8 @@ class DeepseekMoeBlock(SparseMoeBlock):
     none) caps the router's logits, cap x tanh(logit / cap), before their scores (Laguna's)."""
 
     softcap = 0.0
+    masked_choice: float | None = None   # the choice score of an expert outside the picked groups (None: V3's -inf
+    # for a sigmoid router, 0 for a softmax one; A.X-K2's 0 for its sigmoid one)
 
     def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives, ops: ModuleType) -> None:
         super().__init__(config, shard, comm, ops)
@@ -190,7 +200,8 @@ class DeepseekMoeBlock(SparseMoeBlock):
             groups = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
             keep = torch.zeros_like(group_scores).scatter_(1, groups, 1.0).bool()
             keep = keep.repeat_interleave(self.num_experts // self.num_groups, dim=-1)
-            choice = choice.masked_fill(~keep, float("-inf") if self.sigmoid else 0.0)
+            fill = self.masked_choice if self.masked_choice is not None else float("-inf") if self.sigmoid else 0.0
+            choice = choice.masked_fill(~keep, fill)
         experts = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
         weights = scores.gather(1, experts)
         if self.norm_topk_prob:
@@ -249,6 +260,7 @@ class DeepseekForCausalLM(Qwen3MoeForCausalLM):
             return super()._shard_of(hf_name, name, tensor)
         qk, heads = mla.qk_nope_head_dim + mla.qk_rope_head_dim, self.config.num_heads
         per_head = {"q_proj.weight": (0, qk), "q_b_proj.weight": (0, qk), "o_proj.weight": (1, mla.v_head_dim),
+                    "q_gate_proj.weight": (0, qk + mla.v_head_dim),   # A.X-K2's: each head's q, then its gate
                     "kv_b_proj.weight": (0, mla.qk_nope_head_dim + mla.v_head_dim), "g_proj.weight": (0, 1)}
         kind = ".".join(name.split(".")[-2:])
         if kind == "o_proj.bias":

@@ -34,14 +34,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers import RopeRows, RotaryEmbedding
+from engine.layers import RMSNorm, RopeRows, RotaryEmbedding
 from engine.model_config import ModelConfig
-from engine.models.deepseek import DeepseekForCausalLM, MlaAttention, rope_rows_to_halves
+from engine.models.deepseek import DeepseekForCausalLM, DeepseekMoeBlock, MlaAttention, rope_rows_to_halves
 from engine.parallel import Collectives, ShardShape
 from kernels import AttentionMetadata
 from kernels.dsa import attend_chosen, choose_tokens
 
-__all__ = ["DeepseekV32ForCausalLM", "DsaAttention", "DsaIndexer"]
+__all__ = ["AXK2ForCausalLM", "DeepseekV32ForCausalLM", "DsaAttention", "DsaIndexer"]
 
 CHOICE = "dsa_choice"   # the step's last indexer's choice, in `AttentionMetadata.backend_cache`
 
@@ -146,3 +146,82 @@ class DeepseekV32ForCausalLM(DeepseekForCausalLM):
     def graph_safe(self) -> bool:
         """Never: the step's lengths pick the dense or the sparse attention on the host (the module docstring)."""
         return False
+
+
+class AXK2Attention(DsaAttention):
+    """A.X-K2's attention: V3.2's, each head's query and a gate on its output from one projection (`q_gate_proj`) of
+    q's bottleneck normed and raw side by side; the indexer reads the normed one, as V3.2's."""
+
+    def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives, rotary_emb: RotaryEmbedding,
+                 ops: ModuleType) -> None:
+        super().__init__(config, shard, comm, rotary_emb, ops)
+        mla = config.mla
+        del self.q_b_proj
+        qk = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+        self.q_gate_proj = nn.Linear(2 * mla.q_lora_rank, self.num_heads * (qk + mla.v_head_dim), bias=False)
+
+    def queries(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        mla = self.mla
+        qk = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+        raw = self.q_a_proj(hidden)
+        bottleneck = self.q_a_layernorm(raw)
+        q_gate = self.q_gate_proj(torch.cat([bottleneck, raw], dim=-1)).view(-1, self.num_heads, qk + mla.v_head_dim)
+        return bottleneck, q_gate[..., :qk], q_gate[..., qk:]
+
+
+class GatedRMSNorm(nn.Module):
+    """A.X-K2's norm: an RMSNorm whose output is multiplied by sigmoid(fc2(silu(fc1(output)))) (`mlp`: a bottleneck
+    of `gated_norm_rank`), the gate in float32; with a residual, the fused add-and-norm's (output, residual)."""
+
+    def __init__(self, config: ModelConfig, ops: ModuleType) -> None:
+        super().__init__()
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.mlp = nn.Module()
+        self.mlp.fc1 = nn.Linear(config.hidden_size, config.mla.gated_norm_rank, bias=False)
+        self.mlp.fc2 = nn.Linear(config.mla.gated_norm_rank, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self._gated(self.norm(x))
+        normed, residual = self.norm(x, residual)
+        return self._gated(normed), residual
+
+    def _gated(self, y: torch.Tensor) -> torch.Tensor:
+        return (y * torch.sigmoid(self.mlp.fc2(F.silu(self.mlp.fc1(y))).float())).to(y.dtype)
+
+
+class AXK2MoeBlock(DeepseekMoeBlock):
+    """A.X-K2's experts: V3's, an expert outside the picked groups chosen at 0 (transformers' reference), not -inf."""
+
+    masked_choice = 0.0
+
+
+class AXK2ForCausalLM(DeepseekV32ForCausalLM):
+    """SK Telecom's A.X-K2 (`AXK2ForCausalLM`: A.X-K2-Light and the larger releases): DeepSeek V3.2's model with
+    `AXK2Attention`, each layer's input norm and each sparse layer's norm before its experts gated (`GatedRMSNorm`),
+    experts in groups where `n_group` is named (`AXK2MoeBlock`). Its fused q and gate rows (each head's q, then its
+    gate) have their rotary rows reordered as read, as V3's q_b_proj's."""
+
+    attention = AXK2Attention
+    moe_block = AXK2MoeBlock
+
+    def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
+        layer = super().make_layer(index, ops)
+        layer.input_layernorm = GatedRMSNorm(self.config, ops)
+        if self.config.is_sparse_layer(index):
+            layer.post_attention_layernorm = GatedRMSNorm(self.config, ops)
+        return layer
+
+    def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
+        """The release's names (transformers saves them so too): its fused q and gate as `self_attn.q_b_proj`, its
+        norms' gates as `W_down` / `W_up`."""
+        mla = self.config.mla
+        name = name.replace("self_attn.q_b_proj.", "self_attn.q_gate_proj.").replace(
+            "layernorm.W_down.", "layernorm.mlp.fc1.").replace("layernorm.W_up.", "layernorm.mlp.fc2.")
+        if name.endswith("self_attn.q_gate_proj.weight") and tensor.dim() == 2:
+            qk = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+            heads = tensor.reshape(-1, qk + mla.v_head_dim, tensor.shape[-1])
+            q = rope_rows_to_halves(heads[:, :qk].reshape(-1, tensor.shape[-1]), qk, mla.qk_rope_head_dim)
+            tensor = torch.cat([q.reshape(heads.shape[0], qk, -1), heads[:, qk:]], dim=1).reshape(tensor.shape)
+        return super().read_tensor(hf_name, name, tensor)

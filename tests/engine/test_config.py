@@ -2570,6 +2570,20 @@ def test_axk1_reads_as_transformers_does(tmp_path, builtin_path):
         [_hf_greedy(model, prompt, 12, eos_ids=None) for prompt in PROMPTS]
 
 
+def test_axk2_reads_as_transformers_does():
+    """A.X-K2 (`AXK2ForCausalLM`, AXK2Config's defaults: A.X-K2-Light's shape): DeepSeek V3.2's sparse attention
+    (an indexer of 16 heads of 128, 2,048 tokens a query) with each head's q and output gate from one projection, gated
+    norms through a bottleneck of 16, 128 experts without groups past one dense layer; the parameter count is
+    transformers' model's. A larger release's groups are read where `n_group` names them."""
+    hf, cfg = _at_class_defaults("AXK2Config", {"architectures": ["AXK2ForCausalLM"]})
+    mla = cfg.mla
+    assert (mla.index_heads, mla.index_head_dim, mla.index_topk, mla.q_gate, mla.gated_norm_rank) == \
+        (hf.index_n_heads, hf.index_head_dim, hf.index_topk, True, hf.gated_norm_rank)
+    assert (cfg.num_experts, cfg.moe_groups, cfg.mlp_only_layers, cfg.moe_router) == (128, (1, 1), (0,), "deepseek_v3")
+    grouped = ModelConfig.from_hf_config({"architectures": ["AXK2ForCausalLM"], "n_group": 8, "topk_group": 4})
+    assert grouped.moe_groups == (8, 4)
+
+
 def test_ling3_reads_as_transformers_does():
     """Ling 3 (`BailingHybridForCausalLM`, BailingHybridConfig's defaults: Ling-3.0-Flash's shape, under its own keys:
     `num_experts`, `num_experts_per_token`, `num_expert_group`, `moe_renormalize`, `model_max_length`): a full layer

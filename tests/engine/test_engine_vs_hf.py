@@ -151,6 +151,10 @@ MISTRAL4 = dict(num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2
 # DeepSeek V3.2: DEEPSEEK's shape, its attention sparse: an indexer of 16 heads of 16 picks each query's best 8 earlier
 # tokens (the prompts and outputs reach 56), a tie at the boundary too rare to matter
 DEEPSEEK_V32 = {**DEEPSEEK, "q_lora_rank": 48, "index_n_heads": 16, "index_head_dim": 16, "index_topk": 8}
+# A.X-K2: V3.2's shape (no groups: A.X-K2-Light's), its gated norms through a bottleneck of 8
+AXK2 = dict(num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+            kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, q_lora_rank=48, index_n_heads=16,
+            index_head_dim=16, index_topk=8, gated_norm_rank=8, num_hidden_layers=3, pad_token_id=0)
 COHERE2_MOE = dict(num_hidden_layers=5, head_dim=16, sliding_window=8, first_k_dense_replace=1,
                    prefix_dense_intermediate_size=96, intermediate_size=32, num_experts=8, num_experts_per_tok=2,
                    num_shared_experts=1, pad_token_id=0)
@@ -295,6 +299,10 @@ TINY_MODELS = [
     # the head tied; then one q projection, rotating halves, an untied head
     ("youtu", YOUTU),
     ("youtu", {**YOUTU, "q_lora_rank": None, "rope_interleave": False, "tie_word_embeddings": False}),
+    # A.X-K2: V3.2's model, each head's q and an output gate from one projection of its bottleneck normed and raw,
+    # gated norms (every input norm, the sparse layers' before their experts), layer 0 dense; then experts in 2 groups
+    ("axk2", AXK2),
+    ("axk2", {**AXK2, "n_group": 2, "topk_group": 1, "index_topk": 12}),
     # LongCat-Flash: two layers, each two sublayers of V3's latent attention (q and the latent scaled) and a dense
     # MLP, 8 experts of 32 and 4 zero experts (a token routed there passes itself through), 3 a token by the softmax
     # plus a correction bias, x 2.5, beside them from the first sublayer's MLP input to the second's output

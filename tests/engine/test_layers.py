@@ -259,18 +259,23 @@ _ROUTERS = {"deepseek_v3": ("DeepseekV3Config", "deepseek_v3.modeling_deepseek_v
                                                           topk_method="group_limited_greedy",
                                                           routed_scaling_factor=16.0)),
             "minimax_m2": ("MiniMaxM2Config", "minimax_m2.modeling_minimax_m2.MiniMaxM2TopKRouter",
-                           "MiniMaxM2ForCausalLM", dict(num_local_experts=16))}
+                           "MiniMaxM2ForCausalLM", dict(num_local_experts=16)),
+            "axk2": ("AXK2Config", "axk2.modeling_axk2.AXK2TopkRouter", "AXK2ForCausalLM",
+                     dict(n_routed_experts=16, n_group=4, topk_group=2, routed_scaling_factor=2.5))}
 
 
 @pytest.mark.parametrize("arch", list(_ROUTERS))
 def test_deepseeks_and_minimaxs_routers_pick_and_weigh_as_transformers_in_bfloat16(arch):
     """DeepSeek's routers in float32 (transformers keeps their weight and correction bias so), MiniMax-M2's logits in
-    the model's dtype: on bfloat16 tokens each picks transformers' experts (as sets) with transformers' weights."""
+    the model's dtype: on bfloat16 tokens each picks transformers' experts (as sets) with transformers' weights.
+    A.X-K2's scores an expert outside the picked groups 0, not -inf: its correction bias below 0 here, so that such
+    an expert is picked over a picked group's (with -inf, V3's, some rows pick otherwise)."""
     import importlib
 
     import transformers
 
     from engine.models.deepseek import DeepseekMoeBlock
+    from engine.models.deepseek_v32 import AXK2MoeBlock
 
     config_class, router_path, architecture, experts = _ROUTERS[arch]
     module, router_class = router_path.rsplit(".", 1)
@@ -281,8 +286,10 @@ def test_deepseeks_and_minimaxs_routers_pick_and_weigh_as_transformers_in_bfloat
     dtype = torch.bfloat16 if arch == "minimax_m2" else torch.float32   # the router's, in each
     gen = torch.Generator().manual_seed(3)
     weight, bias = torch.randn(16, 64, generator=gen) * 0.2, torch.randn(16, generator=gen) * 0.5
+    bias = bias - 1.0 if arch == "axk2" else bias
     with torch.device("meta"):
-        block = DeepseekMoeBlock(config, ShardShape.of(config), Collectives(), fused)
+        block = (AXK2MoeBlock if arch == "axk2" else DeepseekMoeBlock)(config, ShardShape.of(config), Collectives(),
+                                                                       fused)
     block.gate.weight = torch.nn.Parameter(weight.to(dtype))
     if block.gate.e_score_correction_bias is not None:
         block.gate.e_score_correction_bias = torch.nn.Parameter(bias.to(dtype))
@@ -290,10 +297,14 @@ def test_deepseeks_and_minimaxs_routers_pick_and_weigh_as_transformers_in_bfloat
     with torch.no_grad():
         hf_router.weight.copy_(weight)
         hf_router.to(dtype)
-        if arch == "deepseek_v3":
+        if arch in ("deepseek_v3", "axk2"):
             hf_router.e_score_correction_bias.copy_(bias)
         _, want_weights, want = hf_router(x, bias.to(dtype)) if arch == "minimax_m2" else hf_router(x)
         weights, got = block.route(x)
     got, want = got.sort(dim=-1), want.sort(dim=-1)
     assert torch.equal(got.values, want.values)
     assert torch.equal(weights.gather(1, got.indices), want_weights.float().gather(1, want.indices))
+    if arch == "axk2":   # V3's -inf for the experts outside the picked groups picks otherwise
+        block.masked_choice = None
+        with torch.no_grad():
+            assert not torch.equal(block.route(x)[1].sort(dim=-1).values, want.values)
