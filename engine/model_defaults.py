@@ -271,13 +271,18 @@ def pruned_head(cfg: dict[str, Any]) -> int | None:
 
 def served_as(cfg: dict[str, Any], arch: Any) -> tuple[dict[str, Any], Any]:
     """(config.json, architecture) as served, where a checkpoint names another: Phi-3.5-MoE's release's name,
-    Phi-4-multimodal's text model (Phi-3's), Apertus 1.5's text model (Apertus's, its vocabulary where config.json
+    Phi-4-multimodal's text model (Phi-3's), Gemma 4 Unified's text model (Gemma 4's, its config class holding no
+    per-layer inputs and no experts), Apertus 1.5's text model (Apertus's, its vocabulary where config.json
     names none), InternLM3 (`internlm3_config`: the Llama model, as transformers runs it), EXAONE 3 (transformers 5
     saves it as Llama, `exaone_config`)."""
     if arch == "PhiMoEForCausalLM":
         return cfg, "PhimoeForCausalLM"
     if arch == "Phi4MultimodalForCausalLM":   # its text model, Phi-3's (its image and audio embedders not read)
         return cfg, "Phi3ForCausalLM"
+    if arch == "Gemma4UnifiedForCausalLM":   # Gemma 4's text model without per-layer inputs or experts (12B's);
+        vision = cfg.get("use_bidirectional_attention", "vision") == "vision"   # its text causal (an image's not)
+        return {**cfg, "hidden_size_per_layer_input": 0, "enable_moe_block": False,
+                **({"use_bidirectional_attention": None} if vision else {})}, "Gemma4ForCausalLM"
     if arch == "InternLM3ForCausalLM" or arch == "LlamaForCausalLM" and cfg.get("model_type") == "internlm3":
         return internlm3_config(cfg), "LlamaForCausalLM"
     if arch == APERTUS_1_5:

@@ -28,6 +28,8 @@ TEXT_MODELS = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "language
                "Qwen3_5ForConditionalGeneration": ("Qwen3_5ForCausalLM", "language_model.", "qwen3_5_text"),
                "Qwen3_5MoeForConditionalGeneration": ("Qwen3_5MoeForCausalLM", "language_model.", "qwen3_5_moe_text"),
                "Gemma4ForConditionalGeneration": ("Gemma4ForCausalLM", "language_model.", "gemma4_text"),
+               "Gemma4UnifiedForConditionalGeneration": ("Gemma4UnifiedForCausalLM", "language_model.",
+                                                         "gemma4_unified_text"),
                "Lfm2VlForConditionalGeneration": ("Lfm2ForCausalLM", "language_model.", "lfm2"),
                "Lfm3VlForConditionalGeneration": ("Lfm3ForCausalLM", "language_model.", "lfm3"),
                "Glm4vMoeForConditionalGeneration": ("Glm4MoeForCausalLM", "language_model.", "glm4v_moe_text"),

@@ -170,7 +170,7 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
            "mamba2": transformers.Mamba2Config, "apertus1p5_text": transformers.Apertus1p5TextConfig,
            "zamba2": transformers.Zamba2Config, "internlm3": transformers.InternLM3Config,
            "longcat_flash": transformers.LongcatFlashConfig, "phi4_multimodal": transformers.Phi4MultimodalConfig,
-           "axk2": transformers.AXK2Config}[arch]
+           "axk2": transformers.AXK2Config, "gemma4_unified_text": transformers.Gemma4UnifiedTextConfig}[arch]
     config = cls(**common)
     if arch == "mistral4":   # transformers maps Mistral4Config to no causal LM class (only its pretraining one)
         transformers.AutoModelForCausalLM.register(transformers.Mistral4Config, transformers.Mistral4ForCausalLM,

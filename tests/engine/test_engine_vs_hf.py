@@ -299,6 +299,8 @@ TINY_MODELS = [
     # the head tied; then one q projection, rotating halves, an untied head
     ("youtu", YOUTU),
     ("youtu", {**YOUTU, "q_lora_rank": None, "rope_interleave": False, "tie_word_embeddings": False}),
+    # Gemma 4 Unified's text model (Gemma 4 12B's): Gemma 4's dense layers, no per-layer inputs or experts
+    ("gemma4_unified_text", {k: v for k, v in GEMMA4.items() if k != "hidden_size_per_layer_input"}),
     # A.X-K2: V3.2's model, each head's q and an output gate from one projection of its bottleneck normed and raw,
     # gated norms (every input norm, the sparse layers' before their experts), layer 0 dense; then experts in 2 groups
     ("axk2", AXK2),

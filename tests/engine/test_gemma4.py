@@ -139,20 +139,26 @@ def test_gemma4_serves_preemption_prefix_hits_and_forks(tmp_path, builtin_path, 
     assert_serves_under_pressure(engine, folder, kv)
 
 
-def test_a_multimodal_gemma4_checkpoint_serves_its_text_model(tmp_path, builtin_path):
+@pytest.mark.parametrize("family", ["Gemma4", "Gemma4Unified"])
+def test_a_multimodal_gemma4_checkpoint_serves_its_text_model(tmp_path, builtin_path, family):
     """Gemma 4's releases are `Gemma4ForConditionalGeneration` (vision and audio towers beside the text model under
-    `language_model.`): served as the text model, greedy text token-identical to transformers' multimodal model."""
+    `language_model.`): served as the text model, greedy text token-identical to transformers' multimodal model.
+    Gemma 4 Unified's (Gemma 4 12B's: its text model without per-layer inputs or experts, its image tokens attending
+    both ways, its text causal) alike."""
     import transformers
 
-    text = transformers.Gemma4TextConfig(vocab_size=512, hidden_size=64, intermediate_size=160, num_attention_heads=4,
-                                         num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2,
-                                         rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, **GEMMA4)
-    vision = transformers.Gemma4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                             num_attention_heads=2, num_key_value_heads=2, head_dim=16)
-    config = transformers.Gemma4Config(text_config=text.to_dict(), vision_config=vision.to_dict(), audio_config=None,
-                                       initializer_range=0.2, tie_word_embeddings=False)
+    unified = family == "Gemma4Unified"
+    gemma4 = {k: v for k, v in GEMMA4.items() if not unified or k != "hidden_size_per_layer_input"}
+    text = getattr(transformers, f"{family}TextConfig")(
+        vocab_size=512, hidden_size=64, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=512, initializer_range=0.2, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, **gemma4)
+    vision = getattr(transformers, f"{family}VisionConfig")(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                            num_attention_heads=2, num_key_value_heads=2, head_dim=16)
+    config = getattr(transformers, f"{family}Config")(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                                                      audio_config=None, initializer_range=0.2,
+                                                      tie_word_embeddings=False)
     torch.manual_seed(0)
-    hf = transformers.Gemma4ForConditionalGeneration(config).eval()
+    hf = getattr(transformers, f"{family}ForConditionalGeneration")(config).eval()
     folder = tmp_path / "gemma4-mm"
     hf.save_pretrained(folder)
     _assert_serves_its_text_model(hf, folder, builtin_path, "Gemma4ForCausalLM")
