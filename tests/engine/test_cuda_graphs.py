@@ -400,7 +400,8 @@ def test_latent_attention_decode_graphs_replay_scaled_queries_and_a_shortcut(tmp
     from tests.engine.test_engine_vs_hf import LONGCAT, MISTRAL4
 
     longcat = {**LONGCAT, "num_layers": 1, "num_hidden_layers": 2}   # one layer: its two sublayers and the shortcut
-    path = make_tiny_model(tmp_path / arch, arch, builtin_path, **{"mistral4": MISTRAL4, "longcat_flash": longcat}[arch])
+    shape = {"mistral4": MISTRAL4, "longcat_flash": longcat}[arch]
+    path = make_tiny_model(tmp_path / arch, arch, builtin_path, **shape)
     prompts, params = _three_decoders(17)
     results = {}
     for graphs in (False, True):
