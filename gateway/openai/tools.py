@@ -188,12 +188,18 @@ class ToolFormat:
         return ToolCall(scan.name, json.dumps(obj[key], ensure_ascii=False), start=start)
 
 
+def tagged_json_syntax(start: str, end: str) -> CallSyntax:
+    """How hermes' calls are written between tags `start` and `end`: each JSON call on its own line between them,
+    plain text never holding `start` (hermes' own tags, LongCat-Flash's)."""
+    return CallSyntax(f"{start}\n", f"\n{end}", "\n", "arguments", rf"/(?s:.)*/ & ~/(?s:.)*{start}(?s:.)*/")
+
+
 class HermesFormat(ToolFormat):
     name = "hermes"
     start = "<tool_call>"
     end = "</tool_call>"
     markers = (start, end)
-    syntax = CallSyntax(f"{start}\n", f"\n{end}", "\n", "arguments", rf"/(?s:.)*/ & ~/(?s:.)*{start}(?s:.)*/")
+    syntax = tagged_json_syntax(start, end)
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         # Each call's JSON is decoded where it starts, not cut at the next "</tool_call>": a string
@@ -293,7 +299,7 @@ class LongcatFormat(HermesFormat):
     start = "<longcat_tool_call>"
     end = "</longcat_tool_call>"
     markers = (start, end)
-    syntax = CallSyntax(f"{start}\n", f"\n{end}", "\n", "arguments", rf"/(?s:.)*/ & ~/(?s:.)*{start}(?s:.)*/")
+    syntax = tagged_json_syntax(start, end)
 
 
 class Llama3JsonFormat(ToolFormat):
