@@ -22,6 +22,7 @@ from engine.gemma4_config import gemma4_fields
 from engine.gptj_config import gptj_config, gptj_fields
 from engine.granite_config import bamba_fields, hyperclovax_fields
 from engine.hunyuan_config import HUNYUAN_FIELDS
+from engine.hy_v4_config import hy_v4_fields
 from engine.kimi_linear_config import bailing_hybrid_config, kimi_linear_config
 from engine.kolibri_config import kolibri_config, kolibri_fields
 from engine.laguna_config import laguna_fields
@@ -53,7 +54,7 @@ OWN_MODULE_FIELDS: dict[str, Callable[[dict[str, Any], int], dict[str, Any]]] = 
     **MISTRAL_FIELDS, **HUNYUAN_FIELDS, **HYBRID_FIELDS, "MiMoV2FlashForCausalLM": mimo_fields,
     "Cohere2MoeForCausalLM": cohere2_moe_fields, "YoutuForCausalLM": youtu_fields,
     "Kolibri1ForCausalLM": kolibri_fields, "FlintForCausalLM": flint_fields, "BambaForCausalLM": bamba_fields,
-    "FalconH1ForCausalLM": falcon_h1_fields,
+    "FalconH1ForCausalLM": falcon_h1_fields, "HYV4ForCausalLM": hy_v4_fields,
     "HyperCLOVAXForCausalLM": hyperclovax_fields, "LagunaForCausalLM": laguna_fields,
     "PhimoeForCausalLM": phimoe_fields, "FalconForCausalLM": falcon_fields, "GPTJForCausalLM": gptj_fields,
     "GPTBigCodeForCausalLM": gpt_bigcode_fields, "GPT2LMHeadModel": gpt2_fields, "OPTForCausalLM": opt_fields,

@@ -17,11 +17,12 @@ MLA_DEFAULTS = {"DeepseekV2ForCausalLM": (1536, 512, 128, 64, 128), "DeepseekV3F
                 "Mistral4ForCausalLM": (1024, 256, 64, 64, 128),
                 "Glm4MoeLiteForCausalLM": (768, 512, 192, 64, 256),
                 "DeepseekV32ForCausalLM": (1536, 512, 128, 64, 128), "GlmMoeDsaForCausalLM": (2048, 512, 192, 64, 256),
-                "AXK1ForCausalLM": (1536, 512, 128, 64, 128), "AXK2ForCausalLM": (384, 128, 64, 32, 64)}
-# DeepSeek V3.2's, GLM-5's and A.X-K2's indexer where config.json names none: (index_n_heads, index_head_dim,
+                "AXK1ForCausalLM": (1536, 512, 128, 64, 128), "AXK2ForCausalLM": (384, 128, 64, 32, 64),
+                "HYV4ForCausalLM": (1536, 512, 192, 64, 256)}
+# DeepSeek V3.2's, GLM-5's, A.X-K2's and HY V4's indexer where config.json names none: (index_n_heads, index_head_dim,
 # index_topk)
 DSA_DEFAULTS = {"DeepseekV32ForCausalLM": (64, 128, 2048), "GlmMoeDsaForCausalLM": (32, 128, 2048),
-                "AXK2ForCausalLM": (16, 128, 2048)}
+                "AXK2ForCausalLM": (16, 128, 2048), "HYV4ForCausalLM": (16, 128, 2048)}
 
 
 @dataclass(frozen=True)

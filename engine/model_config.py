@@ -29,6 +29,7 @@ from engine.zamba2_config import Zamba2Blocks
 from engine.cohere_moe_config import CohereMoeShape
 from engine.mimo_config import MimoShape
 from engine.laguna_config import LagunaShape
+from engine.hy_v4_config import HyperConnections
 from engine.model_params import GEMMA_ARCHITECTURES, count_params, float32_params
 from engine.multimodal_config import (FLAT_TEXT_CONFIGS, MROPE_TEXT, MULTIMODAL_ARCHITECTURES, is_multimodal,
                                       text_model)
@@ -66,7 +67,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
                            "NemotronForCausalLM", "StableLmForCausalLM", "PhiForCausalLM", "GPTNeoXForCausalLM",
                            "PhimoeForCausalLM", "OlmoForCausalLM", "FalconForCausalLM", "GPTJForCausalLM",
                            "GPTBigCodeForCausalLM", "GPT2LMHeadModel", "OPTForCausalLM", "FlexOlmoForCausalLM",
-                           "NanoChatForCausalLM", "DbrxForCausalLM", "MiniCPM3ForCausalLM",
+                           "NanoChatForCausalLM", "DbrxForCausalLM", "MiniCPM3ForCausalLM", "HYV4ForCausalLM",
                            "GemmaForCausalLM", "VaultGemmaForCausalLM", "JambaForCausalLM",
                            "MambaForCausalLM", "FalconMambaForCausalLM", "Mamba2ForCausalLM", "Zamba2ForCausalLM")
 # their attention bias: q/k/v's, not o_proj's
@@ -131,6 +132,7 @@ class ModelConfig:
     gemma4: Gemma4Shape | None = None   # Gemma 4: its full layers' own attention shape, per-layer inputs, shared K/V
     mimo: MimoShape | None = None       # MiMo-V2-Flash: its sliding layers' KV heads, its value heads' size and factor
     laguna: LagunaShape | None = None   # Laguna: each layer's query heads, its output gate, ropes and router cap
+    hyper_connections: HyperConnections | None = None   # HY V4: its residual streams and their mixes
     cohere_moe: CohereMoeShape | None = None   # Command A Plus: its norm, its router's scores, its shared experts' join
     no_rope_layers: tuple[int, ...] = ()   # SmolLM3: 1 where a layer rotates q and k, 0 where not (NoPE); (): all do
     layer_rope_thetas: tuple[float, ...] = ()   # Granite SWA: each layer's rope base (0: NoPE); (): the model's
@@ -231,8 +233,7 @@ class ModelConfig:
         return self.sliding_window
 
     def layer_chunk(self, layer: int) -> int | None:
-        """Llama 4's chunked attention: a query of layer `layer` at p sees p - p % chunk .. p (the chunk's size), or
-        None (not a chunked layer)."""
+        """Llama 4's chunked layers: a query of layer `layer` at p sees p - p % chunk .. p; None: not a chunked one."""
         return self.attention_chunk_size if self.layer_types and self.layer_types[layer] == "chunked_attention" \
             else None
 
@@ -250,8 +251,7 @@ class ModelConfig:
         return replace(served, rope_scaling=replace(rope, long=longest > rope.original_max_position_embeddings))
 
     def serving_pool(self, pool: PoolConfig) -> PoolConfig:
-        """`pool` as this model serves it: with linear-attention layers (a state per sequence), without swap
-        (`engine.gated_delta_config.serving_pool`)."""
+        """`pool` as served: a model with state layers, without swap (`engine.gated_delta_config.serving_pool`)."""
         return serving_pool(pool, self.state_shape is not None)
 
     @property

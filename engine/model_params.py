@@ -27,7 +27,6 @@ GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma4ForCausa
                        "VaultGemmaForCausalLM")
 FOUR_NORMS = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma4ForCausalLM", "Glm4ForCausalLM",   # a norm on each
               "AfmoeForCausalLM", "Kolibri1ForCausalLM")   # sublayer's output too
-# q and k normed over the whole projection
 # an MLP of up, its activation and down, no gate
 UNGATED_MLP = ("ApertusForCausalLM", "ArceeForCausalLM", "NanoChatForCausalLM", "Jais2ForCausalLM",
                "Starcoder2ForCausalLM", "NemotronForCausalLM", "PhiForCausalLM", "GPTNeoXForCausalLM",
@@ -37,6 +36,9 @@ LAYER_NORMS = ("Jais2ForCausalLM", "Starcoder2ForCausalLM", "NemotronForCausalLM
                "PhiForCausalLM", "GPTNeoXForCausalLM", "PhimoeForCausalLM", "FalconForCausalLM", "GPTJForCausalLM",
                "GPTBigCodeForCausalLM", "GPT2LMHeadModel", "OPTForCausalLM")
 WEIGHTLESS_NORMS = ("OlmoForCausalLM", "NanoChatForCausalLM")   # norms without parameters
+# routers with a correction (or expert) bias of a value an expert
+BIASED_ROUTERS = ("deepseek_v3", "minimax_m2", "ernie4_5", "lfm2", "afmoe", "kolibri")
+# q and k normed over the whole projection
 WIDE_QK_NORM = ("Olmo2ForCausalLM", "Olmo3ForCausalLM", "MiniMaxM2ForCausalLM", "OlmoeForCausalLM",
                 "FlexOlmoForCausalLM", "OlmoHybridForCausalLM")
 
@@ -44,11 +46,12 @@ WIDE_QK_NORM = ("Olmo2ForCausalLM", "Olmo3ForCausalLM", "MiniMaxM2ForCausalLM", 
 def float32_params(config: Any) -> int:
     """Parameters held in float32 whatever the model's dtype: DeepSeek's, ERNIE 4.5's and Flint's routers (weight, the
     correction bias of V3's and ERNIE's), the expert bias of LFM2-MoE's, AFMoE's and Kolibri-1's, Flint's attention
-    sinks, DeepSeek V3.2's indexers' head weights, Kimi Linear's dt_bias (the whole model's: a rank's is at most
-    that)."""
+    sinks, DeepSeek V3.2's indexers' head weights, HY V4's streams' mixes, Kimi Linear's dt_bias (the whole model's:
+    a rank's is at most that)."""
     h, layers = config.hidden_size, config.num_layers
     indexers = config.mla.num_indexer_weights(h, layers) if config.mla is not None else 0
     indexers += getattr(config.state_layers, "qkv_dim", 0) * (layers - config.num_kv_layers)   # KDA's dt_bias
+    indexers += config.hyper_connections.num_params(h, layers) if config.hyper_connections else 0   # HY V4's mixes
     if config.moe_router not in ("deepseek_v2", "deepseek_v3", "ernie4_5", "lfm2", "afmoe", "kolibri", "flint"):
         return indexers
     weights = 0 if config.moe_router in ("lfm2", "afmoe", "kolibri") else config.hidden_size   # the bias alone
@@ -89,8 +92,7 @@ def count_params(config: Any, heads: int, kv_heads: int, i: int, moe_i: int, v: 
         experts += config.num_experts * (2 * moe_i + h + 1)
     if config.shared_expert_intermediate_size:   # Qwen2-MoE: the shared expert and its gate (DeepSeek: ungated)
         experts += 3 * h * shared_i + (h if config.shared_expert_gated else 0)
-    if config.moe_router in ("deepseek_v3", "minimax_m2", "ernie4_5", "lfm2", "afmoe", "kolibri"):   # the router's bias
-        experts += config.num_experts
+    experts += config.num_experts if config.moe_router in BIASED_ROUTERS else 0
     experts += h if config.architecture == "AXK1ForCausalLM" else 0   # A.X-K1: a norm on the sparse layer's output
     norms = 4 if config.architecture in FOUR_NORMS or config.peri_norms else 2   # on the sublayers' outputs too
     parallel = config.architecture in COHERE_ARCHITECTURES or config.parallel_residual
@@ -105,15 +107,16 @@ def count_params(config: Any, heads: int, kv_heads: int, i: int, moe_i: int, v: 
     if config.attn_output_gate:   # Qwen3.5: q_proj makes a gate beside each query head
         per_layer += h * q + (q if config.attention_bias else 0)
     per_layer += h * heads if config.head_gates else 0   # LFM3: g_proj, a gate a head
+    per_layer += h * heads * config.mla.v_head_dim if config.hyper_connections else 0   # HY V4: a gate a channel
     sparse = sum(config.is_sparse_layer(layer) for layer in range(config.num_layers))
     mlps = sparse * experts + (config.num_layers - sparse) * mlp
     state = None if config.state_shape is None else config.state_shape.per_rank(config.num_heads // heads)
     linear = 0 if state is None else len(config.stateful_layers) * state.num_params(h) + \
         (config.num_layers - config.num_kv_layers) * norms * h   # a state layer's norms (Falcon-H1's: its K/V layer's)
     linear += config.mla.indexers_params(h, config.num_layers, sparse) if config.mla is not None else 0   # V3.2's
+    linear += config.hyper_connections.num_params(h, config.num_layers) if config.hyper_connections else 0   # HY V4
     final = h * (2 if config.architecture in LAYER_NORMS else 0 if config.architecture in WEIGHTLESS_NORMS else 1)
     rows = v if not config.output_vocab_size else -(-config.output_vocab_size // (config.num_heads // heads))
     head = (0 if config.tie_word_embeddings else rows * h) + (rows if config.lm_head_bias else 0)   # Phi: biased;
-    # Apertus 1.5: the head pruned to the vocabulary's first ids, cut across the ranks as the table is
-    positions = config.learned_positions * h   # GPT-2's learned position embedding, whole on every rank
-    return v * h + config.num_kv_layers * per_layer + linear + mlps + final + head + positions
+    # Apertus 1.5: the head pruned to the vocabulary's first ids, cut as the table is; GPT-2's positions whole
+    return v * h + config.num_kv_layers * per_layer + linear + mlps + final + head + config.learned_positions * h

@@ -62,9 +62,11 @@ def choose_tokens(index_q: torch.Tensor, index_weights: torch.Tensor, cache: tor
 
 
 def attend_chosen(query: torch.Tensor, choice: Choice, cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                  kv_lora_rank: int, latent_dim: int, *, k_scale: float = 1.0, chunk: int = 32) -> torch.Tensor:
+                  kv_lora_rank: int, latent_dim: int, *, k_scale: float = 1.0, sinks: torch.Tensor | None = None,
+                  chunk: int = 32) -> torch.Tensor:
     """Each query's attention over the tokens its `choice` lets it attend to, in the latent space (q.k over the
-    rows' first `latent_dim` values): [T, heads, kv_lora_rank] in query's dtype, the weighted sums of the latents."""
+    rows' first `latent_dim` values): [T, heads, kv_lora_rank] in query's dtype, the weighted sums of the latents.
+    `sinks` [heads] (HY V4's): each head's logit in its softmax's denominator."""
     chosen, keep = choice
     out = query.new_empty(*query.shape[:2], kv_lora_rank)
     for i, start, a, b, s_len, _ in _chunks(meta, chunk):
@@ -72,7 +74,10 @@ def attend_chosen(query: torch.Tensor, choice: Choice, cache: torch.Tensor, meta
         slots = context_slots(meta, [i], s_len)[0][chosen[rows]]                                  # [c, k]
         picked = _gather(cache, slots, slice(0, latent_dim), k_scale)                             # [c, k, latent_dim]
         logits = torch.einsum("chd,ckd->chk", query[rows].float(), picked) * scale
-        probs = logits.masked_fill(~keep[rows][:, None, :], float("-inf")).softmax(dim=-1)
+        logits = logits.masked_fill(~keep[rows][:, None, :], float("-inf"))
+        if sinks is not None:
+            logits = torch.cat([logits, sinks.float()[None, :, None].expand(*logits.shape[:2], 1)], dim=-1)
+        probs = logits.softmax(dim=-1)[..., :picked.shape[1]]
         out[rows] = torch.einsum("chk,ckd->chd", probs, picked[..., :kv_lora_rank]).to(out.dtype)
     return out
 

@@ -70,13 +70,13 @@ def _index_scores_kernel(
 
 @triton.jit(do_not_specialize=["num_heads", "num_chosen", "stride_bt"])
 def _sparse_attention_kernel(
-    q_ptr, cache_ptr, out_ptr, chosen_ptr, keep_ptr, block_tables_ptr, token_seq_ptr,
+    q_ptr, cache_ptr, out_ptr, chosen_ptr, keep_ptr, block_tables_ptr, token_seq_ptr, sinks_ptr,
     qk_scale, k_scale, num_heads, num_chosen,
     stride_qt, stride_qh, stride_qd, stride_cb, stride_cs, stride_cd, stride_ot, stride_oh, stride_od,
     stride_ct, stride_kt, stride_bt,
     KV_LORA: tl.constexpr, KV_LORA_PAD: tl.constexpr, ROPE: tl.constexpr, ROPE_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, SINKS: tl.constexpr,
 ):
     # grid: (num_tokens, cdiv(num_heads, BLOCK_H))
     token = tl.program_id(0).to(tl.int64)
@@ -118,6 +118,9 @@ def _sparse_attention_kernel(
         p = p.to(q_ptr.dtype.element_ty).to(DOT_DTYPE)
         acc = acc * alpha[:, None] + tl.dot(p, k_lat.to(DOT_DTYPE), input_precision=DOT_PRECISION)
         m_i = m_new
+    if SINKS:   # each head's sink logit joins its denominator (log2 units, as the scores)
+        sink = tl.load(sinks_ptr + heads, mask=mask_h, other=0.0).to(tl.float32) * 1.4426950408889634
+        l_i += tl.exp2(sink - tl.where(m_i == float("-inf"), 0.0, m_i))
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + token * stride_ot + heads[:, None] * stride_oh + offs_l[None, :] * stride_od,
              o.to(out_ptr.dtype.element_ty), mask=mask_h[:, None] & mask_l[None, :])
@@ -181,9 +184,10 @@ def _scores(index_q: torch.Tensor, index_weights: torch.Tensor, cache: torch.Ten
 
 
 def attend_chosen(query: torch.Tensor, choice: tuple[torch.Tensor, torch.Tensor], cache: torch.Tensor,
-                  meta: AttentionMetadata, scale: float, kv_lora_rank: int, latent_dim: int, *, k_scale: float = 1.0
-                  ) -> torch.Tensor:
-    """`kernels.dsa.attend_chosen` on the device: [T, heads, kv_lora_rank], each head's weighted latents."""
+                  meta: AttentionMetadata, scale: float, kv_lora_rank: int, latent_dim: int, *, k_scale: float = 1.0,
+                  sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """`kernels.dsa.attend_chosen` on the device: [T, heads, kv_lora_rank], each head's weighted latents (`sinks`
+    [heads]: each head's sink logit in its denominator)."""
     chosen, keep = choice
     tokens, heads, _ = query.shape
     lora, rope = kv_lora_rank, latent_dim - kv_lora_rank
@@ -193,11 +197,11 @@ def attend_chosen(query: torch.Tensor, choice: tuple[torch.Tensor, torch.Tensor]
     kind, precision = _dot(query.dtype)
     if tokens:
         _sparse_attention_kernel[(tokens, triton.cdiv(heads, BLOCK_H))](
-            query, cache, out, chosen, keep, meta.block_tables, token_seq,
+            query, cache, out, chosen, keep, meta.block_tables, token_seq, out if sinks is None else sinks,
             scale * LOG2E, k_scale, heads, chosen.shape[1],
             *query.stride(), cache.stride(0), cache.stride(1), cache.stride(3), *out.stride(),
             chosen.stride(0), keep.stride(0), meta.block_tables.stride(0),
             KV_LORA=lora, KV_LORA_PAD=padded_head_dim(lora), ROPE=rope, ROPE_PAD=padded_head_dim(rope),
             BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, BLOCK_SIZE=meta.block_size, DOT_DTYPE=kind, DOT_PRECISION=precision,
-            KV_FP8=cache.dtype == FP8_KV_DTYPE)
+            KV_FP8=cache.dtype == FP8_KV_DTYPE, SINKS=sinks is not None)
     return out

@@ -170,7 +170,8 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
            "mamba2": transformers.Mamba2Config, "apertus1p5_text": transformers.Apertus1p5TextConfig,
            "zamba2": transformers.Zamba2Config, "internlm3": transformers.InternLM3Config,
            "longcat_flash": transformers.LongcatFlashConfig, "phi4_multimodal": transformers.Phi4MultimodalConfig,
-           "axk2": transformers.AXK2Config, "gemma4_unified_text": transformers.Gemma4UnifiedTextConfig}[arch]
+           "axk2": transformers.AXK2Config, "gemma4_unified_text": transformers.Gemma4UnifiedTextConfig,
+           "hy_v4": transformers.HYV4Config}[arch]
     config = cls(**common)
     if arch == "mistral4":   # transformers maps Mistral4Config to no causal LM class (only its pretraining one)
         transformers.AutoModelForCausalLM.register(transformers.Mistral4Config, transformers.Mistral4ForCausalLM,
@@ -182,7 +183,7 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
                 "deepseek_v32", "glm_moe_dsa", "lfm2", "lfm2_moe", "solar_open", "arcee", "mimo_v2_flash", "jais2",
                 "granite_swa", "granitemoe_swa", "falcon_h1", "starcoder2", "glm", "laguna", "nemotron",
                 "stablelm", "lfm3", "flint", "helium", "phi", "gpt_neox", "phimoe", "falcon",
-                "gptj", "gpt_bigcode", "gpt2", "opt", "internlm3"):
+                "gptj", "gpt_bigcode", "gpt2", "opt", "internlm3", "hy_v4"):
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if name.endswith(("bias", "sinks")):   # LayerNorm models' small: a bias on every norm and
@@ -217,13 +218,18 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
     # the router's correction bias (a buffer; LFM2-MoE's expert bias), and LFM2-MoE's router, which starts at zero
     if arch in ("deepseek_v3", "glm4_moe", "minimax_m2", "glm4_moe_lite", "nemotron_h", "lfm2_moe", "kimi_linear",
                 "dots1", "solar_open", "afmoe", "mimo_v2_flash", "exaone_moe", "hy_v3", "laguna", "kolibri1", "axk1",
-                "bailing_hybrid", "longcat_flash", "axk2"):
+                "bailing_hybrid", "longcat_flash", "axk2", "hy_v4"):
         with torch.no_grad():
             for name, tensor in [*model.named_buffers(), *model.named_parameters()]:
                 if name.endswith(("e_score_correction_bias", "feed_forward.expert_bias", "mlp.expert_bias")):
                     tensor.normal_(0.0, 0.5)
                 elif name.endswith(("feed_forward.gate.weight", "router.gate.weight")):
                     tensor.normal_(0.0, 0.2)
+    if arch == "hy_v4":   # the streams' mixes' scales and bases away from their start (0.01, a constant)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith(("_hc.scale", "_hc.base", "hc_head.hc_scale", "hc_head.hc_base")):
+                    param.normal_(0.0, 1.0)
     if arch == "gemma4":   # each layer's output scalar (a buffer) and the routers' scales away from their start at 1
         with torch.no_grad():
             for name, tensor in [*model.named_buffers(), *model.named_parameters()]:

@@ -1,5 +1,5 @@
-"""The gate activation times up over the fused gate/up projection's output: SiLU (Llama), GELU-tanh (Gemma), and
-GPT-OSS's clamped SwiGLU."""
+"""The gate activation times up over the fused gate/up projection's output: SiLU (Llama), GELU-tanh (Gemma), GPT-OSS's
+clamped SwiGLU and HY V4's clamped SiLU."""
 
 from __future__ import annotations
 
@@ -53,3 +53,19 @@ class ClampedSwiGLU(nn.Module):
 
     def extra_repr(self) -> str:
         return f"alpha={self.alpha}, limit={self.limit}"
+
+
+class ClampedSiluAndMul(nn.Module):
+    """x: [num_tokens, 2 * size] (gate, then up) -> silu(gate) x up: [num_tokens, size], the gate clamped at `limit`
+    from above and up at +-limit first (HY V4's routed experts, transformers' `HYV4Experts._apply_gate`)."""
+
+    def __init__(self, limit: float) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate.clamp(max=self.limit)) * up.clamp(min=-self.limit, max=self.limit)
+
+    def extra_repr(self) -> str:
+        return f"limit={self.limit}"

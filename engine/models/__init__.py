@@ -50,6 +50,7 @@ from engine.models.apertus import (ApertusForCausalLM, ArceeForCausalLM, Jais2Fo
 from engine.models.cohere import Cohere2MoeForCausalLM, CohereForCausalLM, HeliumForCausalLM
 from engine.models.deepseek import AXK1ForCausalLM, DeepseekForCausalLM, LongcatFlashForCausalLM
 from engine.models.deepseek_v32 import AXK2ForCausalLM, DeepseekV32ForCausalLM
+from engine.models.hy_v4 import HYV4ForCausalLM
 from engine.models.ernie import Ernie45ForCausalLM, Ernie45MoeForCausalLM
 from engine.models.gemma3 import Gemma3ForCausalLM, GemmaForCausalLM
 from engine.models.gemma4 import Gemma4ForCausalLM
@@ -142,7 +143,6 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
                                                 "NemotronHForCausalLM": NemotronHForCausalLM,
                                                 "MinistralForCausalLM": LlamaForCausalLM,   # per-layer windows
-                                                "CwmForCausalLM": LlamaForCausalLM,
                                                 "HunYuanMoEV1ForCausalLM": HunyuanMoeForCausalLM,
                                                 "ApertusForCausalLM": ApertusForCausalLM,
                                                 "OlmoHybridForCausalLM": OlmoHybridForCausalLM,
@@ -164,7 +164,7 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "Jais2ForCausalLM": Jais2ForCausalLM,
                                                 "GraniteSWAForCausalLM": GraniteSWAForCausalLM,
                                                 "GraniteMoeSWAForCausalLM": GraniteMoeSWAForCausalLM,
-                                                "HYV3ForCausalLM": HYV3ForCausalLM,
+                                                "HYV3ForCausalLM": HYV3ForCausalLM, "HYV4ForCausalLM": HYV4ForCausalLM,
                                                 "FalconH1ForCausalLM": FalconH1ForCausalLM,
                                                 "ExaoneForCausalLM": ExaoneForCausalLM,
                                                 "HyperCLOVAXForCausalLM": HyperClovaxForCausalLM,
@@ -177,7 +177,7 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "PhiForCausalLM": PhiForCausalLM,
                                                 "GPTNeoXForCausalLM": GPTNeoXForCausalLM,
                                                 "PhimoeForCausalLM": PhimoeForCausalLM,
-                                                "OlmoForCausalLM": OlmoForCausalLM,
+                                                "OlmoForCausalLM": OlmoForCausalLM, "CwmForCausalLM": LlamaForCausalLM,
                                                 "FalconForCausalLM": FalconForCausalLM,
                                                 "GPTJForCausalLM": GPTJForCausalLM,
                                                 "GPTBigCodeForCausalLM": GPTBigCodeForCausalLM,

@@ -150,7 +150,7 @@ class MlaAttention(nn.Module):
             self.kv_observer(entry, entry)
         backend.store_kv(entry, entry, cache, cache, meta, k_scale=self.k_scale, v_scale=self.v_scale)
         return backend.paged_attention(query, cache, cache, meta, self.scale, None, k_scale=self.k_scale,
-                                       v_scale=self.v_scale)
+                                       v_scale=self.v_scale, sinks=self.sinks)
 
 
 class DeepseekRouter(nn.Module):

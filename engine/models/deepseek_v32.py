@@ -119,7 +119,7 @@ class DsaAttention(MlaAttention):
                                                 mla.latent_dim, index_scale=indexer.softmax_scale, k_scale=self.k_scale)
         attend = getattr(backend, "dsa_attend_chosen", attend_chosen)
         return attend(query, meta.backend_cache[CHOICE], cache, meta, self.scale, mla.kv_lora_rank, mla.latent_dim,
-                      k_scale=self.k_scale)
+                      k_scale=self.k_scale, sinks=self.sinks)
 
 
 class DeepseekV32ForCausalLM(DeepseekForCausalLM):

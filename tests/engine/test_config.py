@@ -2584,6 +2584,34 @@ def test_axk2_reads_as_transformers_does():
     assert grouped.moe_groups == (8, 4)
 
 
+def test_hy_v4_reads_as_transformers_does():
+    """HY V4 (`HYV4ForCausalLM`, HYV4Config's defaults: Hy4-preview's shape): V3.2's sparse attention (16 indexer heads
+    of 128, 2,048 tokens a query; the layers past the first shared but every 4th from the second), a sink and an
+    output gate a head, 4 streams, 256 experts past one dense layer, their SwiGLU clamped at 10; the parameter count
+    is transformers' model's (the float32 ones: the mixes, the indexers' head weights, the routers). What we do not
+    serve is refused naming the key."""
+    hf, cfg = _at_class_defaults("HYV4Config", {"architectures": ["HYV4ForCausalLM"]})
+    mla = cfg.mla
+    assert (mla.index_heads, mla.index_head_dim, mla.index_topk, mla.rope_interleave) == \
+        (hf.index_n_heads, hf.index_head_dim, hf.index_topk, False)
+    assert mla.index_shared == tuple(i for i, kind in enumerate(hf.indexer_types) if kind == "shared")
+    assert (cfg.num_experts, cfg.moe_groups, cfg.mlp_only_layers, cfg.swiglu_limit, cfg.attention_sinks) == \
+        (hf.n_routed_experts, (1, 1), (0,), hf.swiglu_limit, True)
+    hc = cfg.hyper_connections
+    assert (hc.streams, hc.magnitude, hc.eps) == (hf.hc_mult, hf.hc_magnitude, hf.hc_eps)
+    _, model = _meta_model(type(hf), {"architectures": ["HYV4ForCausalLM"]})
+    kept = [p for name, p in [*model.named_parameters(), *model.named_buffers()]
+            if any(part in name for part in ("_hc.", "hc_head.", "weights_proj.", "mlp.gate."))]
+    assert cfg.num_float32_params == sum(p.numel() for p in kept)   # the mixes, indexers' head weights, routers
+    bare = {"architectures": ["HYV4ForCausalLM"], "num_hidden_layers": 3}
+    for key, value, named in (("indexer_types", ["shared", "full", "full"], "the first full"),
+                              ("layer_types", ["full_attention"] * 3, "indexed_attention on every layer"),
+                              ("mlp_layer_types", ["sparse", "dense", "sparse"], "dense layers first")):
+        with pytest.raises(ConfigError, match=f"^{key}: .*{named}"):
+            ModelConfig.from_hf_config({**bare, key: value})
+    assert ModelConfig.from_hf_config({**bare, "swiglu_limit": 0}).swiglu_limit is None   # 0: not clamped
+
+
 def test_ling3_reads_as_transformers_does():
     """Ling 3 (`BailingHybridForCausalLM`, BailingHybridConfig's defaults: Ling-3.0-Flash's shape, under its own keys:
     `num_experts`, `num_experts_per_token`, `num_expert_group`, `moe_renormalize`, `model_max_length`): a full layer

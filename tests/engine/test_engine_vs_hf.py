@@ -155,6 +155,11 @@ DEEPSEEK_V32 = {**DEEPSEEK, "q_lora_rank": 48, "index_n_heads": 16, "index_head_
 AXK2 = dict(num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
             kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, q_lora_rank=48, index_n_heads=16,
             index_head_dim=16, index_topk=8, gated_norm_rank=8, num_hidden_layers=3, pad_token_id=0)
+# HY V4: V3.2's shape in 3 streams, each head gated and with a sink, layer 2 reusing layer 1's indexer choice, the
+# routed experts' SwiGLU clamped at 1 (where the tiny model's activations reach)
+HYV4 = dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, kv_lora_rank=32, qk_nope_head_dim=16,
+            qk_rope_head_dim=8, v_head_dim=16, q_lora_rank=48, index_n_heads=16, index_head_dim=16, index_topk=8,
+            hc_mult=3, swiglu_limit=1.0, num_hidden_layers=3, pad_token_id=0)
 COHERE2_MOE = dict(num_hidden_layers=5, head_dim=16, sliding_window=8, first_k_dense_replace=1,
                    prefix_dense_intermediate_size=96, intermediate_size=32, num_experts=8, num_experts_per_tok=2,
                    num_shared_experts=1, pad_token_id=0)
@@ -305,6 +310,14 @@ TINY_MODELS = [
     # gated norms (every input norm, the sparse layers' before their experts), layer 0 dense; then experts in 2 groups
     ("axk2", AXK2),
     ("axk2", {**AXK2, "n_group": 2, "topk_group": 1, "index_topk": 12}),
+    # HY V4: V3.2's model under hyper-connections (the module docstring of engine.models.hy_v4), its sparse attention
+    # (the steps' longest sequence past index_topk); then experts in 2 groups, 2 streams, q/kv/o biased, YaRN x 4 from
+    # 32 positions with DeepSeek's mscales, and every step's sequences within index_topk (the paged kernels' sinks)
+    ("hy_v4", HYV4),
+    ("hy_v4", {**HYV4, "n_group": 2, "topk_group": 1, "hc_mult": 2, "attention_bias": True, "index_topk": 64,
+               "rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+        "mscale": 0.707, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}}),
     # LongCat-Flash: two layers, each two sublayers of V3's latent attention (q and the latent scaled) and a dense
     # MLP, 8 experts of 32 and 4 zero experts (a token routed there passes itself through), 3 a token by the softmax
     # plus a correction bias, x 2.5, beside them from the first sublayer's MLP input to the second's output

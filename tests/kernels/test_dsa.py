@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kernels import AttentionMetadata, reference
+from kernels import dsa
 from kernels.dsa import sparse_latent_attention
 
 LORA, LATENT, INDEX, HEADS, INDEX_HEADS, BLOCK = 16, 24, 8, 4, 3, 4   # latent 16 + rotated key 8, indexer key 8
@@ -62,3 +63,18 @@ def test_each_query_attends_to_the_causal_tokens_its_indexer_scores_best():
             probs = (query[row] @ keys.T * 0.3).softmax(dim=-1)             # [heads, k]
             torch.testing.assert_close(ours[row], probs @ keys[:, :LORA], rtol=1e-5, atol=1e-5)
             row += 1
+
+
+def test_sinks_join_each_heads_denominator_as_the_paged_attentions_do():
+    """HY V4's sinks: with every token chosen, the sparse attention with a sink logit a head is the paged attention's
+    with the same sinks (the dense path a short context takes); a large sink takes weight from every row."""
+    meta, cache, query, index_q, weights = _step(5)
+    sinks = torch.tensor([0.5, -1.0, 2.0, 8.0])
+    ours = sparse_latent_attention(query, index_q, weights, cache, meta, 0.3, topk=64, kv_lora_rank=LORA,
+                                   latent_dim=LATENT, index_scale=0.25, k_scale=0.5, chunk=4)
+    choice = dsa.choose_tokens(index_q, weights, cache, meta, 64, LATENT, index_scale=0.25, k_scale=0.5)
+    sunk = dsa.attend_chosen(query, choice, cache, meta, 0.3, LORA, LATENT, k_scale=0.5, sinks=sinks, chunk=4)
+    padded = torch.nn.functional.pad(query, (0, INDEX))
+    dense = reference.paged_attention(padded, cache, cache, meta, 0.3, None, k_scale=0.5, v_scale=0.5, sinks=sinks)
+    torch.testing.assert_close(sunk, dense[..., :LORA], rtol=1e-5, atol=1e-5)
+    assert sunk[:, 3].norm() < 0.2 * ours[:, 3].norm()   # the head with a sink of 8: most weight on the sink

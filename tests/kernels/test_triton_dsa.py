@@ -42,6 +42,18 @@ def test_the_kernels_choose_and_attend_as_the_reference(dtype, cache_dtype, tol,
     torch.testing.assert_close(out.float(), expected.float(), rtol=tol, atol=tol)
 
 
+def test_the_sparse_attention_with_sinks_is_the_references():
+    """HY V4's sink logits (one a head) in the kernel's denominator, as the reference puts them."""
+    meta, cache, query, index_q, weights = _step(6)
+    choice = dsa.choose_tokens(index_q, weights, cache, meta, 5, LATENT, index_scale=0.3, k_scale=0.5)
+    sinks = torch.tensor([0.5, -1.0, 2.0, 8.0])
+    out = triton_dsa.attend_chosen(query, choice, cache, meta, 0.3, LORA, LATENT, k_scale=0.5, sinks=sinks)
+    expected = dsa.attend_chosen(query, choice, cache, meta, 0.3, LORA, LATENT, k_scale=0.5, sinks=sinks)
+    plain = dsa.attend_chosen(query, choice, cache, meta, 0.3, LORA, LATENT, k_scale=0.5)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(expected, plain, atol=1e-3)
+
+
 def test_tokens_scored_a_group_at_a_time_choose_as_all_at_once():
     """A budget for the scores of one token at a time (13 positions x 4 B): the groups' choices are the one launch's."""
     meta, cache, query, index_q, weights = _step(4)
