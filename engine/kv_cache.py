@@ -14,6 +14,7 @@ import torch
 
 import engine.capacity as capacity
 from engine.config import ConfigError, EngineConfig
+from engine.deepseek_v4_config import refuse_v4_cache
 from engine.gemma4_config import rank_kv_heads
 from engine.model_config import ModelConfig
 from engine.parallel import ShardShape
@@ -48,6 +49,7 @@ class KVCache:
                  ring: SlidingRing | None = None) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks: must be > 0, got {num_blocks}")
+        refuse_v4_cache(model, dtype)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = dtype

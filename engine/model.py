@@ -304,7 +304,8 @@ class LlamaForCausalLM(CheckpointReading, nn.Module):
             if target not in params:
                 raise WeightLoadError(f"{hf_name}: not a tensor of {self.config.architecture} with this config")
             fp8 = self.fp8_layers.get(target)   # an FP8 projection's weight
-            if (not tensor.is_floating_point() or tensor.element_size() == 1 and fp8 is None) \
+            table = params[target].dtype == torch.int32 and not tensor.is_floating_point()   # DeepSeek V4's hash tables
+            if (not tensor.is_floating_point() or tensor.element_size() == 1 and fp8 is None) and not table \
                     and not tensor.dtype == params[target].dtype == torch.uint8:   # MXFP4 codes, held as stored
                 raise WeightLoadError(f"{hf_name}: {tensor.dtype} weights (a quantized checkpoint) are not supported")
             stored = tuple(tensor.shape)

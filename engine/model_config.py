@@ -6,7 +6,6 @@ anything else is refused with a `ConfigError` naming the key, before any weight 
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
@@ -30,6 +29,7 @@ from engine.cohere_moe_config import CohereMoeShape
 from engine.mimo_config import MimoShape
 from engine.laguna_config import LagunaShape
 from engine.hy_v4_config import HyperConnections
+from engine.deepseek_v4_config import DeepseekV4Shape
 from engine.model_params import GEMMA_ARCHITECTURES, count_params, float32_params
 from engine.multimodal_config import (FLAT_TEXT_CONFIGS, MROPE_TEXT, MULTIMODAL_ARCHITECTURES, is_multimodal,
                                       text_model)
@@ -40,7 +40,7 @@ from engine.model_defaults import (DEFAULT_HEAD_DIM, DEFAULT_KV_HEADS, DEFAULT_M
 from engine.family_readers import KEY_READERS
 from engine.model_families import LAYER_TYPES, MOE_ROUTERS, family_fields
 from engine.rope_config import RopeScaling
-from engine.weight_formats import weight_format_fields
+from engine.weight_formats import read_folder_config, weight_format_fields
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM",
                            "Qwen3MoeForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", "GraniteForCausalLM",
@@ -68,6 +68,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
                            "PhimoeForCausalLM", "OlmoForCausalLM", "FalconForCausalLM", "GPTJForCausalLM",
                            "GPTBigCodeForCausalLM", "GPT2LMHeadModel", "OPTForCausalLM", "FlexOlmoForCausalLM",
                            "NanoChatForCausalLM", "DbrxForCausalLM", "MiniCPM3ForCausalLM", "HYV4ForCausalLM",
+                           "DeepseekV4ForCausalLM",
                            "GemmaForCausalLM", "VaultGemmaForCausalLM", "JambaForCausalLM",
                            "MambaForCausalLM", "FalconMambaForCausalLM", "Mamba2ForCausalLM", "Zamba2ForCausalLM")
 # their attention bias: q/k/v's, not o_proj's
@@ -133,6 +134,7 @@ class ModelConfig:
     mimo: MimoShape | None = None       # MiMo-V2-Flash: its sliding layers' KV heads, its value heads' size and factor
     laguna: LagunaShape | None = None   # Laguna: each layer's query heads, its output gate, ropes and router cap
     hyper_connections: HyperConnections | None = None   # HY V4: its residual streams and their mixes
+    deepseek_v4: DeepseekV4Shape | None = None   # DeepSeek V4: its compressed attention, streams and hash routing
     cohere_moe: CohereMoeShape | None = None   # Command A Plus: its norm, its router's scores, its shared experts' join
     no_rope_layers: tuple[int, ...] = ()   # SmolLM3: 1 where a layer rotates q and k, 0 where not (NoPE); (): all do
     layer_rope_thetas: tuple[float, ...] = ()   # Granite SWA: each layer's rope base (0: NoPE); (): the model's
@@ -301,7 +303,7 @@ class ModelConfig:
     def kv_planes(self) -> int:
         """What the cache holds of a token per KV head: K and V (2), or DeepSeek's latent alone (1: keys and values
         are read from it)."""
-        return 1 if self.mla is not None else 2
+        return 1 if self.mla is not None or self.deepseek_v4 is not None else 2
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """S_KV = kv_planes x num_kv_layers x num_kv_heads x head_dim x dtype_bytes (2 planes: K and V), each layer's
@@ -315,6 +317,8 @@ class ModelConfig:
             return self.gemma4.num_kv_heads, self.gemma4.head_dim
         if self.mimo is not None and self.layer_window(layer) is not None:
             return self.mimo.sliding_kv_heads, self.head_dim
+        if self.deepseek_v4 is not None:   # a row a token: K=V, its compressors' inputs, a closed window's entry
+            return 1, self.deepseek_v4.row_width(layer)
         return self.num_kv_heads, self.head_dim
 
     def layer_config(self, layer: int) -> ModelConfig:
@@ -471,26 +475,8 @@ class ModelConfig:
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "ModelConfig":
-        path = Path(folder) / "config.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"config.json: not found in model folder {folder}")
-        try:
-            cfg = json.loads(path.read_bytes())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"config.json: not valid JSON ({exc})") from exc
-        gptq = Path(folder) / "quantize_config.json"   # AutoGPTQ's, where its config.json is silent of it
-        if not isinstance(cfg, dict) or cfg.get("quantization_config") is not None or not gptq.is_file():
-            return cls.from_hf_config(cfg)
-        try:
-            quant = json.loads(gptq.read_bytes())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"quantize_config.json: not valid JSON ({exc})") from exc
-        if not isinstance(quant, dict):
-            raise ConfigError(f"quantize_config.json: must be a JSON object, got {quant!r:.80}")
-        try:
-            return cls.from_hf_config({**cfg, "quantization_config": {"quant_method": "gptq", **quant}})
-        except ConfigError as exc:   # named by the file that says it
-            raise ConfigError(str(exc).replace("quantization_config.", "quantize_config.json: ", 1)) from None
+        """A model folder's config.json (and AutoGPTQ's quantize_config.json beside it: `read_folder_config`)."""
+        return read_folder_config(Path(folder), cls.from_hf_config)
 
 
 def _check_architecture(arch: Any) -> None:

@@ -11,6 +11,7 @@ from engine.config_values import read_int, rope_type
 from engine.cohere_moe_config import COHERE2_MOE_DEFAULTS
 from engine.mimo_config import MIMO_DEFAULTS
 from engine.hy_v4_config import HY_V4_DEFAULTS
+from engine.deepseek_v4_config import DEEPSEEK_V4_DEFAULTS
 
 # transformers' text config defaults of Qwen's VL models where they differ from the text architecture's here (a
 # composite checkpoint's text_config may be saved as its difference from them, as Gemma 3's)
@@ -48,6 +49,7 @@ FAMILY_DEFAULTS = {"Gemma2ForCausalLM": GEMMA2_DEFAULTS, "VaultGemmaForCausalLM"
                    "MiMoV2FlashForCausalLM": MIMO_DEFAULTS, "Cohere2MoeForCausalLM": COHERE2_MOE_DEFAULTS,
                    "GraniteMoeSWAForCausalLM": {"max_position_embeddings": 2048},   # GraniteMoeSWAConfig's
                    "HYV4ForCausalLM": HY_V4_DEFAULTS,   # HYV4Config's (its attention, experts: engine.hy_v4_config)
+                   "DeepseekV4ForCausalLM": DEEPSEEK_V4_DEFAULTS,   # DeepseekV4Config's (engine.deepseek_v4_config)
                    "HYV3ForCausalLM": {   # HYV3Config's (Hy3-preview's shape)
                        "vocab_size": 120_832, "hidden_size": 4096, "intermediate_size": 13_312, "num_hidden_layers": 80,
                        "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128,

@@ -6,6 +6,7 @@ bytes, checked to the parameter against transformers' models in the tests (`conf
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from engine.gemma4_config import gemma4_params
@@ -15,6 +16,7 @@ from engine.mamba1_config import MAMBA_ARCHITECTURES, mamba_params
 from engine.zamba2_config import zamba2_params
 from engine.longcat_config import longcat_params
 from engine.nemotron_h_config import nemotron_h_params
+from engine.deepseek_v4_config import deepseek_v4_float32_params, deepseek_v4_params
 
 __all__ = ["COHERE_ARCHITECTURES", "FOUR_NORMS", "GEMMA_ARCHITECTURES", "WIDE_QK_NORM", "count_params",
            "float32_params"]
@@ -43,11 +45,27 @@ WIDE_QK_NORM = ("Olmo2ForCausalLM", "Olmo3ForCausalLM", "MiniMaxM2ForCausalLM", 
                 "FlexOlmoForCausalLM", "OlmoHybridForCausalLM")
 
 
+# the families counted by their own modules: (config, heads, kv_heads, i, moe_i, v, shared_i) -> parameters
+OWN_COUNTS: dict[str, Callable[..., int]] = {
+    "Zamba2ForCausalLM": lambda c, h, kv, i, moe_i, v, s: zamba2_params(c, h, kv, i, v),   # Mamba-2, shared blocks
+    **dict.fromkeys(MAMBA_ARCHITECTURES,   # Mamba-1 blocks alone: its "heads" are its channels
+                    lambda c, h, kv, i, moe_i, v, s: mamba_params(c, h, v)),
+    "LongcatFlashForCausalLM":   # sublayers, experts beside every other one
+        lambda c, h, kv, i, moe_i, v, s: longcat_params(c, h, i, moe_i, v),
+    "NemotronHForCausalLM":   # single-mixer blocks
+        lambda c, h, kv, i, moe_i, v, s: nemotron_h_params(c, h, kv, i, moe_i, s, v),
+    "Gemma4ForCausalLM":   # two attention shapes, experts beside the MLP
+        lambda c, h, kv, i, moe_i, v, s: gemma4_params(c, h, kv, i, moe_i, v),
+    "DeepseekV4ForCausalLM": deepseek_v4_params}   # compressed attention, streams, hash routing
+
+
 def float32_params(config: Any) -> int:
     """Parameters held in float32 whatever the model's dtype: DeepSeek's, ERNIE 4.5's and Flint's routers (weight, the
     correction bias of V3's and ERNIE's), the expert bias of LFM2-MoE's, AFMoE's and Kolibri-1's, Flint's attention
     sinks, DeepSeek V3.2's indexers' head weights, HY V4's streams' mixes, Kimi Linear's dt_bias (the whole model's:
     a rank's is at most that)."""
+    if config.deepseek_v4 is not None:
+        return deepseek_v4_float32_params(config)
     h, layers = config.hidden_size, config.num_layers
     indexers = config.mla.num_indexer_weights(h, layers) if config.mla is not None else 0
     indexers += getattr(config.state_layers, "qkv_dim", 0) * (layers - config.num_kv_layers)   # KDA's dt_bias
@@ -65,16 +83,8 @@ def count_params(config: Any, heads: int, kv_heads: int, i: int, moe_i: int, v: 
     """Parameters of `config`'s layers built with `heads` query heads, `kv_heads` KV heads, `i` MLP rows, `moe_i` rows
     per expert, `shared_i` rows of the shared expert and `v` vocab rows (engine.model); the norms, the router and
     the shared expert's gate whole."""
-    if config.architecture == "Zamba2ForCausalLM":   # Mamba-2 layers, shared blocks
-        return zamba2_params(config, heads, kv_heads, i, v)
-    if config.architecture in MAMBA_ARCHITECTURES:   # Mamba-1 blocks alone: its "heads" are its channels
-        return mamba_params(config, heads, v)
-    if config.architecture == "LongcatFlashForCausalLM":   # sublayers, experts beside every other one
-        return longcat_params(config, heads, i, moe_i, v)
-    if config.architecture == "NemotronHForCausalLM":   # single-mixer blocks
-        return nemotron_h_params(config, heads, kv_heads, i, moe_i, shared_i, v)
-    if config.architecture == "Gemma4ForCausalLM":   # two attention shapes, experts beside the MLP
-        return gemma4_params(config, heads, kv_heads, i, moe_i, v)
+    if config.architecture in OWN_COUNTS:
+        return OWN_COUNTS[config.architecture](config, heads, kv_heads, i, moe_i, v, shared_i)
     if config.mimo is not None:   # two attention shapes, value heads of their own size
         return mimo_params(config, heads, kv_heads, i, moe_i, v)
     if config.laguna is not None:   # each layer its query heads, an output gate

@@ -13,7 +13,10 @@ Any other method is refused naming the key, before anything loads.
 
 from __future__ import annotations
 
-from typing import Any
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
 
 from engine.config import ConfigError, quantizes_kv_cache_only
 from engine.fp8_weights import SCALE_SUFFIX, fp8_weights
@@ -43,3 +46,31 @@ def weight_format_fields(cfg: dict[str, Any], arch: Any) -> dict[str, Any]:
             "int4_modules": int4.modules if int4 else ((), ()), "int4_format": int4.format if int4 else "",
             "int4_zero_points": bool(int4 and int4.zero_points), "int4_act_order": bool(int4 and int4.act_order),
             "int4_bits": int4.bits if int4 else 4}
+
+
+Config = TypeVar("Config")
+
+
+def read_folder_config(folder: Path, read: Callable[[dict[str, Any]], Config]) -> Config:
+    """`read` of a model folder's config.json; an AutoGPTQ folder's quantize_config.json, where config.json is silent
+    of its quantization, read as its `quantization_config` (an error in it named by that file)."""
+    path = folder / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"config.json: not found in model folder {folder}")
+    try:
+        cfg = json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config.json: not valid JSON ({exc})") from exc
+    gptq = folder / "quantize_config.json"   # AutoGPTQ's, where its config.json is silent of it
+    if not isinstance(cfg, dict) or cfg.get("quantization_config") is not None or not gptq.is_file():
+        return read(cfg)
+    try:
+        quant = json.loads(gptq.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"quantize_config.json: not valid JSON ({exc})") from exc
+    if not isinstance(quant, dict):
+        raise ConfigError(f"quantize_config.json: must be a JSON object, got {quant!r:.80}")
+    try:
+        return read({**cfg, "quantization_config": {"quant_method": "gptq", **quant}})
+    except ConfigError as exc:   # named by the file that says it
+        raise ConfigError(str(exc).replace("quantization_config.", "quantize_config.json: ", 1)) from None

@@ -171,7 +171,7 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
            "zamba2": transformers.Zamba2Config, "internlm3": transformers.InternLM3Config,
            "longcat_flash": transformers.LongcatFlashConfig, "phi4_multimodal": transformers.Phi4MultimodalConfig,
            "axk2": transformers.AXK2Config, "gemma4_unified_text": transformers.Gemma4UnifiedTextConfig,
-           "hy_v4": transformers.HYV4Config}[arch]
+           "hy_v4": transformers.HYV4Config, "deepseek_v4": transformers.DeepseekV4Config}[arch]
     config = cls(**common)
     if arch == "mistral4":   # transformers maps Mistral4Config to no causal LM class (only its pretraining one)
         transformers.AutoModelForCausalLM.register(transformers.Mistral4Config, transformers.Mistral4ForCausalLM,
@@ -225,6 +225,16 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
                     tensor.normal_(0.0, 0.5)
                 elif name.endswith(("feed_forward.gate.weight", "router.gate.weight")):
                     tensor.normal_(0.0, 0.2)
+    if arch == "deepseek_v4":   # sinks, the compressors' position biases, the mixes and correction biases away from
+        # their start (zeros, ones), the hash layers' tables of experts (zeros) drawn
+        with torch.no_grad():
+            for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+                if name.endswith(("sinks", "position_bias", "e_score_correction_bias")) or "_hc." in name \
+                        or "hc_head." in name:
+                    tensor.normal_(0.0, 0.5)
+                elif name.endswith("tid2eid"):
+                    tensor.copy_(torch.randint(0, tensor.max().item() + overrides.get("n_routed_experts", 8),
+                                               tensor.shape))
     if arch == "hy_v4":   # the streams' mixes' scales and bases away from their start (0.01, a constant)
         with torch.no_grad():
             for name, param in model.named_parameters():

@@ -51,6 +51,7 @@ from engine.models.cohere import Cohere2MoeForCausalLM, CohereForCausalLM, Heliu
 from engine.models.deepseek import AXK1ForCausalLM, DeepseekForCausalLM, LongcatFlashForCausalLM
 from engine.models.deepseek_v32 import AXK2ForCausalLM, DeepseekV32ForCausalLM
 from engine.models.hy_v4 import HYV4ForCausalLM
+from engine.models.deepseek_v4 import DeepseekV4ForCausalLM
 from engine.models.ernie import Ernie45ForCausalLM, Ernie45MoeForCausalLM
 from engine.models.gemma3 import Gemma3ForCausalLM, GemmaForCausalLM
 from engine.models.gemma4 import Gemma4ForCausalLM
@@ -126,6 +127,7 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "MiniMaxM2ForCausalLM": MiniMaxM2ForCausalLM,
                                                 "DeepseekV2ForCausalLM": DeepseekForCausalLM,
                                                 "DeepseekV3ForCausalLM": DeepseekForCausalLM,
+                                                "DeepseekV4ForCausalLM": DeepseekV4ForCausalLM,
                                                 "AXK1ForCausalLM": AXK1ForCausalLM, "AXK2ForCausalLM": AXK2ForCausalLM,
                                                 "Llama4ForCausalLM": Llama4ForCausalLM,
                                                 "Ministral3ForCausalLM": Ministral3ForCausalLM,
@@ -174,15 +176,13 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "LagunaForCausalLM": LagunaForCausalLM,
                                                 "NemotronForCausalLM": NemotronForCausalLM,
                                                 "StableLmForCausalLM": StableLmForCausalLM,
-                                                "PhiForCausalLM": PhiForCausalLM,
+                                                "PhiForCausalLM": PhiForCausalLM, "OPTForCausalLM": OPTForCausalLM,
                                                 "GPTNeoXForCausalLM": GPTNeoXForCausalLM,
                                                 "PhimoeForCausalLM": PhimoeForCausalLM,
                                                 "OlmoForCausalLM": OlmoForCausalLM, "CwmForCausalLM": LlamaForCausalLM,
                                                 "FalconForCausalLM": FalconForCausalLM,
-                                                "GPTJForCausalLM": GPTJForCausalLM,
                                                 "GPTBigCodeForCausalLM": GPTBigCodeForCausalLM,
-                                                "GPT2LMHeadModel": GPT2LMHeadModel,
-                                                "OPTForCausalLM": OPTForCausalLM,
+                                                "GPT2LMHeadModel": GPT2LMHeadModel, "GPTJForCausalLM": GPTJForCausalLM,
                                                 "FlexOlmoForCausalLM": FlexOlmoForCausalLM,
                                                 "NanoChatForCausalLM": NanoChatForCausalLM,
                                                 "DbrxForCausalLM": DbrxForCausalLM,

@@ -160,6 +160,15 @@ AXK2 = dict(num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, mo
 HYV4 = dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, kv_lora_rank=32, qk_nope_head_dim=16,
             qk_rope_head_dim=8, v_head_dim=16, q_lora_rank=48, index_n_heads=16, index_head_dim=16, index_topk=8,
             hc_mult=3, swiglu_limit=1.0, num_hidden_layers=3, pad_token_id=0)
+# DeepSeek V4: heads of 32 (the last 8 rotated), a window of 8, an HCA layer (entries of 8 positions), two CSA layers
+# (entries of 4, each query's best 3 by an indexer of 8 heads) and a sliding one; a hash layer, 2 streams
+DEEPSEEK_V4 = dict(moe_intermediate_size=32, num_hidden_layers=4, head_dim=32, q_lora_rank=48, num_experts_per_tok=2,
+                   n_routed_experts=8, o_groups=2, o_lora_rank=16, index_n_heads=8, index_head_dim=16, index_topk=3,
+                   sliding_window=8, compress_rates={"compressed_sparse_attention": 4,
+                                                     "heavily_compressed_attention": 8},
+                   layer_types=["heavily_compressed_attention", "compressed_sparse_attention", "sliding_attention",
+                                "compressed_sparse_attention"], mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
+                   hc_mult=2, hc_sinkhorn_iters=5, partial_rotary_factor=0.25, swiglu_limit=1.0, pad_token_id=0)
 COHERE2_MOE = dict(num_hidden_layers=5, head_dim=16, sliding_window=8, first_k_dense_replace=1,
                    prefix_dense_intermediate_size=96, intermediate_size=32, num_experts=8, num_experts_per_tok=2,
                    num_shared_experts=1, pad_token_id=0)
@@ -318,6 +327,9 @@ TINY_MODELS = [
                "rope_parameters": {
         "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
         "mscale": 0.707, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}}),
+    # DeepSeek V4: its compressed attention (the module docstring of engine.models.deepseek_v4) beside sliding layers,
+    # the streams' Sinkhorn-mixed hyper-connections, hash and learned routers over clamped experts
+    ("deepseek_v4", DEEPSEEK_V4),
     # LongCat-Flash: two layers, each two sublayers of V3's latent attention (q and the latent scaled) and a dense
     # MLP, 8 experts of 32 and 4 zero experts (a token routed there passes itself through), 3 a token by the softmax
     # plus a correction bias, x 2.5, beside them from the first sublayer's MLP input to the second's output
@@ -704,14 +716,14 @@ def test_tiny_random_models_match_transformers(tmp_path, monkeypatch, builtin_pa
     engine = LLMEngine.from_args(str(folder), dtype="float32", block_size=8, num_blocks=64, max_num_batched_tokens=64,
                                  progress=False)
     buffers = sum(b.numel() for name, b in hf.named_buffers()
-                  if name.endswith(("e_score_correction_bias", "layer_scalar", "expert_bias")))
+                  if name.endswith(("e_score_correction_bias", "layer_scalar", "expert_bias", "tid2eid")))
     # LongCat-Flash's stacked gate/up holds rows for its zero experts too, which compute nothing and are not read;
     # Phi-4-multimodal's image and audio embedders serve no text
     unused = sum(m.gate_up_proj[m.num_routed_experts:].numel() for m in hf.modules() if hasattr(m, "zero_expert_num"))
     unused += sum(p.numel() for name, p in hf.named_parameters() if ".embed_tokens_extend." in name)
     assert engine.model_config.num_params() == sum(p.numel() for p in hf.parameters()) + buffers - unused
     out = next(m for layer in engine.model.layers for name, m in layer.named_modules()   # attention's, or a mixer's
-               if name.endswith(("o_proj", "out_proj")))
+               if name.endswith(("o_proj", "out_proj", "o_b_proj")))
     packed = isinstance(out, PackedLinear)
     assert packed == (cpu_linear == "onednn" and torch.backends.mkldnn.is_available())
     gen = torch.Generator().manual_seed(1)

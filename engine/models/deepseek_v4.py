@@ -1,0 +1,477 @@
+"""DeepSeek V4 (`DeepseekV4ForCausalLM`: DeepSeek-V4-Flash, -Pro; its config: `engine.deepseek_v4_config`).
+
+Attention (`V4Attention`). Each query head (`head_dim` 512) comes through q's normed bottleneck, normed again per head
+(no weight); one key a token, which is its value too, normed; the last `rope_dim` of both rotated in pairs (2i, 2i + 1)
+at base `main_theta` on a sliding layer, `compress_theta` (with its YaRN) on the others. A query attends, with a sink
+logit a head in the softmax's denominator, to its layer's last `window` positions, and on a compressed layer to entries
+each made of `rate` positions: an HCA layer to every entry whose window has closed, a CSA layer to the `index_topk` of
+those its indexer scores best. A compressor (`V4Compressor`) makes an entry of a window as the softmax-weighted sum
+(per channel, over the window's positions, of each position's gate plus a learned bias a position in the window) of the
+positions' values, normed and rotated at the window's first position; a CSA compressor's windows overlap: each entry
+takes the previous window's first series beside its own window's second. The indexer is a compressor of its own
+(`index_head_dim`) whose entries are keys: a query's score of an entry is sum_h w_h relu(q_h . k) / sqrt(dim) over its
+heads. The attention's output has its rotated part turned back by the query's position, then goes through `o_groups`
+grouped projections to `o_lora_rank` each and one to the hidden size.
+
+The cache (`engine.deepseek_v4_config`): a row a token a layer, [K=V | the compressors' values and gates | the entry
+of the window the token closes (and the indexer's key)]; a step writes its tokens' rows, then the entries of the
+windows they close (reading the windows' rows back: earlier steps' and this one's alike), then attends. The attention
+and the compressors are torch over the step's sequences (no Triton kernel yet), so its decode steps are not captured in
+CUDA graphs; a sequence's work is O(its length) a step (the indexer's scores, HCA's entries), as V3.2's indexer's is.
+
+The residual stream is `streams` copies of the hidden state (manifold-constrained hyper-connections): a sublayer reads
+their mix (`pre`), and the streams become comb^T x streams + post x the sublayer's output, `comb` a doubly stochastic
+mix of the streams (Sinkhorn-Knopp, `sinkhorn_iters` steps), all three from one float32 projection of the normed
+streams (`V4HyperConnection`); the head reads a last mix (`V4HyperHead`). Experts: the score of each expert is
+sqrt(softplus(logit)) (or the config's `scoring_func`); the hash layers' experts a table of the token's id picks
+(`tid2eid`), the others' the best scores plus a correction bias; their scores renormalised, times
+`routed_scaling_factor`; every expert's SwiGLU, the shared one's too, clamped at `swiglu_limit`.
+
+The release's names (DeepSeek's: `attn.wq_a`, `ffn.experts.E.w1`, `hc_attn_fn`, ...) are read as transformers'
+conversion reads them (`RELEASE_NAMES`). One rank (tensor parallelism refused by key); a model-dtype cache (an FP8
+cache refused by key).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+from collections.abc import Iterable
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.deepseek_v4_config import DeepseekV4Shape
+from engine.layers.activation import ClampedSiluAndMul
+from engine.layers.rotary import rope_attention_factor, rope_inv_freq
+from engine.model_config import ModelConfig
+from engine.models.qwen3_moe import Qwen3MoeForCausalLM, SparseMoeBlock
+from engine.parallel import Collectives, ShardShape
+from kernels import AttentionMetadata, fused
+from kernels.reference import context_slots
+
+__all__ = ["DeepseekV4ForCausalLM"]
+
+# DeepSeek's release names -> transformers' (its conversion mapping's renames, in its order)
+RELEASE_NAMES = (
+    (r"\.attn\.", ".self_attn."), (r"\.ffn\.", ".mlp."), (r"\.indexer\.compressor\.", ".compressor.indexer."),
+    (r"^embed\.weight", "embed_tokens.weight"), (r"^head\.weight", "lm_head.weight"),
+    (r"^hc_head_(fn|base|scale)", r"hc_head.hc_\1"), (r"\.attn_norm\.", ".input_layernorm."),
+    (r"\.ffn_norm\.", ".post_attention_layernorm."), (r"\.hc_attn_(fn|base|scale)", r".attn_hc.\1"),
+    (r"\.hc_ffn_(fn|base|scale)", r".ffn_hc.\1"), (r"\.attn_sink", ".sinks"),
+    (r"\.indexer\.weights_proj\.", ".compressor.indexer.scorer.weights_proj."),
+    (r"\.indexer\.wq_b\.", ".compressor.indexer.q_b_proj."), (r"\.norm\.", ".kv_norm."),
+    (r"\.ape$", ".position_bias"), (r"\.wq_a\.", ".q_a_proj."), (r"\.self_attn\.wq_b\.", ".self_attn.q_b_proj."),
+    (r"\.wkv\.", ".kv_proj."), (r"\.wgate\.", ".gate_proj."), (r"\.wo_a\.", ".o_a_proj."), (r"\.wo_b\.", ".o_b_proj."),
+    (r"\.q_norm\.", ".q_a_norm."), (r"\.gate\.bias$", ".gate.e_score_correction_bias"),
+    (r"\.experts\.(\d+)\.w1\.", r".experts.\1.gate_proj."), (r"\.experts\.(\d+)\.w3\.", r".experts.\1.up_proj."),
+    (r"\.experts\.(\d+)\.w2\.", r".experts.\1.down_proj."), (r"\.shared_experts\.w1\.", ".shared_experts.gate_proj."),
+    (r"\.shared_experts\.w3\.", ".shared_experts.up_proj."), (r"\.shared_experts\.w2\.", ".shared_experts.down_proj."))
+SCORES = {"sqrtsoftplus": lambda x: torch.sqrt(F.softplus(x)), "softmax": lambda x: x.softmax(dim=-1),
+          "sigmoid": torch.sigmoid}
+
+
+class V4Norm(nn.Module):
+    """RMSNorm with its weight in float32, the product in float32 (transformers' `DeepseekV4RMSNorm`)."""
+
+    float32_parameters = True
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        f = x.float()
+        return (self.weight * (f * torch.rsqrt(f.square().mean(-1, keepdim=True) + self.eps))).to(x.dtype)
+
+
+def _unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x over its RMS (a norm without weight), the scale in x's dtype."""
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, ..., D] with its last 2 x cos.shape[-1] channels turned in pairs (2i, 2i + 1) by cos/sin [T, pairs]
+    (float32 products, rounded to x's dtype); -sin turns them back."""
+    pairs = cos.shape[-1]
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (pairs,)
+    cos, sin = cos.view(shape), sin.view(shape)
+    rope = x[..., -2 * pairs:].float().unflatten(-1, (pairs, 2))
+    a, b = rope[..., 0], rope[..., 1]
+    turned = torch.stack((a * cos - b * sin, b * cos + a * sin), dim=-1).flatten(-2).to(x.dtype)
+    return torch.cat([x[..., :-2 * pairs], turned], dim=-1)
+
+
+class V4Rotary:
+    """The two ropes' cos/sin tables (sliding layers': `main`; compressed layers' and their entries': `compress`),
+    [positions, rope_dim / 2] float32, built on a device at its first use, read in the model's dtype."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        s = config.deepseek_v4
+        base = ModelConfig(architecture="LlamaForCausalLM", vocab_size=1, hidden_size=1, intermediate_size=1,
+                           num_layers=1, num_heads=1, num_kv_heads=1, head_dim=s.rope_dim,
+                           max_position_embeddings=config.max_position_embeddings)
+        self.configs = {"main": replace(base, rope_theta=s.main_theta),
+                        "compress": replace(base, rope_theta=s.compress_theta, rope_scaling=s.compress_rope)}
+        self.positions = config.rotary_positions or config.context_length
+        self.tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def at(self, kind: str, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if kind not in self.tables or self.tables[kind][0].device != positions.device:
+            config = self.configs[kind]
+            freqs = torch.arange(self.positions, dtype=torch.float32)[:, None] * rope_inv_freq(config)[None, :]
+            factor = rope_attention_factor(config)
+            self.tables[kind] = tuple((part * factor).to(positions.device) for part in (freqs.cos(), freqs.sin()))
+        cos, sin = self.tables[kind]
+        return cos[positions].to(dtype), sin[positions].to(dtype)
+
+
+class V4Compressor(nn.Module):
+    """One compressor (the module docstring): `series` (1: HCA's, 2: CSA's overlapping windows) of `dim` a token,
+    values (`kv_proj`) and gates (`gate_proj`), a bias a position in the window (`position_bias`, float32), the
+    entries normed (`kv_norm`). `offset`: where its columns start in a cache row: values, gates, then the entry."""
+
+    float32_parameters = True   # its own: the position bias (its projections and norm are modules of their own)
+
+    def __init__(self, hidden: int, dim: int, rate: int, series: int, eps: float, offset: int) -> None:
+        super().__init__()
+        self.dim, self.rate, self.series, self.offset = dim, rate, series, offset
+        self.kv_proj = nn.Linear(hidden, series * dim, bias=False)
+        self.gate_proj = nn.Linear(hidden, series * dim, bias=False)
+        self.position_bias = nn.Parameter(torch.empty(rate, series * dim))
+        self.kv_norm = V4Norm(dim, eps)
+
+    @property
+    def width(self) -> int:
+        return 2 * self.series * self.dim + self.dim
+
+    def row(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[T, width]: each token's values and gates, its entry's place zeros."""
+        return torch.cat([self.kv_proj(hidden), self.gate_proj(hidden), hidden.new_zeros(hidden.shape[0], self.dim)],
+                         dim=-1)
+
+    def close(self, flat: torch.Tensor, slots: torch.Tensor, closing: torch.Tensor, rotary: V4Rotary) -> None:
+        """Write the entries of the windows whose last positions are `closing` (positions of a sequence whose token
+        slots are `slots`) into those positions' rows of `flat` [slots, row]: from the windows' rows (this step's
+        stored first)."""
+        if not closing.numel():
+            return
+        d, rate, o, s = self.dim, self.rate, self.offset, self.series
+        first = closing - rate + 1                                              # [n] the windows' first positions
+        span = first[:, None] + torch.arange(-(s - 1) * rate, rate, device=flat.device)[None, :]   # [n, s x rate]
+        rows = flat.index_select(0, slots[span.clamp(min=0)].flatten()).view(*span.shape, -1)
+        kv, gate = rows[..., o:o + s * d], rows[..., o + s * d:o + 2 * s * d]
+        bias = self.position_bias.repeat(s, 1)                                   # [s x rate, s x d]
+        gate = gate + bias.to(gate.device)
+        if s == 2:   # slot j < rate: the previous window's first series; j >= rate: this window's second series
+            kv = torch.cat([kv[:, :rate, :d], kv[:, rate:, d:]], dim=1)
+            gate = torch.cat([gate[:, :rate, :d], gate[:, rate:, d:]], dim=1)
+            gate[:, :rate] = gate[:, :rate].masked_fill((span[:, :rate] < 0)[..., None], float("-inf"))
+        weights = gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)
+        entry = self.kv_norm((kv * weights).sum(dim=1))
+        cos, sin = rotary.at("compress", first, entry.dtype)
+        flat[slots[closing], o + 2 * s * d:o + 2 * s * d + d] = _rotate(entry, cos, sin).to(flat.dtype)
+
+    def entries(self, flat: torch.Tensor, slots: torch.Tensor, count: int) -> torch.Tensor:
+        """[count, dim] float32: a sequence's first `count` entries (each at its window's last position's row)."""
+        at = slots[torch.arange(1, count + 1, device=flat.device) * self.rate - 1]
+        o = self.offset + 2 * self.series * self.dim
+        return flat.index_select(0, at)[:, o:o + self.dim].float()
+
+
+class V4Indexer(V4Compressor):
+    """CSA's indexer: a compressor of keys, queries from q's bottleneck (`q_b_proj`) rotated at their positions, and
+    each head's weight from the layer's input (`scorer.weights_proj`)."""
+
+    def __init__(self, hidden: int, s: DeepseekV4Shape, rate: int, eps: float, offset: int) -> None:
+        super().__init__(hidden, s.index_head_dim, rate, 2, eps, offset)
+        self.heads, self.topk = s.index_heads, s.index_topk
+        self.q_b_proj = nn.Linear(s.q_lora_rank, s.index_heads * s.index_head_dim, bias=False)
+        self.scorer = nn.Module()
+        self.scorer.weights_proj = nn.Linear(hidden, s.index_heads, bias=False)
+
+
+class GroupedProjection(nn.Module):
+    """The output's first projection: each of `groups` groups of heads ([T, groups, size]) to `rank` values, one
+    weight [groups x rank, size] (transformers' `DeepseekV4GroupedLinear`; not an `nn.Linear`: nothing multiplies a
+    whole input by it) -> [T, groups x rank]."""
+
+    def __init__(self, groups: int, size: int, rank: int) -> None:
+        super().__init__()
+        self.groups, self.rank = groups, rank
+        self.weight = nn.Parameter(torch.empty(groups * rank, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("tgi,goi->tgo", x, self.weight.view(self.groups, self.rank, -1)).flatten(1)
+
+
+class V4Attention(nn.Module):
+    """One layer's attention (the module docstring), its compressor and indexer where its kind has them."""
+
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        s, h, eps = config.deepseek_v4, config.hidden_size, config.rms_norm_eps
+        self.shape, self.kind, self.eps, self.heads = s, s.kinds[layer], eps, config.num_heads
+        self.rate = s.rates[layer]
+        d = s.head_dim
+        self.q_a_proj = nn.Linear(h, s.q_lora_rank, bias=False)
+        self.q_a_norm = V4Norm(s.q_lora_rank, eps)
+        self.q_b_proj = nn.Linear(s.q_lora_rank, self.heads * d, bias=False)
+        self.kv_proj = nn.Linear(h, d, bias=False)
+        self.kv_norm = V4Norm(d, eps)
+        self.o_a_proj = GroupedProjection(s.o_groups, self.heads * d // s.o_groups, s.o_lora_rank)
+        self.o_b_proj = nn.Linear(s.o_groups * s.o_lora_rank, h, bias=False)
+        self.sinks = nn.Parameter(torch.empty(self.heads))
+        self.compressor = None
+        if self.kind != "sliding":
+            self.compressor = V4Compressor(h, d, self.rate, 2 if self.kind == "csa" else 1, eps, d)
+            if self.kind == "csa":
+                self.compressor.indexer = V4Indexer(h, s, self.rate, eps, d + self.compressor.width)
+
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, rotary: V4Rotary, cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        s, d = self.shape, self.shape.head_dim
+        cos, sin = rotary.at("main" if self.kind == "sliding" else "compress", positions, hidden.dtype)
+        bottleneck = self.q_a_norm(self.q_a_proj(hidden))
+        q = _rotate(_unit_rms(self.q_b_proj(bottleneck).view(-1, self.heads, d), self.eps), cos, sin)
+        kv = _rotate(self.kv_norm(self.kv_proj(hidden)), cos, sin)
+        row = [kv]
+        if self.compressor is not None:
+            row.append(self.compressor.row(hidden))
+            if self.kind == "csa":
+                row.append(self.compressor.indexer.row(hidden))
+        flat = cache.view(-1, cache.shape[-1])
+        slots, rows = meta.slot_mapping, torch.cat(row, dim=-1).to(flat.dtype)
+        if meta.has_invalid_slots:
+            keep = slots >= 0
+            slots, rows = slots[keep], rows[keep]
+        flat.index_copy_(0, slots, rows)
+        out = torch.empty_like(q)
+        start = 0
+        for i, (q_len, s_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
+            seq_slots = context_slots(meta, [i], s_len)[0]
+            pos = torch.arange(s_len - q_len, s_len, device=hidden.device)
+            if self.compressor is not None:
+                closing = pos[(pos + 1) % self.rate == 0]
+                self.compressor.close(flat, seq_slots, closing, rotary)
+                if self.kind == "csa":
+                    self.compressor.indexer.close(flat, seq_slots, closing, rotary)
+            rows_ = slice(start, start + q_len)
+            out[rows_] = self._attend(q[rows_], hidden[rows_], bottleneck[rows_], flat, seq_slots, pos, rotary)
+            start += q_len
+        out = _rotate(out, cos, -sin)
+        return self.o_b_proj(self.o_a_proj(out.reshape(out.shape[0], s.o_groups, -1)))
+
+    def _attend(self, q: torch.Tensor, hidden: torch.Tensor, bottleneck: torch.Tensor, flat: torch.Tensor,
+                slots: torch.Tensor, pos: torch.Tensor, rotary: V4Rotary) -> torch.Tensor:
+        """One sequence's queries (at positions `pos`, the sequence's token slots `slots`) over its window and its
+        entries: [q, heads, head_dim] in q's dtype."""
+        s, d = self.shape, self.shape.head_dim
+        s_len, qf = slots.shape[0], q.float()
+        lo = max(0, int(pos[0]) - s.window + 1)
+        keys = flat.index_select(0, slots[lo:])[:, :d].float()                   # [n, d]
+        key_pos = torch.arange(lo, s_len, device=q.device)
+        seen = (key_pos[None, :] <= pos[:, None]) & (key_pos[None, :] > pos[:, None] - s.window)
+        logits = [torch.einsum("qhd,kd->qhk", qf, keys).masked_fill(~seen[:, None], float("-inf"))]
+        values = [keys[None].expand(q.shape[0], -1, -1)]
+        count = s_len // self.rate if self.compressor is not None else 0
+        if count:
+            entries = self.compressor.entries(flat, slots, count)                 # [count, d]
+            ready = torch.arange(count, device=q.device)[None, :] < ((pos + 1) // self.rate)[:, None]   # [q, count]
+            if self.kind == "csa":
+                chosen, ready = self._choose(hidden, bottleneck, flat, slots, pos, count, ready, rotary)
+                picked = entries[chosen]                                         # [q, k, d]
+                logits.append(torch.einsum("qhd,qkd->qhk", qf, picked).masked_fill(~ready[:, None], float("-inf")))
+                values.append(picked)
+            else:
+                logits.append(torch.einsum("qhd,kd->qhk", qf, entries).masked_fill(~ready[:, None], float("-inf")))
+                values.append(entries[None].expand(q.shape[0], -1, -1))
+        scores = torch.cat(logits, dim=-1) * d ** -0.5
+        sinks = self.sinks.float()[None, :, None].expand(q.shape[0], -1, 1)
+        probs = torch.cat([scores, sinks], dim=-1).softmax(dim=-1)[..., :-1]
+        return torch.einsum("qhk,qkd->qhd", probs, torch.cat(values, dim=1)).to(q.dtype)
+
+    def _choose(self, hidden: torch.Tensor, bottleneck: torch.Tensor, flat: torch.Tensor, slots: torch.Tensor,
+                pos: torch.Tensor, count: int, ready: torch.Tensor, rotary: V4Rotary
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(each query's `index_topk` best entries [q, k], which of them it may attend to): the indexer's scores."""
+        idx = self.compressor.indexer
+        cos, sin = rotary.at("compress", pos, hidden.dtype)
+        iq = _rotate(idx.q_b_proj(bottleneck).view(-1, idx.heads, idx.dim), cos, sin).float()
+        keys = idx.entries(flat, slots, count)                                   # [count, di]
+        weights = idx.scorer.weights_proj(hidden).float() * idx.heads ** -0.5     # [q, heads]
+        relu = torch.relu(torch.einsum("qhd,cd->qhc", iq, keys)) * idx.dim ** -0.5   # [q, heads, count]
+        scores = torch.einsum("qh,qhc->qc", weights, relu)
+        best = scores.masked_fill(~ready, float("-inf")).topk(min(idx.topk, count), dim=-1).indices
+        return best, ready.gather(1, best)
+
+
+class V4HyperConnection(nn.Module):
+    """One sublayer's streams mix (the module docstring): `fn` [(2 + n) n, n x hidden], `base`, `scale` [3], float32."""
+
+    float32_parameters = True
+
+    def __init__(self, s: DeepseekV4Shape, hidden: int, eps: float) -> None:
+        super().__init__()
+        n = s.streams
+        self.n, self.iters, self.hc_eps, self.eps = n, s.sinkhorn_iters, s.hc_eps, eps
+        self.fn = nn.Parameter(torch.empty((2 + n) * n, n * hidden))
+        self.base = nn.Parameter(torch.empty((2 + n) * n))
+        self.scale = nn.Parameter(torch.empty(3))
+
+    def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """streams [T, n, hidden] -> (post [T, n], comb [T, n, n], the sublayer's input [T, hidden])."""
+        n = self.n
+        mixes = F.linear(_unit_rms(streams.flatten(1).float(), self.eps), self.fn)
+        pre = torch.sigmoid(mixes[:, :n] * self.scale[0] + self.base[:n]) + self.hc_eps
+        post = 2 * torch.sigmoid(mixes[:, n:2 * n] * self.scale[1] + self.base[n:2 * n])
+        comb = torch.softmax(mixes[:, 2 * n:].view(-1, n, n) * self.scale[2] + self.base[2 * n:].view(n, n), dim=-1)
+        comb = comb + self.hc_eps
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
+        for _ in range(self.iters - 1):
+            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.hc_eps)
+            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
+        return post, comb, (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+
+
+class V4HyperHead(nn.Module):
+    """The head's mix of the streams: `hc_fn` [n, n x hidden], `hc_base` [n], `hc_scale` [1], float32."""
+
+    float32_parameters = True
+
+    def __init__(self, s: DeepseekV4Shape, hidden: int, eps: float) -> None:
+        super().__init__()
+        self.hc_eps, self.eps = s.hc_eps, eps
+        self.hc_fn = nn.Parameter(torch.empty(s.streams, s.streams * hidden))
+        self.hc_base = nn.Parameter(torch.empty(s.streams))
+        self.hc_scale = nn.Parameter(torch.empty(1))
+
+    def forward(self, streams: torch.Tensor) -> torch.Tensor:
+        mixes = F.linear(_unit_rms(streams.flatten(1).float(), self.eps), self.hc_fn)
+        pre = torch.sigmoid(mixes * self.hc_scale + self.hc_base) + self.hc_eps
+        return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+
+
+class V4Router(nn.Module):
+    """The router's weight (the model's dtype) and, by layer, its float32 correction bias or a hash layer's table of
+    experts by token id (int32: `tid2eid`)."""
+
+    def __init__(self, config: ModelConfig, hashed: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
+        if hashed:
+            self.tid2eid = nn.Parameter(torch.empty(config.vocab_size, config.num_experts_per_tok), requires_grad=False)
+            self.parameter_dtypes = {"tid2eid": torch.int32}
+        else:
+            self.e_score_correction_bias = nn.Parameter(torch.empty(config.num_experts))
+            self.parameter_dtypes = {"e_score_correction_bias": torch.float32}
+
+
+class V4MoeBlock(SparseMoeBlock):
+    """Qwen3-MoE's experts with V4's router (the module docstring); `token_ids` the step's ids (the model's list)."""
+
+    def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives, ops: ModuleType, hashed: bool,
+                 token_ids: list[torch.Tensor]) -> None:
+        super().__init__(config, shard, comm, ops)
+        s = config.deepseek_v4
+        self.gate, self.hashed, self.token_ids = V4Router(config, hashed), hashed, token_ids
+        self.score, self.scaling = SCORES[s.scoring], config.routed_scaling_factor
+        if s.swiglu_limit is not None:
+            self.act_fn = ClampedSiluAndMul(s.swiglu_limit)
+            self.shared_expert.act_fn = ClampedSiluAndMul(s.swiglu_limit)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = self.score(F.linear(x, self.gate.weight).float())
+        if self.hashed:
+            experts = self.gate.tid2eid[self.token_ids[0]].long()
+        else:
+            experts = torch.topk(scores + self.gate.e_score_correction_bias, self.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, experts)
+        return weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * self.scaling, experts
+
+
+class V4Layer(nn.Module):
+    """Attention, then the experts, each between its streams' mix in and out."""
+
+    def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives, ops: ModuleType, layer: int,
+                 token_ids: list[torch.Tensor]) -> None:
+        super().__init__()
+        s, h, eps = config.deepseek_v4, config.hidden_size, config.rms_norm_eps
+        self.attn_hc, self.ffn_hc = V4HyperConnection(s, h, eps), V4HyperConnection(s, h, eps)
+        self.input_layernorm, self.post_attention_layernorm = V4Norm(h, eps), V4Norm(h, eps)
+        self.self_attn = V4Attention(config, layer)
+        self.mlp = V4MoeBlock(config, shard, comm, ops, layer in s.hash_layers, token_ids)
+
+    def forward(self, streams: torch.Tensor, positions: torch.Tensor, rotary: V4Rotary, cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        post, comb, x = self.attn_hc(streams)
+        streams = _mixed(streams, post, comb, self.self_attn(self.input_layernorm(x), positions, rotary, cache, meta))
+        post, comb, x = self.ffn_hc(streams)
+        return _mixed(streams, post, comb, self.mlp(self.post_attention_layernorm(x)))
+
+
+def _mixed(streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """comb^T x streams + post x out, in the streams' dtype (transformers' order)."""
+    dtype = streams.dtype
+    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(1) + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
+
+
+class DeepseekV4ForCausalLM(Qwen3MoeForCausalLM):
+    """DeepSeek V4 (the module docstring): `V4Layer`s over the streams, the final norm after the head's mix."""
+
+    graph_safe = False
+
+    def __init__(self, config: ModelConfig, shard: ShardShape | None = None, comm: Collectives | None = None,
+                 ops: ModuleType = fused) -> None:
+        self.__dict__["_token_ids"] = []   # the step's ids, for the hash layers (a plain list, not a module)
+        super().__init__(config, shard, comm, ops)
+        s = config.deepseek_v4
+        self.hc_head = V4HyperHead(s, config.hidden_size, config.rms_norm_eps)
+        self.v4_rotary = V4Rotary(config)
+
+    def make_rotary(self, ops: ModuleType) -> None:
+        return None   # its own (`V4Rotary`): two bases over the heads' rotated tails
+
+    def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
+        return V4Layer(self.config, self.shard, self.comm, ops, index, self.__dict__["_token_ids"])
+
+    def make_norm(self, ops: ModuleType) -> nn.Module:
+        return V4Norm(self.config.hidden_size, self.config.rms_norm_eps)
+
+    def kv_attentions(self) -> dict[int, nn.Module]:
+        """None of the paged kernels' attentions (nothing to compile for them, no FP8 scales to measure)."""
+        return {}
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                backend) -> torch.Tensor:
+        self.__dict__["_token_ids"][:] = [input_ids]
+        hidden = self.embed(input_ids)
+        streams = hidden.unsqueeze(1).expand(-1, self.config.deepseek_v4.streams, -1).contiguous()
+        for layer, (cache, _) in zip(self.layers, kv_caches):
+            streams = layer(streams, positions, self.v4_rotary, cache, meta)
+        return self.norm(self.hc_head(streams))
+
+    def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
+        """DeepSeek's release names as transformers' (`RELEASE_NAMES`); the multi-token-prediction layers (`mtp.`, or
+        past the model's) skipped; the shared expert under Qwen2-MoE's name."""
+        for pattern, ours in RELEASE_NAMES:
+            name = re.sub(pattern, ours, name)
+        parts = name.split(".")
+        if parts[0] == "mtp" or parts[0] == "layers" and parts[1].isdigit() and int(parts[1]) >= self.config.num_layers:
+            return ()
+        return super().read_tensor(hf_name, name.replace(".mlp.shared_experts.", ".mlp.shared_expert."), tensor)
+
+    def init_random(self, seed: int = 0, std: float = 0.02) -> None:
+        """Random weights (`LlamaForCausalLM.init_random`), each hash layer's table of valid expert ids."""
+        super().init_random(seed, std)
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for layer in self.layers:
+                table = getattr(layer.mlp.gate, "tid2eid", None)
+                if table is not None:
+                    table.copy_(torch.randint(0, self.config.num_experts, table.shape, generator=gen))
+
