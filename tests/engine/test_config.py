@@ -1089,7 +1089,7 @@ def _card_as_transformers_counts(card: dict, config_class: str, theirs: dict | N
 
 def _params_and_router_biases(hf) -> int:
     """transformers' parameter count, plus its routers' correction biases (buffers there, parameters here)."""
-    buffers = sum(b.numel() for name, b in hf.named_buffers() if name.endswith("e_score_correction_bias"))
+    buffers = sum(b.numel() for name, b in hf.named_buffers() if name.endswith(("e_score_correction_bias", "tid2eid")))
     return sum(p.numel() for p in hf.parameters()) + buffers
 
 
@@ -2582,6 +2582,43 @@ def test_axk2_reads_as_transformers_does():
     assert (cfg.num_experts, cfg.moe_groups, cfg.mlp_only_layers, cfg.moe_router) == (128, (1, 1), (0,), "deepseek_v3")
     grouped = ModelConfig.from_hf_config({"architectures": ["AXK2ForCausalLM"], "n_group": 8, "topk_group": 4})
     assert grouped.moe_groups == (8, 4)
+
+
+def test_deepseek_v4_reads_as_transformers_does():
+    """DeepSeek V4 (`DeepseekV4ForCausalLM`, DeepseekV4Config's defaults: V4-Flash's shape, 43 layers): two HCA layers
+    then CSA and HCA by turns, heads of 512 (the last 64 rotated), 4 streams, three hash layers; the parameter count is
+    transformers' model's (the hash tables too), the float32 ones those it keeps so but the sinks; the cache rows are
+    the module docstring's. The legacy keys read as transformers reads them; what we do not serve is refused naming the
+    key: a second rank, an FP8 cache, an unknown layer type or scoring function."""
+    import torch
+
+    from engine.deepseek_v4_config import refuse_v4_cache
+    from engine.parallel import check_tensor_parallel
+
+    hf, cfg = _at_class_defaults("DeepseekV4Config", {"architectures": ["DeepseekV4ForCausalLM"]})
+    s = cfg.deepseek_v4
+    kinds = {"heavily_compressed_attention": "hca", "compressed_sparse_attention": "csa"}
+    assert s.kinds == tuple(kinds[k] for k in hf.layer_types) and s.rope_dim == hf.qk_rope_head_dim == 64
+    assert (s.hash_layers, s.streams, s.index_topk, s.window) == ((0, 1, 2), hf.hc_mult, hf.index_topk, 128)
+    assert [cfg.layer_kv_shape(i) for i in (0, 3)] == [(1, 4 * 512), (1, 6 * 512 + 5 * 128)] and cfg.kv_planes == 1
+    _, model = _meta_model(type(hf), {"architectures": ["DeepseekV4ForCausalLM"]})
+    kept = [t for name, t in [*model.named_parameters(), *model.named_buffers()] if "_hc." in name or any(
+        part in name for part in ("hc_head.", "norm.weight", "position_bias", "e_score_correction_bias", "tid2eid"))]
+    assert cfg.num_float32_params == sum(t.numel() for t in kept)
+    legacy = ModelConfig.from_hf_config({"architectures": ["DeepseekV4ForCausalLM"], "num_hidden_layers": 3,
+                                         "compress_ratios": [128, 4, 0], "num_hash_layers": 1, "qk_rope_head_dim": 32,
+                                         "compress_rate_csa": 8})
+    assert (legacy.deepseek_v4.kinds, legacy.deepseek_v4.rates) == (("hca", "csa", "sliding"), (128, 8, 0))
+    assert (legacy.deepseek_v4.hash_layers, legacy.deepseek_v4.rope_dim) == ((0,), 32)
+    with pytest.raises(ConfigError, match="^tensor_parallel_size: DeepSeek V4 is served on one rank"):
+        check_tensor_parallel(cfg, 2)
+    with pytest.raises(ConfigError, match="^kv_cache_dtype: DeepSeek V4 .* not fp8"):
+        refuse_v4_cache(cfg, torch.float8_e4m3fn)
+    bare = {"architectures": ["DeepseekV4ForCausalLM"], "num_hidden_layers": 2}
+    for key, value in (("layer_types", ["full_attention"] * 2), ("scoring_func", "relu"),
+                       ("mlp_layer_types", ["dense", "moe"])):
+        with pytest.raises(ConfigError, match=f"^{key}: "):
+            ModelConfig.from_hf_config({**bare, key: value})
 
 
 def test_hy_v4_reads_as_transformers_does():

@@ -1753,3 +1753,33 @@ def test_an_llm_compressor_fp8_checkpoint_serves_its_dequantized_weights(tmp_pat
     save_file(tensors, str(folder / "model.safetensors"))
     with pytest.raises(WeightLoadError, match="layers.1.mlp.up_proj.weight_scale: missing"):
         LLMEngine.from_args(str(folder), dtype="float32", block_size=8, num_blocks=64, progress=False)
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_deepseek_v4_resumes_cached_prefixes_and_preempted_sequences(tmp_path, builtin_path, mode):
+    """DeepSeek V4 keeps every piece of its attention in its cache rows (`engine.deepseek_v4_config`): a prompt whose
+    first 40 tokens are cached (their compressors' values and gates, their windows' entries with them), and
+    sequences preempted for want of blocks, recomputed or swapped out and back, answer as transformers does."""
+    import transformers
+
+    folder = make_tiny_model(tmp_path / "v4", "deepseek_v4", builtin_path, **DEEPSEEK_V4)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    sched = SchedulerConfig(max_num_batched_tokens=24, preemption_mode=mode,
+                            swap_space_bytes=(8 << 20) if mode == "swap" else 0)
+    engine = LLMEngine(EngineConfig(model=str(folder), device="cpu", dtype="float32", cache=CacheConfig(block_size=8),
+                                    pools=(PoolConfig(num_blocks=12, scheduler=sched),)), progress=False)
+    gen = torch.Generator().manual_seed(3)
+    first = torch.randint(3, 512, (45,), generator=gen).tolist()
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [first, first[:40] + torch.randint(3, 512, (7,), generator=gen).tolist()]
+    for prompt in prompts:   # one after the other: the second finds the first's 5 blocks cached
+        assert engine.generate([prompt], params)[0].outputs[0].token_ids == _hf_greedy(hf, prompt, 12, eos_ids=None)
+    assert engine.schedulers["default"].block_manager.num_prefix_hits >= 40
+    batch = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (20, 27, 22, 30, 25, 21)]   # 12 blocks
+    outs = engine.generate(batch, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == [_hf_greedy(hf, p, 16, eos_ids=None) for p in batch]
+    stats = engine.schedulers["default"].stats
+    assert stats.num_preemptions > 0 and (stats.num_swap_preemptions if mode == "swap" else
+                                          stats.num_recompute_preemptions) == stats.num_preemptions
+    assert_all_free(engine)
