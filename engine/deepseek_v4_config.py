@@ -75,11 +75,14 @@ class DeepseekV4Shape:
         d, di = self.head_dim, self.index_head_dim
         return {"sliding": d, "hca": 4 * d, "csa": 6 * d + 5 * di}[self.kinds[layer]]
 
-    def num_params(self, hidden: int, heads: int, num_layers: int) -> int:
-        """The attention of every layer (with its compressors and indexer) and the streams' mixes, the head's too."""
+    def num_params(self, hidden: int, heads: int, num_layers: int, total_heads: int | None = None) -> int:
+        """The attention of every layer (with its compressors and indexer) and the streams' mixes, the head's too, on a
+        rank of `heads` query heads of the model's `total_heads` (default: all of them)."""
         d, di, r, n = self.head_dim, self.index_head_dim, self.q_lora_rank, self.streams
+        total_heads = heads if total_heads is None else total_heads
+        groups = self.o_groups * heads // total_heads   # this rank's
         attn = hidden * r + r + r * heads * d + hidden * d + d + heads * d * self.o_lora_rank \
-            + self.o_groups * self.o_lora_rank * hidden + heads
+            + groups * self.o_lora_rank * hidden + heads
         series = {"sliding": 0, "hca": 1, "csa": 2}
         total = 0
         for kind, rate in zip(self.kinds, self.rates):
@@ -99,15 +102,16 @@ def refuse_v4_cache(model: Any, kv_dtype: Any, key: str = "kv_cache_dtype") -> N
 
 
 def deepseek_v4_params(config: Any, heads: int, kv_heads: int, i: int, moe_i: int, v: int, shared_i: int) -> int:
-    """The parameters of a DeepSeek V4 model (one rank: `heads` are all of them): its embedding and head, every layer's
-    attention and mixes (`DeepseekV4Shape.num_params`), two norms, the router (its correction bias, or a hash
-    layer's table of experts by token id), the experts and the shared one; the final norm."""
+    """The parameters of a DeepSeek V4 rank of `heads` query heads, `moe_i` and `shared_i` rows of each expert and of
+    the shared one, `v` vocabulary rows: its embedding and head, every layer's attention and mixes
+    (`DeepseekV4Shape.num_params`), two norms, the router (its correction bias, or a hash layer's table of experts by
+    token id), the experts and the shared one; the final norm."""
     s, h, layers = config.deepseek_v4, config.hidden_size, config.num_layers
     experts = config.num_experts * (3 * h * moe_i + h) + 3 * h * shared_i + 2 * h
     routing = (layers - len(s.hash_layers)) * config.num_experts \
         + len(s.hash_layers) * config.vocab_size * config.num_experts_per_tok
     head = 0 if config.tie_word_embeddings else v * h
-    return v * h + head + layers * experts + routing + h + s.num_params(h, heads, layers)
+    return v * h + head + layers * experts + routing + h + s.num_params(h, heads, layers, config.num_heads)
 
 
 def deepseek_v4_float32_params(config: Any) -> int:

@@ -28,8 +28,10 @@ sqrt(softplus(logit)) (or the config's `scoring_func`); the hash layers' experts
 `routed_scaling_factor`; every expert's SwiGLU, the shared one's too, clamped at `swiglu_limit`.
 
 The release's names (DeepSeek's: `attn.wq_a`, `ffn.experts.E.w1`, `hc_attn_fn`, ...) are read as transformers'
-conversion reads them (`RELEASE_NAMES`). One rank (tensor parallelism refused by key); a model-dtype cache (an FP8
-cache refused by key).
+conversion reads them (`RELEASE_NAMES`). Tensor parallelism: each rank its heads (whole groups of them: the ranks
+divide `o_groups`), their o_a_proj rows and o_b_proj columns (summed over the ranks), the K=V head, the compressors,
+the indexer and the streams' mixes whole on every rank (the cache is: one KV head, replicated), the experts as
+Qwen3-MoE's. A model-dtype cache (an FP8 cache refused by key).
 """
 
 from __future__ import annotations
@@ -211,19 +213,19 @@ class GroupedProjection(nn.Module):
 class V4Attention(nn.Module):
     """One layer's attention (the module docstring), its compressor and indexer where its kind has them."""
 
-    def __init__(self, config: ModelConfig, layer: int) -> None:
+    def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives, layer: int) -> None:
         super().__init__()
         s, h, eps = config.deepseek_v4, config.hidden_size, config.rms_norm_eps
-        self.shape, self.kind, self.eps, self.heads = s, s.kinds[layer], eps, config.num_heads
-        self.rate = s.rates[layer]
+        self.shape, self.kind, self.eps, self.heads, self.comm = s, s.kinds[layer], eps, shard.num_heads, comm
+        self.rate, self.groups = s.rates[layer], s.o_groups * shard.num_heads // config.num_heads   # this rank's
         d = s.head_dim
         self.q_a_proj = nn.Linear(h, s.q_lora_rank, bias=False)
         self.q_a_norm = V4Norm(s.q_lora_rank, eps)
         self.q_b_proj = nn.Linear(s.q_lora_rank, self.heads * d, bias=False)
         self.kv_proj = nn.Linear(h, d, bias=False)
         self.kv_norm = V4Norm(d, eps)
-        self.o_a_proj = GroupedProjection(s.o_groups, self.heads * d // s.o_groups, s.o_lora_rank)
-        self.o_b_proj = nn.Linear(s.o_groups * s.o_lora_rank, h, bias=False)
+        self.o_a_proj = GroupedProjection(self.groups, self.heads * d // self.groups, s.o_lora_rank)
+        self.o_b_proj = nn.Linear(self.groups * s.o_lora_rank, h, bias=False)
         self.sinks = nn.Parameter(torch.empty(self.heads))
         self.compressor = None
         if self.kind != "sliding":
@@ -233,7 +235,7 @@ class V4Attention(nn.Module):
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, rotary: V4Rotary, cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        s, d = self.shape, self.shape.head_dim
+        d = self.shape.head_dim
         cos, sin = rotary.at("main" if self.kind == "sliding" else "compress", positions, hidden.dtype)
         bottleneck = self.q_a_norm(self.q_a_proj(hidden))
         q = _rotate(_unit_rms(self.q_b_proj(bottleneck).view(-1, self.heads, d), self.eps), cos, sin)
@@ -263,7 +265,7 @@ class V4Attention(nn.Module):
             out[rows_] = self._attend(q[rows_], hidden[rows_], bottleneck[rows_], flat, seq_slots, pos, rotary)
             start += q_len
         out = _rotate(out, cos, -sin)
-        return self.o_b_proj(self.o_a_proj(out.reshape(out.shape[0], s.o_groups, -1)))
+        return self.comm.all_reduce(self.o_b_proj(self.o_a_proj(out.reshape(out.shape[0], self.groups, -1))))
 
     def _attend(self, q: torch.Tensor, hidden: torch.Tensor, bottleneck: torch.Tensor, flat: torch.Tensor,
                 slots: torch.Tensor, pos: torch.Tensor, rotary: V4Rotary) -> torch.Tensor:
@@ -402,7 +404,7 @@ class V4Layer(nn.Module):
         s, h, eps = config.deepseek_v4, config.hidden_size, config.rms_norm_eps
         self.attn_hc, self.ffn_hc = V4HyperConnection(s, h, eps), V4HyperConnection(s, h, eps)
         self.input_layernorm, self.post_attention_layernorm = V4Norm(h, eps), V4Norm(h, eps)
-        self.self_attn = V4Attention(config, layer)
+        self.self_attn = V4Attention(config, shard, comm, layer)
         self.mlp = V4MoeBlock(config, shard, comm, ops, layer in s.hash_layers, token_ids)
 
     def forward(self, streams: torch.Tensor, positions: torch.Tensor, rotary: V4Rotary, cache: torch.Tensor,
@@ -464,6 +466,22 @@ class DeepseekV4ForCausalLM(Qwen3MoeForCausalLM):
         if parts[0] == "mtp" or parts[0] == "layers" and parts[1].isdigit() and int(parts[1]) >= self.config.num_layers:
             return ()
         return super().read_tensor(hf_name, name.replace(".mlp.shared_experts.", ".mlp.shared_expert."), tensor)
+
+    def _shard_of(self, hf_name: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's heads' rows of q_b_proj and their sinks, its groups' rows of o_a_proj and columns of o_b_proj;
+        the K=V projection, the compressors, the indexer and the mixes whole on every rank (so is the cache); the
+        experts as Qwen3-MoE's."""
+        shard, s = self.shard, self.config.deepseek_v4
+        if shard.size == 1 or ".self_attn." not in name or ".compressor." in name:
+            return super()._shard_of(hf_name, name, tensor)
+        per_rank = {"q_b_proj.weight": (0, s.head_dim * shard.num_heads), "sinks": (0, shard.num_heads),
+                    "o_a_proj.weight": (0, self.layers[0].self_attn.groups * s.o_lora_rank),
+                    "o_b_proj.weight": (1, self.layers[0].self_attn.groups * s.o_lora_rank)}
+        kind = name.split(".self_attn.")[1]
+        if kind not in per_rank:
+            return tensor
+        dim, size = per_rank[kind]
+        return tensor.narrow(dim, shard.rank * size, size)
 
     def init_random(self, seed: int = 0, std: float = 0.02) -> None:
         """Random weights (`LlamaForCausalLM.init_random`), each hash layer's table of valid expert ids."""

@@ -2589,7 +2589,7 @@ def test_deepseek_v4_reads_as_transformers_does():
     then CSA and HCA by turns, heads of 512 (the last 64 rotated), 4 streams, three hash layers; the parameter count is
     transformers' model's (the hash tables too), the float32 ones those it keeps so but the sinks; the cache rows are
     the module docstring's. The legacy keys read as transformers reads them; what we do not serve is refused naming the
-    key: a second rank, an FP8 cache, an unknown layer type or scoring function."""
+    key: ranks that would split a group of heads, an FP8 cache, an unknown layer type or scoring function."""
     import torch
 
     from engine.deepseek_v4_config import refuse_v4_cache
@@ -2610,8 +2610,9 @@ def test_deepseek_v4_reads_as_transformers_does():
                                          "compress_rate_csa": 8})
     assert (legacy.deepseek_v4.kinds, legacy.deepseek_v4.rates) == (("hca", "csa", "sliding"), (128, 8, 0))
     assert (legacy.deepseek_v4.hash_layers, legacy.deepseek_v4.rope_dim) == ((0,), 32)
-    with pytest.raises(ConfigError, match="^tensor_parallel_size: DeepSeek V4 is served on one rank"):
-        check_tensor_parallel(cfg, 2)
+    check_tensor_parallel(cfg, 8)   # each rank one group of 8 heads
+    with pytest.raises(ConfigError, match="^tensor_parallel_size: 16 does not divide DeepSeek V4's o_groups 8"):
+        check_tensor_parallel(cfg, 16)
     with pytest.raises(ConfigError, match="^kv_cache_dtype: DeepSeek V4 .* not fp8"):
         refuse_v4_cache(cfg, torch.float8_e4m3fn)
     bare = {"architectures": ["DeepseekV4ForCausalLM"], "num_hidden_layers": 2}
