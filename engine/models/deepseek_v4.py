@@ -155,19 +155,20 @@ class V4Compressor(nn.Module):
         return torch.cat([self.kv_proj(hidden), self.gate_proj(hidden), hidden.new_zeros(hidden.shape[0], self.dim)],
                          dim=-1)
 
-    def close(self, flat: torch.Tensor, slots: torch.Tensor, closing: torch.Tensor, rotary: V4Rotary) -> None:
-        """Write the entries of the windows whose last positions are `closing` (positions of a sequence whose token
-        slots are `slots`) into those positions' rows of `flat` [slots, row]: from the windows' rows (this step's
-        stored first)."""
-        if not closing.numel():
-            return
+    def spans(self, closing: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the first positions [n] of the windows whose last positions are `closing`, the positions [n, series x rate]
+        an entry of each reads: CSA's the previous window's too, negative before the first)."""
+        first = closing - self.rate + 1
+        return first, first[:, None] + torch.arange(-(self.series - 1) * self.rate, self.rate, device=first.device)
+
+    def close(self, flat: torch.Tensor, first: torch.Tensor, span: torch.Tensor, span_slots: torch.Tensor,
+              targets: torch.Tensor, rotary: V4Rotary) -> None:
+        """Write the entries of windows (their first positions `first` [n], the positions `span` their entries read,
+        at `span_slots`) into the rows at `targets` [n] (their last positions'): from the windows' rows, this step's
+        stored first."""
         d, rate, o, s = self.dim, self.rate, self.offset, self.series
-        first = closing - rate + 1                                              # [n] the windows' first positions
-        span = first[:, None] + torch.arange(-(s - 1) * rate, rate, device=flat.device)[None, :]   # [n, s x rate]
-        rows = flat.index_select(0, slots[span.clamp(min=0)].flatten()).view(*span.shape, -1)
-        kv, gate = rows[..., o:o + s * d], rows[..., o + s * d:o + 2 * s * d]
-        bias = self.position_bias.repeat(s, 1)                                   # [s x rate, s x d]
-        gate = gate + bias.to(gate.device)
+        kv, gate = flat[span_slots, o:o + s * d], flat[span_slots, o + s * d:o + 2 * s * d]   # [n, s x rate, s x d]
+        gate = gate + self.position_bias.repeat(s, 1)                          # each position's bias in its window
         if s == 2:   # slot j < rate: the previous window's first series; j >= rate: this window's second series
             kv = torch.cat([kv[:, :rate, :d], kv[:, rate:, d:]], dim=1)
             gate = torch.cat([gate[:, :rate, :d], gate[:, rate:, d:]], dim=1)
@@ -175,13 +176,13 @@ class V4Compressor(nn.Module):
         weights = gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)
         entry = self.kv_norm((kv * weights).sum(dim=1))
         cos, sin = rotary.at("compress", first, entry.dtype)
-        flat[slots[closing], o + 2 * s * d:o + 2 * s * d + d] = _rotate(entry, cos, sin).to(flat.dtype)
+        flat[targets, o + 2 * s * d:o + 2 * s * d + d] = _rotate(entry, cos, sin).to(flat.dtype)
 
-    def entries(self, flat: torch.Tensor, slots: torch.Tensor, count: int) -> torch.Tensor:
-        """[count, dim] float32: a sequence's first `count` entries (each at its window's last position's row)."""
-        at = slots[torch.arange(1, count + 1, device=flat.device) * self.rate - 1]
+    @property
+    def entry_columns(self) -> slice:
+        """Where a row holds the entry of the window its token closes."""
         o = self.offset + 2 * self.series * self.dim
-        return flat.index_select(0, at)[:, o:o + self.dim].float()
+        return slice(o, o + self.dim)
 
 
 class V4Indexer(V4Compressor):
@@ -252,63 +253,112 @@ class V4Attention(nn.Module):
             slots, rows = slots[keep], rows[keep]
         flat.index_copy_(0, slots, rows)
         out = torch.empty_like(q)
-        start = 0
+        starts = [0]
+        for q_len in meta.query_lens_list:
+            starts.append(starts[-1] + q_len)
+        decodes = [i for i, q_len in enumerate(meta.query_lens_list) if q_len == 1]
+        if decodes:   # one query a sequence: all of them at once
+            rows_ = torch.tensor([starts[i] for i in decodes], device=q.device)
+            out[rows_] = self._decode(q[rows_], hidden[rows_], bottleneck[rows_], flat, meta, decodes, rotary)
         for i, (q_len, s_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
+            if q_len == 1:
+                continue
             seq_slots = context_slots(meta, [i], s_len)[0]
             pos = torch.arange(s_len - q_len, s_len, device=hidden.device)
             if self.compressor is not None:
                 closing = pos[(pos + 1) % self.rate == 0]
-                self.compressor.close(flat, seq_slots, closing, rotary)
-                if self.kind == "csa":
-                    self.compressor.indexer.close(flat, seq_slots, closing, rotary)
-            rows_ = slice(start, start + q_len)
-            out[rows_] = self._attend(q[rows_], hidden[rows_], bottleneck[rows_], flat, seq_slots, pos, rotary)
-            start += q_len
+                for comp in self._compressors():
+                    first, span = comp.spans(closing)
+                    comp.close(flat, first, span, seq_slots[span.clamp(min=0)], seq_slots[closing], rotary)
+            rows_ = slice(starts[i], starts[i + 1])
+            out[rows_] = self._prefill(q[rows_], hidden[rows_], bottleneck[rows_], flat, seq_slots, pos, rotary)
         out = _rotate(out, cos, -sin)
         return self.comm.all_reduce(self.o_b_proj(self.o_a_proj(out.reshape(out.shape[0], self.groups, -1))))
 
-    def _attend(self, q: torch.Tensor, hidden: torch.Tensor, bottleneck: torch.Tensor, flat: torch.Tensor,
-                slots: torch.Tensor, pos: torch.Tensor, rotary: V4Rotary) -> torch.Tensor:
-        """One sequence's queries (at positions `pos`, the sequence's token slots `slots`) over its window and its
-        entries: [q, heads, head_dim] in q's dtype."""
-        s, d = self.shape, self.shape.head_dim
-        s_len, qf = slots.shape[0], q.float()
-        lo = max(0, int(pos[0]) - s.window + 1)
-        keys = flat.index_select(0, slots[lo:])[:, :d].float()                   # [n, d]
-        key_pos = torch.arange(lo, s_len, device=q.device)
-        seen = (key_pos[None, :] <= pos[:, None]) & (key_pos[None, :] > pos[:, None] - s.window)
-        logits = [torch.einsum("qhd,kd->qhk", qf, keys).masked_fill(~seen[:, None], float("-inf"))]
-        values = [keys[None].expand(q.shape[0], -1, -1)]
-        count = s_len // self.rate if self.compressor is not None else 0
-        if count:
-            entries = self.compressor.entries(flat, slots, count)                 # [count, d]
-            ready = torch.arange(count, device=q.device)[None, :] < ((pos + 1) // self.rate)[:, None]   # [q, count]
-            if self.kind == "csa":
-                chosen, ready = self._choose(hidden, bottleneck, flat, slots, pos, count, ready, rotary)
-                picked = entries[chosen]                                         # [q, k, d]
-                logits.append(torch.einsum("qhd,qkd->qhk", qf, picked).masked_fill(~ready[:, None], float("-inf")))
-                values.append(picked)
-            else:
-                logits.append(torch.einsum("qhd,kd->qhk", qf, entries).masked_fill(~ready[:, None], float("-inf")))
-                values.append(entries[None].expand(q.shape[0], -1, -1))
-        scores = torch.cat(logits, dim=-1) * d ** -0.5
-        sinks = self.sinks.float()[None, :, None].expand(q.shape[0], -1, 1)
-        probs = torch.cat([scores, sinks], dim=-1).softmax(dim=-1)[..., :-1]
-        return torch.einsum("qhk,qkd->qhd", probs, torch.cat(values, dim=1)).to(q.dtype)
+    def _compressors(self) -> list[V4Compressor]:
+        """The layer's compressor, and its indexer (CSA's): the windows each closes."""
+        return [self.compressor] + ([self.compressor.indexer] if self.kind == "csa" else [])
 
-    def _choose(self, hidden: torch.Tensor, bottleneck: torch.Tensor, flat: torch.Tensor, slots: torch.Tensor,
-                pos: torch.Tensor, count: int, ready: torch.Tensor, rotary: V4Rotary
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(each query's `index_topk` best entries [q, k], which of them it may attend to): the indexer's scores."""
+    def _prefill(self, q: torch.Tensor, hidden: torch.Tensor, bottleneck: torch.Tensor, flat: torch.Tensor,
+                 slots: torch.Tensor, pos: torch.Tensor, rotary: V4Rotary) -> torch.Tensor:
+        """One sequence's queries (at positions `pos`, the sequence's token slots `slots`) over its window and the
+        entries whose windows have closed before each: [q, heads, head_dim] in q's dtype."""
+        d, window = self.shape.head_dim, self.shape.window
+        lo = max(0, int(pos[0]) - window + 1)
+        keys = flat[slots[lo:], :d].float()                                      # [n, d], shared by the queries
+        key_pos = torch.arange(lo, slots.shape[0], device=q.device)
+        seen = (key_pos[None, :] <= pos[:, None]) & (key_pos[None, :] > pos[:, None] - window)
+        parts = [(keys, seen)]
+        count = slots.shape[0] // self.rate if self.compressor is not None else 0
+        if count:
+            at = slots[torch.arange(1, count + 1, device=q.device) * self.rate - 1]   # each entry's row
+            ready = torch.arange(count, device=q.device)[None, :] < ((pos + 1) // self.rate)[:, None]   # [q, count]
+            at = at[None].expand(q.shape[0], -1)
+            if self.kind == "csa":
+                at, ready = self._choose(hidden, bottleneck, flat, at, pos, ready, rotary)
+            parts.append((flat[at, self.compressor.entry_columns].float(), ready))   # [q, k, d]
+        return self._softmax(q, parts)
+
+    def _decode(self, q: torch.Tensor, hidden: torch.Tensor, bottleneck: torch.Tensor, flat: torch.Tensor,
+                meta: AttentionMetadata, seqs: list[int], rotary: V4Rotary) -> torch.Tensor:
+        """The decode rows of `seqs` (one query each, at its sequence's last position) at once: the windows their
+        tokens close, then each over its window and entries: [B, heads, head_dim]."""
+        s, dev, bs = self.shape, q.device, meta.block_size
+        tables = meta.block_tables[torch.tensor(seqs, device=dev)].long()          # [B, blocks]
+        pos = torch.tensor([meta.seq_lens_list[i] - 1 for i in seqs], device=dev)  # [B]
+
+        def slots(p: torch.Tensor) -> torch.Tensor:   # [B, k] positions (>= 0) of each row's sequence -> slots
+            return tables.gather(1, (p // bs).clamp(max=tables.shape[1] - 1)) * bs + p % bs
+
+        if self.compressor is not None:
+            closing = ((pos + 1) % self.rate == 0).nonzero().flatten()
+            for comp in self._compressors() if closing.numel() else ():
+                first, span = comp.spans(pos[closing])
+                at = tables[closing].gather(1, (span.clamp(min=0) // bs)) * bs + span.clamp(min=0) % bs
+                comp.close(flat, first, span, at, slots(pos[:, None])[closing, 0], rotary)
+        near = pos[:, None] - s.window + 1 + torch.arange(s.window, device=dev)   # [B, window]
+        parts = [(flat[slots(near.clamp(min=0)), :s.head_dim].float(), near >= 0)]
+        count = (pos + 1) // self.rate if self.compressor is not None else pos.new_zeros(0)
+        most = int(count.max()) if count.numel() else 0
+        if most:
+            at = slots((torch.arange(1, most + 1, device=dev) * self.rate - 1).expand(len(seqs), -1))   # [B, most]
+            ready = torch.arange(most, device=dev)[None, :] < count[:, None]
+            if self.kind == "csa":
+                at, ready = self._choose(hidden, bottleneck, flat, at, pos, ready, rotary)
+            parts.append((flat[at, self.compressor.entry_columns].float(), ready))
+        return self._softmax(q, parts)
+
+    def _softmax(self, q: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Each query's attention over `parts`: (keys, which each query sees), the keys [k, d] shared or [q, k, d] its
+        own, each its value too; a sink a head in the denominator. [q, heads, d] in q's dtype."""
+        qf, logits = q.float(), []
+        for keys, seen in parts:
+            eq = "qhd,kd->qhk" if keys.dim() == 2 else "qhd,qkd->qhk"
+            logits.append(torch.einsum(eq, qf, keys).masked_fill(~seen[:, None], float("-inf")))
+        scores = torch.cat(logits, dim=-1) * self.shape.head_dim ** -0.5
+        sinks = self.sinks.float()[None, :, None].expand(q.shape[0], -1, 1)
+        probs = torch.cat([scores, sinks], dim=-1).softmax(dim=-1)
+        out, start = 0.0, 0
+        for keys, _ in parts:
+            width = keys.shape[-2]
+            eq = "qhk,kd->qhd" if keys.dim() == 2 else "qhk,qkd->qhd"
+            out = out + torch.einsum(eq, probs[..., start:start + width], keys)
+            start += width
+        return out.to(q.dtype)
+
+    def _choose(self, hidden: torch.Tensor, bottleneck: torch.Tensor, flat: torch.Tensor, at: torch.Tensor,
+                pos: torch.Tensor, ready: torch.Tensor, rotary: V4Rotary) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows [q, k] of each query's `index_topk` best entries of those at `at` [q, count], and which of them it
+        may attend to (`ready` [q, count]): the indexer's scores of their keys."""
         idx = self.compressor.indexer
         cos, sin = rotary.at("compress", pos, hidden.dtype)
         iq = _rotate(idx.q_b_proj(bottleneck).view(-1, idx.heads, idx.dim), cos, sin).float()
-        keys = idx.entries(flat, slots, count)                                   # [count, di]
+        keys = flat[at, idx.entry_columns].float()                               # [q, count, di]
         weights = idx.scorer.weights_proj(hidden).float() * idx.heads ** -0.5     # [q, heads]
-        relu = torch.relu(torch.einsum("qhd,cd->qhc", iq, keys)) * idx.dim ** -0.5   # [q, heads, count]
+        relu = torch.relu(torch.einsum("qhd,qcd->qhc", iq, keys)) * idx.dim ** -0.5   # [q, heads, count]
         scores = torch.einsum("qh,qhc->qc", weights, relu)
-        best = scores.masked_fill(~ready, float("-inf")).topk(min(idx.topk, count), dim=-1).indices
-        return best, ready.gather(1, best)
+        best = scores.masked_fill(~ready, float("-inf")).topk(min(idx.topk, at.shape[1]), dim=-1).indices
+        return at.gather(1, best), ready.gather(1, best)
 
 
 class V4HyperConnection(nn.Module):

@@ -485,6 +485,7 @@ def test_the_examples_measure_their_gpus_where_they_are_served():
     ("jamba-1.5-mini-h200.yaml", 141 * GiB, 103_140_646_656, "bfloat16"),
     ("mamba-codestral-7b-h100.yaml", 80 * GiB, 14_570_807_296, "bfloat16"),
     ("longcat-flash-chat-8xh200-fp8.yaml", 141 * GiB, 565_433_583_616, "float8_e4m3fn"),
+    ("deepseek-v4-flash-8xh200.yaml", 141 * GiB, 568_732_969_436, "bfloat16"),
 ])
 def test_the_example_files_plan(name, vram, dense_bytes, kv):
     """The example files plan from the config.json beside them: Qwen3-32B's weights (YaRN to 131,072
@@ -502,7 +503,8 @@ def test_the_example_files_plan(name, vram, dense_bytes, kv):
     1.5 Mini on one H200 (its 4 attention layers' K/V alone, each sequence's state of its 28 Mamba-1 layers beside),
     and Mamba-Codestral-7B on one H100 (no K/V at all: its pools' sequences by their 64 Mamba-2 layers' states), and
     LongCat-Flash-Chat on eight H200s, its experts and projections quantized to FP8 as read, with an FP8 cache (56
-    sublayers' latent rows whole on each GPU)."""
+    sublayers' latent rows whole on each GPU), and DeepSeek-V4-Flash on eight H200s in bfloat16 (a row a token a
+    layer, each its kind's width, whole on each GPU; no decode graphs set aside)."""
     data = yaml.safe_load((REPO / "config" / "examples" / name).read_text())
     config = parse_config(data, env={}, base_dir=REPO / "config" / "examples")
     plan = plan_capacity(config, resolve_model_configs(config), vram_bytes=vram)
@@ -527,6 +529,10 @@ def test_the_example_files_plan(name, vram, dense_bytes, kv):
         assert {p.state_bytes_per_seq for p in plan.pools.values()} == {28 * (8192 * 3 * 2 + 8192 * 16 * 4)}
     if name.startswith("longcat"):   # 56 sublayers' latent and rotated key, a byte each, whole on every GPU
         assert device.kv_bytes_per_token == device.kv_bytes_per_token_per_device == 56 * 576 * 1 and device.fp8_weights
+    if name.startswith("deepseek-v4"):   # 23 HCA rows of 4 x 512, 20 CSA rows of 6 x 512 + 5 x 128, whole on each GPU
+        width = 2 * 4 * 512 + 21 * 4 * 512 + 20 * (6 * 512 + 5 * 128)
+        assert device.kv_bytes_per_token == device.kv_bytes_per_token_per_device == width * 2
+        assert device.graph_bytes_per_device == 0   # its decode steps are not captured
     if name.startswith("mamba-codestral"):   # 128 heads' 64 x 128 float32 states, 3 inputs of 10,240 channels
         state = 64 * (10240 * 3 * 2 + 128 * 64 * 128 * 4)
         assert device.kv_bytes_per_token == 0
