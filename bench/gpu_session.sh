@@ -18,7 +18,8 @@
 # the engine step runs the 8B shape with decode graphs (the default) and the eager step the same with
 # --enforce-eager, the sync step with --async-scheduling off (no overlapped steps); the tests step includes greedy
 # output with graphs against without (test_cuda_graphs.py), no stream synchronize in a step's launch (test_overlap.py)
-# and the FP8 KV cache's and the MoE layer's kernels on the GPU (test_triton*.py, compiled: TRITON_INTERPRET=0); the
+# and the FP8 KV cache's and the MoE layer's kernels on the GPU (test_triton*.py, compiled: TRITON_INTERPRET=0), and
+# DeepSeek V4's and HY V4's tiny models on CUDA against transformers (test_engine_vs_hf.py); the
 # moe step times the MoE experts' three ways (Triton, grouped matmuls, loop) and in FP8 (GPT-OSS's in MXFP4); the kernels_fp8 step the
 # kernels on an FP8 KV cache (its decode bandwidth, in its own bytes), the kernels_mla step on DeepSeek's latent cache
 # (one plane read as K and V, head_dim 576, 16 query heads: `bench kernels --latent`), the dsa step DeepSeek V3.2's
@@ -78,7 +79,7 @@ for what in ${GPU_STEPS:-tests kernels kernels_fp8 fp8 engine}; do
                tests/engine/test_cuda_graphs.py tests/engine/test_overlap.py tests/engine/test_prompt_logprobs.py \
                tests/engine/test_sliding_kv.py \
                tests/kernels/test_transfer.py \
-               tests/kernels/test_engine_triton.py ;;
+               tests/kernels/test_engine_triton.py tests/engine/test_engine_vs_hf.py ;;
     kernels) step bench_kernels $CLI bench kernels ;;
     kernels_fp8) step bench_kernels_fp8 $CLI bench kernels --kv-dtype fp8 ;;
     kernels_mla) step bench_kernels_mla $CLI bench kernels --latent ;;

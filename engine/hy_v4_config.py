@@ -23,13 +23,17 @@ from engine.config_values import read_float, read_int
 from engine.deepseek_config import check_silu, dense_first, grouped_experts
 from engine.mla_config import DSA_DEFAULTS, MLA_DEFAULTS, read_mla
 
-__all__ = ["HY_V4_DEFAULTS", "HyperConnections", "hy_v4_fields"]
+__all__ = ["HY_V4_DEFAULTS", "HY_V4_VL_TEXT", "HyperConnections", "hy_v4_fields"]
 
 ARCH = "HYV4ForCausalLM"
 # HYV4Config's where config.json names none (Hy4-preview's shape; its attention: `MLA_DEFAULTS`, `DSA_DEFAULTS`)
 HY_V4_DEFAULTS = {"vocab_size": 120_832, "hidden_size": 2816, "intermediate_size": 6912, "num_hidden_layers": 34,
                   "num_attention_heads": 32, "max_position_embeddings": 262_144, "rms_norm_eps": 1e-5,
                   "bos_token_id": 120_000, "eos_token_id": 120_025}
+# HY4-VL's text model (`HYV4VLForConditionalGeneration`'s `hy_v4_vl_text`): HYV4VLTextConfig's defaults where they
+# differ from HYV4Config's (a composite checkpoint's text_config may be saved as its difference from them)
+HY_V4_VL_TEXT = {"hidden_size": 6144, "intermediate_size": 18_432, "moe_intermediate_size": 2048,
+                 "num_hidden_layers": 78, "num_attention_heads": 64, "q_lora_rank": 2048, "index_n_heads": 32}
 HY_V4_EXPERTS = dict(n_routed_experts=256, moe_intermediate_size=768, num_experts_per_tok=8, n_group=1, topk_group=1,
                      norm_topk_prob=True, first_k_dense_replace=1, routed_scaling_factor=2.827, n_shared_experts=1)
 

@@ -10,7 +10,7 @@ from engine.config import ConfigError
 from engine.config_values import read_int, rope_type
 from engine.cohere_moe_config import COHERE2_MOE_DEFAULTS
 from engine.mimo_config import MIMO_DEFAULTS
-from engine.hy_v4_config import HY_V4_DEFAULTS
+from engine.hy_v4_config import HY_V4_DEFAULTS, HY_V4_VL_TEXT
 from engine.deepseek_v4_config import DEEPSEEK_V4_DEFAULTS
 
 # transformers' text config defaults of Qwen's VL models where they differ from the text architecture's here (a
@@ -24,6 +24,7 @@ TEXT_DEFAULTS = {"Qwen2VLForConditionalGeneration": _QWEN2_VL_TEXT,
                      "vocab_size": 151_936, "hidden_size": 4096, "intermediate_size": 22_016, "num_hidden_layers": 32,
                      "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 128,
                      "max_position_embeddings": 128_000, "rms_norm_eps": 1e-6, "rope_theta": 500_000.0},
+                 "HYV4VLForConditionalGeneration": HY_V4_VL_TEXT,
                  "Qwen3VLMoeForConditionalGeneration": {   # its router always renormalises the top k
                      "vocab_size": 151_936, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 24,
                      "num_attention_heads": 16, "num_key_value_heads": 16, "max_position_embeddings": 128_000,

@@ -36,6 +36,7 @@ TEXT_MODELS = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "language
                "Glm4vForConditionalGeneration": ("Glm4ForCausalLM", "language_model.", "glm4v_text"),
                "Glm46VForConditionalGeneration": ("Glm4ForCausalLM", "language_model.", "glm4v_text"),
                "Exaone4_5_ForConditionalGeneration": ("Exaone4ForCausalLM", "language_model.", "exaone4"),
+               "HYV4VLForConditionalGeneration": ("HYV4ForCausalLM", "language_model.", "hy_v4_vl_text"),
                "Kimi_K25ForConditionalGeneration": ("DeepseekV3ForCausalLM", "language_model.", "deepseek_v3"),
                "KimiK25ForConditionalGeneration": ("DeepseekV3ForCausalLM", "language_model.", "deepseek_v3"),
                # Apertus 1.5: its text model (`engine.model_defaults.APERTUS_1_5`); its image and audio tokenizers

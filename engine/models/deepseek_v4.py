@@ -22,10 +22,10 @@ CUDA graphs; a sequence's work is O(its length) a step (the indexer's scores, HC
 The residual stream is `streams` copies of the hidden state (manifold-constrained hyper-connections): a sublayer reads
 their mix (`pre`), and the streams become comb^T x streams + post x the sublayer's output, `comb` a doubly stochastic
 mix of the streams (Sinkhorn-Knopp, `sinkhorn_iters` steps), all three from one float32 projection of the normed
-streams (`V4HyperConnection`); the head reads a last mix (`V4HyperHead`). Experts: the score of each expert is
-sqrt(softplus(logit)) (or the config's `scoring_func`); the hash layers' experts a table of the token's id picks
-(`tid2eid`), the others' the best scores plus a correction bias; their scores renormalised, times
-`routed_scaling_factor`; every expert's SwiGLU, the shared one's too, clamped at `swiglu_limit`.
+streams (`engine.models.hyper_connections.SinkhornConnection`); the head reads a last mix (`SinkhornHead`). Experts:
+the score of each expert is sqrt(softplus(logit)) (or the config's `scoring_func`); the hash layers' experts a table
+of the token's id picks (`tid2eid`), the others' the best scores plus a correction bias; their scores renormalised,
+times `routed_scaling_factor`; every expert's SwiGLU, the shared one's too, clamped at `swiglu_limit`.
 
 The release's names (DeepSeek's: `attn.wq_a`, `ffn.experts.E.w1`, `hc_attn_fn`, ...) are read as transformers'
 conversion reads them (`RELEASE_NAMES`). Tensor parallelism: each rank its heads (whole groups of them: the ranks
@@ -49,6 +49,7 @@ from engine.deepseek_v4_config import DeepseekV4Shape
 from engine.layers.activation import ClampedSiluAndMul
 from engine.layers.rotary import rope_attention_factor, rope_inv_freq
 from engine.model_config import ModelConfig
+from engine.models.hyper_connections import SinkhornConnection, SinkhornHead, mixed, unit_rms
 from engine.models.qwen3_moe import Qwen3MoeForCausalLM, SparseMoeBlock
 from engine.parallel import Collectives, ShardShape
 from kernels import AttentionMetadata, fused
@@ -88,11 +89,6 @@ class V4Norm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         f = x.float()
         return (self.weight * (f * torch.rsqrt(f.square().mean(-1, keepdim=True) + self.eps))).to(x.dtype)
-
-
-def _unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x over its RMS (a norm without weight), the scale in x's dtype."""
-    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -239,7 +235,7 @@ class V4Attention(nn.Module):
         d = self.shape.head_dim
         cos, sin = rotary.at("main" if self.kind == "sliding" else "compress", positions, hidden.dtype)
         bottleneck = self.q_a_norm(self.q_a_proj(hidden))
-        q = _rotate(_unit_rms(self.q_b_proj(bottleneck).view(-1, self.heads, d), self.eps), cos, sin)
+        q = _rotate(unit_rms(self.q_b_proj(bottleneck).view(-1, self.heads, d), self.eps), cos, sin)
         kv = _rotate(self.kv_norm(self.kv_proj(hidden)), cos, sin)
         row = [kv]
         if self.compressor is not None:
@@ -361,52 +357,6 @@ class V4Attention(nn.Module):
         return at.gather(1, best), ready.gather(1, best)
 
 
-class V4HyperConnection(nn.Module):
-    """One sublayer's streams mix (the module docstring): `fn` [(2 + n) n, n x hidden], `base`, `scale` [3], float32."""
-
-    float32_parameters = True
-
-    def __init__(self, s: DeepseekV4Shape, hidden: int, eps: float) -> None:
-        super().__init__()
-        n = s.streams
-        self.n, self.iters, self.hc_eps, self.eps = n, s.sinkhorn_iters, s.hc_eps, eps
-        self.fn = nn.Parameter(torch.empty((2 + n) * n, n * hidden))
-        self.base = nn.Parameter(torch.empty((2 + n) * n))
-        self.scale = nn.Parameter(torch.empty(3))
-
-    def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """streams [T, n, hidden] -> (post [T, n], comb [T, n, n], the sublayer's input [T, hidden])."""
-        n = self.n
-        mixes = F.linear(_unit_rms(streams.flatten(1).float(), self.eps), self.fn)
-        pre = torch.sigmoid(mixes[:, :n] * self.scale[0] + self.base[:n]) + self.hc_eps
-        post = 2 * torch.sigmoid(mixes[:, n:2 * n] * self.scale[1] + self.base[n:2 * n])
-        comb = torch.softmax(mixes[:, 2 * n:].view(-1, n, n) * self.scale[2] + self.base[2 * n:].view(n, n), dim=-1)
-        comb = comb + self.hc_eps
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
-        for _ in range(self.iters - 1):
-            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.hc_eps)
-            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
-        return post, comb, (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
-
-
-class V4HyperHead(nn.Module):
-    """The head's mix of the streams: `hc_fn` [n, n x hidden], `hc_base` [n], `hc_scale` [1], float32."""
-
-    float32_parameters = True
-
-    def __init__(self, s: DeepseekV4Shape, hidden: int, eps: float) -> None:
-        super().__init__()
-        self.hc_eps, self.eps = s.hc_eps, eps
-        self.hc_fn = nn.Parameter(torch.empty(s.streams, s.streams * hidden))
-        self.hc_base = nn.Parameter(torch.empty(s.streams))
-        self.hc_scale = nn.Parameter(torch.empty(1))
-
-    def forward(self, streams: torch.Tensor) -> torch.Tensor:
-        mixes = F.linear(_unit_rms(streams.flatten(1).float(), self.eps), self.hc_fn)
-        pre = torch.sigmoid(mixes * self.hc_scale + self.hc_base) + self.hc_eps
-        return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
-
-
 class V4Router(nn.Module):
     """The router's weight (the model's dtype) and, by layer, its float32 correction bias or a hash layer's table of
     experts by token id (int32: `tid2eid`)."""
@@ -452,7 +402,7 @@ class V4Layer(nn.Module):
                  token_ids: list[torch.Tensor]) -> None:
         super().__init__()
         s, h, eps = config.deepseek_v4, config.hidden_size, config.rms_norm_eps
-        self.attn_hc, self.ffn_hc = V4HyperConnection(s, h, eps), V4HyperConnection(s, h, eps)
+        self.attn_hc, self.ffn_hc = SinkhornConnection(s, h, eps), SinkhornConnection(s, h, eps)
         self.input_layernorm, self.post_attention_layernorm = V4Norm(h, eps), V4Norm(h, eps)
         self.self_attn = V4Attention(config, shard, comm, layer)
         self.mlp = V4MoeBlock(config, shard, comm, ops, layer in s.hash_layers, token_ids)
@@ -460,15 +410,9 @@ class V4Layer(nn.Module):
     def forward(self, streams: torch.Tensor, positions: torch.Tensor, rotary: V4Rotary, cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         post, comb, x = self.attn_hc(streams)
-        streams = _mixed(streams, post, comb, self.self_attn(self.input_layernorm(x), positions, rotary, cache, meta))
+        streams = mixed(streams, post, comb, self.self_attn(self.input_layernorm(x), positions, rotary, cache, meta))
         post, comb, x = self.ffn_hc(streams)
-        return _mixed(streams, post, comb, self.mlp(self.post_attention_layernorm(x)))
-
-
-def _mixed(streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """comb^T x streams + post x out, in the streams' dtype (transformers' order)."""
-    dtype = streams.dtype
-    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(1) + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
+        return mixed(streams, post, comb, self.mlp(self.post_attention_layernorm(x)))
 
 
 class DeepseekV4ForCausalLM(Qwen3MoeForCausalLM):
@@ -481,7 +425,7 @@ class DeepseekV4ForCausalLM(Qwen3MoeForCausalLM):
         self.__dict__["_token_ids"] = []   # the step's ids, for the hash layers (a plain list, not a module)
         super().__init__(config, shard, comm, ops)
         s = config.deepseek_v4
-        self.hc_head = V4HyperHead(s, config.hidden_size, config.rms_norm_eps)
+        self.hc_head = SinkhornHead(s, config.hidden_size, config.rms_norm_eps)
         self.v4_rotary = V4Rotary(config)
 
     def make_rotary(self, ops: ModuleType) -> None:

@@ -4,12 +4,12 @@ hyper-connections.
 
 The residual stream is `streams` copies of the hidden state a token ([T, streams, hidden], the embedding's copies to
 begin with). Each sublayer (attention, then the MLP) reads one mix of them and writes its output into every one
-(`HyperConnection`): from the streams flattened, in float32, a projection `fn` (times the reciprocal RMS of the
-flattened streams) gives each stream a pre logit and a post logit; the sublayer's input is the streams' sum, stream s
-times sigmoid(pre_s x scale_0 + base_s) + eps, normed as usual; stream s then takes the output times magnitude x
-sigmoid(post_s x scale_1 + base_s') + eps, in float32, rounded to the model's dtype. The head reads a last mix
-(`HyperHead`: pre weights alone), then the final norm. The mixes are whole on every rank (the streams are: every
-sublayer's output is summed over the ranks first) and held in float32, as transformers holds them.
+(`engine.models.hyper_connections.HyperConnection`): from the streams flattened, in float32, a projection `fn` (times
+the reciprocal RMS of the flattened streams) gives each stream a pre logit and a post logit; the sublayer's input is
+the streams' sum, stream s times sigmoid(pre_s x scale_0 + base_s) + eps, normed as usual; stream s then takes the
+output times magnitude x sigmoid(post_s x scale_1 + base_s') + eps, in float32, rounded to the model's dtype. The head
+reads a last mix (`HyperHead`: pre weights alone), then the final norm. The mixes are whole on every rank (the streams
+are: every sublayer's output is summed over the ranks first) and held in float32, as transformers holds them.
 
 Past V3.2: each head's output (its value-space sum) is multiplied by sigmoid(`gate_proj` of the layer's input), per
 channel, before o_proj; each head has a learned sink logit in its softmax's denominator (`MlaAttention.sinks`, read by
@@ -26,76 +26,25 @@ from collections.abc import Callable, Iterable
 from types import ModuleType
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from engine.hy_v4_config import HyperConnections
 from engine.layers import RMSNorm, RopeRows, RotaryEmbedding
 from engine.layers.activation import ClampedSiluAndMul
 from engine.model import MLP
 from engine.model_config import ModelConfig
 from engine.models.deepseek import DeepseekMoeBlock
 from engine.models.deepseek_v32 import DeepseekV32ForCausalLM, DsaAttention
+from engine.models.hyper_connections import HyperConnection, HyperHead, written
 from engine.models.qwen3_moe import with_experts
 from engine.parallel import Collectives, ShardShape
 from kernels import AttentionMetadata, fused
 
-__all__ = ["HYV4ForCausalLM", "HyperConnection", "HyperHead"]
+__all__ = ["HYV4ForCausalLM"]
 
 # the release's names (as transformers' conversion mapping reads them, and saves them back), in order: the streams'
 # mixes under `hc_pre.`, the sinks, every `linear_gate` a gate_proj (the attention's output gate, the MLPs' gates)
 RELEASE_NAMES = ((".hc_pre.hc_", ".hc_"), (".learnable_sink_param", ".sinks"), (".linear_gate.", ".gate_proj."),
                  (".hc_attn_layer.hc_", ".attn_hc."), (".hc_mlp_layer.hc_", ".ffn_hc."), (".hc_head_", ".hc_"))
-
-
-def _inverse_rms(flat: torch.Tensor, eps: float) -> torch.Tensor:
-    """[T, 1]: 1 / RMS of each row of the flattened float32 streams (transformers' `HYV4UnweightedRMSNorm`)."""
-    return torch.rsqrt(flat.square().mean(-1, keepdim=True) + eps)
-
-
-class HyperConnection(nn.Module):
-    """One sublayer's mix of the streams (the module docstring): `fn` [2 x streams, streams x hidden], `base`
-    [2 x streams], `scale` [2], in float32 (`engine.models.build_model` reads `float32_parameters`)."""
-
-    float32_parameters = True
-
-    def __init__(self, hyper: HyperConnections, hidden: int, norm_eps: float) -> None:
-        super().__init__()
-        n = hyper.streams
-        self.streams, self.magnitude, self.eps, self.norm_eps = n, hyper.magnitude, hyper.eps, norm_eps
-        self.fn = nn.Parameter(torch.empty(2 * n, n * hidden))
-        self.base = nn.Parameter(torch.empty(2 * n))
-        self.scale = nn.Parameter(torch.empty(2))
-
-    def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """streams [T, streams, hidden] -> (each stream's post weight [T, streams] float32, the sublayer's input
-        [T, hidden] in the streams' dtype)."""
-        n, flat = self.streams, streams.flatten(1).float()
-        mixes = F.linear(flat, self.fn) * _inverse_rms(flat, self.norm_eps)
-        pre = torch.sigmoid(mixes[:, :n] * self.scale[0] + self.base[:n]) + self.eps
-        post = self.magnitude * torch.sigmoid(mixes[:, n:] * self.scale[1] + self.base[n:]) + self.eps
-        return post, (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
-
-
-class HyperHead(nn.Module):
-    """The last mix, before the final norm: `hc_fn` [streams, streams x hidden], `hc_base` [streams], `hc_scale` [1],
-    in float32."""
-
-    float32_parameters = True
-
-    def __init__(self, hyper: HyperConnections, hidden: int, norm_eps: float) -> None:
-        super().__init__()
-        n = hyper.streams
-        self.eps, self.norm_eps = hyper.eps, norm_eps
-        self.hc_fn = nn.Parameter(torch.empty(n, n * hidden))
-        self.hc_base = nn.Parameter(torch.empty(n))
-        self.hc_scale = nn.Parameter(torch.empty(1))
-
-    def forward(self, streams: torch.Tensor) -> torch.Tensor:
-        flat = streams.flatten(1).float()
-        mixes = F.linear(flat, self.hc_fn) * _inverse_rms(flat, self.norm_eps)
-        pre = torch.sigmoid(mixes * self.hc_scale + self.hc_base) + self.eps
-        return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
 
 
 class HYV4Attention(DsaAttention):
@@ -142,14 +91,9 @@ class HYV4Layer(nn.Module):
     def forward(self, streams: torch.Tensor, rope_rows: RopeRows, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata, backend) -> torch.Tensor:
         post, x = self.attn_hc(streams)
-        streams = _written(streams, post, self.self_attn(self.input_layernorm(x), rope_rows, kv_cache, meta, backend))
+        streams = written(streams, post, self.self_attn(self.input_layernorm(x), rope_rows, kv_cache, meta, backend))
         post, x = self.ffn_hc(streams)
-        return _written(streams, post, self.mlp(self.post_attention_layernorm(x)))
-
-
-def _written(streams: torch.Tensor, post: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Each stream plus the sublayer's output times its post weight, in float32, rounded to the streams' dtype."""
-    return (post.unsqueeze(-1) * out.float().unsqueeze(1) + streams.float()).to(streams.dtype)
+        return written(streams, post, self.mlp(self.post_attention_layernorm(x)))
 
 
 class HYV4ForCausalLM(DeepseekV32ForCausalLM):

@@ -1783,3 +1783,24 @@ def test_deepseek_v4_resumes_cached_prefixes_and_preempted_sequences(tmp_path, b
     assert stats.num_preemptions > 0 and (stats.num_swap_preemptions if mode == "swap" else
                                           stats.num_recompute_preemptions) == stats.num_preemptions
     assert_all_free(engine)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch, overrides", [("deepseek_v4", DEEPSEEK_V4), ("hy_v4", HYV4)])
+def test_on_cuda_the_models_of_hyper_connections_answer_as_transformers_does(tmp_path, builtin_path, arch, overrides):
+    """DeepSeek V4 (its attention and compressors torch on the device, its decode rows at once) and HY V4 (V3.2's
+    kernels with sinks, Triton's on CUDA) on a GPU in float32: the greedy tokens of transformers on the CPU."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    import transformers
+
+    folder = make_tiny_model(tmp_path / arch, arch, builtin_path, **overrides)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    engine = LLMEngine(EngineConfig(model=str(folder), device="cuda", dtype="float32", cache=CacheConfig(block_size=16),
+                                    pools=(PoolConfig(num_blocks=64, scheduler=SchedulerConfig(
+                                        max_num_seqs=8, max_num_batched_tokens=64)),)), progress=False)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (1, 5, 17, 40, 9)]
+    outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == [_hf_greedy(hf, p, 16, eos_ids=None) for p in prompts]
+    assert_all_free(engine)

@@ -2,7 +2,7 @@
 the HF-format InternVL, LLaVA, LLaVA-NeXT, LLaVA-OneVision, Aya Vision), served as the text model their text_config
 names: greedy text token-identical to transformers' own multimodal model on text input, from the checkpoint
 transformers saves (vision tower, projector and text model); a text model we do not serve refused by key. EXAONE
-4.5's too (`TEXT_MODELS`)."""
+4.5's and HY4-VL's too (`TEXT_MODELS`)."""
 
 from __future__ import annotations
 
@@ -97,3 +97,28 @@ def test_an_exaone_4_5_checkpoint_serves_its_text_model(tmp_path, builtin_path, 
     cfg["text_config"]["model_type"] = text_type
     (folder / "config.json").write_text(json.dumps(cfg))
     _assert_serves_its_text_model(hf, folder, builtin_path, "Exaone4ForCausalLM")
+
+
+def test_an_hy4_vl_checkpoint_serves_its_text_model(tmp_path, builtin_path):
+    """HY4-VL (`HYV4VLForConditionalGeneration`: a vision tower beside HY V4's text model, `hy_v4_vl_text`, whose
+    XD-RoPE turns text as one rope) served as HY V4; greedy text token-identical to transformers'."""
+    import transformers
+
+    from tests.engine.test_engine_vs_hf import HYV4
+
+    text = transformers.HYV4VLTextConfig(**{
+        "vocab_size": 512, "hidden_size": 64, "intermediate_size": 160, "num_attention_heads": 4,
+        "max_position_embeddings": 512, "initializer_range": 0.2, "rms_norm_eps": 1e-5, "bos_token_id": 1,
+        "eos_token_id": 2, **HYV4})
+    vision = transformers.HYV4VLVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, out_hidden_size=64)
+    torch.manual_seed(0)
+    hf = transformers.HYV4VLForConditionalGeneration(transformers.HYV4VLConfig(
+        text_config=text.to_dict(), vision_config=vision.to_dict())).eval()
+    with torch.no_grad():   # sinks, correction biases and the mixes' scales and bases away from their start
+        for name, tensor in [*hf.named_parameters(), *hf.named_buffers()]:
+            if name.endswith(("sinks", "e_score_correction_bias", "_hc.scale", "_hc.base", "hc_scale", "hc_base")):
+                tensor.normal_(0.0, 1.0)
+    folder = tmp_path / "hy4_vl"
+    hf.save_pretrained(folder)
+    _assert_serves_its_text_model(hf, folder, builtin_path, "HYV4ForCausalLM")

@@ -55,7 +55,8 @@ def rank(index: int, port: int = 0) -> None:
             group = join_group(torch.device("cpu"), 1, 2, f"tcp://127.0.0.1:{port}")
         total = torch.ones(1)
         torch.distributed.all_reduce(total, group=group)
-        print(index, int(total.item()), *listening_addresses(os.getpid()), flush=True)
+        line = " ".join(map(str, (index, int(total.item()), *listening_addresses(os.getpid())))) + "\n"
+        os.write(sys.stdout.fileno(), line.encode())   # one write: the two ranks' lines never interleave
         torch.distributed.barrier(group=group)
         torch.distributed.destroy_process_group()
     if index == 0:
