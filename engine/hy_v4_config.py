@@ -70,7 +70,11 @@ def hy_v4_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
     limit = read_float(cfg, "swiglu_limit", 10.0, positive=False)
     hyper = HyperConnections(streams=read_int(cfg, "hc_mult", 4), magnitude=read_float(cfg, "hc_magnitude", 2.0),
                              eps=read_float(cfg, "hc_eps", 1e-6, positive=False))
-    return {"mla": replace(mla, rope_interleave=False), "head_dim": mla.cache_dim, "num_kv_heads": 1,
+    vl = cfg.get("model_type") == "hy_v4_vl_text"   # HY4-VL's: interleaved pairs rotated (its rows reordered as
+    # read, the indexer's too), q's and the latent's norms at the model's epsilon
+    mla = replace(mla, rope_interleave=vl, index_rope_interleave=vl,
+                  latent_norm_eps=read_float(cfg, "rms_norm_eps", 1e-5) if vl else None)
+    return {"mla": mla, "head_dim": mla.cache_dim, "num_kv_heads": 1,
             "attention_sinks": True, "swiglu_limit": limit if limit > 0 else None, "hyper_connections": hyper,
             "stacked_experts": True,   # stacked as transformers saves them, or per expert
             **experts}

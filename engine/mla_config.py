@@ -52,6 +52,7 @@ class MlaShape:
     index_rope_interleave: bool = False
     q_gate: bool = False        # A.X-K2: q and a gate on each head's output, one projection of [normed, raw] q
     gated_norm_rank: int = 0    # A.X-K2: its norms' sigmoid gate through a bottleneck of this rank (0: plain norms)
+    latent_norm_eps: float | None = None   # HY4-VL's text model: q's and the latent's norms at it (None: 1e-6)
 
     @property
     def latent_dim(self) -> int:

@@ -31,7 +31,7 @@ from engine.laguna_config import LagunaShape
 from engine.hy_v4_config import HyperConnections
 from engine.deepseek_v4_config import DeepseekV4Shape
 from engine.model_params import GEMMA_ARCHITECTURES, count_params, float32_params
-from engine.multimodal_config import (FLAT_TEXT_CONFIGS, MROPE_TEXT, MULTIMODAL_ARCHITECTURES, is_multimodal,
+from engine.multimodal_config import (BARE_TEXT_WEIGHTS, FLAT_TEXT_CONFIGS, MROPE_TEXT, MULTIMODAL_ARCHITECTURES, is_multimodal,
                                       text_model)
 from engine.mla_config import MlaShape
 from engine.model_defaults import (DEFAULT_HEAD_DIM, DEFAULT_KV_HEADS, DEFAULT_MAX_POSITIONS, DEFAULT_RMS_NORM_EPS,
@@ -470,7 +470,7 @@ class ModelConfig:
                                          "eos_token_id": list(eos)})
         except ConfigError as exc:
             raise ConfigError(f"text_config.{exc}") from None
-        return replace(config, text_weights_prefix=prefix, bare_text_weights=arch in FLAT_TEXT_CONFIGS,
+        return replace(config, text_weights_prefix=prefix, bare_text_weights=arch in BARE_TEXT_WEIGHTS,
                        stacked_experts=config.stacked_experts or arch == "Qwen3VLMoeForConditionalGeneration")
 
     @classmethod

@@ -9,7 +9,7 @@ from typing import Any
 
 from engine.config import ConfigError
 
-__all__ = ["ANY_TEXT_MODELS", "FLAT_TEXT_CONFIGS", "MROPE_TEXT", "MULTIMODAL_ARCHITECTURES", "TEXT_MODELS",
+__all__ = ["ANY_TEXT_MODELS", "BARE_TEXT_WEIGHTS", "FLAT_TEXT_CONFIGS", "MROPE_TEXT", "MULTIMODAL_ARCHITECTURES", "TEXT_MODELS",
            "TEXT_MODEL_TYPES", "TEXT_TYPE_ARCHS", "is_multimodal", "text_model"]
 
 # Multimodal checkpoints served as their text model: architecture -> (the text model's, its weights' prefix, the
@@ -53,6 +53,8 @@ TEXT_MODEL_TYPES = {("Mistral3ForConditionalGeneration", "ministral3"): "Ministr
                     # EXAONE 4.5's hub config.json names its text model exaone4_5_text: read as EXAONE 4's
                     ("Exaone4_5_ForConditionalGeneration", "exaone4_5_text"): "Exaone4ForCausalLM"}
 FLAT_TEXT_CONFIGS = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+# their text model's tensors at `model.` itself, the vision tower's elsewhere (Qwen2-VL's at `visual.`, HY4-VL's at `vit.`)
+BARE_TEXT_WEIGHTS = (*FLAT_TEXT_CONFIGS, "HYV4VLForConditionalGeneration")
 MROPE_TEXT = ("Qwen", "Glm4v", "Glm46V")   # their text configs read through `vl_text_keys` (MRoPE, saved names)
 
 # Multimodal checkpoints whose text model may be one of several families, named by the text_config's model_type (its

@@ -92,12 +92,12 @@ class MlaAttention(nn.Module):
         qk = mla.qk_nope_head_dim + mla.qk_rope_head_dim
         if mla.q_lora_rank:
             self.q_a_proj = nn.Linear(hidden, mla.q_lora_rank, bias=bias)
-            self.q_a_layernorm = RMSNorm(mla.q_lora_rank, LATENT_NORM_EPS, ops)
+            self.q_a_layernorm = RMSNorm(mla.q_lora_rank, mla.latent_norm_eps or LATENT_NORM_EPS, ops)
             self.q_b_proj = nn.Linear(mla.q_lora_rank, self.num_heads * qk, bias=False)
         else:
             self.q_proj = nn.Linear(hidden, self.num_heads * qk, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(hidden, mla.latent_dim, bias=bias)
-        self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, LATENT_NORM_EPS, ops)
+        self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, mla.latent_norm_eps or LATENT_NORM_EPS, ops)
         self.kv_b_proj = LatentUpProjection(self.num_heads, mla.qk_nope_head_dim + mla.v_head_dim, mla.kv_lora_rank)
         self.o_proj = nn.Linear(self.num_heads * mla.v_head_dim, hidden, bias=bias)
         # Ling 3: each head's output x sigmoid(its row of g_proj over the layer's input)

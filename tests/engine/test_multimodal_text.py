@@ -100,8 +100,9 @@ def test_an_exaone_4_5_checkpoint_serves_its_text_model(tmp_path, builtin_path, 
 
 
 def test_an_hy4_vl_checkpoint_serves_its_text_model(tmp_path, builtin_path):
-    """HY4-VL (`HYV4VLForConditionalGeneration`: a vision tower beside HY V4's text model, `hy_v4_vl_text`, whose
-    XD-RoPE turns text as one rope) served as HY V4; greedy text token-identical to transformers'."""
+    """HY4-VL (`HYV4VLForConditionalGeneration`: a vision tower at `vit.` beside HY V4's text model at `model.`,
+    `hy_v4_vl_text`, whose XD-RoPE turns text as one rope, over interleaved pairs) served as HY V4; greedy text
+    token-identical to transformers'."""
     import transformers
 
     from tests.engine.test_engine_vs_hf import HYV4
@@ -109,7 +110,8 @@ def test_an_hy4_vl_checkpoint_serves_its_text_model(tmp_path, builtin_path):
     text = transformers.HYV4VLTextConfig(**{
         "vocab_size": 512, "hidden_size": 64, "intermediate_size": 160, "num_attention_heads": 4,
         "max_position_embeddings": 512, "initializer_range": 0.2, "rms_norm_eps": 1e-5, "bos_token_id": 1,
-        "eos_token_id": 2, **HYV4})
+        "eos_token_id": 2, **HYV4,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}})
     vision = transformers.HYV4VLVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                              num_attention_heads=2, out_hidden_size=64)
     torch.manual_seed(0)
@@ -121,4 +123,6 @@ def test_an_hy4_vl_checkpoint_serves_its_text_model(tmp_path, builtin_path):
                 tensor.normal_(0.0, 1.0)
     folder = tmp_path / "hy4_vl"
     hf.save_pretrained(folder)
+    mla = ModelConfig.from_folder(folder).mla   # its rotary's interleaved pairs; q's and the latent's norms at 1e-5
+    assert (mla.rope_interleave, mla.index_rope_interleave, mla.latent_norm_eps) == (True, True, 1e-5)
     _assert_serves_its_text_model(hf, folder, builtin_path, "HYV4ForCausalLM")
