@@ -18,6 +18,10 @@ from engine.deepseek_v4_config import DEEPSEEK_V4_DEFAULTS
 _QWEN2_VL_TEXT = {"vocab_size": 152_064, "hidden_size": 8192, "intermediate_size": 29_568, "num_hidden_layers": 80,
                   "num_attention_heads": 64, "num_key_value_heads": 8, "max_position_embeddings": 32_768,
                   "rms_norm_eps": 1e-5, "rope_theta": 1_000_000.0, "bos_token_id": 151_643, "eos_token_id": 151_645}
+# ERNIE 4.5 VL's text model (Ernie4_5_VLMoeTextConfig's: ERNIE-4.5-VL-28B-A3B's; its experts text's, then vision's)
+_ERNIE_VL_TEXT = {"vocab_size": 103_424, "hidden_size": 2560, "intermediate_size": 12_288, "num_hidden_layers": 28,
+                  "num_attention_heads": 20, "num_key_value_heads": 4, "max_position_embeddings": 131_072,
+                  "rms_norm_eps": 1e-5, "rope_theta": 500_000.0, "moe_intermediate_size": [1536, 512]}
 TEXT_DEFAULTS = {"Qwen2VLForConditionalGeneration": _QWEN2_VL_TEXT,
                  "Qwen2_5_VLForConditionalGeneration": _QWEN2_VL_TEXT,
                  "Qwen3VLForConditionalGeneration": {
@@ -25,6 +29,8 @@ TEXT_DEFAULTS = {"Qwen2VLForConditionalGeneration": _QWEN2_VL_TEXT,
                      "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 128,
                      "max_position_embeddings": 128_000, "rms_norm_eps": 1e-6, "rope_theta": 500_000.0},
                  "HYV4VLForConditionalGeneration": HY_V4_VL_TEXT,
+                 **dict.fromkeys(("Ernie4_5_VLMoeForConditionalGeneration", "Ernie4_5_VL_MoeForConditionalGeneration"),
+                                 _ERNIE_VL_TEXT),
                  "Qwen3VLMoeForConditionalGeneration": {   # its router always renormalises the top k
                      "vocab_size": 151_936, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 24,
                      "num_attention_heads": 16, "num_key_value_heads": 16, "max_position_embeddings": 128_000,

@@ -417,11 +417,15 @@ def ernie4_5_moe_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
     check_silu(cfg, "ERNIE 4.5")
     if read_bool(cfg, "use_bias", False):
         raise ConfigError("use_bias: ERNIE 4.5's MoE models are served without biases (as its checkpoints), got true")
+    cfg = {**cfg, **{key: cfg[key][0] for key in ("moe_num_experts", "moe_intermediate_size")   # ERNIE 4.5 VL's:
+                     if isinstance(cfg.get(key), list) and cfg[key]}}   # [text, vision]: its text experts'
     experts, moe_i = read_int(cfg, "moe_num_experts", 64), read_int(cfg, "moe_intermediate_size", 1536)
     start, interval = read_int(cfg, "moe_layer_start_index", 1, minimum=0), read_int(cfg, "moe_layer_interval", 1)
     end = read_int(cfg, "moe_layer_end_index", -1, minimum=-1)
     end = num_layers - 1 if end == -1 else end
     sparse = [i for i in range(num_layers) if (i + 1) % interval == 0 and start <= i <= end]
+    if cfg.get("mlp_layer_types") is not None:   # ERNIE 4.5 VL's text model: dense or sparse, each layer
+        sparse = [i for i in range(num_layers) if i not in dense_layers(cfg, num_layers, 0)]
     return {"num_experts": experts, "num_experts_per_tok": read_int(cfg, "moe_k", 6), "moe_intermediate_size": moe_i,
             "norm_topk_prob": True, "moe_router": "ernie4_5",
             "mlp_only_layers": tuple(i for i in range(num_layers) if i not in sparse),

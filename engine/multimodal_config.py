@@ -9,8 +9,8 @@ from typing import Any
 
 from engine.config import ConfigError
 
-__all__ = ["ANY_TEXT_MODELS", "BARE_TEXT_WEIGHTS", "FLAT_TEXT_CONFIGS", "MROPE_TEXT", "MULTIMODAL_ARCHITECTURES", "TEXT_MODELS",
-           "TEXT_MODEL_TYPES", "TEXT_TYPE_ARCHS", "is_multimodal", "text_model"]
+__all__ = ["ANY_TEXT_MODELS", "BARE_TEXT_WEIGHTS", "FLAT_TEXT_CONFIGS", "MROPE_TEXT", "MULTIMODAL_ARCHITECTURES",
+           "TEXT_MODELS", "TEXT_MODEL_TYPES", "TEXT_TYPE_ARCHS", "is_multimodal", "text_model"]
 
 # Multimodal checkpoints served as their text model: architecture -> (the text model's, its weights' prefix, the
 # text_config's model_type where it names one: another family's text model is refused by that key). Qwen's VL models
@@ -37,6 +37,9 @@ TEXT_MODELS = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "language
                "Glm46VForConditionalGeneration": ("Glm4ForCausalLM", "language_model.", "glm4v_text"),
                "Exaone4_5_ForConditionalGeneration": ("Exaone4ForCausalLM", "language_model.", "exaone4"),
                "HYV4VLForConditionalGeneration": ("HYV4ForCausalLM", "language_model.", "hy_v4_vl_text"),
+               # ERNIE 4.5 VL: its text experts alone (the vision experts, the second half, not read)
+               **dict.fromkeys(("Ernie4_5_VLMoeForConditionalGeneration", "Ernie4_5_VL_MoeForConditionalGeneration"),
+                               ("Ernie4_5_MoeForCausalLM", "language_model.", "ernie4_5_vl_moe_text")),
                "Kimi_K25ForConditionalGeneration": ("DeepseekV3ForCausalLM", "language_model.", "deepseek_v3"),
                "KimiK25ForConditionalGeneration": ("DeepseekV3ForCausalLM", "language_model.", "deepseek_v3"),
                # Apertus 1.5: its text model (`engine.model_defaults.APERTUS_1_5`); its image and audio tokenizers
@@ -53,8 +56,9 @@ TEXT_MODEL_TYPES = {("Mistral3ForConditionalGeneration", "ministral3"): "Ministr
                     # EXAONE 4.5's hub config.json names its text model exaone4_5_text: read as EXAONE 4's
                     ("Exaone4_5_ForConditionalGeneration", "exaone4_5_text"): "Exaone4ForCausalLM"}
 FLAT_TEXT_CONFIGS = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
-# their text model's tensors at `model.` itself, the vision tower's elsewhere (Qwen2-VL's at `visual.`, HY4-VL's at `vit.`)
-BARE_TEXT_WEIGHTS = (*FLAT_TEXT_CONFIGS, "HYV4VLForConditionalGeneration")
+# their text model's tensors at `model.` itself, the rest elsewhere (`engine.weights.VISION_PREFIXES`, HY4-VL's `vit.`)
+BARE_TEXT_WEIGHTS = (*FLAT_TEXT_CONFIGS, "HYV4VLForConditionalGeneration", "Ernie4_5_VLMoeForConditionalGeneration",
+                     "Ernie4_5_VL_MoeForConditionalGeneration")
 MROPE_TEXT = ("Qwen", "Glm4v", "Glm46V")   # their text configs read through `vl_text_keys` (MRoPE, saved names)
 
 # Multimodal checkpoints whose text model may be one of several families, named by the text_config's model_type (its

@@ -154,14 +154,19 @@ def weights_bytes(folder: Path) -> int:
     return total
 
 
+# where a multimodal checkpoint whose text model lies at `model.` itself keeps the rest beside it (ERNIE 4.5 VL's
+# vision tower and resampler; Qwen2-VL's `visual.` and HY4-VL's `vit.` lie at the top)
+VISION_PREFIXES = ("visual.", "vision_model.", "resampler_model.")
+
+
 def model_tensor_name(hf_name: str, text_prefix: str = "", bare_text: bool = False) -> str | None:
     """A checkpoint tensor's name in the model, without "model." (`text_prefix`: a multimodal checkpoint's
     text model, `ModelConfig.text_weights_prefix`, whose head transformers 5's own layout keeps at the top:
-    `lm_head.weight`; `bare_text`: or, the layout before it, at `model.` beside a vision tower at `visual.`,
+    `lm_head.weight`; `bare_text`: or, the layout before it, at `model.` beside a vision tower (`VISION_PREFIXES`),
     `ModelConfig.bare_text_weights`); None for a tensor outside the text model."""
     name = hf_name.removeprefix("model.")
     if text_prefix and hf_name != "lm_head.weight":
-        if bare_text and hf_name.startswith("model.") and not name.startswith((text_prefix, "visual.")):
+        if bare_text and hf_name.startswith("model.") and not name.startswith((text_prefix, *VISION_PREFIXES)):
             return name
         if not name.startswith(text_prefix):
             return None

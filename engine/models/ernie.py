@@ -35,6 +35,18 @@ class Ernie45MoeForCausalLM(InterleavedRotaryWeights, Qwen3MoeForCausalLM):
     moe_block = DeepseekMoeBlock
 
     def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
-        if name.endswith(".mlp.moe_statics.e_score_correction_bias"):   # [1, experts]: one group's
-            name, tensor = name.replace(".mlp.moe_statics.", ".mlp.gate.", 1), tensor.reshape(-1)
+        """The router's correction bias under our name ([1, experts]: one group's; ERNIE 4.5 VL's [2, experts]: the
+        text experts' first); ERNIE 4.5 VL's (its text model's tensors: `text_weights_prefix`) text experts alone,
+        the first `num_experts` (the vision experts past them, the vision router `gate.weight_1`, skipped), its
+        router stored [hidden, experts]."""
+        vl = bool(self.config.text_weights_prefix)
+        if name.endswith(".mlp.moe_statics.e_score_correction_bias"):
+            name, tensor = name.replace(".mlp.moe_statics.", ".mlp.gate.", 1), tensor[0] if vl else tensor.reshape(-1)
+        if vl and name.endswith(".mlp.gate.weight_1"):
+            return ()
+        if vl and name.endswith(".mlp.gate.weight"):
+            tensor = tensor.t()
+        expert = name.split(".mlp.experts.")[1].split(".")[0] if ".mlp.experts." in name else ""
+        if vl and expert.isdigit() and int(expert) >= self.config.num_experts:
+            return ()
         return super().read_tensor(hf_name, moe_checkpoint_name(self.config, name) or name, tensor)

@@ -126,3 +126,30 @@ def test_an_hy4_vl_checkpoint_serves_its_text_model(tmp_path, builtin_path):
     mla = ModelConfig.from_folder(folder).mla   # its rotary's interleaved pairs; q's and the latent's norms at 1e-5
     assert (mla.rope_interleave, mla.index_rope_interleave, mla.latent_norm_eps) == (True, True, 1e-5)
     _assert_serves_its_text_model(hf, folder, builtin_path, "HYV4ForCausalLM")
+
+
+def test_an_ernie_4_5_vl_checkpoint_serves_its_text_model(tmp_path, builtin_path):
+    """ERNIE 4.5 VL (`Ernie4_5_VLMoeForConditionalGeneration`: a vision tower and a resampler at `model.` beside its
+    text model, whose layers hold text experts and vision experts side by side, 8 and 8 of their own sizes) served as
+    ERNIE 4.5's MoE text model on its text experts (its interleaved 3-D rotary one rope on text); greedy text
+    token-identical to transformers'."""
+    import transformers
+
+    text = transformers.Ernie4_5_VLMoeTextConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2, rms_norm_eps=1e-5, bos_token_id=1,
+        eos_token_id=2, pad_token_id=0, moe_num_experts=8, moe_k=2, moe_num_shared_experts=1,
+        moe_intermediate_size=[32, 16], rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                         "mrope_section": [2, 2, 4]})
+    vision = type(transformers.Ernie4_5_VLMoeConfig().vision_config)(depth=1, hidden_size=32, intermediate_size=64,
+                                                                     num_heads=2)
+    torch.manual_seed(0)
+    hf = transformers.Ernie4_5_VLMoeForConditionalGeneration(transformers.Ernie4_5_VLMoeConfig(
+        text_config=text.to_dict(), vision_config=vision.to_dict())).eval()
+    with torch.no_grad():   # the correction biases and the routers away from their start at zero
+        for name, tensor in hf.named_parameters():
+            if name.endswith(("e_score_correction_bias", "gate.weight")) and ".mlp." in name:
+                tensor.normal_(0.0, 0.5)
+    folder = tmp_path / "ernie4_5_vl"
+    hf.save_pretrained(folder)
+    _assert_serves_its_text_model(hf, folder, builtin_path, "Ernie4_5_MoeForCausalLM")
