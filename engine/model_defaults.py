@@ -29,6 +29,10 @@ TEXT_DEFAULTS = {"Qwen2VLForConditionalGeneration": _QWEN2_VL_TEXT,
                      "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 128,
                      "max_position_embeddings": 128_000, "rms_norm_eps": 1e-6, "rope_theta": 500_000.0},
                  "HYV4VLForConditionalGeneration": HY_V4_VL_TEXT,
+                 "HunYuanVLForConditionalGeneration": {   # HunYuanVLTextConfig's (HunYuan-OCR's text model)
+                     "vocab_size": 290_943, "hidden_size": 4096, "intermediate_size": 11_008, "num_hidden_layers": 32,
+                     "num_attention_heads": 32, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
+                     "tie_word_embeddings": True},
                  **dict.fromkeys(("Ernie4_5_VLMoeForConditionalGeneration", "Ernie4_5_VL_MoeForConditionalGeneration"),
                                  _ERNIE_VL_TEXT),
                  "Qwen3VLMoeForConditionalGeneration": {   # its router always renormalises the top k

@@ -37,6 +37,7 @@ TEXT_MODELS = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "language
                "Glm46VForConditionalGeneration": ("Glm4ForCausalLM", "language_model.", "glm4v_text"),
                "Exaone4_5_ForConditionalGeneration": ("Exaone4ForCausalLM", "language_model.", "exaone4"),
                "HYV4VLForConditionalGeneration": ("HYV4ForCausalLM", "language_model.", "hy_v4_vl_text"),
+               "HunYuanVLForConditionalGeneration": ("HunYuanDenseV1ForCausalLM", "language_model.", "hunyuan_vl_text"),
                # ERNIE 4.5 VL: its text experts alone (the vision experts, the second half, not read)
                **dict.fromkeys(("Ernie4_5_VLMoeForConditionalGeneration", "Ernie4_5_VL_MoeForConditionalGeneration"),
                                ("Ernie4_5_MoeForCausalLM", "language_model.", "ernie4_5_vl_moe_text")),
@@ -56,9 +57,10 @@ TEXT_MODEL_TYPES = {("Mistral3ForConditionalGeneration", "ministral3"): "Ministr
                     # EXAONE 4.5's hub config.json names its text model exaone4_5_text: read as EXAONE 4's
                     ("Exaone4_5_ForConditionalGeneration", "exaone4_5_text"): "Exaone4ForCausalLM"}
 FLAT_TEXT_CONFIGS = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
-# their text model's tensors at `model.` itself, the rest elsewhere (`engine.weights.VISION_PREFIXES`, HY4-VL's `vit.`)
+# their text model's tensors at `model.` itself, the rest elsewhere (`engine.weights.VISION_PREFIXES`; HY4-VL's and
+# HunYuan-VL's `vit.`)
 BARE_TEXT_WEIGHTS = (*FLAT_TEXT_CONFIGS, "HYV4VLForConditionalGeneration", "Ernie4_5_VLMoeForConditionalGeneration",
-                     "Ernie4_5_VL_MoeForConditionalGeneration")
+                     "Ernie4_5_VL_MoeForConditionalGeneration", "HunYuanVLForConditionalGeneration")
 MROPE_TEXT = ("Qwen", "Glm4v", "Glm46V")   # their text configs read through `vl_text_keys` (MRoPE, saved names)
 
 # Multimodal checkpoints whose text model may be one of several families, named by the text_config's model_type (its

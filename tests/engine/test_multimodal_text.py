@@ -153,3 +153,29 @@ def test_an_ernie_4_5_vl_checkpoint_serves_its_text_model(tmp_path, builtin_path
     folder = tmp_path / "ernie4_5_vl"
     hf.save_pretrained(folder)
     _assert_serves_its_text_model(hf, folder, builtin_path, "Ernie4_5_MoeForCausalLM")
+
+
+def test_a_hunyuan_vl_checkpoint_serves_its_text_model(tmp_path, builtin_path):
+    """HunYuan-VL (`HunYuanVLForConditionalGeneration`: a vision tower at `vit.` beside Hunyuan's dense text model at
+    `model.`, `hunyuan_vl_text`, whose XD-RoPE of four axes turns text as one rope, its base stretched by `alpha`)
+    served as Hunyuan's dense model; greedy text token-identical to transformers'."""
+    import transformers
+
+    text = transformers.HunYuanVLTextConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2, rms_norm_eps=1e-5, bos_token_id=1,
+        eos_token_id=2, pad_token_id=0, head_dim=16, rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0,
+                                                                      "alpha": 1000.0, "factor": 1.0,
+                                                                      "mrope_section": [2, 2, 2, 2]})
+    vision = transformers.HunYuanVLVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                num_attention_heads=2, out_hidden_size=64, text_hidden_size=64)
+    torch.manual_seed(0)
+    hf = transformers.HunYuanVLForConditionalGeneration(transformers.HunYuanVLConfig(
+        text_config=text.to_dict(), vision_config=vision.to_dict())).eval()
+    with torch.no_grad():   # q/k norms away from their start at 1: normed before or after the rotary would show
+        for name, param in hf.named_parameters():
+            if name.endswith(("query_layernorm.weight", "key_layernorm.weight")):
+                param.normal_(1.0, 0.5)
+    folder = tmp_path / "hunyuan_vl"
+    hf.save_pretrained(folder)
+    _assert_serves_its_text_model(hf, folder, builtin_path, "HunYuanDenseV1ForCausalLM")
