@@ -38,6 +38,16 @@ TEXT_MODELS = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "language
                "Exaone4_5_ForConditionalGeneration": ("Exaone4ForCausalLM", "language_model.", "exaone4"),
                "HYV4VLForConditionalGeneration": ("HYV4ForCausalLM", "language_model.", "hy_v4_vl_text"),
                "HunYuanVLForConditionalGeneration": ("HunYuanDenseV1ForCausalLM", "language_model.", "hunyuan_vl_text"),
+               # their text models at `model.language_model.` (SmolVLM's and Idefics3's at `model.text_model.`)
+               "Cohere2VisionForConditionalGeneration": ("Cohere2ForCausalLM", "language_model.", "cohere2"),
+               **dict.fromkeys(("MiniCPMV4_6ForConditionalGeneration", "MiniCPMV4_7ForConditionalGeneration",
+                                "MiniCPMOcrForConditionalGeneration"),
+                               ("Qwen3_5ForCausalLM", "language_model.", "qwen3_5_text")),
+               "LightOnOcrForConditionalGeneration": ("Qwen3ForCausalLM", "language_model.", "qwen3"),
+               "HyperCLOVAXVisionV2ForConditionalGeneration": ("HyperCLOVAXForCausalLM", "language_model.",
+                                                               "hyperclovax"),
+               **dict.fromkeys(("SmolVLMForConditionalGeneration", "Idefics3ForConditionalGeneration"),
+                               ("LlamaForCausalLM", "text_model.", "llama")),
                # ERNIE 4.5 VL: its text experts alone (the vision experts, the second half, not read)
                **dict.fromkeys(("Ernie4_5_VLMoeForConditionalGeneration", "Ernie4_5_VL_MoeForConditionalGeneration"),
                                ("Ernie4_5_MoeForCausalLM", "language_model.", "ernie4_5_vl_moe_text")),

@@ -986,17 +986,16 @@ def test_a_multimodal_llama4_checkpoint_serves_its_text_model(tmp_path, builtin_
     _assert_serves_its_text_model(hf.language_model, folder, builtin_path, "Llama4ForCausalLM")
 
 
-def _assert_serves_its_text_model(hf, folder, builtin_path, text_arch: str) -> None:
+def _assert_serves_its_text_model(hf, folder, builtin_path, text_arch: str, prefix: str = "language_model.") -> None:
     """The multimodal checkpoint `hf` saved in `folder` serves as its text model `text_arch` (the tensors under
-    `language_model.`), and its greedy text equals transformers' multimodal model's on text input."""
+    `prefix`), and its greedy text equals transformers' multimodal model's on text input."""
     import shutil
 
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(builtin_path / name, folder / name)
     engine = LLMEngine.from_args(str(folder), dtype="float32", block_size=8, num_blocks=64, max_num_batched_tokens=64,
                                  progress=False)
-    assert (engine.model_config.architecture, engine.model_config.text_weights_prefix) == \
-        (text_arch, "language_model.")
+    assert (engine.model_config.architecture, engine.model_config.text_weights_prefix) == (text_arch, prefix)
     # the weights it reports holding are the text model's (the checkpoint on disk holds the vision tower too)
     assert engine.weights_bytes == sum(p.numel() * p.element_size() for p in engine.model.parameters())
     gen = torch.Generator().manual_seed(1)

@@ -179,3 +179,45 @@ def test_a_hunyuan_vl_checkpoint_serves_its_text_model(tmp_path, builtin_path):
     folder = tmp_path / "hunyuan_vl"
     hf.save_pretrained(folder)
     _assert_serves_its_text_model(hf, folder, builtin_path, "HunYuanDenseV1ForCausalLM")
+
+
+# wrapper -> (its text model's model_type and keys, the architecture served, where its tensors lie)
+VISION_WRAPPERS = {
+    "cohere2_vision": ("cohere2", {"sliding_window": 8}, "Cohere2ForCausalLM", "language_model."),
+    "minicpmv4_6": ("qwen3_5_text", {"head_dim": 16, "layer_types": ["linear_attention", "full_attention"],
+                                     "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+                                     "linear_value_head_dim": 8}, "Qwen3_5ForCausalLM", "language_model."),
+    "lighton_ocr": ("qwen3", {"head_dim": 16}, "Qwen3ForCausalLM", "language_model."),
+    "hyperclovax_vision_v2": ("hyperclovax", {"embedding_multiplier": 3.0, "residual_multiplier": 0.5,
+                                              "logits_scaling": 2.0}, "HyperCLOVAXForCausalLM", "language_model."),
+    "smolvlm": ("llama", {}, "LlamaForCausalLM", "text_model."),
+}
+
+
+@pytest.mark.parametrize("wrapper", list(VISION_WRAPPERS))
+def test_a_vision_checkpoint_serves_its_text_model(tmp_path, builtin_path, wrapper):
+    """Command A Vision (`cohere2_vision`), MiniCPM-V 4.6 (Qwen3.5's hybrid text model), LightOnOCR (Qwen3),
+    HyperCLOVA X SEED Vision (`hyperclovax_vision_v2`) and SmolVLM (Idefics3's layout: `model.text_model.`), each its
+    config class's vision tower shrunk around a tiny text model: greedy text token-identical to transformers'."""
+    import transformers
+
+    kind, keys, arch, prefix = VISION_WRAPPERS[wrapper]
+    text = transformers.AutoConfig.for_model(kind, **{
+        "vocab_size": 512, "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512, "initializer_range": 0.2,
+        "rms_norm_eps": 1e-5, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, **keys})
+    vision = transformers.AutoConfig.for_model(wrapper).vision_config
+    for key, value in dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, depth=1,
+                           num_heads=2, out_hidden_size=64).items():
+        if hasattr(vision, key):
+            setattr(vision, key, value)
+    config = transformers.AutoConfig.for_model(wrapper, text_config=text.to_dict(), vision_config=vision.to_dict())
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForImageTextToText.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():   # Qwen3.5's decay rates small (a state holds tens of tokens), as the tiny models' are
+        for name, param in hf.named_parameters():
+            if name.endswith("A_log"):
+                param.uniform_(-6.0, -4.0)
+    folder = tmp_path / wrapper
+    hf.save_pretrained(folder)
+    _assert_serves_its_text_model(hf, folder, builtin_path, arch, prefix)
