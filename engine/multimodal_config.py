@@ -75,10 +75,16 @@ MROPE_TEXT = ("Qwen", "Glm4v", "Glm46V")   # their text configs read through `vl
 
 # Multimodal checkpoints whose text model may be one of several families, named by the text_config's model_type (its
 # config class's default where absent): the HF-format InternVL (InternVL3, InternVL3.5), LLaVA (LLaVA 1.5, Pixtral
-# 12B as llava-hf publishes it), LLaVA-NeXT, LLaVA-OneVision and Aya Vision, their text models at `language_model.`
+# 12B as llava-hf publishes it), LLaVA-NeXT, LLaVA-OneVision, Aya Vision and those below, their text models at
+# `language_model.` (under `model.`, or the older layout's `language_model.model.`)
 ANY_TEXT_MODELS = {"InternVLForConditionalGeneration": "qwen2", "LlavaForConditionalGeneration": "llama",
                    "LlavaNextForConditionalGeneration": "llama", "LlavaOnevisionForConditionalGeneration": "qwen2",
-                   "AyaVisionForConditionalGeneration": "cohere2"}
+                   "AyaVisionForConditionalGeneration": "cohere2",
+                   # and VipLLaVA, Video-LLaVA, LLaVA-NeXT-Video, GOT-OCR 2.0, Ovis2, VideoLLaMA3, DeepSeek-VL
+                   "VipLlavaForConditionalGeneration": "llama", "VideoLlavaForConditionalGeneration": "llama",
+                   "LlavaNextVideoForConditionalGeneration": "llama", "GotOcr2ForConditionalGeneration": "qwen2",
+                   "Ovis2ForConditionalGeneration": "qwen2", "VideoLlama3ForConditionalGeneration": "qwen2",
+                   "DeepseekVLForConditionalGeneration": "llama"}
 # the text models they are served as, by model_type
 TEXT_TYPE_ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                    "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",

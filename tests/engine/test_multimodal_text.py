@@ -191,14 +191,22 @@ VISION_WRAPPERS = {
     "hyperclovax_vision_v2": ("hyperclovax", {"embedding_multiplier": 3.0, "residual_multiplier": 0.5,
                                               "logits_scaling": 2.0}, "HyperCLOVAXForCausalLM", "language_model."),
     "smolvlm": ("llama", {}, "LlamaForCausalLM", "text_model."),
+    "vipllava": ("llama", {}, "LlamaForCausalLM", "language_model."),
+    "video_llava": ("llama", {}, "LlamaForCausalLM", "language_model."),
+    "llava_next_video": ("mistral", {}, "MistralForCausalLM", "language_model."),
+    "got_ocr2": ("qwen2", {}, "Qwen2ForCausalLM", "language_model."),
+    "ovis2": ("qwen2", {}, "Qwen2ForCausalLM", "language_model."),
+    "video_llama_3": ("qwen2", {}, "Qwen2ForCausalLM", "language_model."),
+    "deepseek_vl": ("llama", {}, "LlamaForCausalLM", "language_model."),
 }
 
 
 @pytest.mark.parametrize("wrapper", list(VISION_WRAPPERS))
 def test_a_vision_checkpoint_serves_its_text_model(tmp_path, builtin_path, wrapper):
     """Command A Vision (`cohere2_vision`), MiniCPM-V 4.6 (Qwen3.5's hybrid text model), LightOnOCR (Qwen3),
-    HyperCLOVA X SEED Vision (`hyperclovax_vision_v2`) and SmolVLM (Idefics3's layout: `model.text_model.`), each its
-    config class's vision tower shrunk around a tiny text model: greedy text token-identical to transformers'."""
+    HyperCLOVA X SEED Vision (`hyperclovax_vision_v2`), SmolVLM (Idefics3's layout: `model.text_model.`), VipLLaVA,
+    Video-LLaVA and LLaVA-NeXT-Video, GOT-OCR 2.0, Ovis2, VideoLLaMA3 and DeepSeek-VL, each its config class's vision
+    tower shrunk around a tiny text model: greedy text token-identical to transformers'."""
     import transformers
 
     kind, keys, arch, prefix = VISION_WRAPPERS[wrapper]
