@@ -38,7 +38,8 @@ TEXT_MODELS = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "language
                "Exaone4_5_ForConditionalGeneration": ("Exaone4ForCausalLM", "language_model.", "exaone4"),
                "HYV4VLForConditionalGeneration": ("HYV4ForCausalLM", "language_model.", "hy_v4_vl_text"),
                "HunYuanVLForConditionalGeneration": ("HunYuanDenseV1ForCausalLM", "language_model.", "hunyuan_vl_text"),
-               # their text models at `model.language_model.` (SmolVLM's and Idefics3's at `model.text_model.`)
+               # their text models at `model.language_model.` (SmolVLM's, Idefics2's and Idefics3's at
+               # `model.text_model.`)
                "Cohere2VisionForConditionalGeneration": ("Cohere2ForCausalLM", "language_model.", "cohere2"),
                **dict.fromkeys(("MiniCPMV4_6ForConditionalGeneration", "MiniCPMV4_7ForConditionalGeneration",
                                 "MiniCPMOcrForConditionalGeneration"),
@@ -48,6 +49,9 @@ TEXT_MODELS = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "language
                                                                "hyperclovax"),
                **dict.fromkeys(("SmolVLMForConditionalGeneration", "Idefics3ForConditionalGeneration"),
                                ("LlamaForCausalLM", "text_model.", "llama")),
+               "Idefics2ForConditionalGeneration": ("MistralForCausalLM", "text_model.", "mistral"),
+               # Nemotron Nano Omni: Nemotron-H's text model (its hub names, `backbone.`) under `language_model.`
+               "NemotronH_Omni_Reasoning_V3": ("NemotronHForCausalLM", "language_model.", "nemotron_h"),
                # ERNIE 4.5 VL: its text experts alone (the vision experts, the second half, not read)
                **dict.fromkeys(("Ernie4_5_VLMoeForConditionalGeneration", "Ernie4_5_VL_MoeForConditionalGeneration"),
                                ("Ernie4_5_MoeForCausalLM", "language_model.", "ernie4_5_vl_moe_text")),

@@ -198,6 +198,10 @@ VISION_WRAPPERS = {
     "ovis2": ("qwen2", {}, "Qwen2ForCausalLM", "language_model."),
     "video_llama_3": ("qwen2", {}, "Qwen2ForCausalLM", "language_model."),
     "deepseek_vl": ("llama", {}, "LlamaForCausalLM", "language_model."),
+    "idefics2": ("mistral", {}, "MistralForCausalLM", "text_model."),
+    "nemotron_h_omni": ("nemotron_h", {"num_hidden_layers": 4, "layers_block_type": [
+        "linear_attention", "mlp", "full_attention", "linear_attention"], "head_dim": 16, "mamba_num_heads": 4,
+        "mamba_head_dim": 32, "ssm_state_size": 16, "n_groups": 2}, "NemotronHForCausalLM", "language_model."),
 }
 
 
@@ -205,8 +209,9 @@ VISION_WRAPPERS = {
 def test_a_vision_checkpoint_serves_its_text_model(tmp_path, builtin_path, wrapper):
     """Command A Vision (`cohere2_vision`), MiniCPM-V 4.6 (Qwen3.5's hybrid text model), LightOnOCR (Qwen3),
     HyperCLOVA X SEED Vision (`hyperclovax_vision_v2`), SmolVLM (Idefics3's layout: `model.text_model.`), VipLLaVA,
-    Video-LLaVA and LLaVA-NeXT-Video, GOT-OCR 2.0, Ovis2, VideoLLaMA3 and DeepSeek-VL, each its config class's vision
-    tower shrunk around a tiny text model: greedy text token-identical to transformers'."""
+    Video-LLaVA and LLaVA-NeXT-Video, GOT-OCR 2.0, Ovis2, VideoLLaMA3, DeepSeek-VL, Idefics2 and Nemotron Nano Omni
+    (Nemotron-H's hybrid), each its config class's vision tower shrunk around a tiny text model: greedy text
+    token-identical to transformers'."""
     import transformers
 
     kind, keys, arch, prefix = VISION_WRAPPERS[wrapper]
