@@ -330,6 +330,11 @@ TINY_MODELS = [
     # DeepSeek V4: its compressed attention (the module docstring of engine.models.deepseek_v4) beside sliding layers,
     # the streams' Sinkhorn-mixed hyper-connections, hash and learned routers over clamped experts
     ("deepseek_v4", DEEPSEEK_V4),
+    # then its compressed layers' rope YaRN x 4 from 16 positions (its attention factor 1, transformers' for them),
+    # three streams, the scores' sigmoid in place of sqrt-softplus
+    ("deepseek_v4", {**DEEPSEEK_V4, "hc_mult": 3, "scoring_func": "sigmoid", "rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+        "beta_fast": 32.0, "beta_slow": 1.0}}),
     # LongCat-Flash: two layers, each two sublayers of V3's latent attention (q and the latent scaled) and a dense
     # MLP, 8 experts of 32 and 4 zero experts (a token routed there passes itself through), 3 a token by the softmax
     # plus a correction bias, x 2.5, beside them from the first sublayer's MLP input to the second's output
