@@ -2610,6 +2610,13 @@ def test_deepseek_v4_reads_as_transformers_does():
                                          "compress_rate_csa": 8})
     assert (legacy.deepseek_v4.kinds, legacy.deepseek_v4.rates) == (("hca", "csa", "sliding"), (128, 8, 0))
     assert (legacy.deepseek_v4.hash_layers, legacy.deepseek_v4.rope_dim) == ((0,), 32)
+    yarn = {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536, "beta_fast": 32.0,
+            "beta_slow": 1.0}   # a release's flat scaling: the compressed layers', their attention factor 1
+    flat = ModelConfig.from_hf_config({"architectures": ["DeepseekV4ForCausalLM"], "rope_scaling": yarn})
+    theirs = getattr(pytest.importorskip("transformers"), "DeepseekV4Config")(rope_parameters=dict(yarn))
+    rope, compress = flat.deepseek_v4.compress_rope, theirs.rope_parameters["compress"]
+    assert (rope.rope_type, rope.factor, rope.attention_factor) == ("yarn", compress["factor"], 1.0) == \
+        (compress["rope_type"], 16.0, compress["attention_factor"])
     check_tensor_parallel(cfg, 8)   # each rank one group of 8 heads
     with pytest.raises(ConfigError, match="^tensor_parallel_size: 16 does not divide DeepSeek V4's o_groups 8"):
         check_tensor_parallel(cfg, 16)
