@@ -72,6 +72,7 @@ RELEASE_NAMES = (
     (r"\.experts\.(\d+)\.w1\.", r".experts.\1.gate_proj."), (r"\.experts\.(\d+)\.w3\.", r".experts.\1.up_proj."),
     (r"\.experts\.(\d+)\.w2\.", r".experts.\1.down_proj."), (r"\.shared_experts\.w1\.", ".shared_experts.gate_proj."),
     (r"\.shared_experts\.w3\.", ".shared_experts.up_proj."), (r"\.shared_experts\.w2\.", ".shared_experts.down_proj."))
+PREFILL_CHUNK = 32   # a prompt's queries attended at once (each chunk's scores [queries, heads, entries])
 SCORES = {"sqrtsoftplus": lambda x: torch.sqrt(F.softplus(x)), "softmax": lambda x: x.softmax(dim=-1),
           "sigmoid": torch.sigmoid}
 
@@ -277,22 +278,29 @@ class V4Attention(nn.Module):
 
     def _prefill(self, q: torch.Tensor, hidden: torch.Tensor, bottleneck: torch.Tensor, flat: torch.Tensor,
                  slots: torch.Tensor, pos: torch.Tensor, rotary: V4Rotary) -> torch.Tensor:
-        """One sequence's queries (at positions `pos`, the sequence's token slots `slots`) over its window and the
-        entries whose windows have closed before each: [q, heads, head_dim] in q's dtype."""
+        """One sequence's queries (at `pos`; its token slots `slots`) over its window and the entries closed before
+        each, `PREFILL_CHUNK` queries at a time (scores [queries, entries]): [q, heads, head_dim] in q's dtype."""
+        out = torch.empty_like(q)
+        for a in range(0, q.shape[0], PREFILL_CHUNK):
+            b = min(a + PREFILL_CHUNK, q.shape[0])
+            out[a:b] = self._prefill_chunk(q[a:b], hidden[a:b], bottleneck[a:b], flat, slots, pos[a:b], rotary)
+        return out
+
+    def _prefill_chunk(self, q: torch.Tensor, hidden: torch.Tensor, bottleneck: torch.Tensor, flat: torch.Tensor,
+                       slots: torch.Tensor, pos: torch.Tensor, rotary: V4Rotary) -> torch.Tensor:
         d, window = self.shape.head_dim, self.shape.window
-        lo = max(0, int(pos[0]) - window + 1)
-        keys = flat[slots[lo:], :d].float()                                      # [n, d], shared by the queries
-        key_pos = torch.arange(lo, slots.shape[0], device=q.device)
+        lo, hi = max(0, int(pos[0]) - window + 1), int(pos[-1]) + 1
+        keys = flat[slots[lo:hi], :d].float()                                    # [n, d], shared by the queries
+        key_pos = torch.arange(lo, hi, device=q.device)
         seen = (key_pos[None, :] <= pos[:, None]) & (key_pos[None, :] > pos[:, None] - window)
         parts = [(keys, seen)]
-        count = slots.shape[0] // self.rate if self.compressor is not None else 0
+        count = hi // self.rate if self.compressor is not None else 0              # the entries any of them sees
         if count:
             at = slots[torch.arange(1, count + 1, device=q.device) * self.rate - 1]   # each entry's row
             ready = torch.arange(count, device=q.device)[None, :] < ((pos + 1) // self.rate)[:, None]   # [q, count]
-            at = at[None].expand(q.shape[0], -1)
-            if self.kind == "csa":
+            if self.kind == "csa":   # each query its own best: [q, k, d]
                 at, ready = self._choose(hidden, bottleneck, flat, at, pos, ready, rotary)
-            parts.append((flat[at, self.compressor.entry_columns].float(), ready))   # [q, k, d]
+            parts.append((flat[at, self.compressor.entry_columns].float(), ready))   # HCA's shared: [count, d]
         return self._softmax(q, parts)
 
     def _decode(self, q: torch.Tensor, hidden: torch.Tensor, bottleneck: torch.Tensor, flat: torch.Tensor,
@@ -344,17 +352,20 @@ class V4Attention(nn.Module):
 
     def _choose(self, hidden: torch.Tensor, bottleneck: torch.Tensor, flat: torch.Tensor, at: torch.Tensor,
                 pos: torch.Tensor, ready: torch.Tensor, rotary: V4Rotary) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rows [q, k] of each query's `index_topk` best entries of those at `at` [q, count], and which of them it
-        may attend to (`ready` [q, count]): the indexer's scores of their keys."""
+        """The rows [q, k] of each query's `index_topk` best entries of those at `at` ([count] shared by the queries,
+        or [q, count] each its own), and which of them it may attend to (`ready` [q, count]): the indexer's scores of
+        their keys."""
         idx = self.compressor.indexer
         cos, sin = rotary.at("compress", pos, hidden.dtype)
         iq = _rotate(idx.q_b_proj(bottleneck).view(-1, idx.heads, idx.dim), cos, sin).float()
-        keys = flat[at, idx.entry_columns].float()                               # [q, count, di]
+        keys = flat[at, idx.entry_columns].float()                               # [count, di] or [q, count, di]
         weights = idx.scorer.weights_proj(hidden).float() * idx.heads ** -0.5     # [q, heads]
-        relu = torch.relu(torch.einsum("qhd,qcd->qhc", iq, keys)) * idx.dim ** -0.5   # [q, heads, count]
+        eq = "qhd,cd->qhc" if keys.dim() == 2 else "qhd,qcd->qhc"
+        relu = torch.relu(torch.einsum(eq, iq, keys)) * idx.dim ** -0.5           # [q, heads, count]
         scores = torch.einsum("qh,qhc->qc", weights, relu)
-        best = scores.masked_fill(~ready, float("-inf")).topk(min(idx.topk, at.shape[1]), dim=-1).indices
-        return at.gather(1, best), ready.gather(1, best)
+        best = scores.masked_fill(~ready, float("-inf")).topk(min(idx.topk, at.shape[-1]), dim=-1).indices
+        rows = at[best] if at.dim() == 1 else at.gather(1, best)
+        return rows, ready.gather(1, best)
 
 
 class V4Router(nn.Module):
