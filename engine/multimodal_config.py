@@ -84,11 +84,11 @@ MROPE_TEXT = ("Qwen", "Glm4v", "Glm46V")   # their text configs read through `vl
 ANY_TEXT_MODELS = {"InternVLForConditionalGeneration": "qwen2", "LlavaForConditionalGeneration": "llama",
                    "LlavaNextForConditionalGeneration": "llama", "LlavaOnevisionForConditionalGeneration": "qwen2",
                    "AyaVisionForConditionalGeneration": "cohere2",
-                   # and VipLLaVA, Video-LLaVA, LLaVA-NeXT-Video, GOT-OCR 2.0, Ovis2, VideoLLaMA3, DeepSeek-VL
+                   # and VipLLaVA, Video-LLaVA, LLaVA-NeXT-Video, GOT-OCR 2.0, Ovis2, VideoLLaMA3, DeepSeek-VL, Janus
                    "VipLlavaForConditionalGeneration": "llama", "VideoLlavaForConditionalGeneration": "llama",
                    "LlavaNextVideoForConditionalGeneration": "llama", "GotOcr2ForConditionalGeneration": "qwen2",
                    "Ovis2ForConditionalGeneration": "qwen2", "VideoLlama3ForConditionalGeneration": "qwen2",
-                   "DeepseekVLForConditionalGeneration": "llama"}
+                   "DeepseekVLForConditionalGeneration": "llama", "JanusForConditionalGeneration": "llama"}
 # the text models they are served as, by model_type
 TEXT_TYPE_ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                    "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",

@@ -199,6 +199,7 @@ VISION_WRAPPERS = {
     "video_llama_3": ("qwen2", {}, "Qwen2ForCausalLM", "language_model."),
     "deepseek_vl": ("llama", {}, "LlamaForCausalLM", "language_model."),
     "idefics2": ("mistral", {}, "MistralForCausalLM", "text_model."),
+    "janus": ("llama", {}, "LlamaForCausalLM", "language_model."),
     "nemotron_h_omni": ("nemotron_h", {"num_hidden_layers": 4, "layers_block_type": [
         "linear_attention", "mlp", "full_attention", "linear_attention"], "head_dim": 16, "mamba_num_heads": 4,
         "mamba_head_dim": 32, "ssm_state_size": 16, "n_groups": 2}, "NemotronHForCausalLM", "language_model."),
@@ -209,7 +210,7 @@ VISION_WRAPPERS = {
 def test_a_vision_checkpoint_serves_its_text_model(tmp_path, builtin_path, wrapper):
     """Command A Vision (`cohere2_vision`), MiniCPM-V 4.6 (Qwen3.5's hybrid text model), LightOnOCR (Qwen3),
     HyperCLOVA X SEED Vision (`hyperclovax_vision_v2`), SmolVLM (Idefics3's layout: `model.text_model.`), VipLLaVA,
-    Video-LLaVA and LLaVA-NeXT-Video, GOT-OCR 2.0, Ovis2, VideoLLaMA3, DeepSeek-VL, Idefics2 and Nemotron Nano Omni
+    Video-LLaVA and LLaVA-NeXT-Video, GOT-OCR 2.0, Ovis2, VideoLLaMA3, DeepSeek-VL, Janus, Idefics2, Nemotron Nano Omni
     (Nemotron-H's hybrid), each its config class's vision tower shrunk around a tiny text model: greedy text
     token-identical to transformers'."""
     import transformers
