@@ -13,6 +13,7 @@ from engine.cohere_moe_config import cohere2_moe_fields
 from engine.dbrx_config import dbrx_config, dbrx_fields
 from engine.deepseek_config import minicpm3_fields, mistral4_fields, youtu_fields
 from engine.deepseek_v4_config import deepseek_v4_fields
+from engine.beam_config import beam_fields
 from engine.falcon_config import falcon_config, falcon_fields
 from engine.falcon_h1_config import falcon_h1_fields
 from engine.flint_config import flint_fields
@@ -56,7 +57,7 @@ OWN_MODULE_FIELDS: dict[str, Callable[[dict[str, Any], int], dict[str, Any]]] = 
     "Cohere2MoeForCausalLM": cohere2_moe_fields, "YoutuForCausalLM": youtu_fields,
     "Kolibri1ForCausalLM": kolibri_fields, "FlintForCausalLM": flint_fields, "BambaForCausalLM": bamba_fields,
     "FalconH1ForCausalLM": falcon_h1_fields, "HYV4ForCausalLM": hy_v4_fields,
-    "DeepseekV4ForCausalLM": deepseek_v4_fields,
+    "DeepseekV4ForCausalLM": deepseek_v4_fields, "BeamForCausalLM": beam_fields,
     "HyperCLOVAXForCausalLM": hyperclovax_fields, "LagunaForCausalLM": laguna_fields,
     "PhimoeForCausalLM": phimoe_fields, "FalconForCausalLM": falcon_fields, "GPTJForCausalLM": gptj_fields,
     "GPTBigCodeForCausalLM": gpt_bigcode_fields, "GPT2LMHeadModel": gpt2_fields, "OPTForCausalLM": opt_fields,

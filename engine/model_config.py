@@ -68,7 +68,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
                            "PhimoeForCausalLM", "OlmoForCausalLM", "FalconForCausalLM", "GPTJForCausalLM",
                            "GPTBigCodeForCausalLM", "GPT2LMHeadModel", "OPTForCausalLM", "FlexOlmoForCausalLM",
                            "NanoChatForCausalLM", "DbrxForCausalLM", "MiniCPM3ForCausalLM", "HYV4ForCausalLM",
-                           "DeepseekV4ForCausalLM",
+                           "DeepseekV4ForCausalLM", "BeamForCausalLM",
                            "GemmaForCausalLM", "VaultGemmaForCausalLM", "JambaForCausalLM",
                            "MambaForCausalLM", "FalconMambaForCausalLM", "Mamba2ForCausalLM", "Zamba2ForCausalLM")
 # their attention bias: q/k/v's, not o_proj's

@@ -12,6 +12,7 @@ from engine.cohere_moe_config import COHERE2_MOE_DEFAULTS
 from engine.mimo_config import MIMO_DEFAULTS
 from engine.hy_v4_config import HY_V4_DEFAULTS, HY_V4_VL_TEXT
 from engine.deepseek_v4_config import DEEPSEEK_V4_DEFAULTS
+from engine.beam_config import BEAM_DEFAULTS
 
 # transformers' text config defaults of Qwen's VL models where they differ from the text architecture's here (a
 # composite checkpoint's text_config may be saved as its difference from them, as Gemma 3's)
@@ -61,6 +62,7 @@ FAMILY_DEFAULTS = {"Gemma2ForCausalLM": GEMMA2_DEFAULTS, "VaultGemmaForCausalLM"
                    "GraniteMoeSWAForCausalLM": {"max_position_embeddings": 2048},   # GraniteMoeSWAConfig's
                    "HYV4ForCausalLM": HY_V4_DEFAULTS,   # HYV4Config's (its attention, experts: engine.hy_v4_config)
                    "DeepseekV4ForCausalLM": DEEPSEEK_V4_DEFAULTS,   # DeepseekV4Config's (engine.deepseek_v4_config)
+                   "BeamForCausalLM": BEAM_DEFAULTS,   # BeamConfig's (engine.beam_config)
                    "HYV3ForCausalLM": {   # HYV3Config's (Hy3-preview's shape)
                        "vocab_size": 120_832, "hidden_size": 4096, "intermediate_size": 13_312, "num_hidden_layers": 80,
                        "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128,

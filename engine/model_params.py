@@ -28,7 +28,7 @@ HEAD_QK_NORMS = (*COHERE_ARCHITECTURES, "StableLmForCausalLM")   # q/k norms wit
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma4ForCausalLM", "GemmaForCausalLM",
                        "VaultGemmaForCausalLM")
 FOUR_NORMS = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma4ForCausalLM", "Glm4ForCausalLM",   # a norm on each
-              "AfmoeForCausalLM", "Kolibri1ForCausalLM")   # sublayer's output too
+              "AfmoeForCausalLM", "Kolibri1ForCausalLM", "BeamForCausalLM")   # sublayer's output too
 # an MLP of up, its activation and down, no gate
 UNGATED_MLP = ("ApertusForCausalLM", "ArceeForCausalLM", "NanoChatForCausalLM", "Jais2ForCausalLM",
                "Starcoder2ForCausalLM", "NemotronForCausalLM", "PhiForCausalLM", "GPTNeoXForCausalLM",
@@ -117,6 +117,7 @@ def count_params(config: Any, heads: int, kv_heads: int, i: int, moe_i: int, v: 
     if config.attn_output_gate:   # Qwen3.5: q_proj makes a gate beside each query head
         per_layer += h * q + (q if config.attention_bias else 0)
     per_layer += h * heads if config.head_gates else 0   # LFM3: g_proj, a gate a head
+    per_layer += h * q + heads if config.architecture == "BeamForCausalLM" else 0   # Beam: its gate, a bias a head
     per_layer += h * heads * config.mla.v_head_dim if config.hyper_connections else 0   # HY V4: a gate a channel
     sparse = sum(config.is_sparse_layer(layer) for layer in range(config.num_layers))
     mlps = sparse * experts + (config.num_layers - sparse) * mlp

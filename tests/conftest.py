@@ -171,7 +171,8 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
            "zamba2": transformers.Zamba2Config, "internlm3": transformers.InternLM3Config,
            "longcat_flash": transformers.LongcatFlashConfig, "phi4_multimodal": transformers.Phi4MultimodalConfig,
            "axk2": transformers.AXK2Config, "gemma4_unified_text": transformers.Gemma4UnifiedTextConfig,
-           "hy_v4": transformers.HYV4Config, "deepseek_v4": transformers.DeepseekV4Config}[arch]
+           "hy_v4": transformers.HYV4Config, "deepseek_v4": transformers.DeepseekV4Config,
+           "beam": transformers.BeamConfig}[arch]
     config = cls(**common)
     if arch == "mistral4":   # transformers maps Mistral4Config to no causal LM class (only its pretraining one)
         transformers.AutoModelForCausalLM.register(transformers.Mistral4Config, transformers.Mistral4ForCausalLM,
@@ -218,7 +219,7 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
     # the router's correction bias (a buffer; LFM2-MoE's expert bias), and LFM2-MoE's router, which starts at zero
     if arch in ("deepseek_v3", "glm4_moe", "minimax_m2", "glm4_moe_lite", "nemotron_h", "lfm2_moe", "kimi_linear",
                 "dots1", "solar_open", "afmoe", "mimo_v2_flash", "exaone_moe", "hy_v3", "laguna", "kolibri1", "axk1",
-                "bailing_hybrid", "longcat_flash", "axk2", "hy_v4"):
+                "bailing_hybrid", "longcat_flash", "axk2", "hy_v4", "beam"):
         with torch.no_grad():
             for name, tensor in [*model.named_buffers(), *model.named_parameters()]:
                 if name.endswith(("e_score_correction_bias", "feed_forward.expert_bias", "mlp.expert_bias")):
@@ -235,6 +236,13 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
                 elif name.endswith("tid2eid"):
                     tensor.copy_(torch.randint(0, tensor.max().item() + overrides.get("n_routed_experts", 8),
                                                tensor.shape))
+    if arch == "beam":   # the attention gate's biases (a head each) and every norm away from their start (0, 1)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("gate_bias"):
+                    param.normal_(0.0, 1.0)
+                elif "norm" in name:
+                    param.normal_(1.0, 0.5)
     if arch == "hy_v4":   # the streams' mixes' scales and bases away from their start (0.01, a constant)
         with torch.no_grad():
             for name, param in model.named_parameters():

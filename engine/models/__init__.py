@@ -52,6 +52,7 @@ from engine.models.deepseek import AXK1ForCausalLM, DeepseekForCausalLM, Longcat
 from engine.models.deepseek_v32 import AXK2ForCausalLM, DeepseekV32ForCausalLM
 from engine.models.hy_v4 import HYV4ForCausalLM
 from engine.models.deepseek_v4 import DeepseekV4ForCausalLM
+from engine.models.beam import BeamForCausalLM
 from engine.models.ernie import Ernie45ForCausalLM, Ernie45MoeForCausalLM
 from engine.models.gemma3 import Gemma3ForCausalLM, GemmaForCausalLM
 from engine.models.gemma4 import Gemma4ForCausalLM
@@ -122,7 +123,6 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "Ernie4_5ForCausalLM": Ernie45ForCausalLM,
                                                 "Ernie4_5_MoeForCausalLM": Ernie45MoeForCausalLM,
                                                 "SeedOssForCausalLM": LlamaForCausalLM,
-                                                "Glm4ForCausalLM": Glm4ForCausalLM,
                                                 "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
                                                 "MiniMaxM2ForCausalLM": MiniMaxM2ForCausalLM,
                                                 "DeepseekV2ForCausalLM": DeepseekForCausalLM,
@@ -172,7 +172,7 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "HyperCLOVAXForCausalLM": HyperClovaxForCausalLM,
                                                 "MellumForCausalLM": MellumForCausalLM,
                                                 "Starcoder2ForCausalLM": Starcoder2ForCausalLM,
-                                                "GlmForCausalLM": GlmForCausalLM,
+                                                "GlmForCausalLM": GlmForCausalLM, "Glm4ForCausalLM": Glm4ForCausalLM,
                                                 "LagunaForCausalLM": LagunaForCausalLM,
                                                 "NemotronForCausalLM": NemotronForCausalLM,
                                                 "StableLmForCausalLM": StableLmForCausalLM,
@@ -185,7 +185,7 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "GPT2LMHeadModel": GPT2LMHeadModel, "GPTJForCausalLM": GPTJForCausalLM,
                                                 "FlexOlmoForCausalLM": FlexOlmoForCausalLM,
                                                 "NanoChatForCausalLM": NanoChatForCausalLM,
-                                                "DbrxForCausalLM": DbrxForCausalLM,
+                                                "DbrxForCausalLM": DbrxForCausalLM, "BeamForCausalLM": BeamForCausalLM,
                                                 "MiniCPM3ForCausalLM": MiniCPM3ForCausalLM,
                                                 "GemmaForCausalLM": GemmaForCausalLM,
                                                 "VaultGemmaForCausalLM": GemmaForCausalLM,

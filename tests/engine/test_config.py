@@ -2629,6 +2629,32 @@ def test_deepseek_v4_reads_as_transformers_does():
             ModelConfig.from_hf_config({**bare, key: value})
 
 
+def test_beam_reads_as_transformers_does():
+    """Beam (`BeamForCausalLM`, BeamConfig's defaults: Beam-1.0-501B-A23B's shape): every 6th layer and the last full
+    and NoPE, the others sliding (512) and rotating; 256 experts in 8 groups past three dense layers, no shared
+    expert; the parameter count is transformers' model's (501 B), the full layers' query scale its function's; its
+    `final_logit_softcapping` not applied (transformers' model does not). What we do not serve is refused by key."""
+    import torch
+    from transformers.models.beam.modeling_beam import compute_attention_scaling
+
+    from engine.models.beam import QueryScale
+
+    hf, cfg = _at_class_defaults("BeamConfig", {"architectures": ["BeamForCausalLM"]})
+    assert cfg.layer_types == tuple(hf.layer_types) and cfg.sliding_window == hf.sliding_window == 512
+    assert cfg.no_rope_layers == tuple(int(kind == "sliding_attention") for kind in hf.layer_types)
+    assert (cfg.num_experts, cfg.moe_groups, cfg.mlp_only_layers, cfg.shared_expert_intermediate_size) == \
+        (hf.num_experts, (8, 4), (0, 1, 2), 0) and cfg.final_logit_softcapping is None
+    assert round(cfg.num_params() / 1e9) == 501
+    positions = torch.tensor([0, 1, 2047, 100_000])
+    torch.testing.assert_close(QueryScale(4).rows(positions).flatten(),
+                               compute_attention_scaling(positions[None]).flatten(), rtol=0, atol=0)
+    bare = {"architectures": ["BeamForCausalLM"], "num_hidden_layers": 2}
+    for key, value in (("layer_types", ["chunked_attention"] * 2),
+                       ("rope_parameters", {"full_attention": {"rope_type": "default", "rope_theta": 1e4}})):
+        with pytest.raises(ConfigError, match=f"^{key}"):
+            ModelConfig.from_hf_config({**bare, key: value})
+
+
 def test_hy_v4_reads_as_transformers_does():
     """HY V4 (`HYV4ForCausalLM`, HYV4Config's defaults: Hy4-preview's shape): V3.2's sparse attention (16 indexer heads
     of 128, 2,048 tokens a query; the layers past the first shared but every 4th from the second), a sink and an

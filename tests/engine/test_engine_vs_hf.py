@@ -169,6 +169,10 @@ DEEPSEEK_V4 = dict(moe_intermediate_size=32, num_hidden_layers=4, head_dim=32, q
                    layer_types=["heavily_compressed_attention", "compressed_sparse_attention", "sliding_attention",
                                 "compressed_sparse_attention"], mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
                    hc_mult=2, hc_sinkhorn_iters=5, partial_rotary_factor=0.25, swiglu_limit=1.0, pad_token_id=0)
+BEAM = dict(num_hidden_layers=6, head_dim=16, sliding_window=8, moe_intermediate_size=16, num_experts=8,
+            num_experts_per_tok=2, n_group=2, topk_group=1, mlp_layer_types=["dense"] + ["sparse"] * 5,
+            layer_types=["sliding_attention"] * 3 + ["full_attention", "sliding_attention", "full_attention"],
+            pad_token_id=0)
 COHERE2_MOE = dict(num_hidden_layers=5, head_dim=16, sliding_window=8, first_k_dense_replace=1,
                    prefix_dense_intermediate_size=96, intermediate_size=32, num_experts=8, num_experts_per_tok=2,
                    num_shared_experts=1, pad_token_id=0)
@@ -329,6 +333,10 @@ TINY_MODELS = [
         "mscale": 0.707, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}}),
     # DeepSeek V4: its compressed attention (the module docstring of engine.models.deepseek_v4) beside sliding layers,
     # the streams' Sinkhorn-mixed hyper-connections, hash and learned routers over clamped experts
+    # Beam: sliding layers (a window of 8) that rotate, NoPE full ones (layers 3 and 5) with each query scaled by its
+    # position, per-head q/k norms, a gate a channel, four norms a layer joined by depth, 8 experts of 16 in 2 groups
+    # past a dense first layer
+    ("beam", BEAM),
     ("deepseek_v4", DEEPSEEK_V4),
     # then its compressed layers' rope YaRN x 4 from 16 positions (its attention factor 1, transformers' for them),
     # three streams, the scores' sigmoid in place of sqrt-softplus

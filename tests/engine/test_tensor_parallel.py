@@ -20,8 +20,8 @@ from engine.llm_engine import LLMEngine
 from engine.parallel import ShardShape, check_tensor_parallel
 from engine.sampling import SamplingParams
 from tests.conftest import BUILTIN, assert_all_free, make_tiny_model
-from tests.engine.test_engine_vs_hf import (AXK2, BAILING, COHERE2_MOE, DEEPSEEK, DEEPSEEK_V4, GEMMA4, GEMMA4_E,
-                                             GEMMA4_MOE, GLM4_MOE, HYV4, LONGCAT)
+from tests.engine.test_engine_vs_hf import (AXK2, BAILING, BEAM, COHERE2_MOE, DEEPSEEK, DEEPSEEK_V4, GEMMA4,
+                                             GEMMA4_E, GEMMA4_MOE, GLM4_MOE, HYV4, LONGCAT)
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # and `cpu_threads=1` in each follower: a core per rank
 
@@ -76,6 +76,7 @@ def _hf(arch: str, **extra) -> ModelConfig:
     _hf("AXK2ForCausalLM", **{**AXK2, "num_key_value_heads": 8, "pad_token_id": None}),
     _hf("HYV4ForCausalLM", **{**HYV4, "num_key_value_heads": 8, "pad_token_id": None}),
     _hf("DeepseekV4ForCausalLM", **{**DEEPSEEK_V4, "num_attention_heads": 8, "o_groups": 8, "pad_token_id": None}),
+    _hf("BeamForCausalLM", **{**BEAM, "pad_token_id": None}),
     _hf("PhiForCausalLM"),
     _hf("GPTNeoXForCausalLM"),
     _hf("GPTNeoXForCausalLM", use_parallel_residual=False, attention_bias=False),
@@ -415,6 +416,7 @@ QWEN3 = {"head_dim": 32, "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
     ("axk2", {**AXK2, "n_group": 2, "topk_group": 1}, None),
     ("hy_v4", HYV4, None),
     ("deepseek_v4", DEEPSEEK_V4, None),
+    ("beam", BEAM, None),
     ("helium", {"head_dim": 16, "attention_bias": True}, None),
     ("phi", {"partial_rotary_factor": 0.5, "layer_norm_eps": 1e-5}, None),
     ("gpt_neox", {"layer_norm_eps": 1e-5}, None),
@@ -526,7 +528,8 @@ def test_two_ranks_generate_what_one_does(tmp_path, builtin_path, prompts, arch,
     # layer, its q/k/v grouped by KV head) their layers' heads and rows; A.X-K2 each rank's heads' rows of its fused
     # q and gate, its gated norms whole on each rank; HY V4 each rank's heads' output gates and sinks, its streams'
     # mixes whole on each rank; DeepSeek V4 each rank's heads in whole groups (their o_a_proj rows and o_b_proj
-    # columns), its K=V head, compressors, indexer and Sinkhorn-mixed streams whole on each rank. Qwen3's,
+    # columns), its K=V head, compressors, indexer and Sinkhorn-mixed streams whole on each rank; Beam each rank's
+    # heads' gate rows and biases beside its experts' rows. Qwen3's,
     # Mixtral's and DeepSeek's groups overlap their steps: the other rank fills the placeholders of each step's
     # inputs from rank 0's sampled ids (engine.overlap).
     # six tokens each: a wrong cut shows at once, and each step of two gloo ranks costs ~80 ms on a 2-core machine
