@@ -15,9 +15,9 @@ grouped projections to `o_lora_rank` each and one to the hidden size.
 
 The cache (`engine.deepseek_v4_config`): a row a token a layer, [K=V | the compressors' values and gates | the entry
 of the window the token closes (and the indexer's key)]; a step writes its tokens' rows, then the entries of the
-windows they close (reading the windows' rows back: earlier steps' and this one's alike), then attends. The attention
-and the compressors are torch over the step's sequences (no Triton kernel yet), so its decode steps are not captured in
-CUDA graphs; a sequence's work is O(its length) a step (the indexer's scores, HCA's entries), as V3.2's indexer's is.
+windows they close (reading the windows' rows back: earlier steps' and this one's alike), then attends: the step's
+decode rows at once (`_decode`, through their block tables), a prompt's chunk 32 queries at a time (`_prefill`), in
+torch (no Triton kernel yet: decode steps not captured in CUDA graphs), O(a sequence's length) a step as V3.2's is.
 
 The residual stream is `streams` copies of the hidden state (manifold-constrained hyper-connections): a sublayer reads
 their mix (`pre`), and the streams become comb^T x streams + post x the sublayer's output, `comb` a doubly stochastic
