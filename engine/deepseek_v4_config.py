@@ -108,10 +108,16 @@ def deepseek_v4_params(config: Any, heads: int, kv_heads: int, i: int, moe_i: in
     token id), the experts and the shared one; the final norm."""
     s, h, layers = config.deepseek_v4, config.hidden_size, config.num_layers
     experts = config.num_experts * (3 * h * moe_i + h) + 3 * h * shared_i + 2 * h
-    routing = (layers - len(s.hash_layers)) * config.num_experts \
-        + len(s.hash_layers) * config.vocab_size * config.num_experts_per_tok
+    routing = _routing(config)
     head = 0 if config.tie_word_embeddings else v * h
     return v * h + head + layers * experts + routing + h + s.num_params(h, heads, layers, config.num_heads)
+
+
+def _routing(config: Any) -> int:
+    """The routers' own tables: each learned router's correction bias, each hash layer's experts by token id."""
+    s = config.deepseek_v4
+    return (config.num_layers - len(s.hash_layers)) * config.num_experts \
+        + len(s.hash_layers) * config.vocab_size * config.num_experts_per_tok
 
 
 def deepseek_v4_float32_params(config: Any) -> int:
@@ -124,8 +130,7 @@ def deepseek_v4_float32_params(config: Any) -> int:
     norms = layers * (2 * h + s.q_lora_rank + d) + h
     for kind, rate in zip(s.kinds, s.rates):
         norms += {"sliding": 0, "hca": d + rate * d, "csa": d + 2 * rate * d + di + 2 * rate * di}[kind]
-    routing = (layers - len(s.hash_layers)) * config.num_experts \
-        + len(s.hash_layers) * config.vocab_size * config.num_experts_per_tok
+    routing = _routing(config)
     return mixes + norms + routing
 
 

@@ -173,7 +173,7 @@ class V4Compressor(nn.Module):
         weights = gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)
         entry = self.kv_norm((kv * weights).sum(dim=1))
         cos, sin = rotary.at("compress", first, entry.dtype)
-        flat[targets, o + 2 * s * d:o + 2 * s * d + d] = _rotate(entry, cos, sin).to(flat.dtype)
+        flat[targets, self.entry_columns] = _rotate(entry, cos, sin).to(flat.dtype)
 
     @property
     def entry_columns(self) -> slice:
@@ -311,14 +311,14 @@ class V4Attention(nn.Module):
         tables = meta.block_tables[torch.tensor(seqs, device=dev)].long()          # [B, blocks]
         pos = torch.tensor([meta.seq_lens_list[i] - 1 for i in seqs], device=dev)  # [B]
 
-        def slots(p: torch.Tensor) -> torch.Tensor:   # [B, k] positions (>= 0) of each row's sequence -> slots
-            return tables.gather(1, (p // bs).clamp(max=tables.shape[1] - 1)) * bs + p % bs
+        def slots(p: torch.Tensor, rows: torch.Tensor = tables) -> torch.Tensor:   # [n, k] positions (>= 0) -> slots
+            return rows.gather(1, (p // bs).clamp(max=rows.shape[1] - 1)) * bs + p % bs
 
         if self.compressor is not None:
             closing = ((pos + 1) % self.rate == 0).nonzero().flatten()
             for comp in self._compressors() if closing.numel() else ():
                 first, span = comp.spans(pos[closing])
-                at = tables[closing].gather(1, (span.clamp(min=0) // bs)) * bs + span.clamp(min=0) % bs
+                at = slots(span.clamp(min=0), tables[closing])
                 comp.close(flat, first, span, at, slots(pos[:, None])[closing, 0], rotary)
         near = pos[:, None] - s.window + 1 + torch.arange(s.window, device=dev)   # [B, window]
         parts = [(flat[slots(near.clamp(min=0)), :s.head_dim].float(), near >= 0)]

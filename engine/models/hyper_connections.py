@@ -19,7 +19,7 @@ __all__ = ["HyperConnection", "HyperHead", "SinkhornConnection", "SinkhornHead",
 
 def unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x over its RMS (a norm without weight), the scale in x's dtype."""
-    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+    return x * _inverse_rms(x.float(), eps).to(x.dtype)
 
 
 def _inverse_rms(flat: torch.Tensor, eps: float) -> torch.Tensor:
