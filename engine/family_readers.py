@@ -29,7 +29,7 @@ from engine.kimi_linear_config import bailing_hybrid_config, kimi_linear_config
 from engine.kolibri_config import kolibri_config, kolibri_fields
 from engine.laguna_config import laguna_fields
 from engine.lfm2_config import lfm2_config, lfm2_moe_config
-from engine.llama4_config import MISTRAL_FIELDS, llama4_fields
+from engine.llama4_config import MISTRAL_FIELDS, llama4_fields, mllama_config, mllama_fields
 from engine.longcat_config import longcat_config, longcat_fields
 from engine.mamba1_config import falcon_mamba_fields, jamba_fields, mamba_config, mamba_fields
 from engine.mamba_config import mamba2_config, mamba2_fields
@@ -49,7 +49,7 @@ KEY_READERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "GPTBigCodeForCausalLM": gpt_bigcode_config, "GPT2LMHeadModel": gpt2_config, "OPTForCausalLM": opt_config,
     "DbrxForCausalLM": dbrx_config, "MambaForCausalLM": mamba_config, "FalconMambaForCausalLM": mamba_config,
     "Mamba2ForCausalLM": mamba2_config, "Zamba2ForCausalLM": zamba2_config,
-    "LongcatFlashForCausalLM": longcat_config}
+    "LongcatFlashForCausalLM": longcat_config, "MllamaForCausalLM": mllama_config}
 # (config.json, its layer count) -> the family's ModelConfig fields
 OWN_MODULE_FIELDS: dict[str, Callable[[dict[str, Any], int], dict[str, Any]]] = {
     "Llama4ForCausalLM": llama4_fields, "Gemma4ForCausalLM": gemma4_fields, "Mistral4ForCausalLM": mistral4_fields,
@@ -64,4 +64,4 @@ OWN_MODULE_FIELDS: dict[str, Callable[[dict[str, Any], int], dict[str, Any]]] = 
     "DbrxForCausalLM": dbrx_fields, "MiniCPM3ForCausalLM": minicpm3_fields, "JambaForCausalLM": jamba_fields,
     "MambaForCausalLM": mamba_fields, "FalconMambaForCausalLM": falcon_mamba_fields,
     "Mamba2ForCausalLM": mamba2_fields, "Zamba2ForCausalLM": zamba2_fields,
-    "LongcatFlashForCausalLM": longcat_fields}
+    "LongcatFlashForCausalLM": longcat_fields, "MllamaForCausalLM": mllama_fields}

@@ -1,6 +1,7 @@
 """Llama 4's config.json fields (transformers' `Llama4TextConfig` names and defaults) as `ModelConfig` fields, and
 Ministral 3's (`Ministral3Config`), whose queries take Llama 4's attention scaling on every layer, Ministral's and
-CWM's (Llama's and Mistral's layers, sliding where `layer_types` says).
+CWM's (Llama's and Mistral's layers, sliding where `layer_types` says), and Llama 3.2 Vision's text model's
+(`MllamaTextConfig`: its self-attention layers alone).
 
 A Llama 4 text model (Scout, Maverick) has three kinds of layer at once:
 - attention: most layers rotate q and k (`no_rope_layers[i]` 1) and attend within chunks of
@@ -125,3 +126,32 @@ def cwm_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
 # the Mistral family's readers of this module (`engine.family_readers.OWN_MODULE_FIELDS`), and CWM's
 MISTRAL_FIELDS = {"Ministral3ForCausalLM": ministral3_fields, "MinistralForCausalLM": ministral_fields,
                   "CwmForCausalLM": cwm_fields}
+
+
+# MllamaTextConfig's cross-attention layers where config.json names none (Llama-3.2-11B-Vision's), and its embedding
+# table's rows past the vocabulary (the image token's and seven more)
+MLLAMA_CROSS_LAYERS = (3, 8, 13, 18, 23, 28, 33, 38)
+MLLAMA_EXTRA_ROWS = 8
+
+
+def mllama_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Llama 3.2 Vision's text config (`MllamaTextConfig`) under the Llama reading's keys: its layers the
+    self-attention ones (`engine.models.mllama`), its table's rows the vocabulary's and 8 more, its head the
+    vocabulary's (`output_vocab_size`); the cross layers' indices kept for `mllama_fields`."""
+    layers, vocab = read_int(cfg, "num_hidden_layers"), read_int(cfg, "vocab_size")
+    cross = cfg.get("cross_attention_layers")
+    cross = list(MLLAMA_CROSS_LAYERS) if cross is None else cross
+    if not isinstance(cross, list) or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < layers
+                                          for i in cross) or len(set(cross)) != len(cross) or len(cross) >= layers:
+        raise ConfigError(f"cross_attention_layers: distinct layer indices below num_hidden_layers {layers}, "
+                          f"fewer than all, got {cross!r:.80}")
+    if read_bool(cfg, "tie_word_embeddings", False):
+        raise ConfigError(f"tie_word_embeddings: Llama 3.2 Vision's head ({vocab} rows) is not its embedding table "
+                          f"({vocab + MLLAMA_EXTRA_ROWS}); served untied only")
+    return {**cfg, "num_hidden_layers": layers - len(cross), "vocab_size": vocab + MLLAMA_EXTRA_ROWS,
+            "output_vocab_size": vocab, "cross_attention_layers": sorted(cross)}
+
+
+def mllama_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """Llama 3.2 Vision's text model: the head's rows and the layers not served, as `mllama_config` read them."""
+    return {"output_vocab_size": cfg["output_vocab_size"], "skipped_layers": tuple(cfg["cross_attention_layers"])}

@@ -68,7 +68,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
                            "PhimoeForCausalLM", "OlmoForCausalLM", "FalconForCausalLM", "GPTJForCausalLM",
                            "GPTBigCodeForCausalLM", "GPT2LMHeadModel", "OPTForCausalLM", "FlexOlmoForCausalLM",
                            "NanoChatForCausalLM", "DbrxForCausalLM", "MiniCPM3ForCausalLM", "HYV4ForCausalLM",
-                           "DeepseekV4ForCausalLM", "BeamForCausalLM",
+                           "DeepseekV4ForCausalLM", "BeamForCausalLM", "MllamaForCausalLM",
                            "GemmaForCausalLM", "VaultGemmaForCausalLM", "JambaForCausalLM",
                            "MambaForCausalLM", "FalconMambaForCausalLM", "Mamba2ForCausalLM", "Zamba2ForCausalLM")
 # their attention bias: q/k/v's, not o_proj's
@@ -101,6 +101,7 @@ class ModelConfig:
     mlp_bias: bool = False
     lm_head_bias: bool = False          # Phi: the head's logits carry a bias of their own
     output_vocab_size: int | None = None   # Apertus 1.5: the head's rows, the vocabulary's first (None: all of it)
+    skipped_layers: tuple[int, ...] = ()   # Llama 3.2 Vision: the checkpoint's layers not served (its cross layers)
     sliding_window: int | None = None   # Mistral: keys older than this many positions are not attended
     qk_norm: bool = False               # Qwen3, Gemma 3, Command R+: each q and k head normed before rotary
     hidden_act: str = "silu"            # the MLP's gate activation: silu | gelu_pytorch_tanh (Gemma 3)

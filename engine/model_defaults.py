@@ -182,7 +182,7 @@ DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32_768, "
                          "GPTJForCausalLM": 2048, "GPTBigCodeForCausalLM": 1024,
                          "GPT2LMHeadModel": 1024, "OPTForCausalLM": 2048, "FlexOlmoForCausalLM": 4096,
                          "NanoChatForCausalLM": 2048, "DbrxForCausalLM": 2048,
-                         "MiniCPM3ForCausalLM": 32_768, "JambaForCausalLM": 262_144,
+                         "MiniCPM3ForCausalLM": 32_768, "JambaForCausalLM": 262_144, "MllamaForCausalLM": 131_072,
                          # models of state layers alone hold any length: the engine's default, a RAG pool's
                          "MambaForCausalLM": 131_072, "FalconMambaForCausalLM": 131_072,
                          "Mamba2ForCausalLM": 131_072, "Zamba2ForCausalLM": 4096}
@@ -201,7 +201,7 @@ DEFAULT_RMS_NORM_EPS = {"MixtralForCausalLM": 1e-5, "Phi3ForCausalLM": 1e-5, "Ol
                         "HunYuanDenseV1ForCausalLM": 1e-5, "OlmoeForCausalLM": 1e-5, "HunYuanMoEV1ForCausalLM": 1e-5,
                         "ApertusForCausalLM": 1e-5, "ArceeForCausalLM": 1e-5, "CwmForCausalLM": 1e-5,
                         "BambaForCausalLM": 1e-5, "FalconH1ForCausalLM": 1e-5, "ExaoneForCausalLM": 1e-5,
-                        "PhimoeForCausalLM": 1e-5, "MiniCPM3ForCausalLM": 1e-5}
+                        "PhimoeForCausalLM": 1e-5, "MiniCPM3ForCausalLM": 1e-5, "MllamaForCausalLM": 1e-5}
 # their num_key_value_heads where config.json names none (else one per query head)
 DEFAULT_KV_HEADS = {"Qwen2ForCausalLM": 32, "MistralForCausalLM": 8, "Qwen3ForCausalLM": 32, "Qwen3MoeForCausalLM": 4,
                     "MixtralForCausalLM": 8, "SmolLM3ForCausalLM": 4, "GptOssForCausalLM": 8,
@@ -212,7 +212,7 @@ DEFAULT_KV_HEADS = {"Qwen2ForCausalLM": 32, "MistralForCausalLM": 8, "Qwen3ForCa
                     "ExaoneMoeForCausalLM": 32, "CwmForCausalLM": 8, "BambaForCausalLM": 8,
                     "FalconH1ForCausalLM": 8, "ExaoneForCausalLM": 8, "MellumForCausalLM": 4,
                     "Starcoder2ForCausalLM": 2, "LagunaForCausalLM": 8, "PhimoeForCausalLM": 8,
-                    "JambaForCausalLM": 8}
+                    "JambaForCausalLM": 8, "MllamaForCausalLM": 8}
 # their head_dim where config.json names none (else hidden_size / num_attention_heads)
 DEFAULT_HEAD_DIM = {"Qwen3ForCausalLM": 128, "GptOssForCausalLM": 64, "Ernie4_5ForCausalLM": 128,
                     "CwmForCausalLM": 128, "MellumForCausalLM": 128, "Llama4ForCausalLM": 128, "LagunaForCausalLM": 128,
@@ -229,7 +229,7 @@ DEFAULT_ROPE_THETA = {"MixtralForCausalLM": 1_000_000.0, "SmolLM3ForCausalLM": 2
                       "MiniMaxM2ForCausalLM": 5_000_000.0, "Llama4ForCausalLM": 500_000.0,
                       "Lfm2ForCausalLM": 1_000_000.0, "Lfm2MoeForCausalLM": 1_000_000.0,
                       "HYV3ForCausalLM": 11_158_840.0, "ExaoneForCausalLM": 500_000.0, "PhimoeForCausalLM": 1_000_000.0,
-                      "FlexOlmoForCausalLM": 500_000.0}
+                      "FlexOlmoForCausalLM": 500_000.0, "MllamaForCausalLM": 500_000.0}
 
 
 def vl_text_keys(text: dict[str, Any]) -> dict[str, Any]:

@@ -56,6 +56,8 @@ TEXT_MODELS = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "language
                **dict.fromkeys(("Ernie4_5_VLMoeForConditionalGeneration", "Ernie4_5_VL_MoeForConditionalGeneration"),
                                ("Ernie4_5_MoeForCausalLM", "language_model.", "ernie4_5_vl_moe_text")),
                "Kimi_K25ForConditionalGeneration": ("DeepseekV3ForCausalLM", "language_model.", "deepseek_v3"),
+               # Llama 3.2 Vision: its text model's self-attention layers (`engine.models.mllama`)
+               "MllamaForConditionalGeneration": ("MllamaForCausalLM", "language_model.", "mllama_text_model"),
                "KimiK25ForConditionalGeneration": ("DeepseekV3ForCausalLM", "language_model.", "deepseek_v3"),
                # Apertus 1.5: its text model (`engine.model_defaults.APERTUS_1_5`); its image and audio tokenizers
                # not read

@@ -1,32 +1,32 @@
 """The model classes by architecture, and `build_model`, which makes one.
 
-The Llama family (Llama 2/3, Qwen2, Qwen3, Mistral) is `engine.model.LlamaForCausalLM`; a variant that changes the
-layer itself has a module here, built from the same shared layers (`engine.layers`) and the same weight loading and
-tensor-parallel cuts: `gemma3` (Gemma 3's text model, and Gemma 2's), `gemma4` (Gemma 4's text model: attention of two
-shapes, experts beside the MLP), `qwen3_moe` (Qwen3-MoE's sparse layers, and Qwen2-MoE's with their shared expert),
-`mixtral` (Mixtral: those experts on every layer, under its checkpoints' names), `phi3` (Phi-3 and Phi-4: the Llama
-layer, its checkpoints' fused q/k/v and gate/up split as they are read), `granite` (Granite 3: the Llama layer and its
-four scalars; Granite SWA's sinks and per-layer ropes; Granite 3's and 4's experts), `olmo2` (OLMo 2 and 3: post-norm
-layers, q/k normed whole), `smollm3` (SmolLM3: NoPE layers), `gpt_oss` (GPT-OSS: attention sinks, biased experts with a
-clamped SwiGLU, MXFP4 experts dequantized as they are read), `cohere` (Command R and R7B: parallel layers, LayerNorms,
-q/k rows reordered for the engine's rotary; Command A Plus's experts), `ernie` (ERNIE 4.5: the Llama layer, its
-interleaved rotary served so too), `glm4` (GLM-4: sandwich norms, a partial interleaved rotary served by zero
-frequencies and reordered q/k rows; K-EXAONE, GLM-4.5's model with EXAONE 4's attention), `deepseek` (DeepSeek V2 and
-V3: latent attention over a cache of one latent a token, grouped routers, shared experts; Mistral Small 4, its queries
-scaled as Ministral 3's; GLM-4.5, in `glm4`, takes their experts), `deepseek_v32` (DeepSeek V3.2 and GLM-5: V3's model,
-each query attending to the tokens its indexer picks), `minimax_m2` (MiniMax-M2: Mixtral's names, OLMo 2's
-whole-projection q/k norms, GLM-4.5's partial rotary, DeepSeek V3's router without groups), `llama4` (Llama 4's text
-model: chunked attention, NoPE layers with query temperature, q/k L2-normed after an interleaved rotary, sigmoid-scaled
-experts), `ministral3` (Ministral 3: Mistral's layer with Llama 4's query scaling on every layer), `qwen3_5` (Qwen3.5:
-Gated DeltaNet layers over a per-sequence state between gated full-attention layers; Qwen3-Next), `nemotron_h`
-(Nemotron-H: single-mixer blocks of Mamba-2, NoPE attention or a squared-ReLU MLP), `lfm2` (LFM2: gated short
-convolutions beside attention with per-head q/k norms; LFM2-MoE's experts), `kimi_linear` (Kimi Linear: Kimi Delta
-Attention beside DeepSeek's latent attention without a rotary), `jamba` (Jamba: Mamba-1 beside NoPE attention and
-experts), `mamba` (Mamba, FalconMamba, Mamba2: Mamba blocks alone), `zamba2` (Zamba2: Mamba-2 layers and shared
-transformer blocks), over `hybrid`'s states; `mimo` (MiMo-V2-Flash: sliding layers with twice the KV heads and sinks,
-value heads narrower than q/k's, DeepSeek V3's router); `apertus` (Apertus: xIELU; Arcee's AFM and Jais 2: squared
-ReLU, Jais 2's LayerNorms with biases). LongCat-Flash's sublayers and experts are in `deepseek`.
-"""
+The Llama family (Llama 2/3, Qwen2, Qwen3, Mistral) is `engine.model.LlamaForCausalLM`; a variant that changes the layer
+itself has a module here, built from the same shared layers (`engine.layers`) and the same weight loading and tensor-
+parallel cuts: `gemma3` (Gemma 3's text model, and Gemma 2's), `gemma4` (Gemma 4's text model: attention of two shapes,
+experts beside the MLP), `qwen3_moe` (Qwen3-MoE's sparse layers, and Qwen2-MoE's with their shared expert), `mixtral`
+(Mixtral: those experts on every layer, under its checkpoints' names), `phi3` (Phi-3 and Phi-4: the Llama layer, its
+checkpoints' fused q/k/v and gate/up split as they are read), `granite` (Granite 3: the Llama layer and its four
+scalars; Granite SWA's sinks and per-layer ropes; Granite 3's and 4's experts), `olmo2` (OLMo 2 and 3: post-norm layers,
+q/k normed whole), `smollm3` (SmolLM3: NoPE layers), `gpt_oss` (GPT-OSS: attention sinks, biased experts with a clamped
+SwiGLU, MXFP4 experts dequantized as they are read), `cohere` (Command R and R7B: parallel layers, LayerNorms, q/k rows
+reordered for the engine's rotary; Command A Plus's experts), `ernie` (ERNIE 4.5: the Llama layer, its interleaved
+rotary served so too), `glm4` (GLM-4: sandwich norms, a partial interleaved rotary served by zero frequencies and
+reordered q/k rows; K-EXAONE, GLM-4.5's model with EXAONE 4's attention), `deepseek` (DeepSeek V2 and V3: latent
+attention over a cache of one latent a token, grouped routers, shared experts; Mistral Small 4, its queries scaled as
+Ministral 3's; GLM-4.5, in `glm4`, takes their experts), `deepseek_v32` (DeepSeek V3.2 and GLM-5: V3's model, each query
+attending to the tokens its indexer picks), `minimax_m2` (MiniMax-M2: Mixtral's names, OLMo 2's whole-projection q/k
+norms, GLM-4.5's partial rotary, DeepSeek V3's router without groups), `llama4` (Llama 4's text model: chunked
+attention, NoPE layers with query temperature, q/k L2-normed after an interleaved rotary, sigmoid-scaled experts),
+`ministral3` (Ministral 3: Mistral's layer with Llama 4's query scaling on every layer), `qwen3_5` (Qwen3.5: Gated
+DeltaNet layers over a per-sequence state between gated full-attention layers; Qwen3-Next), `nemotron_h` (Nemotron-H:
+single-mixer blocks of Mamba-2, NoPE attention or a squared-ReLU MLP), `lfm2` (LFM2: gated short convolutions beside
+attention with per-head q/k norms; LFM2-MoE's experts), `kimi_linear` (Kimi Linear: Kimi Delta Attention beside
+DeepSeek's latent attention without a rotary), `jamba` (Jamba: Mamba-1 beside NoPE attention and experts), `mamba`
+(Mamba, FalconMamba, Mamba2: Mamba blocks alone), `zamba2` (Zamba2: Mamba-2 layers and shared transformer blocks), over
+`hybrid`'s states; `mimo` (MiMo-V2-Flash: sliding layers with twice the KV heads and sinks, value heads narrower than
+q/k's, DeepSeek V3's router); `apertus` (Apertus: xIELU; Arcee's AFM and Jais 2: squared ReLU, Jais 2's LayerNorms with
+biases; a head pruned to the vocabulary's first ids, Apertus 1.5's), `mllama` (Llama 3.2 Vision's text model: its self-
+attention layers alone, that head). LongCat-Flash's sublayers and experts are in `deepseek`."""
 
 from __future__ import annotations
 
@@ -74,6 +74,7 @@ from engine.models.granite import (BambaAttentionForCausalLM, BambaForCausalLM, 
 from engine.models.hunyuan import HunyuanDenseForCausalLM, HunyuanMoeForCausalLM
 from engine.models.mimo import MimoV2FlashForCausalLM
 from engine.models.minimax_m2 import MiniMaxM2ForCausalLM
+from engine.models.mllama import MllamaForCausalLM
 from engine.models.kimi_linear import BailingHybridForCausalLM, KimiLinearForCausalLM
 from engine.models.lfm2 import Lfm2ForCausalLM, Lfm2MoeForCausalLM
 from engine.models.kolibri import FlintForCausalLM, KolibriForCausalLM
@@ -122,7 +123,6 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "Cohere2ForCausalLM": CohereForCausalLM,   # its full layers NoPE
                                                 "Ernie4_5ForCausalLM": Ernie45ForCausalLM,
                                                 "Ernie4_5_MoeForCausalLM": Ernie45MoeForCausalLM,
-                                                "SeedOssForCausalLM": LlamaForCausalLM,
                                                 "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
                                                 "MiniMaxM2ForCausalLM": MiniMaxM2ForCausalLM,
                                                 "DeepseekV2ForCausalLM": DeepseekForCausalLM,
@@ -144,9 +144,9 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
                                                 "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
                                                 "NemotronHForCausalLM": NemotronHForCausalLM,
-                                                "MinistralForCausalLM": LlamaForCausalLM,   # per-layer windows
                                                 "HunYuanMoEV1ForCausalLM": HunyuanMoeForCausalLM,
                                                 "ApertusForCausalLM": ApertusForCausalLM,
+                                                "MllamaForCausalLM": MllamaForCausalLM,   # Llama 3.2 Vision's text
                                                 "OlmoHybridForCausalLM": OlmoHybridForCausalLM,
                                                 "Lfm2ForCausalLM": Lfm2ForCausalLM,
                                                 "Lfm2MoeForCausalLM": Lfm2MoeForCausalLM,
@@ -179,7 +179,7 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "PhiForCausalLM": PhiForCausalLM, "OPTForCausalLM": OPTForCausalLM,
                                                 "GPTNeoXForCausalLM": GPTNeoXForCausalLM,
                                                 "PhimoeForCausalLM": PhimoeForCausalLM,
-                                                "OlmoForCausalLM": OlmoForCausalLM, "CwmForCausalLM": LlamaForCausalLM,
+                                                "OlmoForCausalLM": OlmoForCausalLM,
                                                 "FalconForCausalLM": FalconForCausalLM,
                                                 "GPTBigCodeForCausalLM": GPTBigCodeForCausalLM,
                                                 "GPT2LMHeadModel": GPT2LMHeadModel, "GPTJForCausalLM": GPTJForCausalLM,
@@ -196,7 +196,7 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
 
 
 def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:
-    """The class that runs `config.architecture` (a supported one: `ModelConfig` refuses the rest)."""
+    """The class that runs `config.architecture`: `_VARIANTS`', else the Llama model (Seed-OSS, CWM, Ministral)."""
     if config.architecture in ("GraniteMoeHybridForCausalLM", *GRANITE3_MOE) and config.num_experts:
         return GraniteHybridMoeForCausalLM   # Granite 4-H-Tiny, -Small; Granite 3's MoE models
     if config.architecture == "GraniteMoeHybridForCausalLM" and config.mamba is not None:   # Granite 4's -H models

@@ -24,8 +24,8 @@ from engine.models.nemotron_h import ReluSquared
 from engine.models.phi3 import partial_rotary_rows
 from engine.parallel import Collectives, ShardShape
 
-__all__ = ["ApertusForCausalLM", "ArceeForCausalLM", "Jais2ForCausalLM", "NemotronForCausalLM", "Starcoder2ForCausalLM",
-           "XIELU"]
+__all__ = ["ApertusForCausalLM", "ArceeForCausalLM", "Jais2ForCausalLM", "NemotronForCausalLM",
+           "PrunedHeadForCausalLM", "Starcoder2ForCausalLM", "XIELU"]
 
 
 class XIELU(nn.Module):
@@ -61,15 +61,12 @@ class ApertusMLP(nn.Module):
         return self.comm.all_reduce(self.down_proj(self.act_fn(self.up(x))))
 
 
-class ApertusForCausalLM(LlamaForCausalLM):
-    """Apertus (see the module docstring); `activation` its MLP's. Apertus 1.5's head is pruned to the vocabulary's
-    first `output_vocab_size` ids (its text tokens; the image and audio codes past them are input only): the head
-    holds those rows (a rank its share, as the table's are cut) and the logits of the ids past them are -inf, so the
-    logits keep the vocabulary's width (what the sampler, penalties and grammars index) and a pruned id is never
-    sampled."""
-
-    supports_flat_forward = False
-    activation: type[nn.Module] = XIELU
+class PrunedHeadForCausalLM(LlamaForCausalLM):
+    """The Llama model with a head pruned to the vocabulary's first `output_vocab_size` ids, where the config sets it
+    (Apertus 1.5's text tokens, Llama 3.2 Vision's vocabulary before its image token; the ids past them are input
+    only): the head holds those rows (a rank its share, as the table's are cut) and the logits of the ids past them
+    are -inf, so the logits keep the vocabulary's width (what the sampler, penalties and grammars index) and a pruned
+    id is never sampled."""
 
     def __init__(self, config: ModelConfig, *args, **kwargs) -> None:
         super().__init__(config, *args, **kwargs)
@@ -89,6 +86,24 @@ class ApertusForCausalLM(LlamaForCausalLM):
             logits = self.comm.all_gather_last(logits)
         kept = self.config.output_vocab_size
         return F.pad(logits[:, :kept], (0, self.config.vocab_size - kept), value=float("-inf"))
+
+    def _shard_of(self, hf_name: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A pruned head's rows cut as the table's (the last rank's tail padding)."""
+        if name == "lm_head.weight" and self.config.output_vocab_size:
+            kept, rows = self.config.output_vocab_size, self.head_rows
+            if tuple(tensor.shape) != (kept, self.config.hidden_size):
+                raise WeightLoadError(f"{hf_name}: shape {tuple(tensor.shape)} is not the pruned head's "
+                                      f"({kept}, {self.config.hidden_size}) of output_vocab_size {kept}")
+            return rank_rows(tensor, self.shard.rank, rows)
+        return super()._shard_of(hf_name, name, tensor)
+
+
+class ApertusForCausalLM(PrunedHeadForCausalLM):
+    """Apertus (see the module docstring); `activation` its MLP's. Apertus 1.5's head is pruned to its text tokens
+    (`PrunedHeadForCausalLM`)."""
+
+    supports_flat_forward = False
+    activation: type[nn.Module] = XIELU
 
     def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
         layer = DecoderLayer(self.config, self.shard, self.comm, self.rotary_emb, ops, index)
@@ -110,14 +125,7 @@ class ApertusForCausalLM(LlamaForCausalLM):
                  .replace(".mlp.up_proj.", ".mlp.up."), tensor),)
 
     def _shard_of(self, hf_name: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """`up` cut as the Llama MLP's up_proj; xIELU's slopes whole on every rank; a pruned head's rows cut as the
-        table's (the last rank's tail padding)."""
-        if name == "lm_head.weight" and self.config.output_vocab_size:
-            kept, rows = self.config.output_vocab_size, self.head_rows
-            if tuple(tensor.shape) != (kept, self.config.hidden_size):
-                raise WeightLoadError(f"{hf_name}: shape {tuple(tensor.shape)} is not the pruned head's "
-                                      f"({kept}, {self.config.hidden_size}) of output_vocab_size {kept}")
-            return rank_rows(tensor, self.shard.rank, rows)
+        """`up` cut as the Llama MLP's up_proj; xIELU's slopes whole on every rank."""
         return super()._shard_of(hf_name, name.replace(".mlp.up.", ".mlp.up_proj."), tensor)
 
 

@@ -4,6 +4,7 @@ import copy
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -1903,6 +1904,42 @@ def test_cwm_reads_as_transformers_does():
     assert ModelConfig.from_hf_config({**small, "sliding_window": None}).layer_types == ("full_attention",) * 3
     with pytest.raises(ConfigError, match="^layer_types:"):
         ModelConfig.from_hf_config({**small, "layer_types": ["full_attention", "local", "full_attention"]})
+
+
+# Llama-3.2-11B-Vision-Instruct's config.json, its vision_config left out (not read)
+MLLAMA_11B_CARD = {"architectures": ["MllamaForConditionalGeneration"], "model_type": "mllama", "text_config": {
+    "model_type": "mllama_text_model", "cross_attention_layers": [3, 8, 13, 18, 23, 28, 33, 38], "hidden_act": "silu",
+    "hidden_size": 4096, "intermediate_size": 14336, "max_position_embeddings": 131072, "num_attention_heads": 32,
+    "num_hidden_layers": 40, "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_theta": 500000.0,
+    "rope_scaling": {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "tie_word_embeddings": False, "vocab_size": 128256, "bos_token_id": 128000,
+    "eos_token_id": [128001, 128008, 128009], "pad_token_id": 128004}}
+
+
+def test_llama_3_2_vision_reads_as_its_text_model_alone():
+    """Llama 3.2 Vision (`MllamaForConditionalGeneration`, the 11B's config.json): served as its text model's 32
+    self-attention layers of 40 (the cross-attention ones, which text skips, not held: Llama 3.1 8B's shape), Llama
+    3.1's rope, a table of 128,264 rows beside a head of the vocabulary's 128,256; the parameter count transformers'
+    text model's less its cross layers'. Cross layers past the model's, or a tied head, are refused by key."""
+    transformers = pytest.importorskip("transformers")
+    cfg = ModelConfig.from_hf_config(MLLAMA_11B_CARD)
+    text = MLLAMA_11B_CARD["text_config"]
+    assert (cfg.architecture, cfg.num_layers, cfg.skipped_layers, cfg.vocab_size, cfg.output_vocab_size) == \
+        ("MllamaForCausalLM", 32, tuple(text["cross_attention_layers"]), 128_264, 128_256)
+    assert (cfg.rope_scaling.rope_type, cfg.rope_scaling.factor, cfg.rope_theta, cfg.text_weights_prefix) == \
+        ("llama3", 8.0, 500_000.0, "language_model.")
+    hf_config = transformers.MllamaTextConfig(**{k: v for k, v in text.items() if k != "model_type"})
+    with torch.device("meta"):
+        hf = transformers.MllamaForCausalLM(hf_config)
+    layer = re.compile(r"\.layers\.(\d+)\.")
+    cross = sum(p.numel() for name, p in hf.named_parameters()
+                if (m := layer.search(name)) and int(m[1]) in hf_config.cross_attention_layers)
+    assert cfg.num_params() == sum(p.numel() for p in hf.parameters()) - cross
+    for key, value in (("cross_attention_layers", [3, 40]), ("cross_attention_layers", [3, 3]),
+                       ("tie_word_embeddings", True)):
+        with pytest.raises(ConfigError, match=f"^text_config.{key}:"):
+            ModelConfig.from_hf_config({**MLLAMA_11B_CARD, "text_config": {**text, key: value}})
 
 
 def test_youtu_reads_as_transformers_does():

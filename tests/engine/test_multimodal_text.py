@@ -200,6 +200,9 @@ VISION_WRAPPERS = {
     "deepseek_vl": ("llama", {}, "LlamaForCausalLM", "language_model."),
     "idefics2": ("mistral", {}, "MistralForCausalLM", "text_model."),
     "janus": ("llama", {}, "LlamaForCausalLM", "language_model."),
+    # Llama 3.2 Vision: a cross-attention layer between self-attention ones (not served: renumbered past it)
+    "mllama": ("mllama_text_model", {"num_hidden_layers": 4, "cross_attention_layers": [1]}, "MllamaForCausalLM",
+               "language_model."),
     "nemotron_h_omni": ("nemotron_h", {"num_hidden_layers": 4, "layers_block_type": [
         "linear_attention", "mlp", "full_attention", "linear_attention"], "head_dim": 16, "mamba_num_heads": 4,
         "mamba_head_dim": 32, "ssm_state_size": 16, "n_groups": 2}, "NemotronHForCausalLM", "language_model."),
@@ -208,11 +211,11 @@ VISION_WRAPPERS = {
 
 @pytest.mark.parametrize("wrapper", list(VISION_WRAPPERS))
 def test_a_vision_checkpoint_serves_its_text_model(tmp_path, builtin_path, wrapper):
-    """Command A Vision (`cohere2_vision`), MiniCPM-V 4.6 (Qwen3.5's hybrid text model), LightOnOCR (Qwen3),
-    HyperCLOVA X SEED Vision (`hyperclovax_vision_v2`), SmolVLM (Idefics3's layout: `model.text_model.`), VipLLaVA,
-    Video-LLaVA and LLaVA-NeXT-Video, GOT-OCR 2.0, Ovis2, VideoLLaMA3, DeepSeek-VL, Janus, Idefics2, Nemotron Nano Omni
-    (Nemotron-H's hybrid), each its config class's vision tower shrunk around a tiny text model: greedy text
-    token-identical to transformers'."""
+    """Command A Vision (`cohere2_vision`), MiniCPM-V 4.6 (Qwen3.5's hybrid text model), LightOnOCR (Qwen3), HyperCLOVA
+    X SEED Vision (`hyperclovax_vision_v2`), SmolVLM (Idefics3's layout: `model.text_model.`), VipLLaVA, Video-LLaVA and
+    LLaVA-NeXT-Video, GOT-OCR 2.0, Ovis2, VideoLLaMA3, DeepSeek-VL, Janus, Idefics2, Nemotron Nano Omni (Nemotron-H's
+    hybrid), Llama 3.2 Vision (its self-attention layers alone), each its config class's vision tower shrunk around a
+    tiny text model: greedy text token-identical to transformers'."""
     import transformers
 
     kind, keys, arch, prefix = VISION_WRAPPERS[wrapper]
