@@ -32,7 +32,7 @@ from engine.hy_v4_config import HyperConnections
 from engine.deepseek_v4_config import DeepseekV4Shape
 from engine.model_params import GEMMA_ARCHITECTURES, count_params, float32_params
 from engine.multimodal_config import (BARE_TEXT_WEIGHTS, FLAT_TEXT_CONFIGS, MROPE_TEXT, MULTIMODAL_ARCHITECTURES, is_multimodal,
-                                      text_model)
+                                      text_model, thinker_config)
 from engine.mla_config import MlaShape
 from engine.model_defaults import (DEFAULT_HEAD_DIM, DEFAULT_KV_HEADS, DEFAULT_MAX_POSITIONS, DEFAULT_RMS_NORM_EPS,
                                    DEFAULT_ROPE_THETA, FAMILY_DEFAULTS, OWN_ACTIVATIONS, TEXT_DEFAULTS,
@@ -449,28 +449,29 @@ class ModelConfig:
     @classmethod
     def _from_text_config(cls, cfg: dict[str, Any], arch: str) -> "ModelConfig":
         """A multimodal checkpoint (`arch` in `engine.multimodal_config`'s tables) as its `text_config`'s model; errors
-        say `text_config.`."""
-        text = read_object(cfg, "text_config")
+        say `text_config.` (an Omni model's `thinker_config.text_config.`)."""
+        top, (cfg, where) = cfg, thinker_config(arch, cfg)
+        text = read_object(cfg, "text_config", name=f"{where}text_config")
         text_arch, prefix, model_type = text_model(arch, text)
         if text is None and arch in FLAT_TEXT_CONFIGS:   # the text model's keys at the top (its hub checkpoints')
             text = {k: v for k, v in cfg.items() if k not in ("vision_config", "architectures", "model_type")}
         if text is None:
-            raise ConfigError(f"text_config: missing from config.json ({arch} is served as its text model)")
+            raise ConfigError(f"{where}text_config: missing from config.json ({arch} is served as its text model)")
         text = TEXT_DEFAULTS.get(arch, {}) | (vl_text_keys(text) if arch.startswith(MROPE_TEXT) else text)
         if text.get("model_type", model_type) != model_type:
-            raise ConfigError(f"text_config.model_type: {arch}'s text model is served as {model_type!r} "
+            raise ConfigError(f"{where}text_config.model_type: {arch}'s text model is served as {model_type!r} "
                               f"({text_arch}), got {text['model_type']!r}")
-        eos = read_token_ids(text, "eos_token_id", path="text_config.") if text.get("eos_token_id") is not None \
-            else read_token_ids(cfg, "eos_token_id")   # the text model's, else the checkpoint's
+        eos = read_token_ids(text, "eos_token_id", path=f"{where}text_config.") \
+            if text.get("eos_token_id") is not None else read_token_ids(cfg, "eos_token_id")   # else the checkpoint's
         tied = {"tie_word_embeddings": read_bool(cfg, "tie_word_embeddings", True)} if "tie_word_embeddings" in cfg \
             else {}   # transformers reads the top one (checked here: its error names the file's key)
-        quantized = {key: cfg[key] for key in ("quantization_config", "compression_config")   # the checkpoint's,
-                     if cfg.get(key) is not None and key not in text}                    # at the top (Kimi K2.5's)
+        quantized = {key: top[key] for key in ("quantization_config", "compression_config")   # the checkpoint's,
+                     if top.get(key) is not None and key not in text}                    # at the top (Kimi K2.5's)
         try:
             config = cls.from_hf_config({**text, **tied, **quantized, "architectures": [text_arch],
                                          "eos_token_id": list(eos)})
         except ConfigError as exc:
-            raise ConfigError(f"text_config.{exc}") from None
+            raise ConfigError(f"{where}text_config.{exc}") from None
         return replace(config, text_weights_prefix=prefix, bare_text_weights=arch in BARE_TEXT_WEIGHTS,
                        stacked_experts=config.stacked_experts or arch == "Qwen3VLMoeForConditionalGeneration")
 

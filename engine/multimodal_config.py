@@ -10,7 +10,8 @@ from typing import Any
 from engine.config import ConfigError
 
 __all__ = ["ANY_TEXT_MODELS", "BARE_TEXT_WEIGHTS", "FLAT_TEXT_CONFIGS", "MROPE_TEXT", "MULTIMODAL_ARCHITECTURES",
-           "TEXT_MODELS", "TEXT_MODEL_TYPES", "TEXT_TYPE_ARCHS", "is_multimodal", "text_model"]
+           "TEXT_MODELS", "TEXT_MODEL_TYPES", "TEXT_TYPE_ARCHS", "THINKER_CONFIGS", "THINKER_TOWERS", "is_multimodal",
+           "text_model", "thinker_config"]
 
 # Multimodal checkpoints served as their text model: architecture -> (the text model's, its weights' prefix, the
 # text_config's model_type where it names one: another family's text model is refused by that key). Qwen's VL models
@@ -56,6 +57,10 @@ TEXT_MODELS = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "language
                **dict.fromkeys(("Ernie4_5_VLMoeForConditionalGeneration", "Ernie4_5_VL_MoeForConditionalGeneration"),
                                ("Ernie4_5_MoeForCausalLM", "language_model.", "ernie4_5_vl_moe_text")),
                "Kimi_K25ForConditionalGeneration": ("DeepseekV3ForCausalLM", "language_model.", "deepseek_v3"),
+               # Qwen's Omni models: their thinker's text model (`THINKER_CONFIGS`)
+               "Qwen3OmniMoeForConditionalGeneration": ("Qwen3MoeForCausalLM", "thinker.", "qwen3_omni_moe_text"),
+               **dict.fromkeys(("Qwen2_5OmniModel", "Qwen2_5OmniForConditionalGeneration"),
+                               ("Qwen2ForCausalLM", "thinker.", "qwen2_5_omni_text")),
                # Llama 3.2 Vision: its text model's self-attention layers (`engine.models.mllama`)
                "MllamaForConditionalGeneration": ("MllamaForCausalLM", "language_model.", "mllama_text_model"),
                "KimiK25ForConditionalGeneration": ("DeepseekV3ForCausalLM", "language_model.", "deepseek_v3"),
@@ -77,7 +82,13 @@ FLAT_TEXT_CONFIGS = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditiona
 # HunYuan-VL's `vit.`)
 BARE_TEXT_WEIGHTS = (*FLAT_TEXT_CONFIGS, "HYV4VLForConditionalGeneration", "Ernie4_5_VLMoeForConditionalGeneration",
                      "Ernie4_5_VL_MoeForConditionalGeneration", "HunYuanVLForConditionalGeneration")
-MROPE_TEXT = ("Qwen", "Glm4v", "Glm46V")   # their text configs read through `vl_text_keys` (MRoPE, saved names)
+MROPE_TEXT = ("Qwen", "Glm4v", "Glm46V")
+# Qwen's Omni models (Qwen2.5-Omni, whose hub config.json names `Qwen2_5OmniModel`; Qwen3-Omni): the thinker's config
+# holds the text model's (`thinker_config.text_config`), the thinker's tensors lie at `thinker.` (its text model's at
+# `thinker.model.`, its head at `thinker.lm_head.`, its audio and vision towers beside them: `THINKER_TOWERS`), the
+# talker's and the speech decoder's elsewhere; text is served, speech is not
+THINKER_CONFIGS = ("Qwen2_5OmniModel", "Qwen2_5OmniForConditionalGeneration", "Qwen3OmniMoeForConditionalGeneration")
+THINKER_TOWERS = ("audio_tower.", "visual.")   # their text configs read through `vl_text_keys` (MRoPE, saved names)
 
 # Multimodal checkpoints whose text model may be one of several families, named by the text_config's model_type (its
 # config class's default where absent): the HF-format InternVL (InternVL3, InternVL3.5), LLaVA (LLaVA 1.5, Pixtral
@@ -101,6 +112,18 @@ MULTIMODAL_ARCHITECTURES = (*TEXT_MODELS, *ANY_TEXT_MODELS)
 def is_multimodal(arch: str) -> bool:
     """Whether `arch` is a multimodal checkpoint served as its text model."""
     return arch in TEXT_MODELS or arch in ANY_TEXT_MODELS
+
+
+def thinker_config(arch: str, cfg: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """(the config that holds `arch`'s text_config, its key path in errors): an Omni model's thinker's
+    (`THINKER_CONFIGS`), else the checkpoint's own."""
+    if arch not in THINKER_CONFIGS:
+        return cfg, ""
+    thinker = cfg.get("thinker_config")
+    if not isinstance(thinker, dict):
+        raise ConfigError(f"thinker_config: {arch} is served as its thinker's text model: an object holding its "
+                          f"text_config, got {thinker!r:.60}")
+    return thinker, "thinker_config."
 
 
 def text_model(arch: str, text: dict[str, Any] | None) -> tuple[str, str, str]:

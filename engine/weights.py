@@ -32,6 +32,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from engine.gguf_tokenizer import write_tokenizer
+from engine.multimodal_config import THINKER_TOWERS
 
 log = logging.getLogger("cliffguard.engine")
 # tqdm's default lock holds a multiprocessing semaphore, a named file in /dev/shm under the forkserver start
@@ -170,7 +171,8 @@ def model_tensor_name(hf_name: str, text_prefix: str = "", bare_text: bool = Fal
             return name
         if not name.startswith(text_prefix):
             return None
-        name = name.removeprefix(text_prefix).removeprefix("model.")
+        name = name.removeprefix(text_prefix)   # not an Omni model's thinker's audio and vision towers
+        return None if name.startswith(THINKER_TOWERS) else name.removeprefix("model.")
     return name
 
 

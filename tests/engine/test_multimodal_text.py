@@ -238,3 +238,51 @@ def test_a_vision_checkpoint_serves_its_text_model(tmp_path, builtin_path, wrapp
     folder = tmp_path / wrapper
     hf.save_pretrained(folder)
     _assert_serves_its_text_model(hf, folder, builtin_path, arch, prefix)
+
+
+OMNI_TEXT = dict(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2, rms_norm_eps=1e-5,
+                 bos_token_id=1, eos_token_id=2, pad_token_id=0)
+OMNI_AUDIO = dict(d_model=32, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=64, output_dim=64,
+                  num_mel_bins=16)
+OMNI_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+# transformers' thinker reads its vision start token to place positions: one no prompt here holds
+OMNI_THINKER = dict(initializer_range=0.2, vision_start_token_id=0)
+
+
+@pytest.mark.parametrize("omni", ["qwen2_5_omni", "qwen3_omni_moe"])
+def test_an_omni_checkpoint_serves_its_thinkers_text_model(tmp_path, builtin_path, omni):
+    """Qwen2.5-Omni (as its hub config.json names it, `Qwen2_5OmniModel`) and Qwen3-Omni
+    (`Qwen3OmniMoeForConditionalGeneration`) served as their thinker's text model (`thinker_config.text_config`:
+    Qwen2.5-VL's text model, Qwen3-MoE's; MRoPE, interleaved in Qwen3-Omni's, one rope on text) at `thinker.model.`,
+    its head at `thinker.lm_head.`, beside the thinker's audio and vision towers: greedy text token-identical to
+    transformers' thinker. Without its thinker_config the checkpoint is refused by that key."""
+    import transformers
+
+    if omni == "qwen3_omni_moe":
+        text = {**OMNI_TEXT, "head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                                    "interleaved": True}}
+        thinker = transformers.Qwen3OmniMoeThinkerConfig(
+            text_config=text, audio_config={**OMNI_AUDIO, "downsample_hidden_size": 8},
+            vision_config={**OMNI_VISION, "deepstack_visual_indexes": [0]}, **OMNI_THINKER)
+        config = transformers.Qwen3OmniMoeConfig(thinker_config=thinker.to_dict(), enable_audio_output=False)
+        model, arch, served = transformers.Qwen3OmniMoeForConditionalGeneration, None, "Qwen3MoeForCausalLM"
+    else:
+        text = {**OMNI_TEXT, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                 "mrope_section": [2, 3, 3]}}
+        thinker = transformers.Qwen2_5OmniThinkerConfig(text_config=text, audio_config=OMNI_AUDIO,
+                                                        vision_config=OMNI_VISION, **OMNI_THINKER)
+        config = transformers.Qwen2_5OmniConfig(thinker_config=thinker.to_dict(), enable_audio_output=False)
+        model, arch, served = transformers.Qwen2_5OmniForConditionalGeneration, "Qwen2_5OmniModel", "Qwen2ForCausalLM"
+    torch.manual_seed(0)
+    hf = model(config).eval()
+    folder = tmp_path / omni
+    hf.save_pretrained(folder)
+    saved = json.loads((folder / "config.json").read_text())
+    if arch is not None:
+        saved["architectures"] = [arch]
+        (folder / "config.json").write_text(json.dumps(saved))
+    _assert_serves_its_text_model(hf.thinker, folder, builtin_path, served, "thinker.")
+    with pytest.raises(ConfigError, match="^thinker_config:"):
+        ModelConfig.from_hf_config({k: v for k, v in saved.items() if k != "thinker_config"})
