@@ -51,6 +51,7 @@ TEXT_MODELS = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "language
                **dict.fromkeys(("SmolVLMForConditionalGeneration", "Idefics3ForConditionalGeneration"),
                                ("LlamaForCausalLM", "text_model.", "llama")),
                "Idefics2ForConditionalGeneration": ("MistralForCausalLM", "text_model.", "mistral"),
+               "GraniteDoclingForConditionalGeneration": ("GraniteForCausalLM", "text_model.", "granite_docling_text"),
                # Nemotron Nano Omni: Nemotron-H's text model (its hub names, `backbone.`) under `language_model.`
                "NemotronH_Omni_Reasoning_V3": ("NemotronHForCausalLM", "language_model.", "nemotron_h"),
                # ERNIE 4.5 VL: its text experts alone (the vision experts, the second half, not read)

@@ -200,6 +200,9 @@ VISION_WRAPPERS = {
     "deepseek_vl": ("llama", {}, "LlamaForCausalLM", "language_model."),
     "idefics2": ("mistral", {}, "MistralForCausalLM", "text_model."),
     "janus": ("llama", {}, "LlamaForCausalLM", "language_model."),
+    "granite_docling": ("granite_docling_text", {"embedding_multiplier": 3.0, "residual_multiplier": 0.5,
+                                                 "logits_scaling": 2.0, "attention_multiplier": 0.2},
+                        "GraniteForCausalLM", "text_model."),
     # Llama 3.2 Vision: a cross-attention layer between self-attention ones (not served: renumbered past it)
     "mllama": ("mllama_text_model", {"num_hidden_layers": 4, "cross_attention_layers": [1]}, "MllamaForCausalLM",
                "language_model."),
