@@ -86,10 +86,18 @@ def _sparse_attention(cfg: dict[str, Any], arch: str) -> tuple[dict[str, Any], d
         freq = max(read_int(cfg, "index_topk_freq", 1), 1)
         offset = read_int(cfg, "index_skip_topk_offset", 2, minimum=0)
         kinds = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(layers)]
-    if not isinstance(kinds, list) or len(kinds) != layers or any(k not in ("full", "shared") for k in kinds) \
+    return cfg, {"index_shared": shared_indexers(kinds, layers, key), "index_rope_interleave": True}
+
+
+def shared_indexers(kinds: Any, num_layers: int, key: str = "indexer_types") -> tuple[int, ...]:
+    """The layers whose indexer reuses the last earlier layer's choice: those `kinds` (config.json's `key`) calls
+    `shared` (GLM-5's, HY V4's); a ConfigError naming the key unless it is full or shared for each layer, the first
+    full."""
+    if not isinstance(kinds, list) or len(kinds) != num_layers or any(k not in ("full", "shared") for k in kinds) \
             or kinds[0] != "full":
-        raise ConfigError(f"{key}: full or shared for each of the {layers} layers, the first full, got {kinds!r:.80}")
-    return cfg, {"index_shared": tuple(i for i, k in enumerate(kinds) if k == "shared"), "index_rope_interleave": True}
+        raise ConfigError(f"{key}: full or shared for each of the {num_layers} layers, the first full, "
+                          f"got {kinds!r:.80}")
+    return tuple(i for i, kind in enumerate(kinds) if kind == "shared")
 
 
 # GlmMoeDsaConfig's experts where config.json names none: 256 of 2,048, 8 a token from one group, one shared

@@ -20,7 +20,7 @@ from typing import Any
 
 from engine.config import ConfigError
 from engine.config_values import read_float, read_int
-from engine.deepseek_config import check_silu, dense_first, grouped_experts
+from engine.deepseek_config import check_silu, dense_first, grouped_experts, shared_indexers
 from engine.mla_config import DSA_DEFAULTS, MLA_DEFAULTS, read_mla
 
 __all__ = ["HY_V4_DEFAULTS", "HY_V4_VL_TEXT", "HyperConnections", "hy_v4_fields"]
@@ -82,12 +82,8 @@ def hy_v4_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
 
 def _shared_indexers(cfg: dict[str, Any], num_layers: int) -> tuple[int, ...]:
     """The layers `indexer_types` calls `shared` (HYV4Config's default: all but the first and every 4th from the
-    second); the first must be full."""
+    second); the first must be full (`shared_indexers`)."""
     kinds = cfg.get("indexer_types")
     if kinds is None:
         kinds = ["full" if i == 0 or (i - 1) % 4 == 0 else "shared" for i in range(num_layers)]
-    if not isinstance(kinds, list) or len(kinds) != num_layers or any(k not in ("full", "shared") for k in kinds) \
-            or kinds[0] != "full":
-        raise ConfigError(f"indexer_types: full or shared for each of the {num_layers} layers, the first full, "
-                          f"got {kinds!r:.80}")
-    return tuple(i for i, kind in enumerate(kinds) if kind == "shared")
+    return shared_indexers(kinds, num_layers)

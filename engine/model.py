@@ -416,7 +416,7 @@ class LlamaForCausalLM(CheckpointReading, nn.Module):
             if tuple(tensor.shape) != (c.num_heads,):
                 raise WeightLoadError(f"{hf_name}: shape {tuple(tensor.shape)} does not match the config "
                                       f"({c.num_heads} heads)")
-            return tensor.narrow(0, shard.head_start, shard.num_heads)
+            return shard.heads_of(tensor)
         d = c.head_dim
         part = name.rsplit(".", 1)[0].split(".", 2)[-1] if name.startswith("layers.") else name.rsplit(".", 1)[0]
         is_bias = name.endswith(".bias")

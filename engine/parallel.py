@@ -110,6 +110,11 @@ class ShardShape:
         """Rows of this rank's vocab shard that hold real tokens (the last rank's tail is padding)."""
         return max(0, min(self.vocab_size, self.vocab_start + self.vocab_rows) - self.vocab_start)
 
+    def heads_of(self, tensor: torch.Tensor, per_head: int = 1, dim: int = 0) -> torch.Tensor:
+        """This rank's query heads' part of `tensor`, `per_head` rows (or columns: `dim`) a head: their sinks, gates'
+        rows, o_proj's columns."""
+        return tensor.narrow(dim, self.head_start * per_head, self.num_heads * per_head)
+
     def num_params(self, model: ModelConfig) -> int:
         """Parameters this rank holds: its query heads, its KV heads (replicated when the group outnumbers
         them), its MLP and expert rows, its padded vocab rows; the norms, the router and the row-parallel

@@ -109,6 +109,5 @@ class BeamForCausalLM(Qwen3MoeForCausalLM):
         """This rank's heads' rows of the attention's gate and their biases; the rest as Qwen3-MoE's."""
         shard, d = self.shard, self.config.head_dim
         if shard.size > 1 and name.endswith(("self_attn.gate_proj.weight", "self_attn.gate_bias")):
-            rows = 1 if name.endswith("gate_bias") else d
-            return tensor.narrow(0, shard.head_start * rows, shard.num_heads * rows)
+            return shard.heads_of(tensor, 1 if name.endswith("gate_bias") else d)
         return super()._shard_of(hf_name, name, tensor)

@@ -271,7 +271,7 @@ class DeepseekForCausalLM(Qwen3MoeForCausalLM):
         if tensor.dim() != 2 or tensor.shape[dim] != heads * rows:
             raise WeightLoadError(f"{hf_name}: shape {tuple(tensor.shape)} does not match the config "
                                   f"({heads * rows} along dimension {dim})")
-        return tensor.narrow(dim, shard.head_start * rows, shard.num_heads * rows)
+        return shard.heads_of(tensor, rows, dim)
 
 
 def moe_checkpoint_name(config: ModelConfig, name: str) -> str | None:

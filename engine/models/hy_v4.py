@@ -143,8 +143,7 @@ class HYV4ForCausalLM(DeepseekV32ForCausalLM):
         """This rank's heads' sinks and their rows of `gate_proj`; the rest as V3.2's."""
         shard = self.shard
         if shard.size > 1 and name.endswith(("self_attn.sinks", "self_attn.gate_proj.weight")):
-            rows = 1 if name.endswith("sinks") else self.config.mla.v_head_dim
-            return tensor.narrow(0, shard.head_start * rows, shard.num_heads * rows)
+            return shard.heads_of(tensor, 1 if name.endswith("sinks") else self.config.mla.v_head_dim)
         return super()._shard_of(hf_name, name, tensor)
 
     def _destination(self, name: str, hf_name: str) -> tuple[str, Callable[[torch.Tensor], torch.Tensor]]:

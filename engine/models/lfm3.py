@@ -71,4 +71,4 @@ class Lfm3ForCausalLM(Lfm2ForCausalLM):
         """The gates' rows of this rank's heads; the rest as LFM2's."""
         if self.shard.size == 1 or GATES not in name:
             return super()._shard_of(hf_name, name, tensor)
-        return tensor.narrow(0, self.shard.head_start, self.shard.num_heads)
+        return self.shard.heads_of(tensor)
