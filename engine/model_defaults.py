@@ -40,7 +40,13 @@ TEXT_DEFAULTS = {"Qwen2VLForConditionalGeneration": _QWEN2_VL_TEXT,
                      "vocab_size": 151_936, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 24,
                      "num_attention_heads": 16, "num_key_value_heads": 16, "max_position_embeddings": 128_000,
                      "rms_norm_eps": 1e-6, "rope_theta": 500_000.0, "moe_intermediate_size": 1408,
-                     "num_experts_per_tok": 4, "num_experts": 60, "norm_topk_prob": True}}
+                     "num_experts_per_tok": 4, "num_experts": 60, "norm_topk_prob": True},
+                 # PaddleOCR-VL's text model (PaddleOCRTextConfig's: ERNIE-4.5-0.3B's), served as Llama's
+                 "PaddleOCRVLForConditionalGeneration": {
+                     "vocab_size": 103_424, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 18,
+                     "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 128,
+                     "max_position_embeddings": 131_072, "rms_norm_eps": 1e-5, "rope_theta": 500_000.0,
+                     "tie_word_embeddings": True, "use_bias": False}}
 # transformers' Gemma3TextConfig defaults where they differ from the keys' defaults here: a composite checkpoint's
 # text_config is saved as its difference from them (gemma-3-4b-it's names no head count, head_dim or vocabulary)
 GEMMA3_TEXT_DEFAULTS = {
@@ -237,8 +243,11 @@ def vl_text_keys(text: dict[str, Any]) -> dict[str, Any]:
     the default rope, as transformers reads it (on text, MRoPE's three positions are one: `TEXT_MODELS`); Qwen3-VL-MoE's
     `num_local_experts`, the name transformers saves its `num_experts` under, as `num_experts`. GLM-4.1V's text model
     (`glm4v_text`, GLM-4.6V's too) has heads of hidden_size / num_attention_heads whatever head_dim says, as
-    transformers builds it."""
+    transformers builds it. PaddleOCR-VL's (ERNIE 4.5's layer with MRoPE's rotate-half pairs, served as Llama's) has
+    one switch for every projection's bias, `use_bias`."""
     out = dict(text)
+    if "use_bias" in out:
+        out["attention_bias"] = out["mlp_bias"] = out.pop("use_bias")
     if out.get("model_type") == "glm4v_text" and isinstance(out.get("num_attention_heads"), int) \
             and isinstance(out.get("hidden_size"), int) and out["num_attention_heads"] > 0:
         out["head_dim"] = out["hidden_size"] // out["num_attention_heads"]

@@ -58,6 +58,9 @@ TEXT_MODELS = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "language
                **dict.fromkeys(("Ernie4_5_VLMoeForConditionalGeneration", "Ernie4_5_VL_MoeForConditionalGeneration"),
                                ("Ernie4_5_MoeForCausalLM", "language_model.", "ernie4_5_vl_moe_text")),
                "Kimi_K25ForConditionalGeneration": ("DeepseekV3ForCausalLM", "language_model.", "deepseek_v3"),
+               # PaddleOCR-VL: ERNIE-4.5-0.3B's layers turned as Qwen2-VL's MRoPE turns them (rotate-half pairs: the
+               # Llama model's), at `model.` beside `visual.` and the projector `mlp_AR.`
+               "PaddleOCRVLForConditionalGeneration": ("LlamaForCausalLM", "language_model.", "paddleocr_vl_text"),
                # Qwen's Omni models: their thinker's text model (`THINKER_CONFIGS`)
                "Qwen3OmniMoeForConditionalGeneration": ("Qwen3MoeForCausalLM", "thinker.", "qwen3_omni_moe_text"),
                **dict.fromkeys(("Qwen2_5OmniModel", "Qwen2_5OmniForConditionalGeneration"),
@@ -78,12 +81,15 @@ TEXT_MODEL_TYPES = {("Mistral3ForConditionalGeneration", "ministral3"): "Ministr
                     ("KimiK25ForConditionalGeneration", "kimi_k2"): "DeepseekV3ForCausalLM",
                     # EXAONE 4.5's hub config.json names its text model exaone4_5_text: read as EXAONE 4's
                     ("Exaone4_5_ForConditionalGeneration", "exaone4_5_text"): "Exaone4ForCausalLM"}
-FLAT_TEXT_CONFIGS = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+# their text model's keys at the top of config.json where it has no text_config (Qwen2-VL's and Qwen2.5-VL's hub
+# checkpoints, PaddleOCR-VL's first release)
+FLAT_TEXT_CONFIGS = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
+                     "PaddleOCRVLForConditionalGeneration")
 # their text model's tensors at `model.` itself, the rest elsewhere (`engine.weights.VISION_PREFIXES`; HY4-VL's and
 # HunYuan-VL's `vit.`)
 BARE_TEXT_WEIGHTS = (*FLAT_TEXT_CONFIGS, "HYV4VLForConditionalGeneration", "Ernie4_5_VLMoeForConditionalGeneration",
                      "Ernie4_5_VL_MoeForConditionalGeneration", "HunYuanVLForConditionalGeneration")
-MROPE_TEXT = ("Qwen", "Glm4v", "Glm46V")
+MROPE_TEXT = ("Qwen", "Glm4v", "Glm46V", "PaddleOCRVL")
 # Qwen's Omni models (Qwen2.5-Omni, whose hub config.json names `Qwen2_5OmniModel`; Qwen3-Omni): the thinker's config
 # holds the text model's (`thinker_config.text_config`), the thinker's tensors lie at `thinker.` (its text model's at
 # `thinker.model.`, its head at `thinker.lm_head.`, its audio and vision towers beside them: `THINKER_TOWERS`), the

@@ -203,6 +203,10 @@ VISION_WRAPPERS = {
     "granite_docling": ("granite_docling_text", {"embedding_multiplier": 3.0, "residual_multiplier": 0.5,
                                                  "logits_scaling": 2.0, "attention_multiplier": 0.2},
                         "GraniteForCausalLM", "text_model."),
+    # PaddleOCR-VL: ERNIE 4.5's layer, every projection biased (`use_bias`), MRoPE's rotate-half pairs
+    "paddleocr_vl": ("paddleocr_vl_text", {"head_dim": 16, "use_bias": True, "rope_parameters": {
+        "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}}, "LlamaForCausalLM",
+        "language_model."),
     # Llama 3.2 Vision: a cross-attention layer between self-attention ones (not served: renumbered past it)
     "mllama": ("mllama_text_model", {"num_hidden_layers": 4, "cross_attention_layers": [1]}, "MllamaForCausalLM",
                "language_model."),
@@ -234,10 +238,12 @@ def test_a_vision_checkpoint_serves_its_text_model(tmp_path, builtin_path, wrapp
     config = transformers.AutoConfig.for_model(wrapper, text_config=text.to_dict(), vision_config=vision.to_dict())
     torch.manual_seed(0)
     hf = transformers.AutoModelForImageTextToText.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():   # Qwen3.5's decay rates small (a state holds tens of tokens), as the tiny models' are
-        for name, param in hf.named_parameters():
+    with torch.no_grad():   # Qwen3.5's decay rates small (a state holds tens of tokens), as the tiny models' are;
+        for name, param in hf.named_parameters():   # biases away from their start at 0 (one read wrong would show)
             if name.endswith("A_log"):
                 param.uniform_(-6.0, -4.0)
+            elif name.endswith(".bias") and keys.get("use_bias"):
+                param.normal_(0.0, 0.5)
     folder = tmp_path / wrapper
     hf.save_pretrained(folder)
     _assert_serves_its_text_model(hf, folder, builtin_path, arch, prefix)
@@ -289,3 +295,20 @@ def test_an_omni_checkpoint_serves_its_thinkers_text_model(tmp_path, builtin_pat
     _assert_serves_its_text_model(hf.thinker, folder, builtin_path, served, "thinker.")
     with pytest.raises(ConfigError, match="^thinker_config:"):
         ModelConfig.from_hf_config({k: v for k, v in saved.items() if k != "thinker_config"})
+
+
+def test_paddleocr_vl_reads_its_text_model_from_the_top_of_its_first_releases_config():
+    """PaddleOCR-VL's first release writes its text model's keys at the top of config.json (no text_config, as
+    Qwen2-VL's hub checkpoints): read as the Llama model with ERNIE 4.5's one bias switch, its MRoPE one rope on text,
+    its tensors at `model.` beside `visual.` and `mlp_AR.`."""
+    card = {"architectures": ["PaddleOCRVLForConditionalGeneration"], "model_type": "paddleocr_vl", "head_dim": 128,
+            "hidden_act": "silu", "hidden_size": 1024, "intermediate_size": 3072, "max_position_embeddings": 131072,
+            "num_attention_heads": 16, "num_hidden_layers": 18, "num_key_value_heads": 2, "rms_norm_eps": 1e-05,
+            "rope_scaling": {"mrope_section": [16, 24, 24], "rope_type": "default", "type": "default"},
+            "rope_theta": 500000, "tie_word_embeddings": False, "use_bias": False, "vocab_size": 103424,
+            "vision_config": {"hidden_size": 1152, "num_hidden_layers": 27}}
+    cfg = ModelConfig.from_hf_config(card)
+    assert (cfg.architecture, cfg.num_layers, cfg.head_dim, cfg.num_kv_heads, cfg.attention_bias, cfg.mlp_bias,
+            cfg.tie_word_embeddings, cfg.bare_text_weights, cfg.rope_scaling.rope_type, cfg.rope_theta) == \
+        ("LlamaForCausalLM", 18, 128, 2, False, False, False, True, "default", 500_000.0)
+    assert ModelConfig.from_hf_config({**card, "use_bias": True}).mlp_bias
