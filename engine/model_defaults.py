@@ -244,8 +244,14 @@ def vl_text_keys(text: dict[str, Any]) -> dict[str, Any]:
     `num_local_experts`, the name transformers saves its `num_experts` under, as `num_experts`. GLM-4.1V's text model
     (`glm4v_text`, GLM-4.6V's too) has heads of hidden_size / num_attention_heads whatever head_dim says, as
     transformers builds it. PaddleOCR-VL's (ERNIE 4.5's layer with MRoPE's rotate-half pairs, served as Llama's) has
-    one switch for every projection's bias, `use_bias`."""
+    one switch for every projection's bias, `use_bias`. GLM-OCR's (`glm_ocr_text`) is GLM-4.1V's without q/k/v biases,
+    its heads hidden_size / num_attention_heads wide where head_dim is not named."""
     out = dict(text)
+    if out.get("model_type") == "glm_ocr_text":
+        heads, hidden = out.get("num_attention_heads"), out.get("hidden_size")
+        out["attention_bias"] = False
+        if out.get("head_dim") is None and isinstance(heads, int) and isinstance(hidden, int) and heads > 0:
+            out["head_dim"] = hidden // heads
     if "use_bias" in out:
         out["attention_bias"] = out["mlp_bias"] = out.pop("use_bias")
     if out.get("model_type") == "glm4v_text" and isinstance(out.get("num_attention_heads"), int) \

@@ -36,6 +36,7 @@ TEXT_MODELS = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "language
                "Glm4vMoeForConditionalGeneration": ("Glm4MoeForCausalLM", "language_model.", "glm4v_moe_text"),
                "Glm4vForConditionalGeneration": ("Glm4ForCausalLM", "language_model.", "glm4v_text"),
                "Glm46VForConditionalGeneration": ("Glm4ForCausalLM", "language_model.", "glm4v_text"),
+               "GlmOcrForConditionalGeneration": ("Glm4ForCausalLM", "language_model.", "glm_ocr_text"),
                "Exaone4_5_ForConditionalGeneration": ("Exaone4ForCausalLM", "language_model.", "exaone4"),
                "HYV4VLForConditionalGeneration": ("HYV4ForCausalLM", "language_model.", "hy_v4_vl_text"),
                "HunYuanVLForConditionalGeneration": ("HunYuanDenseV1ForCausalLM", "language_model.", "hunyuan_vl_text"),
@@ -89,7 +90,7 @@ FLAT_TEXT_CONFIGS = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditiona
 # HunYuan-VL's `vit.`)
 BARE_TEXT_WEIGHTS = (*FLAT_TEXT_CONFIGS, "HYV4VLForConditionalGeneration", "Ernie4_5_VLMoeForConditionalGeneration",
                      "Ernie4_5_VL_MoeForConditionalGeneration", "HunYuanVLForConditionalGeneration")
-MROPE_TEXT = ("Qwen", "Glm4v", "Glm46V", "PaddleOCRVL")
+MROPE_TEXT = ("Qwen", "Glm4v", "Glm46V", "GlmOcr", "PaddleOCRVL")
 # Qwen's Omni models (Qwen2.5-Omni, whose hub config.json names `Qwen2_5OmniModel`; Qwen3-Omni): the thinker's config
 # holds the text model's (`thinker_config.text_config`), the thinker's tensors lie at `thinker.` (its text model's at
 # `thinker.model.`, its head at `thinker.lm_head.`, its audio and vision towers beside them: `THINKER_TOWERS`), the

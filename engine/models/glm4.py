@@ -68,7 +68,10 @@ class Glm4ForCausalLM(InterleavedRotaryWeights, Phi3ForCausalLM):
 
     def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
         """The tensors as `InterleavedRotaryWeights` and Phi-3 read them, the norms under the names of Gemma's in
-        the same places (`NORM_NAMES`)."""
+        the same places (`NORM_NAMES`); a layer past the model's (GLM-OCR's multi-token-prediction layer) not read."""
+        parts = name.split(".", 2)
+        if parts[0] == "layers" and parts[1].isdigit() and int(parts[1]) >= self.config.num_layers:
+            return
         for read, piece in super().read_tensor(hf_name, name, tensor):
             yield ".".join(NORM_NAMES.get(part, part) for part in read.split(".")), piece
 
