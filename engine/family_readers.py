@@ -20,6 +20,7 @@ from engine.flint_config import flint_fields
 from engine.gated_delta_config import HYBRID_FIELDS
 from engine.gpt2_config import (gpt2_config, gpt2_fields, gpt_bigcode_config, gpt_bigcode_fields, opt_config,
                                 opt_fields)
+from engine.gemma3n_config import gemma3n_config, gemma3n_fields
 from engine.gemma4_config import gemma4_fields
 from engine.gptj_config import gptj_config, gptj_fields
 from engine.granite_config import bamba_fields, hyperclovax_fields
@@ -49,7 +50,8 @@ KEY_READERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "GPTBigCodeForCausalLM": gpt_bigcode_config, "GPT2LMHeadModel": gpt2_config, "OPTForCausalLM": opt_config,
     "DbrxForCausalLM": dbrx_config, "MambaForCausalLM": mamba_config, "FalconMambaForCausalLM": mamba_config,
     "Mamba2ForCausalLM": mamba2_config, "Zamba2ForCausalLM": zamba2_config,
-    "LongcatFlashForCausalLM": longcat_config, "MllamaForCausalLM": mllama_config}
+    "LongcatFlashForCausalLM": longcat_config, "MllamaForCausalLM": mllama_config,
+    "Gemma3nForCausalLM": gemma3n_config}
 # (config.json, its layer count) -> the family's ModelConfig fields
 OWN_MODULE_FIELDS: dict[str, Callable[[dict[str, Any], int], dict[str, Any]]] = {
     "Llama4ForCausalLM": llama4_fields, "Gemma4ForCausalLM": gemma4_fields, "Mistral4ForCausalLM": mistral4_fields,
@@ -64,4 +66,5 @@ OWN_MODULE_FIELDS: dict[str, Callable[[dict[str, Any], int], dict[str, Any]]] = 
     "DbrxForCausalLM": dbrx_fields, "MiniCPM3ForCausalLM": minicpm3_fields, "JambaForCausalLM": jamba_fields,
     "MambaForCausalLM": mamba_fields, "FalconMambaForCausalLM": falcon_mamba_fields,
     "Mamba2ForCausalLM": mamba2_fields, "Zamba2ForCausalLM": zamba2_fields,
-    "LongcatFlashForCausalLM": longcat_fields, "MllamaForCausalLM": mllama_fields}
+    "LongcatFlashForCausalLM": longcat_fields, "MllamaForCausalLM": mllama_fields,
+    "Gemma3nForCausalLM": gemma3n_fields}

@@ -18,6 +18,7 @@ from engine.config import ConfigError, PoolConfig
 from engine.fp8_weights import SCALE_SUFFIX
 from engine.config_values import read_bool, read_float, read_int, read_object, read_token_ids
 from engine.gated_delta_config import GatedDeltaShape, StateShape, serving_pool
+from engine.gemma3n_config import Gemma3nShape
 from engine.gemma4_config import Gemma4Shape
 from engine.mamba_config import Mamba2Shape
 from engine.falcon_h1_config import FalconH1Scales
@@ -68,7 +69,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
                            "PhimoeForCausalLM", "OlmoForCausalLM", "FalconForCausalLM", "GPTJForCausalLM",
                            "GPTBigCodeForCausalLM", "GPT2LMHeadModel", "OPTForCausalLM", "FlexOlmoForCausalLM",
                            "NanoChatForCausalLM", "DbrxForCausalLM", "MiniCPM3ForCausalLM", "HYV4ForCausalLM",
-                           "DeepseekV4ForCausalLM", "BeamForCausalLM", "MllamaForCausalLM",
+                           "DeepseekV4ForCausalLM", "BeamForCausalLM", "MllamaForCausalLM", "Gemma3nForCausalLM",
                            "GemmaForCausalLM", "VaultGemmaForCausalLM", "JambaForCausalLM",
                            "MambaForCausalLM", "FalconMambaForCausalLM", "Mamba2ForCausalLM", "Zamba2ForCausalLM")
 # their attention bias: q/k/v's, not o_proj's
@@ -132,6 +133,7 @@ class ModelConfig:
     partial_rotary_factor: float = 1.0  # GLM-4: the share of each head the rotary turns (the default rope only)
     rope_proportional: bool = False     # Gemma 4's full layers: the turning pairs' frequencies over the whole head
     gemma4: Gemma4Shape | None = None   # Gemma 4: its full layers' own attention shape, per-layer inputs, shared K/V
+    gemma3n: Gemma3nShape | None = None   # Gemma 3n: its AltUp streams, LAuReL and sparse gates (and `gemma4`'s)
     mimo: MimoShape | None = None       # MiMo-V2-Flash: its sliding layers' KV heads, its value heads' size and factor
     laguna: LagunaShape | None = None   # Laguna: each layer's query heads, its output gate, ropes and router cap
     hyper_connections: HyperConnections | None = None   # HY V4: its residual streams and their mixes

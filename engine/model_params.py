@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from engine.gemma3n_config import gemma3n_params
 from engine.gemma4_config import gemma4_params
 from engine.mimo_config import mimo_params
 from engine.laguna_config import laguna_params
@@ -26,7 +27,7 @@ COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM", "Cohere2MoeFo
 HEAD_QK_NORMS = (*COHERE_ARCHITECTURES, "StableLmForCausalLM")   # q/k norms with a weight of its own a head
 # Gemma's norms (1 + weight), scaled embeddings
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma4ForCausalLM", "GemmaForCausalLM",
-                       "VaultGemmaForCausalLM")
+                       "VaultGemmaForCausalLM", "Gemma3nForCausalLM")
 FOUR_NORMS = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma4ForCausalLM", "Glm4ForCausalLM",   # a norm on each
               "AfmoeForCausalLM", "Kolibri1ForCausalLM", "BeamForCausalLM")   # sublayer's output too
 # an MLP of up, its activation and down, no gate
@@ -56,7 +57,9 @@ OWN_COUNTS: dict[str, Callable[..., int]] = {
         lambda c, h, kv, i, moe_i, v, s: nemotron_h_params(c, h, kv, i, moe_i, s, v),
     "Gemma4ForCausalLM":   # two attention shapes, experts beside the MLP
         lambda c, h, kv, i, moe_i, v, s: gemma4_params(c, h, kv, i, moe_i, v),
-    "DeepseekV4ForCausalLM": deepseek_v4_params}   # compressed attention, streams, hash routing
+    "DeepseekV4ForCausalLM": deepseek_v4_params,   # compressed attention, streams, hash routing
+    "Gemma3nForCausalLM":   # Gemma 4's E layers with AltUp and LAuReL
+        lambda c, h, kv, i, moe_i, v, s: gemma3n_params(c, h, kv, i, moe_i, v)}
 
 
 def float32_params(config: Any) -> int:

@@ -204,7 +204,7 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
            "longcat_flash": transformers.LongcatFlashConfig, "phi4_multimodal": transformers.Phi4MultimodalConfig,
            "axk2": transformers.AXK2Config, "gemma4_unified_text": transformers.Gemma4UnifiedTextConfig,
            "hy_v4": transformers.HYV4Config, "deepseek_v4": transformers.DeepseekV4Config,
-           "beam": transformers.BeamConfig}[arch]
+           "beam": transformers.BeamConfig, "gemma3n_text": transformers.Gemma3nTextConfig}[arch]
     config = cls(**common)
     if arch == "mistral4":   # transformers maps Mistral4Config to no causal LM class (only its pretraining one)
         transformers.AutoModelForCausalLM.register(transformers.Mistral4Config, transformers.Mistral4ForCausalLM,
@@ -280,6 +280,11 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
             for name, param in model.named_parameters():
                 if name.endswith(("_hc.scale", "_hc.base", "hc_head.hc_scale", "hc_head.hc_base")):
                     param.normal_(0.0, 1.0)
+    if arch == "gemma3n_text":   # every norm and AltUp's output scale away from their start (1; 0, which would hide
+        with torch.no_grad():   # the per-layer inputs)
+            for name, param in model.named_parameters():
+                if "norm" in name or name.endswith("correct_output_scale"):
+                    param.normal_(1.0, 0.3)
     if arch == "gemma4":   # each layer's output scalar (a buffer) and the routers' scales away from their start at 1
         with torch.no_grad():
             for name, tensor in [*model.named_buffers(), *model.named_parameters()]:

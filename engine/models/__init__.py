@@ -55,6 +55,7 @@ from engine.models.deepseek_v4 import DeepseekV4ForCausalLM
 from engine.models.beam import BeamForCausalLM
 from engine.models.ernie import Ernie45ForCausalLM, Ernie45MoeForCausalLM
 from engine.models.gemma3 import Gemma3ForCausalLM, GemmaForCausalLM
+from engine.models.gemma3n import Gemma3nForCausalLM
 from engine.models.gemma4 import Gemma4ForCausalLM
 from engine.models.glm4 import (ExaoneMoeForCausalLM, Glm4ForCausalLM, Glm4MoeForCausalLM, GlmForCausalLM,
                                 HYV3ForCausalLM)
@@ -110,9 +111,10 @@ __all__ = ["build_model", "model_class"]
 _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCausalLM,   # its layer, uncapped
                                                 "Gemma3ForCausalLM": Gemma3ForCausalLM,
                                                 "Gemma4ForCausalLM": Gemma4ForCausalLM,
+                                                "Gemma3nForCausalLM": Gemma3nForCausalLM,
                                                 "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
                                                 "MixtralForCausalLM": MixtralForCausalLM,
-                                                "Phi3ForCausalLM": Phi3ForCausalLM,
+                                                "Phi3ForCausalLM": Phi3ForCausalLM, "OlmoForCausalLM": OlmoForCausalLM,
                                                 "GraniteForCausalLM": GraniteForCausalLM,
                                                 "Olmo2ForCausalLM": Olmo2ForCausalLM,
                                                 "Olmo3ForCausalLM": Olmo3ForCausalLM,
@@ -148,9 +150,8 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "ApertusForCausalLM": ApertusForCausalLM,
                                                 "MllamaForCausalLM": MllamaForCausalLM,   # Llama 3.2 Vision's text
                                                 "OlmoHybridForCausalLM": OlmoHybridForCausalLM,
-                                                "Lfm2ForCausalLM": Lfm2ForCausalLM,
+                                                "Lfm2ForCausalLM": Lfm2ForCausalLM, "Lfm3ForCausalLM": Lfm3ForCausalLM,
                                                 "Lfm2MoeForCausalLM": Lfm2MoeForCausalLM,
-                                                "Lfm3ForCausalLM": Lfm3ForCausalLM,
                                                 "Kolibri1ForCausalLM": KolibriForCausalLM,
                                                 "FlintForCausalLM": FlintForCausalLM,
                                                 "HeliumForCausalLM": HeliumForCausalLM,
@@ -179,7 +180,6 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "PhiForCausalLM": PhiForCausalLM, "OPTForCausalLM": OPTForCausalLM,
                                                 "GPTNeoXForCausalLM": GPTNeoXForCausalLM,
                                                 "PhimoeForCausalLM": PhimoeForCausalLM,
-                                                "OlmoForCausalLM": OlmoForCausalLM,
                                                 "FalconForCausalLM": FalconForCausalLM,
                                                 "GPTBigCodeForCausalLM": GPTBigCodeForCausalLM,
                                                 "GPT2LMHeadModel": GPT2LMHeadModel, "GPTJForCausalLM": GPTJForCausalLM,

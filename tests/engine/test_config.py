@@ -1942,6 +1942,36 @@ def test_llama_3_2_vision_reads_as_its_text_model_alone():
             ModelConfig.from_hf_config({**MLLAMA_11B_CARD, "text_config": {**text, key: value}})
 
 
+def test_gemma_3n_reads_as_transformers_does():
+    """Gemma 3n (`Gemma3nForCausalLM`, Gemma3nTextConfig's defaults: the E4B's text model): 35 layers, each 5th full,
+    the last 15 sharing the K/V of the last layer of their type before them, per-layer inputs of 256, four AltUp
+    streams, LAuReL of rank 64, the first 10 layers' gates sparse at 0.95; ropes 1,000,000 (full) and 10,000 (sliding,
+    a window of 512); the parameter count transformers' model's, and as `Gemma3nForConditionalGeneration`'s text
+    model (its audio and vision towers not read). Refused by key: MLPs of different widths, an active stream past the
+    first, more than one rank."""
+    hf, cfg = _at_class_defaults("Gemma3nTextConfig", {"architectures": ["Gemma3nForCausalLM"]})
+    assert cfg.layer_types == tuple(hf.layer_types) and cfg.sliding_window == 512 and cfg.num_layers == 35
+    g, n = cfg.gemma4, cfg.gemma3n
+    assert [g.kv_producer(cfg, i) for i in range(35)] == [
+        i if mode != "reuse" else max(j for j in range(20) if hf.layer_types[j] == hf.layer_types[i])
+        for i, mode in enumerate(hf.kv_sharing_modes)]
+    assert (g.per_layer_input_size, g.per_layer_vocab_size, n.streams, n.laurel_rank, n.gate_sparsity) == \
+        (256, 262_144, 4, 64, tuple(hf.activation_sparsity_pattern))
+    assert (cfg.rope_theta, cfg.rope_local_theta, cfg.final_logit_softcapping) == (1e6, 1e4, 30.0)
+    text = {k: v for k, v in hf.to_dict().items() if k not in ("architectures", "transformers_version")}
+    vlm = ModelConfig.from_hf_config({"architectures": ["Gemma3nForConditionalGeneration"], "text_config": text})
+    assert (vlm.architecture, vlm.text_weights_prefix, vlm.num_params()) == \
+        ("Gemma3nForCausalLM", "language_model.", cfg.num_params())
+    bare = {"architectures": ["Gemma3nForCausalLM"], "vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 6,
+            "num_attention_heads": 4, "intermediate_size": 128, "num_kv_shared_layers": 1}
+    for key, value in (("intermediate_size", [128, 256, 128, 128, 128, 128]), ("altup_active_idx", 1),
+                       ("num_kv_shared_layers", 6)):
+        with pytest.raises(ConfigError, match=f"^{key}:"):
+            ModelConfig.from_hf_config({**bare, key: value})
+    with pytest.raises(ConfigError, match="^tensor_parallel_size: Gemma 3n is served on one rank"):
+        check_tensor_parallel(ModelConfig.from_hf_config(bare), 2)
+
+
 def test_youtu_reads_as_transformers_does():
     """Youtu-LLM (`YoutuForCausalLM`, YoutuConfig's defaults: Youtu-LLM-2B's shape): DeepSeek V3's latent attention
     (q through 1,536, a latent of 512 and a rotated key of 64 a token in the cache) with a dense MLP on every layer and

@@ -219,6 +219,13 @@ GEMMA4_E = {**GEMMA4, "num_hidden_layers": 6, "layer_types": ["sliding_attention
             "hidden_size_per_layer_input": 16, "vocab_size_per_layer_input": 512, "num_kv_shared_layers": 2,
             "use_double_wide_mlp": True}
 
+# Gemma 3n: Gemma 4's E models' per-layer inputs and shared K/V layers under AltUp's four streams and LAuReL, the
+# first two layers' MLP gates sparse
+GEMMA3N = {"num_hidden_layers": 6, "head_dim": 16, "sliding_window": 8,
+           "layer_types": ["sliding_attention", "full_attention"] * 3, "hidden_size_per_layer_input": 16,
+           "vocab_size_per_layer_input": 512, "num_kv_shared_layers": 2, "laurel_rank": 8,
+           "activation_sparsity_pattern": [0.95, 0.95, 0.0, 0.0, 0.0, 0.0]}
+
 # Phi-3.5-MoE's LongRoPE on the tiny model: a factor a frequency pair of each set, an mscale each, the original
 # context the whole one (so the short set serves)
 PHIMOE_ROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 512,
@@ -244,6 +251,7 @@ TINY_MODELS = [
     ("gemma4", GEMMA4),
     ("gemma4", GEMMA4_MOE),
     ("gemma4", GEMMA4_E),
+    ("gemma3n_text", GEMMA3N),
     ("llama", dict(hidden_act="gelu_pytorch_tanh")),   # the CPU's flat forward runs SiLU: the modules run this
     # a linear scaling serves max_position_embeddings x factor (vLLM's reading): the outputs run past 40
     ("llama", dict(rope_scaling={"rope_type": "linear", "factor": 2.0}, max_position_embeddings=40)),
