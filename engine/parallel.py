@@ -134,8 +134,6 @@ def check_tensor_parallel(model: ModelConfig, size: int, key: str = "tensor_para
     heads and the MLP's intermediate size, and divide the KV heads or be a multiple of them."""
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise ConfigError(f"{key}: must be an integer >= 1, got {size!r}")
-    if model.gemma3n is not None and size > 1:   # its sparse gates' statistics span the whole intermediate size
-        raise ConfigError(f"{key}: Gemma 3n is served on one rank, got {size}")
     if model.deepseek_v4 is not None and model.deepseek_v4.o_groups % size:   # each rank whole groups of heads
         raise ConfigError(f"{key}: {size} does not divide DeepSeek V4's o_groups {model.deepseek_v4.o_groups}")
     if model.state_shape is not None and (why := model.state_shape.split_error(size)):   # Qwen3.5's, Granite 4-H's

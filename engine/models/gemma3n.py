@@ -13,8 +13,8 @@ config: `engine.gemma3n_config`). Its attention, per-layer inputs and shared K/V
   (their sum over sqrt 2) before the MLP;
 - activation sparsity: on the first layers, the MLP's gate less its mean plus the normal quantile of the layer's
   share times its standard deviation, clamped at 0, before GELU-tanh.
-It runs on the module path on one rank (`engine.parallel.check_tensor_parallel` refuses more: the sparse gates'
-statistics span the whole intermediate size).
+It runs on the module path; under tensor parallelism its attention and MLP are cut as Gemma 4's, the sparse gates'
+statistics summed over the ranks (`SparseGateMLP`), AltUp, LAuReL and the per-layer inputs whole on every rank.
 """
 
 from __future__ import annotations
@@ -74,21 +74,31 @@ class AltUp(nn.Module):
 
 class SparseGateMLP(MLP):
     """The Llama MLP through GELU-tanh whose gate, on a sparse layer, keeps what lies above its mean plus `cutoff`
-    standard deviations (transformers' `_gaussian_topk`: the normal quantile of the layer's share, in float32)."""
+    standard deviations (transformers' `_gaussian_topk`: the normal quantile of the layer's share, in float32), both
+    over the whole intermediate size: under tensor parallelism the ranks' sums of it, then of its squared deviations,
+    are summed (on one rank torch's mean and standard deviation, as transformers takes them)."""
 
     def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives, ops: ModuleType,
                  sparsity: float) -> None:
         super().__init__(config, shard, comm, ops)
+        self.ranks, self.width = shard.size, config.intermediate_size
         share = torch.tensor(sparsity, dtype=torch.float32, device="cpu")   # as `Normal(0, 1).icdf` in float32
         self.cutoff = None if sparsity <= 0 else float(torch.erfinv(2 * share - 1) * math.sqrt(2))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         if self.cutoff is not None:
-            mean = gate.mean(dim=-1, keepdim=True)
-            std = gate.std(dim=-1, keepdim=True, unbiased=False)
-            gate = F.relu(gate - (mean + std * self.cutoff))
+            gate = F.relu(gate - self._cut(gate))
         return self.comm.all_reduce(self.down_proj(F.gelu(gate, approximate="tanh") * up))
+
+
+    def _cut(self, gate: torch.Tensor) -> torch.Tensor:
+        """Each row's mean plus `cutoff` standard deviations over the whole intermediate size."""
+        if self.ranks == 1:
+            return gate.mean(dim=-1, keepdim=True) + gate.std(dim=-1, keepdim=True, unbiased=False) * self.cutoff
+        mean = self.comm.all_reduce(gate.sum(dim=-1, keepdim=True)) / self.width
+        var = self.comm.all_reduce((gate - mean).pow(2).sum(dim=-1, keepdim=True)) / self.width
+        return mean + var.sqrt() * self.cutoff
 
 
 class Gemma3nDecoderLayer(nn.Module):
