@@ -19,7 +19,7 @@
 # --enforce-eager, the sync step with --async-scheduling off (no overlapped steps); the tests step includes greedy
 # output with graphs against without (test_cuda_graphs.py), no stream synchronize in a step's launch (test_overlap.py)
 # and the FP8 KV cache's and the MoE layer's kernels on the GPU (test_triton*.py, compiled: TRITON_INTERPRET=0), and
-# DeepSeek V4's and HY V4's tiny models on CUDA against transformers (test_engine_vs_hf.py); the
+# DeepSeek V4's, HY V4's and Gemma 3n's tiny models on CUDA against transformers (test_engine_vs_hf.py); the
 # moe step times the MoE experts' three ways (Triton, grouped matmuls, loop) and in FP8 (GPT-OSS's in MXFP4); the kernels_fp8 step the
 # kernels on an FP8 KV cache (its decode bandwidth, in its own bytes), the kernels_mla step on DeepSeek's latent cache
 # (one plane read as K and V, head_dim 576, 16 query heads: `bench kernels --latent`), the dsa step DeepSeek V3.2's
