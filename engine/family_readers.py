@@ -18,8 +18,8 @@ from engine.falcon_config import falcon_config, falcon_fields
 from engine.falcon_h1_config import falcon_h1_fields
 from engine.flint_config import flint_fields
 from engine.gated_delta_config import HYBRID_FIELDS
-from engine.gpt2_config import (gpt2_config, gpt2_fields, gpt_bigcode_config, gpt_bigcode_fields, opt_config,
-                                opt_fields)
+from engine.gpt2_config import (gpt2_config, gpt2_fields, gpt_bigcode_config, gpt_bigcode_fields, gpt_neo_config,
+                                gpt_neo_fields, opt_config, opt_fields)
 from engine.gemma3n_config import gemma3n_config, gemma3n_fields
 from engine.gemma4_config import gemma4_fields
 from engine.gptj_config import gptj_config, gptj_fields
@@ -48,6 +48,7 @@ KEY_READERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "Kolibri1ForCausalLM": kolibri_config, "BailingHybridForCausalLM": bailing_hybrid_config,
     "FalconForCausalLM": falcon_config, "GPTJForCausalLM": gptj_config,
     "GPTBigCodeForCausalLM": gpt_bigcode_config, "GPT2LMHeadModel": gpt2_config, "OPTForCausalLM": opt_config,
+    "GPTNeoForCausalLM": gpt_neo_config,
     "DbrxForCausalLM": dbrx_config, "MambaForCausalLM": mamba_config, "FalconMambaForCausalLM": mamba_config,
     "Mamba2ForCausalLM": mamba2_config, "Zamba2ForCausalLM": zamba2_config,
     "LongcatFlashForCausalLM": longcat_config, "MllamaForCausalLM": mllama_config,
@@ -63,6 +64,7 @@ OWN_MODULE_FIELDS: dict[str, Callable[[dict[str, Any], int], dict[str, Any]]] = 
     "HyperCLOVAXForCausalLM": hyperclovax_fields, "LagunaForCausalLM": laguna_fields,
     "PhimoeForCausalLM": phimoe_fields, "FalconForCausalLM": falcon_fields, "GPTJForCausalLM": gptj_fields,
     "GPTBigCodeForCausalLM": gpt_bigcode_fields, "GPT2LMHeadModel": gpt2_fields, "OPTForCausalLM": opt_fields,
+    "GPTNeoForCausalLM": gpt_neo_fields,
     "DbrxForCausalLM": dbrx_fields, "MiniCPM3ForCausalLM": minicpm3_fields, "JambaForCausalLM": jamba_fields,
     "MambaForCausalLM": mamba_fields, "FalconMambaForCausalLM": falcon_mamba_fields,
     "Mamba2ForCausalLM": mamba2_fields, "Zamba2ForCausalLM": zamba2_fields,

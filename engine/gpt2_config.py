@@ -1,11 +1,13 @@
-"""The config.json of GPT-2 and the models built like it, with a learned position embedding in place of a rotary,
-as transformers' config classes read them: GPT-2 (`GPT2LMHeadModel`: GPT2Config), BigCode's GPT-BigCode
-(`GPTBigCodeForCausalLM`: StarCoder, SantaCoder, WizardCoder; GPTBigCodeConfig) and Meta's OPT (`OPTForCausalLM`:
-OPTConfig). GPT-2 and GPT-BigCode keep GPT-2's key names (`n_embd`, `n_head`, `n_layer`, `n_positions`, `n_inner`:
-`gpt2_keys`, GPT-J's too); GPT-BigCode has one KV head where `multi_query` (the default). Each has sequential
-pre-norm layers of LayerNorms, every projection biased (OPT's where `enable_bias`), an ungated MLP (GELU's tanh form;
-OPT's ReLU) and a tied head; the position table has `n_positions` rows (OPT's `max_position_embeddings` + 2: it
-looks a position up two rows on). What we do not serve is refused naming the key."""
+"""The config.json of GPT-2 and the models built like it, with a learned position embedding in place of a rotary, as
+transformers' config classes read them: GPT-2 (`GPT2LMHeadModel`: GPT2Config), BigCode's GPT-BigCode
+(`GPTBigCodeForCausalLM`: StarCoder, SantaCoder, WizardCoder; GPTBigCodeConfig), Meta's OPT (`OPTForCausalLM`:
+OPTConfig) and EleutherAI's GPT-Neo (`GPTNeoForCausalLM`: GPTNeoConfig; `num_layers`, `num_heads`, its local layers
+sliding over `window_size` positions as `attention_types` lays them out, q.k unscaled, q/k/v unbiased). GPT-2 and
+GPT-BigCode keep GPT-2's key names (`n_embd`, `n_head`, `n_layer`, `n_positions`, `n_inner`: `gpt2_keys`, GPT-J's too);
+GPT-BigCode has one KV head where `multi_query` (the default). Each has sequential pre-norm layers of LayerNorms, every
+projection biased (OPT's where `enable_bias`), an ungated MLP (GELU's tanh form; OPT's ReLU) and a tied head; the
+position table has `n_positions` rows (OPT's `max_position_embeddings` + 2: it looks a position up two rows on). What we
+do not serve is refused naming the key."""
 
 from __future__ import annotations
 
@@ -14,8 +16,8 @@ from typing import Any
 from engine.config import ConfigError
 from engine.config_values import read_bool, read_float, read_int
 
-__all__ = ["gpt2_config", "gpt2_fields", "gpt2_keys", "gpt_bigcode_config", "gpt_bigcode_fields", "opt_config",
-           "opt_fields"]
+__all__ = ["gpt2_config", "gpt2_fields", "gpt2_keys", "gpt_bigcode_config", "gpt_bigcode_fields", "gpt_neo_config",
+           "gpt_neo_fields", "opt_config", "opt_fields"]
 
 # GPT-2's keys for the Llama reading's (its config classes' attribute maps)
 _KEYS = (("n_embd", "hidden_size"), ("n_head", "num_attention_heads"), ("n_layer", "num_hidden_layers"),
@@ -97,3 +99,31 @@ def opt_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
     bias = read_bool(cfg, "enable_bias", True)
     return _fields(cfg, num_layers, read_int(cfg, "max_position_embeddings") + 2, 1e-5, hidden_act="relu",
                    attention_bias=bias, mlp_bias=bias)
+
+
+def gpt_neo_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """GPT-Neo's config.json under the Llama reading's names (GPTNeoConfig's attribute map): a KV head a query head,
+    the MLP's width `intermediate_size`, else 4 x hidden."""
+    cfg = {**cfg, **{ours: cfg[theirs] for theirs, ours in (("num_layers", "num_hidden_layers"),
+                                                            ("num_heads", "num_attention_heads")) if theirs in cfg}}
+    inner = read_int(cfg, "intermediate_size", None)
+    return {**cfg, "num_key_value_heads": read_int(cfg, "num_attention_heads"),
+            "intermediate_size": 4 * read_int(cfg, "hidden_size") if inner is None else inner}
+
+
+def gpt_neo_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """GPT-Neo's `ModelConfig` fields (see the module docstring): `attention_types` ([[kinds, repeats], ...],
+    GPTNeoConfig's default a global then a local layer, 12 times) laid out over the layers, each `local` one sliding."""
+    _check(cfg, "GPT-Neo", "activation_function", TANH_GELUS, {})
+    types = cfg.get("attention_types", [[["global", "local"], 12]])
+    try:
+        kinds = [kind for pattern, repeats in types for _ in range(repeats) for kind in pattern]
+    except (TypeError, ValueError):
+        kinds = None
+    if kinds is None or len(kinds) != num_layers or any(k not in ("global", "local") for k in kinds):
+        raise ConfigError(f"attention_types: [[global / local, ...], repeats] pairs laying out the {num_layers} "
+                          f"layers, got {types!r:.80}")
+    return _fields(cfg, num_layers, read_int(cfg, "max_position_embeddings"),
+                   read_float(cfg, "layer_norm_epsilon", 1e-5), attention_bias=False, attention_out_bias=True,
+                   query_pre_attn_scalar=1.0, sliding_window=read_int(cfg, "window_size", 256),
+                   layer_types=tuple("sliding_attention" if k == "local" else "full_attention" for k in kinds))

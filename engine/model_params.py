@@ -33,11 +33,12 @@ FOUR_NORMS = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma4ForCausalLM", "Gl
 # an MLP of up, its activation and down, no gate
 UNGATED_MLP = ("ApertusForCausalLM", "ArceeForCausalLM", "NanoChatForCausalLM", "Jais2ForCausalLM",
                "Starcoder2ForCausalLM", "NemotronForCausalLM", "PhiForCausalLM", "GPTNeoXForCausalLM",
-               "FalconForCausalLM", "GPTJForCausalLM", "GPTBigCodeForCausalLM", "GPT2LMHeadModel", "OPTForCausalLM")
+               "FalconForCausalLM", "GPTJForCausalLM", "GPTBigCodeForCausalLM", "GPT2LMHeadModel", "OPTForCausalLM",
+               "GPTNeoForCausalLM")
 # LayerNorms (a weight and a bias), not RMSNorms
 LAYER_NORMS = ("Jais2ForCausalLM", "Starcoder2ForCausalLM", "NemotronForCausalLM", "StableLmForCausalLM",
                "PhiForCausalLM", "GPTNeoXForCausalLM", "PhimoeForCausalLM", "FalconForCausalLM", "GPTJForCausalLM",
-               "GPTBigCodeForCausalLM", "GPT2LMHeadModel", "OPTForCausalLM")
+               "GPTBigCodeForCausalLM", "GPT2LMHeadModel", "OPTForCausalLM", "GPTNeoForCausalLM")
 WEIGHTLESS_NORMS = ("OlmoForCausalLM", "NanoChatForCausalLM")   # norms without parameters
 # routers with a correction (or expert) bias of a value an expert
 BIASED_ROUTERS = ("deepseek_v3", "minimax_m2", "ernie4_5", "lfm2", "afmoe", "kolibri")

@@ -14,19 +14,18 @@ rotary served so too), `glm4` (GLM-4: sandwich norms, a partial interleaved rota
 reordered q/k rows; K-EXAONE, GLM-4.5's model with EXAONE 4's attention), `deepseek` (DeepSeek V2 and V3: latent
 attention over a cache of one latent a token, grouped routers, shared experts; Mistral Small 4, its queries scaled as
 Ministral 3's; GLM-4.5, in `glm4`, takes their experts), `deepseek_v32` (DeepSeek V3.2 and GLM-5: V3's model, each query
-attending to the tokens its indexer picks), `minimax_m2` (MiniMax-M2: Mixtral's names, OLMo 2's whole-projection q/k
-norms, GLM-4.5's partial rotary, DeepSeek V3's router without groups), `llama4` (Llama 4's text model: chunked
-attention, NoPE layers with query temperature, q/k L2-normed after an interleaved rotary, sigmoid-scaled experts),
-`ministral3` (Ministral 3: Mistral's layer with Llama 4's query scaling on every layer), `qwen3_5` (Qwen3.5: Gated
-DeltaNet layers over a per-sequence state between gated full-attention layers; Qwen3-Next), `nemotron_h` (Nemotron-H:
-single-mixer blocks of Mamba-2, NoPE attention or a squared-ReLU MLP), `lfm2` (LFM2: gated short convolutions beside
-attention with per-head q/k norms; LFM2-MoE's experts), `kimi_linear` (Kimi Linear: Kimi Delta Attention beside
-DeepSeek's latent attention without a rotary), `jamba` (Jamba: Mamba-1 beside NoPE attention and experts), `mamba`
-(Mamba, FalconMamba, Mamba2: Mamba blocks alone), `zamba2` (Zamba2: Mamba-2 layers and shared transformer blocks), over
-`hybrid`'s states; `mimo` (MiMo-V2-Flash: sliding layers with twice the KV heads and sinks, value heads narrower than
-q/k's, DeepSeek V3's router); `apertus` (Apertus: xIELU; Arcee's AFM and Jais 2: squared ReLU, Jais 2's LayerNorms with
-biases; a head pruned to the vocabulary's first ids, Apertus 1.5's), `mllama` (Llama 3.2 Vision's text model: its self-
-attention layers alone, that head). LongCat-Flash's sublayers and experts are in `deepseek`."""
+attending to the tokens its indexer picks), `minimax_m2` (MiniMax-M2: OLMo 2's q/k norms, GLM-4.5's partial rotary,
+DeepSeek V3's router), `llama4` (Llama 4's text model: chunked attention, NoPE layers with query temperature, q/k
+L2-normed after an interleaved rotary, sigmoid-scaled experts), `ministral3` (Ministral 3: Mistral's layer with Llama
+4's query scaling on every layer), `qwen3_5` (Qwen3.5: Gated DeltaNet layers over a per-sequence state between gated
+full-attention layers; Qwen3-Next), `nemotron_h` (Nemotron-H: single-mixer blocks of Mamba-2, NoPE attention or a
+squared-ReLU MLP), `lfm2` (LFM2: gated short convolutions beside attention with per-head q/k norms; LFM2-MoE's experts),
+`kimi_linear` (Kimi Linear: Kimi Delta Attention beside DeepSeek's latent attention without a rotary), `jamba` (Jamba:
+Mamba-1 beside NoPE attention and experts), `mamba` (Mamba, FalconMamba, Mamba2: Mamba blocks alone), `zamba2` (Zamba2:
+Mamba-2 layers and shared transformer blocks), over `hybrid`'s states; `mimo` (MiMo-V2-Flash: sliding layers with their
+own KV heads and sinks, narrower value heads); `apertus` (Apertus: xIELU; Arcee's AFM and Jais 2: squared ReLU, Jais 2's
+LayerNorms with biases; a head pruned to the vocabulary's first ids, Apertus 1.5's), `mllama` (Llama 3.2 Vision's text
+model: its self- attention layers alone, that head). LongCat-Flash's sublayers and experts are in `deepseek`."""
 
 from __future__ import annotations
 
@@ -86,7 +85,7 @@ from engine.models.olmo2 import (Exaone4ForCausalLM, FlexOlmoForCausalLM, Olmo2F
 from engine.models.phi3 import Phi3ForCausalLM
 from engine.models.smollm3 import SmolLM3ForCausalLM
 from engine.models.falcon import FalconForCausalLM
-from engine.models.gpt2 import GPT2LMHeadModel, GPTBigCodeForCausalLM, OPTForCausalLM
+from engine.models.gpt2 import GPT2LMHeadModel, GPTBigCodeForCausalLM, GPTNeoForCausalLM, OPTForCausalLM
 from engine.models.gpt_neox import GPTNeoXForCausalLM
 from engine.models.gptj import GPTJForCausalLM
 from engine.models.phi import PhiForCausalLM
@@ -183,6 +182,7 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "FalconForCausalLM": FalconForCausalLM,
                                                 "GPTBigCodeForCausalLM": GPTBigCodeForCausalLM,
                                                 "GPT2LMHeadModel": GPT2LMHeadModel, "GPTJForCausalLM": GPTJForCausalLM,
+                                                "GPTNeoForCausalLM": GPTNeoForCausalLM,
                                                 "FlexOlmoForCausalLM": FlexOlmoForCausalLM,
                                                 "NanoChatForCausalLM": NanoChatForCausalLM,
                                                 "DbrxForCausalLM": DbrxForCausalLM, "BeamForCausalLM": BeamForCausalLM,

@@ -10,6 +10,8 @@ of its position (`LearnedPositions`).
   multi-query attention (one KV head, held by every rank under tensor parallelism), c_attn split by
   `split_grouped_qkv` (one group: the query heads' rows, then the key's, then the value's; a group a head without
   `multi_query`).
+- GPT-Neo (`GPTNeoForCausalLM`): GPT-2's names with [out, in] weights, q/k/v and out_proj apart
+  (`attn.attention.`); its older checkpoints' attention buffers skipped.
 - OPT (`OPTForCausalLM`): `decoder.embed_tokens`, `decoder.embed_positions` (a position looked up two rows on:
   `position_offset`), `decoder.layers.N` (`self_attn_layer_norm`, `self_attn.q/k/v/out_proj`, `final_layer_norm`,
   `fc1`, ReLU, `fc2`), `decoder.final_layer_norm`.
@@ -25,13 +27,16 @@ from torch import nn
 from engine.model import WeightLoadError
 from engine.models.gpt_neox import GPTNeoXForCausalLM, checkpoint_name, split_grouped_qkv
 
-__all__ = ["GPT2LMHeadModel", "GPTBigCodeForCausalLM", "LearnedPositions", "OPTForCausalLM"]
+__all__ = ["GPT2LMHeadModel", "GPTBigCodeForCausalLM", "GPTNeoForCausalLM", "LearnedPositions", "OPTForCausalLM"]
 
 # GPT-2's names (past `transformer.`) -> the model's (before Jais 2's reading: the MLP's up_proj as its `up`)
 _GPT2_RENAMES = ((".attn.c_proj.", ".self_attn.o_proj."), (".mlp.c_fc.", ".mlp.up_proj."),
                  (".mlp.c_proj.", ".mlp.down_proj."), (".ln_1.", ".input_layernorm."),
                  (".ln_2.", ".post_attention_layernorm."))
 _GPT2_TOP = {"wte.weight": "embed_tokens.weight", "ln_f.weight": "norm.weight", "ln_f.bias": "norm.bias"}
+# GPT-Neo's (past `transformer.`)
+_GPT_NEO_RENAMES = ((".attn.attention.out_proj.", ".self_attn.o_proj."), (".attn.attention.", ".self_attn."),
+                    *_GPT2_RENAMES[1:])
 # OPT's names (past `decoder.`)
 _OPT_RENAMES = ((".self_attn.out_proj.", ".self_attn.o_proj."), (".fc1.", ".mlp.up_proj."),
                 (".fc2.", ".mlp.down_proj."), (".self_attn_layer_norm.", ".input_layernorm."),
@@ -103,3 +108,12 @@ class OPTForCausalLM(LearnedPositions):
 
     def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
         return self.plain_read(hf_name, checkpoint_name(name, "decoder.", _OPT_TOP, _OPT_RENAMES), tensor)
+
+
+class GPTNeoForCausalLM(LearnedPositions):
+    """GPT-Neo (see the module docstring)."""
+
+    def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
+        if name.endswith((".attn.attention.bias", ".attn.attention.masked_bias")):
+            return ()
+        return self.plain_read(hf_name, checkpoint_name(name, "transformer.", _GPT2_TOP, _GPT_NEO_RENAMES), tensor)

@@ -362,6 +362,8 @@ QWEN3 = {"head_dim": 32, "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
     ("falcon", {"new_decoder_architecture": True, "num_kv_heads": 2, "bias": True, "tie_word_embeddings": False,
                 "ffn_hidden_size": 96, "layer_norm_epsilon": 1e-5}, None),
     ("opt", {"ffn_dim": 96, "word_embed_proj_dim": 64, "pad_token_id": 0}, None),
+    ("gpt_neo", {"num_hidden_layers": 4, "window_size": 8, "intermediate_size": 96,
+                 "attention_types": [[["global", "local"], 2]], "layer_norm_epsilon": 1e-5}, None),
     ("nanochat", {"pad_token_id": 0}, None),
     ("minicpm3", {"q_lora_rank": 24, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
                   "v_head_dim": 16, "num_key_value_heads": 4, "dim_model_base": 16, "pad_token_id": 0}, None),
@@ -486,55 +488,53 @@ QWEN3 = {"head_dim": 32, "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
     ("gemma3n_text", GEMMA3N, None),
 ])
 def test_two_ranks_generate_what_one_does(tmp_path, builtin_path, prompts, arch, overrides, overlap):
-    # A tiny random model with even head counts (4 heads, 2 KV heads); Qwen3 q/k head norms (whole on every rank)
-    # and YaRN; Qwen3-MoE splits each expert's intermediate size (the router whole on every rank), its layer 1
-    # dense; Mixtral the same on every layer, read from its own tensor names; Phi-3 cuts each rank's heads and rows
-    # out of the fused q/k/v and gate/up it stores (Phi-4-mini's rope: q/k rows reordered for a partial longrope);
-    # Gemma 2 caps each rank's scores and the gathered logits; Granite scales the summed outputs and embeddings;
-    # OLMo 3 norms q and k over every rank's heads (its one KV head on both ranks, counted once) beside its windowed
-    # layers; Gemma 3 its q/k head norms whole on each rank and two ropes; GPT-OSS cuts each rank's heads' sinks and
-    # each expert's biases (the down one added on rank 0 alone); Qwen2-MoE its shared expert's rows (its gate whole
-    # on every rank, the gated partial outputs summed with the experts'); Cohere each rank's heads of the q/k rows
-    # it reorders, and o_proj's bias once (Cohere 2 its NoPE full layers); DeepSeek V3 each rank's heads' rows of q
-    # and of the latent's up-projection (the latent, its cache and the float32 router whole on every rank);
-    # MiniMax-M2 its whole-projection q/k norms' sums of squares over the ranks beside the rows it reorders for its
-    # partial rotary (GLM-4.5's parts: Qwen3's head norms, GLM-4's reordered rows, DeepSeek's experts); Llama 4 each
-    # rank's heads of its reordered q/k rows, their chunks, its NoPE layers' query temperature on each rank's heads,
-    # its experts' and shared expert's rows beside dense layers; Ministral 3 its query scaling on each rank's heads;
-    # Apertus each rank's rows of its ungated MLP (xIELU's slopes whole on each); Granite 4-H each rank's Mamba heads
-    # and groups (then one group whole on each rank, its gated norm's sums over both, biased projections) beside
-    # experts; Gemma 4 each layer's attention in its own shape (the full layers' one KV head on both ranks, V its K
-    # projection) and the experts' stacked rows beside each MLP (the E models' per-layer inputs whole on each rank,
-    # their shared-K/V layers reading their producers' heads on each rank, double-wide MLPs cut in their width);
-    # Qwen3.5 each rank's key heads of its linear layers (their value heads' states on that rank) and each rank's
-    # heads' gates; Qwen3-Next the same out of its fused projections, beside experts and a dense layer; MiMo-V2-Flash
-    # each layer's attention in its own shape (a full layer's one KV head on both ranks, a sliding layer's two one a
-    # rank), V's rows and o_proj's columns in value heads, each rank's heads' sinks; K-EXAONE its per-head q/k norms
-    # whole on each rank beside NoPE full layers, its experts' and shared expert's rows; Command A Plus its reordered
-    # q/k rows, its experts' rows and its shared expert's averaged partial outputs; Jais 2 its LayerNorms whole on each
-    # rank, o_proj's and down_proj's biases added once; Granite SWA each rank's heads' sinks beside per-layer ropes;
-    # Granite 3's MoE its stacked experts' and shared MLP's rows; HY V3 its per-head q/k norms whole on each rank, its
-    # experts' and shared experts' rows; Jamba each rank's Mamba-1 channels (x_proj's partial products summed over
-    # both, the norms of dt, B and C whole on each) beside experts; FalconMamba the same with no attention layer (its
-    # "heads" its channels, its KV cache of no layer on either rank); Mamba2 each rank's Mamba-2 heads and groups;
-    # Apertus 1.5 its pruned head's rows (301: the second rank's last row padding), the ids past it -inf; Zamba2 its
-    # Mamba heads and groups, its shared blocks' heads, MLP rows and adapters' second halves (biased MLPs); Nemotron
-    # 3 its Mamba heads and groups, its NoPE heads, its squared-ReLU MLP's rows, its experts' rows in their latent
-    # space (Super's: the projections whole on each rank) and shared expert's rows under the router whole on each
-    # rank; OLMo Hybrid each rank's key heads of its linear blocks' q, k and convolutions, their value heads' v, gate,
-    # b and a (stored apart), OLMo 3's q/k norms over both ranks;
-    # LongCat-Flash each rank's heads of its sublayers' latent attention, its dense MLPs' and experts' rows (the zero
-    # experts' pass-through added once, after the sum); Hunyuan's MoE, GLM-4.5 and ERNIE 4.5's MoE their experts'
-    # rows beside their attention's parts; GPT-J, GPT-2, OPT, nanochat, MiniCPM3 and Falcon-40B's form (two norms a
-    # layer, its q/k/v grouped by KV head) their layers' heads and rows; A.X-K2 each rank's heads' rows of its fused
-    # q and gate, its gated norms whole on each rank; HY V4 each rank's heads' output gates and sinks, its streams'
-    # mixes whole on each rank; DeepSeek V4 each rank's heads in whole groups (their o_a_proj rows and o_b_proj
-    # columns), its K=V head, compressors, indexer and Sinkhorn-mixed streams whole on each rank; Beam each rank's
-    # heads' gate rows and biases beside its experts' rows; Gemma 3n Gemma 4's E cuts, its sparse gates' statistics
-    # summed over both ranks, AltUp and LAuReL whole on each. Qwen3's,
-    # Mixtral's and DeepSeek's groups overlap their steps: the other rank fills the placeholders of each step's
-    # inputs from rank 0's sampled ids (engine.overlap).
-    # six tokens each: a wrong cut shows at once, and each step of two gloo ranks costs ~80 ms on a 2-core machine
+    # A tiny random model with even head counts (4 heads, 2 KV heads); Qwen3 q/k head norms (whole on every rank) and
+    # YaRN; Qwen3-MoE splits each expert's intermediate size (the router whole on every rank), its layer 1 dense;
+    # Mixtral the same on every layer, read from its own tensor names; Phi-3 cuts each rank's heads and rows out of the
+    # fused q/k/v and gate/up it stores (Phi-4-mini's rope: q/k rows reordered for a partial longrope); Gemma 2 caps
+    # each rank's scores and the gathered logits; Granite scales the summed outputs and embeddings; OLMo 3 norms q and k
+    # over every rank's heads (its one KV head on both ranks, counted once) beside its windowed layers; Gemma 3 its q/k
+    # head norms whole on each rank and two ropes; GPT-OSS cuts each rank's heads' sinks and each expert's biases (the
+    # down one added on rank 0 alone); Qwen2-MoE its shared expert's rows (its gate whole on every rank, the gated
+    # partial outputs summed with the experts'); Cohere each rank's heads of the q/k rows it reorders, and o_proj's bias
+    # once (Cohere 2 its NoPE full layers); DeepSeek V3 each rank's heads' rows of q and of the latent's up-projection
+    # (the latent, its cache and the float32 router whole on every rank); MiniMax-M2 its whole-projection q/k norms'
+    # sums of squares over the ranks beside the rows it reorders for its partial rotary (GLM-4.5's parts: Qwen3's head
+    # norms, GLM-4's reordered rows, DeepSeek's experts); Llama 4 each rank's heads of its reordered q/k rows, their
+    # chunks, its NoPE layers' query temperature on each rank's heads, its experts' and shared expert's rows beside
+    # dense layers; Ministral 3 its query scaling on each rank's heads; Apertus each rank's rows of its ungated MLP
+    # (xIELU's slopes whole on each); Granite 4-H each rank's Mamba heads and groups (then one group whole on each rank,
+    # its gated norm's sums over both, biased projections) beside experts; Gemma 4 each layer's attention in its own
+    # shape (the full layers' one KV head on both ranks, V its K projection) and the experts' stacked rows beside each
+    # MLP (the E models' per-layer inputs whole on each rank, their shared-K/V layers reading their producers' heads on
+    # each rank, double-wide MLPs cut in their width); Qwen3.5 each rank's key heads of its linear layers (their value
+    # heads' states on that rank) and each rank's heads' gates; Qwen3-Next the same out of its fused projections, beside
+    # experts and a dense layer; MiMo-V2-Flash each layer's attention in its own shape (a full layer's one KV head on
+    # both ranks, a sliding layer's two one a rank), V's rows and o_proj's columns in value heads, each rank's heads'
+    # sinks; K-EXAONE its per-head q/k norms whole on each rank beside NoPE full layers, its experts' and shared
+    # expert's rows; Command A Plus its reordered q/k rows, its experts' rows and its shared expert's averaged partial
+    # outputs; Jais 2 its LayerNorms whole on each rank, o_proj's and down_proj's biases added once; Granite SWA each
+    # rank's heads' sinks beside per-layer ropes; Granite 3's MoE its stacked experts' and shared MLP's rows; HY V3 its
+    # per-head q/k norms whole on each rank, its experts' and shared experts' rows; Jamba each rank's Mamba-1 channels
+    # (x_proj's partial products summed over both, the norms of dt, B and C whole on each) beside experts; FalconMamba
+    # the same with no attention layer (its "heads" its channels, its KV cache of no layer on either rank); Mamba2 each
+    # rank's Mamba-2 heads and groups; Apertus 1.5 its pruned head's rows (301: the second rank's last row padding), the
+    # ids past it -inf; Zamba2 its Mamba heads and groups, its shared blocks' heads, MLP rows and adapters' second
+    # halves (biased MLPs); Nemotron 3 its Mamba heads and groups, its NoPE heads, its squared-ReLU MLP's rows, its
+    # experts' rows in their latent space (Super's: the projections whole on each rank) and shared expert's rows under
+    # the router whole on each rank; OLMo Hybrid each rank's key heads of its linear blocks' q, k and convolutions,
+    # their value heads' v, gate, b and a (stored apart), OLMo 3's q/k norms over both ranks; LongCat-Flash each rank's
+    # heads of its sublayers' latent attention, its dense MLPs' and experts' rows (the zero experts' pass-through added
+    # once, after the sum); Hunyuan's MoE, GLM-4.5 and ERNIE 4.5's MoE their experts' rows beside their attention's
+    # parts; GPT-J, GPT-2, OPT, GPT-Neo, nanochat, MiniCPM3 and Falcon-40B's form (two norms a layer, its q/k/v grouped
+    # by KV head) their layers' heads and rows; A.X-K2 each rank's heads' rows of its fused q and gate, its gated norms
+    # whole on each rank; HY V4 each rank's heads' output gates and sinks, its streams' mixes whole on each rank;
+    # DeepSeek V4 each rank's heads in whole groups (their o_a_proj rows and o_b_proj columns), its K=V head,
+    # compressors, indexer and Sinkhorn-mixed streams whole on each rank; Beam each rank's heads' gate rows and biases
+    # beside its experts' rows; Gemma 3n Gemma 4's E cuts, its sparse gates' statistics summed over both ranks, AltUp
+    # and LAuReL whole on each. Qwen3's, Mixtral's and DeepSeek's groups overlap their steps: the other rank fills the
+    # placeholders of each step's inputs from rank 0's sampled ids (engine.overlap). Six tokens each: a wrong cut shows
+    # at once, and each step of two gloo ranks costs ~80 ms on a 2-core machine
     path = str(make_tiny_model(tmp_path / arch, arch, builtin_path, **overrides))
     params = dataclasses.replace(GREEDY, max_tokens=6)
     reference = [o.outputs[0] for o in _generate(_engine(path, 1), prompts, params)]
