@@ -187,7 +187,7 @@ DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32_768, "
                          "OlmoForCausalLM": 2048, "FalconForCausalLM": 2048,
                          "GPTJForCausalLM": 2048, "GPTBigCodeForCausalLM": 1024,
                          "GPT2LMHeadModel": 1024, "OPTForCausalLM": 2048, "FlexOlmoForCausalLM": 4096,
-                         "GPTNeoForCausalLM": 2048,
+                         "GPTNeoForCausalLM": 2048, "CodeGenForCausalLM": 2048,
                          "NanoChatForCausalLM": 2048, "DbrxForCausalLM": 2048,
                          "MiniCPM3ForCausalLM": 32_768, "JambaForCausalLM": 262_144, "MllamaForCausalLM": 131_072,
                          "Gemma3nForCausalLM": 32_768,

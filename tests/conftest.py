@@ -196,7 +196,7 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
            "falcon": transformers.FalconConfig, "gptj": transformers.GPTJConfig,
            "gpt_bigcode": transformers.GPTBigCodeConfig, "gpt2": transformers.GPT2Config,
            "opt": transformers.OPTConfig, "flex_olmo": transformers.FlexOlmoConfig,
-           "gpt_neo": transformers.GPTNeoConfig,
+           "gpt_neo": transformers.GPTNeoConfig, "codegen": transformers.CodeGenConfig,
            "nanochat": transformers.NanoChatConfig, "dbrx": transformers.DbrxConfig,
            "minicpm3": transformers.MiniCPM3Config, "jamba": transformers.JambaConfig,
            "mamba": transformers.MambaConfig, "falcon_mamba": transformers.FalconMambaConfig,
@@ -217,14 +217,15 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
                 "deepseek_v32", "glm_moe_dsa", "lfm2", "lfm2_moe", "solar_open", "arcee", "mimo_v2_flash", "jais2",
                 "granite_swa", "granitemoe_swa", "falcon_h1", "starcoder2", "glm", "laguna", "nemotron",
                 "stablelm", "lfm3", "flint", "helium", "phi", "gpt_neox", "phimoe", "falcon",
-                "gptj", "gpt_bigcode", "gpt2", "opt", "internlm3", "hy_v4", "gpt_neo"):
+                "gptj", "gpt_bigcode", "gpt2", "opt", "internlm3", "hy_v4", "gpt_neo", "codegen"):
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if name.endswith(("bias", "sinks")):   # LayerNorm models' small: a bias on every norm and
                     # projection, larger, would outweigh the inputs
                     param.normal_(0.0, 0.1 if arch in ("jais2", "starcoder2", "nemotron", "stablelm", "phi",
                                                        "gpt_neox", "phimoe", "falcon", "gptj",
-                                                       "gpt_bigcode", "gpt2", "opt", "gpt_neo") else 1.0)
+                                                       "gpt_bigcode", "gpt2", "opt", "gpt_neo",
+                                                       "codegen") else 1.0)
     # state layers' decay rates (A = -exp(A_log)) small, so a state holds tens of tokens: transformers starts them
     # at up to 16 a step, which forgets a state within a token or two and would hide one resumed wrong
     with torch.no_grad():

@@ -7,18 +7,17 @@ experts beside the MLP), `qwen3_moe` (Qwen3-MoE's sparse layers, and Qwen2-MoE's
 (Mixtral: those experts on every layer, under its checkpoints' names), `phi3` (Phi-3 and Phi-4: the Llama layer, its
 checkpoints' fused q/k/v and gate/up split as they are read), `granite` (Granite 3: the Llama layer and its four
 scalars; Granite SWA's sinks and per-layer ropes; Granite 3's and 4's experts), `olmo2` (OLMo 2 and 3: post-norm layers,
-q/k normed whole), `smollm3` (SmolLM3: NoPE layers), `gpt_oss` (GPT-OSS: attention sinks, biased experts with a clamped
-SwiGLU, MXFP4 experts dequantized as they are read), `cohere` (Command R and R7B: parallel layers, LayerNorms, q/k rows
-reordered for the engine's rotary; Command A Plus's experts), `ernie` (ERNIE 4.5: the Llama layer, its interleaved
-rotary served so too), `glm4` (GLM-4: sandwich norms, a partial interleaved rotary served by zero frequencies and
-reordered q/k rows; K-EXAONE, GLM-4.5's model with EXAONE 4's attention), `deepseek` (DeepSeek V2 and V3: latent
-attention over a cache of one latent a token, grouped routers, shared experts; Mistral Small 4, its queries scaled as
-Ministral 3's; GLM-4.5, in `glm4`, takes their experts), `deepseek_v32` (DeepSeek V3.2 and GLM-5: V3's model, each query
-attending to the tokens its indexer picks), `minimax_m2` (MiniMax-M2: OLMo 2's q/k norms, GLM-4.5's partial rotary,
-DeepSeek V3's router), `llama4` (Llama 4's text model: chunked attention, NoPE layers with query temperature, q/k
-L2-normed after an interleaved rotary, sigmoid-scaled experts), `ministral3` (Ministral 3: Mistral's layer with Llama
-4's query scaling on every layer), `qwen3_5` (Qwen3.5: Gated DeltaNet layers over a per-sequence state between gated
-full-attention layers; Qwen3-Next), `nemotron_h` (Nemotron-H: single-mixer blocks of Mamba-2, NoPE attention or a
+q/k normed whole), `smollm3` (SmolLM3: NoPE layers), `gptj` (GPT-J, CodeGen), `gpt_oss` (GPT-OSS: sinks, biased experts
+with a clamped SwiGLU, MXFP4 experts), `cohere` (Command R and R7B: parallel layers, LayerNorms, reordered q/k rows;
+Command A Plus's experts), `ernie` (ERNIE 4.5: the Llama layer, its interleaved rotary served so too), `glm4` (GLM-4:
+sandwich norms, a partial interleaved rotary; K-EXAONE: GLM-4.5's model with EXAONE 4's attention), `deepseek` (DeepSeek
+V2 and V3: latent attention over a cache of one latent a token, grouped routers, shared experts; Mistral Small 4, its
+queries scaled as Ministral 3's; GLM-4.5, in `glm4`, takes their experts), `deepseek_v32` (DeepSeek V3.2 and GLM-5: each
+query attending to the tokens its indexer picks), `minimax_m2` (MiniMax-M2: OLMo 2's q/k norms, GLM-4.5's partial
+rotary, DeepSeek V3's router), `llama4` (Llama 4's text model: chunked attention, NoPE layers with query temperature,
+q/k L2-normed after an interleaved rotary, sigmoid-scaled experts), `ministral3` (Ministral 3: Mistral's layer with
+Llama 4's query scaling on every layer), `qwen3_5` (Qwen3.5: Gated DeltaNet layers over a per-sequence state between
+gated full-attention layers; Qwen3-Next), `nemotron_h` (Nemotron-H: single-mixer blocks of Mamba-2, NoPE attention or a
 squared-ReLU MLP), `lfm2` (LFM2: gated short convolutions beside attention with per-head q/k norms; LFM2-MoE's experts),
 `kimi_linear` (Kimi Linear: Kimi Delta Attention beside DeepSeek's latent attention without a rotary), `jamba` (Jamba:
 Mamba-1 beside NoPE attention and experts), `mamba` (Mamba, FalconMamba, Mamba2: Mamba blocks alone), `zamba2` (Zamba2:
@@ -87,7 +86,7 @@ from engine.models.smollm3 import SmolLM3ForCausalLM
 from engine.models.falcon import FalconForCausalLM
 from engine.models.gpt2 import GPT2LMHeadModel, GPTBigCodeForCausalLM, GPTNeoForCausalLM, OPTForCausalLM
 from engine.models.gpt_neox import GPTNeoXForCausalLM
-from engine.models.gptj import GPTJForCausalLM
+from engine.models.gptj import CodeGenForCausalLM, GPTJForCausalLM
 from engine.models.phi import PhiForCausalLM
 from engine.models.dbrx import DbrxForCausalLM
 from engine.models.minicpm3 import MiniCPM3ForCausalLM
@@ -183,6 +182,7 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "GPTBigCodeForCausalLM": GPTBigCodeForCausalLM,
                                                 "GPT2LMHeadModel": GPT2LMHeadModel, "GPTJForCausalLM": GPTJForCausalLM,
                                                 "GPTNeoForCausalLM": GPTNeoForCausalLM,
+                                                "CodeGenForCausalLM": CodeGenForCausalLM,
                                                 "FlexOlmoForCausalLM": FlexOlmoForCausalLM,
                                                 "NanoChatForCausalLM": NanoChatForCausalLM,
                                                 "DbrxForCausalLM": DbrxForCausalLM, "BeamForCausalLM": BeamForCausalLM,

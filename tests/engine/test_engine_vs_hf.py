@@ -588,6 +588,9 @@ TINY_MODELS = [
     # a ReLU MLP, its positions two rows on in their table; then without biases
     ("gpt2", {"n_embd": 64, "n_head": 4, "n_layer": 2, "n_positions": 512, "layer_norm_epsilon": 1e-5}),
     ("opt", {"ffn_dim": 96, "word_embed_proj_dim": 64, "pad_token_id": 0}),
+    # CodeGen: GPT-J's layer, q, v and k fused in four groups (its model-parallel layout)
+    ("codegen", {"n_embd": 64, "n_head": 4, "n_layer": 2, "n_positions": 512, "rotary_dim": 8, "n_inner": 96,
+                 "layer_norm_epsilon": 1e-5, "tie_word_embeddings": False}),
     # GPT-Neo: a global then a local layer (a window of 8), q.k unscaled, q/k/v unbiased, out_proj biased
     ("gpt_neo", {"num_hidden_layers": 4, "window_size": 8, "intermediate_size": 96,
                  "attention_types": [[["global", "local"], 2]], "layer_norm_epsilon": 1e-5}),

@@ -362,6 +362,8 @@ QWEN3 = {"head_dim": 32, "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
     ("falcon", {"new_decoder_architecture": True, "num_kv_heads": 2, "bias": True, "tie_word_embeddings": False,
                 "ffn_hidden_size": 96, "layer_norm_epsilon": 1e-5}, None),
     ("opt", {"ffn_dim": 96, "word_embed_proj_dim": 64, "pad_token_id": 0}, None),
+    ("codegen", {"n_embd": 64, "n_head": 4, "n_layer": 2, "n_positions": 512, "rotary_dim": 8, "n_inner": 96,
+                 "layer_norm_epsilon": 1e-5, "tie_word_embeddings": False}, None),
     ("gpt_neo", {"num_hidden_layers": 4, "window_size": 8, "intermediate_size": 96,
                  "attention_types": [[["global", "local"], 2]], "layer_norm_epsilon": 1e-5}, None),
     ("nanochat", {"pad_token_id": 0}, None),
@@ -526,10 +528,10 @@ def test_two_ranks_generate_what_one_does(tmp_path, builtin_path, prompts, arch,
     # their value heads' v, gate, b and a (stored apart), OLMo 3's q/k norms over both ranks; LongCat-Flash each rank's
     # heads of its sublayers' latent attention, its dense MLPs' and experts' rows (the zero experts' pass-through added
     # once, after the sum); Hunyuan's MoE, GLM-4.5 and ERNIE 4.5's MoE their experts' rows beside their attention's
-    # parts; GPT-J, GPT-2, OPT, GPT-Neo, nanochat, MiniCPM3 and Falcon-40B's form (two norms a layer, its q/k/v grouped
-    # by KV head) their layers' heads and rows; A.X-K2 each rank's heads' rows of its fused q and gate, its gated norms
-    # whole on each rank; HY V4 each rank's heads' output gates and sinks, its streams' mixes whole on each rank;
-    # DeepSeek V4 each rank's heads in whole groups (their o_a_proj rows and o_b_proj columns), its K=V head,
+    # parts; GPT-J, CodeGen, GPT-2, OPT, GPT-Neo, nanochat, MiniCPM3 and Falcon-40B's form (two norms a layer, its q/k/v
+    # grouped by KV head) their layers' heads and rows; A.X-K2 each rank's heads' rows of its fused q and gate, its
+    # gated norms whole on each rank; HY V4 each rank's heads' output gates and sinks, its streams' mixes whole on each
+    # rank; DeepSeek V4 each rank's heads in whole groups (their o_a_proj rows and o_b_proj columns), its K=V head,
     # compressors, indexer and Sinkhorn-mixed streams whole on each rank; Beam each rank's heads' gate rows and biases
     # beside its experts' rows; Gemma 3n Gemma 4's E cuts, its sparse gates' statistics summed over both ranks, AltUp
     # and LAuReL whole on each. Qwen3's, Mixtral's and DeepSeek's groups overlap their steps: the other rank fills the
