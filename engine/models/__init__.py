@@ -265,10 +265,10 @@ def _allocate(model: nn.Module, dtype: torch.dtype, device: torch.device | str) 
 # reading does reorder (held in the model's dtype instead): the Llama family's; Qwen3-MoE's (per-expert tensors
 # into the stacked w13 / w2; a stacked checkpoint aside) and Mixtral's (renamed); DeepSeek V3's and V3.2's (they
 # reorder only the latent attention's and the indexer's rotary rows, not held); GLM-4.5's and MiniMax-M2's (q/k rows
-# reordered for their partial rotary: qkv_proj is not held)
+# reordered for their partial rotary: qkv_proj is not held); Llama 3.2 Vision's (its layers renumbered as read)
 _FP8_READERS: dict[type, tuple[str, ...]] = {
     LlamaForCausalLM: (), Qwen3MoeForCausalLM: (), MixtralForCausalLM: (), DeepseekForCausalLM: (),
-    DeepseekV32ForCausalLM: (), Glm4MoeForCausalLM: ("self_attn.qkv_proj",),
+    DeepseekV32ForCausalLM: (), Glm4MoeForCausalLM: ("self_attn.qkv_proj",), MllamaForCausalLM: (),
     MiniMaxM2ForCausalLM: ("self_attn.qkv_proj",), MimoV2FlashForCausalLM: ("self_attn.qkv_proj",)}
 _READING = ("read_tensor", "_destination", "_shard_of", "cut_shape")
 

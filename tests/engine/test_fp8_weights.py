@@ -363,3 +363,34 @@ def test_the_roofline_reads_the_bytes_held_in_fp8():
     experts = expert_params(moe)
     assert held_expert_bytes(moe, torch.bfloat16, "none", "cuda") == 2 * experts
     assert experts < held_expert_bytes(moe, torch.bfloat16, "fp8", "cuda") < 1.01 * experts
+
+
+def test_a_llama_3_2_vision_fp8_checkpoint_holds_its_renumbered_layers_as_stored(tmp_path, builtin_path):
+    """Llama 3.2 Vision's FP8 checkpoints (its 90B on two H100s): the text model's self-attention layers, renumbered
+    past the cross-attention layer as read, hold their projections as stored (the cross layer's and the vision tower's
+    FP8 weights dequantized and dropped), and decode greedily as the dequantized model."""
+    import shutil
+
+    import transformers
+
+    text = transformers.MllamaTextConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2, rms_norm_eps=1e-5, bos_token_id=1,
+        eos_token_id=2, pad_token_id=0, cross_attention_layers=[1])
+    vision = transformers.MllamaVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                             num_global_layers=1, attention_heads=2, image_size=28, patch_size=14,
+                                             intermediate_layers_indices=[0], vision_output_dim=64)
+    torch.manual_seed(0)
+    hf = transformers.MllamaForConditionalGeneration(transformers.MllamaConfig(text_config=text.to_dict(),
+                                                                              vision_config=vision.to_dict()))
+    folder = tmp_path / "mllama"
+    hf.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(builtin_path / name, folder / name)
+    _fp8_checkpoint(folder, (16, 16))
+    engine = _engine(folder, "fp8")
+    assert engine.model.fp8_exact and engine.model_config.skipped_layers == (1,)
+    assert set(_fp8_layers(engine)) == {f"layers.{i}.{p}" for i in range(3) for p in PROJECTIONS}
+    stored = _stored(folder)["language_model.model.layers.3.self_attn.o_proj.weight"]   # the engine's layer 2
+    assert torch.equal(engine.model.layers[2].self_attn.o_proj.weight.view(torch.uint8), stored.view(torch.uint8))
+    assert _greedy(engine) == _greedy(_engine(folder, "none"))
