@@ -60,6 +60,7 @@ TEXT_MODELS = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "language
                **dict.fromkeys(("Ernie4_5_VLMoeForConditionalGeneration", "Ernie4_5_VL_MoeForConditionalGeneration"),
                                ("Ernie4_5_MoeForCausalLM", "language_model.", "ernie4_5_vl_moe_text")),
                "Kimi_K25ForConditionalGeneration": ("DeepseekV3ForCausalLM", "language_model.", "deepseek_v3"),
+               "KimiK25ForConditionalGeneration": ("DeepseekV3ForCausalLM", "language_model.", "deepseek_v3"),
                # PaddleOCR-VL: ERNIE-4.5-0.3B's layers turned as Qwen2-VL's MRoPE turns them (rotate-half pairs: the
                # Llama model's), at `model.` beside `visual.` and the projector `mlp_AR.`
                "PaddleOCRVLForConditionalGeneration": ("LlamaForCausalLM", "language_model.", "paddleocr_vl_text"),
@@ -69,7 +70,6 @@ TEXT_MODELS = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "language
                                ("Qwen2ForCausalLM", "thinker.", "qwen2_5_omni_text")),
                # Llama 3.2 Vision: its text model's self-attention layers (`engine.models.mllama`)
                "MllamaForConditionalGeneration": ("MllamaForCausalLM", "language_model.", "mllama_text_model"),
-               "KimiK25ForConditionalGeneration": ("DeepseekV3ForCausalLM", "language_model.", "deepseek_v3"),
                # Apertus 1.5: its text model (`engine.model_defaults.APERTUS_1_5`); its image and audio tokenizers
                # not read
                "Apertus1p5ForConditionalGeneration": ("Apertus1p5TextForCausalLM", "language_model.",
