@@ -75,7 +75,8 @@ def gemma3n_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
     full, local = _ropes(cfg)
     return {"layer_types": tuple(kinds), "sliding_window": read_int(cfg, "sliding_window", 512), "qk_norm": True,
             "query_pre_attn_scalar": 1.0, "rope_local_theta": local, "full_rope": ({"rope_theta": full},),
-            "gemma4": per_layer, "head_dim": head_dim, "hidden_act": cfg.get("hidden_activation") or "gelu_pytorch_tanh",
+            "gemma4": per_layer, "head_dim": head_dim,
+            "hidden_act": cfg.get("hidden_activation") or "gelu_pytorch_tanh",
             "tie_word_embeddings": read_bool(cfg, "tie_word_embeddings", True),
             "final_logit_softcapping": read_float(cfg, "final_logit_softcapping", 30.0),
             "gemma3n": Gemma3nShape(streams=read_int(cfg, "altup_num_inputs", 4, minimum=2),
