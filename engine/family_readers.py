@@ -29,6 +29,7 @@ from engine.hy_v4_config import hy_v4_fields
 from engine.kimi_linear_config import bailing_hybrid_config, kimi_linear_config
 from engine.kolibri_config import kolibri_config, kolibri_fields
 from engine.laguna_config import laguna_fields
+from engine.lara_mini_config import lara_mini_config, lara_mini_fields
 from engine.lfm2_config import lfm2_config, lfm2_moe_config
 from engine.llama4_config import MISTRAL_FIELDS, llama4_fields, mllama_config, mllama_fields
 from engine.longcat_config import longcat_config, longcat_fields
@@ -52,7 +53,7 @@ KEY_READERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "DbrxForCausalLM": dbrx_config, "MambaForCausalLM": mamba_config, "FalconMambaForCausalLM": mamba_config,
     "Mamba2ForCausalLM": mamba2_config, "Zamba2ForCausalLM": zamba2_config,
     "LongcatFlashForCausalLM": longcat_config, "MllamaForCausalLM": mllama_config,
-    "Gemma3nForCausalLM": gemma3n_config}
+    "Gemma3nForCausalLM": gemma3n_config, "LaraMiniForCausalLM": lara_mini_config}
 # (config.json, its layer count) -> the family's ModelConfig fields
 OWN_MODULE_FIELDS: dict[str, Callable[[dict[str, Any], int], dict[str, Any]]] = {
     "Llama4ForCausalLM": llama4_fields, "Gemma4ForCausalLM": gemma4_fields, "Mistral4ForCausalLM": mistral4_fields,
@@ -69,4 +70,4 @@ OWN_MODULE_FIELDS: dict[str, Callable[[dict[str, Any], int], dict[str, Any]]] = 
     "MambaForCausalLM": mamba_fields, "FalconMambaForCausalLM": falcon_mamba_fields,
     "Mamba2ForCausalLM": mamba2_fields, "Zamba2ForCausalLM": zamba2_fields,
     "LongcatFlashForCausalLM": longcat_fields, "MllamaForCausalLM": mllama_fields,
-    "Gemma3nForCausalLM": gemma3n_fields}
+    "Gemma3nForCausalLM": gemma3n_fields, "LaraMiniForCausalLM": lara_mini_fields}

@@ -68,7 +68,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
                            "NemotronForCausalLM", "StableLmForCausalLM", "PhiForCausalLM", "GPTNeoXForCausalLM",
                            "PhimoeForCausalLM", "OlmoForCausalLM", "FalconForCausalLM", "GPTJForCausalLM",
                            "GPTBigCodeForCausalLM", "GPT2LMHeadModel", "OPTForCausalLM", "FlexOlmoForCausalLM",
-                           "GPTNeoForCausalLM", "CodeGenForCausalLM",
+                           "GPTNeoForCausalLM", "CodeGenForCausalLM", "LaraMiniForCausalLM",
                            "NanoChatForCausalLM", "DbrxForCausalLM", "MiniCPM3ForCausalLM", "HYV4ForCausalLM",
                            "DeepseekV4ForCausalLM", "BeamForCausalLM", "MllamaForCausalLM", "Gemma3nForCausalLM",
                            "GemmaForCausalLM", "VaultGemmaForCausalLM", "JambaForCausalLM",

@@ -190,7 +190,7 @@ DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32_768, "
                          "GPTNeoForCausalLM": 2048, "CodeGenForCausalLM": 2048,
                          "NanoChatForCausalLM": 2048, "DbrxForCausalLM": 2048,
                          "MiniCPM3ForCausalLM": 32_768, "JambaForCausalLM": 262_144, "MllamaForCausalLM": 131_072,
-                         "Gemma3nForCausalLM": 32_768,
+                         "Gemma3nForCausalLM": 32_768, "LaraMiniForCausalLM": 131_072,
                          # models of state layers alone hold any length: the engine's default, a RAG pool's
                          "MambaForCausalLM": 131_072, "FalconMambaForCausalLM": 131_072,
                          "Mamba2ForCausalLM": 131_072, "Zamba2ForCausalLM": 4096}
@@ -220,13 +220,14 @@ DEFAULT_KV_HEADS = {"Qwen2ForCausalLM": 32, "MistralForCausalLM": 8, "Qwen3ForCa
                     "ExaoneMoeForCausalLM": 32, "CwmForCausalLM": 8, "BambaForCausalLM": 8,
                     "FalconH1ForCausalLM": 8, "ExaoneForCausalLM": 8, "MellumForCausalLM": 4,
                     "Starcoder2ForCausalLM": 2, "LagunaForCausalLM": 8, "PhimoeForCausalLM": 8,
-                    "JambaForCausalLM": 8, "MllamaForCausalLM": 8, "Gemma3nForCausalLM": 2}
+                    "JambaForCausalLM": 8, "MllamaForCausalLM": 8, "Gemma3nForCausalLM": 2,
+                    "LaraMiniForCausalLM": 4}
 # their head_dim where config.json names none (else hidden_size / num_attention_heads)
 DEFAULT_HEAD_DIM = {"Qwen3ForCausalLM": 128, "GptOssForCausalLM": 64, "Ernie4_5ForCausalLM": 128,
                     "CwmForCausalLM": 128, "MellumForCausalLM": 128, "Llama4ForCausalLM": 128, "LagunaForCausalLM": 128,
                     "Ministral3ForCausalLM": 128, "GemmaForCausalLM": 256,
                     "Glm4ForCausalLM": 128, "GlmForCausalLM": 128, "MiniMaxM2ForCausalLM": 128,
-                    "SeedOssForCausalLM": 128}
+                    "SeedOssForCausalLM": 128, "LaraMiniForCausalLM": 128}
 # MellumConfig's ropes where config.json names none: a base per layer type
 MELLUM_ROPE = {"full_attention": {"rope_type": "default", "rope_theta": 500_000.0},
                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}

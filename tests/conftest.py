@@ -197,6 +197,7 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
            "gpt_bigcode": transformers.GPTBigCodeConfig, "gpt2": transformers.GPT2Config,
            "opt": transformers.OPTConfig, "flex_olmo": transformers.FlexOlmoConfig,
            "gpt_neo": transformers.GPTNeoConfig, "codegen": transformers.CodeGenConfig,
+           "lara_mini": transformers.LaraMiniConfig,
            "nanochat": transformers.NanoChatConfig, "dbrx": transformers.DbrxConfig,
            "minicpm3": transformers.MiniCPM3Config, "jamba": transformers.JambaConfig,
            "mamba": transformers.MambaConfig, "falcon_mamba": transformers.FalconMambaConfig,
@@ -245,7 +246,7 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
                     param.normal_(1.0, 0.5)
     # every norm its own weights: one read into another's place would show
     if arch in ("hyperclovax", "nemotron", "stablelm", "gemma", "vaultgemma", "lfm3", "kolibri1", "axk1", "flint",
-                "helium"):
+                "helium", "lara_mini"):
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if "norm" in name:

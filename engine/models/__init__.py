@@ -1,30 +1,28 @@
 """The model classes by architecture, and `build_model`, which makes one.
 
 The Llama family (Llama 2/3, Qwen2, Qwen3, Mistral) is `engine.model.LlamaForCausalLM`; a variant that changes the layer
-itself has a module here, built from the same shared layers (`engine.layers`) and the same weight loading and tensor-
-parallel cuts: `gemma3` (Gemma 3's text model, and Gemma 2's), `gemma4` (Gemma 4's text model: attention of two shapes,
-experts beside the MLP), `qwen3_moe` (Qwen3-MoE's sparse layers, and Qwen2-MoE's with their shared expert), `mixtral`
-(Mixtral: those experts on every layer, under its checkpoints' names), `phi3` (Phi-3 and Phi-4: the Llama layer, its
-checkpoints' fused q/k/v and gate/up split as they are read), `granite` (Granite 3: the Llama layer and its four
-scalars; Granite SWA's sinks and per-layer ropes; Granite 3's and 4's experts), `olmo2` (OLMo 2 and 3: post-norm layers,
-q/k normed whole), `smollm3` (SmolLM3: NoPE layers), `gptj` (GPT-J, CodeGen), `gpt_oss` (GPT-OSS: sinks, biased experts
-with a clamped SwiGLU, MXFP4 experts), `cohere` (Command R and R7B: parallel layers, LayerNorms, reordered q/k rows;
-Command A Plus's experts), `ernie` (ERNIE 4.5: the Llama layer, its interleaved rotary served so too), `glm4` (GLM-4:
-sandwich norms, a partial interleaved rotary; K-EXAONE: GLM-4.5's model with EXAONE 4's attention), `deepseek` (DeepSeek
-V2 and V3: latent attention over a cache of one latent a token, grouped routers, shared experts; Mistral Small 4, its
-queries scaled as Ministral 3's; GLM-4.5, in `glm4`, takes their experts), `deepseek_v32` (DeepSeek V3.2 and GLM-5: each
-query attending to the tokens its indexer picks), `minimax_m2` (MiniMax-M2: OLMo 2's q/k norms, GLM-4.5's partial
-rotary, DeepSeek V3's router), `llama4` (Llama 4's text model: chunked attention, NoPE layers with query temperature,
-q/k L2-normed after an interleaved rotary, sigmoid-scaled experts), `ministral3` (Ministral 3: Mistral's layer with
-Llama 4's query scaling on every layer), `qwen3_5` (Qwen3.5: Gated DeltaNet layers over a per-sequence state between
-gated full-attention layers; Qwen3-Next), `nemotron_h` (Nemotron-H: single-mixer blocks of Mamba-2, NoPE attention or a
-squared-ReLU MLP), `lfm2` (LFM2: gated short convolutions beside attention with per-head q/k norms; LFM2-MoE's experts),
-`kimi_linear` (Kimi Linear: Kimi Delta Attention beside DeepSeek's latent attention without a rotary), `jamba` (Jamba:
-Mamba-1 beside NoPE attention and experts), `mamba` (Mamba, FalconMamba, Mamba2: Mamba blocks alone), `zamba2` (Zamba2:
-Mamba-2 layers and shared transformer blocks), over `hybrid`'s states; `mimo` (MiMo-V2-Flash: sliding layers with their
-own KV heads and sinks, narrower value heads); `apertus` (Apertus: xIELU; Arcee's AFM and Jais 2: squared ReLU, Jais 2's
-LayerNorms with biases; a head pruned to the vocabulary's first ids, Apertus 1.5's), `mllama` (Llama 3.2 Vision's text
-model: its self- attention layers alone, that head). LongCat-Flash's sublayers and experts are in `deepseek`."""
+itself has a module here, built from the same shared layers (`engine.layers`) and the same weight loading and
+tensor-parallel cuts: `gemma3` (Gemma 3's text model, and Gemma 2's), `gemma4` (Gemma 4's text model: attention of two
+shapes, experts beside the MLP), `qwen3_moe` (Qwen3-MoE's sparse layers, and Qwen2-MoE's with their shared expert),
+`mixtral` (Mixtral's experts), `phi3` (Phi-3 and Phi-4: fused q/k/v and gate/up split as read), `granite` (Granite 3's
+scalars, Granite SWA, Granite 3's and 4's experts), `olmo2` (OLMo 2 and 3: post-norm layers), `smollm3` (SmolLM3: NoPE
+layers), `gptj` (GPT-J, CodeGen), `gpt_oss` (GPT-OSS: sinks, biased experts with a clamped SwiGLU, MXFP4 experts),
+`cohere` (Command R and R7B: parallel layers, LayerNorms, reordered q/k rows; Command A Plus's experts), `ernie` (ERNIE
+4.5: the Llama layer, its interleaved rotary served so too), `glm4` (GLM-4: sandwich norms, a partial interleaved
+rotary; K-EXAONE: GLM-4.5's model with EXAONE 4's attention), `deepseek` (DeepSeek V2 and V3: latent attention over a
+cache of one latent a token, grouped routers, shared experts; Mistral Small 4, its queries scaled as Ministral 3's;
+GLM-4.5, in `glm4`, takes their experts), `deepseek_v32` (DeepSeek V3.2 and GLM-5: each query attending to the tokens
+its indexer picks), `minimax_m2` (MiniMax-M2: OLMo 2's q/k norms, GLM-4.5's partial rotary, DeepSeek V3's router),
+`llama4` (Llama 4's text model: chunked attention, NoPE layers with query temperature, q/k L2-normed after an
+interleaved rotary, sigmoid-scaled experts), `ministral3` (Ministral 3: Mistral's layer with Llama 4's query scaling on
+every layer), `qwen3_5` (Qwen3.5, Qwen3-Next: Gated DeltaNet layers over a per-sequence state between gated
+full-attention layers; `lara_mini`, Lara Mini's), `nemotron_h` (Nemotron-H: single-mixer blocks of Mamba-2, NoPE
+attention or a squared-ReLU MLP), `lfm2` (LFM2: gated short convolutions beside attention; LFM2-MoE's experts),
+`kimi_linear` (Kimi Linear: Kimi Delta Attention beside latent attention), `jamba` (Jamba: Mamba-1, NoPE attention,
+experts), `mamba` (Mamba, FalconMamba, Mamba2: Mamba blocks alone), `zamba2` (Zamba2: Mamba-2 layers, shared blocks),
+over `hybrid`'s states; `mimo` (MiMo-V2-Flash: sliding layers with their own KV heads and sinks, narrower value heads);
+`apertus` (Apertus: xIELU; Arcee's AFM and Jais 2: squared ReLU, Jais 2's LayerNorms with biases; Apertus 1.5's pruned
+head), `mllama` (Llama 3.2 Vision's text model). LongCat-Flash's sublayers and experts are in `deepseek`."""
 
 from __future__ import annotations
 
@@ -59,6 +57,7 @@ from engine.models.glm4 import (ExaoneMoeForCausalLM, Glm4ForCausalLM, Glm4MoeFo
                                 HYV3ForCausalLM)
 from engine.models.gpt_oss import GptOssForCausalLM
 from engine.models.laguna import LagunaForCausalLM
+from engine.models.lara_mini import LaraMiniForCausalLM
 from engine.models.llama4 import Llama4ForCausalLM
 from engine.models.ministral3 import Ministral3ForCausalLM
 from engine.models.exaone import ExaoneForCausalLM
@@ -173,6 +172,7 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "Starcoder2ForCausalLM": Starcoder2ForCausalLM,
                                                 "GlmForCausalLM": GlmForCausalLM, "Glm4ForCausalLM": Glm4ForCausalLM,
                                                 "LagunaForCausalLM": LagunaForCausalLM,
+                                                "LaraMiniForCausalLM": LaraMiniForCausalLM,
                                                 "NemotronForCausalLM": NemotronForCausalLM,
                                                 "StableLmForCausalLM": StableLmForCausalLM,
                                                 "PhiForCausalLM": PhiForCausalLM, "OPTForCausalLM": OPTForCausalLM,

@@ -1970,6 +1970,29 @@ def test_gemma_3n_reads_as_transformers_does():
             ModelConfig.from_hf_config({**bare, key: value})
 
 
+def test_lara_mini_reads_as_transformers_does():
+    """Lara Mini (`LaraMiniForCausalLM`, LaraMiniConfig's defaults: Lara-4-Mini's shape): 34 layers in the period
+    linear, sliding, linear, full, sliding; the sliding layers rotate, the full ones NoPE; Gated DeltaNet of 8 key
+    heads and 16 value heads of 128; 128 experts, 4 a token, beside an ungated shared expert; no dense MLP; the
+    parameter count transformers' model's."""
+    transformers = pytest.importorskip("transformers")
+    hf_config = transformers.LaraMiniConfig()
+    card = {k: v for k, v in hf_config.to_dict().items() if k not in ("transformers_version",)}
+    cfg = ModelConfig.from_hf_config({**card, "architectures": ["LaraMiniForCausalLM"]})
+    assert cfg.layer_types == tuple(hf_config.layer_types) and cfg.num_layers == 34
+    assert cfg.no_rope_layers == tuple(int(k == "sliding_attention") for k in hf_config.layer_types)
+    g = cfg.gated_delta
+    assert (g.num_k_heads, g.num_v_heads, g.k_head_dim, g.v_head_dim, cfg.sliding_window) == (8, 16, 128, 128, 512)
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.shared_expert_gated, cfg.tie_word_embeddings) == \
+        (128, 4, False, True)
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(hf_config)
+    assert cfg.num_params() == sum(p.numel() for p in hf.parameters())
+    with pytest.raises(ConfigError, match="^layer_types:"):
+        ModelConfig.from_hf_config({**card, "architectures": ["LaraMiniForCausalLM"],
+                                    "layer_types": ["linear_attention"] * 34})
+
+
 def test_youtu_reads_as_transformers_does():
     """Youtu-LLM (`YoutuForCausalLM`, YoutuConfig's defaults: Youtu-LLM-2B's shape): DeepSeek V3's latent attention
     (q through 1,536, a latent of 512 and a rotated key of 64 a token in the cache) with a dense MLP on every layer and

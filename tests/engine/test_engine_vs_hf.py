@@ -226,6 +226,13 @@ GEMMA3N = {"num_hidden_layers": 6, "head_dim": 16, "sliding_window": 8,
            "vocab_size_per_layer_input": 512, "num_kv_shared_layers": 2, "laurel_rank": 8,
            "activation_sparsity_pattern": [0.95, 0.95, 0.0, 0.0, 0.0, 0.0]}
 
+# Lara Mini: Gated DeltaNet layers beside sliding (rotating) and full (NoPE) attention, experts on every layer beside
+# an ungated shared expert
+LARA_MINI = {"num_hidden_layers": 5, "head_dim": 16, "sliding_window": 8, "linear_num_key_heads": 2,
+             "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 8, "num_experts": 8,
+             "num_experts_per_tok": 2, "moe_intermediate_size": 24, "shared_expert_intermediate_size": 48,
+             "pad_token_id": 0}
+
 # Phi-3.5-MoE's LongRoPE on the tiny model: a factor a frequency pair of each set, an mscale each, the original
 # context the whole one (so the short set serves)
 PHIMOE_ROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 512,
@@ -252,6 +259,7 @@ TINY_MODELS = [
     ("gemma4", GEMMA4_MOE),
     ("gemma4", GEMMA4_E),
     ("gemma3n_text", GEMMA3N),
+    ("lara_mini", LARA_MINI),
     ("llama", dict(hidden_act="gelu_pytorch_tanh")),   # the CPU's flat forward runs SiLU: the modules run this
     # a linear scaling serves max_position_embeddings x factor (vLLM's reading): the outputs run past 40
     ("llama", dict(rope_scaling={"rope_type": "linear", "factor": 2.0}, max_position_embeddings=40)),
