@@ -25,11 +25,12 @@ _KEYS = (("n_embd", "hidden_size"), ("n_head", "num_attention_heads"), ("n_layer
 TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")   # GELU's tanh form, under transformers' names
 
 
-def gpt2_keys(cfg: dict[str, Any]) -> dict[str, Any]:
-    """config.json of a model that keeps GPT-2's key names under the Llama reading's names (theirs first, as the
-    attribute maps read them); the MLP's width `n_inner`, else 4 x n_embd."""
-    cfg = {**cfg, **{ours: cfg[theirs] for theirs, ours in _KEYS if theirs in cfg}}
-    inner = read_int(cfg, "n_inner", None)
+def gpt2_keys(cfg: dict[str, Any], keys: tuple[tuple[str, str], ...] = _KEYS,
+              inner_key: str = "n_inner") -> dict[str, Any]:
+    """config.json of a model that keeps GPT-2's key names (`keys`: theirs, ours) under the Llama reading's names
+    (theirs first, as the attribute maps read them); the MLP's width `inner_key`, else 4 x n_embd."""
+    cfg = {**cfg, **{ours: cfg[theirs] for theirs, ours in keys if theirs in cfg}}
+    inner = read_int(cfg, inner_key, None)
     return {**cfg, "intermediate_size": 4 * read_int(cfg, "hidden_size") if inner is None else inner}
 
 
@@ -104,11 +105,9 @@ def opt_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
 def gpt_neo_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """GPT-Neo's config.json under the Llama reading's names (GPTNeoConfig's attribute map): a KV head a query head,
     the MLP's width `intermediate_size`, else 4 x hidden."""
-    cfg = {**cfg, **{ours: cfg[theirs] for theirs, ours in (("num_layers", "num_hidden_layers"),
-                                                            ("num_heads", "num_attention_heads")) if theirs in cfg}}
-    inner = read_int(cfg, "intermediate_size", None)
-    return {**cfg, "num_key_value_heads": read_int(cfg, "num_attention_heads"),
-            "intermediate_size": 4 * read_int(cfg, "hidden_size") if inner is None else inner}
+    cfg = gpt2_keys(cfg, (("num_layers", "num_hidden_layers"), ("num_heads", "num_attention_heads")),
+                    "intermediate_size")
+    return {**cfg, "num_key_value_heads": read_int(cfg, "num_attention_heads")}
 
 
 def gpt_neo_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:

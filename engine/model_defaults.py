@@ -250,16 +250,14 @@ def vl_text_keys(text: dict[str, Any]) -> dict[str, Any]:
     one switch for every projection's bias, `use_bias`. GLM-OCR's (`glm_ocr_text`) is GLM-4.1V's without q/k/v biases,
     its heads hidden_size / num_attention_heads wide where head_dim is not named."""
     out = dict(text)
-    if out.get("model_type") == "glm_ocr_text":
-        heads, hidden = out.get("num_attention_heads"), out.get("hidden_size")
+    kind, heads, hidden = out.get("model_type"), out.get("num_attention_heads"), out.get("hidden_size")
+    if kind == "glm_ocr_text":
         out["attention_bias"] = False
-        if out.get("head_dim") is None and isinstance(heads, int) and isinstance(hidden, int) and heads > 0:
-            out["head_dim"] = hidden // heads
     if "use_bias" in out:
         out["attention_bias"] = out["mlp_bias"] = out.pop("use_bias")
-    if out.get("model_type") == "glm4v_text" and isinstance(out.get("num_attention_heads"), int) \
-            and isinstance(out.get("hidden_size"), int) and out["num_attention_heads"] > 0:
-        out["head_dim"] = out["hidden_size"] // out["num_attention_heads"]
+    if (kind == "glm4v_text" or kind == "glm_ocr_text" and out.get("head_dim") is None) and isinstance(heads, int) \
+            and isinstance(hidden, int) and heads > 0:
+        out["head_dim"] = hidden // heads
     if "num_local_experts" in out and "num_experts" not in out:
         out["num_experts"] = out.pop("num_local_experts")
     for key in ("rope_scaling", "rope_parameters"):

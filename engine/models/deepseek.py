@@ -59,7 +59,7 @@ from engine.parallel import Collectives, ShardShape
 from kernels import AttentionMetadata
 
 __all__ = ["AXK1ForCausalLM", "DeepseekForCausalLM", "DeepseekMoeBlock", "LongcatFlashForCausalLM", "MlaAttention",
-           "moe_checkpoint_name"]
+           "moe_checkpoint_name", "past_the_layers"]
 
 LATENT_NORM_EPS = 1e-6   # transformers' DeepseekV3RMSNorm default: q_a_layernorm and kv_a_layernorm take no config eps
 
@@ -274,6 +274,13 @@ class DeepseekForCausalLM(Qwen3MoeForCausalLM):
         return shard.heads_of(tensor, rows, dim)
 
 
+def past_the_layers(name: str, num_layers: int) -> bool:
+    """Whether checkpoint tensor `name` (without "model.") lies in a layer past the model's `num_layers` (a
+    multi-token-prediction layer: DeepSeek's, GLM-OCR's)."""
+    parts = name.split(".")
+    return len(parts) > 1 and parts[0] == "layers" and parts[1].isdigit() and int(parts[1]) >= num_layers
+
+
 def moe_checkpoint_name(config: ModelConfig, name: str) -> str | None:
     """A DeepSeek or GLM-4.5 checkpoint tensor's name as Qwen3-MoE's loading reads it: the shared experts under
     Qwen2-MoE's name (one MLP), a correction bias stored beside the router (K-EXAONE's, HY V3's) as the router's;
@@ -282,8 +289,7 @@ def moe_checkpoint_name(config: ModelConfig, name: str) -> str | None:
     back on the text model's too) are read as `layers.N`."""
     if name.startswith("blocks.") and config.text_weights_prefix:
         name = "layers." + name.removeprefix("blocks.")
-    parts = name.split(".")
-    if parts[0] == "mtp" or parts[0] == "layers" and parts[1].isdigit() and int(parts[1]) >= config.num_layers:
+    if name.startswith("mtp.") or past_the_layers(name, config.num_layers):
         return None
     return name.replace(".mlp.shared_experts.", ".mlp.shared_expert.").replace(
         ".mlp.e_score_correction_bias", ".mlp.gate.e_score_correction_bias")

@@ -49,6 +49,7 @@ from engine.deepseek_v4_config import DeepseekV4Shape
 from engine.layers.activation import ClampedSiluAndMul
 from engine.layers.rotary import rope_attention_factor, rope_inv_freq
 from engine.model_config import ModelConfig
+from engine.models.deepseek import past_the_layers
 from engine.models.hyper_connections import SinkhornConnection, SinkhornHead, mixed, unit_rms
 from engine.models.qwen3_moe import Qwen3MoeForCausalLM, SparseMoeBlock
 from engine.parallel import Collectives, ShardShape
@@ -467,8 +468,7 @@ class DeepseekV4ForCausalLM(Qwen3MoeForCausalLM):
         past the model's) skipped; the shared expert under Qwen2-MoE's name."""
         for pattern, ours in RELEASE_NAMES:
             name = re.sub(pattern, ours, name)
-        parts = name.split(".")
-        if parts[0] == "mtp" or parts[0] == "layers" and parts[1].isdigit() and int(parts[1]) >= self.config.num_layers:
+        if name.startswith("mtp.") or past_the_layers(name, self.config.num_layers):
             return ()
         return super().read_tensor(hf_name, name.replace(".mlp.shared_experts.", ".mlp.shared_expert."), tensor)
 

@@ -32,7 +32,7 @@ from torch import nn
 
 from engine.layers import HeadRMSNorm, RMSNorm
 from engine.models.cohere import InterleavedRotaryWeights
-from engine.models.deepseek import DeepseekMoeBlock, moe_checkpoint_name
+from engine.models.deepseek import DeepseekMoeBlock, moe_checkpoint_name, past_the_layers
 from engine.models.gemma3 import Gemma3DecoderLayer
 from engine.models.phi3 import Phi3ForCausalLM, partial_rotary_rows
 from engine.models.qwen3_moe import Qwen3MoeForCausalLM
@@ -69,8 +69,7 @@ class Glm4ForCausalLM(InterleavedRotaryWeights, Phi3ForCausalLM):
     def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
         """The tensors as `InterleavedRotaryWeights` and Phi-3 read them, the norms under the names of Gemma's in
         the same places (`NORM_NAMES`); a layer past the model's (GLM-OCR's multi-token-prediction layer) not read."""
-        parts = name.split(".", 2)
-        if parts[0] == "layers" and parts[1].isdigit() and int(parts[1]) >= self.config.num_layers:
+        if past_the_layers(name, self.config.num_layers):
             return
         for read, piece in super().read_tensor(hf_name, name, tensor):
             yield ".".join(NORM_NAMES.get(part, part) for part in read.split(".")), piece

@@ -16,11 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers import FloatRMSNorm, HeadRMSNorm
+from engine.layers import FloatRMSNorm
 from engine.model import Attention, WeightLoadError
 from engine.models.kolibri import KolibriRouter
-from engine.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
-from engine.models.qwen3_moe import SparseMoeBlock
+from engine.models.qwen3_5 import HybridLayer, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
+from engine.models.qwen3_moe import SparseMoeBlock, with_experts
 from engine.models.smollm3 import layer_rotary
 
 __all__ = ["LaraMiniForCausalLM"]
@@ -48,13 +48,9 @@ class LaraMiniForCausalLM(Qwen3_5MoeForCausalLM):
     norm_init = 1.0
 
     def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
-        layer = super().make_layer(index, ops)
-        h, eps = self.config.hidden_size, self.config.rms_norm_eps
-        layer.input_layernorm, layer.post_attention_layernorm = FloatRMSNorm(h, eps), FloatRMSNorm(h, eps)
-        if not self.config.is_linear_layer(index):
-            layer.self_attn = Attention(self.config, self.shard, self.comm, layer_rotary(self, index), index,
-                                        HeadRMSNorm)
-        return layer
+        layer = HybridLayer(self.config, self.shard, self.comm, layer_rotary(self, index), ops, index,
+                            self.state_index.get(index, -1), FloatRMSNorm, Attention)
+        return with_experts(self, layer, index, ops)
 
     def make_norm(self, ops: ModuleType) -> nn.Module:
         return FloatRMSNorm(self.config.hidden_size, self.config.rms_norm_eps)

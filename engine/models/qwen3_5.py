@@ -58,18 +58,20 @@ class GatedAttention(Attention):
 
 
 class HybridLayer(MixerLayerForward, nn.Module):
-    """A pre-norm block whose token mixer is Gated DeltaNet (`linear_attn`) or gated attention (`self_attn`)."""
+    """A pre-norm block whose token mixer is Gated DeltaNet (`linear_attn`) or `attention` (`self_attn`: Qwen3.5's
+    gated attention), its norms `norm`'s (Gemma's 1 + weight)."""
 
     def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives, rotary_emb: RotaryEmbedding,
-                 ops: ModuleType, layer: int, state_index: int) -> None:
+                 ops: ModuleType, layer: int, state_index: int, norm: type[nn.Module] = GemmaRMSNorm,
+                 attention: Callable[..., nn.Module] = GatedAttention) -> None:
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
-        self.input_layernorm = GemmaRMSNorm(h, eps)
+        self.input_layernorm = norm(h, eps)
         if config.is_linear_layer(layer):
             self.linear_attn = GatedDeltaNet(config.gated_delta.per_rank(shard.size), h, eps, state_index, comm)
         else:
-            self.self_attn = GatedAttention(config, shard, comm, rotary_emb, layer)
-        self.post_attention_layernorm = GemmaRMSNorm(h, eps)
+            self.self_attn = attention(config, shard, comm, rotary_emb, layer)
+        self.post_attention_layernorm = norm(h, eps)
         self.mlp = MLP(config, shard, comm, ops)
 
 
