@@ -1,8 +1,8 @@
 """Which module reads each family's config.json, where it is not the Llama reading with a few fields of
 `engine.model_families`: `KEY_READERS` (config.json under the Llama reading's key names, before that reading: GPT-2's
 keys of GPT-J, GPT-2 and GPT-BigCode, OPT's, DBRX's and Falcon's older ones, LFM2's, Nemotron-H's, Kimi Linear's,
-Kolibri-1's and LongCat-Flash's own) and `OWN_MODULE_FIELDS` (a family's `ModelConfig` fields, read by its own module
-from config.json and the layer count)."""
+Kolibri-1's, LongCat-Flash's and MiniMax's own) and `OWN_MODULE_FIELDS` (a family's `ModelConfig` fields, read by its
+own module from config.json and the layer count)."""
 
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ from engine.mamba1_config import falcon_mamba_fields, jamba_fields, mamba_config
 from engine.mamba_config import mamba2_config, mamba2_fields
 from engine.zamba2_config import zamba2_config, zamba2_fields
 from engine.mimo_config import mimo_fields
+from engine.minimax_config import minimax_config, minimax_fields
 from engine.nemotron_h_config import nemotron_h_config
 from engine.phimoe_config import phimoe_fields
 
@@ -53,7 +54,8 @@ KEY_READERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "DbrxForCausalLM": dbrx_config, "MambaForCausalLM": mamba_config, "FalconMambaForCausalLM": mamba_config,
     "Mamba2ForCausalLM": mamba2_config, "Zamba2ForCausalLM": zamba2_config,
     "LongcatFlashForCausalLM": longcat_config, "MllamaForCausalLM": mllama_config,
-    "Gemma3nForCausalLM": gemma3n_config, "LaraMiniForCausalLM": lara_mini_config}
+    "Gemma3nForCausalLM": gemma3n_config, "LaraMiniForCausalLM": lara_mini_config,
+    "MiniMaxForCausalLM": minimax_config}
 # (config.json, its layer count) -> the family's ModelConfig fields
 OWN_MODULE_FIELDS: dict[str, Callable[[dict[str, Any], int], dict[str, Any]]] = {
     "Llama4ForCausalLM": llama4_fields, "Gemma4ForCausalLM": gemma4_fields, "Mistral4ForCausalLM": mistral4_fields,
@@ -70,4 +72,5 @@ OWN_MODULE_FIELDS: dict[str, Callable[[dict[str, Any], int], dict[str, Any]]] = 
     "MambaForCausalLM": mamba_fields, "FalconMambaForCausalLM": falcon_mamba_fields,
     "Mamba2ForCausalLM": mamba2_fields, "Zamba2ForCausalLM": zamba2_fields,
     "LongcatFlashForCausalLM": longcat_fields, "MllamaForCausalLM": mllama_fields,
-    "Gemma3nForCausalLM": gemma3n_fields, "LaraMiniForCausalLM": lara_mini_fields}
+    "Gemma3nForCausalLM": gemma3n_fields, "LaraMiniForCausalLM": lara_mini_fields,
+    "MiniMaxForCausalLM": minimax_fields}

@@ -23,6 +23,7 @@ from engine.gemma4_config import Gemma4Shape
 from engine.mamba_config import Mamba2Shape
 from engine.falcon_h1_config import FalconH1Scales
 from engine.kimi_linear_config import KdaShape
+from engine.minimax_config import LightningShape
 from engine.lfm2_config import ShortConvShape
 from engine.mamba1_config import Mamba1Shape
 from engine.zamba2_config import Zamba2Blocks
@@ -72,7 +73,8 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
                            "NanoChatForCausalLM", "DbrxForCausalLM", "MiniCPM3ForCausalLM", "HYV4ForCausalLM",
                            "DeepseekV4ForCausalLM", "BeamForCausalLM", "MllamaForCausalLM", "Gemma3nForCausalLM",
                            "GemmaForCausalLM", "VaultGemmaForCausalLM", "JambaForCausalLM",
-                           "MambaForCausalLM", "FalconMambaForCausalLM", "Mamba2ForCausalLM", "Zamba2ForCausalLM")
+                           "MambaForCausalLM", "FalconMambaForCausalLM", "Mamba2ForCausalLM", "Zamba2ForCausalLM",
+                           "MiniMaxForCausalLM")
 # their attention bias: q/k/v's, not o_proj's
 QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM", "GlmForCausalLM",
                  "StableLmForCausalLM", "HeliumForCausalLM")
@@ -155,7 +157,7 @@ class ModelConfig:
     mamba: Mamba2Shape | None = None    # Granite 4's -H models: their Mamba-2 layers' (`linear_attention` too)
     falcon_h1: FalconH1Scales | None = None   # Falcon-H1: its muP multipliers (its `hybrid` layers: Mamba-2, attention)
     zamba2: Zamba2Blocks | None = None   # Zamba2: its shared blocks (its `hybrid` layers: a block, then Mamba-2)
-    state_layers: ShortConvShape | KdaShape | Mamba1Shape | None = None   # LFM2's, Kimi Linear's, Jamba's
+    state_layers: ShortConvShape | KdaShape | Mamba1Shape | LightningShape | None = None   # LFM2's, Kimi's, Jamba's...
     attn_output_gate: bool = False      # Qwen3.5: attention's output x sigmoid(a gate q_proj makes beside each head)
     mla: MlaShape | None = None         # DeepSeek: latent attention (head_dim the cache's, one KV head; None: none)
     moe_router: str = "softmax"         # how experts are picked (MOE_ROUTERS): the softmax's top k, or DeepSeek's

@@ -303,13 +303,15 @@ def pruned_head(cfg: dict[str, Any]) -> int | None:
 
 
 def served_as(cfg: dict[str, Any], arch: Any) -> tuple[dict[str, Any], Any]:
-    """(config.json, architecture) as served, where a checkpoint names another: Phi-3.5-MoE's release's name,
-    Phi-4-multimodal's text model (Phi-3's), Gemma 4 Unified's text model (Gemma 4's, its config class holding no
+    """(config.json, architecture) as served, where a checkpoint names another: Phi-3.5-MoE's and MiniMax's releases'
+    names, Phi-4-multimodal's text model (Phi-3's), Gemma 4 Unified's text model (Gemma 4's, its config class holding no
     per-layer inputs and no experts), Apertus 1.5's text model (Apertus's, its vocabulary where config.json
     names none), InternLM3 (`internlm3_config`: the Llama model, as transformers runs it), EXAONE 3 (transformers 5
     saves it as Llama, `exaone_config`)."""
     if arch == "PhiMoEForCausalLM":
         return cfg, "PhimoeForCausalLM"
+    if arch in ("MiniMaxText01ForCausalLM", "MiniMaxM1ForCausalLM"):   # read under transformers' names
+        return cfg, "MiniMaxForCausalLM"
     if arch == "Phi4MultimodalForCausalLM":   # its text model, Phi-3's (its image and audio embedders not read)
         return cfg, "Phi3ForCausalLM"
     if arch == "Gemma4UnifiedForCausalLM":   # Gemma 4's text model without per-layer inputs or experts (12B's);

@@ -206,7 +206,8 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
            "longcat_flash": transformers.LongcatFlashConfig, "phi4_multimodal": transformers.Phi4MultimodalConfig,
            "axk2": transformers.AXK2Config, "gemma4_unified_text": transformers.Gemma4UnifiedTextConfig,
            "hy_v4": transformers.HYV4Config, "deepseek_v4": transformers.DeepseekV4Config,
-           "beam": transformers.BeamConfig, "gemma3n_text": transformers.Gemma3nTextConfig}[arch]
+           "beam": transformers.BeamConfig, "gemma3n_text": transformers.Gemma3nTextConfig,
+           "minimax": transformers.MiniMaxConfig}[arch]
     config = cls(**common)
     if arch == "mistral4":   # transformers maps Mistral4Config to no causal LM class (only its pretraining one)
         transformers.AutoModelForCausalLM.register(transformers.Mistral4Config, transformers.Mistral4ForCausalLM,

@@ -134,7 +134,8 @@ class StateMixer(nn.Module):
     the rows gathered and scattered back) or `chunk` (one sequence's new tokens), each from and to its recurrent
     state; a step that starts a sequence at position 0 starts it from zeros. A subclass gives `layer` (its index
     among the model's state layers), the convolution (`conv1d.weight` [channels, 1, kernel], `conv1d.bias` or
-    None) and the two scans, which take the convolution's output and the per-token inputs `extras`."""
+    None; or its own `convolve` and `convolve_step`: lightning attention's pass the inputs through) and the two scans,
+    which take the convolution's output and the per-token inputs `extras`."""
 
     layer: int
     conv_silu = True   # SiLU after the convolution (LFM2's short convolutions: none)
@@ -152,12 +153,10 @@ class StateMixer(nn.Module):
         """mixed: [num_tokens, channels], the convolution's input for the step's tokens, sequence after sequence;
         extras: per-token tensors [num_tokens, ...] -> the scans' outputs, in token order."""
         conv, ssm = states.conv[self.layer], states.ssm[self.layer]
-        weight, bias = self.conv1d.weight[:, 0], getattr(self.conv1d, "bias", None)
         if all(n == 1 for n in meta.query_lens_list):   # one token of each sequence, all at once
             rows = meta.rows   # a decode graph's padded rows: `RecurrentStates.padding_row` (seq_lens 1: from zeros)
             keep = (meta.seq_lens > 1).unsqueeze(-1).unsqueeze(-1)     # a 1-token prompt starts from zeros
-            x, conv_new = gated_delta.causal_conv_step(mixed, weight, conv.index_select(0, rows) * keep, bias,
-                                                       self.conv_silu)
+            x, conv_new = self.convolve_step(mixed, conv.index_select(0, rows) * keep)
             held = ssm.index_select(0, rows)
             out, ssm_new = self.step(x, extras, held * keep.view(-1, *(1,) * (held.dim() - 1)))
             conv.index_copy_(0, rows, conv_new.to(conv.dtype))
@@ -174,7 +173,7 @@ class StateMixer(nn.Module):
             for end, slot in (*states.saves.get(seq, ()), (n, None)):
                 if end > cut:
                     span = slice(start + cut, start + end)
-                    x, conv_in = gated_delta.causal_conv(mixed[span], weight, conv_in, bias, self.conv_silu)
+                    x, conv_in = self.convolve(mixed[span], conv_in)
                     out, ssm_in = self._scan(x, tuple(e[span] for e in extras), ssm_in, whole=n == 1)
                     outs.append(out)
                     cut = end
@@ -184,6 +183,17 @@ class StateMixer(nn.Module):
             conv[row] = conv_in
             ssm[row] = ssm_in
         return torch.cat(outs)
+
+    def convolve(self, x: torch.Tensor, conv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One sequence's inputs x [num_tokens, channels] through the causal convolution from its state conv ->
+        (the outputs, the new state)."""
+        bias = getattr(self.conv1d, "bias", None)
+        return gated_delta.causal_conv(x, self.conv1d.weight[:, 0], conv, bias, self.conv_silu)
+
+    def convolve_step(self, x: torch.Tensor, conv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One input of each of many sequences, x [num_seqs, channels], from their states [num_seqs, ...]."""
+        bias = getattr(self.conv1d, "bias", None)
+        return gated_delta.causal_conv_step(x, self.conv1d.weight[:, 0], conv, bias, self.conv_silu)
 
     def _scan(self, x: torch.Tensor, extras: tuple[torch.Tensor, ...], ssm: torch.Tensor, whole: bool
               ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2059,6 +2059,60 @@ def test_jamba_reads_as_transformers_does():
                                                           "head_dim": 16, "intermediate_size": 96}), 3)
 
 
+# MiniMax-Text-01's config.json as its release writes it (its own code's names: `attn_type_list`, `layernorm_*`,
+# `rotary_dim`, `postnorm`); DeepNorm's alpha is (2 x 80 layers) ** 0.25
+MINIMAX_TEXT_01_CARD = {
+    "architectures": ["MiniMaxText01ForCausalLM"], "model_type": "minimax_text_01", "vocab_size": 200_064,
+    "hidden_size": 6144, "intermediate_size": 9216, "num_hidden_layers": 80, "num_attention_heads": 64,
+    "num_key_value_heads": 8, "head_dim": 128, "attn_type_list": [int(i % 8 == 7) for i in range(80)],
+    **{f"layernorm_{kind}_{part}": 160 ** 0.25 if part == "alpha" else 1.0
+       for kind in ("full_attention", "linear_attention", "mlp") for part in ("alpha", "beta")},
+    "postnorm": True, "rotary_dim": 64, "rope_theta": 10_000_000, "max_position_embeddings": 10_240_000,
+    "num_local_experts": 32, "num_experts_per_tok": 2, "shared_intermediate_size": 0, "rms_norm_eps": 1e-5,
+    "sliding_window": None, "hidden_act": "silu", "tie_word_embeddings": False}
+
+
+def test_minimax_reads_as_transformers_does():
+    """MiniMax (`MiniMaxForCausalLM`, MiniMaxConfig's defaults): full attention and lightning layers in turn, 8
+    experts (2 a token) on every layer; the parameter count is transformers' model's, the state a sequence holds a
+    float32 [128, 128] a head of each lightning layer. MiniMax-Text-01's release, under its own names: one full layer
+    in 8, (2 x 80) ** 0.25 on every residual, half of each head rotated; 456 B parameters (as MiniMax states them),
+    counted as transformers counts the same config under its names, 280 MiB of state a sequence. A config served
+    otherwise than transformers runs it is refused by name."""
+    transformers = pytest.importorskip("transformers")
+    hf, cfg = _at_class_defaults("MiniMaxConfig", {"architectures": ["MiniMaxForCausalLM"]})
+    assert cfg.layer_types == tuple(hf.layer_types) and cfg.kv_layers == tuple(range(0, 32, 2))
+    assert (cfg.state_layers.num_heads, cfg.state_layers.head_dim) == (32, 128)
+    assert cfg.state_bytes_per_seq(torch.bfloat16) == 16 * 32 * 128 * 128 * 4
+    assert (cfg.max_position_embeddings, cfg.rope_theta, cfg.rms_norm_eps, cfg.num_kv_heads, cfg.rotary_dim) == \
+        (hf.max_position_embeddings, hf.rope_parameters["rope_theta"], hf.rms_norm_eps, hf.num_key_value_heads,
+         hf.head_dim or 128) == (131_072, 1e6, 1e-5, 8, 128)
+    release = ModelConfig.from_hf_config(MINIMAX_TEXT_01_CARD)
+    assert release.architecture == "MiniMaxForCausalLM" and release.kv_layers == tuple(range(7, 80, 8))
+    assert release.state_layers.scales("linear_attention") == release.state_layers.scales("mlp") == (160 ** 0.25, 1.0)
+    assert (release.rotary_dim, release.head_dim, release.rope_theta) == (64, 128, 1e7)
+    theirs = {k: v for k, v in MINIMAX_TEXT_01_CARD.items() if not k.startswith(("layernorm", "attn_type", "rotary"))}
+    hf_config = transformers.MiniMaxConfig(**{k: v for k, v in theirs.items() if k != "architectures"},
+                                           layer_types=list(release.layer_types))
+    with torch.device("meta"):
+        counted = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(hf_config).parameters())
+    assert release.num_params() == counted and round(counted / 1e9) == 456
+    assert release.state_bytes_per_seq(torch.bfloat16) == 70 * 64 * 128 * 128 * 4 == 280 * 2 ** 20
+    small = {**MINIMAX_TEXT_01_CARD, "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 96,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+             "attn_type_list": [0, 1], "rotary_dim": 8}
+    ModelConfig.from_hf_config(small)
+    for key, bad in (("postnorm", {"postnorm": False}), ("attn_type_list", {"attn_type_list": [0, 2]}),
+                     ("layer_types", {"attn_type_list": [0, 0]}),   # no full attention layer
+                     ("shared_intermediate_size", {"shared_intermediate_size": 32}),
+                     ("sliding_window", {"sliding_window": 8}), ("hidden_act", {"hidden_act": "gelu"}),
+                     ("num_attention_heads", {"num_attention_heads": 6, "num_key_value_heads": 2})):
+        with pytest.raises(ConfigError, match=f"^{key}:"):
+            ModelConfig.from_hf_config({**small, **bad})
+    with pytest.raises(ConfigError, match="^tensor_parallel_size: 8 does not divide the model's 4 lightning"):
+        check_tensor_parallel(ModelConfig.from_hf_config({**small, "num_key_value_heads": 4}), 8)
+
+
 @pytest.mark.parametrize("config_class,arch", [("MambaConfig", "MambaForCausalLM"),
                                                 ("FalconMambaConfig", "FalconMambaForCausalLM")])
 def test_mamba_and_falcon_mamba_read_as_transformers_does(config_class, arch):

@@ -305,13 +305,15 @@ HYBRIDS = {"qwen3_5": {}, "qwen3_next": dict(num_experts=4, num_experts_per_tok=
            "mamba": dict(num_hidden_layers=2, state_size=8, time_step_rank=8),
            "zamba2": dict(num_hidden_layers=3, layers_block_type=["linear_attention", "hybrid", "hybrid"],
                           mamba_d_state=16, n_mamba_heads=4, num_mem_blocks=2, use_shared_attention_adapter=True,
-                          adapter_rank=8, num_key_value_heads=4, use_mem_rope=True)}
-OWN_SHAPES = ("granitemoehybrid", "nemotron_h", "jamba", "mamba", "zamba2")   # the rest are Qwen3.5's layers
+                          adapter_rank=8, num_key_value_heads=4, use_mem_rope=True),
+           "minimax": dict(num_hidden_layers=3, layer_types=["linear_attention", "full_attention", "linear_attention"],
+                           head_dim=16, num_local_experts=4, num_experts_per_tok=2, intermediate_size=32)}
+OWN_SHAPES = ("granitemoehybrid", "nemotron_h", "jamba", "mamba", "zamba2", "minimax")   # the rest: Qwen3.5's layers
 
 
 # Qwen3-Next on the recorder would be Qwen3.5's layers (qwen3_5) and experts under graphs (Mistral 4's, LongCat-Flash's
-# below): its own case runs on CUDA
-@pytest.mark.parametrize("arch", [arch for arch in HYBRIDS if arch != "qwen3_next"])
+# below), MiniMax's lightning layers state layers of no convolution beside experts: their own cases run on CUDA
+@pytest.mark.parametrize("arch", [arch for arch in HYBRIDS if arch not in ("qwen3_next", "minimax")])
 def test_a_hybrid_models_decode_graphs_keep_each_sequences_state(tmp_path, builtin_path, monkeypatch, arch):
     """Qwen3.5's linear-attention layers (and Granite 4-H's Mamba-2 ones, Zamba2's beside its shared blocks, Jamba's and
     Mamba's Mamba-1, Mamba's beside a KV cache of no layer) gather each sequence's state by its row of the persistent
@@ -344,7 +346,8 @@ def test_a_hybrid_models_decode_graphs_keep_each_sequences_state(tmp_path, built
 @pytest.mark.parametrize("arch", list(HYBRIDS))
 def test_on_cuda_a_hybrid_models_greedy_tokens_are_the_same_with_graphs_and_without(tmp_path, builtin_path, arch):
     """The real thing for the models with state layers (Qwen3.5's Gated DeltaNet, Qwen3-Next's experts beside them,
-    Granite 4-H's Mamba-2, Nemotron-H's blocks, Jamba's Mamba-1 and its Triton scan): CUDA graphs captured at start
+    Granite 4-H's Mamba-2, Nemotron-H's blocks, Jamba's Mamba-1 and its Triton scan, MiniMax's lightning attention
+    beside experts): CUDA graphs captured at start
     against `enforce_eager`, in bfloat16, six requests decoding together (padded batches) and finishing at different
     steps."""
     if not torch.cuda.is_available():

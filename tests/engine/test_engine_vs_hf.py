@@ -194,6 +194,11 @@ MINISTRAL3 = dict(head_dim=16, rope_parameters={
 JAMBA = dict(num_hidden_layers=4, intermediate_size=96, num_experts=4, num_experts_per_tok=2, attn_layer_period=2,
              attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=0, mamba_d_state=8, mamba_dt_rank=8,
              pad_token_id=0)
+MINIMAX = dict(num_hidden_layers=4, layer_types=["linear_attention", "full_attention", "linear_attention",
+                                                "linear_attention"], head_dim=16, num_local_experts=4,
+               num_experts_per_tok=2, intermediate_size=32, block_size=32, full_attn_alpha_factor=1.3,
+               full_attn_beta_factor=0.8, linear_attn_alpha_factor=0.7, linear_attn_beta_factor=1.2,
+               mlp_alpha_factor=1.1, mlp_beta_factor=0.9, pad_token_id=0)
 ZAMBA2 = dict(num_hidden_layers=6, layers_block_type=["linear_attention", "hybrid", "hybrid", "linear_attention",
                                                   "hybrid", "hybrid"], mamba_d_state=16, n_mamba_heads=4,
               mamba_ngroups=2, chunk_size=16, adapter_rank=8, num_key_value_heads=4, pad_token_id=0)
@@ -503,6 +508,13 @@ TINY_MODELS = [
     ("jamba", JAMBA),
     ("jamba", {**JAMBA, "num_hidden_layers": 3, "attn_layer_period": 3, "attn_layer_offset": 2, "num_experts": 1,
                "mamba_proj_bias": True, "mamba_conv_bias": False, "mamba_d_conv": 3}),
+    # MiniMax: lightning attention layers (4 heads of 16, each forgetting at its own rate; prompts past our block of
+    # 64 and transformers' of 32) beside a full attention layer, 4 experts (2 a token) on every layer, each sublayer
+    # joined by factors away from 1; then attention first and last, the factors 1
+    ("minimax", MINIMAX),
+    ("minimax", {**MINIMAX, "layer_types": ["full_attention", "linear_attention", "linear_attention",
+                                            "full_attention"], **dict.fromkeys(
+        [f"{k}_{p}_factor" for k in ("full_attn", "linear_attn", "mlp") for p in ("alpha", "beta")], 1.0)}),
     # Mamba: blocks of a norm and a Mamba-1 mixer alone (160 channels: its intermediate_size; a state of 8, dt of
     # rank 8), no attention: the KV cache holds no layer; FalconMamba: dt's input, B and C normed without weights,
     # biased projections, no convolution bias, 3 taps
@@ -776,6 +788,34 @@ def test_tiny_random_models_match_transformers(tmp_path, monkeypatch, builtin_pa
         assert [o.outputs[0].token_ids for o in outs] == [_hf_greedy(hf, p, 16, eos_ids=None) for p in prompts]
         assert engine.schedulers["default"].state_snapshots.num_loaded >= 1
     assert_all_free(engine)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_minimax_config_in_its_releases_spelling_serves_as_transformers_runs_it(tmp_path, builtin_path):
+    """MiniMax-Text-01's and MiniMax-M1's config.json name the architecture `MiniMaxText01ForCausalLM` and its keys as
+    their own code reads them (`attn_type_list`, `layernorm_*_alpha` / `_beta`, `postnorm`, a top-level `rope_theta`);
+    their tensors' names are the ones transformers saves (`block_sparse_moe`, lightning modules under `self_attn`).
+    The tiny model's config.json rewritten so generates what transformers generates from the original."""
+    import transformers
+
+    folder = make_tiny_model(tmp_path / "minimax", "minimax", builtin_path, **MINIMAX)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    cfg = json.loads((folder / "config.json").read_text())
+    release = {k: v for k, v in cfg.items() if k not in ("layer_types", "rope_parameters") and "_factor" not in k}
+    release |= {"architectures": ["MiniMaxText01ForCausalLM"], "model_type": "minimax_text_01", "postnorm": True,
+                "attn_type_list": [int(kind == "full_attention") for kind in cfg["layer_types"]],
+                "rope_theta": cfg["rope_parameters"]["rope_theta"],
+                **{f"layernorm_{theirs}_{part}": cfg[f"{ours}_{part}_factor"]
+                   for ours, theirs in (("full_attn", "full_attention"), ("linear_attn", "linear_attention"),
+                                        ("mlp", "mlp")) for part in ("alpha", "beta")}}
+    (folder / "config.json").write_text(json.dumps(release))
+    engine = LLMEngine.from_args(str(folder), dtype="float32", block_size=8, num_blocks=64, max_num_batched_tokens=64,
+                                 progress=False)
+    assert engine.model_config.architecture == "MiniMaxForCausalLM"
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (4, 70)]
+    outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == [_hf_greedy(hf, p, 12, eos_ids=None) for p in prompts]
 
 
 def test_a_pruned_head_never_samples_the_ids_past_it(tmp_path, builtin_path):

@@ -486,6 +486,7 @@ def test_the_examples_measure_their_gpus_where_they_are_served():
     ("mamba-codestral-7b-h100.yaml", 80 * GiB, 14_570_807_296, "bfloat16"),
     ("longcat-flash-chat-8xh200-fp8.yaml", 141 * GiB, 565_433_583_616, "float8_e4m3fn"),
     ("deepseek-v4-flash-8xh200.yaml", 141 * GiB, 568_732_969_436, "bfloat16"),
+    ("minimax-text-01-8xh200-fp8.yaml", 141 * GiB, 476_433_723_392, "float8_e4m3fn"),
 ])
 def test_the_example_files_plan(name, vram, dense_bytes, kv):
     """The example files plan from the config.json beside them: Qwen3-32B's weights (YaRN to 131,072
@@ -504,7 +505,9 @@ def test_the_example_files_plan(name, vram, dense_bytes, kv):
     and Mamba-Codestral-7B on one H100 (no K/V at all: its pools' sequences by their 64 Mamba-2 layers' states), and
     LongCat-Flash-Chat on eight H200s, its experts and projections quantized to FP8 as read, with an FP8 cache (56
     sublayers' latent rows whole on each GPU), and DeepSeek-V4-Flash on eight H200s in bfloat16 (a row a token a
-    layer, each its kind's width, whole on each GPU; no decode graphs set aside)."""
+    layer, each its kind's width, whole on each GPU; no decode graphs set aside), and MiniMax-Text-01 on eight H200s,
+    its projections quantized to FP8 as read (its lightning layers' in bfloat16), with an FP8 cache (its 10 attention
+    layers' K/V alone, each sequence's state of its 70 lightning layers beside them)."""
     data = yaml.safe_load((REPO / "config" / "examples" / name).read_text())
     config = parse_config(data, env={}, base_dir=REPO / "config" / "examples")
     plan = plan_capacity(config, resolve_model_configs(config), vram_bytes=vram)
@@ -527,6 +530,9 @@ def test_the_example_files_plan(name, vram, dense_bytes, kv):
     if name.startswith("jamba"):   # a float32 state of 16 for each of 8,192 channels, 3 conv inputs
         assert device.kv_bytes_per_token == 4 * 8 * 128 * 2 * 2
         assert {p.state_bytes_per_seq for p in plan.pools.values()} == {28 * (8192 * 3 * 2 + 8192 * 16 * 4)}
+    if name.startswith("minimax"):   # a GPU's 1 KV head of 128 in 10 layers; 8 lightning heads' 128 x 128 float32s
+        assert device.kv_bytes_per_token_per_device == 10 * 2 * 128 * 1 and device.fp8_weights
+        assert {p.state_bytes_per_seq for p in plan.pools.values()} == {70 * 8 * 128 * 128 * 4}
     if name.startswith("longcat"):   # 56 sublayers' latent and rotated key, a byte each, whole on every GPU
         assert device.kv_bytes_per_token == device.kv_bytes_per_token_per_device == 56 * 576 * 1 and device.fp8_weights
     if name.startswith("deepseek-v4"):   # 23 HCA rows of 4 x 512, 20 CSA rows of 6 x 512 + 5 x 128, whole on each GPU
@@ -540,11 +546,13 @@ def test_the_example_files_plan(name, vram, dense_bytes, kv):
         assert [p.max_num_seqs for p in plan.pools.values()] == [
             p.kv_cache_bytes_per_device // (2 * state) for p in plan.pools.values()] == [45, 68]
     assert all(p.max_num_seqs >= 1 for p in plan.pools.values())
-    if kv == "float8_e4m3fn":   # the same file with a bfloat16 cache: half the blocks
-        data["devices"][next(iter(data["devices"]))]["kv_cache_dtype"] = "auto"
+    if kv == "float8_e4m3fn":   # the same file with a bfloat16 cache: twice the bytes a token, half the blocks
+        data["devices"][next(iter(data["devices"]))]["kv_cache_dtype"] = "auto"   # (where no state takes its share)
         bf16 = plan_capacity(parse_config(data, env={}, base_dir=REPO / "config" / "examples"),
                              resolve_model_configs(config), vram_bytes=vram)
-        assert all(p.num_blocks >= 1.9 * bf16.pools[n].num_blocks for n, p in plan.pools.items())
+        assert next(iter(bf16.devices.values())).kv_bytes_per_token == 2 * device.kv_bytes_per_token
+        if not any(p.state_bytes_per_seq for p in plan.pools.values()):
+            assert all(p.num_blocks >= 1.9 * bf16.pools[n].num_blocks for n, p in plan.pools.items())
 
 
 def test_mxfp4_experts_held_as_stored_put_gpt_oss_120b_on_one_h100():

@@ -1,0 +1,55 @@
+"""Lightning attention, the linear attention of MiniMax-Text-01 and MiniMax-M1, in torch: the CPU path and the yardstick
+for a fused kernel.
+
+A lightning layer keeps no K/V per token. Each sequence carries one float32 matrix a head, S [head_dim, head_dim],
+which forgets at a fixed rate a head (its slope s > 0: the state decays by exp(-s) a token). For each token t (q, k
+and v already through SiLU, q unscaled, no softmax):
+
+    S   = exp(-s) S + k_t^T v_t
+    o_t = q_t S
+
+`recurrent_step` runs one token of many sequences at once (decode). `chunked` runs one sequence's new tokens in
+blocks (prefill): within a block the outputs are a masked product, exp(-s (i - j)) (q_i . k_j) v_j over j <= i, plus
+what the state held at the block's start, decayed to each token; the state moves once a block. A prompt costs
+T / block sequential steps, not T.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["BLOCK", "chunked", "recurrent_step"]
+
+BLOCK = 64
+
+
+def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor, ssm: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of each of many sequences. q, k, v: [num_seqs, num_heads, head_dim]; slopes: [num_heads] (float32);
+    ssm: [num_seqs, num_heads, head_dim, head_dim] float32 -> (out [num_seqs, num_heads, head_dim] float32, the new
+    states)."""
+    q, k, v = q.float(), k.float(), v.float()
+    state = ssm * torch.exp(-slopes)[:, None, None] + k.unsqueeze(-1) * v.unsqueeze(-2)
+    return (q.unsqueeze(-1) * state).sum(-2), state
+
+
+def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor, ssm: torch.Tensor,
+            block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's new tokens, from its state. q, k, v: [num_tokens, num_heads, head_dim]; slopes: [num_heads]
+    (float32); ssm: [num_heads, head_dim, head_dim] float32 -> (out [num_tokens, num_heads, head_dim] float32, the
+    state after the last token)."""
+    q, k, v = (t.float().transpose(0, 1) for t in (q, k, v))            # [heads, tokens, head_dim]
+    rate = slopes.float()[:, None]                                       # [heads, 1]
+    state, outs = ssm.float(), []
+    for start in range(0, q.shape[1], block):
+        qb, kb, vb = (t[:, start:start + block] for t in (q, k, v))
+        n = qb.shape[1]
+        steps = torch.arange(n, device=q.device, dtype=torch.float32)
+        gap = steps[:, None] - steps[None, :]                            # i - j
+        pair = torch.exp(-rate[..., None] * gap.clamp(min=0)).masked_fill(gap < 0, 0.0)   # [heads, n, n]
+        inside = ((qb @ kb.transpose(-1, -2)) * pair) @ vb
+        held = (qb * torch.exp(-rate * (steps + 1)).unsqueeze(-1)) @ state
+        outs.append(inside + held)
+        to_end = kb * torch.exp(-rate * (n - 1 - steps)).unsqueeze(-1)
+        state = state * torch.exp(-rate * n)[..., None] + to_end.transpose(-1, -2) @ vb
+    return torch.cat(outs, dim=1).transpose(0, 1), state
