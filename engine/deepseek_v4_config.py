@@ -25,7 +25,7 @@ from engine.deepseek_config import check_silu
 from engine.rope_config import RopeScaling
 
 __all__ = ["DEEPSEEK_V4_DEFAULTS", "DeepseekV4Shape", "deepseek_v4_fields", "deepseek_v4_float32_params",
-           "deepseek_v4_params", "refuse_v4_cache"]
+           "deepseek_v4_params", "refuse_fp8_cache"]
 
 ARCH = "DeepseekV4ForCausalLM"
 KINDS = {"sliding_attention": "sliding", "compressed_sparse_attention": "csa", "heavily_compressed_attention": "hca"}
@@ -94,11 +94,15 @@ class DeepseekV4Shape:
         return total + num_layers * mixes + n * n * hidden + n + 1
 
 
-def refuse_v4_cache(model: Any, kv_dtype: Any, key: str = "kv_cache_dtype") -> None:
+def refuse_fp8_cache(model: Any, kv_dtype: Any, key: str = "kv_cache_dtype") -> None:
     """A ConfigError naming `key` for DeepSeek V4 over a one-byte (FP8) cache: its rows hold the compressors' values
-    and gates, which no per-layer scale fits; the model's dtype (auto) is served."""
+    and gates, which no per-layer scale fits; nor MiniMax M3's (its indexer keys pick blocks by exact scores); the
+    model's dtype (auto) is served."""
     if getattr(model, "deepseek_v4", None) is not None and kv_dtype.itemsize == 1:
         raise ConfigError(f"{key}: DeepSeek V4 is served with a cache of the model's dtype (auto), not fp8")
+    if getattr(model, "block_indexer", None) is not None and kv_dtype.itemsize == 1:
+        raise ConfigError(f"{key}: MiniMax M3's block-sparse layers are served with a cache of the model's dtype "
+                          "(auto), not fp8")
 
 
 def deepseek_v4_params(config: Any, heads: int, kv_heads: int, i: int, moe_i: int, v: int, shared_i: int) -> int:

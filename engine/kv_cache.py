@@ -14,7 +14,7 @@ import torch
 
 import engine.capacity as capacity
 from engine.config import ConfigError, EngineConfig
-from engine.deepseek_v4_config import refuse_v4_cache
+from engine.deepseek_v4_config import refuse_fp8_cache
 from engine.gemma4_config import rank_kv_heads
 from engine.model_config import ModelConfig
 from engine.parallel import ShardShape
@@ -49,7 +49,7 @@ class KVCache:
                  ring: SlidingRing | None = None) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks: must be > 0, got {num_blocks}")
-        refuse_v4_cache(model, dtype)
+        refuse_fp8_cache(model, dtype)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = dtype
@@ -68,9 +68,22 @@ class KVCache:
                                             self._device)
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
             rings.pop(0) if i in in_ring else paged.pop(0) for i in range(len(shapes))]
+        if model.block_indexer is not None:   # MiniMax M3: its sparse layers' indexer keys, a tensor beside the K/V
+            self._add_index_keys(model, num_blocks, block_size, dtype)
         self.raws = [raw(tensor) for tensor in self.tensors]
         self.ring_snapshots: list[torch.Tensor] = []   # prefix caching's (`reserve_ring_snapshots`)
         self._row_layout = ring.row_layout() if ring is not None else ([], [])
+
+    def _add_index_keys(self, model: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype) -> None:
+        """A tensor [sparse layers, 1, num_blocks, block_size, 1, index_head_dim] of MiniMax M3's indexer keys, whole
+        on every rank, among `tensors` (so block copies and swaps move it with the K/V); a sparse layer's entry of
+        `layers` is (K, V, its indexer keys)."""
+        indexer = model.block_indexer
+        keys = zeros((len(indexer.layers), 1, num_blocks, block_size, 1, indexer.head_dim), dtype, self._device)
+        self.tensors.append(keys)
+        for j, layer in enumerate(indexer.layers):
+            i = model.kv_layers.index(layer)
+            self.layers[i] = (*self.layers[i], keys[j, 0])
 
     def reserve_ring_snapshots(self, num_slots: int) -> None:
         """Prefix caching's snapshot slots of the rings (`engine.state_cache` decides which prefix each holds): a

@@ -24,6 +24,7 @@ from engine.mamba_config import Mamba2Shape
 from engine.falcon_h1_config import FalconH1Scales
 from engine.kimi_linear_config import KdaShape
 from engine.minimax_config import LightningShape
+from engine.minimax_m3_config import BlockIndexer
 from engine.lfm2_config import ShortConvShape
 from engine.mamba1_config import Mamba1Shape
 from engine.zamba2_config import Zamba2Blocks
@@ -74,7 +75,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
                            "DeepseekV4ForCausalLM", "BeamForCausalLM", "MllamaForCausalLM", "Gemma3nForCausalLM",
                            "GemmaForCausalLM", "VaultGemmaForCausalLM", "JambaForCausalLM",
                            "MambaForCausalLM", "FalconMambaForCausalLM", "Mamba2ForCausalLM", "Zamba2ForCausalLM",
-                           "MiniMaxForCausalLM")
+                           "MiniMaxForCausalLM", "MiniMaxM3VLForCausalLM")
 # their attention bias: q/k/v's, not o_proj's
 QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM", "GlmForCausalLM",
                  "StableLmForCausalLM", "HeliumForCausalLM")
@@ -159,6 +160,7 @@ class ModelConfig:
     zamba2: Zamba2Blocks | None = None   # Zamba2: its shared blocks (its `hybrid` layers: a block, then Mamba-2)
     state_layers: ShortConvShape | KdaShape | Mamba1Shape | LightningShape | None = None   # LFM2's, Kimi's, Jamba's...
     attn_output_gate: bool = False      # Qwen3.5: attention's output x sigmoid(a gate q_proj makes beside each head)
+    block_indexer: BlockIndexer | None = None   # MiniMax M3: its block-sparse layers (an indexer key a token too)
     mla: MlaShape | None = None         # DeepSeek: latent attention (head_dim the cache's, one KV head; None: none)
     moe_router: str = "softmax"         # how experts are picked (MOE_ROUTERS): the softmax's top k, or DeepSeek's
     moe_groups: tuple[int, int] = (1, 1)   # DeepSeek: the experts' groups, and how many a token's experts come from
@@ -313,8 +315,10 @@ class ModelConfig:
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """S_KV = kv_planes x num_kv_layers x num_kv_heads x head_dim x dtype_bytes (2 planes: K and V), each layer's
-        own heads and head size where they differ (Gemma 4's full layers: `layer_kv_shape`)."""
-        return self.kv_planes * sum(h * d for h, d in map(self.layer_kv_shape, self.kv_layers)) * dtype.itemsize
+        own heads and head size where they differ (Gemma 4's full layers: `layer_kv_shape`); MiniMax M3's indexer
+        keys."""
+        index = self.block_indexer.index_bytes_per_token(dtype.itemsize) if self.block_indexer else 0
+        return self.kv_planes * sum(h * d for h, d in map(self.layer_kv_shape, self.kv_layers)) * dtype.itemsize + index
 
     def layer_kv_shape(self, layer: int) -> tuple[int, int]:
         """(KV heads, head size) of layer `layer`'s attention: the model's, Gemma 4's full layers' own, or

@@ -130,6 +130,7 @@ def count_params(config: Any, heads: int, kv_heads: int, i: int, moe_i: int, v: 
         (config.num_layers - config.num_kv_layers) * norms * h   # a state layer's norms (Falcon-H1's: its K/V layer's)
     linear += config.mla.indexers_params(h, config.num_layers, sparse) if config.mla is not None else 0   # V3.2's
     linear += config.hyper_connections.num_params(h, config.num_layers) if config.hyper_connections else 0   # HY V4
+    linear += config.block_indexer.num_params(h, kv_heads) if config.block_indexer else 0   # MiniMax M3's
     final = h * (2 if config.architecture in LAYER_NORMS else 0 if config.architecture in WEIGHTLESS_NORMS else 1)
     rows = v if not config.output_vocab_size else -(-config.output_vocab_size // (config.num_heads // heads))
     head = (0 if config.tie_word_embeddings else rows * h) + (rows if config.lm_head_bias else 0)   # Phi: biased;

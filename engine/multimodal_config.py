@@ -60,6 +60,10 @@ TEXT_MODELS = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "language
                **dict.fromkeys(("Ernie4_5_VLMoeForConditionalGeneration", "Ernie4_5_VL_MoeForConditionalGeneration"),
                                ("Ernie4_5_MoeForCausalLM", "language_model.", "ernie4_5_vl_moe_text")),
                "Kimi_K25ForConditionalGeneration": ("DeepseekV3ForCausalLM", "language_model.", "deepseek_v3"),
+               # MiniMax M3: its release stores the text model at `language_model.model.`, the head at
+               # `language_model.lm_head` (transformers 5 at `model.language_model.`, `lm_head`)
+               "MiniMaxM3SparseForConditionalGeneration": ("MiniMaxM3VLForCausalLM", "language_model.",
+                                                           "minimax_m3_vl_text"),
                "KimiK25ForConditionalGeneration": ("DeepseekV3ForCausalLM", "language_model.", "deepseek_v3"),
                # PaddleOCR-VL: ERNIE-4.5-0.3B's layers turned as Qwen2-VL's MRoPE turns them (rotate-half pairs: the
                # Llama model's), at `model.` beside `visual.` and the projector `mlp_AR.`

@@ -124,9 +124,10 @@ class ShardShape:
 
     def kv_bytes_per_token(self, model: ModelConfig, dtype: torch.dtype) -> int:
         """This rank's S_KV: kv_planes (K and V: 2) x num_kv_layers x its KV heads x head_dim x dtype bytes (each
-        layer's heads and head size: Gemma 4's full layers have their own)."""
+        layer's heads and head size: Gemma 4's full layers have their own); MiniMax M3's indexer keys whole."""
+        index = model.block_indexer.index_bytes_per_token(dtype.itemsize) if model.block_indexer else 0
         return model.kv_planes * dtype.itemsize * sum(
-            rank_kv_heads(heads, self.size) * dim for heads, dim in map(model.layer_kv_shape, model.kv_layers))
+            rank_kv_heads(heads, self.size) * dim for heads, dim in map(model.layer_kv_shape, model.kv_layers)) + index
 
 
 def check_tensor_parallel(model: ModelConfig, size: int, key: str = "tensor_parallel_size") -> None:

@@ -98,9 +98,12 @@ class SlidingRing:
 
 def paged_bytes_per_token(model: ModelConfig, dtype: torch.dtype, tensor_parallel_size: int,
                           ring: SlidingRing | None) -> int:
-    """S_KV of the paged blocks on one rank: every KV layer's K/V but those a ring holds."""
+    """S_KV of the paged blocks on one rank: every KV layer's K/V but those a ring holds (and MiniMax M3's indexer
+    keys, whole on every rank)."""
     skip = set(ring.layers) if ring is not None else set()
-    return _layers_bytes(model, dtype, tensor_parallel_size, [i for i in range(model.num_kv_layers) if i not in skip])
+    index = model.block_indexer.index_bytes_per_token(dtype.itemsize) if model.block_indexer else 0
+    return _layers_bytes(model, dtype, tensor_parallel_size, [i for i in range(model.num_kv_layers) if i not in skip]) \
+        + index
 
 
 def rings_bytes(ring: SlidingRing | None, model: ModelConfig, dtype: torch.dtype, tensor_parallel_size: int) -> int:

@@ -33,7 +33,7 @@ import torch
 
 import engine.capacity as formula
 from engine.gated_delta_config import NOT_SWAPPED
-from engine.deepseek_v4_config import refuse_v4_cache
+from engine.deepseek_v4_config import refuse_fp8_cache
 from engine.config import (CacheConfig, ConfigError, EngineConfig, PoolConfig, auto_dtype, ceil_div, dtype_name,
                            kv_cache_dtype, parse_dtype)
 from engine.model_config import ModelConfig
@@ -244,7 +244,7 @@ def plan_capacity(config: CliffguardConfig, model_configs: Mapping[str, ModelCon
         memory, source = device_memory(dev, device_type, vram_bytes, cuda_memory)
         shard, packed, int4, fp8 = _device_shard(model, dev, dtype, dkey, device_type)   # MXFP4 / INT4 / FP8 held
         kv_dtype = kv_cache_dtype(dev.kv_cache_dtype, dtype)   # fp8: one byte an element
-        refuse_v4_cache(model, kv_dtype, f"{dkey}.kv_cache_dtype")
+        refuse_fp8_cache(model, kv_dtype, f"{dkey}.kv_cache_dtype")
         rings = device_ring_plan(dev_name, dev, model, members, kv_dtype, tp, warnings)   # engine.sliding_kv
         s_kv, s_kv_dev = rings.kv_bytes_per_token, rings.kv_bytes_per_token_per_device
         weights = held_weight_bytes(model, ShardShape.of(model), dtype, dev.quantization, device_type)

@@ -207,7 +207,7 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
            "axk2": transformers.AXK2Config, "gemma4_unified_text": transformers.Gemma4UnifiedTextConfig,
            "hy_v4": transformers.HYV4Config, "deepseek_v4": transformers.DeepseekV4Config,
            "beam": transformers.BeamConfig, "gemma3n_text": transformers.Gemma3nTextConfig,
-           "minimax": transformers.MiniMaxConfig}[arch]
+           "minimax": transformers.MiniMaxConfig, "minimax_m3_vl_text": transformers.MiniMaxM3VLTextConfig}[arch]
     config = cls(**common)
     if arch == "mistral4":   # transformers maps Mistral4Config to no causal LM class (only its pretraining one)
         transformers.AutoModelForCausalLM.register(transformers.Mistral4Config, transformers.Mistral4ForCausalLM,
@@ -247,7 +247,7 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
                     param.normal_(1.0, 0.5)
     # every norm its own weights: one read into another's place would show
     if arch in ("hyperclovax", "nemotron", "stablelm", "gemma", "vaultgemma", "lfm3", "kolibri1", "axk1", "flint",
-                "helium", "lara_mini"):
+                "helium", "lara_mini", "minimax_m3_vl_text"):
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if "norm" in name:
@@ -255,6 +255,7 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
     # the router's correction bias (a buffer; LFM2-MoE's expert bias), and LFM2-MoE's router, which starts at zero
     if arch in ("deepseek_v3", "glm4_moe", "minimax_m2", "glm4_moe_lite", "nemotron_h", "lfm2_moe", "kimi_linear",
                 "dots1", "solar_open", "afmoe", "mimo_v2_flash", "exaone_moe", "hy_v3", "laguna", "kolibri1", "axk1",
+                "minimax_m3_vl_text",
                 "bailing_hybrid", "longcat_flash", "axk2", "hy_v4", "beam"):
         with torch.no_grad():
             for name, tensor in [*model.named_buffers(), *model.named_parameters()]:

@@ -2113,6 +2113,48 @@ def test_minimax_reads_as_transformers_does():
         check_tensor_parallel(ModelConfig.from_hf_config({**small, "num_key_value_heads": 4}), 8)
 
 
+def test_minimax_m3_reads_as_transformers_does():
+    """MiniMax M3's text model (`MiniMaxM3VLForCausalLM`, MiniMaxM3VLTextConfig's defaults: 60 layers, 128 experts of
+    3,072, 4 a token, x2, beside a shared one; the dense MLP 12,288 wide): the parameter count is transformers' model's.
+    The release's spelling (`sparse_attention_config`'s `sparse_*` keys and `sparse_attention_freq`, `moe_layer_freq`)
+    reads as transformers maps it, counted alike; each sparse layer's indexer key adds 128 values a token to the
+    cache, whole on every rank. An indexer of other heads or head size than the attention's, an FP8 cache and bad
+    layer kinds are refused by name."""
+    transformers = pytest.importorskip("transformers")
+    from engine.deepseek_v4_config import refuse_fp8_cache
+
+    hf, cfg = _at_class_defaults("MiniMaxM3VLTextConfig", {"architectures": ["MiniMaxM3VLForCausalLM"]})
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.intermediate_size,
+            cfg.shared_expert_intermediate_size, cfg.routed_scaling_factor) == (128, 4, 3072, 12_288, 3072, 2.0)
+    assert cfg.block_indexer is None and not cfg.mlp_only_layers and cfg.qk_norm
+    small = {"architectures": ["MiniMaxM3VLForCausalLM"], "vocab_size": 1000, "hidden_size": 64,
+             "intermediate_size": 32, "dense_intermediate_size": 96, "shared_intermediate_size": 48,
+             "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+             "num_local_experts": 4, "num_experts_per_tok": 2, "moe_layer_freq": [0, 1, 1, 1],
+             "sparse_attention_config": {"sparse_num_index_heads": 2, "sparse_index_dim": 16, "sparse_block_size": 8,
+                                         "sparse_topk_blocks": 4, "sparse_local_block": 1,
+                                         "sparse_attention_freq": [0, 1, 0, 1]}}
+    cfg = ModelConfig.from_hf_config(small)
+    hf_config = transformers.MiniMaxM3VLTextConfig(**{k: v for k, v in small.items() if k != "architectures"})
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf_config)
+    assert cfg.num_params() == _params_and_router_biases(model)
+    assert (cfg.block_indexer.layers, cfg.mlp_only_layers) == ((1, 3), (0,)) and hf_config.layer_types == [
+        "full_attention", "minimax_m3_sparse", "full_attention", "minimax_m3_sparse"]
+    ix = cfg.block_indexer
+    assert (ix.num_heads, ix.head_dim, ix.block_size, ix.topk_blocks, ix.local_blocks) == (2, 16, 8, 4, 1)
+    assert cfg.kv_bytes_per_token(torch.bfloat16) == (4 * 2 * 2 * 16 + 2 * 16) * 2
+    with pytest.raises(ConfigError, match="^pools.chat.kv_cache_dtype: MiniMax M3's block-sparse layers"):
+        refuse_fp8_cache(cfg, torch.float8_e4m3fn, "pools.chat.kv_cache_dtype")
+    for key, bad in (("index_n_heads", {"index_n_heads": 4}), ("index_head_dim", {"index_head_dim": 32}),
+                     ("layer_types", {"layer_types": ["full_attention", "sliding_attention"] * 2}),
+                     ("mlp_layer_types", {"mlp_layer_types": ["dense"]})):
+        plain = {k: v for k, v in small.items() if k != "sparse_attention_config"}
+        with pytest.raises(ConfigError, match=f"^{key}:"):
+            ModelConfig.from_hf_config({**plain, "layer_types": ["full_attention", "minimax_m3_sparse"] * 2,
+                                        "index_n_heads": 2, "index_head_dim": 16, **bad})
+
+
 @pytest.mark.parametrize("config_class,arch", [("MambaConfig", "MambaForCausalLM"),
                                                 ("FalconMambaConfig", "FalconMambaForCausalLM")])
 def test_mamba_and_falcon_mamba_read_as_transformers_does(config_class, arch):
@@ -2734,7 +2776,7 @@ def test_deepseek_v4_reads_as_transformers_does():
     key: ranks that would split a group of heads, an FP8 cache, an unknown layer type or scoring function."""
     import torch
 
-    from engine.deepseek_v4_config import refuse_v4_cache
+    from engine.deepseek_v4_config import refuse_fp8_cache
     from engine.parallel import check_tensor_parallel
 
     hf, cfg = _at_class_defaults("DeepseekV4Config", {"architectures": ["DeepseekV4ForCausalLM"]})
@@ -2763,7 +2805,7 @@ def test_deepseek_v4_reads_as_transformers_does():
     with pytest.raises(ConfigError, match="^tensor_parallel_size: 16 does not divide DeepSeek V4's o_groups 8"):
         check_tensor_parallel(cfg, 16)
     with pytest.raises(ConfigError, match="^kv_cache_dtype: DeepSeek V4 .* not fp8"):
-        refuse_v4_cache(cfg, torch.float8_e4m3fn)
+        refuse_fp8_cache(cfg, torch.float8_e4m3fn)
     bare = {"architectures": ["DeepseekV4ForCausalLM"], "num_hidden_layers": 2}
     for key, value in (("layer_types", ["full_attention"] * 2), ("scoring_func", "relu"),
                        ("mlp_layer_types", ["dense", "moe"])):

@@ -199,6 +199,11 @@ MINIMAX = dict(num_hidden_layers=4, layer_types=["linear_attention", "full_atten
                num_experts_per_tok=2, intermediate_size=32, block_size=32, full_attn_alpha_factor=1.3,
                full_attn_beta_factor=0.8, linear_attn_alpha_factor=0.7, linear_attn_beta_factor=1.2,
                mlp_alpha_factor=1.1, mlp_beta_factor=0.9, pad_token_id=0)
+MINIMAX_M3 = dict(num_hidden_layers=3, layer_types=["full_attention", "minimax_m3_sparse", "minimax_m3_sparse"],
+                  mlp_layer_types=["dense", "sparse", "sparse"], head_dim=16, intermediate_size=32,
+                  dense_intermediate_size=96, shared_intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
+                  index_n_heads=2, index_head_dim=16, index_block_size=4, index_topk_blocks=2, index_local_blocks=1,
+                  swiglu_limit=2.0, pad_token_id=0)
 ZAMBA2 = dict(num_hidden_layers=6, layers_block_type=["linear_attention", "hybrid", "hybrid", "linear_attention",
                                                   "hybrid", "hybrid"], mamba_d_state=16, n_mamba_heads=4,
               mamba_ngroups=2, chunk_size=16, adapter_rank=8, num_key_value_heads=4, pad_token_id=0)
@@ -515,6 +520,14 @@ TINY_MODELS = [
     ("minimax", {**MINIMAX, "layer_types": ["full_attention", "linear_attention", "linear_attention",
                                             "full_attention"], **dict.fromkeys(
         [f"{k}_{p}_factor" for k in ("full_attn", "linear_attn", "mlp") for p in ("alpha", "beta")], 1.0)}),
+    # MiniMax M3: Gemma's norms and per-head q/k norms, a dense layer with the clamped SwiGLU, then two block-sparse
+    # layers (blocks of 4 keys; each query its own block and the best other one by its KV head's indexer head) with 4
+    # experts (2 a token, sigmoid router with its correction bias, x2) beside a shared expert
+    ("minimax_m3_vl_text", MINIMAX_M3),
+    # then half of each head rotated (the indexer's too), two local blocks of 8 and the best three in all
+    ("minimax_m3_vl_text", {**MINIMAX_M3, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                              "partial_rotary_factor": 0.5},
+                            "index_block_size": 8, "index_local_blocks": 2, "index_topk_blocks": 3}),
     # Mamba: blocks of a norm and a Mamba-1 mixer alone (160 channels: its intermediate_size; a state of 8, dt of
     # rank 8), no attention: the KV cache holds no layer; FalconMamba: dt's input, B and C normed without weights,
     # biased projections, no convolution bias, 3 taps

@@ -13,7 +13,7 @@ import torch
 
 from engine.config import ConfigError
 from engine.model_config import ModelConfig
-from tests.engine.test_engine_vs_hf import _assert_serves_its_text_model
+from tests.engine.test_engine_vs_hf import MINIMAX_M3, _assert_serves_its_text_model
 
 TEXT_ARCHS = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "gpt_oss": "GptOssForCausalLM",
               "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "granite": "GraniteForCausalLM",
@@ -217,6 +217,10 @@ VISION_WRAPPERS = {
     "nemotron_h_omni": ("nemotron_h", {"num_hidden_layers": 4, "layers_block_type": [
         "linear_attention", "mlp", "full_attention", "linear_attention"], "head_dim": 16, "mamba_num_heads": 4,
         "mamba_head_dim": 32, "ssm_state_size": 16, "n_groups": 2}, "NemotronHForCausalLM", "language_model."),
+    # MiniMax M3: saved under its release's names (`language_model.model.`, `block_sparse_moe` with each expert's
+    # w1 / w3 / w2, `self_attn.index_q_proj` ...), its block-sparse layers and experts
+    "minimax_m3_vl": ("minimax_m3_vl_text", {k: v for k, v in MINIMAX_M3.items() if k != "pad_token_id"},
+                      "MiniMaxM3VLForCausalLM", "language_model."),
 }
 
 

@@ -22,7 +22,7 @@ from engine.sampling import SamplingParams
 from tests.conftest import BUILTIN, assert_all_free, make_tiny_model
 from tests.engine.test_engine_vs_hf import (AXK2, BAILING, BEAM, COHERE2_MOE, DEEPSEEK, DEEPSEEK_V4, GEMMA3N,
                                              GEMMA4, GEMMA4_E, GEMMA4_MOE, GLM4_MOE, HYV4, LARA_MINI, LONGCAT,
-                                             MINIMAX)
+                                             MINIMAX, MINIMAX_M3)
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # and `cpu_threads=1` in each follower: a core per rank
 
@@ -491,6 +491,7 @@ QWEN3 = {"head_dim": 32, "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
     ("gemma3n_text", GEMMA3N, None),
     ("lara_mini", LARA_MINI, None),
     ("minimax", MINIMAX, None),
+    ("minimax_m3_vl_text", MINIMAX_M3, None),
 ])
 def test_two_ranks_generate_what_one_does(tmp_path, builtin_path, prompts, arch, overrides, overlap):
     # A tiny random model with even head counts (4 heads, 2 KV heads); Qwen3 q/k head norms (whole on every rank) and
@@ -539,7 +540,8 @@ def test_two_ranks_generate_what_one_does(tmp_path, builtin_path, prompts, arch,
     # beside its experts' rows; Lara Mini Qwen3.5's linear layers' cuts beside its experts' stacked rows; Gemma 3n Gemma
     # 4's E cuts, its sparse gates' statistics summed over both ranks, AltUp and LAuReL whole on each; MiniMax each
     # rank's lightning heads (their slopes, q/k/v rows and gates; the output norm's sum of squares over both ranks)
-    # beside Mixtral's experts. Qwen3's,
+    # beside Mixtral's experts; MiniMax M3 each rank's KV heads' indexer heads (their rows of its q projection; its key
+    # projection and norms whole on each rank) choosing their blocks. Qwen3's,
     # Mixtral's and DeepSeek's groups overlap their steps: the other rank fills the placeholders of each step's inputs
     # from rank 0's sampled ids (engine.overlap). Six tokens each: a wrong cut shows at once, and each step of two gloo
     # ranks costs ~80 ms on a 2-core machine
