@@ -39,6 +39,7 @@ from engine.zamba2_config import zamba2_config, zamba2_fields
 from engine.mimo_config import mimo_fields
 from engine.minimax_config import minimax_config, minimax_fields
 from engine.minimax_m3_config import minimax_m3_config, minimax_m3_fields
+from engine.step3p7_config import step3p7_config, step3p7_fields
 from engine.nemotron_h_config import nemotron_h_config
 from engine.phimoe_config import phimoe_fields
 
@@ -56,7 +57,8 @@ KEY_READERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "Mamba2ForCausalLM": mamba2_config, "Zamba2ForCausalLM": zamba2_config,
     "LongcatFlashForCausalLM": longcat_config, "MllamaForCausalLM": mllama_config,
     "Gemma3nForCausalLM": gemma3n_config, "LaraMiniForCausalLM": lara_mini_config,
-    "MiniMaxForCausalLM": minimax_config, "MiniMaxM3VLForCausalLM": minimax_m3_config}
+    "MiniMaxForCausalLM": minimax_config, "MiniMaxM3VLForCausalLM": minimax_m3_config,
+    "Step3p7ForCausalLM": step3p7_config}
 # (config.json, its layer count) -> the family's ModelConfig fields
 OWN_MODULE_FIELDS: dict[str, Callable[[dict[str, Any], int], dict[str, Any]]] = {
     "Llama4ForCausalLM": llama4_fields, "Gemma4ForCausalLM": gemma4_fields, "Mistral4ForCausalLM": mistral4_fields,
@@ -74,4 +76,5 @@ OWN_MODULE_FIELDS: dict[str, Callable[[dict[str, Any], int], dict[str, Any]]] = 
     "Mamba2ForCausalLM": mamba2_fields, "Zamba2ForCausalLM": zamba2_fields,
     "LongcatFlashForCausalLM": longcat_fields, "MllamaForCausalLM": mllama_fields,
     "Gemma3nForCausalLM": gemma3n_fields, "LaraMiniForCausalLM": lara_mini_fields,
-    "MiniMaxForCausalLM": minimax_fields, "MiniMaxM3VLForCausalLM": minimax_m3_fields}
+    "MiniMaxForCausalLM": minimax_fields, "MiniMaxM3VLForCausalLM": minimax_m3_fields,
+    "Step3p7ForCausalLM": step3p7_fields}

@@ -28,12 +28,16 @@ LAGUNA_ROPE = {"full_attention": {"rope_type": "default", "rope_theta": 500_000.
 class LagunaShape:
     """Laguna's own: each layer's query heads, a gate per head (else per channel), the sliding layers' share of a
     head the rotary turns (the full layers': `ModelConfig.partial_rotary_factor`), the router logits' soft cap (0:
-    none)."""
+    none). Step 3.7's (`engine.step3p7_config`): the gate a sigmoid (Laguna's: softplus), each layer's clamp after the
+    SiLU of its routed experts and of its shared expert or dense MLP (0: none)."""
 
     heads: tuple[int, ...]
     gate_per_head: bool = True
     local_rotary_factor: float = 1.0
     router_softcap: float = 0.0
+    sigmoid_gate: bool = False
+    expert_limits: tuple[float, ...] = ()
+    mlp_limits: tuple[float, ...] = ()
 
 
 def _rotary_factor(ropes: dict[str, Any], kind: str) -> float:

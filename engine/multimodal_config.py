@@ -64,6 +64,8 @@ TEXT_MODELS = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "language
                # `language_model.lm_head` (transformers 5 at `model.language_model.`, `lm_head`)
                "MiniMaxM3SparseForConditionalGeneration": ("MiniMaxM3VLForCausalLM", "language_model.",
                                                            "minimax_m3_vl_text"),
+               # Step 3.7: its release's text model at `model.` beside `vision_model.` (`BARE_TEXT_WEIGHTS`)
+               "Step3p7ForConditionalGeneration": ("Step3p7ForCausalLM", "language_model.", "step3p5"),
                "KimiK25ForConditionalGeneration": ("DeepseekV3ForCausalLM", "language_model.", "deepseek_v3"),
                # PaddleOCR-VL: ERNIE-4.5-0.3B's layers turned as Qwen2-VL's MRoPE turns them (rotate-half pairs: the
                # Llama model's), at `model.` beside `visual.` and the projector `mlp_AR.`
@@ -94,7 +96,8 @@ FLAT_TEXT_CONFIGS = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditiona
 # their text model's tensors at `model.` itself, the rest elsewhere (`engine.weights.VISION_PREFIXES`; HY4-VL's and
 # HunYuan-VL's `vit.`)
 BARE_TEXT_WEIGHTS = (*FLAT_TEXT_CONFIGS, "HYV4VLForConditionalGeneration", "Ernie4_5_VLMoeForConditionalGeneration",
-                     "Ernie4_5_VL_MoeForConditionalGeneration", "HunYuanVLForConditionalGeneration")
+                     "Ernie4_5_VL_MoeForConditionalGeneration", "HunYuanVLForConditionalGeneration",
+                     "Step3p7ForConditionalGeneration")
 MROPE_TEXT = ("Qwen", "Glm4v", "Glm46V", "GlmOcr", "PaddleOCRVL")
 # Qwen's Omni models (Qwen2.5-Omni, whose hub config.json names `Qwen2_5OmniModel`; Qwen3-Omni): the thinker's config
 # holds the text model's (`thinker_config.text_config`), the thinker's tensors lie at `thinker.` (its text model's at

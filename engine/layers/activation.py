@@ -55,6 +55,22 @@ class ClampedSwiGLU(nn.Module):
         return f"alpha={self.alpha}, limit={self.limit}"
 
 
+class SiluClampedAndMul(nn.Module):
+    """x: [num_tokens, 2 * size] (gate, then up) -> min(silu(gate), limit) x clamp(up, +-limit): [num_tokens, size]
+    (Step 3.7's, transformers' `Step3p7Experts._apply_gate`: the clamp after the SiLU)."""
+
+    def __init__(self, limit: float) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate).clamp(max=self.limit) * up.clamp(min=-self.limit, max=self.limit)
+
+    def extra_repr(self) -> str:
+        return f"limit={self.limit}"
+
+
 class ClampedSiluAndMul(nn.Module):
     """x: [num_tokens, 2 * size] (gate, then up) -> silu(gate) x up: [num_tokens, size], the gate clamped at `limit`
     from above and up at +-limit first (HY V4's routed experts, transformers' `HYV4Experts._apply_gate`)."""

@@ -9,16 +9,14 @@ shapes, experts beside the MLP), `qwen3_moe` (Qwen3-MoE's sparse layers, and Qwe
 MXFP4 experts), `cohere` (Command R and R7B: parallel layers, LayerNorms; Command A Plus's experts), `ernie` (ERNIE
 4.5), `glm4` (GLM-4: sandwich norms, a partial interleaved rotary; K-EXAONE: GLM-4.5's model with EXAONE 4's attention),
 `deepseek` (DeepSeek V2 and V3: latent attention, grouped routers, shared experts; Mistral Small 4), `deepseek_v32`
-(DeepSeek V3.2 and GLM-5: each query attending to the tokens its indexer picks), `minimax_m2` (MiniMax-M2: OLMo 2's q/k
-norms, GLM-4.5's partial rotary, DeepSeek V3's router), `llama4` (Llama 4's text model: chunked attention, NoPE layers,
-sigmoid-scaled experts), `ministral3` (Ministral 3: Llama 4's query scaling on every layer), `qwen3_5` (Qwen3.5,
-Qwen3-Next: Gated DeltaNet layers over a per-sequence state between gated full-attention layers; `lara_mini`, Lara
-Mini's), `nemotron_h` (Nemotron-H: single-mixer blocks), `lfm2` (LFM2: gated short convolutions), `kimi_linear` (Kimi
-Linear: Kimi Delta Attention beside latent attention), `minimax` (MiniMax-Text-01: lightning attention), `minimax_m3`
-(MiniMax M3: block-sparse attention), `jamba` (Jamba: Mamba-1, NoPE attention, experts), `mamba` (Mamba, FalconMamba,
-Mamba2: Mamba blocks alone), `zamba2` (Zamba2: Mamba-2 layers, shared blocks), over `hybrid`'s states; `mimo`
-(MiMo-V2-Flash: two attention shapes); `apertus` (Apertus, Arcee's AFM, Jais 2: ungated MLPs), `mllama` (Llama 3.2
-Vision's text model). LongCat-Flash's sublayers and experts are in `deepseek`."""
+(DeepSeek V3.2 and GLM-5: sparse attention), `minimax_m2` (MiniMax-M2), `llama4` (Llama 4's text model), `ministral3`
+(Ministral 3), `qwen3_5` (Qwen3.5, Qwen3-Next: Gated DeltaNet layers; `lara_mini`, Lara Mini's), `nemotron_h`
+(Nemotron-H), `lfm2` (LFM2: gated short convolutions), `kimi_linear` (Kimi Linear: Kimi Delta Attention beside latent
+attention), `minimax` (MiniMax-Text-01: lightning attention), `minimax_m3` (MiniMax M3: block-sparse attention),
+`step3p7` (Step 3.7: Laguna's layers, clamped SwiGLUs), `jamba` (Jamba: Mamba-1, NoPE attention, experts), `mamba`
+(Mamba, FalconMamba, Mamba2: Mamba blocks alone), `zamba2` (Zamba2: Mamba-2 layers, shared blocks), over `hybrid`'s
+states; `mimo` (MiMo-V2-Flash: two attention shapes); `apertus` (Apertus, Arcee's AFM, Jais 2: ungated MLPs), `mllama`
+(Llama 3.2 Vision's text model). LongCat-Flash's sublayers and experts are in `deepseek`."""
 
 from __future__ import annotations
 
@@ -69,6 +67,7 @@ from engine.models.hunyuan import HunyuanDenseForCausalLM, HunyuanMoeForCausalLM
 from engine.models.mimo import MimoV2FlashForCausalLM
 from engine.models.minimax import MiniMaxForCausalLM
 from engine.models.minimax_m3 import MiniMaxM3ForCausalLM
+from engine.models.step3p7 import Step3p7ForCausalLM
 from engine.models.minimax_m2 import MiniMaxM2ForCausalLM
 from engine.models.mllama import MllamaForCausalLM
 from engine.models.kimi_linear import BailingHybridForCausalLM, KimiLinearForCausalLM
@@ -190,6 +189,7 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "JambaForCausalLM": JambaForCausalLM,
                                                 "MiniMaxForCausalLM": MiniMaxForCausalLM,
                                                 "MiniMaxM3VLForCausalLM": MiniMaxM3ForCausalLM,
+                                                "Step3p7ForCausalLM": Step3p7ForCausalLM,
                                                 "LongcatFlashForCausalLM": LongcatFlashForCausalLM,
                                                 "Zamba2ForCausalLM": Zamba2ForCausalLM,
                                                 **dict.fromkeys(MAMBA_ARCHITECTURES, MambaForCausalLM)}

@@ -45,13 +45,14 @@ def layer_config(config: ModelConfig, layer: int) -> ModelConfig:
 
 
 class LagunaAttention(Attention):
-    """The layer's attention in its own shape, its output gated by softplus(g_proj(x)) (the module docstring)."""
+    """The layer's attention in its own shape, its output gated by softplus(g_proj(x)) (the module docstring; Step
+    3.7's: the sigmoid, its q/k norms `head_norm`'s)."""
 
     def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives, rotary_emb: RotaryEmbedding,
-                 layer: int) -> None:
+                 layer: int, head_norm: type[HeadRMSNorm] = HeadRMSNorm) -> None:
         own = layer_config(config, layer)
         own_shard = ShardShape.of(own, shard.rank, shard.size)   # this rank's share of the layer's heads
-        super().__init__(own, own_shard, comm, rotary_emb, layer, HeadRMSNorm)
+        super().__init__(own, own_shard, comm, rotary_emb, layer, head_norm)
         self.shard = own_shard
         self.per_head = config.laguna.gate_per_head
         self.g_proj = nn.Linear(config.hidden_size, own_shard.num_heads * (1 if self.per_head else own.head_dim),
@@ -63,7 +64,8 @@ class LagunaAttention(Attention):
         qkv = self.qkv_proj(hidden).unflatten(-1, (heads + 2 * kv_heads, d))
         self.position_qk(qkv, rope_rows)
         out = self.attend(*qkv.split([heads, kv_heads, kv_heads], dim=1), kv_cache, meta, backend)
-        gate = F.softplus(self.g_proj(hidden).float()).to(out.dtype)
+        gate = self.g_proj(hidden)
+        gate = gate.sigmoid() if self.config.laguna.sigmoid_gate else F.softplus(gate.float()).to(out.dtype)
         out = out.reshape(-1, heads, d) * gate[..., None] if self.per_head else out.reshape(-1, self.q_size) * gate
         return self.comm.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
 

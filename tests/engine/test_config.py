@@ -2155,6 +2155,48 @@ def test_minimax_m3_reads_as_transformers_does():
                                         "index_n_heads": 2, "index_head_dim": 16, **bad})
 
 
+# Step 3.7's text_config as its release spells it: the attribute map's keys, per-layer lists padded with its
+# multi-token-prediction layer, `moe_layers_enum`, `attention_other_setting`, a rope base and share a layer
+STEP3P7_RELEASE_TEXT = {
+    "model_type": "step3p5", "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4,
+    "num_attention_heads": 4, "num_attention_groups": 2, "head_dim": 16, "moe_intermediate_size": 32,
+    "moe_num_experts": 4, "moe_top_k": 2, "share_expert_dim": 48, "moe_layers_enum": "1,2,3,4",
+    "num_nextn_predict_layers": 1, "layer_types": ["sliding_attention", "full_attention"] * 2 + ["full_attention"],
+    "attention_other_setting": {"num_attention_heads": 2}, "sliding_window": 8,
+    "rope_theta": [10000.0, 500000.0] * 2 + [500000.0], "partial_rotary_factors": [1.0, 0.5] * 2 + [0.5],
+    "swiglu_limits": [0, 0, 0, 7, 7], "swiglu_limits_shared": [0, 0, 0, 16, 16]}
+
+
+def test_step3p7_reads_as_transformers_does():
+    """Step 3.7's text model (`Step3p7ForConditionalGeneration`'s text_config, in its release's spelling): the layer
+    kinds, dense layers, each kind's query heads, rope base and share, the clamps and the parameter count are what
+    transformers' `Step3p7TextConfig` and its model (built on the meta device; its head beside it) make of it, its
+    multi-token-prediction layer's entries cut. A per-element gate and bad clamps are refused by name."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.step3p7 import modeling_step3p7
+
+    hf = transformers.Step3p7TextConfig(**{k: v for k, v in STEP3P7_RELEASE_TEXT.items() if k != "model_type"})
+    card = {"architectures": ["Step3p7ForConditionalGeneration"], "model_type": "step3p7",
+            "text_config": STEP3P7_RELEASE_TEXT, "vision_config": {"model_type": "step3p5_vision"}}
+    cfg = ModelConfig.from_hf_config(card)
+    assert cfg.architecture == "Step3p7ForCausalLM" and cfg.layer_types == tuple(hf.layer_types)
+    assert cfg.mlp_only_layers == tuple(i for i, kind in enumerate(hf.mlp_layer_types) if kind == "dense") == (0,)
+    assert cfg.laguna.heads == (2, 4, 2, 4) and (cfg.num_kv_heads, cfg.sliding_window) == (2, 8)
+    full, local = hf.rope_parameters["full_attention"], hf.rope_parameters["sliding_attention"]
+    assert (cfg.rope_theta, cfg.partial_rotary_factor) == (full["rope_theta"], full["partial_rotary_factor"])
+    assert (cfg.rope_local_theta, cfg.laguna.local_rotary_factor) == (local["rope_theta"], 1.0)
+    assert cfg.laguna.expert_limits == (0, 0, 0, 7.0) and cfg.laguna.mlp_limits == (0, 0, 0, 16.0)
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.shared_expert_intermediate_size) == (4, 2, 48)
+    with torch.device("meta"):
+        model = modeling_step3p7.Step3p7TextModel(hf)
+    assert cfg.num_params() == _params_and_router_biases(model) + hf.vocab_size * hf.hidden_size
+    text = {k: v for k, v in STEP3P7_RELEASE_TEXT.items() if k != "num_nextn_predict_layers"}
+    for key, bad in (("gating", {"gating": "per-element"}), ("swiglu_limits", {"swiglu_limits": [0, -1, 0, 0]})):
+        trimmed = {k: v[:4] if isinstance(v, list) else v for k, v in {**text, **bad}.items()}
+        with pytest.raises(ConfigError, match=f"^text_config.{key}:"):
+            ModelConfig.from_hf_config({**card, "text_config": trimmed})
+
+
 @pytest.mark.parametrize("config_class,arch", [("MambaConfig", "MambaForCausalLM"),
                                                 ("FalconMambaConfig", "FalconMambaForCausalLM")])
 def test_mamba_and_falcon_mamba_read_as_transformers_does(config_class, arch):

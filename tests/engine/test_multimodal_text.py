@@ -15,6 +15,13 @@ from engine.config import ConfigError
 from engine.model_config import ModelConfig
 from tests.engine.test_engine_vs_hf import MINIMAX_M3, _assert_serves_its_text_model
 
+STEP3P7 = {"num_hidden_layers": 4, "head_dim": 16, "layer_types": ["sliding_attention", "full_attention"] * 2,
+           "sliding_window": 8, "num_sliding_attention_heads": 2, "moe_layers_enum": "1,2,3", "intermediate_size": 96,
+           "moe_intermediate_size": 32, "n_routed_experts": 4, "num_experts_per_tok": 2, "share_expert_dim": 48,
+           "moe_router_scaling_factor": 1.5, "rope_theta": [10000.0, 500000.0] * 2,
+           "partial_rotary_factors": [1.0, 0.5] * 2, "swiglu_limits": [0, 0, 0, 0.5],
+           "swiglu_limits_shared": [0.4, 0, 0, 0.4]}
+
 TEXT_ARCHS = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "gpt_oss": "GptOssForCausalLM",
               "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "granite": "GraniteForCausalLM",
               "cohere2": "Cohere2ForCausalLM"}
@@ -221,6 +228,10 @@ VISION_WRAPPERS = {
     # w1 / w3 / w2, `self_attn.index_q_proj` ...), its block-sparse layers and experts
     "minimax_m3_vl": ("minimax_m3_vl_text", {k: v for k, v in MINIMAX_M3.items() if k != "pad_token_id"},
                       "MiniMaxM3VLForCausalLM", "language_model."),
+    # Step 3.7: its release's layout (the text model at `model.`, stacked `moe.` experts, `share_expert.`), sliding
+    # layers of their own query heads and rope beside full ones turning half of each head, dense first layers, the
+    # clamps after the SiLU on the last layer
+    "step3p7": ("step3p5", STEP3P7, "Step3p7ForCausalLM", "language_model."),
 }
 
 
@@ -231,6 +242,14 @@ def test_a_vision_checkpoint_serves_its_text_model(tmp_path, builtin_path, wrapp
     LLaVA-NeXT-Video, GOT-OCR 2.0, Ovis2, VideoLLaMA3, DeepSeek-VL, Janus, Idefics2, Nemotron Nano Omni (Nemotron-H's
     hybrid), Llama 3.2 Vision (its self-attention layers alone), each its config class's vision tower shrunk around a
     tiny text model: greedy text token-identical to transformers'."""
+    hf, folder = vision_checkpoint(tmp_path, wrapper)
+    kind, keys, arch, prefix = VISION_WRAPPERS[wrapper]
+    _assert_serves_its_text_model(hf, folder, builtin_path, arch, prefix)
+
+
+def vision_checkpoint(tmp_path, wrapper: str):
+    """(transformers' model, the folder it saved itself to) of `VISION_WRAPPERS[wrapper]`: its config class's vision
+    tower shrunk around the tiny text model."""
     import transformers
 
     kind, keys, arch, prefix = VISION_WRAPPERS[wrapper]
@@ -260,7 +279,7 @@ def test_a_vision_checkpoint_serves_its_text_model(tmp_path, builtin_path, wrapp
         tensors = load_file(folder / "model.safetensors")
         tensors["model.language_model.layers.2.self_attn.q_proj.weight"] = torch.zeros(64, 64)
         save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
-    _assert_serves_its_text_model(hf, folder, builtin_path, arch, prefix)
+    return hf, folder
 
 
 OMNI_TEXT = dict(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,

@@ -721,3 +721,20 @@ def test_a_hung_rank_fails_the_step_within_the_collective_timeout_and_a_dead_one
         assert lost == [f"tensor-parallel rank 1 of 2 (pid {follower.pid}) exited (signal 9, SIGKILL)"]
     finally:
         engine.close()
+
+
+def test_two_ranks_serve_a_vision_checkpoints_text_model_as_one_does(tmp_path, builtin_path, prompts):
+    """Step 3.7's text model from its release's layout (transformers' tiny `Step3p7ForConditionalGeneration`, its
+    vision tower beside it, not read): each rank its sliding and full layers' own query heads and their sigmoid
+    gates, the q/k Gemma norms whole, the experts' and shared expert's rows under their clamps; what one rank
+    generates."""
+    import shutil
+
+    from tests.engine.test_multimodal_text import vision_checkpoint
+
+    _, folder = vision_checkpoint(tmp_path, "step3p7")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(builtin_path / name, folder / name)
+    params = dataclasses.replace(GREEDY, max_tokens=6)
+    reference = [o.outputs[0] for o in _generate(_engine(str(folder), 1), prompts, params)]
+    _assert_same_or_near_tie(reference, [o.outputs[0] for o in _generate(_engine(str(folder), 2), prompts, params)])
