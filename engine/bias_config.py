@@ -45,6 +45,10 @@ def bias_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
                 "partial_rotary_factor": partial_rotary_factor(cfg, 0.5)}
     if arch == "GPTNeoXForCausalLM":   # GPTNeoXConfig: multi-head, LayerNorms, two norms a parallel layer
         return gpt_neox_fields(cfg)
+    if arch == "BloomForCausalLM":   # BloomConfig: GPT-NeoX's sequential layer, every projection biased, ALiBi
+        return {"attention_bias": True, "mlp_bias": True, "hidden_act": "gelu_pytorch_tanh",
+                "no_rope_layers": (0,) * read_int(cfg, "num_hidden_layers"),
+                "tie_word_embeddings": read_bool(cfg, "tie_word_embeddings", True)}
     if arch == "NanoChatForCausalLM":   # NanoChatConfig: weightless RMSNorms, logits capped at 15, squared ReLU
         if cfg.get("hidden_act", "relu2") != "relu2":
             raise ConfigError(f"hidden_act: nanochat is served with relu2, got {cfg['hidden_act']!r}")
@@ -63,6 +67,29 @@ def bias_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
         return {"attention_bias": bias, "mlp_bias": bias,
                 "tie_word_embeddings": read_bool(cfg, "tie_word_embeddings", True)}
     return {}
+
+
+# BloomConfig's where config.json names none
+BLOOM_DEFAULTS = {"vocab_size": 250_880, "hidden_size": 64, "n_layer": 2, "n_head": 8, "layer_norm_epsilon": 1e-5,
+                  "bos_token_id": 1, "eos_token_id": 2}
+
+
+def bloom_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """BLOOM's config.json under the Llama reading's names, BloomConfig's defaults where it names none: `n_layer`,
+    `n_head` (as many KV heads), `n_embed` (its older name of hidden_size), `layer_norm_epsilon`; the MLP 4 x hidden
+    wide; the pretraining length (`seq_length`, else 2,048) as the context, ALiBi having no table of positions. A
+    layer whose residual is its normed input (`apply_residual_connection_post_layernorm`) is refused: no release has
+    one."""
+    cfg = BLOOM_DEFAULTS | {k: v for k, v in cfg.items() if v is not None}
+    if read_bool(cfg, "apply_residual_connection_post_layernorm", False):
+        raise ConfigError("apply_residual_connection_post_layernorm: BLOOM is served with the residual before the "
+                          "norm (false), as every release has it")
+    hidden = read_int(cfg, "n_embed") if "n_embed" in cfg else read_int(cfg, "hidden_size")
+    heads = read_int(cfg, "n_head")
+    return {**cfg, "hidden_size": hidden, "num_hidden_layers": read_int(cfg, "n_layer"), "num_attention_heads": heads,
+            "num_key_value_heads": heads, "intermediate_size": 4 * hidden,
+            "rms_norm_eps": read_float(cfg, "layer_norm_epsilon", 1e-5),
+            "max_position_embeddings": read_int(cfg, "seq_length", 2048)}
 
 
 def gpt_neox_fields(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -34,11 +34,12 @@ FOUR_NORMS = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma4ForCausalLM", "Gl
 UNGATED_MLP = ("ApertusForCausalLM", "ArceeForCausalLM", "NanoChatForCausalLM", "Jais2ForCausalLM",
                "Starcoder2ForCausalLM", "NemotronForCausalLM", "PhiForCausalLM", "GPTNeoXForCausalLM",
                "FalconForCausalLM", "GPTJForCausalLM", "GPTBigCodeForCausalLM", "GPT2LMHeadModel", "OPTForCausalLM",
-               "GPTNeoForCausalLM", "CodeGenForCausalLM")
+               "GPTNeoForCausalLM", "CodeGenForCausalLM", "BloomForCausalLM")
 # LayerNorms (a weight and a bias), not RMSNorms
 LAYER_NORMS = ("Jais2ForCausalLM", "Starcoder2ForCausalLM", "NemotronForCausalLM", "StableLmForCausalLM",
                "PhiForCausalLM", "GPTNeoXForCausalLM", "PhimoeForCausalLM", "FalconForCausalLM", "GPTJForCausalLM",
-               "GPTBigCodeForCausalLM", "GPT2LMHeadModel", "OPTForCausalLM", "GPTNeoForCausalLM", "CodeGenForCausalLM")
+               "GPTBigCodeForCausalLM", "GPT2LMHeadModel", "OPTForCausalLM", "GPTNeoForCausalLM", "CodeGenForCausalLM",
+               "BloomForCausalLM")
 WEIGHTLESS_NORMS = ("OlmoForCausalLM", "NanoChatForCausalLM")   # norms without parameters
 # routers with a correction (or expert) bias of a value an expert
 BIASED_ROUTERS = ("deepseek_v3", "minimax_m2", "ernie4_5", "lfm2", "afmoe", "kolibri")
@@ -135,4 +136,6 @@ def count_params(config: Any, heads: int, kv_heads: int, i: int, moe_i: int, v: 
     rows = v if not config.output_vocab_size else -(-config.output_vocab_size // (config.num_heads // heads))
     head = (0 if config.tie_word_embeddings else rows * h) + (rows if config.lm_head_bias else 0)   # Phi: biased;
     # Apertus 1.5: the head pruned to the vocabulary's first ids, cut as the table is; GPT-2's positions whole
-    return v * h + config.num_kv_layers * per_layer + linear + mlps + final + head + config.learned_positions * h
+    embed_norm = 2 * h if config.architecture == "BloomForCausalLM" else 0   # BLOOM: a LayerNorm on the embeddings
+    return v * h + config.num_kv_layers * per_layer + linear + mlps + final + head + config.learned_positions * h + \
+        embed_norm

@@ -2,21 +2,19 @@
 
 The Llama family (Llama 2/3, Qwen2, Qwen3, Mistral) is `engine.model.LlamaForCausalLM`; a variant that changes the layer
 itself has a module here, built from the same shared layers (`engine.layers`) and the same weight loading and
-tensor-parallel cuts: `gemma3` (Gemma 3's text model, and Gemma 2's), `gemma4` (Gemma 4's text model: attention of two
-shapes, experts beside the MLP), `qwen3_moe` (Qwen3-MoE's sparse layers, and Qwen2-MoE's with their shared expert),
-`mixtral` (Mixtral's experts), `phi3` (Phi-3 and Phi-4: fused q/k/v and gate/up), `granite` (Granite 3 and 4), `olmo2`
-(OLMo 2 and 3: post-norm layers), `smollm3` (SmolLM3: NoPE layers), `gptj` (GPT-J, CodeGen), `gpt_oss` (GPT-OSS: sinks,
-MXFP4 experts), `cohere` (Command R and R7B: parallel layers, LayerNorms; Command A Plus's experts), `ernie` (ERNIE
-4.5), `glm4` (GLM-4: sandwich norms, a partial interleaved rotary; K-EXAONE: GLM-4.5's model with EXAONE 4's attention),
-`deepseek` (DeepSeek V2 and V3: latent attention, grouped routers, shared experts; Mistral Small 4), `deepseek_v32`
-(DeepSeek V3.2 and GLM-5: sparse attention), `minimax_m2` (MiniMax-M2), `llama4` (Llama 4's text model), `ministral3`
-(Ministral 3), `qwen3_5` (Qwen3.5, Qwen3-Next: Gated DeltaNet layers; `lara_mini`, Lara Mini's), `nemotron_h`
-(Nemotron-H), `lfm2` (LFM2: gated short convolutions), `kimi_linear` (Kimi Linear: Kimi Delta Attention beside latent
-attention), `minimax` (MiniMax-Text-01: lightning attention), `minimax_m3` (MiniMax M3: block-sparse attention),
-`step3p7` (Step 3.7: Laguna's layers, clamped SwiGLUs), `jamba` (Jamba: Mamba-1, NoPE attention, experts), `mamba`
-(Mamba, FalconMamba, Mamba2: Mamba blocks alone), `zamba2` (Zamba2: Mamba-2 layers, shared blocks), over `hybrid`'s
-states; `mimo` (MiMo-V2-Flash: two attention shapes); `apertus` (Apertus, Arcee's AFM, Jais 2: ungated MLPs), `mllama`
-(Llama 3.2 Vision's text model). LongCat-Flash's sublayers and experts are in `deepseek`."""
+tensor-parallel cuts: `gemma3` (Gemma 3's text model, and Gemma 2's), `gemma4` (Gemma 4's text model), `qwen3_moe`
+(Qwen3-MoE, Qwen2-MoE), `mixtral` (Mixtral's experts), `phi3` (Phi-3 and Phi-4: fused q/k/v and gate/up), `granite`
+(Granite 3 and 4), `olmo2` (OLMo 2 and 3: post-norm layers), `smollm3` (SmolLM3: NoPE layers), `gptj` (GPT-J, CodeGen),
+`gpt_oss` (GPT-OSS: sinks, MXFP4 experts), `cohere` (Command R, R7B, A Plus), `ernie` (ERNIE 4.5), `glm4` (GLM-4,
+GLM-4.5, K-EXAONE), `deepseek` (DeepSeek V2 and V3: latent attention, grouped routers, shared experts; Mistral Small 4),
+`deepseek_v32` (DeepSeek V3.2 and GLM-5: sparse attention), `minimax_m2` (MiniMax-M2), `llama4` (Llama 4's text model),
+`ministral3` (Ministral 3), `qwen3_5` (Qwen3.5, Qwen3-Next: Gated DeltaNet layers; `lara_mini`, Lara Mini's),
+`nemotron_h` (Nemotron-H), `lfm2` (LFM2: gated short convolutions), `kimi_linear` (Kimi Linear: Kimi Delta Attention
+beside latent attention), `minimax` (MiniMax-Text-01: lightning attention), `jamba` (Jamba: Mamba-1, NoPE attention,
+experts), `mamba` (Mamba, FalconMamba, Mamba2: Mamba blocks alone), `zamba2` (Zamba2: Mamba-2 layers, shared blocks),
+over `hybrid`'s states; `mimo` (MiMo-V2-Flash: two attention shapes); `apertus` (Apertus, Arcee's AFM, Jais 2: ungated
+MLPs), `mllama` (Llama 3.2 Vision's text model), `minimax_m3` (MiniMax M3: block-sparse attention), `step3p7` (Step 3.7:
+Laguna's layers), `bloom` (BLOOM: ALiBi). LongCat-Flash's sublayers and experts are in `deepseek`."""
 
 from __future__ import annotations
 
@@ -68,6 +66,7 @@ from engine.models.mimo import MimoV2FlashForCausalLM
 from engine.models.minimax import MiniMaxForCausalLM
 from engine.models.minimax_m3 import MiniMaxM3ForCausalLM
 from engine.models.step3p7 import Step3p7ForCausalLM
+from engine.models.bloom import BloomForCausalLM
 from engine.models.minimax_m2 import MiniMaxM2ForCausalLM
 from engine.models.mllama import MllamaForCausalLM
 from engine.models.kimi_linear import BailingHybridForCausalLM, KimiLinearForCausalLM
@@ -190,6 +189,7 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "MiniMaxForCausalLM": MiniMaxForCausalLM,
                                                 "MiniMaxM3VLForCausalLM": MiniMaxM3ForCausalLM,
                                                 "Step3p7ForCausalLM": Step3p7ForCausalLM,
+                                                "BloomForCausalLM": BloomForCausalLM,
                                                 "LongcatFlashForCausalLM": LongcatFlashForCausalLM,
                                                 "Zamba2ForCausalLM": Zamba2ForCausalLM,
                                                 **dict.fromkeys(MAMBA_ARCHITECTURES, MambaForCausalLM)}

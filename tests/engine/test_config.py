@@ -23,8 +23,8 @@ LLAMA = {"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size"
 
 
 @pytest.mark.parametrize("change,match", [
-    ({"architectures": ["BloomForCausalLM"]},
-     "unsupported architecture 'BloomForCausalLM'.*Gemma3ForConditionalGeneration"),
+    ({"architectures": ["XGLMForCausalLM"]},
+     "unsupported architecture 'XGLMForCausalLM'.*Gemma3ForConditionalGeneration"),
     ({"architectures": []}, "architectures"),
     ({"num_key_value_heads": 3}, "num_key_value_heads: 3 does not divide"),
     ({"hidden_size": -1}, "hidden_size"),
@@ -343,8 +343,8 @@ def test_dtype_auto_on_a_cpu_is_bfloat16_where_it_computes_bfloat16_natively(mon
 
 
 def test_unsupported_architecture_in_a_model_folder(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({**LLAMA, "architectures": ["BloomForCausalLM"]}))
-    with pytest.raises(ConfigError, match="BloomForCausalLM"):
+    (tmp_path / "config.json").write_text(json.dumps({**LLAMA, "architectures": ["XGLMForCausalLM"]}))
+    with pytest.raises(ConfigError, match="XGLMForCausalLM"):
         LLMEngine.from_args(str(tmp_path), progress=False)
 
 
@@ -2195,6 +2195,32 @@ def test_step3p7_reads_as_transformers_does():
         trimmed = {k: v[:4] if isinstance(v, list) else v for k, v in {**text, **bad}.items()}
         with pytest.raises(ConfigError, match=f"^text_config.{key}:"):
             ModelConfig.from_hf_config({**card, "text_config": trimmed})
+
+
+def test_bloom_reads_as_transformers_does():
+    """BLOOM (`BloomForCausalLM`) at BloomConfig's defaults and as bloom-560m's config.json spells it (`n_embed`,
+    `n_layer`, `n_head`): the parameter count is transformers' model's (its embedding's LayerNorm, the tied head), the
+    MLP 4 x hidden, as many KV heads as query heads, no rotary. A layer whose residual is its normed input is refused
+    by name."""
+    transformers = pytest.importorskip("transformers")
+
+    bare = {"architectures": ["BloomForCausalLM"]}
+    cfg = ModelConfig.from_hf_config(bare)
+    hf = transformers.BloomConfig()
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf)
+    assert cfg.num_params() == sum(p.numel() for p in model.parameters())
+    assert (cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size) == \
+        (hf.hidden_size, hf.n_layer, hf.n_head, hf.n_head, 4 * hf.hidden_size)
+    assert cfg.tie_word_embeddings and cfg.no_rope_layers == (0, 0) and cfg.rms_norm_eps == hf.layer_norm_epsilon
+    card = {**bare, "n_embed": 1024, "n_layer": 24, "num_attention_heads": 16, "vocab_size": 250_880}
+    cfg = ModelConfig.from_hf_config(card)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.BloomConfig(
+            **{k: v for k, v in card.items() if k != "architectures"}))
+    assert round(cfg.num_params() / 1e6) == round(sum(p.numel() for p in model.parameters()) / 1e6) == 559
+    with pytest.raises(ConfigError, match="^apply_residual_connection_post_layernorm:"):
+        ModelConfig.from_hf_config({**bare, "apply_residual_connection_post_layernorm": True})
 
 
 @pytest.mark.parametrize("config_class,arch", [("MambaConfig", "MambaForCausalLM"),

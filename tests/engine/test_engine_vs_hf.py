@@ -524,6 +524,10 @@ TINY_MODELS = [
     # layers (blocks of 4 keys; each query its own block and the best other one by its KV head's indexer head) with 4
     # experts (2 a token, sigmoid router with its correction bias, x2) beside a shared expert
     ("minimax_m3_vl_text", MINIMAX_M3),
+    # BLOOM: GPT-NeoX's sequential layer by ALiBi (4 heads' slopes), a LayerNorm on the embeddings, a tied head; then
+    # 6 heads (two past the power of two: their slopes the odd steps of 8's)
+    ("bloom", {"n_layer": 2, "n_head": 4}),
+    ("bloom", {"n_layer": 2, "n_head": 6, "hidden_size": 96}),
     # then half of each head rotated (the indexer's too), two local blocks of 8 and the best three in all
     ("minimax_m3_vl_text", {**MINIMAX_M3, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                                                               "partial_rotary_factor": 0.5},

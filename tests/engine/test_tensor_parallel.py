@@ -492,6 +492,7 @@ QWEN3 = {"head_dim": 32, "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
     ("lara_mini", LARA_MINI, None),
     ("minimax", MINIMAX, None),
     ("minimax_m3_vl_text", MINIMAX_M3, None),
+    ("bloom", {"n_layer": 2, "n_head": 4}, None),
 ])
 def test_two_ranks_generate_what_one_does(tmp_path, builtin_path, prompts, arch, overrides, overlap):
     # A tiny random model with even head counts (4 heads, 2 KV heads); Qwen3 q/k head norms (whole on every rank) and
@@ -541,7 +542,8 @@ def test_two_ranks_generate_what_one_does(tmp_path, builtin_path, prompts, arch,
     # 4's E cuts, its sparse gates' statistics summed over both ranks, AltUp and LAuReL whole on each; MiniMax each
     # rank's lightning heads (their slopes, q/k/v rows and gates; the output norm's sum of squares over both ranks)
     # beside Mixtral's experts; MiniMax M3 each rank's KV heads' indexer heads (their rows of its q projection; its key
-    # projection and norms whole on each rank) choosing their blocks. Qwen3's,
+    # projection and norms whole on each rank) choosing their blocks; BLOOM each rank's heads' ALiBi slopes, its q/k/v
+    # rows out of the fused projection, its embedding's LayerNorm whole. Qwen3's,
     # Mixtral's and DeepSeek's groups overlap their steps: the other rank fills the placeholders of each step's inputs
     # from rank 0's sampled ids (engine.overlap). Six tokens each: a wrong cut shows at once, and each step of two gloo
     # ranks costs ~80 ms on a 2-core machine

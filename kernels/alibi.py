@@ -1,0 +1,58 @@
+"""ALiBi attention over the paged K/V cache (BLOOM's: `engine.models.bloom`), in torch on any device: no rotary; each
+head h adds slope_h x j to the score of key position j (softmax makes that the paper's slope_h x (j - i)), the slopes
+a geometric sequence over the heads (`alibi_slopes`, the paper's and transformers' `_get_alibi_slopes`). Queries run a
+sequence and `chunk` queries at a time, softmax in float32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kernels.metadata import AttentionMetadata
+from kernels.reference import context_slots, dequantize_kv
+
+__all__ = ["alibi_attention", "alibi_slopes"]
+
+
+def alibi_slopes(num_heads: int) -> torch.Tensor:
+    """Each head's slope, float32 on the CPU (whatever the default device: a model is built on the meta one):
+    2 ** (-8 i / n) for i = 1 .. n over the largest power of two n <= num_heads, then the odd steps of twice that n's
+    sequence for the heads past it (powers taken in float32, as transformers takes them)."""
+    n = 2 ** math.floor(math.log2(num_heads))
+    base = torch.tensor(2 ** (-(2 ** -(math.log2(n) - 3))), dtype=torch.float32, device="cpu")
+    slopes = torch.pow(base, torch.arange(1, n + 1, dtype=torch.int32, device="cpu"))
+    extra = torch.tensor(2 ** (-(2 ** -(math.log2(2 * n) - 3))), dtype=torch.float32, device="cpu")
+    steps = torch.arange(1, 1 + 2 * min(n, num_heads - n), 2, dtype=torch.int32, device="cpu")
+    return torch.cat([slopes, torch.pow(extra, steps)])
+
+
+def alibi_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float, slopes: torch.Tensor, *, k_scale: float = 1.0, v_scale: float = 1.0,
+                    chunk: int = 32) -> torch.Tensor:
+    """query [T, heads, head_dim]; caches [num_blocks, block_size, kv_heads, head_dim], this step's rows stored;
+    slopes [heads] float32 (this rank's heads') -> [T, heads, head_dim] in query's dtype."""
+    heads, kv_heads = query.shape[1], key_cache.shape[2]
+    out = torch.empty_like(query)
+    start = 0
+    for i, (q_len, s_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
+        slots = context_slots(meta, [i], s_len)[0]
+        keys, values = _gather(key_cache, slots, k_scale), _gather(value_cache, slots, v_scale)   # [s_len, kv, d]
+        keys_at = torch.arange(s_len, device=query.device)
+        bias = (slopes.float().view(kv_heads, heads // kv_heads)[..., None, None] * keys_at)   # [kv, g, 1, s_len]
+        for a in range(0, q_len, chunk):
+            b = min(a + chunk, q_len)
+            rows = slice(start + a, start + b)
+            q = query[rows].float().view(b - a, kv_heads, heads // kv_heads, -1)                  # [c, kv, g, d]
+            logits = torch.einsum("ckgd,tkd->kgct", q, keys) * scale + bias
+            positions = torch.arange(s_len - q_len + a, s_len - q_len + b, device=query.device)
+            causal = keys_at[None, :] <= positions[:, None]
+            probs = logits.masked_fill(~causal, float("-inf")).softmax(dim=-1)
+            out[rows] = torch.einsum("kgct,tkd->ckgd", probs, values).reshape(b - a, heads, -1).to(out.dtype)
+        start += q_len
+    return out
+
+
+def _gather(cache: torch.Tensor, slots: torch.Tensor, scale: float) -> torch.Tensor:
+    return dequantize_kv(cache.view(-1, *cache.shape[2:]).index_select(0, slots), torch.float32, scale)
