@@ -45,10 +45,6 @@ def bias_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
                 "partial_rotary_factor": partial_rotary_factor(cfg, 0.5)}
     if arch == "GPTNeoXForCausalLM":   # GPTNeoXConfig: multi-head, LayerNorms, two norms a parallel layer
         return gpt_neox_fields(cfg)
-    if arch == "BloomForCausalLM":   # BloomConfig: GPT-NeoX's sequential layer, every projection biased, ALiBi
-        return {"attention_bias": True, "mlp_bias": True, "hidden_act": "gelu_pytorch_tanh",
-                "no_rope_layers": (0,) * read_int(cfg, "num_hidden_layers"),
-                "tie_word_embeddings": read_bool(cfg, "tie_word_embeddings", True)}
     if arch == "NanoChatForCausalLM":   # NanoChatConfig: weightless RMSNorms, logits capped at 15, squared ReLU
         if cfg.get("hidden_act", "relu2") != "relu2":
             raise ConfigError(f"hidden_act: nanochat is served with relu2, got {cfg['hidden_act']!r}")
@@ -90,6 +86,56 @@ def bloom_config(cfg: dict[str, Any]) -> dict[str, Any]:
             "num_key_value_heads": heads, "intermediate_size": 4 * hidden,
             "rms_norm_eps": read_float(cfg, "layer_norm_epsilon", 1e-5),
             "max_position_embeddings": read_int(cfg, "seq_length", 2048)}
+
+
+# MptConfig's where config.json names none
+MPT_DEFAULTS = {"d_model": 2048, "n_heads": 16, "n_layers": 24, "expansion_ratio": 4, "max_seq_len": 2048,
+                "vocab_size": 50_368, "layer_norm_epsilon": 1e-5}
+# what transformers' MPT serves of its attn_config (a config saying otherwise is refused by key)
+MPT_ATTENTION = {"alibi": True, "qk_ln": False, "prefix_lm": False, "attn_type": "multihead_attention",
+                 "alibi_bias_max": 8}   # transformers' slopes are spread over 8 whatever it says
+
+
+def mpt_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """MPT's config.json under the Llama reading's names, MptConfig's defaults where it names none: `d_model`,
+    `n_heads` (as many KV heads), `n_layers`, the MLP 4 x hidden (`expansion_ratio` 4), `max_seq_len`; `attn_config` as
+    transformers serves it (ALiBi spread over 8, no q/k LayerNorm, no prefix LM, multi-head) and no biases
+    (`no_bias`), else refused naming the key."""
+    cfg = MPT_DEFAULTS | {k: v for k, v in cfg.items() if v is not None}
+    attn = cfg.get("attn_config") or {}
+    if not isinstance(attn, dict):
+        raise ConfigError(f"attn_config: must be an object, got {attn!r:.80}")
+    for key, served in MPT_ATTENTION.items():
+        if attn.get(key, served) != served:
+            raise ConfigError(f"attn_config.{key}: MPT is served with {served!r} (as transformers runs it), got "
+                              f"{attn[key]!r}")
+    if not read_bool(cfg, "no_bias", True):
+        raise ConfigError("no_bias: MPT is served without biases (true), as transformers runs it")
+    if read_int(cfg, "expansion_ratio") != 4:   # transformers' MptMLP is 4 x hidden whatever it says
+        raise ConfigError(f"expansion_ratio: MPT is served with an MLP 4 x d_model wide, as every release and "
+                          f"transformers' model have it, got {cfg['expansion_ratio']!r}")
+    hidden, heads = read_int(cfg, "d_model"), read_int(cfg, "n_heads")
+    return {**cfg, "hidden_size": hidden, "num_hidden_layers": read_int(cfg, "n_layers"), "num_attention_heads": heads,
+            "num_key_value_heads": heads, "intermediate_size": 4 * hidden,
+            "rms_norm_eps": read_float(cfg, "layer_norm_epsilon", 1e-5),
+            "max_position_embeddings": read_int(cfg, "max_seq_len")}
+
+
+def bloom_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """BloomConfig's: GPT-NeoX's sequential layer, every projection biased, GELU's tanh form, no rotary (ALiBi)."""
+    return {"attention_bias": True, "mlp_bias": True, "hidden_act": "gelu_pytorch_tanh",
+            "no_rope_layers": (0,) * num_layers, "tie_word_embeddings": read_bool(cfg, "tie_word_embeddings", True)}
+
+
+def mpt_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """MptConfig's: no biases, exact GELU, no rotary (ALiBi of MPT's slopes), q/k/v clamped at `attn_config.clip_qkv`
+    and q.k scaled by its `softmax_scale` where set, a tied head."""
+    attn = cfg.get("attn_config") or {}
+    return {"attention_bias": False, "mlp_bias": False, "hidden_act": "gelu", "no_rope_layers": (0,) * num_layers,
+            "tie_word_embeddings": read_bool(cfg, "tie_word_embeddings", True),
+            "clip_qkv": read_float(attn, "clip_qkv", None, path="attn_config."),
+            "attention_multiplier": read_float(attn, "softmax_scale", None, path="attn_config."),
+            "alibi_bias_max": read_float(attn, "alibi_bias_max", 8.0, path="attn_config.")}
 
 
 def gpt_neox_fields(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from engine.bias_config import bloom_config
+from engine.bias_config import bloom_config, bloom_fields, mpt_config, mpt_fields
 from engine.cohere_moe_config import cohere2_moe_fields
 from engine.dbrx_config import dbrx_config, dbrx_fields
 from engine.deepseek_config import minicpm3_fields, mistral4_fields, youtu_fields
@@ -59,7 +59,7 @@ KEY_READERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "LongcatFlashForCausalLM": longcat_config, "MllamaForCausalLM": mllama_config,
     "Gemma3nForCausalLM": gemma3n_config, "LaraMiniForCausalLM": lara_mini_config,
     "MiniMaxForCausalLM": minimax_config, "MiniMaxM3VLForCausalLM": minimax_m3_config,
-    "Step3p7ForCausalLM": step3p7_config, "BloomForCausalLM": bloom_config}
+    "Step3p7ForCausalLM": step3p7_config, "BloomForCausalLM": bloom_config, "MptForCausalLM": mpt_config}
 # (config.json, its layer count) -> the family's ModelConfig fields
 OWN_MODULE_FIELDS: dict[str, Callable[[dict[str, Any], int], dict[str, Any]]] = {
     "Llama4ForCausalLM": llama4_fields, "Gemma4ForCausalLM": gemma4_fields, "Mistral4ForCausalLM": mistral4_fields,
@@ -78,4 +78,4 @@ OWN_MODULE_FIELDS: dict[str, Callable[[dict[str, Any], int], dict[str, Any]]] = 
     "LongcatFlashForCausalLM": longcat_fields, "MllamaForCausalLM": mllama_fields,
     "Gemma3nForCausalLM": gemma3n_fields, "LaraMiniForCausalLM": lara_mini_fields,
     "MiniMaxForCausalLM": minimax_fields, "MiniMaxM3VLForCausalLM": minimax_m3_fields,
-    "Step3p7ForCausalLM": step3p7_fields}
+    "Step3p7ForCausalLM": step3p7_fields, "BloomForCausalLM": bloom_fields, "MptForCausalLM": mpt_fields}

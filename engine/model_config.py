@@ -75,7 +75,8 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
                            "DeepseekV4ForCausalLM", "BeamForCausalLM", "MllamaForCausalLM", "Gemma3nForCausalLM",
                            "GemmaForCausalLM", "VaultGemmaForCausalLM", "JambaForCausalLM",
                            "MambaForCausalLM", "FalconMambaForCausalLM", "Mamba2ForCausalLM", "Zamba2ForCausalLM",
-                           "MiniMaxForCausalLM", "MiniMaxM3VLForCausalLM", "Step3p7ForCausalLM", "BloomForCausalLM")
+                           "MiniMaxForCausalLM", "MiniMaxM3VLForCausalLM", "Step3p7ForCausalLM", "BloomForCausalLM",
+                           "MptForCausalLM")
 # their attention bias: q/k/v's, not o_proj's
 QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM", "GlmForCausalLM",
                  "StableLmForCausalLM", "HeliumForCausalLM")
@@ -150,6 +151,7 @@ class ModelConfig:
     attn_temperature: tuple[float, float] | None = None   # Llama 4's NoPE layers' q scale: (floor_scale, attn_scale)
     llama4_scaling_beta: float | None = None   # Ministral 3: every query x 1 + beta log(1 + floor(p / original))
     clip_qkv: float | None = None       # OLMoE: q, k and v clamped to +-clip_qkv after the q/k norms (None: not)
+    alibi_bias_max: float | None = None   # MPT: its ALiBi slopes' spread (None: BLOOM's slopes, or no ALiBi)
     attention_sinks: bool = False       # GPT-OSS: a learned logit per query head in every softmax's denominator
     moe_bias: bool = False              # GPT-OSS: the router and each expert's projections carry biases
     swiglu_limit: float | None = None   # GPT-OSS: the experts' SwiGLU clamped at it (None: plain SiLU x up)

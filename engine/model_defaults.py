@@ -198,7 +198,8 @@ DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32_768, "
 # its family's model alone
 OWN_ACTIVATIONS = {("xielu", "ApertusForCausalLM"), ("relu2", "ArceeForCausalLM"), ("relu2", "Jais2ForCausalLM"),
                    ("relu2", "NemotronForCausalLM"), ("gelu", "GPTNeoXForCausalLM"), ("gelu", "FalconForCausalLM"),
-                   ("relu", "OPTForCausalLM"), ("relu2", "NanoChatForCausalLM"), ("gelu", "Zamba2ForCausalLM")}
+                   ("relu", "OPTForCausalLM"), ("relu2", "NanoChatForCausalLM"), ("gelu", "Zamba2ForCausalLM"),
+                   ("gelu", "MptForCausalLM")}
 # their rms_norm_eps, where it is not 1e-6
 DEFAULT_RMS_NORM_EPS = {"MixtralForCausalLM": 1e-5, "Phi3ForCausalLM": 1e-5, "Olmo2ForCausalLM": 1e-5,
                         "Olmo3ForCausalLM": 1e-5,

@@ -34,7 +34,7 @@ FOUR_NORMS = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma4ForCausalLM", "Gl
 UNGATED_MLP = ("ApertusForCausalLM", "ArceeForCausalLM", "NanoChatForCausalLM", "Jais2ForCausalLM",
                "Starcoder2ForCausalLM", "NemotronForCausalLM", "PhiForCausalLM", "GPTNeoXForCausalLM",
                "FalconForCausalLM", "GPTJForCausalLM", "GPTBigCodeForCausalLM", "GPT2LMHeadModel", "OPTForCausalLM",
-               "GPTNeoForCausalLM", "CodeGenForCausalLM", "BloomForCausalLM")
+               "GPTNeoForCausalLM", "CodeGenForCausalLM", "BloomForCausalLM", "MptForCausalLM")
 # LayerNorms (a weight and a bias), not RMSNorms
 LAYER_NORMS = ("Jais2ForCausalLM", "Starcoder2ForCausalLM", "NemotronForCausalLM", "StableLmForCausalLM",
                "PhiForCausalLM", "GPTNeoXForCausalLM", "PhimoeForCausalLM", "FalconForCausalLM", "GPTJForCausalLM",

@@ -1,6 +1,7 @@
-"""ALiBi attention over the paged K/V cache (BLOOM's: `engine.models.bloom`), in torch on any device: no rotary; each
-head h adds slope_h x j to the score of key position j (softmax makes that the paper's slope_h x (j - i)), the slopes
-a geometric sequence over the heads (`alibi_slopes`, the paper's and transformers' `_get_alibi_slopes`). Queries run a
+"""ALiBi attention over the paged K/V cache (BLOOM's and MPT's: `engine.models.bloom`), in torch on any device: no
+rotary; each head h adds slope_h x j to the score of key position j (softmax makes that the paper's slope_h x (j -
+i)), the slopes a geometric sequence over the heads (`alibi_slopes`, the paper's and transformers' `_get_alibi_slopes`;
+MPT's spread over `alibi_bias_max`, `mpt_alibi_slopes`). Queries run a
 sequence and `chunk` queries at a time, softmax in float32.
 """
 
@@ -13,7 +14,7 @@ import torch
 from kernels.metadata import AttentionMetadata
 from kernels.reference import context_slots, dequantize_kv
 
-__all__ = ["alibi_attention", "alibi_slopes"]
+__all__ = ["alibi_attention", "alibi_slopes", "mpt_alibi_slopes"]
 
 
 def alibi_slopes(num_heads: int) -> torch.Tensor:
@@ -28,11 +29,21 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
     return torch.cat([slopes, torch.pow(extra, steps)])
 
 
+def mpt_alibi_slopes(num_heads: int, bias_max: float) -> torch.Tensor:
+    """MPT's slopes, float32 on the CPU: 1 / 2 ** (i x bias_max / m) for i = 1 .. m, m the power of two >= num_heads;
+    where m > num_heads the odd-indexed ones first, then the even-indexed, cut to num_heads (transformers'
+    `build_mpt_alibi_tensor`, MosaicML's own)."""
+    m = 2 ** math.ceil(math.log2(num_heads))
+    slopes = 1.0 / torch.pow(2, torch.arange(1, m + 1, dtype=torch.int64, device="cpu").float() * (bias_max / m))
+    return slopes if m == num_heads else torch.cat([slopes[1::2], slopes[::2]])[:num_heads]
+
+
 def alibi_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float, slopes: torch.Tensor, *, k_scale: float = 1.0, v_scale: float = 1.0,
-                    chunk: int = 32) -> torch.Tensor:
+                    scale: float, slopes: torch.Tensor, *, relative: bool = False, k_scale: float = 1.0,
+                    v_scale: float = 1.0, chunk: int = 32) -> torch.Tensor:
     """query [T, heads, head_dim]; caches [num_blocks, block_size, kv_heads, head_dim], this step's rows stored;
-    slopes [heads] float32 (this rank's heads') -> [T, heads, head_dim] in query's dtype."""
+    slopes [heads] float32 (this rank's heads') -> [T, heads, head_dim] in query's dtype. `relative`: the bias slope x
+    (j - the last key's position), MPT's (the same softmax, its roundings)."""
     heads, kv_heads = query.shape[1], key_cache.shape[2]
     out = torch.empty_like(query)
     start = 0
@@ -40,7 +51,8 @@ def alibi_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         slots = context_slots(meta, [i], s_len)[0]
         keys, values = _gather(key_cache, slots, k_scale), _gather(value_cache, slots, v_scale)   # [s_len, kv, d]
         keys_at = torch.arange(s_len, device=query.device)
-        bias = (slopes.float().view(kv_heads, heads // kv_heads)[..., None, None] * keys_at)   # [kv, g, 1, s_len]
+        offsets = keys_at - (s_len - 1) if relative else keys_at
+        bias = slopes.float().view(kv_heads, heads // kv_heads)[..., None, None] * offsets     # [kv, g, 1, s_len]
         for a in range(0, q_len, chunk):
             b = min(a + chunk, q_len)
             rows = slice(start + a, start + b)

@@ -66,7 +66,7 @@ from engine.models.mimo import MimoV2FlashForCausalLM
 from engine.models.minimax import MiniMaxForCausalLM
 from engine.models.minimax_m3 import MiniMaxM3ForCausalLM
 from engine.models.step3p7 import Step3p7ForCausalLM
-from engine.models.bloom import BloomForCausalLM
+from engine.models.bloom import BloomForCausalLM, MptForCausalLM
 from engine.models.minimax_m2 import MiniMaxM2ForCausalLM
 from engine.models.mllama import MllamaForCausalLM
 from engine.models.kimi_linear import BailingHybridForCausalLM, KimiLinearForCausalLM
@@ -189,7 +189,7 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "MiniMaxForCausalLM": MiniMaxForCausalLM,
                                                 "MiniMaxM3VLForCausalLM": MiniMaxM3ForCausalLM,
                                                 "Step3p7ForCausalLM": Step3p7ForCausalLM,
-                                                "BloomForCausalLM": BloomForCausalLM,
+                                                "BloomForCausalLM": BloomForCausalLM, "MptForCausalLM": MptForCausalLM,
                                                 "LongcatFlashForCausalLM": LongcatFlashForCausalLM,
                                                 "Zamba2ForCausalLM": Zamba2ForCausalLM,
                                                 **dict.fromkeys(MAMBA_ARCHITECTURES, MambaForCausalLM)}

@@ -18,14 +18,15 @@ import torch
 from torch import nn
 
 from engine.layers import BiasLayerNorm
-from engine.model import Attention
+from engine.model import Attention, WeightLoadError
 from engine.model_config import ModelConfig
+from engine.models.cohere import CohereLayerNorm
 from engine.models.gpt_neox import GPTNeoXForCausalLM, checkpoint_name, split_grouped_qkv
 from engine.parallel import Collectives, ShardShape
 from kernels import AttentionMetadata, fused
-from kernels.alibi import alibi_attention, alibi_slopes
+from kernels.alibi import alibi_attention, alibi_slopes, mpt_alibi_slopes
 
-__all__ = ["AlibiAttention", "BloomForCausalLM"]
+__all__ = ["AlibiAttention", "BloomForCausalLM", "MptForCausalLM"]
 
 _RENAMES = ((".self_attention.dense.", ".self_attn.o_proj."), (".mlp.dense_h_to_4h.", ".mlp.up_proj."),
             (".mlp.dense_4h_to_h.", ".mlp.down_proj."))
@@ -36,12 +37,26 @@ _TOP_NAMES = {"word_embeddings.weight": "embed_tokens.weight", "ln_f.weight": "n
 
 class AlibiAttention(Attention):
     """Llama's attention (q/k/v stored as the cache holds them, no rotary) over the cache by ALiBi: this rank's heads'
-    slopes, a float32 tensor on the model's device once the first forward runs there."""
+    slopes (BLOOM's, or MPT's where `ModelConfig.alibi_bias_max` is set, their bias relative to the last key), a
+    float32 tensor on the model's device once the first forward runs there; q, k and v clamped to +-`clip_qkv` after
+    their projection where the config sets it (MPT's)."""
 
     def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives, rotary_emb, layer: int) -> None:
         super().__init__(config, shard, comm, rotary_emb, layer)
-        self.slope_values = alibi_slopes(config.num_heads)[shard.head_start:shard.head_start + shard.num_heads]
+        mpt = config.alibi_bias_max is not None
+        slopes = mpt_alibi_slopes(config.num_heads, config.alibi_bias_max) if mpt else alibi_slopes(config.num_heads)
+        self.slope_values, self.relative = slopes[shard.head_start:shard.head_start + shard.num_heads], mpt
         self._slopes: torch.Tensor | None = None
+
+    def forward(self, hidden: torch.Tensor, rope_rows, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata, backend) -> torch.Tensor:
+        heads, kv_heads = self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(hidden)
+        if self.config.clip_qkv is not None:
+            qkv = qkv.clamp(-self.config.clip_qkv, self.config.clip_qkv)
+        q, k, v = qkv.view(-1, heads + 2 * kv_heads, self.config.head_dim).split([heads, kv_heads, kv_heads], dim=1)
+        out = self.attend(q, k, v, kv_cache, meta, backend)
+        return self.comm.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                meta: AttentionMetadata, backend) -> torch.Tensor:
@@ -51,8 +66,8 @@ class AlibiAttention(Attention):
         backend.store_kv(k, v, k_cache, v_cache, meta, k_scale=self.k_scale, v_scale=self.v_scale)
         if self._slopes is None or self._slopes.device != q.device:
             self._slopes = self.slope_values.to(q.device)
-        return alibi_attention(q, k_cache, v_cache, meta, self.scale, self._slopes, k_scale=self.k_scale,
-                               v_scale=self.v_scale)
+        return alibi_attention(q, k_cache, v_cache, meta, self.scale, self._slopes, relative=self.relative,
+                               k_scale=self.k_scale, v_scale=self.v_scale)
 
 
 class BloomForCausalLM(GPTNeoXForCausalLM):
@@ -80,3 +95,43 @@ class BloomForCausalLM(GPTNeoXForCausalLM):
         if not fused:
             return super(GPTNeoXForCausalLM, self).read_tensor(hf_name, name, tensor)
         return split_grouped_qkv(self.config, hf_name, head, suffix, tensor)
+
+
+# MPT's names (past `transformer.`) -> the model's
+_MPT_RENAMES = ((".norm_1.", ".input_layernorm."), (".norm_2.", ".post_attention_layernorm."),
+                (".attn.out_proj.", ".self_attn.o_proj."), (".ffn.up_proj.", ".mlp.up_proj."),
+                (".ffn.down_proj.", ".mlp.down_proj."))
+_MPT_TOP_NAMES = {"wte.weight": "embed_tokens.weight", "norm_f.weight": "norm.weight"}
+
+
+class MptForCausalLM(GPTNeoXForCausalLM):
+    """MosaicML's MPT (`MptForCausalLM`: MPT-7B, -30B and their Instruct, Chat and StoryWriter releases): GPT-NeoX's
+    sequential layer without biases, its LayerNorms a weight alone (Cohere's), an ungated MLP through exact GELU,
+    ALiBi attention with MPT's slopes (`mpt_alibi_slopes`, their bias relative to the last key) from one fused `Wqkv`
+    (q, k and v rows one after the other) clamped to +-`clip_qkv` where set; the head tied to the table. Names:
+    `transformer.wte`, `transformer.blocks.N` (`norm_1`, `attn.Wqkv`, `attn.out_proj`, `norm_2`, `ffn.up_proj`,
+    `ffn.down_proj`), `transformer.norm_f`."""
+
+    graph_safe = False
+    norm_class = CohereLayerNorm
+
+    def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
+        layer = super().make_layer(index, ops)
+        c = self.config
+        layer.input_layernorm = CohereLayerNorm(c.hidden_size, c.rms_norm_eps)
+        layer.post_attention_layernorm = CohereLayerNorm(c.hidden_size, c.rms_norm_eps)
+        layer.self_attn = AlibiAttention(c, self.shard, self.comm, layer.self_attn.rotary_emb, index)
+        return layer
+
+    def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
+        """MPT's names as the model's; the fused Wqkv as q_proj, k_proj and v_proj."""
+        name = checkpoint_name(name, "transformer.", _MPT_TOP_NAMES, _MPT_RENAMES, blocks="blocks.")
+        head, fused, suffix = name.partition(".attn.Wqkv.")
+        if not fused:
+            return super(GPTNeoXForCausalLM, self).read_tensor(hf_name, name, tensor)
+        size = self.config.num_heads * self.config.head_dim
+        if tensor.shape[0] != 3 * size:
+            raise WeightLoadError(f"{hf_name}: shape {tuple(tensor.shape)} does not match the config ({3 * size} "
+                                  "rows of q, k and v)")
+        return [(f"{head}.self_attn.{proj}.{suffix}", part)
+                for proj, part in zip(("q_proj", "k_proj", "v_proj"), tensor.split(size))]

@@ -2223,6 +2223,32 @@ def test_bloom_reads_as_transformers_does():
         ModelConfig.from_hf_config({**bare, "apply_residual_connection_post_layernorm": True})
 
 
+def test_mpt_reads_as_transformers_does():
+    """MPT (`MptForCausalLM`) at MptConfig's defaults and as MPT-7B's config.json spells it (`d_model`, `n_heads`,
+    `n_layers`, `attn_config`): the parameter count is transformers' model's (no biases, weight-only LayerNorms, the
+    tied head). What transformers does not serve as the config says (another MLP width or bias spread, q/k
+    LayerNorms, a prefix LM, multi-query attention, biases) is refused by name."""
+    transformers = pytest.importorskip("transformers")
+
+    card = {"architectures": ["MptForCausalLM"], "d_model": 4096, "n_heads": 32, "n_layers": 32, "vocab_size": 50_432,
+            "max_seq_len": 2048, "expansion_ratio": 4, "no_bias": True,
+            "attn_config": {"alibi": True, "alibi_bias_max": 8, "clip_qkv": None, "qk_ln": False}}
+    for config in ({"architectures": ["MptForCausalLM"]}, card):
+        cfg = ModelConfig.from_hf_config(config)
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(transformers.MptConfig(
+                **{k: v for k, v in config.items() if k != "architectures"}))
+        assert cfg.num_params() == sum(p.numel() for p in model.parameters())
+    assert round(cfg.num_params() / 1e9, 2) == 6.65 and cfg.max_position_embeddings == 2048
+    for key, bad in (("expansion_ratio", {"expansion_ratio": 2}), ("no_bias", {"no_bias": False}),
+                     ("attn_config.alibi_bias_max", {"attn_config": {"alibi_bias_max": 16}}),
+                     ("attn_config.qk_ln", {"attn_config": {"qk_ln": True}}),
+                     ("attn_config.prefix_lm", {"attn_config": {"prefix_lm": True}}),
+                     ("attn_config.attn_type", {"attn_config": {"attn_type": "multiquery_attention"}})):
+        with pytest.raises(ConfigError, match=f"^{key}:"):
+            ModelConfig.from_hf_config({**card, **bad})
+
+
 @pytest.mark.parametrize("config_class,arch", [("MambaConfig", "MambaForCausalLM"),
                                                 ("FalconMambaConfig", "FalconMambaForCausalLM")])
 def test_mamba_and_falcon_mamba_read_as_transformers_does(config_class, arch):

@@ -528,6 +528,10 @@ TINY_MODELS = [
     # 6 heads (two past the power of two: their slopes the odd steps of 8's)
     ("bloom", {"n_layer": 2, "n_head": 4}),
     ("bloom", {"n_layer": 2, "n_head": 6, "hidden_size": 96}),
+    # MPT: no biases, weight-only LayerNorms, exact GELU, ALiBi of MPT's slopes (4 heads); then 6 heads (MPT's slopes
+    # of 8 interleaved), q/k/v clamped and its own q.k scale
+    ("mpt", {"n_layers": 2, "n_heads": 4, "d_model": 64}),
+    ("mpt", {"n_layers": 2, "n_heads": 6, "d_model": 96, "attn_config": {"clip_qkv": 0.8, "softmax_scale": 0.2}}),
     # then half of each head rotated (the indexer's too), two local blocks of 8 and the best three in all
     ("minimax_m3_vl_text", {**MINIMAX_M3, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                                                               "partial_rotary_factor": 0.5},
