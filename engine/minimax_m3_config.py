@@ -20,7 +20,7 @@ from engine.config_values import read_float, read_int
 from engine.deepseek_config import grouped_experts
 from engine.rope_config import partial_rotary_factor
 
-__all__ = ["BlockIndexer", "minimax_m3_config", "minimax_m3_fields"]
+__all__ = ["BlockIndexer", "index_key_bytes", "minimax_m3_config", "minimax_m3_fields"]
 
 # MiniMaxM3VLTextConfig's where config.json names none (MiniMax M3's shape)
 DEFAULTS = {"vocab_size": 200_064, "hidden_size": 6144, "intermediate_size": 3072, "dense_intermediate_size": 12_288,
@@ -61,6 +61,11 @@ class BlockIndexer:
         and k norms."""
         d = self.head_dim
         return len(self.layers) * (hidden_size * (kv_heads + 1) * d + 2 * d)
+
+
+def index_key_bytes(config: Any, itemsize: int) -> int:
+    """The indexer keys a token adds to `config`'s cache on every rank (0 without block-sparse layers)."""
+    return config.block_indexer.index_bytes_per_token(itemsize) if config.block_indexer is not None else 0
 
 
 def minimax_m3_config(cfg: dict[str, Any]) -> dict[str, Any]:

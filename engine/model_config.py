@@ -24,7 +24,7 @@ from engine.mamba_config import Mamba2Shape
 from engine.falcon_h1_config import FalconH1Scales
 from engine.kimi_linear_config import KdaShape
 from engine.minimax_config import LightningShape
-from engine.minimax_m3_config import BlockIndexer
+from engine.minimax_m3_config import BlockIndexer, index_key_bytes
 from engine.lfm2_config import ShortConvShape
 from engine.mamba1_config import Mamba1Shape
 from engine.zamba2_config import Zamba2Blocks
@@ -319,8 +319,8 @@ class ModelConfig:
         """S_KV = kv_planes x num_kv_layers x num_kv_heads x head_dim x dtype_bytes (2 planes: K and V), each layer's
         own heads and head size where they differ (Gemma 4's full layers: `layer_kv_shape`); MiniMax M3's indexer
         keys."""
-        index = self.block_indexer.index_bytes_per_token(dtype.itemsize) if self.block_indexer else 0
-        return self.kv_planes * sum(h * d for h, d in map(self.layer_kv_shape, self.kv_layers)) * dtype.itemsize + index
+        return self.kv_planes * sum(h * d for h, d in map(self.layer_kv_shape, self.kv_layers)) * dtype.itemsize + \
+            index_key_bytes(self, dtype.itemsize)
 
     def layer_kv_shape(self, layer: int) -> tuple[int, int]:
         """(KV heads, head size) of layer `layer`'s attention: the model's, Gemma 4's full layers' own, or

@@ -53,6 +53,7 @@ import torch
 from engine.config import ConfigError, ceil_div
 from engine.fork_server import start_follower
 from engine.gemma4_config import rank_kv_heads
+from engine.minimax_m3_config import index_key_bytes
 from engine.model_config import ModelConfig
 from engine.rendezvous import describe_exit, join_group, serve_store
 
@@ -125,9 +126,8 @@ class ShardShape:
     def kv_bytes_per_token(self, model: ModelConfig, dtype: torch.dtype) -> int:
         """This rank's S_KV: kv_planes (K and V: 2) x num_kv_layers x its KV heads x head_dim x dtype bytes (each
         layer's heads and head size: Gemma 4's full layers have their own); MiniMax M3's indexer keys whole."""
-        index = model.block_indexer.index_bytes_per_token(dtype.itemsize) if model.block_indexer else 0
-        return model.kv_planes * dtype.itemsize * sum(
-            rank_kv_heads(heads, self.size) * dim for heads, dim in map(model.layer_kv_shape, model.kv_layers)) + index
+        return model.kv_planes * dtype.itemsize * sum(rank_kv_heads(heads, self.size) * dim for heads, dim in map(
+            model.layer_kv_shape, model.kv_layers)) + index_key_bytes(model, dtype.itemsize)
 
 
 def check_tensor_parallel(model: ModelConfig, size: int, key: str = "tensor_parallel_size") -> None:

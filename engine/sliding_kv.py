@@ -38,6 +38,7 @@ import torch
 
 from engine.config import SLIDING_KV, ConfigError, EngineConfig, PoolConfig
 from engine.gemma4_config import rank_kv_heads
+from engine.minimax_m3_config import index_key_bytes
 from engine.model_config import ModelConfig
 
 __all__ = ["SLIDING_KV", "PoolLimits", "SlidingRing", "device_ring", "engine_pool_limits", "paged_bytes_per_token",
@@ -101,9 +102,8 @@ def paged_bytes_per_token(model: ModelConfig, dtype: torch.dtype, tensor_paralle
     """S_KV of the paged blocks on one rank: every KV layer's K/V but those a ring holds (and MiniMax M3's indexer
     keys, whole on every rank)."""
     skip = set(ring.layers) if ring is not None else set()
-    index = model.block_indexer.index_bytes_per_token(dtype.itemsize) if model.block_indexer else 0
     return _layers_bytes(model, dtype, tensor_parallel_size, [i for i in range(model.num_kv_layers) if i not in skip]) \
-        + index
+        + index_key_bytes(model, dtype.itemsize)
 
 
 def rings_bytes(ring: SlidingRing | None, model: ModelConfig, dtype: torch.dtype, tensor_parallel_size: int) -> int:
