@@ -96,7 +96,12 @@ class MiniMaxM3ForCausalLM(Glm4MoeForCausalLM):
     moe_block = MiniMaxM3MoeBlock
     norm_class = GemmaRMSNorm
     norm_init = 0.0
-    graph_safe = False   # a sparse layer's choice loops over the step's sequences on the host
+
+    @property
+    def graph_safe(self) -> bool:
+        """CUDA graphs capture it where it has no block-sparse layer (whose choice loops over the step's sequences on
+        the host) and its experts allow (Qwen3-MoE's rule)."""
+        return self.config.block_indexer is None and super().graph_safe
 
     def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
         config = self.config
