@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from engine.aria_config import aria_text_fields
 from engine.bias_config import bloom_config, bloom_fields, mpt_config, mpt_fields
 from engine.cohere_moe_config import cohere2_moe_fields
 from engine.dbrx_config import dbrx_config, dbrx_fields
@@ -78,4 +79,5 @@ OWN_MODULE_FIELDS: dict[str, Callable[[dict[str, Any], int], dict[str, Any]]] = 
     "LongcatFlashForCausalLM": longcat_fields, "MllamaForCausalLM": mllama_fields,
     "Gemma3nForCausalLM": gemma3n_fields, "LaraMiniForCausalLM": lara_mini_fields,
     "MiniMaxForCausalLM": minimax_fields, "MiniMaxM3VLForCausalLM": minimax_m3_fields,
-    "Step3p7ForCausalLM": step3p7_fields, "BloomForCausalLM": bloom_fields, "MptForCausalLM": mpt_fields}
+    "Step3p7ForCausalLM": step3p7_fields, "BloomForCausalLM": bloom_fields, "MptForCausalLM": mpt_fields,
+    "AriaTextForCausalLM": aria_text_fields}

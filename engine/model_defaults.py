@@ -190,7 +190,7 @@ DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32_768, "
                          "GPTNeoForCausalLM": 2048, "CodeGenForCausalLM": 2048,
                          "NanoChatForCausalLM": 2048, "DbrxForCausalLM": 2048,
                          "MiniCPM3ForCausalLM": 32_768, "JambaForCausalLM": 262_144, "MllamaForCausalLM": 131_072,
-                         "Gemma3nForCausalLM": 32_768, "LaraMiniForCausalLM": 131_072,
+                         "Gemma3nForCausalLM": 32_768, "LaraMiniForCausalLM": 131_072, "AriaTextForCausalLM": 2048,
                          # models of state layers alone hold any length: the engine's default, a RAG pool's
                          "MambaForCausalLM": 131_072, "FalconMambaForCausalLM": 131_072,
                          "Mamba2ForCausalLM": 131_072, "Zamba2ForCausalLM": 4096}

@@ -66,6 +66,7 @@ TEXT_MODELS = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "language
                                                            "minimax_m3_vl_text"),
                # Step 3.7: its release's text model at `model.` beside `vision_model.` (`BARE_TEXT_WEIGHTS`)
                "Step3p7ForConditionalGeneration": ("Step3p7ForCausalLM", "language_model.", "step3p5"),
+               "AriaForConditionalGeneration": ("AriaTextForCausalLM", "language_model.", "aria_text"),
                "KimiK25ForConditionalGeneration": ("DeepseekV3ForCausalLM", "language_model.", "deepseek_v3"),
                # PaddleOCR-VL: ERNIE-4.5-0.3B's layers turned as Qwen2-VL's MRoPE turns them (rotate-half pairs: the
                # Llama model's), at `model.` beside `visual.` and the projector `mlp_AR.`

@@ -208,7 +208,8 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
            "hy_v4": transformers.HYV4Config, "deepseek_v4": transformers.DeepseekV4Config,
            "beam": transformers.BeamConfig, "gemma3n_text": transformers.Gemma3nTextConfig,
            "minimax": transformers.MiniMaxConfig, "minimax_m3_vl_text": transformers.MiniMaxM3VLTextConfig,
-           "bloom": transformers.BloomConfig, "mpt": transformers.MptConfig}[arch]
+           "bloom": transformers.BloomConfig, "mpt": transformers.MptConfig,
+           "aria_text": transformers.AriaTextConfig}[arch]
     config = cls(**common)
     if arch == "mistral4":   # transformers maps Mistral4Config to no causal LM class (only its pretraining one)
         transformers.AutoModelForCausalLM.register(transformers.Mistral4Config, transformers.Mistral4ForCausalLM,

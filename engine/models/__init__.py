@@ -3,18 +3,17 @@
 The Llama family (Llama 2/3, Qwen2, Qwen3, Mistral) is `engine.model.LlamaForCausalLM`; a variant that changes the layer
 itself has a module here, built from the same shared layers (`engine.layers`) and the same weight loading and
 tensor-parallel cuts: `gemma3` (Gemma 3's text model, and Gemma 2's), `gemma4` (Gemma 4's text model), `qwen3_moe`
-(Qwen3-MoE, Qwen2-MoE), `mixtral` (Mixtral's experts), `phi3` (Phi-3 and Phi-4: fused q/k/v and gate/up), `granite`
-(Granite 3 and 4), `olmo2` (OLMo 2 and 3: post-norm layers), `smollm3` (SmolLM3: NoPE layers), `gptj` (GPT-J, CodeGen),
-`gpt_oss` (GPT-OSS: sinks, MXFP4 experts), `cohere` (Command R, R7B, A Plus), `ernie` (ERNIE 4.5), `glm4` (GLM-4,
-GLM-4.5, K-EXAONE), `deepseek` (DeepSeek V2 and V3: latent attention, grouped routers, shared experts; Mistral Small 4),
-`deepseek_v32` (DeepSeek V3.2 and GLM-5: sparse attention), `minimax_m2` (MiniMax-M2), `llama4` (Llama 4's text model),
-`ministral3` (Ministral 3), `qwen3_5` (Qwen3.5, Qwen3-Next: Gated DeltaNet layers; `lara_mini`, Lara Mini's),
-`nemotron_h` (Nemotron-H), `lfm2` (LFM2: gated short convolutions), `kimi_linear` (Kimi Linear: Kimi Delta Attention
-beside latent attention), `minimax` (MiniMax-Text-01: lightning attention), `jamba` (Jamba: Mamba-1, NoPE attention,
-experts), `mamba` (Mamba, FalconMamba, Mamba2: Mamba blocks alone), `zamba2` (Zamba2: Mamba-2 layers, shared blocks),
-over `hybrid`'s states; `mimo` (MiMo-V2-Flash: two attention shapes); `apertus` (Apertus, Arcee's AFM, Jais 2: ungated
-MLPs), `mllama` (Llama 3.2 Vision's text model), `minimax_m3` (MiniMax M3: block-sparse attention), `step3p7` (Step 3.7:
-Laguna's layers), `bloom` (BLOOM: ALiBi). LongCat-Flash's sublayers and experts are in `deepseek`."""
+(Qwen3-MoE, Qwen2-MoE, Aria), `mixtral` (Mixtral's experts), `phi3` (Phi-3 and Phi-4: fused q/k/v and gate/up),
+`granite` (Granite 3 and 4), `olmo2` (OLMo 2 and 3: post-norm layers), `smollm3` (SmolLM3: NoPE layers), `gptj` (GPT-J,
+CodeGen), `gpt_oss` (GPT-OSS: sinks, MXFP4 experts), `cohere` (Command R, R7B, A Plus), `ernie` (ERNIE 4.5), `glm4`
+(GLM-4, GLM-4.5, K-EXAONE), `deepseek` (DeepSeek V2 and V3: latent attention, grouped routers, shared experts; Mistral
+Small 4), `deepseek_v32` (DeepSeek V3.2 and GLM-5: sparse attention), `minimax_m2` (MiniMax-M2), `llama4` (Llama 4's
+text model), `ministral3` (Ministral 3), `qwen3_5` (Qwen3.5, Qwen3-Next: Gated DeltaNet layers; `lara_mini`, Lara
+Mini's), `nemotron_h` (Nemotron-H), `lfm2` (LFM2: gated short convolutions), `kimi_linear` (Kimi Linear), `minimax`
+(MiniMax-Text-01: lightning attention), `jamba` (Jamba), `mamba` (Mamba, FalconMamba, Mamba2), `zamba2` (Zamba2), over
+`hybrid`'s states; `mimo` (MiMo-V2-Flash: two attention shapes); `apertus` (Apertus, Arcee's AFM, Jais 2: ungated MLPs),
+`mllama` (Llama 3.2 Vision's text model), `minimax_m3` (MiniMax M3: block-sparse attention), `step3p7` (Step 3.7:
+Laguna's layers), `bloom` (BLOOM, MPT: ALiBi). LongCat-Flash's sublayers and experts are in `deepseek`."""
 
 from __future__ import annotations
 
@@ -91,7 +90,7 @@ from engine.models.phimoe import PhimoeForCausalLM
 from engine.models.stablelm import StableLmForCausalLM
 from engine.models.nemotron_h import NemotronHForCausalLM
 from engine.models.qwen3_5 import Qwen3NextForCausalLM, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
-from engine.models.qwen3_moe import MellumForCausalLM, Qwen3MoeForCausalLM, SparseMoeBlock
+from engine.models.qwen3_moe import AriaTextForCausalLM, MellumForCausalLM, Qwen3MoeForCausalLM, SparseMoeBlock
 from engine.parallel import Collectives, ShardShape
 from engine.roofline import expert_params
 from kernels.fused import get_fused_ops
@@ -190,6 +189,7 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "MiniMaxM3VLForCausalLM": MiniMaxM3ForCausalLM,
                                                 "Step3p7ForCausalLM": Step3p7ForCausalLM,
                                                 "BloomForCausalLM": BloomForCausalLM, "MptForCausalLM": MptForCausalLM,
+                                                "AriaTextForCausalLM": AriaTextForCausalLM,
                                                 "LongcatFlashForCausalLM": LongcatFlashForCausalLM,
                                                 "Zamba2ForCausalLM": Zamba2ForCausalLM,
                                                 **dict.fromkeys(MAMBA_ARCHITECTURES, MambaForCausalLM)}

@@ -53,7 +53,7 @@ from kernels.mxfp4 import MXFP4_GROUP, dequantize_packed
 
 log = logging.getLogger("cliffguard.engine")
 
-__all__ = ["MellumForCausalLM", "Qwen3MoeForCausalLM", "SparseMoeBlock"]
+__all__ = ["AriaTextForCausalLM", "MellumForCausalLM", "Qwen3MoeForCausalLM", "SparseMoeBlock"]
 
 GROUPED_MM = getattr(torch, "_grouped_mm", None)   # torch's grouped matmul (group ends on the device), where built
 
@@ -365,3 +365,22 @@ class MellumForCausalLM(Qwen3MoeForCausalLM):
 
     def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
         return () if name.startswith("mtp.") else super().read_tensor(hf_name, name, tensor)
+
+
+# Aria's checkpoints' names -> Qwen3-MoE's
+_ARIA_NAMES = ((".mlp.router.", ".mlp.gate."), (".mlp.shared_experts.", ".mlp.shared_expert."),
+               (".mlp.experts.fc1.weight", ".mlp.experts.gate_up_proj"),
+               (".mlp.experts.fc2.weight", ".mlp.experts.down_proj"))
+
+
+class AriaTextForCausalLM(Qwen3MoeForCausalLM):
+    """Rhymes' Aria text model (`AriaTextForCausalLM`; its config: `engine.aria_config`): Qwen3-MoE's model without
+    q/k norms, experts on every layer beside ungated shared experts; its checkpoints' `mlp.router` read as the
+    router, `mlp.shared_experts` as the shared expert, its stacked experts (`mlp.experts.fc1` [experts, hidden, 2 x
+    inter], gate then up, and `fc2` [experts, inter, hidden]; transformers' `gate_up_proj` / `down_proj` alike) as
+    each expert's."""
+
+    def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
+        for theirs, ours in _ARIA_NAMES:
+            name = name.replace(theirs, ours)
+        return super().read_tensor(hf_name, name, tensor)

@@ -232,6 +232,9 @@ VISION_WRAPPERS = {
     # layers of their own query heads and rope beside full ones turning half of each head, dense first layers, the
     # clamps after the SiLU on the last layer
     "step3p7": ("step3p5", STEP3P7, "Step3p7ForCausalLM", "language_model."),
+    # Aria: the Llama layer with experts on every layer beside shared ones (stacked experts, `mlp.router`)
+    "aria": ("aria_text", {"intermediate_size": 32, "moe_num_experts": 4, "moe_topk": 2}, "AriaTextForCausalLM",
+             "language_model."),
 }
 
 
