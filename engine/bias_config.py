@@ -45,6 +45,11 @@ def bias_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
                 "partial_rotary_factor": partial_rotary_factor(cfg, 0.5)}
     if arch == "GPTNeoXForCausalLM":   # GPTNeoXConfig: multi-head, LayerNorms, two norms a parallel layer
         return gpt_neox_fields(cfg)
+    if arch == "PersimmonForCausalLM":   # PersimmonConfig: GPT-NeoX's sequential layer, squared ReLU, q/k LayerNorms
+        return {"rms_norm_eps": read_float(cfg, "layer_norm_eps", 1e-5), "attention_bias": True, "mlp_bias": True,
+                "hidden_act": "relu2", "qk_norm": read_bool(cfg, "qk_layernorm", True),
+                "num_kv_heads": read_int(cfg, "num_attention_heads"),   # multi-head whatever else config.json says
+                "partial_rotary_factor": partial_rotary_factor(cfg, 0.5)}
     if arch == "NanoChatForCausalLM":   # NanoChatConfig: weightless RMSNorms, logits capped at 15, squared ReLU
         if cfg.get("hidden_act", "relu2") != "relu2":
             raise ConfigError(f"hidden_act: nanochat is served with relu2, got {cfg['hidden_act']!r}")

@@ -76,7 +76,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
                            "GemmaForCausalLM", "VaultGemmaForCausalLM", "JambaForCausalLM",
                            "MambaForCausalLM", "FalconMambaForCausalLM", "Mamba2ForCausalLM", "Zamba2ForCausalLM",
                            "MiniMaxForCausalLM", "MiniMaxM3VLForCausalLM", "Step3p7ForCausalLM", "BloomForCausalLM",
-                           "MptForCausalLM", "AriaTextForCausalLM")
+                           "MptForCausalLM", "AriaTextForCausalLM", "PersimmonForCausalLM")
 # their attention bias: q/k/v's, not o_proj's
 QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM", "GlmForCausalLM",
                  "StableLmForCausalLM", "HeliumForCausalLM")

@@ -191,6 +191,7 @@ DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32_768, "
                          "NanoChatForCausalLM": 2048, "DbrxForCausalLM": 2048,
                          "MiniCPM3ForCausalLM": 32_768, "JambaForCausalLM": 262_144, "MllamaForCausalLM": 131_072,
                          "Gemma3nForCausalLM": 32_768, "LaraMiniForCausalLM": 131_072, "AriaTextForCausalLM": 2048,
+                         "PersimmonForCausalLM": 16_384,
                          # models of state layers alone hold any length: the engine's default, a RAG pool's
                          "MambaForCausalLM": 131_072, "FalconMambaForCausalLM": 131_072,
                          "Mamba2ForCausalLM": 131_072, "Zamba2ForCausalLM": 4096}
@@ -199,7 +200,7 @@ DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32_768, "
 OWN_ACTIVATIONS = {("xielu", "ApertusForCausalLM"), ("relu2", "ArceeForCausalLM"), ("relu2", "Jais2ForCausalLM"),
                    ("relu2", "NemotronForCausalLM"), ("gelu", "GPTNeoXForCausalLM"), ("gelu", "FalconForCausalLM"),
                    ("relu", "OPTForCausalLM"), ("relu2", "NanoChatForCausalLM"), ("gelu", "Zamba2ForCausalLM"),
-                   ("gelu", "MptForCausalLM")}
+                   ("gelu", "MptForCausalLM"), ("relu2", "PersimmonForCausalLM")}
 # their rms_norm_eps, where it is not 1e-6
 DEFAULT_RMS_NORM_EPS = {"MixtralForCausalLM": 1e-5, "Phi3ForCausalLM": 1e-5, "Olmo2ForCausalLM": 1e-5,
                         "Olmo3ForCausalLM": 1e-5,

@@ -34,12 +34,12 @@ FOUR_NORMS = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma4ForCausalLM", "Gl
 UNGATED_MLP = ("ApertusForCausalLM", "ArceeForCausalLM", "NanoChatForCausalLM", "Jais2ForCausalLM",
                "Starcoder2ForCausalLM", "NemotronForCausalLM", "PhiForCausalLM", "GPTNeoXForCausalLM",
                "FalconForCausalLM", "GPTJForCausalLM", "GPTBigCodeForCausalLM", "GPT2LMHeadModel", "OPTForCausalLM",
-               "GPTNeoForCausalLM", "CodeGenForCausalLM", "BloomForCausalLM", "MptForCausalLM")
+               "GPTNeoForCausalLM", "CodeGenForCausalLM", "BloomForCausalLM", "MptForCausalLM", "PersimmonForCausalLM")
 # LayerNorms (a weight and a bias), not RMSNorms
 LAYER_NORMS = ("Jais2ForCausalLM", "Starcoder2ForCausalLM", "NemotronForCausalLM", "StableLmForCausalLM",
                "PhiForCausalLM", "GPTNeoXForCausalLM", "PhimoeForCausalLM", "FalconForCausalLM", "GPTJForCausalLM",
                "GPTBigCodeForCausalLM", "GPT2LMHeadModel", "OPTForCausalLM", "GPTNeoForCausalLM", "CodeGenForCausalLM",
-               "BloomForCausalLM")
+               "BloomForCausalLM", "PersimmonForCausalLM")
 WEIGHTLESS_NORMS = ("OlmoForCausalLM", "NanoChatForCausalLM")   # norms without parameters
 # routers with a correction (or expert) bias of a value an expert
 BIASED_ROUTERS = ("deepseek_v3", "minimax_m2", "ernie4_5", "lfm2", "afmoe", "kolibri")
@@ -116,6 +116,7 @@ def count_params(config: Any, heads: int, kv_heads: int, i: int, moe_i: int, v: 
     norms *= 0 if config.architecture in WEIGHTLESS_NORMS else 1
     # q/k norms: a weight per channel of a head (Cohere: each head its own)
     qk = (q + kv if config.architecture in HEAD_QK_NORMS else 2 * d) if config.qk_norm else 0
+    qk *= 2 if config.architecture == "PersimmonForCausalLM" else 1   # its q/k LayerNorms' biases
     per_layer = attn + norms * h + qk + (heads if config.attention_sinks else 0)
     if config.architecture in WIDE_QK_NORM:   # q and k normed whole: a weight per channel
         per_layer += q + kv

@@ -209,7 +209,7 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
            "beam": transformers.BeamConfig, "gemma3n_text": transformers.Gemma3nTextConfig,
            "minimax": transformers.MiniMaxConfig, "minimax_m3_vl_text": transformers.MiniMaxM3VLTextConfig,
            "bloom": transformers.BloomConfig, "mpt": transformers.MptConfig,
-           "aria_text": transformers.AriaTextConfig}[arch]
+           "aria_text": transformers.AriaTextConfig, "persimmon": transformers.PersimmonConfig}[arch]
     config = cls(**common)
     if arch == "mistral4":   # transformers maps Mistral4Config to no causal LM class (only its pretraining one)
         transformers.AutoModelForCausalLM.register(transformers.Mistral4Config, transformers.Mistral4ForCausalLM,
@@ -221,7 +221,8 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
                 "deepseek_v32", "glm_moe_dsa", "lfm2", "lfm2_moe", "solar_open", "arcee", "mimo_v2_flash", "jais2",
                 "granite_swa", "granitemoe_swa", "falcon_h1", "starcoder2", "glm", "laguna", "nemotron",
                 "stablelm", "lfm3", "flint", "helium", "phi", "gpt_neox", "phimoe", "falcon",
-                "gptj", "gpt_bigcode", "gpt2", "opt", "internlm3", "hy_v4", "gpt_neo", "codegen", "bloom"):
+                "gptj", "gpt_bigcode", "gpt2", "opt", "internlm3", "hy_v4", "gpt_neo", "codegen", "bloom",
+                "persimmon"):
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if name.endswith(("bias", "sinks")):   # LayerNorm models' small: a bias on every norm and
@@ -229,7 +230,7 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
                     param.normal_(0.0, 0.1 if arch in ("jais2", "starcoder2", "nemotron", "stablelm", "phi",
                                                        "gpt_neox", "phimoe", "falcon", "gptj",
                                                        "gpt_bigcode", "gpt2", "opt", "gpt_neo",
-                                                       "codegen", "bloom") else 1.0)
+                                                       "codegen", "bloom", "persimmon") else 1.0)
     # state layers' decay rates (A = -exp(A_log)) small, so a state holds tens of tokens: transformers starts them
     # at up to 16 a step, which forgets a state within a token or two and would hide one resumed wrong
     with torch.no_grad():

@@ -120,6 +120,20 @@ class GemmaHeadRMSNorm(HeadRMSNorm):
         heads.copy_(_gemma_norm(heads, self.weight, self.eps))
 
 
+class HeadLayerNorm(nn.Module):
+    """torch's LayerNorm over each head of a [num_tokens, num_heads, head_dim] view, one weight and one bias
+    [head_dim] for every head, written back in place (Persimmon's q_layernorm and k_layernorm)."""
+
+    def __init__(self, head_dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(head_dim))
+        self.bias = nn.Parameter(torch.zeros(head_dim))
+        self.eps = eps
+
+    def forward(self, heads: torch.Tensor) -> None:
+        heads.copy_(F.layer_norm(heads, (heads.shape[-1],), self.weight, self.bias, self.eps))
+
+
 class BiasLayerNorm(nn.Module):
     """torch's LayerNorm (mean-centred, a weight and a bias; transformers' `nn.LayerNorm` norms, Jais 2's), with the
     residual add fused as `RMSNorm`'s: `forward(x)` -> normed; `forward(x, residual)` -> `(normed, residual)`, the

@@ -5,15 +5,14 @@ itself has a module here, built from the same shared layers (`engine.layers`) an
 tensor-parallel cuts: `gemma3` (Gemma 3's text model, and Gemma 2's), `gemma4` (Gemma 4's text model), `qwen3_moe`
 (Qwen3-MoE, Qwen2-MoE, Aria), `mixtral` (Mixtral's experts), `phi3` (Phi-3 and Phi-4: fused q/k/v and gate/up),
 `granite` (Granite 3 and 4), `olmo2` (OLMo 2 and 3: post-norm layers), `smollm3` (SmolLM3: NoPE layers), `gptj` (GPT-J,
-CodeGen), `gpt_oss` (GPT-OSS: sinks, MXFP4 experts), `cohere` (Command R, R7B, A Plus), `ernie` (ERNIE 4.5), `glm4`
-(GLM-4, GLM-4.5, K-EXAONE), `deepseek` (DeepSeek V2 and V3: latent attention, grouped routers, shared experts; Mistral
-Small 4), `deepseek_v32` (DeepSeek V3.2 and GLM-5: sparse attention), `minimax_m2` (MiniMax-M2), `llama4` (Llama 4's
-text model), `ministral3` (Ministral 3), `qwen3_5` (Qwen3.5, Qwen3-Next: Gated DeltaNet layers; `lara_mini`, Lara
-Mini's), `nemotron_h` (Nemotron-H), `lfm2` (LFM2: gated short convolutions), `kimi_linear` (Kimi Linear), `minimax`
-(MiniMax-Text-01: lightning attention), `jamba` (Jamba), `mamba` (Mamba, FalconMamba, Mamba2), `zamba2` (Zamba2), over
-`hybrid`'s states; `mimo` (MiMo-V2-Flash: two attention shapes); `apertus` (Apertus, Arcee's AFM, Jais 2: ungated MLPs),
+CodeGen), `gpt_oss` (GPT-OSS), `cohere` (Command R, R7B, A Plus), `ernie` (ERNIE 4.5), `glm4` (GLM-4, GLM-4.5,
+K-EXAONE), `deepseek` (DeepSeek V2 and V3, Mistral Small 4), `deepseek_v32` (DeepSeek V3.2 and GLM-5: sparse attention),
+`minimax_m2` (MiniMax-M2), `llama4` (Llama 4's text model), `ministral3` (Ministral 3), `qwen3_5` (Qwen3.5, Qwen3-Next:
+Gated DeltaNet layers; `lara_mini`, Lara Mini's), `nemotron_h` (Nemotron-H), `lfm2` (LFM2), `kimi_linear` (Kimi Linear),
+`minimax` (MiniMax-Text-01: lightning attention), `jamba` (Jamba), `mamba` (Mamba, FalconMamba, Mamba2), `zamba2`
+(Zamba2), over `hybrid`'s states; `mimo` (MiMo-V2-Flash); `apertus` (Apertus, Arcee's AFM, Jais 2: ungated MLPs),
 `mllama` (Llama 3.2 Vision's text model), `minimax_m3` (MiniMax M3: block-sparse attention), `step3p7` (Step 3.7:
-Laguna's layers), `bloom` (BLOOM, MPT: ALiBi). LongCat-Flash's sublayers and experts are in `deepseek`."""
+Laguna's layers), `bloom` (BLOOM, MPT: ALiBi). LongCat-Flash's are in `deepseek`, Persimmon's in `gpt_neox`."""
 
 from __future__ import annotations
 
@@ -79,7 +78,7 @@ from engine.models.phi3 import Phi3ForCausalLM
 from engine.models.smollm3 import SmolLM3ForCausalLM
 from engine.models.falcon import FalconForCausalLM
 from engine.models.gpt2 import GPT2LMHeadModel, GPTBigCodeForCausalLM, GPTNeoForCausalLM, OPTForCausalLM
-from engine.models.gpt_neox import GPTNeoXForCausalLM
+from engine.models.gpt_neox import GPTNeoXForCausalLM, PersimmonForCausalLM
 from engine.models.gptj import CodeGenForCausalLM, GPTJForCausalLM
 from engine.models.phi import PhiForCausalLM
 from engine.models.dbrx import DbrxForCausalLM
@@ -190,6 +189,7 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
                                                 "Step3p7ForCausalLM": Step3p7ForCausalLM,
                                                 "BloomForCausalLM": BloomForCausalLM, "MptForCausalLM": MptForCausalLM,
                                                 "AriaTextForCausalLM": AriaTextForCausalLM,
+                                                "PersimmonForCausalLM": PersimmonForCausalLM,
                                                 "LongcatFlashForCausalLM": LongcatFlashForCausalLM,
                                                 "Zamba2ForCausalLM": Zamba2ForCausalLM,
                                                 **dict.fromkeys(MAMBA_ARCHITECTURES, MambaForCausalLM)}

@@ -20,14 +20,16 @@ import torch
 from torch import nn
 
 from engine.layers import BiasLayerNorm
+from engine.layers.norm import HeadLayerNorm
 from engine.model import DecoderLayer, LlamaForCausalLM, WeightLoadError
 from engine.model_config import ModelConfig
 from engine.models.apertus import ApertusMLP, GeluTanh, Jais2ForCausalLM
 from engine.models.cohere import CohereDecoderLayer
+from engine.models.nemotron_h import ReluSquared
 from engine.models.phi3 import partial_rotary_rows
 from engine.models.smollm3 import layer_rotary
 
-__all__ = ["GPTNeoXForCausalLM", "checkpoint_name", "split_grouped_qkv", "ungated_layer"]
+__all__ = ["GPTNeoXForCausalLM", "PersimmonForCausalLM", "checkpoint_name", "split_grouped_qkv", "ungated_layer"]
 
 # the checkpoint's names (past `gpt_neox.`) -> the model's (before Jais 2's reading: the MLP's up_proj as its `up`)
 _RENAMES = ((".attention.dense.", ".self_attn.o_proj."), (".mlp.dense_h_to_4h.", ".mlp.up_proj."),
@@ -102,3 +104,35 @@ class GPTNeoXForCausalLM(Jais2ForCausalLM):
         if not fused:
             return super().read_tensor(hf_name, name, tensor)
         return split_grouped_qkv(self.config, hf_name, head, suffix, tensor)
+
+
+# Persimmon's names -> the model's (before Jais 2's reading)
+_PERSIMMON_RENAMES = ((".self_attn.dense.", ".self_attn.o_proj."), (".self_attn.q_layernorm.", ".self_attn.q_norm."),
+                      (".self_attn.k_layernorm.", ".self_attn.k_norm."), (".mlp.dense_h_to_4h.", ".mlp.up_proj."),
+                      (".mlp.dense_4h_to_h.", ".mlp.down_proj."))
+_PERSIMMON_TOP = {"final_layernorm.weight": "norm.weight", "final_layernorm.bias": "norm.bias"}
+
+
+class PersimmonForCausalLM(GPTNeoXForCausalLM):
+    """Adept's Persimmon (`PersimmonForCausalLM`: Persimmon-8B): GPT-NeoX's sequential layer (`use_parallel_residual`
+    false) through squared ReLU, q and k normed per head before the rotary by one LayerNorm of a weight and a bias each
+    (`HeadLayerNorm`, where `qk_layernorm`), half of each head turned by default. Names: a layer's
+    `self_attn.query_key_value` holding each head's q, k and v rows one after the other (split as read),
+    `self_attn.dense`, `self_attn.q_layernorm` / `k_layernorm` (reordered as the q/k rows are for the partial
+    rotary), `mlp.dense_h_to_4h` / `dense_4h_to_h`, `final_layernorm`."""
+
+    def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
+        c = self.config
+        layer = ungated_layer(self, index, ops, ReluSquared())
+        if c.qk_norm:
+            layer.self_attn.q_norm = HeadLayerNorm(c.head_dim, c.rms_norm_eps)
+            layer.self_attn.k_norm = HeadLayerNorm(c.head_dim, c.rms_norm_eps)
+        return layer
+
+    def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
+        name = checkpoint_name(name, "", _PERSIMMON_TOP, _PERSIMMON_RENAMES, blocks="layers.")
+        head, fused, suffix = name.partition(".self_attn.query_key_value.")
+        if fused:
+            return split_grouped_qkv(self.config, hf_name, head, suffix, tensor)
+        return super(GPTNeoXForCausalLM, self).read_tensor(hf_name, name, partial_rotary_rows(self.config, name,
+                                                                                               tensor))

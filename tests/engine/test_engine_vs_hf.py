@@ -531,6 +531,11 @@ TINY_MODELS = [
     # MPT: no biases, weight-only LayerNorms, exact GELU, ALiBi of MPT's slopes (4 heads); then 6 heads (MPT's slopes
     # of 8 interleaved), q/k/v clamped and its own q.k scale
     ("mpt", {"n_layers": 2, "n_heads": 4, "d_model": 64}),
+    # Persimmon: GPT-NeoX's sequential layer through squared ReLU, q/k LayerNorms (a weight and a bias) before half of
+    # each head turns; then without the q/k norms, a quarter turned
+    ("persimmon", {"num_attention_heads": 4, "intermediate_size": 128}),
+    ("persimmon", {"num_attention_heads": 4, "intermediate_size": 128, "qk_layernorm": False,
+                   "rope_parameters": {"rope_type": "default", "rope_theta": 25000.0, "partial_rotary_factor": 0.25}}),
     # Aria: the Llama layer with 4 experts (2 a token) on every layer beside 2 shared ones as one ungated MLP
     ("aria_text", {"intermediate_size": 32, "moe_num_experts": 4, "moe_topk": 2, "moe_num_shared_experts": 2}),
     ("mpt", {"n_layers": 2, "n_heads": 6, "d_model": 96, "attn_config": {"clip_qkv": 0.8, "softmax_scale": 0.2}}),

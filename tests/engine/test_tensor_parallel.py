@@ -495,6 +495,7 @@ QWEN3 = {"head_dim": 32, "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
     ("bloom", {"n_layer": 2, "n_head": 4}, None),
     ("mpt", {"n_layers": 2, "n_heads": 4, "d_model": 64, "attn_config": {"clip_qkv": 0.8}}, None),
     ("aria_text", {"intermediate_size": 32, "moe_num_experts": 4, "moe_topk": 2}, None),
+    ("persimmon", {"num_attention_heads": 4, "intermediate_size": 128}, None),
 ])
 def test_two_ranks_generate_what_one_does(tmp_path, builtin_path, prompts, arch, overrides, overlap):
     # A tiny random model with even head counts (4 heads, 2 KV heads); Qwen3 q/k head norms (whole on every rank) and
@@ -546,7 +547,8 @@ def test_two_ranks_generate_what_one_does(tmp_path, builtin_path, prompts, arch,
     # beside Mixtral's experts; MiniMax M3 each rank's KV heads' indexer heads (their rows of its q projection; its key
     # projection and norms whole on each rank) choosing their blocks; BLOOM each rank's heads' ALiBi slopes, its q/k/v
     # rows out of the fused projection, its embedding's LayerNorm whole; MPT its heads' own slopes and q/k/v rows,
-    # clamped; Aria its stacked experts' and shared experts' rows. Qwen3's, Mixtral's and DeepSeek's groups overlap
+    # clamped; Aria its stacked experts' and shared experts' rows; Persimmon its heads' q/k/v rows, its q/k LayerNorms
+    # whole on each rank. Qwen3's, Mixtral's and DeepSeek's groups overlap
     # their steps: the other rank fills the placeholders of each step's inputs from rank 0's sampled ids
     # (engine.overlap). Six tokens each: a wrong cut shows at once, and each step of two gloo ranks costs ~80 ms on a
     # 2-core machine
