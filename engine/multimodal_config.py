@@ -67,6 +67,10 @@ TEXT_MODELS = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "language
                # Step 3.7: its release's text model at `model.` beside `vision_model.` (`BARE_TEXT_WEIGHTS`)
                "Step3p7ForConditionalGeneration": ("Step3p7ForCausalLM", "language_model.", "step3p5"),
                "AriaForConditionalGeneration": ("AriaTextForCausalLM", "language_model.", "aria_text"),
+               # Emu3: the Llama model at `text_model.` beside its VQ-VAE image tokenizer (not read)
+               "Emu3ForConditionalGeneration": ("LlamaForCausalLM", "text_model.", "emu3_text_model"),
+               # Fuyu: Persimmon's text model beside the linear patch embedding it is fed (not read)
+               "FuyuForCausalLM": ("PersimmonForCausalLM", "language_model.", "persimmon"),
                "KimiK25ForConditionalGeneration": ("DeepseekV3ForCausalLM", "language_model.", "deepseek_v3"),
                # PaddleOCR-VL: ERNIE-4.5-0.3B's layers turned as Qwen2-VL's MRoPE turns them (rotate-half pairs: the
                # Llama model's), at `model.` beside `visual.` and the projector `mlp_AR.`

@@ -348,3 +348,42 @@ def test_paddleocr_vl_reads_its_text_model_from_the_top_of_its_first_releases_co
             cfg.tie_word_embeddings, cfg.bare_text_weights, cfg.rope_scaling.rope_type, cfg.rope_theta) == \
         ("LlamaForCausalLM", 18, 128, 2, False, False, False, True, "default", 500_000.0)
     assert ModelConfig.from_hf_config({**card, "use_bias": True}).mlp_bias
+
+
+def test_a_fuyu_checkpoint_serves_its_persimmon_text_model(tmp_path, builtin_path):
+    """Fuyu (`FuyuForCausalLM`): Persimmon's text model at `language_model.` beside the linear embedding of image
+    patches (`vision_embed_tokens`, not read); greedy text token-identical to transformers' Fuyu on text input."""
+    import transformers
+
+    text = transformers.PersimmonConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, max_position_embeddings=512, initializer_range=0.2,
+                                        bos_token_id=1, eos_token_id=2)
+    config = transformers.FuyuConfig(text_config=text.to_dict(), patch_size=4, num_channels=3)
+    torch.manual_seed(0)
+    hf = transformers.FuyuForCausalLM(config).eval()
+    with torch.no_grad():   # biases and the q/k LayerNorms away from their start (zeros, ones)
+        for name, param in hf.named_parameters():
+            if name.endswith(".bias") or "layernorm" in name:
+                param.normal_(0.0 if name.endswith(".bias") else 1.0, 0.1)
+    folder = tmp_path / "fuyu"
+    hf.save_pretrained(folder)
+    _assert_serves_its_text_model(hf, folder, builtin_path, "PersimmonForCausalLM", "language_model.")
+
+
+def test_an_emu3_checkpoint_serves_its_llama_text_model(tmp_path, builtin_path):
+    """Emu3 (`Emu3ForConditionalGeneration`): the Llama model at `text_model.` beside its VQ-VAE image tokenizer (not
+    read); greedy text token-identical to transformers' Emu3 on text input."""
+    import transformers
+
+    text = transformers.Emu3TextConfig(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                       initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    vq = transformers.Emu3VQVAEConfig(codebook_size=64, base_channels=32, channel_multiplier=[1, 1],
+                                      num_res_blocks=1, attn_resolutions=[], hidden_size=16)
+    config = transformers.Emu3Config(text_config=text.to_dict(), vq_config=vq.to_dict(),
+                                     vocabulary_map={f"<|visual token {i:06d}|>": 400 + i for i in range(64)})
+    torch.manual_seed(0)
+    hf = transformers.Emu3ForConditionalGeneration(config).eval()
+    folder = tmp_path / "emu3"
+    hf.save_pretrained(folder)
+    _assert_serves_its_text_model(hf, folder, builtin_path, "LlamaForCausalLM", "text_model.")
