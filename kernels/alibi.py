@@ -43,28 +43,48 @@ def alibi_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     v_scale: float = 1.0, chunk: int = 32) -> torch.Tensor:
     """query [T, heads, head_dim]; caches [num_blocks, block_size, kv_heads, head_dim], this step's rows stored;
     slopes [heads] float32 (this rank's heads') -> [T, heads, head_dim] in query's dtype. `relative`: the bias slope x
-    (j - the last key's position), MPT's (the same softmax, its roundings)."""
-    heads, kv_heads = query.shape[1], key_cache.shape[2]
+    (j - the last key's position), MPT's (the same softmax, its roundings). A decode step (one query a sequence) runs
+    its sequences at once over the longest one's keys (the rest masked: the causal cut); any other step a sequence
+    and `chunk` queries at a time."""
+    bias = (slopes.float(), relative)
+    if all(n == 1 for n in meta.query_lens_list):
+        slots = context_slots(meta, list(range(len(meta.seq_lens_list))), max(meta.seq_lens_list))   # [n, L]
+        last = (meta.seq_lens.to(torch.int64) - 1)[:, None]
+        return _attend(query[:, None], _gather(key_cache, slots, k_scale), _gather(value_cache, slots, v_scale), last,
+                       last[:, 0], bias, scale)[:, 0].to(query.dtype)
     out = torch.empty_like(query)
     start = 0
     for i, (q_len, s_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
-        slots = context_slots(meta, [i], s_len)[0]
-        keys, values = _gather(key_cache, slots, k_scale), _gather(value_cache, slots, v_scale)   # [s_len, kv, d]
-        keys_at = torch.arange(s_len, device=query.device)
-        offsets = keys_at - (s_len - 1) if relative else keys_at
-        bias = slopes.float().view(kv_heads, heads // kv_heads)[..., None, None] * offsets     # [kv, g, 1, s_len]
+        slots = context_slots(meta, [i], s_len)                                                  # [1, s_len]
+        keys, values = _gather(key_cache, slots, k_scale), _gather(value_cache, slots, v_scale)   # [1, s_len, kv, d]
+        last = torch.tensor([s_len - 1], device=query.device)
         for a in range(0, q_len, chunk):
             b = min(a + chunk, q_len)
             rows = slice(start + a, start + b)
-            q = query[rows].float().view(b - a, kv_heads, heads // kv_heads, -1)                  # [c, kv, g, d]
-            logits = torch.einsum("ckgd,tkd->kgct", q, keys) * scale + bias
-            positions = torch.arange(s_len - q_len + a, s_len - q_len + b, device=query.device)
-            causal = keys_at[None, :] <= positions[:, None]
-            probs = logits.masked_fill(~causal, float("-inf")).softmax(dim=-1)
-            out[rows] = torch.einsum("kgct,tkd->ckgd", probs, values).reshape(b - a, heads, -1).to(out.dtype)
+            positions = torch.arange(s_len - q_len + a, s_len - q_len + b, device=query.device)[None]
+            out[rows] = _attend(query[None, rows], keys, values, positions, last, bias, scale)[0].to(out.dtype)
         start += q_len
     return out
 
 
+def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+            last: torch.Tensor, bias: tuple[torch.Tensor, bool], scale: float) -> torch.Tensor:
+    """query [B, c, heads, d] at `positions` [B, c]; keys, values [B, L, kv_heads, d] float32 (a sequence's; past its
+    `last` [B] key another's or none: the causal cut masks them) -> [B, c, heads, d] float32."""
+    b, c, heads, d = query.shape
+    kv_heads = keys.shape[2]
+    slopes, relative = bias
+    keys_at = torch.arange(keys.shape[1], device=query.device)
+    offsets = keys_at - last[:, None] if relative else keys_at.expand(b, -1)                     # [B, L]
+    alibi = slopes.view(kv_heads, heads // kv_heads)[None, :, :, None, None] * offsets[:, None, None, None, :]
+    q = query.float().view(b, c, kv_heads, heads // kv_heads, d)
+    logits = torch.einsum("bckgd,btkd->bkgct", q, keys) * scale + alibi                          # [B, kv, g, c, L]
+    causal = keys_at <= positions[..., None]                                                      # [B, c, L]
+    probs = logits.masked_fill(~causal[:, None, None], float("-inf")).softmax(dim=-1)
+    return torch.einsum("bkgct,btkd->bckgd", probs, values).reshape(b, c, heads, d)
+
+
 def _gather(cache: torch.Tensor, slots: torch.Tensor, scale: float) -> torch.Tensor:
-    return dequantize_kv(cache.view(-1, *cache.shape[2:]).index_select(0, slots), torch.float32, scale)
+    """[*slots.shape, heads, d] float32: the cache's rows at `slots`."""
+    rows = cache.view(-1, *cache.shape[2:]).index_select(0, slots.reshape(-1))
+    return dequantize_kv(rows, torch.float32, scale).view(*slots.shape, *cache.shape[2:])

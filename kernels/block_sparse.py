@@ -37,49 +37,68 @@ def block_sparse_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
                            v_scale: float = 1.0, chunk: int = 32) -> torch.Tensor:
     """query [T, heads, head_dim]; index_q [T, kv_heads, index_head_dim] (normed, rotated); key_cache, value_cache
     [num_blocks, cache_block_size, kv_heads, head_dim] and index_cache [num_blocks, cache_block_size, 1,
-    index_head_dim], this step's rows already stored -> [T, heads, head_dim] in query's dtype."""
-    heads, kv_heads = query.shape[1], key_cache.shape[2]
+    index_head_dim], this step's rows already stored -> [T, heads, head_dim] in query's dtype. A decode step (one
+    query a sequence) runs its sequences at once, over the longest one's keys (the rest masked); any other step a
+    sequence and `chunk` queries at a time."""
+    pick = (block_size, topk_blocks, local_blocks)
+    if all(n == 1 for n in meta.query_lens_list):
+        lengths = meta.seq_lens.to(torch.int64)
+        slots = context_slots(meta, list(range(len(meta.seq_lens_list))), max(meta.seq_lens_list))   # [n, L]
+        keep = picked_keys(index_q[:, None], _gather(index_cache, slots, 1.0)[..., 0, :], (lengths - 1)[:, None],
+                           *pick)                                                              # [n, kv, 1, L]
+        return _attend(query[:, None], _gather(key_cache, slots, k_scale), _gather(value_cache, slots, v_scale),
+                       keep, scale)[:, 0].to(query.dtype)
     out = torch.empty_like(query)
     start = 0
     for i, (q_len, s_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
-        slots = context_slots(meta, [i], s_len)[0]
-        index_keys = _gather(index_cache, slots, 1.0)[:, 0]                                     # [s_len, d_index]
-        keys, values = _gather(key_cache, slots, k_scale), _gather(value_cache, slots, v_scale)   # [s_len, kv, d]
+        slots = context_slots(meta, [i], s_len)                                                  # [1, s_len]
+        index_keys = _gather(index_cache, slots, 1.0)[..., 0, :]                                 # [1, s_len, d_index]
+        keys, values = _gather(key_cache, slots, k_scale), _gather(value_cache, slots, v_scale)   # [1, s_len, kv, d]
         for a in range(0, q_len, chunk):
             b = min(a + chunk, q_len)
             rows = slice(start + a, start + b)
-            positions = torch.arange(s_len - q_len + a, s_len - q_len + b, device=query.device)
-            keep = picked_keys(index_q[rows], index_keys, positions, block_size, topk_blocks, local_blocks)
-            q = query[rows].float().view(b - a, kv_heads, heads // kv_heads, -1)                  # [c, kv, g, d]
-            logits = torch.einsum("ckgd,tkd->kgct", q, keys) * scale
-            logits = logits.masked_fill(~keep[:, None], float("-inf"))
-            probs = logits.softmax(dim=-1)
-            out[rows] = torch.einsum("kgct,tkd->ckgd", probs, values).reshape(b - a, heads, -1).to(out.dtype)
+            positions = torch.arange(s_len - q_len + a, s_len - q_len + b, device=query.device)[None]
+            keep = picked_keys(index_q[None, rows], index_keys, positions, *pick)
+            out[rows] = _attend(query[None, rows], keys, values, keep, scale)[0].to(out.dtype)
         start += q_len
     return out
 
 
 def picked_keys(index_q: torch.Tensor, index_keys: torch.Tensor, positions: torch.Tensor, block_size: int,
                 topk_blocks: int, local_blocks: int) -> torch.Tensor:
-    """index_q [c, kv_heads, d] of queries at `positions` [c]; index_keys [s_len, d] float32 (the sequence's) ->
-    [kv_heads, c, s_len]: which keys each query attends to through each KV head (the module docstring)."""
-    s_len = index_keys.shape[0]
-    causal = torch.arange(s_len, device=index_keys.device)[None, :] <= positions[:, None]         # [c, s_len]
-    scores = torch.einsum("chd,td->hct", index_q.float(), index_keys).masked_fill(~causal, float("-inf"))
-    num_blocks = -(-s_len // block_size)
-    scores = F.pad(scores, (0, num_blocks * block_size - s_len), value=float("-inf"))
-    blocks = scores.view(*scores.shape[:2], num_blocks, block_size).amax(dim=-1)                  # [kv, c, blocks]
+    """index_q [B, c, kv_heads, d] of queries at `positions` [B, c]; index_keys [B, L, d] (a sequence's; past its last
+    query's position, another's or none: never picked, the causal cut) -> [B, kv_heads, c, L]: which keys each query
+    attends to through each KV head (the module docstring)."""
+    keys_at = torch.arange(index_keys.shape[1], device=index_keys.device)
+    causal = keys_at <= positions[..., None]                                                     # [B, c, L]
+    scores = torch.einsum("bchd,btd->bhct", index_q.float(), index_keys.float())
+    scores = scores.masked_fill(~causal[:, None], float("-inf"))
+    num_blocks = -(-index_keys.shape[1] // block_size)
+    scores = F.pad(scores, (0, num_blocks * block_size - index_keys.shape[1]), value=float("-inf"))
+    blocks = scores.view(*scores.shape[:3], num_blocks, block_size).amax(dim=-1)                 # [B, kv, c, blocks]
     own = positions // block_size
     for back in range(local_blocks):
-        local = (own - back).clamp(min=0)[None, :, None].expand(blocks.shape[0], -1, 1)
-        blocks.scatter_(-1, local, float("inf"))
+        blocks.scatter_(-1, (own - back).clamp(min=0)[:, None, :, None].expand(*blocks.shape[:3], 1), float("inf"))
     best, picked = blocks.topk(min(topk_blocks, num_blocks), dim=-1)
-    chosen = torch.zeros(*blocks.shape[:2], num_blocks + 1, dtype=torch.bool, device=blocks.device)
-    chosen.scatter_(-1, picked.masked_fill(best == float("-inf"), num_blocks), True)               # -inf: none
-    return chosen[..., :num_blocks].repeat_interleave(block_size, dim=-1)[..., :s_len] & causal
+    chosen = torch.zeros(*blocks.shape[:3], num_blocks + 1, dtype=torch.bool, device=blocks.device)
+    chosen.scatter_(-1, picked.masked_fill(best == float("-inf"), num_blocks), True)              # -inf: none
+    keep = chosen[..., :num_blocks].repeat_interleave(block_size, dim=-1)[..., :index_keys.shape[1]]
+    return keep & causal[:, None]
+
+
+def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, keep: torch.Tensor, scale: float
+            ) -> torch.Tensor:
+    """query [B, c, heads, d]; keys, values [B, L, kv_heads, d] float32; keep [B, kv_heads, c, L] -> [B, c, heads, d]
+    float32: each query head's softmax over the keys its KV head keeps."""
+    b, c, heads, d = query.shape
+    kv_heads = keys.shape[2]
+    q = query.float().view(b, c, kv_heads, heads // kv_heads, d)
+    logits = torch.einsum("bckgd,btkd->bkgct", q, keys) * scale
+    probs = logits.masked_fill(~keep[:, :, None], float("-inf")).softmax(dim=-1)
+    return torch.einsum("bkgct,btkd->bckgd", probs, values).reshape(b, c, heads, d)
 
 
 def _gather(cache: torch.Tensor, slots: torch.Tensor, scale: float) -> torch.Tensor:
-    """[len(slots), heads, d] float32: the cache's rows at `slots`."""
-    rows = cache.view(-1, *cache.shape[2:]).index_select(0, slots)
-    return dequantize_kv(rows, torch.float32, scale)
+    """[*slots.shape, heads, d] float32: the cache's rows at `slots`."""
+    rows = cache.view(-1, *cache.shape[2:]).index_select(0, slots.reshape(-1))
+    return dequantize_kv(rows, torch.float32, scale).view(*slots.shape, *cache.shape[2:])
