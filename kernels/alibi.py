@@ -1,8 +1,8 @@
 """ALiBi attention over the paged K/V cache (BLOOM's and MPT's: `engine.models.bloom`), in torch on any device: no
 rotary; each head h adds slope_h x j to the score of key position j (softmax makes that the paper's slope_h x (j -
 i)), the slopes a geometric sequence over the heads (`alibi_slopes`, the paper's and transformers' `_get_alibi_slopes`;
-MPT's spread over `alibi_bias_max`, `mpt_alibi_slopes`). Queries run a
-sequence and `chunk` queries at a time, softmax in float32.
+MPT's spread over `alibi_bias_max`, `mpt_alibi_slopes`). A decode step runs its sequences at once over the longest
+one's keys, a prefill piece a sequence and `chunk` queries at a time; softmax in float32.
 """
 
 from __future__ import annotations

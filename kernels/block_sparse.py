@@ -6,8 +6,9 @@ indexer's score of key t for query s is q_index[s, g] . k_index[t] (float32), -i
 blocks of `block_size` positions (block b: positions b x block_size ..), and a block scores its best key's score.
 The query's own block and the `local_blocks` - 1 before it are always picked; of the rest, the best, `topk_blocks`
 in all. Each query head of KV head g then attends to the picked blocks' causal keys, softmax in float32
-(transformers' `MiniMaxM3VLIndexer` and its block mask). Queries run a sequence and `chunk` queries at a time, so a
-long prefill never holds [queries, heads, context] at once.
+(transformers' `MiniMaxM3VLIndexer` and its block mask). A decode step runs its sequences at once, over the longest
+one's keys (the causal cut masks the rest); a prefill piece runs a sequence and `chunk` queries at a time, so a long
+prefill never holds [queries, heads, context] at once.
 """
 
 from __future__ import annotations

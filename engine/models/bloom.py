@@ -6,8 +6,8 @@ x the key's position to the scores), and a LayerNorm on the embeddings (`embed_n
 The checkpoint names the model `transformer.` (`word_embeddings`, `word_embeddings_layernorm`, a layer `h.N.` with
 `self_attention.query_key_value` holding each head's q, k and v rows one after the other, split as read, and
 `self_attention.dense`; `mlp.dense_h_to_4h` / `dense_4h_to_h`; `ln_f`). Under tensor parallelism each rank holds its
-heads and their slopes. Its decode steps are not captured as CUDA graphs (the attention loops over the step's
-sequences on the host)."""
+heads and their slopes. Its decode steps are not captured as CUDA graphs (the attention's tensors are sized by the
+step's longest sequence, a number on the host)."""
 
 from __future__ import annotations
 

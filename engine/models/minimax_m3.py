@@ -6,7 +6,7 @@ model's dtype (MiniMax-M2's), and on the layers `BlockIndexer.layers` names, blo
 (`BlockSparseAttention`, `kernels.block_sparse`): an indexer of one head a KV head (q from its own projection, one key a
 token, each Gemma-normed and turned by the attention's rotary) picks the key blocks each query attends to. A sparse
 layer's cache keeps each token's indexer key beside its K/V (`engine.kv_cache.KVCache`: the layer's third tensor).
-Its decode steps are not captured as CUDA graphs (the choice reads the step's lengths on the host).
+Its decode steps are not captured as CUDA graphs (the attention's tensors are sized by the step's longest sequence).
 
 Checkpoints are read under the release's names (`language_model.model.`: `block_sparse_moe` with each expert's
 `w1` / `w3` / `w2`, its `e_score_correction_bias` and `shared_experts`, the indexer as `self_attn.index_q_proj` ...;
@@ -99,8 +99,8 @@ class MiniMaxM3ForCausalLM(Glm4MoeForCausalLM):
 
     @property
     def graph_safe(self) -> bool:
-        """CUDA graphs capture it where it has no block-sparse layer (whose choice loops over the step's sequences on
-        the host) and its experts allow (Qwen3-MoE's rule)."""
+        """CUDA graphs capture it where it has no block-sparse layer (whose tensors are sized by the step's longest
+        sequence, a number on the host) and its experts allow (Qwen3-MoE's rule)."""
         return self.config.block_indexer is None and super().graph_safe
 
     def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
