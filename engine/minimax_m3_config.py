@@ -76,7 +76,10 @@ def minimax_m3_config(cfg: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"sparse_attention_config: must be an object, got {sparse!r:.80}")
     cfg |= {ours: sparse[theirs] for theirs, ours in SPARSE_KEYS.items() if theirs in sparse}
     if cfg.get("layer_types") is None and "sparse_attention_freq" in sparse:
-        cfg["layer_types"] = [SPARSE if f else "full_attention" for f in sparse["sparse_attention_freq"]]
+        freq = sparse["sparse_attention_freq"]
+        if not isinstance(freq, list):
+            raise ConfigError(f"sparse_attention_config.sparse_attention_freq: a 0 or 1 a layer, got {freq!r:.80}")
+        cfg["layer_types"] = [SPARSE if f else "full_attention" for f in freq]
     if cfg.get("mlp_layer_types") is None and isinstance(cfg.get("moe_layer_freq"), list):
         cfg["mlp_layer_types"] = ["sparse" if f else "dense" for f in cfg["moe_layer_freq"]]
     # transformers serves its swigluoai as the clamped SwiGLU whatever `hidden_act` says

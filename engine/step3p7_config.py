@@ -46,19 +46,31 @@ def step3p7_config(cfg: dict[str, Any]) -> dict[str, Any]:
             cfg[key] = cfg[key][:n]
     kinds = cfg.setdefault("layer_types", ["full_attention"] * n)
     if cfg.get("mlp_layer_types") is None:
-        enum = cfg.get("moe_layers_enum")
-        items = enum.split(",") if isinstance(enum, str) else enum if enum is not None else range(3, n)
-        sparse = {int(i) for i in items if str(i).strip()}
-        cfg["mlp_layer_types"] = ["sparse" if i in sparse else "dense" for i in range(n)]
+        cfg["mlp_layer_types"] = ["sparse" if i in _sparse_layers(cfg.get("moe_layers_enum"), n) else "dense"
+                                  for i in range(n)]
     heads = read_int(cfg, "num_attention_heads")
-    local = cfg.get("num_sliding_attention_heads") or (cfg.get("attention_other_setting") or {}).get(
-        "num_attention_heads", heads)
+    other = cfg.get("attention_other_setting") or {}
+    if not isinstance(other, dict):
+        raise ConfigError(f"attention_other_setting: must be an object, got {other!r:.80}")
+    local = cfg.get("num_sliding_attention_heads") or other.get("num_attention_heads", heads)
     if isinstance(kinds, list) and cfg.get("num_attention_heads_per_layer") is None:
         cfg["num_attention_heads_per_layer"] = [local if kind == "sliding_attention" else heads for kind in kinds]
     ropes = cfg.get("rope_parameters")
     if not (isinstance(ropes, dict) and isinstance(kinds, list) and all(isinstance(ropes.get(k), dict) for k in kinds)):
         cfg["rope_parameters"] = _ropes(cfg, kinds)
     return {k: v for k, v in cfg.items() if not (k == "rope_theta" and isinstance(v, list))}   # read per type
+
+
+def _sparse_layers(enum: Any, num_layers: int) -> set[int]:
+    """The layers `moe_layers_enum` names sparse (comma-separated indices, or a list of them; by default from the
+    4th on); a ConfigError naming it otherwise."""
+    if enum is None:
+        return set(range(3, num_layers))
+    items = enum.split(",") if isinstance(enum, str) else enum
+    try:
+        return {int(i) for i in items if str(i).strip()}
+    except (TypeError, ValueError):
+        raise ConfigError(f"moe_layers_enum: layer indices, comma-separated or a list, got {enum!r:.80}") from None
 
 
 def _ropes(cfg: dict[str, Any], kinds: Any) -> dict[str, Any]:
@@ -68,6 +80,9 @@ def _ropes(cfg: dict[str, Any], kinds: Any) -> dict[str, Any]:
         raise ConfigError(f"layer_types: a list of full_attention or sliding_attention, got {kinds!r:.80}")
     thetas, factors = cfg.get("rope_theta"), cfg.get("partial_rotary_factors")
     thetas = thetas if isinstance(thetas, list) else [thetas] * len(kinds)
+    for key, values in (("rope_theta", thetas), ("partial_rotary_factors", factors)):
+        if isinstance(values, list) and len(values) != len(kinds):
+            raise ConfigError(f"{key}: one a layer ({len(kinds)}), got {len(values)}")
     ropes = {}
     for kind in dict.fromkeys(kinds):
         i = kinds.index(kind)

@@ -2148,7 +2148,9 @@ def test_minimax_m3_reads_as_transformers_does():
         refuse_fp8_cache(cfg, torch.float8_e4m3fn, "pools.chat.kv_cache_dtype")
     for key, bad in (("index_n_heads", {"index_n_heads": 4}), ("index_head_dim", {"index_head_dim": 32}),
                      ("layer_types", {"layer_types": ["full_attention", "sliding_attention"] * 2}),
-                     ("mlp_layer_types", {"mlp_layer_types": ["dense"]})):
+                     ("mlp_layer_types", {"mlp_layer_types": ["dense"]}),
+                     ("sparse_attention_config.sparse_attention_freq",
+                      {"layer_types": None, "sparse_attention_config": {"sparse_attention_freq": 1}})):
         plain = {k: v for k, v in small.items() if k != "sparse_attention_config"}
         with pytest.raises(ConfigError, match=f"^{key}:"):
             ModelConfig.from_hf_config({**plain, "layer_types": ["full_attention", "minimax_m3_sparse"] * 2,
@@ -2191,7 +2193,9 @@ def test_step3p7_reads_as_transformers_does():
         model = modeling_step3p7.Step3p7TextModel(hf)
     assert cfg.num_params() == _params_and_router_biases(model) + hf.vocab_size * hf.hidden_size
     text = {k: v for k, v in STEP3P7_RELEASE_TEXT.items() if k != "num_nextn_predict_layers"}
-    for key, bad in (("gating", {"gating": "per-element"}), ("swiglu_limits", {"swiglu_limits": [0, -1, 0, 0]})):
+    for key, bad in (("gating", {"gating": "per-element"}), ("swiglu_limits", {"swiglu_limits": [0, -1, 0, 0]}),
+                     ("moe_layers_enum", {"moe_layers_enum": "1,x"}), ("rope_theta", {"rope_theta": [1e4, 1e5]}),
+                     ("attention_other_setting", {"attention_other_setting": 4})):
         trimmed = {k: v[:4] if isinstance(v, list) else v for k, v in {**text, **bad}.items()}
         with pytest.raises(ConfigError, match=f"^text_config.{key}:"):
             ModelConfig.from_hf_config({**card, "text_config": trimmed})
