@@ -11,17 +11,16 @@ step's longest sequence, a number on the host)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from types import ModuleType
 
 import torch
 from torch import nn
 
 from engine.layers import BiasLayerNorm
-from engine.model import Attention, WeightLoadError
+from engine.model import Attention
 from engine.model_config import ModelConfig
 from engine.models.cohere import CohereLayerNorm
-from engine.models.gpt_neox import GPTNeoXForCausalLM, checkpoint_name, split_grouped_qkv
+from engine.models.gpt_neox import GPTNeoXForCausalLM, split_qkv_rows
 from engine.parallel import Collectives, ShardShape
 from kernels import AttentionMetadata, fused
 from kernels.alibi import alibi_attention, alibi_slopes, mpt_alibi_slopes
@@ -74,6 +73,8 @@ class BloomForCausalLM(GPTNeoXForCausalLM):
     """BLOOM (the module docstring): GPT-NeoX's sequential layers with ALiBi attention and a normed embedding."""
 
     graph_safe = False
+    checkpoint_prefix, top_names, renames = "transformer.", _TOP_NAMES, _RENAMES   # GPT-NeoX's reading, BLOOM's names
+    fused_qkv, skipped = ".self_attention.query_key_value.", ()
 
     def __init__(self, config: ModelConfig, shard: ShardShape | None = None, comm: Collectives | None = None,
                  ops: ModuleType = fused) -> None:
@@ -88,13 +89,6 @@ class BloomForCausalLM(GPTNeoXForCausalLM):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_norm(super().embed(input_ids))
 
-    def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
-        """`transformer.` names as the model's; a fused query_key_value as its q_proj, k_proj and v_proj rows."""
-        name = checkpoint_name(name, "transformer.", _TOP_NAMES, _RENAMES)
-        head, fused, suffix = name.partition(".self_attention.query_key_value.")
-        if not fused:
-            return super(GPTNeoXForCausalLM, self).read_tensor(hf_name, name, tensor)
-        return split_grouped_qkv(self.config, hf_name, head, suffix, tensor)
 
 
 # MPT's names (past `transformer.`) -> the model's
@@ -114,6 +108,8 @@ class MptForCausalLM(GPTNeoXForCausalLM):
 
     graph_safe = False
     norm_class = CohereLayerNorm
+    checkpoint_prefix, blocks, top_names, renames = "transformer.", "blocks.", _MPT_TOP_NAMES, _MPT_RENAMES
+    fused_qkv, skipped, split_qkv = ".attn.Wqkv.", (), staticmethod(split_qkv_rows)
 
     def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
         layer = super().make_layer(index, ops)
@@ -122,16 +118,3 @@ class MptForCausalLM(GPTNeoXForCausalLM):
         layer.post_attention_layernorm = CohereLayerNorm(c.hidden_size, c.rms_norm_eps)
         layer.self_attn = AlibiAttention(c, self.shard, self.comm, layer.self_attn.rotary_emb, index)
         return layer
-
-    def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
-        """MPT's names as the model's; the fused Wqkv as q_proj, k_proj and v_proj."""
-        name = checkpoint_name(name, "transformer.", _MPT_TOP_NAMES, _MPT_RENAMES, blocks="blocks.")
-        head, fused, suffix = name.partition(".attn.Wqkv.")
-        if not fused:
-            return super(GPTNeoXForCausalLM, self).read_tensor(hf_name, name, tensor)
-        size = self.config.num_heads * self.config.head_dim
-        if tensor.shape[0] != 3 * size:
-            raise WeightLoadError(f"{hf_name}: shape {tuple(tensor.shape)} does not match the config ({3 * size} "
-                                  "rows of q, k and v)")
-        return [(f"{head}.self_attn.{proj}.{suffix}", part)
-                for proj, part in zip(("q_proj", "k_proj", "v_proj"), tensor.split(size))]

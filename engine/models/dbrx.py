@@ -16,7 +16,7 @@ from torch import nn
 
 from engine.model import WeightLoadError
 from engine.models.cohere import CohereLayerNorm
-from engine.models.gpt_neox import checkpoint_name
+from engine.models.gpt_neox import checkpoint_name, split_qkv_rows
 from engine.models.olmo import OlmoAttention
 from engine.models.qwen3_moe import Qwen3MoeForCausalLM, SparseMoeBlock
 
@@ -57,12 +57,7 @@ class DbrxForCausalLM(Qwen3MoeForCausalLM):
         c = self.config
         head, fused, suffix = name.partition(".norm_attn_norm.attn.Wqkv.")
         if fused:
-            sizes = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim)
-            if tensor.shape[0] != sum(sizes):
-                raise WeightLoadError(f"{hf_name}: shape {tuple(tensor.shape)} does not match the config "
-                                      f"({' + '.join(map(str, sizes))} rows of q, k and v)")
-            return [(f"{head}.self_attn.{proj}.{suffix}", part)
-                    for proj, part in zip(("q_proj", "k_proj", "v_proj"), tensor.split(sizes))]
+            return split_qkv_rows(c, hf_name, head, suffix, tensor)
         head, stacked, stored = name.partition(".ffn.experts.mlp.")
         if stacked:
             e, inter = c.num_experts, c.moe_intermediate_size

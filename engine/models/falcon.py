@@ -6,11 +6,7 @@ head rotated."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
-import torch
-
-from engine.models.gpt_neox import GPTNeoXForCausalLM, checkpoint_name, split_grouped_qkv
+from engine.models.gpt_neox import GPTNeoXForCausalLM
 
 __all__ = ["FalconForCausalLM"]
 
@@ -22,11 +18,7 @@ _TOP_NAMES = {"word_embeddings.weight": "embed_tokens.weight", "ln_f.weight": "n
 
 
 class FalconForCausalLM(GPTNeoXForCausalLM):
-    """Falcon (see the module docstring)."""
+    """Falcon (see the module docstring): GPT-NeoX's reading under Falcon's names."""
 
-    def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
-        name = checkpoint_name(name, "transformer.", _TOP_NAMES, _RENAMES)
-        head, fused, suffix = name.partition(".self_attention.query_key_value.")
-        if not fused:
-            return super(GPTNeoXForCausalLM, self).read_tensor(hf_name, name, tensor)
-        return split_grouped_qkv(self.config, hf_name, head, suffix, tensor)
+    checkpoint_prefix, top_names, renames = "transformer.", _TOP_NAMES, _RENAMES
+    fused_qkv, skipped = ".self_attention.query_key_value.", ()

@@ -29,7 +29,8 @@ from engine.models.nemotron_h import ReluSquared
 from engine.models.phi3 import partial_rotary_rows
 from engine.models.smollm3 import layer_rotary
 
-__all__ = ["GPTNeoXForCausalLM", "PersimmonForCausalLM", "checkpoint_name", "split_grouped_qkv", "ungated_layer"]
+__all__ = ["GPTNeoXForCausalLM", "PersimmonForCausalLM", "checkpoint_name", "split_grouped_qkv", "split_qkv_rows",
+           "ungated_layer"]
 
 # the checkpoint's names (past `gpt_neox.`) -> the model's (before Jais 2's reading: the MLP's up_proj as its `up`)
 _RENAMES = ((".attention.dense.", ".self_attn.o_proj."), (".mlp.dense_h_to_4h.", ".mlp.up_proj."),
@@ -86,8 +87,29 @@ def split_grouped_qkv(config: ModelConfig, hf_name: str, head: str, suffix: str,
                                   parts)]
 
 
+def split_qkv_rows(config: ModelConfig, hf_name: str, head: str, suffix: str, tensor: torch.Tensor
+                   ) -> list[tuple[str, torch.Tensor]]:
+    """A fused q/k/v weight whose rows are all of q's, then k's, then v's (DBRX's and MPT's `Wqkv`), as
+    `{head}.self_attn.q_proj/k_proj/v_proj.{suffix}`."""
+    c = config
+    sizes = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim)
+    if tensor.shape[0] != sum(sizes):
+        raise WeightLoadError(f"{hf_name}: shape {tuple(tensor.shape)} does not match the config "
+                              f"({' + '.join(map(str, sizes))} rows of q, k and v)")
+    return [(f"{head}.self_attn.{proj}.{suffix}", part)
+            for proj, part in zip(("q_proj", "k_proj", "v_proj"), tensor.split(sizes))]
+
+
 class GPTNeoXForCausalLM(Jais2ForCausalLM):
-    """GPT-NeoX (see the module docstring): Jais 2's LayerNorms, ungated MLP and reading, its own layer and names."""
+    """GPT-NeoX (see the module docstring): Jais 2's LayerNorms, ungated MLP and reading, its own layer and names. Its
+    kin (Falcon, BLOOM, MPT, Persimmon) read their checkpoints the same way under their own names: the class
+    attributes below."""
+
+    checkpoint_prefix, blocks = "gpt_neox.", "h."   # the model's prefix, a layer's (`checkpoint_name`)
+    top_names, renames = _TOP_NAMES, _RENAMES
+    fused_qkv = ".attention.query_key_value."       # the fused q/k/v tensor's name, split by `split_qkv`
+    split_qkv = staticmethod(split_grouped_qkv)
+    skipped = _BUFFERS                               # names not read
 
     def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
         act = self.config.hidden_act   # exact GELU, OPT's ReLU, else GELU's tanh form
@@ -95,15 +117,16 @@ class GPTNeoXForCausalLM(Jais2ForCausalLM):
         return ungated_layer(self, index, ops, act_fn)
 
     def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
-        """`gpt_neox.` names as the model's; a fused query_key_value (weight or bias) as its q_proj, k_proj and
-        v_proj rows (`split_grouped_qkv`: a group a head)."""
-        if name.endswith(_BUFFERS):
+        """The checkpoint's names as the model's (`checkpoint_name`); the fused q/k/v (weight or bias) as its q_proj,
+        k_proj and v_proj rows (`split_qkv`: GPT-NeoX's `split_grouped_qkv`, a group a head); the rest (q/k norms
+        reordered for a partial rotary: Persimmon's) as Jais 2's reading."""
+        if name.endswith(self.skipped):
             return ()
-        name = checkpoint_name(name, "gpt_neox.", _TOP_NAMES, _RENAMES)
-        head, fused, suffix = name.partition(".attention.query_key_value.")
-        if not fused:
-            return super().read_tensor(hf_name, name, tensor)
-        return split_grouped_qkv(self.config, hf_name, head, suffix, tensor)
+        name = checkpoint_name(name, self.checkpoint_prefix, self.top_names, self.renames, self.blocks)
+        head, fused, suffix = name.partition(self.fused_qkv)
+        if fused:
+            return self.split_qkv(self.config, hf_name, head, suffix, tensor)
+        return super().read_tensor(hf_name, name, partial_rotary_rows(self.config, name, tensor))
 
 
 # Persimmon's names -> the model's (before Jais 2's reading)
@@ -121,6 +144,10 @@ class PersimmonForCausalLM(GPTNeoXForCausalLM):
     `self_attn.dense`, `self_attn.q_layernorm` / `k_layernorm` (reordered as the q/k rows are for the partial
     rotary), `mlp.dense_h_to_4h` / `dense_4h_to_h`, `final_layernorm`."""
 
+    checkpoint_prefix, blocks = "", "layers."
+    top_names, renames = _PERSIMMON_TOP, _PERSIMMON_RENAMES
+    fused_qkv, skipped = ".self_attn.query_key_value.", ()
+
     def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
         c = self.config
         layer = ungated_layer(self, index, ops, ReluSquared())
@@ -128,11 +155,3 @@ class PersimmonForCausalLM(GPTNeoXForCausalLM):
             layer.self_attn.q_norm = HeadLayerNorm(c.head_dim, c.rms_norm_eps)
             layer.self_attn.k_norm = HeadLayerNorm(c.head_dim, c.rms_norm_eps)
         return layer
-
-    def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
-        name = checkpoint_name(name, "", _PERSIMMON_TOP, _PERSIMMON_RENAMES, blocks="layers.")
-        head, fused, suffix = name.partition(".self_attn.query_key_value.")
-        if fused:
-            return split_grouped_qkv(self.config, hf_name, head, suffix, tensor)
-        return super(GPTNeoXForCausalLM, self).read_tensor(hf_name, name, partial_rotary_rows(self.config, name,
-                                                                                               tensor))
