@@ -12,7 +12,8 @@ from engine.llm_engine import LLMEngine
 from engine.model_config import ModelConfig
 from engine.sampling import SamplingParams
 from tests.conftest import assert_all_free, make_tiny_model
-from tests.engine.test_engine_vs_hf import MINIMAX_M3, _hf_greedy
+from tests.engine.test_engine_vs_hf import (MINIMAX_M3, _hf_greedy, assert_preempted_batch_answers,
+                                             preempting_engine)
 
 SMALL = {"architectures": ["MiniMaxM3VLForCausalLM"], "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 32,
          "dense_intermediate_size": 96, "shared_intermediate_size": 48, "num_hidden_layers": 4,
@@ -72,19 +73,6 @@ def test_preempted_sequences_resume_with_their_indexer_keys(tmp_path, builtin_pa
     their K/V): each answers as transformers does."""
     import transformers
 
-    from engine.config import CacheConfig, EngineConfig, PoolConfig, SchedulerConfig
-
     folder = make_tiny_model(tmp_path / "m3", "minimax_m3_vl_text", builtin_path, **MINIMAX_M3)
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    sched = SchedulerConfig(max_num_batched_tokens=24, preemption_mode=mode,
-                            swap_space_bytes=(8 << 20) if mode == "swap" else 0)
-    engine = LLMEngine(EngineConfig(model=str(folder), device="cpu", dtype="float32", cache=CacheConfig(block_size=8),
-                                    pools=(PoolConfig(num_blocks=12, scheduler=sched),)), progress=False)
-    gen = torch.Generator().manual_seed(3)
-    batch = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (20, 27, 22, 30, 25, 21)]
-    outs = engine.generate(batch, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
-    assert [o.outputs[0].token_ids for o in outs] == [_hf_greedy(hf, p, 16, eos_ids=None) for p in batch]
-    stats = engine.schedulers["default"].stats
-    assert stats.num_preemptions > 0 and (stats.num_swap_preemptions if mode == "swap" else
-                                          stats.num_recompute_preemptions) == stats.num_preemptions
-    assert_all_free(engine)
+    assert_preempted_batch_answers(preempting_engine(folder, mode), hf, torch.Generator().manual_seed(3), mode)

@@ -1867,10 +1867,7 @@ def test_deepseek_v4_resumes_cached_prefixes_and_preempted_sequences(tmp_path, b
 
     folder = make_tiny_model(tmp_path / "v4", "deepseek_v4", builtin_path, **DEEPSEEK_V4)
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    sched = SchedulerConfig(max_num_batched_tokens=24, preemption_mode=mode,
-                            swap_space_bytes=(8 << 20) if mode == "swap" else 0)
-    engine = LLMEngine(EngineConfig(model=str(folder), device="cpu", dtype="float32", cache=CacheConfig(block_size=8),
-                                    pools=(PoolConfig(num_blocks=12, scheduler=sched),)), progress=False)
+    engine = preempting_engine(folder, mode)
     gen = torch.Generator().manual_seed(3)
     first = torch.randint(3, 512, (45,), generator=gen).tolist()
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -1878,7 +1875,22 @@ def test_deepseek_v4_resumes_cached_prefixes_and_preempted_sequences(tmp_path, b
     for prompt in prompts:   # one after the other: the second finds the first's 5 blocks cached
         assert engine.generate([prompt], params)[0].outputs[0].token_ids == _hf_greedy(hf, prompt, 12, eos_ids=None)
     assert engine.schedulers["default"].block_manager.num_prefix_hits >= 40
-    batch = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (20, 27, 22, 30, 25, 21)]   # 12 blocks
+    assert_preempted_batch_answers(engine, hf, gen, mode)
+
+
+def preempting_engine(folder, mode: str) -> LLMEngine:
+    """An engine of `folder`'s model on 12 blocks of 8 (six sequences of 20-30 tokens preempt one another), preempting
+    by `mode`: recompute, or swap (8 MiB of swap space)."""
+    sched = SchedulerConfig(max_num_batched_tokens=24, preemption_mode=mode,
+                            swap_space_bytes=(8 << 20) if mode == "swap" else 0)
+    return LLMEngine(EngineConfig(model=str(folder), device="cpu", dtype="float32", cache=CacheConfig(block_size=8),
+                                  pools=(PoolConfig(num_blocks=12, scheduler=sched),)), progress=False)
+
+
+def assert_preempted_batch_answers(engine: LLMEngine, hf, gen: torch.Generator, mode: str) -> None:
+    """Six prompts (12 blocks' worth on a `preempting_engine`) decoded together preempt one another, all by `mode`, and
+    each answers as transformers' `hf` does; nothing is left held."""
+    batch = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (20, 27, 22, 30, 25, 21)]
     outs = engine.generate(batch, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == [_hf_greedy(hf, p, 16, eos_ids=None) for p in batch]
     stats = engine.schedulers["default"].stats
