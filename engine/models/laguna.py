@@ -83,10 +83,12 @@ class LagunaForCausalLM(Qwen3MoeForCausalLM):
 
     supports_flat_forward = False
     moe_block = LagunaMoeBlock
+    head_norm: type[HeadRMSNorm] = HeadRMSNorm   # its q/k norms' (Step 3.7's: Gemma's)
 
     def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
         layer = super().make_layer(index, ops)
-        layer.self_attn = LagunaAttention(self.config, self.shard, self.comm, self._rotary(index, ops), index)
+        layer.self_attn = LagunaAttention(self.config, self.shard, self.comm, self._rotary(index, ops), index,
+                                          self.head_norm)
         return layer
 
     def _rotary(self, index: int, ops: ModuleType) -> RotaryEmbedding:

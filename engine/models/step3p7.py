@@ -22,7 +22,7 @@ from torch import nn
 from engine.layers import GemmaHeadRMSNorm, GemmaRMSNorm
 from engine.layers.activation import SiluClampedAndMul
 from engine.model import WeightLoadError
-from engine.models.laguna import LagunaAttention, LagunaForCausalLM
+from engine.models.laguna import LagunaForCausalLM
 
 __all__ = ["Step3p7ForCausalLM"]
 
@@ -37,11 +37,10 @@ class Step3p7ForCausalLM(LagunaForCausalLM):
 
     norm_class = GemmaRMSNorm
     norm_init = 0.0
+    head_norm = GemmaHeadRMSNorm
 
     def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
         layer = super().make_layer(index, ops)
-        layer.self_attn = LagunaAttention(self.config, self.shard, self.comm, self._rotary(index, ops), index,
-                                          GemmaHeadRMSNorm)
         shape = self.config.laguna
         experts, mlp = shape.expert_limits[index], shape.mlp_limits[index]
         if self.config.is_sparse_layer(index):
