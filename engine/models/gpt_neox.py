@@ -110,6 +110,7 @@ class GPTNeoXForCausalLM(Jais2ForCausalLM):
     fused_qkv = ".attention.query_key_value."       # the fused q/k/v tensor's name, split by `split_qkv`
     split_qkv = staticmethod(split_grouped_qkv)
     skipped = _BUFFERS                               # names not read
+    turned_norms = False                             # q/k norms reordered as q/k rows are for a partial rotary
 
     def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
         act = self.config.hidden_act   # exact GELU, OPT's ReLU, else GELU's tanh form
@@ -118,15 +119,17 @@ class GPTNeoXForCausalLM(Jais2ForCausalLM):
 
     def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
         """The checkpoint's names as the model's (`checkpoint_name`); the fused q/k/v (weight or bias) as its q_proj,
-        k_proj and v_proj rows (`split_qkv`: GPT-NeoX's `split_grouped_qkv`, a group a head); the rest (q/k norms
-        reordered for a partial rotary: Persimmon's) as Jais 2's reading."""
+        k_proj and v_proj rows (`split_qkv`: GPT-NeoX's `split_grouped_qkv`, a group a head); the rest (where
+        `turned_norms`, q/k norms reordered for a partial rotary: Persimmon's) as Jais 2's reading."""
         if name.endswith(self.skipped):
             return ()
         name = checkpoint_name(name, self.checkpoint_prefix, self.top_names, self.renames, self.blocks)
         head, fused, suffix = name.partition(self.fused_qkv)
         if fused:
             return self.split_qkv(self.config, hf_name, head, suffix, tensor)
-        return super().read_tensor(hf_name, name, partial_rotary_rows(self.config, name, tensor))
+        if self.turned_norms:
+            tensor = partial_rotary_rows(self.config, name, tensor)
+        return super().read_tensor(hf_name, name, tensor)
 
 
 # Persimmon's names -> the model's (before Jais 2's reading)
@@ -146,7 +149,7 @@ class PersimmonForCausalLM(GPTNeoXForCausalLM):
 
     checkpoint_prefix, blocks = "", "layers."
     top_names, renames = _PERSIMMON_TOP, _PERSIMMON_RENAMES
-    fused_qkv, skipped = ".self_attn.query_key_value.", ()
+    fused_qkv, skipped, turned_norms = ".self_attn.query_key_value.", (), True
 
     def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
         c = self.config
