@@ -105,10 +105,12 @@ class _Forward:
         started = time.perf_counter()
         # (KV heads, head size, window, chunk; 0: none): Gemma 4's full layers have a shape of their own
         masks = sorted({(a.num_kv_heads, a.config.head_dim, a.sliding_window or 0, a.chunk or 0) for a in attns})
+        alibi = getattr(attn, "alibi", False)   # BLOOM's and MPT's slopes
         dtype = self.model.embed_tokens.weight.dtype   # the model's; the cache's may be FP8
         count = sum(compile_kernels(attn.num_heads, kv_heads, head_dim, self.kv_cache.block_size,
                                     dtype, self.device, window or None, kv_dtype=self.kv_cache.dtype,
-                                    softcap=attn.softcap, sinks=attn.sinks is not None, chunk=chunk or None)
+                                    softcap=attn.softcap, sinks=attn.sinks is not None, chunk=chunk or None,
+                                    alibi=alibi)
                     for kv_heads, head_dim, window, chunk in masks)
         log.info("compiled %d attention kernel variants in %.1fs", count, time.perf_counter() - started)
 

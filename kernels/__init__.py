@@ -49,7 +49,8 @@ def get_backend(device: torch.device | str) -> ModuleType:
     """The kernel module for `device`; `CLIFFGUARD_ATTENTION_BACKEND` overrides the choice.
 
     Either backend module has `store_kv(key, value, k_cache, v_cache, meta)` and
-    `paged_attention(query, k_cache, v_cache, meta, scale, sliding_window=None, *, k_scale, v_scale, softcap)`.
+    `paged_attention(query, k_cache, v_cache, meta, scale, sliding_window=None, *, k_scale, v_scale, softcap)`;
+    the Triton one's also takes ALiBi's slopes (`alibi`), which the others' leave to `kernels.alibi`.
     """
     device = torch.device(device)
     name = os.environ.get("CLIFFGUARD_ATTENTION_BACKEND") or None

@@ -38,7 +38,8 @@ launches compile as before.
 Attention sinks (`sinks`, GPT-OSS; `SINKS`): one logit per query head that joins the softmax's denominator and
 weighs no value. The running max and sum are left as they are over the keys; at the end each row's sum gains
 exp2(sink x log2 e - max) (in the split reduce, against the combined max), so a row's weights sum to less than 1.
-Launches without sinks compile as before.
+Launches without sinks compile as before. ALiBi (`alibi`, `ALIBI`): each score gains its head's slope x (key
+position - query position), as in `kernels.triton_prefill`.
 
 Any head_dim: both kernels here, like the prefill kernel, work on `HEAD_DIM_PAD =
 padded_head_dim(head_dim)` lanes (the next power of two, at least 16) and mask the lanes past the
@@ -84,7 +85,7 @@ MAX_SPLITS = 64
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _paged_attention_kernel(
     query_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-    part_m_ptr, part_l_ptr, part_acc_ptr, sinks_ptr,
+    part_m_ptr, part_l_ptr, part_acc_ptr, sinks_ptr, alibi_ptr,
     block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, tile_seq_ptr, tile_q_start_ptr, tile_row_ptr,
     qk_scale, softcap, k_scale, v_scale, window, chunk, num_heads, num_splits,
     stride_qt, stride_qh, stride_qd,
@@ -96,6 +97,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     USE_WINDOW: tl.constexpr, SPLIT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, USE_CHUNK: tl.constexpr = False,
+    ALIBI: tl.constexpr = False,
 ):
     # grid: (num_tiles, num_kv_heads, num_splits)
     tile = tl.program_id(0)
@@ -141,6 +143,8 @@ def _paged_attention_kernel(
         t_lo = 0
         t_hi = num_kv_tiles
 
+    if ALIBI:   # each row's head's slope, in the log2 units of the scores
+        slope = tl.load(alibi_ptr + head, mask=row_valid, other=0.0).to(tl.float32) * 1.4426950408889634
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
@@ -160,6 +164,8 @@ def _paged_attention_kernel(
         s = tl.dot(q, k.to(DOT_DTYPE), input_precision=DOT_PRECISION) * qk_scale   # [BLOCK_M, BLOCK_N], log2 units
         if SOFTCAP:
             s = (2.0 * tl.sigmoid(2.0 * s) - 1.0) * softcap
+        if ALIBI:
+            s += slope[:, None] * (kv_pos[None, :] - q_pos[:, None]).to(tl.float32)
         allowed = kv_mask[None, :] & (kv_pos[None, :] <= q_pos[:, None])
         if USE_WINDOW:
             allowed = allowed & (kv_pos[None, :] > q_pos[:, None] - window)
@@ -328,12 +334,14 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     meta: AttentionMetadata, scale: float, sliding_window: int | None = None, *,
                     k_scale: float = 1.0, v_scale: float = 1.0, num_splits: int | None = None,
                     out: torch.Tensor | None = None, softcap: float = 0.0,
-                    sinks: torch.Tensor | None = None, chunk: int | None = None) -> torch.Tensor:
+                    sinks: torch.Tensor | None = None, chunk: int | None = None,
+                    alibi: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of each new token over its sequence's cached K/V (new tokens included); an FP8
     cache (float8_e4m3fn) is read as `reference.dequantize_kv` gives it (times k_scale / v_scale, rounded to
     the query's dtype), other caches ignore the scales; `softcap` > 0 caps each score at
     softcap x tanh(score / softcap); `sinks` ([num_heads], contiguous) adds exp(sinks[head]) to each
-    softmax's denominator; `chunk` keeps each query's own chunk of positions (p - p % chunk to p).
+    softmax's denominator; `chunk` keeps each query's own chunk of positions (p - p % chunk to p); `alibi`
+    ([num_heads] float32 slopes, contiguous) adds slope x (key position - query position) to each score.
 
     query: [num_tokens, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
     (strided views allowed, head_dim contiguous and of any size: the kernels pad it to a power of two
@@ -344,7 +352,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     """
     if out is None:
         out = torch.empty_like(query)
-    check_attention_args(query, k_cache, v_cache, meta, out, sliding_window, k_scale, v_scale, sinks, chunk)
+    check_attention_args(query, k_cache, v_cache, meta, out, sliding_window, k_scale, v_scale, sinks, chunk, alibi)
     num_tokens, num_heads, head_dim = query.shape
     head_dim_pad = padded_head_dim(head_dim)
     num_kv_heads = k_cache.shape[2]
@@ -354,7 +362,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if num_tokens == 0:
         return out
     prefill_attention(query, k_cache, v_cache, meta, scale, sliding_window, out, k_scale=k_scale, v_scale=v_scale,
-                      min_query_len=PREFILL_MIN_QUERY_LEN, softcap=softcap, sinks=sinks, chunk=chunk)
+                      min_query_len=PREFILL_MIN_QUERY_LEN, softcap=softcap, sinks=sinks, chunk=chunk, alibi=alibi)
     if plan["num_rows"] == 0:
         return out
 
@@ -387,7 +395,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     grid = (num_tiles, num_kv_heads, num_splits)
     _paged_attention_kernel[grid](
         query, k_cache, v_cache, out,
-        part_m, part_l, part_acc, query if sinks is None else sinks,
+        part_m, part_l, part_acc, query if sinks is None else sinks, query if alibi is None else alibi,
         meta.block_tables, meta.query_start_loc, meta.seq_lens, tile_seq, tile_q_start, tile_row,
         *capped_scales(scale, softcap), float(k_scale), float(v_scale), sliding_window or 0, chunk or 1, num_heads,
         num_splits,
@@ -398,7 +406,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         USE_WINDOW=sliding_window is not None, SPLIT=split,
         DOT_DTYPE=dtype, DOT_PRECISION="ieee" if dtype == tl.float32 else "tf32",
         KV_FP8=k_cache.dtype == FP8_KV_DTYPE, SOFTCAP=softcap > 0, SINKS=sinks is not None,
-        USE_CHUNK=chunk is not None, num_warps=num_warps,
+        USE_CHUNK=chunk is not None, ALIBI=alibi is not None, num_warps=num_warps,
     )
     if split:
         row_tokens = _row_tokens(meta, plan)
@@ -435,15 +443,16 @@ def launch_variants(num_heads: int, num_kv_heads: int, head_dim: int, element_si
 
 def compile_kernels(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
                     device: torch.device, sliding_window: int | None = None, kv_dtype: torch.dtype | None = None,
-                    softcap: float = 0.0, sinks: bool = False, chunk: int | None = None) -> int:
+                    softcap: float = 0.0, sinks: bool = False, chunk: int | None = None, alibi: bool = False) -> int:
     """Launch store_kv and paged attention once per `launch_variants` entry on made-up tokens, so Triton
     compiles every variant (or loads it from its cache) before the engine serves, not at the first step
     that needs it: on a fresh GPU machine each compile stalled a step for 0.15-1.4 s, 16 times in the
     first 48 s of serving (docs/PERF.md). The tensors are scratch ones laid out as the model's (query
     and key contiguous in `dtype`, the model's; value a view of the fused projection; a cache of [blocks,
     block_size, heads, head_dim] in `kv_dtype`, default `dtype`: an FP8 cache's kernels are variants of their
-    own; so are capped scores', `softcap` > 0, attention sinks', `sinks`, and chunked attention's, `chunk`).
-    The scales, the sink logits and the chunk's size are runtime arguments: one variant serves any. Returns the number of launches."""
+    own; so are capped scores', `softcap` > 0, attention sinks', `sinks`, chunked attention's, `chunk`, and
+    ALiBi's, `alibi`). The scales, the sink logits, the slopes and the chunk's size are runtime arguments: one
+    variant serves any. Returns the number of launches."""
     assert dtype in (torch.float16, torch.bfloat16, torch.float32), \
         f"dtype {dtype}: the model's (the query's); an FP8 cache's goes in kv_dtype"
     kv_dtype = dtype if kv_dtype is None else kv_dtype
@@ -453,6 +462,7 @@ def compile_kernels(num_heads: int, num_kv_heads: int, head_dim: int, block_size
     cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device).to(kv_dtype)
     table = list(range(num_blocks))
     sink_logits = torch.randn(num_heads, dtype=dtype, device=device) if sinks else None
+    slopes = torch.rand(num_heads, dtype=torch.float32, device=device) if alibi else None
     for query_len, num_splits in variants:
         meta = AttentionMetadata.build([table], [query_len], [seq_len], block_size, device)
         qkv = torch.randn(query_len, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, device=device)
@@ -461,7 +471,7 @@ def compile_kernels(num_heads: int, num_kv_heads: int, head_dim: int, block_size
         query = torch.randn(query_len, num_heads, head_dim, dtype=dtype, device=device)
         store_kv(key, value, cache[0], cache[1], meta)
         paged_attention(query, cache[0], cache[1], meta, head_dim ** -0.5, sliding_window, num_splits=num_splits,
-                        softcap=softcap, sinks=sink_logits, chunk=chunk)
+                        softcap=softcap, sinks=sink_logits, chunk=chunk, alibi=slopes)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return len(variants)

@@ -23,6 +23,9 @@ gives them, times k_scale / v_scale in float32 and rounded once to the query's t
 (`triton_kv_store.dequantize_e4m3`), then the dots run as for a cache in the query's type. Other caches
 compile as before (the scales are passed and not used).
 
+ALiBi (`alibi`, BLOOM's and MPT's slopes; `ALIBI`): each score gains the head's slope x (key position - query
+position), in log2 units like the rest, after any cap; launches without it compile as before.
+
 Tiles are listed heaviest first (the most keys to walk) and the grid is (query heads, tiles), heads
 fastest: the heads of one tile, which share that tile's K/V per GQA group, are scheduled together,
 and the long tiles start first instead of trailing at the end of the launch.
@@ -59,17 +62,18 @@ def _attend_kv_range(
     acc, l_i, m_i, q, q_pos,
     table_ptr, k_head_ptr, v_head_ptr,
     kv_from, kv_to, kv_end, qk_scale, softcap, window, chunk,
-    stride_kb, stride_ks, stride_vb, stride_vs, k_scale, v_scale,
+    stride_kb, stride_ks, stride_vb, stride_vs, k_scale, v_scale, slope,
     MASKED: tl.constexpr, USE_WINDOW: tl.constexpr, USE_CHUNK: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     P_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
-    SOFTCAP: tl.constexpr,
+    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr = False,
 ):
     """Online softmax over the keys [kv_from, kv_to), BLOCK_N at a time (kv_from aligned to BLOCK_N).
     MASKED: the causal diagonal (and kv_end, the tile's last key + 1) cuts into these tiles; else
     every key is visible to every row and below kv_end, and only a window or a chunk masks. The head_dim lanes
     past HEAD_DIM (up to HEAD_DIM_PAD) load as 0 and add nothing to the dots. P_DTYPE: the query's type,
-    which P and an FP8 cache's dequantized K/V (KV_FP8: times k_scale / v_scale) are rounded to."""
+    which P and an FP8 cache's dequantized K/V (KV_FP8: times k_scale / v_scale) are rounded to. ALIBI: each score
+    gains slope x (key position - query position), `slope` the head's in log2 units."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     mask_d = offs_d < HEAD_DIM                                              # all true unless padded
@@ -94,6 +98,8 @@ def _attend_kv_range(
         s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * qk_scale
         if SOFTCAP:   # qk_scale = scale / softcap; softcap: softcap x log2 e (`capped_scales`)
             s = (2.0 * tl.sigmoid(2.0 * s) - 1.0) * softcap
+        if ALIBI:
+            s += slope * (kv_pos[None, :] - q_pos[:, None]).to(tl.float32)
         if MASKED:
             allowed = kv_valid[None, :] & (kv_pos[None, :] <= q_pos[:, None])
             if USE_WINDOW:
@@ -131,7 +137,7 @@ def _attend_kv_range(
 # serves every step of a model (`kernels.triton_attention.compile_kernels` compiles it before serving).
 @triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_attention_kernel(
-    query_ptr, k_cache_ptr, v_cache_ptr, out_ptr, sinks_ptr,
+    query_ptr, k_cache_ptr, v_cache_ptr, out_ptr, sinks_ptr, alibi_ptr,
     block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, tile_seq_ptr, tile_q_start_ptr,
     qk_scale, softcap, k_scale, v_scale, window, chunk,
     stride_qt, stride_qh,
@@ -142,7 +148,7 @@ def _prefill_attention_kernel(
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, USE_WINDOW: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, SOFTCAP: tl.constexpr,
-    SINKS: tl.constexpr, USE_CHUNK: tl.constexpr = False,
+    SINKS: tl.constexpr, USE_CHUNK: tl.constexpr = False, ALIBI: tl.constexpr = False,
 ):
     # grid: (num_heads, num_tiles); head_dim is contiguous everywhere (the launcher asserts it)
     head = tl.program_id(0)
@@ -186,18 +192,21 @@ def _prefill_attention_kernel(
     table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
     k_head_ptr = k_cache_ptr + kv_head * stride_kh
     v_head_ptr = v_cache_ptr + kv_head * stride_vh
+    slope = 0.0
+    if ALIBI:   # the head's ALiBi slope, in the log2 units of the scores
+        slope = tl.load(alibi_ptr + head).to(tl.float32) * 1.4426950408889634
     acc, l_i, m_i = _attend_kv_range(
         acc, l_i, m_i, q, q_pos, table_ptr, k_head_ptr, v_head_ptr, kv_lo, kv_diag, kv_end, qk_scale, softcap, window,
-        chunk, stride_kb, stride_ks, stride_vb, stride_vs, k_scale, v_scale,
+        chunk, stride_kb, stride_ks, stride_vb, stride_vs, k_scale, v_scale, slope,
         MASKED=False, USE_WINDOW=USE_WINDOW, USE_CHUNK=USE_CHUNK, BLOCK_N=BLOCK_N, BLOCK_SIZE=BLOCK_SIZE,
         HEAD_DIM=HEAD_DIM, HEAD_DIM_PAD=HEAD_DIM_PAD, P_DTYPE=query_ptr.dtype.element_ty, DOT_DTYPE=DOT_DTYPE,
-        DOT_PRECISION=DOT_PRECISION, KV_FP8=KV_FP8, SOFTCAP=SOFTCAP)
+        DOT_PRECISION=DOT_PRECISION, KV_FP8=KV_FP8, SOFTCAP=SOFTCAP, ALIBI=ALIBI)
     acc, l_i, m_i = _attend_kv_range(
         acc, l_i, m_i, q, q_pos, table_ptr, k_head_ptr, v_head_ptr, kv_diag, kv_end, kv_end, qk_scale, softcap, window,
-        chunk, stride_kb, stride_ks, stride_vb, stride_vs, k_scale, v_scale,
+        chunk, stride_kb, stride_ks, stride_vb, stride_vs, k_scale, v_scale, slope,
         MASKED=True, USE_WINDOW=USE_WINDOW, USE_CHUNK=USE_CHUNK, BLOCK_N=BLOCK_N, BLOCK_SIZE=BLOCK_SIZE,
         HEAD_DIM=HEAD_DIM, HEAD_DIM_PAD=HEAD_DIM_PAD, P_DTYPE=query_ptr.dtype.element_ty, DOT_DTYPE=DOT_DTYPE,
-        DOT_PRECISION=DOT_PRECISION, KV_FP8=KV_FP8, SOFTCAP=SOFTCAP)
+        DOT_PRECISION=DOT_PRECISION, KV_FP8=KV_FP8, SOFTCAP=SOFTCAP, ALIBI=ALIBI)
 
     if SINKS:   # the head's sink logit joins each row's sum (log2 units, against the row's max)
         sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
@@ -294,14 +303,18 @@ def aligned_int32(rows: list[list[int]], device: torch.device) -> list[torch.Ten
 def check_attention_args(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          meta: AttentionMetadata, out: torch.Tensor, sliding_window: int | None,
                          k_scale: float = 1.0, v_scale: float = 1.0, sinks: torch.Tensor | None = None,
-                         chunk: int | None = None) -> None:
+                         chunk: int | None = None, alibi: torch.Tensor | None = None) -> None:
     """Assert what the paged-attention kernels assume of their arguments: shapes that fit each other and
     the metadata, a float16/bfloat16/float32 query and out, a float cache or an FP8 (float8_e4m3fn) one with
     positive finite scales (`triton_kv_store.check_kv_dtype`), head_dim contiguous (of any size: the kernels
     pad it to `padded_head_dim`), int32 metadata arrays with contiguous rows, one device; sinks, where given,
-    one contiguous logit per query head (a ValueError otherwise, `reference.check_sinks`)."""
+    one contiguous logit per query head (a ValueError otherwise, `reference.check_sinks`); ALiBi's slopes, where
+    given, one contiguous float32 a query head."""
     check_sinks(sinks, query)
     assert sinks is None or sinks.is_contiguous(), "sinks: contiguous"
+    assert alibi is None or (alibi.shape == (query.shape[1],) and alibi.dtype == torch.float32
+                             and alibi.is_contiguous() and alibi.device == query.device), \
+        f"alibi: one float32 slope a query head ({query.shape[1]}) on {query.device}, contiguous"
     num_tokens, num_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     assert k_cache.shape == v_cache.shape == (num_blocks, block_size, num_kv_heads, head_dim), \
@@ -349,11 +362,14 @@ def dot_dtype(dtype: torch.dtype):
 def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       meta: AttentionMetadata, scale: float, sliding_window: int | None, out: torch.Tensor, *,
                       k_scale: float = 1.0, v_scale: float = 1.0, min_query_len: int = 2,
-                      softcap: float = 0.0, sinks: torch.Tensor | None = None, chunk: int | None = None) -> int:
+                      softcap: float = 0.0, sinks: torch.Tensor | None = None, chunk: int | None = None,
+                      alibi: torch.Tensor | None = None) -> int:
     """Causal attention of the chunks of at least `min_query_len` new tokens, written into their rows of
     `out` (the other rows are left as they are). Returns the number of tiles launched (0: no launch). An FP8
     cache (float8_e4m3fn) is read as `reference.dequantize_kv` gives it (times k_scale / v_scale, rounded to
-    the query's dtype); other caches ignore the scales. `softcap` and `sinks`: as `reference.paged_attention`'s.
+    the query's dtype); other caches ignore the scales. `softcap` and `sinks`: as `reference.paged_attention`'s;
+    `alibi` ([num_heads] float32 slopes, BLOOM's and MPT's) adds slope x (key position - query position) to each
+    score, after any cap.
 
     query, out: [num_tokens, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, num_kv_heads,
     head_dim] (strided views allowed, head_dim contiguous and of any size: padded to a power of two inside
@@ -361,7 +377,7 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     (causal); `sliding_window` keeps the last that many positions, `chunk` each query's own chunk (p - p % chunk
     to p).
     """
-    check_attention_args(query, k_cache, v_cache, meta, out, sliding_window, k_scale, v_scale, sinks, chunk)
+    check_attention_args(query, k_cache, v_cache, meta, out, sliding_window, k_scale, v_scale, sinks, chunk, alibi)
     assert min_query_len >= 1, f"min_query_len {min_query_len}"
     _, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
@@ -373,7 +389,7 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         return 0
     dtype = dot_dtype(query.dtype)
     _prefill_attention_kernel[(num_heads, num_tiles)](
-        query, k_cache, v_cache, out, query if sinks is None else sinks,
+        query, k_cache, v_cache, out, query if sinks is None else sinks, query if alibi is None else alibi,
         meta.block_tables, meta.query_start_loc, meta.seq_lens, tile_seq, tile_q_start,
         *capped_scales(scale, softcap), float(k_scale), float(v_scale), sliding_window or 0, chunk or 1,
         query.stride(0), query.stride(1),
@@ -385,6 +401,6 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         HEAD_DIM=head_dim, HEAD_DIM_PAD=padded_head_dim(head_dim), USE_WINDOW=sliding_window is not None,
         DOT_DTYPE=dtype, DOT_PRECISION="ieee" if dtype == tl.float32 else "tf32",
         KV_FP8=k_cache.dtype == FP8_KV_DTYPE, SOFTCAP=softcap > 0, SINKS=sinks is not None,
-        USE_CHUNK=chunk is not None, num_warps=num_warps, num_stages=num_stages,
+        USE_CHUNK=chunk is not None, ALIBI=alibi is not None, num_warps=num_warps, num_stages=num_stages,
     )
     return num_tiles

@@ -6,11 +6,12 @@ x the key's position to the scores), and a LayerNorm on the embeddings (`embed_n
 The checkpoint names the model `transformer.` (`word_embeddings`, `word_embeddings_layernorm`, a layer `h.N.` with
 `self_attention.query_key_value` holding each head's q, k and v rows one after the other, split as read, and
 `self_attention.dense`; `mlp.dense_h_to_4h` / `dense_4h_to_h`; `ln_f`). Under tensor parallelism each rank holds its
-heads and their slopes. Its decode steps are not captured as CUDA graphs (the attention's tensors are sized by the
-step's longest sequence, a number on the host)."""
+heads and their slopes. On the Triton backend the paged kernels add the bias themselves (their `alibi` slopes), so
+decode steps are captured as CUDA graphs as any model's; elsewhere `kernels.alibi` attends in torch."""
 
 from __future__ import annotations
 
+import sys
 from types import ModuleType
 
 import torch
@@ -37,8 +38,12 @@ _TOP_NAMES = {"word_embeddings.weight": "embed_tokens.weight", "ln_f.weight": "n
 class AlibiAttention(Attention):
     """Llama's attention (q/k/v stored as the cache holds them, no rotary) over the cache by ALiBi: this rank's heads'
     slopes (BLOOM's, or MPT's where `ModelConfig.alibi_bias_max` is set, their bias relative to the last key), a
-    float32 tensor on the model's device once the first forward runs there; q, k and v clamped to +-`clip_qkv` after
-    their projection where the config sets it (MPT's)."""
+    float32 tensor on the model's device once the first forward runs there (the eager warm-up before a CUDA graph's
+    capture); q, k and v clamped to +-`clip_qkv` after their projection where the config sets it (MPT's). The Triton
+    kernels take the slopes (`alibi`; their bias is relative to the query: the same softmax); the other backends'
+    attention is `kernels.alibi`'s."""
+
+    alibi = True   # `ModelRunner.compile_kernels`: the Triton kernels' ALiBi variants
 
     def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives, rotary_emb, layer: int) -> None:
         super().__init__(config, shard, comm, rotary_emb, layer)
@@ -65,6 +70,9 @@ class AlibiAttention(Attention):
         backend.store_kv(k, v, k_cache, v_cache, meta, k_scale=self.k_scale, v_scale=self.v_scale)
         if self._slopes is None or self._slopes.device != q.device:
             self._slopes = self.slope_values.to(q.device)
+        if backend is sys.modules.get("kernels.triton_attention"):
+            return backend.paged_attention(q, k_cache, v_cache, meta, self.scale, k_scale=self.k_scale,
+                                           v_scale=self.v_scale, alibi=self._slopes)
         return alibi_attention(q, k_cache, v_cache, meta, self.scale, self._slopes, relative=self.relative,
                                k_scale=self.k_scale, v_scale=self.v_scale)
 
@@ -72,7 +80,6 @@ class AlibiAttention(Attention):
 class BloomForCausalLM(GPTNeoXForCausalLM):
     """BLOOM (the module docstring): GPT-NeoX's sequential layers with ALiBi attention and a normed embedding."""
 
-    graph_safe = False
     checkpoint_prefix, top_names, renames = "transformer.", _TOP_NAMES, _RENAMES   # GPT-NeoX's reading, BLOOM's names
     fused_qkv, skipped = ".self_attention.query_key_value.", ()
 
@@ -106,7 +113,6 @@ class MptForCausalLM(GPTNeoXForCausalLM):
     `transformer.wte`, `transformer.blocks.N` (`norm_1`, `attn.Wqkv`, `attn.out_proj`, `norm_2`, `ffn.up_proj`,
     `ffn.down_proj`), `transformer.norm_f`."""
 
-    graph_safe = False
     norm_class = CohereLayerNorm
     checkpoint_prefix, blocks, top_names, renames = "transformer.", "blocks.", _MPT_TOP_NAMES, _MPT_RENAMES
     fused_qkv, skipped, split_qkv = ".attn.Wqkv.", (), staticmethod(split_qkv_rows)

@@ -415,3 +415,20 @@ def test_latent_attention_decode_graphs_replay_scaled_queries_and_a_shortcut(tmp
     assert recorder.replays > 5
     assert results[True] == results[False]
 
+
+
+@pytest.mark.parametrize("arch,shape", [("bloom", {"n_layer": 2, "n_head": 4}),
+                                        ("mpt", {"n_layers": 2, "n_heads": 4, "d_model": 64})])
+def test_alibi_decode_graphs_replay_the_slopes(tmp_path, builtin_path, monkeypatch, arch, shape):
+    """BLOOM's and MPT's ALiBi on the Triton kernels (the slopes a device tensor the kernels read, moved there by the
+    eager warm-up before the capture): decode steps replay the captured graphs and greedy tokens equal the eager
+    torch reference's (`kernels.alibi`)."""
+    path = make_tiny_model(tmp_path / arch, arch, builtin_path, **shape)
+    prompts, params = _three_decoders(23)
+    results = {}
+    for graphs in (False, True):
+        engine, recorder = _engine_graphs(path, monkeypatch, graphs)
+        results[graphs] = [out.outputs[0].token_ids for out in engine.generate(prompts, params)]
+        assert_all_free(engine)
+    assert recorder.replays > 5
+    assert results[True] == results[False]

@@ -183,3 +183,40 @@ def test_engine_on_triton_kernels_serves_sparse_attention_as_the_reference(tmp_p
         results[backend] = [out.outputs[0].token_ids for out in engine.generate(prompts, params)]
         assert_all_free(engine)
     assert results["triton"] == results["torch"]
+
+
+@pytest.mark.parametrize("arch,shape", [("bloom", {"n_layer": 2, "n_head": 4}),
+                                        ("mpt", {"n_layers": 2, "n_heads": 4, "d_model": 64,
+                                                 "attn_config": {"clip_qkv": 0.8}})])
+def test_engine_on_triton_kernels_serves_alibi_as_the_reference(tmp_path, builtin_path, monkeypatch, arch, shape):
+    """BLOOM's and MPT's ALiBi: on the Triton backend the paged and prefill kernels add each head's slope x (key -
+    query position) themselves (a 70-token prompt's first chunk through the prefill kernel, short chunks and decodes
+    through the paged one), giving the greedy tokens of the torch backend's `kernels.alibi`, which equal
+    transformers' (tests/engine/test_engine_vs_hf.py); the model is graph-safe, its forward asking the device
+    nothing."""
+    from kernels import alibi, triton_attention
+
+    path = make_tiny_model(tmp_path / arch, arch, builtin_path, **shape)
+    calls = {"triton": 0, "torch": 0}
+    real_triton, real_torch = triton_attention.paged_attention, alibi.alibi_attention
+
+    def counted(name, real):
+        def call(*args, **kwargs):
+            calls[name] += name == "torch" or kwargs.get("alibi") is not None
+            return real(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(triton_attention, "paged_attention", counted("triton", real_triton))
+    monkeypatch.setattr("engine.models.bloom.alibi_attention", counted("torch", real_torch))
+    rng = random.Random(19)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (70, 5, 19)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    results = {}
+    for backend in ("torch", "triton"):
+        engine = _engine(path, backend, monkeypatch, num_blocks=24, max_num_batched_tokens=96)
+        assert engine.model.graph_safe
+        results[backend] = [out.outputs[0].token_ids for out in engine.generate(prompts, params)]
+        assert calls[backend] > 0 and calls["torch" if backend == "triton" else "triton"] == 0
+        calls[backend] = 0
+        assert_all_free(engine)
+    assert results["triton"] == results["torch"]

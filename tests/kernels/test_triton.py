@@ -38,6 +38,7 @@ pytest.importorskip("triton")
 import kernels  # noqa: E402
 import triton  # noqa: E402
 from kernels import AttentionMetadata, reference  # noqa: E402
+from kernels.alibi import alibi_attention  # noqa: E402
 from kernels import cpu_attention, triton_attention, triton_kv_store, triton_prefill  # noqa: E402
 
 # Explicit tolerances per dtype (atol, rtol), against the reference computed in float32. fp16/bf16
@@ -104,20 +105,24 @@ def _make_attention_case(seq_lens, query_lens, num_heads, num_kv_heads, head_dim
 
 
 def _reference_attention(query, k_cache, v_cache, meta, scale, sliding_window, k_scale=1.0, v_scale=1.0, softcap=0.0,
-                         sinks=None, chunk=None):
+                         sinks=None, chunk=None, alibi=None):
     """The torch reference in float32, on a fresh copy of the metadata (its plan cache is its own), over
     the cached values as the reference's attention reads them for this query (`reference.dequantize_kv`:
-    an FP8 cache's times its scale, rounded to the query's dtype; any other cache's as they are)."""
+    an FP8 cache's times its scale, rounded to the query's dtype; any other cache's as they are). ALiBi's
+    (`alibi`, slopes) is `kernels.alibi`'s, the torch attention BLOOM and MPT serve with off the Triton backend."""
     fresh = AttentionMetadata(meta.slot_mapping, meta.block_tables, meta.query_start_loc, meta.seq_lens,
                               meta.block_size, meta.query_lens_list, meta.seq_lens_list)
     k = reference.dequantize_kv(k_cache, query.dtype, k_scale).float().contiguous()
     v = reference.dequantize_kv(v_cache, query.dtype, v_scale).float().contiguous()
+    if alibi is not None:
+        assert sliding_window is None and softcap == 0.0 and sinks is None and chunk is None
+        return alibi_attention(query.float(), k, v, fresh, scale, alibi)
     return reference.paged_attention(query.float(), k, v, fresh, scale, sliding_window, softcap=softcap,
                                      sinks=None if sinks is None else sinks.float(), chunk=chunk)
 
 
 def _assert_attention_matches(backend, case, seed, sliding_window=None, num_splits=None, label="",
-                              k_scale=1.0, v_scale=1.0, softcap=0.0, sinks=None, chunk=None):
+                              k_scale=1.0, v_scale=1.0, softcap=0.0, sinks=None, chunk=None, alibi=None):
     query, k_cache, v_cache, meta = case
     head_dim = query.shape[-1]
     scale = head_dim ** -0.5
@@ -126,12 +131,12 @@ def _assert_attention_matches(backend, case, seed, sliding_window=None, num_spli
     out = out_rows[..., :head_dim]
     got = backend.paged_attention(query, k_cache, v_cache, meta, scale, sliding_window, k_scale=k_scale,
                                   v_scale=v_scale, num_splits=num_splits, out=out, softcap=softcap, sinks=sinks,
-                                  chunk=chunk)
+                                  chunk=chunk, **({} if alibi is None else {"alibi": alibi}))
     assert got is out
     want = _reference_attention(query, k_cache, v_cache, meta, scale, sliding_window, k_scale, v_scale, softcap,
-                                sinks, chunk)
+                                sinks, chunk, alibi)
     where = f"seed={seed} {label} window={sliding_window} splits={num_splits} softcap={softcap} " \
-            f"sinks={sinks is not None} chunk={chunk}"
+            f"sinks={sinks is not None} chunk={chunk} alibi={alibi is not None}"
     if k_cache.dtype == FP8:
         where += f" fp8 cache k_scale={k_scale} v_scale={v_scale}"
     assert not out.isnan().any(), f"{where}: output rows left unwritten (NaN) at " \
@@ -421,6 +426,33 @@ def test_paged_attention_chunked_matches_reference(dtype, num_heads, num_kv_head
     assert (chunked - plain).abs().max() > 0.1, f"seed={seed}: the chunks changed nothing"
 
 
+# BLOOM's and MPT's ALiBi: decode rows over short and long contexts, a short chunk over a prefix (this module's kernel)
+# and 100-token chunks over a prefix and from scratch (the prefill kernel's unmasked and diagonal tiles), against
+# `kernels.alibi`; MHA (BLOOM's, MPT's) and GQA, single pass and split-K, a padded head_dim, an FP8 cache once.
+@pytest.mark.parametrize("dtype,num_heads,num_kv_heads,head_dim,block_size,num_splits,kv_fp8,mpt", [
+    (torch.float32, 4, 4, 64, 16, None, False, False),
+    (torch.bfloat16, 6, 2, 40, 8, 3, False, True),
+    (torch.float16, 8, 8, 64, 32, 2, True, False),
+])
+def test_paged_attention_with_alibi_matches_kernels_alibi(dtype, num_heads, num_kv_heads, head_dim, block_size,
+                                                          num_splits, kv_fp8, mpt):
+    from kernels.alibi import alibi_slopes, mpt_alibi_slopes
+
+    seed = _make_seed()
+    seq_lens, query_lens = [1, 70, 9, 300, 130, 100], [1, 1, 9, 1, 100, 100]
+    scales = dict(kv_dtype=FP8, k_scale=0.0625, v_scale=0.5) if kv_fp8 else {}
+    case = _make_attention_case(seq_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed,
+                                head_pad=_head_pad(head_dim), **scales)
+    scales.pop("kv_dtype", None)
+    slopes = mpt_alibi_slopes(num_heads, 8.0) if mpt else alibi_slopes(num_heads)
+    _assert_attention_matches(triton_attention, case, seed, None, num_splits, alibi=slopes, **scales,
+                              label=f"{dtype} heads={num_heads}/{num_kv_heads} d={head_dim} bs={block_size}")
+    query, k_cache, v_cache, meta = case
+    biased, plain = (_reference_attention(query, k_cache, v_cache, meta, head_dim ** -0.5, None, **scales,
+                                          alibi=a) for a in (slopes, None))
+    assert (biased - plain).abs().max() > 0.1, f"seed={seed}: the slopes changed nothing"
+
+
 @pytest.mark.parametrize("num_splits,head_dim", [(1, 64), (3, 64), (8, 64), (1, 80), (3, 80)])
 def test_paged_attention_decode_split_k_matches_reference(num_splits, head_dim):
     """Decode only (the flash-decoding path: small query tiles), long contexts split into segments,
@@ -672,17 +704,17 @@ class _KeyRecorder:
         return launch
 
 
-@pytest.mark.parametrize("window,head_dim,kv_dtype,softcap", [(None, 64, None, 0.0), (1024, 64, None, 0.0),
-                                                             (None, 80, None, 0.0), (1024, 64, FP8, 0.0),
-                                                             (1024, 64, None, 50.0)])
+@pytest.mark.parametrize("window,head_dim,kv_dtype,softcap,alibi", [
+    (None, 64, None, 0.0, False), (1024, 64, None, 0.0, False), (None, 80, None, 0.0, False),
+    (1024, 64, FP8, 0.0, False), (1024, 64, None, 50.0, False), (None, 64, None, 0.0, True)])
 def test_every_launch_a_step_makes_is_a_variant_compile_kernels_compiled(monkeypatch, window, head_dim, kv_dtype,
-                                                                         softcap):
-    """Each launch of steps of any shape (decodes and chunks of any mix, short chunks in the paged kernel and long
-    ones in the prefill kernel, split or not, a query and K/V sliced out of one fused projection as the model
-    does) has the compile key of a launch that `compile_kernels` made, so no step compiles while serving, at
-    head_dim 80 too (padded to 128 in the kernels), over an FP8 cache at any scales (runtime arguments), and
-    with soft-capped scores (Gemma 2's variant). On a GPU an odd tile count left the tiles' second row 4 bytes
-    off 16-byte alignment, and Triton compiled that pointer's variant anew."""
+                                                                         softcap, alibi):
+    """Each launch of steps of any shape (decodes and chunks of any mix, short chunks in the paged kernel and long ones
+    in the prefill kernel, split or not, a query and K/V sliced out of one fused projection as the model does) has the
+    compile key of a launch that `compile_kernels` made, so no step compiles while serving, at head_dim 80 too (padded
+    to 128 in the kernels), over an FP8 cache at any scales (runtime arguments), and with soft-capped scores (Gemma 2's
+    variant) and with ALiBi's slopes (BLOOM's). On a GPU an odd tile count left the tiles' second row 4 bytes off
+    16-byte alignment, and Triton compiled that pointer's variant anew."""
     jit = pytest.importorskip("triton.runtime.jit")
     compiler = pytest.importorskip("triton.backends.compiler")
     if not hasattr(jit, "native_specialize_impl"):
@@ -691,7 +723,7 @@ def test_every_launch_a_step_makes_is_a_variant_compile_kernels_compiled(monkeyp
         compiler.BaseBackend, arg, False, specialize, True))
     num_heads, num_kv_heads, block_size = 9, 3, 16                      # the builtin model's attention
     triton_attention.compile_kernels(num_heads, num_kv_heads, head_dim, block_size, torch.bfloat16,
-                                     torch.device("cpu"), window, kv_dtype=kv_dtype, softcap=softcap)
+                                     torch.device("cpu"), window, kv_dtype=kv_dtype, softcap=softcap, alibi=alibi)
     keys.phase = "step"
     rng = random.Random(_make_seed())
     width = (num_heads + 2 * num_kv_heads) * head_dim
@@ -710,7 +742,7 @@ def test_every_launch_a_step_makes_is_a_variant_compile_kernels_compiled(monkeyp
         triton_attention.store_kv(key, value, cache[0], cache[1], meta, k_scale=k_scale, v_scale=v_scale)
         triton_attention.paged_attention(query, cache[0], cache[1], meta, 0.125, window, k_scale=k_scale,
                                          v_scale=v_scale, num_splits=rng.choice([None, 1, 2, 3, 5, 8, 17, 64]),
-                                         softcap=softcap)
+                                         softcap=softcap, alibi=torch.rand(num_heads) if alibi else None)
     assert keys.launched["step"] == keys.launched["compile"] == {
         "_paged_attention_kernel", "_reduce_splits_kernel", "_store_kv_kernel", "_prefill_attention_kernel"}
     new = [key for key, phase in keys.keys.items() if phase == "step"]
@@ -738,16 +770,20 @@ def test_the_runner_compiles_kernels_on_cuda_only():
     runner.device = torch.device("cuda", 0)
     _Forward.compile_kernels(runner)
     assert calls == [((6, 2, 64, 16, torch.bfloat16, torch.device("cuda", 0), None),
-                      {"kv_dtype": torch.float8_e4m3fn, "softcap": 50.0, "sinks": True, "chunk": None})]
+                      {"kv_dtype": torch.float8_e4m3fn, "softcap": 50.0, "sinks": True, "chunk": None, "alibi": False})]
     # Llama 4's: chunked layers beside full ones, a variant each
     chunked = SimpleNamespace(**{**vars(attn), "chunk": 8192})
     model.layers = [SimpleNamespace(self_attn=chunked), SimpleNamespace(self_attn=attn)]
     calls.clear()
     _Forward.compile_kernels(runner)
     assert [kwargs["chunk"] for _, kwargs in calls] == [None, 8192]
+    model.layers = [SimpleNamespace(self_attn=SimpleNamespace(**{**vars(attn), "alibi": True}))]   # BLOOM's
+    calls.clear()
+    _Forward.compile_kernels(runner)
+    assert [kwargs["alibi"] for _, kwargs in calls] == [True]
     runner.backend = reference                              # a backend with nothing to compile
     _Forward.compile_kernels(runner)
-    assert len(calls) == 2
+    assert len(calls) == 1
 
 
 # --- built ahead of time for an H100, no GPU needed ------------------------------------------------
@@ -803,8 +839,8 @@ def _build_kernel_for_sm90(kernel, constexprs: dict, pointers: dict, **options):
 
 def _build_fp8_kernels_for_sm90() -> dict:
     """Build the store and the paged kernel (one pass and split, the decode configuration; the split one with
-    soft-capped scores and attention sinks) over an FP8 cache for sm_90, bf16 model, head_dim 128; report the PTX
-    instructions that carry the FP8 contract, and the store's stack."""
+    soft-capped scores, attention sinks and ALiBi's slopes) over an FP8 cache for sm_90, bf16 model, head_dim 128;
+    report the PTX instructions that carry the FP8 contract, and the store's stack."""
     import re
 
     def instructions(built, pattern):
@@ -820,8 +856,8 @@ def _build_fp8_kernels_for_sm90() -> dict:
             triton_attention._paged_attention_kernel,
             dict(GROUP=4, GROUP_PAD=4, BLOCK_Q=4, BLOCK_M=16, BLOCK_N=64, BLOCK_SIZE=16, HEAD_DIM=128,
                  HEAD_DIM_PAD=128, USE_WINDOW=True, SPLIT=split, DOT_DTYPE=triton_prefill.dot_dtype(torch.bfloat16),
-                 DOT_PRECISION="tf32", KV_FP8=True, SOFTCAP=split, SINKS=split),
-            {"query_ptr": "bf16", "out_ptr": "bf16", "sinks_ptr": "bf16", "k_cache_ptr": "fp8e4nv",
+                 DOT_PRECISION="tf32", KV_FP8=True, SOFTCAP=split, SINKS=split, ALIBI=split),
+            {"query_ptr": "bf16", "out_ptr": "bf16", "sinks_ptr": "bf16", "alibi_ptr": "fp32", "k_cache_ptr": "fp8e4nv",
              "v_cache_ptr": "fp8e4nv",
              "part_m_ptr": "fp32", "part_l_ptr": "fp32", "part_acc_ptr": "fp32"}, num_warps=4)
         report[f"paged_split_{split}"] = instructions(paged, r"cvt\.rn[.\w]*e4m3[.\w]*") + \
@@ -830,11 +866,11 @@ def _build_fp8_kernels_for_sm90() -> dict:
 
 
 def test_fp8_store_and_paged_kernels_build_for_h100():
-    """What the interpreter cannot show: over an FP8 cache the store compiles for sm_90 with an IEEE
-    division by the scale (div.rn, not the approximate division `/` is) and a saturating e4m3 conversion,
-    and the paged kernel (one pass and split) with the hardware's e4m3 -> f16 conversion ahead of its bf16
-    tensor-core dots. (The store does not spill; the paged kernel's decode configuration at head_dim 128
-    spills some registers over a bf16 cache as over an FP8 one, Triton 3.9: not asserted here.)"""
+    """What the interpreter cannot show: over an FP8 cache the store compiles for sm_90 with an IEEE division by the
+    scale (div.rn, not the approximate division `/` is) and a saturating e4m3 conversion, and the paged kernel (one pass
+    and split, the latter with capped scores, sinks and ALiBi) with the hardware's e4m3 -> f16 conversion ahead of its
+    bf16 tensor-core dots. (The store does not spill; the paged kernel's decode configuration at head_dim 128 spills
+    some registers over a bf16 cache as over an FP8 one, Triton 3.9: not asserted here.)"""
     pytest.importorskip("triton.compiler")
     code = ("import json; from tests.kernels.test_triton import _build_fp8_kernels_for_sm90; "
             "print(json.dumps(_build_fp8_kernels_for_sm90()))")

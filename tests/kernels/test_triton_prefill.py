@@ -255,7 +255,7 @@ def _build_for_sm90(dtype_name: str, head_dim: int, use_window: bool, kv_fp8: bo
     """Compile the prefill kernel for sm_90 with Triton's own compiler and no device (run with
     TRITON_INTERPRET=0), specialized as a launch on the engine's tensors is (16-byte aligned pointers and
     strides, the block table's row width not), over a cache in the query's dtype or an FP8 one (`kv_fp8`),
-    the scores soft-capped and the heads' attention sinks in the sum, or neither (`softcap`);
+    the scores soft-capped, the heads' attention sinks in the sum and ALiBi's slopes added, or none (`softcap`);
     report what the build holds: shared memory, the count of wgmma (Hopper tensor-core) instructions, the
     K/V copies' sizes, and registers and stack from cuobjdump."""
     import re
@@ -266,9 +266,10 @@ def _build_for_sm90(dtype_name: str, head_dim: int, use_window: bool, kv_fp8: bo
     constexprs = dict(GROUP=4, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_SIZE=16, HEAD_DIM=head_dim,
                       HEAD_DIM_PAD=triton_prefill.padded_head_dim(head_dim), USE_WINDOW=use_window,
                       DOT_DTYPE=triton_prefill.dot_dtype(dtype), DOT_PRECISION="tf32", KV_FP8=kv_fp8,
-                      SOFTCAP=softcap, SINKS=softcap)
+                      SOFTCAP=softcap, SINKS=softcap, ALIBI=softcap)
     short = {"bfloat16": "bf16", "float16": "fp16"}[dtype_name]
-    pointers = {"query_ptr": short, "out_ptr": short, "sinks_ptr": short, "k_cache_ptr": "fp8e4nv" if kv_fp8 else short,
+    pointers = {"query_ptr": short, "out_ptr": short, "sinks_ptr": short, "alibi_ptr": "fp32",
+                "k_cache_ptr": "fp8e4nv" if kv_fp8 else short,
                 "v_cache_ptr": "fp8e4nv" if kv_fp8 else short}
     built, report = _build_kernel_for_sm90(kernel, constexprs, pointers, num_warps=num_warps, num_stages=num_stages)
     ptx = built.asm["ptx"]
@@ -287,8 +288,8 @@ def test_prefill_kernel_builds_for_h100_with_tensor_cores(dtype, head_dim, use_w
     """What the interpreter cannot show: the kernel compiles for sm_90, its dots are wgmma, its K/V tiles
     arrive in 16-byte asynchronous copies, and it neither spills nor outgrows an H100's shared memory;
     at head_dim 96 and 192 too, padded to 128 and 256 (the masked lanes keep the copies 16 bytes wide), over
-    an FP8 cache (its tiles dequantized to bf16 in registers before the wgmma), and with soft-capped scores and
-    attention sinks."""
+    an FP8 cache (its tiles dequantized to bf16 in registers before the wgmma), and with soft-capped scores,
+    attention sinks and ALiBi's slopes."""
     pytest.importorskip("triton.compiler")
     code = ("import json; from tests.kernels.test_triton_prefill import _build_for_sm90; "
             f"print(json.dumps(_build_for_sm90({dtype!r}, {head_dim}, {use_window}, {kv_fp8}, {softcap})))")
