@@ -197,10 +197,9 @@ class ModelConfig:
             raise ConfigError(f"num_key_value_heads: {self.num_kv_heads} does not divide num_attention_heads {self.num_heads}")
         if self.head_dim % 2:
             raise ConfigError(f"head_dim: must be even for rotary embeddings, got {self.head_dim}")
-        if self.rotary_dim < self.head_dim and (self.rotary_dim % 2 or self.rotary_dim <= 0
-                                                or self.rope_scaling.rope_type not in ("default", "longrope")):
+        if self.rotary_dim < self.head_dim and (self.rotary_dim % 2 or self.rotary_dim <= 0):
             raise ConfigError(f"partial_rotary_factor: {self.partial_rotary_factor} of head_dim {self.head_dim} is "
-                              "served as an even count of dimensions, with the default rope or longrope only")
+                              "served as an even count of dimensions")
         for key in ("short_factor", "long_factor") if self.rope_scaling.rope_type == "longrope" else ():
             pairs = (self.mla.qk_rope_head_dim if self.mla is not None else self.rotary_dim) // 2   # MiniCPM3: MLA
             if len(getattr(self.rope_scaling, key)) != pairs:
@@ -429,7 +428,8 @@ class ModelConfig:
         hidden = read_int(cfg, "hidden_size")
         num_layers = read_int(cfg, "num_hidden_layers")
         family = family_fields(cfg, arch, num_layers)   # layer types, windows, experts, scalars
-        rope_theta, rope_scaling = RopeScaling.from_hf_config(*family.pop("full_rope", (cfg,)))
+        rope_theta, rope_scaling = RopeScaling.from_hf_config(*family.pop("full_rope", (cfg,)),
+                                                              turns_part="partial_rotary_factor" in family)
         sliding_window = None
         if arch == "MistralForCausalLM":   # absent: MistralConfig's 4096; null: none
             sliding_window = read_int(cfg, "sliding_window", None) if "sliding_window" in cfg else 4096

@@ -57,20 +57,23 @@ class RopeScaling:
                               f"got {self.low_freq_factor} and {self.high_freq_factor}")
 
     @classmethod
-    def from_hf_config(cls, cfg: dict[str, Any], params_name: str = "rope_parameters",
+    def from_hf_config(cls, cfg: dict[str, Any], params_name: str = "rope_parameters", *, turns_part: bool = False,
                        ) -> tuple[float | None, "RopeScaling"]:
         """(rope_theta or None, scaling) from an HF config dict: `rope_theta` + `rope_scaling`, or the `rope_parameters`
         entry transformers >= 5 writes instead (`params_name`: its key path in errors). Both given are refused unless
         `rope_scaling` read alone says what `rope_parameters` does: transformers then reads `rope_scaling` alone (with
         the top level's `rope_theta`), rarely what a config edited by hand means. The type may be spelled `type`;
-        `partial_rotary_factor` with a scaled rope is refused. A bad value is a ConfigError naming its key."""
+        `partial_rotary_factor` with a scaled rope is refused unless the family reads it (`turns_part`: the scaling's
+        frequencies are then over the dimensions it turns, as transformers computes them; a family that turns whole
+        heads would turn the scaled rope over all of each head). A bad value is a ConfigError naming its key."""
         rope_theta = read_float(cfg, "rope_theta", None)
         raw, name = cfg.get("rope_scaling"), "rope_scaling"
         params = read_object(cfg, "rope_parameters", name=params_name)
         if params is None and isinstance(raw, dict):   # transformers reads rope_scaling as rope_parameters: its own
             rope_theta = read_float(raw, "rope_theta", rope_theta, path="rope_scaling.")   # rope_theta first
         if params is not None and isinstance(raw, dict) and raw:   # each read alone: the same, or refused
-            alone, ours = (cls.from_hf_config({k: v for k, v in cfg.items() if k != drop}, params_name)
+            alone, ours = (cls.from_hf_config({k: v for k, v in cfg.items() if k != drop}, params_name,
+                                              turns_part=turns_part)
                            for drop in ("rope_parameters", "rope_scaling"))
             if alone != ours:
                 raise ConfigError(f"rope_scaling: config.json also has {params_name}, which says otherwise (transformers "
@@ -86,7 +89,7 @@ class RopeScaling:
         if not isinstance(raw, dict):
             raise ConfigError(f"{name}: must be a mapping, got {raw!r}")
         try:
-            return rope_theta, cls._from_mapping(cfg, raw, f"{name}.")
+            return rope_theta, cls._from_mapping(cfg, raw, f"{name}.", turns_part)
         except ConfigError as exc:   # RopeScaling's own checks say rope_scaling.: name the key it came from
             message = str(exc)
             if name == "rope_scaling" or not message.startswith("rope_scaling."):
@@ -94,7 +97,8 @@ class RopeScaling:
             raise ConfigError(f"{name}.{message.removeprefix('rope_scaling.')}") from None
 
     @classmethod
-    def _from_mapping(cls, cfg: dict[str, Any], raw: dict[str, Any], path: str) -> "RopeScaling":
+    def _from_mapping(cls, cfg: dict[str, Any], raw: dict[str, Any], path: str, turns_part: bool = False
+                      ) -> "RopeScaling":
         # transformers' order: a top-level original_max_position_embeddings (Phi-3's habit), the scaling's
         # own, else max_position_embeddings
         original = read_int(cfg, "original_max_position_embeddings", None)
@@ -102,9 +106,10 @@ class RopeScaling:
             original = read_int(raw, "original_max_position_embeddings",
                                 read_int(cfg, "max_position_embeddings", 8192), path=path)
         where, part = (path, raw) if raw.get("partial_rotary_factor") is not None else ("", cfg)   # the key it has
-        if rope_type(raw) not in ("default", "longrope") and \
+        if rope_type(raw) not in ("default", "longrope") and not turns_part and \
                 read_float(part, "partial_rotary_factor", 1.0, path=where) != 1.0:
-            raise ConfigError(f"{where}partial_rotary_factor: rotating part of each head is not supported")
+            raise ConfigError(f"{where}partial_rotary_factor: this architecture turns whole heads; a scaled rope over "
+                              "part of each head is served for the families that turn part (GLM-4, Qwen3.5, Phi, ...)")
         kind = rope_type(raw)   # yarn without a factor: the context's growth (transformers'); linear, llama3 need one
         growth = REQUIRED if kind in ("dynamic", "linear", "llama3") else \
             read_int(cfg, "max_position_embeddings", original) / original

@@ -24,7 +24,7 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     """[head_dim // 2] inverse frequencies (float32, on the CPU), with the config's scaling applied. A partial rotary
     (`ModelConfig.rotary_dim` < head_dim, GLM-4's) has the frequencies of its rotary dimensions first and zeros
     after: cos 1 and sin 0, so those pairs pass unchanged (the model's loading brings the rotated pairs first)."""
-    dim = config.rotary_dim   # head_dim but for a partial rotary (served with the default rope or longrope only)
+    dim = config.rotary_dim   # head_dim but for a partial rotary (each scaling's frequencies over its dimensions)
     # On the CPU whatever device is the default: on the meta device the division's Python kernel would
     # import torch._dynamo (over a second of a worker's start).
     # Gemma 4's proportional rope: the turning pairs' exponents over the whole head, not over the pairs that turn
@@ -59,8 +59,9 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 def _yarn_inv_freq(config: ModelConfig) -> torch.Tensor:
     """YaRN: the frequencies that turn more than `beta_fast` times over the original context kept, those
     that turn fewer than `beta_slow` times divided by `factor`, a linear ramp between (transformers'
-    `_compute_yarn_parameters`, in its order of operations)."""
-    scaling, dim = config.rope_scaling, config.head_dim
+    `_compute_yarn_parameters`, in its order of operations), over the dimensions the rotary turns (a partial
+    rotary's: Qwen3.5's and Qwen3-Next's quarter of each head past their 262,144 positions)."""
+    scaling, dim = config.rope_scaling, config.rotary_dim
     original, base = scaling.original_max_position_embeddings, config.rope_theta
 
     def correction_dim(rotations: float) -> float:   # the dimension that turns `rotations` times

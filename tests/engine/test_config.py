@@ -152,10 +152,11 @@ def test_a_config_without_its_kv_head_count_takes_its_config_classs(arch, config
 
 
 def test_a_scaled_rope_over_part_of_each_head_is_refused_and_a_plain_one_reads_as_transformers_does():
-    """transformers' linear, llama3 and yarn ropes rotate `partial_rotary_factor` of each head (ours would rotate
-    it whole: refused, by its key); its default rope ignores the key, and so do we."""
+    """transformers' linear, llama3 and yarn ropes rotate `partial_rotary_factor` of each head; Llama's layers turn
+    whole heads (a scaled rope over part of each is refused, by its key; the families that turn part serve it:
+    GLM-4's test below); its default rope ignores the key, and so do we."""
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
-    with pytest.raises(ConfigError, match=r"^rope_scaling\.partial_rotary_factor: rotating part of each head"):
+    with pytest.raises(ConfigError, match=r"^rope_scaling\.partial_rotary_factor: this architecture turns whole"):
         ModelConfig.from_hf_config({**LLAMA, "rope_scaling": {**yarn, "partial_rotary_factor": 0.5}})
     with pytest.raises(ConfigError, match=r"^partial_rotary_factor: "):   # the key the file has
         ModelConfig.from_hf_config({**LLAMA, "partial_rotary_factor": 0.25, "rope_scaling": yarn})
@@ -1016,10 +1017,10 @@ def test_ernie45_as_its_model_card_writes_it_and_its_defaults_as_transformers_re
 def test_glm4_as_its_model_card_writes_it_and_its_defaults_as_transformers_reads_them():
     """GLM-4-9B-0414's config: its parameter count is transformers' model's, built on the meta device from the same
     config (four norms a layer, q/k/v biases); half of each head rotated: the engine's frequencies are GLM's for
-    the rotated half and zero after. Keys left out read as Glm4Config reads them; a partial rotary beside a scaled
-    rope is refused by key."""
+    the rotated half and zero after. Keys left out read as Glm4Config reads them; beside a scaled rope (linear,
+    dynamic, YaRN, Llama 3's) the frequencies and attention factor are transformers' over the rotated half."""
     transformers = pytest.importorskip("transformers")
-    from engine.layers.rotary import rope_inv_freq
+    from engine.layers.rotary import rope_attention_factor, rope_inv_freq
 
     card = {"architectures": ["Glm4ForCausalLM"], "vocab_size": 151552, "hidden_size": 4096,
             "intermediate_size": 13696, "num_hidden_layers": 40, "num_attention_heads": 32, "num_key_value_heads": 2,
@@ -1041,8 +1042,19 @@ def test_glm4_as_its_model_card_writes_it_and_its_defaults_as_transformers_reads
             ours.max_position_embeddings) == (default.num_key_value_heads, default.head_dim, default.rms_norm_eps,
                                               default.attention_bias, default.rope_parameters["partial_rotary_factor"],
                                               default.max_position_embeddings)
-    with pytest.raises(ConfigError, match="partial_rotary_factor"):
-        ModelConfig.from_hf_config({**card, "rope_scaling": {"rope_type": "linear", "factor": 2.0}})
+    # a scaled rope over the turned half: each type's frequencies and attention factor transformers' own
+    for scaling in ({"rope_type": "linear", "factor": 2.0}, {"rope_type": "dynamic", "factor": 2.0},
+                    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8192},
+                    {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192,
+                     "low_freq_factor": 1.0, "high_freq_factor": 4.0}):
+        cfg = ModelConfig.from_hf_config({**card, "rope_scaling": scaling})
+        params = {**scaling, "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+        hf_config = transformers.Glm4Config(**{**{k: v for k, v in card.items() if k != "architectures"},
+                                               "rope_parameters": params})
+        theirs = transformers.models.glm4.modeling_glm4.Glm4RotaryEmbedding(hf_config)
+        assert cfg.rotary_dim == 64, scaling
+        torch.testing.assert_close(rope_inv_freq(cfg), torch.cat([theirs.inv_freq, torch.zeros(32)]), msg=str(scaling))
+        assert rope_attention_factor(cfg) == pytest.approx(theirs.attention_scaling), scaling
 
 
 DEEPSEEK_V3_CARD = {

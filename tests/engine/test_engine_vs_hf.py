@@ -769,6 +769,18 @@ TINY_MODELS = [
     ("qwen3_next", {**QWEN3_5, "num_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 32,
                     "shared_expert_intermediate_size": 48, "linear_num_value_heads": 2, "mlp_only_layers": [2],
                     "norm_topk_prob": False}),
+    # scaled ropes over part of each head, past the original context (32 positions): Qwen3.5's under YaRN (its
+    # long-context setting; half of each head here, a quarter in its releases), GLM-4's interleaved quarter under YaRN,
+    # Phi's 0.4 under a linear scaling, GPT-NeoX's quarter under Llama 3's
+    ("qwen3_5", {**QWEN3_5, "rope_parameters": {**YARN, "factor": 8.0, "partial_rotary_factor": 0.5}}),
+    ("glm4", dict(partial_rotary_factor=0.25, num_key_value_heads=1, pad_token_id=0,
+                  rope_parameters={**YARN, "partial_rotary_factor": 0.25})),
+    ("phi", {"num_key_value_heads": 4, "partial_rotary_factor": 0.4, "layer_norm_eps": 1e-5,
+             "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0,
+                                 "partial_rotary_factor": 0.4}}),
+    ("gpt_neox", {"layer_norm_eps": 1e-5, "rope_parameters": {
+        "rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 32, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "rope_theta": 10000.0, "partial_rotary_factor": 0.25}}),
 ]
 # Every architecture on the default CPU linears; the other linears on one dense and one MoE model (the
 # linears do not depend on the architecture around them).
