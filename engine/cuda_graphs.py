@@ -122,14 +122,16 @@ class DecodeGraphs:
 
     model: the `LlamaForCausalLM`; kv_caches: its per-layer (k, v) caches; backend: the attention
     backend module; max_batch: the most decode tokens of a step (the pools' `max_num_seqs` together);
-    max_model_len: the longest sequence (sets the block tables' width and the split count); graphs: the
-    `GraphBackend`.
+    max_model_len: the longest sequence (sets the block tables' width and the split count), at most the model's
+    `graph_max_len` (DeepSeek V3.2's `index_topk`: its dense regime; a step with a longer sequence runs eagerly);
+    graphs: the `GraphBackend`.
     """
 
     def __init__(self, model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend, device: torch.device,
                  max_batch: int, max_model_len: int, block_size: int, graphs: GraphBackend, rings: bool = False
                  ) -> None:
         self.model, self.kv_caches, self.backend, self.graphs = model, kv_caches, backend, graphs
+        max_model_len = min(max_model_len, getattr(model, "graph_max_len", None) or max_model_len)
         self.device, self.max_model_len, self.block_size = device, max_model_len, block_size
         self.sizes = capture_sizes(max_batch)
         self.max_batch = self.sizes[-1] if self.sizes else 0

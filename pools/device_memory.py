@@ -112,11 +112,10 @@ def no_room_for_kv(dkey: str, dev: DeviceSpec, memory: int, source: str, model: 
 
 
 def graph_reserve(model: ModelConfig, dev: DeviceSpec, device_type: str, tp: int, dtype: torch.dtype) -> int:
-    """Bytes per GPU for the decode graphs where the engine captures them (CUDA, not `enforce_eager`, not DeepSeek's
-    sparse attention, V3.2's or V4's): the largest batch it captures (`MAX_GRAPH_BATCH`: the pools' sizes come from
-    what is left)."""
-    if device_type != "cuda" or dev.enforce_eager or model.mla is not None and model.mla.index_topk \
-            or model.deepseek_v4 is not None:
+    """Bytes per GPU for the decode graphs where the engine captures them (CUDA, not `enforce_eager`, not DeepSeek
+    V4's attention; V3.2's sparse attention in its dense regime, `engine.models.deepseek_v32`): the largest batch it
+    captures (`MAX_GRAPH_BATCH`: the pools' sizes come from what is left)."""
+    if device_type != "cuda" or dev.enforce_eager or model.deepseek_v4 is not None:
         return 0
     shard = ShardShape.of(model, 0, tp)
     shapes = [(rank_kv_heads(heads, tp), dim) for heads, dim in map(model.layer_kv_shape, range(model.num_layers))]

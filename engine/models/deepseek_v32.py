@@ -18,8 +18,9 @@ Attention (`DsaAttention`): while no sequence of the step has more than `index_t
 `index_topk` are all its earlier tokens and the attention is V3's (the paged kernels over the rows, the query padded
 with zeros over the indexer's part: q.k unchanged); past that the indexer picks and the query attends to its choice
 alone, by the backend's kernels where it has them (`kernels.triton_dsa` on CUDA), else by `kernels.dsa`'s torch
-reference. Which path runs is decided by the step's lengths on the host, so the decode steps of this model are not
-captured in CUDA graphs (`graph_safe` is false).
+reference. Which path runs is decided by the step's lengths on the host, so CUDA graphs capture the first regime
+alone: the decode graphs hold sequences of up to `index_topk` tokens (`graph_max_len`: a chat pool's decodes replay
+them, V3's paged kernels under the graph), and a decode step with a longer sequence runs eagerly.
 
 Tensor parallelism: the indexer is whole on every rank (the cache's rows are), each rank attends its own heads over
 the rows the same choice picks.
@@ -143,9 +144,10 @@ class DeepseekV32ForCausalLM(DeepseekForCausalLM):
         return super().read_tensor(hf_name, name, tensor)
 
     @property
-    def graph_safe(self) -> bool:
-        """Never: the step's lengths pick the dense or the sparse attention on the host (the module docstring)."""
-        return False
+    def graph_max_len(self) -> int:
+        """`index_topk`: decode graphs capture the dense regime alone (the step's lengths pick the dense or the
+        sparse attention on the host: the module docstring)."""
+        return self.config.mla.index_topk
 
 
 class AXK2Attention(DsaAttention):

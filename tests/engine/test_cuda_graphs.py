@@ -432,3 +432,34 @@ def test_alibi_decode_graphs_replay_the_slopes(tmp_path, builtin_path, monkeypat
         assert_all_free(engine)
     assert recorder.replays > 5
     assert results[True] == results[False]
+
+
+@pytest.mark.parametrize("arch,indexers", [("deepseek_v32", {}),
+                                            ("glm_moe_dsa", {"indexer_types": ["full", "shared"]})])
+def test_sparse_attention_decode_graphs_hold_the_dense_regime_and_longer_steps_run_eagerly(
+        tmp_path, builtin_path, monkeypatch, arch, indexers):
+    """DeepSeek V3.2's and GLM-5's sparse attention picks its path by the step's lengths on the host, so the decode
+    graphs hold sequences of up to `index_topk` tokens (24 here), where every earlier token is chosen and V3's paged
+    kernels attend under the graph; a decode step with a longer sequence runs eagerly (the indexer's choice). Greedy
+    tokens equal the eager torch reference's throughout, replays on both sides of the crossing."""
+    from tests.kernels.test_engine_triton import LATENT
+
+    path = make_tiny_model(tmp_path / arch, arch, builtin_path, **LATENT, index_n_heads=16, index_head_dim=16,
+                           index_topk=24, **indexers)
+    rng = random.Random(29)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (3, 20, 9)]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (7, 9, 4)]   # 20 + 9 > 24
+    results, decided = {}, []
+    for graphs in (False, True):
+        engine, recorder = _engine_graphs(path, monkeypatch, graphs)
+        if graphs:
+            assert engine.runner.graphs.max_model_len == 24 and engine.model.graph_safe
+            can_run = engine.runner.graphs.can_run
+            monkeypatch.setattr(engine.runner.graphs, "can_run", lambda q, s=None: decided.append(
+                (max(s or [0]), can_run(q, s))) or decided[-1][1])
+        results[graphs] = [out.outputs[0].token_ids for out in engine.generate(prompts, params)]
+        assert_all_free(engine)
+    assert any(ok and longest > 8 for longest, ok in decided), decided         # replays past the first steps
+    assert any(not ok and longest > 24 for longest, ok in decided), decided    # eager past index_topk
+    assert recorder.replays >= 3
+    assert results[True] == results[False]
