@@ -19,17 +19,7 @@ import torch.nn.functional as F
 from kernels.metadata import AttentionMetadata
 from kernels.reference import context_slots, dequantize_kv
 
-__all__ = ["block_sparse_attention", "picked_keys", "store_index_keys"]
-
-
-def store_index_keys(keys: torch.Tensor, index_cache: torch.Tensor, meta: AttentionMetadata) -> None:
-    """Each token's indexer key [T, 1, index_head_dim] into its slot of `index_cache` (a padded row's slot, -1,
-    stores nothing)."""
-    slots = meta.slot_mapping
-    if meta.has_invalid_slots:
-        keep = slots >= 0
-        slots, keys = slots[keep], keys[keep]
-    index_cache.view(-1, *index_cache.shape[2:]).index_copy_(0, slots, keys.to(index_cache.dtype))
+__all__ = ["block_sparse_attention", "picked_keys"]
 
 
 def block_sparse_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

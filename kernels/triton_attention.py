@@ -60,16 +60,17 @@ import triton.language as tl
 
 from kernels.metadata import AttentionMetadata
 from kernels.reference import FP8_KV_DTYPE
+from kernels.triton_block_sparse import block_sparse_attention
 from kernels.triton_dsa import attend_chosen as dsa_attend_chosen, choose_tokens as dsa_choose_tokens
 from kernels.triton_kv_store import _store_kv_kernel, dequantize_e4m3, store_kv
 from kernels.triton_prefill import (_prefill_attention_kernel, aligned_int32, capped_scales,
                                     check_attention_args, dot_dtype, is_interpreted, padded_head_dim,
                                     prefill_attention)
 
-# This module is the Triton backend (`kernels.get_backend`): store_kv comes along with it, and DeepSeek's sparse
-# attention (`kernels.dsa`'s halves on the device)
+# This module is the Triton backend (`kernels.get_backend`): store_kv comes along with it, DeepSeek's sparse
+# attention (`kernels.dsa`'s halves on the device) and MiniMax M3's block-sparse attention
 __all__ = ["paged_attention", "store_kv", "choose_num_splits", "compile_kernels", "compiled_variants",
-           "launch_variants", "dsa_choose_tokens", "dsa_attend_chosen"]
+           "launch_variants", "dsa_choose_tokens", "dsa_attend_chosen", "block_sparse_attention"]
 
 # Chunks of at least this many new tokens run through `kernels.triton_prefill` (see above).
 PREFILL_MIN_QUERY_LEN = 64

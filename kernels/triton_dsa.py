@@ -28,7 +28,7 @@ from kernels.reference import FP8_KV_DTYPE
 from kernels.triton_kv_store import dequantize_e4m3
 from kernels.triton_prefill import aligned_int32, dot_dtype, padded_head_dim
 
-__all__ = ["attend_chosen", "choose_tokens"]
+__all__ = ["attend_chosen", "choose_tokens", "token_layout"]
 
 BLOCK_N = 32   # positions a program scores or attends at a time
 BLOCK_H = 16   # query heads of a sparse-attention program (a dot's smallest M)
@@ -126,8 +126,9 @@ def _sparse_attention_kernel(
              o.to(out_ptr.dtype.element_ty), mask=mask_h[:, None] & mask_l[None, :])
 
 
-def _token_layout(meta: AttentionMetadata, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """([T] int32 each token's sequence, [T] int32 its position), built once a step (`meta.backend_cache`)."""
+def token_layout(meta: AttentionMetadata, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """([T] int32 each token's sequence, [T] int32 its position), built once a step (`meta.backend_cache`; the
+    block-sparse kernels share it)."""
     cached = meta.backend_cache.get("triton_dsa")
     if cached is None:
         seqs, positions = [], []
@@ -151,7 +152,7 @@ def choose_tokens(index_q: torch.Tensor, index_weights: torch.Tensor, cache: tor
     scored a group at a time, each group's [tokens, longest context] float32 scores at most `scores_bytes` (a prefill
     chunk of 8,192 tokens over 128k positions would hold 4 GiB at once)."""
     tokens, width = index_q.shape[0], max(meta.seq_lens_list, default=0)
-    token_seq, token_pos = _token_layout(meta, cache.device)
+    token_seq, token_pos = token_layout(meta, cache.device)
     group = max(1, scores_bytes // max(4 * width, 1))
     chosen = torch.empty(tokens, min(topk, width), dtype=torch.int64, device=cache.device)
     keep = torch.empty(tokens, min(topk, width), dtype=torch.bool, device=cache.device)
@@ -192,7 +193,7 @@ def attend_chosen(query: torch.Tensor, choice: tuple[torch.Tensor, torch.Tensor]
     tokens, heads, _ = query.shape
     lora, rope = kv_lora_rank, latent_dim - kv_lora_rank
     out = torch.empty(tokens, heads, lora, dtype=query.dtype, device=query.device)
-    token_seq, _ = _token_layout(meta, cache.device)
+    token_seq, _ = token_layout(meta, cache.device)
     keep = keep.to(torch.int8)
     kind, precision = _dot(query.dtype)
     if tokens:

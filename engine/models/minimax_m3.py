@@ -6,7 +6,11 @@ model's dtype (MiniMax-M2's), and on the layers `BlockIndexer.layers` names, blo
 (`BlockSparseAttention`, `kernels.block_sparse`): an indexer of one head a KV head (q from its own projection, one key a
 token, each Gemma-normed and turned by the attention's rotary) picks the key blocks each query attends to. A sparse
 layer's cache keeps each token's indexer key beside its K/V (`engine.kv_cache.KVCache`: the layer's third tensor).
-Its decode steps are not captured as CUDA graphs (the attention's tensors are sized by the step's longest sequence).
+While no sequence of a step is longer than the blocks a query may choose (`topk_blocks` x `block_size`), every block is
+chosen and the sparse layers attend densely (the backend's paged kernels); past that the indexer picks, through the
+backend's kernels where it has them (`kernels.triton_block_sparse` on CUDA), else `kernels.block_sparse`'s torch
+attention. The step's lengths pick the path on the host, so the decode graphs hold the dense regime alone
+(`graph_max_len`), as DeepSeek V3.2's.
 
 Checkpoints are read under the release's names (`language_model.model.`: `block_sparse_moe` with each expert's
 `w1` / `w3` / `w2`, its `e_score_correction_bias` and `shared_experts`, the indexer as `self_attn.index_q_proj` ...;
@@ -33,7 +37,7 @@ from engine.models.phi3 import partial_rotary_rows
 from engine.models.qwen3_moe import Qwen3MoeForCausalLM
 from engine.parallel import Collectives, ShardShape
 from kernels import AttentionMetadata
-from kernels.block_sparse import block_sparse_attention, store_index_keys
+from kernels.block_sparse import block_sparse_attention
 
 __all__ = ["BlockSparseAttention", "MiniMaxM3ForCausalLM", "MiniMaxM3MoeBlock"]
 
@@ -72,10 +76,16 @@ class BlockSparseAttention(Attention):
         if self.kv_observer is not None:
             self.kv_observer(k, v)
         backend.store_kv(k, v, k_cache, v_cache, meta, k_scale=self.k_scale, v_scale=self.v_scale)
-        store_index_keys(index[:, kv_heads:], index_cache, meta)
-        out = block_sparse_attention(q, k_cache, v_cache, index[:, :kv_heads], index_cache, meta, self.scale,
-                                     block_size=self.index.block_size, topk_blocks=self.index.topk_blocks,
-                                     local_blocks=self.index.local_blocks, k_scale=self.k_scale, v_scale=self.v_scale)
+        keys = index[:, kv_heads:]   # into their slots by the backend's store, as K and V in one (a padded row's: none)
+        backend.store_kv(keys, keys, index_cache, index_cache, meta)
+        if max(meta.seq_lens_list, default=0) <= self.index.topk_blocks * self.index.block_size:   # every block
+            out = backend.paged_attention(q, k_cache, v_cache, meta, self.scale, k_scale=self.k_scale,
+                                          v_scale=self.v_scale)
+        else:   # the backend's own (Triton's), else the torch attention
+            attend = getattr(backend, "block_sparse_attention", block_sparse_attention)
+            out = attend(q, k_cache, v_cache, index[:, :kv_heads], index_cache, meta, self.scale,
+                         block_size=self.index.block_size, topk_blocks=self.index.topk_blocks,
+                         local_blocks=self.index.local_blocks, k_scale=self.k_scale, v_scale=self.v_scale)
         return self.comm.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
 
 
@@ -98,10 +108,11 @@ class MiniMaxM3ForCausalLM(Glm4MoeForCausalLM):
     norm_init = 0.0
 
     @property
-    def graph_safe(self) -> bool:
-        """CUDA graphs capture it where it has no block-sparse layer (whose tensors are sized by the step's longest
-        sequence, a number on the host) and its experts allow (Qwen3-MoE's rule)."""
-        return self.config.block_indexer is None and super().graph_safe
+    def graph_max_len(self) -> int | None:
+        """The blocks a query may choose, `topk_blocks` x `block_size`: its decode graphs hold the sparse layers'
+        dense regime alone (the module docstring); None without a block-sparse layer."""
+        index = self.config.block_indexer
+        return None if index is None else index.topk_blocks * index.block_size
 
     def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
         config = self.config

@@ -434,18 +434,26 @@ def test_alibi_decode_graphs_replay_the_slopes(tmp_path, builtin_path, monkeypat
     assert results[True] == results[False]
 
 
-@pytest.mark.parametrize("arch,indexers", [("deepseek_v32", {}),
-                                            ("glm_moe_dsa", {"indexer_types": ["full", "shared"]})])
-def test_sparse_attention_decode_graphs_hold_the_dense_regime_and_longer_steps_run_eagerly(
-        tmp_path, builtin_path, monkeypatch, arch, indexers):
-    """DeepSeek V3.2's and GLM-5's sparse attention picks its path by the step's lengths on the host, so the decode
-    graphs hold sequences of up to `index_topk` tokens (24 here), where every earlier token is chosen and V3's paged
-    kernels attend under the graph; a decode step with a longer sequence runs eagerly (the indexer's choice). Greedy
-    tokens equal the eager torch reference's throughout, replays on both sides of the crossing."""
+def _sparse_shapes() -> dict:
+    """Tiny shapes of the models whose sparse attention picks its path by the step's lengths, each choosing 24 keys:
+    DeepSeek V3.2's and GLM-5's tokens (`index_topk`), MiniMax M3's 6 blocks of 4."""
+    from tests.engine.test_engine_vs_hf import MINIMAX_M3
     from tests.kernels.test_engine_triton import LATENT
 
-    path = make_tiny_model(tmp_path / arch, arch, builtin_path, **LATENT, index_n_heads=16, index_head_dim=16,
-                           index_topk=24, **indexers)
+    dsa = {**LATENT, "index_n_heads": 16, "index_head_dim": 16, "index_topk": 24}
+    return {"deepseek_v32": dsa, "glm_moe_dsa": {**dsa, "indexer_types": ["full", "shared"]},
+            "minimax_m3_vl_text": {**MINIMAX_M3, "index_topk_blocks": 6}}
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v32", "glm_moe_dsa", "minimax_m3_vl_text"])
+def test_sparse_attention_decode_graphs_hold_the_dense_regime_and_longer_steps_run_eagerly(
+        tmp_path, builtin_path, monkeypatch, arch):
+    """DeepSeek V3.2's and GLM-5's sparse attention and MiniMax M3's block-sparse layers pick their path by the step's
+    lengths on the host, so the decode graphs hold sequences of up to the keys a query may choose (24 here), where
+    every earlier key is chosen and the paged kernels attend under the graph; a decode step with a longer sequence
+    runs eagerly (the indexer's choice). Greedy tokens equal the eager torch reference's throughout, replays on both
+    sides of the crossing."""
+    path = make_tiny_model(tmp_path / arch, arch, builtin_path, **_sparse_shapes()[arch])
     rng = random.Random(29)
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (3, 20, 9)]
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (7, 9, 4)]   # 20 + 9 > 24

@@ -220,3 +220,27 @@ def test_engine_on_triton_kernels_serves_alibi_as_the_reference(tmp_path, builti
         calls[backend] = 0
         assert_all_free(engine)
     assert results["triton"] == results["torch"]
+
+
+def test_engine_on_triton_kernels_serves_block_sparse_attention_as_the_reference(tmp_path, builtin_path, monkeypatch):
+    """MiniMax M3's block-sparse layers past the blocks a query may choose (2 of 4 keys): the Triton kernels score the
+    blocks and attend to the choice (`kernels.triton_block_sparse`), before that the paged kernels attend densely; the
+    greedy tokens are the torch backend's, which equal transformers' (tests/engine/test_engine_vs_hf.py)."""
+    from kernels import triton_attention
+    from tests.engine.test_engine_vs_hf import MINIMAX_M3
+
+    path = make_tiny_model(tmp_path / "m3", "minimax_m3_vl_text", builtin_path, **MINIMAX_M3)
+    sparse = []
+    real = triton_attention.block_sparse_attention
+    monkeypatch.setattr(triton_attention, "block_sparse_attention",
+                        lambda *args, **kwargs: sparse.append(len(args[0])) or real(*args, **kwargs))
+    rng = random.Random(23)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (24, 3, 13)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    results = {}
+    for backend in ("torch", "triton"):
+        engine = _engine(path, backend, monkeypatch, num_blocks=24, max_num_batched_tokens=32)
+        results[backend] = [out.outputs[0].token_ids for out in engine.generate(prompts, params)]
+        assert_all_free(engine)
+    assert sparse, "no step went through the Triton block-sparse kernels"
+    assert results["triton"] == results["torch"]
