@@ -1917,8 +1917,8 @@ def assert_preempted_batch_answers(engine: LLMEngine, hf, gen: torch.Generator, 
                                              ("bloom", {"n_layer": 2, "n_head": 4})])
 def test_on_cuda_the_models_of_several_streams_answer_as_transformers_does(tmp_path, builtin_path, arch, overrides):
     """DeepSeek V4 (its attention and compressors torch on the device, its decode rows at once), HY V4 (V3.2's
-    kernels with sinks, Triton's on CUDA), Gemma 3n (AltUp's streams; its decode steps captured in graphs) and MiniMax
-    M3 (its block-sparse attention in torch on the device, its experts Triton's) and BLOOM (ALiBi in the Triton
+    kernels with sinks, Triton's on CUDA; its short decodes in graphs), Gemma 3n (AltUp's streams; its decode steps
+    captured in graphs), MiniMax M3 (its block-sparse attention and experts Triton's) and BLOOM (ALiBi in the Triton
     kernels, its decode steps captured in graphs) on a GPU in float32: the greedy tokens of transformers on the CPU."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
