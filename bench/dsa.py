@@ -12,6 +12,11 @@ reference's (`kernels.dsa`) on the same choice (exit 1 past its tolerance: 1e-4 
 CUDA the backend is Triton (`kernels.triton_dsa`); on a CPU the torch reference times itself (small sizes:
 `--context 4096 --batch 2`). Random rows and queries; the choice a random indexer makes is as costly as a trained
 one's.
+
+`--block-sparse`: MiniMax M3's block-sparse layer instead, on a rank of 4 (`--heads` 16 query heads over 2 KV heads of
+128, an indexer key of 128 a token, blocks of 128 keys, the best `--topk-blocks` 16 a query): `dense`, the paged
+kernels over every cached token (the path within 16 blocks); `sparse`, the block scores, their top-k and the attention
+over the chosen blocks (`kernels.triton_block_sparse` on CUDA); the largest difference from `kernels.block_sparse`.
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topk", type=int, default=2048, help="tokens each query attends to (index_topk)")
     p.add_argument("--block-size", type=int, default=16, help="the paged cache's block size")
     p.add_argument("--repeats", type=int, default=10, help="timed calls per path (median)")
+    p.add_argument("--block-sparse", action="store_true", help="MiniMax M3's block-sparse layer instead")
+    p.add_argument("--topk-blocks", type=int, default=16, help="with --block-sparse: blocks each query attends to")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
 
 
@@ -59,13 +66,53 @@ def _step(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
     return meta, cache, query, index_q, weights
 
 
+def _block_sparse(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> dict:
+    """MiniMax M3's block-sparse layer (`--block-sparse`): its timings and its difference from the torch attention."""
+    from kernels import AttentionMetadata, block_sparse, get_backend
+
+    backend, kv_heads, head_dim = get_backend(device), 2, 128
+    per_seq = -(-args.context // args.block_size)
+    blocks = list(range(args.batch * per_seq))
+    random.Random(0).shuffle(blocks)
+    tables = [blocks[i * per_seq:(i + 1) * per_seq] for i in range(args.batch)]
+    meta = AttentionMetadata.build(tables, [1] * args.batch, [args.context] * args.batch, args.block_size, device)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(device, dtype)
+
+    k_cache, v_cache = (randn(len(blocks), args.block_size, kv_heads, head_dim) for _ in range(2))
+    index_cache, query = randn(len(blocks), args.block_size, 1, head_dim), randn(args.batch, args.heads, head_dim)
+    index_q = randn(args.batch, kv_heads, head_dim)
+    attend = getattr(backend, "block_sparse_attention", block_sparse.block_sparse_attention)
+    pick = dict(block_size=128, topk_blocks=args.topk_blocks, local_blocks=1)
+    scale = head_dim ** -0.5
+    with torch.no_grad():
+        out = attend(query, k_cache, v_cache, index_q, index_cache, meta, scale, **pick)
+        reference = block_sparse.block_sparse_attention(query, k_cache, v_cache, index_q, index_cache, meta, scale,
+                                                        **pick)
+        timed = {"dense": lambda: backend.paged_attention(query, k_cache, v_cache, meta, scale, None),
+                 "sparse": lambda: attend(query, k_cache, v_cache, index_q, index_cache, meta, scale, **pick)}
+        row = {f"{name}_ms": statistics.median(time_call(call, device, iters=args.repeats)) * 1e3
+               for name, call in timed.items()}
+    return {"device": str(device), "dtype": str(dtype).removeprefix("torch."), "backend": backend.__name__,
+            "model": "minimax-m3", "batch": args.batch, "context": args.context, "heads": args.heads,
+            "topk_blocks": args.topk_blocks, **row, "sparse_speedup": row["dense_ms"] / row["sparse_ms"],
+            "max_abs_diff": float((out.float() - reference.float()).abs().max()),
+            "tolerance": 1e-4 if dtype == torch.float32 else 2e-2}
+
+
 def run(args: argparse.Namespace) -> int:
     from kernels import dsa, get_backend
 
-    for name in ("batch", "context", "heads", "topk", "block_size", "repeats"):
+    for name in ("batch", "context", "heads", "topk", "block_size", "repeats", "topk_blocks"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
     device, dtype = device_and_dtype(args.device, args.dtype)
+    if args.block_sparse:
+        row = _block_sparse(args, device, dtype)
+        print(json.dumps(row) if args.json else "\n".join(f"{key:16} {value}" for key, value in row.items()))
+        return 0 if row["max_abs_diff"] <= row["tolerance"] else 1
     backend = get_backend(device)
     choose = getattr(backend, "dsa_choose_tokens", dsa.choose_tokens)
     attend = getattr(backend, "dsa_attend_chosen", dsa.attend_chosen)

@@ -24,7 +24,8 @@
 # kernels on an FP8 KV cache (its decode bandwidth, in its own bytes), the kernels_mla step on DeepSeek's latent cache
 # (one plane read as K and V, head_dim 576, 16 query heads: `bench kernels --latent`), the dsa step DeepSeek V3.2's
 # sparse attention (`bench dsa`: the Triton indexer and sparse kernel against the dense latent kernel, 32k and 128k
-# contexts), the fp8 step a layer's projections with FP8 weights (`bench fp8`: the Triton GEMM against bfloat16's
+# contexts) and MiniMax M3's block-sparse layer (`--block-sparse`: block scores and the chosen blocks against the dense
+# paged kernels), the fp8 step a layer's projections with FP8 weights (`bench fp8`: the Triton GEMM against bfloat16's
 # F.linear, the weights' fraction of copy bandwidth; with INT4 weights too, `--int4`, and AWQ's zero points,
 # `--zero-points`, and INT8 weights, `--int8`, at Qwen3-32B's shape),
 # engine_fp8 the 8B engine with them; the sliding step (not a default) one KV budget with every position kept and in
@@ -73,7 +74,7 @@ for what in ${GPU_STEPS:-tests kernels kernels_fp8 fp8 engine}; do
   case $what in
     tests)   CLIFFGUARD_BUILTIN_DIR=${CLIFFGUARD_BUILTIN_DIR:-$PWD/.gpu/smollm2} TRITON_INTERPRET=0 step gpu_tests $PY -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_triton.py \
                tests/kernels/test_triton_prefill.py tests/kernels/test_triton_fused.py tests/kernels/test_triton_moe.py \
-               tests/kernels/test_triton_dsa.py tests/kernels/test_triton_fp8_gemm.py \
+               tests/kernels/test_triton_dsa.py tests/kernels/test_triton_block_sparse.py tests/kernels/test_triton_fp8_gemm.py \
                tests/kernels/test_triton_int4_gemm.py tests/kernels/test_selective_scan.py \
                tests/engine/test_sampling.py \
                tests/engine/test_cuda_graphs.py tests/engine/test_overlap.py tests/engine/test_prompt_logprobs.py \
@@ -91,7 +92,9 @@ for what in ${GPU_STEPS:-tests kernels kernels_fp8 fp8 engine}; do
                --model "$KVCACHE_MODEL"; else echo "=== kvcache: skipped (KVCACHE_MODEL unset: real weights needed)"; fi ;;
     mamba)   step bench_mamba $CLI bench mamba --device cuda --tokens 1024,4096,16384 ;;
     dsa)     step bench_dsa $CLI bench dsa --device cuda --batch 8 --context 32768
-             step bench_dsa_long $CLI bench dsa --device cuda --batch 8 --context 131072 ;;
+             step bench_dsa_long $CLI bench dsa --device cuda --batch 8 --context 131072
+             step bench_block_sparse $CLI bench dsa --device cuda --batch 8 --context 32768 --block-sparse
+             step bench_block_sparse_long $CLI bench dsa --device cuda --batch 8 --context 131072 --block-sparse ;;
     fp8)     step bench_fp8 $CLI bench fp8 --device cuda
              step bench_fp8_32b $CLI bench fp8 --device cuda --shape 32b --tokens 1,16,256
              step bench_int4_32b $CLI bench fp8 --device cuda --shape 32b --tokens 1,16,256 --int4

@@ -43,7 +43,8 @@ BENCHMARKS = {   # command -> help line; `cliffguard bench NAME` is bench.NAME's
     "fp8": "a layer's projections with FP8 weights (the Triton GEMM on CUDA) vs the same weights in the model's "
            "dtype: time, weight bytes, fraction of copy bandwidth",
     "moe": "one MoE layer's experts (Qwen3-30B-A3B's shape): grouped matmuls vs the loop over the experts hit",
-    "dsa": "one layer of DeepSeek V3.2's sparse attention decoding: indexer + chosen tokens vs dense latent attention",
+    "dsa": "one layer of DeepSeek V3.2's sparse attention decoding: indexer + chosen tokens vs dense latent attention "
+           "(--block-sparse: MiniMax M3's block-sparse layer)",
     "mamba": "one Mamba-1 layer's selective scan over a prefill (Jamba's): the Triton kernel vs the torch recurrence",
     "tokenizer": "tiktoken counter vs the HF tokenizer",
     "gateway": "latency the gateway adds, routed requests/s",

@@ -38,7 +38,24 @@ def test_it_times_the_dense_and_the_sparse_paths_and_checks_the_sparse_one(capsy
     assert row["max_abs_diff"] < 1e-4   # the backend's sparse attention against the torch reference's
 
 
-@pytest.mark.parametrize("flag", ["--batch", "--context", "--topk", "--repeats"])
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
+def test_block_sparse_times_minimax_m3s_layer_and_checks_it(capsys, monkeypatch, backend):
+    """--block-sparse: MiniMax M3's layer over 3 blocks of 128 keys, the best 2 a query (the Triton kernels through the
+    interpreter, or the torch attention), against the torch attention."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    monkeypatch.setenv("CLIFFGUARD_ATTENTION_BACKEND", backend)
+    args = _parse("--device", "cpu", "--dtype", "float32", "--batch", "2", "--context", "300", "--block-sparse",
+                  "--topk-blocks", "2", "--heads", "4", "--repeats", "1", "--json")
+    assert dsa.run(args) == 0
+    row = json.loads(capsys.readouterr().out)
+    assert (row["model"], row["context"], row["topk_blocks"], row["heads"]) == ("minimax-m3", 300, 2, 4)
+    assert row["dense_ms"] > 0 and row["sparse_ms"] > 0
+    assert row["sparse_speedup"] == pytest.approx(row["dense_ms"] / row["sparse_ms"])
+    assert row["max_abs_diff"] < 1e-4
+
+
+@pytest.mark.parametrize("flag", ["--batch", "--context", "--topk", "--repeats", "--topk-blocks"])
 def test_bad_options_are_named(flag):
     with pytest.raises(ValueError, match=f"^{flag}: must be >= 1"):
         dsa.run(_parse("--device", "cpu", flag, "0"))

@@ -144,3 +144,24 @@ def test_the_kernels_build_for_h100():
     code = ("import json; from tests.kernels.test_triton_block_sparse import _build_for_sm90; "
             "print(json.dumps(_build_for_sm90()))")
     assert json.loads(_run_compiled(code, timeout=300).strip().splitlines()[-1]) == {"scores": True, "attend": True}
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_kernels_at_minimax_m3s_shape_equal_the_torch_attention():
+    """Compiled on a GPU (TRITON_INTERPRET=0, `bench/gpu_session.sh`'s tests step): a sparse layer of MiniMax M3 on 4
+    ranks (16 query heads over 2 KV heads of 128 here, an indexer key of 128, blocks of 128, the best 16 a query),
+    float32 (no near tie between blocks' scores reorders the choice), four decodes over 4,096 to 6,000 cached tokens and
+    a chunk of 64 new ones: the torch attention's output."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    query, k_cache, v_cache, index_q, index_cache, meta = _step([4096, 5000, 6000, 4500, 3000], [1, 1, 1, 1, 64], 16,
+                                                                2, 128, 128, 16, torch.float32, seed=7)
+    query, k_cache, v_cache, index_q, index_cache = (t.cuda() for t in (query, k_cache, v_cache, index_q, index_cache))
+    cuda_meta = AttentionMetadata.build(meta.block_tables.tolist(), meta.query_lens_list, meta.seq_lens_list,
+                                        meta.block_size, "cuda")
+    pick = dict(block_size=128, topk_blocks=16, local_blocks=1)
+    ours = triton_block_sparse.block_sparse_attention(query, k_cache, v_cache, index_q, index_cache, cuda_meta,
+                                                      128 ** -0.5, **pick)
+    theirs = block_sparse.block_sparse_attention(query, k_cache, v_cache, index_q, index_cache, _fresh(cuda_meta),
+                                                 128 ** -0.5, **pick)
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
