@@ -122,7 +122,9 @@ ANY_TEXT_MODELS = {"InternVLForConditionalGeneration": "qwen2", "LlavaForConditi
                    "VipLlavaForConditionalGeneration": "llama", "VideoLlavaForConditionalGeneration": "llama",
                    "LlavaNextVideoForConditionalGeneration": "llama", "GotOcr2ForConditionalGeneration": "qwen2",
                    "Ovis2ForConditionalGeneration": "qwen2", "VideoLlama3ForConditionalGeneration": "qwen2",
-                   "DeepseekVLForConditionalGeneration": "llama", "JanusForConditionalGeneration": "llama"}
+                   "DeepseekVLForConditionalGeneration": "llama", "JanusForConditionalGeneration": "llama",
+                   # and DeepSeek-VL's hybrid (its SAM tower beside the SigLIP one, not read)
+                   "DeepseekVLHybridForConditionalGeneration": "llama"}
 # the text models they are served as, by model_type
 TEXT_TYPE_ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                    "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",

@@ -207,6 +207,7 @@ VISION_WRAPPERS = {
     "deepseek_vl": ("llama", {}, "LlamaForCausalLM", "language_model."),
     "idefics2": ("mistral", {}, "MistralForCausalLM", "text_model."),
     "janus": ("llama", {}, "LlamaForCausalLM", "language_model."),
+    "deepseek_vl_hybrid": ("llama", {}, "LlamaForCausalLM", "language_model."),
     "granite_docling": ("granite_docling_text", {"embedding_multiplier": 3.0, "residual_multiplier": 0.5,
                                                  "logits_scaling": 2.0, "attention_multiplier": 0.2},
                         "GraniteForCausalLM", "text_model."),
@@ -242,9 +243,9 @@ VISION_WRAPPERS = {
 def test_a_vision_checkpoint_serves_its_text_model(tmp_path, builtin_path, wrapper):
     """Command A Vision (`cohere2_vision`), MiniCPM-V 4.6 (Qwen3.5's hybrid text model), LightOnOCR (Qwen3), HyperCLOVA
     X SEED Vision (`hyperclovax_vision_v2`), SmolVLM (Idefics3's layout: `model.text_model.`), VipLLaVA, Video-LLaVA and
-    LLaVA-NeXT-Video, GOT-OCR 2.0, Ovis2, VideoLLaMA3, DeepSeek-VL, Janus, Idefics2, Nemotron Nano Omni (Nemotron-H's
-    hybrid), Llama 3.2 Vision (its self-attention layers alone), each its config class's vision tower shrunk around a
-    tiny text model: greedy text token-identical to transformers'."""
+    LLaVA-NeXT-Video, GOT-OCR 2.0, Ovis2, VideoLLaMA3, DeepSeek-VL (and its hybrid), Janus, Idefics2, Nemotron Nano Omni
+    (Nemotron-H's hybrid), Llama 3.2 Vision (its self-attention layers alone), each its config class's vision tower
+    shrunk around a tiny text model: greedy text token-identical to transformers'."""
     hf, folder = vision_checkpoint(tmp_path, wrapper)
     kind, keys, arch, prefix = VISION_WRAPPERS[wrapper]
     _assert_serves_its_text_model(hf, folder, builtin_path, arch, prefix)
