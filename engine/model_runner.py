@@ -112,7 +112,21 @@ class _Forward:
                                     softcap=attn.softcap, sinks=attn.sinks is not None, chunk=chunk or None,
                                     alibi=alibi)
                     for kv_heads, head_dim, window, chunk in masks)
+        count += self.warm_sparse_kernels()
         log.info("compiled %d attention kernel variants in %.1fs", count, time.perf_counter() - started)
+
+    def warm_sparse_kernels(self) -> int:
+        """Run each kind of sparse attention's kernels once (an attention's `warm_kernels`: DeepSeek V3.2's indexer and
+        sparse kernels, MiniMax M3's block-sparse ones) over its layer's cache, so the first step past the dense regime
+        does not compile them while serving (a compile stalls every sequence of the device: 0.15-1.4 s a variant on a
+        fresh GPU). Returns how many kinds ran."""
+        warmed = set()
+        for i, attn in attentions(self.model).items():
+            kind = (type(attn), getattr(attn, "sinks", None) is not None)
+            warm = getattr(attn, "warm_kernels", None)
+            if warm is not None and kind not in warmed and warm(self.backend, self.kv_cache.layers[i]):
+                warmed.add(kind)
+        return len(warmed)
 
     def graphs_apply(self, enforce_eager: bool) -> bool:
         """Whether decode steps should replay CUDA graphs: on CUDA with the Triton kernels (the graph-safe

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from kernels.metadata import AttentionMetadata
 from kernels.reference import FP8_KV_DTYPE
-from kernels.triton_dsa import token_layout
+from kernels.triton_dsa import aligned_group, token_layout
 from kernels.triton_prefill import dot_dtype, padded_head_dim
 
 __all__ = ["block_sparse_attention"]
@@ -38,7 +38,9 @@ SCORES_BYTES = 256 << 20   # the block scores held at once (a long chunk's token
 LOG2E = 1.4426950408889634
 
 
-@triton.jit(do_not_specialize=["num_kv_heads", "num_index_blocks", "stride_bt"])
+# What changes from step to step (the block count, the chosen count, the block tables', the scores' and the choice's
+# row widths) is not specialized on: one compiled variant serves every step (`warm_up` compiles it at start)
+@triton.jit(do_not_specialize=["num_kv_heads", "num_index_blocks", "stride_st", "stride_sh", "stride_bt"])
 def _block_scores_kernel(
     q_ptr, index_ptr, scores_ptr, block_tables_ptr, token_seq_ptr, token_pos_ptr,
     num_kv_heads, num_index_blocks,
@@ -71,7 +73,7 @@ def _block_scores_kernel(
     tl.store(scores_ptr + token * stride_st + offs_h * stride_sh + index_block, best, mask=mask_h)
 
 
-@triton.jit(do_not_specialize=["num_chosen", "stride_bt"])
+@triton.jit(do_not_specialize=["num_chosen", "stride_ct", "stride_ch", "stride_bt"])
 def _chosen_blocks_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, chosen_ptr, keep_ptr, block_tables_ptr, token_seq_ptr, token_pos_ptr,
     qk_scale, num_chosen,
@@ -144,7 +146,7 @@ def choose_blocks(index_q: torch.Tensor, index_cache: torch.Tensor, meta: Attent
     chosen = torch.empty(tokens, kv_heads, k, dtype=torch.int64, device=device)
     keep = torch.empty(tokens, kv_heads, k, dtype=torch.int8, device=device)
     own = token_pos.to(torch.int64) // block_size
-    group = max(1, scores_bytes // max(4 * kv_heads * num_blocks, 1))
+    group = aligned_group(scores_bytes // max(4 * kv_heads * num_blocks, 1))
     kind, precision = _dot(index_q.dtype)
     for a in range(0, tokens, group):
         b = min(a + group, tokens)

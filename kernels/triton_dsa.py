@@ -28,7 +28,7 @@ from kernels.reference import FP8_KV_DTYPE
 from kernels.triton_kv_store import dequantize_e4m3
 from kernels.triton_prefill import aligned_int32, dot_dtype, padded_head_dim
 
-__all__ = ["attend_chosen", "choose_tokens", "token_layout"]
+__all__ = ["aligned_group", "attend_chosen", "choose_tokens", "token_layout"]
 
 BLOCK_N = 32   # positions a program scores or attends at a time
 BLOCK_H = 16   # query heads of a sparse-attention program (a dot's smallest M)
@@ -36,7 +36,9 @@ SCORES_BYTES = 256 << 20   # the indexer's scores held at once (`choose_tokens` 
 LOG2E = 1.4426950408889634
 
 
-@triton.jit(do_not_specialize=["num_heads", "width", "stride_bt"])
+# What changes from step to step (the context's width, the chosen count, the block tables' and the scores' and the
+# choice's row widths) is not specialized on: one compiled variant serves every step (`warm_up` compiles it at start)
+@triton.jit(do_not_specialize=["num_heads", "width", "stride_st", "stride_bt"])
 def _index_scores_kernel(
     q_ptr, w_ptr, cache_ptr, scores_ptr, block_tables_ptr, token_seq_ptr, token_pos_ptr,
     index_scale, k_scale, num_heads, width,
@@ -68,7 +70,7 @@ def _index_scores_kernel(
     tl.store(scores_ptr + token * stride_st + pos, tl.where(causal, score, float("-inf")), mask=pos < width)
 
 
-@triton.jit(do_not_specialize=["num_heads", "num_chosen", "stride_bt"])
+@triton.jit(do_not_specialize=["num_heads", "num_chosen", "stride_ct", "stride_kt", "stride_bt"])
 def _sparse_attention_kernel(
     q_ptr, cache_ptr, out_ptr, chosen_ptr, keep_ptr, block_tables_ptr, token_seq_ptr, sinks_ptr,
     qk_scale, k_scale, num_heads, num_chosen,
@@ -140,6 +142,13 @@ def token_layout(meta: AttentionMetadata, device: torch.device) -> tuple[torch.T
     return cached
 
 
+def aligned_group(tokens: int) -> int:
+    """How many tokens to score at once, given that at most `tokens` fit: at least 1, a multiple of 16 from 16 on, so
+    every group's slices of the per-token arrays start as 16-byte aligned as the first (Triton compiles a variant of
+    its own for a pointer that is not)."""
+    return tokens // 16 * 16 if tokens >= 16 else max(1, tokens)
+
+
 def _dot(dtype: torch.dtype) -> tuple:
     kind = dot_dtype(dtype)
     return kind, "ieee" if kind == tl.float32 else "tf32"
@@ -153,7 +162,7 @@ def choose_tokens(index_q: torch.Tensor, index_weights: torch.Tensor, cache: tor
     chunk of 8,192 tokens over 128k positions would hold 4 GiB at once)."""
     tokens, width = index_q.shape[0], max(meta.seq_lens_list, default=0)
     token_seq, token_pos = token_layout(meta, cache.device)
-    group = max(1, scores_bytes // max(4 * width, 1))
+    group = aligned_group(scores_bytes // max(4 * width, 1))
     chosen = torch.empty(tokens, min(topk, width), dtype=torch.int64, device=cache.device)
     keep = torch.empty(tokens, min(topk, width), dtype=torch.bool, device=cache.device)
     for a in range(0, tokens, group):

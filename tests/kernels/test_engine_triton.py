@@ -244,3 +244,44 @@ def test_engine_on_triton_kernels_serves_block_sparse_attention_as_the_reference
         assert_all_free(engine)
     assert sparse, "no step went through the Triton block-sparse kernels"
     assert results["triton"] == results["torch"]
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")   # the stand-ins leave outputs unwritten
+@pytest.mark.parametrize("arch", ["deepseek_v32", "hy_v4", "minimax_m3_vl_text"])
+def test_the_sparse_kernels_warmed_at_start_are_the_variants_every_sparse_step_launches(tmp_path, builtin_path,
+                                                                                        monkeypatch, arch):
+    """`ModelRunner.warm_sparse_kernels` (run with the paged kernels' compile, on CUDA) launches DeepSeek V3.2's
+    indexer and sparse kernels (HY V4's with sinks) or MiniMax M3's block-sparse ones once over a layer's cache; every
+    launch of the engine's later sparse steps (decodes and chunks, contexts of any length past the dense regime) has
+    the compile key of one of those, so none compiles while serving. The keys are Triton's own (every argument's
+    specialization, the constexprs); the kernels are stood in for, not run."""
+    from types import SimpleNamespace
+
+    jit = pytest.importorskip("triton.runtime.jit")
+    compiler = pytest.importorskip("triton.backends.compiler")
+    if not hasattr(jit, "native_specialize_impl"):
+        pytest.skip("this Triton forms its compile keys elsewhere")
+    from kernels import triton_block_sparse, triton_dsa
+    from tests.engine.test_engine_vs_hf import HYV4, MINIMAX_M3
+    from tests.kernels.test_triton import _KeyRecorder
+
+    shapes = {"deepseek_v32": {**LATENT, "index_n_heads": 16, "index_head_dim": 16, "index_topk": 8},
+              "hy_v4": HYV4, "minimax_m3_vl_text": MINIMAX_M3}
+    path = make_tiny_model(tmp_path / arch, arch, builtin_path, **shapes[arch])
+    engine = _engine(path, "triton", monkeypatch, num_blocks=40, max_num_batched_tokens=48)
+    keys = SimpleNamespace(keys={}, phase="compile", launched={"compile": set(), "step": set()},
+                           specialize=lambda arg, specialize: jit.native_specialize_impl(
+                               compiler.BaseBackend, arg, False, specialize, True))
+    for module, name in [(triton_dsa, "_index_scores_kernel"), (triton_dsa, "_sparse_attention_kernel"),
+                         (triton_block_sparse, "_block_scores_kernel"), (triton_block_sparse, "_chosen_blocks_kernel")]:
+        kernel = getattr(module, name)
+        monkeypatch.setattr(module, name, _KeyRecorder(keys, name, kernel.fn,
+                                                       kernel.kwargs.get("do_not_specialize") or ()))
+    assert engine.runner.warm_sparse_kernels() == 1
+    keys.phase = "step"
+    rng = random.Random(31)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (70, 5, 19, 33)]
+    engine.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert keys.launched["step"] == keys.launched["compile"] and len(keys.launched["step"]) == 2
+    new = [key for key, phase in keys.keys.items() if phase == "step"]
+    assert not new, f"{len(new)} launch keys the warm-up had not, e.g. {new[0]}"

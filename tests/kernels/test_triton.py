@@ -764,26 +764,28 @@ def test_the_runner_compiles_kernels_on_cuda_only():
                             embed_tokens=SimpleNamespace(weight=torch.empty(0, dtype=torch.bfloat16)))
     runner = SimpleNamespace(model=model, kv_cache=SimpleNamespace(block_size=16, dtype=torch.float8_e4m3fn),
                              backend=SimpleNamespace(compile_kernels=lambda *a, **k: calls.append((a, k)) or 11),
-                             device=torch.device("cpu"))
+                             device=torch.device("cpu"), warm_sparse_kernels=lambda: calls.append("sparse") or 0)
     _Forward.compile_kernels(runner)
     assert calls == []                                      # the CPU runs the torch reference or the interpreter
     runner.device = torch.device("cuda", 0)
     _Forward.compile_kernels(runner)
     assert calls == [((6, 2, 64, 16, torch.bfloat16, torch.device("cuda", 0), None),
-                      {"kv_dtype": torch.float8_e4m3fn, "softcap": 50.0, "sinks": True, "chunk": None, "alibi": False})]
+                      {"kv_dtype": torch.float8_e4m3fn, "softcap": 50.0, "sinks": True, "chunk": None, "alibi": False}),
+                     "sparse"]   # and the sparse attentions' kernels (tests/kernels/test_engine_triton.py)
+    calls.pop()
     # Llama 4's: chunked layers beside full ones, a variant each
     chunked = SimpleNamespace(**{**vars(attn), "chunk": 8192})
     model.layers = [SimpleNamespace(self_attn=chunked), SimpleNamespace(self_attn=attn)]
     calls.clear()
     _Forward.compile_kernels(runner)
-    assert [kwargs["chunk"] for _, kwargs in calls] == [None, 8192]
+    assert [kwargs["chunk"] for _, kwargs in calls[:-1]] == [None, 8192]
     model.layers = [SimpleNamespace(self_attn=SimpleNamespace(**{**vars(attn), "alibi": True}))]   # BLOOM's
     calls.clear()
     _Forward.compile_kernels(runner)
-    assert [kwargs["alibi"] for _, kwargs in calls] == [True]
+    assert [kwargs["alibi"] for _, kwargs in calls[:-1]] == [True]
     runner.backend = reference                              # a backend with nothing to compile
     _Forward.compile_kernels(runner)
-    assert len(calls) == 1
+    assert len(calls) == 2
 
 
 # --- built ahead of time for an H100, no GPU needed ------------------------------------------------
