@@ -39,7 +39,7 @@ LOG2E = 1.4426950408889634
 
 
 # What changes from step to step (the block count, the chosen count, the block tables', the scores' and the choice's
-# row widths) is not specialized on: one compiled variant serves every step (`warm_up` compiles it at start)
+# row widths) is not specialized on: one variant serves every step (`ModelRunner.warm_sparse_kernels` compiles it)
 @triton.jit(do_not_specialize=["num_kv_heads", "num_index_blocks", "stride_st", "stride_sh", "stride_bt"])
 def _block_scores_kernel(
     q_ptr, index_ptr, scores_ptr, block_tables_ptr, token_seq_ptr, token_pos_ptr,

@@ -37,7 +37,8 @@ LOG2E = 1.4426950408889634
 
 
 # What changes from step to step (the context's width, the chosen count, the block tables' and the scores' and the
-# choice's row widths) is not specialized on: one compiled variant serves every step (`warm_up` compiles it at start)
+# choice's row widths) is not specialized on: one variant serves every step (`ModelRunner.warm_sparse_kernels`
+# compiles it)
 @triton.jit(do_not_specialize=["num_heads", "width", "stride_st", "stride_bt"])
 def _index_scores_kernel(
     q_ptr, w_ptr, cache_ptr, scores_ptr, block_tables_ptr, token_seq_ptr, token_pos_ptr,
