@@ -96,13 +96,10 @@ class DeepseekV4Shape:
 
 def refuse_fp8_cache(model: Any, kv_dtype: Any, key: str = "kv_cache_dtype") -> None:
     """A ConfigError naming `key` for DeepSeek V4 over a one-byte (FP8) cache: its rows hold the compressors' values
-    and gates, which no per-layer scale fits; nor MiniMax M3's (its indexer keys pick blocks by exact scores); the
-    model's dtype (auto) is served."""
+    and gates, which no per-layer scale fits; the model's dtype (auto) is served. (MiniMax M3's FP8 cache keeps its
+    indexer keys in bfloat16: `engine.minimax_m3_config.index_key_dtype`.)"""
     if getattr(model, "deepseek_v4", None) is not None and kv_dtype.itemsize == 1:
         raise ConfigError(f"{key}: DeepSeek V4 is served with a cache of the model's dtype (auto), not fp8")
-    if getattr(model, "block_indexer", None) is not None and kv_dtype.itemsize == 1:
-        raise ConfigError(f"{key}: MiniMax M3's block-sparse layers are served with a cache of the model's dtype "
-                          "(auto), not fp8")
 
 
 def deepseek_v4_params(config: Any, heads: int, kv_heads: int, i: int, moe_i: int, v: int, shared_i: int) -> int:

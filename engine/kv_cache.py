@@ -16,6 +16,7 @@ import engine.capacity as capacity
 from engine.config import ConfigError, EngineConfig
 from engine.deepseek_v4_config import refuse_fp8_cache
 from engine.gemma4_config import rank_kv_heads
+from engine.minimax_m3_config import index_key_dtype
 from engine.model_config import ModelConfig
 from engine.parallel import ShardShape
 from engine.sliding_kv import SlidingRing, paged_bytes_per_token, ring_snapshots_bytes, rings_bytes
@@ -76,10 +77,11 @@ class KVCache:
 
     def _add_index_keys(self, model: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype) -> None:
         """A tensor [sparse layers, 1, num_blocks, block_size, 1, index_head_dim] of MiniMax M3's indexer keys, whole
-        on every rank, among `tensors` (so block copies and swaps move it with the K/V); a sparse layer's entry of
-        `layers` is (K, V, its indexer keys)."""
+        on every rank, among `tensors` (so block copies and swaps move it with the K/V), in bfloat16 beside an FP8
+        cache (`index_key_dtype`); a sparse layer's entry of `layers` is (K, V, its indexer keys)."""
         indexer = model.block_indexer
-        keys = zeros((len(indexer.layers), 1, num_blocks, block_size, 1, indexer.head_dim), dtype, self._device)
+        keys = zeros((len(indexer.layers), 1, num_blocks, block_size, 1, indexer.head_dim), index_key_dtype(dtype),
+                     self._device)
         self.tensors.append(keys)
         for j, layer in enumerate(indexer.layers):
             i = model.kv_layers.index(layer)
@@ -244,7 +246,7 @@ class SwapSpace:
         pin = kv_cache.device.type == "cuda"
         self.num_blocks = num_blocks
         self.kv_cache = kv_cache
-        self.tensors = [torch.zeros((*t.shape[:2], num_blocks, *t.shape[3:]), dtype=kv_cache.dtype, device="cpu",
+        self.tensors = [torch.zeros((*t.shape[:2], num_blocks, *t.shape[3:]), dtype=t.dtype, device="cpu",
                                     pin_memory=pin) for t in kv_cache.tensors]
         self.raws = [raw(tensor) for tensor in self.tensors]
 

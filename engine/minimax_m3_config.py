@@ -15,12 +15,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from engine.config import ConfigError
 from engine.config_values import read_float, read_int
 from engine.deepseek_config import grouped_experts
 from engine.rope_config import partial_rotary_factor
 
-__all__ = ["BlockIndexer", "index_key_bytes", "minimax_m3_config", "minimax_m3_fields"]
+__all__ = ["BlockIndexer", "index_key_bytes", "index_key_dtype", "minimax_m3_config", "minimax_m3_fields"]
 
 # MiniMaxM3VLTextConfig's where config.json names none (MiniMax M3's shape)
 DEFAULTS = {"vocab_size": 200_064, "hidden_size": 6144, "intermediate_size": 3072, "dense_intermediate_size": 12_288,
@@ -64,8 +65,16 @@ class BlockIndexer:
 
 
 def index_key_bytes(config: Any, itemsize: int) -> int:
-    """The indexer keys a token adds to `config`'s cache on every rank (0 without block-sparse layers)."""
-    return config.block_indexer.index_bytes_per_token(itemsize) if config.block_indexer is not None else 0
+    """The indexer keys a token adds to `config`'s cache of `itemsize`-byte K/V on every rank (0 without block-sparse
+    layers; in bfloat16 beside an FP8 cache: `index_key_dtype`)."""
+    return config.block_indexer.index_bytes_per_token(max(itemsize, 2)) if config.block_indexer is not None else 0
+
+
+def index_key_dtype(cache_dtype: torch.dtype) -> torch.dtype:
+    """What the indexer keys are kept in beside K/V of `cache_dtype`: the same, or bfloat16 beside an FP8 cache (the
+    keys pick blocks by their scores' order, which a per-layer FP8 scale would blur; they are an eighth of a layer's
+    K/V bytes at MiniMax M3's shape)."""
+    return torch.bfloat16 if cache_dtype.itemsize == 1 else cache_dtype
 
 
 def minimax_m3_config(cfg: dict[str, Any]) -> dict[str, Any]:

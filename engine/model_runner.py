@@ -124,7 +124,8 @@ class _Forward:
         for i, attn in attentions(self.model).items():
             kind = (type(attn), getattr(attn, "sinks", None) is not None)
             warm = getattr(attn, "warm_kernels", None)
-            if warm is not None and kind not in warmed and warm(self.backend, self.kv_cache.layers[i]):
+            if warm is not None and kind not in warmed and warm(self.backend, self.kv_cache.layers[i],
+                                                                self.model.embed_tokens.weight.dtype):
                 warmed.add(kind)
         return len(warmed)
 

@@ -10,10 +10,10 @@ attended. A long prefill chunk's tokens are scored a group at a time, so the sco
 `SCORES_BYTES`.
 
 `_chosen_blocks_kernel`, a program a query token and a KV head, its GQA group's query heads as the rows of one tile:
-walks the chosen blocks `BLOCK_N` positions at a time, each K/V tile gathered through the block table and read once
-for the group, the causal cut on the query's own block, an online softmax in float32 (exp2, the scale folded with
-log2 e), P rounded to the query's type before the PV dot, as the paged kernels do. The blocks come in the top-k's
-order, which the online softmax does not care about.
+walks the chosen blocks `BLOCK_N` positions at a time, each K/V tile gathered through the block table and read once for
+the group (an FP8 cache's dequantized as the paged kernels do, `KV_FP8`), the causal cut on the query's own block, an
+online softmax in float32 (exp2, the scale folded with log2 e), P rounded to the query's type before the PV dot, as the
+paged kernels do. The blocks come in the top-k's order, which the online softmax does not care about.
 
 Nothing is read back to the host: a step's launches never wait for the device. The block count of the scores is the
 step's longest sequence's, a number on the host, so these launches are not captured in CUDA graphs; the model
@@ -30,6 +30,7 @@ import triton.language as tl
 from kernels.metadata import AttentionMetadata
 from kernels.reference import FP8_KV_DTYPE
 from kernels.triton_dsa import aligned_group, token_layout
+from kernels.triton_kv_store import dequantize_e4m3
 from kernels.triton_prefill import dot_dtype, padded_head_dim
 
 __all__ = ["block_sparse_attention"]
@@ -76,12 +77,12 @@ def _block_scores_kernel(
 @triton.jit(do_not_specialize=["num_chosen", "stride_ct", "stride_ch", "stride_bt"])
 def _chosen_blocks_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, chosen_ptr, keep_ptr, block_tables_ptr, token_seq_ptr, token_pos_ptr,
-    qk_scale, num_chosen,
+    qk_scale, k_scale, v_scale, num_chosen,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_ot, stride_oh,
     stride_ct, stride_ch, stride_bt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, INDEX_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     # grid: (num_tokens, num_kv_heads); chosen, keep: [tokens, kv_heads, num_chosen] (keep as int8)
     token = tl.program_id(0).to(tl.int64)
@@ -110,6 +111,8 @@ def _chosen_blocks_kernel(
             in_block = pos % BLOCK_SIZE
             k = tl.load(k_cache_ptr + block[:, None] * stride_kb + in_block[:, None] * stride_ks
                         + kv_head * stride_kh + offs_d[None, :], mask=valid[:, None] & mask_d[None, :], other=0.0)
+            if KV_FP8:
+                k = dequantize_e4m3(k, k_scale, q_ptr.dtype.element_ty)
             s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * qk_scale   # log2 units
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -119,6 +122,8 @@ def _chosen_blocks_kernel(
             l_i = l_i * alpha + tl.sum(p, axis=1)
             v = tl.load(v_cache_ptr + block[:, None] * stride_vb + in_block[:, None] * stride_vs
                         + kv_head * stride_vh + offs_d[None, :], mask=valid[:, None] & mask_d[None, :], other=0.0)
+            if KV_FP8:
+                v = dequantize_e4m3(v, v_scale, q_ptr.dtype.element_ty)
             p = p.to(q_ptr.dtype.element_ty).to(DOT_DTYPE)   # P in the query's type, as the tensor cores take it
             acc = acc * alpha[:, None] + tl.dot(p, v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
             m_i = m_new
@@ -172,9 +177,10 @@ def block_sparse_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     """`kernels.block_sparse.block_sparse_attention` on the device: query [T, heads, head_dim]; index_q [T, kv_heads,
     index_head_dim]; caches [num_blocks, cache_block_size, kv_heads, head_dim] (head_dim contiguous) and index_cache
     [num_blocks, cache_block_size, 1, index_head_dim], this step's rows stored -> [T, heads, head_dim] in query's
-    dtype. The caches are the model's dtype (an FP8 cache is refused for this model: the scales are not read)."""
-    assert key_cache.dtype != FP8_KV_DTYPE and query.stride(-1) == key_cache.stride(-1) == 1, \
-        "a cache of the model's dtype, head_dim contiguous"
+    dtype. An FP8 cache's K/V are read as the paged kernels read them (times k_scale / v_scale, rounded to the
+    query's type); the indexer keys are never FP8 (`engine.minimax_m3_config.index_key_dtype`)."""
+    assert index_cache.dtype != FP8_KV_DTYPE and query.stride(-1) == key_cache.stride(-1) == 1, \
+        "indexer keys of a float type, head_dim contiguous"
     tokens, heads, head_dim = query.shape
     kv_heads = key_cache.shape[2]
     out = torch.empty_like(query)
@@ -187,11 +193,12 @@ def block_sparse_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     group = heads // kv_heads
     _chosen_blocks_kernel[(tokens, kv_heads)](
         query, key_cache, value_cache, out, chosen, keep, meta.block_tables, token_seq, token_pos,
-        scale * LOG2E, chosen.shape[2],
+        scale * LOG2E, float(k_scale), float(v_scale), chosen.shape[2],
         query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), out.stride(0), out.stride(1),
         chosen.stride(0), chosen.stride(1), meta.block_tables.stride(0),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), INDEX_BLOCK=block_size,
         BLOCK_N=max(16, min(64, triton.next_power_of_2(block_size))), BLOCK_SIZE=meta.block_size, HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=padded_head_dim(head_dim), DOT_DTYPE=kind, DOT_PRECISION=precision)
+        HEAD_DIM_PAD=padded_head_dim(head_dim), DOT_DTYPE=kind, DOT_PRECISION=precision,
+        KV_FP8=key_cache.dtype == FP8_KV_DTYPE)
     return out

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import ConfigError
 from engine.kv_cache import KVCache, SwapSpace
 from engine.llm_engine import LLMEngine
 from engine.model_config import ModelConfig
@@ -24,7 +23,8 @@ SMALL = {"architectures": ["MiniMaxM3VLForCausalLM"], "vocab_size": 1000, "hidde
 
 def test_the_indexer_keys_lie_in_the_cache_and_move_with_their_blocks():
     """A sparse layer's cache entry is (K, V, its indexer keys), the keys a tensor among the cache's, so a block copy
-    and a swap out and back in move them with the K/V; the cache's bytes are S_KV's. An FP8 cache is refused."""
+    and a swap out and back in move them with the K/V; the cache's bytes are S_KV's. An FP8 cache keeps the keys in
+    bfloat16 (its S_KV counts them so), and its swap space the same."""
     config = ModelConfig.from_hf_config(SMALL)
     cache = KVCache(config, num_blocks=6, block_size=4, dtype=torch.float32, device="cpu")
     assert [len(entry) for entry in cache.layers] == [2, 3, 2, 3]
@@ -41,8 +41,12 @@ def test_the_indexer_keys_lie_in_the_cache_and_move_with_their_blocks():
         tensor[:, :, 2] = 0
     swap.swap_in([(0, 5)])
     assert torch.equal(cache.layers[3][2][5], before[-1][1, 0, 2])
-    with pytest.raises(ConfigError, match="^kv_cache_dtype: MiniMax M3's block-sparse layers"):
-        KVCache(config, num_blocks=6, block_size=4, dtype=torch.float8_e4m3fn, device="cpu")
+    fp8 = KVCache(config, num_blocks=6, block_size=4, dtype=torch.float8_e4m3fn, device="cpu")
+    assert [t.dtype for t in fp8.tensors] == [torch.float8_e4m3fn, torch.bfloat16]
+    # 4 layers' K and V of 2 heads of 16, a byte each; 2 sparse layers' keys of 16 in bfloat16
+    assert fp8.num_bytes == 6 * 4 * config.kv_bytes_per_token(torch.float8_e4m3fn)
+    assert config.kv_bytes_per_token(torch.float8_e4m3fn) == 4 * 2 * 2 * 16 + 2 * 16 * 2
+    assert [t.dtype for t in SwapSpace(fp8, num_blocks=2).tensors] == [torch.float8_e4m3fn, torch.bfloat16]
 
 
 @pytest.mark.usefixtures("one_thread")

@@ -34,11 +34,11 @@ def tiny_head_dim_40(tmp_path_factory, builtin_path):
 
 
 def _engine(path, backend: str, monkeypatch, num_blocks: int = 12, kv_cache_dtype: str = "auto",
-            **sched) -> LLMEngine:
+            calculate_kv_scales: bool = True, **sched) -> LLMEngine:
     monkeypatch.setenv("CLIFFGUARD_ATTENTION_BACKEND", backend)
     sched.setdefault("max_num_batched_tokens", 24)  # chunked prefill: chunks start mid-block
     config = EngineConfig(model=str(path), dtype="float32", cache=CacheConfig(block_size=8),
-                          kv_cache_dtype=kv_cache_dtype,
+                          kv_cache_dtype=kv_cache_dtype, calculate_kv_scales=calculate_kv_scales,
                           pools=(PoolConfig(num_blocks=num_blocks, scheduler=SchedulerConfig(**sched)),))
     engine = LLMEngine(config, progress=False)
     assert ("triton" in engine.runner.backend.paged_attention.__module__) == (backend == "triton")
@@ -285,3 +285,28 @@ def test_the_sparse_kernels_warmed_at_start_are_the_variants_every_sparse_step_l
     assert keys.launched["step"] == keys.launched["compile"] and len(keys.launched["step"]) == 2
     new = [key for key, phase in keys.keys.items() if phase == "step"]
     assert not new, f"{len(new)} launch keys the warm-up had not, e.g. {new[0]}"
+
+
+def test_engine_on_triton_kernels_serves_minimax_m3_over_an_fp8_cache_as_the_reference(tmp_path, builtin_path,
+                                                                                     monkeypatch):
+    """kv_cache_dtype fp8 for MiniMax M3: K and V in FP8 at each layer's scales, the sparse layers' indexer keys in
+    bfloat16 (`index_key_dtype`); the Triton kernels (paged within the chosen blocks' reach, block-sparse past it)
+    read the cache as the torch backend does: the same greedy tokens."""
+    import torch
+
+    from tests.engine.test_engine_vs_hf import MINIMAX_M3
+
+    path = make_tiny_model(tmp_path / "m3", "minimax_m3_vl_text", builtin_path, **MINIMAX_M3)
+    rng = random.Random(37)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (20, 3)]
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    results = {}
+    for backend in ("torch", "triton"):
+        engine = _engine(path, backend, monkeypatch, num_blocks=24, kv_cache_dtype="fp8", calculate_kv_scales=False,
+                         max_num_batched_tokens=32)   # the scales set below
+        assert [t.dtype for t in engine.kv_cache.tensors] == [torch.float8_e4m3fn, torch.bfloat16]
+        for i, layer in enumerate(engine.runner.model.layers):   # scales of each layer's own, not 1
+            layer.self_attn.k_scale, layer.self_attn.v_scale = 0.011 * (i + 1), 0.007 * (i + 2)
+        results[backend] = [out.outputs[0].token_ids for out in engine.generate(prompts, params)]
+        assert_all_free(engine)
+    assert results["triton"] == results["torch"]

@@ -74,6 +74,22 @@ def test_the_kernels_attend_to_the_blocks_the_reference_picks(dtype, heads, kv_h
     assert (dense - theirs.float()).abs().max() > 0.1   # the choice leaves keys out: it matters
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_fp8_cache_is_read_as_the_torch_attention_reads_it(dtype):
+    """K and V in FP8 at their scales (the indexer keys in the model's type, as
+    `engine.minimax_m3_config.index_key_dtype` keeps them): the chosen blocks' K/V dequantized as the paged kernels
+    read them. bfloat16 takes scales that are
+    powers of two, which it holds exactly (the interpreter truncates float32 to bfloat16 where torch rounds)."""
+    query, k_cache, v_cache, index_q, index_cache, meta = _step([150, 9, 80, 1], [1, 1, 40, 1], 6, 2, 40, 32, 16, dtype)
+    k_scale, v_scale = (0.0625, 0.5) if dtype == torch.bfloat16 else (0.037, 0.11)
+    k_fp8, v_fp8 = ((cache.float() / scale).to(reference.FP8_KV_DTYPE) for cache, scale in ((k_cache, k_scale),
+                                                                                              (v_cache, v_scale)))
+    pick = dict(block_size=16, topk_blocks=3, local_blocks=1, k_scale=k_scale, v_scale=v_scale)
+    ours = triton_block_sparse.block_sparse_attention(query, k_fp8, v_fp8, index_q, index_cache, meta, 0.2, **pick)
+    theirs = block_sparse.block_sparse_attention(query, k_fp8, v_fp8, index_q, index_cache, _fresh(meta), 0.2, **pick)
+    torch.testing.assert_close(ours.float(), theirs.float(), atol=TOLERANCES[dtype], rtol=TOLERANCES[dtype])
+
+
 def test_tokens_scored_a_group_at_a_time_choose_as_all_at_once():
     query, k_cache, v_cache, index_q, index_cache, meta = _step([60, 100], [40, 1], 4, 2, 16, 16, 8, torch.float32)
     pick = dict(block_size=8, topk_blocks=3, local_blocks=1)
@@ -127,7 +143,7 @@ def _build_for_sm90() -> dict:
                                        dict(common, INDEX_BLOCK=128, BLOCK_N=64, HEADS_PAD=16),
                                        {"q_ptr": "bf16", "index_ptr": "bf16", "scores_ptr": "fp32"}, num_warps=4)
     attend, _ = _build_kernel_for_sm90(triton_block_sparse._chosen_blocks_kernel,
-                                       dict(common, GROUP=16, GROUP_PAD=16, INDEX_BLOCK=128, BLOCK_N=64),
+                                       dict(common, GROUP=16, GROUP_PAD=16, INDEX_BLOCK=128, BLOCK_N=64, KV_FP8=False),
                                        {"q_ptr": "bf16", "k_cache_ptr": "bf16", "v_cache_ptr": "bf16",
                                         "out_ptr": "bf16", "chosen_ptr": "i64", "keep_ptr": "i8"}, num_warps=4)
     return {name: "mma" in built.asm["ptx"] for name, built in (("scores", scores), ("attend", attend))}
