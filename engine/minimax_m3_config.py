@@ -72,8 +72,8 @@ def index_key_bytes(config: Any, itemsize: int) -> int:
 
 def index_key_dtype(cache_dtype: torch.dtype) -> torch.dtype:
     """What the indexer keys are kept in beside K/V of `cache_dtype`: the same, or bfloat16 beside an FP8 cache (the
-    keys pick blocks by their scores' order, which a per-layer FP8 scale would blur; they are an eighth of a layer's
-    K/V bytes at MiniMax M3's shape)."""
+    keys pick blocks by their scores' order, which a per-layer FP8 scale would blur; at MiniMax M3's shape they add a
+    quarter to a sparse layer's FP8 K/V bytes)."""
     return torch.bfloat16 if cache_dtype.itemsize == 1 else cache_dtype
 
 
