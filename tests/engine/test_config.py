@@ -2130,8 +2130,8 @@ def test_minimax_m3_reads_as_transformers_does():
     3,072, 4 a token, x2, beside a shared one; the dense MLP 12,288 wide): the parameter count is transformers' model's.
     The release's spelling (`sparse_attention_config`'s `sparse_*` keys and `sparse_attention_freq`, `moe_layer_freq`)
     reads as transformers maps it, counted alike; each sparse layer's indexer key adds 128 values a token to the
-    cache, whole on every rank. An indexer of other heads or head size than the attention's, an FP8 cache and bad
-    layer kinds are refused by name."""
+    cache, whole on every rank (in bfloat16 beside an FP8 cache). An indexer of other heads or head size than the
+    attention's and bad layer kinds are refused by name."""
     transformers = pytest.importorskip("transformers")
     from engine.deepseek_v4_config import refuse_fp8_cache
 
@@ -2156,8 +2156,8 @@ def test_minimax_m3_reads_as_transformers_does():
     ix = cfg.block_indexer
     assert (ix.num_heads, ix.head_dim, ix.block_size, ix.topk_blocks, ix.local_blocks) == (2, 16, 8, 4, 1)
     assert cfg.kv_bytes_per_token(torch.bfloat16) == (4 * 2 * 2 * 16 + 2 * 16) * 2
-    with pytest.raises(ConfigError, match="^pools.chat.kv_cache_dtype: MiniMax M3's block-sparse layers"):
-        refuse_fp8_cache(cfg, torch.float8_e4m3fn, "pools.chat.kv_cache_dtype")
+    refuse_fp8_cache(cfg, torch.float8_e4m3fn, "pools.chat.kv_cache_dtype")   # served: its indexer keys in bfloat16
+    assert cfg.kv_bytes_per_token(torch.float8_e4m3fn) == 4 * 2 * 2 * 16 + 2 * 16 * 2
     for key, bad in (("index_n_heads", {"index_n_heads": 4}), ("index_head_dim", {"index_head_dim": 32}),
                      ("layer_types", {"layer_types": ["full_attention", "sliding_attention"] * 2}),
                      ("mlp_layer_types", {"mlp_layer_types": ["dense"]}),
