@@ -33,7 +33,7 @@ from kernels.triton_dsa import aligned_group, token_layout
 from kernels.triton_kv_store import dequantize_e4m3
 from kernels.triton_prefill import dot_dtype, padded_head_dim
 
-__all__ = ["block_sparse_attention"]
+__all__ = ["block_sparse_attention", "choose_blocks"]
 
 SCORES_BYTES = 256 << 20   # the block scores held at once (a long chunk's tokens are scored a group at a time)
 LOG2E = 1.4426950408889634
@@ -179,8 +179,9 @@ def block_sparse_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     [num_blocks, cache_block_size, 1, index_head_dim], this step's rows stored -> [T, heads, head_dim] in query's
     dtype. An FP8 cache's K/V are read as the paged kernels read them (times k_scale / v_scale, rounded to the
     query's type); the indexer keys are never FP8 (`engine.minimax_m3_config.index_key_dtype`)."""
-    assert index_cache.dtype != FP8_KV_DTYPE and query.stride(-1) == key_cache.stride(-1) == 1, \
-        "indexer keys of a float type, head_dim contiguous"
+    assert index_cache.dtype != FP8_KV_DTYPE, "indexer keys of a float type"
+    for t in (query, key_cache, value_cache, index_q, index_cache):
+        assert t.stride(-1) == 1, f"head_dim contiguous, strides {t.stride()}"
     tokens, heads, head_dim = query.shape
     kv_heads = key_cache.shape[2]
     out = torch.empty_like(query)
