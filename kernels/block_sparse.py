@@ -6,9 +6,11 @@ indexer's score of key t for query s is q_index[s, g] . k_index[t] (float32), -i
 blocks of `block_size` positions (block b: positions b x block_size ..), and a block scores its best key's score.
 The query's own block and the `local_blocks` - 1 before it are always picked; of the rest, the best, `topk_blocks`
 in all. Each query head of KV head g then attends to the picked blocks' causal keys, softmax in float32
-(transformers' `MiniMaxM3VLIndexer` and its block mask). A decode step runs its sequences at once, over the longest
-one's keys (the causal cut masks the rest); a prefill piece runs a sequence and `chunk` queries at a time, so a long
-prefill never holds [queries, heads, context] at once.
+(transformers' `MiniMaxM3VLIndexer` and its block mask). A decode step runs its sequences at once: their indexer keys
+over the longest one's positions pick each (sequence, KV head)'s blocks (`pick_blocks`), and only those blocks' K/V
+are gathered (`topk_blocks` x `block_size` keys, whatever the context); a prefill piece runs a sequence and `chunk`
+queries at a time over the sequence's keys, gathered once, so a long prefill never holds [queries, heads, context] at
+once.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch.nn.functional as F
 from kernels.metadata import AttentionMetadata
 from kernels.reference import context_slots, dequantize_kv
 
-__all__ = ["block_sparse_attention", "picked_keys"]
+__all__ = ["block_sparse_attention", "pick_blocks", "picked_keys"]
 
 
 def block_sparse_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -29,16 +31,11 @@ def block_sparse_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     """query [T, heads, head_dim]; index_q [T, kv_heads, index_head_dim] (normed, rotated); key_cache, value_cache
     [num_blocks, cache_block_size, kv_heads, head_dim] and index_cache [num_blocks, cache_block_size, 1,
     index_head_dim], this step's rows already stored -> [T, heads, head_dim] in query's dtype. A decode step (one
-    query a sequence) runs its sequences at once, over the longest one's keys (the rest masked); any other step a
-    sequence and `chunk` queries at a time."""
+    query a sequence) runs its sequences at once over the blocks they pick (`_decode`); any other step a sequence and
+    `chunk` queries at a time."""
     pick = (block_size, topk_blocks, local_blocks)
     if all(n == 1 for n in meta.query_lens_list):
-        lengths = meta.seq_lens.to(torch.int64)
-        slots = context_slots(meta, list(range(len(meta.seq_lens_list))), max(meta.seq_lens_list))   # [n, L]
-        keep = picked_keys(index_q[:, None], _gather(index_cache, slots, 1.0)[..., 0, :], (lengths - 1)[:, None],
-                           *pick)                                                              # [n, kv, 1, L]
-        return _attend(query[:, None], _gather(key_cache, slots, k_scale), _gather(value_cache, slots, v_scale),
-                       keep, scale)[:, 0].to(query.dtype)
+        return _decode(query, (key_cache, value_cache, index_cache), index_q, meta, scale, pick, (k_scale, v_scale))
     out = torch.empty_like(query)
     start = 0
     for i, (q_len, s_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
@@ -55,11 +52,37 @@ def block_sparse_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     return out
 
 
-def picked_keys(index_q: torch.Tensor, index_keys: torch.Tensor, positions: torch.Tensor, block_size: int,
-                topk_blocks: int, local_blocks: int) -> torch.Tensor:
+def _decode(query: torch.Tensor, caches: tuple[torch.Tensor, ...], index_q: torch.Tensor, meta: AttentionMetadata,
+            scale: float, pick: tuple[int, int, int], scales: tuple[float, float]) -> torch.Tensor:
+    """One query a sequence [n, heads, d]: the indexer keys of every sequence over the longest one's positions pick
+    each (sequence, KV head)'s blocks, and only those blocks' keys are gathered: [n, kv_heads, k x block_size] rows of
+    K and V (float32), the picked blocks' causal positions attended."""
+    key_cache, value_cache, index_cache = caches
+    n, heads, d = query.shape
+    kv_heads, block_size = key_cache.shape[2], pick[0]
+    longest = max(meta.seq_lens_list)
+    slots = context_slots(meta, list(range(n)), longest)                                          # [n, L]
+    last = meta.seq_lens.to(torch.int64) - 1
+    picked, ok = pick_blocks(index_q[:, None], _gather(index_cache, slots, 1.0)[..., 0, :], last[:, None], *pick)
+    offsets = torch.arange(block_size, device=query.device)
+    positions = (picked[:, :, 0, :, None] * block_size + offsets).flatten(2)                    # [n, kv, k x bs]
+    valid = ok[:, :, 0].repeat_interleave(block_size, dim=-1) & (positions <= last[:, None, None])
+    rows = slots.gather(1, positions.clamp(max=longest - 1).flatten(1)).view(n, kv_heads, -1)  # cache rows
+    heads_at = torch.arange(kv_heads, device=query.device)[None, :, None]
+    keys, values = (dequantize_kv(cache.view(-1, kv_heads, cache.shape[-1])[rows, heads_at], torch.float32, s)
+                    for cache, s in ((key_cache, scales[0]), (value_cache, scales[1])))        # [n, kv, m, d]
+    q = query.float().view(n, kv_heads, heads // kv_heads, d)
+    logits = torch.einsum("nkgd,nkmd->nkgm", q, keys) * scale
+    probs = logits.masked_fill(~valid[:, :, None], float("-inf")).softmax(dim=-1)
+    return torch.einsum("nkgm,nkmd->nkgd", probs, values).reshape(n, heads, d).to(query.dtype)
+
+
+def pick_blocks(index_q: torch.Tensor, index_keys: torch.Tensor, positions: torch.Tensor, block_size: int,
+                topk_blocks: int, local_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
     """index_q [B, c, kv_heads, d] of queries at `positions` [B, c]; index_keys [B, L, d] (a sequence's; past its last
-    query's position, another's or none: never picked, the causal cut) -> [B, kv_heads, c, L]: which keys each query
-    attends to through each KV head (the module docstring)."""
+    query's position, another's or none: never picked) -> ([B, kv_heads, c, k] block ids, the same shape bool: picked,
+    k = min(topk_blocks, blocks of L)): each query's own block and the `local_blocks` - 1 before it, then the best
+    others by their best causal key's score; a block with no causal key is never picked."""
     keys_at = torch.arange(index_keys.shape[1], device=index_keys.device)
     causal = keys_at <= positions[..., None]                                                     # [B, c, L]
     scores = torch.einsum("bchd,btd->bhct", index_q.float(), index_keys.float())
@@ -71,9 +94,21 @@ def picked_keys(index_q: torch.Tensor, index_keys: torch.Tensor, positions: torc
     for back in range(local_blocks):
         blocks.scatter_(-1, (own - back).clamp(min=0)[:, None, :, None].expand(*blocks.shape[:3], 1), float("inf"))
     best, picked = blocks.topk(min(topk_blocks, num_blocks), dim=-1)
-    chosen = torch.zeros(*blocks.shape[:3], num_blocks + 1, dtype=torch.bool, device=blocks.device)
-    chosen.scatter_(-1, picked.masked_fill(best == float("-inf"), num_blocks), True)              # -inf: none
-    keep = chosen[..., :num_blocks].repeat_interleave(block_size, dim=-1)[..., :index_keys.shape[1]]
+    return picked, best > float("-inf")
+
+
+def picked_keys(index_q: torch.Tensor, index_keys: torch.Tensor, positions: torch.Tensor, block_size: int,
+                topk_blocks: int, local_blocks: int) -> torch.Tensor:
+    """index_q [B, c, kv_heads, d] of queries at `positions` [B, c]; index_keys [B, L, d] (a sequence's; past its last
+    query's position, another's or none: never picked, the causal cut) -> [B, kv_heads, c, L]: which keys each query
+    attends to through each KV head (the module docstring): the keys of `pick_blocks`' blocks, up to its position."""
+    length = index_keys.shape[1]
+    picked, ok = pick_blocks(index_q, index_keys, positions, block_size, topk_blocks, local_blocks)
+    num_blocks = -(-length // block_size)
+    chosen = torch.zeros(*picked.shape[:3], num_blocks + 1, dtype=torch.bool, device=picked.device)
+    chosen.scatter_(-1, picked.masked_fill(~ok, num_blocks), True)                                # not picked: none
+    keep = chosen[..., :num_blocks].repeat_interleave(block_size, dim=-1)[..., :length]
+    causal = torch.arange(length, device=index_keys.device) <= positions[..., None]              # [B, c, L]
     return keep & causal[:, None]
 
 
