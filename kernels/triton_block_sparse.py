@@ -7,7 +7,7 @@ dotted with them at once ([heads, d] x [d, positions]); the block scores its bes
 (-inf where it holds none). torch then forces the query's own block and the `local_blocks` - 1 before it (+inf) and
 takes the `topk_blocks` best of each (token, KV head); a block still -inf (a short context's padding) is not
 attended. A long prefill chunk's tokens are scored a group at a time, so the scores never hold more than
-`SCORES_BYTES`.
+`SCORES_BYTES` (the indexer's budget of `kernels.triton_dsa`).
 
 `_chosen_blocks_kernel`, a program a query token and a KV head, its GQA group's query heads as the rows of one tile:
 walks the chosen blocks `BLOCK_N` positions at a time, each K/V tile gathered through the block table and read once for
@@ -29,14 +29,11 @@ import triton.language as tl
 
 from kernels.metadata import AttentionMetadata
 from kernels.reference import FP8_KV_DTYPE
-from kernels.triton_dsa import aligned_group, token_layout
+from kernels.triton_dsa import SCORES_BYTES, aligned_group, token_layout
 from kernels.triton_kv_store import dequantize_e4m3
-from kernels.triton_prefill import dot_dtype, padded_head_dim
+from kernels.triton_prefill import LOG2_E, dot_config, padded_head_dim
 
 __all__ = ["block_sparse_attention", "choose_blocks"]
-
-SCORES_BYTES = 256 << 20   # the block scores held at once (a long chunk's tokens are scored a group at a time)
-LOG2E = 1.4426950408889634
 
 
 # What changes from step to step (the block count, the chosen count, the block tables', the scores' and the choice's
@@ -132,11 +129,6 @@ def _chosen_blocks_kernel(
              o.to(out_ptr.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
 
 
-def _dot(dtype: torch.dtype) -> tuple:
-    kind = dot_dtype(dtype)
-    return kind, "ieee" if kind == tl.float32 else "tf32"
-
-
 def choose_blocks(index_q: torch.Tensor, index_cache: torch.Tensor, meta: AttentionMetadata, *, block_size: int,
                   topk_blocks: int, local_blocks: int, scores_bytes: int = SCORES_BYTES
                   ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,7 +144,7 @@ def choose_blocks(index_q: torch.Tensor, index_cache: torch.Tensor, meta: Attent
     keep = torch.empty(tokens, kv_heads, k, dtype=torch.int8, device=device)
     own = token_pos.to(torch.int64) // block_size
     group = aligned_group(scores_bytes // max(4 * kv_heads * num_blocks, 1))
-    kind, precision = _dot(index_q.dtype)
+    kind, precision = dot_config(index_q.dtype)
     for a in range(0, tokens, group):
         b = min(a + group, tokens)
         scores = torch.empty(b - a, kv_heads, num_blocks, dtype=torch.float32, device=device)
@@ -190,11 +182,11 @@ def block_sparse_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     chosen, keep = choose_blocks(index_q, index_cache, meta, block_size=block_size, topk_blocks=topk_blocks,
                                  local_blocks=local_blocks)
     token_seq, token_pos = token_layout(meta, query.device)
-    kind, precision = _dot(query.dtype)
+    kind, precision = dot_config(query.dtype)
     group = heads // kv_heads
     _chosen_blocks_kernel[(tokens, kv_heads)](
         query, key_cache, value_cache, out, chosen, keep, meta.block_tables, token_seq, token_pos,
-        scale * LOG2E, float(k_scale), float(v_scale), chosen.shape[2],
+        scale * LOG2_E, float(k_scale), float(v_scale), chosen.shape[2],
         query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), out.stride(0), out.stride(1),
         chosen.stride(0), chosen.stride(1), meta.block_tables.stride(0),

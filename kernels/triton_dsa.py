@@ -26,14 +26,13 @@ import triton.language as tl
 from kernels.metadata import AttentionMetadata
 from kernels.reference import FP8_KV_DTYPE
 from kernels.triton_kv_store import dequantize_e4m3
-from kernels.triton_prefill import aligned_int32, dot_dtype, padded_head_dim
+from kernels.triton_prefill import LOG2_E, aligned_int32, dot_config, padded_head_dim
 
 __all__ = ["aligned_group", "attend_chosen", "choose_tokens", "token_layout"]
 
 BLOCK_N = 32   # positions a program scores or attends at a time
 BLOCK_H = 16   # query heads of a sparse-attention program (a dot's smallest M)
 SCORES_BYTES = 256 << 20   # the indexer's scores held at once (`choose_tokens` scores the tokens a group at a time)
-LOG2E = 1.4426950408889634
 
 
 # What changes from step to step (the context's width, the chosen count, the block tables' and the scores' and the
@@ -150,11 +149,6 @@ def aligned_group(tokens: int) -> int:
     return tokens // 16 * 16 if tokens >= 16 else max(1, tokens)
 
 
-def _dot(dtype: torch.dtype) -> tuple:
-    kind = dot_dtype(dtype)
-    return kind, "ieee" if kind == tl.float32 else "tf32"
-
-
 def choose_tokens(index_q: torch.Tensor, index_weights: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
                   topk: int, latent_dim: int, *, index_scale: float, k_scale: float = 1.0,
                   scores_bytes: int = SCORES_BYTES) -> tuple[torch.Tensor, torch.Tensor]:
@@ -181,7 +175,7 @@ def _scores(index_q: torch.Tensor, index_weights: torch.Tensor, cache: torch.Ten
     """[tokens, width] float32: the indexer's score of each position for each of these tokens (-inf past its own)."""
     tokens, heads, head_dim = index_q.shape
     scores = torch.full((tokens, width), float("-inf"), dtype=torch.float32, device=cache.device)
-    kind, precision = _dot(index_q.dtype)
+    kind, precision = dot_config(index_q.dtype)
     if tokens and width:
         _index_scores_kernel[(tokens, triton.cdiv(width, BLOCK_N))](
             index_q, index_weights, cache, scores, meta.block_tables, token_seq, token_pos,
@@ -205,11 +199,11 @@ def attend_chosen(query: torch.Tensor, choice: tuple[torch.Tensor, torch.Tensor]
     out = torch.empty(tokens, heads, lora, dtype=query.dtype, device=query.device)
     token_seq, _ = token_layout(meta, cache.device)
     keep = keep.to(torch.int8)
-    kind, precision = _dot(query.dtype)
+    kind, precision = dot_config(query.dtype)
     if tokens:
         _sparse_attention_kernel[(tokens, triton.cdiv(heads, BLOCK_H))](
             query, cache, out, chosen, keep, meta.block_tables, token_seq, out if sinks is None else sinks,
-            scale * LOG2E, k_scale, heads, chosen.shape[1],
+            scale * LOG2_E, k_scale, heads, chosen.shape[1],
             *query.stride(), cache.stride(0), cache.stride(1), cache.stride(3), *out.stride(),
             chosen.stride(0), keep.stride(0), meta.block_tables.stride(0),
             KV_LORA=lora, KV_LORA_PAD=padded_head_dim(lora), ROPE=rope, ROPE_PAD=padded_head_dim(rope),

@@ -47,8 +47,8 @@ from kernels.reference import FP8_KV_DTYPE, check_sinks
 from kernels.transfer import to_device_tensor
 from kernels.triton_kv_store import check_kv_dtype, dequantize_e4m3
 
-__all__ = ["INTERPRETED", "aligned_int32", "check_attention_args", "dot_dtype", "is_interpreted",
-           "padded_head_dim", "prefill_attention", "prefill_config"]
+__all__ = ["INTERPRETED", "LOG2_E", "aligned_int32", "check_attention_args", "dot_config", "dot_dtype",
+           "is_interpreted", "padded_head_dim", "prefill_attention", "prefill_config"]
 
 LOG2_E = 1.4426950408889634
 # Shared memory per block assumed where no CUDA device says otherwise (the interpreter): an H100's.
@@ -357,6 +357,13 @@ def dot_dtype(dtype: torch.dtype):
     if INTERPRETED and dtype == torch.bfloat16:
         return tl.float32
     return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[dtype]
+
+
+def dot_config(dtype: torch.dtype) -> tuple:
+    """(DOT_DTYPE, DOT_PRECISION) of a launch for a query dtype: `dot_dtype`'s type, IEEE float32 dots for float32
+    operands, else the tensor cores'."""
+    kind = dot_dtype(dtype)
+    return kind, "ieee" if kind == tl.float32 else "tf32"
 
 
 def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
