@@ -48,18 +48,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the results as JSON")
 
 
-def _step(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
-    """(metadata, cache, query [B, heads, 576], indexer queries, indexer weights): random rows in shuffled blocks."""
+def _decode_meta(args: argparse.Namespace, device: torch.device):
+    """(metadata of `--batch` decodes over `--context` cached tokens each in shuffled blocks, their block count)."""
     from kernels import AttentionMetadata
 
     per_seq = -(-args.context // args.block_size)
     blocks = list(range(args.batch * per_seq))
     random.Random(0).shuffle(blocks)
     tables = [blocks[i * per_seq:(i + 1) * per_seq] for i in range(args.batch)]
-    meta = AttentionMetadata.build(tables, [1] * args.batch, [args.context] * args.batch, args.block_size, device)
+    return AttentionMetadata.build(tables, [1] * args.batch, [args.context] * args.batch, args.block_size,
+                                   device), len(blocks)
+
+
+def _step(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
+    """(metadata, cache, query [B, heads, 576], indexer queries, indexer weights): random rows in shuffled blocks."""
+    meta, num_blocks = _decode_meta(args, device)
     gen = torch.Generator(device="cpu").manual_seed(0)
     width = LORA + ROPE + INDEX_DIM
-    cache = torch.randn(len(blocks), args.block_size, 1, width, generator=gen).to(device, dtype)
+    cache = torch.randn(num_blocks, args.block_size, 1, width, generator=gen).to(device, dtype)
     query = (torch.randn(args.batch, args.heads, LORA + ROPE, generator=gen) * 0.1).to(device, dtype)
     index_q = torch.randn(args.batch, INDEX_HEADS, INDEX_DIM, generator=gen).to(device, dtype)
     weights = torch.randn(args.batch, INDEX_HEADS, generator=gen).to(device) * INDEX_HEADS ** -0.5
@@ -68,21 +74,17 @@ def _step(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
 
 def _block_sparse(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> dict:
     """MiniMax M3's block-sparse layer (`--block-sparse`): its timings and its difference from the torch attention."""
-    from kernels import AttentionMetadata, block_sparse, get_backend
+    from kernels import block_sparse, get_backend
 
     backend, kv_heads, head_dim = get_backend(device), 2, 128
-    per_seq = -(-args.context // args.block_size)
-    blocks = list(range(args.batch * per_seq))
-    random.Random(0).shuffle(blocks)
-    tables = [blocks[i * per_seq:(i + 1) * per_seq] for i in range(args.batch)]
-    meta = AttentionMetadata.build(tables, [1] * args.batch, [args.context] * args.batch, args.block_size, device)
+    meta, num_blocks = _decode_meta(args, device)
     gen = torch.Generator(device="cpu").manual_seed(0)
 
     def randn(*shape):
         return torch.randn(*shape, generator=gen).to(device, dtype)
 
-    k_cache, v_cache = (randn(len(blocks), args.block_size, kv_heads, head_dim) for _ in range(2))
-    index_cache, query = randn(len(blocks), args.block_size, 1, head_dim), randn(args.batch, args.heads, head_dim)
+    k_cache, v_cache = (randn(num_blocks, args.block_size, kv_heads, head_dim) for _ in range(2))
+    index_cache, query = randn(num_blocks, args.block_size, 1, head_dim), randn(args.batch, args.heads, head_dim)
     index_q = randn(args.batch, kv_heads, head_dim)
     attend = getattr(backend, "block_sparse_attention", block_sparse.block_sparse_attention)
     pick = dict(block_size=128, topk_blocks=args.topk_blocks, local_blocks=1)
@@ -103,16 +105,19 @@ def _block_sparse(args: argparse.Namespace, device: torch.device, dtype: torch.d
 
 
 def run(args: argparse.Namespace) -> int:
-    from kernels import dsa, get_backend
-
     for name in ("batch", "context", "heads", "topk", "block_size", "repeats", "topk_blocks"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
     device, dtype = device_and_dtype(args.device, args.dtype)
-    if args.block_sparse:
-        row = _block_sparse(args, device, dtype)
-        print(json.dumps(row) if args.json else "\n".join(f"{key:16} {value}" for key, value in row.items()))
-        return 0 if row["max_abs_diff"] <= row["tolerance"] else 1
+    row = (_block_sparse if args.block_sparse else _dsa)(args, device, dtype)
+    print(json.dumps(row) if args.json else "\n".join(f"{key:16} {value}" for key, value in row.items()))
+    return 0 if row["max_abs_diff"] <= row["tolerance"] else 1   # the backend's kernels off the reference
+
+
+def _dsa(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> dict:
+    """DeepSeek V3.2's layer: its timings and its sparse output's difference from the torch reference."""
+    from kernels import dsa, get_backend
+
     backend = get_backend(device)
     choose = getattr(backend, "dsa_choose_tokens", dsa.choose_tokens)
     attend = getattr(backend, "dsa_attend_chosen", dsa.attend_chosen)
@@ -136,5 +141,4 @@ def run(args: argparse.Namespace) -> int:
     row["sparse_speedup"] = row["dense_ms"] / row["sparse_ms"]
     row["max_abs_diff"] = float((out.float() - reference.float()).abs().max())
     row["tolerance"] = 1e-4 if dtype == torch.float32 else 2e-2
-    print(json.dumps(row) if args.json else "\n".join(f"{key:16} {value}" for key, value in row.items()))
-    return 0 if row["max_abs_diff"] <= row["tolerance"] else 1   # the backend's kernels off the reference
+    return row

@@ -36,7 +36,7 @@ from engine.scheduler_output import ScheduledSeq
 from engine.sequence import Sequence
 from engine.sliding_kv import device_ring
 from engine.state_cache import num_snapshot_slots
-from kernels import get_backend
+from kernels import AttentionMetadata, get_backend
 from kernels.transfer import to_device
 
 log = logging.getLogger("cliffguard.engine")
@@ -119,12 +119,14 @@ class _Forward:
         """Run each kind of sparse attention's kernels once (an attention's `warm_kernels`: DeepSeek V3.2's indexer and
         sparse kernels, MiniMax M3's block-sparse ones) over its layer's cache, so the first step past the dense regime
         does not compile them while serving (a compile stalls every sequence of the device: 0.15-1.4 s a variant on a
-        fresh GPU). Returns how many kinds ran."""
-        warmed = set()
+        fresh GPU). Each runs a made-up decode over the first 64 positions of its layer's cache (read, not written).
+        Returns how many kinds ran."""
+        warmed, block = set(), self.kv_cache.block_size
+        meta = AttentionMetadata.build([list(range(-(-64 // block)))], [1], [64], block, self.device)
         for i, attn in attentions(self.model).items():
             kind = (type(attn), getattr(attn, "sinks", None) is not None)
             warm = getattr(attn, "warm_kernels", None)
-            if warm is not None and kind not in warmed and warm(self.backend, self.kv_cache.layers[i],
+            if warm is not None and kind not in warmed and warm(self.backend, self.kv_cache.layers[i], meta,
                                                                 self.model.embed_tokens.weight.dtype):
                 warmed.add(kind)
         return len(warmed)

@@ -122,16 +122,16 @@ class DsaAttention(MlaAttention):
         return attend(query, meta.backend_cache[CHOICE], cache, meta, self.scale, mla.kv_lora_rank, mla.latent_dim,
                       k_scale=self.k_scale, sinks=self.sinks)
 
-    def warm_kernels(self, backend, kv_cache: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype) -> bool:
-        """The backend's indexer and sparse kernels run once over this layer's cache (a made-up decode over its first
-        64 positions: read, not written), so Triton compiles their one variant before serving, not at the first step
-        past `index_topk` (`ModelRunner.warm_sparse_kernels`; `dtype`: the model's); False where the backend has none or
+    def warm_kernels(self, backend, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                     dtype: torch.dtype) -> bool:
+        """The backend's indexer and sparse kernels run once over this layer's cache (`meta`: one made-up decode, its
+        rows read, not written), so Triton compiles their one variant before serving, not at the first step past
+        `index_topk` (`ModelRunner.warm_sparse_kernels`; `dtype`: the model's); False where the backend has none or
         this layer reuses another's choice."""
         indexer, mla, cache = self.indexer, self.mla, kv_cache[0]
         if indexer is None or not hasattr(backend, "dsa_choose_tokens"):
             return False
-        device, block = cache.device, cache.shape[1]
-        meta = AttentionMetadata.build([list(range(-(-64 // block)))], [1], [64], block, device)
+        device = cache.device
         index_q = torch.zeros(1, indexer.heads, indexer.head_dim, dtype=dtype, device=device)
         choice = backend.dsa_choose_tokens(index_q, torch.zeros(1, indexer.heads, device=device), cache, meta,
                                            mla.index_topk, mla.latent_dim, index_scale=indexer.softmax_scale,

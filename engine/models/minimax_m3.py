@@ -88,16 +88,16 @@ class BlockSparseAttention(Attention):
                          local_blocks=self.index.local_blocks, k_scale=self.k_scale, v_scale=self.v_scale)
         return self.comm.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
 
-    def warm_kernels(self, backend, kv_cache: tuple[torch.Tensor, ...], dtype: torch.dtype) -> bool:
-        """The backend's block-sparse kernels run once over this layer's cache (a made-up decode over its first 64
-        positions: read, not written; q and the indexer's q views of fused rows, as `forward` makes them), so Triton
-        compiles their one variant before serving, not at the first step past the dense regime
-        (`ModelRunner.warm_sparse_kernels`; `dtype`: the model's); False where the backend has none."""
+    def warm_kernels(self, backend, kv_cache: tuple[torch.Tensor, ...], meta: AttentionMetadata,
+                     dtype: torch.dtype) -> bool:
+        """The backend's block-sparse kernels run once over this layer's cache (`meta`: one made-up decode, its rows
+        read, not written; q and the indexer's q views of fused rows, as `forward` makes them), so Triton compiles their
+        one variant before serving, not at the first step past the dense regime (`ModelRunner.warm_sparse_kernels`;
+        `dtype`: the model's); False where the backend has none."""
         if not hasattr(backend, "block_sparse_attention"):
             return False
         k_cache, v_cache, index_cache = kv_cache
-        heads, kv_heads, device, block = self.num_heads, self.num_kv_heads, k_cache.device, k_cache.shape[1]
-        meta = AttentionMetadata.build([list(range(-(-64 // block)))], [1], [64], block, device)
+        heads, kv_heads, device = self.num_heads, self.num_kv_heads, k_cache.device
         qkv = torch.zeros(1, heads + 2 * kv_heads, self.config.head_dim, dtype=dtype, device=device)
         index = torch.zeros(1, kv_heads + 1, self.index.head_dim, dtype=dtype, device=device)
         backend.block_sparse_attention(qkv[:, :heads], k_cache, v_cache, index[:, :kv_heads], index_cache, meta,
