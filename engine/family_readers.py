@@ -44,6 +44,7 @@ from engine.minimax_m3_config import minimax_m3_config, minimax_m3_fields
 from engine.step3p7_config import step3p7_config, step3p7_fields
 from engine.nemotron_h_config import nemotron_h_config
 from engine.phimoe_config import phimoe_fields
+from engine.qwen4_exp_config import qwen4_exp_fields
 
 __all__ = ["KEY_READERS", "OWN_MODULE_FIELDS"]
 
@@ -80,4 +81,4 @@ OWN_MODULE_FIELDS: dict[str, Callable[[dict[str, Any], int], dict[str, Any]]] = 
     "Gemma3nForCausalLM": gemma3n_fields, "LaraMiniForCausalLM": lara_mini_fields,
     "MiniMaxForCausalLM": minimax_fields, "MiniMaxM3VLForCausalLM": minimax_m3_fields,
     "Step3p7ForCausalLM": step3p7_fields, "BloomForCausalLM": bloom_fields, "MptForCausalLM": mpt_fields,
-    "AriaTextForCausalLM": aria_text_fields}
+    "AriaTextForCausalLM": aria_text_fields, "Qwen4ExpForCausalLM": qwen4_exp_fields}

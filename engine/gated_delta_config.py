@@ -34,7 +34,8 @@ class GatedDeltaShape:
     """One linear-attention layer's shape: `num_k_heads` query/key heads of `k_head_dim`, `num_v_heads` value heads
     of `v_head_dim` (a multiple of the key heads: each key head serves that many consecutive value heads), the
     causal convolution's `conv_kernel` taps over q, k and v. OLMo Hybrid's: the write strength beta in (0, 2)
-    (`beta_scale` 2: `linear_allow_neg_eigval`), the gated norm's own eps (`norm_eps`; None: the model's)."""
+    (`beta_scale` 2: `linear_allow_neg_eigval`), the gated norm's own eps (`norm_eps`; None: the model's). Qwen4-Exp's
+    output gate may be a sigmoid (`gate_act`; SiLU by default)."""
 
     num_k_heads: int
     num_v_heads: int
@@ -43,6 +44,7 @@ class GatedDeltaShape:
     conv_kernel: int
     beta_scale: float = 1.0
     norm_eps: float | None = None
+    gate_act: str = "silu"
 
     def __post_init__(self) -> None:
         if self.num_v_heads % self.num_k_heads:

@@ -25,6 +25,7 @@ from engine.falcon_h1_config import FalconH1Scales
 from engine.kimi_linear_config import KdaShape
 from engine.minimax_config import LightningShape
 from engine.minimax_m3_config import BlockIndexer, index_key_bytes
+from engine.qwen4_exp_config import Qwen4ExpShape
 from engine.lfm2_config import ShortConvShape
 from engine.mamba1_config import Mamba1Shape
 from engine.zamba2_config import Zamba2Blocks
@@ -70,11 +71,11 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
                            "NemotronForCausalLM", "StableLmForCausalLM", "PhiForCausalLM", "GPTNeoXForCausalLM",
                            "PhimoeForCausalLM", "OlmoForCausalLM", "FalconForCausalLM", "GPTJForCausalLM",
                            "GPTBigCodeForCausalLM", "GPT2LMHeadModel", "OPTForCausalLM", "FlexOlmoForCausalLM",
-                           "GPTNeoForCausalLM", "CodeGenForCausalLM", "LaraMiniForCausalLM",
+                           "GPTNeoForCausalLM", "CodeGenForCausalLM", "LaraMiniForCausalLM", "Qwen4ExpForCausalLM",
                            "NanoChatForCausalLM", "DbrxForCausalLM", "MiniCPM3ForCausalLM", "HYV4ForCausalLM",
                            "DeepseekV4ForCausalLM", "BeamForCausalLM", "MllamaForCausalLM", "Gemma3nForCausalLM",
-                           "GemmaForCausalLM", "VaultGemmaForCausalLM", "JambaForCausalLM",
-                           "MambaForCausalLM", "FalconMambaForCausalLM", "Mamba2ForCausalLM", "Zamba2ForCausalLM",
+                           "GemmaForCausalLM", "VaultGemmaForCausalLM", "JambaForCausalLM", "MambaForCausalLM",
+                           "FalconMambaForCausalLM", "Mamba2ForCausalLM", "Zamba2ForCausalLM",
                            "MiniMaxForCausalLM", "MiniMaxM3VLForCausalLM", "Step3p7ForCausalLM", "BloomForCausalLM",
                            "MptForCausalLM", "AriaTextForCausalLM", "PersimmonForCausalLM")
 # their attention bias: q/k/v's, not o_proj's
@@ -163,6 +164,7 @@ class ModelConfig:
     state_layers: ShortConvShape | KdaShape | Mamba1Shape | LightningShape | None = None   # LFM2's, Kimi's, Jamba's...
     attn_output_gate: bool = False      # Qwen3.5: attention's output x sigmoid(a gate q_proj makes beside each head)
     block_indexer: BlockIndexer | None = None   # MiniMax M3: its block-sparse layers (an indexer key a token too)
+    qwen4_exp: Qwen4ExpShape | None = None   # Qwen4-Exp: its residual streams and per-layer n-gram embeddings
     mla: MlaShape | None = None         # DeepSeek: latent attention (head_dim the cache's, one KV head; None: none)
     moe_router: str = "softmax"         # how experts are picked (MOE_ROUTERS): the softmax's top k, or DeepSeek's
     moe_groups: tuple[int, int] = (1, 1)   # DeepSeek: the experts' groups, and how many a token's experts come from
@@ -368,10 +370,9 @@ class ModelConfig:
         """Bytes of the state each running sequence holds for the linear-attention layers (0: none), whatever its
         length, on each of `tensor_parallel_size` ranks: the capacity plan counts it per sequence beside S_KV x its
         length."""
-        if self.state_shape is None:
-            return 0
-        shape = self.state_shape.per_rank(tensor_parallel_size)
-        return len(self.stateful_layers) * shape.state_bytes(dtype.itemsize)
+        ple = self.qwen4_exp.state_bytes(self.hidden_size, dtype.itemsize) if self.qwen4_exp else 0   # every rank's
+        shape = self.state_shape.per_rank(tensor_parallel_size) if self.state_shape is not None else None
+        return ple + (len(self.stateful_layers) * shape.state_bytes(dtype.itemsize) if shape is not None else 0)
 
     def rotary_cache_bytes(self, dtype: torch.dtype) -> int:
         """Bytes of the rotary cos/sin caches each rank holds: [rotary_positions or context_length, rotated dims]

@@ -116,6 +116,10 @@ FAMILY_DEFAULTS = {"Gemma2ForCausalLM": GEMMA2_DEFAULTS, "VaultGemmaForCausalLM"
                        "vocab_size": 248_320, "hidden_size": 2048, "intermediate_size": 512, "num_hidden_layers": 40,
                        "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
                        "max_position_embeddings": 32_768},
+                   "Qwen4ExpForCausalLM": {   # Qwen4ExpTextConfig's (Qwen3.5-MoE's shape)
+                       "vocab_size": 248_320, "hidden_size": 2048, "intermediate_size": 512, "num_hidden_layers": 40,
+                       "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
+                       "max_position_embeddings": 32_768},
                    "ApertusForCausalLM": {"rope_parameters": {   # ApertusConfig's where config.json names none
                        "rope_type": "llama3", "rope_theta": 12_000_000.0, "factor": 8.0,
                        "original_max_position_embeddings": 8192, "low_freq_factor": 1.0, "high_freq_factor": 4.0}},

@@ -7,6 +7,7 @@ bytes, checked to the parameter against transformers' models in the tests (`conf
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from engine.gemma3n_config import gemma3n_params
@@ -61,7 +62,8 @@ OWN_COUNTS: dict[str, Callable[..., int]] = {
         lambda c, h, kv, i, moe_i, v, s: gemma4_params(c, h, kv, i, moe_i, v),
     "DeepseekV4ForCausalLM": deepseek_v4_params,   # compressed attention, streams, hash routing
     "Gemma3nForCausalLM":   # Gemma 4's E layers with AltUp and LAuReL
-        lambda c, h, kv, i, moe_i, v, s: gemma3n_params(c, h, kv, i, moe_i, v)}
+        lambda c, h, kv, i, moe_i, v, s: gemma3n_params(c, h, kv, i, moe_i, v),
+    "Qwen4ExpForCausalLM": lambda c, h, kv, i, moe_i, v, s: qwen4_exp_params(c, h, kv, i, moe_i, v, s)}
 
 
 def float32_params(config: Any) -> int:
@@ -140,3 +142,12 @@ def count_params(config: Any, heads: int, kv_heads: int, i: int, moe_i: int, v: 
     embed_norm = 2 * h if config.architecture == "BloomForCausalLM" else 0   # BLOOM: a LayerNorm on the embeddings
     return v * h + config.num_kv_layers * per_layer + linear + mlps + final + head + config.learned_positions * h + \
         embed_norm
+
+
+def qwen4_exp_params(config: Any, heads: int, kv_heads: int, i: int, moe_i: int, v: int, shared_i: int) -> int:
+    """Qwen3.5-MoE's layers without their norms (the streams' mixes norm each sublayer's input, the last mix the
+    head's), the mixes, the PLE layers and the QSA indexers (`engine.qwen4_exp_config`), these whole on every rank."""
+    base = replace(config, architecture="Qwen3_5MoeForCausalLM", qwen4_exp=None, block_indexer=None)
+    h = config.hidden_size
+    return count_params(base, heads, kv_heads, i, moe_i, v, shared_i) - (2 * config.num_layers + 1) * h + \
+        config.qwen4_exp.num_params(h, config.num_layers) + config.block_indexer.num_params(h, kv_heads)

@@ -28,6 +28,7 @@ TEXT_MODELS = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "language
                "Llama4ForConditionalGeneration": ("Llama4ForCausalLM", "language_model.", "llama4_text"),
                "Qwen3_5ForConditionalGeneration": ("Qwen3_5ForCausalLM", "language_model.", "qwen3_5_text"),
                "Qwen3_5MoeForConditionalGeneration": ("Qwen3_5MoeForCausalLM", "language_model.", "qwen3_5_moe_text"),
+               "Qwen4ExpForConditionalGeneration": ("Qwen4ExpForCausalLM", "language_model.", "qwen4_exp_text"),
                "Gemma4ForConditionalGeneration": ("Gemma4ForCausalLM", "language_model.", "gemma4_text"),
                "Gemma3nForConditionalGeneration": ("Gemma3nForCausalLM", "language_model.", "gemma3n_text"),
                "Gemma4UnifiedForConditionalGeneration": ("Gemma4UnifiedForCausalLM", "language_model.",

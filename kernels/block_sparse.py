@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from kernels.metadata import AttentionMetadata
 from kernels.reference import context_slots, dequantize_kv
 
-__all__ = ["block_sparse_attention", "pick_blocks", "picked_keys"]
+__all__ = ["attend_kept", "block_sparse_attention", "gather_rows", "pick_blocks", "picked_keys"]
 
 
 def block_sparse_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -40,14 +40,15 @@ def block_sparse_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     start = 0
     for i, (q_len, s_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
         slots = context_slots(meta, [i], s_len)                                                  # [1, s_len]
-        index_keys = _gather(index_cache, slots, 1.0)[..., 0, :]                                 # [1, s_len, d_index]
-        keys, values = _gather(key_cache, slots, k_scale), _gather(value_cache, slots, v_scale)   # [1, s_len, kv, d]
+        index_keys = gather_rows(index_cache, slots, 1.0)[..., 0, :]                             # [1, s_len, d_index]
+        keys = gather_rows(key_cache, slots, k_scale)                                            # [1, s_len, kv, d]
+        values = gather_rows(value_cache, slots, v_scale)
         for a in range(0, q_len, chunk):
             b = min(a + chunk, q_len)
             rows = slice(start + a, start + b)
             positions = torch.arange(s_len - q_len + a, s_len - q_len + b, device=query.device)[None]
             keep = picked_keys(index_q[None, rows], index_keys, positions, *pick)
-            out[rows] = _attend(query[None, rows], keys, values, keep, scale)[0].to(out.dtype)
+            out[rows] = attend_kept(query[None, rows], keys, values, keep, scale)[0].to(out.dtype)
         start += q_len
     return out
 
@@ -63,7 +64,7 @@ def _decode(query: torch.Tensor, caches: tuple[torch.Tensor, ...], index_q: torc
     longest = max(meta.seq_lens_list)
     slots = context_slots(meta, list(range(n)), longest)                                          # [n, L]
     last = meta.seq_lens.to(torch.int64) - 1
-    picked, ok = pick_blocks(index_q[:, None], _gather(index_cache, slots, 1.0)[..., 0, :], last[:, None], *pick)
+    picked, ok = pick_blocks(index_q[:, None], gather_rows(index_cache, slots, 1.0)[..., 0, :], last[:, None], *pick)
     offsets = torch.arange(block_size, device=query.device)
     positions = (picked[:, :, 0, :, None] * block_size + offsets).flatten(2)                    # [n, kv, k x bs]
     valid = ok[:, :, 0].repeat_interleave(block_size, dim=-1) & (positions <= last[:, None, None])
@@ -112,7 +113,7 @@ def picked_keys(index_q: torch.Tensor, index_keys: torch.Tensor, positions: torc
     return keep & causal[:, None]
 
 
-def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, keep: torch.Tensor, scale: float
+def attend_kept(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, keep: torch.Tensor, scale: float
             ) -> torch.Tensor:
     """query [B, c, heads, d]; keys, values [B, L, kv_heads, d] float32; keep [B, kv_heads, c, L] -> [B, c, heads, d]
     float32: each query head's softmax over the keys its KV head keeps."""
@@ -124,7 +125,7 @@ def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, keep:
     return torch.einsum("bkgct,btkd->bckgd", probs, values).reshape(b, c, heads, d)
 
 
-def _gather(cache: torch.Tensor, slots: torch.Tensor, scale: float) -> torch.Tensor:
+def gather_rows(cache: torch.Tensor, slots: torch.Tensor, scale: float) -> torch.Tensor:
     """[*slots.shape, heads, d] float32: the cache's rows at `slots`."""
     rows = cache.view(-1, *cache.shape[2:]).index_select(0, slots.reshape(-1))
     return dequantize_kv(rows, torch.float32, scale).view(*slots.shape, *cache.shape[2:])

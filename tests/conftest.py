@@ -197,7 +197,7 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
            "gpt_bigcode": transformers.GPTBigCodeConfig, "gpt2": transformers.GPT2Config,
            "opt": transformers.OPTConfig, "flex_olmo": transformers.FlexOlmoConfig,
            "gpt_neo": transformers.GPTNeoConfig, "codegen": transformers.CodeGenConfig,
-           "lara_mini": transformers.LaraMiniConfig,
+           "lara_mini": transformers.LaraMiniConfig, "qwen4_exp_text": transformers.Qwen4ExpTextConfig,
            "nanochat": transformers.NanoChatConfig, "dbrx": transformers.DbrxConfig,
            "minicpm3": transformers.MiniCPM3Config, "jamba": transformers.JambaConfig,
            "mamba": transformers.MambaConfig, "falcon_mamba": transformers.FalconMambaConfig,

@@ -34,12 +34,13 @@ class RecurrentStates:
     tensors). Owned by the model; one forward pass at a time."""
 
     def __init__(self, shape: StateShape, num_layers: int, dtype: torch.dtype, device: torch.device,
-                 num_rows: int = 0) -> None:
+                 num_rows: int = 0, extra: RecurrentStates | None = None) -> None:
         self.shape, self.num_layers, self.dtype, self.device = shape, num_layers, dtype, device
+        self.extra = extra   # states of another shape over the same rows, kept with these (Qwen4-Exp's PLE layers')
         self.conv: list[torch.Tensor] = []
         self.ssm: list[torch.Tensor] = []
         self.num_rows = 0
-        self.frozen = False
+        self._frozen = False
         self.snap_conv: list[torch.Tensor] = []   # prefix caching's snapshot slots (`engine.state_cache`)
         self.snap_ssm: list[torch.Tensor] = []
         self.saves: dict[int, list[tuple[int, int]]] = {}   # this step's: sequence -> [(token offset, slot)]
@@ -50,8 +51,20 @@ class RecurrentStates:
     def padding_row(self) -> int:
         return self.num_rows
 
+    @property
+    def frozen(self) -> bool:
+        return self._frozen
+
+    @frozen.setter
+    def frozen(self, value: bool) -> None:
+        self._frozen = value
+        if self.extra is not None:
+            self.extra.frozen = value
+
     def reserve(self, num_rows: int) -> None:
         """Room for rows 0 .. num_rows - 1 (the states held so far kept)."""
+        if self.extra is not None:
+            self.extra.reserve(num_rows)
         if num_rows <= self.num_rows:
             return
         if self.frozen:
@@ -68,6 +81,8 @@ class RecurrentStates:
 
     def reserve_snapshots(self, num_slots: int) -> None:
         """`num_slots` snapshot slots, each one state of every layer: prefix caching's (made at start, never grown)."""
+        if self.extra is not None:
+            self.extra.reserve_snapshots(num_slots)
         self.snap_conv = [torch.zeros(num_slots, *self.shape.conv_state_shape, dtype=self.dtype, device=self.device)
                           for _ in range(self.num_layers)]
         self.snap_ssm = [torch.zeros(num_slots, *self.shape.ssm_state_shape, dtype=torch.float32, device=self.device)
@@ -76,6 +91,8 @@ class RecurrentStates:
     def prepare(self, loads: list[tuple[int, int]], saves: list[tuple[int, int, int]]) -> None:
         """Before a step: copy each (slot, row) of `loads` into the row (a sequence resuming from a cached prefix),
         and hold `saves` (sequence, token offset, slot) for the step's layers to take (`StateMixer.scan`)."""
+        if self.extra is not None:
+            self.extra.prepare(loads, saves)
         if loads:
             slots = to_device([slot for slot, _ in loads], torch.int64, self.device)   # queued: the host goes on
             rows = to_device([row for _, row in loads], torch.int64, self.device)
@@ -102,7 +119,8 @@ class RecurrentStates:
 
     @property
     def num_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.conv, *self.ssm, *self.snap_conv, *self.snap_ssm))
+        own = sum(t.numel() * t.element_size() for t in (*self.conv, *self.ssm, *self.snap_conv, *self.snap_ssm))
+        return own + (self.extra.num_bytes if self.extra is not None else 0)
 
 
 def _grown(old: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -113,19 +131,20 @@ def _grown(old: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype,
 
 
 class GatedRMSNorm(nn.Module):
-    """RMSNorm of each value head's output (weight, not 1 + weight), times SiLU of its gate z, in transformers'
-    order of roundings (`Qwen3_5RMSNormGated`)."""
+    """RMSNorm of each value head's output (weight, not 1 + weight), times SiLU (or `act`: Qwen4-Exp's sigmoid) of
+    its gate z, in transformers' order of roundings (`Qwen3_5RMSNormGated`)."""
 
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, act: str = "silu") -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.act = torch.sigmoid if act == "sigmoid" else F.silu
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         # x, z: [num_tokens, num_v_heads, v_head_dim]
         xf = x.float()
         normed = self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-        return (normed * F.silu(z.float())).to(x.dtype)
+        return (normed * self.act(z.float())).to(x.dtype)
 
 
 class StateMixer(nn.Module):
@@ -222,7 +241,7 @@ class GatedDeltaNet(StateMixer):
         self.conv1d.weight = nn.Parameter(torch.empty(s.conv_dim, 1, s.conv_kernel))
         self.dt_bias = nn.Parameter(torch.empty(s.num_v_heads))
         self.A_log = nn.Parameter(torch.empty(s.num_v_heads))
-        self.norm = GatedRMSNorm(s.v_head_dim, eps if s.norm_eps is None else s.norm_eps)
+        self.norm = GatedRMSNorm(s.v_head_dim, eps if s.norm_eps is None else s.norm_eps, s.gate_act)
         self.out_proj = nn.Linear(s.value_dim, hidden_size, bias=False)
 
     def forward(self, hidden: torch.Tensor, meta: AttentionMetadata, states: RecurrentStates) -> torch.Tensor:

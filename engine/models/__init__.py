@@ -8,7 +8,8 @@ tensor-parallel cuts: `gemma3` (Gemma 3's text model, and Gemma 2's), `gemma4` (
 CodeGen), `gpt_oss` (GPT-OSS), `cohere` (Command R, R7B, A Plus), `ernie` (ERNIE 4.5), `glm4` (GLM-4, GLM-4.5,
 K-EXAONE), `deepseek` (DeepSeek V2 and V3, Mistral Small 4), `deepseek_v32` (DeepSeek V3.2 and GLM-5: sparse attention),
 `minimax_m2` (MiniMax-M2), `llama4` (Llama 4's text model), `ministral3` (Ministral 3), `qwen3_5` (Qwen3.5, Qwen3-Next:
-Gated DeltaNet layers; `lara_mini`, Lara Mini's), `nemotron_h` (Nemotron-H), `lfm2` (LFM2), `kimi_linear` (Kimi Linear),
+Gated DeltaNet layers; `lara_mini`, Lara Mini's; `qwen4_exp`, Qwen4-Exp's: residual streams, n-gram embeddings, QSA),
+`nemotron_h` (Nemotron-H), `lfm2` (LFM2), `kimi_linear` (Kimi Linear),
 `minimax` (MiniMax-Text-01: lightning attention), `jamba` (Jamba), `mamba` (Mamba, FalconMamba, Mamba2), `zamba2`
 (Zamba2), over `hybrid`'s states; `mimo` (MiMo-V2-Flash); `apertus` (Apertus, Arcee's AFM, Jais 2: ungated MLPs),
 `mllama` (Llama 3.2 Vision's text model), `minimax_m3` (MiniMax M3: block-sparse attention), `step3p7` (Step 3.7:
@@ -89,6 +90,7 @@ from engine.models.phimoe import PhimoeForCausalLM
 from engine.models.stablelm import StableLmForCausalLM
 from engine.models.nemotron_h import NemotronHForCausalLM
 from engine.models.qwen3_5 import Qwen3NextForCausalLM, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
+from engine.models.qwen4_exp import Qwen4ExpForCausalLM
 from engine.models.qwen3_moe import AriaTextForCausalLM, MellumForCausalLM, Qwen3MoeForCausalLM, SparseMoeBlock
 from engine.parallel import Collectives, ShardShape
 from engine.roofline import expert_params
@@ -100,99 +102,62 @@ log = logging.getLogger("cliffguard.engine")
 __all__ = ["build_model", "model_class"]
 
 _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCausalLM,   # its layer, uncapped
-                                                "Gemma3ForCausalLM": Gemma3ForCausalLM,
-                                                "Gemma4ForCausalLM": Gemma4ForCausalLM,
-                                                "Gemma3nForCausalLM": Gemma3nForCausalLM,
-                                                "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
-                                                "MixtralForCausalLM": MixtralForCausalLM,
-                                                "Phi3ForCausalLM": Phi3ForCausalLM, "OlmoForCausalLM": OlmoForCausalLM,
-                                                "GraniteForCausalLM": GraniteForCausalLM,
-                                                "Olmo2ForCausalLM": Olmo2ForCausalLM,
-                                                "Olmo3ForCausalLM": Olmo3ForCausalLM,
-                                                "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
-                                                "GptOssForCausalLM": GptOssForCausalLM,
-                                                "Qwen2MoeForCausalLM": Qwen3MoeForCausalLM,   # no q/k norms
-                                                "CohereForCausalLM": CohereForCausalLM,
-                                                "Cohere2ForCausalLM": CohereForCausalLM,   # its full layers NoPE
-                                                "Ernie4_5ForCausalLM": Ernie45ForCausalLM,
-                                                "Ernie4_5_MoeForCausalLM": Ernie45MoeForCausalLM,
-                                                "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
-                                                "MiniMaxM2ForCausalLM": MiniMaxM2ForCausalLM,
-                                                "DeepseekV2ForCausalLM": DeepseekForCausalLM,
-                                                "DeepseekV3ForCausalLM": DeepseekForCausalLM,
-                                                "DeepseekV4ForCausalLM": DeepseekV4ForCausalLM,
-                                                "AXK1ForCausalLM": AXK1ForCausalLM, "AXK2ForCausalLM": AXK2ForCausalLM,
-                                                "Llama4ForCausalLM": Llama4ForCausalLM,
-                                                "Ministral3ForCausalLM": Ministral3ForCausalLM,
-                                                "Glm4MoeLiteForCausalLM": DeepseekForCausalLM,   # GLM-4.7-Flash
-                                                "YoutuForCausalLM": DeepseekForCausalLM,   # every MLP dense
-                                                "Mistral4ForCausalLM": DeepseekForCausalLM,   # its queries scaled
-                                                "DeepseekV32ForCausalLM": DeepseekV32ForCausalLM,
-                                                "GlmMoeDsaForCausalLM": DeepseekV32ForCausalLM,   # GLM-5
-                                                "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,
-                                                "Exaone4ForCausalLM": Exaone4ForCausalLM,
-                                                "HunYuanDenseV1ForCausalLM": HunyuanDenseForCausalLM,
-                                                "OlmoeForCausalLM": OlmoeForCausalLM,
-                                                "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
-                                                "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
-                                                "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
-                                                "NemotronHForCausalLM": NemotronHForCausalLM,
-                                                "HunYuanMoEV1ForCausalLM": HunyuanMoeForCausalLM,
-                                                "ApertusForCausalLM": ApertusForCausalLM,
-                                                "MllamaForCausalLM": MllamaForCausalLM,   # Llama 3.2 Vision's text
-                                                "OlmoHybridForCausalLM": OlmoHybridForCausalLM,
-                                                "Lfm2ForCausalLM": Lfm2ForCausalLM, "Lfm3ForCausalLM": Lfm3ForCausalLM,
-                                                "Lfm2MoeForCausalLM": Lfm2MoeForCausalLM,
-                                                "Kolibri1ForCausalLM": KolibriForCausalLM,
-                                                "FlintForCausalLM": FlintForCausalLM,
-                                                "HeliumForCausalLM": HeliumForCausalLM,
-                                                "KimiLinearForCausalLM": KimiLinearForCausalLM,
-                                                "BailingHybridForCausalLM": BailingHybridForCausalLM,
-                                                "Dots1ForCausalLM": Glm4MoeForCausalLM,   # dots.llm1: its layers
-                                                "SolarOpenForCausalLM": Glm4MoeForCausalLM,   # Solar Open: alike
-                                                "ArceeForCausalLM": ArceeForCausalLM,
-                                                "AfmoeForCausalLM": AfmoeForCausalLM,
-                                                "MiMoV2FlashForCausalLM": MimoV2FlashForCausalLM,
-                                                "ExaoneMoeForCausalLM": ExaoneMoeForCausalLM,
-                                                "Cohere2MoeForCausalLM": Cohere2MoeForCausalLM,
-                                                "Jais2ForCausalLM": Jais2ForCausalLM,
-                                                "GraniteSWAForCausalLM": GraniteSWAForCausalLM,
-                                                "GraniteMoeSWAForCausalLM": GraniteMoeSWAForCausalLM,
-                                                "HYV3ForCausalLM": HYV3ForCausalLM, "HYV4ForCausalLM": HYV4ForCausalLM,
-                                                "FalconH1ForCausalLM": FalconH1ForCausalLM,
-                                                "ExaoneForCausalLM": ExaoneForCausalLM,
-                                                "HyperCLOVAXForCausalLM": HyperClovaxForCausalLM,
-                                                "MellumForCausalLM": MellumForCausalLM,
-                                                "Starcoder2ForCausalLM": Starcoder2ForCausalLM,
-                                                "GlmForCausalLM": GlmForCausalLM, "Glm4ForCausalLM": Glm4ForCausalLM,
-                                                "LagunaForCausalLM": LagunaForCausalLM,
-                                                "LaraMiniForCausalLM": LaraMiniForCausalLM,
-                                                "NemotronForCausalLM": NemotronForCausalLM,
-                                                "StableLmForCausalLM": StableLmForCausalLM,
-                                                "PhiForCausalLM": PhiForCausalLM, "OPTForCausalLM": OPTForCausalLM,
-                                                "GPTNeoXForCausalLM": GPTNeoXForCausalLM,
-                                                "PhimoeForCausalLM": PhimoeForCausalLM,
-                                                "FalconForCausalLM": FalconForCausalLM,
-                                                "GPTBigCodeForCausalLM": GPTBigCodeForCausalLM,
-                                                "GPT2LMHeadModel": GPT2LMHeadModel, "GPTJForCausalLM": GPTJForCausalLM,
-                                                "GPTNeoForCausalLM": GPTNeoForCausalLM,
-                                                "CodeGenForCausalLM": CodeGenForCausalLM,
-                                                "FlexOlmoForCausalLM": FlexOlmoForCausalLM,
-                                                "NanoChatForCausalLM": NanoChatForCausalLM,
-                                                "DbrxForCausalLM": DbrxForCausalLM, "BeamForCausalLM": BeamForCausalLM,
-                                                "MiniCPM3ForCausalLM": MiniCPM3ForCausalLM,
-                                                "GemmaForCausalLM": GemmaForCausalLM,
-                                                "VaultGemmaForCausalLM": GemmaForCausalLM,
-                                                "JambaForCausalLM": JambaForCausalLM,
-                                                "MiniMaxForCausalLM": MiniMaxForCausalLM,
-                                                "MiniMaxM3VLForCausalLM": MiniMaxM3ForCausalLM,
-                                                "Step3p7ForCausalLM": Step3p7ForCausalLM,
-                                                "BloomForCausalLM": BloomForCausalLM, "MptForCausalLM": MptForCausalLM,
-                                                "AriaTextForCausalLM": AriaTextForCausalLM,
-                                                "PersimmonForCausalLM": PersimmonForCausalLM,
-                                                "LongcatFlashForCausalLM": LongcatFlashForCausalLM,
-                                                "Zamba2ForCausalLM": Zamba2ForCausalLM,
-                                                **dict.fromkeys(MAMBA_ARCHITECTURES, MambaForCausalLM)}
+    "Gemma3ForCausalLM": Gemma3ForCausalLM, "Gemma4ForCausalLM": Gemma4ForCausalLM,
+    "Gemma3nForCausalLM": Gemma3nForCausalLM, "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM, "Phi3ForCausalLM": Phi3ForCausalLM, "OlmoForCausalLM": OlmoForCausalLM,
+    "GraniteForCausalLM": GraniteForCausalLM, "Olmo2ForCausalLM": Olmo2ForCausalLM,
+    "Olmo3ForCausalLM": Olmo3ForCausalLM, "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen3MoeForCausalLM,   # no q/k norms
+    "CohereForCausalLM": CohereForCausalLM,
+    "Cohere2ForCausalLM": CohereForCausalLM,   # its full layers NoPE
+    "Ernie4_5ForCausalLM": Ernie45ForCausalLM, "Ernie4_5_MoeForCausalLM": Ernie45MoeForCausalLM,
+    "Glm4MoeForCausalLM": Glm4MoeForCausalLM, "MiniMaxM2ForCausalLM": MiniMaxM2ForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekForCausalLM, "DeepseekV3ForCausalLM": DeepseekForCausalLM,
+    "DeepseekV4ForCausalLM": DeepseekV4ForCausalLM, "AXK1ForCausalLM": AXK1ForCausalLM,
+    "AXK2ForCausalLM": AXK2ForCausalLM, "Llama4ForCausalLM": Llama4ForCausalLM,
+    "Ministral3ForCausalLM": Ministral3ForCausalLM,
+    "Glm4MoeLiteForCausalLM": DeepseekForCausalLM,   # GLM-4.7-Flash
+    "YoutuForCausalLM": DeepseekForCausalLM,   # every MLP dense
+    "Mistral4ForCausalLM": DeepseekForCausalLM,   # its queries scaled
+    "DeepseekV32ForCausalLM": DeepseekV32ForCausalLM,
+    "GlmMoeDsaForCausalLM": DeepseekV32ForCausalLM,   # GLM-5
+    "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM, "Exaone4ForCausalLM": Exaone4ForCausalLM,
+    "HunYuanDenseV1ForCausalLM": HunyuanDenseForCausalLM, "OlmoeForCausalLM": OlmoeForCausalLM,
+    "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM, "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
+    "Qwen3NextForCausalLM": Qwen3NextForCausalLM, "NemotronHForCausalLM": NemotronHForCausalLM,
+    "HunYuanMoEV1ForCausalLM": HunyuanMoeForCausalLM, "ApertusForCausalLM": ApertusForCausalLM,
+    "MllamaForCausalLM": MllamaForCausalLM,   # Llama 3.2 Vision's text
+    "OlmoHybridForCausalLM": OlmoHybridForCausalLM, "Lfm2ForCausalLM": Lfm2ForCausalLM,
+    "Lfm3ForCausalLM": Lfm3ForCausalLM, "Lfm2MoeForCausalLM": Lfm2MoeForCausalLM,
+    "Kolibri1ForCausalLM": KolibriForCausalLM, "FlintForCausalLM": FlintForCausalLM,
+    "HeliumForCausalLM": HeliumForCausalLM, "KimiLinearForCausalLM": KimiLinearForCausalLM,
+    "BailingHybridForCausalLM": BailingHybridForCausalLM,
+    "Dots1ForCausalLM": Glm4MoeForCausalLM,   # dots.llm1: its layers
+    "SolarOpenForCausalLM": Glm4MoeForCausalLM,   # Solar Open: alike
+    "ArceeForCausalLM": ArceeForCausalLM, "AfmoeForCausalLM": AfmoeForCausalLM,
+    "MiMoV2FlashForCausalLM": MimoV2FlashForCausalLM, "ExaoneMoeForCausalLM": ExaoneMoeForCausalLM,
+    "Cohere2MoeForCausalLM": Cohere2MoeForCausalLM, "Jais2ForCausalLM": Jais2ForCausalLM,
+    "GraniteSWAForCausalLM": GraniteSWAForCausalLM, "GraniteMoeSWAForCausalLM": GraniteMoeSWAForCausalLM,
+    "HYV3ForCausalLM": HYV3ForCausalLM, "HYV4ForCausalLM": HYV4ForCausalLM, "FalconH1ForCausalLM": FalconH1ForCausalLM,
+    "ExaoneForCausalLM": ExaoneForCausalLM, "HyperCLOVAXForCausalLM": HyperClovaxForCausalLM,
+    "MellumForCausalLM": MellumForCausalLM, "Starcoder2ForCausalLM": Starcoder2ForCausalLM,
+    "GlmForCausalLM": GlmForCausalLM, "Glm4ForCausalLM": Glm4ForCausalLM, "LagunaForCausalLM": LagunaForCausalLM,
+    "LaraMiniForCausalLM": LaraMiniForCausalLM, "Qwen4ExpForCausalLM": Qwen4ExpForCausalLM,
+    "NemotronForCausalLM": NemotronForCausalLM,
+    "StableLmForCausalLM": StableLmForCausalLM, "PhiForCausalLM": PhiForCausalLM, "OPTForCausalLM": OPTForCausalLM,
+    "GPTNeoXForCausalLM": GPTNeoXForCausalLM, "PhimoeForCausalLM": PhimoeForCausalLM,
+    "FalconForCausalLM": FalconForCausalLM, "GPTBigCodeForCausalLM": GPTBigCodeForCausalLM,
+    "GPT2LMHeadModel": GPT2LMHeadModel, "GPTJForCausalLM": GPTJForCausalLM, "GPTNeoForCausalLM": GPTNeoForCausalLM,
+    "CodeGenForCausalLM": CodeGenForCausalLM, "FlexOlmoForCausalLM": FlexOlmoForCausalLM,
+    "NanoChatForCausalLM": NanoChatForCausalLM, "DbrxForCausalLM": DbrxForCausalLM, "BeamForCausalLM": BeamForCausalLM,
+    "MiniCPM3ForCausalLM": MiniCPM3ForCausalLM, "GemmaForCausalLM": GemmaForCausalLM,
+    "VaultGemmaForCausalLM": GemmaForCausalLM, "JambaForCausalLM": JambaForCausalLM,
+    "MiniMaxForCausalLM": MiniMaxForCausalLM, "MiniMaxM3VLForCausalLM": MiniMaxM3ForCausalLM,
+    "Step3p7ForCausalLM": Step3p7ForCausalLM, "BloomForCausalLM": BloomForCausalLM, "MptForCausalLM": MptForCausalLM,
+    "AriaTextForCausalLM": AriaTextForCausalLM, "PersimmonForCausalLM": PersimmonForCausalLM,
+    "LongcatFlashForCausalLM": LongcatFlashForCausalLM, "Zamba2ForCausalLM": Zamba2ForCausalLM,
+    **dict.fromkeys(MAMBA_ARCHITECTURES, MambaForCausalLM)}
 
 
 def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:

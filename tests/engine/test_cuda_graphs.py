@@ -436,20 +436,22 @@ def test_alibi_decode_graphs_replay_the_slopes(tmp_path, builtin_path, monkeypat
 
 def _sparse_shapes() -> dict:
     """Tiny shapes of the models whose sparse attention picks its path by the step's lengths, each choosing 24 keys:
-    DeepSeek V3.2's and GLM-5's tokens (`index_topk`), MiniMax M3's 6 blocks of 4."""
-    from tests.engine.test_engine_vs_hf import MINIMAX_M3
+    DeepSeek V3.2's and GLM-5's tokens (`index_topk`), MiniMax M3's 6 blocks of 4, Qwen4-Exp's 4 blocks of 5 and
+    the last incomplete one."""
+    from tests.engine.test_engine_vs_hf import MINIMAX_M3, QWEN4_EXP
     from tests.kernels.test_engine_triton import LATENT
 
     dsa = {**LATENT, "index_n_heads": 16, "index_head_dim": 16, "index_topk": 24}
     return {"deepseek_v32": dsa, "glm_moe_dsa": {**dsa, "indexer_types": ["full", "shared"]},
-            "minimax_m3_vl_text": {**MINIMAX_M3, "index_topk_blocks": 6}}
+            "minimax_m3_vl_text": {**MINIMAX_M3, "index_topk_blocks": 6},
+            "qwen4_exp_text": {**QWEN4_EXP, "indexer_budget": 20, "indexer_compress_ratio": 5}}
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v32", "glm_moe_dsa", "minimax_m3_vl_text"])
+@pytest.mark.parametrize("arch", ["deepseek_v32", "glm_moe_dsa", "minimax_m3_vl_text", "qwen4_exp_text"])
 def test_sparse_attention_decode_graphs_hold_the_dense_regime_and_longer_steps_run_eagerly(
         tmp_path, builtin_path, monkeypatch, arch):
-    """DeepSeek V3.2's and GLM-5's sparse attention and MiniMax M3's block-sparse layers pick their path by the step's
-    lengths on the host, so the decode graphs hold sequences of up to the keys a query may choose (24 here), where
+    """DeepSeek V3.2's and GLM-5's sparse attention, MiniMax M3's block-sparse layers and Qwen4-Exp's QSA pick their
+    path by the step's lengths on the host, so the decode graphs hold sequences of up to the keys a query may choose (24 here), where
     every earlier key is chosen and the paged kernels attend under the graph; a decode step with a longer sequence
     runs eagerly (the indexer's choice). Greedy tokens equal the eager torch reference's throughout, replays on both
     sides of the crossing."""

@@ -243,6 +243,20 @@ LARA_MINI = {"num_hidden_layers": 5, "head_dim": 16, "sliding_window": 8, "linea
              "num_experts_per_tok": 2, "moe_intermediate_size": 24, "shared_expert_intermediate_size": 48,
              "pad_token_id": 0}
 
+# Qwen4-Exp: Gated DeltaNet layers (two with PLE: n-gram tables in 3 stored parts, a convolution over 3 streams)
+# beside QSA attention (blocks of 4 tokens, 2 chosen: past 11 tokens the indexer picks), the rotary over half of
+# each head and the indexer's narrower heads
+QWEN4_EXP = {"num_hidden_layers": 5, "head_dim": 16, "pad_token_id": 0,
+             "layer_types": ["linear_attention", "indexed_attention", "linear_attention", "linear_attention",
+                             "indexed_attention"],
+             "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+             "linear_value_head_dim": 8, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 24,
+             "shared_expert_intermediate_size": 48, "hc_count": 3, "hc_lowrank": 8, "ple_layer_ids": [1, 3],
+             "ple_embed_dim": 32, "heads_per_ngram": 2, "ngram_vocab_size_base": 1000, "split_ngram_parts": 3,
+             "indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 8, "indexer_budget": 8,
+             "indexer_compress_ratio": 4,
+             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}}
+
 # Phi-3.5-MoE's LongRoPE on the tiny model: a factor a frequency pair of each set, an mscale each, the original
 # context the whole one (so the short set serves)
 PHIMOE_ROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 512,
@@ -270,6 +284,7 @@ TINY_MODELS = [
     ("gemma4", GEMMA4_E),
     ("gemma3n_text", GEMMA3N),
     ("lara_mini", LARA_MINI),
+    ("qwen4_exp_text", QWEN4_EXP),
     ("llama", dict(hidden_act="gelu_pytorch_tanh")),   # the CPU's flat forward runs SiLU: the modules run this
     # a linear scaling serves max_position_embeddings x factor (vLLM's reading): the outputs run past 40
     ("llama", dict(rope_scaling={"rope_type": "linear", "factor": 2.0}, max_position_embeddings=40)),

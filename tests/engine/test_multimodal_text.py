@@ -13,7 +13,7 @@ import torch
 
 from engine.config import ConfigError
 from engine.model_config import ModelConfig
-from tests.engine.test_engine_vs_hf import MINIMAX_M3, _assert_serves_its_text_model
+from tests.engine.test_engine_vs_hf import MINIMAX_M3, QWEN4_EXP, _assert_serves_its_text_model
 
 STEP3P7 = {"num_hidden_layers": 4, "head_dim": 16, "layer_types": ["sliding_attention", "full_attention"] * 2,
            "sliding_window": 8, "num_sliding_attention_heads": 2, "moe_layers_enum": "1,2,3", "intermediate_size": 96,
@@ -229,6 +229,9 @@ VISION_WRAPPERS = {
     # w1 / w3 / w2, `self_attn.index_q_proj` ...), its block-sparse layers and experts
     "minimax_m3_vl": ("minimax_m3_vl_text", {k: v for k, v in MINIMAX_M3.items() if k != "pad_token_id"},
                       "MiniMaxM3VLForCausalLM", "language_model."),
+    # Qwen4-Exp: its streams, PLE layers (their n-gram tables in parts) and QSA attention under `language_model.`
+    "qwen4_exp": ("qwen4_exp_text", {k: v for k, v in QWEN4_EXP.items() if k != "pad_token_id"},
+                  "Qwen4ExpForCausalLM", "language_model."),
     # Step 3.7: its release's layout (the text model at `model.`, stacked `moe.` experts, `share_expert.`), sliding
     # layers of their own query heads and rope beside full ones turning half of each head, dense first layers, the
     # clamps after the SiLU on the last layer

@@ -22,7 +22,7 @@ from engine.sampling import SamplingParams
 from tests.conftest import BUILTIN, assert_all_free, make_tiny_model
 from tests.engine.test_engine_vs_hf import (AXK2, BAILING, BEAM, COHERE2_MOE, DEEPSEEK, DEEPSEEK_V4, GEMMA3N,
                                              GEMMA4, GEMMA4_E, GEMMA4_MOE, GLM4_MOE, HYV4, LARA_MINI, LONGCAT,
-                                             MINIMAX, MINIMAX_M3)
+                                             MINIMAX, MINIMAX_M3, QWEN4_EXP)
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # and `cpu_threads=1` in each follower: a core per rank
 
@@ -490,6 +490,7 @@ QWEN3 = {"head_dim": 32, "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
     ("gemma4", GEMMA4_E, None),
     ("gemma3n_text", GEMMA3N, None),
     ("lara_mini", LARA_MINI, None),
+    ("qwen4_exp_text", QWEN4_EXP, None),
     ("minimax", MINIMAX, None),
     ("minimax_m3_vl_text", MINIMAX_M3, None),
     ("bloom", {"n_layer": 2, "n_head": 4}, None),
@@ -541,7 +542,8 @@ def test_two_ranks_generate_what_one_does(tmp_path, builtin_path, prompts, arch,
     # gated norms whole on each rank; HY V4 each rank's heads' output gates and sinks, its streams' mixes whole on each
     # rank; DeepSeek V4 each rank's heads in whole groups (their o_a_proj rows and o_b_proj columns), its K=V head,
     # compressors, indexer and Sinkhorn-mixed streams whole on each rank; Beam each rank's heads' gate rows and biases
-    # beside its experts' rows; Lara Mini Qwen3.5's linear layers' cuts beside its experts' stacked rows; Gemma 3n Gemma
+    # beside its experts' rows; Lara Mini Qwen3.5's linear layers' cuts beside its experts' stacked rows; Qwen4-Exp
+    # those, its n-gram tables' columns split (gathered after the lookup), its mixes, PLE and QSA whole; Gemma 3n Gemma
     # 4's E cuts, its sparse gates' statistics summed over both ranks, AltUp and LAuReL whole on each; MiniMax each
     # rank's lightning heads (their slopes, q/k/v rows and gates; the output norm's sum of squares over both ranks)
     # beside Mixtral's experts; MiniMax M3 each rank's KV heads' indexer heads (their rows of its q projection; its key

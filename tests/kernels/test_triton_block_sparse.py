@@ -120,7 +120,7 @@ def test_the_blocks_chosen_are_the_references():
                                                      local_blocks=2)
     token = 0
     for i, (q_len, s_len) in enumerate(zip(query_lens, seq_lens)):
-        keys = block_sparse._gather(index_cache, reference.context_slots(meta, [i], s_len), 1.0)[..., 0, :]
+        keys = block_sparse.gather_rows(index_cache, reference.context_slots(meta, [i], s_len), 1.0)[..., 0, :]
         for p in range(s_len - q_len, s_len):
             picked = block_sparse.picked_keys(index_q[None, token:token + 1], keys, torch.tensor([[p]]), 4, 3, 2)
             for head in range(2):

@@ -1,0 +1,111 @@
+"""QSA, Qwen4-Exp's token selection, over the paged K/V cache in torch on any device (`engine.models.qwen4_exp`).
+
+An attention layer's cache holds, beside each token's K and V, its indexer key as projected (`index_cache`: not
+normed, not turned). The context's tokens fall in blocks of `ratio` positions; a block is complete for a query at
+position p when all its tokens are at or before p. A complete block's key is its tokens' keys averaged (float32, then
+rounded to their dtype), normed (1 + weight, float32) and turned by the rotary at the block's first position
+(`block_keys`). A query scores a block by its indexer heads' dot products with that key, each through a ReLU, summed
+and over sqrt(d) (float32); it attends to the tokens of its `topk_blocks` best complete blocks (all of them while it
+has no more) and to every token after the last complete block, up to itself: one choice for every head of the layer
+(transformers' `Qwen4ExpTextQSAIndexer`). A step runs a sequence and `chunk` queries at a time over the sequence's
+keys, gathered once; a query with no more complete blocks than `topk_blocks` attends to its whole context, which is
+why the model runs the backend's paged attention while no sequence of a step is longer than that (`dense_len`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kernels.block_sparse import attend_kept, gather_rows
+from kernels.metadata import AttentionMetadata
+from kernels.reference import context_slots
+
+__all__ = ["block_keys", "chosen_tokens", "qsa_attention", "turn_part"]
+
+
+def qsa_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, index_q: torch.Tensor,
+                  index_cache: torch.Tensor, meta: AttentionMetadata, scale: float, *, ratio: int, topk_blocks: int,
+                  key_norm: tuple[torch.Tensor, float], cos_sin_cache: torch.Tensor, rotary_dim: int,
+                  k_scale: float = 1.0, v_scale: float = 1.0, chunk: int = 32) -> torch.Tensor:
+    """query [T, heads, head_dim]; index_q [T, index_heads, index_dim] (normed, turned); key_cache, value_cache
+    [num_blocks, block_size, kv_heads, head_dim] and index_cache [num_blocks, block_size, 1, index_dim], this step's
+    rows stored; key_norm: the block keys' norm (weight, eps); cos_sin_cache [positions, rotary width x 2] (the
+    rotary's: cos then sin, the first rotary_dim / 2 of each half the turned pairs' frequencies) -> [T, heads,
+    head_dim] in query's dtype."""
+    out = torch.empty_like(query)
+    start = 0
+    for i, (q_len, s_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
+        slots = context_slots(meta, [i], s_len)                                                  # [1, s_len]
+        raw = index_cache.view(-1, index_cache.shape[-1]).index_select(0, slots[0])              # [s_len, d]
+        blocks = block_keys(raw.to(index_q.dtype), ratio, key_norm, cos_sin_cache, rotary_dim)
+        keys, values = gather_rows(key_cache, slots, k_scale), gather_rows(value_cache, slots, v_scale)
+        for a in range(0, q_len, chunk):
+            b = min(a + chunk, q_len)
+            rows = slice(start + a, start + b)
+            positions = torch.arange(s_len - q_len + a, s_len - q_len + b, device=query.device)
+            keep = chosen_tokens(index_q[rows], blocks, positions, ratio, topk_blocks, s_len)    # [c, s_len]
+            kept = keep[None, None].expand(1, keys.shape[2], *keep.shape)
+            out[rows] = attend_kept(query[None, rows], keys, values, kept, scale)[0].to(out.dtype)
+        start += q_len
+    return out
+
+
+def block_keys(raw: torch.Tensor, ratio: int, key_norm: tuple[torch.Tensor, float], cos_sin_cache: torch.Tensor,
+               rotary_dim: int) -> torch.Tensor:
+    """raw [L, d]: a sequence's indexer keys in the model's dtype -> [L // ratio, d]: each complete block's key (the
+    module docstring), in that dtype."""
+    num_blocks = raw.shape[0] // ratio
+    pooled = raw[:num_blocks * ratio].view(num_blocks, ratio, raw.shape[-1]).float().mean(dim=1).to(raw.dtype)
+    weight, eps = key_norm
+    flat = pooled.float()
+    normed = (flat * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())).to(raw.dtype)
+    starts = torch.arange(num_blocks, device=raw.device) * ratio
+    return turn_part(normed[:, None], cos_sin_cache.index_select(0, starts), rotary_dim)[:, 0]
+
+
+def turn_part(x: torch.Tensor, cos_sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+    """x [T, heads, d] turned by the rotary over its first `rotary_dim` dimensions, pairing i with i + rotary_dim / 2
+    (transformers' rotate-half within the rotated part), the rest passed; cos_sin [T, width]: the rotary cache's rows
+    at the tokens' positions (cos, then sin), in x's dtype. A new tensor, transformers' roundings (a product, a
+    product, their sum)."""
+    half, width = rotary_dim // 2, cos_sin.shape[-1] // 2
+    cos, sin = cos_sin[:, None, :half].to(x.dtype), cos_sin[:, None, width:width + half].to(x.dtype)
+    x1, x2 = x[..., :half], x[..., half:rotary_dim]
+    return torch.cat([x1 * cos + (-x2) * sin, x2 * cos + x1 * sin, x[..., rotary_dim:]], dim=-1)
+
+
+def chosen_tokens(index_q: torch.Tensor, blocks: torch.Tensor, positions: torch.Tensor, ratio: int,
+                  topk_blocks: int, length: int) -> torch.Tensor:
+    """index_q [c, index_heads, d] of queries at `positions` [c]; blocks [nb, d] (`block_keys`) -> [c, length] bool:
+    the tokens each query attends to (the module docstring)."""
+    complete = (positions + 1) // ratio                                                          # [c]
+    tokens = torch.arange(length, device=index_q.device)
+    tail = (tokens >= complete[:, None] * ratio) & (tokens <= positions[:, None])
+    if blocks.shape[0] == 0:
+        return tail
+    scores = torch.einsum("chd,nd->cnh", index_q.float(), blocks.float()).relu().sum(dim=-1)
+    scores = scores / math.sqrt(index_q.shape[-1])
+    visible = torch.arange(blocks.shape[0], device=index_q.device) < complete[:, None]         # [c, nb]
+    best, picked = _top_blocks(scores, visible, complete, min(topk_blocks, blocks.shape[0]))
+    chosen = torch.zeros(len(positions), blocks.shape[0] + 1, dtype=torch.bool, device=index_q.device)
+    chosen.scatter_(-1, picked.masked_fill(best == float("-inf"), blocks.shape[0]), True)
+    in_block = chosen[:, :blocks.shape[0]].repeat_interleave(ratio, dim=-1)
+    return tail | torch.nn.functional.pad(in_block, (0, length - in_block.shape[1]))
+
+
+def _top_blocks(scores: torch.Tensor, visible: torch.Tensor, complete: torch.Tensor, k: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k best visible blocks of each query ([c, k] scores, -inf where a query sees fewer, and block ids). The
+    ReLU leaves many blocks at exactly 0, so the k-th best often ties with the next: such a query's blocks are
+    chosen again by the one-dimensional top k over its visible blocks that transformers runs, which breaks the tie
+    the same way (a read of the device's tie flags: this path runs eagerly, never in a graph)."""
+    masked = scores.masked_fill(~visible, float("-inf"))
+    if k >= scores.shape[1]:
+        return masked.topk(k, dim=-1)
+    best, picked = masked.topk(k + 1, dim=-1)
+    tied = (best[:, k - 1] == best[:, k]) & (complete > k)
+    for i in tied.nonzero().flatten().tolist():
+        best[i, :k], picked[i, :k] = scores[i, :int(complete[i])].topk(k, dim=0)
+    return best[:, :k], picked[:, :k]
