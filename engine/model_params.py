@@ -146,8 +146,10 @@ def count_params(config: Any, heads: int, kv_heads: int, i: int, moe_i: int, v: 
 
 def qwen4_exp_params(config: Any, heads: int, kv_heads: int, i: int, moe_i: int, v: int, shared_i: int) -> int:
     """Qwen3.5-MoE's layers without their norms (the streams' mixes norm each sublayer's input, the last mix the
-    head's), the mixes, the PLE layers and the QSA indexers (`engine.qwen4_exp_config`), these whole on every rank."""
+    head's), the mixes, the PLE layers and the QSA indexers (`engine.qwen4_exp_config`), these whole on every rank
+    but the n-gram tables' columns."""
     base = replace(config, architecture="Qwen3_5MoeForCausalLM", qwen4_exp=None, block_indexer=None)
     h = config.hidden_size
     return count_params(base, heads, kv_heads, i, moe_i, v, shared_i) - (2 * config.num_layers + 1) * h + \
-        config.qwen4_exp.num_params(h, config.num_layers) + config.block_indexer.num_params(h, kv_heads)
+        config.qwen4_exp.num_params(h, config.num_layers, config.num_heads // heads) + \
+        config.block_indexer.num_params(h, kv_heads)

@@ -86,20 +86,26 @@ class Qwen4ExpShape:
         """The PLE convolution's inputs a sequence keeps: (kernel - 1) x dilation (the n-gram size)."""
         return (self.ple_kernel - 1) * self.ngram
 
+    def table_split(self, ranks: int) -> int:
+        """Over how many of `ranks` tensor-parallel ranks the tables' columns are split: all where they divide a
+        row, else none (each rank holds them whole)."""
+        return ranks if self.ple_head_dim % ranks == 0 else 1
+
     def table_rows(self, index: int) -> int:
         """The rows of the `index`-th PLE layer's table: its heads' primes summed, rounded up to `vocab_multiple`."""
         total = sum(ple_tables(self, index)[0])
         return -(-total // self.vocab_multiple) * self.vocab_multiple
 
-    def num_params(self, hidden: int, num_layers: int) -> int:
-        """Every layer's two stream mixes, the last mix, and each PLE layer's table, projections, norms and
-        convolution."""
+    def num_params(self, hidden: int, num_layers: int, ranks: int = 1) -> int:
+        """Every layer's two stream mixes, the last mix, and each PLE layer's table (a rank's columns of it where
+        `ranks` divide its width, `table_split`), projections, norms and convolution."""
         wide = self.streams * hidden
 
         def mix(combine: bool) -> int:
             return wide + 2 * wide * self.lowrank + (wide * self.streams if combine else 0)
 
-        ple = sum(self.table_rows(i) * self.ple_head_dim for i in range(len(self.ple_layers)))
+        cols = self.ple_head_dim // self.table_split(ranks)
+        ple = sum(self.table_rows(i) * cols for i in range(len(self.ple_layers)))
         ple += len(self.ple_layers) * (self.ple_dim * (wide + hidden) + 3 * wide + wide * self.ple_kernel)
         return 2 * num_layers * mix(True) + mix(False) + ple
 

@@ -7,8 +7,9 @@ rounded to their dtype), normed (1 + weight, float32) and turned by the rotary a
 (`block_keys`). A query scores a block by its indexer heads' dot products with that key, each through a ReLU, summed
 and over sqrt(d) (float32); it attends to the tokens of its `topk_blocks` best complete blocks (all of them while it
 has no more) and to every token after the last complete block, up to itself: one choice for every head of the layer
-(transformers' `Qwen4ExpTextQSAIndexer`). A step runs a sequence and `chunk` queries at a time over the sequence's
-keys, gathered once; a query with no more complete blocks than `topk_blocks` attends to its whole context, which is
+(transformers' `Qwen4ExpTextQSAIndexer`). A decode step runs its sequences at once, gathering the K/V rows of the
+chosen blocks alone (`_decode`); a prefill piece runs a sequence and `chunk` queries at a time over the sequence's
+keys, gathered once. A query with no more complete blocks than `topk_blocks` attends to its whole context, which is
 why the model runs the backend's paged attention while no sequence of a step is longer than that (`dense_len`).
 """
 
@@ -34,6 +35,10 @@ def qsa_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     rows stored; key_norm: the block keys' norm (weight, eps); cos_sin_cache [positions, rotary width x 2] (the
     rotary's: cos then sin, the first rotary_dim / 2 of each half the turned pairs' frequencies) -> [T, heads,
     head_dim] in query's dtype."""
+    selection = (ratio, topk_blocks, key_norm, cos_sin_cache, rotary_dim)
+    if all(n == 1 for n in meta.query_lens_list):
+        return _decode(query, (key_cache, value_cache, index_cache), index_q, meta, scale, selection,
+                       (k_scale, v_scale))
     out = torch.empty_like(query)
     start = 0
     for i, (q_len, s_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
@@ -52,17 +57,55 @@ def qsa_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     return out
 
 
+def _decode(query: torch.Tensor, caches: tuple[torch.Tensor, ...], index_q: torch.Tensor, meta: AttentionMetadata,
+            scale: float, selection: tuple, scales: tuple[float, float]) -> torch.Tensor:
+    """One query a sequence [n, heads, d], the sequences at once: the indexer keys of each over the longest one's
+    positions make the blocks' keys (a shorter one's past its end never visible), each picks its blocks, and only
+    those blocks' K/V rows and the last incomplete block's are gathered: [n, (k + 1) x ratio] rows, attended in
+    float32."""
+    ratio, topk_blocks, key_norm, cos_sin_cache, rotary_dim = selection
+    key_cache, value_cache, index_cache = caches
+    n, heads, d = query.shape
+    kv_heads, longest = key_cache.shape[2], max(meta.seq_lens_list)
+    slots = context_slots(meta, list(range(n)), longest)                                          # [n, L]
+    raw = index_cache.view(-1, index_cache.shape[-1]).index_select(0, slots.flatten())
+    blocks = block_keys(raw.view(n, longest, -1).to(index_q.dtype), ratio, key_norm, cos_sin_cache, rotary_dim)
+    last = meta.seq_lens.to(torch.int64) - 1
+    complete = (last + 1) // ratio
+    offsets = torch.arange(ratio, device=query.device)
+    tail = complete[:, None] * ratio + offsets                                                    # [n, ratio]
+    positions, valid = tail, tail <= last[:, None]
+    if blocks.shape[1]:
+        scores = torch.einsum("nhd,nbd->nbh", index_q.float(), blocks.float()).relu().sum(dim=-1)
+        visible = torch.arange(blocks.shape[1], device=query.device) < complete[:, None]
+        best, picked = _top_blocks(scores / math.sqrt(index_q.shape[-1]), visible, complete,
+                                   min(topk_blocks, blocks.shape[1]))
+        positions = torch.cat([(picked[:, :, None] * ratio + offsets).flatten(1), tail], dim=1)
+        valid = torch.cat([(best > float("-inf")).repeat_interleave(ratio, dim=1), valid], dim=1)
+    rows = slots.gather(1, positions.clamp(max=longest - 1))                                      # [n, m]
+    keys, values = (gather_rows(cache, rows, s) for cache, s in ((key_cache, scales[0]), (value_cache, scales[1])))
+    q = query.float().view(n, kv_heads, heads // kv_heads, d)
+    logits = torch.einsum("nkgd,nmkd->nkgm", q, keys) * scale
+    probs = logits.masked_fill(~valid[:, None, None], float("-inf")).softmax(dim=-1)
+    return torch.einsum("nkgm,nmkd->nkgd", probs, values).reshape(n, heads, d).to(query.dtype)
+
+
 def block_keys(raw: torch.Tensor, ratio: int, key_norm: tuple[torch.Tensor, float], cos_sin_cache: torch.Tensor,
                rotary_dim: int) -> torch.Tensor:
-    """raw [L, d]: a sequence's indexer keys in the model's dtype -> [L // ratio, d]: each complete block's key (the
-    module docstring), in that dtype."""
-    num_blocks = raw.shape[0] // ratio
-    pooled = raw[:num_blocks * ratio].view(num_blocks, ratio, raw.shape[-1]).float().mean(dim=1).to(raw.dtype)
+    """raw [..., L, d]: a sequence's (or each of several's) indexer keys in the model's dtype -> [..., L // ratio,
+    d]: each complete block's key (the module docstring), in that dtype."""
+    *lead, length, d = raw.shape
+    num_blocks = length // ratio
+    pooled = raw[..., :num_blocks * ratio, :].reshape(*lead, num_blocks, ratio, d).float().mean(dim=-2)
+    pooled = pooled.to(raw.dtype)
     weight, eps = key_norm
     flat = pooled.float()
     normed = (flat * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())).to(raw.dtype)
     starts = torch.arange(num_blocks, device=raw.device) * ratio
-    return turn_part(normed[:, None], cos_sin_cache.index_select(0, starts), rotary_dim)[:, 0]
+    rows = normed.reshape(-1, 1, d)
+    turned = turn_part(rows, cos_sin_cache.index_select(0, starts).repeat(rows.shape[0] // max(num_blocks, 1), 1),
+                       rotary_dim)
+    return turned.view(*lead, num_blocks, d)
 
 
 def turn_part(x: torch.Tensor, cos_sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:

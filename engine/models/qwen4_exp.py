@@ -112,7 +112,7 @@ class PleLayer(nn.Module):
         s = self.shape = config.qwen4_exp
         h, wide = config.hidden_size, s.streams * config.hidden_size
         self.index, self.hidden, self.comm = index, h, comm
-        self.split = shard.size if s.ple_head_dim % shard.size == 0 else 1   # the table's columns over the ranks
+        self.split = s.table_split(shard.size)   # the table's columns over the ranks
         self.ple_embedding = nn.Module()
         self.ple_embedding.ngram_embedding = nn.Embedding(s.table_rows(index), s.ple_head_dim // self.split,
                                                           _weight=torch.empty(s.table_rows(index),

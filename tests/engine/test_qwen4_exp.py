@@ -40,6 +40,9 @@ def test_ngrams_cut_at_an_eos_and_a_sigmoid_gate_match_transformers(tmp_path, bu
     prompts[2][10:12] = [2, 2]
     outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == [_hf_greedy(hf, p, 12, eos_ids=None) for p in prompts]
+    states = engine.runner.model.states   # a row of the linear layers' and the PLE layers' states: what the plan counts
+    row = [t[0] for t in (*states.conv, *states.ssm, *states.extra.conv, *states.extra.ssm)]
+    assert sum(t.numel() * t.element_size() for t in row) == engine.model_config.state_bytes_per_seq(torch.float32)
     assert_preempted_batch_answers(preempting_engine(folder, "recompute"), hf, gen, "recompute")
 
 

@@ -92,6 +92,9 @@ def _hf(arch: str, **extra) -> ModelConfig:
     _hf("PhimoeForCausalLM", num_local_experts=4, attention_bias=True, lm_head_bias=True),
     _hf("LagunaForCausalLM", num_hidden_layers=3, num_attention_heads_per_layer=[8, 16, 8], num_experts=4,
         num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=16, attention_bias=True),
+    # its n-gram tables 12 wide: split over 2 ranks, whole on each of 8
+    _hf("Qwen4ExpForCausalLM", **{**QWEN4_EXP, "num_key_value_heads": 8, "linear_num_key_heads": 8,
+                                  "linear_num_value_heads": 16, "ple_embed_dim": 48, "eos_token_id": 2}),
 ], ids=lambda c: c.architecture)
 def test_the_capacity_plans_count_of_a_ranks_weights_is_what_the_rank_builds(config):
     """ShardShape.num_params: what the plan sets aside on each GPU for the weights is what the
