@@ -1,5 +1,6 @@
 """`cliffguard bench mamba`: one Mamba-1 layer's selective scan over a prefill (Jamba's), the torch recurrence against
-the Triton kernel.
+the Triton kernel; with `--gated-delta`, a Gated DeltaNet layer's delta rule (Qwen3.5's), the torch chunked form
+against the Triton kernels (`_gated_delta`).
 
 For each of `--tokens` (one sequence's new tokens), over `--channels` (8,192: Jamba 1.5 Mini's, `mamba_expand` 2 x
 4,096) with a state of `--d-state` (16) each, from a random state: `recurrence`, the torch loop (`kernels.
@@ -34,6 +35,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--d-state", type=int, default=16, help="the state a channel holds (mamba_d_state)")
     p.add_argument("--repeats", type=int, default=3, help="timed calls per path (median)")
     p.add_argument("--json", action="store_true", help="print one JSON object a length")
+    p.add_argument("--gated-delta", action="store_true",
+                   help="a Gated DeltaNet layer's delta rule instead (Qwen3.5's: --k-heads, --v-heads of --head-dim): "
+                        "the torch chunked form against the Triton kernels")
+    p.add_argument("--k-heads", type=int, default=16, help="with --gated-delta: key heads (Qwen3.5's 16)")
+    p.add_argument("--v-heads", type=int, default=32, help="with --gated-delta: value heads (Qwen3.5's 32)")
+    p.add_argument("--head-dim", type=int, default=128, help="with --gated-delta: key and value heads' size")
 
 
 def _inputs(tokens: int, channels: int, d_state: int, device: torch.device, dtype: torch.dtype):
@@ -57,6 +64,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--{name.replace('_', '-')}: must be >= 1, got {value}")
     device, dtype = device_and_dtype(args.device, args.dtype)
     with_triton = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    if args.gated_delta:
+        return _gated_delta(args, lengths, device, dtype, with_triton)
     failed = False
     for tokens in lengths:
         inputs = _inputs(tokens, args.channels, args.d_state, device, dtype)
@@ -80,5 +89,50 @@ def run(args: argparse.Namespace) -> int:
                 row["triton_gb_per_s"] = moved / row["triton_ms"] / 1e6
                 row["max_rel_diff"] = float((out - reference).abs().max() / reference.abs().max())
                 failed |= row["max_rel_diff"] > 1e-3
+        print(json.dumps(row) if args.json else "\n".join(f"{key:26} {value}" for key, value in row.items()) + "\n")
+    return 1 if failed else 0
+
+
+def _gated_delta(args: argparse.Namespace, lengths: list[int], device: torch.device, dtype: torch.dtype,
+                 with_triton: bool) -> int:
+    """`--gated-delta`: for each length, one sequence's delta rule from a random state at the layer's shape: the
+    torch chunked form (`kernels.gated_delta.chunked_torch`, a handful of launches a chunk of 64) and the Triton
+    kernels (`kernels.triton_gated_delta`, two launches) where they run; their times (median), tokens a second, the
+    speed-up and the largest difference of the kernels' output from the torch form's (exit 1 past 1e-2, relative to
+    its largest value: TF32 dots on a 16-bit model's inputs)."""
+    from kernels import gated_delta
+
+    for name in ("k_heads", "v_heads", "head_dim"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
+    if args.v_heads % args.k_heads:
+        raise ValueError(f"--v-heads: a multiple of --k-heads ({args.k_heads}), got {args.v_heads}")
+    failed = False
+    for tokens in lengths:
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        d, hk, hv = args.head_dim, args.k_heads, args.v_heads
+        q, k = (torch.randn(tokens, hk, d, generator=gen).to(device, dtype) for _ in range(2))
+        v = torch.randn(tokens, hv, d, generator=gen).to(device, dtype)
+        g = (-torch.rand(tokens, hv, generator=gen) * 0.5).to(device)
+        beta = torch.rand(tokens, hv, generator=gen).to(device)
+        ssm = torch.zeros(hv, d, d, device=device)
+        inputs = (q, k, v, g, beta, ssm)
+        row = {"device": str(device), "dtype": str(dtype).removeprefix("torch."), "tokens": tokens, "k_heads": hk,
+               "v_heads": hv, "head_dim": d}
+        with torch.no_grad():
+            reference, _ = gated_delta.chunked_torch(*inputs)
+            row["torch_ms"] = statistics.median(time_call(lambda: gated_delta.chunked_torch(*inputs), device,
+                                                          iters=args.repeats)) * 1e3
+            row["torch_tokens_per_s"] = tokens / row["torch_ms"] * 1e3
+            if with_triton:
+                from kernels import triton_gated_delta
+
+                out, _ = triton_gated_delta.chunked(*inputs)
+                row["triton_ms"] = statistics.median(time_call(lambda: triton_gated_delta.chunked(*inputs), device,
+                                                               iters=args.repeats)) * 1e3
+                row["triton_tokens_per_s"] = tokens / row["triton_ms"] * 1e3
+                row["triton_speedup"] = row["torch_ms"] / row["triton_ms"]
+                row["max_rel_diff"] = float((out - reference).abs().max() / reference.abs().max())
+                failed |= row["max_rel_diff"] > 1e-2
         print(json.dumps(row) if args.json else "\n".join(f"{key:26} {value}" for key, value in row.items()) + "\n")
     return 1 if failed else 0

@@ -14,7 +14,8 @@ For each token t (q and k L2-normed, q scaled by k_head_dim ** -0.5; g <= 0 the 
 
 `recurrent_step` runs one token of many sequences at once (decode). `chunked` runs one sequence's new tokens
 in chunks of 64 (prefill): within a chunk the updates are condensed into triangular solves and matrix
-products (the WY form of the delta rule), so a prompt costs T / 64 sequential steps, not T.
+products (the WY form of the delta rule), so a prompt costs T / 64 sequential steps, not T. On CUDA `chunked` is
+`kernels.triton_gated_delta`'s two launches (a decay a head; Kimi's decay per channel stays in torch).
 """
 
 from __future__ import annotations
@@ -86,6 +87,16 @@ def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     float32, the state after the last token). g [num_tokens, num_v_heads, k_head_dim]: `chunked_per_channel`."""
     if g.dim() == 3:
         return chunked_per_channel(q, k, v, g, beta, ssm, chunk)
+    if v.is_cuda:   # two launches, not a handful a chunk (`kernels.triton_gated_delta`)
+        from kernels.triton_gated_delta import chunked as triton_chunked
+
+        return triton_chunked(q, k, v, g, beta, ssm)
+    return chunked_torch(q, k, v, g, beta, ssm, chunk)
+
+
+def chunked_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                  ssm: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """`chunked` in torch on any device (a decay a head): the CPU's path, and the yardstick of the Triton one."""
     num_tokens = v.shape[0]
     q, k = _prepare(q, k, v.shape[-2])
     pad = -num_tokens % chunk

@@ -1,0 +1,139 @@
+"""The gated delta rule's chunked form (`kernels.gated_delta.chunked`: one sequence's new tokens from its state) in
+Triton (CUDA; the interpreter in tests): two launches a call whatever the length, where the torch form runs a loop
+of a handful of launches a chunk (a 32,768-token prompt: 512 chunks, some 3,000 launches a layer, the host's time).
+
+- `_wy_kernel`, a program per (chunk, value head), all chunks at once: the chunk's keys L2-normed, its log decays
+  summed from the chunk's start, the strictly lower system A = (beta k) k^T x exp(decay_i - decay_j), its unit
+  lower-triangular inverse (I + A)^-1 by forward substitution a row at a time over the [chunk, chunk] tile, and the
+  WY form's u = (I + A)^-1 (beta v) and w = (I + A)^-1 (beta k exp(decay)) stored with the decays;
+- `_state_kernel`, a program per (value head, block of `BLOCK_V` value channels), the chunks in order: what the
+  state does not predict (u - w S), the chunk's outputs (q exp(decay)) S + (q k^T x exp(decay_i - decay_j), causal)
+  (u - w S), and the state carried to the next chunk, S exp(decay_last) + (k exp(decay_last - decay))^T (u - w S),
+  held in registers [k_head_dim, BLOCK_V] (float32) from the first chunk to the last.
+Everything is float32 (IEEE dots): the state's recurrence accumulates over the whole prompt. Each key head serves
+num_v_heads / num_k_heads consecutive value heads, as `kernels.gated_delta._prepare` repeats them.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["chunked"]
+
+BLOCK_V = 32   # value channels a state program holds
+CHUNK = 32     # tokens a chunk: at heads of 128 x 128 neither kernel spills registers on sm_90 (64 does, the state's)
+NUM_WARPS = 8
+
+
+@triton.jit
+def _l2_normed(x, eps):
+    return x * tl.rsqrt(tl.sum(x * x, axis=1) + eps)[:, None]
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _wy_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, decay_ptr, num_tokens, groups,
+               stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
+               DK: tl.constexpr, DV: tl.constexpr, KP: tl.constexpr, VP: tl.constexpr, CHUNK: tl.constexpr,
+               DOT_PRECISION: tl.constexpr):
+    # grid: (chunks, value heads); w [T, heads, DK], u [T, heads, DV], decay [T, heads] float32, contiguous
+    c, h = tl.program_id(0), tl.program_id(1)
+    heads = tl.num_programs(1)
+    rows = c * CHUNK + tl.arange(0, CHUNK)
+    live = rows < num_tokens
+    dk, dv = tl.arange(0, KP), tl.arange(0, VP)
+    k = tl.load(k_ptr + rows[:, None] * stride_kt + (h // groups) * stride_kh + dk[None, :],
+                mask=live[:, None] & (dk[None, :] < DK), other=0.0).to(tl.float32)
+    k = _l2_normed(k, 1e-6)
+    v = tl.load(v_ptr + rows[:, None] * stride_vt + h * stride_vh + dv[None, :],
+                mask=live[:, None] & (dv[None, :] < DV), other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + rows * stride_gt + h, mask=live, other=0.0).to(tl.float32)
+    beta = tl.load(beta_ptr + rows * stride_bt + h, mask=live, other=0.0).to(tl.float32)
+    decay = tl.cumsum(g, axis=0)
+    i, j = tl.arange(0, CHUNK)[:, None], tl.arange(0, CHUNK)[None, :]
+    k_beta = k * beta[:, None]
+    pair = tl.exp(tl.where(i > j, decay[:, None] - decay[None, :], float("-inf")))
+    system = tl.dot(k_beta, tl.trans(k), input_precision=DOT_PRECISION) * pair       # strictly lower
+    inverse = tl.where(i == j, 1.0, 0.0)
+    for r in range(1, CHUNK):   # row r of (I + A)^-1: e_r - sum_{s < r} A[r, s] (I + A)^-1[s]
+        a_row = tl.sum(tl.where(i == r, system, 0.0), axis=0)                   # [CHUNK] over s
+        new_row = tl.sum(a_row[:, None] * inverse, axis=0)
+        inverse = tl.where(i == r, tl.where(j == r, 1.0, 0.0) - new_row[None, :], inverse)
+    u = tl.dot(inverse, v * beta[:, None], input_precision=DOT_PRECISION)
+    w = tl.dot(inverse, k_beta * tl.exp(decay)[:, None], input_precision=DOT_PRECISION)
+    tl.store(u_ptr + (rows[:, None] * heads + h) * DV + dv[None, :], u, mask=live[:, None] & (dv[None, :] < DV))
+    tl.store(w_ptr + (rows[:, None] * heads + h) * DK + dk[None, :], w, mask=live[:, None] & (dk[None, :] < DK))
+    tl.store(decay_ptr + rows * heads + h, decay, mask=live)
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _state_kernel(q_ptr, k_ptr, w_ptr, u_ptr, decay_ptr, state_ptr, out_ptr, state_out_ptr, num_tokens, groups,
+                  qk_scale, stride_qt, stride_qh, stride_kt, stride_kh,
+                  DK: tl.constexpr, DV: tl.constexpr, KP: tl.constexpr, BLOCK_V: tl.constexpr,
+                  CHUNK: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    # grid: (value heads, cdiv(DV, BLOCK_V)); state [heads, DK, DV], out [T, heads, DV] float32, contiguous
+    h, vb = tl.program_id(0), tl.program_id(1)
+    heads = tl.num_programs(0)
+    dk, dv = tl.arange(0, KP), vb * BLOCK_V + tl.arange(0, BLOCK_V)
+    square = dk[:, None] * DV + dv[None, :]
+    in_state = (dk[:, None] < DK) & (dv[None, :] < DV)
+    state = tl.load(state_ptr + h * DK * DV + square, mask=in_state, other=0.0)
+    i, j = tl.arange(0, CHUNK)[:, None], tl.arange(0, CHUNK)[None, :]
+    for c in range(0, tl.cdiv(num_tokens, CHUNK)):
+        rows = c * CHUNK + tl.arange(0, CHUNK)
+        live = rows < num_tokens
+        head_k = (h // groups)
+        k = tl.load(k_ptr + rows[:, None] * stride_kt + head_k * stride_kh + dk[None, :],
+                    mask=live[:, None] & (dk[None, :] < DK), other=0.0).to(tl.float32)
+        q = tl.load(q_ptr + rows[:, None] * stride_qt + head_k * stride_qh + dk[None, :],
+                    mask=live[:, None] & (dk[None, :] < DK), other=0.0).to(tl.float32)
+        k, q = _l2_normed(k, 1e-6), _l2_normed(q, 1e-6) * qk_scale
+        decay = tl.load(decay_ptr + rows * heads + h, mask=live, other=float("inf"))
+        last = tl.min(decay, axis=0)   # the decays only fall: the chunk's last token's
+        decay = tl.where(live, decay, last)
+        w = tl.load(w_ptr + (rows[:, None] * heads + h) * DK + dk[None, :], mask=live[:, None] & (dk[None, :] < DK),
+                    other=0.0)
+        u = tl.load(u_ptr + (rows[:, None] * heads + h) * DV + dv[None, :], mask=live[:, None] & (dv[None, :] < DV),
+                    other=0.0)
+        new = u - tl.dot(w, state, input_precision=DOT_PRECISION)                      # what the state does not predict
+        pair = tl.exp(tl.where(i >= j, decay[:, None] - decay[None, :], float("-inf")))
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * pair
+        out = tl.dot(q * tl.exp(decay)[:, None], state, input_precision=DOT_PRECISION) + \
+            tl.dot(scores, new, input_precision=DOT_PRECISION)
+        tl.store(out_ptr + (rows[:, None] * heads + h) * DV + dv[None, :], out,
+                 mask=live[:, None] & (dv[None, :] < DV))
+        to_end = k * tl.exp(last - decay)[:, None]
+        state = state * tl.exp(last) + tl.dot(tl.trans(to_end), new, input_precision=DOT_PRECISION)
+    tl.store(state_out_ptr + h * DK * DV + square, state, mask=in_state)
+
+
+def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+            ssm: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """`kernels.gated_delta.chunked`'s contract (a decay a head): q, k [num_tokens, num_k_heads, k_head_dim]; v
+    [num_tokens, num_v_heads, v_head_dim]; g, beta [num_tokens, num_v_heads]; ssm [num_v_heads, k_head_dim,
+    v_head_dim] float32 -> (out [num_tokens, num_v_heads, v_head_dim] float32, the state after the last token).
+    `chunk`: a power of two of at least 16 (the dots' smallest tile). The dots are IEEE float32 for float32 inputs,
+    the tensor cores' TF32 on float32 tiles for a 16-bit model's (IEEE dots of these tiles spill registers)."""
+    precision = "ieee" if v.dtype == torch.float32 else "tf32"
+    num_tokens, heads, dv = v.shape
+    dk, groups = k.shape[-1], heads // k.shape[-2]
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    g, beta = g.float().contiguous(), beta.float().contiguous()
+    device = v.device
+    w = torch.empty(num_tokens, heads, dk, dtype=torch.float32, device=device)
+    u = torch.empty(num_tokens, heads, dv, dtype=torch.float32, device=device)
+    decay = torch.empty(num_tokens, heads, dtype=torch.float32, device=device)
+    kp, vp = max(16, triton.next_power_of_2(dk)), max(16, triton.next_power_of_2(dv))
+    _wy_kernel[(triton.cdiv(num_tokens, chunk), heads)](
+        k, v, g, beta, w, u, decay, num_tokens, groups, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        g.stride(0), beta.stride(0), DK=dk, DV=dv, KP=kp, VP=vp, CHUNK=chunk, DOT_PRECISION=precision,
+        num_warps=NUM_WARPS)
+    out = torch.empty(num_tokens, heads, dv, dtype=torch.float32, device=device)
+    state = torch.empty(heads, dk, dv, dtype=torch.float32, device=device)
+    block_v = min(BLOCK_V, vp)
+    _state_kernel[(heads, triton.cdiv(dv, block_v))](
+        q, k, w, u, decay, ssm.float().contiguous(), out, state, num_tokens, groups, dk ** -0.5,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), DK=dk, DV=dv, KP=kp, BLOCK_V=block_v, CHUNK=chunk,
+        DOT_PRECISION=precision, num_warps=NUM_WARPS)
+    return out, state

@@ -1,0 +1,100 @@
+"""The gated delta rule's chunked form in Triton (`kernels.triton_gated_delta`) against the torch form
+(`kernels.gated_delta.chunked_torch`, itself transformers' to 2e-5: tests/kernels/test_gated_delta.py) through
+Triton's interpreter on the CPU: outputs and carried state, prompts cut anywhere into chunks, value heads sharing key
+heads, head sizes padded inside the kernels."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything (transformers too) imports triton
+
+import pytest
+import torch
+
+from kernels import gated_delta
+
+
+def _inputs(num_tokens, num_k_heads, num_v_heads, dk, dv, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(num_tokens, 2 * num_k_heads * dk + num_v_heads * dv, generator=gen)   # split views, as served
+    q, k, v = qkv.split([num_k_heads * dk, num_k_heads * dk, num_v_heads * dv], dim=-1)
+    g = -torch.rand(num_tokens, num_v_heads, generator=gen) * 2         # log decay <= 0
+    beta = torch.rand(num_tokens, num_v_heads, generator=gen)
+    ssm = torch.randn(num_v_heads, dk, dv, generator=gen)
+    return (q.unflatten(-1, (num_k_heads, dk)), k.unflatten(-1, (num_k_heads, dk)), v.unflatten(-1, (num_v_heads, dv)),
+            g, beta, ssm)
+
+
+@pytest.mark.parametrize("num_tokens, chunk", [(1, 16), (15, 16), (16, 16), (37, 16), (70, 32), (130, 64)])
+@pytest.mark.parametrize("heads, dk, dv", [((2, 4), 16, 16), ((1, 2), 24, 40)])
+def test_the_triton_chunks_give_the_torch_forms_outputs_and_state(num_tokens, chunk, heads, dk, dv):
+    pytest.importorskip("triton")
+    from kernels import triton_gated_delta
+
+    q, k, v, g, beta, ssm = _inputs(num_tokens, *heads, dk, dv)
+    out, state = triton_gated_delta.chunked(q, k, v, g, beta, ssm, chunk=chunk)
+    ref, ref_state = gated_delta.chunked_torch(q, k, v, g, beta, ssm)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(state, ref_state, atol=1e-4, rtol=1e-4)
+
+
+def _build_gated_delta_kernels_for_sm90() -> dict:
+    """Build both kernels at Qwen3.5's shape (heads of 128 x 128, chunks of 64, bfloat16 q/k/v) for sm_90; their
+    registers and stack a thread."""
+    from kernels import triton_gated_delta as tgd
+    from tests.kernels.test_triton import _build_kernel_for_sm90
+
+    shape = dict(DK=128, DV=128, KP=128, CHUNK=tgd.CHUNK, DOT_PRECISION="tf32")
+    _, wy = _build_kernel_for_sm90(tgd._wy_kernel, {**shape, "VP": 128},
+                                   {"k_ptr": "bf16", "v_ptr": "bf16", "g_ptr": "fp32", "beta_ptr": "fp32",
+                                    "w_ptr": "fp32", "u_ptr": "fp32", "decay_ptr": "fp32"}, num_warps=tgd.NUM_WARPS)
+    _, state = _build_kernel_for_sm90(tgd._state_kernel, {**shape, "BLOCK_V": tgd.BLOCK_V},
+                                      {"q_ptr": "bf16", "k_ptr": "bf16", "w_ptr": "fp32", "u_ptr": "fp32",
+                                       "decay_ptr": "fp32", "state_ptr": "fp32", "out_ptr": "fp32",
+                                       "state_out_ptr": "fp32"}, num_warps=tgd.NUM_WARPS)
+    return {"wy": wy, "state": state}
+
+
+def test_the_gated_delta_kernels_build_for_h100():
+    """What the interpreter cannot show: both kernels compile for sm_90 at Qwen3.5's head shape (the row-by-row
+    inverse, the cumulative sum, the TF32 dots of a bfloat16 model), as launched, and neither spills registers
+    (where Triton ships cuobjdump to tell)."""
+    pytest.importorskip("triton.compiler")
+    import json
+
+    from tests.kernels.test_triton import _run_compiled
+
+    code = ("import json; from tests.kernels.test_triton_gated_delta import _build_gated_delta_kernels_for_sm90; "
+            "print(json.dumps(_build_gated_delta_kernels_for_sm90()))")
+    report = json.loads(_run_compiled(code, timeout=300).strip().splitlines()[-1])
+    assert set(report) == {"wy", "state"}, report
+    assert all(usage.get("stack", 0) == 0 for usage in report.values()), report
+
+
+def test_a_bfloat16_models_chunks_run_on_tf32_dots_within_its_rounding():
+    """q, k and v in bfloat16 (a served model's): the kernels' TF32 dots over float32 tiles give the torch form's
+    float32 outputs and state within bfloat16's rounding."""
+    pytest.importorskip("triton")
+    from kernels import triton_gated_delta
+
+    q, k, v, g, beta, ssm = _inputs(70, 2, 4, 16, 16, seed=3)
+    q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
+    out, state = triton_gated_delta.chunked(q, k, v, g, beta, ssm)
+    ref, ref_state = gated_delta.chunked_torch(q, k, v, g, beta, ssm)
+    torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(state, ref_state, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_kernels_give_the_torch_forms_outputs_at_qwen3_5s_shape():
+    """On a GPU, compiled: a 4,096-token prompt at Qwen3.5's shape (16 key heads, 32 value heads of 128) in bfloat16
+    from a random state, the kernels' TF32 dots against the torch form's float32 on the same device."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from kernels import triton_gated_delta
+
+    q, k, v, g, beta, ssm = (t.cuda() for t in _inputs(4096, 16, 32, 128, 128, seed=5))
+    q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
+    out, state = triton_gated_delta.chunked(q, k, v, g, beta, ssm)
+    ref, ref_state = gated_delta.chunked_torch(q, k, v, g, beta, ssm)
+    assert (out - ref).abs().max() <= 1e-2 * ref.abs().max()
+    assert (state - ref_state).abs().max() <= 1e-2 * ref_state.abs().max()
