@@ -98,3 +98,30 @@ def test_on_cuda_the_kernels_give_the_torch_forms_outputs_at_qwen3_5s_shape():
     ref, ref_state = gated_delta.chunked_torch(q, k, v, g, beta, ssm)
     assert (out - ref).abs().max() <= 1e-2 * ref.abs().max()
     assert (state - ref_state).abs().max() <= 1e-2 * ref_state.abs().max()
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_an_engine_prefilling_through_the_kernels_answers_as_transformers(tmp_path, builtin_path, monkeypatch):
+    """Qwen3.5's tiny model with every prefill piece of its linear layers through the kernels (as on CUDA: the
+    interpreter here), pieces of up to 64 tokens cut from prompts of 5 to 100: transformers' greedy tokens."""
+    pytest.importorskip("triton")
+    import transformers
+
+    from engine.llm_engine import LLMEngine
+    from engine.sampling import SamplingParams
+    from kernels import triton_gated_delta
+    from tests.conftest import make_tiny_model
+    from tests.engine.test_engine_vs_hf import QWEN3_5, _hf_greedy
+
+    calls = []
+    monkeypatch.setattr(gated_delta, "chunked", lambda *args: calls.append(len(args[0])) or
+                        triton_gated_delta.chunked(*args))
+    folder = make_tiny_model(tmp_path / "qwen3_5", "qwen3_5", builtin_path, **QWEN3_5)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    engine = LLMEngine.from_args(str(folder), dtype="float32", block_size=8, num_blocks=64,
+                                 max_num_batched_tokens=64, progress=False)
+    gen = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (5, 40, 100)]
+    outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == [_hf_greedy(hf, p, 8, eos_ids=None) for p in prompts]
+    assert max(calls) > 32   # pieces past one chunk of the kernels
