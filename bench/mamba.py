@@ -1,6 +1,7 @@
 """`cliffguard bench mamba`: one Mamba-1 layer's selective scan over a prefill (Jamba's), the torch recurrence against
 the Triton kernel; with `--gated-delta`, a Gated DeltaNet layer's delta rule (Qwen3.5's), the torch chunked form
-against the Triton kernels (`_gated_delta`).
+against the Triton kernels (`_gated_delta`); with `--ssd`, a Mamba-2 layer's scan (Granite 4-H's), likewise
+(`_ssd`).
 
 For each of `--tokens` (one sequence's new tokens), over `--channels` (8,192: Jamba 1.5 Mini's, `mamba_expand` 2 x
 4,096) with a state of `--d-state` (16) each, from a random state: `recurrence`, the torch loop (`kernels.
@@ -41,6 +42,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--k-heads", type=int, default=16, help="with --gated-delta: key heads (Qwen3.5's 16)")
     p.add_argument("--v-heads", type=int, default=32, help="with --gated-delta: value heads (Qwen3.5's 32)")
     p.add_argument("--head-dim", type=int, default=128, help="with --gated-delta: key and value heads' size")
+    p.add_argument("--ssd", action="store_true",
+                   help="a Mamba-2 layer's SSD scan instead (Granite 4-H's: --ssd-heads of --ssd-head-dim, "
+                        "--ssd-groups, a state of --ssd-d-state): the torch chunked form against the Triton kernel")
+    p.add_argument("--ssd-heads", type=int, default=128, help="with --ssd: heads (Granite-4.0-H-Small's 128)")
+    p.add_argument("--ssd-head-dim", type=int, default=64, help="with --ssd: each head's channels (64)")
+    p.add_argument("--ssd-groups", type=int, default=1, help="with --ssd: B and C groups (1)")
+    p.add_argument("--ssd-d-state", type=int, default=128, help="with --ssd: each channel's state (128)")
 
 
 def _inputs(tokens: int, channels: int, d_state: int, device: torch.device, dtype: torch.dtype):
@@ -66,6 +74,8 @@ def run(args: argparse.Namespace) -> int:
     with_triton = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
     if args.gated_delta:
         return _gated_delta(args, lengths, device, dtype, with_triton)
+    if args.ssd:
+        return _ssd(args, lengths, device, dtype, with_triton)
     failed = False
     for tokens in lengths:
         inputs = _inputs(tokens, args.channels, args.d_state, device, dtype)
@@ -129,6 +139,51 @@ def _gated_delta(args: argparse.Namespace, lengths: list[int], device: torch.dev
 
                 out, _ = triton_gated_delta.chunked(*inputs)
                 row["triton_ms"] = statistics.median(time_call(lambda: triton_gated_delta.chunked(*inputs), device,
+                                                               iters=args.repeats)) * 1e3
+                row["triton_tokens_per_s"] = tokens / row["triton_ms"] * 1e3
+                row["triton_speedup"] = row["torch_ms"] / row["triton_ms"]
+                row["max_rel_diff"] = float((out - reference).abs().max() / reference.abs().max())
+                failed |= row["max_rel_diff"] > 1e-2
+        print(json.dumps(row) if args.json else "\n".join(f"{key:26} {value}" for key, value in row.items()) + "\n")
+    return 1 if failed else 0
+
+
+def _ssd(args: argparse.Namespace, lengths: list[int], device: torch.device, dtype: torch.dtype,
+         with_triton: bool) -> int:
+    """`--ssd`: for each length, one sequence's Mamba-2 scan from a random state at the layer's shape: the torch
+    chunked form (`kernels.ssd.chunked_torch`, a handful of launches a chunk of 64) and the Triton kernel
+    (`kernels.triton_ssd`, one launch) where it runs; times, tokens a second, speed-up and the largest difference
+    (exit 1 past 1e-2 of the output's largest value)."""
+    from kernels import ssd
+
+    heads, head_dim, groups, d_state = args.ssd_heads, args.ssd_head_dim, args.ssd_groups, args.ssd_d_state
+    for name, value in (("ssd_heads", heads), ("ssd_head_dim", head_dim), ("ssd_groups", groups),
+                        ("ssd_d_state", d_state)):
+        if value < 1:
+            raise ValueError(f"--{name.replace('_', '-')}: must be >= 1, got {value}")
+    if heads % groups:
+        raise ValueError(f"--ssd-heads: a multiple of --ssd-groups ({groups}), got {heads}")
+    failed = False
+    for tokens in lengths:
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        x = torch.randn(tokens, heads, head_dim, generator=gen).to(device, dtype)
+        dt = F.softplus(torch.randn(tokens, heads, generator=gen) - 2.0).to(device)
+        A = (-torch.rand(heads, generator=gen) * 4 - 0.1).to(device)
+        B, C = (torch.randn(tokens, groups, d_state, generator=gen).to(device, dtype) for _ in range(2))
+        D = torch.randn(heads, generator=gen).to(device)
+        inputs = (x, dt, A, B, C, D, torch.zeros(heads, head_dim, d_state, device=device))
+        row = {"device": str(device), "dtype": str(dtype).removeprefix("torch."), "tokens": tokens, "heads": heads,
+               "head_dim": head_dim, "groups": groups, "d_state": d_state}
+        with torch.no_grad():
+            reference, _ = ssd.chunked_torch(*inputs)
+            row["torch_ms"] = statistics.median(time_call(lambda: ssd.chunked_torch(*inputs), device,
+                                                          iters=args.repeats)) * 1e3
+            row["torch_tokens_per_s"] = tokens / row["torch_ms"] * 1e3
+            if with_triton:
+                from kernels import triton_ssd
+
+                out, _ = triton_ssd.chunked(*inputs)
+                row["triton_ms"] = statistics.median(time_call(lambda: triton_ssd.chunked(*inputs), device,
                                                                iters=args.repeats)) * 1e3
                 row["triton_tokens_per_s"] = tokens / row["triton_ms"] * 1e3
                 row["triton_speedup"] = row["torch_ms"] / row["triton_ms"]

@@ -9,7 +9,8 @@ softplus(dt_raw + dt_bias) (clamped to the config's limits) and A_h = -exp(A_log
 
 B and C are shared by the heads of a group (`n_groups` of them). `step` runs one token of many sequences at once
 (decode); `chunked` one sequence's new tokens in chunks (prefill): within a chunk the outputs are a masked,
-decayed product of C and B (like attention), and the state passes from chunk to chunk.
+decayed product of C and B (like attention), and the state passes from chunk to chunk (on CUDA in one Triton
+launch, `kernels.triton_ssd`).
 """
 
 from __future__ import annotations
@@ -47,7 +48,17 @@ def chunked(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
 
     x: [num_tokens, num_heads, head_dim]; dt: [num_tokens, num_heads] (after softplus); A, D: [num_heads]; B, C:
     [num_tokens, n_groups, d_state]; ssm: [num_heads, head_dim, d_state] float32 -> (y [num_tokens, num_heads,
-    head_dim] float32, the state after the last token)."""
+    head_dim] float32, the state after the last token). On CUDA `kernels.triton_ssd`'s one launch."""
+    if x.is_cuda:
+        from kernels.triton_ssd import chunked as triton_chunked
+
+        return triton_chunked(x, dt, A, B, C, D, ssm)
+    return chunked_torch(x, dt, A, B, C, D, ssm, chunk)
+
+
+def chunked_torch(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                  D: torch.Tensor, ssm: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """`chunked` in torch on any device: the CPU's path, and the yardstick of the Triton one."""
     num_tokens, num_heads, _ = x.shape
     pad = -num_tokens % chunk
     xf = x.float()

@@ -40,3 +40,29 @@ def test_it_times_the_recurrence_and_the_kernel_and_checks_the_kernel(capsys):
 def test_bad_sizes_are_named(option, value):
     with pytest.raises(ValueError, match=f"^{option}:"):
         mamba.run(_parse("--device", "cpu", option, value))
+
+
+@pytest.mark.parametrize("mode,shape,keys", [
+    ("--gated-delta", ("--k-heads", "2", "--v-heads", "4", "--head-dim", "16"), ("k_heads", "v_heads", "head_dim")),
+    ("--ssd", ("--ssd-heads", "4", "--ssd-head-dim", "16", "--ssd-groups", "2", "--ssd-d-state", "16"),
+     ("heads", "head_dim", "groups", "d_state"))])
+def test_a_gated_delta_or_ssd_layer_times_the_torch_form_and_the_kernels(capsys, mode, shape, keys):
+    pytest.importorskip("triton")
+    args = _parse(mode, *shape, "--device", "cpu", "--dtype", "float32", "--tokens", "5,40", "--repeats", "1", "--json")
+    assert mamba.run(args) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["tokens"] for r in rows] == [5, 40]
+    assert all(tuple(r[key] for key in keys) == tuple(int(v) for v in shape[1::2]) for r in rows)
+    for row in rows:
+        assert row["torch_ms"] > 0 and row["triton_ms"] > 0
+        assert row["triton_speedup"] == pytest.approx(row["torch_ms"] / row["triton_ms"])
+        assert row["max_rel_diff"] < 1e-4   # the kernels against the torch form, float32
+
+
+@pytest.mark.parametrize("argv,option", [(("--gated-delta", "--k-heads", "3", "--v-heads", "4"), "--v-heads"),
+                                         (("--gated-delta", "--head-dim", "0"), "--head-dim"),
+                                         (("--ssd", "--ssd-heads", "5", "--ssd-groups", "2"), "--ssd-heads"),
+                                         (("--ssd", "--ssd-d-state", "0"), "--ssd-d-state")])
+def test_bad_layer_shapes_are_named(argv, option):
+    with pytest.raises(ValueError, match=f"^{option}:"):
+        mamba.run(_parse("--device", "cpu", *argv))
