@@ -15,6 +15,7 @@ from engine.cohere_moe_config import cohere2_moe_fields
 from engine.dbrx_config import dbrx_config, dbrx_fields
 from engine.deepseek_config import minicpm3_fields, mistral4_fields, youtu_fields
 from engine.deepseek_v4_config import deepseek_v4_fields
+from engine.dory_config import dory_config, dory_fields
 from engine.beam_config import beam_fields
 from engine.falcon_config import falcon_config, falcon_fields
 from engine.falcon_h1_config import falcon_h1_fields
@@ -61,7 +62,8 @@ KEY_READERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "LongcatFlashForCausalLM": longcat_config, "MllamaForCausalLM": mllama_config,
     "Gemma3nForCausalLM": gemma3n_config, "LaraMiniForCausalLM": lara_mini_config,
     "MiniMaxForCausalLM": minimax_config, "MiniMaxM3VLForCausalLM": minimax_m3_config,
-    "Step3p7ForCausalLM": step3p7_config, "BloomForCausalLM": bloom_config, "MptForCausalLM": mpt_config}
+    "Step3p7ForCausalLM": step3p7_config, "BloomForCausalLM": bloom_config, "MptForCausalLM": mpt_config,
+    "DoryForCausalLM": dory_config}
 # (config.json, its layer count) -> the family's ModelConfig fields
 OWN_MODULE_FIELDS: dict[str, Callable[[dict[str, Any], int], dict[str, Any]]] = {
     "Llama4ForCausalLM": llama4_fields, "Gemma4ForCausalLM": gemma4_fields, "Mistral4ForCausalLM": mistral4_fields,
@@ -81,4 +83,4 @@ OWN_MODULE_FIELDS: dict[str, Callable[[dict[str, Any], int], dict[str, Any]]] = 
     "Gemma3nForCausalLM": gemma3n_fields, "LaraMiniForCausalLM": lara_mini_fields,
     "MiniMaxForCausalLM": minimax_fields, "MiniMaxM3VLForCausalLM": minimax_m3_fields,
     "Step3p7ForCausalLM": step3p7_fields, "BloomForCausalLM": bloom_fields, "MptForCausalLM": mpt_fields,
-    "AriaTextForCausalLM": aria_text_fields, "Qwen4ExpForCausalLM": qwen4_exp_fields}
+    "AriaTextForCausalLM": aria_text_fields, "Qwen4ExpForCausalLM": qwen4_exp_fields, "DoryForCausalLM": dory_fields}

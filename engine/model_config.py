@@ -26,6 +26,7 @@ from engine.kimi_linear_config import KdaShape
 from engine.minimax_config import LightningShape
 from engine.minimax_m3_config import BlockIndexer, index_key_bytes
 from engine.qwen4_exp_config import Qwen4ExpShape
+from engine.dory_config import DoryShape
 from engine.lfm2_config import ShortConvShape
 from engine.mamba1_config import Mamba1Shape
 from engine.zamba2_config import Zamba2Blocks
@@ -75,7 +76,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
                            "NanoChatForCausalLM", "DbrxForCausalLM", "MiniCPM3ForCausalLM", "HYV4ForCausalLM",
                            "DeepseekV4ForCausalLM", "BeamForCausalLM", "MllamaForCausalLM", "Gemma3nForCausalLM",
                            "GemmaForCausalLM", "VaultGemmaForCausalLM", "JambaForCausalLM", "MambaForCausalLM",
-                           "FalconMambaForCausalLM", "Mamba2ForCausalLM", "Zamba2ForCausalLM",
+                           "FalconMambaForCausalLM", "Mamba2ForCausalLM", "Zamba2ForCausalLM", "DoryForCausalLM",
                            "MiniMaxForCausalLM", "MiniMaxM3VLForCausalLM", "Step3p7ForCausalLM", "BloomForCausalLM",
                            "MptForCausalLM", "AriaTextForCausalLM", "PersimmonForCausalLM")
 # their attention bias: q/k/v's, not o_proj's
@@ -165,6 +166,7 @@ class ModelConfig:
     attn_output_gate: bool = False      # Qwen3.5: attention's output x sigmoid(a gate q_proj makes beside each head)
     block_indexer: BlockIndexer | None = None   # MiniMax M3: its block-sparse layers (an indexer key a token too)
     qwen4_exp: Qwen4ExpShape | None = None   # Qwen4-Exp: its residual streams and per-layer n-gram embeddings
+    dory: DoryShape | None = None       # Dory: its loops (num_layers and layer_types: the virtual layers, unrolled)
     mla: MlaShape | None = None         # DeepSeek: latent attention (head_dim the cache's, one KV head; None: none)
     moe_router: str = "softmax"         # how experts are picked (MOE_ROUTERS): the softmax's top k, or DeepSeek's
     moe_groups: tuple[int, int] = (1, 1)   # DeepSeek: the experts' groups, and how many a token's experts come from
@@ -241,9 +243,7 @@ class ModelConfig:
 
     def layer_window(self, layer: int) -> int | None:
         """The keys layer `layer` attends: its last `sliding_window` positions, or all (None)."""
-        if self.layer_types and self.layer_types[layer] != "sliding_attention":
-            return None
-        return self.sliding_window
+        return None if self.layer_types and self.layer_types[layer] != "sliding_attention" else self.sliding_window
 
     def layer_chunk(self, layer: int) -> int | None:
         """Llama 4's chunked layers: a query of layer `layer` at p sees p - p % chunk .. p; None: not a chunked one."""

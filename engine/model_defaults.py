@@ -116,6 +116,10 @@ FAMILY_DEFAULTS = {"Gemma2ForCausalLM": GEMMA2_DEFAULTS, "VaultGemmaForCausalLM"
                        "vocab_size": 248_320, "hidden_size": 2048, "intermediate_size": 512, "num_hidden_layers": 40,
                        "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
                        "max_position_embeddings": 32_768},
+                   "DoryForCausalLM": {   # DoryConfig's (Nemotron Labs Dory 1.0 4B's shape)
+                       "vocab_size": 131_072, "hidden_size": 2560, "intermediate_size": 7168, "num_hidden_layers": 36,
+                       "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 256,
+                       "max_position_embeddings": 8192},
                    "Qwen4ExpForCausalLM": {   # Qwen4ExpTextConfig's (Qwen3.5-MoE's shape)
                        "vocab_size": 248_320, "hidden_size": 2048, "intermediate_size": 512, "num_hidden_layers": 40,
                        "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,

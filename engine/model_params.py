@@ -63,7 +63,10 @@ OWN_COUNTS: dict[str, Callable[..., int]] = {
     "DeepseekV4ForCausalLM": deepseek_v4_params,   # compressed attention, streams, hash routing
     "Gemma3nForCausalLM":   # Gemma 4's E layers with AltUp and LAuReL
         lambda c, h, kv, i, moe_i, v, s: gemma3n_params(c, h, kv, i, moe_i, v),
-    "Qwen4ExpForCausalLM": lambda c, h, kv, i, moe_i, v, s: qwen4_exp_params(c, h, kv, i, moe_i, v, s)}
+    "Qwen4ExpForCausalLM": lambda c, h, kv, i, moe_i, v, s: qwen4_exp_params(c, h, kv, i, moe_i, v, s),
+    "DoryForCausalLM":   # the checkpoint's layers once, however many loops run them
+        lambda c, h, kv, i, moe_i, v, s: c.dory.num_params(c.hidden_size, h * c.head_dim, kv * c.head_dim, i, v,
+                                                           c.vocab_size, c.tie_word_embeddings)}
 
 
 def float32_params(config: Any) -> int:

@@ -198,6 +198,7 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
            "opt": transformers.OPTConfig, "flex_olmo": transformers.FlexOlmoConfig,
            "gpt_neo": transformers.GPTNeoConfig, "codegen": transformers.CodeGenConfig,
            "lara_mini": transformers.LaraMiniConfig, "qwen4_exp_text": transformers.Qwen4ExpTextConfig,
+           "dory": transformers.DoryConfig,
            "nanochat": transformers.NanoChatConfig, "dbrx": transformers.DbrxConfig,
            "minicpm3": transformers.MiniCPM3Config, "jamba": transformers.JambaConfig,
            "mamba": transformers.MambaConfig, "falcon_mamba": transformers.FalconMambaConfig,
@@ -276,6 +277,11 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
                 elif name.endswith("tid2eid"):
                     tensor.copy_(torch.randint(0, tensor.max().item() + overrides.get("n_routed_experts", 8),
                                                tensor.shape))
+    if arch == "dory":   # its per-channel scales and rates away from their start (a constant: one misread would hide)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith(("sqk", "s_gate", "suv_gate", "suv_up", "lambda_1", "lambda_2", "logit_scale")):
+                    param.mul_(torch.empty_like(param).uniform_(0.5, 1.5))
     if arch == "beam":   # the attention gate's biases (a head each) and every norm away from their start (0, 1)
         with torch.no_grad():
             for name, param in model.named_parameters():

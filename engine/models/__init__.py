@@ -9,11 +9,11 @@ CodeGen), `gpt_oss` (GPT-OSS), `cohere` (Command R, R7B, A Plus), `ernie` (ERNIE
 K-EXAONE), `deepseek` (DeepSeek V2 and V3, Mistral Small 4), `deepseek_v32` (DeepSeek V3.2 and GLM-5: sparse attention),
 `minimax_m2` (MiniMax-M2), `llama4` (Llama 4's text model), `ministral3` (Ministral 3), `qwen3_5` (Qwen3.5, Qwen3-Next:
 Gated DeltaNet layers; `lara_mini`, Lara Mini's; `qwen4_exp`, Qwen4-Exp's: residual streams, n-gram embeddings, QSA),
-`nemotron_h` (Nemotron-H), `lfm2` (LFM2), `kimi_linear` (Kimi Linear),
-`minimax` (MiniMax-Text-01: lightning attention), `jamba` (Jamba), `mamba` (Mamba, FalconMamba, Mamba2), `zamba2`
-(Zamba2), over `hybrid`'s states; `mimo` (MiMo-V2-Flash); `apertus` (Apertus, Arcee's AFM, Jais 2: ungated MLPs),
-`mllama` (Llama 3.2 Vision's text model), `minimax_m3` (MiniMax M3: block-sparse attention), `step3p7` (Step 3.7:
-Laguna's layers), `bloom` (BLOOM, MPT: ALiBi). LongCat-Flash's are in `deepseek`, Persimmon's in `gpt_neox`."""
+`nemotron_h` (Nemotron-H), `lfm2` (LFM2), `kimi_linear` (Kimi Linear), `minimax` (MiniMax-Text-01: lightning attention),
+`jamba` (Jamba), `mamba` (Mamba, FalconMamba, Mamba2), `zamba2` (Zamba2), over `hybrid`'s states; `mimo`
+(MiMo-V2-Flash); `apertus` (Apertus, Arcee's AFM, Jais 2: ungated MLPs), `mllama` (Llama 3.2 Vision's text model),
+`minimax_m3` (MiniMax M3: block-sparse attention), `step3p7` (Step 3.7: Laguna's layers), `bloom` (BLOOM, MPT: ALiBi),
+`dory` (Dory: nGPT layers, looped). LongCat-Flash's are in `deepseek`, Persimmon's in `gpt_neox`."""
 
 from __future__ import annotations
 
@@ -91,6 +91,7 @@ from engine.models.stablelm import StableLmForCausalLM
 from engine.models.nemotron_h import NemotronHForCausalLM
 from engine.models.qwen3_5 import Qwen3NextForCausalLM, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
 from engine.models.qwen4_exp import Qwen4ExpForCausalLM
+from engine.models.dory import DoryForCausalLM
 from engine.models.qwen3_moe import AriaTextForCausalLM, MellumForCausalLM, Qwen3MoeForCausalLM, SparseMoeBlock
 from engine.parallel import Collectives, ShardShape
 from engine.roofline import expert_params
@@ -144,6 +145,7 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
     "MellumForCausalLM": MellumForCausalLM, "Starcoder2ForCausalLM": Starcoder2ForCausalLM,
     "GlmForCausalLM": GlmForCausalLM, "Glm4ForCausalLM": Glm4ForCausalLM, "LagunaForCausalLM": LagunaForCausalLM,
     "LaraMiniForCausalLM": LaraMiniForCausalLM, "Qwen4ExpForCausalLM": Qwen4ExpForCausalLM,
+    "DoryForCausalLM": DoryForCausalLM,
     "NemotronForCausalLM": NemotronForCausalLM,
     "StableLmForCausalLM": StableLmForCausalLM, "PhiForCausalLM": PhiForCausalLM, "OPTForCausalLM": OPTForCausalLM,
     "GPTNeoXForCausalLM": GPTNeoXForCausalLM, "PhimoeForCausalLM": PhimoeForCausalLM,

@@ -257,6 +257,12 @@ QWEN4_EXP = {"num_hidden_layers": 5, "head_dim": 16, "pad_token_id": 0,
              "indexer_compress_ratio": 4,
              "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}}
 
+# Dory: nGPT layers (unit-length norms, interpolating residuals), 2 input layers, 2 recurrent ones run twice, 2 output
+# ones (8 virtual layers, each its own K/V), sliding (a window of 8) and full layers of their own rope bases; saved
+# in the release's layout of an attention and an mlp block a layer
+DORY = {"num_hidden_layers": 6, "n_input_layers": 2, "n_output_layers": 2, "n_recurrent_loops": 2, "head_dim": 16,
+        "sliding_window": 8, "pad_token_id": 0}
+
 # Phi-3.5-MoE's LongRoPE on the tiny model: a factor a frequency pair of each set, an mscale each, the original
 # context the whole one (so the short set serves)
 PHIMOE_ROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 512,
@@ -285,6 +291,7 @@ TINY_MODELS = [
     ("gemma3n_text", GEMMA3N),
     ("lara_mini", LARA_MINI),
     ("qwen4_exp_text", QWEN4_EXP),
+    ("dory", DORY),
     ("llama", dict(hidden_act="gelu_pytorch_tanh")),   # the CPU's flat forward runs SiLU: the modules run this
     # a linear scaling serves max_position_embeddings x factor (vLLM's reading): the outputs run past 40
     ("llama", dict(rope_scaling={"rope_type": "linear", "factor": 2.0}, max_position_embeddings=40)),

@@ -22,7 +22,7 @@ from engine.sampling import SamplingParams
 from tests.conftest import BUILTIN, assert_all_free, make_tiny_model
 from tests.engine.test_engine_vs_hf import (AXK2, BAILING, BEAM, COHERE2_MOE, DEEPSEEK, DEEPSEEK_V4, GEMMA3N,
                                              GEMMA4, GEMMA4_E, GEMMA4_MOE, GLM4_MOE, HYV4, LARA_MINI, LONGCAT,
-                                             MINIMAX, MINIMAX_M3, QWEN4_EXP)
+                                             DORY, MINIMAX, MINIMAX_M3, QWEN4_EXP)
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # and `cpu_threads=1` in each follower: a core per rank
 
@@ -95,6 +95,7 @@ def _hf(arch: str, **extra) -> ModelConfig:
     # its n-gram tables 12 wide: split over 2 ranks, whole on each of 8
     _hf("Qwen4ExpForCausalLM", **{**QWEN4_EXP, "num_key_value_heads": 8, "linear_num_key_heads": 8,
                                   "linear_num_value_heads": 16, "ple_embed_dim": 48, "eos_token_id": 2}),
+    _hf("DoryForCausalLM", **{**DORY, "num_key_value_heads": 8, "pad_token_id": None}),
 ], ids=lambda c: c.architecture)
 def test_the_capacity_plans_count_of_a_ranks_weights_is_what_the_rank_builds(config):
     """ShardShape.num_params: what the plan sets aside on each GPU for the weights is what the
@@ -494,6 +495,7 @@ QWEN3 = {"head_dim": 32, "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
     ("gemma3n_text", GEMMA3N, None),
     ("lara_mini", LARA_MINI, None),
     ("qwen4_exp_text", QWEN4_EXP, None),
+    ("dory", DORY, None),
     ("minimax", MINIMAX, None),
     ("minimax_m3_vl_text", MINIMAX_M3, None),
     ("bloom", {"n_layer": 2, "n_head": 4}, None),
@@ -546,7 +548,9 @@ def test_two_ranks_generate_what_one_does(tmp_path, builtin_path, prompts, arch,
     # rank; DeepSeek V4 each rank's heads in whole groups (their o_a_proj rows and o_b_proj columns), its K=V head,
     # compressors, indexer and Sinkhorn-mixed streams whole on each rank; Beam each rank's heads' gate rows and biases
     # beside its experts' rows; Lara Mini Qwen3.5's linear layers' cuts beside its experts' stacked rows; Qwen4-Exp
-    # those, its n-gram tables' columns split (gathered after the lookup), its mixes, PLE and QSA whole; Gemma 3n Gemma
+    # those, its n-gram tables' columns split (gathered after the lookup), its mixes, PLE and QSA whole; Dory each
+    # rank's heads' gates and query scales, its MLP rows' scales, the norms over all heads and rows summed over the
+    # ranks, its rates and logit scale whole; Gemma 3n Gemma
     # 4's E cuts, its sparse gates' statistics summed over both ranks, AltUp and LAuReL whole on each; MiniMax each
     # rank's lightning heads (their slopes, q/k/v rows and gates; the output norm's sum of squares over both ranks)
     # beside Mixtral's experts; MiniMax M3 each rank's KV heads' indexer heads (their rows of its q projection; its key
