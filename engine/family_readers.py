@@ -46,6 +46,7 @@ from engine.step3p7_config import step3p7_config, step3p7_fields
 from engine.nemotron_h_config import nemotron_h_config
 from engine.phimoe_config import phimoe_fields
 from engine.qwen4_exp_config import qwen4_exp_fields
+from engine.zaya_config import zaya_config, zaya_fields
 
 __all__ = ["KEY_READERS", "OWN_MODULE_FIELDS"]
 
@@ -63,7 +64,7 @@ KEY_READERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "Gemma3nForCausalLM": gemma3n_config, "LaraMiniForCausalLM": lara_mini_config,
     "MiniMaxForCausalLM": minimax_config, "MiniMaxM3VLForCausalLM": minimax_m3_config,
     "Step3p7ForCausalLM": step3p7_config, "BloomForCausalLM": bloom_config, "MptForCausalLM": mpt_config,
-    "DoryForCausalLM": dory_config}
+    "DoryForCausalLM": dory_config, "ZayaForCausalLM": zaya_config}
 # (config.json, its layer count) -> the family's ModelConfig fields
 OWN_MODULE_FIELDS: dict[str, Callable[[dict[str, Any], int], dict[str, Any]]] = {
     "Llama4ForCausalLM": llama4_fields, "Gemma4ForCausalLM": gemma4_fields, "Mistral4ForCausalLM": mistral4_fields,
@@ -83,4 +84,5 @@ OWN_MODULE_FIELDS: dict[str, Callable[[dict[str, Any], int], dict[str, Any]]] = 
     "Gemma3nForCausalLM": gemma3n_fields, "LaraMiniForCausalLM": lara_mini_fields,
     "MiniMaxForCausalLM": minimax_fields, "MiniMaxM3VLForCausalLM": minimax_m3_fields,
     "Step3p7ForCausalLM": step3p7_fields, "BloomForCausalLM": bloom_fields, "MptForCausalLM": mpt_fields,
-    "AriaTextForCausalLM": aria_text_fields, "Qwen4ExpForCausalLM": qwen4_exp_fields, "DoryForCausalLM": dory_fields}
+    "AriaTextForCausalLM": aria_text_fields, "Qwen4ExpForCausalLM": qwen4_exp_fields, "DoryForCausalLM": dory_fields,
+    "ZayaForCausalLM": zaya_fields}

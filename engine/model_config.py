@@ -27,6 +27,7 @@ from engine.minimax_config import LightningShape
 from engine.minimax_m3_config import BlockIndexer, index_key_bytes
 from engine.qwen4_exp_config import Qwen4ExpShape
 from engine.dory_config import DoryShape
+from engine.zaya_config import CcaShape
 from engine.lfm2_config import ShortConvShape
 from engine.mamba1_config import Mamba1Shape
 from engine.zamba2_config import Zamba2Blocks
@@ -77,19 +78,16 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
                            "DeepseekV4ForCausalLM", "BeamForCausalLM", "MllamaForCausalLM", "Gemma3nForCausalLM",
                            "GemmaForCausalLM", "VaultGemmaForCausalLM", "JambaForCausalLM", "MambaForCausalLM",
                            "FalconMambaForCausalLM", "Mamba2ForCausalLM", "Zamba2ForCausalLM", "DoryForCausalLM",
-                           "MiniMaxForCausalLM", "MiniMaxM3VLForCausalLM", "Step3p7ForCausalLM", "BloomForCausalLM",
-                           "MptForCausalLM", "AriaTextForCausalLM", "PersimmonForCausalLM")
+                           "ZayaForCausalLM", "MiniMaxForCausalLM", "MiniMaxM3VLForCausalLM", "Step3p7ForCausalLM",
+                           "BloomForCausalLM", "MptForCausalLM", "AriaTextForCausalLM", "PersimmonForCausalLM")
 # their attention bias: q/k/v's, not o_proj's
 QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM", "GlmForCausalLM",
                  "StableLmForCausalLM", "HeliumForCausalLM")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 @dataclass(frozen=True)
 class ModelConfig:
-    """A decoder-only model's shape (Llama 2/3, Qwen2, Qwen3, Qwen3-MoE, Mistral, Mixtral, Phi-3, Granite, OLMo 2,
-    SmolLM3, Gemma 2, Gemma 3's text model, GPT-OSS, Qwen2-MoE, Cohere's Command R and R7B, ERNIE 4.5, GLM-4, GLM-4.5,
-    DeepSeek V2 and V3, MiniMax-M2, OLMo 3, Llama 4's text model, Ministral 3, GLM-4.7-Flash, Granite 4's
-    transformers, EXAONE 4) from an HF config.json.
-    `layer_types` (Gemma): each layer full or sliding; without it `sliding_window` is all's."""
+    """A decoder-only model's shape (each of `SUPPORTED_ARCHITECTURES`') from an HF config.json. `layer_types`
+    (Gemma): each layer full or sliding; without it `sliding_window` is all's."""
 
     architecture: str
     vocab_size: int
@@ -162,7 +160,7 @@ class ModelConfig:
     mamba: Mamba2Shape | None = None    # Granite 4's -H models: their Mamba-2 layers' (`linear_attention` too)
     falcon_h1: FalconH1Scales | None = None   # Falcon-H1: its muP multipliers (its `hybrid` layers: Mamba-2, attention)
     zamba2: Zamba2Blocks | None = None   # Zamba2: its shared blocks (its `hybrid` layers: a block, then Mamba-2)
-    state_layers: ShortConvShape | KdaShape | Mamba1Shape | LightningShape | None = None   # LFM2's, Kimi's, Jamba's...
+    state_layers: ShortConvShape | KdaShape | Mamba1Shape | LightningShape | CcaShape | None = None   # LFM2, ZAYA...
     attn_output_gate: bool = False      # Qwen3.5: attention's output x sigmoid(a gate q_proj makes beside each head)
     block_indexer: BlockIndexer | None = None   # MiniMax M3: its block-sparse layers (an indexer key a token too)
     qwen4_exp: Qwen4ExpShape | None = None   # Qwen4-Exp: its residual streams and per-layer n-gram embeddings
@@ -215,7 +213,7 @@ class ModelConfig:
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ConfigError(f"sliding_window: must be positive, got {self.sliding_window}")
         kinds = LAYER_TYPES + (("linear_attention",) if self.state_shape is not None else ()) + (   # Qwen3.5's ...
-            ("hybrid",) if self.falcon_h1 is not None or self.zamba2 is not None else ()) + (   # Falcon-H1's, Zamba2's
+            ("hybrid",) if self.falcon_h1 or self.zamba2 or isinstance(self.state_layers, CcaShape) else ()) + (
             ("mlp", "moe") if self.architecture == "NemotronHForCausalLM" else ())   # ... Nemotron-H's blocks
         if self.layer_types and (len(self.layer_types) != self.num_layers
                                  or any(t not in kinds for t in self.layer_types)):

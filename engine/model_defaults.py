@@ -116,6 +116,10 @@ FAMILY_DEFAULTS = {"Gemma2ForCausalLM": GEMMA2_DEFAULTS, "VaultGemmaForCausalLM"
                        "vocab_size": 248_320, "hidden_size": 2048, "intermediate_size": 512, "num_hidden_layers": 40,
                        "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
                        "max_position_embeddings": 32_768},
+                   "ZayaForCausalLM": {   # ZayaConfig's (ZAYA1-8B's shape)
+                       "vocab_size": 262_272, "hidden_size": 2048, "num_hidden_layers": 40, "num_attention_heads": 8,
+                       "num_key_value_heads": 2, "head_dim": 128, "max_position_embeddings": 131_072,
+                       "rms_norm_eps": 1e-5, "bos_token_id": 2, "eos_token_id": 106},
                    "DoryForCausalLM": {   # DoryConfig's (Nemotron Labs Dory 1.0 4B's shape)
                        "vocab_size": 131_072, "hidden_size": 2560, "intermediate_size": 7168, "num_hidden_layers": 36,
                        "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 256,

@@ -64,6 +64,7 @@ OWN_COUNTS: dict[str, Callable[..., int]] = {
     "Gemma3nForCausalLM":   # Gemma 4's E layers with AltUp and LAuReL
         lambda c, h, kv, i, moe_i, v, s: gemma3n_params(c, h, kv, i, moe_i, v),
     "Qwen4ExpForCausalLM": lambda c, h, kv, i, moe_i, v, s: qwen4_exp_params(c, h, kv, i, moe_i, v, s),
+    "ZayaForCausalLM": lambda c, h, kv, i, moe_i, v, s: zaya_params(c, moe_i, v),   # CCA layers, routed experts
     "DoryForCausalLM":   # the checkpoint's layers once, however many loops run them
         lambda c, h, kv, i, moe_i, v, s: c.dory.num_params(c.hidden_size, h * c.head_dim, kv * c.head_dim, i, v,
                                                            c.vocab_size, c.tie_word_embeddings)}
@@ -156,3 +157,13 @@ def qwen4_exp_params(config: Any, heads: int, kv_heads: int, i: int, moe_i: int,
     return count_params(base, heads, kv_heads, i, moe_i, v, shared_i) - (2 * config.num_layers + 1) * h + \
         config.qwen4_exp.num_params(h, config.num_layers, config.num_heads // heads) + \
         config.block_indexer.num_params(h, kv_heads)
+
+
+def zaya_params(config: Any, moe_i: int, v: int) -> int:
+    """ZAYA's (one rank): the table and a head (untied, biased where `lm_head_bias`), the embeddings' scale and bias,
+    each layer's CCA, router and residual scalings (`CcaShape.num_params`), two norms and experts, every router's state
+    scale but the first's, the final norm."""
+    s, h = config.state_layers, config.hidden_size
+    layer = s.num_params(h) + 2 * h + s.experts * 3 * h * moe_i
+    head = (0 if config.tie_word_embeddings else v * h) + (v if config.lm_head_bias else 0)
+    return v * h + head + 2 * h + config.num_layers * layer + (config.num_layers - 1) * s.router + h

@@ -198,7 +198,7 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
            "opt": transformers.OPTConfig, "flex_olmo": transformers.FlexOlmoConfig,
            "gpt_neo": transformers.GPTNeoConfig, "codegen": transformers.CodeGenConfig,
            "lara_mini": transformers.LaraMiniConfig, "qwen4_exp_text": transformers.Qwen4ExpTextConfig,
-           "dory": transformers.DoryConfig,
+           "dory": transformers.DoryConfig, "zaya": transformers.ZayaConfig,
            "nanochat": transformers.NanoChatConfig, "dbrx": transformers.DbrxConfig,
            "minicpm3": transformers.MiniCPM3Config, "jamba": transformers.JambaConfig,
            "mamba": transformers.MambaConfig, "falcon_mamba": transformers.FalconMambaConfig,
@@ -282,6 +282,16 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
             for name, param in model.named_parameters():
                 if name.endswith(("sqk", "s_gate", "suv_gate", "suv_up", "lambda_1", "lambda_2", "logit_scale")):
                     param.mul_(torch.empty_like(param).uniform_(0.5, 1.5))
+    if arch == "zaya":   # the key temperatures (zero: every key zero, attention uniform), the residual and input
+        # scalings and the router's state scale away from their start (ones, zeros), the balancing biases drawn
+        with torch.no_grad():
+            for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+                if name.endswith(("temp", "_scale", "balancing_biases")):
+                    tensor.normal_(1.0 if not name.endswith("balancing_biases") else 0.0, 0.2)
+                elif name.endswith("_bias") and "residual_scale" in name or name.endswith("input_hidden_states_bias"):
+                    tensor.normal_(0.0, 0.02)
+                elif name == "lm_head.bias":
+                    tensor.normal_(0.0, 0.5)
     if arch == "beam":   # the attention gate's biases (a head each) and every norm away from their start (0, 1)
         with torch.no_grad():
             for name, param in model.named_parameters():

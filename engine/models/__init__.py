@@ -13,7 +13,8 @@ Gated DeltaNet layers; `lara_mini`, Lara Mini's; `qwen4_exp`, Qwen4-Exp's: resid
 `jamba` (Jamba), `mamba` (Mamba, FalconMamba, Mamba2), `zamba2` (Zamba2), over `hybrid`'s states; `mimo`
 (MiMo-V2-Flash); `apertus` (Apertus, Arcee's AFM, Jais 2: ungated MLPs), `mllama` (Llama 3.2 Vision's text model),
 `minimax_m3` (MiniMax M3: block-sparse attention), `step3p7` (Step 3.7: Laguna's layers), `bloom` (BLOOM, MPT: ALiBi),
-`dory` (Dory: nGPT layers, looped). LongCat-Flash's are in `deepseek`, Persimmon's in `gpt_neox`."""
+`dory` (Dory: nGPT layers, looped), `zaya` (ZAYA1: CCA attention beside a state, routed experts). LongCat-Flash's are in
+`deepseek`, Persimmon's in `gpt_neox`."""
 
 from __future__ import annotations
 
@@ -92,6 +93,7 @@ from engine.models.nemotron_h import NemotronHForCausalLM
 from engine.models.qwen3_5 import Qwen3NextForCausalLM, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
 from engine.models.qwen4_exp import Qwen4ExpForCausalLM
 from engine.models.dory import DoryForCausalLM
+from engine.models.zaya import ZayaForCausalLM
 from engine.models.qwen3_moe import AriaTextForCausalLM, MellumForCausalLM, Qwen3MoeForCausalLM, SparseMoeBlock
 from engine.parallel import Collectives, ShardShape
 from engine.roofline import expert_params
@@ -145,7 +147,7 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
     "MellumForCausalLM": MellumForCausalLM, "Starcoder2ForCausalLM": Starcoder2ForCausalLM,
     "GlmForCausalLM": GlmForCausalLM, "Glm4ForCausalLM": Glm4ForCausalLM, "LagunaForCausalLM": LagunaForCausalLM,
     "LaraMiniForCausalLM": LaraMiniForCausalLM, "Qwen4ExpForCausalLM": Qwen4ExpForCausalLM,
-    "DoryForCausalLM": DoryForCausalLM,
+    "DoryForCausalLM": DoryForCausalLM, "ZayaForCausalLM": ZayaForCausalLM,
     "NemotronForCausalLM": NemotronForCausalLM,
     "StableLmForCausalLM": StableLmForCausalLM, "PhiForCausalLM": PhiForCausalLM, "OPTForCausalLM": OPTForCausalLM,
     "GPTNeoXForCausalLM": GPTNeoXForCausalLM, "PhimoeForCausalLM": PhimoeForCausalLM,

@@ -263,6 +263,13 @@ QWEN4_EXP = {"num_hidden_layers": 5, "head_dim": 16, "pad_token_id": 0,
 DORY = {"num_hidden_layers": 6, "n_input_layers": 2, "n_output_layers": 2, "n_recurrent_loops": 2, "head_dim": 16,
         "sliding_window": 8, "pad_token_id": 0}
 
+# ZAYA1: CCA attention (q/k through two short convolutions, half of each value the previous token's) beside a state a
+# layer, one routed expert a token (or the skip class) under the router MLP whose state passes between layers, a
+# float32 residual stream; an untied, biased head; then a sliding layer (a window of 8) and longer convolutions
+ZAYA = {"num_hidden_layers": 3, "head_dim": 16, "num_experts": 4, "moe_intermediate_size": 32, "router_hidden_size": 16,
+        "tie_word_embeddings": False, "lm_head_bias": True, "pad_token_id": 0}
+ZAYA_SLIDING = {**ZAYA, "layer_types": ["hybrid", "hybrid_sliding", "hybrid"], "sliding_window": 8, "cca_time0": 3}
+
 # Phi-3.5-MoE's LongRoPE on the tiny model: a factor a frequency pair of each set, an mscale each, the original
 # context the whole one (so the short set serves)
 PHIMOE_ROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 512,
@@ -292,6 +299,8 @@ TINY_MODELS = [
     ("lara_mini", LARA_MINI),
     ("qwen4_exp_text", QWEN4_EXP),
     ("dory", DORY),
+    ("zaya", ZAYA),
+    ("zaya", ZAYA_SLIDING),
     ("llama", dict(hidden_act="gelu_pytorch_tanh")),   # the CPU's flat forward runs SiLU: the modules run this
     # a linear scaling serves max_position_embeddings x factor (vLLM's reading): the outputs run past 40
     ("llama", dict(rope_scaling={"rope_type": "linear", "factor": 2.0}, max_position_embeddings=40)),
@@ -825,7 +834,8 @@ def test_tiny_random_models_match_transformers(tmp_path, monkeypatch, builtin_pa
     engine = LLMEngine.from_args(str(folder), dtype="float32", block_size=8, num_blocks=64, max_num_batched_tokens=64,
                                  progress=False)
     buffers = sum(b.numel() for name, b in hf.named_buffers()
-                  if name.endswith(("e_score_correction_bias", "layer_scalar", "expert_bias", "tid2eid")))
+                  if name.endswith(("e_score_correction_bias", "layer_scalar", "expert_bias", "tid2eid",
+                                    "balancing_biases")))
     # LongCat-Flash's stacked gate/up holds rows for its zero experts too, which compute nothing and are not read;
     # Phi-4-multimodal's image and audio embedders serve no text
     unused = sum(m.gate_up_proj[m.num_routed_experts:].numel() for m in hf.modules() if hasattr(m, "zero_expert_num"))
