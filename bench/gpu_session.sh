@@ -77,6 +77,7 @@ for what in ${GPU_STEPS:-tests kernels kernels_fp8 fp8 engine}; do
                tests/kernels/test_triton_dsa.py tests/kernels/test_triton_block_sparse.py tests/kernels/test_triton_fp8_gemm.py \
                tests/kernels/test_triton_int4_gemm.py tests/kernels/test_selective_scan.py \
                tests/kernels/test_triton_gated_delta.py tests/kernels/test_triton_ssd.py \
+               tests/kernels/test_triton_lightning.py \
                tests/engine/test_sampling.py \
                tests/engine/test_cuda_graphs.py tests/engine/test_overlap.py tests/engine/test_prompt_logprobs.py \
                tests/engine/test_sliding_kv.py \
@@ -93,7 +94,8 @@ for what in ${GPU_STEPS:-tests kernels kernels_fp8 fp8 engine}; do
                --model "$KVCACHE_MODEL"; else echo "=== kvcache: skipped (KVCACHE_MODEL unset: real weights needed)"; fi ;;
     mamba)   step bench_mamba $CLI bench mamba --device cuda --tokens 1024,4096,16384
              step bench_gated_delta $CLI bench mamba --gated-delta --device cuda --tokens 1024,4096,32768
-             step bench_ssd $CLI bench mamba --ssd --device cuda --tokens 1024,4096,32768 ;;
+             step bench_ssd $CLI bench mamba --ssd --device cuda --tokens 1024,4096,32768
+             step bench_lightning $CLI bench mamba --lightning --device cuda --tokens 1024,4096,32768 ;;
     dsa)     step bench_dsa $CLI bench dsa --device cuda --batch 8 --context 32768
              step bench_dsa_long $CLI bench dsa --device cuda --batch 8 --context 131072
              step bench_block_sparse $CLI bench dsa --device cuda --batch 8 --context 32768 --block-sparse

@@ -1,7 +1,7 @@
 """`cliffguard bench mamba`: one Mamba-1 layer's selective scan over a prefill (Jamba's), the torch recurrence against
 the Triton kernel; with `--gated-delta`, a Gated DeltaNet layer's delta rule (Qwen3.5's), the torch chunked form
-against the Triton kernels (`_gated_delta`); with `--ssd`, a Mamba-2 layer's scan (Granite 4-H's), likewise
-(`_ssd`).
+against the Triton kernels (`_gated_delta`); with `--ssd`, a Mamba-2 layer's scan (Granite 4-H's), and with
+`--lightning` a lightning attention layer (MiniMax-Text-01's), likewise (`_ssd`, `_lightning`).
 
 For each of `--tokens` (one sequence's new tokens), over `--channels` (8,192: Jamba 1.5 Mini's, `mamba_expand` 2 x
 4,096) with a state of `--d-state` (16) each, from a random state: `recurrence`, the torch loop (`kernels.
@@ -42,6 +42,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--k-heads", type=int, default=16, help="with --gated-delta: key heads (Qwen3.5's 16)")
     p.add_argument("--v-heads", type=int, default=32, help="with --gated-delta: value heads (Qwen3.5's 32)")
     p.add_argument("--head-dim", type=int, default=128, help="with --gated-delta: key and value heads' size")
+    p.add_argument("--lightning", action="store_true",
+                   help="a lightning attention layer instead (MiniMax-Text-01's: --lightning-heads of --head-dim): the "
+                        "torch chunked form against the Triton kernel")
+    p.add_argument("--lightning-heads", type=int, default=64, help="with --lightning: heads (MiniMax-Text-01's 64)")
     p.add_argument("--ssd", action="store_true",
                    help="a Mamba-2 layer's SSD scan instead (Granite 4-H's: --ssd-heads of --ssd-head-dim, "
                         "--ssd-groups, a state of --ssd-d-state): the torch chunked form against the Triton kernel")
@@ -76,6 +80,8 @@ def run(args: argparse.Namespace) -> int:
         return _gated_delta(args, lengths, device, dtype, with_triton)
     if args.ssd:
         return _ssd(args, lengths, device, dtype, with_triton)
+    if args.lightning:
+        return _lightning(args, lengths, device, dtype, with_triton)
     failed = False
     for tokens in lengths:
         inputs = _inputs(tokens, args.channels, args.d_state, device, dtype)
@@ -184,6 +190,45 @@ def _ssd(args: argparse.Namespace, lengths: list[int], device: torch.device, dty
 
                 out, _ = triton_ssd.chunked(*inputs)
                 row["triton_ms"] = statistics.median(time_call(lambda: triton_ssd.chunked(*inputs), device,
+                                                               iters=args.repeats)) * 1e3
+                row["triton_tokens_per_s"] = tokens / row["triton_ms"] * 1e3
+                row["triton_speedup"] = row["torch_ms"] / row["triton_ms"]
+                row["max_rel_diff"] = float((out - reference).abs().max() / reference.abs().max())
+                failed |= row["max_rel_diff"] > 1e-2
+        print(json.dumps(row) if args.json else "\n".join(f"{key:26} {value}" for key, value in row.items()) + "\n")
+    return 1 if failed else 0
+
+
+def _lightning(args: argparse.Namespace, lengths: list[int], device: torch.device, dtype: torch.dtype,
+               with_triton: bool) -> int:
+    """`--lightning`: for each length, one sequence's lightning attention from a random state at the layer's shape
+    (`--lightning-heads` of `--head-dim`): the torch chunked form (`kernels.lightning.chunked_torch`) and the Triton
+    kernel (`kernels.triton_lightning`, one launch) where it runs; times, tokens a second, speed-up and the largest
+    difference (exit 1 past 1e-2 of the output's largest value)."""
+    from kernels import lightning
+
+    heads, d = args.lightning_heads, args.head_dim
+    for name, value in (("lightning_heads", heads), ("head_dim", d)):
+        if value < 1:
+            raise ValueError(f"--{name.replace('_', '-')}: must be >= 1, got {value}")
+    failed = False
+    for tokens in lengths:
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        q, k, v = (torch.randn(tokens, heads, d, generator=gen).to(device, dtype) for _ in range(3))
+        slopes = (torch.rand(heads, generator=gen) * 0.5 + 0.01).to(device)
+        inputs = (q, k, v, slopes, torch.zeros(heads, d, d, device=device))
+        row = {"device": str(device), "dtype": str(dtype).removeprefix("torch."), "tokens": tokens, "heads": heads,
+               "head_dim": d}
+        with torch.no_grad():
+            reference, _ = lightning.chunked_torch(*inputs)
+            row["torch_ms"] = statistics.median(time_call(lambda: lightning.chunked_torch(*inputs), device,
+                                                          iters=args.repeats)) * 1e3
+            row["torch_tokens_per_s"] = tokens / row["torch_ms"] * 1e3
+            if with_triton:
+                from kernels import triton_lightning
+
+                out, _ = triton_lightning.chunked(*inputs)
+                row["triton_ms"] = statistics.median(time_call(lambda: triton_lightning.chunked(*inputs), device,
                                                                iters=args.repeats)) * 1e3
                 row["triton_tokens_per_s"] = tokens / row["triton_ms"] * 1e3
                 row["triton_speedup"] = row["torch_ms"] / row["triton_ms"]

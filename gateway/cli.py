@@ -46,8 +46,8 @@ BENCHMARKS = {   # command -> help line; `cliffguard bench NAME` is bench.NAME's
     "dsa": "one layer of DeepSeek V3.2's sparse attention decoding: indexer + chosen tokens vs dense latent attention "
            "(--block-sparse: MiniMax M3's block-sparse layer)",
     "mamba": "one Mamba-1 layer's selective scan over a prefill (Jamba's), or with --gated-delta a Gated DeltaNet "
-             "layer's delta rule (Qwen3.5's), with --ssd a Mamba-2 layer's scan (Granite 4-H's): the Triton kernels "
-             "vs the torch forms",
+             "layer's delta rule (Qwen3.5's), with --ssd a Mamba-2 layer's scan (Granite 4-H's), with --lightning "
+             "lightning attention (MiniMax's): the Triton kernels vs the torch forms",
     "tokenizer": "tiktoken counter vs the HF tokenizer",
     "gateway": "latency the gateway adds, routed requests/s",
     "kernels": "paged attention vs copy bandwidth and SDPA (GPU; --dry-run on CPU)",

@@ -11,14 +11,14 @@ and v already through SiLU, q unscaled, no softmax):
 `recurrent_step` runs one token of many sequences at once (decode). `chunked` runs one sequence's new tokens in
 blocks (prefill): within a block the outputs are a masked product, exp(-s (i - j)) (q_i . k_j) v_j over j <= i, plus
 what the state held at the block's start, decayed to each token; the state moves once a block. A prompt costs
-T / block sequential steps, not T.
+T / block sequential steps, not T (on CUDA one Triton launch, `kernels.triton_lightning`).
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["BLOCK", "chunked", "recurrent_step"]
+__all__ = ["BLOCK", "chunked", "chunked_torch", "recurrent_step"]
 
 BLOCK = 64
 
@@ -37,7 +37,17 @@ def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Ten
             block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence's new tokens, from its state. q, k, v: [num_tokens, num_heads, head_dim]; slopes: [num_heads]
     (float32); ssm: [num_heads, head_dim, head_dim] float32 -> (out [num_tokens, num_heads, head_dim] float32, the
-    state after the last token)."""
+    state after the last token). On CUDA `kernels.triton_lightning`'s one launch."""
+    if v.is_cuda:
+        from kernels.triton_lightning import chunked as triton_chunked
+
+        return triton_chunked(q, k, v, slopes, ssm)
+    return chunked_torch(q, k, v, slopes, ssm, block)
+
+
+def chunked_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor, ssm: torch.Tensor,
+                  block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """`chunked` in torch on any device: the CPU's path, and the yardstick of the Triton one."""
     q, k, v = (t.float().transpose(0, 1) for t in (q, k, v))            # [heads, tokens, head_dim]
     rate = slopes.float()[:, None]                                       # [heads, 1]
     state, outs = ssm.float(), []

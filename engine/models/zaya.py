@@ -186,7 +186,11 @@ class ZayaLayer(nn.Module):
 class ZayaForCausalLM(StatefulForCausalLM):
     """ZAYA1 (the module docstring): the Llama model's loading and head over CCA layers and their states."""
 
-    graph_safe = False   # the router's skip class and the experts' loop read the device
+    @property
+    def graph_safe(self) -> bool:
+        """CUDA graphs capture it when every layer's experts run the Triton kernels (the loop reads which experts are
+        hit; the router and the CCA state's decode rows read nothing)."""
+        return all(layer.mlp.fused_moe is not None for layer in self.layers)
 
     def __init__(self, config: ModelConfig, shard: ShardShape | None = None, comm: Collectives | None = None,
                  ops: ModuleType | None = None) -> None:

@@ -45,8 +45,9 @@ def test_bad_sizes_are_named(option, value):
 @pytest.mark.parametrize("mode,shape,keys", [
     ("--gated-delta", ("--k-heads", "2", "--v-heads", "4", "--head-dim", "16"), ("k_heads", "v_heads", "head_dim")),
     ("--ssd", ("--ssd-heads", "4", "--ssd-head-dim", "16", "--ssd-groups", "2", "--ssd-d-state", "16"),
-     ("heads", "head_dim", "groups", "d_state"))])
-def test_a_gated_delta_or_ssd_layer_times_the_torch_form_and_the_kernels(capsys, mode, shape, keys):
+     ("heads", "head_dim", "groups", "d_state")),
+    ("--lightning", ("--lightning-heads", "2", "--head-dim", "16"), ("heads", "head_dim"))])
+def test_a_linear_attention_or_ssd_layer_times_the_torch_form_and_the_kernels(capsys, mode, shape, keys):
     pytest.importorskip("triton")
     args = _parse(mode, *shape, "--device", "cpu", "--dtype", "float32", "--tokens", "5,40", "--repeats", "1", "--json")
     assert mamba.run(args) == 0
@@ -62,7 +63,8 @@ def test_a_gated_delta_or_ssd_layer_times_the_torch_form_and_the_kernels(capsys,
 @pytest.mark.parametrize("argv,option", [(("--gated-delta", "--k-heads", "3", "--v-heads", "4"), "--v-heads"),
                                          (("--gated-delta", "--head-dim", "0"), "--head-dim"),
                                          (("--ssd", "--ssd-heads", "5", "--ssd-groups", "2"), "--ssd-heads"),
-                                         (("--ssd", "--ssd-d-state", "0"), "--ssd-d-state")])
+                                         (("--ssd", "--ssd-d-state", "0"), "--ssd-d-state"),
+                                         (("--lightning", "--lightning-heads", "0"), "--lightning-heads")])
 def test_bad_layer_shapes_are_named(argv, option):
     with pytest.raises(ValueError, match=f"^{option}:"):
         mamba.run(_parse("--device", "cpu", *argv))
