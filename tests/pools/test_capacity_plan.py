@@ -489,6 +489,7 @@ def test_the_examples_measure_their_gpus_where_they_are_served():
     ("longcat-flash-chat-8xh200-fp8.yaml", 141 * GiB, 565_433_583_616, "float8_e4m3fn"),
     ("deepseek-v4-flash-8xh200.yaml", 141 * GiB, 568_732_969_436, "bfloat16"),
     ("minimax-text-01-8xh200-fp8.yaml", 141 * GiB, 476_433_723_392, "float8_e4m3fn"),
+    ("dory-1.0-4b-h100.yaml", 80 * GiB, 7_950_458_880, "bfloat16"),
 ])
 def test_the_example_files_plan(name, vram, dense_bytes, kv):
     """The example files plan from the config.json beside them: Qwen3-32B's weights (YaRN to 131,072
@@ -509,7 +510,8 @@ def test_the_example_files_plan(name, vram, dense_bytes, kv):
     sublayers' latent rows whole on each GPU), and DeepSeek-V4-Flash on eight H200s in bfloat16 (a row a token a
     layer, each its kind's width, whole on each GPU; no decode graphs set aside), and MiniMax-Text-01 on eight H200s,
     its projections quantized to FP8 as read (its lightning layers' in bfloat16), with an FP8 cache (its 10 attention
-    layers' K/V alone, each sequence's state of its 70 lightning layers beside them)."""
+    layers' K/V alone, each sequence's state of its 70 lightning layers beside them), and Dory 1.0 4B on one H100 (its
+    36 layers' weights once, the K/V of the 56 its loops run)."""
     data = yaml.safe_load((REPO / "config" / "examples" / name).read_text())
     config = parse_config(data, env={}, base_dir=REPO / "config" / "examples")
     plan = plan_capacity(config, resolve_model_configs(config), vram_bytes=vram)
@@ -532,6 +534,8 @@ def test_the_example_files_plan(name, vram, dense_bytes, kv):
     if name.startswith("jamba"):   # a float32 state of 16 for each of 8,192 channels, 3 conv inputs
         assert device.kv_bytes_per_token == 4 * 8 * 128 * 2 * 2
         assert {p.state_bytes_per_seq for p in plan.pools.values()} == {28 * (8192 * 3 * 2 + 8192 * 16 * 4)}
+    if name.startswith("dory"):   # 8 + 2 x 20 + 8 virtual layers' 4 KV heads of 256
+        assert device.kv_bytes_per_token == 56 * 4 * 256 * 2 * 2
     if name.startswith("minimax"):   # a GPU's 1 KV head of 128 in 10 layers; 8 lightning heads' 128 x 128 float32s
         assert device.kv_bytes_per_token_per_device == 10 * 2 * 128 * 1 and device.fp8_weights
         assert {p.state_bytes_per_seq for p in plan.pools.values()} == {70 * 8 * 128 * 128 * 4}
