@@ -490,6 +490,7 @@ def test_the_examples_measure_their_gpus_where_they_are_served():
     ("deepseek-v4-flash-8xh200.yaml", 141 * GiB, 568_732_969_436, "bfloat16"),
     ("minimax-text-01-8xh200-fp8.yaml", 141 * GiB, 476_433_723_392, "float8_e4m3fn"),
     ("dory-1.0-4b-h100.yaml", 80 * GiB, 7_950_458_880, "bfloat16"),
+    ("zaya1-8b-h100.yaml", 80 * GiB, 17_680_978_928, "bfloat16"),
 ])
 def test_the_example_files_plan(name, vram, dense_bytes, kv):
     """The example files plan from the config.json beside them: Qwen3-32B's weights (YaRN to 131,072
@@ -511,7 +512,8 @@ def test_the_example_files_plan(name, vram, dense_bytes, kv):
     layer, each its kind's width, whole on each GPU; no decode graphs set aside), and MiniMax-Text-01 on eight H200s,
     its projections quantized to FP8 as read (its lightning layers' in bfloat16), with an FP8 cache (its 10 attention
     layers' K/V alone, each sequence's state of its 70 lightning layers beside them), and Dory 1.0 4B on one H100 (its
-    36 layers' weights once, the K/V of the 56 its loops run)."""
+    36 layers' weights once, the K/V of the 56 its loops run), and ZAYA1-8B on one H100 (every layer's K/V, and each
+    sequence's CCA state beside it)."""
     data = yaml.safe_load((REPO / "config" / "examples" / name).read_text())
     config = parse_config(data, env={}, base_dir=REPO / "config" / "examples")
     plan = plan_capacity(config, resolve_model_configs(config), vram_bytes=vram)
@@ -534,6 +536,9 @@ def test_the_example_files_plan(name, vram, dense_bytes, kv):
     if name.startswith("jamba"):   # a float32 state of 16 for each of 8,192 channels, 3 conv inputs
         assert device.kv_bytes_per_token == 4 * 8 * 128 * 2 * 2
         assert {p.state_bytes_per_seq for p in plan.pools.values()} == {28 * (8192 * 3 * 2 + 8192 * 16 * 4)}
+    if name.startswith("zaya"):   # 40 layers' 2 KV heads of 128; their q/k convolutions' 2 inputs, a delayed value
+        assert device.kv_bytes_per_token == 40 * 2 * 128 * 2 * 2
+        assert {p.state_bytes_per_seq for p in plan.pools.values()} == {40 * ((8 + 2) * 128 * 2 * 2 + 128 * 4)}
     if name.startswith("dory"):   # 8 + 2 x 20 + 8 virtual layers' 4 KV heads of 256
         assert device.kv_bytes_per_token == 56 * 4 * 256 * 2 * 2
     if name.startswith("minimax"):   # a GPU's 1 KV head of 128 in 10 layers; 8 lightning heads' 128 x 128 float32s
