@@ -28,11 +28,12 @@ from engine.layers import RMSNorm
 from engine.layers.gated_delta_net import RecurrentStates, StateMixer
 from engine.model import Attention, LlamaForCausalLM
 from engine.model_config import ModelConfig
+from engine.models.granite import with_layer_rope
 from engine.models.hybrid import StatefulForCausalLM
 from engine.models.qwen3_moe import SparseMoeBlock
 from engine.parallel import Collectives, ShardShape
 from engine.zaya_config import CcaShape
-from kernels import AttentionMetadata
+from kernels import AttentionMetadata, fused
 from kernels.qsa import turn_part
 
 __all__ = ["CcaAttention", "ZayaForCausalLM"]
@@ -193,16 +194,12 @@ class ZayaForCausalLM(StatefulForCausalLM):
         return all(layer.mlp.fused_moe is not None for layer in self.layers)
 
     def __init__(self, config: ModelConfig, shard: ShardShape | None = None, comm: Collectives | None = None,
-                 ops: ModuleType | None = None) -> None:
-        from kernels import fused
-
-        super().__init__(config, shard, comm, ops or fused)
+                 ops: ModuleType = fused) -> None:
+        super().__init__(config, shard, comm, ops)
         self.input_hidden_states_scale = nn.Parameter(torch.empty(config.hidden_size))
         self.input_hidden_states_bias = nn.Parameter(torch.empty(config.hidden_size))
 
     def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
-        from engine.models.granite import with_layer_rope
-
         layer = ZayaLayer(self.config, self.shard, self.comm, self.rotary_emb, ops, index, self.state_index[index])
         return with_layer_rope(self, layer, index, ops)
 
