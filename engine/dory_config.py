@@ -1,16 +1,16 @@
 """NVIDIA's Dory (`DoryForCausalLM`, Nemotron Labs Dory 1.0) as transformers' `DoryConfig` reads its config.json: an
 nGPT model (every hidden state on the unit sphere: L2 norms of no weight, residuals that interpolate towards each
-sublayer's normed output at learned rates) of `n_input_layers`, then `n_recurrent_layers` run `n_recurrent_loops`
-times (each loop restarting from the input section's output), then `n_output_layers`. Its layers are sliding (a
-window of `sliding_window`) or full attention by `layer_types` (by default every fourth full), each type its own
-rope base (10,000 and 10,000,000 unless `rope_parameters` says), q and k normed to unit length and q scaled per
-channel after the rotary, the output gated and normed, the MLP's gate and up scaled per channel, the head's logits
-per token.
+sublayer's normed output at learned rates) of `n_input_layers`, then `n_recurrent_layers` run `n_recurrent_loops` times
+(each loop restarting from the input section's output), then `n_output_layers`. Its layers are sliding (a window of
+`sliding_window`) or full attention by `layer_types` (by default every fourth full), each type its own rope base (10,000
+and 10,000,000 unless `rope_parameters` says), q and k normed to unit length and q scaled per channel after the rotary,
+the output gated and normed, the MLP's gate and up scaled per channel, the head's logits per token.
 
-The engine serves the loops unrolled: its layers are the virtual ones (`DoryShape.physical` names each one's
-weights), and with `recurrent_kv_cache_mode` per_loop (the default) each keeps its own K/V, as transformers'
-cache does. The released config.json lists an attention and an mlp block a layer (`layer_types` with `mlp`
-entries, every count doubled): read as transformers reads it. What we do not serve is refused naming the key."""
+The engine serves the loops unrolled: its layers are the virtual ones (`DoryShape.physical` names each one's weights),
+and with `recurrent_kv_cache_mode` per_loop (the default) each keeps its own K/V, as transformers' cache does; with
+last_loop only the last loop's runs keep K/V, the earlier ones attending to it (`DoryShape.kv_owner`). The released
+config.json lists an attention and an mlp block a layer (`layer_types` with `mlp` entries, every count doubled): read as
+transformers reads it. What we do not serve is refused naming the key."""
 
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ class DoryShape:
     loops: int
     init: float
     alpha: float
+    last_loop: bool = False   # `recurrent_kv_cache_mode` last_loop: the last loop's K/V alone kept
 
     @property
     def num_virtual(self) -> int:
@@ -50,6 +51,15 @@ class DoryShape:
         if virtual < self.inputs + self.loops * self.recurrent:
             return self.inputs + (virtual - self.inputs) % self.recurrent
         return virtual - (self.loops - 1) * self.recurrent
+
+    def kv_owner(self, virtual: int) -> int:
+        """The virtual layer whose K/V virtual layer `virtual` keeps and attends to: itself, or with `last_loop` a
+        recurrent layer's run in the last loop (an earlier loop writes its own K/V into those slots for the step's
+        tokens and attends to them; the last loop's overwrite them, transformers' cache in that mode)."""
+        start, looped = self.inputs, self.loops * self.recurrent
+        if not self.last_loop or not start <= virtual < start + looped - self.recurrent:
+            return virtual
+        return start + looped - self.recurrent + (virtual - start) % self.recurrent
 
     def first_virtual(self, layer: int) -> int:
         """The first virtual layer running checkpoint layer `layer` (its weights' name in the model)."""
@@ -93,14 +103,15 @@ def dory_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
     if inputs + recurrent + outputs != num_layers:
         raise ConfigError(f"n_recurrent_layers: n_input_layers + n_recurrent_layers + n_output_layers must be "
                           f"num_hidden_layers ({num_layers}), got {inputs} + {recurrent} + {outputs}")
-    if cfg.get("recurrent_kv_cache_mode", "per_loop") != "per_loop":
-        raise ConfigError(f"recurrent_kv_cache_mode: per_loop is served (each loop its own K/V), got "
-                          f"{cfg['recurrent_kv_cache_mode']!r}")
+    mode = cfg.get("recurrent_kv_cache_mode") or "per_loop"
+    if mode not in ("per_loop", "last_loop"):
+        raise ConfigError(f"recurrent_kv_cache_mode: per_loop (each loop its own K/V) or last_loop (the last loop's "
+                          f"alone), got {mode!r}")
     if cfg.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"hidden_act: Dory's MLP is served with silu only, got {cfg['hidden_act']!r}")
     shape = DoryShape(layers=num_layers, inputs=inputs, recurrent=recurrent, outputs=outputs,
                       loops=read_int(cfg, "n_recurrent_loops", 2), init=read_float(cfg, "initializer_range", 0.0177),
-                      alpha=read_float(cfg, "ngpt_alpha_init", 0.05))
+                      alpha=read_float(cfg, "ngpt_alpha_init", 0.05), last_loop=mode == "last_loop")
     thetas = {kind: _theta(cfg, kind) for kind in set(kinds)}
     virtual = [kinds[shape.physical(v)] for v in range(shape.num_virtual)]
     return {"num_layers": shape.num_virtual, "layer_types": tuple(virtual), "dory": shape, "qk_norm": True,

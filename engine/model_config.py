@@ -344,7 +344,8 @@ class ModelConfig:
         state per sequence instead (`state_bytes_per_seq`). The cache's layer i is layer kv_layers[i]'s."""
         return tuple(i for i in range(self.num_layers) if not self.is_linear_layer(i)
                      and not (self.layer_types and self.layer_types[i] in ("mlp", "moe"))   # Nemotron-H's
-                     and (self.gemma4 is None or self.gemma4.kv_producer(self, i) == i))   # Gemma 4's shared K/V
+                     and (self.gemma4 is None or self.gemma4.kv_producer(self, i) == i)   # Gemma 4's shared K/V
+                     and (self.dory is None or self.dory.kv_owner(i) == i))   # Dory's loops but its last (last_loop)
 
     @property
     def state_shape(self) -> StateShape | None:

@@ -1,19 +1,20 @@
 """NVIDIA's Dory (`DoryForCausalLM`; its config: `engine.dory_config`), an nGPT model whose middle layers run in loops:
-- every norm is an L2 norm of no weight (`UnitNorm`: x / |x|, float32, one rounding); a layer normalizes its input,
-  and each sublayer's normed output pulls the hidden state towards it at a learned rate a channel
-  (h + |lambda x scale| (normed(out) - h));
+- every norm is an L2 norm of no weight (`UnitNorm`: x / |x|, float32, one rounding); a layer normalizes its input, and
+  each sublayer's normed output pulls the hidden state towards it at a learned rate a channel (h + |lambda x scale|
+  (normed(out) - h));
 - attention (`DoryAttention`): q and k heads normed to unit length before the rotary (a base by layer type), q then
   scaled per channel by (sqk x scale)^2, sliding or full by layer; the output gated by sigmoid(gate x (s_gate x
   scale)^2) (its `gate_proj` read into qkv_proj's last rows) and normed over all heads before o_proj;
-- the MLP (`DoryMLP`): gate and up scaled per row by `suv_gate` / `suv_up` x sqrt(hidden), SiLU(gate) x up normed
-  over all rows before down_proj;
+- the MLP (`DoryMLP`): gate and up scaled per row by `suv_gate` / `suv_up` x sqrt(hidden), SiLU(gate) x up normed over
+  all rows before down_proj;
 - the head's logits times a learned scale a token, in float32.
 The loops are unrolled into virtual layers (`DoryShape.physical`: a checkpoint layer's module appears once a loop in
-`layers`), each keeping its own K/V (transformers' per_loop cache); each loop starts from its hidden state normed plus
-the input section's normed output. Under tensor parallelism each rank holds its heads and MLP rows; the norms over
-all heads and rows add their sums of squares over the ranks. Checkpoints are read under transformers' names or the
-release's (`backbone.`, each layer's attention block `layers.2i.mixer` and MLP block `layers.2i+1.mixer`, the rates
-`attn_alpha` / `mlp_alpha`, `embeddings`, `g_proj`).
+`layers`), each keeping its own K/V (transformers' per_loop cache), or with last_loop the earlier loops writing theirs
+into the last loop's slots and attending to them before the last loop overwrites them (`DoryShape.kv_owner`); each loop
+starts from its hidden state normed plus the input section's normed output. Under tensor parallelism each rank holds its
+heads and MLP rows; the norms over all heads and rows add their sums of squares over the ranks. Checkpoints are read
+under transformers' names or the release's (`backbone.`, each layer's attention block `layers.2i.mixer` and MLP block
+`layers.2i+1.mixer`, the rates `attn_alpha` / `mlp_alpha`, `embeddings`, `g_proj`).
 """
 
 from __future__ import annotations
@@ -132,6 +133,8 @@ class DoryForCausalLM(LlamaForCausalLM):
         self._built: dict[int, nn.Module] = {}
         super().__init__(config, shard, comm, ops)
         self.logit_scale = nn.Parameter(torch.empty(config.vocab_size))
+        kv = config.kv_layers   # each virtual layer's entry of the step's caches (its K/V's owner's)
+        self.kv_slot = [kv.index(config.dory.kv_owner(v)) for v in range(config.num_layers)]
 
     def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
         """Virtual layer `index`: its checkpoint layer's module, built at its first virtual layer."""
@@ -158,7 +161,7 @@ class DoryForCausalLM(LlamaForCausalLM):
             rotary = layer.self_attn.rotary_emb
             if id(rotary) not in rows:
                 rows[id(rotary)] = rotary.rows(positions)
-            hidden = layer(hidden, rows[id(rotary)], kv_caches[v], meta, backend)
+            hidden = layer(hidden, rows[id(rotary)], kv_caches[self.kv_slot[v]], meta, backend)
         return unit(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -63,9 +63,29 @@ def test_the_releases_names_and_three_loops_serve_as_transformers_runs_them(tmp_
         [_hf_greedy(hf3, p, 10, eos_ids=None) for p in prompts]
 
 
+@pytest.mark.usefixtures("one_thread")
+def test_a_cache_the_last_loop_alone_keeps_serves_as_transformers_runs_it(tmp_path, builtin_path):
+    """`recurrent_kv_cache_mode: last_loop`: the recurrent layers keep K/V once (6 layers of K/V, not 8), the first
+    loop writing its own into the last loop's slots for the step's tokens and attending to them, the last loop's
+    overwriting them; prompts prefilled in one step and decoded: transformers' greedy tokens (whose cache in that mode
+    holds the last loop's K/V of the tokens before a step)."""
+    import transformers
+
+    folder = make_tiny_model(tmp_path / "dory", "dory", builtin_path,
+                             **{**DORY, "recurrent_kv_cache_mode": "last_loop"})
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    engine = LLMEngine.from_args(str(folder), dtype="float32", block_size=8, num_blocks=64,
+                                 max_num_batched_tokens=64, progress=False)
+    assert engine.model_config.num_kv_layers == 6 and engine.model.kv_slot == [0, 1, 2, 3, 2, 3, 4, 5]
+    gen = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (7, 30, 60)]
+    outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == [_hf_greedy(hf, p, 12, eos_ids=None) for p in prompts]
+
+
 def test_what_dory_does_not_serve_is_refused_by_key():
-    """A cache written by the last loop alone, sections that do not add up to the layers, another activation or rope
-    type: refused naming the key; the release's doubled layout read as transformers reads it."""
+    """An unknown cache mode, sections that do not add up to the layers, another activation or rope type: refused
+    naming the key; the release's doubled layout read as transformers reads it."""
     base = {"architectures": ["DoryForCausalLM"], "vocab_size": 512, "hidden_size": 64, "intermediate_size": 96,
             "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
             "n_input_layers": 2, "n_output_layers": 2, "max_position_embeddings": 256}
@@ -75,7 +95,7 @@ def test_what_dory_does_not_serve_is_refused_by_key():
                 "layer_types": [t for t in ("sliding_attention",) * 3 + ("full_attention",) + ("sliding_attention",) * 2
                                 for t in (t, "mlp")]}
     assert ModelConfig.from_hf_config(released).layer_types == config.layer_types
-    for change, key in (({"recurrent_kv_cache_mode": "last_loop"}, "recurrent_kv_cache_mode"),
+    for change, key in (({"recurrent_kv_cache_mode": "every_loop"}, "recurrent_kv_cache_mode"),
                         ({"n_recurrent_layers": 5}, "n_recurrent_layers"), ({"hidden_act": "gelu"}, "hidden_act"),
                         ({"rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 2.0}}},
                          "rope_parameters.full_attention.rope_type"),
