@@ -211,6 +211,11 @@ QWEN3_5 = dict(num_hidden_layers=4, head_dim=16, linear_num_key_heads=2, linear_
                linear_key_head_dim=16, linear_value_head_dim=8)
 GRANITE = dict(embedding_multiplier=3.0, attention_multiplier=0.05, residual_multiplier=0.5, logits_scaling=2.0,
                tie_word_embeddings=True)
+# Granite 4's -H models: Mamba-2 layers (4 heads of 32, a state of 16, B and C in 2 groups; prompts past its chunk of
+# 16 and past a step's 64 tokens) beside an attention one, Granite's scalars
+GRANITE4_H = {**GRANITE, "layer_types": ["mamba", "attention", "mamba"], "num_hidden_layers": 3, "num_local_experts": 0,
+              "shared_intermediate_size": 96, "mamba_n_heads": 4, "mamba_d_state": 16, "mamba_n_groups": 2,
+              "mamba_chunk_size": 16, "position_embedding_type": "rope"}
 # Gemma 4: sliding layers (heads of 16, a window of 8) around full ones with heads of 32 and one KV head of their
 # own, V their K projection (k_eq_v) and a proportional rope turning half of each head; soft-capped logits (an untied
 # head: a tied one repeats the prompt's last token); then the same with 4 experts (2 a token) beside each MLP, full
@@ -517,12 +522,7 @@ TINY_MODELS = [
     # Qwen3.5-MoE: those layers, each MLP 8 experts of 32 (2 a token, renormalised) beside a gated shared expert of 48
     ("qwen3_5_moe", {**QWEN3_5, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                      "shared_expert_intermediate_size": 48}),
-    # Granite 4's -H models: Mamba-2 layers (4 heads of 32, a state of 16, B and C in 2 groups; prompts past its
-    # chunk of 16 and past a step's 64 tokens) beside an attention one, Granite's scalars
-    ("granitemoehybrid", {**GRANITE, "layer_types": ["mamba", "attention", "mamba"], "num_hidden_layers": 3,
-                          "num_local_experts": 0, "shared_intermediate_size": 96, "mamba_n_heads": 4,
-                          "mamba_d_state": 16, "mamba_n_groups": 2, "mamba_chunk_size": 16,
-                          "position_embedding_type": "rope"}),
+    ("granitemoehybrid", GRANITE4_H),   # Granite 4's -H models (Mamba-2 beside attention)
     # then with experts (-H-Tiny's, -H-Small's): 4 of 32, 2 a token, beside the shared MLP, NoPE attention
     ("granitemoehybrid", {"layer_types": ["mamba", "mamba", "attention"], "num_hidden_layers": 3,
                           "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32,
@@ -1946,12 +1946,17 @@ def assert_preempted_batch_answers(engine: LLMEngine, hf, gen: torch.Generator, 
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch, overrides", [("deepseek_v4", DEEPSEEK_V4), ("hy_v4", HYV4),
                                              ("gemma3n_text", GEMMA3N), ("minimax_m3_vl_text", MINIMAX_M3),
-                                             ("bloom", {"n_layer": 2, "n_head": 4})])
+                                             ("bloom", {"n_layer": 2, "n_head": 4}), ("qwen4_exp_text", QWEN4_EXP),
+                                             ("dory", DORY), ("zaya", ZAYA), ("qwen3_5", QWEN3_5), ("minimax", MINIMAX),
+                                             ("granitemoehybrid", GRANITE4_H)])
 def test_on_cuda_the_models_of_several_streams_answer_as_transformers_does(tmp_path, builtin_path, arch, overrides):
     """DeepSeek V4 (its attention and compressors torch on the device, its decode rows at once), HY V4 (V3.2's
     kernels with sinks, Triton's on CUDA; its short decodes in graphs), Gemma 3n (AltUp's streams; its decode steps
-    captured in graphs), MiniMax M3 (its block-sparse attention and experts Triton's) and BLOOM (ALiBi in the Triton
-    kernels, its decode steps captured in graphs) on a GPU in float32: the greedy tokens of transformers on the CPU."""
+    captured in graphs), MiniMax M3 (its block-sparse attention and experts Triton's), BLOOM (ALiBi in the Triton
+    kernels, its decode steps captured in graphs), Qwen4-Exp (its streams, PLE states and QSA; the dense regime in
+    graphs), Dory (its unrolled loops in graphs), ZAYA1 (its CCA states, its experts Triton's), and the prefills of
+    Qwen3.5's, MiniMax's and Granite 4-H's state layers through their Triton kernels (`kernels.triton_gated_delta`,
+    `triton_lightning`, `triton_ssd`) on a GPU in float32: the greedy tokens of transformers on the CPU."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     import transformers

@@ -95,14 +95,11 @@ def test_an_engine_prefilling_through_the_kernel_answers_as_transformers(tmp_pat
     from engine.sampling import SamplingParams
     from kernels import triton_ssd
     from tests.conftest import make_tiny_model
-    from tests.engine.test_engine_vs_hf import GRANITE, _hf_greedy
+    from tests.engine.test_engine_vs_hf import GRANITE4_H, _hf_greedy
 
     calls = []
     monkeypatch.setattr(ssd, "chunked", lambda *args: calls.append(len(args[0])) or triton_ssd.chunked(*args))
-    shape = {**GRANITE, "layer_types": ["mamba", "attention", "mamba"], "num_hidden_layers": 3,
-             "num_local_experts": 0, "shared_intermediate_size": 96, "mamba_n_heads": 4, "mamba_d_state": 16,
-             "mamba_n_groups": 2, "mamba_chunk_size": 16, "position_embedding_type": "rope"}
-    folder = make_tiny_model(tmp_path / "granite4h", "granitemoehybrid", builtin_path, **shape)
+    folder = make_tiny_model(tmp_path / "granite4h", "granitemoehybrid", builtin_path, **GRANITE4_H)
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     engine = LLMEngine.from_args(str(folder), dtype="float32", block_size=8, num_blocks=64,
                                  max_num_batched_tokens=64, progress=False)
