@@ -114,8 +114,9 @@ def _gated_delta(args: argparse.Namespace, lengths: list[int], device: torch.dev
     """`--gated-delta`: for each length, one sequence's delta rule from a random state at the layer's shape: the
     torch chunked form (`kernels.gated_delta.chunked_torch`, a handful of launches a chunk of 64) and the Triton
     kernels (`kernels.triton_gated_delta`, two launches) where they run; their times (median), tokens a second, the
-    speed-up and the largest difference of the kernels' output from the torch form's (exit 1 past 1e-2, relative to
-    its largest value: TF32 dots on a 16-bit model's inputs)."""
+    speed-up, the kernels' bandwidth (the bytes they must move, as GB/s) and the largest difference of the kernels'
+    output from the torch form's (exit 1 past 1e-2, relative to its largest value: TF32 dots on a 16-bit model's
+    inputs)."""
     from kernels import gated_delta
 
     for name in ("k_heads", "v_heads", "head_dim"):
@@ -148,6 +149,11 @@ def _gated_delta(args: argparse.Namespace, lengths: list[int], device: torch.dev
                                                                iters=args.repeats)) * 1e3
                 row["triton_tokens_per_s"] = tokens / row["triton_ms"] * 1e3
                 row["triton_speedup"] = row["torch_ms"] / row["triton_ms"]
+                # q, k, v, g and beta read, the output written, the WY form's w, u and decays written and read, the
+                # state read and written once
+                moved = tokens * (2 * hk * d + hv * d) * dtype.itemsize + tokens * hv * (2 + d) * 4 + \
+                    2 * tokens * hv * (2 * d + 1) * 4 + 2 * hv * d * d * 4
+                row["triton_gb_per_s"] = moved / row["triton_ms"] / 1e6
                 row["max_rel_diff"] = float((out - reference).abs().max() / reference.abs().max())
                 failed |= row["max_rel_diff"] > 1e-2
         print(json.dumps(row) if args.json else "\n".join(f"{key:26} {value}" for key, value in row.items()) + "\n")
@@ -193,6 +199,10 @@ def _ssd(args: argparse.Namespace, lengths: list[int], device: torch.device, dty
                                                                iters=args.repeats)) * 1e3
                 row["triton_tokens_per_s"] = tokens / row["triton_ms"] * 1e3
                 row["triton_speedup"] = row["torch_ms"] / row["triton_ms"]
+                # x, B and C read, dt read, y written, the state read and written once
+                moved = tokens * (heads * head_dim + 2 * groups * d_state) * dtype.itemsize + \
+                    tokens * heads * (1 + head_dim) * 4 + 2 * heads * head_dim * d_state * 4
+                row["triton_gb_per_s"] = moved / row["triton_ms"] / 1e6
                 row["max_rel_diff"] = float((out - reference).abs().max() / reference.abs().max())
                 failed |= row["max_rel_diff"] > 1e-2
         print(json.dumps(row) if args.json else "\n".join(f"{key:26} {value}" for key, value in row.items()) + "\n")
@@ -232,6 +242,9 @@ def _lightning(args: argparse.Namespace, lengths: list[int], device: torch.devic
                                                                iters=args.repeats)) * 1e3
                 row["triton_tokens_per_s"] = tokens / row["triton_ms"] * 1e3
                 row["triton_speedup"] = row["torch_ms"] / row["triton_ms"]
+                # q, k and v read, the output written, the state read and written once
+                moved = 3 * tokens * heads * d * dtype.itemsize + tokens * heads * d * 4 + 2 * heads * d * d * 4
+                row["triton_gb_per_s"] = moved / row["triton_ms"] / 1e6
                 row["max_rel_diff"] = float((out - reference).abs().max() / reference.abs().max())
                 failed |= row["max_rel_diff"] > 1e-2
         print(json.dumps(row) if args.json else "\n".join(f"{key:26} {value}" for key, value in row.items()) + "\n")

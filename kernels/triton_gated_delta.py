@@ -118,6 +118,12 @@ def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     precision = "ieee" if v.dtype == torch.float32 else "tf32"
     num_tokens, heads, dv = v.shape
     dk, groups = k.shape[-1], heads // k.shape[-2]
+    _check(q.shape == k.shape and q.shape[0] == num_tokens and heads % k.shape[-2] == 0,
+           f"q {tuple(q.shape)} and k {tuple(k.shape)}: [tokens, key heads, k_head_dim], dividing v's heads")
+    _check(g.shape == beta.shape == (num_tokens, heads) and ssm.shape == (heads, dk, dv),
+           f"g {tuple(g.shape)}, beta {tuple(beta.shape)}, ssm {tuple(ssm.shape)}: [tokens, value heads] and "
+           f"[value heads, k_head_dim, v_head_dim]")
+    _check(chunk >= 16 and chunk & (chunk - 1) == 0, f"chunk: a power of two of at least 16, got {chunk}")
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     g, beta = g.float().contiguous(), beta.float().contiguous()
     device = v.device
@@ -137,3 +143,8 @@ def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), DK=dk, DV=dv, KP=kp, BLOCK_V=block_v, CHUNK=chunk,
         DOT_PRECISION=precision, num_warps=NUM_WARPS)
     return out, state
+
+
+def _check(ok: bool, what: str) -> None:
+    if not ok:
+        raise ValueError(f"gated delta kernels: {what}")

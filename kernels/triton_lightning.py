@@ -62,6 +62,11 @@ def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Ten
     (float32); ssm [num_heads, head_dim, head_dim] float32 -> (out [num_tokens, num_heads, head_dim] float32, the
     state after the last token). `chunk`: a power of two of at least 16."""
     num_tokens, heads, d = v.shape
+    if not (q.shape == k.shape == v.shape and slopes.shape == (heads,) and ssm.shape == (heads, d, d)):
+        raise ValueError(f"lightning kernel: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, slopes "
+                         f"{tuple(slopes.shape)}, ssm {tuple(ssm.shape)} do not agree")
+    if chunk < 16 or chunk & (chunk - 1):
+        raise ValueError(f"lightning kernel: chunk must be a power of two of at least 16, got {chunk}")
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     out = torch.empty(num_tokens, heads, d, dtype=torch.float32, device=v.device)
     state = torch.empty(heads, d, d, dtype=torch.float32, device=v.device)

@@ -69,6 +69,12 @@ def chunked(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
     least 16."""
     num_tokens, heads, head_dim = x.shape
     d_state, groups = B.shape[-1], B.shape[-2]
+    if not (B.shape == C.shape and B.shape[0] == num_tokens and heads % groups == 0 and dt.shape == (num_tokens, heads)
+            and A.shape == D.shape == (heads,) and ssm.shape == (heads, head_dim, d_state)):
+        raise ValueError(f"SSD kernel: x {tuple(x.shape)}, dt {tuple(dt.shape)}, A {tuple(A.shape)}, B "
+                         f"{tuple(B.shape)}, C {tuple(C.shape)}, D {tuple(D.shape)}, ssm {tuple(ssm.shape)} do not agree")
+    if chunk < 16 or chunk & (chunk - 1):
+        raise ValueError(f"SSD kernel: chunk must be a power of two of at least 16, got {chunk}")
     x, B, C = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, B, C))
     dt = dt.float().contiguous()
     y = torch.empty(num_tokens, heads, head_dim, dtype=torch.float32, device=x.device)

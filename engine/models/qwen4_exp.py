@@ -377,6 +377,8 @@ class Qwen4ExpForCausalLM(Qwen3_5MoeForCausalLM):
 
 
 def _shard_rows(data: torch.Tensor, part: int, config: ModelConfig, hf_name: str) -> torch.Tensor:
+    """The rows of a PLE table `data` its stored part `part` fills: torch.chunk's, equal parts of ceil(rows / parts),
+    the last the rest (a part past them refused by name)."""
     parts = config.qwen4_exp.shard_parts
     per = -(-data.shape[0] // parts)
     if part >= parts or part * per >= data.shape[0]:

@@ -57,6 +57,7 @@ def test_a_linear_attention_or_ssd_layer_times_the_torch_form_and_the_kernels(ca
     for row in rows:
         assert row["torch_ms"] > 0 and row["triton_ms"] > 0
         assert row["triton_speedup"] == pytest.approx(row["torch_ms"] / row["triton_ms"])
+        assert row["triton_gb_per_s"] > 0
         assert row["max_rel_diff"] < 1e-4   # the kernels against the torch form, float32
 
 

@@ -125,3 +125,14 @@ def test_an_engine_prefilling_through_the_kernels_answers_as_transformers(tmp_pa
     outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == [_hf_greedy(hf, p, 8, eos_ids=None) for p in prompts]
     assert max(calls) > 32   # pieces past one chunk of the kernels
+
+
+def test_the_launcher_refuses_shapes_that_do_not_agree():
+    pytest.importorskip("triton")
+    from kernels import triton_gated_delta
+
+    q, k, v, g, beta, ssm = _inputs(20, 2, 4, 16, 16)
+    for args, kwargs in (((q, k, v, g[:, :3], beta, ssm), {}), ((q, k[:, :1], v, g, beta, ssm), {}),
+                         ((q, k, v, g, beta, ssm[:, :8]), {}), ((q, k, v, g, beta, ssm), {"chunk": 24})):
+        with pytest.raises(ValueError, match="^gated delta kernels:"):
+            triton_gated_delta.chunked(*args, **kwargs)

@@ -102,3 +102,14 @@ def test_on_cuda_the_kernel_gives_the_torch_forms_outputs_at_minimax_text_01s_sh
     ref, ref_state = lightning.chunked_torch(q, k, v, slopes, ssm)
     assert (out - ref).abs().max() <= 1e-2 * ref.abs().max()
     assert (state - ref_state).abs().max() <= 1e-2 * ref_state.abs().max()
+
+
+def test_the_launcher_refuses_shapes_that_do_not_agree():
+    pytest.importorskip("triton")
+    from kernels import triton_lightning
+
+    q, k, v, slopes, ssm = _inputs(20, 4, 16)
+    for args, kwargs in (((q, k[:, :2], v, slopes, ssm), {}), ((q, k, v, slopes[:2], ssm), {}),
+                         ((q, k, v, slopes, ssm[:, :8]), {}), ((q, k, v, slopes, ssm), {"chunk": 48})):
+        with pytest.raises(ValueError, match="^lightning kernel:"):
+            triton_lightning.chunked(*args, **kwargs)

@@ -108,3 +108,14 @@ def test_an_engine_prefilling_through_the_kernel_answers_as_transformers(tmp_pat
     outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == [_hf_greedy(hf, p, 8, eos_ids=None) for p in prompts]
     assert max(calls) > 32   # pieces past one chunk of the kernel
+
+
+def test_the_launcher_refuses_shapes_that_do_not_agree():
+    pytest.importorskip("triton")
+    from kernels import triton_ssd
+
+    x, dt, A, B, C, D, ssm = _inputs(20, 4, 16, 2, 16)
+    for args, kwargs in (((x, dt[:, :3], A, B, C, D, ssm), {}), ((x, dt, A, B, C[:, :1], D, ssm), {}),
+                         ((x, dt, A, B, C, D, ssm[:, :8]), {}), ((x, dt, A, B, C, D, ssm), {"chunk": 8})):
+        with pytest.raises(ValueError, match="^SSD kernel:"):
+            triton_ssd.chunked(*args, **kwargs)
