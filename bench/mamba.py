@@ -16,6 +16,7 @@ Random inputs: the scan's cost does not depend on the values.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import statistics
@@ -87,26 +88,45 @@ def run(args: argparse.Namespace) -> int:
         inputs = _inputs(tokens, args.channels, args.d_state, device, dtype)
         row = {"device": str(device), "dtype": str(dtype).removeprefix("torch."), "tokens": tokens,
                "channels": args.channels, "d_state": args.d_state}
-        with torch.no_grad():
-            reference, _ = selective_scan.recurrence(*inputs)
-            row["recurrence_ms"] = statistics.median(time_call(lambda: selective_scan.recurrence(*inputs), device,
-                                                               iters=args.repeats)) * 1e3
-            row["recurrence_tokens_per_s"] = tokens / row["recurrence_ms"] * 1e3
-            if with_triton:
-                from kernels import triton_selective_scan
-
-                out, _ = triton_selective_scan.scan(*inputs)
-                row["triton_ms"] = statistics.median(time_call(lambda: triton_selective_scan.scan(*inputs), device,
-                                                               iters=args.repeats)) * 1e3
-                row["triton_tokens_per_s"] = tokens / row["triton_ms"] * 1e3
-                row["triton_speedup"] = row["recurrence_ms"] / row["triton_ms"]
-                moved = tokens * args.channels * (dtype.itemsize + 4 + 4) + 2 * tokens * args.d_state * dtype.itemsize \
-                    + 3 * args.channels * args.d_state * 4
-                row["triton_gb_per_s"] = moved / row["triton_ms"] / 1e6
-                row["max_rel_diff"] = float((out - reference).abs().max() / reference.abs().max())
-                failed |= row["max_rel_diff"] > 1e-3
-        print(json.dumps(row) if args.json else "\n".join(f"{key:26} {value}" for key, value in row.items()) + "\n")
+        moved = tokens * args.channels * (dtype.itemsize + 4 + 4) + 2 * tokens * args.d_state * dtype.itemsize \
+            + 3 * args.channels * args.d_state * 4
+        failed |= _compare(row, ("recurrence", selective_scan.recurrence),
+                           _kernel("triton_selective_scan", "scan", with_triton), inputs, device, args.repeats, moved,
+                           1e-3)
+        _print(row, args.json)
     return 1 if failed else 0
+
+
+def _kernel(module: str, name: str, with_triton: bool):
+    """`kernels.<module>.<name>` where the Triton kernels run (CUDA, or the interpreter), else None."""
+    return getattr(importlib.import_module(f"kernels.{module}"), name) if with_triton else None
+
+
+def _compare(row: dict, reference: tuple, kernel, inputs: tuple, device: torch.device, repeats: int, moved: int,
+             tolerance: float) -> bool:
+    """Time `reference` (its (name, function): `{name}_ms`, its tokens a second) and, where given, `kernel` on
+    `inputs` (the median of `repeats` calls each): the kernel's time, tokens a second, speed-up, bandwidth (`moved`
+    bytes as GB/s) and largest difference from the reference's output relative to its largest value, into `row`;
+    whether that difference is past `tolerance`."""
+    name, function = reference
+    tokens = row["tokens"]
+    with torch.no_grad():
+        expected, _ = function(*inputs)
+        row[f"{name}_ms"] = statistics.median(time_call(lambda: function(*inputs), device, iters=repeats)) * 1e3
+        row[f"{name}_tokens_per_s"] = tokens / row[f"{name}_ms"] * 1e3
+        if kernel is None:
+            return False
+        out, _ = kernel(*inputs)
+        row["triton_ms"] = statistics.median(time_call(lambda: kernel(*inputs), device, iters=repeats)) * 1e3
+    row["triton_tokens_per_s"] = tokens / row["triton_ms"] * 1e3
+    row["triton_speedup"] = row[f"{name}_ms"] / row["triton_ms"]
+    row["triton_gb_per_s"] = moved / row["triton_ms"] / 1e6
+    row["max_rel_diff"] = float((out - expected).abs().max() / expected.abs().max())
+    return row["max_rel_diff"] > tolerance
+
+
+def _print(row: dict, as_json: bool) -> None:
+    print(json.dumps(row) if as_json else "\n".join(f"{key:26} {value}" for key, value in row.items()) + "\n")
 
 
 def _gated_delta(args: argparse.Namespace, lengths: list[int], device: torch.device, dtype: torch.dtype,
@@ -136,27 +156,14 @@ def _gated_delta(args: argparse.Namespace, lengths: list[int], device: torch.dev
         inputs = (q, k, v, g, beta, ssm)
         row = {"device": str(device), "dtype": str(dtype).removeprefix("torch."), "tokens": tokens, "k_heads": hk,
                "v_heads": hv, "head_dim": d}
-        with torch.no_grad():
-            reference, _ = gated_delta.chunked_torch(*inputs)
-            row["torch_ms"] = statistics.median(time_call(lambda: gated_delta.chunked_torch(*inputs), device,
-                                                          iters=args.repeats)) * 1e3
-            row["torch_tokens_per_s"] = tokens / row["torch_ms"] * 1e3
-            if with_triton:
-                from kernels import triton_gated_delta
-
-                out, _ = triton_gated_delta.chunked(*inputs)
-                row["triton_ms"] = statistics.median(time_call(lambda: triton_gated_delta.chunked(*inputs), device,
-                                                               iters=args.repeats)) * 1e3
-                row["triton_tokens_per_s"] = tokens / row["triton_ms"] * 1e3
-                row["triton_speedup"] = row["torch_ms"] / row["triton_ms"]
-                # q, k, v, g and beta read, the output written, the WY form's w, u and decays written and read, the
-                # state read and written once
-                moved = tokens * (2 * hk * d + hv * d) * dtype.itemsize + tokens * hv * (2 + d) * 4 + \
-                    2 * tokens * hv * (2 * d + 1) * 4 + 2 * hv * d * d * 4
-                row["triton_gb_per_s"] = moved / row["triton_ms"] / 1e6
-                row["max_rel_diff"] = float((out - reference).abs().max() / reference.abs().max())
-                failed |= row["max_rel_diff"] > 1e-2
-        print(json.dumps(row) if args.json else "\n".join(f"{key:26} {value}" for key, value in row.items()) + "\n")
+        # q, k, v, g and beta read, the output written, the WY form's w, u and decays written and read, the state
+        # read and written once
+        moved = tokens * (2 * hk * d + hv * d) * dtype.itemsize + tokens * hv * (2 + d) * 4 + \
+            2 * tokens * hv * (2 * d + 1) * 4 + 2 * hv * d * d * 4
+        failed |= _compare(row, ("torch", gated_delta.chunked_torch),
+                           _kernel("triton_gated_delta", "chunked", with_triton), inputs, device, args.repeats, moved,
+                           1e-2)
+        _print(row, args.json)
     return 1 if failed else 0
 
 
@@ -186,26 +193,12 @@ def _ssd(args: argparse.Namespace, lengths: list[int], device: torch.device, dty
         inputs = (x, dt, A, B, C, D, torch.zeros(heads, head_dim, d_state, device=device))
         row = {"device": str(device), "dtype": str(dtype).removeprefix("torch."), "tokens": tokens, "heads": heads,
                "head_dim": head_dim, "groups": groups, "d_state": d_state}
-        with torch.no_grad():
-            reference, _ = ssd.chunked_torch(*inputs)
-            row["torch_ms"] = statistics.median(time_call(lambda: ssd.chunked_torch(*inputs), device,
-                                                          iters=args.repeats)) * 1e3
-            row["torch_tokens_per_s"] = tokens / row["torch_ms"] * 1e3
-            if with_triton:
-                from kernels import triton_ssd
-
-                out, _ = triton_ssd.chunked(*inputs)
-                row["triton_ms"] = statistics.median(time_call(lambda: triton_ssd.chunked(*inputs), device,
-                                                               iters=args.repeats)) * 1e3
-                row["triton_tokens_per_s"] = tokens / row["triton_ms"] * 1e3
-                row["triton_speedup"] = row["torch_ms"] / row["triton_ms"]
-                # x, B and C read, dt read, y written, the state read and written once
-                moved = tokens * (heads * head_dim + 2 * groups * d_state) * dtype.itemsize + \
-                    tokens * heads * (1 + head_dim) * 4 + 2 * heads * head_dim * d_state * 4
-                row["triton_gb_per_s"] = moved / row["triton_ms"] / 1e6
-                row["max_rel_diff"] = float((out - reference).abs().max() / reference.abs().max())
-                failed |= row["max_rel_diff"] > 1e-2
-        print(json.dumps(row) if args.json else "\n".join(f"{key:26} {value}" for key, value in row.items()) + "\n")
+        # x, B and C read, dt read, y written, the state read and written once
+        moved = tokens * (heads * head_dim + 2 * groups * d_state) * dtype.itemsize + \
+            tokens * heads * (1 + head_dim) * 4 + 2 * heads * head_dim * d_state * 4
+        failed |= _compare(row, ("torch", ssd.chunked_torch), _kernel("triton_ssd", "chunked", with_triton), inputs,
+                           device, args.repeats, moved, 1e-2)
+        _print(row, args.json)
     return 1 if failed else 0
 
 
@@ -229,23 +222,10 @@ def _lightning(args: argparse.Namespace, lengths: list[int], device: torch.devic
         inputs = (q, k, v, slopes, torch.zeros(heads, d, d, device=device))
         row = {"device": str(device), "dtype": str(dtype).removeprefix("torch."), "tokens": tokens, "heads": heads,
                "head_dim": d}
-        with torch.no_grad():
-            reference, _ = lightning.chunked_torch(*inputs)
-            row["torch_ms"] = statistics.median(time_call(lambda: lightning.chunked_torch(*inputs), device,
-                                                          iters=args.repeats)) * 1e3
-            row["torch_tokens_per_s"] = tokens / row["torch_ms"] * 1e3
-            if with_triton:
-                from kernels import triton_lightning
-
-                out, _ = triton_lightning.chunked(*inputs)
-                row["triton_ms"] = statistics.median(time_call(lambda: triton_lightning.chunked(*inputs), device,
-                                                               iters=args.repeats)) * 1e3
-                row["triton_tokens_per_s"] = tokens / row["triton_ms"] * 1e3
-                row["triton_speedup"] = row["torch_ms"] / row["triton_ms"]
-                # q, k and v read, the output written, the state read and written once
-                moved = 3 * tokens * heads * d * dtype.itemsize + tokens * heads * d * 4 + 2 * heads * d * d * 4
-                row["triton_gb_per_s"] = moved / row["triton_ms"] / 1e6
-                row["max_rel_diff"] = float((out - reference).abs().max() / reference.abs().max())
-                failed |= row["max_rel_diff"] > 1e-2
-        print(json.dumps(row) if args.json else "\n".join(f"{key:26} {value}" for key, value in row.items()) + "\n")
+        # q, k and v read, the output written, the state read and written once
+        moved = 3 * tokens * heads * d * dtype.itemsize + tokens * heads * d * 4 + 2 * heads * d * d * 4
+        failed |= _compare(row, ("torch", lightning.chunked_torch),
+                           _kernel("triton_lightning", "chunked", with_triton), inputs, device, args.repeats, moved,
+                           1e-2)
+        _print(row, args.json)
     return 1 if failed else 0

@@ -287,42 +287,20 @@ def test_the_sparse_kernels_warmed_at_start_are_the_variants_every_sparse_step_l
     assert not new, f"{len(new)} launch keys the warm-up had not, e.g. {new[0]}"
 
 
-def test_engine_on_triton_kernels_serves_minimax_m3_over_an_fp8_cache_as_the_reference(tmp_path, builtin_path,
-                                                                                     monkeypatch):
-    """kv_cache_dtype fp8 for MiniMax M3: K and V in FP8 at each layer's scales, the sparse layers' indexer keys in
-    bfloat16 (`index_key_dtype`); the Triton kernels (paged within the chosen blocks' reach, block-sparse past it)
-    read the cache as the torch backend does: the same greedy tokens."""
+@pytest.mark.parametrize("arch", ["minimax_m3_vl_text", "qwen4_exp_text"])
+def test_engine_on_triton_kernels_serves_an_indexed_model_over_an_fp8_cache_as_the_reference(tmp_path, builtin_path,
+                                                                                           monkeypatch, arch):
+    """kv_cache_dtype fp8 for MiniMax M3 and Qwen4-Exp: K and V in FP8 at each layer's scales, the indexed layers'
+    indexer keys in bfloat16 (`index_key_dtype`); the Triton kernels (paged within the dense regime; past it M3's
+    block-sparse kernels, Qwen4-Exp's torch QSA reading the FP8 rows at their scales) read the cache as the torch
+    backend does: the same greedy tokens."""
     import torch
 
-    from tests.engine.test_engine_vs_hf import MINIMAX_M3
+    from tests.engine.test_engine_vs_hf import MINIMAX_M3, QWEN4_EXP
 
-    path = make_tiny_model(tmp_path / "m3", "minimax_m3_vl_text", builtin_path, **MINIMAX_M3)
+    path = make_tiny_model(tmp_path / arch, arch, builtin_path,
+                           **{"minimax_m3_vl_text": MINIMAX_M3, "qwen4_exp_text": QWEN4_EXP}[arch])
     rng = random.Random(37)
-    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (20, 3)]
-    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
-    results = {}
-    for backend in ("torch", "triton"):
-        engine = _engine(path, backend, monkeypatch, num_blocks=24, kv_cache_dtype="fp8", calculate_kv_scales=False,
-                         max_num_batched_tokens=32)   # the scales set below
-        assert [t.dtype for t in engine.kv_cache.tensors] == [torch.float8_e4m3fn, torch.bfloat16]
-        for i, layer in enumerate(engine.runner.model.layers):   # scales of each layer's own, not 1
-            layer.self_attn.k_scale, layer.self_attn.v_scale = 0.011 * (i + 1), 0.007 * (i + 2)
-        results[backend] = [out.outputs[0].token_ids for out in engine.generate(prompts, params)]
-        assert_all_free(engine)
-    assert results["triton"] == results["torch"]
-
-
-def test_engine_on_triton_kernels_serves_qwen4_exp_over_an_fp8_cache_as_the_reference(tmp_path, builtin_path,
-                                                                                     monkeypatch):
-    """Qwen4-Exp with kv_cache_dtype fp8: its QSA layers' K and V in FP8 at each layer's scales, their indexer keys in
-    bfloat16; the Triton paged kernels within the dense regime, the torch selection past it (reading the FP8 rows at
-    their scales) and its indexer keys stored by the Triton store: the torch backend's greedy tokens."""
-    import torch
-
-    from tests.engine.test_engine_vs_hf import QWEN4_EXP
-
-    path = make_tiny_model(tmp_path / "qwen4", "qwen4_exp_text", builtin_path, **QWEN4_EXP)
-    rng = random.Random(41)
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (20, 3)]
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     results = {}

@@ -105,18 +105,28 @@ def test_an_engine_prefilling_through_the_kernels_answers_as_transformers(tmp_pa
     """Qwen3.5's tiny model with every prefill piece of its linear layers through the kernels (as on CUDA: the
     interpreter here), pieces of up to 64 tokens cut from prompts of 5 to 100: transformers' greedy tokens."""
     pytest.importorskip("triton")
+    from kernels import triton_gated_delta
+    from tests.engine.test_engine_vs_hf import QWEN3_5
+
+    assert_prefills_through(tmp_path, builtin_path, monkeypatch, (gated_delta, triton_gated_delta.chunked),
+                            "qwen3_5", QWEN3_5)
+
+
+def assert_prefills_through(tmp_path, builtin_path, monkeypatch, kernel: tuple, arch: str, shape: dict) -> None:
+    """The tiny `arch` model of `shape` with its state layers' prefill function (kernel: (the module whose `chunked`
+    the layers call, the Triton function put in its place)) through the Triton form: prompts of 5, 40 and 100
+    tokens, pieces of up to 64, answer with transformers' greedy tokens, a piece past one chunk of 32 among them."""
     import transformers
 
     from engine.llm_engine import LLMEngine
     from engine.sampling import SamplingParams
-    from kernels import triton_gated_delta
     from tests.conftest import make_tiny_model
-    from tests.engine.test_engine_vs_hf import QWEN3_5, _hf_greedy
+    from tests.engine.test_engine_vs_hf import _hf_greedy
 
+    module, function = kernel
     calls = []
-    monkeypatch.setattr(gated_delta, "chunked", lambda *args: calls.append(len(args[0])) or
-                        triton_gated_delta.chunked(*args))
-    folder = make_tiny_model(tmp_path / "qwen3_5", "qwen3_5", builtin_path, **QWEN3_5)
+    monkeypatch.setattr(module, "chunked", lambda *args: calls.append(len(args[0])) or function(*args))
+    folder = make_tiny_model(tmp_path / arch, arch, builtin_path, **shape)
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     engine = LLMEngine.from_args(str(folder), dtype="float32", block_size=8, num_blocks=64,
                                  max_num_batched_tokens=64, progress=False)
@@ -124,7 +134,7 @@ def test_an_engine_prefilling_through_the_kernels_answers_as_transformers(tmp_pa
     prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (5, 40, 100)]
     outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == [_hf_greedy(hf, p, 8, eos_ids=None) for p in prompts]
-    assert max(calls) > 32   # pieces past one chunk of the kernels
+    assert max(calls) > 32
 
 
 def test_the_launcher_refuses_shapes_that_do_not_agree():

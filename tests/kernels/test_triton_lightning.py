@@ -40,26 +40,12 @@ def test_an_engine_prefilling_through_the_kernel_answers_as_transformers(tmp_pat
     """MiniMax's tiny model (lightning layers beside a full one) with every prefill piece of its lightning layers
     through the kernel (as on CUDA: the interpreter here), prompts of 5 to 100: transformers' greedy tokens."""
     pytest.importorskip("triton")
-    import transformers
-
-    from engine.llm_engine import LLMEngine
-    from engine.sampling import SamplingParams
     from kernels import triton_lightning
-    from tests.conftest import make_tiny_model
-    from tests.engine.test_engine_vs_hf import MINIMAX, _hf_greedy
+    from tests.engine.test_engine_vs_hf import MINIMAX
+    from tests.kernels.test_triton_gated_delta import assert_prefills_through
 
-    calls = []
-    monkeypatch.setattr(lightning, "chunked", lambda *args: calls.append(len(args[0])) or
-                        triton_lightning.chunked(*args[:5]))
-    folder = make_tiny_model(tmp_path / "minimax", "minimax", builtin_path, **MINIMAX)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    engine = LLMEngine.from_args(str(folder), dtype="float32", block_size=8, num_blocks=64,
-                                 max_num_batched_tokens=64, progress=False)
-    gen = torch.Generator().manual_seed(6)
-    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (5, 40, 100)]
-    outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    assert [o.outputs[0].token_ids for o in outs] == [_hf_greedy(hf, p, 8, eos_ids=None) for p in prompts]
-    assert max(calls) > 32   # pieces past one chunk of the kernel
+    assert_prefills_through(tmp_path, builtin_path, monkeypatch,
+                            (lightning, lambda *args: triton_lightning.chunked(*args[:5])), "minimax", MINIMAX)
 
 
 def _build_lightning_kernel_for_sm90() -> dict:

@@ -89,25 +89,12 @@ def test_an_engine_prefilling_through_the_kernel_answers_as_transformers(tmp_pat
     its Mamba layers through the kernel (as on CUDA: the interpreter here), prompts of 5 to 100: transformers'
     greedy tokens."""
     pytest.importorskip("triton")
-    import transformers
-
-    from engine.llm_engine import LLMEngine
-    from engine.sampling import SamplingParams
     from kernels import triton_ssd
-    from tests.conftest import make_tiny_model
-    from tests.engine.test_engine_vs_hf import GRANITE4_H, _hf_greedy
+    from tests.engine.test_engine_vs_hf import GRANITE4_H
+    from tests.kernels.test_triton_gated_delta import assert_prefills_through
 
-    calls = []
-    monkeypatch.setattr(ssd, "chunked", lambda *args: calls.append(len(args[0])) or triton_ssd.chunked(*args))
-    folder = make_tiny_model(tmp_path / "granite4h", "granitemoehybrid", builtin_path, **GRANITE4_H)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    engine = LLMEngine.from_args(str(folder), dtype="float32", block_size=8, num_blocks=64,
-                                 max_num_batched_tokens=64, progress=False)
-    gen = torch.Generator().manual_seed(6)
-    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (5, 40, 100)]
-    outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    assert [o.outputs[0].token_ids for o in outs] == [_hf_greedy(hf, p, 8, eos_ids=None) for p in prompts]
-    assert max(calls) > 32   # pieces past one chunk of the kernel
+    assert_prefills_through(tmp_path, builtin_path, monkeypatch, (ssd, triton_ssd.chunked), "granitemoehybrid",
+                            GRANITE4_H)
 
 
 def test_the_launcher_refuses_shapes_that_do_not_agree():
