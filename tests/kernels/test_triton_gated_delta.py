@@ -100,6 +100,8 @@ def test_on_cuda_the_kernels_give_the_torch_forms_outputs_at_qwen3_5s_shape():
     assert (state - ref_state).abs().max() <= 1e-2 * ref_state.abs().max()
 
 
+@pytest.mark.slow   # ~8 s through the interpreter; the kernels' exactness is above, a GPU runs these models in
+# tests/engine/test_engine_vs_hf.py's CUDA parity test
 @pytest.mark.usefixtures("one_thread")
 def test_an_engine_prefilling_through_the_kernels_answers_as_transformers(tmp_path, builtin_path, monkeypatch):
     """Qwen3.5's tiny model with every prefill piece of its linear layers through the kernels (as on CUDA: the

@@ -35,6 +35,8 @@ def test_the_triton_kernel_gives_the_torch_forms_outputs_and_state(num_tokens, c
     torch.testing.assert_close(state, ref_state, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow   # ~8 s through the interpreter; the kernels' exactness is above, a GPU runs these models in
+# tests/engine/test_engine_vs_hf.py's CUDA parity test
 @pytest.mark.usefixtures("one_thread")
 def test_an_engine_prefilling_through_the_kernel_answers_as_transformers(tmp_path, builtin_path, monkeypatch):
     """MiniMax's tiny model (lightning layers beside a full one) with every prefill piece of its lightning layers

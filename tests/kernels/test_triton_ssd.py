@@ -83,6 +83,8 @@ def test_on_cuda_the_kernel_gives_the_torch_forms_outputs_at_granite_4_hs_shape(
     assert (state - ref_state).abs().max() <= 1e-2 * ref_state.abs().max()
 
 
+@pytest.mark.slow   # ~8 s through the interpreter; the kernels' exactness is above, a GPU runs these models in
+# tests/engine/test_engine_vs_hf.py's CUDA parity test
 @pytest.mark.usefixtures("one_thread")
 def test_an_engine_prefilling_through_the_kernel_answers_as_transformers(tmp_path, builtin_path, monkeypatch):
     """Granite 4-H's tiny model (Mamba-2 layers of 4 heads of 32, B and C in 2 groups) with every prefill piece of
