@@ -46,8 +46,15 @@ $(VENV)/.test-references: $(VENV)/.installed
 # test starts (a server, a follower rank) compiles the modules it imports again.
 TEST_ENV := env -u PYTHONDONTWRITEBYTECODE HF_HUB_OFFLINE=1
 
+# The suite in two parts: the tests that time nothing on TEST_JOBS workers (a core and a torch thread each), then
+# those that bound wall-clock times, alone (the `serial` marker: tests/conftest.py). Both parts run; either failing
+# fails the target.
+TEST_JOBS ?= 2
+
 test: install $(VENV)/.test-references
-	$(TEST_ENV) $(BIN)/python -m pytest -q
+	$(TEST_ENV) $(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile -m 'not slow and not gpu and not serial'; \
+	parallel=$$?; $(TEST_ENV) $(BIN)/python -m pytest -q -m 'serial and not slow and not gpu'; \
+	alone=$$?; test $$parallel -eq 0 && test $$alone -eq 0
 
 test-slow: install $(VENV)/.test-references
 	$(TEST_ENV) $(BIN)/python -m pytest -q -m slow

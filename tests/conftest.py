@@ -14,8 +14,29 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if not torch.cuda.is_available():   # the Triton kernels' tests run them through its interpreter on a CPU, switched on
+    os.environ.setdefault("TRITON_INTERPRET", "1")   # before anything imports triton, whichever test file runs first
 
 from engine.tokenizer import Tokenizer  # noqa: E402 - after the environment it reads
+
+if os.environ.get("PYTEST_XDIST_WORKER"):   # one of `make test`'s parallel workers: a core each (see `serial`)
+    torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"     # and the processes its tests start
+
+# What `make test` runs alone, after the rest has run on parallel workers (`-n 2`): the files whose tests bound or
+# compare wall-clock times of servers, workers, links and admission (a test beside them would stretch what they
+# time), and those that start servers and benchmarks of their own. A file not listed here must pass beside any other.
+SERIAL = ("tests/gateway/", "tests/reliability/", "tests/bench/", "tests/engine/test_client_lifecycle.py",
+          "tests/engine/test_ipc.py", "tests/engine/test_isolation.py", "tests/engine/test_leases.py",
+          "tests/engine/test_remote.py", "tests/engine/test_rendezvous.py", "tests/engine/test_worker.py",
+          "tests/engine/test_worker_liveness.py", "tests/kernels/test_cpu_attention.py", "tests/pools/test_credits.py",
+          "tests/pools/test_simulation.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid.startswith(SERIAL):
+            item.add_marker(pytest.mark.serial)
 
 BUILTIN = "builtin:smollm2-135m-instruct"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")

@@ -370,9 +370,12 @@ def test_paged_attention_mixed_batch_matches_reference(dtype, num_heads, num_kv_
 
 def sink_logits(num_heads: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
     """[num_heads] attention-sink logits of the size of the test cases' scores (a few units), some far below
-    them (a sink that takes almost nothing) and some above (one that takes most of a row's weight)."""
+    them (a sink that takes almost nothing) and some above (one that takes most of a row's weight): the first
+    head's always far below, the last head's always above (random signs alone left every sink below at some seeds)."""
     gen = torch.Generator().manual_seed(seed + 1)
-    return (torch.randn(num_heads, generator=gen) * 3.0).to(dtype)
+    logits = torch.randn(num_heads, generator=gen) * 3.0
+    logits[0], logits[-1] = -4.0 - logits[0].abs(), 2.0 + logits[-1].abs()
+    return logits.to(dtype)
 
 
 # GPT-OSS's attention sinks on mixed batches: single pass and split-K (the sink joins the reduce's sum), GQA
