@@ -83,14 +83,19 @@ class StatefulForCausalLM(LlamaForCausalLM):
             self.states = RecurrentStates(self.state_shape(), len(self.state_index), weight.dtype, weight.device)
         self.states.reserve(num_rows)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
-                backend) -> torch.Tensor:
-        """kv_caches: the attention layers' alone, in layer order (the cache's layers are `ModelConfig.kv_layers`)."""
+    def prepare_states(self, meta: AttentionMetadata) -> None:
+        """The step's rows of the states (`RecurrentStates.for_step`), one row reserved first where no engine reserved
+        them (a model run alone); nothing where no layer keeps a state. Every stateful model's forward starts here."""
         if self.states is None:
             self.reserve_states(1)
         if self.states is not None:
             self.states.for_step(meta)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                backend) -> torch.Tensor:
+        """kv_caches: the attention layers' alone, in layer order (the cache's layers are `ModelConfig.kv_layers`)."""
+        self.prepare_states(meta)
         hidden, residual = self.embed(input_ids), None
         rows: dict[int, RopeRows] = {}   # the step's cos/sin, once per rotary embedding
         caches = iter(kv_caches)

@@ -319,10 +319,7 @@ class Qwen4ExpForCausalLM(Qwen3_5MoeForCausalLM):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, ...]], meta: AttentionMetadata, backend) -> torch.Tensor:
-        if self.states is None:
-            self.reserve_states(1)
-        if self.states is not None:   # none where every layer attends
-            self.states.for_step(meta)
+        self.prepare_states(meta)
         rows = (self.rotary_emb.rows(positions), self.rotary_emb.cos_sin_cache.index_select(0, positions))
         streams = self.embed(input_ids).repeat(1, self.config.qwen4_exp.streams)
         caches = iter(kv_caches)

@@ -131,9 +131,7 @@ class Zamba2ForCausalLM(StatefulForCausalLM):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
                 backend) -> torch.Tensor:
         """kv_caches: the hybrid layers' alone, in layer order."""
-        if self.states is None:
-            self.reserve_states(1)
-        self.states.for_step(meta)
+        self.prepare_states(meta)
         hidden = embeddings = self.embed(input_ids)
         rope_rows, caches = self.rotary_emb.rows(positions), iter(kv_caches)
         for layer in self.layers:

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.layers import RMSNorm
-from engine.layers.gated_delta_net import RecurrentStates, StateMixer
+from engine.layers.gated_delta_net import StateMixer
 from engine.model import Attention, LlamaForCausalLM
 from engine.model_config import ModelConfig
 from engine.models.granite import with_layer_rope
@@ -209,9 +209,7 @@ class ZayaForCausalLM(StatefulForCausalLM):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
                 backend) -> torch.Tensor:
-        if self.states is None:
-            self.reserve_states(1)
-        self.states.for_step(meta)
+        self.prepare_states(meta)
         embedded = self.embed(input_ids)
         stream = ((embedded + self.input_hidden_states_bias) * self.input_hidden_states_scale).float()
         turns: dict[int, torch.Tensor] = {}   # each rotary's rows at the step's positions
@@ -235,9 +233,3 @@ class ZayaForCausalLM(StatefulForCausalLM):
         if name.endswith(".mlp.experts.down_proj"):
             return ((name.replace(".experts.down_proj", ".w2"), tensor),)
         return LlamaForCausalLM.read_tensor(self, hf_name, name, tensor)
-
-    def reserve_states(self, num_rows: int) -> None:
-        weight = self.embed_tokens.weight
-        if self.states is None:
-            self.states = RecurrentStates(self.state_shape(), len(self.state_index), weight.dtype, weight.device)
-        self.states.reserve(num_rows)
