@@ -803,6 +803,14 @@ def _run_compiled(code: str, timeout: int) -> str:
     return proc.stdout
 
 
+def _compiled_report(build, *args):
+    """`build(*args)` (a module-level function of a test module that returns JSON: what a build for sm_90 showed) run
+    in a fresh process of compiled Triton (`_run_compiled`): what it returned."""
+    call = f"{build.__name__}({', '.join(map(repr, args))})"
+    code = f"import json; from {build.__module__} import {build.__name__}; print(json.dumps({call}))"
+    return json.loads(_run_compiled(code, timeout=300).strip().splitlines()[-1])
+
+
 def _build_kernel_for_sm90(kernel, constexprs: dict, pointers: dict, **options):
     """Compile `kernel` for sm_90 with Triton's own compiler and no device (run with TRITON_INTERPRET=0),
     specialized as a launch on the engine's tensors is: every pointer (element type from `pointers` by
@@ -877,9 +885,7 @@ def test_fp8_store_and_paged_kernels_build_for_h100():
     bf16 tensor-core dots. (The store does not spill; the paged kernel's decode configuration at head_dim 128 spills
     some registers over a bf16 cache as over an FP8 one, Triton 3.9: not asserted here.)"""
     pytest.importorskip("triton.compiler")
-    code = ("import json; from tests.kernels.test_triton import _build_fp8_kernels_for_sm90; "
-            "print(json.dumps(_build_fp8_kernels_for_sm90()))")
-    report = json.loads(_run_compiled(code, timeout=300).strip().splitlines()[-1])
+    report = _compiled_report(_build_fp8_kernels_for_sm90)
     assert report["store"] == ["cvt.rn.satfinite.e4m3x2.f32", "div.rn.f32"], report
     for split in (False, True):
         assert "cvt.rn.f16x2.e4m3x2" in report[f"paged_split_{split}"], report

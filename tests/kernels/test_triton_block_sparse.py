@@ -153,13 +153,9 @@ def test_the_kernels_build_for_h100():
     """What the interpreter cannot show: both kernels compile for sm_90 at MiniMax M3's shape, their dots on the
     tensor cores."""
     pytest.importorskip("triton.compiler")
-    import json
+    from tests.kernels.test_triton import _compiled_report
 
-    from tests.kernels.test_triton import _run_compiled
-
-    code = ("import json; from tests.kernels.test_triton_block_sparse import _build_for_sm90; "
-            "print(json.dumps(_build_for_sm90()))")
-    assert json.loads(_run_compiled(code, timeout=300).strip().splitlines()[-1]) == {"scores": True, "attend": True}
+    assert _compiled_report(_build_for_sm90) == {"scores": True, "attend": True}
 
 
 @pytest.mark.gpu

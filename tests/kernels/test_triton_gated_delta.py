@@ -59,13 +59,9 @@ def test_the_gated_delta_kernels_build_for_h100():
     inverse, the cumulative sum, the TF32 dots of a bfloat16 model), as launched, and neither spills registers
     (where Triton ships cuobjdump to tell)."""
     pytest.importorskip("triton.compiler")
-    import json
+    from tests.kernels.test_triton import _compiled_report
 
-    from tests.kernels.test_triton import _run_compiled
-
-    code = ("import json; from tests.kernels.test_triton_gated_delta import _build_gated_delta_kernels_for_sm90; "
-            "print(json.dumps(_build_gated_delta_kernels_for_sm90()))")
-    report = json.loads(_run_compiled(code, timeout=300).strip().splitlines()[-1])
+    report = _compiled_report(_build_gated_delta_kernels_for_sm90)
     assert set(report) == {"wy", "state"}, report
     assert all(usage.get("stack", 0) == 0 for usage in report.values()), report
 

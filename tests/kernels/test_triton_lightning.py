@@ -66,13 +66,9 @@ def test_the_lightning_kernel_builds_for_h100_without_spilling():
     """What the interpreter cannot show: the kernel compiles for sm_90 at MiniMax-Text-01's shape as launched, and
     does not spill registers (where Triton ships cuobjdump to tell)."""
     pytest.importorskip("triton.compiler")
-    import json
+    from tests.kernels.test_triton import _compiled_report
 
-    from tests.kernels.test_triton import _run_compiled
-
-    code = ("import json; from tests.kernels.test_triton_lightning import _build_lightning_kernel_for_sm90; "
-            "print(json.dumps(_build_lightning_kernel_for_sm90()))")
-    usage = json.loads(_run_compiled(code, timeout=300).strip().splitlines()[-1])
+    usage = _compiled_report(_build_lightning_kernel_for_sm90)
     assert usage.get("stack", 0) == 0, usage
 
 

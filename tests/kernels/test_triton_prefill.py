@@ -15,7 +15,6 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton (the gpu test's
 # child process sets it to 0)
 
-import json  # noqa: E402
 import random  # noqa: E402
 
 import pytest  # noqa: E402
@@ -30,6 +29,7 @@ from tests.kernels.test_triton import (  # noqa: E402
     TOLERANCES,
     _assert_attention_matches,
     _build_kernel_for_sm90,
+    _compiled_report,
     _head_pad,
     _make_attention_case,
     _make_seed,
@@ -291,9 +291,7 @@ def test_prefill_kernel_builds_for_h100_with_tensor_cores(dtype, head_dim, use_w
     an FP8 cache (its tiles dequantized to bf16 in registers before the wgmma), and with soft-capped scores,
     attention sinks and ALiBi's slopes."""
     pytest.importorskip("triton.compiler")
-    code = ("import json; from tests.kernels.test_triton_prefill import _build_for_sm90; "
-            f"print(json.dumps(_build_for_sm90({dtype!r}, {head_dim}, {use_window}, {kv_fp8}, {softcap})))")
-    report = json.loads(_run_compiled(code, timeout=300).strip().splitlines()[-1])
+    report = _compiled_report(_build_for_sm90, dtype, head_dim, use_window, kv_fp8, softcap)
     assert report["wgmma"] > 0, report
     assert report["kv_copy_bytes"] == ["0x10"], report
     assert report["shared"] <= triton_prefill.DEFAULT_SHARED_MEMORY, report
