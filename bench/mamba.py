@@ -1,7 +1,8 @@
 """`cliffguard bench mamba`: one Mamba-1 layer's selective scan over a prefill (Jamba's), the torch recurrence against
 the Triton kernel; with `--gated-delta`, a Gated DeltaNet layer's delta rule (Qwen3.5's), the torch chunked form
 against the Triton kernels (`_gated_delta`); with `--ssd`, a Mamba-2 layer's scan (Granite 4-H's), and with
-`--lightning` a lightning attention layer (MiniMax-Text-01's), likewise (`_ssd`, `_lightning`).
+`--lightning` a lightning attention layer (MiniMax-Text-01's), likewise (`_ssd`, `_lightning`); with `--mixed-step`, a
+Gated DeltaNet layer's step of decodes beside a prefill chunk, batched against sequence by sequence (`_mixed_step`).
 
 For each of `--tokens` (one sequence's new tokens), over `--channels` (8,192: Jamba 1.5 Mini's, `mamba_expand` 2 x
 4,096) with a state of `--d-state` (16) each, from a random state: `recurrence`, the torch loop (`kernels.
@@ -54,6 +55,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ssd-head-dim", type=int, default=64, help="with --ssd: each head's channels (64)")
     p.add_argument("--ssd-groups", type=int, default=1, help="with --ssd: B and C groups (1)")
     p.add_argument("--ssd-d-state", type=int, default=128, help="with --ssd: each channel's state (128)")
+    p.add_argument("--mixed-step", action="store_true",
+                   help="a Gated DeltaNet layer's step of --decodes one-token pieces beside a prefill chunk of each "
+                        "--tokens: the layer's scan (the decodes batched) against each sequence scanned alone")
+    p.add_argument("--decodes", type=int, default=63, help="with --mixed-step: one-token pieces in the step (63)")
 
 
 def _inputs(tokens: int, channels: int, d_state: int, device: torch.device, dtype: torch.dtype):
@@ -83,6 +88,8 @@ def run(args: argparse.Namespace) -> int:
         return _ssd(args, lengths, device, dtype, with_triton)
     if args.lightning:
         return _lightning(args, lengths, device, dtype, with_triton)
+    if args.mixed_step:
+        return _mixed_step(args, lengths, device, dtype)
     failed = False
     for tokens in lengths:
         inputs = _inputs(tokens, args.channels, args.d_state, device, dtype)
@@ -129,6 +136,15 @@ def _print(row: dict, as_json: bool) -> None:
     print(json.dumps(row) if as_json else "\n".join(f"{key:26} {value}" for key, value in row.items()) + "\n")
 
 
+def _check_heads(args: argparse.Namespace) -> None:
+    """A Gated DeltaNet layer's heads (`--gated-delta`, `--mixed-step`), each bad one named."""
+    for name in ("k_heads", "v_heads", "head_dim"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
+    if args.v_heads % args.k_heads:
+        raise ValueError(f"--v-heads: a multiple of --k-heads ({args.k_heads}), got {args.v_heads}")
+
+
 def _gated_delta(args: argparse.Namespace, lengths: list[int], device: torch.device, dtype: torch.dtype,
                  with_triton: bool) -> int:
     """`--gated-delta`: for each length, one sequence's delta rule from a random state at the layer's shape: the
@@ -139,11 +155,7 @@ def _gated_delta(args: argparse.Namespace, lengths: list[int], device: torch.dev
     inputs)."""
     from kernels import gated_delta
 
-    for name in ("k_heads", "v_heads", "head_dim"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
-    if args.v_heads % args.k_heads:
-        raise ValueError(f"--v-heads: a multiple of --k-heads ({args.k_heads}), got {args.v_heads}")
+    _check_heads(args)
     failed = False
     for tokens in lengths:
         gen = torch.Generator(device="cpu").manual_seed(0)
@@ -229,3 +241,74 @@ def _lightning(args: argparse.Namespace, lengths: list[int], device: torch.devic
                            1e-2)
         _print(row, args.json)
     return 1 if failed else 0
+
+
+def _mixed_step(args: argparse.Namespace, lengths: list[int], device: torch.device, dtype: torch.dtype) -> int:
+    """`--mixed-step`: a Gated DeltaNet layer of random weights (`--k-heads`, `--v-heads`, `--head-dim`) in a step of
+    one prefill chunk of each length (resuming from a state) then `--decodes` one-token pieces: its `scan` over the
+    step (the one-token pieces as one batched step, `RecurrentStates.split`) against each sequence's `scan` alone,
+    one after another (as the layer ran a step with a prefill in it until 2026-12-07: every decode on its own), the
+    projections around the scan left out of both; the largest difference of their outputs (exit 1 past 1e-3)."""
+    from engine.gated_delta_config import GatedDeltaShape
+    from engine.layers.gated_delta_net import GatedDeltaNet, RecurrentStates
+
+    _check_heads(args)
+    if args.decodes < 1:
+        raise ValueError(f"--decodes: must be >= 1, got {args.decodes}")
+    if min(lengths) < 2:
+        raise ValueError(f"--tokens: a prefill chunk of at least 2 tokens beside the decodes, got {min(lengths)}")
+    shape = GatedDeltaShape(args.k_heads, args.v_heads, args.head_dim, args.head_dim, 4)
+    layer = GatedDeltaNet(shape, shape.num_v_heads * shape.v_head_dim, 1e-6, 0).to(device, dtype)
+    failed = False
+    with torch.no_grad():
+        for weight in layer.parameters():
+            weight.normal_(0, 0.02)
+        for tokens in lengths:
+            query_lens, seq_lens = [tokens] + [1] * args.decodes, [tokens + 64] + [100] * args.decodes
+            metas = [_rows_metadata(list(range(i, j)), query_lens[i:j], seq_lens[i:j], device)
+                     for i, j in [(0, len(query_lens))] + [(i, i + 1) for i in range(len(query_lens))]]
+            states = RecurrentStates(shape, 1, dtype, device, len(query_lens))
+            start = [t.normal_().clone() for t in (*states.conv, *states.ssm)]   # from random states
+            hidden = torch.randn(sum(query_lens), shape.num_v_heads * shape.v_head_dim, device=device, dtype=dtype)
+            mixed, _, b, a = layer.in_proj(hidden).split([shape.conv_dim, shape.value_dim, shape.num_v_heads,
+                                                          shape.num_v_heads], dim=-1)
+            extras = (-layer.A_log.float().exp() * F.softplus(a.float() + layer.dt_bias), b.sigmoid())
+            ends = [0]
+            for n in query_lens:
+                ends.append(ends[-1] + n)
+
+            def together():
+                states.for_step(metas[0])
+                return layer.scan(mixed, extras, metas[0], states)
+
+            def alone():
+                outs = []
+                for meta, i, j in zip(metas[1:], ends, ends[1:]):
+                    states.for_step(meta)
+                    outs.append(layer.scan(mixed[i:j], tuple(e[i:j] for e in extras), meta, states))
+                return torch.cat(outs)
+
+            row = {"device": str(device), "dtype": str(dtype).removeprefix("torch."), "tokens": tokens,
+                   "decodes": args.decodes}
+            for name, run in (("alone", alone), ("step", together)):
+                for held, value in zip((*states.conv, *states.ssm), start):
+                    held.copy_(value)
+                row[f"{name}_out"] = run()
+                row[f"{name}_ms"] = statistics.median(time_call(run, device, iters=args.repeats)) * 1e3
+            row["speedup"] = row["alone_ms"] / row["step_ms"]
+            expected, out = row.pop("alone_out").float(), row.pop("step_out").float()
+            row["max_rel_diff"] = float((out - expected).abs().max() / expected.abs().max())
+            failed |= row["max_rel_diff"] > 1e-3
+            _print(row, args.json)
+    return 1 if failed else 0
+
+
+def _rows_metadata(rows: list[int], query_lens: list[int], seq_lens: list[int], device: torch.device):
+    """A step's metadata over `rows` of the persistent batch (one block table each, as long as its sequence)."""
+    from kernels import AttentionMetadata
+
+    block = 16
+    meta = AttentionMetadata.build([[0] * -(-n // block) for n in seq_lens], query_lens, seq_lens, block, device)
+    meta.rows_list, meta.rows = rows, torch.tensor(rows, device=device)
+    return meta
+

@@ -70,12 +70,16 @@ def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     [num_seqs, num_v_heads, k_head_dim, v_head_dim] float32 -> (out [num_seqs, num_v_heads, v_head_dim] float32, the
     new states)."""
     q, k = _prepare(q, k, v.shape[-2])
+    q, k = q.float().unsqueeze(-2), k.float().unsqueeze(-2)                # [num_seqs, heads, 1, k_head_dim]
     decay = g.float().exp()
     state = ssm * (decay[..., None] if g.dim() == 3 else decay[..., None, None])
-    predicted = (state * k.unsqueeze(-1)).sum(-2)                           # S^T k: [num_seqs, heads, v_head_dim]
+    # products with the state as batched matrix products, the rank-one update in place: the state read four times
+    # and written twice, no temporary of its size (its elementwise form made five: a decode step's bulk on a CPU)
+    predicted = (k @ state).squeeze(-2)                                     # S^T k: [num_seqs, heads, v_head_dim]
     delta = (v.float() - predicted) * beta.float().unsqueeze(-1)
-    state = state + k.unsqueeze(-1) * delta.unsqueeze(-2)
-    return (state * q.unsqueeze(-1)).sum(-2), state
+    flat = state.view(-1, *state.shape[-2:])
+    flat.baddbmm_(k.reshape(-1, 1, k.shape[-1]).transpose(1, 2), delta.reshape(-1, 1, delta.shape[-1]))
+    return (q @ state).squeeze(-2), state
 
 
 def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

@@ -26,10 +26,11 @@ from kernels.transfer import to_device
 
 
 class RecurrentStates:
-    """Each state layer's state for `num_rows` rows of the persistent batch: conv [rows + 1, conv_dim, kernel - 1]
-    in the model's dtype, ssm [rows + 1, *shape.ssm_state_shape] float32 (Gated DeltaNet's [num_v_heads,
-    k_head_dim, v_head_dim], Mamba-2's [num_heads, head_dim, d_state], Mamba-1's [channels, d_state]); the last
-    row, `padding_row`, is what a decode graph's padded rows read and write (`engine.cuda_graphs`). Grows (doubling)
+    """Each state layer's state for `num_rows` rows of the persistent batch: conv [rows + 2, conv_dim, kernel - 1]
+    in the model's dtype, ssm [rows + 2, *shape.ssm_state_shape] float32 (Gated DeltaNet's [num_v_heads,
+    k_head_dim, v_head_dim], Mamba-2's [num_heads, head_dim, d_state], Mamba-1's [channels, d_state]); row
+    `padding_row` is what a decode graph's padded rows read and write (`engine.cuda_graphs`), the last, `zero_row`,
+    zeros that nothing writes: what a sequence starting at position 0 reads in a batched step. Grows (doubling)
     when the persistent batch hands out a row past it, but not once `frozen` (decode graphs captured: they hold these
     tensors). Owned by the model; one forward pass at a time."""
 
@@ -44,12 +45,17 @@ class RecurrentStates:
         self.snap_conv: list[torch.Tensor] = []   # prefix caching's snapshot slots (`engine.state_cache`)
         self.snap_ssm: list[torch.Tensor] = []
         self.saves: dict[int, list[tuple[int, int]]] = {}   # this step's: sequence -> [(token offset, slot)]
+        self.split: StepSplit | None = None   # this step's decodes beside its prefills (`for_step`)
         if num_rows:
             self.reserve(num_rows)
 
     @property
     def padding_row(self) -> int:
         return self.num_rows
+
+    @property
+    def zero_row(self) -> int:
+        return self.num_rows + 1
 
     @property
     def frozen(self) -> bool:
@@ -70,8 +76,8 @@ class RecurrentStates:
         if self.frozen:
             raise RuntimeError(f"row {num_rows - 1} of the persistent batch is past the {self.num_rows} rows of "
                                "linear-attention state the decode graphs were captured with")
-        conv = (num_rows + 1, *self.shape.conv_state_shape)
-        ssm = (num_rows + 1, *self.shape.ssm_state_shape)
+        conv = (num_rows + 2, *self.shape.conv_state_shape)
+        ssm = (num_rows + 2, *self.shape.ssm_state_shape)
         old = self.num_rows
         self.conv = [_grown(self.conv[i] if old else None, conv, self.dtype, self.device)
                      for i in range(self.num_layers)]
@@ -116,6 +122,7 @@ class RecurrentStates:
         top = max(meta.rows_list, default=-1) + 1
         if top > self.num_rows:
             self.reserve(max(top, 2 * self.num_rows))
+        self.split = StepSplit.of(meta.query_lens_list, self.device)
 
     @property
     def num_bytes(self) -> int:
@@ -123,10 +130,48 @@ class RecurrentStates:
         return own + (self.extra.num_bytes if self.extra is not None else 0)
 
 
+class StepSplit:
+    """A step's one-token pieces (decodes, a one-token prompt) beside longer ones (prefill chunks), on the host and on
+    the device once for all the step's layers: every one-token piece runs in one batched `StateMixer.step`, each
+    longer one in its own chunked scan, wherever they sit in the batch. `seqs`: the one-token pieces' places in the
+    batch; `index`: the same on the device; `tokens`: their tokens' places in the step; `order`: where each output of
+    the batched step, then each of the longer pieces' tokens in batch order, goes among the step's tokens."""
+
+    def __init__(self, seqs: list[int], index: torch.Tensor, tokens: torch.Tensor, order: torch.Tensor) -> None:
+        self.seqs, self.index, self.tokens, self.order = seqs, index, tokens, order
+        self.place = {seq: i for i, seq in enumerate(seqs)}
+
+    @classmethod
+    def of(cls, query_lens: list[int], device: torch.device) -> StepSplit | None:
+        """None for a step of one-token pieces alone, or of longer ones alone (nothing to split)."""
+        if all(n == 1 for n in query_lens) or all(n > 1 for n in query_lens):
+            return None
+        starts = [0]
+        for n in query_lens:
+            starts.append(starts[-1] + n)
+        seqs = [i for i, n in enumerate(query_lens) if n == 1]
+        tokens = [starts[i] for i in seqs]
+        rest = [t for i, n in enumerate(query_lens) if n > 1 for t in range(starts[i], starts[i + 1])]
+        flat, k = to_device(seqs + tokens + tokens + rest, torch.int64, device), len(seqs)   # one copy a step
+        return cls(seqs, flat[:k], flat[k:2 * k], flat[2 * k:])
+
+
+CPU_PASS_BYTES = 2 << 20   # a batched step's states at once on a CPU (a core's L2 and its share of the L3)
+
+
+def _rows_a_pass(ssm: torch.Tensor, num_rows: int) -> int:
+    """How many rows a batched step takes at once: all on a GPU (one launch each); on a CPU as many as
+    `CPU_PASS_BYTES` of state hold (at least one), so that the step's passes over a group's states find them in the
+    cache (at Qwen3.5's 2 MiB a row, 63 rows at once took 1.8x as long as one at a time, 2026-12-07)."""
+    if ssm.device.type != "cpu":
+        return max(num_rows, 1)
+    return max(1, min(num_rows, CPU_PASS_BYTES // max(1, ssm[0].numel() * ssm.element_size())))
+
+
 def _grown(old: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     new = torch.zeros(shape, dtype=dtype, device=device)
     if old is not None:
-        new[:old.shape[0] - 1] = old[:-1]   # the rows held; the old padding row is not one
+        new[:old.shape[0] - 2] = old[:-2]   # the rows held; the old padding and zero rows are not
     return new
 
 
@@ -170,38 +215,60 @@ class StateMixer(nn.Module):
     def scan(self, mixed: torch.Tensor, extras: tuple[torch.Tensor, ...], meta: AttentionMetadata,
              states: RecurrentStates) -> torch.Tensor:
         """mixed: [num_tokens, channels], the convolution's input for the step's tokens, sequence after sequence;
-        extras: per-token tensors [num_tokens, ...] -> the scans' outputs, in token order."""
-        conv, ssm = states.conv[self.layer], states.ssm[self.layer]
+        extras: per-token tensors [num_tokens, ...] -> the scans' outputs, in token order. The one-token pieces run
+        as one batched step, beside them (`RecurrentStates.split`) too; each longer piece in its own chunked scan."""
         if all(n == 1 for n in meta.query_lens_list):   # one token of each sequence, all at once
-            rows = meta.rows   # a decode graph's padded rows: `RecurrentStates.padding_row` (seq_lens 1: from zeros)
-            keep = (meta.seq_lens > 1).unsqueeze(-1).unsqueeze(-1)     # a 1-token prompt starts from zeros
-            x, conv_new = self.convolve_step(mixed, conv.index_select(0, rows) * keep)
-            held = ssm.index_select(0, rows)
-            out, ssm_new = self.step(x, extras, held * keep.view(-1, *(1,) * (held.dim() - 1)))
-            conv.index_copy_(0, rows, conv_new.to(conv.dtype))
-            ssm.index_copy_(0, rows, ssm_new)
-            for seq, saves in states.saves.items():   # a 1-token piece ending on a snapshot's boundary
-                states.save(self.layer, saves[0][1], conv_new[seq], ssm_new[seq])
-            return out
-        outs, start = [], 0
+            return self._step_rows(mixed, extras, meta.rows, meta.seq_lens, states, None)
+        split, outs = states.split, []
+        if split is not None:   # the decodes beside the prefills: at once, then each prefill
+            pick = split.tokens
+            outs.append(self._step_rows(mixed.index_select(0, pick), tuple(e.index_select(0, pick) for e in extras),
+                                        meta.rows.index_select(0, split.index),
+                                        meta.seq_lens.index_select(0, split.index), states, split.place))
+        conv, ssm, start = states.conv[self.layer], states.ssm[self.layer], 0
         for seq, (row, n, seq_len) in enumerate(zip(meta.rows_list, meta.query_lens_list, meta.seq_lens_list)):
+            start += n
+            if n == 1:   # in the batched step
+                continue
             fresh = seq_len == n
             conv_in = torch.zeros_like(conv[row]) if fresh else conv[row]
             ssm_in = torch.zeros_like(ssm[row]) if fresh else ssm[row]
             cut = 0   # the piece in parts ending where it takes snapshots (`RecurrentStates.saves`)
             for end, slot in (*states.saves.get(seq, ()), (n, None)):
                 if end > cut:
-                    span = slice(start + cut, start + end)
+                    span = slice(start - n + cut, start - n + end)
                     x, conv_in = self.convolve(mixed[span], conv_in)
-                    out, ssm_in = self._scan(x, tuple(e[span] for e in extras), ssm_in, whole=n == 1)
+                    out, ssm_in = self.chunk(x, tuple(e[span] for e in extras), ssm_in)
                     outs.append(out)
                     cut = end
                 if slot is not None:
                     states.save(self.layer, slot, conv_in, ssm_in)
-            start += n
             conv[row] = conv_in
             ssm[row] = ssm_in
-        return torch.cat(outs)
+        out = torch.cat(outs)
+        return out if split is None else torch.empty_like(out).index_copy_(0, split.order, out)
+
+    def _step_rows(self, mixed: torch.Tensor, extras: tuple[torch.Tensor, ...], rows: torch.Tensor,
+                   seq_lens: torch.Tensor, states: RecurrentStates, place: dict[int, int] | None) -> torch.Tensor:
+        """One token of each of the sequences in `rows` of the states (`seq_lens`: theirs, 1 for a one-token prompt,
+        which starts from zeros): the convolution's and the recurrence's step, batched; the rows gathered and
+        scattered back, snapshots taken where a piece ends on one. place: sequence -> its place here (None: the
+        step's own order)."""
+        conv, ssm = states.conv[self.layer], states.ssm[self.layer]
+        # a one-token prompt (a decode graph's padded rows too: seq_lens 1) reads the zero row, not its own
+        held = torch.where(seq_lens > 1, rows, states.zero_row)
+        group, outs = _rows_a_pass(ssm, rows.shape[0]), []
+        for lo in range(0, rows.shape[0], group):
+            hi = lo + group
+            x, conv_new = self.convolve_step(mixed[lo:hi], conv.index_select(0, held[lo:hi]))
+            out, ssm_new = self.step(x, tuple(e[lo:hi] for e in extras), ssm.index_select(0, held[lo:hi]))
+            conv.index_copy_(0, rows[lo:hi], conv_new.to(conv.dtype))
+            ssm.index_copy_(0, rows[lo:hi], ssm_new)
+            for seq, saves in states.saves.items():   # a 1-token piece ending on a snapshot's boundary
+                if (i := seq if place is None else place.get(seq)) is not None and lo <= i < hi:
+                    states.save(self.layer, saves[0][1], conv_new[i - lo], ssm_new[i - lo])
+            outs.append(out)
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def convolve(self, x: torch.Tensor, conv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One sequence's inputs x [num_tokens, channels] through the causal convolution from its state conv ->
@@ -213,15 +280,6 @@ class StateMixer(nn.Module):
         """One input of each of many sequences, x [num_seqs, channels], from their states [num_seqs, ...]."""
         bias = getattr(self.conv1d, "bias", None)
         return gated_delta.causal_conv_step(x, self.conv1d.weight[:, 0], conv, bias, self.conv_silu)
-
-    def _scan(self, x: torch.Tensor, extras: tuple[torch.Tensor, ...], ssm: torch.Tensor, whole: bool
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One sequence's tokens from `ssm` on: the recurrent step for a piece of one token (`whole`), the chunked
-        form for more, a part of a longer piece too (Nemotron-H's chunked scan clamps dt, as a prefill does)."""
-        if whole:
-            out, ssm_out = self.step(x, extras, ssm.unsqueeze(0))
-            return out, ssm_out[0]
-        return self.chunk(x, extras, ssm)
 
 
 class GatedDeltaNet(StateMixer):

@@ -65,7 +65,25 @@ def test_a_linear_attention_or_ssd_layer_times_the_torch_form_and_the_kernels(ca
                                          (("--gated-delta", "--head-dim", "0"), "--head-dim"),
                                          (("--ssd", "--ssd-heads", "5", "--ssd-groups", "2"), "--ssd-heads"),
                                          (("--ssd", "--ssd-d-state", "0"), "--ssd-d-state"),
-                                         (("--lightning", "--lightning-heads", "0"), "--lightning-heads")])
+                                         (("--lightning", "--lightning-heads", "0"), "--lightning-heads"),
+                                         (("--mixed-step", "--decodes", "0"), "--decodes"),
+                                         (("--mixed-step", "--tokens", "1"), "--tokens"),
+                                         (("--mixed-step", "--k-heads", "3", "--v-heads", "4"), "--v-heads")])
 def test_bad_layer_shapes_are_named(argv, option):
     with pytest.raises(ValueError, match=f"^{option}:"):
         mamba.run(_parse("--device", "cpu", *argv))
+
+
+def test_a_mixed_step_times_the_batched_decodes_against_each_sequence_alone(capsys):
+    """`--mixed-step`: a Gated DeltaNet layer's step of decodes beside a prefill chunk, its scan (the decodes in one
+    batched step) against each sequence's alone: both timed, their outputs equal."""
+    args = _parse("--mixed-step", "--k-heads", "2", "--v-heads", "4", "--head-dim", "16", "--decodes", "5",
+                  "--device", "cpu", "--dtype", "float32", "--tokens", "3,70", "--repeats", "1", "--json")
+    assert mamba.run(args) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["tokens"], r["decodes"]) for r in rows] == [(3, 5), (70, 5)]
+    for row in rows:
+        assert row["alone_ms"] > 0 and row["step_ms"] > 0
+        assert row["speedup"] == pytest.approx(row["alone_ms"] / row["step_ms"])
+        assert row["max_rel_diff"] < 1e-5
+
