@@ -123,6 +123,8 @@ class RecurrentStates:
         if top > self.num_rows:
             self.reserve(max(top, 2 * self.num_rows))
         self.split = StepSplit.of(meta.query_lens_list, self.device)
+        if self.extra is not None:   # the same split for the states beside these
+            self.extra.split = self.split
 
     @property
     def num_bytes(self) -> int:

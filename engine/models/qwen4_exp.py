@@ -130,37 +130,61 @@ class PleLayer(nn.Module):
     def forward(self, streams: torch.Tensor, input_ids: torch.Tensor, meta: AttentionMetadata,
                 states: RecurrentStates) -> torch.Tensor:
         """What the layer adds to the streams [T, streams x hidden] of the step's tokens `input_ids`, each
-        sequence's state read from and written back to its row."""
+        sequence's state read from and written back to its row: the one-token pieces at once (beside longer ones
+        too: `RecurrentStates.split`), each longer piece by itself."""
+        if all(q == 1 for q in meta.query_lens_list):   # a decode step: one token a sequence, by row
+            return self._decode(streams, input_ids, meta.rows, meta.seq_lens, states, None)
+        split, lens = states.split, meta.query_lens_list
+        if split is None:   # prefill pieces alone
+            return self._pieces(streams, input_ids, meta, states, list(range(len(lens))))
+        tokens, rest = split.tokens, split.order[len(split.seqs):]
+        out = torch.cat([self._decode(streams.index_select(0, tokens), input_ids.index_select(0, tokens),
+                                      meta.rows.index_select(0, split.index),
+                                      meta.seq_lens.index_select(0, split.index), states, split.place),
+                         self._pieces(streams.index_select(0, rest), input_ids.index_select(0, rest), meta, states,
+                                      [i for i, q in enumerate(lens) if q > 1])])
+        return torch.empty_like(out).index_copy_(0, split.order, out)
+
+    def _decode(self, streams: torch.Tensor, input_ids: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor,
+                states: RecurrentStates, place: dict[int, int] | None) -> torch.Tensor:
+        """One token of each sequence in `rows` (`seq_lens`: theirs); place: sequence -> its place here (None: the
+        step's own order), for the snapshots a one-token piece takes."""
+        tokens, conv = states.ssm[self.index], states.conv[self.index]
+        keep = (seq_lens > 1).unsqueeze(-1)   # a 1-token prompt (a padded graph row too) starts afresh
+        held = torch.where(keep, tokens.index_select(0, rows), float(self.shape.eos))
+        history = torch.cat([held, input_ids[:, None].to(held.dtype)], dim=-1)             # [seqs, n]
+        gated, normed = self._gated(streams, history.long())
+        window = torch.cat([conv.index_select(0, rows) * keep.unsqueeze(-1), normed.unsqueeze(-1)], dim=-1)
+        out = self._convolve(window)[..., -1]
+        tokens.index_copy_(0, rows, history[:, 1:])
+        conv.index_copy_(0, rows, window[..., 1:].to(conv.dtype))
+        for seq, saves in states.saves.items():   # a 1-token piece ending on a snapshot's boundary
+            if (i := seq if place is None else place.get(seq)) is not None:
+                states.save(self.index, saves[0][1], window[i, :, 1:], history[i, 1:])
+        return gated + out
+
+    def _pieces(self, streams: torch.Tensor, input_ids: torch.Tensor, meta: AttentionMetadata,
+                states: RecurrentStates, seqs: list[int]) -> torch.Tensor:
+        """The pieces of sequences `seqs` (their tokens: `streams`, `input_ids`, in order), each from its row."""
         tokens, conv = states.ssm[self.index], states.conv[self.index]
         eos, n = float(self.shape.eos), self.shape.ngram
-        if all(q == 1 for q in meta.query_lens_list):   # a decode step: one token a sequence, by row
-            keep = (meta.seq_lens > 1).unsqueeze(-1)   # a 1-token prompt (a padded graph row too) starts afresh
-            held = torch.where(keep, tokens.index_select(0, meta.rows), eos)
-            history = torch.cat([held, input_ids[:, None].to(held.dtype)], dim=-1)             # [seqs, n]
-            gated, normed = self._gated(streams, history.long())
-            window = torch.cat([conv.index_select(0, meta.rows) * keep.unsqueeze(-1), normed.unsqueeze(-1)], dim=-1)
-            out = self._convolve(window)[..., -1]
-            tokens.index_copy_(0, meta.rows, history[:, 1:])
-            conv.index_copy_(0, meta.rows, window[..., 1:].to(conv.dtype))
-            for seq, saves in states.saves.items():   # a 1-token piece ending on a snapshot's boundary
-                states.save(self.index, saves[0][1], window[seq, :, 1:], history[seq, 1:])
-            return gated + out
+        pieces = [(seq, meta.rows_list[seq], meta.query_lens_list[seq], meta.seq_lens_list[seq]) for seq in seqs]
         histories, start = [], 0
-        for row, q_len, seq_len in zip(meta.rows_list, meta.query_lens_list, meta.seq_lens_list):
+        for _, row, q_len, seq_len in pieces:
             held = tokens[row].new_full((n - 1,), eos) if seq_len == q_len else tokens[row]
             histories.append(torch.cat([held, input_ids[start:start + q_len].to(held.dtype)]))
             start += q_len
         windows = torch.cat([history.unfold(0, n, 1) for history in histories])                 # [T, n]
         gated, normed = self._gated(streams, windows.long())
         outs, start = [], 0
-        for seq, (row, q_len, seq_len) in enumerate(zip(meta.rows_list, meta.query_lens_list, meta.seq_lens_list)):
+        for (seq, row, q_len, seq_len), history in zip(pieces, histories):
             held = conv[row] if seq_len != q_len else torch.zeros_like(conv[row])
             window = torch.cat([held, normed[start:start + q_len].t().to(held.dtype)], dim=-1)   # [wide, L + q]
             outs.append(self._convolve(window[None])[0].t())
             width = conv.shape[-1]
             for offset, slot in states.saves.get(seq, ()):
-                states.save(self.index, slot, window[:, offset:offset + width], histories[seq][offset:offset + n - 1])
-            conv[row], tokens[row] = window[:, -width:], histories[seq][-(n - 1):]
+                states.save(self.index, slot, window[:, offset:offset + width], history[offset:offset + n - 1])
+            conv[row], tokens[row] = window[:, -width:], history[-(n - 1):]
             start += q_len
         return gated + torch.cat(outs)
 

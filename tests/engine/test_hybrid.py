@@ -300,60 +300,72 @@ def test_the_gateway_credits_a_state_models_requests_their_whole_prompts(tiny, t
     assert gateway.pools["plain"].admission.placement.share_blocks
 
 
+# A step of a chunk resuming from a state (a snapshot inside it), a decode, a prompt's one-token piece ending on a
+# snapshot's boundary after them and a one-token prompt: rows, query and sequence lengths; (sequence, offset, slot)
+SPLIT_ROWS, SPLIT_QUERY_LENS, SPLIT_SEQ_LENS, SPLIT_SAVES = [2, 0, 3, 1], [5, 1, 1, 1], [9, 12, 8, 1], [(0, 3, 0),
+                                                                                                      (2, 1, 1)]
+
+
+def assert_split_step_is_each_sequence_alone(run_layer, make_states, held_by) -> None:
+    """`run_layer(tokens, meta, states)` (the step's token indices of the sequences in `meta`) over the step above,
+    its states from `make_states()` (the same each call): its outputs, and the states and snapshots `held_by(states)`
+    gives ((conv, ssm, snap_conv, snap_ssm) of the layer), equal each sequence's run alone."""
+    from kernels import AttentionMetadata
+
+    def run(seqs):
+        states = make_states()
+        meta = AttentionMetadata.build([[0, 1]] * len(seqs), [SPLIT_QUERY_LENS[i] for i in seqs],
+                                       [SPLIT_SEQ_LENS[i] for i in seqs], 8)
+        meta.rows_list = [SPLIT_ROWS[i] for i in seqs]
+        meta.rows = torch.tensor(meta.rows_list)
+        states.prepare([], [(seqs.index(seq), offset, slot) for seq, offset, slot in SPLIT_SAVES if seq in seqs])
+        states.for_step(meta)
+        ends = [sum(SPLIT_QUERY_LENS[:i]) for i in range(len(SPLIT_QUERY_LENS) + 1)]
+        return run_layer(torch.cat([torch.arange(ends[i], ends[i + 1]) for i in seqs]), meta, states), states
+
+    together, states = run([0, 1, 2, 3])
+    assert states.split is not None and states.split.seqs == [1, 2, 3]
+    for i, row in enumerate(SPLIT_ROWS):
+        alone, kept = run([i])
+        at = slice(sum(SPLIT_QUERY_LENS[:i]), sum(SPLIT_QUERY_LENS[:i + 1]))
+        assert torch.allclose(together[at], alone, atol=1e-5)
+        (conv, ssm, snap_conv, snap_ssm), (conv_1, ssm_1, snap_conv_1, snap_ssm_1) = held_by(states), held_by(kept)
+        assert torch.allclose(conv[row], conv_1[row], atol=1e-5) and torch.allclose(ssm[row], ssm_1[row], atol=1e-5)
+        for seq, _, slot in SPLIT_SAVES:
+            if seq == i:
+                assert torch.allclose(snap_conv[slot], snap_conv_1[slot], atol=1e-5)
+                assert torch.allclose(snap_ssm[slot], snap_ssm_1[slot], atol=1e-5)
+
+
 @pytest.mark.parametrize("arch, pass_bytes", [("qwen3_5", None), ("granitemoehybrid", None), ("qwen3_5", 1)],
                          ids=["qwen3_5", "granite4_h", "qwen3_5-a-row-a-pass"])
 def test_a_steps_one_token_pieces_run_batched_beside_its_prefills_as_each_sequence_alone(
         tmp_path, builtin_path, monkeypatch, arch, pass_bytes):
-    """A step of a chunk resuming from a state (a snapshot inside it), a decode, a prompt's one-token piece ending on
-    a snapshot's boundary after them and a one-token prompt: the one-token pieces run as one batched step beside the
-    chunk (`RecurrentStates.split`), whatever their places in the batch; outputs, states and snapshots equal each
+    """The one-token pieces of a step (`SPLIT_*`) run as one batched step beside its chunk
+    (`RecurrentStates.split`), whatever their places in the batch; outputs, states and snapshots equal each
     sequence's run alone (Gated DeltaNet's and Mamba-2's layers; a CPU's batched step a row a pass where a row's
     state fills its `CPU_PASS_BYTES`)."""
     from engine.layers.gated_delta_net import RecurrentStates, StateMixer
-    from kernels import AttentionMetadata
     from tests.engine.test_engine_vs_hf import GRANITE4_H
 
     if pass_bytes is not None:
         monkeypatch.setattr("engine.layers.gated_delta_net.CPU_PASS_BYTES", pass_bytes)
-
     folder = make_tiny_model(tmp_path, arch, builtin_path, **(QWEN3_5 if arch == "qwen3_5" else GRANITE4_H))
     model = _engine(folder).model
     mixer = next(m for m in model.modules() if isinstance(m, StateMixer))
     gen = torch.Generator().manual_seed(3)
-    rows, query_lens, seq_lens = [2, 0, 3, 1], [5, 1, 1, 1], [9, 12, 8, 1]
-    saves = [(0, 3, 0), (2, 1, 1)]   # (sequence, token offset, slot)
-    hidden = torch.randn(sum(query_lens), model.config.hidden_size, generator=gen)
+    hidden = torch.randn(sum(SPLIT_QUERY_LENS), model.config.hidden_size, generator=gen)
+    shape = RecurrentStates(model.state_shape(), len(model.state_index), torch.float32, torch.device("cpu"), 4)
+    start = [torch.randn(t.shape, generator=gen) for t in (*shape.conv, *shape.ssm)]
 
-    def states_with(values):
+    def make_states():
         states = RecurrentStates(model.state_shape(), len(model.state_index), torch.float32, torch.device("cpu"), 4)
         states.reserve_snapshots(2)
-        for held, value in zip((*states.conv, *states.ssm), values):
+        for held, value in zip((*states.conv, *states.ssm), start):
             held.copy_(value)
         return states
 
-    empty = states_with([])
-    start = [torch.randn(t.shape, generator=gen) for t in (*empty.conv, *empty.ssm)]
-
-    def run(seqs):
-        states = states_with(start)
-        meta = AttentionMetadata.build([[0, 1]] * len(seqs), [query_lens[i] for i in seqs],
-                                       [seq_lens[i] for i in seqs], 8)
-        meta.rows_list = [rows[i] for i in seqs]
-        meta.rows = torch.tensor(meta.rows_list)
-        states.prepare([], [(seqs.index(seq), offset, slot) for seq, offset, slot in saves if seq in seqs])
-        states.for_step(meta)
-        tokens = torch.cat([torch.arange(sum(query_lens[:i]), sum(query_lens[:i + 1])) for i in seqs])
-        return mixer(hidden[tokens], meta, states), states
-
-    together, states = run([0, 1, 2, 3])
-    assert states.split is not None and states.split.seqs == [1, 2, 3]
-    for i in range(4):
-        alone, kept = run([i])
-        assert torch.allclose(together[sum(query_lens[:i]):sum(query_lens[:i + 1])], alone, atol=1e-5)
-        layer = mixer.layer
-        for held, mine in ((states.conv[layer], kept.conv[layer]), (states.ssm[layer], kept.ssm[layer])):
-            assert torch.allclose(held[rows[i]], mine[rows[i]], atol=1e-5)
-        for seq, _, slot in saves:
-            if seq == i:
-                assert torch.allclose(states.snap_ssm[layer][slot], kept.snap_ssm[layer][slot], atol=1e-5)
-                assert torch.allclose(states.snap_conv[layer][slot], kept.snap_conv[layer][slot], atol=1e-5)
+    layer = mixer.layer
+    assert_split_step_is_each_sequence_alone(
+        lambda tokens, meta, states: mixer(hidden[tokens], meta, states), make_states,
+        lambda st: (st.conv[layer], st.ssm[layer], st.snap_conv[layer], st.snap_ssm[layer]))

@@ -65,3 +65,37 @@ def test_what_qwen4_exp_does_not_serve_is_refused_by_key(tmp_path, builtin_path)
     save_file(tensors, folder / index[name])
     with pytest.raises(WeightLoadError, match=f"^{name}: does not match"):
         LLMEngine.from_args(str(folder), dtype="float32", block_size=8, num_blocks=16, progress=False)
+
+
+def test_a_ple_layers_one_token_pieces_run_at_once_beside_a_prefill_as_each_sequence_alone(tmp_path, builtin_path):
+    """A PLE layer's step of a chunk, a decode, a one-token piece ending on a snapshot's boundary and a one-token
+    prompt (test_hybrid's `SPLIT_*`): the one-token pieces at once (`RecurrentStates.split`, shared by the PLE
+    states beside the linear layers'), outputs, token histories, convolution inputs and snapshots as each alone."""
+    from engine.layers.gated_delta_net import RecurrentStates
+    from engine.models.qwen4_exp import PleLayer, PleStateShape
+    from tests.engine.test_hybrid import SPLIT_QUERY_LENS, assert_split_step_is_each_sequence_alone
+
+    folder = make_tiny_model(tmp_path, "qwen4_exp_text", builtin_path, **QWEN4_EXP)
+    model = LLMEngine.from_args(str(folder), dtype="float32", block_size=8, num_blocks=64, progress=False).model
+    ple, s = next(m for m in model.modules() if isinstance(m, PleLayer)), model.config.qwen4_exp
+    gen = torch.Generator().manual_seed(5)
+    streams = torch.randn(sum(SPLIT_QUERY_LENS), s.streams * model.config.hidden_size, generator=gen)
+    ids = torch.randint(3, 500, (sum(SPLIT_QUERY_LENS),), generator=gen)
+    shape = PleStateShape((s.streams * model.config.hidden_size, s.conv_state_len), (s.ngram - 1,))
+    conv = torch.randn(6, *shape.conv_state_shape, generator=gen)
+    held = torch.randint(3, 500, (6, s.ngram - 1), generator=gen).float()   # the last tokens of each row
+
+    def make_states():
+        extra = RecurrentStates(shape, len(s.ple_layers), torch.float32, torch.device("cpu"))
+        states = RecurrentStates(model.state_shape(), len(model.state_index), torch.float32, torch.device("cpu"),
+                                 extra=extra)
+        states.reserve(4)
+        states.reserve_snapshots(2)
+        extra.conv[ple.index].copy_(conv)
+        extra.ssm[ple.index].copy_(held)
+        return states
+
+    i = ple.index
+    assert_split_step_is_each_sequence_alone(
+        lambda tokens, meta, states: ple(streams[tokens], ids[tokens], meta, states.extra), make_states,
+        lambda st: (st.extra.conv[i], st.extra.ssm[i], st.extra.snap_conv[i], st.extra.snap_ssm[i]))
