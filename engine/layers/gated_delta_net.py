@@ -22,7 +22,7 @@ from engine.gated_delta_config import GatedDeltaShape, StateShape
 from engine.parallel import Collectives
 from kernels import AttentionMetadata
 from kernels import gated_delta
-from kernels.transfer import to_device
+from kernels.transfer import to_device, to_device_tensor
 
 
 class RecurrentStates:
@@ -153,8 +153,9 @@ class StepSplit:
             starts.append(starts[-1] + n)
         seqs = [i for i, n in enumerate(query_lens) if n == 1]
         tokens = [starts[i] for i in seqs]
-        rest = [t for i, n in enumerate(query_lens) if n > 1 for t in range(starts[i], starts[i + 1])]
-        flat, k = to_device(seqs + tokens + tokens + rest, torch.int64, device), len(seqs)   # one copy a step
+        # the longer pieces' tokens as ranges, not a list of a long chunk's ints; one copy to the device a step
+        rest = [torch.arange(starts[i], starts[i + 1]) for i, n in enumerate(query_lens) if n > 1]
+        flat, k = to_device_tensor(torch.cat([torch.tensor(seqs + tokens + tokens), *rest]), device), len(seqs)
         return cls(seqs, flat[:k], flat[k:2 * k], flat[2 * k:])
 
 
