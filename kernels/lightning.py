@@ -29,8 +29,10 @@ def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: to
     ssm: [num_seqs, num_heads, head_dim, head_dim] float32 -> (out [num_seqs, num_heads, head_dim] float32, the new
     states)."""
     q, k, v = q.float(), k.float(), v.float()
-    state = ssm * torch.exp(-slopes)[:, None, None] + k.unsqueeze(-1) * v.unsqueeze(-2)
-    return (q.unsqueeze(-1) * state).sum(-2), state
+    d_k, d_v = ssm.shape[-2:]
+    state = ssm * torch.exp(-slopes)[:, None, None]   # then k v^T added in place, q^T S as a batched matrix product
+    state.view(-1, d_k, d_v).baddbmm_(k.reshape(-1, d_k, 1), v.reshape(-1, 1, d_v))
+    return (q.unsqueeze(-2) @ state).squeeze(-2), state
 
 
 def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor, ssm: torch.Tensor,

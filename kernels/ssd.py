@@ -33,12 +33,16 @@ def step(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C:
     x: [num_seqs, num_heads, head_dim]; dt: [num_seqs, num_heads] (after softplus); A, D: [num_heads]; B, C:
     [num_seqs, n_groups, d_state]; ssm: [num_seqs, num_heads, head_dim, d_state] float32 -> (y [num_seqs,
     num_heads, head_dim] float32, the new states)."""
-    num_heads = x.shape[1]
+    num_heads, head_dim, d_state = ssm.shape[1:]
     dt = dt.float()
     decay = torch.exp(dt * A.float())[..., None, None]                          # [seqs, heads, 1, 1]
     xf = x.float()
-    state = ssm * decay + (dt[..., None] * xf)[..., None] * _per_head(B, num_heads)[:, :, None, :]
-    y = (state * _per_head(C, num_heads)[:, :, None, :]).sum(-1)
+    # the input's rank-one update in place and the read-out as a batched matrix product: no temporary of the
+    # state's size past the decayed state itself (the elementwise form made four)
+    state = ssm * decay
+    state.view(-1, head_dim, d_state).baddbmm_((dt[..., None] * xf).reshape(-1, head_dim, 1),
+                                               _per_head(B, num_heads).reshape(-1, 1, d_state))
+    y = (state @ _per_head(C, num_heads).unsqueeze(-1)).squeeze(-1)             # [seqs, heads, head_dim]
     return y + D.float()[:, None] * xf, state
 
 
