@@ -331,3 +331,13 @@ def test_every_subpackage_opens_with_a_one_line_summary():
         if not doc or not doc.splitlines()[0].strip():
             missing.append(module)
     assert missing == []
+
+
+def test_every_file_make_test_runs_alone_exists():
+    """tests/conftest.py's SERIAL names the test files `make test` runs alone after the parallel part: a name there
+    that no longer exists (a file renamed or moved) would send its tests to the parallel workers unnoticed."""
+    from tests.conftest import SERIAL
+
+    missing = [name for name in SERIAL if not (ROOT / name).exists()]
+    assert not missing, f"tests/conftest.py's SERIAL names what does not exist: {missing}"
+    assert all(name.endswith(("/", ".py")) for name in SERIAL)
