@@ -2,7 +2,8 @@
 the Triton kernel; with `--gated-delta`, a Gated DeltaNet layer's delta rule (Qwen3.5's), the torch chunked form
 against the Triton kernels (`_gated_delta`); with `--ssd`, a Mamba-2 layer's scan (Granite 4-H's), and with
 `--lightning` a lightning attention layer (MiniMax-Text-01's), likewise (`_ssd`, `_lightning`); with `--mixed-step`, a
-Gated DeltaNet layer's step of decodes beside a prefill chunk, batched against sequence by sequence (`_mixed_step`).
+Gated DeltaNet layer's step of decodes beside prefill chunks, batched against chunk by chunk and sequence by sequence
+(`_mixed_step`).
 
 For each of `--tokens` (one sequence's new tokens), over `--channels` (8,192: Jamba 1.5 Mini's, `mamba_expand` 2 x
 4,096) with a state of `--d-state` (16) each, from a random state: `recurrence`, the torch loop (`kernels.
@@ -56,9 +57,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ssd-groups", type=int, default=1, help="with --ssd: B and C groups (1)")
     p.add_argument("--ssd-d-state", type=int, default=128, help="with --ssd: each channel's state (128)")
     p.add_argument("--mixed-step", action="store_true",
-                   help="a Gated DeltaNet layer's step of --decodes one-token pieces beside a prefill chunk of each "
-                        "--tokens: the layer's scan (the decodes batched) against each sequence scanned alone")
+                   help="a Gated DeltaNet layer's step of --decodes one-token pieces beside --prefills chunks of each "
+                        "--tokens: the layer's scan (the decodes batched, the chunks at once) against the chunks one "
+                        "by one and each sequence scanned alone")
     p.add_argument("--decodes", type=int, default=63, help="with --mixed-step: one-token pieces in the step (63)")
+    p.add_argument("--prefills", type=int, default=1, help="with --mixed-step: prefill chunks in the step (1)")
 
 
 def _inputs(tokens: int, channels: int, d_state: int, device: torch.device, dtype: torch.dtype):
@@ -245,16 +248,20 @@ def _lightning(args: argparse.Namespace, lengths: list[int], device: torch.devic
 
 def _mixed_step(args: argparse.Namespace, lengths: list[int], device: torch.device, dtype: torch.dtype) -> int:
     """`--mixed-step`: a Gated DeltaNet layer of random weights (`--k-heads`, `--v-heads`, `--head-dim`) in a step of
-    one prefill chunk of each length (resuming from a state) then `--decodes` one-token pieces: its `scan` over the
-    step (the one-token pieces as one batched step, `RecurrentStates.split`) against each sequence's `scan` alone,
-    one after another (as the layer ran a step with a prefill in it until 2026-12-07: every decode on its own), the
-    projections around the scan left out of both; the largest difference of their outputs (exit 1 past 1e-3)."""
+    `--prefills` prefill chunks of each length (resuming from states) then `--decodes` one-token pieces: its `scan`
+    over the step (`step`: the one-token pieces as one batched step, `RecurrentStates.split`, the chunks as one scan,
+    `RecurrentStates.pieces`) against the same step with the chunks scanned one by one (`chunks_one_by_one`: the
+    layer's path before its chunks were batched, 2026-12-07) and against each sequence's `scan` alone, one after another (`alone`: as it ran a step
+    with a prefill in it until 2026-12-07, every decode on its own); the projections around the scan left out; the
+    largest difference of their outputs (exit 1 past 1e-3)."""
     from engine.gated_delta_config import GatedDeltaShape
-    from engine.layers.gated_delta_net import GatedDeltaNet, RecurrentStates
+    from engine.layers.gated_delta_net import GatedDeltaNet
 
     _check_heads(args)
-    if args.decodes < 1:
-        raise ValueError(f"--decodes: must be >= 1, got {args.decodes}")
+    if args.decodes < 0 or args.prefills < 1 or args.decodes + args.prefills < 2:
+        option = "--prefills" if args.prefills < 1 else "--decodes"
+        raise ValueError(f"{option}: at least one prefill chunk and two pieces in all, got --prefills "
+                         f"{args.prefills} and --decodes {args.decodes}")
     if min(lengths) < 2:
         raise ValueError(f"--tokens: a prefill chunk of at least 2 tokens beside the decodes, got {min(lengths)}")
     shape = GatedDeltaShape(args.k_heads, args.v_heads, args.head_dim, args.head_dim, 4)
@@ -264,40 +271,58 @@ def _mixed_step(args: argparse.Namespace, lengths: list[int], device: torch.devi
         for weight in layer.parameters():
             weight.normal_(0, 0.02)
         for tokens in lengths:
-            query_lens, seq_lens = [tokens] + [1] * args.decodes, [tokens + 64] + [100] * args.decodes
-            metas = [_rows_metadata(list(range(i, j)), query_lens[i:j], seq_lens[i:j], device)
-                     for i, j in [(0, len(query_lens))] + [(i, i + 1) for i in range(len(query_lens))]]
-            states = RecurrentStates(shape, 1, dtype, device, len(query_lens))
-            start = [t.normal_().clone() for t in (*states.conv, *states.ssm)]   # from random states
-            hidden = torch.randn(sum(query_lens), shape.num_v_heads * shape.v_head_dim, device=device, dtype=dtype)
-            mixed, _, b, a = layer.in_proj(hidden).split([shape.conv_dim, shape.value_dim, shape.num_v_heads,
-                                                          shape.num_v_heads], dim=-1)
-            extras = (-layer.A_log.float().exp() * F.softplus(a.float() + layer.dt_bias), b.sigmoid())
-            ends = metas[0].query_start_loc.tolist()   # each sequence's first token, then the step's end
-
-            def together():
-                states.for_step(metas[0])
-                return layer.scan(mixed, extras, metas[0], states)
-
-            def alone():
-                outs = []
-                for meta, i, j in zip(metas[1:], ends, ends[1:]):
-                    states.for_step(meta)
-                    outs.append(layer.scan(mixed[i:j], tuple(e[i:j] for e in extras), meta, states))
-                return torch.cat(outs)
-
-            row, outs = {"device": str(device), "dtype": str(dtype).removeprefix("torch."), "tokens": tokens,
-                         "decodes": args.decodes}, {}
-            for name, run in (("alone", alone), ("step", together)):
-                for held, value in zip((*states.conv, *states.ssm), start):
-                    held.copy_(value)
-                outs[name] = run().float()   # from the same states: compared below
-                row[f"{name}_ms"] = statistics.median(time_call(run, device, iters=args.repeats)) * 1e3
-            row["speedup"] = row["alone_ms"] / row["step_ms"]
-            row["max_rel_diff"] = float((outs["step"] - outs["alone"]).abs().max() / outs["alone"].abs().max())
+            row = _time_mixed_step(args, layer, tokens, device, dtype)
             failed |= row["max_rel_diff"] > 1e-3
             _print(row, args.json)
     return 1 if failed else 0
+
+
+def _time_mixed_step(args: argparse.Namespace, layer, tokens: int, device: torch.device, dtype: torch.dtype) -> dict:
+    from engine.layers.gated_delta_net import RecurrentStates
+
+    shape = layer.shape
+    query_lens = [tokens] * args.prefills + [1] * args.decodes
+    seq_lens = [tokens + 64] * args.prefills + [100] * args.decodes
+    metas = [_rows_metadata(list(range(i, j)), query_lens[i:j], seq_lens[i:j], device)
+             for i, j in [(0, len(query_lens))] + [(i, i + 1) for i in range(len(query_lens))]]
+    states = RecurrentStates(shape, 1, dtype, device, len(query_lens))
+    start = [t.normal_().clone() for t in (*states.conv, *states.ssm)]   # from random states
+    hidden = torch.randn(sum(query_lens), shape.num_v_heads * shape.v_head_dim, device=device, dtype=dtype)
+    mixed, _, b, a = layer.in_proj(hidden).split([shape.conv_dim, shape.value_dim, shape.num_v_heads,
+                                                  shape.num_v_heads], dim=-1)
+    extras = (-layer.A_log.float().exp() * F.softplus(a.float() + layer.dt_bias), b.sigmoid())
+    ends = metas[0].query_start_loc.tolist()   # each sequence's first token, then the step's end
+
+    def together():
+        states.for_step(metas[0])
+        return layer.scan(mixed, extras, metas[0], states)
+
+    def chunks_one_by_one():
+        layer.scans_pieces = False
+        try:
+            return together()
+        finally:
+            del layer.scans_pieces
+
+    def alone():
+        outs = []
+        for meta, i, j in zip(metas[1:], ends, ends[1:]):
+            states.for_step(meta)
+            outs.append(layer.scan(mixed[i:j], tuple(e[i:j] for e in extras), meta, states))
+        return torch.cat(outs)
+
+    row, outs = {"device": str(device), "dtype": str(dtype).removeprefix("torch."), "tokens": tokens,
+                 "prefills": args.prefills, "decodes": args.decodes}, {}
+    for name, run in (("alone", alone), ("chunks_one_by_one", chunks_one_by_one), ("step", together)):
+        for held, value in zip((*states.conv, *states.ssm), start):
+            held.copy_(value)
+        outs[name] = run().float()   # from the same states: compared below
+        row[f"{name}_ms"] = statistics.median(time_call(run, device, iters=args.repeats)) * 1e3
+    row["speedup"] = row["alone_ms"] / row["step_ms"]
+    row["chunks_speedup"] = row["chunks_one_by_one_ms"] / row["step_ms"]
+    row["max_rel_diff"] = max(float((outs[name] - outs["alone"]).abs().max() / outs["alone"].abs().max())
+                              for name in ("step", "chunks_one_by_one"))
+    return row
 
 
 def _rows_metadata(rows: list[int], query_lens: list[int], seq_lens: list[int], device: torch.device):

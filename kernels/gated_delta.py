@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.pieces import Pieces
+
 CHUNK = 64
 
 
@@ -41,6 +43,21 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, bias
     window = torch.cat([state.to(x.dtype), x.t()], dim=1)                  # [channels, kernel - 1 + num_tokens]
     out = F.conv1d(window.unsqueeze(0), weight.unsqueeze(1), bias, groups=weight.shape[0])[0]
     return (F.silu(out) if silu else out).t(), window[:, window.shape[1] - state.shape[1]:]
+
+
+def causal_conv_pieces(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor, pieces: Pieces,
+                       bias: torch.Tensor | None = None, silu: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """`causal_conv` for several sequences' new inputs at once (`kernels.pieces`' layout), each from its own state,
+    as one convolution over a flat window (each sequence's state columns, then its inputs). x: [num_tokens,
+    channels]; states: [num_seqs, channels, kernel - 1] -> (out [num_tokens, channels], the state after each part
+    [num_parts, channels, kernel - 1], in x's dtype)."""
+    table = pieces.conv_table(weight.shape[1], x.device)
+    flat = x.new_empty(table.length, x.shape[1])
+    flat.index_copy_(0, table.tokens, x)
+    flat.index_copy_(0, table.states, states.to(x.dtype).transpose(1, 2).flatten(0, 1))
+    out = F.conv1d(flat.t().unsqueeze(0), weight.unsqueeze(1), bias, groups=weight.shape[0])[0]
+    out = out.t().index_select(0, table.outputs)
+    return F.silu(out) if silu else out, flat.unfold(0, weight.shape[1] - 1, 1).index_select(0, table.after)
 
 
 def causal_conv_step(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, bias: torch.Tensor | None = None,
@@ -98,6 +115,62 @@ def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     return chunked_torch(q, k, v, g, beta, ssm, chunk)
 
 
+def chunked_pieces(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                   ssm: torch.Tensor, pieces: Pieces, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """Several sequences' new tokens at once, each from its own state (`kernels.pieces`: tokens flat, sequence after
+    sequence, each sequence's in parts): `chunked`'s per-token tensors over all of them, ssm [num_seqs, num_v_heads,
+    k_head_dim, v_head_dim] -> (out [num_tokens, num_v_heads, v_head_dim] float32, the state after each part
+    [num_parts, ...]). What `chunked` per part gives, in as many sequential steps as the longest sequence has chunks
+    (the torch form; on CUDA two launches in all). A decay per channel (g [num_tokens, heads, k_head_dim]) runs part
+    after part."""
+    if g.dim() == 3:
+        return _parts_one_by_one(q, k, v, g, beta, ssm, pieces, chunk)
+    if v.is_cuda:
+        from kernels.triton_gated_delta import chunked_pieces as triton_pieces
+
+        return triton_pieces(q, k, v, g, beta, ssm, pieces)
+    return chunked_pieces_torch(q, k, v, g, beta, ssm, pieces, chunk)
+
+
+def chunked_pieces_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                         ssm: torch.Tensor, pieces: Pieces, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """`chunked_pieces` in torch: every chunk's WY form at once, then the chunks' steps through the states, the j-th
+    chunks of all sequences that have one together."""
+    plan = pieces.torch_plan(chunk, v.device)
+    q, k = _prepare(q, k, v.shape[-2])
+
+    def tiles(t: torch.Tensor) -> torch.Tensor:   # [num_tokens, heads, ...] -> [chunks, heads, chunk, ...]; pads 0
+        t = torch.cat([t, t.new_zeros(1, *t.shape[1:])]).index_select(0, plan.gather)
+        return t.unflatten(0, (-1, chunk)).transpose(1, 2)
+
+    v = tiles(v.float())   # padded tokens have g = 0 and beta = 0: they change nothing
+    u, w, scores, q_decayed, k_to_end, chunk_decay = _wy(tiles(q), tiles(k), v, tiles(g.float()), tiles(beta.float()))
+    state = ssm.float().index_select(0, plan.order)                          # sequences by their chunks, most first
+    after = state.new_empty(pieces.num_parts, *state.shape[1:])
+    out = torch.empty_like(v)
+    for n, ids, places, parts in plan.steps:
+        held = state[:n]
+        new = u[ids] - w[ids] @ held                                        # what the states do not predict
+        out[ids] = q_decayed[ids] @ held + scores[ids] @ new
+        state[:n] = held * chunk_decay[ids] + k_to_end[ids].transpose(-1, -2) @ new
+        if places is not None:
+            after.index_copy_(0, parts, state.index_select(0, places))
+    return out.transpose(1, 2).flatten(0, 1).index_select(0, plan.unpad), after
+
+
+def _parts_one_by_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                      ssm: torch.Tensor, pieces: Pieces, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    outs, after = [], []
+    for s in range(pieces.num_seqs):
+        state = ssm[s]
+        for p in range(pieces.first_part[s], pieces.first_part[s + 1]):
+            span = slice(pieces.part_starts[p], pieces.part_starts[p + 1])
+            out, state = chunked(q[span], k[span], v[span], g[span], beta[span], state, chunk)
+            outs.append(out)
+            after.append(state)
+    return torch.cat(outs), torch.stack(after)
+
+
 def chunked_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                   ssm: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
     """`chunked` in torch on any device (a decay a head): the CPU's path, and the yardstick of the Triton one."""
@@ -107,6 +180,22 @@ def chunked_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     # [heads, chunks, chunk, dim]; padded tokens have g = 0 and beta = 0: they change nothing
     q, k, v = (F.pad(t.transpose(0, 1), (0, 0, 0, pad)).unflatten(1, (-1, chunk)) for t in (q, k, v.float()))
     g, beta = (F.pad(t.float().t(), (0, pad)).unflatten(1, (-1, chunk)) for t in (g, beta))
+    u, w, scores, q_decayed, k_to_end, chunk_decay = _wy(q, k, v, g, beta)
+    out = torch.empty_like(v)
+    state = ssm.float()
+    for i in range(v.shape[1]):
+        new = u[:, i] - w[:, i] @ state                                      # what the state does not predict
+        out[:, i] = q_decayed[:, i] @ state + scores[:, i] @ new
+        state = state * chunk_decay[:, i] + k_to_end[:, i].transpose(-1, -2) @ new
+    return out.flatten(1, 2)[:, :num_tokens].transpose(0, 1), state
+
+
+def _wy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+        ) -> tuple[torch.Tensor, ...]:
+    """Within each chunk of tokens (q, k, v [..., chunk, dim]; g, beta [..., chunk], any leading dimensions): the WY
+    form's u and w, the causal scores, q decayed from the chunk's start, k decayed to its end, and the chunk's
+    whole decay [..., 1, 1]."""
+    chunk = v.shape[-2]
     decay = g.cumsum(-1)                                                     # log decay from the chunk's start
     lower = torch.ones(chunk, chunk, dtype=torch.bool, device=v.device).tril()
     # exp(decay_i - decay_j) for j <= i, else 0
@@ -119,13 +208,7 @@ def chunked_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     q_decayed = q * decay.exp().unsqueeze(-1)
     k_to_end = k * (decay[..., -1:] - decay).exp().unsqueeze(-1)
     chunk_decay = decay[..., -1].exp()[..., None, None]
-    out = torch.empty_like(v)
-    state = ssm.float()
-    for i in range(v.shape[1]):
-        new = u[:, i] - w[:, i] @ state                                      # what the state does not predict
-        out[:, i] = q_decayed[:, i] @ state + scores[:, i] @ new
-        state = state * chunk_decay[:, i] + k_to_end[:, i].transpose(-1, -2) @ new
-    return out.flatten(1, 2)[:, :num_tokens].transpose(0, 1), state
+    return u, w, scores, q_decayed, k_to_end, chunk_decay
 
 
 def chunked_per_channel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

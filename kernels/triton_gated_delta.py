@@ -1,15 +1,18 @@
-"""The gated delta rule's chunked form (`kernels.gated_delta.chunked`: one sequence's new tokens from its state) in
-Triton (CUDA; the interpreter in tests): two launches a call whatever the length, where the torch form runs a loop
-of a handful of launches a chunk (a 32,768-token prompt: 512 chunks, some 3,000 launches a layer, the host's time).
+"""The gated delta rule's chunked form (`kernels.gated_delta.chunked`: one sequence's new tokens from its state, and
+`chunked_pieces`: several sequences' at once, each from its own) in Triton (CUDA; the interpreter in tests): two
+launches a call whatever the lengths and however many sequences, where the torch form runs a loop of a handful of
+launches a chunk (a 32,768-token prompt: 512 chunks, some 3,000 launches a layer, the host's time). The chunks are
+`kernels.pieces`' (a part's own, none straddling two parts).
 
-- `_wy_kernel`, a program per (chunk, value head), all chunks at once: the chunk's keys L2-normed, its log decays
-  summed from the chunk's start, the strictly lower system A = (beta k) k^T x exp(decay_i - decay_j), its unit
-  lower-triangular inverse (I + A)^-1 by forward substitution a row at a time over the [chunk, chunk] tile, and the
-  WY form's u = (I + A)^-1 (beta v) and w = (I + A)^-1 (beta k exp(decay)) stored with the decays;
-- `_state_kernel`, a program per (value head, block of `BLOCK_V` value channels), the chunks in order: what the
-  state does not predict (u - w S), the chunk's outputs (q exp(decay)) S + (q k^T x exp(decay_i - decay_j), causal)
-  (u - w S), and the state carried to the next chunk, S exp(decay_last) + (k exp(decay_last - decay))^T (u - w S),
-  held in registers [k_head_dim, BLOCK_V] (float32) from the first chunk to the last.
+- `_wy_kernel`, a program per (chunk, value head), all chunks of all sequences at once: the chunk's keys L2-normed,
+  its log decays summed from the chunk's start, the strictly lower system A = (beta k) k^T x exp(decay_i - decay_j),
+  its unit lower-triangular inverse (I + A)^-1 by forward substitution a row at a time over the [chunk, chunk] tile,
+  and the WY form's u = (I + A)^-1 (beta v) and w = (I + A)^-1 (beta k exp(decay)) stored with the decays;
+- `_state_kernel`, a program per (sequence, value head, block of `BLOCK_V` value channels), the sequence's chunks in
+  order: what the state does not predict (u - w S), the chunk's outputs (q exp(decay)) S + (q k^T x exp(decay_i -
+  decay_j), causal) (u - w S), and the state carried to the next chunk, S exp(decay_last) + (k exp(decay_last -
+  decay))^T (u - w S), held in registers [k_head_dim, BLOCK_V] (float32) from the first chunk to the last and stored
+  where a chunk ends a part.
 Everything is float32 (IEEE dots): the state's recurrence accumulates over the whole prompt. Each key head serves
 num_v_heads / num_k_heads consecutive value heads, as `kernels.gated_delta._prepare` repeats them.
 """
@@ -20,7 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["chunked"]
+from kernels.pieces import Pieces
+
+__all__ = ["chunked", "chunked_pieces"]
 
 BLOCK_V = 32   # value channels a state program holds
 CHUNK = 32     # tokens a chunk: at heads of 128 x 128 neither kernel spills registers on sm_90 (64 does, the state's)
@@ -32,16 +37,17 @@ def _l2_normed(x, eps):
     return x * tl.rsqrt(tl.sum(x * x, axis=1) + eps)[:, None]
 
 
-@triton.jit(do_not_specialize=["num_tokens"])
-def _wy_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, decay_ptr, num_tokens, groups,
+@triton.jit
+def _wy_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, decay_ptr, starts_ptr, lens_ptr, groups,
                stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
                DK: tl.constexpr, DV: tl.constexpr, KP: tl.constexpr, VP: tl.constexpr, CHUNK: tl.constexpr,
                DOT_PRECISION: tl.constexpr):
-    # grid: (chunks, value heads); w [T, heads, DK], u [T, heads, DV], decay [T, heads] float32, contiguous
+    # grid: (chunks, value heads); w [T, heads, DK], u [T, heads, DV], decay [T, heads] float32, contiguous; chunk c
+    # holds tokens starts[c] .. starts[c] + lens[c] - 1 (`kernels.pieces.ChunkTable`)
     c, h = tl.program_id(0), tl.program_id(1)
     heads = tl.num_programs(1)
-    rows = c * CHUNK + tl.arange(0, CHUNK)
-    live = rows < num_tokens
+    rows = tl.load(starts_ptr + c) + tl.arange(0, CHUNK)
+    live = tl.arange(0, CHUNK) < tl.load(lens_ptr + c)
     dk, dv = tl.arange(0, KP), tl.arange(0, VP)
     k = tl.load(k_ptr + rows[:, None] * stride_kt + (h // groups) * stride_kh + dk[None, :],
                 mask=live[:, None] & (dk[None, :] < DK), other=0.0).to(tl.float32)
@@ -67,23 +73,24 @@ def _wy_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, decay_ptr, num_token
     tl.store(decay_ptr + rows * heads + h, decay, mask=live)
 
 
-@triton.jit(do_not_specialize=["num_tokens"])
-def _state_kernel(q_ptr, k_ptr, w_ptr, u_ptr, decay_ptr, state_ptr, out_ptr, state_out_ptr, num_tokens, groups,
-                  qk_scale, stride_qt, stride_qh, stride_kt, stride_kh,
+@triton.jit
+def _state_kernel(q_ptr, k_ptr, w_ptr, u_ptr, decay_ptr, state_ptr, out_ptr, after_ptr, starts_ptr, lens_ptr,
+                  seq_first_ptr, part_end_ptr, groups, qk_scale, stride_qt, stride_qh, stride_kt, stride_kh,
                   DK: tl.constexpr, DV: tl.constexpr, KP: tl.constexpr, BLOCK_V: tl.constexpr,
                   CHUNK: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    # grid: (value heads, cdiv(DV, BLOCK_V)); state [heads, DK, DV], out [T, heads, DV] float32, contiguous
-    h, vb = tl.program_id(0), tl.program_id(1)
-    heads = tl.num_programs(0)
+    # grid: (sequences, value heads, cdiv(DV, BLOCK_V)); state [seqs, heads, DK, DV] in, after [parts, heads, DK, DV]
+    # out (the state where a chunk ends a part), out [T, heads, DV] float32, contiguous
+    s, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    heads = tl.num_programs(1)
     dk, dv = tl.arange(0, KP), vb * BLOCK_V + tl.arange(0, BLOCK_V)
     square = dk[:, None] * DV + dv[None, :]
     in_state = (dk[:, None] < DK) & (dv[None, :] < DV)
-    state = tl.load(state_ptr + h * DK * DV + square, mask=in_state, other=0.0)
+    state = tl.load(state_ptr + (s * heads + h) * DK * DV + square, mask=in_state, other=0.0)
     i, j = tl.arange(0, CHUNK)[:, None], tl.arange(0, CHUNK)[None, :]
-    for c in range(0, tl.cdiv(num_tokens, CHUNK)):
-        rows = c * CHUNK + tl.arange(0, CHUNK)
-        live = rows < num_tokens
-        head_k = (h // groups)
+    head_k = h // groups
+    for c in range(tl.load(seq_first_ptr + s), tl.load(seq_first_ptr + s + 1)):
+        rows = tl.load(starts_ptr + c) + tl.arange(0, CHUNK)
+        live = tl.arange(0, CHUNK) < tl.load(lens_ptr + c)
         k = tl.load(k_ptr + rows[:, None] * stride_kt + head_k * stride_kh + dk[None, :],
                     mask=live[:, None] & (dk[None, :] < DK), other=0.0).to(tl.float32)
         q = tl.load(q_ptr + rows[:, None] * stride_qt + head_k * stride_qh + dk[None, :],
@@ -105,44 +112,55 @@ def _state_kernel(q_ptr, k_ptr, w_ptr, u_ptr, decay_ptr, state_ptr, out_ptr, sta
                  mask=live[:, None] & (dv[None, :] < DV))
         to_end = k * tl.exp(last - decay)[:, None]
         state = state * tl.exp(last) + tl.dot(tl.trans(to_end), new, input_precision=DOT_PRECISION)
-    tl.store(state_out_ptr + h * DK * DV + square, state, mask=in_state)
+        part = tl.load(part_end_ptr + c)
+        if part >= 0:
+            tl.store(after_ptr + (part * heads + h) * DK * DV + square, state, mask=in_state)
 
 
 def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
             ssm: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
     """`kernels.gated_delta.chunked`'s contract (a decay a head): q, k [num_tokens, num_k_heads, k_head_dim]; v
     [num_tokens, num_v_heads, v_head_dim]; g, beta [num_tokens, num_v_heads]; ssm [num_v_heads, k_head_dim,
-    v_head_dim] float32 -> (out [num_tokens, num_v_heads, v_head_dim] float32, the state after the last token).
+    v_head_dim] float32 -> (out [num_tokens, num_v_heads, v_head_dim] float32, the state after the last token)."""
+    out, after = chunked_pieces(q, k, v, g, beta, ssm.unsqueeze(0), Pieces.whole([v.shape[0]]), chunk)
+    return out, after[0]
+
+
+def chunked_pieces(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                   ssm: torch.Tensor, pieces: Pieces, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """`kernels.gated_delta.chunked_pieces`' contract: several sequences' new tokens (`pieces`), ssm [num_seqs,
+    num_v_heads, k_head_dim, v_head_dim] -> (out, the state after each part [num_parts, ...]); two launches in all.
     `chunk`: a power of two of at least 16 (the dots' smallest tile). The dots are IEEE float32 for float32 inputs,
     the tensor cores' TF32 on float32 tiles for a 16-bit model's (IEEE dots of these tiles spill registers)."""
     precision = "ieee" if v.dtype == torch.float32 else "tf32"
     num_tokens, heads, dv = v.shape
     dk, groups = k.shape[-1], heads // k.shape[-2]
-    _check(q.shape == k.shape and q.shape[0] == num_tokens and heads % k.shape[-2] == 0,
-           f"q {tuple(q.shape)} and k {tuple(k.shape)}: [tokens, key heads, k_head_dim], dividing v's heads")
-    _check(g.shape == beta.shape == (num_tokens, heads) and ssm.shape == (heads, dk, dv),
+    _check(q.shape == k.shape and q.shape[0] == num_tokens == pieces.num_tokens and heads % k.shape[-2] == 0,
+           f"q {tuple(q.shape)} and k {tuple(k.shape)}: [tokens, key heads, k_head_dim], dividing v's heads; "
+           f"{pieces.num_tokens} tokens in the pieces")
+    _check(g.shape == beta.shape == (num_tokens, heads) and ssm.shape == (pieces.num_seqs, heads, dk, dv),
            f"g {tuple(g.shape)}, beta {tuple(beta.shape)}, ssm {tuple(ssm.shape)}: [tokens, value heads] and "
-           f"[value heads, k_head_dim, v_head_dim]")
+           f"[{pieces.num_seqs} sequences, value heads, k_head_dim, v_head_dim]")
     _check(chunk >= 16 and chunk & (chunk - 1) == 0, f"chunk: a power of two of at least 16, got {chunk}")
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     g, beta = g.float().contiguous(), beta.float().contiguous()
-    device = v.device
+    device, table = v.device, pieces.chunk_table(chunk, v.device)
     w = torch.empty(num_tokens, heads, dk, dtype=torch.float32, device=device)
     u = torch.empty(num_tokens, heads, dv, dtype=torch.float32, device=device)
     decay = torch.empty(num_tokens, heads, dtype=torch.float32, device=device)
     kp, vp = max(16, triton.next_power_of_2(dk)), max(16, triton.next_power_of_2(dv))
-    _wy_kernel[(triton.cdiv(num_tokens, chunk), heads)](
-        k, v, g, beta, w, u, decay, num_tokens, groups, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        g.stride(0), beta.stride(0), DK=dk, DV=dv, KP=kp, VP=vp, CHUNK=chunk, DOT_PRECISION=precision,
+    _wy_kernel[(table.num_chunks, heads)](
+        k, v, g, beta, w, u, decay, table.starts, table.lens, groups, k.stride(0), k.stride(1), v.stride(0),
+        v.stride(1), g.stride(0), beta.stride(0), DK=dk, DV=dv, KP=kp, VP=vp, CHUNK=chunk, DOT_PRECISION=precision,
         num_warps=NUM_WARPS)
     out = torch.empty(num_tokens, heads, dv, dtype=torch.float32, device=device)
-    state = torch.empty(heads, dk, dv, dtype=torch.float32, device=device)
+    after = torch.empty(pieces.num_parts, heads, dk, dv, dtype=torch.float32, device=device)
     block_v = min(BLOCK_V, vp)
-    _state_kernel[(heads, triton.cdiv(dv, block_v))](
-        q, k, w, u, decay, ssm.float().contiguous(), out, state, num_tokens, groups, dk ** -0.5,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), DK=dk, DV=dv, KP=kp, BLOCK_V=block_v, CHUNK=chunk,
-        DOT_PRECISION=precision, num_warps=NUM_WARPS)
-    return out, state
+    _state_kernel[(pieces.num_seqs, heads, triton.cdiv(dv, block_v))](
+        q, k, w, u, decay, ssm.float().contiguous(), out, after, table.starts, table.lens, table.seq_first,
+        table.part_end, groups, dk ** -0.5, q.stride(0), q.stride(1), k.stride(0), k.stride(1), DK=dk, DV=dv, KP=kp,
+        BLOCK_V=block_v, CHUNK=chunk, DOT_PRECISION=precision, num_warps=NUM_WARPS)
+    return out, after
 
 
 def _check(ok: bool, what: str) -> None:

@@ -22,6 +22,7 @@ from engine.gated_delta_config import GatedDeltaShape, StateShape
 from engine.parallel import Collectives
 from kernels import AttentionMetadata
 from kernels import gated_delta
+from kernels.pieces import Pieces
 from kernels.transfer import to_device, to_device_tensor
 
 
@@ -46,6 +47,7 @@ class RecurrentStates:
         self.snap_ssm: list[torch.Tensor] = []
         self.saves: dict[int, list[tuple[int, int]]] = {}   # this step's: sequence -> [(token offset, slot)]
         self.split: StepSplit | None = None   # this step's decodes beside its prefills (`for_step`)
+        self.pieces: StepPieces | None = None   # this step's prefill pieces as one batch (`for_step`)
         if num_rows:
             self.reserve(num_rows)
 
@@ -123,6 +125,7 @@ class RecurrentStates:
         if top > self.num_rows:
             self.reserve(max(top, 2 * self.num_rows))
         self.split = StepSplit.of(meta.query_lens_list, self.device)
+        self.pieces = StepPieces.of(meta, self.saves, self.zero_row, self.device)
         if self.extra is not None:   # the same split for the states beside these
             self.extra.split = self.split
 
@@ -157,6 +160,56 @@ class StepSplit:
         rest = [torch.arange(starts[i], starts[i + 1]) for i, n in enumerate(query_lens) if n > 1]
         flat, k = to_device_tensor(torch.cat([torch.tensor(seqs + tokens + tokens), *rest]), device), len(seqs)
         return cls(seqs, flat[:k], flat[k:2 * k], flat[2 * k:])
+
+
+class StepPieces:
+    """A step's longer pieces (prefill chunks) as one batch for a mixer that scans them at once
+    (`StateMixer.scans_pieces`): their layout (`kernels.pieces.Pieces`: a piece in parts ending where it takes
+    snapshots), and on the device, made at the first layer that asks: each piece's row (`rows`), the row its state
+    starts from (`held`: the zero row at position 0), each piece's last part (`last`), and the snapshots taken after
+    a part (`save_slots`, `save_parts`) or before the piece's first token (`start_slots`, `start_seqs`)."""
+
+    def __init__(self, pieces: Pieces, ints: dict[str, list[int]], device: torch.device) -> None:
+        self.pieces, self._ints, self.device = pieces, ints, device
+        self._tensors: dict[str, torch.Tensor] | None = None
+
+    @classmethod
+    def of(cls, meta: AttentionMetadata, saves: dict[int, list[tuple[int, int]]], zero_row: int,
+           device: torch.device) -> StepPieces | None:
+        """None where the step has no piece longer than one token."""
+        ints: dict[str, list[int]] = {name: [] for name in ("rows", "held", "save_slots", "save_parts", "start_slots",
+                                                            "start_seqs")}
+        part_lens, seq_parts = [], []
+        for seq, (row, n, seq_len) in enumerate(zip(meta.rows_list, meta.query_lens_list, meta.seq_lens_list)):
+            if n == 1:   # in the batched step
+                continue
+            ints["rows"].append(row)
+            ints["held"].append(zero_row if seq_len == n else row)
+            cut, first = 0, len(part_lens)
+            for end, slot in (*saves.get(seq, ()), (n, None)):
+                if end > cut:
+                    part_lens.append(end - cut)
+                    cut = end
+                if slot is None:
+                    continue
+                if len(part_lens) > first:   # the state after the part just cut
+                    ints["save_slots"].append(slot)
+                    ints["save_parts"].append(len(part_lens) - 1)
+                else:                        # the state before the piece's first token
+                    ints["start_slots"].append(slot)
+                    ints["start_seqs"].append(len(seq_parts))
+            seq_parts.append(len(part_lens) - first)
+        return cls(Pieces(part_lens, seq_parts), ints, device) if seq_parts else None
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The index tensors above, and `last`, on the device (one copy, made once a step)."""
+        if self._tensors is None:
+            ints = {**self._ints, "last": self.pieces.last_parts}
+            flat = to_device([i for values in ints.values() for i in values], torch.int64, self.device)
+            self._tensors, at = {}, 0
+            for name, values in ints.items():
+                self._tensors[name], at = flat[at:at + len(values)], at + len(values)
+        return self._tensors
 
 
 CPU_PASS_BYTES = 2 << 20   # a batched step's states at once on a CPU (a core's L2 and its share of the L3)
@@ -206,6 +259,7 @@ class StateMixer(nn.Module):
 
     layer: int
     conv_silu = True   # SiLU after the convolution (LFM2's short convolutions: none)
+    scans_pieces = False   # a step's longer pieces through `convolve_pieces` and `chunk_pieces` at once
 
     def step(self, x: torch.Tensor, extras: tuple[torch.Tensor, ...], ssm: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -215,11 +269,18 @@ class StateMixer(nn.Module):
               ) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
+    def chunk_pieces(self, x: torch.Tensor, extras: tuple[torch.Tensor, ...], ssm: torch.Tensor, pieces: Pieces
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`chunk` over several sequences' tokens at once (`kernels.pieces`), ssm [num_seqs, ...] their states ->
+        (the outputs, the state after each part); where `scans_pieces`."""
+        raise NotImplementedError
+
     def scan(self, mixed: torch.Tensor, extras: tuple[torch.Tensor, ...], meta: AttentionMetadata,
              states: RecurrentStates) -> torch.Tensor:
         """mixed: [num_tokens, channels], the convolution's input for the step's tokens, sequence after sequence;
         extras: per-token tensors [num_tokens, ...] -> the scans' outputs, in token order. The one-token pieces run
-        as one batched step, beside them (`RecurrentStates.split`) too; each longer piece in its own chunked scan."""
+        as one batched step, beside them (`RecurrentStates.split`) too; the longer pieces in one chunked scan where
+        the mixer `scans_pieces` (`RecurrentStates.pieces`), else each in its own."""
         if all(n == 1 for n in meta.query_lens_list):   # one token of each sequence, all at once
             return self._step_rows(mixed, extras, meta.rows, meta.seq_lens, states, None)
         split, outs = states.split, []
@@ -228,6 +289,16 @@ class StateMixer(nn.Module):
             outs.append(self._step_rows(mixed.index_select(0, pick), tuple(e.index_select(0, pick) for e in extras),
                                         meta.rows.index_select(0, split.index),
                                         meta.seq_lens.index_select(0, split.index), states, split.place))
+        if self.scans_pieces:
+            outs.append(self._scan_pieces(mixed, extras, states))
+        else:
+            self._scan_each(mixed, extras, meta, states, outs)
+        out = torch.cat(outs)
+        return out if split is None else torch.empty_like(out).index_copy_(0, split.order, out)
+
+    def _scan_each(self, mixed: torch.Tensor, extras: tuple[torch.Tensor, ...], meta: AttentionMetadata,
+                   states: RecurrentStates, outs: list[torch.Tensor]) -> None:
+        """Each longer piece in its own chunked scan, its outputs appended to `outs`."""
         conv, ssm, start = states.conv[self.layer], states.ssm[self.layer], 0
         for seq, (row, n, seq_len) in enumerate(zip(meta.rows_list, meta.query_lens_list, meta.seq_lens_list)):
             start += n
@@ -248,8 +319,29 @@ class StateMixer(nn.Module):
                     states.save(self.layer, slot, conv_in, ssm_in)
             conv[row] = conv_in
             ssm[row] = ssm_in
-        out = torch.cat(outs)
-        return out if split is None else torch.empty_like(out).index_copy_(0, split.order, out)
+
+    def _scan_pieces(self, mixed: torch.Tensor, extras: tuple[torch.Tensor, ...], states: RecurrentStates
+                     ) -> torch.Tensor:
+        """The longer pieces at once (`RecurrentStates.pieces`): one convolution and one chunked scan over all of
+        them, each from its row's state (zeros at position 0), their states and snapshots written back."""
+        step, split = states.pieces, states.split
+        at = step.tensors()
+        if split is not None:   # their tokens, among the step's
+            rest = split.order[len(split.seqs):]
+            mixed, extras = mixed.index_select(0, rest), tuple(e.index_select(0, rest) for e in extras)
+        conv, ssm = states.conv[self.layer], states.ssm[self.layer]
+        conv_start, ssm_start = conv.index_select(0, at["held"]), ssm.index_select(0, at["held"])
+        x, conv_after = self.convolve_pieces(mixed, conv_start, step.pieces)
+        out, ssm_after = self.chunk_pieces(x, extras, ssm_start, step.pieces)
+        conv.index_copy_(0, at["rows"], conv_after.index_select(0, at["last"]).to(conv.dtype))
+        ssm.index_copy_(0, at["rows"], ssm_after.index_select(0, at["last"]))
+        for slots, sources, conv_from, ssm_from in ((at["save_slots"], at["save_parts"], conv_after, ssm_after),
+                                                    (at["start_slots"], at["start_seqs"], conv_start, ssm_start)):
+            if slots.numel():   # snapshots (`RecurrentStates.saves`)
+                snap_conv, snap_ssm = states.snap_conv[self.layer], states.snap_ssm[self.layer]
+                snap_conv.index_copy_(0, slots, conv_from.index_select(0, sources).to(snap_conv.dtype))
+                snap_ssm.index_copy_(0, slots, ssm_from.index_select(0, sources))
+        return out
 
     def _step_rows(self, mixed: torch.Tensor, extras: tuple[torch.Tensor, ...], rows: torch.Tensor,
                    seq_lens: torch.Tensor, states: RecurrentStates, place: dict[int, int] | None) -> torch.Tensor:
@@ -283,6 +375,13 @@ class StateMixer(nn.Module):
         """One input of each of many sequences, x [num_seqs, channels], from their states [num_seqs, ...]."""
         bias = getattr(self.conv1d, "bias", None)
         return gated_delta.causal_conv_step(x, self.conv1d.weight[:, 0], conv, bias, self.conv_silu)
+
+    def convolve_pieces(self, x: torch.Tensor, conv: torch.Tensor, pieces: Pieces
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Several sequences' inputs (`kernels.pieces`), each from its state conv [num_seqs, ...] -> (the outputs,
+        the state after each part)."""
+        bias = getattr(self.conv1d, "bias", None)
+        return gated_delta.causal_conv_pieces(x, self.conv1d.weight[:, 0], conv, pieces, bias, self.conv_silu)
 
 
 class GatedDeltaNet(StateMixer):
@@ -327,3 +426,8 @@ class GatedDeltaNet(StateMixer):
 
     def chunk(self, x, extras, ssm):
         return gated_delta.chunked(*self._split(x), *extras, ssm)
+
+    scans_pieces = True
+
+    def chunk_pieces(self, x, extras, ssm, pieces):
+        return gated_delta.chunked_pieces(*self._split(x), *extras, ssm, pieces)

@@ -67,6 +67,7 @@ def test_a_linear_attention_or_ssd_layer_times_the_torch_form_and_the_kernels(ca
                                          (("--ssd", "--ssd-d-state", "0"), "--ssd-d-state"),
                                          (("--lightning", "--lightning-heads", "0"), "--lightning-heads"),
                                          (("--mixed-step", "--decodes", "0"), "--decodes"),
+                                         (("--mixed-step", "--prefills", "0"), "--prefills"),
                                          (("--mixed-step", "--tokens", "1"), "--tokens"),
                                          (("--mixed-step", "--k-heads", "3", "--v-heads", "4"), "--v-heads")])
 def test_bad_layer_shapes_are_named(argv, option):
@@ -81,9 +82,22 @@ def test_a_mixed_step_times_the_batched_decodes_against_each_sequence_alone(caps
                   "--device", "cpu", "--dtype", "float32", "--tokens", "3,70", "--repeats", "1", "--json")
     assert mamba.run(args) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert [(r["tokens"], r["decodes"]) for r in rows] == [(3, 5), (70, 5)]
+    assert [(r["tokens"], r["prefills"], r["decodes"]) for r in rows] == [(3, 1, 5), (70, 1, 5)]
     for row in rows:
-        assert row["alone_ms"] > 0 and row["step_ms"] > 0
+        assert row["alone_ms"] > 0 and row["step_ms"] > 0 and row["chunks_one_by_one_ms"] > 0
         assert row["speedup"] == pytest.approx(row["alone_ms"] / row["step_ms"])
         assert row["max_rel_diff"] < 1e-5
+
+
+def test_a_step_of_several_prefill_chunks_times_them_at_once_against_one_by_one(capsys):
+    """`--mixed-step --prefills 3`: the layer's chunks as one scan against the same step's chunks one by one and each
+    sequence alone, outputs equal."""
+    args = _parse("--mixed-step", "--k-heads", "2", "--v-heads", "4", "--head-dim", "16", "--decodes", "0",
+                  "--prefills", "3", "--device", "cpu", "--dtype", "float32", "--tokens", "70", "--repeats", "1",
+                  "--json")
+    assert mamba.run(args) == 0
+    (row,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert (row["prefills"], row["decodes"]) == (3, 0)
+    assert row["chunks_speedup"] == pytest.approx(row["chunks_one_by_one_ms"] / row["step_ms"])
+    assert row["max_rel_diff"] < 1e-5
 

@@ -301,32 +301,38 @@ def test_the_gateway_credits_a_state_models_requests_their_whole_prompts(tiny, t
 
 
 # A step of a chunk resuming from a state (a snapshot inside it), a decode, a prompt's one-token piece ending on a
-# snapshot's boundary after them and a one-token prompt: rows, query and sequence lengths; (sequence, offset, slot)
-SPLIT_ROWS, SPLIT_QUERY_LENS, SPLIT_SEQ_LENS, SPLIT_SAVES = [2, 0, 3, 1], [5, 1, 1, 1], [9, 12, 8, 1], [(0, 3, 0),
-                                                                                                      (2, 1, 1)]
+# snapshot's boundary after them, a one-token prompt, a new prompt (snapshots before its first token and after its
+# last) and a chunk resuming past one chunk of the torch scan (two snapshots inside it): rows, query and sequence
+# lengths; (sequence, offset, slot)
+SPLIT_ROWS, SPLIT_QUERY_LENS, SPLIT_SEQ_LENS = [2, 0, 3, 1, 5, 4], [5, 1, 1, 1, 7, 70], [9, 12, 8, 1, 7, 80]
+SPLIT_SAVES = [(0, 3, 0), (2, 1, 1), (4, 0, 2), (4, 7, 3), (5, 16, 4), (5, 64, 5)]
+SPLIT_ROWS_HELD = SPLIT_SLOTS = 6
 
 
-def assert_split_step_is_each_sequence_alone(run_layer, make_states, held_by) -> None:
+def assert_split_step_is_each_sequence_alone(run_layer, make_states, held_by, run_alone=None) -> None:
     """`run_layer(tokens, meta, states)` (the step's token indices of the sequences in `meta`) over the step above,
     its states from `make_states()` (the same each call): its outputs, and the states and snapshots `held_by(states)`
-    gives ((conv, ssm, snap_conv, snap_ssm) of the layer), equal each sequence's run alone."""
+    gives ((conv, ssm, snap_conv, snap_ssm) of the layer), equal each sequence's run alone (through `run_alone`,
+    where given)."""
     from kernels import AttentionMetadata
 
-    def run(seqs):
+    def run(seqs, layer=run_layer):
         states = make_states()
-        meta = AttentionMetadata.build([[0, 1]] * len(seqs), [SPLIT_QUERY_LENS[i] for i in seqs],
+        meta = AttentionMetadata.build([list(range(10))] * len(seqs), [SPLIT_QUERY_LENS[i] for i in seqs],
                                        [SPLIT_SEQ_LENS[i] for i in seqs], 8)
         meta.rows_list = [SPLIT_ROWS[i] for i in seqs]
         meta.rows = torch.tensor(meta.rows_list)
         states.prepare([], [(seqs.index(seq), offset, slot) for seq, offset, slot in SPLIT_SAVES if seq in seqs])
         states.for_step(meta)
         ends = [sum(SPLIT_QUERY_LENS[:i]) for i in range(len(SPLIT_QUERY_LENS) + 1)]
-        return run_layer(torch.cat([torch.arange(ends[i], ends[i + 1]) for i in seqs]), meta, states), states
+        return layer(torch.cat([torch.arange(ends[i], ends[i + 1]) for i in seqs]), meta, states), states
 
-    together, states = run([0, 1, 2, 3])
+    together, states = run(list(range(len(SPLIT_ROWS))))
     assert states.split is not None and states.split.seqs == [1, 2, 3]
+    # the longer pieces in parts ending at their snapshots (a scan at once of them where the mixer takes it)
+    assert states.pieces.pieces.seq_parts == [2, 1, 3] and states.pieces.pieces.part_lens == [3, 2, 7, 16, 48, 6]
     for i, row in enumerate(SPLIT_ROWS):
-        alone, kept = run([i])
+        alone, kept = run([i], run_alone or run_layer)
         at = slice(sum(SPLIT_QUERY_LENS[:i]), sum(SPLIT_QUERY_LENS[:i + 1]))
         assert torch.allclose(together[at], alone, atol=1e-5)
         (conv, ssm, snap_conv, snap_ssm), (conv_1, ssm_1, snap_conv_1, snap_ssm_1) = held_by(states), held_by(kept)
@@ -341,10 +347,11 @@ def assert_split_step_is_each_sequence_alone(run_layer, make_states, held_by) ->
                          ids=["qwen3_5", "granite4_h", "qwen3_5-a-row-a-pass"])
 def test_a_steps_one_token_pieces_run_batched_beside_its_prefills_as_each_sequence_alone(
         tmp_path, builtin_path, monkeypatch, arch, pass_bytes):
-    """The one-token pieces of a step (`SPLIT_*`) run as one batched step beside its chunk
-    (`RecurrentStates.split`), whatever their places in the batch; outputs, states and snapshots equal each
-    sequence's run alone (Gated DeltaNet's and Mamba-2's layers; a CPU's batched step a row a pass where a row's
-    state fills its `CPU_PASS_BYTES`)."""
+    """The one-token pieces of a step (`SPLIT_*`) run as one batched step beside its chunks
+    (`RecurrentStates.split`), whatever their places in the batch, and Gated DeltaNet's chunks as one scan
+    (`RecurrentStates.pieces`); outputs, states and snapshots equal each sequence's run alone, a chunk in parts one
+    by one (Gated DeltaNet's and Mamba-2's layers; a CPU's batched step a row a pass where a row's state fills its
+    `CPU_PASS_BYTES`)."""
     from engine.layers.gated_delta_net import RecurrentStates, StateMixer
     from tests.engine.test_engine_vs_hf import GRANITE4_H
 
@@ -355,17 +362,29 @@ def test_a_steps_one_token_pieces_run_batched_beside_its_prefills_as_each_sequen
     mixer = next(m for m in model.modules() if isinstance(m, StateMixer))
     gen = torch.Generator().manual_seed(3)
     hidden = torch.randn(sum(SPLIT_QUERY_LENS), model.config.hidden_size, generator=gen)
-    shape = RecurrentStates(model.state_shape(), len(model.state_index), torch.float32, torch.device("cpu"), 4)
-    start = [torch.randn(t.shape, generator=gen) for t in (*shape.conv, *shape.ssm)]
+    shape = RecurrentStates(model.state_shape(), len(model.state_index), torch.float32, torch.device("cpu"),
+                            SPLIT_ROWS_HELD)
+    shape.reserve_snapshots(SPLIT_SLOTS)
+    start = [torch.randn(t.shape, generator=gen) for t in (*shape.conv, *shape.ssm, *shape.snap_conv, *shape.snap_ssm)]
 
     def make_states():
-        states = RecurrentStates(model.state_shape(), len(model.state_index), torch.float32, torch.device("cpu"), 4)
-        states.reserve_snapshots(2)
-        for held, value in zip((*states.conv, *states.ssm), start):
+        states = RecurrentStates(model.state_shape(), len(model.state_index), torch.float32, torch.device("cpu"),
+                                 SPLIT_ROWS_HELD)
+        states.reserve_snapshots(SPLIT_SLOTS)
+        for held, value in zip((*states.conv, *states.ssm, *states.snap_conv, *states.snap_ssm), start):
             held.copy_(value)
+        for held in (*states.conv, *states.ssm):   # nothing writes the zero row
+            held[states.zero_row] = 0
         return states
+
+    def each_part_alone(tokens, meta, states):   # the chunks' parts one by one (`StateMixer._scan_each`)
+        mixer.scans_pieces = False
+        try:
+            return mixer(hidden[tokens], meta, states)
+        finally:
+            del mixer.scans_pieces
 
     layer = mixer.layer
     assert_split_step_is_each_sequence_alone(
         lambda tokens, meta, states: mixer(hidden[tokens], meta, states), make_states,
-        lambda st: (st.conv[layer], st.ssm[layer], st.snap_conv[layer], st.snap_ssm[layer]))
+        lambda st: (st.conv[layer], st.ssm[layer], st.snap_conv[layer], st.snap_ssm[layer]), each_part_alone)

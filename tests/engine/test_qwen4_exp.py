@@ -73,7 +73,8 @@ def test_a_ple_layers_one_token_pieces_run_at_once_beside_a_prefill_as_each_sequ
     states beside the linear layers'), outputs, token histories, convolution inputs and snapshots as each alone."""
     from engine.layers.gated_delta_net import RecurrentStates
     from engine.models.qwen4_exp import PleLayer, PleStateShape
-    from tests.engine.test_hybrid import SPLIT_QUERY_LENS, assert_split_step_is_each_sequence_alone
+    from tests.engine.test_hybrid import (SPLIT_QUERY_LENS, SPLIT_ROWS_HELD, SPLIT_SLOTS,
+                                         assert_split_step_is_each_sequence_alone)
 
     folder = make_tiny_model(tmp_path, "qwen4_exp_text", builtin_path, **QWEN4_EXP)
     model = LLMEngine.from_args(str(folder), dtype="float32", block_size=8, num_blocks=64, progress=False).model
@@ -82,15 +83,16 @@ def test_a_ple_layers_one_token_pieces_run_at_once_beside_a_prefill_as_each_sequ
     streams = torch.randn(sum(SPLIT_QUERY_LENS), s.streams * model.config.hidden_size, generator=gen)
     ids = torch.randint(3, 500, (sum(SPLIT_QUERY_LENS),), generator=gen)
     shape = PleStateShape((s.streams * model.config.hidden_size, s.conv_state_len), (s.ngram - 1,))
-    conv = torch.randn(6, *shape.conv_state_shape, generator=gen)
-    held = torch.randint(3, 500, (6, s.ngram - 1), generator=gen).float()   # the last tokens of each row
+    conv = torch.randn(SPLIT_ROWS_HELD + 2, *shape.conv_state_shape, generator=gen)
+    # the last tokens of each row
+    held = torch.randint(3, 500, (SPLIT_ROWS_HELD + 2, s.ngram - 1), generator=gen).float()
 
     def make_states():
         extra = RecurrentStates(shape, len(s.ple_layers), torch.float32, torch.device("cpu"))
         states = RecurrentStates(model.state_shape(), len(model.state_index), torch.float32, torch.device("cpu"),
                                  extra=extra)
-        states.reserve(4)
-        states.reserve_snapshots(2)
+        states.reserve(SPLIT_ROWS_HELD)
+        states.reserve_snapshots(SPLIT_SLOTS)
         extra.conv[ple.index].copy_(conv)
         extra.ssm[ple.index].copy_(held)
         return states

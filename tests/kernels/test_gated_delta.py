@@ -69,3 +69,52 @@ def test_causal_conv_matches_transformers_prefill_and_update():
     torch.testing.assert_close(step, expected[0].t(), atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(state, ref_state, atol=0, rtol=0)   # the reference updated its state in place
     torch.testing.assert_close(step[0], ref[-1], atol=1e-6, rtol=1e-6)
+
+
+# sequences of 1 to 3 parts: shorter than a chunk, a whole chunk, past one, a one-token part between longer ones
+PARTS, SEQ_PARTS = [5, 70, 3, 1, 130, 2, 64, 17], [2, 1, 3, 1, 1]
+
+
+def _each_part_alone(pieces, states, scan):
+    """`scan(span, state) -> (out, state)` over each part in turn, each sequence from its own state."""
+    outs, after = [], []
+    for s in range(pieces.num_seqs):
+        state = states[s]
+        for p in range(pieces.first_part[s], pieces.first_part[s + 1]):
+            out, state = scan(slice(pieces.part_starts[p], pieces.part_starts[p + 1]), state)
+            outs.append(out)
+            after.append(state)
+    return torch.cat(outs), torch.stack(after)
+
+
+def test_several_sequences_in_parts_at_once_give_each_part_alone():
+    """`chunked_pieces` (every chunk's WY form at once, the sequences' j-th chunks stepped together) and
+    `causal_conv_pieces` (one convolution over a flat window): outputs and the state after every part as `chunked`
+    and `causal_conv` give them part after part."""
+    from kernels.pieces import Pieces
+
+    pieces = Pieces(PARTS, SEQ_PARTS)
+    q, k, v, g, beta, _ = _make_inputs(pieces.num_tokens, seed=4)
+    ssm = torch.randn(pieces.num_seqs, 4, 8, 16, generator=torch.Generator().manual_seed(5))
+    out, after = gated_delta.chunked_pieces(q, k, v, g, beta, ssm, pieces)
+    ref, ref_after = _each_part_alone(pieces, ssm, lambda at, state: gated_delta.chunked(
+        q[at], k[at], v[at], g[at], beta[at], state))
+    torch.testing.assert_close(out, ref, atol=3e-5, rtol=3e-5)
+    torch.testing.assert_close(after, ref_after, atol=3e-5, rtol=3e-5)
+
+    gen = torch.Generator().manual_seed(6)
+    x, weight, bias = (torch.randn(*shape, generator=gen) for shape in ((pieces.num_tokens, 12), (12, 4), (12,)))
+    conv = torch.randn(pieces.num_seqs, 12, 3, generator=gen)
+    out, after = gated_delta.causal_conv_pieces(x, weight, conv, pieces, bias)
+    ref, ref_after = _each_part_alone(pieces, conv, lambda at, state: gated_delta.causal_conv(x[at], weight, state,
+                                                                                              bias))
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(after, ref_after, atol=0, rtol=0)
+
+
+def test_a_pieces_layout_without_a_token_in_a_part_or_a_part_in_a_sequence_is_refused():
+    from kernels.pieces import Pieces
+
+    for part_lens, seq_parts in (([3, 0], [2]), ([3, 4], [2, 0]), ([3, 4], [1]), ([], [])):
+        with pytest.raises(ValueError, match="^pieces: "):
+            Pieces(part_lens, seq_parts)

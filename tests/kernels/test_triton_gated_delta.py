@@ -37,6 +37,26 @@ def test_the_triton_chunks_give_the_torch_forms_outputs_and_state(num_tokens, ch
     torch.testing.assert_close(state, ref_state, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("chunk", [16, 32])
+def test_the_triton_pieces_give_each_part_alone(chunk):
+    """Several sequences in parts at once (`chunked_pieces`: the chunks of every part in one launch, each sequence's
+    state carried through its own): outputs and the state after every part as the torch form gives them part after
+    part (test_gated_delta's layout: parts shorter than a chunk, whole chunks, past one)."""
+    pytest.importorskip("triton")
+    from kernels import triton_gated_delta
+    from kernels.pieces import Pieces
+    from tests.kernels.test_gated_delta import PARTS, SEQ_PARTS, _each_part_alone
+
+    pieces = Pieces(PARTS, SEQ_PARTS)
+    q, k, v, g, beta, _ = _inputs(pieces.num_tokens, 2, 4, 16, 16, seed=7)
+    ssm = torch.randn(pieces.num_seqs, 4, 16, 16, generator=torch.Generator().manual_seed(8))
+    out, after = triton_gated_delta.chunked_pieces(q, k, v, g, beta, ssm, pieces, chunk=chunk)
+    ref, ref_after = _each_part_alone(pieces, ssm, lambda at, state: gated_delta.chunked_torch(
+        q[at], k[at], v[at], g[at], beta[at], state))
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(after, ref_after, atol=1e-4, rtol=1e-4)
+
+
 def _build_gated_delta_kernels_for_sm90() -> dict:
     """Build both kernels at Qwen3.5's shape (heads of 128 x 128, chunks of 64, bfloat16 q/k/v) for sm_90; their
     registers and stack a thread."""
@@ -50,7 +70,7 @@ def _build_gated_delta_kernels_for_sm90() -> dict:
     _, state = _build_kernel_for_sm90(tgd._state_kernel, {**shape, "BLOCK_V": tgd.BLOCK_V},
                                       {"q_ptr": "bf16", "k_ptr": "bf16", "w_ptr": "fp32", "u_ptr": "fp32",
                                        "decay_ptr": "fp32", "state_ptr": "fp32", "out_ptr": "fp32",
-                                       "state_out_ptr": "fp32"}, num_warps=tgd.NUM_WARPS)
+                                       "after_ptr": "fp32"}, num_warps=tgd.NUM_WARPS)
     return {"wy": wy, "state": state}
 
 
@@ -100,20 +120,21 @@ def test_on_cuda_the_kernels_give_the_torch_forms_outputs_at_qwen3_5s_shape():
 # tests/engine/test_engine_vs_hf.py's CUDA parity test
 @pytest.mark.usefixtures("one_thread")
 def test_an_engine_prefilling_through_the_kernels_answers_as_transformers(tmp_path, builtin_path, monkeypatch):
-    """Qwen3.5's tiny model with every prefill piece of its linear layers through the kernels (as on CUDA: the
+    """Qwen3.5's tiny model with every prefill step of its linear layers through the kernels (as on CUDA: the
     interpreter here), pieces of up to 64 tokens cut from prompts of 5 to 100: transformers' greedy tokens."""
     pytest.importorskip("triton")
     from kernels import triton_gated_delta
     from tests.engine.test_engine_vs_hf import QWEN3_5
 
-    assert_prefills_through(tmp_path, builtin_path, monkeypatch, (gated_delta, triton_gated_delta.chunked),
-                            "qwen3_5", QWEN3_5)
+    assert_prefills_through(tmp_path, builtin_path, monkeypatch, (gated_delta, triton_gated_delta.chunked_pieces,
+                                                                  "chunked_pieces"), "qwen3_5", QWEN3_5)
 
 
 def assert_prefills_through(tmp_path, builtin_path, monkeypatch, kernel: tuple, arch: str, shape: dict) -> None:
     """The tiny `arch` model of `shape` with its state layers' prefill function (kernel: (the module whose `chunked`
-    the layers call, the Triton function put in its place)) through the Triton form: prompts of 5, 40 and 100
-    tokens, pieces of up to 64, answer with transformers' greedy tokens, a piece past one chunk of 32 among them."""
+    the layers call, the Triton function put in its place[, the name called where not `chunked`])) through the Triton
+    form: prompts of 5, 40 and 100 tokens, pieces of up to 64, answer with transformers' greedy tokens, a call past
+    one chunk of 32 among them."""
     import transformers
 
     from engine.llm_engine import LLMEngine
@@ -121,9 +142,10 @@ def assert_prefills_through(tmp_path, builtin_path, monkeypatch, kernel: tuple, 
     from tests.conftest import make_tiny_model
     from tests.engine.test_engine_vs_hf import _hf_greedy
 
-    module, function = kernel
+    module, function, *name = kernel
     calls = []
-    monkeypatch.setattr(module, "chunked", lambda *args: calls.append(len(args[0])) or function(*args))
+    monkeypatch.setattr(module, name[0] if name else "chunked",
+                        lambda *args: calls.append(len(args[0])) or function(*args))
     folder = make_tiny_model(tmp_path / arch, arch, builtin_path, **shape)
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     engine = LLMEngine.from_args(str(folder), dtype="float32", block_size=8, num_blocks=64,
