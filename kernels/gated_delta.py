@@ -51,13 +51,17 @@ def causal_conv_pieces(x: torch.Tensor, weight: torch.Tensor, states: torch.Tens
     as one convolution over a flat window (each sequence's state columns, then its inputs). x: [num_tokens,
     channels]; states: [num_seqs, channels, kernel - 1] -> (out [num_tokens, channels], the state after each part
     [num_parts, channels, kernel - 1], in x's dtype)."""
+    if pieces.num_parts == 1:
+        out, after = causal_conv(x, weight, states[0], bias, silu)
+        return out, after.unsqueeze(0)
     table = pieces.conv_table(weight.shape[1], x.device)
-    flat = x.new_empty(table.length, x.shape[1])
-    flat.index_copy_(0, table.tokens, x)
-    flat.index_copy_(0, table.states, states.to(x.dtype).transpose(1, 2).flatten(0, 1))
-    out = F.conv1d(flat.t().unsqueeze(0), weight.unsqueeze(1), bias, groups=weight.shape[0])[0]
-    out = out.t().index_select(0, table.outputs)
-    return F.silu(out) if silu else out, flat.unfold(0, weight.shape[1] - 1, 1).index_select(0, table.after)
+    flat = x.new_empty(x.shape[1], table.length)                            # [channels, the flat window]
+    flat.index_copy_(1, table.tokens, x.t())
+    flat.index_copy_(1, table.states, states.to(x.dtype).transpose(0, 1).flatten(1))
+    out = F.conv1d(flat.unsqueeze(0), weight.unsqueeze(1), bias, groups=weight.shape[0])[0]
+    out = out.index_select(1, table.outputs).t()
+    after = flat.index_select(1, table.after).unflatten(1, (-1, weight.shape[1] - 1)).transpose(0, 1)
+    return F.silu(out) if silu else out, after
 
 
 def causal_conv_step(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, bias: torch.Tensor | None = None,
@@ -136,23 +140,26 @@ def chunked_pieces_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
                          ssm: torch.Tensor, pieces: Pieces, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
     """`chunked_pieces` in torch: every chunk's WY form at once, then the chunks' steps through the states, the j-th
     chunks of all sequences that have one together."""
+    if pieces.num_parts == 1:
+        out, after = chunked_torch(q, k, v, g, beta, ssm[0], chunk)
+        return out, after.unsqueeze(0)
     plan = pieces.torch_plan(chunk, v.device)
     q, k = _prepare(q, k, v.shape[-2])
 
-    def tiles(t: torch.Tensor) -> torch.Tensor:   # [num_tokens, heads, ...] -> [chunks, heads, chunk, ...]; pads 0
-        t = torch.cat([t, t.new_zeros(1, *t.shape[1:])]).index_select(0, plan.gather)
-        return t.unflatten(0, (-1, chunk)).transpose(1, 2)
+    def tiles(t: torch.Tensor) -> torch.Tensor:   # [num_tokens, heads, ...] -> [tiles, heads, chunk, ...]; pads 0
+        padded = t.new_zeros(plan.num_tiles * chunk, *t.shape[1:]).index_copy_(0, plan.unpad, t)
+        return padded.unflatten(0, (-1, chunk)).transpose(1, 2)
 
     v = tiles(v.float())   # padded tokens have g = 0 and beta = 0: they change nothing
     u, w, scores, q_decayed, k_to_end, chunk_decay = _wy(tiles(q), tiles(k), v, tiles(g.float()), tiles(beta.float()))
     state = ssm.float().index_select(0, plan.order)                          # sequences by their chunks, most first
     after = state.new_empty(pieces.num_parts, *state.shape[1:])
     out = torch.empty_like(v)
-    for n, ids, places, parts in plan.steps:
-        held = state[:n]
-        new = u[ids] - w[ids] @ held                                        # what the states do not predict
-        out[ids] = q_decayed[ids] @ held + scores[ids] @ new
-        state[:n] = held * chunk_decay[ids] + k_to_end[ids].transpose(-1, -2) @ new
+    for first, end, places, parts in plan.steps:   # the sequences' j-th chunks: tiles first .. end - 1
+        held, at = state[:end - first], slice(first, end)
+        new = u[at] - w[at] @ held                                           # what the states do not predict
+        out[at] = q_decayed[at] @ held + scores[at] @ new
+        state[:end - first] = held * chunk_decay[at] + k_to_end[at].transpose(-1, -2) @ new
         if places is not None:
             after.index_copy_(0, parts, state.index_select(0, places))
     return out.transpose(1, 2).flatten(0, 1).index_select(0, plan.unpad), after

@@ -36,15 +36,16 @@ class ChunkTable:
 
 @dataclass
 class TorchPlan:
-    """The chunks padded to whole tiles for the torch scan: `gather` [num_chunks * chunk], the token each tile slot
-    holds (num_tokens: a zero pad); `unpad` [num_tokens], each token's slot; `order`, the sequences by their chunk
-    counts, most first, so that the ones still scanning at the j-th chunk are the first `steps[j][0]`; `steps[j]`:
-    (how many, their j-th chunks, the places among them of those whose j-th chunk ends a part, those parts)."""
+    """The chunks padded to whole tiles for the torch scan, laid out step by step: `order` is the sequences by their
+    chunk counts, most first, so the ones still scanning at their j-th chunk are the first `steps[j][1] -
+    steps[j][0]`, and the tiles of step j (those sequences' j-th chunks, in that order) are tiles steps[j][0] ..
+    steps[j][1] - 1: a step reads and writes a slice. `unpad` [num_tokens]: each token's slot among the tiles;
+    `steps[j][2:]`: the places among step j's tiles of those that end a part, and those parts (None: none)."""
 
-    gather: torch.Tensor
     unpad: torch.Tensor
+    num_tiles: int
     order: torch.Tensor
-    steps: list[tuple[int, torch.Tensor, torch.Tensor | None, torch.Tensor | None]]
+    steps: list[tuple[int, int, torch.Tensor | None, torch.Tensor | None]]
 
 
 @dataclass
@@ -76,6 +77,23 @@ class Pieces:
     def whole(cls, seq_lens: list[int]) -> Pieces:
         """Each sequence in one part."""
         return cls(seq_lens, [1] * len(seq_lens))
+
+    def groups(self, max_tokens: int, max_seqs: int) -> list[tuple[slice, slice, Pieces]]:
+        """Consecutive sequences in groups of at most `max_tokens` tokens and `max_seqs` sequences (a longer sequence
+        alone): each group's tokens, its sequences and its own layout (a group's parts are consecutive, as its
+        sequences are)."""
+        key = ("groups", max_tokens, max_seqs)
+        if key not in self._cache:
+            groups, first = [], 0
+            seq_start = [self.part_starts[p] for p in self.first_part]
+            for s in range(1, self.num_seqs + 1):
+                if s == self.num_seqs or seq_start[s + 1] - seq_start[first] > max_tokens or s - first >= max_seqs:
+                    parts = slice(self.first_part[first], self.first_part[s])
+                    groups.append((slice(seq_start[first], seq_start[s]), slice(first, s),
+                                   Pieces(self.part_lens[parts], self.seq_parts[first:s])))
+                    first = s
+            self._cache[key] = groups
+        return self._cache[key]
 
     @property
     def last_parts(self) -> list[int]:
@@ -114,22 +132,22 @@ class Pieces:
 
     def _torch_plan(self, chunk: int, device: torch.device) -> TorchPlan:
         starts, lens, ends, seq_first = self._chunks(chunk)
-        gather, unpad = [self.num_tokens] * (len(starts) * chunk), [0] * self.num_tokens
-        for c, (at, n) in enumerate(zip(starts, lens)):
-            gather[c * chunk:c * chunk + n] = range(at, at + n)
-            unpad[at:at + n] = range(c * chunk, c * chunk + n)
         counts = [seq_first[s + 1] - seq_first[s] for s in range(self.num_seqs)]
         order = sorted(range(self.num_seqs), key=lambda s: -counts[s])
-        steps = []
+        unpad, steps, tile = [0] * self.num_tokens, [], 0
         for j in range(counts[order[0]]):
-            active = [s for s in order if counts[s] > j]
-            ids = [seq_first[s] + j for s in active]
-            done = [(i, ends[c]) for i, c in enumerate(ids) if ends[c] >= 0]
-            steps.append((len(active), to_device(ids, torch.int64, device),
-                          to_device([i for i, _ in done], torch.int64, device) if done else None,
+            first, done = tile, []
+            for s in order:
+                if counts[s] <= j:
+                    break
+                c = seq_first[s] + j
+                unpad[starts[c]:starts[c] + lens[c]] = range(tile * chunk, tile * chunk + lens[c])
+                if ends[c] >= 0:
+                    done.append((tile - first, ends[c]))
+                tile += 1
+            steps.append((first, tile, to_device([i for i, _ in done], torch.int64, device) if done else None,
                           to_device([p for _, p in done], torch.int64, device) if done else None))
-        return TorchPlan(to_device(gather, torch.int64, device), to_device(unpad, torch.int64, device),
-                         to_device(order, torch.int64, device), steps)
+        return TorchPlan(to_device(unpad, torch.int64, device), tile, to_device(order, torch.int64, device), steps)
 
     def conv_table(self, kernel: int, device: torch.device) -> ConvTable:
         key = ("conv", kernel, device)
@@ -139,6 +157,7 @@ class Pieces:
             token = torch.arange(self.num_tokens)
             states = (seq_start[:-1] + torch.arange(self.num_seqs) * held).unsqueeze(1) + torch.arange(held)
             after = torch.tensor(self.part_starts[1:]) + torch.tensor(self.seq_of_part()) * held
+            after = (after.unsqueeze(1) + torch.arange(held)).flatten()   # each part's state columns
             flat = to_device_tensor(torch.cat([token + (seq_of_token + 1) * held, states.flatten(),
                                                token + seq_of_token * held, after]), device)
             t, k = self.num_tokens, self.num_seqs * held

@@ -126,6 +126,8 @@ class RecurrentStates:
             self.reserve(max(top, 2 * self.num_rows))
         self.split = StepSplit.of(meta.query_lens_list, self.device)
         self.pieces = StepPieces.of(meta, self.saves, self.zero_row, self.device)
+        if self.pieces is not None:
+            self.pieces.group(_pieces_a_pass(self.ssm[0], self.device))
         if self.extra is not None:   # the same split for the states beside these
             self.extra.split = self.split
 
@@ -172,6 +174,16 @@ class StepPieces:
     def __init__(self, pieces: Pieces, ints: dict[str, list[int]], device: torch.device) -> None:
         self.pieces, self._ints, self.device = pieces, ints, device
         self._tensors: dict[str, torch.Tensor] | None = None
+        self.groups = [(slice(0, pieces.num_tokens), slice(0, pieces.num_seqs), pieces)]
+
+    def group(self, limits: tuple[int, int]) -> None:
+        """Scan the pieces in groups of consecutive sequences within `limits` (tokens, sequences; `_pieces_a_pass`)."""
+        self.groups = self.pieces.groups(*limits)
+
+    @property
+    def batched(self) -> bool:
+        """Whether a group scans several parts at once (else each part alone costs no more)."""
+        return any(pieces.num_parts > 1 for _, _, pieces in self.groups)
 
     @classmethod
     def of(cls, meta: AttentionMetadata, saves: dict[int, list[tuple[int, int]]], zero_row: int,
@@ -213,6 +225,17 @@ class StepPieces:
 
 
 CPU_PASS_BYTES = 2 << 20   # a batched step's states at once on a CPU (a core's L2 and its share of the L3)
+# a CPU's longer pieces scanned together up to this many tokens (a longer one alone): short prompts share their
+# launches, long ones keep their tiles in the cache (8 pieces of 512 tokens at once took 1.6x as long as one by one)
+CPU_PIECE_TOKENS = 512
+
+
+def _pieces_a_pass(ssm: torch.Tensor, device: torch.device) -> tuple[int, int]:
+    """How many tokens and sequences a scan of the longer pieces takes at once: all on a GPU (two launches a layer);
+    on a CPU up to `CPU_PIECE_TOKENS` tokens and `CPU_PASS_BYTES` of states (at least a sequence)."""
+    if device.type != "cpu":
+        return 1 << 62, 1 << 62
+    return CPU_PIECE_TOKENS, max(1, CPU_PASS_BYTES // max(1, ssm[0].numel() * ssm.element_size()))
 
 
 def _rows_a_pass(ssm: torch.Tensor, num_rows: int) -> int:
@@ -289,7 +312,7 @@ class StateMixer(nn.Module):
             outs.append(self._step_rows(mixed.index_select(0, pick), tuple(e.index_select(0, pick) for e in extras),
                                         meta.rows.index_select(0, split.index),
                                         meta.seq_lens.index_select(0, split.index), states, split.place))
-        if self.scans_pieces:
+        if self.scans_pieces and states.pieces.batched:
             outs.append(self._scan_pieces(mixed, extras, states))
         else:
             self._scan_each(mixed, extras, meta, states, outs)
@@ -331,8 +354,14 @@ class StateMixer(nn.Module):
             mixed, extras = mixed.index_select(0, rest), tuple(e.index_select(0, rest) for e in extras)
         conv, ssm = states.conv[self.layer], states.ssm[self.layer]
         conv_start, ssm_start = conv.index_select(0, at["held"]), ssm.index_select(0, at["held"])
-        x, conv_after = self.convolve_pieces(mixed, conv_start, step.pieces)
-        out, ssm_after = self.chunk_pieces(x, extras, ssm_start, step.pieces)
+        outs, conv_after, ssm_after = [], [], []
+        for tokens, seqs, pieces in step.groups:   # all at once on a GPU; on a CPU a cache's worth at a time
+            x, conv_part = self.convolve_pieces(mixed[tokens], conv_start[seqs], pieces)
+            out, ssm_part = self.chunk_pieces(x, tuple(e[tokens] for e in extras), ssm_start[seqs], pieces)
+            outs.append(out)
+            conv_after.append(conv_part)
+            ssm_after.append(ssm_part)
+        out, conv_after, ssm_after = (t[0] if len(t) == 1 else torch.cat(t) for t in (outs, conv_after, ssm_after))
         conv.index_copy_(0, at["rows"], conv_after.index_select(0, at["last"]).to(conv.dtype))
         ssm.index_copy_(0, at["rows"], ssm_after.index_select(0, at["last"]))
         for slots, sources, conv_from, ssm_from in ((at["save_slots"], at["save_parts"], conv_after, ssm_after),
