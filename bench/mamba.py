@@ -278,6 +278,7 @@ def _mixed_step(args: argparse.Namespace, lengths: list[int], device: torch.devi
 
 
 def _time_mixed_step(args: argparse.Namespace, layer, tokens: int, device: torch.device, dtype: torch.dtype) -> dict:
+    from bench.hostcost import OpCounter
     from engine.layers.gated_delta_net import RecurrentStates
 
     shape = layer.shape
@@ -318,6 +319,9 @@ def _time_mixed_step(args: argparse.Namespace, layer, tokens: int, device: torch
             held.copy_(value)
         outs[name] = run().float()   # from the same states: compared below
         row[f"{name}_ms"] = statistics.median(time_call(run, device, iters=args.repeats)) * 1e3
+        with OpCounter() as counter:   # the torch operators of one call (a GPU's launches, less the kernels')
+            run()
+        row[f"{name}_ops"] = counter.count
     row["speedup"] = row["alone_ms"] / row["step_ms"]
     row["chunks_speedup"] = row["chunks_one_by_one_ms"] / row["step_ms"]
     row["max_rel_diff"] = max(float((outs[name] - outs["alone"]).abs().max() / outs["alone"].abs().max())

@@ -98,6 +98,7 @@ def test_a_step_of_several_prefill_chunks_times_them_at_once_against_one_by_one(
     assert mamba.run(args) == 0
     (row,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert (row["prefills"], row["decodes"]) == (3, 0)
+    assert 0 < row["step_ops"] < row["chunks_one_by_one_ops"] < row["alone_ops"] * 2
     assert row["chunks_speedup"] == pytest.approx(row["chunks_one_by_one_ms"] / row["step_ms"])
     assert row["max_rel_diff"] < 1e-5
 

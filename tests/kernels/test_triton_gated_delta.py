@@ -116,6 +116,27 @@ def test_on_cuda_the_kernels_give_the_torch_forms_outputs_at_qwen3_5s_shape():
     assert (state - ref_state).abs().max() <= 1e-2 * ref_state.abs().max()
 
 
+@pytest.mark.gpu
+def test_on_cuda_the_pieces_give_each_part_alone_at_qwen3_5s_shape():
+    """On a GPU, compiled: eight sequences of 64 to 2,048 tokens in one to three parts at Qwen3.5's shape in bfloat16,
+    each from a random state, the kernels at once against the torch form part by part on the same device."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from kernels import triton_gated_delta
+    from kernels.pieces import Pieces
+    from tests.kernels.test_gated_delta import _each_part_alone
+
+    pieces = Pieces([64, 2048, 100, 412, 7, 300, 1000, 33, 31, 1, 500], [1, 1, 2, 3, 1, 1, 1, 1])
+    q, k, v, g, beta, _ = (t.cuda() for t in _inputs(pieces.num_tokens, 16, 32, 128, 128, seed=9))
+    q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
+    ssm = torch.randn(pieces.num_seqs, 32, 128, 128, device="cuda")
+    out, after = triton_gated_delta.chunked_pieces(q, k, v, g, beta, ssm, pieces)
+    ref, ref_after = _each_part_alone(pieces, ssm, lambda at, state: gated_delta.chunked_torch(
+        q[at], k[at], v[at], g[at], beta[at], state))
+    assert (out - ref).abs().max() <= 1e-2 * ref.abs().max()
+    assert (after - ref_after).abs().max() <= 1e-2 * ref_after.abs().max()
+
+
 @pytest.mark.slow   # ~8 s through the interpreter; the kernels' exactness is above, a GPU runs these models in
 # tests/engine/test_engine_vs_hf.py's CUDA parity test
 @pytest.mark.usefixtures("one_thread")
