@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.pieces import Pieces
+from kernels.pieces import Pieces, tiles
 
 CHUNK = 64
 
@@ -146,12 +146,9 @@ def chunked_pieces_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
     plan = pieces.torch_plan(chunk, v.device)
     q, k = _prepare(q, k, v.shape[-2])
 
-    def tiles(t: torch.Tensor) -> torch.Tensor:   # [num_tokens, heads, ...] -> [tiles, heads, chunk, ...]; pads 0
-        padded = t.new_zeros(plan.num_tiles * chunk, *t.shape[1:]).index_copy_(0, plan.unpad, t)
-        return padded.unflatten(0, (-1, chunk)).transpose(1, 2)
-
-    v = tiles(v.float())   # padded tokens have g = 0 and beta = 0: they change nothing
-    u, w, scores, q_decayed, k_to_end, chunk_decay = _wy(tiles(q), tiles(k), v, tiles(g.float()), tiles(beta.float()))
+    v = tiles(v.float(), plan, chunk)   # padded tokens have g = 0 and beta = 0: they change nothing
+    u, w, scores, q_decayed, k_to_end, chunk_decay = _wy(*(tiles(t, plan, chunk) for t in (q, k)), v,
+                                                         *(tiles(t.float(), plan, chunk) for t in (g, beta)))
     state = ssm.float().index_select(0, plan.order)                          # sequences by their chunks, most first
     after = state.new_empty(pieces.num_parts, *state.shape[1:])
     out = torch.empty_like(v)

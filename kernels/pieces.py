@@ -18,7 +18,7 @@ import torch
 
 from kernels.transfer import to_device, to_device_tensor
 
-__all__ = ["ChunkTable", "ConvTable", "Pieces", "TorchPlan"]
+__all__ = ["ChunkTable", "ConvTable", "Pieces", "TorchPlan", "tiles"]
 
 
 @dataclass
@@ -164,3 +164,10 @@ class Pieces:
             self._cache[key] = ConvTable(flat[:t], flat[t:t + k], flat[t + k:2 * t + k], flat[2 * t + k:],
                                          self.num_tokens + self.num_seqs * held)
         return self._cache[key]
+
+
+def tiles(t: torch.Tensor, plan: TorchPlan, chunk: int) -> torch.Tensor:
+    """A per-token tensor [num_tokens, heads, ...] as the torch scan's tiles [tiles, heads, chunk, ...] (`plan`'s
+    layout), the pads zeros."""
+    padded = t.new_zeros(plan.num_tiles * chunk, *t.shape[1:]).index_copy_(0, plan.unpad, t)
+    return padded.unflatten(0, (-1, chunk)).transpose(1, 2)

@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.pieces import Pieces, tiles
+
 CHUNK = 64
 
 
@@ -60,6 +62,20 @@ def chunked(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
     return chunked_torch(x, dt, A, B, C, D, ssm, chunk)
 
 
+def chunked_pieces(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                   D: torch.Tensor, ssm: torch.Tensor, pieces: Pieces, chunk: int = CHUNK
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Several sequences' new tokens at once, each from its own state (`kernels.pieces`: tokens flat, sequence after
+    sequence, each sequence's in parts): `chunked`'s per-token tensors over all of them, ssm [num_seqs, num_heads,
+    head_dim, d_state] -> (y [num_tokens, num_heads, head_dim] float32, the state after each part [num_parts, ...]).
+    On CUDA `kernels.triton_ssd`'s one launch."""
+    if x.is_cuda:
+        from kernels.triton_ssd import chunked_pieces as triton_pieces
+
+        return triton_pieces(x, dt, A, B, C, D, ssm, pieces)
+    return chunked_pieces_torch(x, dt, A, B, C, D, ssm, pieces, chunk)
+
+
 def chunked_torch(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                   D: torch.Tensor, ssm: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
     """`chunked` in torch on any device: the CPU's path, and the yardstick of the Triton one."""
@@ -71,12 +87,7 @@ def chunked_torch(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.T
     Bh, Ch = (F.pad(_per_head(t, num_heads).transpose(0, 1), (0, 0, 0, pad)).unflatten(1, (-1, chunk))
               for t in (B, C))
     log_decay = F.pad((dt.float() * A.float()).t(), (0, pad)).unflatten(1, (-1, chunk)).cumsum(-1)
-    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=x.device).tril()
-    # exp(decay_i - decay_j) for j <= i, else 0
-    pair = (log_decay.unsqueeze(-1) - log_decay.unsqueeze(-2)).masked_fill(~lower, float("-inf")).exp()
-    within = ((Ch @ Bh.transpose(-1, -2)) * pair) @ xdt                       # [heads, chunks, chunk, head_dim]
-    to_end = (log_decay[..., -1:] - log_decay).exp()                           # a token's decay to its chunk's end
-    from_start = log_decay.exp()                                               # the chunk start's decay to a token
+    within, to_end, from_start = _within(xdt, Bh, Ch, log_decay)
     out = torch.empty_like(within)
     state = ssm.float()                                                        # [heads, head_dim, d_state]
     for i in range(within.shape[1]):
@@ -85,3 +96,43 @@ def chunked_torch(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.T
             (xdt[:, i] * to_end[:, i, :, None]).transpose(-1, -2) @ Bh[:, i]
     y = out.flatten(1, 2)[:, :num_tokens].transpose(0, 1)
     return y + D.float()[:, None] * xf, state
+
+
+def chunked_pieces_torch(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                         D: torch.Tensor, ssm: torch.Tensor, pieces: Pieces, chunk: int = CHUNK
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`chunked_pieces` in torch: every chunk's products at once, then the chunks' steps through the states, the
+    j-th chunks of all sequences that have one together (`kernels.pieces.TorchPlan`)."""
+    if pieces.num_parts == 1:
+        y, after = chunked_torch(x, dt, A, B, C, D, ssm[0], chunk)
+        return y, after.unsqueeze(0)
+    plan, num_heads, xf = pieces.torch_plan(chunk, x.device), x.shape[1], x.float()
+    xdt, Bh, Ch, log_decay = (tiles(t, plan, chunk) for t in (xf * dt.float()[..., None], _per_head(B, num_heads),
+                                                             _per_head(C, num_heads), dt.float() * A.float()))
+    log_decay = log_decay.cumsum(-1)                                           # padded tokens: dt = 0, nothing
+    within, to_end, from_start = _within(xdt, Bh, Ch, log_decay)
+    state = ssm.float().index_select(0, plan.order)                            # sequences by their chunks
+    after = state.new_empty(pieces.num_parts, *state.shape[1:])
+    out = torch.empty_like(within)
+    for first, end, places, parts in plan.steps:   # the sequences' j-th chunks: tiles first .. end - 1
+        held, at = state[:end - first], slice(first, end)
+        out[at] = within[at] + (Ch[at] @ held.transpose(-1, -2)) * from_start[at].unsqueeze(-1)
+        state[:end - first] = held * log_decay[at][..., -1].exp()[..., None, None] + \
+            (xdt[at] * to_end[at].unsqueeze(-1)).transpose(-1, -2) @ Bh[at]
+        if places is not None:
+            after.index_copy_(0, parts, state.index_select(0, places))
+    y = out.transpose(1, 2).flatten(0, 1).index_select(0, plan.unpad)
+    return y + D.float()[:, None] * xf, after
+
+
+def _within(xdt: torch.Tensor, Bh: torch.Tensor, Ch: torch.Tensor, log_decay: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Within each chunk (xdt [..., chunk, head_dim]; Bh, Ch [..., chunk, d_state]; log_decay [..., chunk], summed
+    from the chunk's start): the outputs from the chunk's own inputs, each token's decay to the chunk's end, and the
+    chunk start's decay to each token."""
+    chunk = log_decay.shape[-1]
+    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=xdt.device).tril()
+    # exp(decay_i - decay_j) for j <= i, else 0
+    pair = (log_decay.unsqueeze(-1) - log_decay.unsqueeze(-2)).masked_fill(~lower, float("-inf")).exp()
+    within = ((Ch @ Bh.transpose(-1, -2)) * pair) @ xdt                       # [..., chunk, head_dim]
+    return within, (log_decay[..., -1:] - log_decay).exp(), log_decay.exp()

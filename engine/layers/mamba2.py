@@ -93,3 +93,11 @@ class Mamba2Mixer(StateMixer):
         xs, B, C = self._split(x)
         A, D = self._parameters_of_scan()
         return ssd.chunked(xs, extras[0].clamp(*self.shape.dt_limit), A, B, C, D, ssm)
+
+    scans_pieces = True
+
+    def chunk_pieces(self, x, extras, ssm, pieces):
+        """Several sequences' prefill chunks at once (`StateMixer.scans_pieces`), dt clamped as `chunk` clamps it."""
+        xs, B, C = self._split(x)
+        A, D = self._parameters_of_scan()
+        return ssd.chunked_pieces(xs, extras[0].clamp(*self.shape.dt_limit), A, B, C, D, ssm, pieces)

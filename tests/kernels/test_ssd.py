@@ -55,3 +55,20 @@ def test_pieces_carrying_the_state_equal_one_piece_and_decode_continues_it(cut):
     last, state = ssd.step(x[-1:], dt[-1:], A, B[-1:], C[-1:], D, state[None])
     torch.testing.assert_close(torch.cat([first, second, last]), whole, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(state[0], whole_state, atol=1e-4, rtol=1e-4)
+
+
+def test_several_sequences_in_parts_at_once_give_each_part_alone():
+    """`chunked_pieces` (every chunk's products at once, the sequences' j-th chunks stepped together): outputs and the
+    state after every part as `chunked` gives them part after part (test_gated_delta's layout)."""
+    from kernels.pieces import Pieces
+    from tests.kernels.test_gated_delta import PARTS, SEQ_PARTS, _each_part_alone
+
+    pieces = Pieces(PARTS, SEQ_PARTS)
+    x, dt_raw, A, B, C, D, _ = _make_inputs(pieces.num_tokens, seed=4)
+    dt = F.softplus(dt_raw)
+    ssm = torch.randn(pieces.num_seqs, 4, 8, 16, generator=torch.Generator().manual_seed(5))
+    y, after = ssd.chunked_pieces(x, dt, A, B, C, D, ssm, pieces)
+    ref, ref_after = _each_part_alone(pieces, ssm, lambda at, state: ssd.chunked(x[at], dt[at], A, B[at], C[at], D,
+                                                                                 state))
+    torch.testing.assert_close(y, ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(after, ref_after, atol=1e-4, rtol=1e-4)

@@ -40,6 +40,25 @@ def test_the_triton_scan_gives_the_torch_forms_outputs_and_state(num_tokens, chu
     torch.testing.assert_close(state, ref_state, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("chunk", [16, 32])
+def test_the_triton_pieces_give_each_part_alone(chunk):
+    """Several sequences in parts at once (`chunked_pieces`: one launch, each sequence's state carried through its own
+    chunks): outputs and the state after every part as the torch form gives them part after part."""
+    pytest.importorskip("triton")
+    from kernels import triton_ssd
+    from kernels.pieces import Pieces
+    from tests.kernels.test_gated_delta import PARTS, SEQ_PARTS, _each_part_alone
+
+    pieces = Pieces(PARTS, SEQ_PARTS)
+    x, dt, A, B, C, D, _ = _inputs(pieces.num_tokens, 4, 16, 2, 16, seed=3)
+    ssm = torch.randn(pieces.num_seqs, 4, 16, 16, generator=torch.Generator().manual_seed(4))
+    y, after = triton_ssd.chunked_pieces(x, dt, A, B, C, D, ssm, pieces, chunk=chunk)
+    ref, ref_after = _each_part_alone(pieces, ssm, lambda at, state: ssd.chunked_torch(x[at], dt[at], A, B[at], C[at],
+                                                                                       D, state))
+    torch.testing.assert_close(y, ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(after, ref_after, atol=1e-4, rtol=1e-4)
+
+
 def _build_ssd_kernel_for_sm90() -> dict:
     """Build the kernel at Granite 4-H's shape (heads of 64, d_state 128, bfloat16 x, B, C) for sm_90."""
     from kernels import triton_ssd
@@ -49,7 +68,7 @@ def _build_ssd_kernel_for_sm90() -> dict:
         triton_ssd._ssd_kernel, dict(P=64, N=128, NP=128, BLOCK_P=triton_ssd.BLOCK_P, CHUNK=triton_ssd.CHUNK,
                                      DOT_PRECISION="tf32"),
         {"x_ptr": "bf16", "dt_ptr": "fp32", "a_ptr": "fp32", "b_ptr": "bf16", "c_ptr": "bf16", "d_ptr": "fp32",
-         "state_ptr": "fp32", "y_ptr": "fp32", "state_out_ptr": "fp32"}, num_warps=triton_ssd.NUM_WARPS)
+         "state_ptr": "fp32", "y_ptr": "fp32", "after_ptr": "fp32"}, num_warps=triton_ssd.NUM_WARPS)
     return usage
 
 
@@ -91,8 +110,8 @@ def test_an_engine_prefilling_through_the_kernel_answers_as_transformers(tmp_pat
     from tests.engine.test_engine_vs_hf import GRANITE4_H
     from tests.kernels.test_triton_gated_delta import assert_prefills_through
 
-    assert_prefills_through(tmp_path, builtin_path, monkeypatch, (ssd, triton_ssd.chunked), "granitemoehybrid",
-                            GRANITE4_H)
+    assert_prefills_through(tmp_path, builtin_path, monkeypatch, (ssd, triton_ssd.chunked_pieces, "chunked_pieces"),
+                            "granitemoehybrid", GRANITE4_H)
 
 
 def test_the_launcher_refuses_shapes_that_do_not_agree():
