@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["BLOCK", "chunked", "chunked_torch", "recurrent_step"]
+from kernels.pieces import Pieces, tiles
+
+__all__ = ["BLOCK", "chunked", "chunked_pieces", "chunked_pieces_torch", "chunked_torch", "recurrent_step"]
 
 BLOCK = 64
 
@@ -45,6 +47,49 @@ def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Ten
 
         return triton_chunked(q, k, v, slopes, ssm)
     return chunked_torch(q, k, v, slopes, ssm, block)
+
+
+def chunked_pieces(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor, ssm: torch.Tensor,
+                   pieces: Pieces) -> tuple[torch.Tensor, torch.Tensor]:
+    """Several sequences' new tokens at once, each from its own state (`kernels.pieces`: tokens flat, sequence after
+    sequence, each sequence's in parts): `chunked`'s per-token tensors over all of them, ssm [num_seqs, num_heads,
+    head_dim, head_dim] -> (out [num_tokens, num_heads, head_dim] float32, the state after each part [num_parts,
+    ...]). On CUDA `kernels.triton_lightning`'s one launch."""
+    if v.is_cuda:
+        from kernels.triton_lightning import chunked_pieces as triton_pieces
+
+        return triton_pieces(q, k, v, slopes, ssm, pieces)
+    return chunked_pieces_torch(q, k, v, slopes, ssm, pieces)
+
+
+def chunked_pieces_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor, ssm: torch.Tensor,
+                         pieces: Pieces, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """`chunked_pieces` in torch: every block's products at once, then the blocks' steps through the states, the
+    j-th blocks of all sequences that have one together (`kernels.pieces.TorchPlan`). A short block decays the state
+    by its own tokens (a pad is not a token here: the decay runs by position)."""
+    if pieces.num_parts == 1:
+        out, after = chunked_torch(q, k, v, slopes, ssm[0], block)
+        return out, after.unsqueeze(0)
+    plan = pieces.torch_plan(block, v.device)
+    q, k, v = (tiles(t.float(), plan, block) for t in (q, k, v))            # [tiles, heads, block, head_dim]
+    rate, n = slopes.float()[:, None], plan.lens[:, None, None]             # [heads, 1]; [tiles, 1, 1]
+    steps = torch.arange(block, device=v.device, dtype=torch.float32)
+    gap = steps[:, None] - steps[None, :]                                    # i - j
+    pair = torch.exp(-rate[..., None] * gap.clamp(min=0)).masked_fill(gap < 0, 0.0)   # [heads, block, block]
+    inside = ((q @ k.transpose(-1, -2)) * pair) @ v
+    q_decayed = q * torch.exp(-rate * (steps + 1)).unsqueeze(-1)
+    to_end = k * torch.exp(-rate * (n - 1 - steps)).unsqueeze(-1)            # pads: k = 0
+    block_decay = torch.exp(-rate * n)[..., None]                            # [tiles, heads, 1, 1]
+    state = ssm.float().index_select(0, plan.order)                          # sequences by their blocks
+    after = state.new_empty(pieces.num_parts, *state.shape[1:])
+    out = torch.empty_like(inside)
+    for first, end, places, parts in plan.steps:   # the sequences' j-th blocks: tiles first .. end - 1
+        held, at = state[:end - first], slice(first, end)
+        out[at] = inside[at] + q_decayed[at] @ held
+        state[:end - first] = held * block_decay[at] + to_end[at].transpose(-1, -2) @ v[at]
+        if places is not None:
+            after.index_copy_(0, parts, state.index_select(0, places))
+    return out.transpose(1, 2).flatten(0, 1).index_select(0, plan.unpad), after
 
 
 def chunked_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor, ssm: torch.Tensor,

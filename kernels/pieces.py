@@ -40,10 +40,12 @@ class TorchPlan:
     chunk counts, most first, so the ones still scanning at their j-th chunk are the first `steps[j][1] -
     steps[j][0]`, and the tiles of step j (those sequences' j-th chunks, in that order) are tiles steps[j][0] ..
     steps[j][1] - 1: a step reads and writes a slice. `unpad` [num_tokens]: each token's slot among the tiles;
-    `steps[j][2:]`: the places among step j's tiles of those that end a part, and those parts (None: none)."""
+    `lens` [num_tiles]: each tile's tokens (float32); `steps[j][2:]`: the places among step j's tiles of those that
+    end a part, and those parts (None: none)."""
 
     unpad: torch.Tensor
     num_tiles: int
+    lens: torch.Tensor
     order: torch.Tensor
     steps: list[tuple[int, int, torch.Tensor | None, torch.Tensor | None]]
 
@@ -134,7 +136,7 @@ class Pieces:
         starts, lens, ends, seq_first = self._chunks(chunk)
         counts = [seq_first[s + 1] - seq_first[s] for s in range(self.num_seqs)]
         order = sorted(range(self.num_seqs), key=lambda s: -counts[s])
-        unpad, steps, tile = [0] * self.num_tokens, [], 0
+        unpad, steps, tile, tile_lens = [0] * self.num_tokens, [], 0, []
         for j in range(counts[order[0]]):
             first, done = tile, []
             for s in order:
@@ -142,12 +144,14 @@ class Pieces:
                     break
                 c = seq_first[s] + j
                 unpad[starts[c]:starts[c] + lens[c]] = range(tile * chunk, tile * chunk + lens[c])
+                tile_lens.append(lens[c])
                 if ends[c] >= 0:
                     done.append((tile - first, ends[c]))
                 tile += 1
             steps.append((first, tile, to_device([i for i, _ in done], torch.int64, device) if done else None,
                           to_device([p for _, p in done], torch.int64, device) if done else None))
-        return TorchPlan(to_device(unpad, torch.int64, device), tile, to_device(order, torch.int64, device), steps)
+        return TorchPlan(to_device(unpad, torch.int64, device), tile, to_device(tile_lens, torch.float32, device),
+                         to_device(order, torch.int64, device), steps)
 
     def conv_table(self, kernel: int, device: torch.device) -> ConvTable:
         key = ("conv", kernel, device)

@@ -35,6 +35,7 @@ from engine.models.olmo2 import RoundedWideRMSNorm
 from engine.models.qwen3_moe import with_experts
 from engine.parallel import Collectives
 from kernels import AttentionMetadata, lightning
+from kernels.pieces import Pieces
 
 __all__ = ["LightningAttention", "MiniMaxForCausalLM", "MiniMaxLayer"]
 
@@ -88,6 +89,15 @@ class LightningAttention(StateMixer):
 
     def chunk(self, x, extras, ssm):
         return lightning.chunked(*self._split(x), self.slopes(x.device), ssm)
+
+    scans_pieces = True
+
+    def convolve_pieces(self, x: torch.Tensor, conv: torch.Tensor, pieces: Pieces
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, conv.new_empty(pieces.num_parts, *conv.shape[1:])   # no convolution: its state is empty
+
+    def chunk_pieces(self, x, extras, ssm, pieces):
+        return lightning.chunked_pieces(*self._split(x), self.slopes(x.device), ssm, pieces)
 
 
 def _scaled(x: torch.Tensor, factor: float) -> torch.Tensor:

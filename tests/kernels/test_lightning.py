@@ -64,3 +64,20 @@ def test_a_decode_step_runs_many_sequences_each_from_its_state():
         ref, ref_state = _by_definition(q[i:i + 1], k[i:i + 1], v[i:i + 1], slopes, states[i])
         torch.testing.assert_close(out[i], ref[0], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(new[i], ref_state, atol=1e-5, rtol=1e-5)
+
+
+def test_several_sequences_in_parts_at_once_give_each_part_alone():
+    """`chunked_pieces` (every block's products at once, short blocks decaying the state by their own tokens, the
+    sequences' j-th blocks stepped together): outputs and the state after every part as `chunked` gives them part
+    after part (test_gated_delta's layout)."""
+    from kernels.pieces import Pieces
+    from tests.kernels.test_gated_delta import PARTS, SEQ_PARTS, _each_part_alone
+
+    pieces = Pieces(PARTS, SEQ_PARTS)
+    q, k, v, slopes, _ = _inputs(pieces.num_tokens, seed=4)
+    ssm = torch.randn(pieces.num_seqs, 4, 8, 8, generator=torch.Generator().manual_seed(5))
+    out, after = lightning.chunked_pieces(q, k, v, slopes, ssm, pieces)
+    ref, ref_after = _each_part_alone(pieces, ssm, lambda at, state: lightning.chunked(q[at], k[at], v[at], slopes,
+                                                                                       state))
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(after, ref_after, atol=1e-4, rtol=1e-4)

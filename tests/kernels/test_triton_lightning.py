@@ -47,7 +47,28 @@ def test_an_engine_prefilling_through_the_kernel_answers_as_transformers(tmp_pat
     from tests.kernels.test_triton_gated_delta import assert_prefills_through
 
     assert_prefills_through(tmp_path, builtin_path, monkeypatch,
-                            (lightning, lambda *args: triton_lightning.chunked(*args[:5])), "minimax", MINIMAX)
+                            (lightning, lambda *args: triton_lightning.chunked_pieces(*args[:6]), "chunked_pieces"),
+                            "minimax", MINIMAX)
+
+
+@pytest.mark.parametrize("chunk", [16, 32])
+def test_the_triton_pieces_give_each_part_alone(chunk):
+    """Several sequences in parts at once (`chunked_pieces`: one launch, each sequence's state carried through its own
+    chunks, a short chunk decaying it by its own tokens): outputs and the state after every part as the torch form
+    gives them part after part."""
+    pytest.importorskip("triton")
+    from kernels import triton_lightning
+    from kernels.pieces import Pieces
+    from tests.kernels.test_gated_delta import PARTS, SEQ_PARTS, _each_part_alone
+
+    pieces = Pieces(PARTS, SEQ_PARTS)
+    q, k, v, slopes, _ = _inputs(pieces.num_tokens, 2, 16, seed=3)
+    ssm = torch.randn(pieces.num_seqs, 2, 16, 16, generator=torch.Generator().manual_seed(4))
+    out, after = triton_lightning.chunked_pieces(q, k, v, slopes, ssm, pieces, chunk=chunk)
+    ref, ref_after = _each_part_alone(pieces, ssm, lambda at, state: lightning.chunked_torch(q[at], k[at], v[at],
+                                                                                             slopes, state))
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(after, ref_after, atol=1e-4, rtol=1e-4)
 
 
 def _build_lightning_kernel_for_sm90() -> dict:
@@ -58,7 +79,7 @@ def _build_lightning_kernel_for_sm90() -> dict:
     _, usage = _build_kernel_for_sm90(
         tl_._lightning_kernel, dict(D=128, DP=128, BLOCK_V=tl_.BLOCK_V, CHUNK=tl_.CHUNK, DOT_PRECISION="tf32"),
         {"q_ptr": "bf16", "k_ptr": "bf16", "v_ptr": "bf16", "slope_ptr": "fp32", "state_ptr": "fp32", "out_ptr": "fp32",
-         "state_out_ptr": "fp32"}, num_warps=tl_.NUM_WARPS)
+         "after_ptr": "fp32"}, num_warps=tl_.NUM_WARPS)
     return usage
 
 
