@@ -116,6 +116,10 @@ def test_on_cuda_the_kernels_give_the_torch_forms_outputs_at_qwen3_5s_shape():
     assert (state - ref_state).abs().max() <= 1e-2 * ref_state.abs().max()
 
 
+# eight sequences of 64 to 2,048 tokens in one to three parts (a CUDA test's)
+CUDA_PARTS, CUDA_SEQ_PARTS = [64, 2048, 100, 412, 7, 300, 1000, 33, 31, 1, 500], [1, 1, 2, 3, 1, 1, 1, 1]
+
+
 @pytest.mark.gpu
 def test_on_cuda_the_pieces_give_each_part_alone_at_qwen3_5s_shape():
     """On a GPU, compiled: eight sequences of 64 to 2,048 tokens in one to three parts at Qwen3.5's shape in bfloat16,
@@ -126,7 +130,7 @@ def test_on_cuda_the_pieces_give_each_part_alone_at_qwen3_5s_shape():
     from kernels.pieces import Pieces
     from tests.kernels.test_gated_delta import _each_part_alone
 
-    pieces = Pieces([64, 2048, 100, 412, 7, 300, 1000, 33, 31, 1, 500], [1, 1, 2, 3, 1, 1, 1, 1])
+    pieces = Pieces(CUDA_PARTS, CUDA_SEQ_PARTS)
     q, k, v, g, beta, _ = (t.cuda() for t in _inputs(pieces.num_tokens, 16, 32, 128, 128, seed=9))
     q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
     ssm = torch.randn(pieces.num_seqs, 32, 128, 128, device="cuda")

@@ -109,6 +109,28 @@ def test_on_cuda_the_kernel_gives_the_torch_forms_outputs_at_minimax_text_01s_sh
     assert (state - ref_state).abs().max() <= 1e-2 * ref_state.abs().max()
 
 
+@pytest.mark.gpu
+def test_on_cuda_the_pieces_give_each_part_alone_at_minimax_text_01s_shape():
+    """On a GPU, compiled: eight sequences of 1 to 3 parts (test_triton_gated_delta's CUDA layout) at MiniMax-Text-01's
+    shape in bfloat16, each from a random state, the kernel at once against the torch form part by part."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from kernels import triton_lightning
+    from kernels.pieces import Pieces
+    from tests.kernels.test_gated_delta import _each_part_alone
+    from tests.kernels.test_triton_gated_delta import CUDA_PARTS, CUDA_SEQ_PARTS
+
+    pieces = Pieces(CUDA_PARTS, CUDA_SEQ_PARTS)
+    q, k, v, slopes, _ = (t.cuda() for t in _inputs(pieces.num_tokens, 64, 128, seed=6))
+    q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
+    ssm = torch.randn(pieces.num_seqs, 64, 128, 128, device="cuda")
+    out, after = triton_lightning.chunked_pieces(q, k, v, slopes, ssm, pieces)
+    ref, ref_after = _each_part_alone(pieces, ssm, lambda at, state: lightning.chunked_torch(q[at], k[at], v[at],
+                                                                                             slopes, state))
+    assert (out - ref).abs().max() <= 1e-2 * ref.abs().max()
+    assert (after - ref_after).abs().max() <= 1e-2 * ref_after.abs().max()
+
+
 def test_the_launcher_refuses_shapes_that_do_not_agree():
     pytest.importorskip("triton")
     from kernels import triton_lightning

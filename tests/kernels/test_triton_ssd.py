@@ -98,6 +98,28 @@ def test_on_cuda_the_kernel_gives_the_torch_forms_outputs_at_granite_4_hs_shape(
     assert (state - ref_state).abs().max() <= 1e-2 * ref_state.abs().max()
 
 
+@pytest.mark.gpu
+def test_on_cuda_the_pieces_give_each_part_alone_at_granite_4_hs_shape():
+    """On a GPU, compiled: eight sequences of 1 to 3 parts (test_triton_gated_delta's CUDA layout) at Granite 4-H's
+    shape in bfloat16, each from a random state, the kernel at once against the torch form part by part."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from kernels import triton_ssd
+    from kernels.pieces import Pieces
+    from tests.kernels.test_gated_delta import _each_part_alone
+    from tests.kernels.test_triton_gated_delta import CUDA_PARTS, CUDA_SEQ_PARTS
+
+    pieces = Pieces(CUDA_PARTS, CUDA_SEQ_PARTS)
+    x, dt, A, B, C, D, _ = (t.cuda() for t in _inputs(pieces.num_tokens, 128, 64, 1, 128, seed=6))
+    x, B, C = (t.to(torch.bfloat16) for t in (x, B, C))
+    ssm = torch.randn(pieces.num_seqs, 128, 64, 128, device="cuda")
+    y, after = triton_ssd.chunked_pieces(x, dt, A, B, C, D, ssm, pieces)
+    ref, ref_after = _each_part_alone(pieces, ssm, lambda at, state: ssd.chunked_torch(x[at], dt[at], A, B[at], C[at],
+                                                                                       D, state))
+    assert (y - ref).abs().max() <= 1e-2 * ref.abs().max()
+    assert (after - ref_after).abs().max() <= 1e-2 * ref_after.abs().max()
+
+
 @pytest.mark.slow   # ~8 s through the interpreter; the kernels' exactness is above, a GPU runs these models in
 # tests/engine/test_engine_vs_hf.py's CUDA parity test
 @pytest.mark.usefixtures("one_thread")
