@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.pieces import Pieces
+
 PIECE = 256   # tokens whose [tokens, channels, d_state] decays and inputs are held at once
 
 
@@ -59,6 +61,49 @@ def recurrence(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tens
             ssm = torch.addcmul(states[t], decay[t], ssm, out=states[t])
         outs.append(torch.einsum("tcn,tn->tc", states, C[part].float()))
     return torch.cat(outs) + D.float() * x.float(), ssm.clone()
+
+
+def scan_pieces(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: torch.Tensor,
+                ssm: torch.Tensor, pieces: Pieces, piece: int = PIECE) -> tuple[torch.Tensor, torch.Tensor]:
+    """Several sequences' new tokens at once, each from its own state (`kernels.pieces`: tokens flat, sequence after
+    sequence, each sequence's in parts): `scan`'s per-token tensors over all of them, ssm [num_seqs, channels,
+    d_state] -> (y [num_tokens, channels] float32, the state after each part [num_parts, channels, d_state]). On CUDA
+    the Triton kernel's one launch; in torch the t-th tokens of all sequences step together."""
+    if x.is_cuda:
+        from kernels.triton_selective_scan import scan_pieces as triton_pieces
+
+        return triton_pieces(x, dt, A, B, C, D, ssm, pieces)
+    return recurrence_pieces(x, dt, A, B, C, D, ssm, pieces, piece)
+
+
+def recurrence_pieces(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                      D: torch.Tensor, ssm: torch.Tensor, pieces: Pieces, piece: int = PIECE
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`scan_pieces` in torch: the tokens laid out step by step (`kernels.pieces.TorchPlan` of one-token tiles: the
+    t-th tokens of the sequences still scanning are a slice), their decays and inputs made for about `piece` tokens
+    of steps at once, then each step's states from the last's."""
+    if pieces.num_parts == 1:
+        y, after = recurrence(x, dt, A, B, C, D, ssm[0], piece)
+        return y, after.unsqueeze(0)
+    plan = pieces.torch_plan(1, x.device)
+    xs, dts, Bs, Cs = (t.new_empty(t.shape).index_copy_(0, plan.unpad, t) for t in (x, dt, B, C))   # step order
+    state = ssm.float().index_select(0, plan.order)                            # sequences by their tokens
+    after = state.new_empty(pieces.num_parts, *state.shape[1:])
+    y, block = torch.empty(x.shape, dtype=torch.float32, device=x.device), []
+    for i, step in enumerate(plan.steps):   # the steps in blocks of about `piece` tokens
+        block.append(step)
+        if i + 1 < len(plan.steps) and step[1] - block[0][0] < piece:
+            continue
+        lo, hi = block[0][0], step[1]
+        decay, states = _discretized(xs[lo:hi], dts[lo:hi], A, Bs[lo:hi])
+        for first, end, places, parts in block:   # states: the inputs, then each token's state
+            at = slice(first - lo, end - lo)
+            state[:end - first] = torch.addcmul(states[at], decay[at], state[:end - first], out=states[at])
+            if places is not None:
+                after.index_copy_(0, parts, state.index_select(0, places))
+        y[lo:hi] = torch.einsum("tcn,tn->tc", states, Cs[lo:hi].float())
+        block = []
+    return y.index_select(0, plan.unpad) + D.float() * x.float(), after
 
 
 def _discretized(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor

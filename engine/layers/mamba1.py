@@ -71,3 +71,8 @@ class Mamba1Mixer(StateMixer):
 
     def chunk(self, x, extras, ssm):
         return selective_scan.scan(x, *self._selective(x), ssm)
+
+    scans_pieces = True
+
+    def chunk_pieces(self, x, extras, ssm, pieces):
+        return selective_scan.scan_pieces(x, *self._selective(x), ssm, pieces)

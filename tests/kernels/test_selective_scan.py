@@ -97,3 +97,26 @@ def test_on_cuda_the_kernel_scans_a_jamba_layer_as_the_recurrence():
     ref, ref_state = selective_scan.recurrence(x, dt, A, B, C, D, ssm)
     torch.testing.assert_close(y, ref, atol=1e-3, rtol=1e-3)
     torch.testing.assert_close(state, ref_state, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("piece, with_triton", [(256, False), (7, False), (None, True)], ids=["torch", "torch-small",
+                                                                                            "triton"])
+def test_several_sequences_in_parts_at_once_give_each_part_alone(piece, with_triton):
+    """`scan_pieces` (in torch the t-th tokens of all sequences stepped together, their decays made for `piece` tokens
+    of steps at once; the Triton kernel a program per sequence): outputs and the state after every part as the
+    recurrence gives them part after part (test_gated_delta's layout)."""
+    from kernels.pieces import Pieces
+    from tests.kernels.test_gated_delta import PARTS, SEQ_PARTS, _each_part_alone
+
+    pieces = Pieces(PARTS, SEQ_PARTS)
+    x, dt, A, B, C, D, _ = make_inputs(pieces.num_tokens, 40, 12, seed=5)
+    ssm = torch.randn(pieces.num_seqs, 40, 12, generator=torch.Generator().manual_seed(6))
+    if with_triton:
+        triton_selective_scan = pytest.importorskip("kernels.triton_selective_scan")
+        y, after = triton_selective_scan.scan_pieces(x, dt, A, B, C, D, ssm, pieces)
+    else:
+        y, after = selective_scan.recurrence_pieces(x, dt, A, B, C, D, ssm, pieces, piece)
+    ref, ref_after = _each_part_alone(pieces, ssm, lambda at, state: selective_scan.recurrence(
+        x[at], dt[at], A, B[at], C[at], D, state))
+    torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(after, ref_after, atol=1e-5, rtol=1e-5)
