@@ -3,7 +3,7 @@ the Triton kernel; with `--gated-delta`, a Gated DeltaNet layer's delta rule (Qw
 against the Triton kernels (`_gated_delta`); with `--ssd`, a Mamba-2 layer's scan (Granite 4-H's), and with
 `--lightning` a lightning attention layer (MiniMax-Text-01's), likewise (`_ssd`, `_lightning`); with `--mixed-step`, a
 Gated DeltaNet layer's step of decodes beside prefill chunks, batched against chunk by chunk and sequence by sequence
-(`_mixed_step`).
+(`_mixed_step`); with `--pieces N`, N sequences through a Mamba-1 layer one by one against at once (`_mamba1_pieces`).
 
 For each of `--tokens` (one sequence's new tokens), over `--channels` (8,192: Jamba 1.5 Mini's, `mamba_expand` 2 x
 4,096) with a state of `--d-state` (16) each, from a random state: `recurrence`, the torch loop (`kernels.
@@ -62,6 +62,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "by one and each sequence scanned alone")
     p.add_argument("--decodes", type=int, default=63, help="with --mixed-step: one-token pieces in the step (63)")
     p.add_argument("--prefills", type=int, default=1, help="with --mixed-step: prefill chunks in the step (1)")
+    p.add_argument("--pieces", type=int, default=1,
+                   help="Mamba-1 (the default layer): this many sequences of each --tokens scanned one by one and at "
+                        "once (`selective_scan.scan_pieces`)")
 
 
 def _inputs(tokens: int, channels: int, d_state: int, device: torch.device, dtype: torch.dtype):
@@ -93,6 +96,8 @@ def run(args: argparse.Namespace) -> int:
         return _lightning(args, lengths, device, dtype, with_triton)
     if args.mixed_step:
         return _mixed_step(args, lengths, device, dtype)
+    if args.pieces != 1:
+        return _mamba1_pieces(args, lengths, device, dtype)
     failed = False
     for tokens in lengths:
         inputs = _inputs(tokens, args.channels, args.d_state, device, dtype)
@@ -103,6 +108,47 @@ def run(args: argparse.Namespace) -> int:
         failed |= _compare(row, ("recurrence", selective_scan.recurrence),
                            _kernel("triton_selective_scan", "scan", with_triton), inputs, device, args.repeats, moved,
                            1e-3)
+        _print(row, args.json)
+    return 1 if failed else 0
+
+
+def _mamba1_pieces(args: argparse.Namespace, lengths: list[int], device: torch.device, dtype: torch.dtype) -> int:
+    """`--pieces N`: N sequences of each length through a Mamba-1 layer's scan (`--channels`, `--d-state`), each from
+    its own random state, one by one (`scan`, as a step's prefill chunks ran until 2026-12-07) against at once
+    (`scan_pieces` in the engine's groups, `StepPieces.group`: on CUDA one launch; in torch part after part, so on a
+    CPU this times the engine's bookkeeping around the scan); the largest difference of their outputs (exit 1 past
+    1e-4, relative)."""
+    from engine.layers.gated_delta_net import _pieces_a_pass
+    from kernels import selective_scan
+    from kernels.pieces import Pieces
+
+    if args.pieces < 2:
+        raise ValueError(f"--pieces: at least 2 sequences to scan at once, got {args.pieces}")
+    failed = False
+    for tokens in lengths:
+        x, dt, A, B, C, D, _ = _inputs(tokens * args.pieces, args.channels, args.d_state, device, dtype)
+        ssm = torch.randn(args.pieces, args.channels, args.d_state, device=device)
+        pieces, spans = Pieces.whole([tokens] * args.pieces), [slice(i * tokens, (i + 1) * tokens)
+                                                               for i in range(args.pieces)]
+        groups = pieces.groups(*_pieces_a_pass(ssm[0], device))
+
+        def one_by_one():
+            return torch.cat([selective_scan.scan(x[at], dt[at], A, B[at], C[at], D, ssm[i])[0]
+                              for i, at in enumerate(spans)])
+
+        def at_once():   # in the engine's groups (all at once on a GPU; on a CPU a cache's worth of states)
+            return torch.cat([selective_scan.scan_pieces(x[at], dt[at], A, B[at], C[at], D, ssm[seqs], group)[0]
+                              for at, seqs, group in groups])
+
+        row = {"device": str(device), "dtype": str(dtype).removeprefix("torch."), "tokens": tokens,
+               "pieces": args.pieces, "channels": args.channels, "d_state": args.d_state}
+        with torch.no_grad():
+            for name, run in (("one_by_one", one_by_one), ("at_once", at_once)):
+                row[f"{name}_ms"] = statistics.median(time_call(run, device, iters=args.repeats)) * 1e3
+            expected = one_by_one()
+            row["speedup"] = row["one_by_one_ms"] / row["at_once_ms"]
+            row["max_rel_diff"] = float((at_once() - expected).abs().max() / expected.abs().max())
+        failed |= row["max_rel_diff"] > 1e-4
         _print(row, args.json)
     return 1 if failed else 0
 

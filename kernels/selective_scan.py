@@ -9,7 +9,8 @@ step (after softplus) and A_c = -exp(A_log_c) [d_state] < 0:
 
 Unlike Mamba-2's (`kernels.ssd`), the decay differs per state entry, so the scan has no chunked matrix form short of
 a [chunk, chunk, channels, d_state] tensor: `scan` runs the recurrence token by token (transformers' and mamba_ssm's
-reference order of products), over pieces of `PIECE` tokens whose decays and inputs it makes at once; on CUDA the
+reference order of products), over blocks of tokens whose decays and inputs it makes at once (as many as
+`BLOCK_BYTES` of decays hold: larger blocks leave a CPU's cache, 3.5x as slow at Jamba's shape); on CUDA the
 Triton kernel runs that recurrence in one launch (`kernels.triton_selective_scan`). `step` runs one token of many
 sequences (decode): a few elementwise ops, captured in decode graphs.
 """
@@ -20,7 +21,13 @@ import torch
 
 from kernels.pieces import Pieces
 
-PIECE = 256   # tokens whose [tokens, channels, d_state] decays and inputs are held at once
+BLOCK_BYTES = 2 << 20   # the [tokens, channels, d_state] float32 decays made at once (and as many inputs)
+
+
+def _block(channels: int, d_state: int) -> int:
+    """Tokens a block of the recurrence holds: as many as `BLOCK_BYTES` of their decays (at least one; 4 at Jamba
+    1.5 Mini's 8,192 channels of 16, where 256 took 3.5x as long on a CPU, 2026-12-07)."""
+    return max(1, BLOCK_BYTES // (channels * d_state * 4))
 
 
 def step(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: torch.Tensor,
@@ -37,7 +44,7 @@ def step(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C:
 
 
 def scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: torch.Tensor,
-         ssm: torch.Tensor, piece: int = PIECE) -> tuple[torch.Tensor, torch.Tensor]:
+         ssm: torch.Tensor, piece: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence's new tokens, from its state.
 
     x: [num_tokens, channels]; dt: [num_tokens, channels] float32; A: [channels, d_state]; D: [channels]; B, C:
@@ -51,8 +58,10 @@ def scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C:
 
 
 def recurrence(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: torch.Tensor,
-               ssm: torch.Tensor, piece: int = PIECE) -> tuple[torch.Tensor, torch.Tensor]:
-    """`scan` in torch on any device: the recurrence token by token, a piece's decays and inputs made at once."""
+               ssm: torch.Tensor, piece: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`scan` in torch on any device: the recurrence token by token, a block's decays and inputs made at once (`piece`
+    tokens; None: `_block`'s)."""
+    piece = piece or _block(*A.shape)
     outs = []
     for start in range(0, x.shape[0], piece):
         part = slice(start, start + piece)
@@ -64,46 +73,25 @@ def recurrence(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tens
 
 
 def scan_pieces(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: torch.Tensor,
-                ssm: torch.Tensor, pieces: Pieces, piece: int = PIECE) -> tuple[torch.Tensor, torch.Tensor]:
-    """Several sequences' new tokens at once, each from its own state (`kernels.pieces`: tokens flat, sequence after
-    sequence, each sequence's in parts): `scan`'s per-token tensors over all of them, ssm [num_seqs, channels,
-    d_state] -> (y [num_tokens, channels] float32, the state after each part [num_parts, channels, d_state]). On CUDA
-    the Triton kernel's one launch; in torch the t-th tokens of all sequences step together."""
+                ssm: torch.Tensor, pieces: Pieces, piece: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Several sequences' new tokens, each from its own state (`kernels.pieces`: tokens flat, sequence after sequence,
+    each sequence's in parts): `scan`'s per-token tensors over all of them, ssm [num_seqs, channels, d_state] -> (y
+    [num_tokens, channels] float32, the state after each part [num_parts, channels, d_state]). On CUDA the Triton
+    kernel's one launch; in torch part after part (stepping the sequences' t-th tokens together made a CPU's blocks of
+    decays wider than its cache: 0.6-0.9x at Jamba's shape, 2026-12-07)."""
     if x.is_cuda:
         from kernels.triton_selective_scan import scan_pieces as triton_pieces
 
         return triton_pieces(x, dt, A, B, C, D, ssm, pieces)
-    return recurrence_pieces(x, dt, A, B, C, D, ssm, pieces, piece)
-
-
-def recurrence_pieces(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
-                      D: torch.Tensor, ssm: torch.Tensor, pieces: Pieces, piece: int = PIECE
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`scan_pieces` in torch: the tokens laid out step by step (`kernels.pieces.TorchPlan` of one-token tiles: the
-    t-th tokens of the sequences still scanning are a slice), their decays and inputs made for about `piece` tokens
-    of steps at once, then each step's states from the last's."""
-    if pieces.num_parts == 1:
-        y, after = recurrence(x, dt, A, B, C, D, ssm[0], piece)
-        return y, after.unsqueeze(0)
-    plan = pieces.torch_plan(1, x.device)
-    xs, dts, Bs, Cs = (t.new_empty(t.shape).index_copy_(0, plan.unpad, t) for t in (x, dt, B, C))   # step order
-    state = ssm.float().index_select(0, plan.order)                            # sequences by their tokens
-    after = state.new_empty(pieces.num_parts, *state.shape[1:])
-    y, block = torch.empty(x.shape, dtype=torch.float32, device=x.device), []
-    for i, step in enumerate(plan.steps):   # the steps in blocks of about `piece` tokens
-        block.append(step)
-        if i + 1 < len(plan.steps) and step[1] - block[0][0] < piece:
-            continue
-        lo, hi = block[0][0], step[1]
-        decay, states = _discretized(xs[lo:hi], dts[lo:hi], A, Bs[lo:hi])
-        for first, end, places, parts in block:   # states: the inputs, then each token's state
-            at = slice(first - lo, end - lo)
-            state[:end - first] = torch.addcmul(states[at], decay[at], state[:end - first], out=states[at])
-            if places is not None:
-                after.index_copy_(0, parts, state.index_select(0, places))
-        y[lo:hi] = torch.einsum("tcn,tn->tc", states, Cs[lo:hi].float())
-        block = []
-    return y.index_select(0, plan.unpad) + D.float() * x.float(), after
+    outs, after = [], []
+    for s in range(pieces.num_seqs):
+        state = ssm[s]
+        for p in range(pieces.first_part[s], pieces.first_part[s + 1]):
+            at = slice(pieces.part_starts[p], pieces.part_starts[p + 1])
+            y, state = recurrence(x[at], dt[at], A, B[at], C[at], D, state, piece)
+            outs.append(y)
+            after.append(state)
+    return torch.cat(outs), torch.stack(after)
 
 
 def _discretized(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor

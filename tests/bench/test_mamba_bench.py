@@ -68,6 +68,7 @@ def test_a_linear_attention_or_ssd_layer_times_the_torch_form_and_the_kernels(ca
                                          (("--lightning", "--lightning-heads", "0"), "--lightning-heads"),
                                          (("--mixed-step", "--decodes", "0"), "--decodes"),
                                          (("--mixed-step", "--prefills", "0"), "--prefills"),
+                                         (("--pieces", "0"), "--pieces"),
                                          (("--mixed-step", "--tokens", "1"), "--tokens"),
                                          (("--mixed-step", "--k-heads", "3", "--v-heads", "4"), "--v-heads")])
 def test_bad_layer_shapes_are_named(argv, option):
@@ -102,3 +103,15 @@ def test_a_step_of_several_prefill_chunks_times_them_at_once_against_one_by_one(
     assert row["chunks_speedup"] == pytest.approx(row["chunks_one_by_one_ms"] / row["step_ms"])
     assert row["max_rel_diff"] < 1e-5
 
+
+
+def test_mamba_1_pieces_time_one_by_one_against_at_once(capsys):
+    """`--pieces 3`: three sequences through a Mamba-1 layer's scan one by one and at once, outputs equal."""
+    args = _parse("--pieces", "3", "--channels", "16", "--d-state", "4", "--device", "cpu", "--dtype", "float32",
+                  "--tokens", "5,40", "--repeats", "1", "--json")
+    assert mamba.run(args) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["tokens"], r["pieces"]) for r in rows] == [(5, 3), (40, 3)]
+    for row in rows:
+        assert row["speedup"] == pytest.approx(row["one_by_one_ms"] / row["at_once_ms"])
+        assert row["max_rel_diff"] < 1e-5

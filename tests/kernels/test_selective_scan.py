@@ -99,12 +99,10 @@ def test_on_cuda_the_kernel_scans_a_jamba_layer_as_the_recurrence():
     torch.testing.assert_close(state, ref_state, atol=1e-3, rtol=1e-3)
 
 
-@pytest.mark.parametrize("piece, with_triton", [(256, False), (7, False), (None, True)], ids=["torch", "torch-small",
-                                                                                            "triton"])
-def test_several_sequences_in_parts_at_once_give_each_part_alone(piece, with_triton):
-    """`scan_pieces` (in torch the t-th tokens of all sequences stepped together, their decays made for `piece` tokens
-    of steps at once; the Triton kernel a program per sequence): outputs and the state after every part as the
-    recurrence gives them part after part (test_gated_delta's layout)."""
+@pytest.mark.parametrize("with_triton", [False, True], ids=["torch", "triton"])
+def test_several_sequences_in_parts_give_each_part_alone(with_triton):
+    """`scan_pieces` (the Triton kernel at once, a program per sequence; torch part after part): outputs and the
+    state after every part as the recurrence gives them part after part (test_gated_delta's layout)."""
     from kernels.pieces import Pieces
     from tests.kernels.test_gated_delta import PARTS, SEQ_PARTS, _each_part_alone
 
@@ -115,8 +113,8 @@ def test_several_sequences_in_parts_at_once_give_each_part_alone(piece, with_tri
         triton_selective_scan = pytest.importorskip("kernels.triton_selective_scan")
         y, after = triton_selective_scan.scan_pieces(x, dt, A, B, C, D, ssm, pieces)
     else:
-        y, after = selective_scan.recurrence_pieces(x, dt, A, B, C, D, ssm, pieces, piece)
+        y, after = selective_scan.scan_pieces(x, dt, A, B, C, D, ssm, pieces)
     ref, ref_after = _each_part_alone(pieces, ssm, lambda at, state: selective_scan.recurrence(
-        x[at], dt[at], A, B[at], C[at], D, state))
+        x[at], dt[at], A, B[at], C[at], D, state, 16))
     torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(after, ref_after, atol=1e-5, rtol=1e-5)
