@@ -78,7 +78,7 @@ def scan_pieces(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Ten
     each sequence's in parts): `scan`'s per-token tensors over all of them, ssm [num_seqs, channels, d_state] -> (y
     [num_tokens, channels] float32, the state after each part [num_parts, channels, d_state]). On CUDA the Triton
     kernel's one launch; in torch part after part (stepping the sequences' t-th tokens together made a CPU's blocks of
-    decays wider than its cache: 0.6-0.9x at Jamba's shape, 2026-12-07)."""
+    decays wider than its cache: 0.6-0.9x the speed at Jamba's shape, 2026-12-07)."""
     if x.is_cuda:
         from kernels.triton_selective_scan import scan_pieces as triton_pieces
 
