@@ -75,6 +75,11 @@ class ShortConvMixer(StateMixer):
     def chunk(self, x, extras, ssm):
         return x, ssm
 
+    scans_pieces = True   # a step's chunks through one convolution (`StateMixer.convolve_pieces`)
+
+    def chunk_pieces(self, x, extras, ssm, pieces):
+        return x, ssm.new_empty(pieces.num_parts, *ssm.shape[1:])   # no recurrence: its state is empty
+
 
 class Lfm2Layer(MixerLayerForward, DecoderLayer):
     """LFM2's layer: the Llama layer whose token mixer is attention (`self_attn`) or a short convolution (`conv`)."""

@@ -344,21 +344,22 @@ def assert_split_step_is_each_sequence_alone(run_layer, make_states, held_by, ru
 
 
 @pytest.mark.parametrize("arch, pass_bytes", [("qwen3_5", None), ("granitemoehybrid", None), ("minimax", None),
-                                              ("jamba", None), ("qwen3_5", 1)],
-                         ids=["qwen3_5", "granite4_h", "minimax", "jamba", "qwen3_5-a-row-a-pass"])
+                                              ("jamba", None), ("lfm2", None), ("qwen3_5", 1)],
+                         ids=["qwen3_5", "granite4_h", "minimax", "jamba", "lfm2", "qwen3_5-a-row-a-pass"])
 def test_a_steps_one_token_pieces_run_batched_beside_its_prefills_as_each_sequence_alone(
         tmp_path, builtin_path, monkeypatch, arch, pass_bytes):
     """The one-token pieces of a step (`SPLIT_*`) run as one batched step beside its chunks
     (`RecurrentStates.split`), whatever their places in the batch, and its chunks as one scan
     (`RecurrentStates.pieces`); outputs, states and snapshots equal each sequence's run alone, a chunk in parts one
-    by one (Gated DeltaNet's, Mamba-2's, lightning attention's and Mamba-1's layers; a CPU's batched step a row a
-    pass, and its chunks a sequence a group, where a row's state fills its `CPU_PASS_BYTES`)."""
+    by one (Gated DeltaNet's, Mamba-2's, lightning attention's, Mamba-1's and LFM2's layers; a CPU's batched step a
+    row a pass, and its chunks a sequence a group, where a row's state fills its `CPU_PASS_BYTES`)."""
     from engine.layers.gated_delta_net import RecurrentStates, StateMixer
     from tests.engine.test_engine_vs_hf import GRANITE4_H, JAMBA, MINIMAX
 
     if pass_bytes is not None:
         monkeypatch.setattr("engine.layers.gated_delta_net.CPU_PASS_BYTES", pass_bytes)
-    sizes = {"qwen3_5": QWEN3_5, "minimax": MINIMAX, "granitemoehybrid": GRANITE4_H, "jamba": JAMBA}[arch]
+    lfm2 = {"num_hidden_layers": 3, "full_attn_idxs": [2], "conv_bias": True, "conv_L_cache": 4}
+    sizes = {"qwen3_5": QWEN3_5, "minimax": MINIMAX, "granitemoehybrid": GRANITE4_H, "jamba": JAMBA, "lfm2": lfm2}[arch]
     folder = make_tiny_model(tmp_path, arch, builtin_path, **sizes)
     model = _engine(folder).model.requires_grad_(False)   # as served: no autograd (Mamba-1's scan writes in place)
     mixer = next(m for m in model.modules() if isinstance(m, StateMixer))
