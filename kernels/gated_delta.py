@@ -125,10 +125,10 @@ def chunked_pieces(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     sequence, each sequence's in parts): `chunked`'s per-token tensors over all of them, ssm [num_seqs, num_v_heads,
     k_head_dim, v_head_dim] -> (out [num_tokens, num_v_heads, v_head_dim] float32, the state after each part
     [num_parts, ...]). What `chunked` per part gives, in as many sequential steps as the longest sequence has chunks
-    (the torch form; on CUDA two launches in all). A decay per channel (g [num_tokens, heads, k_head_dim]) runs part
-    after part."""
+    (the torch form; on CUDA two launches in all). A decay per channel (g [num_tokens, heads, k_head_dim]):
+    `chunked_per_channel_pieces`, in torch on any device."""
     if g.dim() == 3:
-        return _parts_one_by_one(q, k, v, g, beta, ssm, pieces, chunk)
+        return chunked_per_channel_pieces(q, k, v, g, beta, ssm, pieces, chunk)
     if v.is_cuda:
         from kernels.triton_gated_delta import chunked_pieces as triton_pieces
 
@@ -160,19 +160,6 @@ def chunked_pieces_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
         if places is not None:
             after.index_copy_(0, parts, state.index_select(0, places))
     return out.transpose(1, 2).flatten(0, 1).index_select(0, plan.unpad), after
-
-
-def _parts_one_by_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                      ssm: torch.Tensor, pieces: Pieces, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    outs, after = [], []
-    for s in range(pieces.num_seqs):
-        state = ssm[s]
-        for p in range(pieces.first_part[s], pieces.first_part[s + 1]):
-            span = slice(pieces.part_starts[p], pieces.part_starts[p + 1])
-            out, state = chunked(q[span], k[span], v[span], g[span], beta[span], state, chunk)
-            outs.append(out)
-            after.append(state)
-    return torch.cat(outs), torch.stack(after)
 
 
 def chunked_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -215,6 +202,49 @@ def _wy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
     return u, w, scores, q_decayed, k_to_end, chunk_decay
 
 
+def _per_channel_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor,
+                       state: torch.Tensor, later: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk of each of any leading dimensions (q, k, v, decay [..., chunk, dim], decay summed from the chunk's
+    start; beta [..., chunk]; state [..., k_head_dim, v_head_dim]; later: [chunk, chunk, 1], j > i) -> (its outputs,
+    the state after it)."""
+    pair = (decay.unsqueeze(-2) - decay.unsqueeze(-3)).masked_fill(later, float("-inf")).exp()   # [..., i, j, c]
+    k_beta = k * beta.unsqueeze(-1)
+    system = (k_beta.unsqueeze(-2) * k.unsqueeze(-3) * pair).sum(-1)         # strictly lower part: the WY system
+    u = torch.linalg.solve_triangular(system, v * beta.unsqueeze(-1), upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, k_beta * decay.exp(), upper=False, unitriangular=True)
+    scores = (q.unsqueeze(-2) * k.unsqueeze(-3) * pair).sum(-1)             # within the chunk, causal
+    new = u - w @ state                                                      # what the state does not predict
+    out = (q * decay.exp()) @ state + scores @ new
+    last = decay[..., -1:, :]                                                # [..., 1, k_head_dim]
+    return out, state * last.exp().transpose(-1, -2) + (k * (last - decay).exp()).transpose(-1, -2) @ new
+
+
+def chunked_per_channel_pieces(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                               ssm: torch.Tensor, pieces: Pieces, chunk: int = CHUNK
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`chunked_pieces` with a decay per key channel: the sequences' j-th chunks together (`kernels.pieces.TorchPlan`),
+    each step's [sequences, heads, chunk, chunk, k_head_dim] weights made at once (a caller bounds the sequences)."""
+    if pieces.num_parts == 1:
+        out, after = chunked_per_channel(q, k, v, g, beta, ssm[0], chunk)
+        return out, after.unsqueeze(0)
+    plan = pieces.torch_plan(chunk, v.device)
+    q, k = _prepare(q, k, v.shape[-2])
+    # [tiles, heads, chunk, dim]; padded tokens have g = 0 and beta = 0: they change nothing
+    q, k, v, g, beta = (tiles(t.float(), plan, chunk) for t in (q, k, v, g, beta))
+    decays = g.cumsum(-2)                                                    # per channel, from the chunk's start
+    later = ~torch.ones(chunk, chunk, dtype=torch.bool, device=v.device).tril().unsqueeze(-1)
+    state = ssm.float().index_select(0, plan.order)                          # sequences by their chunks
+    after = state.new_empty(pieces.num_parts, *state.shape[1:])
+    out = torch.empty_like(v)
+    for first, end, places, parts in plan.steps:   # the sequences' j-th chunks: tiles first .. end - 1
+        at = slice(first, end)
+        out[at], state[:end - first] = _per_channel_chunk(q[at], k[at], v[at], decays[at], beta[at],
+                                                          state[:end - first], later)
+        if places is not None:
+            after.index_copy_(0, parts, state.index_select(0, places))
+    return out.transpose(1, 2).flatten(0, 1).index_select(0, plan.unpad), after
+
+
 def chunked_per_channel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                         ssm: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
     """`chunked` with a decay per key channel (Kimi Delta Attention's): g [num_tokens, num_v_heads, k_head_dim].
@@ -233,15 +263,5 @@ def chunked_per_channel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     out = torch.empty_like(v)
     state = ssm.float()
     for i in range(v.shape[1]):
-        decay, k_i, q_i = decays[:, i], k[:, i], q[:, i]                     # [heads, chunk, k_head_dim]
-        pair = (decay.unsqueeze(-2) - decay.unsqueeze(-3)).masked_fill(later, float("-inf")).exp()   # [h, i, j, c]
-        k_beta = k_i * beta[:, i].unsqueeze(-1)
-        system = (k_beta.unsqueeze(-2) * k_i.unsqueeze(-3) * pair).sum(-1)   # strictly lower part: the WY system
-        u = torch.linalg.solve_triangular(system, v[:, i] * beta[:, i].unsqueeze(-1), upper=False, unitriangular=True)
-        w = torch.linalg.solve_triangular(system, k_beta * decay.exp(), upper=False, unitriangular=True)
-        scores = (q_i.unsqueeze(-2) * k_i.unsqueeze(-3) * pair).sum(-1)     # within the chunk, causal
-        new = u - w @ state                                                  # what the state does not predict
-        out[:, i] = (q_i * decay.exp()) @ state + scores @ new
-        last = decay[:, -1:]                                                 # [heads, 1, k_head_dim]
-        state = state * last.exp().transpose(-1, -2) + (k_i * (last - decay).exp()).transpose(-1, -2) @ new
+        out[:, i], state = _per_channel_chunk(q[:, i], k[:, i], v[:, i], decays[:, i], beta[:, i], state, later)
     return out.flatten(1, 2)[:, :num_tokens].transpose(0, 1), state

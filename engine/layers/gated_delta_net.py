@@ -174,11 +174,18 @@ class StepPieces:
     def __init__(self, pieces: Pieces, ints: dict[str, list[int]], device: torch.device) -> None:
         self.pieces, self._ints, self.device = pieces, ints, device
         self._tensors: dict[str, torch.Tensor] | None = None
+        self.limits = (pieces.num_tokens, pieces.num_seqs)
         self.groups = [(slice(0, pieces.num_tokens), slice(0, pieces.num_seqs), pieces)]
 
     def group(self, limits: tuple[int, int]) -> None:
         """Scan the pieces in groups of consecutive sequences within `limits` (tokens, sequences; `_pieces_a_pass`)."""
-        self.groups = self.pieces.groups(*limits)
+        self.limits, self.groups = limits, self.pieces.groups(*limits)
+
+    def groups_of(self, max_seqs: int | None) -> list[tuple[slice, slice, Pieces]]:
+        """The groups, of at most `max_seqs` sequences where given (a mixer's `pieces_at_once`)."""
+        if max_seqs is None:
+            return self.groups
+        return self.pieces.groups(self.limits[0], min(self.limits[1], max_seqs))
 
     @property
     def batched(self) -> bool:
@@ -285,6 +292,7 @@ class StateMixer(nn.Module):
     layer: int
     conv_silu = True   # SiLU after the convolution (LFM2's short convolutions: none)
     scans_pieces = False   # a step's longer pieces through `convolve_pieces` and `chunk_pieces` at once
+    pieces_at_once: int | None = None   # at most this many sequences a scan (its temporaries grow with them)
 
     def step(self, x: torch.Tensor, extras: tuple[torch.Tensor, ...], ssm: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -357,7 +365,7 @@ class StateMixer(nn.Module):
         conv, ssm = states.conv[self.layer], states.ssm[self.layer]
         conv_start, ssm_start = conv.index_select(0, at["held"]), ssm.index_select(0, at["held"])
         outs, conv_after, ssm_after = [], [], []
-        for tokens, seqs, pieces in step.groups:   # all at once on a GPU; on a CPU a cache's worth at a time
+        for tokens, seqs, pieces in step.groups_of(self.pieces_at_once):   # on a CPU a cache's worth at a time
             x, conv_part = self.convolve_pieces(mixed[tokens], conv_start[seqs], pieces)
             out, ssm_part = self.chunk_pieces(x, tuple(e[tokens] for e in extras), ssm_start[seqs], pieces)
             outs.append(out)

@@ -104,6 +104,13 @@ class KimiDeltaAttention(StateMixer):
     def chunk(self, x, extras, ssm):
         return gated_delta.chunked(*self._split(x), *extras, ssm)
 
+    # a step's chunks four sequences a scan: a chunk's per-channel weights are [heads, chunk, chunk, head_dim] float32
+    # a sequence (64 MiB at Kimi Linear's 32 heads of 128), made for all of a scan's sequences at once
+    scans_pieces, pieces_at_once = True, 4
+
+    def chunk_pieces(self, x, extras, ssm, pieces):
+        return gated_delta.chunked_pieces(*self._split(x), *extras, ssm, pieces)
+
 
 class KimiLinearLayer(MixerLayerForward, DecoderLayer):
     """A pre-norm layer whose token mixer is latent attention (`self_attn`) or Kimi Delta Attention

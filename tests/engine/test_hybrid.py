@@ -344,25 +344,30 @@ def assert_split_step_is_each_sequence_alone(run_layer, make_states, held_by, ru
 
 
 @pytest.mark.parametrize("arch, pass_bytes", [("qwen3_5", None), ("granitemoehybrid", None), ("minimax", None),
-                                              ("jamba", None), ("lfm2", None), ("qwen3_5", 1)],
-                         ids=["qwen3_5", "granite4_h", "minimax", "jamba", "lfm2", "qwen3_5-a-row-a-pass"])
+                                              ("jamba", None), ("lfm2", None), ("kimi_linear", None), ("qwen3_5", 1)],
+                         ids=["qwen3_5", "granite4_h", "minimax", "jamba", "lfm2", "kimi_linear",
+                              "qwen3_5-a-row-a-pass"])
 def test_a_steps_one_token_pieces_run_batched_beside_its_prefills_as_each_sequence_alone(
         tmp_path, builtin_path, monkeypatch, arch, pass_bytes):
     """The one-token pieces of a step (`SPLIT_*`) run as one batched step beside its chunks
     (`RecurrentStates.split`), whatever their places in the batch, and its chunks as one scan
     (`RecurrentStates.pieces`); outputs, states and snapshots equal each sequence's run alone, a chunk in parts one
-    by one (Gated DeltaNet's, Mamba-2's, lightning attention's, Mamba-1's and LFM2's layers; a CPU's batched step a
-    row a pass, and its chunks a sequence a group, where a row's state fills its `CPU_PASS_BYTES`)."""
+    by one (Gated DeltaNet's, Mamba-2's, lightning attention's, Mamba-1's, LFM2's and KDA's layers, KDA's two
+    sequences a scan; a CPU's batched step a row a pass, and its chunks a sequence a group, where a row's state fills
+    its `CPU_PASS_BYTES`)."""
     from engine.layers.gated_delta_net import RecurrentStates, StateMixer
-    from tests.engine.test_engine_vs_hf import GRANITE4_H, JAMBA, MINIMAX
+    from tests.engine.test_engine_vs_hf import GRANITE4_H, JAMBA, MINIMAX, TINY_MODELS
 
     if pass_bytes is not None:
         monkeypatch.setattr("engine.layers.gated_delta_net.CPU_PASS_BYTES", pass_bytes)
-    lfm2 = {"num_hidden_layers": 3, "full_attn_idxs": [2], "conv_bias": True, "conv_L_cache": 4}
-    sizes = {"qwen3_5": QWEN3_5, "minimax": MINIMAX, "granitemoehybrid": GRANITE4_H, "jamba": JAMBA, "lfm2": lfm2}[arch]
+    sizes = {"qwen3_5": QWEN3_5, "minimax": MINIMAX, "granitemoehybrid": GRANITE4_H, "jamba": JAMBA,
+             "lfm2": {"num_hidden_layers": 3, "full_attn_idxs": [2], "conv_bias": True, "conv_L_cache": 4},
+             "kimi_linear": next(o for a, o in TINY_MODELS if a == "kimi_linear")}[arch]
     folder = make_tiny_model(tmp_path, arch, builtin_path, **sizes)
     model = _engine(folder).model.requires_grad_(False)   # as served: no autograd (Mamba-1's scan writes in place)
     mixer = next(m for m in model.modules() if isinstance(m, StateMixer))
+    if mixer.pieces_at_once is not None:   # Kimi Delta Attention's cap: the step's three chunks in two scans
+        monkeypatch.setattr(type(mixer), "pieces_at_once", 2)
     gen = torch.Generator().manual_seed(3)
     hidden = torch.randn(sum(SPLIT_QUERY_LENS), model.config.hidden_size, generator=gen)
     shape = RecurrentStates(model.state_shape(), len(model.state_index), torch.float32, torch.device("cpu"),

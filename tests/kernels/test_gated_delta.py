@@ -118,3 +118,19 @@ def test_a_pieces_layout_without_a_token_in_a_part_or_a_part_in_a_sequence_is_re
     for part_lens, seq_parts in (([3, 0], [2]), ([3, 4], [2, 0]), ([3, 4], [1]), ([], [])):
         with pytest.raises(ValueError, match="^pieces: "):
             Pieces(part_lens, seq_parts)
+
+
+def test_a_decay_per_channel_in_parts_at_once_gives_each_part_alone():
+    """`chunked_pieces` with Kimi Delta Attention's decay per key channel (`chunked_per_channel_pieces`: the
+    sequences' j-th chunks together): outputs and the state after every part as `chunked_per_channel` part by part."""
+    from kernels.pieces import Pieces
+
+    pieces = Pieces(PARTS, SEQ_PARTS)
+    q, k, v, _, beta, _ = _make_inputs(pieces.num_tokens, num_k_heads=4, seed=7)
+    g = -torch.rand(pieces.num_tokens, 4, 8, generator=torch.Generator().manual_seed(8)) * 0.5
+    ssm = torch.randn(pieces.num_seqs, 4, 8, 16, generator=torch.Generator().manual_seed(9))
+    out, after = gated_delta.chunked_pieces(q, k, v, g, beta, ssm, pieces)
+    ref, ref_after = _each_part_alone(pieces, ssm, lambda at, state: gated_delta.chunked_per_channel(
+        q[at], k[at], v[at], g[at], beta[at], state))
+    torch.testing.assert_close(out, ref, atol=3e-5, rtol=3e-5)
+    torch.testing.assert_close(after, ref_after, atol=3e-5, rtol=3e-5)
