@@ -16,6 +16,9 @@ For each token t (q and k L2-normed, q scaled by k_head_dim ** -0.5; g <= 0 the 
 in chunks of 64 (prefill): within a chunk the updates are condensed into triangular solves and matrix
 products (the WY form of the delta rule), so a prompt costs T / 64 sequential steps, not T. On CUDA `chunked` is
 `kernels.triton_gated_delta`'s two launches (a decay a head; Kimi's decay per channel stays in torch).
+`chunked_pieces` runs several sequences' new tokens at once, each from its own state and in parts
+(`kernels.pieces`): a step's prefill chunks in as many sequential steps as the longest has chunks (on CUDA the same
+two launches), and `causal_conv_pieces` their convolution.
 """
 
 from __future__ import annotations
@@ -145,7 +148,6 @@ def chunked_pieces_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
         return out, after.unsqueeze(0)
     plan = pieces.torch_plan(chunk, v.device)
     q, k = _prepare(q, k, v.shape[-2])
-
     v = tiles(v.float(), plan, chunk)   # padded tokens have g = 0 and beta = 0: they change nothing
     u, w, scores, q_decayed, k_to_end, chunk_decay = _wy(*(tiles(t, plan, chunk) for t in (q, k)), v,
                                                          *(tiles(t.float(), plan, chunk) for t in (g, beta)))
