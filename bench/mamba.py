@@ -118,7 +118,7 @@ def _mamba1_pieces(args: argparse.Namespace, lengths: list[int], device: torch.d
     (`scan_pieces` in the engine's groups, `StepPieces.group`: on CUDA one launch; in torch part after part, so on a
     CPU this times the engine's bookkeeping around the scan); the largest difference of their outputs (exit 1 past
     1e-4, relative)."""
-    from engine.layers.gated_delta_net import _pieces_a_pass
+    from engine.layers.gated_delta_net import pieces_a_pass
     from kernels import selective_scan
     from kernels.pieces import Pieces
 
@@ -130,7 +130,7 @@ def _mamba1_pieces(args: argparse.Namespace, lengths: list[int], device: torch.d
         ssm = torch.randn(args.pieces, args.channels, args.d_state, device=device)
         pieces, spans = Pieces.whole([tokens] * args.pieces), [slice(i * tokens, (i + 1) * tokens)
                                                                for i in range(args.pieces)]
-        groups = pieces.groups(*_pieces_a_pass(ssm[0], device))
+        groups = pieces.groups(*pieces_a_pass(ssm, device))
 
         def one_by_one():
             return torch.cat([selective_scan.scan(x[at], dt[at], A, B[at], C[at], D, ssm[i])[0]

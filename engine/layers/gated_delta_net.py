@@ -127,7 +127,7 @@ class RecurrentStates:
         self.split = StepSplit.of(meta.query_lens_list, self.device)
         self.pieces = StepPieces.of(meta, self.saves, self.zero_row, self.device)
         if self.pieces is not None:
-            self.pieces.group(_pieces_a_pass(self.ssm[0], self.device))
+            self.pieces.group(pieces_a_pass(self.ssm[0], self.device))
         if self.extra is not None:   # the same split for the states beside these
             self.extra.split = self.split
 
@@ -178,7 +178,7 @@ class StepPieces:
         self.groups = [(slice(0, pieces.num_tokens), slice(0, pieces.num_seqs), pieces)]
 
     def group(self, limits: tuple[int, int]) -> None:
-        """Scan the pieces in groups of consecutive sequences within `limits` (tokens, sequences; `_pieces_a_pass`)."""
+        """Scan the pieces in groups of consecutive sequences within `limits` (tokens, sequences; `pieces_a_pass`)."""
         self.limits, self.groups = limits, self.pieces.groups(*limits)
 
     def groups_of(self, max_seqs: int | None) -> list[tuple[slice, slice, Pieces]]:
@@ -239,7 +239,7 @@ CPU_PASS_BYTES = 2 << 20   # a batched step's states at once on a CPU (a core's 
 CPU_PIECE_TOKENS = 512
 
 
-def _pieces_a_pass(ssm: torch.Tensor, device: torch.device) -> tuple[int, int]:
+def pieces_a_pass(ssm: torch.Tensor, device: torch.device) -> tuple[int, int]:
     """How many tokens and sequences a scan of the longer pieces takes at once: all on a GPU (two launches a layer);
     on a CPU up to `CPU_PIECE_TOKENS` tokens and `CPU_PASS_BYTES` of states (at least a sequence)."""
     if device.type != "cpu":
