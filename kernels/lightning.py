@@ -11,7 +11,8 @@ and v already through SiLU, q unscaled, no softmax):
 `recurrent_step` runs one token of many sequences at once (decode). `chunked` runs one sequence's new tokens in
 blocks (prefill): within a block the outputs are a masked product, exp(-s (i - j)) (q_i . k_j) v_j over j <= i, plus
 what the state held at the block's start, decayed to each token; the state moves once a block. A prompt costs
-T / block sequential steps, not T (on CUDA one Triton launch, `kernels.triton_lightning`).
+T / block sequential steps, not T (on CUDA one Triton launch, `kernels.triton_lightning`); `chunked_pieces` runs
+several sequences' at once, each from its own state (`kernels.pieces`).
 """
 
 from __future__ import annotations

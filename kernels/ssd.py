@@ -10,7 +10,7 @@ softplus(dt_raw + dt_bias) (clamped to the config's limits) and A_h = -exp(A_log
 B and C are shared by the heads of a group (`n_groups` of them). `step` runs one token of many sequences at once
 (decode); `chunked` one sequence's new tokens in chunks (prefill): within a chunk the outputs are a masked,
 decayed product of C and B (like attention), and the state passes from chunk to chunk (on CUDA in one Triton
-launch, `kernels.triton_ssd`).
+launch, `kernels.triton_ssd`); `chunked_pieces` several sequences' at once, each from its own state (`kernels.pieces`).
 """
 
 from __future__ import annotations
