@@ -297,9 +297,9 @@ def _mixed_step(args: argparse.Namespace, lengths: list[int], device: torch.devi
     `--prefills` prefill chunks of each length (resuming from states) then `--decodes` one-token pieces: its `scan`
     over the step (`step`: the one-token pieces as one batched step, `RecurrentStates.split`, the chunks as one scan,
     `RecurrentStates.pieces`) against the same step with the chunks scanned one by one (`chunks_one_by_one`: the
-    layer's path before its chunks were batched, 2026-12-07) and against each sequence's `scan` alone, one after another (`alone`: as it ran a step
-    with a prefill in it until 2026-12-07, every decode on its own); the projections around the scan left out; the
-    largest difference of their outputs (exit 1 past 1e-3)."""
+    layer's path before its chunks were batched, 2026-12-07) and against each sequence's `scan` alone, one after
+    another (`alone`: as it ran a step with a prefill in it until 2026-12-07, every decode on its own); the
+    projections around the scan left out; the largest difference of their outputs (exit 1 past 1e-3)."""
     from engine.gated_delta_config import GatedDeltaShape
     from engine.layers.gated_delta_net import GatedDeltaNet
 
@@ -324,6 +324,8 @@ def _mixed_step(args: argparse.Namespace, lengths: list[int], device: torch.devi
 
 
 def _time_mixed_step(args: argparse.Namespace, layer, tokens: int, device: torch.device, dtype: torch.dtype) -> dict:
+    """One row of `--mixed-step`: the three ways over the same step from the same random states, each timed and its
+    torch operators counted."""
     from bench.hostcost import OpCounter
     from engine.layers.gated_delta_net import RecurrentStates
 
