@@ -57,14 +57,25 @@ def causal_conv_pieces(x: torch.Tensor, weight: torch.Tensor, states: torch.Tens
     if pieces.num_parts == 1:
         out, after = causal_conv(x, weight, states[0], bias, silu)
         return out, after.unsqueeze(0)
-    table = pieces.conv_table(weight.shape[1], x.device)
+    out, after = windows_pieces(x, states, pieces, lambda window: F.conv1d(window, weight.unsqueeze(1), bias,
+                                                                           groups=weight.shape[0]))
+    return F.silu(out) if silu else out, after
+
+
+def windows_pieces(x: torch.Tensor, states: torch.Tensor, pieces: Pieces, convolve
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Several sequences' new inputs x [num_tokens, channels] (`kernels.pieces`' layout) through `convolve` (a
+    window [1, channels, length] -> [1, channels, length - held], causal and unpadded: one convolution or a stack of
+    them), each from its state [channels, held] (`states`: [num_seqs, ...]), as one call over a flat window (each
+    sequence's state columns, then its inputs) -> (the outputs [num_tokens, channels], the state after each part
+    [num_parts, channels, held], in x's dtype)."""
+    held = states.shape[-1]
+    table = pieces.conv_table(held + 1, x.device)
     flat = x.new_empty(x.shape[1], table.length)                            # [channels, the flat window]
     flat.index_copy_(1, table.tokens, x.t())
     flat.index_copy_(1, table.states, states.to(x.dtype).transpose(0, 1).flatten(1))
-    out = F.conv1d(flat.unsqueeze(0), weight.unsqueeze(1), bias, groups=weight.shape[0])[0]
-    out = out.index_select(1, table.outputs).t()
-    after = flat.index_select(1, table.after).unflatten(1, (-1, weight.shape[1] - 1)).transpose(0, 1)
-    return F.silu(out) if silu else out, after
+    out = convolve(flat.unsqueeze(0))[0].index_select(1, table.outputs).t()
+    return out, flat.index_select(1, table.after).unflatten(1, (-1, held)).transpose(0, 1)
 
 
 def causal_conv_step(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, bias: torch.Tensor | None = None,

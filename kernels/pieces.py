@@ -153,6 +153,18 @@ class Pieces:
         return TorchPlan(to_device(unpad, torch.int64, device), tile, to_device(tile_lens, torch.float32, device),
                          to_device(order, torch.int64, device), steps)
 
+    def previous_table(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """For a state that is the previous token's value: each token's previous one among [the sequences' states,
+        then the tokens] (a sequence's first token reads its state), and each part's last token."""
+        key = ("previous", device)
+        if key not in self._cache:
+            previous = torch.arange(self.num_tokens) + self.num_seqs - 1
+            previous[[self.part_starts[p] for p in self.first_part[:-1]]] = torch.arange(self.num_seqs)
+            last = torch.tensor(self.part_starts[1:]) - 1
+            flat = to_device_tensor(torch.cat([previous, last]), device)
+            self._cache[key] = flat[:self.num_tokens], flat[self.num_tokens:]
+        return self._cache[key]
+
     def conv_table(self, kernel: int, device: torch.device) -> ConvTable:
         key = ("conv", kernel, device)
         if key not in self._cache:

@@ -33,7 +33,8 @@ from engine.models.hybrid import StatefulForCausalLM
 from engine.models.qwen3_moe import SparseMoeBlock
 from engine.parallel import Collectives, ShardShape
 from engine.zaya_config import CcaShape
-from kernels import AttentionMetadata, fused
+from kernels import AttentionMetadata, fused, gated_delta
+from kernels.pieces import Pieces
 from kernels.qsa import turn_part
 
 __all__ = ["CcaAttention", "ZayaForCausalLM"]
@@ -71,6 +72,21 @@ class CcaMixer(StateMixer):
         delayed = extras[0]
         previous = torch.cat([ssm.to(x.dtype)[None], delayed[:-1]])
         return torch.cat([x, previous], dim=-1), delayed[-1].float()
+
+    scans_pieces = True
+
+    def convolve_pieces(self, x: torch.Tensor, conv: torch.Tensor, pieces: Pieces
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Several sequences' inputs through both convolutions as one call over a flat window."""
+        return gated_delta.windows_pieces(x, conv, pieces, self._convolve)
+
+    def chunk_pieces(self, x, extras, ssm, pieces):
+        """Each token beside the previous token's delayed value (a sequence's first beside its state); the state after
+        each part its last token's."""
+        delayed = extras[0]
+        previous, last = pieces.previous_table(x.device)
+        held = torch.cat([ssm.to(x.dtype), delayed]).index_select(0, previous)
+        return torch.cat([x, held], dim=-1), delayed.index_select(0, last).float()
 
 
 class CcaAttention(Attention):

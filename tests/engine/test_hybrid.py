@@ -344,15 +344,16 @@ def assert_split_step_is_each_sequence_alone(run_layer, make_states, held_by, ru
 
 
 @pytest.mark.parametrize("arch, pass_bytes", [("qwen3_5", None), ("granitemoehybrid", None), ("minimax", None),
-                                              ("jamba", None), ("lfm2", None), ("kimi_linear", None), ("qwen3_5", 1)],
-                         ids=["qwen3_5", "granite4_h", "minimax", "jamba", "lfm2", "kimi_linear",
+                                              ("jamba", None), ("lfm2", None), ("kimi_linear", None), ("zaya", None),
+                                              ("qwen3_5", 1)],
+                         ids=["qwen3_5", "granite4_h", "minimax", "jamba", "lfm2", "kimi_linear", "zaya",
                               "qwen3_5-a-row-a-pass"])
 def test_a_steps_one_token_pieces_run_batched_beside_its_prefills_as_each_sequence_alone(
         tmp_path, builtin_path, monkeypatch, arch, pass_bytes):
     """The one-token pieces of a step (`SPLIT_*`) run as one batched step beside its chunks
     (`RecurrentStates.split`), whatever their places in the batch, and its chunks as one scan
     (`RecurrentStates.pieces`); outputs, states and snapshots equal each sequence's run alone, a chunk in parts one
-    by one (Gated DeltaNet's, Mamba-2's, lightning attention's, Mamba-1's, LFM2's and KDA's layers, KDA's two
+    by one (Gated DeltaNet's, Mamba-2's, lightning attention's, Mamba-1's, LFM2's, KDA's and CCA's layers, KDA's two
     sequences a scan; a CPU's batched step a row a pass, and its chunks a sequence a group, where a row's state fills
     its `CPU_PASS_BYTES`)."""
     from engine.layers.gated_delta_net import RecurrentStates, StateMixer
@@ -362,7 +363,8 @@ def test_a_steps_one_token_pieces_run_batched_beside_its_prefills_as_each_sequen
         monkeypatch.setattr("engine.layers.gated_delta_net.CPU_PASS_BYTES", pass_bytes)
     sizes = {"qwen3_5": QWEN3_5, "minimax": MINIMAX, "granitemoehybrid": GRANITE4_H, "jamba": JAMBA,
              "lfm2": {"num_hidden_layers": 3, "full_attn_idxs": [2], "conv_bias": True, "conv_L_cache": 4},
-             "kimi_linear": next(o for a, o in TINY_MODELS if a == "kimi_linear")}[arch]
+             "kimi_linear": next(o for a, o in TINY_MODELS if a == "kimi_linear"),
+             "zaya": next(o for a, o in TINY_MODELS if a == "zaya")}[arch]
     folder = make_tiny_model(tmp_path, arch, builtin_path, **sizes)
     model = _engine(folder).model.requires_grad_(False)   # as served: no autograd (Mamba-1's scan writes in place)
     mixer = next(m for m in model.modules() if isinstance(m, StateMixer))
@@ -385,14 +387,24 @@ def test_a_steps_one_token_pieces_run_batched_beside_its_prefills_as_each_sequen
             held[states.zero_row] = 0
         return states
 
+    def run(tokens, meta, states):   # a layer; ZAYA1's CCA state (no forward of its own) through its scan
+        if type(mixer).forward is not torch.nn.Module.forward:
+            return mixer(hidden[tokens], meta, states)
+        return mixer.scan(inputs[0][tokens], (inputs[1][tokens],), meta, states)
+
+    if arch == "zaya":   # the q and k projections' channels, and the delayed value beside them
+        ssm_width = shape.ssm[0].shape[-1]
+        inputs = [torch.randn(len(hidden), shape.conv[0].shape[1], generator=gen),
+                  torch.randn(len(hidden), ssm_width, generator=gen)]
+
     def each_part_alone(tokens, meta, states):   # the chunks' parts one by one (`StateMixer._scan_each`)
         mixer.scans_pieces = False
         try:
-            return mixer(hidden[tokens], meta, states)
+            return run(tokens, meta, states)
         finally:
             del mixer.scans_pieces
 
     layer = mixer.layer
     assert_split_step_is_each_sequence_alone(
-        lambda tokens, meta, states: mixer(hidden[tokens], meta, states), make_states,
-        lambda st: (st.conv[layer], st.ssm[layer], st.snap_conv[layer], st.snap_ssm[layer]), each_part_alone)
+        run, make_states, lambda st: (st.conv[layer], st.ssm[layer], st.snap_conv[layer], st.snap_ssm[layer]),
+        each_part_alone)
