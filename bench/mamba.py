@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
 def _mamba1_pieces(args: argparse.Namespace, lengths: list[int], device: torch.device, dtype: torch.dtype) -> int:
     """`--pieces N`: N sequences of each length through a Mamba-1 layer's scan (`--channels`, `--d-state`), each from
     its own random state, one by one (`scan`, as a step's prefill chunks ran until 2026-12-07) against at once
-    (`scan_pieces` in the engine's groups, `StepPieces.group`: on CUDA one launch; in torch part after part, so on a
+    (`scan_pieces` in the engine's groups, `StepPieces.groups`: on CUDA one launch; in torch part after part, so on a
     CPU this times the engine's bookkeeping around the scan); the largest difference of their outputs (exit 1 past
     1e-4, relative)."""
     from engine.layers.gated_delta_net import pieces_a_pass

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.pieces import Pieces, tiles
+from kernels.pieces import Pieces, scan_tiles, tiles
 
 CHUNK = 64
 
@@ -162,17 +162,12 @@ def chunked_pieces_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
     v = tiles(v.float(), plan, chunk)   # padded tokens have g = 0 and beta = 0: they change nothing
     u, w, scores, q_decayed, k_to_end, chunk_decay = _wy(*(tiles(t, plan, chunk) for t in (q, k)), v,
                                                          *(tiles(t.float(), plan, chunk) for t in (g, beta)))
-    state = ssm.float().index_select(0, plan.order)                          # sequences by their chunks, most first
-    after = state.new_empty(pieces.num_parts, *state.shape[1:])
-    out = torch.empty_like(v)
-    for first, end, places, parts in plan.steps:   # the sequences' j-th chunks: tiles first .. end - 1
-        held, at = state[:end - first], slice(first, end)
+
+    def step(at: slice, held: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         new = u[at] - w[at] @ held                                           # what the states do not predict
-        out[at] = q_decayed[at] @ held + scores[at] @ new
-        state[:end - first] = held * chunk_decay[at] + k_to_end[at].transpose(-1, -2) @ new
-        if places is not None:
-            after.index_copy_(0, parts, state.index_select(0, places))
-    return out.transpose(1, 2).flatten(0, 1).index_select(0, plan.unpad), after
+        return q_decayed[at] @ held + scores[at] @ new, held * chunk_decay[at] + k_to_end[at].transpose(-1, -2) @ new
+
+    return scan_tiles(plan, ssm, pieces.num_parts, torch.empty_like(v), step)
 
 
 def chunked_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -246,16 +241,8 @@ def chunked_per_channel_pieces(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     q, k, v, g, beta = (tiles(t.float(), plan, chunk) for t in (q, k, v, g, beta))
     decays = g.cumsum(-2)                                                    # per channel, from the chunk's start
     later = ~torch.ones(chunk, chunk, dtype=torch.bool, device=v.device).tril().unsqueeze(-1)
-    state = ssm.float().index_select(0, plan.order)                          # sequences by their chunks
-    after = state.new_empty(pieces.num_parts, *state.shape[1:])
-    out = torch.empty_like(v)
-    for first, end, places, parts in plan.steps:   # the sequences' j-th chunks: tiles first .. end - 1
-        at = slice(first, end)
-        out[at], state[:end - first] = _per_channel_chunk(q[at], k[at], v[at], decays[at], beta[at],
-                                                          state[:end - first], later)
-        if places is not None:
-            after.index_copy_(0, parts, state.index_select(0, places))
-    return out.transpose(1, 2).flatten(0, 1).index_select(0, plan.unpad), after
+    return scan_tiles(plan, ssm, pieces.num_parts, torch.empty_like(v), lambda at, held: _per_channel_chunk(
+        q[at], k[at], v[at], decays[at], beta[at], held, later))
 
 
 def chunked_per_channel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.pieces import Pieces, tiles
+from kernels.pieces import Pieces, scan_tiles, tiles
 
 __all__ = ["BLOCK", "chunked", "chunked_pieces", "chunked_pieces_torch", "chunked_torch", "recurrent_step"]
 
@@ -81,16 +81,8 @@ def chunked_pieces_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slop
     q_decayed = q * torch.exp(-rate * (steps + 1)).unsqueeze(-1)
     to_end = k * torch.exp(-rate * (n - 1 - steps)).unsqueeze(-1)            # pads: k = 0
     block_decay = torch.exp(-rate * n)[..., None]                            # [tiles, heads, 1, 1]
-    state = ssm.float().index_select(0, plan.order)                          # sequences by their blocks
-    after = state.new_empty(pieces.num_parts, *state.shape[1:])
-    out = torch.empty_like(inside)
-    for first, end, places, parts in plan.steps:   # the sequences' j-th blocks: tiles first .. end - 1
-        held, at = state[:end - first], slice(first, end)
-        out[at] = inside[at] + q_decayed[at] @ held
-        state[:end - first] = held * block_decay[at] + to_end[at].transpose(-1, -2) @ v[at]
-        if places is not None:
-            after.index_copy_(0, parts, state.index_select(0, places))
-    return out.transpose(1, 2).flatten(0, 1).index_select(0, plan.unpad), after
+    return scan_tiles(plan, ssm, pieces.num_parts, torch.empty_like(inside), lambda at, held: (
+        inside[at] + q_decayed[at] @ held, held * block_decay[at] + to_end[at].transpose(-1, -2) @ v[at]))
 
 
 def chunked_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes: torch.Tensor, ssm: torch.Tensor,

@@ -11,6 +11,7 @@ another through its state.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import accumulate
 
@@ -18,7 +19,7 @@ import torch
 
 from kernels.transfer import to_device, to_device_tensor
 
-__all__ = ["ChunkTable", "ConvTable", "Pieces", "TorchPlan", "tiles"]
+__all__ = ["ChunkTable", "ConvTable", "Pieces", "TorchPlan", "scan_tiles", "tiles"]
 
 
 @dataclass
@@ -187,3 +188,19 @@ def tiles(t: torch.Tensor, plan: TorchPlan, chunk: int) -> torch.Tensor:
     layout), the pads zeros."""
     padded = t.new_zeros(plan.num_tiles * chunk, *t.shape[1:]).index_copy_(0, plan.unpad, t)
     return padded.unflatten(0, (-1, chunk)).transpose(1, 2)
+
+
+def scan_tiles(plan: TorchPlan, ssm: torch.Tensor, num_parts: int, out: torch.Tensor,
+               step: Callable[[slice, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch scans' walk through the states, step by step of `plan`: `step(at, held)` -> (the outputs of tiles
+    `at`, the states after them), held the states [n, ...] of the n sequences still scanning (ssm [num_seqs, ...]
+    in `plan.order`); the outputs written into `out` [tiles, heads, chunk, ...] -> (the outputs per token
+    [num_tokens, heads, ...], the state after each part [num_parts, ...])."""
+    state = ssm.float().index_select(0, plan.order)                          # sequences by their chunks, most first
+    after = state.new_empty(num_parts, *state.shape[1:])
+    for first, end, places, parts in plan.steps:   # the sequences' j-th chunks: tiles first .. end - 1
+        out[first:end], state[:end - first] = step(slice(first, end), state[:end - first])
+        if places is not None:
+            after.index_copy_(0, parts, state.index_select(0, places))
+    return out.transpose(1, 2).flatten(0, 1).index_select(0, plan.unpad), after

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.pieces import Pieces, tiles
+from kernels.pieces import Pieces, scan_tiles, tiles
 
 CHUNK = 64
 
@@ -111,17 +111,13 @@ def chunked_pieces_torch(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: 
                                                              _per_head(C, num_heads), dt.float() * A.float()))
     log_decay = log_decay.cumsum(-1)                                           # padded tokens: dt = 0, nothing
     within, to_end, from_start = _within(xdt, Bh, Ch, log_decay)
-    state = ssm.float().index_select(0, plan.order)                            # sequences by their chunks
-    after = state.new_empty(pieces.num_parts, *state.shape[1:])
-    out = torch.empty_like(within)
-    for first, end, places, parts in plan.steps:   # the sequences' j-th chunks: tiles first .. end - 1
-        held, at = state[:end - first], slice(first, end)
-        out[at] = within[at] + (Ch[at] @ held.transpose(-1, -2)) * from_start[at].unsqueeze(-1)
-        state[:end - first] = held * log_decay[at][..., -1].exp()[..., None, None] + \
+
+    def step(at: slice, held: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = within[at] + (Ch[at] @ held.transpose(-1, -2)) * from_start[at].unsqueeze(-1)
+        return out, held * log_decay[at][..., -1].exp()[..., None, None] + \
             (xdt[at] * to_end[at].unsqueeze(-1)).transpose(-1, -2) @ Bh[at]
-        if places is not None:
-            after.index_copy_(0, parts, state.index_select(0, places))
-    y = out.transpose(1, 2).flatten(0, 1).index_select(0, plan.unpad)
+
+    y, after = scan_tiles(plan, ssm, pieces.num_parts, torch.empty_like(within), step)
     return y + D.float()[:, None] * xf, after
 
 

@@ -125,9 +125,8 @@ class RecurrentStates:
         if top > self.num_rows:
             self.reserve(max(top, 2 * self.num_rows))
         self.split = StepSplit.of(meta.query_lens_list, self.device)
-        self.pieces = StepPieces.of(meta, self.saves, self.zero_row, self.device)
-        if self.pieces is not None:
-            self.pieces.group(pieces_a_pass(self.ssm[0], self.device))
+        self.pieces = StepPieces.of(meta, self.saves, self.zero_row, self.device,
+                                    pieces_a_pass(self.ssm[0], self.device))
         if self.extra is not None:   # the same split for the states beside these
             self.extra.split = self.split
 
@@ -171,15 +170,12 @@ class StepPieces:
     starts from (`held`: the zero row at position 0), each piece's last part (`last`), and the snapshots taken after
     a part (`save_slots`, `save_parts`) or before the piece's first token (`start_slots`, `start_seqs`)."""
 
-    def __init__(self, pieces: Pieces, ints: dict[str, list[int]], device: torch.device) -> None:
+    def __init__(self, pieces: Pieces, ints: dict[str, list[int]], device: torch.device,
+                 limits: tuple[int, int]) -> None:
         self.pieces, self._ints, self.device = pieces, ints, device
         self._tensors: dict[str, torch.Tensor] | None = None
-        self.limits = (pieces.num_tokens, pieces.num_seqs)
-        self.groups = [(slice(0, pieces.num_tokens), slice(0, pieces.num_seqs), pieces)]
-
-    def group(self, limits: tuple[int, int]) -> None:
-        """Scan the pieces in groups of consecutive sequences within `limits` (tokens, sequences; `pieces_a_pass`)."""
-        self.limits, self.groups = limits, self.pieces.groups(*limits)
+        # scanned in groups of consecutive sequences within `limits` (tokens, sequences: `pieces_a_pass`)
+        self.limits, self.groups = limits, pieces.groups(*limits)
 
     def groups_of(self, max_seqs: int | None) -> list[tuple[slice, slice, Pieces]]:
         """The groups, of at most `max_seqs` sequences where given (a mixer's `pieces_at_once`)."""
@@ -194,7 +190,7 @@ class StepPieces:
 
     @classmethod
     def of(cls, meta: AttentionMetadata, saves: dict[int, list[tuple[int, int]]], zero_row: int,
-           device: torch.device) -> StepPieces | None:
+           device: torch.device, limits: tuple[int, int]) -> StepPieces | None:
         """None where the step has no piece longer than one token."""
         if all(n == 1 for n in meta.query_lens_list):   # a decode step
             return None
@@ -220,7 +216,7 @@ class StepPieces:
                     ints["start_slots"].append(slot)
                     ints["start_seqs"].append(len(seq_parts))
             seq_parts.append(len(part_lens) - first)
-        return cls(Pieces(part_lens, seq_parts), ints, device) if seq_parts else None
+        return cls(Pieces(part_lens, seq_parts), ints, device, limits) if seq_parts else None
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The index tensors above, and `last`, on the device (one copy, made once a step)."""
