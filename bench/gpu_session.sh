@@ -94,6 +94,8 @@ for what in ${GPU_STEPS:-tests kernels kernels_fp8 fp8 engine}; do
                --model "$KVCACHE_MODEL"; else echo "=== kvcache: skipped (KVCACHE_MODEL unset: real weights needed)"; fi ;;
     mamba)   step bench_mamba $CLI bench mamba --device cuda --tokens 1024,4096,16384
              step bench_gated_delta $CLI bench mamba --gated-delta --device cuda --tokens 1024,4096,32768
+             step bench_kda $CLI bench mamba --gated-delta --per-channel --k-heads 32 --v-heads 32 --device cuda \
+                 --tokens 1024,4096,16384
              step bench_ssd $CLI bench mamba --ssd --device cuda --tokens 1024,4096,32768
              step bench_lightning $CLI bench mamba --lightning --device cuda --tokens 1024,4096,32768
              step bench_mixed_step $CLI bench mamba --mixed-step --device cuda --tokens 64,512 --decodes 63

@@ -1,9 +1,10 @@
 """`cliffguard bench mamba`: one Mamba-1 layer's selective scan over a prefill (Jamba's), the torch recurrence against
-the Triton kernel; with `--gated-delta`, a Gated DeltaNet layer's delta rule (Qwen3.5's), the torch chunked form
-against the Triton kernels (`_gated_delta`); with `--ssd`, a Mamba-2 layer's scan (Granite 4-H's), and with
-`--lightning` a lightning attention layer (MiniMax-Text-01's), likewise (`_ssd`, `_lightning`); with `--mixed-step`, a
-Gated DeltaNet layer's step of decodes beside prefill chunks, batched against chunk by chunk and sequence by sequence
-(`_mixed_step`); with `--pieces N`, N sequences through a Mamba-1 layer one by one against at once (`_mamba1_pieces`).
+the Triton kernel; with `--gated-delta`, a Gated DeltaNet layer's delta rule (Qwen3.5's; `--per-channel`: Kimi Delta
+Attention's), the torch chunked form against the Triton kernels (`_gated_delta`); with `--ssd`, a Mamba-2 layer's scan
+(Granite 4-H's), and with `--lightning` a lightning attention layer (MiniMax-Text-01's), likewise (`_ssd`,
+`_lightning`); with `--mixed-step`, a Gated DeltaNet layer's step of decodes beside prefill chunks, batched against
+chunk by chunk and sequence by sequence (`_mixed_step`); with `--pieces N`, N sequences through a Mamba-1 layer one by
+one against at once (`_mamba1_pieces`).
 
 For each of `--tokens` (one sequence's new tokens), over `--channels` (8,192: Jamba 1.5 Mini's, `mamba_expand` 2 x
 4,096) with a state of `--d-state` (16) each, from a random state: `recurrence`, the torch loop (`kernels.
@@ -45,6 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--k-heads", type=int, default=16, help="with --gated-delta: key heads (Qwen3.5's 16)")
     p.add_argument("--v-heads", type=int, default=32, help="with --gated-delta: value heads (Qwen3.5's 32)")
     p.add_argument("--head-dim", type=int, default=128, help="with --gated-delta: key and value heads' size")
+    p.add_argument("--per-channel", action="store_true",
+                   help="with --gated-delta: a decay a key channel, Kimi Delta Attention's (Kimi Linear's 32 heads of "
+                        "128: --k-heads 32 --v-heads 32)")
     p.add_argument("--lightning", action="store_true",
                    help="a lightning attention layer instead (MiniMax-Text-01's: --lightning-heads of --head-dim): the "
                         "torch chunked form against the Triton kernel")
@@ -86,6 +90,8 @@ def run(args: argparse.Namespace) -> int:
                         ("d_state", args.d_state), ("repeats", args.repeats)):
         if value < 1:
             raise ValueError(f"--{name.replace('_', '-')}: must be >= 1, got {value}")
+    if getattr(args, "per_channel", False) and not args.gated_delta:
+        raise ValueError("--per-channel: goes with --gated-delta")
     device, dtype = device_and_dtype(args.device, args.dtype)
     with_triton = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
     if args.gated_delta:
@@ -201,27 +207,30 @@ def _gated_delta(args: argparse.Namespace, lengths: list[int], device: torch.dev
     kernels (`kernels.triton_gated_delta`, two launches) where they run; their times (median), tokens a second, the
     speed-up, the kernels' bandwidth (the bytes they must move, as GB/s) and the largest difference of the kernels'
     output from the torch form's (exit 1 past 1e-2, relative to its largest value: TF32 dots on a 16-bit model's
-    inputs)."""
+    inputs). `--per-channel`: a decay a key channel (`chunked_per_channel` against the same kernels')."""
     from kernels import gated_delta
+    from kernels.triton_gated_delta import CHUNK
 
     _check_heads(args)
-    failed = False
+    failed, per_channel = False, getattr(args, "per_channel", False)
+    reference = gated_delta.chunked_per_channel if per_channel else gated_delta.chunked_torch
     for tokens in lengths:
         gen = torch.Generator(device="cpu").manual_seed(0)
         d, hk, hv = args.head_dim, args.k_heads, args.v_heads
         q, k = (torch.randn(tokens, hk, d, generator=gen).to(device, dtype) for _ in range(2))
         v = torch.randn(tokens, hv, d, generator=gen).to(device, dtype)
-        g = (-torch.rand(tokens, hv, generator=gen) * 0.5).to(device)
+        decays = d if per_channel else 1   # a token's decays a head
+        g = (-torch.rand(tokens, hv, *(d,) * per_channel, generator=gen) * 0.5).to(device)
         beta = torch.rand(tokens, hv, generator=gen).to(device)
         ssm = torch.zeros(hv, d, d, device=device)
         inputs = (q, k, v, g, beta, ssm)
         row = {"device": str(device), "dtype": str(dtype).removeprefix("torch."), "tokens": tokens, "k_heads": hk,
-               "v_heads": hv, "head_dim": d}
-        # q, k, v, g and beta read, the output written, the WY form's w, u and decays written and read, the state
-        # read and written once
-        moved = tokens * (2 * hk * d + hv * d) * dtype.itemsize + tokens * hv * (2 + d) * 4 + \
-            2 * tokens * hv * (2 * d + 1) * 4 + 2 * hv * d * d * 4
-        failed |= _compare(row, ("torch", gated_delta.chunked_torch),
+               "v_heads": hv, "head_dim": d, "per_channel": per_channel}
+        # q, k, v, g and beta read, the output written, the WY form's w, u and decays (and with a decay a channel the
+        # causal scores) written and read, the state read and written once
+        moved = tokens * (2 * hk * d + hv * d) * dtype.itemsize + tokens * hv * (1 + decays + d) * 4 + \
+            2 * tokens * hv * (2 * d + decays + CHUNK * per_channel) * 4 + 2 * hv * d * d * 4
+        failed |= _compare(row, ("torch", reference),
                            _kernel("triton_gated_delta", "chunked", with_triton), inputs, device, args.repeats, moved,
                            1e-2)
         _print(row, args.json)

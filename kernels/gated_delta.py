@@ -15,7 +15,7 @@ For each token t (q and k L2-normed, q scaled by k_head_dim ** -0.5; g <= 0 the 
 `recurrent_step` runs one token of many sequences at once (decode). `chunked` runs one sequence's new tokens
 in chunks of 64 (prefill): within a chunk the updates are condensed into triangular solves and matrix
 products (the WY form of the delta rule), so a prompt costs T / 64 sequential steps, not T. On CUDA `chunked` is
-`kernels.triton_gated_delta`'s two launches (a decay a head; Kimi's decay per channel stays in torch).
+`kernels.triton_gated_delta`'s two launches (a decay a head, or Kimi's a key channel).
 `chunked_pieces` runs several sequences' new tokens at once, each from its own state and in parts
 (`kernels.pieces`): a step's prefill chunks in as many sequential steps as the longest has chunks (on CUDA the same
 two launches), and `causal_conv_pieces` their convolution.
@@ -123,13 +123,13 @@ def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
 
     q, k: [num_tokens, num_k_heads, k_head_dim]; v: [num_tokens, num_v_heads, v_head_dim]; g, beta: [num_tokens,
     num_v_heads]; ssm: [num_v_heads, k_head_dim, v_head_dim] float32 -> (out [num_tokens, num_v_heads, v_head_dim]
-    float32, the state after the last token). g [num_tokens, num_v_heads, k_head_dim]: `chunked_per_channel`."""
-    if g.dim() == 3:
-        return chunked_per_channel(q, k, v, g, beta, ssm, chunk)
-    if v.is_cuda:   # two launches, not a handful a chunk (`kernels.triton_gated_delta`)
+    float32, the state after the last token). g [num_tokens, num_v_heads, k_head_dim]: `chunked_per_channel`'s."""
+    if v.is_cuda:   # two launches, not a handful a chunk (`kernels.triton_gated_delta`), either decay
         from kernels.triton_gated_delta import chunked as triton_chunked
 
         return triton_chunked(q, k, v, g, beta, ssm)
+    if g.dim() == 3:
+        return chunked_per_channel(q, k, v, g, beta, ssm, chunk)
     return chunked_torch(q, k, v, g, beta, ssm, chunk)
 
 
@@ -139,14 +139,14 @@ def chunked_pieces(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     sequence, each sequence's in parts): `chunked`'s per-token tensors over all of them, ssm [num_seqs, num_v_heads,
     k_head_dim, v_head_dim] -> (out [num_tokens, num_v_heads, v_head_dim] float32, the state after each part
     [num_parts, ...]). What `chunked` per part gives, in as many sequential steps as the longest sequence has chunks
-    (the torch form; on CUDA two launches in all). A decay per channel (g [num_tokens, heads, k_head_dim]):
-    `chunked_per_channel_pieces`, in torch on any device."""
-    if g.dim() == 3:
-        return chunked_per_channel_pieces(q, k, v, g, beta, ssm, pieces, chunk)
+    (the torch form; on CUDA two launches in all, either decay). A decay per channel (g [num_tokens, heads,
+    k_head_dim]): `chunked_per_channel_pieces` off CUDA."""
     if v.is_cuda:
         from kernels.triton_gated_delta import chunked_pieces as triton_pieces
 
         return triton_pieces(q, k, v, g, beta, ssm, pieces)
+    if g.dim() == 3:
+        return chunked_per_channel_pieces(q, k, v, g, beta, ssm, pieces, chunk)
     return chunked_pieces_torch(q, k, v, g, beta, ssm, pieces, chunk)
 
 

@@ -4,12 +4,12 @@ rotary (their rope part is cached and dotted, never turned: `NoRope`), each MLP 
 
 Kimi Delta Attention is the gated delta rule with a decay per key channel: q, k and v (each `linear_num_heads` heads
 of `linear_head_dim`) through a causal convolution and SiLU; q and k L2-normed (q scaled by head_dim ** -0.5, in
-`kernels.gated_delta`); the forget gate g = -exp(A_log) x softplus(f_b(f_a(x)) + dt_bias), a value per channel; beta
-= sigmoid(b_proj(x)); then S = S x exp(g) row by row, S += k (beta (v - S^T k))^T, out = S^T q
-(`kernels.gated_delta.chunked_per_channel` for a prefill, `recurrent_step` a token at a time); the output RMS-normed
-per head times sigmoid(g_b(g_a(x))), then o_proj. Under tensor parallelism each rank holds its heads: their rows of
-q, k, v, the convolutions, f_b, g_b, dt_bias, A_log and b_proj, their columns of o_proj (summed over the ranks);
-f_a, g_a and the norm whole.
+`kernels.gated_delta`); the forget gate g = -exp(A_log) x softplus(f_b(f_a(x)) + dt_bias), a value per channel; beta =
+sigmoid(b_proj(x)); then S = S x exp(g) row by row, S += k (beta (v - S^T k))^T, out = S^T q
+(`kernels.gated_delta.chunked` for a prefill, Triton's on CUDA; `recurrent_step` a token at a time); the output
+RMS-normed per head times sigmoid(g_b(g_a(x))), then o_proj. Under tensor parallelism each rank holds its heads: their
+rows of q, k, v, the convolutions, f_b, g_b, dt_bias, A_log and b_proj, their columns of o_proj (summed over the
+ranks); f_a, g_a and the norm whole.
 
 The checkpoint's names: `block_sparse_moe` is each layer's MLP (its experts' `w1` / `w3` / `w2` gate / up / down, its
 shared experts DeepSeek's), a KDA layer's modules sit under `self_attn` with separate `q_conv1d` / `k_conv1d` /
@@ -104,9 +104,14 @@ class KimiDeltaAttention(StateMixer):
     def chunk(self, x, extras, ssm):
         return gated_delta.chunked(*self._split(x), *extras, ssm)
 
-    # a step's chunks four sequences a scan: a chunk's per-channel weights are [heads, chunk, chunk, head_dim] float32
-    # a sequence (64 MiB at Kimi Linear's 32 heads of 128), made for all of a scan's sequences at once
-    scans_pieces, pieces_at_once = True, 4
+    scans_pieces = True
+
+    @property
+    def pieces_at_once(self) -> int | None:
+        """Off CUDA a step's chunks four sequences a scan: torch's per-channel weights of a chunk are [heads, chunk,
+        chunk, head_dim] float32 a sequence (64 MiB at Kimi Linear's 32 heads of 128), made for all of a scan's
+        sequences at once. On CUDA the Triton kernels make them a row at a time: every sequence in one scan."""
+        return None if self.A_log.is_cuda else 4
 
     def chunk_pieces(self, x, extras, ssm, pieces):
         return gated_delta.chunked_pieces(*self._split(x), *extras, ssm, pieces)

@@ -44,16 +44,20 @@ def test_bad_sizes_are_named(option, value):
 
 @pytest.mark.parametrize("mode,shape,keys", [
     ("--gated-delta", ("--k-heads", "2", "--v-heads", "4", "--head-dim", "16"), ("k_heads", "v_heads", "head_dim")),
+    ("--gated-delta --per-channel", ("--k-heads", "4", "--v-heads", "4", "--head-dim", "16"),
+     ("k_heads", "v_heads", "head_dim")),
     ("--ssd", ("--ssd-heads", "4", "--ssd-head-dim", "16", "--ssd-groups", "2", "--ssd-d-state", "16"),
      ("heads", "head_dim", "groups", "d_state")),
     ("--lightning", ("--lightning-heads", "2", "--head-dim", "16"), ("heads", "head_dim"))])
 def test_a_linear_attention_or_ssd_layer_times_the_torch_form_and_the_kernels(capsys, mode, shape, keys):
     pytest.importorskip("triton")
-    args = _parse(mode, *shape, "--device", "cpu", "--dtype", "float32", "--tokens", "5,40", "--repeats", "1", "--json")
+    args = _parse(*mode.split(), *shape, "--device", "cpu", "--dtype", "float32", "--tokens", "5,40", "--repeats", "1",
+                  "--json")
     assert mamba.run(args) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [r["tokens"] for r in rows] == [5, 40]
     assert all(tuple(r[key] for key in keys) == tuple(int(v) for v in shape[1::2]) for r in rows)
+    assert all(r.get("per_channel", False) == ("--per-channel" in mode) for r in rows)
     for row in rows:
         assert row["torch_ms"] > 0 and row["triton_ms"] > 0
         assert row["triton_speedup"] == pytest.approx(row["torch_ms"] / row["triton_ms"])
@@ -69,6 +73,7 @@ def test_a_linear_attention_or_ssd_layer_times_the_torch_form_and_the_kernels(ca
                                          (("--mixed-step", "--decodes", "0"), "--decodes"),
                                          (("--mixed-step", "--prefills", "0"), "--prefills"),
                                          (("--pieces", "0"), "--pieces"),
+                                         (("--per-channel",), "--per-channel"),
                                          (("--mixed-step", "--tokens", "1"), "--tokens"),
                                          (("--mixed-step", "--k-heads", "3", "--v-heads", "4"), "--v-heads")])
 def test_bad_layer_shapes_are_named(argv, option):

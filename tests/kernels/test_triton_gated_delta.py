@@ -57,6 +57,48 @@ def test_the_triton_pieces_give_each_part_alone(chunk):
     torch.testing.assert_close(after, ref_after, atol=1e-4, rtol=1e-4)
 
 
+def _per_channel(g, dk, seed, scale=2.0):
+    """Kimi Delta Attention's decay a key channel in place of `_inputs`' decay a head (g [tokens, heads, dk])."""
+    return -torch.rand(*g.shape, dk, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+@pytest.mark.parametrize("num_tokens, chunk, heads, dk, dv, decay", [
+    (1, 16, (2, 2), 16, 16, 2.0), (15, 16, (2, 2), 16, 16, 2.0), (37, 16, (2, 2), 16, 16, 2.0),
+    (70, 32, (2, 2), 16, 16, 2.0), (37, 16, (1, 2), 24, 40, 2.0), (70, 32, (2, 2), 16, 16, 30.0)])
+def test_the_triton_chunks_with_a_decay_a_channel_give_the_torch_forms(num_tokens, chunk, heads, dk, dv, decay):
+    """Kimi Delta Attention's decay a key channel (`_wy_channel_kernel`, `_state_channel_kernel`) against
+    `chunked_per_channel`: outputs and carried state, head sizes padded, value heads sharing key heads, and decays fast
+    enough (up to 30 a token) that any factor exp(-decay) would overflow."""
+    pytest.importorskip("triton")
+    from kernels import triton_gated_delta
+
+    q, k, v, g, beta, ssm = _inputs(num_tokens, *heads, dk, dv, seed=11)
+    g = _per_channel(g, dk, seed=12, scale=decay)
+    out, state = triton_gated_delta.chunked(q, k, v, g, beta, ssm, chunk=chunk)
+    ref, ref_state = gated_delta.chunked_per_channel(q, k, v, g, beta, ssm)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(state, ref_state, atol=1e-4, rtol=1e-4)
+
+
+def test_the_triton_pieces_with_a_decay_a_channel_give_each_part_alone():
+    """`chunked_pieces` with a decay a key channel: every sequence's parts at once in the same two launches, the
+    outputs and the state after every part as `chunked_per_channel` gives them part after part."""
+    pytest.importorskip("triton")
+    from kernels import triton_gated_delta
+    from kernels.pieces import Pieces
+    from tests.kernels.test_gated_delta import PARTS, SEQ_PARTS, _each_part_alone
+
+    pieces = Pieces(PARTS, SEQ_PARTS)
+    q, k, v, g, beta, _ = _inputs(pieces.num_tokens, 1, 2, 16, 16, seed=13)
+    g = _per_channel(g, 16, seed=14)
+    ssm = torch.randn(pieces.num_seqs, 2, 16, 16, generator=torch.Generator().manual_seed(15))
+    out, after = triton_gated_delta.chunked_pieces(q, k, v, g, beta, ssm, pieces, chunk=16)
+    ref, ref_after = _each_part_alone(pieces, ssm, lambda at, state: gated_delta.chunked_per_channel(
+        q[at], k[at], v[at], g[at], beta[at], state))
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(after, ref_after, atol=1e-4, rtol=1e-4)
+
+
 def _build_gated_delta_kernels_for_sm90() -> dict:
     """Build both kernels at Qwen3.5's shape (heads of 128 x 128, chunks of 64, bfloat16 q/k/v) for sm_90; their
     registers and stack a thread."""
@@ -67,28 +109,34 @@ def _build_gated_delta_kernels_for_sm90() -> dict:
     _, wy = _build_kernel_for_sm90(tgd._wy_kernel, {**shape, "VP": 128},
                                    {"k_ptr": "bf16", "v_ptr": "bf16", "g_ptr": "fp32", "beta_ptr": "fp32",
                                     "w_ptr": "fp32", "u_ptr": "fp32", "decay_ptr": "fp32"}, num_warps=tgd.NUM_WARPS)
-    _, state = _build_kernel_for_sm90(tgd._state_kernel, {**shape, "BLOCK_V": tgd.BLOCK_V},
-                                      {"q_ptr": "bf16", "k_ptr": "bf16", "w_ptr": "fp32", "u_ptr": "fp32",
-                                       "decay_ptr": "fp32", "state_ptr": "fp32", "out_ptr": "fp32",
-                                       "after_ptr": "fp32"}, num_warps=tgd.NUM_WARPS)
-    return {"wy": wy, "state": state}
+    state_pointers = {"q_ptr": "bf16", "k_ptr": "bf16", "w_ptr": "fp32", "u_ptr": "fp32", "decay_ptr": "fp32",
+                      "state_ptr": "fp32", "out_ptr": "fp32", "after_ptr": "fp32"}
+    _, state = _build_kernel_for_sm90(tgd._state_kernel, {**shape, "BLOCK_V": tgd.BLOCK_V}, state_pointers,
+                                      num_warps=tgd.NUM_WARPS)
+    _, wy_channel = _build_kernel_for_sm90(tgd._wy_channel_kernel, {**shape, "VP": 128},
+                                           {"q_ptr": "bf16", "k_ptr": "bf16", "v_ptr": "bf16", "g_ptr": "fp32",
+                                            "beta_ptr": "fp32", "w_ptr": "fp32", "u_ptr": "fp32", "decay_ptr": "fp32",
+                                            "scores_ptr": "fp32"}, num_warps=tgd.NUM_WARPS)
+    _, state_channel = _build_kernel_for_sm90(tgd._state_channel_kernel, {**shape, "BLOCK_V": tgd.BLOCK_V},
+                                              {**state_pointers, "scores_ptr": "fp32"}, num_warps=tgd.NUM_WARPS)
+    return {"wy": wy, "state": state, "wy_channel": wy_channel, "state_channel": state_channel}
 
 
 def test_the_gated_delta_kernels_build_for_h100():
-    """What the interpreter cannot show: both kernels compile for sm_90 at Qwen3.5's head shape (the row-by-row
-    inverse, the cumulative sum, the TF32 dots of a bfloat16 model), as launched, and neither spills registers
-    (where Triton ships cuobjdump to tell)."""
+    """What the interpreter cannot show: the four kernels (a decay a head and a key channel) compile for sm_90 at
+    Qwen3.5's and Kimi Linear's head shape (the row-by-row inverse and per-channel rows, the cumulative sums, the TF32
+    dots of a bfloat16 model), as launched, and none spills registers (where Triton ships cuobjdump to tell)."""
     pytest.importorskip("triton.compiler")
     from tests.kernels.test_triton import _compiled_report
 
     report = _compiled_report(_build_gated_delta_kernels_for_sm90)
-    assert set(report) == {"wy", "state"}, report
+    assert set(report) == {"wy", "state", "wy_channel", "state_channel"}, report
     assert all(usage.get("stack", 0) == 0 for usage in report.values()), report
 
 
 def test_a_bfloat16_models_chunks_run_on_tf32_dots_within_its_rounding():
     """q, k and v in bfloat16 (a served model's): the kernels' TF32 dots over float32 tiles give the torch form's
-    float32 outputs and state within bfloat16's rounding."""
+    float32 outputs and state within bfloat16's rounding, with a decay a head and a key channel."""
     pytest.importorskip("triton")
     from kernels import triton_gated_delta
 
@@ -96,6 +144,11 @@ def test_a_bfloat16_models_chunks_run_on_tf32_dots_within_its_rounding():
     q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
     out, state = triton_gated_delta.chunked(q, k, v, g, beta, ssm)
     ref, ref_state = gated_delta.chunked_torch(q, k, v, g, beta, ssm)
+    torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(state, ref_state, atol=2e-2, rtol=2e-2)
+    q, k, v, g, beta = (t[:40] for t in (q, k, v, _per_channel(g, 16, seed=4), beta))   # and a decay a key channel
+    out, state = triton_gated_delta.chunked(q, k, v, g, beta, ssm)
+    ref, ref_state = gated_delta.chunked_per_channel(q, k, v, g, beta, ssm)
     torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(state, ref_state, atol=2e-2, rtol=2e-2)
 
@@ -141,6 +194,28 @@ def test_on_cuda_the_pieces_give_each_part_alone_at_qwen3_5s_shape():
     assert (after - ref_after).abs().max() <= 1e-2 * ref_after.abs().max()
 
 
+@pytest.mark.gpu
+def test_on_cuda_the_pieces_with_a_decay_a_channel_give_each_part_alone_at_kimi_linears_shape():
+    """On a GPU, compiled: `test_on_cuda_the_pieces_give_each_part_alone_at_qwen3_5s_shape`'s sequences at Kimi
+    Linear's shape (32 heads of 128, a decay a key channel) in bfloat16, against `chunked_per_channel` part by part."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from kernels import triton_gated_delta
+    from kernels.pieces import Pieces
+    from tests.kernels.test_gated_delta import _each_part_alone
+
+    pieces = Pieces(CUDA_PARTS, CUDA_SEQ_PARTS)
+    q, k, v, g, beta, _ = _inputs(pieces.num_tokens, 32, 32, 128, 128, seed=16)
+    g = _per_channel(g, 128, seed=17)
+    q, k, v, g, beta = (t.cuda() for t in (q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16), g, beta))
+    ssm = torch.randn(pieces.num_seqs, 32, 128, 128, device="cuda")
+    out, after = triton_gated_delta.chunked_pieces(q, k, v, g, beta, ssm, pieces)
+    ref, ref_after = _each_part_alone(pieces, ssm, lambda at, state: gated_delta.chunked_per_channel(
+        q[at], k[at], v[at], g[at], beta[at], state))
+    assert (out - ref).abs().max() <= 1e-2 * ref.abs().max()
+    assert (after - ref_after).abs().max() <= 1e-2 * ref_after.abs().max()
+
+
 @pytest.mark.slow   # ~8 s through the interpreter; the kernels' exactness is above, a GPU runs these models in
 # tests/engine/test_engine_vs_hf.py's CUDA parity test
 @pytest.mark.usefixtures("one_thread")
@@ -153,6 +228,20 @@ def test_an_engine_prefilling_through_the_kernels_answers_as_transformers(tmp_pa
 
     assert_prefills_through(tmp_path, builtin_path, monkeypatch, (gated_delta, triton_gated_delta.chunked_pieces,
                                                                   "chunked_pieces"), "qwen3_5", QWEN3_5)
+
+
+@pytest.mark.slow   # as the test above
+@pytest.mark.usefixtures("one_thread")
+def test_kimi_linear_prefilling_through_the_kernels_answers_as_transformers(tmp_path, builtin_path, monkeypatch):
+    """Kimi Linear's tiny model with every prefill step of its KDA layers through the kernels' decay a key channel:
+    transformers' greedy tokens."""
+    pytest.importorskip("triton")
+    from kernels import triton_gated_delta
+    from tests.engine.test_engine_vs_hf import TINY_MODELS
+
+    shape = next(overrides for arch, overrides in TINY_MODELS if arch == "kimi_linear")
+    assert_prefills_through(tmp_path, builtin_path, monkeypatch, (gated_delta, triton_gated_delta.chunked_pieces,
+                                                                  "chunked_pieces"), "kimi_linear", shape)
 
 
 def assert_prefills_through(tmp_path, builtin_path, monkeypatch, kernel: tuple, arch: str, shape: dict) -> None:
@@ -188,6 +277,7 @@ def test_the_launcher_refuses_shapes_that_do_not_agree():
 
     q, k, v, g, beta, ssm = _inputs(20, 2, 4, 16, 16)
     for args, kwargs in (((q, k, v, g[:, :3], beta, ssm), {}), ((q, k[:, :1], v, g, beta, ssm), {}),
-                         ((q, k, v, g, beta, ssm[:, :8]), {}), ((q, k, v, g, beta, ssm), {"chunk": 24})):
+                         ((q, k, v, g, beta, ssm[:, :8]), {}), ((q, k, v, g, beta, ssm), {"chunk": 24}),
+                         ((q, k, v, _per_channel(g, 8, seed=1), beta, ssm), {})):   # a channel too few
         with pytest.raises(ValueError, match="^gated delta kernels:"):
             triton_gated_delta.chunked(*args, **kwargs)
