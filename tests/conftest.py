@@ -33,9 +33,18 @@ SERIAL = ("tests/gateway/", "tests/reliability/", "tests/bench/", "tests/engine/
           "tests/pools/test_simulation.py")
 
 
+# The files under SERIAL's folders that time nothing: their gateways and servers wait only for readiness (with
+# minutes of room) and bound CPU time alone (`time.process_time`), so they run on the parallel workers.
+PARALLEL = tuple(f"tests/gateway/{name}.py" for name in (
+    "test_chat_render", "test_deepseek_tools", "test_dsml_tools", "test_gemma4_tools", "test_harmony",
+    "test_kimi_tools", "test_mistral_tools", "test_openai_sdk", "test_reasoning", "test_responses_api",
+    "test_strict_tools", "test_structured_outputs", "test_tagged_tools", "test_tokenize", "test_tools",
+    "test_xml_tools"))
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if item.nodeid.startswith(SERIAL):
+        if item.nodeid.startswith(SERIAL) and not item.nodeid.startswith(PARALLEL):
             item.add_marker(pytest.mark.serial)
 
 BUILTIN = "builtin:smollm2-135m-instruct"

@@ -334,10 +334,12 @@ def test_every_subpackage_opens_with_a_one_line_summary():
 
 
 def test_every_file_make_test_runs_alone_exists():
-    """tests/conftest.py's SERIAL names the test files `make test` runs alone after the parallel part: a name there
-    that no longer exists (a file renamed or moved) would send its tests to the parallel workers unnoticed."""
-    from tests.conftest import SERIAL
+    """tests/conftest.py's SERIAL names the test files `make test` runs alone after the parallel part, PARALLEL the
+    files of its folders that run on the workers all the same: a name there that no longer exists (a file renamed or
+    moved) would send its tests to the other part unnoticed."""
+    from tests.conftest import PARALLEL, SERIAL
 
-    missing = [name for name in SERIAL if not (ROOT / name).exists()]
-    assert not missing, f"tests/conftest.py's SERIAL names what does not exist: {missing}"
+    missing = [name for name in SERIAL + PARALLEL if not (ROOT / name).exists()]
+    assert not missing, f"tests/conftest.py's SERIAL or PARALLEL names what does not exist: {missing}"
     assert all(name.endswith(("/", ".py")) for name in SERIAL)
+    assert all(name.startswith(SERIAL) for name in PARALLEL), "PARALLEL takes files out of SERIAL's folders alone"
