@@ -491,6 +491,7 @@ def test_the_examples_measure_their_gpus_where_they_are_served():
     ("minimax-text-01-8xh200-fp8.yaml", 141 * GiB, 476_433_723_392, "float8_e4m3fn"),
     ("dory-1.0-4b-h100.yaml", 80 * GiB, 7_950_458_880, "bfloat16"),
     ("zaya1-8b-h100.yaml", 80 * GiB, 17_680_978_928, "bfloat16"),
+    ("kimi-linear-48b-h200.yaml", 141 * GiB, 98_297_018_432, "bfloat16"),
 ])
 def test_the_example_files_plan(name, vram, dense_bytes, kv):
     """The example files plan from the config.json beside them: Qwen3-32B's weights (YaRN to 131,072
@@ -513,7 +514,9 @@ def test_the_example_files_plan(name, vram, dense_bytes, kv):
     its projections quantized to FP8 as read (its lightning layers' in bfloat16), with an FP8 cache (its 10 attention
     layers' K/V alone, each sequence's state of its 70 lightning layers beside them), and Dory 1.0 4B on one H100 (its
     36 layers' weights once, the K/V of the 56 its loops run), and ZAYA1-8B on one H100 (every layer's K/V, and each
-    sequence's CCA state beside it)."""
+    sequence's CCA state beside it), and Kimi Linear 48B-A3B on one H200 (transformers' parameter count of
+    KimiLinearConfig's defaults, 49,133,074,464, with the 26 routers' expert biases it keeps as buffers; its routers
+    and KDA dt_bias in float32; its 6 latent layers' rows alone, each sequence's state of its 21 KDA layers beside)."""
     data = yaml.safe_load((REPO / "config" / "examples" / name).read_text())
     config = parse_config(data, env={}, base_dir=REPO / "config" / "examples")
     plan = plan_capacity(config, resolve_model_configs(config), vram_bytes=vram)
@@ -536,6 +539,9 @@ def test_the_example_files_plan(name, vram, dense_bytes, kv):
     if name.startswith("jamba"):   # a float32 state of 16 for each of 8,192 channels, 3 conv inputs
         assert device.kv_bytes_per_token == 4 * 8 * 128 * 2 * 2
         assert {p.state_bytes_per_seq for p in plan.pools.values()} == {28 * (8192 * 3 * 2 + 8192 * 16 * 4)}
+    if name.startswith("kimi-linear"):   # 512 latent + 64 rope a latent layer; 32 heads of 128 x 128, 3 x 4,096 conv
+        assert device.kv_bytes_per_token == 6 * 576 * 2
+        assert {p.state_bytes_per_seq for p in plan.pools.values()} == {21 * (3 * 4096 * 3 * 2 + 32 * 128 * 128 * 4)}
     if name.startswith("zaya"):   # 40 layers' 2 KV heads of 128; their q/k convolutions' 2 inputs, a delayed value
         assert device.kv_bytes_per_token == 40 * 2 * 128 * 2 * 2
         assert {p.state_bytes_per_seq for p in plan.pools.values()} == {40 * ((8 + 2) * 128 * 2 * 2 + 128 * 4)}
