@@ -117,6 +117,20 @@ class RecurrentStates:
         self.snap_conv[layer][slot] = conv
         self.snap_ssm[layer][slot] = ssm
 
+    def store_pieces(self, layer: int, after: tuple[torch.Tensor, torch.Tensor],
+                     start: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Layer `layer`'s states after the step's longer pieces scanned at once (`pieces`): `after` (conv, ssm) the
+        state after each part, `start` each piece's state before its first token; each piece's last into its row,
+        and the snapshots (`saves`) into their slots, by index."""
+        at = self.pieces.tensors()
+        self.conv[layer].index_copy_(0, at["rows"], after[0].index_select(0, at["last"]).to(self.dtype))
+        self.ssm[layer].index_copy_(0, at["rows"], after[1].index_select(0, at["last"]))
+        for slots, sources, (conv, ssm) in ((at["save_slots"], at["save_parts"], after),
+                                            (at["start_slots"], at["start_seqs"], start)):
+            if slots.numel():
+                self.snap_conv[layer].index_copy_(0, slots, conv.index_select(0, sources).to(self.dtype))
+                self.snap_ssm[layer].index_copy_(0, slots, ssm.index_select(0, sources))
+
     def for_step(self, meta: AttentionMetadata) -> None:
         """Make room for the step's rows (host ints: no device read)."""
         if meta.rows is None:
@@ -127,8 +141,8 @@ class RecurrentStates:
         self.split = StepSplit.of(meta.query_lens_list, self.device)
         self.pieces = StepPieces.of(meta, self.saves, self.zero_row, self.device,
                                     pieces_a_pass(self.ssm[0], self.device))
-        if self.extra is not None:   # the same split for the states beside these
-            self.extra.split = self.split
+        if self.extra is not None:   # the same split and pieces for the states beside these
+            self.extra.split, self.extra.pieces = self.split, self.pieces
 
     @property
     def num_bytes(self) -> int:
@@ -368,14 +382,7 @@ class StateMixer(nn.Module):
             conv_after.append(conv_part)
             ssm_after.append(ssm_part)
         out, conv_after, ssm_after = (t[0] if len(t) == 1 else torch.cat(t) for t in (outs, conv_after, ssm_after))
-        conv.index_copy_(0, at["rows"], conv_after.index_select(0, at["last"]).to(conv.dtype))
-        ssm.index_copy_(0, at["rows"], ssm_after.index_select(0, at["last"]))
-        for slots, sources, conv_from, ssm_from in ((at["save_slots"], at["save_parts"], conv_after, ssm_after),
-                                                    (at["start_slots"], at["start_seqs"], conv_start, ssm_start)):
-            if slots.numel():   # snapshots (`RecurrentStates.saves`)
-                snap_conv, snap_ssm = states.snap_conv[self.layer], states.snap_ssm[self.layer]
-                snap_conv.index_copy_(0, slots, conv_from.index_select(0, sources).to(snap_conv.dtype))
-                snap_ssm.index_copy_(0, slots, ssm_from.index_select(0, sources))
+        states.store_pieces(self.layer, (conv_after, ssm_after), (conv_start, ssm_start))
         return out
 
     def _step_rows(self, mixed: torch.Tensor, extras: tuple[torch.Tensor, ...], rows: torch.Tensor,

@@ -39,6 +39,7 @@ from engine.models.qwen3_moe import with_experts
 from engine.parallel import Collectives, ShardShape
 from engine.qwen4_exp_config import Qwen4ExpShape, layer_multipliers, ple_tables
 from kernels import AttentionMetadata
+from kernels.gated_delta import windows_pieces
 from kernels.qsa import qsa_attention, turn_part
 
 __all__ = ["PleLayer", "QsaAttention", "Qwen4ExpForCausalLM", "StreamMix"]
@@ -127,11 +128,14 @@ class PleLayer(nn.Module):
         self.conv1d = nn.Module()
         self.conv1d.weight = nn.Parameter(torch.empty(wide, 1, s.ple_kernel))
 
+    scans_pieces = True   # a step's longer pieces at once (`_pieces_at_once`); else each by itself
+
     def forward(self, streams: torch.Tensor, input_ids: torch.Tensor, meta: AttentionMetadata,
                 states: RecurrentStates) -> torch.Tensor:
         """What the layer adds to the streams [T, streams x hidden] of the step's tokens `input_ids`, each
         sequence's state read from and written back to its row: the one-token pieces at once (beside longer ones
-        too: `RecurrentStates.split`), each longer piece by itself."""
+        too: `RecurrentStates.split`), the longer pieces at once (`RecurrentStates.pieces`, the linear layers'
+        layout) where they are several parts."""
         if all(q == 1 for q in meta.query_lens_list):   # a decode step: one token a sequence, by row
             return self._decode(streams, input_ids, meta.rows, meta.seq_lens, states, None)
         split, lens = states.split, meta.query_lens_list
@@ -166,6 +170,8 @@ class PleLayer(nn.Module):
     def _pieces(self, streams: torch.Tensor, input_ids: torch.Tensor, meta: AttentionMetadata,
                 states: RecurrentStates, seqs: list[int]) -> torch.Tensor:
         """The pieces of sequences `seqs` (their tokens: `streams`, `input_ids`, in order), each from its row."""
+        if self.scans_pieces and states.pieces is not None and states.pieces.pieces.num_parts > 1:
+            return self._pieces_at_once(streams, input_ids, states)
         tokens, conv = states.ssm[self.index], states.conv[self.index]
         eos, n = float(self.shape.eos), self.shape.ngram
         pieces = [(seq, meta.rows_list[seq], meta.query_lens_list[seq], meta.seq_lens_list[seq]) for seq in seqs]
@@ -187,6 +193,24 @@ class PleLayer(nn.Module):
             conv[row], tokens[row] = window[:, -width:], history[-(n - 1):]
             start += q_len
         return gated + torch.cat(outs)
+
+    def _pieces_at_once(self, streams: torch.Tensor, input_ids: torch.Tensor, states: RecurrentStates
+                        ) -> torch.Tensor:
+        """The step's longer pieces at once (`RecurrentStates.pieces`: in parts ending at their snapshots): each
+        token's n-gram, and the convolution, over one flat window of every piece's held state then its tokens
+        (`gated_delta.windows_pieces`; a piece at position 0 from EOS and zeros); the states after every part and
+        before the first written back by index."""
+        at, pieces, n = states.pieces.tensors(), states.pieces.pieces, self.shape.ngram
+        tokens, conv = states.ssm[self.index], states.conv[self.index]
+        fresh = (at["held"] == states.zero_row).unsqueeze(-1)
+        held = torch.where(fresh, float(self.shape.eos), tokens.index_select(0, at["held"]))        # [seqs, n - 1]
+        windows, held_after = windows_pieces(input_ids.unsqueeze(-1).to(held.dtype), held.unsqueeze(1), pieces,
+                                             lambda flat: flat.unfold(2, n, 1)[0].transpose(1, 2))   # [T, n]
+        gated, normed = self._gated(streams, windows.long())
+        conv_start = conv.index_select(0, at["held"])
+        out, conv_after = windows_pieces(normed, conv_start, pieces, self._convolve)
+        states.store_pieces(self.index, (conv_after, held_after.squeeze(1)), (conv_start, held))
+        return gated + out
 
     def _gated(self, streams: torch.Tensor, windows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The n-gram embedding of each token (windows [T, n]: its n-gram, itself last) gated by the streams ->

@@ -67,10 +67,12 @@ def test_what_qwen4_exp_does_not_serve_is_refused_by_key(tmp_path, builtin_path)
         LLMEngine.from_args(str(folder), dtype="float32", block_size=8, num_blocks=16, progress=False)
 
 
-def test_a_ple_layers_one_token_pieces_run_at_once_beside_a_prefill_as_each_sequence_alone(tmp_path, builtin_path):
-    """A PLE layer's step of a chunk, a decode, a one-token piece ending on a snapshot's boundary and a one-token
-    prompt (test_hybrid's `SPLIT_*`): the one-token pieces at once (`RecurrentStates.split`, shared by the PLE
-    states beside the linear layers'), outputs, token histories, convolution inputs and snapshots as each alone."""
+def test_a_ple_layers_one_token_pieces_and_chunks_run_at_once_as_each_sequence_alone(tmp_path, builtin_path):
+    """A PLE layer's step of test_hybrid's `SPLIT_*` (chunks resuming from a state with snapshots inside, a decode, a
+    one-token piece ending on a snapshot's boundary, a one-token prompt, a new prompt with snapshots before its first
+    token and after its last): the one-token pieces at once (`RecurrentStates.split`) and the chunks at once
+    (`RecurrentStates.pieces`), both shared by the PLE states beside the linear layers'; outputs, token histories,
+    convolution inputs and snapshots as each sequence alone, its chunk part by part."""
     from engine.layers.gated_delta_net import RecurrentStates
     from engine.models.qwen4_exp import PleLayer, PleStateShape
     from tests.engine.test_hybrid import (SPLIT_QUERY_LENS, SPLIT_ROWS_HELD, SPLIT_SLOTS,
@@ -95,9 +97,21 @@ def test_a_ple_layers_one_token_pieces_run_at_once_beside_a_prefill_as_each_sequ
         states.reserve_snapshots(SPLIT_SLOTS)
         extra.conv[ple.index].copy_(conv)
         extra.ssm[ple.index].copy_(held)
+        extra.conv[ple.index][extra.zero_row] = 0   # nothing writes the zero row
+        extra.ssm[ple.index][extra.zero_row] = 0
         return states
+
+    def run(tokens, meta, states):
+        return ple(streams[tokens], ids[tokens], meta, states.extra)
+
+    def each_part_alone(tokens, meta, states):   # a chunk's parts one by one
+        ple.scans_pieces = False
+        try:
+            return run(tokens, meta, states)
+        finally:
+            del ple.scans_pieces
 
     i = ple.index
     assert_split_step_is_each_sequence_alone(
-        lambda tokens, meta, states: ple(streams[tokens], ids[tokens], meta, states.extra), make_states,
-        lambda st: (st.extra.conv[i], st.extra.ssm[i], st.extra.snap_conv[i], st.extra.snap_ssm[i]))
+        run, make_states, lambda st: (st.extra.conv[i], st.extra.ssm[i], st.extra.snap_conv[i], st.extra.snap_ssm[i]),
+        each_part_alone)
