@@ -10,7 +10,9 @@ has no more) and to every token after the last complete block, up to itself: one
 (transformers' `Qwen4ExpTextQSAIndexer`). A decode step runs its sequences at once, gathering the K/V rows of the
 chosen blocks alone (`_decode`); a prefill piece runs a sequence and `chunk` queries at a time over the sequence's
 keys, gathered once. A query with no more complete blocks than `topk_blocks` attends to its whole context, which is
-why the model runs the backend's paged attention while no sequence of a step is longer than that (`dense_len`).
+why the model runs the backend's paged attention while no sequence of a step is longer than that (`dense_len`). On
+CUDA every query of a step at once attends to its chosen blocks through MiniMax M3's Triton kernel
+(`kernels.triton_block_sparse.attend_blocks`, the K/V read in place), the choice made here as blocks (`qsa_blocks`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from kernels.block_sparse import attend_kept, gather_rows
 from kernels.metadata import AttentionMetadata
 from kernels.reference import context_slots
 
-__all__ = ["block_keys", "chosen_tokens", "qsa_attention", "turn_part"]
+__all__ = ["block_keys", "chosen_tokens", "qsa_attention", "qsa_blocks", "turn_part"]
 
 
 def qsa_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, index_q: torch.Tensor,
@@ -36,6 +38,13 @@ def qsa_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     rotary's: cos then sin, the first rotary_dim / 2 of each half the turned pairs' frequencies) -> [T, heads,
     head_dim] in query's dtype."""
     selection = (ratio, topk_blocks, key_norm, cos_sin_cache, rotary_dim)
+    if query.is_cuda:   # every query at once over its chosen blocks' K/V, read in place (`qsa_blocks`)
+        from kernels.triton_block_sparse import attend_blocks
+
+        chosen, keep = qsa_blocks(index_q, index_cache, meta, ratio=ratio, topk_blocks=topk_blocks,
+                                  key_norm=key_norm, cos_sin_cache=cos_sin_cache, rotary_dim=rotary_dim)
+        return attend_blocks(query, key_cache, value_cache, chosen, keep, meta, scale, block_size=ratio,
+                             k_scale=k_scale, v_scale=v_scale)
     if all(n == 1 for n in meta.query_lens_list):
         return _decode(query, (key_cache, value_cache, index_cache), index_q, meta, scale, selection,
                        (k_scale, v_scale))
@@ -63,23 +72,16 @@ def _decode(query: torch.Tensor, caches: tuple[torch.Tensor, ...], index_q: torc
     positions make the blocks' keys (a shorter one's past its end never visible), each picks its blocks, and only
     those blocks' K/V rows and the last incomplete block's are gathered: [n, (k + 1) x ratio] rows, attended in
     float32."""
-    ratio, topk_blocks, key_norm, cos_sin_cache, rotary_dim = selection
+    ratio = selection[0]
     key_cache, value_cache, index_cache = caches
     n, heads, d = query.shape
     kv_heads, longest = key_cache.shape[2], max(meta.seq_lens_list)
     slots = context_slots(meta, list(range(n)), longest)                                          # [n, L]
-    raw = index_cache.view(-1, index_cache.shape[-1]).index_select(0, slots.flatten())
-    blocks = block_keys(raw.view(n, longest, -1).to(index_q.dtype), ratio, key_norm, cos_sin_cache, rotary_dim)
-    last = meta.seq_lens.to(torch.int64) - 1
-    complete = (last + 1) // ratio
+    best, picked, complete, last = _decode_choice(index_q, index_cache, meta, selection, slots)
     offsets = torch.arange(ratio, device=query.device)
     tail = complete[:, None] * ratio + offsets                                                    # [n, ratio]
     positions, valid = tail, tail <= last[:, None]
-    if blocks.shape[1]:
-        scores = torch.einsum("nhd,nbd->nbh", index_q.float(), blocks.float()).relu().sum(dim=-1)
-        visible = torch.arange(blocks.shape[1], device=query.device) < complete[:, None]
-        best, picked = _top_blocks(scores / math.sqrt(index_q.shape[-1]), visible, complete,
-                                   min(topk_blocks, blocks.shape[1]))
+    if picked is not None:
         positions = torch.cat([(picked[:, :, None] * ratio + offsets).flatten(1), tail], dim=1)
         valid = torch.cat([(best > float("-inf")).repeat_interleave(ratio, dim=1), valid], dim=1)
     rows = slots.gather(1, positions.clamp(max=longest - 1))                                      # [n, m]
@@ -88,6 +90,64 @@ def _decode(query: torch.Tensor, caches: tuple[torch.Tensor, ...], index_q: torc
     logits = torch.einsum("nkgd,nmkd->nkgm", q, keys) * scale
     probs = logits.masked_fill(~valid[:, None, None], float("-inf")).softmax(dim=-1)
     return torch.einsum("nkgm,nmkd->nkgd", probs, values).reshape(n, heads, d).to(query.dtype)
+
+
+def _decode_choice(index_q: torch.Tensor, index_cache: torch.Tensor, meta: AttentionMetadata, selection: tuple,
+                   slots: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """One query a sequence, the sequences at once (slots [n, L]: their cache rows over the longest one's positions)
+    -> (the best blocks' scores [n, k] and ids, or None where no sequence has a complete block; each query's count
+    of complete blocks; its position)."""
+    ratio, topk_blocks, key_norm, cos_sin_cache, rotary_dim = selection
+    n, longest = slots.shape
+    raw = index_cache.view(-1, index_cache.shape[-1]).index_select(0, slots.flatten())
+    blocks = block_keys(raw.view(n, longest, -1).to(index_q.dtype), ratio, key_norm, cos_sin_cache, rotary_dim)
+    last = meta.seq_lens.to(torch.int64) - 1
+    complete = (last + 1) // ratio
+    if not blocks.shape[1]:
+        return None, None, complete, last
+    scores = torch.einsum("nhd,nbd->nbh", index_q.float(), blocks.float()).relu().sum(dim=-1)
+    visible = torch.arange(blocks.shape[1], device=index_q.device) < complete[:, None]
+    best, picked = _top_blocks(scores / math.sqrt(index_q.shape[-1]), visible, complete,
+                               min(topk_blocks, blocks.shape[1]))
+    return best, picked, complete, last
+
+
+def qsa_blocks(index_q: torch.Tensor, index_cache: torch.Tensor, meta: AttentionMetadata, *, ratio: int,
+               topk_blocks: int, key_norm: tuple[torch.Tensor, float], cos_sin_cache: torch.Tensor, rotary_dim: int,
+               chunk: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    """What each query attends to as blocks of `ratio` positions, the Triton kernels' form
+    (`kernels.triton_block_sparse.attend_blocks`): ([T, k + 1] int64 block ids, [T, k + 1] bool: attended), k the
+    fewer of `topk_blocks` and the step's longest sequence's complete blocks. Its best complete blocks first (those
+    it does not see not attended), then the block after its last complete one (its tokens up to the query, attended
+    where it holds any): `chosen_tokens`' choice. A decode step's sequences at once, else a sequence and `chunk`
+    queries at a time."""
+    selection = (ratio, topk_blocks, key_norm, cos_sin_cache, rotary_dim)
+    tokens, device = index_q.shape[0], index_q.device
+    longest = max(meta.seq_lens_list, default=0)
+    if tokens and all(n == 1 for n in meta.query_lens_list):
+        best, picked, complete, last = _decode_choice(index_q, index_cache, meta, selection,
+                                                      context_slots(meta, list(range(tokens)), longest))
+        tail = (complete, complete * ratio <= last)
+        if picked is None:
+            return tail[0][:, None], tail[1][:, None]
+        return torch.cat([picked, tail[0][:, None]], dim=1), torch.cat([best > float("-inf"), tail[1][:, None]], dim=1)
+    k = min(topk_blocks, longest // ratio)
+    chosen = torch.zeros(tokens, k + 1, dtype=torch.int64, device=device)
+    keep = torch.zeros(tokens, k + 1, dtype=torch.bool, device=device)
+    start = 0
+    for i, (q_len, s_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
+        raw = index_cache.view(-1, index_cache.shape[-1]).index_select(0, context_slots(meta, [i], s_len)[0])
+        blocks = block_keys(raw.to(index_q.dtype), ratio, key_norm, cos_sin_cache, rotary_dim)      # [nb, d]
+        for a in range(0, q_len, chunk):
+            rows = slice(start + a, start + min(a + chunk, q_len))
+            positions = torch.arange(s_len - q_len + a, s_len - q_len + min(a + chunk, q_len), device=device)
+            complete = (positions + 1) // ratio
+            chosen[rows, k], keep[rows, k] = complete, complete * ratio <= positions
+            if blocks.shape[0]:
+                best, picked = _best_blocks(index_q[rows], blocks, complete, topk_blocks)
+                chosen[rows, :picked.shape[1]], keep[rows, :picked.shape[1]] = picked, best > float("-inf")
+        start += q_len
+    return chosen, keep
 
 
 def block_keys(raw: torch.Tensor, ratio: int, key_norm: tuple[torch.Tensor, float], cos_sin_cache: torch.Tensor,
@@ -128,14 +188,20 @@ def chosen_tokens(index_q: torch.Tensor, blocks: torch.Tensor, positions: torch.
     tail = (tokens >= complete[:, None] * ratio) & (tokens <= positions[:, None])
     if blocks.shape[0] == 0:
         return tail
-    scores = torch.einsum("chd,nd->cnh", index_q.float(), blocks.float()).relu().sum(dim=-1)
-    scores = scores / math.sqrt(index_q.shape[-1])
-    visible = torch.arange(blocks.shape[0], device=index_q.device) < complete[:, None]         # [c, nb]
-    best, picked = _top_blocks(scores, visible, complete, min(topk_blocks, blocks.shape[0]))
+    best, picked = _best_blocks(index_q, blocks, complete, topk_blocks)
     chosen = torch.zeros(len(positions), blocks.shape[0] + 1, dtype=torch.bool, device=index_q.device)
     chosen.scatter_(-1, picked.masked_fill(best == float("-inf"), blocks.shape[0]), True)
     in_block = chosen[:, :blocks.shape[0]].repeat_interleave(ratio, dim=-1)
     return tail | torch.nn.functional.pad(in_block, (0, length - in_block.shape[1]))
+
+
+def _best_blocks(index_q: torch.Tensor, blocks: torch.Tensor, complete: torch.Tensor, topk_blocks: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """index_q [c, index_heads, d] of queries that see `complete` [c] blocks of a sequence's blocks [nb, d] -> the
+    best visible blocks' scores [c, k] (-inf where a query sees fewer) and ids."""
+    scores = torch.einsum("chd,nd->cnh", index_q.float(), blocks.float()).relu().sum(dim=-1)
+    visible = torch.arange(blocks.shape[0], device=index_q.device) < complete[:, None]         # [c, nb]
+    return _top_blocks(scores / math.sqrt(index_q.shape[-1]), visible, complete, min(topk_blocks, blocks.shape[0]))
 
 
 def _top_blocks(scores: torch.Tensor, visible: torch.Tensor, complete: torch.Tensor, k: int

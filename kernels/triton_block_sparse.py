@@ -33,7 +33,7 @@ from kernels.triton_dsa import SCORES_BYTES, aligned_group, token_layout
 from kernels.triton_kv_store import dequantize_e4m3
 from kernels.triton_prefill import LOG2_E, dot_config, padded_head_dim
 
-__all__ = ["block_sparse_attention", "choose_blocks"]
+__all__ = ["attend_blocks", "block_sparse_attention", "choose_blocks"]
 
 
 # What changes from step to step (the block count, the chosen count, the block tables', the scores' and the choice's
@@ -172,15 +172,33 @@ def block_sparse_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     dtype. An FP8 cache's K/V are read as the paged kernels read them (times k_scale / v_scale, rounded to the
     query's type); the indexer keys are never FP8 (`engine.minimax_m3_config.index_key_dtype`)."""
     assert index_cache.dtype != FP8_KV_DTYPE, "indexer keys of a float type"
-    for t in (query, key_cache, value_cache, index_q, index_cache):
+    for t in (index_q, index_cache):
+        assert t.stride(-1) == 1, f"index_dim contiguous, strides {t.stride()}"
+    if not query.shape[0]:
+        return torch.empty_like(query)
+    chosen, keep = choose_blocks(index_q, index_cache, meta, block_size=block_size, topk_blocks=topk_blocks,
+                                 local_blocks=local_blocks)
+    return attend_blocks(query, key_cache, value_cache, chosen, keep, meta, scale, block_size=block_size,
+                         k_scale=k_scale, v_scale=v_scale)
+
+
+def attend_blocks(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, chosen: torch.Tensor,
+                  keep: torch.Tensor, meta: AttentionMetadata, scale: float, *, block_size: int,
+                  k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+    """Each query's heads over the causal keys of its chosen blocks of `block_size` positions alone
+    (`_chosen_blocks_kernel`): chosen [T, kv_heads, k] block ids (or [T, k]: one choice for every KV head), keep the
+    same shape, nonzero where a block is attended; query and caches as `block_sparse_attention`'s."""
+    for t in (query, key_cache, value_cache):
         assert t.stride(-1) == 1, f"head_dim contiguous, strides {t.stride()}"
     tokens, heads, head_dim = query.shape
     kv_heads = key_cache.shape[2]
     out = torch.empty_like(query)
     if not tokens:
         return out
-    chosen, keep = choose_blocks(index_q, index_cache, meta, block_size=block_size, topk_blocks=topk_blocks,
-                                 local_blocks=local_blocks)
+    keep = keep.to(torch.int8)
+    if chosen.dim() == 2:   # one choice for all KV heads
+        chosen, keep = (t[:, None].expand(-1, kv_heads, -1) for t in (chosen, keep))
+    assert keep.stride() == chosen.stride(), "chosen and keep laid out alike"
     token_seq, token_pos = token_layout(meta, query.device)
     kind, precision = dot_config(query.dtype)
     group = heads // kv_heads

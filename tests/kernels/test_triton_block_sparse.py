@@ -177,3 +177,91 @@ def test_on_cuda_the_kernels_at_minimax_m3s_shape_equal_the_torch_attention():
     theirs = block_sparse.block_sparse_attention(query, k_cache, v_cache, index_q, index_cache, _fresh(cuda_meta),
                                                  128 ** -0.5, **pick)
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+
+
+# (sequence lengths, new tokens): a decode step, and chunks beside decode rows (a context shorter than a block, one
+# ending a block, a prompt whole)
+@pytest.mark.parametrize("steps", [([40, 9, 30, 17, 3], [1, 1, 1, 1, 1]),
+                                   ([40, 9, 30, 1, 17, 24], [1, 1, 20, 1, 17, 9])])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qsa_attends_through_the_kernels_to_the_tokens_its_torch_form_keeps(steps, dtype):
+    """Qwen4-Exp's QSA on CUDA (`kernels.qsa.qsa_blocks`: each query's best complete blocks of `ratio` positions,
+    one choice for every head, and the block after its last complete one; `attend_blocks` over them) against
+    `qsa_attention`'s torch form (a choice of the tokens, attended in float32)."""
+    from kernels import qsa
+
+    seq_lens, query_lens = steps
+    query, k_cache, v_cache, _, index_cache, meta = _step(seq_lens, query_lens, 4, 2, 16, 16, 8, dtype, seed=5)
+    gen = torch.Generator().manual_seed(6)
+    index_q = torch.randn(sum(query_lens), 3, 16, generator=gen).to(dtype)   # 3 indexer heads
+    select = dict(ratio=4, topk_blocks=2, key_norm=(torch.randn(16, generator=gen) * 0.1, 1e-6),
+                  cos_sin_cache=torch.randn(64, 8, generator=gen).to(dtype), rotary_dim=8)
+    chosen, keep = qsa.qsa_blocks(index_q, index_cache, meta, **select)
+    assert chosen.shape == keep.shape == (sum(query_lens), 3)   # two blocks and the one after the last complete
+    ours = triton_block_sparse.attend_blocks(query, k_cache, v_cache, chosen, keep, meta, 0.25, block_size=4)
+    theirs = qsa.qsa_attention(query, k_cache, v_cache, index_q, index_cache, _fresh(meta), 0.25, **select)
+    assert ours.dtype == query.dtype and not ours.isnan().any()
+    torch.testing.assert_close(ours.float(), theirs.float(), atol=TOLERANCES[dtype], rtol=TOLERANCES[dtype])
+    dense = reference.paged_attention(query.float(), k_cache.float(), v_cache.float(), _fresh(meta), 0.25)
+    assert (dense - theirs.float()).abs().max() > 0.1   # the choice leaves keys out: it matters
+
+
+@pytest.mark.slow   # ~20 s through the interpreter; the kernel's exactness is above
+@pytest.mark.usefixtures("one_thread")
+def test_qwen4_exp_attending_through_the_kernels_answers_as_transformers(tmp_path, builtin_path, monkeypatch):
+    """Qwen4-Exp's tiny model (QSA blocks of 4, 2 a query) with every QSA step through `qsa_blocks` and
+    `attend_blocks` (its CUDA path; the interpreter here), prompts past the blocks it may choose: transformers'
+    greedy tokens."""
+    import transformers
+
+    from engine.llm_engine import LLMEngine
+    from engine.models import qwen4_exp
+    from engine.sampling import SamplingParams
+    from kernels import qsa
+    from tests.conftest import make_tiny_model
+    from tests.engine.test_engine_vs_hf import QWEN4_EXP, _hf_greedy
+
+    calls = []
+
+    def through_kernels(query, key_cache, value_cache, index_q, index_cache, meta, scale, *, ratio, k_scale=1.0,
+                        v_scale=1.0, **select):
+        chosen, keep = qsa.qsa_blocks(index_q, index_cache, meta, ratio=ratio, **select)
+        calls.append(chosen.shape)
+        return triton_block_sparse.attend_blocks(query, key_cache, value_cache, chosen, keep, meta, scale,
+                                                 block_size=ratio, k_scale=k_scale, v_scale=v_scale)
+
+    monkeypatch.setattr(qwen4_exp, "qsa_attention", through_kernels)
+    folder = make_tiny_model(tmp_path / "qwen4_exp", "qwen4_exp_text", builtin_path, **QWEN4_EXP)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    engine = LLMEngine.from_args(str(folder), dtype="float32", block_size=8, num_blocks=64,
+                                 max_num_batched_tokens=64, progress=False)
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (5, 40, 90)]
+    outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == [_hf_greedy(hf, p, 8, eos_ids=None) for p in prompts]
+    assert calls and max(shape[1] for shape in calls) == 3   # two chosen blocks and the last incomplete one
+
+
+@pytest.mark.gpu
+def test_on_cuda_qsa_equals_its_torch_form_on_the_cpu():
+    """Compiled on a GPU: QSA (blocks of 64, the best 8 a query, 4 indexer heads of 64; 16 query heads over 2 KV heads
+    of 128) over four decodes of 3,000 to 6,000 cached tokens and a chunk of 64 new ones, float32: `qsa_attention` on
+    CUDA (`qsa_blocks`, `attend_blocks`) against its torch form on the CPU."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from kernels import qsa
+
+    query, k_cache, v_cache, _, index_cache, meta = _step([4096, 5000, 6000, 3000, 4500], [1, 1, 1, 1, 64], 16, 2,
+                                                          128, 64, 16, torch.float32, seed=8)
+    gen = torch.Generator().manual_seed(9)
+    index_q = torch.randn(len(query), 4, 64, generator=gen)
+    select = dict(ratio=64, topk_blocks=8, key_norm=(torch.randn(64, generator=gen) * 0.1, 1e-6),
+                  cos_sin_cache=torch.randn(8192, 64, generator=gen), rotary_dim=64)
+    theirs = qsa.qsa_attention(query, k_cache, v_cache, index_q, index_cache, _fresh(meta), 128 ** -0.5, **select)
+    cuda_meta = AttentionMetadata.build(meta.block_tables.tolist(), meta.query_lens_list, meta.seq_lens_list,
+                                        meta.block_size, "cuda")
+    select = {**select, "key_norm": (select["key_norm"][0].cuda(), 1e-6),
+              "cos_sin_cache": select["cos_sin_cache"].cuda()}
+    ours = qsa.qsa_attention(*(t.cuda() for t in (query, k_cache, v_cache, index_q, index_cache)), cuda_meta,
+                             128 ** -0.5, **select)
+    torch.testing.assert_close(ours.cpu(), theirs, atol=1e-4, rtol=1e-4)
