@@ -108,6 +108,8 @@ class PleLayer(nn.Module):
     (`ple_embedding.ngram_embedding`, this rank's columns), projections, norms and convolution; `index` its place
     among the PLE layers (its tables' primes and hash multipliers), its state's too."""
 
+    scans_pieces = True   # a step's longer pieces at once (`_pieces_at_once`); else each by itself
+
     def __init__(self, config: ModelConfig, index: int, shard: ShardShape, comm: Collectives) -> None:
         super().__init__()
         s = self.shape = config.qwen4_exp
@@ -127,8 +129,6 @@ class PleLayer(nn.Module):
                                                           for _ in range(3))
         self.conv1d = nn.Module()
         self.conv1d.weight = nn.Parameter(torch.empty(wide, 1, s.ple_kernel))
-
-    scans_pieces = True   # a step's longer pieces at once (`_pieces_at_once`); else each by itself
 
     def forward(self, streams: torch.Tensor, input_ids: torch.Tensor, meta: AttentionMetadata,
                 states: RecurrentStates) -> torch.Tensor:
