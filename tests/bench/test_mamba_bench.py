@@ -44,7 +44,7 @@ def test_bad_sizes_are_named(option, value):
 
 @pytest.mark.parametrize("mode,shape,keys", [
     ("--gated-delta", ("--k-heads", "2", "--v-heads", "4", "--head-dim", "16"), ("k_heads", "v_heads", "head_dim")),
-    ("--gated-delta --per-channel", ("--k-heads", "4", "--v-heads", "4", "--head-dim", "16"),
+    ("--gated-delta --per-channel", ("--k-heads", "1", "--v-heads", "1", "--head-dim", "16"),
      ("k_heads", "v_heads", "head_dim")),
     ("--ssd", ("--ssd-heads", "4", "--ssd-head-dim", "16", "--ssd-groups", "2", "--ssd-d-state", "16"),
      ("heads", "head_dim", "groups", "d_state")),

@@ -206,40 +206,25 @@ def test_qsa_attends_through_the_kernels_to_the_tokens_its_torch_form_keeps(step
     assert (dense - theirs.float()).abs().max() > 0.1   # the choice leaves keys out: it matters
 
 
-@pytest.mark.slow   # ~20 s through the interpreter; the kernel's exactness is above
+@pytest.mark.slow   # ~40 s through the interpreter; the kernel's exactness is above
 @pytest.mark.usefixtures("one_thread")
 def test_qwen4_exp_attending_through_the_kernels_answers_as_transformers(tmp_path, builtin_path, monkeypatch):
     """Qwen4-Exp's tiny model (QSA blocks of 4, 2 a query) with every QSA step through `qsa_blocks` and
     `attend_blocks` (its CUDA path; the interpreter here), prompts past the blocks it may choose: transformers'
     greedy tokens."""
-    import transformers
-
-    from engine.llm_engine import LLMEngine
     from engine.models import qwen4_exp
-    from engine.sampling import SamplingParams
     from kernels import qsa
-    from tests.conftest import make_tiny_model
-    from tests.engine.test_engine_vs_hf import QWEN4_EXP, _hf_greedy
-
-    calls = []
+    from tests.engine.test_engine_vs_hf import QWEN4_EXP
+    from tests.kernels.test_triton_gated_delta import assert_prefills_through
 
     def through_kernels(query, key_cache, value_cache, index_q, index_cache, meta, scale, *, ratio, k_scale=1.0,
                         v_scale=1.0, **select):
         chosen, keep = qsa.qsa_blocks(index_q, index_cache, meta, ratio=ratio, **select)
-        calls.append(chosen.shape)
         return triton_block_sparse.attend_blocks(query, key_cache, value_cache, chosen, keep, meta, scale,
                                                  block_size=ratio, k_scale=k_scale, v_scale=v_scale)
 
-    monkeypatch.setattr(qwen4_exp, "qsa_attention", through_kernels)
-    folder = make_tiny_model(tmp_path / "qwen4_exp", "qwen4_exp_text", builtin_path, **QWEN4_EXP)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    engine = LLMEngine.from_args(str(folder), dtype="float32", block_size=8, num_blocks=64,
-                                 max_num_batched_tokens=64, progress=False)
-    gen = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (5, 40, 90)]
-    outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    assert [o.outputs[0].token_ids for o in outs] == [_hf_greedy(hf, p, 8, eos_ids=None) for p in prompts]
-    assert calls and max(shape[1] for shape in calls) == 3   # two chosen blocks and the last incomplete one
+    assert_prefills_through(tmp_path, builtin_path, monkeypatch, (qwen4_exp, through_kernels, "qsa_attention"),
+                            "qwen4_exp_text", QWEN4_EXP)
 
 
 @pytest.mark.gpu

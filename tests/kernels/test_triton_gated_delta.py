@@ -246,7 +246,8 @@ def test_kimi_linear_prefilling_through_the_kernels_answers_as_transformers(tmp_
 
 def assert_prefills_through(tmp_path, builtin_path, monkeypatch, kernel: tuple, arch: str, shape: dict) -> None:
     """The tiny `arch` model of `shape` with its state layers' prefill function (kernel: (the module whose `chunked`
-    the layers call, the Triton function put in its place[, the name called where not `chunked`])) through the Triton
+    the layers call, the Triton function put in its place[, the name called where not `chunked`]); or any function a
+    model module calls with its step's tokens first) through the Triton
     form: prompts of 5, 40 and 100 tokens, pieces of up to 64, answer with transformers' greedy tokens, a call past
     one chunk of 32 among them."""
     import transformers
@@ -259,7 +260,7 @@ def assert_prefills_through(tmp_path, builtin_path, monkeypatch, kernel: tuple, 
     module, function, *name = kernel
     calls = []
     monkeypatch.setattr(module, name[0] if name else "chunked",
-                        lambda *args: calls.append(len(args[0])) or function(*args))
+                        lambda *args, **kwargs: calls.append(len(args[0])) or function(*args, **kwargs))
     folder = make_tiny_model(tmp_path / arch, arch, builtin_path, **shape)
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     engine = LLMEngine.from_args(str(folder), dtype="float32", block_size=8, num_blocks=64,
