@@ -137,15 +137,19 @@ def _spawn_follower(follower: Callable, args) -> subprocess.Popen:
 
 
 def _fork_follower(follower: Callable, args, link: socket.socket) -> ForkedProcess:
-    """`follower(args)` forked from the fork server, `link` handed over by multiprocessing."""
-    process = mp.get_context("forkserver").Process(target=_run_follower, args=(follower, args, link),
+    """`follower(args)` forked from the fork server, `link` handed over by multiprocessing, under this process's
+    environment now (the server's is the one it started with: a backend or NCCL variable set since would differ
+    between the ranks, and their kernels with it)."""
+    process = mp.get_context("forkserver").Process(target=_run_follower, args=(follower, args, link, dict(os.environ)),
                                                    name=f"cliffguard-tp-rank-{args.rank}", daemon=True)
     process.start()
     kill_at_exit(process)   # it ignores SIGTERM: one left running at exit is killed, not joined
     return ForkedProcess(process)
 
 
-def _run_follower(follower: Callable, args, link: socket.socket) -> None:
+def _run_follower(follower: Callable, args, link: socket.socket, environ: dict[str, str]) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
     follower(dataclasses.replace(args, link_fd=link.detach()))
 
 

@@ -677,6 +677,38 @@ def test_followers_forked_from_the_fork_server_die_with_rank_0s_process(llama):
     assert not _alive(follower)
 
 
+@dataclasses.dataclass(frozen=True)
+class _MarkArgs:
+    """What `start_follower` hands a follower: its rank and link, and here a file to write."""
+
+    rank: int
+    link_fd: int
+    path: str
+
+
+def follower_that_writes_its_environment(args: _MarkArgs) -> None:
+    import os
+    from pathlib import Path
+
+    Path(args.path).write_text(os.environ.get("CLIFFGUARD_TEST_MARK", "unset"))
+
+
+def test_a_forked_follower_runs_under_rank_0s_environment_not_the_fork_servers(tmp_path, monkeypatch):
+    """The fork server keeps the environment it started with (tests/conftest.py starts it first): a follower forked
+    from it takes rank 0's as it is when it forks (a backend variable set since: both ranks' kernels alike)."""
+    import socket
+
+    from engine.fork_server import forks_followers, start_follower
+
+    assert forks_followers()
+    monkeypatch.setenv("CLIFFGUARD_TEST_MARK", "set since the server started")
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        process = start_follower(follower_that_writes_its_environment, _MarkArgs(1, -1, str(tmp_path / "env")), theirs)
+        assert process.wait(60) == 0
+    assert (tmp_path / "env").read_text() == "set since the server started"
+
+
 def test_a_killed_worker_takes_its_other_ranks_with_it(llama):
     import asyncio
     import os
