@@ -6,7 +6,8 @@ launches once and replays them with one call. What a replay may differ in must l
 the graph read at capture: `DecodeGraphs` owns those static buffers (token ids, positions, slots, block
 tables, sequence lengths, `query_start_loc`) and the output buffer, sized for the largest batch, and
 captures `LlamaForCausalLM.forward` once per batch size of `capture_sizes(max_num_seqs)`, largest
-first, into one shared memory pool.
+first, into one shared memory pool; a sparse attention that picks its path by the step's lengths is captured
+once per length of `capture_lengths` too (its dense regime, then doubling lengths where its kernels allow).
 
 A step with `n` decode tokens (every sequence's query length 1, n <= the largest size) copies its inputs
 into the first `n` rows of the buffers, marks the padded rows' slots -1 (their K/V is not stored; they
@@ -15,8 +16,8 @@ first `n` rows of the output. Prefill and mixed steps run eagerly: their shapes 
 their arithmetic, not their launches, sets their time.
 
 Why the replay is right: every launch decision of the decode path is taken from Python ints fixed by the
-padded batch (`query_lens_list` all 1; `seq_lens_list` at `max_model_len`, so the flash-decoding split
-count suits any length), and every per-step tensor the kernels read (the attention plan's tiles, the
+padded batch (`query_lens_list` all 1; `seq_lens_list` at the graph's length, so the flash-decoding split
+count suits any length it holds), and every per-step tensor the kernels read (the attention plan's tiles, the
 rotary rows, the metadata) is either a static buffer or built from one on the device. The plan is built
 by the eager warm-up run before each capture, so no host-to-device copy happens during capture.
 
@@ -46,7 +47,7 @@ import torch
 
 from kernels import AttentionMetadata
 
-__all__ = ["MAX_GRAPH_BATCH", "CudaGraphBackend", "DecodeGraphs", "GraphBackend", "capture_sizes",
+__all__ = ["MAX_GRAPH_BATCH", "CudaGraphBackend", "DecodeGraphs", "GraphBackend", "capture_lengths", "capture_sizes",
            "graph_memory_bytes"]
 
 MAX_GRAPH_BATCH = 512   # decode steps with more sequences run eagerly (their launches are a small share)
@@ -61,9 +62,24 @@ def capture_sizes(max_batch: int) -> list[int]:
     return sizes
 
 
+def capture_lengths(max_model_len: int, dense_len: int | None, sparse: bool) -> list[int]:
+    """The longest sequences the graphs are captured for, shortest first (a step replays those of the shortest that
+    holds its longest sequence): `max_model_len` alone for most models. A model whose attention picks its path by the
+    step's lengths (`graph_max_len`: its dense regime's longest) holds that regime alone, unless its longer regime's
+    kernels launch alike for every length up to the one they are given (`graph_sparse_regime`: DeepSeek V3.2's and
+    MiniMax M3's Triton sparse kernels, whose indexer scores as many positions as that length): then lengths double
+    from the dense regime's up to `max_model_len`, so a step's indexer scores at most twice its longest sequence."""
+    if dense_len is None or dense_len >= max_model_len:
+        return [max_model_len]
+    lengths = [dense_len]
+    while sparse and lengths[-1] < max_model_len:
+        lengths.append(min(2 * lengths[-1], max_model_len))
+    return lengths
+
+
 def graph_memory_bytes(hidden_size: int, q_size: int, kv_size: int, intermediate_size: int, num_heads: int,
                        head_dim: int, max_batch: int, dtype_bytes: int, max_splits: int = 16, num_experts: int = 0,
-                       top_k: int = 0, moe_intermediate_size: int = 0) -> int:
+                       top_k: int = 0, moe_intermediate_size: int = 0, sparse_bytes: int = 0) -> int:
     """What the capacity plan sets aside for the graphs of one rank: the largest batch's activations
     (the pool is shared, sizes are captured largest first, so the largest sets its size), doubled for the
     caching allocator's rounding and the graphs' own bookkeeping, plus 64 MiB for cuBLAS workspaces.
@@ -72,8 +88,10 @@ def graph_memory_bytes(hidden_size: int, q_size: int, kv_size: int, intermediate
     outputs (5 x hidden), qkv, attention's output, gate/up and its SiLU x mul, the rotary rows, and the
     flash-decoding partials (float32: max, sum and an accumulator per head and split). A mixture of experts
     (`num_experts` > 0, `kernels.triton_moe`) adds per token the router's float32 logits and, for each of its
-    `top_k` pairs, gate/up and SiLU x mul of `moe_intermediate_size`, a float32 output row and the pair ids."""
+    `top_k` pairs, gate/up and SiLU x mul of `moe_intermediate_size`, a float32 output row and the pair ids; graphs of
+    a sparse regime (`capture_lengths`) add `sparse_bytes` (the indexer's scores and choice a token)."""
     per_token = dtype_bytes * (5 * hidden_size + q_size + 2 * kv_size + q_size + 3 * intermediate_size + head_dim)
+    per_token += sparse_bytes
     per_token += 4 * num_heads * max_splits * (head_dim + 2)
     if num_experts:
         per_token += 4 * num_experts + top_k * (3 * dtype_bytes * moe_intermediate_size + 4 * hidden_size + 3 * 8)
@@ -122,16 +140,18 @@ class DecodeGraphs:
 
     model: the `LlamaForCausalLM`; kv_caches: its per-layer (k, v) caches; backend: the attention
     backend module; max_batch: the most decode tokens of a step (the pools' `max_num_seqs` together);
-    max_model_len: the longest sequence (sets the block tables' width and the split count), at most the model's
-    `graph_max_len` (DeepSeek V3.2's `index_topk`: its dense regime; a step with a longer sequence runs eagerly);
-    graphs: the `GraphBackend`.
+    max_model_len: the longest sequence (sets the block tables' width and the split count); `lengths` the longest
+    sequences graphs hold (`capture_lengths`: a sparse model's dense regime, then doublings where its sparse kernels
+    allow; a step with a longer sequence runs eagerly); graphs: the `GraphBackend`.
     """
 
     def __init__(self, model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend, device: torch.device,
                  max_batch: int, max_model_len: int, block_size: int, graphs: GraphBackend, rings: bool = False
                  ) -> None:
         self.model, self.kv_caches, self.backend, self.graphs = model, kv_caches, backend, graphs
-        max_model_len = min(max_model_len, getattr(model, "graph_max_len", None) or max_model_len)
+        self.lengths = capture_lengths(max_model_len, getattr(model, "graph_max_len", None),
+                                       getattr(model, "graph_sparse_regime", False))
+        max_model_len = self.lengths[-1]
         self.device, self.max_model_len, self.block_size = device, max_model_len, block_size
         self.sizes = capture_sizes(max_batch)
         self.max_batch = self.sizes[-1] if self.sizes else 0
@@ -151,38 +171,39 @@ class DecodeGraphs:
         # a window-bounded cache's (engine.sliding_kv): the sliding layers' slots and block tables over their rings
         self.ring_slots = self.slots.clone() if rings else None
         self.ring_tables = self.block_tables.clone() if rings else None
-        # size -> (graph, its output, its metadata: the attention plan's tensors in `backend_cache` that the
+        # (length, size) -> (graph, its output, its metadata: the attention plan's tensors in `backend_cache` that the
         # graph reads stay alive with it)
-        self._graphs: dict[int, tuple[Any, torch.Tensor, AttentionMetadata]] = {}
+        self._graphs: dict[tuple[int, int], tuple[Any, torch.Tensor, AttentionMetadata]] = {}
         self.capture_seconds = 0.0
         self.memory_bytes = 0
 
-    def _meta(self, size: int, ring: bool = False) -> AttentionMetadata:
+    def _meta(self, size: int, length: int, ring: bool = False) -> AttentionMetadata:
         slots, tables = (self.ring_slots, self.ring_tables) if ring else (self.slots, self.block_tables)
         meta = AttentionMetadata(
             slot_mapping=slots[:size], block_tables=tables[:size],
             query_start_loc=self.query_start_loc[:size + 1], seq_lens=self.seq_lens[:size],
-            block_size=self.block_size, query_lens_list=[1] * size, seq_lens_list=[self.max_model_len] * size,
+            block_size=self.block_size, query_lens_list=[1] * size, seq_lens_list=[length] * size,
             has_invalid_slots=True, rows=self.rows[:size])   # padded rows: slot -1
         if not ring and self.ring_slots is not None:
-            meta.ring = self._meta(size, ring=True)
+            meta.ring = self._meta(size, length, ring=True)
         return meta
 
     def capture(self) -> None:
-        """Capture every size, largest first (the later ones reuse its pool). Each is run once eagerly
-        before its capture: kernels compile and the attention plan is built outside the capture."""
+        """Capture every size of every length, longest and largest first (the later ones reuse its pool). Each
+        is run once eagerly before its capture: kernels compile and the attention plan is built outside the capture."""
         started = time.perf_counter()
         before = self.graphs.memory_in_use()
-        for size in reversed(self.sizes):
-            meta = self._meta(size)
-            ids, positions = self.input_ids[:size], self.positions[:size]
+        for length in reversed(self.lengths):
+            for size in reversed(self.sizes):
+                meta = self._meta(size, length)
+                ids, positions = self.input_ids[:size], self.positions[:size]
 
-            def forward(meta=meta, ids=ids, positions=positions) -> torch.Tensor:
-                return self.model(ids, positions, self.kv_caches, meta, self.backend)
+                def forward(meta=meta, ids=ids, positions=positions) -> torch.Tensor:
+                    return self.model(ids, positions, self.kv_caches, meta, self.backend)
 
-            forward()                              # warm-up: compiles, fills meta.backend_cache
-            graph, out = self.graphs.capture(forward)
-            self._graphs[size] = (graph, out, meta)
+                forward()                              # warm-up: compiles, fills meta.backend_cache
+                graph, out = self.graphs.capture(forward)
+                self._graphs[length, size] = (graph, out, meta)
         self.memory_bytes = max(0, self.graphs.memory_in_use() - before)
         self.capture_seconds = time.perf_counter() - started
 
@@ -193,11 +214,12 @@ class DecodeGraphs:
             and (not seq_lens or max(seq_lens) <= self.max_model_len)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """The step's hidden states [n, hidden_size] from the graph of the smallest size >= n (a view of
-        that graph's output: read it before the next replay)."""
-        n = int(input_ids.shape[0])
+        """The step's hidden states [n, hidden_size] from the graph of the smallest size >= n among those of the
+        shortest length that holds its longest sequence (a view of that graph's output: read it before the next
+        replay)."""
+        n, longest = int(input_ids.shape[0]), max(meta.seq_lens_list)
         size = next(s for s in self.sizes if s >= n)
-        graph, out, _ = self._graphs[size]
+        graph, out, _ = self._graphs[next(length for length in self.lengths if length >= longest), size]
         width = meta.block_tables.shape[1]
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
         self.positions[:n].copy_(positions, non_blocking=True)

@@ -57,6 +57,14 @@ class BlockIndexer:
         """The indexer keys a token adds to the cache (whole on every rank)."""
         return len(self.layers) * self.head_dim * itemsize
 
+    def graph_scores_bytes(self, max_len: int, kv_heads: int) -> int:
+        """A decode token's bytes in a sparse regime's CUDA graphs (`engine.cuda_graphs.capture_lengths`, graphs of
+        sequences of up to `max_len`) on a rank of `kv_heads` KV heads: each head's float32 score of every block, the
+        top-k's values and block ids and two masks; 0 where `max_len` is within the dense regime."""
+        if max_len <= self.topk_blocks * self.block_size:
+            return 0
+        return kv_heads * (4 * -(-max_len // self.block_size) + self.topk_blocks * (4 + 8 + 1 + 1))
+
     def num_params(self, hidden_size: int, kv_heads: int) -> int:
         """Each sparse layer's indexer on a rank of `kv_heads` KV heads (a head each: their q rows; k whole), its q
         and k norms."""

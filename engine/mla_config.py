@@ -64,6 +64,12 @@ class MlaShape:
         """What a token leaves in the cache: `latent_dim`, and the indexer's key where there is one (704 for V3.2)."""
         return self.latent_dim + self.index_head_dim
 
+    def graph_scores_bytes(self, max_len: int) -> int:
+        """A decode token's bytes in a sparse regime's CUDA graphs (`engine.cuda_graphs.capture_lengths`, graphs of
+        sequences of up to `max_len`): the indexer's float32 score of every position, the top-k's values and positions
+        and its two masks; 0 without an indexer or where `max_len` is within the dense regime."""
+        return 4 * max_len + self.index_topk * (4 + 8 + 1 + 1) if 0 < self.index_topk < max_len else 0
+
     def num_params(self, hidden: int, heads: int, bias: bool) -> int:
         """One layer's attention with `heads` query heads: q (through its bottleneck and norm, or one projection),
         the latent's projection and norm (whole on every rank), the latent's per-head up-projection, o_proj."""

@@ -167,6 +167,7 @@ class LlamaForCausalLM(CheckpointReading, nn.Module):
     norm_class: type[nn.Module] | None = None   # a family's own norm (hidden_size, eps) in place of RMSNorm
     graph_safe = True              # its forward reads nothing back from the device: CUDA graphs can capture it
     graph_max_len: int | None = None   # the longest sequence a captured decode step holds (None: max_model_len)
+    graph_sparse_regime = False    # past graph_max_len too, at lengths it is given (engine.cuda_graphs.capture_lengths)
     norm_init = 1.0                # a norm's weight in `init_random` (Gemma's 1 + weight: 0)
 
     def __init__(self, config: ModelConfig, shard: ShardShape | None = None, comm: Collectives | None = None,

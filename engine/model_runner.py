@@ -150,8 +150,9 @@ class _Forward:
             self.graphs.capture()
         if getattr(self.model, "states", None) is not None:   # the graphs read these tensors: they stay put
             self.model.states.frozen = True
-        log.info("captured %d decode graphs (batch 1 to %d) in %.1fs, %.0f MiB", len(self.graphs.sizes),
-                 self.graphs.max_batch, self.graphs.capture_seconds, self.graphs.memory_bytes / 2**20)
+        log.info("captured %d decode graphs (batch 1 to %d, sequences up to %s tokens) in %.1fs, %.0f MiB",
+                 len(self.graphs.sizes) * len(self.graphs.lengths), self.graphs.max_batch,
+                 "/".join(map(str, self.graphs.lengths)), self.graphs.capture_seconds, self.graphs.memory_bytes / 2**20)
 
     def _apply_move(self, kind: str, pool: str, pairs: list[tuple[int, int]]) -> None:
         if kind == "swap_out":

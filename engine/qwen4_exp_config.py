@@ -48,6 +48,10 @@ class QsaIndexer(BlockIndexer):
         d = self.head_dim
         return len(self.layers) * (hidden_size * (self.num_heads + 1) * d + 2 * d)
 
+    def graph_scores_bytes(self, max_len: int, kv_heads: int) -> int:
+        """0: QSA's sparse regime runs eagerly (its selection is torch's, a sequence at a time): no graph holds it."""
+        return 0
+
     @property
     def dense_len(self) -> int:
         """The longest context a query attends whole: (topk_blocks + 1) x block_size - 1 tokens hold at most

@@ -129,8 +129,14 @@ def _sparse_attention_kernel(
 
 
 def token_layout(meta: AttentionMetadata, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """([T] int32 each token's sequence, [T] int32 its position), built once a step (`meta.backend_cache`; the
-    block-sparse kernels share it)."""
+    """([T] int32 each token's sequence, [T] int32 its position; the block-sparse kernels share it). A decode step's
+    comes from its device lengths at every call (token i of sequence i, at its length - 1), so a captured decode graph
+    recomputes it from the lengths each replay copies in (`engine.cuda_graphs`: built once, it would keep the warm-up
+    run's); another step's is built from its lists once a step (`meta.backend_cache`)."""
+    if meta.query_lens_list and all(q == 1 for q in meta.query_lens_list):
+        tokens = len(meta.query_lens_list)
+        return (torch.arange(tokens, dtype=torch.int32, device=device),
+                meta.seq_lens[:tokens].to(device=device, dtype=torch.int32) - 1)
     cached = meta.backend_cache.get("triton_dsa")
     if cached is None:
         seqs, positions = [], []

@@ -249,7 +249,7 @@ def plan_capacity(config: CliffguardConfig, model_configs: Mapping[str, ModelCon
         s_kv, s_kv_dev = rings.kv_bytes_per_token, rings.kv_bytes_per_token_per_device
         weights = held_weight_bytes(model, ShardShape.of(model), dtype, dev.quantization, device_type)
         weights_dev = held_weight_bytes(model, shard, dtype, dev.quantization, device_type)   # each rank alike
-        graphs_dev = graph_reserve(model, dev, device_type, tp, dtype)
+        graphs_dev = graph_reserve(model, dev, device_type, tp, dtype, (p.max_model_len for _, p in members))
         # what the engine finds loaded: the rope's too, over the positions its pools serve
         loaded_dev = weights_dev + model.serving(p.max_model_len for _, p in members).rotary_cache_bytes(dtype)
         kv_dev = formula.kv_cache_bytes(memory, loaded_dev, dev.memory_utilization) - graphs_dev

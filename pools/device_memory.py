@@ -12,7 +12,7 @@ large GPU can need more than the headroom: `headroom_warning` says so before any
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -111,16 +111,22 @@ def no_room_for_kv(dkey: str, dev: DeviceSpec, memory: int, source: str, model: 
                      f"KV{hint}")
 
 
-def graph_reserve(model: ModelConfig, dev: DeviceSpec, device_type: str, tp: int, dtype: torch.dtype) -> int:
+def graph_reserve(model: ModelConfig, dev: DeviceSpec, device_type: str, tp: int, dtype: torch.dtype,
+                  max_model_lens: Iterable[int | None]) -> int:
     """Bytes per GPU for the decode graphs where the engine captures them (CUDA, not `enforce_eager`, not DeepSeek
-    V4's attention; V3.2's sparse attention in its dense regime, `engine.models.deepseek_v32`): the largest batch it
-    captures (`MAX_GRAPH_BATCH`: the pools' sizes come from what is left)."""
+    V4's attention): the largest batch it captures (`MAX_GRAPH_BATCH`: the pools' sizes come from what is left); a
+    sparse attention's graphs past its dense regime (DeepSeek V3.2's, MiniMax M3's) hold its indexer's scores of
+    sequences up to the longest of the device's pools' `max_model_lens` (None: the model's context)."""
     if device_type != "cuda" or dev.enforce_eager or model.deepseek_v4 is not None:
         return 0
+    max_model_len = max((n or model.context_length for n in max_model_lens), default=model.context_length)
     shard = ShardShape.of(model, 0, tp)
     shapes = [(rank_kv_heads(heads, tp), dim) for heads, dim in map(model.layer_kv_shape, range(model.num_layers))]
     dim, kv_size = max(d for _, d in shapes), max(h * d for h, d in shapes)   # the widest layer's (Gemma 4's full)
+    sparse = model.mla.graph_scores_bytes(max_model_len) if model.mla is not None else 0
+    if model.block_indexer is not None:
+        sparse += model.block_indexer.graph_scores_bytes(max_model_len, rank_kv_heads(model.num_kv_heads, tp))
     return graph_memory_bytes(model.hidden_size, shard.num_heads * dim, kv_size,
                               shard.intermediate_size, shard.num_heads, dim, MAX_GRAPH_BATCH,
                               dtype.itemsize, num_experts=model.num_experts, top_k=model.num_experts_per_tok,
-                              moe_intermediate_size=shard.moe_intermediate_size)
+                              moe_intermediate_size=shard.moe_intermediate_size, sparse_bytes=sparse)

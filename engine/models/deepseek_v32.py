@@ -18,9 +18,11 @@ Attention (`DsaAttention`): while no sequence of the step has more than `index_t
 `index_topk` are all its earlier tokens and the attention is V3's (the paged kernels over the rows, the query padded
 with zeros over the indexer's part: q.k unchanged); past that the indexer picks and the query attends to its choice
 alone, by the backend's kernels where it has them (`kernels.triton_dsa` on CUDA), else by `kernels.dsa`'s torch
-reference. Which path runs is decided by the step's lengths on the host, so CUDA graphs capture the first regime
-alone: the decode graphs hold sequences of up to `index_topk` tokens (`graph_max_len`: a chat pool's decodes replay
-them, V3's paged kernels under the graph), and a decode step with a longer sequence runs eagerly.
+reference. Which path runs is decided by the step's lengths on the host, so the decode graphs of sequences of up to
+`index_topk` tokens (`graph_max_len`: a chat pool's decodes) hold V3's paged kernels, and those of longer ones (doubling
+lengths up to the longest served, `graph_sparse_regime`) the Triton indexer and sparse kernels, told that length: the
+indexer scores that many positions for every query (-inf past its own), the top-k of a fixed width follows, and each
+token's sequence and position come from the step's device lengths (`kernels.triton_dsa.token_layout`).
 
 Tensor parallelism: the indexer is whole on every rank (the cache's rows are), each rank attends its own heads over
 the rows the same choice picks.
@@ -146,6 +148,7 @@ class DeepseekV32ForCausalLM(DeepseekForCausalLM):
     """DeepSeek V3's model with `DsaAttention` layers (GLM-5's `shared` ones without an indexer)."""
 
     attention = DsaAttention
+    graph_sparse_regime = True   # the Triton indexer and sparse kernels launch alike for any length they are given
 
     def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
         layer = super().make_layer(index, ops)
@@ -164,8 +167,8 @@ class DeepseekV32ForCausalLM(DeepseekForCausalLM):
 
     @property
     def graph_max_len(self) -> int:
-        """`index_topk`: decode graphs capture the dense regime alone (the step's lengths pick the dense or the
-        sparse attention on the host: the module docstring)."""
+        """`index_topk`: the dense regime's longest sequence (the step's lengths pick the dense or the sparse attention
+        on the host: decode graphs are captured for each regime, the module docstring)."""
         return self.config.mla.index_topk
 
 

@@ -16,8 +16,8 @@ channel, before o_proj; each head has a learned sink logit in its softmax's deno
 the paged kernels and the sparse ones); the indexer rotates the last `qk_rope_head_dim` of its heads (their rows
 moved first as read, q.k unchanged: V3.2's indexer turns the first ones), its LayerNorm's epsilon the model's; the
 latent attention's rotary turns halves (no rows reordered); the routed experts' SwiGLU is clamped
-(`ClampedSiluAndMul`), the shared expert's and the dense MLPs' not. Decode steps are not captured in CUDA graphs (V3.2's
-dense-or-sparse choice is made on the host).
+(`ClampedSiluAndMul`), the shared expert's and the dense MLPs' not. Decode steps replay CUDA graphs of both of V3.2's
+regimes (`engine.models.deepseek_v32`).
 """
 
 from __future__ import annotations

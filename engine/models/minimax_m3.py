@@ -9,8 +9,9 @@ layer's cache keeps each token's indexer key beside its K/V (`engine.kv_cache.KV
 While no sequence of a step is longer than the blocks a query may choose (`topk_blocks` x `block_size`), every block is
 chosen and the sparse layers attend densely (the backend's paged kernels); past that the indexer picks, through the
 backend's kernels where it has them (`kernels.triton_block_sparse` on CUDA), else `kernels.block_sparse`'s torch
-attention. The step's lengths pick the path on the host, so the decode graphs hold the dense regime alone
-(`graph_max_len`), as DeepSeek V3.2's.
+attention. The step's lengths pick the path on the host, so the decode graphs are captured for each regime, as
+DeepSeek V3.2's: up to `graph_max_len` the paged kernels, past it the Triton block-sparse ones told the graph's length
+(`graph_sparse_regime`; blocks past a query's position score -inf).
 
 Checkpoints are read under the release's names (`language_model.model.`: `block_sparse_moe` with each expert's
 `w1` / `w3` / `w2`, its `e_score_correction_bias` and `shared_experts`, the indexer as `self_attn.index_q_proj` ...;
@@ -123,11 +124,12 @@ class MiniMaxM3ForCausalLM(Glm4MoeForCausalLM):
     moe_block = MiniMaxM3MoeBlock
     norm_class = GemmaRMSNorm
     norm_init = 0.0
+    graph_sparse_regime = True   # the Triton block-sparse kernels launch alike for any length they are given
 
     @property
     def graph_max_len(self) -> int | None:
-        """The blocks a query may choose, `topk_blocks` x `block_size`: its decode graphs hold the sparse layers'
-        dense regime alone (the module docstring); None without a block-sparse layer."""
+        """The blocks a query may choose, `topk_blocks` x `block_size`: the sparse layers' dense regime's longest
+        sequence (the module docstring); None without a block-sparse layer."""
         index = self.config.block_indexer
         return None if index is None else index.topk_blocks * index.block_size
 

@@ -22,7 +22,7 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 
 from engine.config import CacheConfig, EngineConfig, PoolConfig, SchedulerConfig  # noqa: E402
-from engine.cuda_graphs import DecodeGraphs, capture_sizes, graph_memory_bytes  # noqa: E402
+from engine.cuda_graphs import DecodeGraphs, capture_lengths, capture_sizes, graph_memory_bytes  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 from kernels import AttentionMetadata  # noqa: E402
@@ -436,40 +436,93 @@ def test_alibi_decode_graphs_replay_the_slopes(tmp_path, builtin_path, monkeypat
 
 def _sparse_shapes() -> dict:
     """Tiny shapes of the models whose sparse attention picks its path by the step's lengths, each choosing 24 keys:
-    DeepSeek V3.2's and GLM-5's tokens (`index_topk`), MiniMax M3's 6 blocks of 4, Qwen4-Exp's 4 blocks of 5 and
-    the last incomplete one."""
-    from tests.engine.test_engine_vs_hf import MINIMAX_M3, QWEN4_EXP
+    DeepSeek V3.2's, GLM-5's and HY V4's tokens (`index_topk`), MiniMax M3's 6 blocks of 4, Qwen4-Exp's 4 blocks of 5
+    and the last incomplete one."""
+    from tests.engine.test_engine_vs_hf import HYV4, MINIMAX_M3, QWEN4_EXP
     from tests.kernels.test_engine_triton import LATENT
 
     dsa = {**LATENT, "index_n_heads": 16, "index_head_dim": 16, "index_topk": 24}
     return {"deepseek_v32": dsa, "glm_moe_dsa": {**dsa, "indexer_types": ["full", "shared"]},
+            "hy_v4": {**HYV4, "index_topk": 24, "num_hidden_layers": 2},
             "minimax_m3_vl_text": {**MINIMAX_M3, "index_topk_blocks": 6},
             "qwen4_exp_text": {**QWEN4_EXP, "indexer_budget": 20, "indexer_compress_ratio": 5}}
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v32", "glm_moe_dsa", "minimax_m3_vl_text", "qwen4_exp_text"])
-def test_sparse_attention_decode_graphs_hold_the_dense_regime_and_longer_steps_run_eagerly(
+def test_capture_lengths():
+    """A sparse regime's graphs double in length from the dense regime's to the longest served; without one (or a
+    dense regime as long) one length."""
+    assert capture_lengths(131072, 2048, True) == [2048 << k for k in range(7)]
+    assert capture_lengths(100, 24, True) == [24, 48, 96, 100]
+    assert capture_lengths(100, 24, False) == [24]
+    assert capture_lengths(100, None, True) == capture_lengths(100, 128, True) == [100]
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v32", "glm_moe_dsa", "hy_v4", "minimax_m3_vl_text", "qwen4_exp_text"])
+def test_sparse_attention_decode_graphs_hold_both_regimes_where_the_kernels_allow(
         tmp_path, builtin_path, monkeypatch, arch):
-    """DeepSeek V3.2's and GLM-5's sparse attention, MiniMax M3's block-sparse layers and Qwen4-Exp's QSA pick their
-    path by the step's lengths on the host, so the decode graphs hold sequences of up to the keys a query may choose (24 here), where
-    every earlier key is chosen and the paged kernels attend under the graph; a decode step with a longer sequence
-    runs eagerly (the indexer's choice). Greedy tokens equal the eager torch reference's throughout, replays on both
-    sides of the crossing."""
+    """DeepSeek V3.2's, GLM-5's and HY V4's sparse attention, MiniMax M3's block-sparse layers and Qwen4-Exp's QSA pick
+    their path by the step's lengths on the host. Up to the keys a query may choose (24 here) every earlier key is
+    chosen and the paged kernels attend; past it the Triton indexer and sparse kernels run, told the graph's length
+    (40 here, the longest captured), which the decode graphs of V3.2, GLM-5, HY V4 and M3 hold; Qwen4-Exp's torch
+    selection runs eagerly. Greedy tokens equal the eager torch reference's throughout, replays on both sides of the
+    crossing, each step replaying the graphs of the shortest length that holds it."""
     path = make_tiny_model(tmp_path / arch, arch, builtin_path, **_sparse_shapes()[arch])
     rng = random.Random(29)
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (3, 20, 9)]
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (7, 9, 4)]   # 20 + 9 > 24
-    results, decided = {}, []
+    sparse = arch != "qwen4_exp_text"
+    results, decided, replayed = {}, [], []
     for graphs in (False, True):
-        engine, recorder = _engine_graphs(path, monkeypatch, graphs)
+        engine = _engine(path, monkeypatch, "triton" if graphs else "torch")
         if graphs:
-            assert engine.runner.graphs.max_model_len == 24 and engine.model.graph_safe
-            can_run = engine.runner.graphs.can_run
-            monkeypatch.setattr(engine.runner.graphs, "can_run", lambda q, s=None: decided.append(
-                (max(s or [0]), can_run(q, s))) or decided[-1][1])
+            recorder = RecordingGraphBackend()
+            engine.runner.capture_graphs(MAX_SEQS, 40, recorder)
+            graphs_ = engine.runner.graphs
+            assert graphs_.lengths == ([24, 40] if sparse else [24]) and engine.model.graph_safe
+            assert recorder.captures == 3 * len(graphs_.lengths)
+            can_run, replay = graphs_.can_run, recorder.replay
+            keys = {id(graph): key for key, (graph, _, _) in graphs_._graphs.items()}
+            monkeypatch.setattr(graphs_, "can_run", lambda q, s=None: decided.append(
+                (max(s or [0]), all(n == 1 for n in q), can_run(q, s))) or decided[-1][2])
+            monkeypatch.setattr(recorder, "replay", lambda graph: replayed.append(
+                (decided[-1][0], keys[id(graph)][0])) or replay(graph))
         results[graphs] = [out.outputs[0].token_ids for out in engine.generate(prompts, params)]
         assert_all_free(engine)
-    assert any(ok and longest > 8 for longest, ok in decided), decided         # replays past the first steps
-    assert any(not ok and longest > 24 for longest, ok in decided), decided    # eager past index_topk
-    assert recorder.replays >= 3
+    decodes = [(longest, ok) for longest, decode, ok in decided if decode]
+    assert any(ok and longest > 8 for longest, ok in decodes), decided              # replays past the first steps
+    assert any(longest > 24 for longest, _ in decodes), decided                     # decodes crossed index_topk
+    assert all(ok == (longest <= 24 or sparse) for longest, ok in decodes), decided
+    assert all(length == (24 if longest <= 24 else 40) for longest, length in replayed), replayed
+    assert {length for _, length in replayed} == ({24, 40} if sparse else {24}), replayed
     assert results[True] == results[False]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["deepseek_v32", "minimax_m3_vl_text"])
+def test_on_cuda_sparse_attention_replays_graphs_past_its_dense_regime(tmp_path, builtin_path, arch):
+    """The real thing for the sparse attentions: CUDA graphs of both regimes (24 keys a query, lengths 24 to 256)
+    against `enforce_eager`, in bfloat16, six requests decoding together past the dense regime (the longest to 90
+    tokens) and finishing at different steps; the graphs replay decode steps of sequences past 24."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    path = make_tiny_model(tmp_path / arch, arch, builtin_path, **_sparse_shapes()[arch])
+    rng = random.Random(17)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (5, 70, 30, 3, 41, 9)]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (6, 20, 11, 30, 9, 17)]
+    results, replayed = {}, []
+    for eager in (True, False):
+        config = EngineConfig(model=str(path), device="cuda", dtype="bfloat16", cache=CacheConfig(block_size=16),
+                              enforce_eager=eager, pools=(PoolConfig(num_blocks=64, scheduler=SchedulerConfig(
+                                  max_num_seqs=8, max_num_batched_tokens=256, max_model_len=256)),))
+        engine = LLMEngine(config, progress=False)
+        if not eager:
+            graphs = engine.runner.graphs
+            assert graphs.lengths == [24, 48, 96, 192, 256]
+            run = graphs.run
+            graphs.run = lambda ids, positions, meta: replayed.append(max(meta.seq_lens_list)) or run(ids, positions,
+                                                                                                       meta)
+        results[eager] = [out.outputs[0].token_ids for out in engine.generate(prompts, params)]
+        assert_all_free(engine)
+    assert max(replayed) > 48
+    assert results[False] == results[True]
+

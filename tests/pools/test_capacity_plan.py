@@ -374,26 +374,40 @@ def test_plan_single_pool_is_the_yaml_planner(builtin_path):
         plan_single_pool(str(builtin_path), device="cpu", kv_cache_bytes=64 << 20, block_size=12)
 
 
-def test_sparse_attention_sets_aside_its_dense_regimes_graphs():
-    """DeepSeek V3.2's sparse attention picks its path on the host each step, so its decode graphs hold its dense
-    regime alone (sequences of up to `index_topk` tokens, `engine.models.deepseek_v32`): the plan sets their memory
-    aside as for V3's latent attention, its cache rows wider by the indexer's key. (DeepSeek V4's, never captured,
-    sets nothing aside: test_the_example_files_plan.)"""
+def test_sparse_attention_sets_aside_the_graphs_of_both_regimes():
+    """DeepSeek V3.2's sparse attention picks its path on the host each step, so its decode graphs are captured for
+    its dense regime (sequences of up to `index_topk` tokens, `engine.models.deepseek_v32`), as for V3's latent
+    attention with cache rows wider by the indexer's key, and where a pool serves longer ones, for its sparse regime:
+    those hold the indexer's float32 score of every position of the longest sequence served, and its top-k, for each
+    of the largest batch's tokens (doubled, as the rest of the graphs' activations). (DeepSeek V4's, never captured,
+    sets nothing aside: test_the_example_files_plan.) MiniMax M3's graphs hold each KV head's score of every block;
+    Qwen4-Exp's QSA, whose sparse regime runs eagerly, holds nothing more."""
+    from engine.cuda_graphs import MAX_GRAPH_BATCH
+    from engine.minimax_m3_config import BlockIndexer
     from engine.models.deepseek_v32 import DeepseekV32ForCausalLM
+    from engine.qwen4_exp_config import QsaIndexer
 
     shape = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
              "vocab_size": 1000, "q_lora_rank": 64, "kv_lora_rank": 64, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16,
              "v_head_dim": 32, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1,
-             "moe_intermediate_size": 64, "first_k_dense_replace": 1}
-    data = _small_config()
-    data["devices"]["default"] = {"device": "cuda", "memory": "8GiB"}
+             "moe_intermediate_size": 64, "first_k_dense_replace": 1, "max_position_embeddings": 8192}
     reserves = {}
-    for arch in ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM"):
-        model = ModelConfig.from_hf_config({"architectures": [arch], **shape})
-        plan = plan_capacity(parse_config(data, env={}), {"builtin:smollm2-135m-instruct": model})
-        reserves[arch] = plan.devices["default"].graph_bytes_per_device
-    assert reserves["DeepseekV32ForCausalLM"] > reserves["DeepseekV3ForCausalLM"] > 0
+    for longest in (1024, 8192):
+        data = _small_config(max_model_len=longest)
+        data["devices"]["default"] = {"device": "cuda", "memory": "8GiB"}
+        for arch in ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM"):
+            model = ModelConfig.from_hf_config({"architectures": [arch], **shape})
+            plan = plan_capacity(parse_config(data, env={}), {"builtin:smollm2-135m-instruct": model})
+            reserves[arch, longest] = plan.devices["default"].graph_bytes_per_device
+    assert reserves["DeepseekV32ForCausalLM", 1024] > reserves["DeepseekV3ForCausalLM", 1024] > 0
+    assert reserves["DeepseekV3ForCausalLM", 8192] == reserves["DeepseekV3ForCausalLM", 1024]
+    sparse = 2 * MAX_GRAPH_BATCH * (4 * 8192 + 2048 * (4 + 8 + 1 + 1))   # scores; top-k values, positions, masks
+    assert reserves["DeepseekV32ForCausalLM", 8192] - reserves["DeepseekV32ForCausalLM", 1024] == sparse
     assert DeepseekV32ForCausalLM.graph_max_len.fget(SimpleNamespace(config=model)) == model.mla.index_topk == 2048
+    blocks = dict(layers=(1,), num_heads=2, head_dim=16, block_size=64, topk_blocks=16, local_blocks=1)
+    assert BlockIndexer(**blocks).graph_scores_bytes(1024, 2) == 0   # 16 blocks of 64: the dense regime
+    assert BlockIndexer(**blocks).graph_scores_bytes(8192, 2) == 2 * (4 * 128 + 16 * (4 + 8 + 1 + 1))
+    assert QsaIndexer(**blocks).graph_scores_bytes(8192, 2) == 0
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -697,7 +711,7 @@ def test_deepseek_v32_fits_one_node_of_h200s_only_with_its_fp8_weights_held_in_f
                       resolve_model_configs(config), vram_bytes=141 * GiB)
     data["devices"]["h200x8"]["quantization"] = "auto"   # what does not fit as stored either: no such hint
     with pytest.raises(SpecError, match=r"cannot hold the weights of .*: 82.67 GiB per GPU in bfloat16, its "
-                                        r"projections in FP8 \(TP=8\) and 1.11 GiB for decode graphs "
+                                        r"projections in FP8 \(TP=8\) and 1.64 GiB for decode graphs "
                                         r"\(enforce_eager: true frees it\), leaving .* for KV$") as refused:
         plan_capacity(parse_config(data, env={}, base_dir=REPO / "config" / "examples"),
                       resolve_model_configs(config), vram_bytes=60 * GiB)
