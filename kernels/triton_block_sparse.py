@@ -46,28 +46,32 @@ def _block_scores_kernel(
     INDEX_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr, HEADS_PAD: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    # grid: (num_tokens, num_index_blocks); index_ptr: [blocks, BLOCK_SIZE, 1, HEAD_DIM], head_dim contiguous
+    # grid: (num_tokens, num_index_blocks); index_ptr: [blocks, BLOCK_SIZE, 1, HEAD_DIM], head_dim contiguous. A block
+    # wholly past its token's position (a short sequence in a step, or a decode graph's, as wide as its length) scores
+    # -inf without a read
     token = tl.program_id(0).to(tl.int64)
     index_block = tl.program_id(1)
-    seq = tl.load(token_seq_ptr + token).to(tl.int64)
     q_pos = tl.load(token_pos_ptr + token)
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
     offs_h = tl.arange(0, HEADS_PAD)
-    offs_n = tl.arange(0, BLOCK_N)
-    mask_d = offs_d < HEAD_DIM
     mask_h = offs_h < num_kv_heads
-    q = tl.load(q_ptr + token * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
-                mask=mask_h[:, None] & mask_d[None, :], other=0.0)                       # [HEADS_PAD, HEAD_DIM_PAD]
     best = tl.full([HEADS_PAD], float("-inf"), dtype=tl.float32)
-    for n0 in range(0, INDEX_BLOCK, BLOCK_N):
-        pos = index_block * INDEX_BLOCK + n0 + offs_n
-        causal = (n0 + offs_n < INDEX_BLOCK) & (pos <= q_pos)
-        block = tl.load(block_tables_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=causal, other=0).to(tl.int64)
-        row = block * stride_ib + (pos % BLOCK_SIZE) * stride_is
-        k = tl.load(index_ptr + row[None, :] + offs_d[:, None], mask=causal[None, :] & mask_d[:, None],
-                    other=0.0)                                                           # [HEAD_DIM_PAD, BLOCK_N]
-        s = tl.dot(q.to(DOT_DTYPE), k.to(DOT_DTYPE), input_precision=DOT_PRECISION)     # [HEADS_PAD, BLOCK_N]
-        best = tl.maximum(best, tl.max(tl.where(causal[None, :], s, float("-inf")), axis=1))
+    if index_block * INDEX_BLOCK <= q_pos:
+        seq = tl.load(token_seq_ptr + token).to(tl.int64)
+        offs_d = tl.arange(0, HEAD_DIM_PAD)
+        offs_n = tl.arange(0, BLOCK_N)
+        mask_d = offs_d < HEAD_DIM
+        q = tl.load(q_ptr + token * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
+                    mask=mask_h[:, None] & mask_d[None, :], other=0.0)                   # [HEADS_PAD, HEAD_DIM_PAD]
+        for n0 in range(0, INDEX_BLOCK, BLOCK_N):
+            pos = index_block * INDEX_BLOCK + n0 + offs_n
+            causal = (n0 + offs_n < INDEX_BLOCK) & (pos <= q_pos)
+            block = tl.load(block_tables_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=causal,
+                            other=0).to(tl.int64)
+            row = block * stride_ib + (pos % BLOCK_SIZE) * stride_is
+            k = tl.load(index_ptr + row[None, :] + offs_d[:, None], mask=causal[None, :] & mask_d[:, None],
+                        other=0.0)                                                       # [HEAD_DIM_PAD, BLOCK_N]
+            s = tl.dot(q.to(DOT_DTYPE), k.to(DOT_DTYPE), input_precision=DOT_PRECISION)  # [HEADS_PAD, BLOCK_N]
+            best = tl.maximum(best, tl.max(tl.where(causal[None, :], s, float("-inf")), axis=1))
     tl.store(scores_ptr + token * stride_st + offs_h * stride_sh + index_block, best, mask=mask_h)
 
 

@@ -5,16 +5,18 @@ reference they are tested against.
 query token and `BLOCK_N` positions: the positions' indexer keys are read straight out of the paged cache rows (their
 last `index_head_dim` values, through the block table), each of the token's indexer heads dotted with them at once
 ([heads, d] x [d, BLOCK_N]), scaled, ReLU'd and summed under the heads' weights; a position past the token's own is
--inf. torch's top-k over the [T, longest context] scores then gives each token's best `topk` positions (those still
--inf, a short context's padding, are not attended); a long prefill chunk's tokens are scored a group at a time, so
-the scores never hold more than `SCORES_BYTES`.
+-inf (a program wholly past it writes -inf and reads nothing: a short sequence beside a long one, or a decode graph's
+step, whose width is the graph's length). torch's top-k over the [T, longest context] scores then gives each token's
+best `topk` positions (those still -inf, a short context's padding, are not attended); a long prefill chunk's tokens
+are scored a group at a time, so the scores never hold more than `SCORES_BYTES`.
 
 `attend_chosen`: `_sparse_attention_kernel`, a program a query token and `BLOCK_H` of its heads, walks the token's
 chosen positions `BLOCK_N` at a time: each position's cache row is gathered through the block table (its latent and
 its rotated key, read once for all of the program's heads), q.k is the latent part's dot plus the rotated part's
 (two dots, each of its own power-of-two width: 512 and 64 for DeepSeek, no padding to 1,024), and an online softmax
-accumulates the weighted latents ([BLOCK_H, kv_lora_rank] in float32). Nothing is read back to the host, so a step's
-launches never wait for the device. An FP8 cache is read as `triton_kv_store.dequantize_e4m3` reads it.
+accumulates the weighted latents ([BLOCK_H, kv_lora_rank] in float32; on `ATTEND_WARPS` warps, where it spills
+nothing). Nothing is read back to the host, so a step's launches never wait for the device. An FP8 cache is read as
+`triton_kv_store.dequantize_e4m3` reads it.
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ __all__ = ["aligned_group", "attend_chosen", "choose_tokens", "token_layout"]
 BLOCK_N = 32   # positions a program scores or attends at a time
 BLOCK_H = 16   # query heads of a sparse-attention program (a dot's smallest M)
 SCORES_BYTES = 256 << 20   # the indexer's scores held at once (`choose_tokens` scores the tokens a group at a time)
+# the sparse attention's warps: its [BLOCK_H, 512] float32 accumulator and a [BLOCK_N, 512] tile of latents spill on
+# four (255 registers, 24 bytes of stack at V3.2's shape built for sm_90), not on eight (154)
+ATTEND_WARPS = 8
 
 
 # What changes from step to step (the context's width, the chosen count, the block tables' and the scores' and the
@@ -47,27 +52,33 @@ def _index_scores_kernel(
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,
 ):
-    # grid: (num_tokens, cdiv(width, BLOCK_N))
+    # grid: (num_tokens, cdiv(width, BLOCK_N)); a program wholly past its token's position (a short sequence in a
+    # step, or a decode graph's, whose width is the graph's length) writes -inf and reads nothing
     token = tl.program_id(0).to(tl.int64)
     pos = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    seq = tl.load(token_seq_ptr + token).to(tl.int64)
-    causal = pos <= tl.load(token_pos_ptr + token)
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
-    offs_h = tl.arange(0, HEADS_PAD)
-    mask_d = offs_d < HEAD_DIM
-    mask_h = offs_h < num_heads
-    block = tl.load(block_tables_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=causal, other=0).to(tl.int64)
-    row = block * stride_cb + (pos % BLOCK_SIZE) * stride_cs
-    k = tl.load(cache_ptr + row[None, :] + (KEY_START + offs_d[:, None]) * stride_cd,
-                mask=causal[None, :] & mask_d[:, None], other=0.0)                     # [HEAD_DIM_PAD, BLOCK_N]
-    if KV_FP8:
-        k = dequantize_e4m3(k, k_scale, q_ptr.dtype.element_ty)
-    q = tl.load(q_ptr + token * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-                mask=mask_h[:, None] & mask_d[None, :], other=0.0)                     # [HEADS_PAD, HEAD_DIM_PAD]
-    s = tl.dot(q.to(DOT_DTYPE), k.to(DOT_DTYPE), input_precision=DOT_PRECISION) * index_scale
-    w = tl.load(w_ptr + token * stride_wt + offs_h * stride_wh, mask=mask_h, other=0.0)
-    score = tl.sum(w[:, None] * tl.maximum(s, 0.0), axis=0)                            # [BLOCK_N]
-    tl.store(scores_ptr + token * stride_st + pos, tl.where(causal, score, float("-inf")), mask=pos < width)
+    q_pos = tl.load(token_pos_ptr + token)
+    if tl.program_id(1) * BLOCK_N <= q_pos:
+        seq = tl.load(token_seq_ptr + token).to(tl.int64)
+        causal = pos <= q_pos
+        offs_d = tl.arange(0, HEAD_DIM_PAD)
+        offs_h = tl.arange(0, HEADS_PAD)
+        mask_d = offs_d < HEAD_DIM
+        mask_h = offs_h < num_heads
+        block = tl.load(block_tables_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=causal, other=0).to(tl.int64)
+        row = block * stride_cb + (pos % BLOCK_SIZE) * stride_cs
+        k = tl.load(cache_ptr + row[None, :] + (KEY_START + offs_d[:, None]) * stride_cd,
+                    mask=causal[None, :] & mask_d[:, None], other=0.0)                 # [HEAD_DIM_PAD, BLOCK_N]
+        if KV_FP8:
+            k = dequantize_e4m3(k, k_scale, q_ptr.dtype.element_ty)
+        q = tl.load(q_ptr + token * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                    mask=mask_h[:, None] & mask_d[None, :], other=0.0)                 # [HEADS_PAD, HEAD_DIM_PAD]
+        s = tl.dot(q.to(DOT_DTYPE), k.to(DOT_DTYPE), input_precision=DOT_PRECISION) * index_scale
+        w = tl.load(w_ptr + token * stride_wt + offs_h * stride_wh, mask=mask_h, other=0.0)
+        score = tl.sum(w[:, None] * tl.maximum(s, 0.0), axis=0)                        # [BLOCK_N]
+        tl.store(scores_ptr + token * stride_st + pos, tl.where(causal, score, float("-inf")), mask=pos < width)
+    else:
+        tl.store(scores_ptr + token * stride_st + pos, tl.full([BLOCK_N], float("-inf"), tl.float32),
+                 mask=pos < width)
 
 
 @triton.jit(do_not_specialize=["num_heads", "num_chosen", "stride_ct", "stride_kt", "stride_bt"])
@@ -180,7 +191,7 @@ def _scores(index_q: torch.Tensor, index_weights: torch.Tensor, cache: torch.Ten
             k_scale: float) -> torch.Tensor:
     """[tokens, width] float32: the indexer's score of each position for each of these tokens (-inf past its own)."""
     tokens, heads, head_dim = index_q.shape
-    scores = torch.full((tokens, width), float("-inf"), dtype=torch.float32, device=cache.device)
+    scores = torch.empty(tokens, width, dtype=torch.float32, device=cache.device)   # the kernel writes every one
     kind, precision = dot_config(index_q.dtype)
     if tokens and width:
         _index_scores_kernel[(tokens, triton.cdiv(width, BLOCK_N))](
@@ -214,5 +225,5 @@ def attend_chosen(query: torch.Tensor, choice: tuple[torch.Tensor, torch.Tensor]
             chosen.stride(0), keep.stride(0), meta.block_tables.stride(0),
             KV_LORA=lora, KV_LORA_PAD=padded_head_dim(lora), ROPE=rope, ROPE_PAD=padded_head_dim(rope),
             BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, BLOCK_SIZE=meta.block_size, DOT_DTYPE=kind, DOT_PRECISION=precision,
-            KV_FP8=cache.dtype == FP8_KV_DTYPE, SINKS=sinks is not None)
+            KV_FP8=cache.dtype == FP8_KV_DTYPE, SINKS=sinks is not None, num_warps=ATTEND_WARPS)
     return out

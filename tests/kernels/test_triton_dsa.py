@@ -15,7 +15,8 @@ pytest.importorskip("triton")
 
 from kernels import dsa, reference  # noqa: E402
 from kernels import triton_dsa  # noqa: E402
-from tests.kernels.test_dsa import INDEX, LATENT, LORA, _step  # noqa: E402
+from kernels.metadata import AttentionMetadata  # noqa: E402
+from tests.kernels.test_dsa import BLOCK, HEADS, INDEX, INDEX_HEADS, LATENT, LORA, _step  # noqa: E402
 
 CASES = [(torch.float32, torch.float32, 1e-5), (torch.bfloat16, torch.bfloat16, 2e-2),
          (torch.float32, reference.FP8_KV_DTYPE, 1e-5)]
@@ -74,6 +75,66 @@ def test_a_short_context_attends_to_all_of_its_tokens_and_nothing_past_them():
         assert len(picked) == min(pos + 1, 12) and all(p <= pos for p in picked)
         if pos < 12:
             assert picked == list(range(pos + 1))
+
+
+def test_a_decode_step_told_a_graphs_length_chooses_and_attends_as_told_its_own():
+    """A sparse-regime decode graph (`engine.cuda_graphs.capture_lengths`) runs the kernels with its own length (128)
+    in `seq_lens_list` and the step's in the device lengths (5 and 100): every position past a token's own scores
+    -inf (the short one's, 123 of them, in programs that read nothing), so each token chooses what the reference
+    chooses told the step's lengths, and attends alike."""
+    import dataclasses
+
+    gen = torch.Generator().manual_seed(8)
+    lens, width = [5, 100], 128 // BLOCK
+    tables = [[1, 2], list(range(3, 3 + 100 // BLOCK))]
+    stored = AttentionMetadata.build(tables, lens, lens, BLOCK)
+    cache = torch.zeros(3 + 100 // BLOCK, BLOCK, 1, LATENT + INDEX)
+    rows = torch.randn(sum(lens), 1, LATENT + INDEX, generator=gen)
+    reference.store_kv(rows, rows, cache, cache, stored)
+    own = AttentionMetadata.build(tables, [1, 1], lens, BLOCK)
+    wide = torch.zeros(2, width, dtype=own.block_tables.dtype)
+    wide[:, :own.block_tables.shape[1]] = own.block_tables
+    told = dataclasses.replace(own, block_tables=wide, seq_lens_list=[128, 128], backend_cache={})
+    query, index_q = torch.randn(2, HEADS, LATENT, generator=gen), torch.randn(2, INDEX_HEADS, INDEX, generator=gen)
+    weights = torch.randn(2, INDEX_HEADS, generator=gen)
+    ours = triton_dsa.choose_tokens(index_q, weights, cache, told, 12, LATENT, index_scale=0.3)
+    theirs = dsa.choose_tokens(index_q, weights, cache, own, 12, LATENT, index_scale=0.3)
+    assert ours[0].shape == (2, 12) and _chosen_sets(ours) == _chosen_sets(theirs)
+    assert _chosen_sets(ours)[0] == [0, 1, 2, 3, 4]
+    out = triton_dsa.attend_chosen(query, ours, cache, told, 0.3, LORA, LATENT)
+    torch.testing.assert_close(out, dsa.attend_chosen(query, theirs, cache, own, 0.3, LORA, LATENT), rtol=1e-5,
+                               atol=1e-5)
+
+
+def _build_for_sm90() -> dict:
+    """Compile both kernels for sm_90 at DeepSeek V3.2's shape (bfloat16; the indexer's 64 heads of 128 after the
+    576-value latent row, cache blocks of 64; the latent's 512 + 64 for 16 heads a program) with Triton's own compiler
+    and no device; report whether their dots are tensor-core ones, and their stack (spills)."""
+    import triton.language as tl
+
+    from tests.kernels.test_triton import _build_kernel_for_sm90
+
+    common = dict(BLOCK_N=triton_dsa.BLOCK_N, BLOCK_SIZE=64, DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32", KV_FP8=False)
+    scores, scores_usage = _build_kernel_for_sm90(
+        triton_dsa._index_scores_kernel, dict(common, KEY_START=576, HEAD_DIM=128, HEAD_DIM_PAD=128, HEADS_PAD=64),
+        {"q_ptr": "bf16", "w_ptr": "fp32", "cache_ptr": "bf16", "scores_ptr": "fp32"}, num_warps=4)
+    attend, attend_usage = _build_kernel_for_sm90(
+        triton_dsa._sparse_attention_kernel, dict(common, KV_LORA=512, KV_LORA_PAD=512, ROPE=64, ROPE_PAD=64,
+                                                  BLOCK_H=triton_dsa.BLOCK_H, SINKS=False),
+        {"q_ptr": "bf16", "cache_ptr": "bf16", "out_ptr": "bf16", "chosen_ptr": "i64", "keep_ptr": "i8",
+         "sinks_ptr": "fp32"}, num_warps=triton_dsa.ATTEND_WARPS)
+    return {"scores": "mma" in scores.asm["ptx"], "attend": "mma" in attend.asm["ptx"],
+            "stack": [scores_usage.get("stack", 0), attend_usage.get("stack", 0)]}
+
+
+def test_the_kernels_build_for_h100():
+    """What the interpreter cannot show: both kernels compile for sm_90 at V3.2's shape (the scores' program past its
+    token's position a branch that reads nothing; the attention on the warps it is launched with), their dots on the
+    tensor cores, nothing spilled."""
+    pytest.importorskip("triton.compiler")
+    from tests.kernels.test_triton import _compiled_report
+
+    assert _compiled_report(_build_for_sm90) == {"scores": True, "attend": True, "stack": [0, 0]}
 
 
 @pytest.mark.gpu
