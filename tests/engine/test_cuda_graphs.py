@@ -497,6 +497,47 @@ def test_sparse_attention_decode_graphs_hold_both_regimes_where_the_kernels_allo
     assert results[True] == results[False]
 
 
+@pytest.mark.slow   # ~15 s: two ranks through the interpreter
+def test_two_ranks_replay_the_sparse_regimes_graphs_in_lockstep(tmp_path, builtin_path, monkeypatch):
+    """DeepSeek V3.2 under tensor parallelism 2 (gloo, two processes; the indexer whole on every rank, each rank its
+    heads): the follower captures the same lengths and sizes as rank 0 (24 and 40 here), and the decode steps past
+    `index_topk` replay on both, the all-reduces inside the recordings pairing up; greedy tokens equal the eager
+    torch reference's on one rank."""
+    import engine.model_runner as model_runner
+
+    path = make_tiny_model(tmp_path / "v32", "deepseek_v32", builtin_path, **_sparse_shapes()["deepseek_v32"])
+    rng = random.Random(29)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (3, 20, 9)]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (7, 9, 4)]
+    tally = tmp_path / "tally"
+    recorder = RecordingGraphBackend(str(tally))
+    capture = model_runner.ModelRunner.capture_graphs
+    results = {}
+    for graphs in (False, True):
+        monkeypatch.setenv("CLIFFGUARD_ATTENTION_BACKEND", "triton" if graphs else "torch")   # followers inherit it
+        if graphs:
+            monkeypatch.setattr(model_runner._Forward, "graphs_apply", lambda self, enforce_eager: True)
+            monkeypatch.setattr(model_runner.ModelRunner, "capture_graphs",
+                                lambda self, max_batch, max_len: capture(self, max_batch, 40, recorder))
+        engine = LLMEngine(EngineConfig(model=str(path), device="cpu", dtype="float32", tensor_parallel_size=1 + graphs,
+                                        cpu_threads=1, cache=CacheConfig(block_size=8),
+                                        pools=(PoolConfig(num_blocks=24, scheduler=SchedulerConfig(
+                                            max_num_seqs=MAX_SEQS, max_num_batched_tokens=32, max_model_len=128)),)),
+                           progress=False)
+        try:
+            assert (engine.runner.graphs is not None) is graphs
+            if graphs:
+                assert engine.runner.graphs.lengths == [24, 40]
+            results[graphs] = [out.outputs[0].token_ids for out in engine.generate(prompts, params)]
+            assert_all_free(engine)
+        finally:
+            engine.close()
+    assert results[True] == results[False]
+    follower = [line.split()[1] for line in tally.read_text().splitlines() if int(line.split()[0]) != os.getpid()]
+    assert follower.count("capture") == recorder.captures == 6
+    assert follower.count("replay") == recorder.replays > 5
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch", ["deepseek_v32", "minimax_m3_vl_text"])
 def test_on_cuda_sparse_attention_replays_graphs_past_its_dense_regime(tmp_path, builtin_path, arch):
