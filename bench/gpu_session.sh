@@ -43,7 +43,8 @@ PY=${PY:-python3}
 CLI="$PY -m gateway.cli"
 # A device call is at most 600 s: the default steps (GPU_STEPS unset) are the first call's; the second call is
 # GPU_STEPS="sync eager engine_fp8 hostcost moe kernels_mla dsa mamba", a third (if time is left)
-# GPU_STEPS="sliding prefix".
+# GPU_STEPS="sliding prefix sparse" (sparse: HY V4's and MiniMax M3's small shapes, whose chat prompts and outputs pass
+# their dense regimes of 64 and 32 tokens, through `bench engine` with decode graphs and with --enforce-eager).
 # Each step is killed past STEP_TIMEOUT seconds
 # (default 300; simulate, chaos and isolation 540, so run each of those alone): a hung step costs its own time, not
 # the call's.
@@ -106,6 +107,12 @@ for what in ${GPU_STEPS:-tests kernels kernels_fp8 fp8 engine}; do
              step bench_dsa_long $CLI bench dsa --device cuda --batch 8 --context 131072
              step bench_block_sparse $CLI bench dsa --device cuda --batch 8 --context 32768 --block-sparse
              step bench_block_sparse_long $CLI bench dsa --device cuda --batch 8 --context 131072 --block-sparse ;;
+    sparse)  for m in hy-v4-small minimax-m3-small; do   # sparse attention past its dense regime, graphs against eager
+               step bench_sparse_graphs_$m $CLI bench engine --model bench/models/$m --random-weights --dtype bfloat16 \
+                 --skip-hf
+               step bench_sparse_eager_$m $CLI bench engine --model bench/models/$m --random-weights --dtype bfloat16 \
+                 --skip-hf --enforce-eager
+             done ;;
     fp8)     step bench_fp8 $CLI bench fp8 --device cuda
              step bench_fp8_32b $CLI bench fp8 --device cuda --shape 32b --tokens 1,16,256
              step bench_int4_32b $CLI bench fp8 --device cuda --shape 32b --tokens 1,16,256 --int4
