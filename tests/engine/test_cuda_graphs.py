@@ -88,40 +88,56 @@ def test_two_ranks_capture_and_replay_their_graphs_in_lockstep(tiny, monkeypatch
     every decode step replays on both, the all-reduces inside the recordings pairing up at each replay.
     Greedy tokens equal those of the eager torch reference on one rank, which measures the same scales; the
     follower's own recorder counts its captures and replays (in `tally`)."""
-    import engine.model_runner as model_runner
-
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (7, 19, 33)]
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (5, 8, 3)]
+    scales = {}
+
+    def measured(engine: LLMEngine, graphs: bool) -> None:
+        scales[graphs] = [scale for layer in engine.model.layers
+                          for scale in (layer.self_attn.k_scale, layer.self_attn.v_scale)]
+        assert set(scales[graphs]) != {1.0}
+
+    results, recorder, follower = _eager_then_two_ranks(tiny, monkeypatch, tmp_path, prompts, params, measured,
+                                                        kv_cache_dtype="fp8")
+    assert results[True] == results[False]
+    assert scales[True] == pytest.approx(scales[False], rel=1e-6)
+    assert follower.count("capture") == 3 and recorder.captures == 3
+    assert follower.count("replay") == recorder.replays > 5   # every replay here was one there
+
+
+def _eager_then_two_ranks(path, monkeypatch, tmp_path, prompts, params, check, max_len: int | None = None, **config
+                          ) -> tuple[dict, RecordingGraphBackend, list[str]]:
+    """The model on the eager torch reference on one rank, then on the Triton kernels under tensor parallelism 2
+    (gloo, two processes), started as on CUDA: its decode graphs captured (at `max_len` where given) by a recorder
+    pickled to the follower, which counts there in a tally. `check(engine, graphs)` runs on each engine first.
+    Returns each run's greedy tokens, the recorder and the follower's tally ("capture" / "replay" a line)."""
+    import engine.model_runner as model_runner
+
     tally = tmp_path / "tally"
     recorder = RecordingGraphBackend(str(tally))
     capture = model_runner.ModelRunner.capture_graphs
-    results, scales = {}, {}
+    results = {}
     for graphs in (False, True):
         monkeypatch.setenv("CLIFFGUARD_ATTENTION_BACKEND", "triton" if graphs else "torch")   # followers inherit it
         if graphs:   # as on CUDA: the engine captures at start, here with the recorder
             monkeypatch.setattr(model_runner._Forward, "graphs_apply", lambda self, enforce_eager: True)
-            monkeypatch.setattr(model_runner.ModelRunner, "capture_graphs",
-                                lambda self, max_batch, max_len: capture(self, max_batch, max_len, recorder))
-        engine = LLMEngine(EngineConfig(model=str(tiny), device="cpu", dtype="float32", tensor_parallel_size=1 + graphs,
-                                        cpu_threads=1, kv_cache_dtype="fp8", cache=CacheConfig(block_size=8),
+            monkeypatch.setattr(model_runner.ModelRunner, "capture_graphs", lambda self, max_batch, longest: capture(
+                self, max_batch, max_len or longest, recorder))
+        engine = LLMEngine(EngineConfig(model=str(path), device="cpu", dtype="float32", tensor_parallel_size=1 + graphs,
+                                        cpu_threads=1, cache=CacheConfig(block_size=8), **config,
                                         pools=(PoolConfig(num_blocks=24, scheduler=SchedulerConfig(
                                             max_num_seqs=MAX_SEQS, max_num_batched_tokens=32, max_model_len=128)),)),
                            progress=False)
         try:
             assert (engine.runner.graphs is not None) is graphs
-            scales[graphs] = [scale for layer in engine.model.layers
-                              for scale in (layer.self_attn.k_scale, layer.self_attn.v_scale)]
-            assert set(scales[graphs]) != {1.0}   # measured
+            check(engine, graphs)
             results[graphs] = [out.outputs[0].token_ids for out in engine.generate(prompts, params)]
             assert_all_free(engine)
         finally:
             engine.close()
-    assert results[True] == results[False]
-    assert scales[True] == pytest.approx(scales[False], rel=1e-6)
     follower = [line.split()[1] for line in tally.read_text().splitlines() if int(line.split()[0]) != os.getpid()]
-    assert follower.count("capture") == 3 and recorder.captures == 3
-    assert follower.count("replay") == recorder.replays > 5   # every replay here was one there
+    return results, recorder, follower
 
 
 def _direct(tiny, monkeypatch, backend: str):
@@ -503,37 +519,17 @@ def test_two_ranks_replay_the_sparse_regimes_graphs_in_lockstep(tmp_path, builti
     heads): the follower captures the same lengths and sizes as rank 0 (24 and 40 here), and the decode steps past
     `index_topk` replay on both, the all-reduces inside the recordings pairing up; greedy tokens equal the eager
     torch reference's on one rank."""
-    import engine.model_runner as model_runner
-
     path = make_tiny_model(tmp_path / "v32", "deepseek_v32", builtin_path, **_sparse_shapes()["deepseek_v32"])
     rng = random.Random(29)
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (3, 20, 9)]
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (7, 9, 4)]
-    tally = tmp_path / "tally"
-    recorder = RecordingGraphBackend(str(tally))
-    capture = model_runner.ModelRunner.capture_graphs
-    results = {}
-    for graphs in (False, True):
-        monkeypatch.setenv("CLIFFGUARD_ATTENTION_BACKEND", "triton" if graphs else "torch")   # followers inherit it
-        if graphs:
-            monkeypatch.setattr(model_runner._Forward, "graphs_apply", lambda self, enforce_eager: True)
-            monkeypatch.setattr(model_runner.ModelRunner, "capture_graphs",
-                                lambda self, max_batch, max_len: capture(self, max_batch, 40, recorder))
-        engine = LLMEngine(EngineConfig(model=str(path), device="cpu", dtype="float32", tensor_parallel_size=1 + graphs,
-                                        cpu_threads=1, cache=CacheConfig(block_size=8),
-                                        pools=(PoolConfig(num_blocks=24, scheduler=SchedulerConfig(
-                                            max_num_seqs=MAX_SEQS, max_num_batched_tokens=32, max_model_len=128)),)),
-                           progress=False)
-        try:
-            assert (engine.runner.graphs is not None) is graphs
-            if graphs:
-                assert engine.runner.graphs.lengths == [24, 40]
-            results[graphs] = [out.outputs[0].token_ids for out in engine.generate(prompts, params)]
-            assert_all_free(engine)
-        finally:
-            engine.close()
+
+    def both_regimes(engine: LLMEngine, graphs: bool) -> None:
+        assert not graphs or engine.runner.graphs.lengths == [24, 40]
+
+    results, recorder, follower = _eager_then_two_ranks(path, monkeypatch, tmp_path, prompts, params, both_regimes,
+                                                        max_len=40)
     assert results[True] == results[False]
-    follower = [line.split()[1] for line in tally.read_text().splitlines() if int(line.split()[0]) != os.getpid()]
     assert follower.count("capture") == recorder.captures == 6
     assert follower.count("replay") == recorder.replays > 5
 
