@@ -206,9 +206,10 @@ def test_an_moe_engine_on_the_triton_kernels_decodes_as_transformers_and_replays
             out = hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, min_new_tokens=8)
         expected.append(out[0, len(ids):].tolist())
     for graphs in (False, True):
-        engine = LLMEngine(EngineConfig(model=str(path), cache=CacheConfig(block_size=8), pools=(PoolConfig(
-            num_blocks=16, scheduler=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=32, max_model_len=64)),)),
-            progress=False)
+        engine = LLMEngine(EngineConfig(model=str(path), dtype="float32", cache=CacheConfig(block_size=8),   # as hf
+                                        pools=(PoolConfig(num_blocks=16, scheduler=SchedulerConfig(
+                                            max_num_seqs=2, max_num_batched_tokens=32, max_model_len=64)),)),
+                           progress=False)
         assert all(layer.mlp.fused_moe is fused_moe for layer in engine.model.layers if hasattr(layer.mlp, "w13"))
         if graphs:
             recorder = RecordingGraphBackend()
