@@ -452,14 +452,15 @@ def test_alibi_decode_graphs_replay_the_slopes(tmp_path, builtin_path, monkeypat
 
 def _sparse_shapes() -> dict:
     """Tiny shapes of the models whose sparse attention picks its path by the step's lengths, each choosing 24 keys:
-    DeepSeek V3.2's, GLM-5's and HY V4's tokens (`index_topk`), MiniMax M3's 6 blocks of 4, Qwen4-Exp's 4 blocks of 5
-    and the last incomplete one."""
-    from tests.engine.test_engine_vs_hf import HYV4, MINIMAX_M3, QWEN4_EXP
+    DeepSeek V3.2's, GLM-5's, HY V4's and A.X-K2's tokens (`index_topk`), MiniMax M3's 6 blocks of 4, Qwen4-Exp's 4
+    blocks of 5 and the last incomplete one."""
+    from tests.engine.test_engine_vs_hf import AXK2, HYV4, MINIMAX_M3, QWEN4_EXP
     from tests.kernels.test_engine_triton import LATENT
 
     dsa = {**LATENT, "index_n_heads": 16, "index_head_dim": 16, "index_topk": 24}
     return {"deepseek_v32": dsa, "glm_moe_dsa": {**dsa, "indexer_types": ["full", "shared"]},
             "hy_v4": {**HYV4, "index_topk": 24, "num_hidden_layers": 2},
+            "axk2": {**AXK2, "index_topk": 24, "num_hidden_layers": 2},
             "minimax_m3_vl_text": {**MINIMAX_M3, "index_topk_blocks": 6},
             "qwen4_exp_text": {**QWEN4_EXP, "indexer_budget": 20, "indexer_compress_ratio": 5}}
 
@@ -473,15 +474,17 @@ def test_capture_lengths():
     assert capture_lengths(100, None, True) == capture_lengths(100, 128, True) == [100]
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v32", "glm_moe_dsa", "hy_v4", "minimax_m3_vl_text", "qwen4_exp_text"])
+@pytest.mark.parametrize("arch", ["deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2", "minimax_m3_vl_text",
+                                  "qwen4_exp_text"])
 def test_sparse_attention_decode_graphs_hold_both_regimes_where_the_kernels_allow(
         tmp_path, builtin_path, monkeypatch, arch):
-    """DeepSeek V3.2's, GLM-5's and HY V4's sparse attention, MiniMax M3's block-sparse layers and Qwen4-Exp's QSA pick
-    their path by the step's lengths on the host. Up to the keys a query may choose (24 here) every earlier key is
-    chosen and the paged kernels attend; past it the Triton indexer and sparse kernels run, told the graph's length
-    (40 here, the longest captured), which the decode graphs of V3.2, GLM-5, HY V4 and M3 hold; Qwen4-Exp's torch
-    selection runs eagerly. Greedy tokens equal the eager torch reference's throughout, replays on both sides of the
-    crossing, each step replaying the graphs of the shortest length that holds it."""
+    """DeepSeek V3.2's, GLM-5's, HY V4's and A.X-K2's sparse attention, MiniMax M3's block-sparse layers and
+    Qwen4-Exp's QSA pick their path by the step's lengths on the host. Up to the keys a query may choose (24 here)
+    every earlier key is chosen and the paged kernels attend; past it the Triton indexer and sparse kernels run,
+    told the graph's length (40 here, the longest captured), which the decode graphs of V3.2, GLM-5, HY V4, A.X-K2
+    and M3 hold; Qwen4-Exp's torch selection runs eagerly. Greedy tokens equal the eager torch reference's
+    throughout, replays on both sides of the crossing, each step replaying the graphs of the shortest length that
+    holds it."""
     path = make_tiny_model(tmp_path / arch, arch, builtin_path, **_sparse_shapes()[arch])
     rng = random.Random(29)
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (3, 20, 9)]
