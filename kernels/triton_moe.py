@@ -46,7 +46,7 @@ from kernels.triton_fp8_gemm import dequantize_tile
 from kernels.triton_fused import silu_and_mul
 from kernels.triton_prefill import INTERPRETED, dot_dtype
 
-__all__ = ["PACKINGS", "fused_moe", "moe_align", "moe_block_m"]
+__all__ = ["PACKINGS", "fused_moe", "moe_align", "moe_block_m", "moe_warps"]
 
 PACKINGS = (None, "mxfp4", "int4", "int8")   # how packed experts are held: the kernel's PACKED
 CODES_A_BYTE = {"mxfp4": 2, "int4": 2, "int8": 1}
@@ -186,8 +186,16 @@ def _gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, sorted_pairs: tor
         DOT_DTYPE=dtype,
         DOT_PRECISION="ieee" if dtype == tl.float32 else "tf32",
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=4 if block_m * block_n < 64 * 128 else 8,
+        num_warps=moe_warps(block_m, block_n, fp8 or packed is not None),
     )
+
+
+def moe_warps(block_m: int, block_n: int, quantized: bool) -> int:
+    """A launch's warps: 8 for a tile of 64 x 128 or more, and for any tile of quantized weights (FP8, MXFP4, INT4,
+    INT8), whose dequantized [BLOCK_K, BLOCK_N] tile, scales and codes a decode launch (16 x 128) also holds: built
+    for sm_90 on 4 warps that spills (FP8: 255 registers and 96 bytes of stack; INT8 with zero points 224 bytes), on
+    8 it does not (tests/kernels/test_triton_moe.py); 4 for a smaller tile of bfloat16 weights (128 registers)."""
+    return 8 if quantized or block_m * block_n >= 64 * 128 else 4
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,

@@ -142,6 +142,42 @@ LLAMA4 = {"intermediate_size": 48, "intermediate_size_mlp": 96, "num_local_exper
 MODELS = [("qwen3_moe", MOE), ("gpt_oss", GPT_OSS), ("deepseek_v3", DEEPSEEK), ("llama4", LLAMA4)]
 
 
+def _build_for_sm90() -> dict:
+    """Compile the expert GEMM for sm_90 (bfloat16 activations, tiles of 128 columns by 64 of the input) as a decode
+    launch (16 pairs a block) over each kind of expert weights, and INT8's as a prefill launch (64), on the warps
+    `moe_warps` gives; report each build's stack (spills)."""
+    import triton.language as tl
+
+    from kernels import triton_moe
+    from tests.kernels.test_triton import _build_kernel_for_sm90
+
+    report = {}
+    for kind, block_m in (("bf16", 16), ("fp8", 16), ("mxfp4", 16), ("int4", 16), ("int8", 16), ("int8", 64)):
+        packed = kind if kind in triton_moe.PACKINGS else None
+        pointers = {"a_ptr": "bf16", "w_ptr": {"bf16": "bf16", "fp8": "fp8e4nv"}.get(kind, "u8"), "out_ptr": "bf16",
+                    "weight_ptr": "fp32", "bias_ptr": "bf16", "z_ptr": "u8",
+                    "s_ptr": {"mxfp4": "u8", "fp8": "fp32"}.get(kind, "bf16")}
+        _, usage = _build_kernel_for_sm90(
+            triton_moe._moe_gemm_kernel, dict(
+                MUL_WEIGHT=True, HAS_BIAS=False, W_FP8=kind == "fp8", PACKED=triton_moe.PACKINGS.index(packed),
+                ZEROS=kind in ("int4", "int8"), BF16_BY_BITS=False, DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32",
+                BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=64),
+            pointers, num_warps=triton_moe.moe_warps(block_m, 128, kind != "bf16"))
+        report[f"{kind} {block_m}"] = usage.get("stack", 0)
+    return report
+
+
+def test_the_expert_gemm_builds_for_h100_without_spilling():
+    """What the interpreter cannot show: each kind of expert weights' decode launch (and INT8's prefill one) compiles
+    for sm_90 with nothing on the stack (quantized weights' tiles on 8 warps: on 4, FP8's spilled 96 bytes and INT8's
+    with zero points 224)."""
+    pytest.importorskip("triton.compiler")
+    from tests.kernels.test_triton import _compiled_report
+
+    report = _compiled_report(_build_for_sm90)
+    assert report == {key: 0 for key in ("bf16 16", "fp8 16", "mxfp4 16", "int4 16", "int8 16", "int8 64")}, report
+
+
 @pytest.mark.parametrize("arch,overrides", MODELS)
 def test_an_moe_engine_on_the_triton_ops_runs_its_sparse_layers_through_fused_moe(tmp_path, builtin_path, monkeypatch,
                                                                                   arch, overrides):
