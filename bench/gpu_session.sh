@@ -43,8 +43,10 @@ PY=${PY:-python3}
 CLI="$PY -m gateway.cli"
 # A device call is at most 600 s: the default steps (GPU_STEPS unset) are the first call's; the second call is
 # GPU_STEPS="sync eager engine_fp8 hostcost moe kernels_mla dsa mamba", a third (if time is left)
-# GPU_STEPS="sliding prefix sparse" (sparse: HY V4's and MiniMax M3's small shapes, whose chat prompts and outputs pass
-# their dense regimes of 64 and 32 tokens, through `bench engine` with decode graphs and with --enforce-eager).
+# GPU_STEPS="sliding prefix sparse kernels kernels_warps" (sparse: HY V4's and MiniMax M3's small shapes, whose chat
+# prompts and outputs pass their dense regimes of 64 and 32 tokens, through `bench engine` with decode graphs and with
+# --enforce-eager; kernels_warps: `bench kernels` with the paged kernel on 8 warps, beside kernels' run on the same
+# machine: at head_dim 128 its decode tile spills on 4).
 # Each step is killed past STEP_TIMEOUT seconds
 # (default 300; simulate, chaos and isolation 540, so run each of those alone): a hung step costs its own time, not
 # the call's.
@@ -87,6 +89,7 @@ for what in ${GPU_STEPS:-tests kernels kernels_fp8 fp8 engine}; do
     kernels) step bench_kernels $CLI bench kernels ;;
     kernels_fp8) step bench_kernels_fp8 $CLI bench kernels --kv-dtype fp8 ;;
     kernels_mla) step bench_kernels_mla $CLI bench kernels --latent ;;
+    kernels_warps) CLIFFGUARD_PAGED_WARPS=8 step bench_kernels_warps8 $CLI bench kernels ;;   # against `kernels`
     hostcost) step bench_hostcost $CLI bench hostcost --device cuda --lengths 100,1000 --tokenizer .gpu/smollm2 ;;
     engine)  step bench_engine $CLI bench engine --model .gpu/llama-3-8b --random-weights --dtype bfloat16 ;;
     eager)   step bench_engine_eager $CLI bench engine --model .gpu/llama-3-8b --random-weights --dtype bfloat16 \

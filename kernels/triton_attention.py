@@ -53,6 +53,7 @@ What is the same for every layer of a step (the tiles, the split count) is built
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -78,6 +79,9 @@ PREFILL_MIN_QUERY_LEN = 64
 # (and in re-reading Q) than they win in parallelism.
 MIN_SPLIT_LEN = 256
 MAX_SPLITS = 64
+# The paged kernel's warps where set (at import), else by its tile: bench/gpu_session.sh's kernels_warps (at head_dim
+# 128 a decode tile builds for sm_90 with ~500 bytes of stack on 4 warps, none on 8: which is faster is measured there)
+PAGED_WARPS = int(os.environ.get("CLIFFGUARD_PAGED_WARPS") or 0)
 
 
 # Triton compiles a kernel per constexpr set and per specialization of its int arguments (== 1,
@@ -279,7 +283,7 @@ def _launch_config(group: int, max_query_len: int, head_dim: int, element_size: 
     block_m = max(min(max(rows, 16), 64), group_pad)
     head_dim_pad = padded_head_dim(head_dim)
     block_n = 64 if element_size <= 2 and head_dim_pad <= 128 else 32
-    num_warps = 8 if block_m * head_dim_pad * element_size >= 8192 else 4
+    num_warps = PAGED_WARPS or (8 if block_m * head_dim_pad * element_size >= 8192 else 4)
     return group_pad, block_m, block_m // group_pad, block_n, num_warps
 
 

@@ -878,12 +878,43 @@ def _build_fp8_kernels_for_sm90() -> dict:
     return report
 
 
+def _build_decode_tiles_for_sm90() -> dict:
+    """The paged kernel's decode tile at the Llama-3-8B shape (4 query heads a KV head, head_dim 128, bfloat16, blocks
+    of 16) built for sm_90 on the warps its launch takes and on 8: each build's stack."""
+    config = triton_attention._launch_config(4, 1, 128, 2)
+    group_pad, block_m, block_q, block_n, warps = config
+    report = {"warps": warps}
+    for num_warps in (warps, 8):
+        _, usage = _build_kernel_for_sm90(
+            triton_attention._paged_attention_kernel,
+            dict(GROUP=4, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_SIZE=16,
+                 HEAD_DIM=128, HEAD_DIM_PAD=128, USE_WINDOW=False, SPLIT=False,
+                 DOT_DTYPE=triton_prefill.dot_dtype(torch.bfloat16), DOT_PRECISION="tf32", KV_FP8=False, SOFTCAP=False,
+                 SINKS=False, ALIBI=False),
+            {"query_ptr": "bf16", "out_ptr": "bf16", "sinks_ptr": "bf16", "alibi_ptr": "fp32", "k_cache_ptr": "bf16",
+             "v_cache_ptr": "bf16", "part_m_ptr": "fp32", "part_l_ptr": "fp32", "part_acc_ptr": "fp32"},
+            num_warps=num_warps)
+        report[f"stack on {num_warps}"] = usage.get("stack", 0)
+    return report
+
+
+def test_the_decode_tile_at_head_dim_128_spills_on_the_warps_it_takes_not_on_eight(monkeypatch):
+    """What `PAGED_WARPS` (CLIFFGUARD_PAGED_WARPS) is for: the decode tile at head_dim 128 takes 4 warps, on which its
+    sm_90 build keeps some of its state on the stack, and none on 8 (Triton 3.9); which of the two runs faster is a
+    GPU's measurement (bench/gpu_session.sh's kernels_warps beside kernels). The override reaches the launch's
+    config."""
+    report = _compiled_report(_build_decode_tiles_for_sm90)
+    assert report["warps"] == 4 and report["stack on 4"] > 0 and report["stack on 8"] == 0, report
+    monkeypatch.setattr(triton_attention, "PAGED_WARPS", 8)
+    assert triton_attention._launch_config(4, 1, 128, 2)[-1] == 8
+
+
 def test_fp8_store_and_paged_kernels_build_for_h100():
     """What the interpreter cannot show: over an FP8 cache the store compiles for sm_90 with an IEEE division by the
     scale (div.rn, not the approximate division `/` is) and a saturating e4m3 conversion, and the paged kernel (one pass
     and split, the latter with capped scores, sinks and ALiBi) with the hardware's e4m3 -> f16 conversion ahead of its
     bf16 tensor-core dots. (The store does not spill; the paged kernel's decode configuration at head_dim 128 spills
-    some registers over a bf16 cache as over an FP8 one, Triton 3.9: not asserted here.)"""
+    some registers over a bf16 cache as over an FP8 one on its 4 warps: the test above.)"""
     pytest.importorskip("triton.compiler")
     report = _compiled_report(_build_fp8_kernels_for_sm90)
     assert report["store"] == ["cvt.rn.satfinite.e4m3x2.f32", "div.rn.f32"], report
