@@ -49,21 +49,30 @@ def qsa_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         return _decode(query, (key_cache, value_cache, index_cache), index_q, meta, scale, selection,
                        (k_scale, v_scale))
     out = torch.empty_like(query)
-    start = 0
-    for i, (q_len, s_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
-        slots = context_slots(meta, [i], s_len)                                                  # [1, s_len]
-        raw = index_cache.view(-1, index_cache.shape[-1]).index_select(0, slots[0])              # [s_len, d]
-        blocks = block_keys(raw.to(index_q.dtype), ratio, key_norm, cos_sin_cache, rotary_dim)
+    for slots, blocks, chunks in _sequences(index_q, index_cache, meta, selection, chunk):
         keys, values = gather_rows(key_cache, slots, k_scale), gather_rows(value_cache, slots, v_scale)
-        for a in range(0, q_len, chunk):
-            b = min(a + chunk, q_len)
-            rows = slice(start + a, start + b)
-            positions = torch.arange(s_len - q_len + a, s_len - q_len + b, device=query.device)
-            keep = chosen_tokens(index_q[rows], blocks, positions, ratio, topk_blocks, s_len)    # [c, s_len]
+        for rows, positions in chunks:
+            keep = chosen_tokens(index_q[rows], blocks, positions, ratio, topk_blocks, slots.shape[1])  # [c, s_len]
             kept = keep[None, None].expand(1, keys.shape[2], *keep.shape)
             out[rows] = attend_kept(query[None, rows], keys, values, kept, scale)[0].to(out.dtype)
-        start += q_len
     return out
+
+
+def _sequences(index_q: torch.Tensor, index_cache: torch.Tensor, meta: AttentionMetadata, selection: tuple,
+               chunk: int):
+    """Each sequence of a step, in order: (its context's cache rows [1, s_len], its complete blocks' keys [nb, d]
+    (`block_keys`), and its queries `chunk` at a time as (their rows of the step, their positions [c]))."""
+    ratio, _, key_norm, cos_sin_cache, rotary_dim = selection
+    start = 0
+    for i, (q_len, s_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
+        slots = context_slots(meta, [i], s_len)
+        raw = index_cache.view(-1, index_cache.shape[-1]).index_select(0, slots[0])              # [s_len, d]
+        blocks = block_keys(raw.to(index_q.dtype), ratio, key_norm, cos_sin_cache, rotary_dim)
+        first = s_len - q_len
+        yield slots, blocks, [(slice(start + a, start + min(a + chunk, q_len)),
+                               torch.arange(first + a, first + min(a + chunk, q_len), device=index_q.device))
+                              for a in range(0, q_len, chunk)]
+        start += q_len
 
 
 def _decode(query: torch.Tensor, caches: tuple[torch.Tensor, ...], index_q: torch.Tensor, meta: AttentionMetadata,
@@ -134,19 +143,13 @@ def qsa_blocks(index_q: torch.Tensor, index_cache: torch.Tensor, meta: Attention
     k = min(topk_blocks, longest // ratio)
     chosen = torch.zeros(tokens, k + 1, dtype=torch.int64, device=device)
     keep = torch.zeros(tokens, k + 1, dtype=torch.bool, device=device)
-    start = 0
-    for i, (q_len, s_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
-        raw = index_cache.view(-1, index_cache.shape[-1]).index_select(0, context_slots(meta, [i], s_len)[0])
-        blocks = block_keys(raw.to(index_q.dtype), ratio, key_norm, cos_sin_cache, rotary_dim)      # [nb, d]
-        for a in range(0, q_len, chunk):
-            rows = slice(start + a, start + min(a + chunk, q_len))
-            positions = torch.arange(s_len - q_len + a, s_len - q_len + min(a + chunk, q_len), device=device)
+    for _, blocks, chunks in _sequences(index_q, index_cache, meta, selection, chunk):
+        for rows, positions in chunks:
             complete = (positions + 1) // ratio
             chosen[rows, k], keep[rows, k] = complete, complete * ratio <= positions
             if blocks.shape[0]:
                 best, picked = _best_blocks(index_q[rows], blocks, complete, topk_blocks)
                 chosen[rows, :picked.shape[1]], keep[rows, :picked.shape[1]] = picked, best > float("-inf")
-        start += q_len
     return chosen, keep
 
 
