@@ -19,6 +19,7 @@ import torch
 from engine.config import ConfigError
 from engine.config_values import read_float, read_int
 from engine.deepseek_config import grouped_experts
+from engine.mla_config import TOPK_ENTRY_BYTES
 from engine.rope_config import partial_rotary_factor
 
 __all__ = ["BlockIndexer", "index_key_bytes", "index_key_dtype", "minimax_m3_config", "minimax_m3_fields"]
@@ -63,7 +64,7 @@ class BlockIndexer:
         top-k's values and block ids and two masks; 0 where `max_len` is within the dense regime."""
         if max_len <= self.topk_blocks * self.block_size:
             return 0
-        return kv_heads * (4 * -(-max_len // self.block_size) + self.topk_blocks * (4 + 8 + 1 + 1))
+        return kv_heads * (4 * -(-max_len // self.block_size) + self.topk_blocks * TOPK_ENTRY_BYTES)
 
     def num_params(self, hidden_size: int, kv_heads: int) -> int:
         """Each sparse layer's indexer on a rank of `kv_heads` KV heads (a head each: their q rows; k whole), its q

@@ -11,6 +11,9 @@ from typing import Any
 from engine.config import ConfigError
 from engine.config_values import read_bool, read_int
 
+# one entry of a sparse attention's top-k in a decode graph: its float32 score, int64 position, bool and int8 masks
+TOPK_ENTRY_BYTES = 4 + 8 + 1 + 1
+
 # each family's latent shape where config.json names none: (q_lora_rank, kv_lora_rank, qk_nope_head_dim,
 # qk_rope_head_dim, v_head_dim)
 MLA_DEFAULTS = {"DeepseekV2ForCausalLM": (1536, 512, 128, 64, 128), "DeepseekV3ForCausalLM": (1536, 512, 128, 64, 128),
@@ -68,7 +71,7 @@ class MlaShape:
         """A decode token's bytes in a sparse regime's CUDA graphs (`engine.cuda_graphs.capture_lengths`, graphs of
         sequences of up to `max_len`): the indexer's float32 score of every position, the top-k's values and positions
         and its two masks; 0 without an indexer or where `max_len` is within the dense regime."""
-        return 4 * max_len + self.index_topk * (4 + 8 + 1 + 1) if 0 < self.index_topk < max_len else 0
+        return 4 * max_len + self.index_topk * TOPK_ENTRY_BYTES if 0 < self.index_topk < max_len else 0
 
     def num_params(self, hidden: int, heads: int, bias: bool) -> int:
         """One layer's attention with `heads` query heads: q (through its bottleneck and norm, or one projection),
