@@ -36,7 +36,7 @@ BLOCK_N = 32   # positions a program scores or attends at a time
 BLOCK_H = 16   # query heads of a sparse-attention program (a dot's smallest M)
 SCORES_BYTES = 256 << 20   # the indexer's scores held at once (`choose_tokens` scores the tokens a group at a time)
 # the sparse attention's warps: its [BLOCK_H, 512] float32 accumulator and a [BLOCK_N, 512] tile of latents spill on
-# four (255 registers, 24 bytes of stack at V3.2's shape built for sm_90), not on eight (154)
+# four (24 bytes of stack at V3.2's shape built for sm_90), not on eight (tests/kernels/test_triton_dsa.py)
 ATTEND_WARPS = 8
 
 

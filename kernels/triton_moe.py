@@ -193,8 +193,8 @@ def _gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, sorted_pairs: tor
 def moe_warps(block_m: int, block_n: int, quantized: bool) -> int:
     """A launch's warps: 8 for a tile of 64 x 128 or more, and for any tile of quantized weights (FP8, MXFP4, INT4,
     INT8), whose dequantized [BLOCK_K, BLOCK_N] tile, scales and codes a decode launch (16 x 128) also holds: built
-    for sm_90 on 4 warps that spills (FP8: 255 registers and 96 bytes of stack; INT8 with zero points 224 bytes), on
-    8 it does not (tests/kernels/test_triton_moe.py); 4 for a smaller tile of bfloat16 weights (128 registers)."""
+    for sm_90 on 4 warps that spills (FP8: 96 bytes of stack; INT8 with zero points 224), on 8 it does not
+    (tests/kernels/test_triton_moe.py); 4 for a smaller tile of bfloat16 weights, which spills on neither."""
     return 8 if quantized or block_m * block_n >= 64 * 128 else 4
 
 

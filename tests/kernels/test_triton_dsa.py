@@ -106,10 +106,11 @@ def test_a_decode_step_told_a_graphs_length_chooses_and_attends_as_told_its_own(
                                atol=1e-5)
 
 
-def _build_for_sm90() -> dict:
+def _build_for_sm90(warps: int | None = None) -> dict:
     """Compile both kernels for sm_90 at DeepSeek V3.2's shape (bfloat16; the indexer's 64 heads of 128 after the
-    576-value latent row, cache blocks of 64; the latent's 512 + 64 for 16 heads a program) with Triton's own compiler
-    and no device; report whether their dots are tensor-core ones, and their stack (spills)."""
+    576-value latent row, cache blocks of 64; the latent's 512 + 64 for 16 heads a program, on `warps` or its launch's
+    `ATTEND_WARPS`) with Triton's own compiler and no device; report whether their dots are tensor-core ones, and
+    their stack (spills)."""
     import triton.language as tl
 
     from tests.kernels.test_triton import _build_kernel_for_sm90
@@ -122,7 +123,7 @@ def _build_for_sm90() -> dict:
         triton_dsa._sparse_attention_kernel, dict(common, KV_LORA=512, KV_LORA_PAD=512, ROPE=64, ROPE_PAD=64,
                                                   BLOCK_H=triton_dsa.BLOCK_H, SINKS=False),
         {"q_ptr": "bf16", "cache_ptr": "bf16", "out_ptr": "bf16", "chosen_ptr": "i64", "keep_ptr": "i8",
-         "sinks_ptr": "fp32"}, num_warps=triton_dsa.ATTEND_WARPS)
+         "sinks_ptr": "fp32"}, num_warps=warps or triton_dsa.ATTEND_WARPS)
     return {"scores": "mma" in scores.asm["ptx"], "attend": "mma" in attend.asm["ptx"],
             "stack": [scores_usage.get("stack", 0), attend_usage.get("stack", 0)]}
 

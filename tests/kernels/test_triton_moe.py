@@ -142,10 +142,10 @@ LLAMA4 = {"intermediate_size": 48, "intermediate_size_mlp": 96, "num_local_exper
 MODELS = [("qwen3_moe", MOE), ("gpt_oss", GPT_OSS), ("deepseek_v3", DEEPSEEK), ("llama4", LLAMA4)]
 
 
-def _build_for_sm90() -> dict:
+def _build_for_sm90(warps: int | None = None) -> dict:
     """Compile the expert GEMM for sm_90 (bfloat16 activations, tiles of 128 columns by 64 of the input) as a decode
-    launch (16 pairs a block) over each kind of expert weights, and INT8's as a prefill launch (64), on the warps
-    `moe_warps` gives; report each build's stack (spills)."""
+    launch (16 pairs a block) over each kind of expert weights, and INT8's as a prefill launch (64), on `warps` or
+    those `moe_warps` gives; report each build's stack (spills)."""
     import triton.language as tl
 
     from kernels import triton_moe
@@ -162,7 +162,7 @@ def _build_for_sm90() -> dict:
                 MUL_WEIGHT=True, HAS_BIAS=False, W_FP8=kind == "fp8", PACKED=triton_moe.PACKINGS.index(packed),
                 ZEROS=kind in ("int4", "int8"), BF16_BY_BITS=False, DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32",
                 BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=64),
-            pointers, num_warps=triton_moe.moe_warps(block_m, 128, kind != "bf16"))
+            pointers, num_warps=warps or triton_moe.moe_warps(block_m, 128, kind != "bf16"))
         report[f"{kind} {block_m}"] = usage.get("stack", 0)
     return report
 
