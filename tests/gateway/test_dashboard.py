@@ -246,12 +246,15 @@ async def test_the_data_equals_metrics_and_needs_the_key_like_the_api(aiohttp_cl
             break
         await asyncio.sleep(0.05)
     for _ in range(20):       # the worker's last push, once idle, is in place, and none landed between the reads
+        start = time.time()   # a poll within MIN_SAMPLE_SECONDS of the last snapshot answers that one: not taken here
         seen = _metrics(await (await client.get("/metrics")).text())
         data = await (await client.get("/dashboard/data", headers=auth)).json()
         after = _metrics(await (await client.get("/metrics")).text())
-        if _without_ages(seen) == _without_ages(after) and _ages_ordered(seen, data, after):
+        fresh = start <= data["time"] <= time.time()
+        if fresh and _without_ages(seen) == _without_ages(after) and _ages_ordered(seen, data, after):
             break
         await asyncio.sleep(0.1)
+    assert fresh, "every answer was an earlier poll's"
     assert _without_ages(seen) == _without_ages(after), "the gateway did not settle"
     assert _ages_ordered(seen, data, after), "a stats push landed between the reads every time"
 
