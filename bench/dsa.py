@@ -17,6 +17,16 @@ one's.
 128, an indexer key of 128 a token, blocks of 128 keys, the best `--topk-blocks` 16 a query): `dense`, the paged
 kernels over every cached token (the path within 16 blocks); `sparse`, the block scores, their top-k and the attention
 over the chosen blocks (`kernels.triton_block_sparse` on CUDA); the largest difference from `kernels.block_sparse`.
+
+`--qsa`: Qwen4-Exp's QSA layer instead (16 query heads over 2 KV heads of 128, 4 indexer heads of 64, blocks of
+`--qsa-ratio` 64 positions, the best `--topk-blocks` a query), over `--batch` decodes or, with `--qsa-chunk N`, one
+sequence's chunk of N new tokens ending its `--context`: `dense`, the paged kernels over every cached token; `torch`,
+the torch form (`kernels.qsa.qsa_attention_torch`, the CPU's path); `blocks`, the choice as blocks
+(`kernels.qsa.qsa_blocks`) and MiniMax M3's kernel over them (`attend_blocks`, the Triton backend only: CUDA's, or the
+interpreter's with CLIFFGUARD_ATTENTION_BACKEND=triton), with its largest difference
+from the torch form (exit 1 past the tolerance). Beside the times, the aten operators each path dispatches
+(`bench.hostcost.OpCounter`: a GPU host's launches, less the Triton kernel's one): `torch_ops`, `choice_ops`
+(`qsa_blocks` alone, on any backend) and, on the Triton backend, `blocks_ops`.
 """
 
 from __future__ import annotations
@@ -44,20 +54,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16, help="the paged cache's block size")
     p.add_argument("--repeats", type=int, default=10, help="timed calls per path (median)")
     p.add_argument("--block-sparse", action="store_true", help="MiniMax M3's block-sparse layer instead")
-    p.add_argument("--topk-blocks", type=int, default=16, help="with --block-sparse: blocks each query attends to")
+    p.add_argument("--topk-blocks", type=int, default=16,
+                   help="with --block-sparse or --qsa: blocks each query attends to (16)")
+    p.add_argument("--qsa", action="store_true", help="Qwen4-Exp's QSA layer instead")
+    p.add_argument("--qsa-ratio", type=int, default=64, help="with --qsa: positions a block of the indexer (64)")
+    p.add_argument("--qsa-chunk", type=int, default=0,
+                   help="with --qsa: one sequence's chunk of this many new tokens instead of --batch decodes")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
 
 
-def _decode_meta(args: argparse.Namespace, device: torch.device):
-    """(metadata of `--batch` decodes over `--context` cached tokens each in shuffled blocks, their block count)."""
+def _decode_meta(args: argparse.Namespace, device: torch.device, chunk: int = 0):
+    """(metadata of `--batch` decodes over `--context` cached tokens each in shuffled blocks, their block count);
+    with `chunk`, one sequence whose last `chunk` tokens are new instead."""
     from kernels import AttentionMetadata
 
+    seqs, new = (1, chunk) if chunk else (args.batch, 1)
     per_seq = -(-args.context // args.block_size)
-    blocks = list(range(args.batch * per_seq))
+    blocks = list(range(seqs * per_seq))
     random.Random(0).shuffle(blocks)
-    tables = [blocks[i * per_seq:(i + 1) * per_seq] for i in range(args.batch)]
-    return AttentionMetadata.build(tables, [1] * args.batch, [args.context] * args.batch, args.block_size,
-                                   device), len(blocks)
+    tables = [blocks[i * per_seq:(i + 1) * per_seq] for i in range(seqs)]
+    return AttentionMetadata.build(tables, [new] * seqs, [args.context] * seqs, args.block_size, device), len(blocks)
 
 
 def _step(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
@@ -104,14 +120,65 @@ def _block_sparse(args: argparse.Namespace, device: torch.device, dtype: torch.d
             "tolerance": 1e-4 if dtype == torch.float32 else 2e-2}
 
 
+def _qsa(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> dict:
+    """Qwen4-Exp's QSA layer (`--qsa`): each path's time and aten operators, the kernels' difference from the torch
+    form."""
+    from bench.hostcost import OpCounter
+    from kernels import get_backend, qsa
+
+    backend, (heads, kv_heads, head_dim, index_heads, index_dim) = get_backend(device), (args.heads, 2, 128, 4, 64)
+    meta, num_blocks = _decode_meta(args, device, args.qsa_chunk)
+    gen, tokens = torch.Generator(device="cpu").manual_seed(0), sum(meta.query_lens_list)
+
+    def randn(*shape, std=1.0):
+        return (torch.randn(*shape, generator=gen) * std).to(device, dtype)
+
+    k_cache, v_cache = (randn(num_blocks, args.block_size, kv_heads, head_dim) for _ in range(2))
+    index_cache, query = randn(num_blocks, args.block_size, 1, index_dim), randn(tokens, heads, head_dim)
+    inputs = (query, k_cache, v_cache, randn(tokens, index_heads, index_dim), index_cache, meta, head_dim ** -0.5)
+    select = dict(ratio=args.qsa_ratio, topk_blocks=args.topk_blocks, key_norm=(randn(index_dim, std=0.1), 1e-6),
+                  cos_sin_cache=randn(args.context, index_dim), rotary_dim=index_dim)
+    paths = {"dense": lambda: backend.paged_attention(query, k_cache, v_cache, meta, inputs[-1], None),
+             "torch": lambda: qsa.qsa_attention_torch(*inputs, **select),
+             "choice": lambda: qsa.qsa_blocks(*inputs[3:6], **select)}
+    if backend.__name__ == "kernels.triton_attention":   # CUDA's path (on a CPU, the interpreter's: exact, not fast)
+        from kernels.triton_block_sparse import attend_blocks
+
+        def blocks():
+            chosen, keep = qsa.qsa_blocks(*inputs[3:6], **select)
+            return attend_blocks(*inputs[:3], chosen, keep, meta, inputs[-1], block_size=args.qsa_ratio)
+        paths["blocks"] = blocks
+    row = {"device": str(device), "dtype": str(dtype).removeprefix("torch."), "backend": backend.__name__,
+           "model": "qwen4-exp", "batch": len(meta.seq_lens_list), "new_tokens": tokens, "context": args.context,
+           "heads": heads, "ratio": args.qsa_ratio, "topk_blocks": args.topk_blocks}
+    with torch.no_grad():
+        for name, call in paths.items():
+            row[f"{name}_ms"] = statistics.median(time_call(call, device, iters=args.repeats)) * 1e3
+            with OpCounter() as counter:
+                call()
+            row[f"{name}_ops"] = counter.count
+        if "blocks" in paths:
+            row["sparse_speedup"] = row["dense_ms"] / row["blocks_ms"]
+            row["torch_speedup"] = row["torch_ms"] / row["blocks_ms"]
+        diff = (paths["blocks"]().float() - paths["torch"]().float()).abs().max() if "blocks" in paths else None
+    row["max_abs_diff"] = None if diff is None else float(diff)
+    row["tolerance"] = 1e-4 if dtype == torch.float32 else 2e-2
+    return row
+
+
 def run(args: argparse.Namespace) -> int:
-    for name in ("batch", "context", "heads", "topk", "block_size", "repeats", "topk_blocks"):
+    for name in ("batch", "context", "heads", "topk", "block_size", "repeats", "topk_blocks", "qsa_ratio"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
+    if args.qsa_chunk < 0 or args.qsa_chunk >= args.context:
+        raise ValueError(f"--qsa-chunk: must be >= 0 and below --context ({args.context}), got {args.qsa_chunk}")
+    if args.qsa and args.block_sparse:
+        raise ValueError("--qsa: one layer at a time, not with --block-sparse")
     device, dtype = device_and_dtype(args.device, args.dtype)
-    row = (_block_sparse if args.block_sparse else _dsa)(args, device, dtype)
+    row = (_qsa if args.qsa else _block_sparse if args.block_sparse else _dsa)(args, device, dtype)
     print(json.dumps(row) if args.json else "\n".join(f"{key:16} {value}" for key, value in row.items()))
-    return 0 if row["max_abs_diff"] <= row["tolerance"] else 1   # the backend's kernels off the reference
+    off = row["max_abs_diff"] is not None and row["max_abs_diff"] > row["tolerance"]
+    return 1 if off else 0   # the backend's kernels off the reference
 
 
 def _dsa(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> dict:

@@ -24,8 +24,10 @@
 # kernels on an FP8 KV cache (its decode bandwidth, in its own bytes), the kernels_mla step on DeepSeek's latent cache
 # (one plane read as K and V, head_dim 576, 16 query heads: `bench kernels --latent`), the dsa step DeepSeek V3.2's
 # sparse attention (`bench dsa`: the Triton indexer and sparse kernel against the dense latent kernel, 32k and 128k
-# contexts) and MiniMax M3's block-sparse layer (`--block-sparse`: block scores and the chosen blocks against the dense
-# paged kernels), the fp8 step a layer's projections with FP8 weights (`bench fp8`: the Triton GEMM against bfloat16's
+# contexts), MiniMax M3's block-sparse layer (`--block-sparse`: block scores and the chosen blocks against the dense
+# paged kernels) and Qwen4-Exp's QSA (`--qsa`: the choice as blocks and MiniMax M3's kernel against the torch form and
+# the dense kernels, decodes and a 512-token chunk), the fp8 step a layer's projections with FP8 weights (`bench fp8`:
+# the Triton GEMM against bfloat16's
 # F.linear, the weights' fraction of copy bandwidth; with INT4 weights too, `--int4`, and AWQ's zero points,
 # `--zero-points`, and INT8 weights, `--int8`, at Qwen3-32B's shape),
 # engine_fp8 the 8B engine with them; the sliding step (not a default) one KV budget with every position kept and in
@@ -109,7 +111,9 @@ for what in ${GPU_STEPS:-tests kernels kernels_fp8 fp8 engine}; do
     dsa)     step bench_dsa $CLI bench dsa --device cuda --batch 8 --context 32768
              step bench_dsa_long $CLI bench dsa --device cuda --batch 8 --context 131072
              step bench_block_sparse $CLI bench dsa --device cuda --batch 8 --context 32768 --block-sparse
-             step bench_block_sparse_long $CLI bench dsa --device cuda --batch 8 --context 131072 --block-sparse ;;
+             step bench_block_sparse_long $CLI bench dsa --device cuda --batch 8 --context 131072 --block-sparse
+             step bench_qsa $CLI bench dsa --device cuda --batch 8 --context 32768 --qsa --topk-blocks 8
+             step bench_qsa_chunk $CLI bench dsa --device cuda --context 4096 --qsa --topk-blocks 8 --qsa-chunk 512 ;;
     sparse)  for m in hy-v4-small minimax-m3-small; do   # sparse attention past its dense regime, graphs against eager
                step bench_sparse_graphs_$m $CLI bench engine --model bench/models/$m --random-weights --dtype bfloat16 \
                  --skip-hf

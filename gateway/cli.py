@@ -44,7 +44,8 @@ BENCHMARKS = {   # command -> help line; `cliffguard bench NAME` is bench.NAME's
            "dtype: time, weight bytes, fraction of copy bandwidth",
     "moe": "one MoE layer's experts (Qwen3-30B-A3B's shape): grouped matmuls vs the loop over the experts hit",
     "dsa": "one layer of DeepSeek V3.2's sparse attention decoding: indexer + chosen tokens vs dense latent attention "
-           "(--block-sparse: MiniMax M3's block-sparse layer)",
+           "(--block-sparse: MiniMax M3's block-sparse layer; --qsa: Qwen4-Exp's QSA, its torch form against the "
+           "kernel)",
     "mamba": "one Mamba-1 layer's selective scan over a prefill (Jamba's), or with --gated-delta a Gated DeltaNet "
              "layer's delta rule (Qwen3.5's), with --ssd a Mamba-2 layer's scan (Granite 4-H's), with --lightning "
              "lightning attention (MiniMax's): the Triton kernels vs the torch forms",

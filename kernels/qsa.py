@@ -25,7 +25,7 @@ from kernels.block_sparse import attend_kept, gather_rows
 from kernels.metadata import AttentionMetadata
 from kernels.reference import context_slots
 
-__all__ = ["block_keys", "chosen_tokens", "qsa_attention", "qsa_blocks", "turn_part"]
+__all__ = ["block_keys", "chosen_tokens", "qsa_attention", "qsa_attention_torch", "qsa_blocks", "turn_part"]
 
 
 def qsa_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, index_q: torch.Tensor,
@@ -37,7 +37,6 @@ def qsa_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     rows stored; key_norm: the block keys' norm (weight, eps); cos_sin_cache [positions, rotary width x 2] (the
     rotary's: cos then sin, the first rotary_dim / 2 of each half the turned pairs' frequencies) -> [T, heads,
     head_dim] in query's dtype."""
-    selection = (ratio, topk_blocks, key_norm, cos_sin_cache, rotary_dim)
     if query.is_cuda:   # every query at once over its chosen blocks' K/V, read in place (`qsa_blocks`)
         from kernels.triton_block_sparse import attend_blocks
 
@@ -45,6 +44,19 @@ def qsa_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
                                   key_norm=key_norm, cos_sin_cache=cos_sin_cache, rotary_dim=rotary_dim)
         return attend_blocks(query, key_cache, value_cache, chosen, keep, meta, scale, block_size=ratio,
                              k_scale=k_scale, v_scale=v_scale)
+    return qsa_attention_torch(query, key_cache, value_cache, index_q, index_cache, meta, scale, ratio=ratio,
+                               topk_blocks=topk_blocks, key_norm=key_norm, cos_sin_cache=cos_sin_cache,
+                               rotary_dim=rotary_dim, k_scale=k_scale, v_scale=v_scale, chunk=chunk)
+
+
+def qsa_attention_torch(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                        index_q: torch.Tensor, index_cache: torch.Tensor, meta: AttentionMetadata, scale: float, *,
+                        ratio: int, topk_blocks: int, key_norm: tuple[torch.Tensor, float],
+                        cos_sin_cache: torch.Tensor, rotary_dim: int, k_scale: float = 1.0, v_scale: float = 1.0,
+                        chunk: int = 32) -> torch.Tensor:
+    """`qsa_attention` in torch on any device (the CPU's path; `cliffguard bench dsa --qsa` runs it on CUDA too):
+    a decode step's sequences at once (`_decode`), a prefill piece a sequence and `chunk` queries at a time."""
+    selection = (ratio, topk_blocks, key_norm, cos_sin_cache, rotary_dim)
     if all(n == 1 for n in meta.query_lens_list):
         return _decode(query, (key_cache, value_cache, index_cache), index_q, meta, scale, selection,
                        (k_scale, v_scale))

@@ -55,7 +55,43 @@ def test_block_sparse_times_minimax_m3s_layer_and_checks_it(capsys, monkeypatch,
     assert row["max_abs_diff"] < 1e-4
 
 
-@pytest.mark.parametrize("flag", ["--batch", "--context", "--topk", "--repeats", "--topk-blocks"])
+@pytest.mark.parametrize("chunk", [0, 100])
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
+def test_qsa_times_and_counts_qwen4_exps_layer_and_checks_its_kernels(capsys, monkeypatch, backend, chunk):
+    """--qsa: Qwen4-Exp's layer over 300 cached tokens in blocks of 16, the best 2 a query, as 2 decodes or one
+    chunk of 100: the dense, torch and choice paths timed and their aten operators counted; on the Triton backend
+    (the interpreter here) the kernel's path too, against the torch form."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    monkeypatch.setenv("CLIFFGUARD_ATTENTION_BACKEND", backend)
+    args = _parse("--device", "cpu", "--dtype", "float32", "--batch", "2", "--context", "300", "--qsa",
+                  "--qsa-ratio", "16", "--topk-blocks", "2", "--qsa-chunk", str(chunk), "--heads", "4",
+                  "--repeats", "1", "--json")
+    assert dsa.run(args) == 0
+    row = json.loads(capsys.readouterr().out)
+    assert (row["model"], row["ratio"], row["topk_blocks"], row["heads"]) == ("qwen4-exp", 16, 2, 4)
+    assert (row["batch"], row["new_tokens"]) == ((1, 100) if chunk else (2, 2))
+    paths = ("dense", "torch", "choice") + (("blocks",) if backend == "triton" else ())
+    assert all(row[f"{name}_ms"] > 0 and row[f"{name}_ops"] > 0 for name in paths)
+    assert row["choice_ops"] < row["torch_ops"]   # the choice alone is part of what the torch form does
+    if backend == "triton":
+        assert row["blocks_ops"] >= row["choice_ops"] and isinstance(row["max_abs_diff"], float)
+        assert row["max_abs_diff"] < 1e-4
+        assert row["torch_speedup"] == pytest.approx(row["torch_ms"] / row["blocks_ms"])
+    else:
+        assert "blocks_ms" not in row and row["max_abs_diff"] is None
+
+
+@pytest.mark.parametrize("flag", ["--batch", "--context", "--topk", "--repeats", "--topk-blocks", "--qsa-ratio"])
 def test_bad_options_are_named(flag):
     with pytest.raises(ValueError, match=f"^{flag}: must be >= 1"):
         dsa.run(_parse("--device", "cpu", flag, "0"))
+
+
+@pytest.mark.parametrize("argv,message", [(("--qsa-chunk", "-1"), "--qsa-chunk: must be >= 0"),
+                                          (("--context", "64", "--qsa-chunk", "64"), "--qsa-chunk: must be >= 0 and "
+                                                                                      "below --context \\(64\\)"),
+                                          (("--qsa", "--block-sparse"), "--qsa: one layer at a time")])
+def test_bad_qsa_options_are_named(argv, message):
+    with pytest.raises(ValueError, match=f"^{message}"):
+        dsa.run(_parse("--device", "cpu", *argv))
