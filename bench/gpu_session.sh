@@ -107,7 +107,8 @@ for what in ${GPU_STEPS:-tests kernels kernels_fp8 fp8 engine}; do
              step bench_mixed_step $CLI bench mamba --mixed-step --device cuda --tokens 64,512 --decodes 63
              step bench_prefills $CLI bench mamba --mixed-step --device cuda --tokens 64,512,2048 --prefills 8 \
                  --decodes 0
-             step bench_mamba1_pieces $CLI bench mamba --pieces 8 --device cuda --tokens 64,512,2048 ;;
+             step bench_mamba1_pieces $CLI bench mamba --pieces 8 --device cuda --tokens 64,512,2048
+             step bench_ple $CLI bench mamba --ple --pieces 8 --device cuda --tokens 64,512 ;;
     dsa)     step bench_dsa $CLI bench dsa --device cuda --batch 8 --context 32768
              step bench_dsa_long $CLI bench dsa --device cuda --batch 8 --context 131072
              step bench_block_sparse $CLI bench dsa --device cuda --batch 8 --context 32768 --block-sparse

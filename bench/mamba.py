@@ -4,7 +4,8 @@ Attention's), the torch chunked form against the Triton kernels (`_gated_delta`)
 (Granite 4-H's), and with `--lightning` a lightning attention layer (MiniMax-Text-01's), likewise (`_ssd`,
 `_lightning`); with `--mixed-step`, a Gated DeltaNet layer's step of decodes beside prefill chunks, batched against
 chunk by chunk and sequence by sequence (`_mixed_step`); with `--pieces N`, N sequences through a Mamba-1 layer one by
-one against at once (`_mamba1_pieces`).
+one against at once (`_mamba1_pieces`); with `--ple --pieces N`, Qwen4-Exp's PLE layer in an engine's step of N prompts,
+their chunks at once against one by one (`_ple`).
 
 For each of `--tokens` (one sequence's new tokens), over `--channels` (8,192: Jamba 1.5 Mini's, `mamba_expand` 2 x
 4,096) with a state of `--d-state` (16) each, from a random state: `recurrence`, the torch loop (`kernels.
@@ -68,7 +69,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefills", type=int, default=1, help="with --mixed-step: prefill chunks in the step (1)")
     p.add_argument("--pieces", type=int, default=1,
                    help="Mamba-1 (the default layer): this many sequences of each --tokens scanned one by one and at "
-                        "once (`selective_scan.scan_pieces`)")
+                        "once (`selective_scan.scan_pieces`); with --ple, the prompts of the step")
+    p.add_argument("--ple", action="store_true",
+                   help="Qwen4-Exp's PLE layer instead (bench/models/qwen4-exp-small, random weights) in a step of "
+                        "--pieces prompts of each --tokens: the chunks at once against one by one")
+    p.add_argument("--ple-model", default="bench/models/qwen4-exp-small",
+                   help="with --ple: a Qwen4-Exp model folder (config.json; its weights made at random)")
 
 
 def _inputs(tokens: int, channels: int, d_state: int, device: torch.device, dtype: torch.dtype):
@@ -102,6 +108,8 @@ def run(args: argparse.Namespace) -> int:
         return _lightning(args, lengths, device, dtype, with_triton)
     if args.mixed_step:
         return _mixed_step(args, lengths, device, dtype)
+    if args.ple:
+        return _ple(args, lengths, device, dtype)
     if args.pieces != 1:
         return _mamba1_pieces(args, lengths, device, dtype)
     failed = False
@@ -395,3 +403,68 @@ def _rows_metadata(rows: list[int], query_lens: list[int], seq_lens: list[int], 
     meta.rows_list, meta.rows = rows, torch.tensor(rows, device=device)
     return meta
 
+
+
+def _ple(args: argparse.Namespace, lengths: list[int], device: torch.device, dtype: torch.dtype) -> int:
+    """`--ple`: the first PLE layer of Qwen4-Exp's small shape (`--ple-model`, random weights) in an
+    engine's prefill step of `--pieces` new prompts of each length: the layer's call on that step with the chunks at
+    once (`PleLayer._pieces_at_once`) against one by one (`scans_pieces` off), each from the states the step found
+    (`_ple_row`); the largest difference of their outputs (exit 1 past 1e-4, relative)."""
+    import tempfile
+    from pathlib import Path
+
+    from bench.engine import prepare_model_folder
+    from engine.llm_engine import LLMEngine
+    from engine.models.qwen4_exp import PleLayer
+    from engine.sampling import SamplingParams
+
+    if args.pieces < 2:
+        raise ValueError(f"--pieces: with --ple, at least 2 prompts in the step, got {args.pieces}")
+    gen, rows = torch.Generator().manual_seed(0), []
+    with tempfile.TemporaryDirectory(prefix="cliffguard-bench-") as tmp:
+        engine = LLMEngine.from_args(
+            prepare_model_folder(args.ple_model, Path(tmp)), device=str(device),
+            dtype=str(dtype).removeprefix("torch."), random_weights=True, block_size=16,
+            num_blocks=args.pieces * (max(lengths) // 16 + 2), max_num_seqs=args.pieces,
+            max_num_batched_tokens=args.pieces * max(lengths), progress=False)
+        layer = next(m for m in engine.model.modules() if isinstance(m, PleLayer))
+        for tokens in lengths:
+            row = {"device": str(device), "dtype": str(dtype).removeprefix("torch."), "tokens": tokens,
+                   "prompts": args.pieces}
+            layer.forward = lambda *step, row=row: _ple_row(args, layer, row, device, *step)
+            prompts = torch.randint(3, engine.model_config.vocab_size, (args.pieces, tokens), generator=gen).tolist()
+            engine.generate(prompts, SamplingParams(max_tokens=1, ignore_eos=True))
+            del layer.forward
+            rows.append(row)
+            _print(row, args.json)
+    return 1 if any(row["max_rel_diff"] > 1e-4 for row in rows) else 0
+
+
+def _ple_row(args: argparse.Namespace, layer, row: dict, device: torch.device, streams: torch.Tensor,
+             input_ids: torch.Tensor, meta, states) -> torch.Tensor:
+    """The layer's call in the step (`--ple`): both ways timed and their aten operators counted (a GPU host's
+    launches), each from the states as the step found them; the step goes on with the chunks at once."""
+    from bench.hostcost import OpCounter
+
+    if len(meta.query_lens_list) != args.pieces:
+        raise RuntimeError(f"--ple: the step holds {len(meta.query_lens_list)} prompts, not {args.pieces}")
+    held = [t.clone() for t in (states.conv[layer.index], states.ssm[layer.index])]
+
+    def call(at_once: bool) -> torch.Tensor:
+        for state, start in zip((states.conv[layer.index], states.ssm[layer.index]), held):
+            state.copy_(start)
+        layer.scans_pieces = at_once
+        try:
+            return type(layer).forward(layer, streams, input_ids, meta, states)
+        finally:
+            del layer.scans_pieces
+
+    outs = {}
+    for name, at_once in (("one_by_one", False), ("at_once", True)):
+        row[f"{name}_ms"] = statistics.median(time_call(lambda: call(at_once), device, iters=args.repeats)) * 1e3
+        with OpCounter() as counter:
+            outs[name] = call(at_once)
+        row[f"{name}_ops"] = counter.count
+    row["speedup"] = row["one_by_one_ms"] / row["at_once_ms"]
+    row["max_rel_diff"] = float((outs["at_once"] - outs["one_by_one"]).abs().max() / outs["one_by_one"].abs().max())
+    return outs["at_once"]

@@ -48,7 +48,8 @@ BENCHMARKS = {   # command -> help line; `cliffguard bench NAME` is bench.NAME's
            "kernel)",
     "mamba": "one Mamba-1 layer's selective scan over a prefill (Jamba's), or with --gated-delta a Gated DeltaNet "
              "layer's delta rule (Qwen3.5's), with --ssd a Mamba-2 layer's scan (Granite 4-H's), with --lightning "
-             "lightning attention (MiniMax's): the Triton kernels vs the torch forms",
+             "lightning attention (MiniMax's): the Triton kernels vs the torch forms (--ple: Qwen4-Exp's PLE layer, "
+             "a step's chunks at once vs one by one)",
     "tokenizer": "tiktoken counter vs the HF tokenizer",
     "gateway": "latency the gateway adds, routed requests/s",
     "kernels": "paged attention vs copy bandwidth and SDPA (GPU; --dry-run on CPU)",

@@ -73,6 +73,7 @@ def test_a_linear_attention_or_ssd_layer_times_the_torch_form_and_the_kernels(ca
                                          (("--mixed-step", "--decodes", "0"), "--decodes"),
                                          (("--mixed-step", "--prefills", "0"), "--prefills"),
                                          (("--pieces", "0"), "--pieces"),
+                                         (("--ple", "--pieces", "1"), "--pieces"),
                                          (("--per-channel",), "--per-channel"),
                                          (("--mixed-step", "--tokens", "1"), "--tokens"),
                                          (("--mixed-step", "--k-heads", "3", "--v-heads", "4"), "--v-heads")])
@@ -120,3 +121,23 @@ def test_mamba_1_pieces_time_one_by_one_against_at_once(capsys):
     for row in rows:
         assert row["speedup"] == pytest.approx(row["one_by_one_ms"] / row["at_once_ms"])
         assert row["max_rel_diff"] < 1e-5
+
+
+def test_a_ple_layers_chunks_at_once_cost_the_same_operators_however_many(capsys, tmp_path, builtin_path):
+    """`--ple`: Qwen4-Exp's PLE layer (the tiny test model's shape) in an engine's step of 2, then 5 prompts: at once
+    the same aten operators for both, one by one more for each prompt; outputs equal."""
+    from tests.conftest import make_tiny_model
+    from tests.engine.test_engine_vs_hf import QWEN4_EXP
+
+    folder = make_tiny_model(tmp_path / "qwen4", "qwen4_exp_text", builtin_path, **QWEN4_EXP)
+    rows = []
+    for prompts in (2, 5):
+        args = _parse("--ple", "--ple-model", str(folder), "--pieces", str(prompts), "--device", "cpu", "--dtype",
+                      "float32", "--tokens", "9", "--repeats", "1", "--json")
+        assert mamba.run(args) == 0
+        (row,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+        assert (row["prompts"], row["tokens"]) == (prompts, 9)
+        assert row["speedup"] == pytest.approx(row["one_by_one_ms"] / row["at_once_ms"])
+        assert row["max_rel_diff"] < 1e-5
+        rows.append(row)
+    assert rows[0]["at_once_ops"] == rows[1]["at_once_ops"] < rows[0]["one_by_one_ops"] < rows[1]["one_by_one_ops"]
