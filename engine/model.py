@@ -257,24 +257,26 @@ class LlamaForCausalLM(CheckpointReading, nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [num_rows, hidden_size] -> logits [num_rows, vocab_size] in the model's dtype (the sampler reads
         them in float32, a chunk of rows at a time: `engine.sampler`; a float32 copy of every row here would be
-        the step's largest tensor).
-
-        A tied model has no `lm_head` until `kernels.cpu_linear.pack_linears` gives it a packed copy
-        of the embedding table; before that the table itself is the head. Vocab-parallel: each rank's
-        columns are gathered, and the padding past the vocabulary dropped. Every rank calls it.
-        """
-        if "lm_head" in self._modules:
-            logits = self.lm_head(hidden)
-        else:
-            logits = F.linear(hidden, self.embed_tokens.weight)
-        if self.shard.size > 1:
-            logits = self.comm.all_gather_last(logits)[:, :self.shard.vocab_size]
+        the step's largest tensor): the head's (`head_logits`), soft-capped and scaled where the config says."""
+        logits = self.head_logits(hidden)
         if (cap := self.config.final_logit_softcapping) is not None:   # Gemma 2: cap x tanh(logits / cap)
             logits = torch.tanh(logits / cap) * cap
         if self.config.logits_scaling != 1.0:   # Granite
             logits = logits / self.config.logits_scaling
         if self.config.logit_scale != 1.0:   # Cohere
             logits = logits * self.config.logit_scale
+        return logits
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The head's logits. A tied model has no `lm_head` until `kernels.cpu_linear.pack_linears` gives it a packed
+        copy of the embedding table; before that the table itself is the head. Vocab-parallel: each rank's columns
+        are gathered, and the padding past the vocabulary dropped. Every rank calls it."""
+        if "lm_head" in self._modules:
+            logits = self.lm_head(hidden)
+        else:
+            logits = F.linear(hidden, self.embed_tokens.weight)
+        if self.shard.size > 1:
+            logits = self.comm.all_gather_last(logits)[:, :self.shard.vocab_size]
         return logits
 
     # --- weights ---------------------------------------------------------------------------

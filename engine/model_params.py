@@ -30,7 +30,8 @@ HEAD_QK_NORMS = (*COHERE_ARCHITECTURES, "StableLmForCausalLM")   # q/k norms wit
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma4ForCausalLM", "GemmaForCausalLM",
                        "VaultGemmaForCausalLM", "Gemma3nForCausalLM")
 FOUR_NORMS = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma4ForCausalLM", "Glm4ForCausalLM",   # a norm on each
-              "AfmoeForCausalLM", "Kolibri1ForCausalLM", "BeamForCausalLM")   # sublayer's output too
+              "AfmoeForCausalLM", "Kolibri1ForCausalLM", "BeamForCausalLM",   # sublayer's output too
+              "MuseGlimmerForCausalLM")
 # an MLP of up, its activation and down, no gate
 UNGATED_MLP = ("ApertusForCausalLM", "ArceeForCausalLM", "NanoChatForCausalLM", "Jais2ForCausalLM",
                "Starcoder2ForCausalLM", "NemotronForCausalLM", "PhiForCausalLM", "GPTNeoXForCausalLM",

@@ -85,7 +85,10 @@ TEXT_MODELS = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "language
                # Apertus 1.5: its text model (`engine.model_defaults.APERTUS_1_5`); its image and audio tokenizers
                # not read
                "Apertus1p5ForConditionalGeneration": ("Apertus1p5TextForCausalLM", "language_model.",
-                                                      "apertus1p5_text")}
+                                                      "apertus1p5_text"),
+               # Muse Glimmer: its text model (`engine.models.muse`) beside Kimi K2.5's vision tower (not read)
+               "MuseGlimmerForConditionalGeneration": ("MuseGlimmerForCausalLM", "language_model.",
+                                                       "muse_glimmer_text")}
 # a multimodal architecture whose text model is another by its text_config's model_type (Mistral 3's from December
 # 2025 on: Ministral 3, Devstral 2, Mistral Small 4)
 TEXT_MODEL_TYPES = {("Mistral3ForConditionalGeneration", "ministral3"): "Ministral3ForCausalLM",

@@ -26,7 +26,7 @@ from engine.models.qwen3_5 import GatedAttention
 from engine.models.qwen3_moe import Qwen3MoeForCausalLM, with_experts
 from engine.models.smollm3 import layer_rotary
 
-__all__ = ["AfmoeForCausalLM", "AfmoeMoeBlock"]
+__all__ = ["AfmoeForCausalLM", "AfmoeMoeBlock", "GateProjRows"]
 
 _RENAMES = ((".mlp.router.gate.", ".mlp.gate."), (".mlp.expert_bias", ".mlp.expert_bias.weight"),
             (".mlp.shared_experts.", ".mlp.shared_expert."), (".pre_mlp_layernorm.", ".pre_feedforward_layernorm."),
@@ -40,7 +40,22 @@ class AfmoeMoeBlock(Lfm2MoeBlock):
     float_logits, eps = True, 1e-20
 
 
-class AfmoeForCausalLM(Qwen3MoeForCausalLM):
+class GateProjRows:
+    """A model mixin: attention's `gate_proj` (a sigmoid gate a channel, AFMoE's and Muse Glimmer's) read into the rows
+    of `GatedAttention`'s qkv_proj after q, k and v, this rank's heads' rows, cut by heads as q_proj is."""
+
+    def _destination(self, name: str, hf_name: str) -> tuple[str, Callable[[torch.Tensor], torch.Tensor]]:
+        if ".self_attn.gate_proj." not in name:
+            return super()._destination(name, hf_name)
+        shard, d = self.shard, self.config.head_dim
+        start, rows = (shard.num_heads + 2 * shard.num_kv_heads) * d, shard.num_heads * d
+        return name.replace(".gate_proj.", ".qkv_proj."), lambda data: data.narrow(0, start, rows)
+
+    def _shard_of(self, hf_name: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        return super()._shard_of(hf_name, name.replace(".self_attn.gate_proj.", ".self_attn.q_proj."), tensor)
+
+
+class AfmoeForCausalLM(GateProjRows, Qwen3MoeForCausalLM):
     """AFMoE (see the module docstring)."""
 
     supports_flat_forward = False
@@ -60,15 +75,3 @@ class AfmoeForCausalLM(Qwen3MoeForCausalLM):
         for theirs, ours in _RENAMES:
             name = name.replace(theirs, ours)
         return super().read_tensor(hf_name, name, tensor)
-
-    def _destination(self, name: str, hf_name: str) -> tuple[str, Callable[[torch.Tensor], torch.Tensor]]:
-        """gate_proj into the rows of qkv_proj after q, k and v (this rank's heads'); the rest as Qwen3-MoE's."""
-        if ".self_attn.gate_proj." not in name:
-            return super()._destination(name, hf_name)
-        shard, d = self.shard, self.config.head_dim
-        start, rows = (shard.num_heads + 2 * shard.num_kv_heads) * d, shard.num_heads * d
-        return name.replace(".gate_proj.", ".qkv_proj."), lambda data: data.narrow(0, start, rows)
-
-    def _shard_of(self, hf_name: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """gate_proj cut by heads as q_proj is."""
-        return super()._shard_of(hf_name, name.replace(".self_attn.gate_proj.", ".self_attn.q_proj."), tensor)

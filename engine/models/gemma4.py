@@ -40,14 +40,14 @@ from engine.parallel import Collectives, ShardShape
 from engine.rope_config import RopeScaling
 from kernels import AttentionMetadata, fused
 
-__all__ = ["Gemma4ForCausalLM"]
+__all__ = ["Gemma4ForCausalLM", "pow_rms"]
 
 _RENAMES = {"router.proj.weight": "moe.gate.weight", "router.scale": "moe.scale",
             "router.per_expert_scale": "moe.per_expert_scale", "experts.gate_up_proj": "moe.w13",
             "experts.down_proj": "moe.w2"}
 
 
-def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+def pow_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' `Gemma4RMSNorm` without a weight: float32 statistics, rounded to x's dtype."""
     xf = x.float()
     return (xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + eps, -0.5)).type_as(x)
@@ -57,7 +57,7 @@ class Gemma4HeadRMSNorm(HeadRMSNorm):
     """Each head normed by Gemma 4's RMSNorm (float32 throughout, x times the weight), in place."""
 
     def forward(self, heads: torch.Tensor) -> None:
-        heads.copy_((_rms(heads.float(), self.eps) * self.weight.float()).type_as(heads))
+        heads.copy_((pow_rms(heads.float(), self.eps) * self.weight.float()).type_as(heads))
 
 
 class Gemma4Attention(Attention):
@@ -96,7 +96,7 @@ class Gemma4Attention(Attention):
             qkv = torch.cat([qkv, qkv[:, self.q_size:]], dim=1)
         qkv = qkv.view(-1, heads + 2 * kv_heads, self.config.head_dim)   # [T, heads, d]
         v = qkv[:, heads + kv_heads:]
-        v.copy_(_rms(v, self.config.rms_norm_eps))
+        v.copy_(pow_rms(v, self.config.rms_norm_eps))
         self.position_qk(qkv, rope_rows)
         q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
         out = self.attend(q, k, v, kv_cache, meta, backend)
@@ -117,7 +117,7 @@ class Gemma4Experts(SparseMoeBlock):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [num_tokens, hidden], the residual stream -> (weights [num_tokens, top_k] float32, experts)."""
-        logits = self.gate(_rms(x, self.eps) * self.scale * self.root)
+        logits = self.gate(pow_rms(x, self.eps) * self.scale * self.root)
         weights, experts = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float), self.top_k, dim=-1)
         weights /= weights.sum(dim=-1, keepdim=True)
         return weights * self.per_expert_scale[experts], experts

@@ -3027,3 +3027,34 @@ def test_every_architecture_knows_its_context_where_config_json_names_none():
             ModelConfig.from_hf_config({**small, "architectures": [arch]})
         except ConfigError as exc:
             assert not str(exc).startswith("max_position_embeddings"), arch
+
+
+def test_muse_glimmer_reads_as_transformers_does():
+    """Muse Glimmer's text model (`MuseGlimmerForConditionalGeneration`'s text_config, transformers' defaults where it
+    names none): its layer types (full every 4th counted back from the last), NoPE layers, window, scalars and the
+    parameter count are what transformers' `MuseGlimmerTextConfig` and its model (built on the meta device; its head
+    beside it) make of it. A rotating layer's own base, an attention soft cap and a bad `layer_rope_theta` are refused
+    by name."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.muse_glimmer import modeling_muse_glimmer
+
+    text = {"model_type": "muse_glimmer_text", "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 96,
+            "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
+    hf = transformers.MuseGlimmerTextConfig(**{k: v for k, v in text.items() if k != "model_type"})
+    card = {"architectures": ["MuseGlimmerForConditionalGeneration"], "model_type": "muse_glimmer", "text_config": text}
+    cfg = ModelConfig.from_hf_config(card)
+    assert cfg.architecture == "MuseGlimmerForCausalLM" and cfg.layer_types == tuple(hf.layer_types)
+    assert cfg.no_rope_layers == tuple(int(theta != 0) for theta in hf.layer_rope_theta) == (1, 0, 1, 1, 1, 0)
+    assert (cfg.sliding_window, cfg.final_logit_softcapping, cfg.logit_scale) == (
+        hf.sliding_window, hf.final_logit_softcapping, hf.output_multiplier)
+    assert cfg.muse == (hf.qk_scale_factor, hf.post_norm_eps) and (cfg.rms_norm_eps, cfg.hidden_act) == (1e-5, "silu")
+    assert (cfg.tie_word_embeddings, cfg.bos_token_id, cfg.eos_token_ids) == (False, 200_000, (200_001,))
+    with torch.device("meta"):
+        model = modeling_muse_glimmer.MuseGlimmerTextModel(hf)
+    assert cfg.num_params() == sum(p.numel() for p in model.parameters()) + hf.vocab_size * hf.hidden_size
+    theta = hf.rope_parameters["rope_theta"]
+    for key, bad in (("layer_rope_theta", {"layer_rope_theta": [theta, 5e5, theta, theta, 0, theta]}),
+                     ("layer_rope_theta", {"layer_rope_theta": [theta, 0]}),
+                     ("attn_logit_softcapping", {"attn_logit_softcapping": 50.0})):
+        with pytest.raises(ConfigError, match=f"^text_config.{key}:"):
+            ModelConfig.from_hf_config({**card, "text_config": {**text, **bad}})

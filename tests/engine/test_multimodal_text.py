@@ -236,10 +236,21 @@ VISION_WRAPPERS = {
     # layers of their own query heads and rope beside full ones turning half of each head, dense first layers, the
     # clamps after the SiLU on the last layer
     "step3p7": ("step3p5", STEP3P7, "Step3p7ForCausalLM", "language_model."),
+    # Muse Glimmer: Gemma 2's four norms (the output ones of their own epsilon), AFMoE's per-channel gate, q and k
+    # normed without a weight and q scaled, sliding layers beside a full NoPE one, normed embeddings, the logits
+    # scaled then soft-capped; its norms' weights random (`RANDOM_NORMS`)
+    "muse_glimmer": ("muse_glimmer_text", {"num_hidden_layers": 4, "head_dim": 16, "sliding_window": 8,
+                                           "qk_scale_factor": 2.5, "output_multiplier": 0.5,
+                                           "final_logit_softcapping": 6.0, "post_norm_eps": 0.5},
+                     "MuseGlimmerForCausalLM", "language_model."),
     # Aria: the Llama layer with experts on every layer beside shared ones (stacked experts, `mlp.router`)
     "aria": ("aria_text", {"intermediate_size": 32, "moe_num_experts": 4, "moe_topk": 2}, "AriaTextForCausalLM",
              "language_model."),
 }
+
+
+# wrappers whose tiny models' norm weights are drawn at random (transformers starts them where a scale reads as 1)
+RANDOM_NORMS = ("muse_glimmer",)
 
 
 @pytest.mark.parametrize("wrapper", list(VISION_WRAPPERS))
@@ -252,6 +263,32 @@ def test_a_vision_checkpoint_serves_its_text_model(tmp_path, builtin_path, wrapp
     hf, folder = vision_checkpoint(tmp_path, wrapper)
     kind, keys, arch, prefix = VISION_WRAPPERS[wrapper]
     _assert_serves_its_text_model(hf, folder, builtin_path, arch, prefix)
+
+
+def test_muse_glimmers_logits_are_scaled_then_capped_as_transformers_does(tmp_path, builtin_path):
+    """Greedy tokens cannot show the order of Muse Glimmer's scale (`output_multiplier`) and soft cap of the logits:
+    a prompt's logprobs equal transformers' log-softmax of its logits, and differ with the Llama model's order (the
+    cap first)."""
+    import shutil
+
+    from engine.model import LlamaForCausalLM
+    from engine.llm_engine import LLMEngine
+    from engine.sampling import SamplingParams
+
+    hf, folder = vision_checkpoint(tmp_path, "muse_glimmer")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(builtin_path / name, folder / name)
+    prompt = [1, *range(40, 70)]
+    with torch.no_grad():
+        want = torch.log_softmax(hf(input_ids=torch.tensor([prompt])).logits[0, :-1], dim=-1)
+    want = want.gather(1, torch.tensor(prompt[1:])[:, None]).squeeze(1)
+    engine = LLMEngine.from_args(str(folder), dtype="float32", block_size=8, num_blocks=64, progress=False)
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    got = torch.tensor(engine.generate([prompt], params)[0].prompt_logprobs)
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=0)
+    engine.model.compute_logits = LlamaForCausalLM.compute_logits.__get__(engine.model)
+    capped_first = torch.tensor(engine.generate([prompt], params)[0].prompt_logprobs)
+    assert (capped_first - want).abs().max() > 0.1
 
 
 def vision_checkpoint(tmp_path, wrapper: str):
@@ -269,6 +306,8 @@ def vision_checkpoint(tmp_path, wrapper: str):
                            num_heads=2, out_hidden_size=64).items():
         if hasattr(vision, key):
             setattr(vision, key, value)
+    if getattr(vision, "layer_types", None):   # Muse Glimmer's tower: a type a layer
+        vision.layer_types = vision.layer_types[:vision.num_hidden_layers]
     config = transformers.AutoConfig.for_model(wrapper, text_config=text.to_dict(), vision_config=vision.to_dict())
     torch.manual_seed(0)
     hf = transformers.AutoModelForImageTextToText.from_config(config, dtype=torch.float32).eval()
@@ -278,6 +317,8 @@ def vision_checkpoint(tmp_path, wrapper: str):
                 param.uniform_(-6.0, -4.0)
             elif name.endswith(".bias") and keys.get("use_bias"):
                 param.normal_(0.0, 0.5)
+            elif wrapper in RANDOM_NORMS and name.endswith("norm.weight"):   # a norm read as another's shows
+                param.add_(torch.randn_like(param) * 0.5)
     folder = tmp_path / wrapper
     hf.save_pretrained(folder)
     if wrapper == "glm_ocr":   # its checkpoints hold a multi-token-prediction layer past the model's: not read
