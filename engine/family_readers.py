@@ -1,7 +1,7 @@
 """Which module reads each family's config.json, where it is not the Llama reading with a few fields of
 `engine.model_families`: `KEY_READERS` (config.json under the Llama reading's key names, before that reading: GPT-2's
 keys of GPT-J, GPT-2 and GPT-BigCode, OPT's, DBRX's and Falcon's older ones, LFM2's, Nemotron-H's, Kimi Linear's,
-Kolibri-1's, LongCat-Flash's, MiniMax's and Muse Glimmer's own) and `OWN_MODULE_FIELDS` (a family's `ModelConfig`
+Kolibri-1's, LongCat-Flash's, MiniMax's and Muse's own) and `OWN_MODULE_FIELDS` (a family's `ModelConfig`
 fields, read by its own module from config.json and the layer count)."""
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from engine.zamba2_config import zamba2_config, zamba2_fields
 from engine.mimo_config import mimo_fields
 from engine.minimax_config import minimax_config, minimax_fields
 from engine.minimax_m3_config import minimax_m3_config, minimax_m3_fields
-from engine.muse_config import muse_glimmer_config, muse_glimmer_fields
+from engine.muse_config import muse_glimmer_config, muse_glimmer_fields, muse_spark_config, muse_spark_fields
 from engine.step3p7_config import step3p7_config, step3p7_fields
 from engine.nemotron_h_config import nemotron_h_config
 from engine.phimoe_config import phimoe_fields
@@ -65,7 +65,8 @@ KEY_READERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "Gemma3nForCausalLM": gemma3n_config, "LaraMiniForCausalLM": lara_mini_config,
     "MiniMaxForCausalLM": minimax_config, "MiniMaxM3VLForCausalLM": minimax_m3_config,
     "Step3p7ForCausalLM": step3p7_config, "BloomForCausalLM": bloom_config, "MptForCausalLM": mpt_config,
-    "DoryForCausalLM": dory_config, "ZayaForCausalLM": zaya_config, "MuseGlimmerForCausalLM": muse_glimmer_config}
+    "DoryForCausalLM": dory_config, "ZayaForCausalLM": zaya_config, "MuseGlimmerForCausalLM": muse_glimmer_config,
+    "MuseSparkForCausalLM": muse_spark_config}
 # (config.json, its layer count) -> the family's ModelConfig fields
 OWN_MODULE_FIELDS: dict[str, Callable[[dict[str, Any], int], dict[str, Any]]] = {
     "Llama4ForCausalLM": llama4_fields, "Gemma4ForCausalLM": gemma4_fields, "Mistral4ForCausalLM": mistral4_fields,
@@ -86,4 +87,5 @@ OWN_MODULE_FIELDS: dict[str, Callable[[dict[str, Any], int], dict[str, Any]]] = 
     "MiniMaxForCausalLM": minimax_fields, "MiniMaxM3VLForCausalLM": minimax_m3_fields,
     "Step3p7ForCausalLM": step3p7_fields, "BloomForCausalLM": bloom_fields, "MptForCausalLM": mpt_fields,
     "AriaTextForCausalLM": aria_text_fields, "Qwen4ExpForCausalLM": qwen4_exp_fields, "DoryForCausalLM": dory_fields,
-    "ZayaForCausalLM": zaya_fields, "MuseGlimmerForCausalLM": muse_glimmer_fields}
+    "ZayaForCausalLM": zaya_fields, "MuseGlimmerForCausalLM": muse_glimmer_fields,
+    "MuseSparkForCausalLM": muse_spark_fields}

@@ -68,7 +68,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
                            "Jais2ForCausalLM", "GraniteSWAForCausalLM", "GraniteMoeForCausalLM",
                            "GraniteMoeSharedForCausalLM", "GraniteMoeSWAForCausalLM", "HYV3ForCausalLM",
                            "CwmForCausalLM", "YoutuForCausalLM", "BambaForCausalLM", "FalconH1ForCausalLM",
-                           "ExaoneForCausalLM", "HyperCLOVAXForCausalLM", "MellumForCausalLM",
+                           "ExaoneForCausalLM", "HyperCLOVAXForCausalLM", "MellumForCausalLM", "MuseSparkForCausalLM",
                            "Starcoder2ForCausalLM", "GlmForCausalLM", "LagunaForCausalLM", "MuseGlimmerForCausalLM",
                            "NemotronForCausalLM", "StableLmForCausalLM", "PhiForCausalLM", "GPTNeoXForCausalLM",
                            "PhimoeForCausalLM", "OlmoForCausalLM", "FalconForCausalLM", "GPTJForCausalLM",
@@ -144,7 +144,7 @@ class ModelConfig:
     hyper_connections: HyperConnections | None = None   # HY V4: its residual streams and their mixes
     deepseek_v4: DeepseekV4Shape | None = None   # DeepSeek V4: its compressed attention, streams and hash routing
     cohere_moe: CohereMoeShape | None = None   # Command A Plus: its norm, its router's scores, its shared experts' join
-    muse: tuple[float, float] | None = None   # Muse Glimmer: (q's factor after its norm, the output norms' epsilon)
+    muse: tuple[float, float, float] | None = None   # Muse: (q's factor, output norms' eps, residual gates' temp.)
     no_rope_layers: tuple[int, ...] = ()   # SmolLM3: 1 where a layer rotates q and k, 0 where not (NoPE); (): all do
     layer_rope_thetas: tuple[float, ...] = ()   # Granite SWA: each layer's rope base (0: NoPE); (): the model's
     attention_chunk_size: int | None = None   # Llama 4: a chunked_attention layer's query sees its chunk alone

@@ -30,9 +30,10 @@ LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 # Mistral 4's: the softmax's within the groups of the best top-2 sums, in the model's dtype, no correction bias;
 # LFM2-MoE's: the sigmoid's top k after a float32 expert bias, in the model's dtype, renormalised past a 1e-6;
 # AFMoE's: that in float32, renormalised past 1e-20; Kolibri-1's: the float32 logits' top k after a float32 expert
-# bias, weighed by their sigmoid; Flint's: the top k of the float32 logits' sigmoid, no bias; Phi-3.5-MoE's SparseMixer
+# bias, weighed by their sigmoid; Flint's: the top k of the float32 logits' sigmoid, no bias; Phi-3.5-MoE's SparseMixer;
+# Muse Spark's: AFMoE's on the float32 logits times `output_multiplier`, renormalised past 1e-15
 MOE_ROUTERS = ("softmax", "deepseek_v2", "deepseek_v3", "minimax_m2", "ernie4_5", "llama4", GEMMA4_ROUTER, "mistral4",
-               "lfm2", "afmoe", "cohere2_moe", "kolibri", "flint", "sparsemixer")
+               "lfm2", "afmoe", "cohere2_moe", "kolibri", "flint", "sparsemixer", "muse_spark")
 
 
 def family_fields(cfg: dict[str, Any], arch: str, num_layers: int) -> dict[str, Any]:

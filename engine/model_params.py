@@ -19,6 +19,7 @@ from engine.zamba2_config import zamba2_params
 from engine.longcat_config import longcat_params
 from engine.nemotron_h_config import nemotron_h_params
 from engine.deepseek_v4_config import deepseek_v4_float32_params, deepseek_v4_params
+from engine.muse_config import muse_spark_params
 
 __all__ = ["COHERE_ARCHITECTURES", "FOUR_NORMS", "GEMMA_ARCHITECTURES", "WIDE_QK_NORM", "count_params",
            "float32_params"]
@@ -66,6 +67,8 @@ OWN_COUNTS: dict[str, Callable[..., int]] = {
         lambda c, h, kv, i, moe_i, v, s: gemma3n_params(c, h, kv, i, moe_i, v),
     "Qwen4ExpForCausalLM": lambda c, h, kv, i, moe_i, v, s: qwen4_exp_params(c, h, kv, i, moe_i, v, s),
     "ZayaForCausalLM": lambda c, h, kv, i, moe_i, v, s: zaya_params(c, moe_i, v),   # CCA layers, routed experts
+    "MuseSparkForCausalLM":   # experts over a projection of the hidden state, residual gates
+        lambda c, h, kv, i, moe_i, v, s: muse_spark_params(c, h, kv, i, moe_i, v),
     "DoryForCausalLM":   # the checkpoint's layers once, however many loops run them
         lambda c, h, kv, i, moe_i, v, s: c.dory.num_params(c.hidden_size, h * c.head_dim, kv * c.head_dim, i, v,
                                                            c.vocab_size, c.tie_word_embeddings)}
@@ -74,14 +77,16 @@ OWN_COUNTS: dict[str, Callable[..., int]] = {
 def float32_params(config: Any) -> int:
     """Parameters held in float32 whatever the model's dtype: DeepSeek's, ERNIE 4.5's and Flint's routers (weight, the
     correction bias of V3's and ERNIE's), the expert bias of LFM2-MoE's, AFMoE's and Kolibri-1's, Flint's attention
-    sinks, DeepSeek V3.2's indexers' head weights, HY V4's streams' mixes, Kimi Linear's dt_bias (the whole model's:
-    a rank's is at most that)."""
+    sinks, DeepSeek V3.2's indexers' head weights, HY V4's streams' mixes, Kimi Linear's dt_bias, Muse Spark's routers
+    and residual gates (the whole model's: a rank's is at most that)."""
     if config.deepseek_v4 is not None:
         return deepseek_v4_float32_params(config)
     h, layers = config.hidden_size, config.num_layers
     indexers = config.mla.num_indexer_weights(h, layers) if config.mla is not None else 0
     indexers += getattr(config.state_layers, "qkv_dim", 0) * (layers - config.num_kv_layers)   # KDA's dt_bias
     indexers += config.hyper_connections.num_params(h, layers) if config.hyper_connections else 0   # HY V4's mixes
+    if config.moe_router == "muse_spark":   # Muse Spark's routers (weight and bias), its residual gates
+        return config.num_experts * (h + 1) * sum(map(config.is_sparse_layer, range(layers))) + 2 * h * layers
     if config.moe_router not in ("deepseek_v2", "deepseek_v3", "ernie4_5", "lfm2", "afmoe", "kolibri", "flint"):
         return indexers
     weights = 0 if config.moe_router in ("lfm2", "afmoe", "kolibri") else config.hidden_size   # the bias alone

@@ -88,7 +88,9 @@ TEXT_MODELS = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "language
                                                       "apertus1p5_text"),
                # Muse Glimmer: its text model (`engine.models.muse`) beside Kimi K2.5's vision tower (not read)
                "MuseGlimmerForConditionalGeneration": ("MuseGlimmerForCausalLM", "language_model.",
-                                                       "muse_glimmer_text")}
+                                                       "muse_glimmer_text"),
+               # Muse Spark: Glimmer's with experts (`engine.models.muse`), beside its vision and audio towers
+               "MuseSparkForConditionalGeneration": ("MuseSparkForCausalLM", "language_model.", "muse_spark_text")}
 # a multimodal architecture whose text model is another by its text_config's model_type (Mistral 3's from December
 # 2025 on: Ministral 3, Devstral 2, Mistral Small 4)
 TEXT_MODEL_TYPES = {("Mistral3ForConditionalGeneration", "ministral3"): "Ministral3ForCausalLM",

@@ -13,9 +13,9 @@ Gated DeltaNet layers; `lara_mini`, Lara Mini's; `qwen4_exp`, Qwen4-Exp's: resid
 `jamba` (Jamba), `mamba` (Mamba, FalconMamba, Mamba2), `zamba2` (Zamba2), over `hybrid`'s states; `mimo`
 (MiMo-V2-Flash); `apertus` (Apertus, Arcee's AFM, Jais 2: ungated MLPs), `mllama` (Llama 3.2 Vision's text model),
 `minimax_m3` (MiniMax M3: block-sparse attention), `step3p7` (Step 3.7: Laguna's layers), `bloom` (BLOOM, MPT: ALiBi),
-`muse` (Muse Glimmer: Gemma 2's layer, AFMoE's gated attention, weightless q/k norms), `dory` (Dory: nGPT layers,
-looped), `zaya` (ZAYA1: CCA attention beside a state, routed experts). LongCat-Flash's are in `deepseek`, Persimmon's
-in `gpt_neox`."""
+`muse` (Muse Glimmer: Gemma 2's layer, AFMoE's gated attention, weightless q/k norms; Muse Spark: gated residuals,
+experts over a projection), `dory` (Dory: nGPT layers, looped), `zaya` (ZAYA1: CCA attention beside a state, routed
+experts). LongCat-Flash's are in `deepseek`, Persimmon's in `gpt_neox`."""
 
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ from engine.models.hunyuan import HunyuanDenseForCausalLM, HunyuanMoeForCausalLM
 from engine.models.mimo import MimoV2FlashForCausalLM
 from engine.models.minimax import MiniMaxForCausalLM
 from engine.models.minimax_m3 import MiniMaxM3ForCausalLM
-from engine.models.muse import MuseGlimmerForCausalLM
+from engine.models.muse import MuseGlimmerForCausalLM, MuseSparkForCausalLM
 from engine.models.step3p7 import Step3p7ForCausalLM
 from engine.models.bloom import BloomForCausalLM, MptForCausalLM
 from engine.models.minimax_m2 import MiniMaxM2ForCausalLM
@@ -162,7 +162,7 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
     "MiniMaxForCausalLM": MiniMaxForCausalLM, "MiniMaxM3VLForCausalLM": MiniMaxM3ForCausalLM,
     "Step3p7ForCausalLM": Step3p7ForCausalLM, "BloomForCausalLM": BloomForCausalLM, "MptForCausalLM": MptForCausalLM,
     "AriaTextForCausalLM": AriaTextForCausalLM, "PersimmonForCausalLM": PersimmonForCausalLM,
-    "MuseGlimmerForCausalLM": MuseGlimmerForCausalLM,
+    "MuseGlimmerForCausalLM": MuseGlimmerForCausalLM, "MuseSparkForCausalLM": MuseSparkForCausalLM,
     "LongcatFlashForCausalLM": LongcatFlashForCausalLM, "Zamba2ForCausalLM": Zamba2ForCausalLM,
     **dict.fromkeys(MAMBA_ARCHITECTURES, MambaForCausalLM)}
 

@@ -34,12 +34,13 @@ __all__ = ["GatedAttention", "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen
 
 class GatedAttention(Attention):
     """Attention whose output is gated per channel: qkv_proj's rows are q, k, v, then the gates (where `per_head`, one
-    a head, its channels' gate: LFM3's)."""
+    a head, its channels' gate: LFM3's); each head's output first through `out_norm` where set (Muse Spark's)."""
 
     def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives, rotary_emb: RotaryEmbedding,
                  layer: int, head_norm: type[nn.Module] = GemmaHeadRMSNorm, per_head: bool = False) -> None:
         super().__init__(config, shard, comm, rotary_emb, layer, head_norm)
         self.per_head = per_head
+        self.out_norm: nn.Module | None = None
         gates = self.num_heads if per_head else self.q_size
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size + gates,
                                   bias=config.attention_bias)
@@ -51,6 +52,8 @@ class GatedAttention(Attention):
         qkv = projected[:, :self.q_size + 2 * self.kv_size].unflatten(-1, (heads + 2 * kv_heads, d))
         self.position_qk(qkv, rope_rows)
         out = self.attend(*qkv.split([heads, kv_heads, kv_heads], dim=1), kv_cache, meta, backend)
+        if self.out_norm is not None:
+            out = self.out_norm(out.reshape(-1, heads, d))
         gate = torch.sigmoid(projected[:, self.q_size + 2 * self.kv_size:])
         if self.per_head:
             gate = gate.repeat_interleave(d, dim=-1)

@@ -3047,7 +3047,8 @@ def test_muse_glimmer_reads_as_transformers_does():
     assert cfg.no_rope_layers == tuple(int(theta != 0) for theta in hf.layer_rope_theta) == (1, 0, 1, 1, 1, 0)
     assert (cfg.sliding_window, cfg.final_logit_softcapping, cfg.logit_scale) == (
         hf.sliding_window, hf.final_logit_softcapping, hf.output_multiplier)
-    assert cfg.muse == (hf.qk_scale_factor, hf.post_norm_eps) and (cfg.rms_norm_eps, cfg.hidden_act) == (1e-5, "silu")
+    assert cfg.muse == (hf.qk_scale_factor, hf.post_norm_eps, 0.0)
+    assert (cfg.rms_norm_eps, cfg.hidden_act) == (1e-5, "silu")
     assert (cfg.tie_word_embeddings, cfg.bos_token_id, cfg.eos_token_ids) == (False, 200_000, (200_001,))
     with torch.device("meta"):
         model = modeling_muse_glimmer.MuseGlimmerTextModel(hf)
@@ -3058,3 +3059,35 @@ def test_muse_glimmer_reads_as_transformers_does():
                      ("attn_logit_softcapping", {"attn_logit_softcapping": 50.0})):
         with pytest.raises(ConfigError, match=f"^text_config.{key}:"):
             ModelConfig.from_hf_config({**card, "text_config": {**text, **bad}})
+
+
+def test_muse_spark_reads_as_transformers_does():
+    """Muse Spark's text model (`MuseSparkForConditionalGeneration`'s text_config, transformers' defaults where it names
+    none): its experts, their width and router, the dense layers `mlp_layer_types` names, the residual gates'
+    temperature, and the parameter count (its correction biases buffers there) and float32 parameters are what
+    transformers' `MuseSparkTextConfig` and its model (built on the meta device; its head beside it) make of it. A bad
+    `mlp_layer_types` is refused by name."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.muse_spark import modeling_muse_spark
+
+    text = {"model_type": "muse_spark_text", "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 96,
+            "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+            "num_local_experts": 8, "moe_intermediate_size": 32, "moe_hidden_size": 48,
+            "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"]}
+    hf = transformers.MuseSparkTextConfig(**{k: v for k, v in text.items() if k != "model_type"})
+    card = {"architectures": ["MuseSparkForConditionalGeneration"], "model_type": "muse_spark", "text_config": text}
+    cfg = ModelConfig.from_hf_config(card)
+    assert cfg.architecture == "MuseSparkForCausalLM" and cfg.mlp_only_layers == (0,)
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.moe_latent_size) == (
+        hf.num_local_experts, hf.num_experts_per_tok, hf.moe_intermediate_size, hf.moe_hidden_size) == (8, 8, 32, 48)
+    assert cfg.muse == (hf.qk_scale_factor, hf.post_norm_eps, hf.residual_gate_temperature)
+    assert (cfg.rope_theta, cfg.logit_scale, cfg.routed_scaling_factor) == (
+        hf.rope_parameters["rope_theta"], hf.output_multiplier, hf.routed_scaling_factor)
+    with torch.device("meta"):
+        model = modeling_muse_spark.MuseSparkTextModel(hf)
+    assert cfg.num_params() == _params_and_router_biases(model) + hf.vocab_size * hf.hidden_size
+    held = [p for name, p in model.named_parameters() if name.endswith(("residual_gate.gate", "mlp.gate.weight"))]
+    assert cfg.num_float32_params == sum(p.numel() for p in held) + 3 * hf.num_local_experts   # and the biases
+    for bad in (["dense"] * 3, ["dense", "sparse", "moe", "sparse"]):
+        with pytest.raises(ConfigError, match="^text_config.mlp_layer_types:"):
+            ModelConfig.from_hf_config({**card, "text_config": {**text, "mlp_layer_types": bad}})

@@ -243,6 +243,15 @@ VISION_WRAPPERS = {
                                            "qk_scale_factor": 2.5, "output_multiplier": 0.5,
                                            "final_logit_softcapping": 6.0, "post_norm_eps": 0.5},
                      "MuseGlimmerForCausalLM", "language_model."),
+    # Muse Spark: Glimmer's with each head's output normed, the sublayers joined by float32 gates, and past a dense
+    # layer experts over a projection (stacked), each expert's output normed before it is weighed
+    "muse_spark": ("muse_spark_text", {"num_hidden_layers": 4, "head_dim": 16, "sliding_window": 8,
+                                       "qk_scale_factor": 2.5, "output_multiplier": 0.5,
+                                       "final_logit_softcapping": 6.0, "post_norm_eps": 0.5, "num_local_experts": 4,
+                                       "num_experts_per_tok": 2, "moe_intermediate_size": 32, "moe_hidden_size": 48,
+                                       "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"],
+                                       "residual_gate_temperature": 0.7},
+                   "MuseSparkForCausalLM", "language_model."),
     # Aria: the Llama layer with experts on every layer beside shared ones (stacked experts, `mlp.router`)
     "aria": ("aria_text", {"intermediate_size": 32, "moe_num_experts": 4, "moe_topk": 2}, "AriaTextForCausalLM",
              "language_model."),
@@ -250,7 +259,7 @@ VISION_WRAPPERS = {
 
 
 # wrappers whose tiny models' norm weights are drawn at random (transformers starts them where a scale reads as 1)
-RANDOM_NORMS = ("muse_glimmer",)
+RANDOM_NORMS = ("muse_glimmer", "muse_spark")
 
 
 @pytest.mark.parametrize("wrapper", list(VISION_WRAPPERS))
@@ -291,6 +300,27 @@ def test_muse_glimmers_logits_are_scaled_then_capped_as_transformers_does(tmp_pa
     assert (capped_first - want).abs().max() > 0.1
 
 
+def test_muse_sparks_experts_loop_as_the_grouped_matmul_runs_them(tmp_path, builtin_path):
+    """Where the grouped matmul is not built for a dtype or device a Muse Spark sparse layer loops over the experts
+    hit: the same rows, normed, weighed and added in the same order."""
+    import shutil
+
+    from engine.llm_engine import LLMEngine
+    from engine.models.muse import MuseSparkMoeBlock
+
+    _, folder = vision_checkpoint(tmp_path, "muse_spark")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(builtin_path / name, folder / name)
+    engine = LLMEngine.from_args(str(folder), dtype="float32", block_size=8, num_blocks=16, progress=False)
+    blocks = [m for m in engine.model.modules() if isinstance(m, MuseSparkMoeBlock)]
+    assert len(blocks) == 3 and all(block._grouped for block in blocks)
+    x = torch.randn(9, 64, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        grouped = blocks[0](x)
+        blocks[0]._grouped = False
+        torch.testing.assert_close(blocks[0](x), grouped, atol=1e-6, rtol=1e-6)
+
+
 def vision_checkpoint(tmp_path, wrapper: str):
     """(transformers' model, the folder it saved itself to) of `VISION_WRAPPERS[wrapper]`: its config class's vision
     tower shrunk around the tiny text model."""
@@ -308,7 +338,12 @@ def vision_checkpoint(tmp_path, wrapper: str):
             setattr(vision, key, value)
     if getattr(vision, "layer_types", None):   # Muse Glimmer's tower: a type a layer
         vision.layer_types = vision.layer_types[:vision.num_hidden_layers]
-    config = transformers.AutoConfig.for_model(wrapper, text_config=text.to_dict(), vision_config=vision.to_dict())
+    towers = {"vision_config": vision.to_dict()}
+    audio = getattr(transformers.AutoConfig.for_model(wrapper), "audio_config", None)
+    if hasattr(audio, "out_hidden_size"):   # Muse Spark's audio tower, its output the text model's width
+        audio.out_hidden_size, audio.hidden_sizes = 64, [8, 8, 8, 8]
+        towers["audio_config"] = audio.to_dict()
+    config = transformers.AutoConfig.for_model(wrapper, text_config=text.to_dict(), **towers)
     torch.manual_seed(0)
     hf = transformers.AutoModelForImageTextToText.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():   # Qwen3.5's decay rates small (a state holds tens of tokens), as the tiny models' are;
@@ -319,6 +354,9 @@ def vision_checkpoint(tmp_path, wrapper: str):
                 param.normal_(0.0, 0.5)
             elif wrapper in RANDOM_NORMS and name.endswith("norm.weight"):   # a norm read as another's shows
                 param.add_(torch.randn_like(param) * 0.5)
+        for name, buffer in hf.named_buffers():   # experts' correction biases away from 0 (Muse Spark's)
+            if wrapper in RANDOM_NORMS and name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.5)
     folder = tmp_path / wrapper
     hf.save_pretrained(folder)
     if wrapper == "glm_ocr":   # its checkpoints hold a multi-token-prediction layer past the model's: not read

@@ -771,13 +771,13 @@ def test_a_hung_rank_fails_the_step_within_the_collective_timeout_and_a_dead_one
         engine.close()
 
 
-@pytest.mark.parametrize("wrapper", ["step3p7", "muse_glimmer"])
+@pytest.mark.parametrize("wrapper", ["step3p7", "muse_glimmer", "muse_spark"])
 def test_two_ranks_serve_a_vision_checkpoints_text_model_as_one_does(tmp_path, builtin_path, prompts, wrapper):
     """Step 3.7's text model from its release's layout (transformers' tiny `Step3p7ForConditionalGeneration`, its
     vision tower beside it, not read): each rank its sliding and full layers' own query heads and their sigmoid
     gates, the q/k Gemma norms whole, the experts' and shared expert's rows under their clamps; Muse Glimmer's: each
-    rank its heads' gate rows (`gate_proj` cut as q_proj), the weightless q/k norms a head; what one rank
-    generates."""
+    rank its heads' gate rows (`gate_proj` cut as q_proj), the weightless q/k norms a head; Muse Spark's: its experts'
+    rows, each (token, expert) row summed over the ranks before its norm; what one rank generates."""
     import shutil
 
     from tests.engine.test_multimodal_text import vision_checkpoint
