@@ -216,7 +216,7 @@ class MuseSparkMoeBlock(Lfm2MoeBlock):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x.float(), self.gate.weight.float()) * self.output_multiplier
         scores = logits.sigmoid()
-        experts = torch.topk(scores + self.expert_bias.weight, k=self.top_k, dim=-1)[1]
+        experts = torch.topk(scores + self.expert_bias.weight, k=self.top_k, dim=-1, sorted=False)[1]   # as theirs
         weights = scores.gather(1, experts)
         return weights / (weights.sum(dim=-1, keepdim=True) + self.eps) * self.routed_scaling_factor, experts
 

@@ -250,6 +250,81 @@ def test_a_whole_projection_qk_norm_rounds_as_transformers_in_bfloat16(kind):
         assert torch.equal(got.reshape(7, 64), theirs(x.reshape(7, 64)))
 
 
+@pytest.mark.parametrize("kind", ["centered", "input_scaled", "unit", "glimmer_centered", "glimmer_final"])
+def test_muses_norms_round_as_transformers_in_bfloat16(kind):
+    """Muse Spark's Gemma norm rounds 1 + weight to the weight's dtype before its float32 product, Glimmer's does not;
+    Spark's input-scaled norm rounds x times 1 + weight before it norms; the weightless norm and Glimmer's final norm
+    (Gemma 4's) keep their float32 statistics: each is its transformers norm to the bit in bfloat16, its weight
+    random."""
+    from transformers.models.muse_glimmer import modeling_muse_glimmer as glimmer
+    from transformers.models.muse_spark import modeling_muse_spark as spark
+
+    from engine.layers import FloatRMSNorm, GemmaRMSNorm
+    from engine.models.muse import InputScaledNorm, SparkNorm, UnitNorm
+
+    ours, theirs = {"centered": (SparkNorm(64, 1e-5), spark.MuseSparkTextCenteredRMSNorm(64, eps=1e-5)),
+                    "input_scaled": (InputScaledNorm(64, 1e-3), spark.MuseSparkTextInputScaledRMSNorm(64, eps=1e-3)),
+                    "unit": (UnitNorm(1e-5), spark.MuseSparkRMSNorm(eps=1e-5, with_scale=False)),
+                    "glimmer_centered": (GemmaRMSNorm(64, 1e-5), glimmer.MuseGlimmerTextCenteredRMSNorm(64, eps=1e-5)),
+                    "glimmer_final": (FloatRMSNorm(64, 1e-5), glimmer.MuseGlimmerRMSNorm(64, eps=1e-5))}[kind]
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(33, 64, generator=gen) * 3).to(torch.bfloat16)
+    with torch.no_grad():
+        ours, theirs = ours.to(torch.bfloat16), theirs.to(torch.bfloat16)
+        if kind != "unit":
+            theirs.weight.copy_(torch.randn(64, generator=gen) * 0.7)
+            ours.weight.copy_(theirs.weight)
+        assert torch.equal(ours(x), theirs(x))
+
+
+def test_muse_sparks_residual_gate_is_transformers_to_the_bit():
+    """The float32 gate joining a bfloat16 sublayer output to the bfloat16 stream: transformers' to the bit."""
+    from transformers import MuseSparkTextConfig
+    from transformers.models.muse_spark.modeling_muse_spark import MuseSparkResidualGate
+
+    from engine.models.muse import ResidualGate
+
+    gen = torch.Generator().manual_seed(1)
+    theirs = MuseSparkResidualGate(MuseSparkTextConfig(hidden_size=64, num_attention_heads=4,
+                                                       residual_gate_temperature=0.7))
+    ours = ResidualGate(64, 0.7)
+    stream, out = ((torch.randn(9, 64, generator=gen) * 2).to(torch.bfloat16) for _ in range(2))
+    with torch.no_grad():
+        theirs.gate.copy_(torch.randn(64, generator=gen) * 2)
+        ours.gate.copy_(theirs.gate)
+        assert torch.equal(ours(stream, out), theirs(stream, out))
+
+
+def test_muse_sparks_router_picks_and_weighs_as_transformers_on_bfloat16_tokens():
+    """Muse Spark's router: float32 logits of the bfloat16 tokens times `output_multiplier`, their sigmoid plus the
+    correction bias picks, the picks' scores renormalised past 1e-15 and scaled: transformers' experts (as sets) and
+    weights to the bit."""
+    from transformers import MuseSparkTextConfig
+    from transformers.models.muse_spark.modeling_muse_spark import MuseSparkTopkRouter
+
+    from engine.models.muse import MuseSparkMoeBlock
+
+    hf_config = MuseSparkTextConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=1,
+                                    num_local_experts=16, num_experts_per_tok=4, moe_hidden_size=32,
+                                    moe_intermediate_size=16, routed_scaling_factor=2.5, output_multiplier=0.3)
+    hf_router = MuseSparkTopkRouter(hf_config)
+    config = ModelConfig.from_hf_config({**hf_config.to_dict(), "architectures": ["MuseSparkForCausalLM"]})
+    gen = torch.Generator().manual_seed(4)
+    weight, bias = torch.randn(16, 64, generator=gen), torch.randn(16, generator=gen) * 0.5
+    with torch.device("meta"):
+        block = MuseSparkMoeBlock(config, ShardShape.of(config), Collectives(), fused)
+    block.gate.weight, block.expert_bias.weight = torch.nn.Parameter(weight), torch.nn.Parameter(bias)
+    x = torch.randn(33, 64, generator=gen).to(torch.bfloat16)
+    with torch.no_grad():
+        hf_router.weight.copy_(weight)
+        hf_router.e_score_correction_bias.copy_(bias)
+        _, hf_weights, hf_experts = hf_router(x)
+        weights, experts = block.route(x)
+    theirs, ours = hf_experts.sort(dim=-1), experts.sort(dim=-1)
+    assert torch.equal(ours.values, theirs.values)
+    assert torch.equal(weights.gather(1, ours.indices), hf_weights.gather(1, theirs.indices))
+
+
 # transformers' config class, its router's class and our architecture name, for each router
 _ROUTERS = {"deepseek_v3": ("DeepseekV3Config", "deepseek_v3.modeling_deepseek_v3.DeepseekV3TopkRouter",
                             "DeepseekV3ForCausalLM", dict(n_routed_experts=16, n_group=4, topk_group=2,
