@@ -13,6 +13,12 @@
   `norm_topk_prob`; beside `num_shared_experts` (0) shared ones, one MLP of their rows, joined by the average of the
   two outputs or (`shared_expert_combination_strategy: sum`) their sum (`CohereMoeShape`).
 What transformers does not define is refused naming the key.
+
+Cohere's North (`CohereCompassForCausalLM`, and `CohereCompassForConditionalGeneration`'s text model) is Cohere 2's
+model (`cohere_compass_fields`) with a rope per layer type (`rope_parameters.{full,sliding}_attention`, as transformers'
+`CohereCompassTextConfig` reads it: an entry of null is a NoPE type, a type without an entry is refused), the rope
+turning rotate-half pairs (Qwen3-VL's MRoPE, whose three position ids are one on text: `mrope_section` dropped), the
+layers all full by default, the logits unscaled by default (`logit_scale` null).
 """
 
 from __future__ import annotations
@@ -21,10 +27,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.config import ConfigError
-from engine.config_values import read_bool, read_float, read_int
+from engine.config_values import read_bool, read_float, read_int, read_object
 from engine.deepseek_config import check_silu, dense_layers
+from engine.rope_config import per_type_rope
 
-__all__ = ["COHERE2_MOE_DEFAULTS", "CohereMoeShape", "cohere2_moe_fields"]
+__all__ = ["COHERE2_MOE_DEFAULTS", "CohereMoeShape", "cohere2_moe_fields", "cohere_compass_fields"]
 
 # Cohere2MoeConfig's, for a config.json without them
 COHERE2_MOE_DEFAULTS = {"vocab_size": 256_000, "hidden_size": 8192, "intermediate_size": 22_528,
@@ -75,3 +82,25 @@ def cohere2_moe_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
             "shared_expert_intermediate_size": inter * read_int(cfg, "num_shared_experts", 0, minimum=0),
             "shared_expert_gated": False, "moe_router": "cohere2_moe",
             "cohere_moe": CohereMoeShape(rms, selection == "sigmoid", combination == "average")}
+
+
+def cohere_compass_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """The `ModelConfig` fields of a North config.json (the module docstring): the full layers' rope (`full_rope`) and
+    the sliding layers' base (`rope_local_theta`), NoPE where a type's entry is null."""
+    kinds = cfg.get("layer_types") or ["full_attention"] * num_layers
+    if not isinstance(kinds, list):
+        raise ConfigError(f"layer_types: must be a list, a layer type for each layer, got {kinds!r:.80}")
+    ropes = read_object(cfg, "rope_parameters") or {}
+    for kind in sorted(set(kinds)):
+        if kind not in ropes:
+            raise ConfigError(f"rope_parameters.{kind}: North reads a rope (or null: NoPE) for each layer type, "
+                              f"got {sorted(ropes)}")
+    turned = {kind: {k: v for k, v in rope.items() if k not in ("mrope_section", "mrope_interleaved")}
+              for kind, rope in ropes.items() if isinstance(rope, dict)}
+    full_rope, local_theta = per_type_rope({**cfg, "rope_parameters": turned}, "North")
+    return {"rms_norm_eps": read_float(cfg, "layer_norm_eps", 1e-5),
+            "logit_scale": read_float(cfg, "logit_scale", None) or 1.0,
+            "tie_word_embeddings": read_bool(cfg, "tie_word_embeddings", True),
+            "sliding_window": read_int(cfg, "sliding_window", 4096), "layer_types": tuple(kinds),
+            "no_rope_layers": tuple(int(ropes[kind] is not None) for kind in kinds), "full_rope": full_rope,
+            "rope_local_theta": local_theta}

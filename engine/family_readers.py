@@ -11,7 +11,7 @@ from typing import Any
 
 from engine.aria_config import aria_text_fields
 from engine.bias_config import bloom_config, bloom_fields, mpt_config, mpt_fields
-from engine.cohere_moe_config import cohere2_moe_fields
+from engine.cohere_moe_config import cohere2_moe_fields, cohere_compass_fields
 from engine.dbrx_config import dbrx_config, dbrx_fields
 from engine.deepseek_config import minicpm3_fields, mistral4_fields, youtu_fields
 from engine.deepseek_v4_config import deepseek_v4_fields
@@ -71,7 +71,8 @@ KEY_READERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
 OWN_MODULE_FIELDS: dict[str, Callable[[dict[str, Any], int], dict[str, Any]]] = {
     "Llama4ForCausalLM": llama4_fields, "Gemma4ForCausalLM": gemma4_fields, "Mistral4ForCausalLM": mistral4_fields,
     **MISTRAL_FIELDS, **HUNYUAN_FIELDS, **HYBRID_FIELDS, "MiMoV2FlashForCausalLM": mimo_fields,
-    "Cohere2MoeForCausalLM": cohere2_moe_fields, "YoutuForCausalLM": youtu_fields,
+    "Cohere2MoeForCausalLM": cohere2_moe_fields, "CohereCompassForCausalLM": cohere_compass_fields,
+    "YoutuForCausalLM": youtu_fields,
     "Kolibri1ForCausalLM": kolibri_fields, "FlintForCausalLM": flint_fields, "BambaForCausalLM": bamba_fields,
     "FalconH1ForCausalLM": falcon_h1_fields, "HYV4ForCausalLM": hy_v4_fields,
     "DeepseekV4ForCausalLM": deepseek_v4_fields, "BeamForCausalLM": beam_fields,

@@ -36,7 +36,7 @@ from engine.mimo_config import MimoShape
 from engine.laguna_config import LagunaShape
 from engine.hy_v4_config import HyperConnections
 from engine.deepseek_v4_config import DeepseekV4Shape
-from engine.model_params import GEMMA_ARCHITECTURES, count_params, float32_params
+from engine.model_params import COHERE_ARCHITECTURES, GEMMA_ARCHITECTURES, count_params, float32_params
 from engine.multimodal_config import (BARE_TEXT_WEIGHTS, FLAT_TEXT_CONFIGS, MROPE_TEXT, MULTIMODAL_ARCHITECTURES, is_multimodal,
                                       text_model, thinker_config)
 from engine.mla_config import MlaShape
@@ -51,7 +51,7 @@ from engine.weight_formats import read_folder_config, weight_format_fields
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM",
                            "Qwen3MoeForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", "GraniteForCausalLM",
                            "Olmo2ForCausalLM", "SmolLM3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
-                           "GptOssForCausalLM", "Qwen2MoeForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM",
+                           "GptOssForCausalLM", "Qwen2MoeForCausalLM", *COHERE_ARCHITECTURES,
                            "Ernie4_5ForCausalLM", "Ernie4_5_MoeForCausalLM", "Glm4ForCausalLM", "DeepseekV2ForCausalLM",
                            "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM", "Olmo3ForCausalLM",
                            "SeedOssForCausalLM", "Llama4ForCausalLM", "Ministral3ForCausalLM", "ArceeForCausalLM",
@@ -64,7 +64,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
                            "Lfm2MoeForCausalLM", "KimiLinearForCausalLM", "Dots1ForCausalLM", "SolarOpenForCausalLM",
                            "AfmoeForCausalLM", "Kolibri1ForCausalLM", "AXK1ForCausalLM", "BailingHybridForCausalLM",
                            "FlintForCausalLM", "HeliumForCausalLM", "LongcatFlashForCausalLM", "AXK2ForCausalLM",
-                           "MiMoV2FlashForCausalLM", "ExaoneMoeForCausalLM", "Cohere2MoeForCausalLM",
+                           "MiMoV2FlashForCausalLM", "ExaoneMoeForCausalLM",
                            "Jais2ForCausalLM", "GraniteSWAForCausalLM", "GraniteMoeForCausalLM",
                            "GraniteMoeSharedForCausalLM", "GraniteMoeSWAForCausalLM", "HYV3ForCausalLM",
                            "CwmForCausalLM", "YoutuForCausalLM", "BambaForCausalLM", "FalconH1ForCausalLM",

@@ -89,6 +89,9 @@ TEXT_MODELS = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "language
                # Muse Glimmer: its text model (`engine.models.muse`) beside Kimi K2.5's vision tower (not read)
                "MuseGlimmerForConditionalGeneration": ("MuseGlimmerForCausalLM", "language_model.",
                                                        "muse_glimmer_text"),
+               # North's vision model: its text model (Qwen3-VL's layout) beside the vision tower
+               "CohereCompassForConditionalGeneration": ("CohereCompassForCausalLM", "language_model.",
+                                                         "cohere_compass_text"),
                # Muse Spark: Glimmer's with experts (`engine.models.muse`), beside its vision and audio towers
                "MuseSparkForConditionalGeneration": ("MuseSparkForCausalLM", "language_model.", "muse_spark_text")}
 # a multimodal architecture whose text model is another by its text_config's model_type (Mistral 3's from December

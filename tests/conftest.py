@@ -236,6 +236,7 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
            "zamba2": transformers.Zamba2Config, "internlm3": transformers.InternLM3Config,
            "longcat_flash": transformers.LongcatFlashConfig, "phi4_multimodal": transformers.Phi4MultimodalConfig,
            "axk2": transformers.AXK2Config, "gemma4_unified_text": transformers.Gemma4UnifiedTextConfig,
+           "cohere_compass_text": transformers.CohereCompassTextConfig,
            "hy_v4": transformers.HYV4Config, "deepseek_v4": transformers.DeepseekV4Config,
            "beam": transformers.BeamConfig, "gemma3n_text": transformers.Gemma3nTextConfig,
            "minimax": transformers.MiniMaxConfig, "minimax_m3_vl_text": transformers.MiniMaxM3VLTextConfig,

@@ -36,7 +36,7 @@ from engine.model import LlamaForCausalLM
 from engine.models.afmoe import AfmoeForCausalLM
 from engine.models.apertus import (ApertusForCausalLM, ArceeForCausalLM, Jais2ForCausalLM, NemotronForCausalLM,
                                    Starcoder2ForCausalLM)
-from engine.models.cohere import Cohere2MoeForCausalLM, CohereForCausalLM, HeliumForCausalLM
+from engine.models.cohere import Cohere2MoeForCausalLM, CohereCompassForCausalLM, CohereForCausalLM, HeliumForCausalLM
 from engine.models.deepseek import AXK1ForCausalLM, DeepseekForCausalLM, LongcatFlashForCausalLM
 from engine.models.deepseek_v32 import AXK2ForCausalLM, DeepseekV32ForCausalLM
 from engine.models.hy_v4 import HYV4ForCausalLM
@@ -116,6 +116,7 @@ _VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma3ForCa
     "Qwen2MoeForCausalLM": Qwen3MoeForCausalLM,   # no q/k norms
     "CohereForCausalLM": CohereForCausalLM,
     "Cohere2ForCausalLM": CohereForCausalLM,   # its full layers NoPE
+    "CohereCompassForCausalLM": CohereCompassForCausalLM,
     "Ernie4_5ForCausalLM": Ernie45ForCausalLM, "Ernie4_5_MoeForCausalLM": Ernie45MoeForCausalLM,
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM, "MiniMaxM2ForCausalLM": MiniMaxM2ForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekForCausalLM, "DeepseekV3ForCausalLM": DeepseekForCausalLM,

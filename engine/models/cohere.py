@@ -14,7 +14,9 @@ their order). Cohere 2 rotates on its sliding layers only: its full layers are N
 SmolLM3's `NoRope`). Command R+'s q/k LayerNorms (`use_qk_norm`) have a weight per head (`CohereHeadLayerNorm`,
 this rank's heads), reordered as the rows are. Command A Plus (`Cohere2MoeForCausalLM`, its config
 `engine.cohere_moe_config`) is Cohere 2's model with experts past its dense first layers (`CohereMoeBlock`) and,
-where its config says, an RMSNorm in place of the LayerNorm.
+where its config says, an RMSNorm in place of the LayerNorm. North (`CohereCompassForCausalLM`) is Cohere 2's model
+with a rope per layer type turning rotate-half pairs (no reordering: the engine's pairs), the sliding layers' by their
+own base (`sliding_rotary`), a NoPE type's none.
 """
 
 from __future__ import annotations
@@ -29,13 +31,14 @@ from torch import nn
 from engine.layers import FloatRMSNorm, RMSNorm, RopeRows
 from engine.model import MLP, Attention, LlamaForCausalLM, WeightLoadError
 from engine.model_config import ModelConfig
+from engine.models.gemma3 import sliding_rotary
 from engine.models.qwen3_moe import Qwen3MoeForCausalLM, SparseMoeBlock, with_experts
 from engine.models.smollm3 import layer_rotary
 from engine.parallel import Collectives, ShardShape
 from kernels import AttentionMetadata
 
-__all__ = ["Cohere2MoeForCausalLM", "CohereForCausalLM", "CohereLayerNorm", "CohereMoeBlock", "HeliumForCausalLM",
-           "InterleavedRotaryWeights", "cut_head_norm", "interleaved_to_halves"]
+__all__ = ["Cohere2MoeForCausalLM", "CohereCompassForCausalLM", "CohereForCausalLM", "CohereLayerNorm",
+           "CohereMoeBlock", "HeliumForCausalLM", "InterleavedRotaryWeights", "cut_head_norm", "interleaved_to_halves"]
 
 
 def _layer_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -145,6 +148,19 @@ class CohereForCausalLM(InterleavedRotaryWeights):
         """Command R+'s q/k norms cut to this rank's heads (`cut_head_norm`); the rest as the Llama model's."""
         cut = cut_head_norm(self.shard, self.config, hf_name, name, tensor)
         return super()._shard_of(hf_name, name, tensor) if cut is None else cut
+
+
+class CohereCompassForCausalLM(CohereForCausalLM):
+    """North (see the module docstring): Cohere 2's layers, each type its rope (or none), rotate-half pairs read as
+    stored."""
+
+    def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
+        rotary = layer_rotary(self, index)
+        rotary = rotary if rotary is not self.rotary_emb else sliding_rotary(self, index, ops)
+        return CohereDecoderLayer(self.config, self.shard, self.comm, rotary, ops, index)
+
+    def read_tensor(self, hf_name: str, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
+        return LlamaForCausalLM.read_tensor(self, hf_name, name, tensor)   # its q/k rows in the engine's pairs
 
 
 def cut_head_norm(shard: ShardShape, c: ModelConfig, hf_name: str, name: str, tensor: torch.Tensor

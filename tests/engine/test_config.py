@@ -3091,3 +3091,36 @@ def test_muse_spark_reads_as_transformers_does():
     for bad in (["dense"] * 3, ["dense", "sparse", "moe", "sparse"]):
         with pytest.raises(ConfigError, match="^text_config.mlp_layer_types:"):
             ModelConfig.from_hf_config({**card, "text_config": {**text, "mlp_layer_types": bad}})
+
+
+def test_north_reads_as_transformers_does():
+    """North (`CohereCompassForCausalLM`, and its vision model's text_config): a rope per layer type (MRoPE's sections
+    dropped: one position on text), a null type NoPE, the sliding layers' own base, the layers all full and the logits
+    unscaled by default, and the parameter count transformers' model (on the meta device) has. A layer type without a
+    rope entry (transformers' rotary would fail on it) and a scaled sliding rope are refused by name."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.cohere_compass import modeling_cohere_compass
+
+    ropes = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+             "full_attention": {"rope_type": "default", "rope_theta": 5e5}}
+    text = {"model_type": "cohere_compass_text", "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 96,
+            "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"], "rope_parameters": ropes}
+    hf = transformers.CohereCompassTextConfig(**{k: v for k, v in text.items() if k != "model_type"})
+    card = {"architectures": ["CohereCompassForConditionalGeneration"], "model_type": "cohere_compass",
+            "text_config": text}
+    cfg = ModelConfig.from_hf_config(card)
+    assert cfg.architecture == "CohereCompassForCausalLM" and cfg.layer_types == tuple(hf.layer_types)
+    assert (cfg.rope_theta, cfg.rope_local_theta, cfg.no_rope_layers) == (5e5, 10000.0, (1, 1, 1))
+    assert (cfg.logit_scale, cfg.sliding_window, cfg.rms_norm_eps) == (1.0, hf.sliding_window, hf.layer_norm_eps)
+    with torch.device("meta"):
+        model = modeling_cohere_compass.CohereCompassTextModel(hf)
+    assert cfg.num_params() == sum(p.numel() for p in model.parameters())   # the head tied
+    alone = ModelConfig.from_hf_config({**text, "architectures": ["CohereCompassForCausalLM"],
+                                        "layer_types": None, "rope_parameters": {"full_attention": None}})
+    assert alone.layer_types == ("full_attention",) * 3 and alone.no_rope_layers == (0, 0, 0)
+    for key, ropes_bad in (("rope_parameters.sliding_attention", {"full_attention": None}),
+                           ("rope_parameters.sliding_attention.rope_type", {**ropes, "sliding_attention": {
+                               "rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}})):
+        with pytest.raises(ConfigError, match=f"^text_config.{key}:"):
+            ModelConfig.from_hf_config({**card, "text_config": {**text, "rope_parameters": ropes_bad}})

@@ -280,6 +280,10 @@ ZAYA_SLIDING = {**ZAYA, "layer_types": ["hybrid", "hybrid_sliding", "hybrid"], "
 PHIMOE_ROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 512,
                "short_factor": [1.0 + 0.2 * i for i in range(8)], "long_factor": [2.0 + 1.5 * i for i in range(8)],
                "short_mscale": 1.3, "long_mscale": 1.7}
+COMPASS = dict(num_hidden_layers=4, sliding_window=8, logit_scale=0.5,
+               layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
+               rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0,
+                                                      "mrope_section": [2, 3, 3]}, "full_attention": None})
 TINY_MODELS = [
     ("llama", dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 32})),
@@ -353,6 +357,11 @@ TINY_MODELS = [
     ("cohere", dict(logit_scale=0.5, head_dim=16, rope_parameters=YARN)),
     ("cohere", dict(attention_bias=True, num_key_value_heads=1, tie_word_embeddings=False, use_qk_norm=True)),
     ("cohere2", dict(num_hidden_layers=4, sliding_window=8, logit_scale=0.5)),
+    # North: Cohere 2's layers with a rope per layer type, rotate-half pairs (MRoPE's sections on text), a null type
+    # NoPE; then its full layers turned by a base of their own
+    ("cohere_compass_text", COMPASS),
+    ("cohere_compass_text", {**COMPASS, "logit_scale": None, "tie_word_embeddings": False, "rope_parameters": {
+        **COMPASS["rope_parameters"], "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}}),
     # ERNIE 4.5: the Llama layer, interleaved rotary; then every projection biased, an untied head
     ("ernie4_5", dict(head_dim=16, num_key_value_heads=1)),
     ("ernie4_5", dict(use_bias=True, tie_word_embeddings=False, num_key_value_heads=2)),

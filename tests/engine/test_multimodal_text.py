@@ -13,7 +13,7 @@ import torch
 
 from engine.config import ConfigError
 from engine.model_config import ModelConfig
-from tests.engine.test_engine_vs_hf import MINIMAX_M3, QWEN4_EXP, _assert_serves_its_text_model
+from tests.engine.test_engine_vs_hf import COMPASS, MINIMAX_M3, QWEN4_EXP, _assert_serves_its_text_model
 
 STEP3P7 = {"num_hidden_layers": 4, "head_dim": 16, "layer_types": ["sliding_attention", "full_attention"] * 2,
            "sliding_window": 8, "num_sliding_attention_heads": 2, "moe_layers_enum": "1,2,3", "intermediate_size": 96,
@@ -236,6 +236,8 @@ VISION_WRAPPERS = {
     # layers of their own query heads and rope beside full ones turning half of each head, dense first layers, the
     # clamps after the SiLU on the last layer
     "step3p7": ("step3p5", STEP3P7, "Step3p7ForCausalLM", "language_model."),
+    # North's vision model: Cohere 2's layers with a rope per layer type (a NoPE full type) at Qwen3-VL's layout
+    "cohere_compass": ("cohere_compass_text", COMPASS, "CohereCompassForCausalLM", "language_model."),
     # Muse Glimmer: Gemma 2's four norms (the output ones of their own epsilon), AFMoE's per-channel gate, q and k
     # normed without a weight and q scaled, sliding layers beside a full NoPE one, normed embeddings, the logits
     # scaled then soft-capped; its norms' weights random (`RANDOM_NORMS`)

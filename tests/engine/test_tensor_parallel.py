@@ -20,7 +20,7 @@ from engine.llm_engine import LLMEngine
 from engine.parallel import ShardShape, check_tensor_parallel
 from engine.sampling import SamplingParams
 from tests.conftest import BUILTIN, assert_all_free, make_tiny_model
-from tests.engine.test_engine_vs_hf import (AXK2, BAILING, BEAM, COHERE2_MOE, DEEPSEEK, DEEPSEEK_V4, GEMMA3N,
+from tests.engine.test_engine_vs_hf import (AXK2, BAILING, BEAM, COHERE2_MOE, COMPASS, DEEPSEEK, DEEPSEEK_V4, GEMMA3N,
                                              GEMMA4, GEMMA4_E, GEMMA4_MOE, GLM4_MOE, HYV4, LARA_MINI, LONGCAT,
                                              DORY, MINIMAX, MINIMAX_M3, QWEN4_EXP)
 
@@ -316,6 +316,7 @@ QWEN3 = {"head_dim": 32, "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
                 "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}, None),
     ("cohere", {"attention_bias": True, "logit_scale": 0.5, "use_qk_norm": True}, None),
     ("cohere2", {"num_hidden_layers": 4, "sliding_window": 8}, None),
+    ("cohere_compass_text", COMPASS, None),
     ("ernie4_5", {"use_bias": True, "head_dim": 16}, None),
     ("glm4", {"head_dim": 32, "pad_token_id": 0}, None),
     ("glm", {"head_dim": 32, "pad_token_id": 0}, None),
