@@ -197,8 +197,9 @@ class StreamNorm(FloatRMSNorm):
 class MuseSparkMoeBlock(Lfm2MoeBlock):
     """A Muse Spark sparse layer's experts (the module docstring): Qwen3-MoE's experts over `moe_latent_size`, AFMoE's
     router on float32 logits times `output_multiplier` over the hidden size. The experts' (token, expert) rows are
-    made by the grouped matmul (else a loop over the experts hit), summed over the ranks, normed, weighed and added
-    in increasing expert order (transformers' order); no fused kernel: each row is normed before it is weighed."""
+    made one expert a row at weight 1 by the Triton kernels with the Triton ops (nothing read back: decode graphs
+    capture the layer), else by the grouped matmul (else a loop over the experts hit); then summed over the ranks,
+    normed, weighed and added in increasing expert order (transformers' order)."""
 
     float_logits, eps = True, 1e-15
 
@@ -207,7 +208,7 @@ class MuseSparkMoeBlock(Lfm2MoeBlock):
         super().__init__(replace(config, hidden_size=width), shard, comm, ops)
         self.gate = nn.Linear(h, config.num_experts, bias=False)
         self.gate.float32_parameters = True   # as transformers holds the router
-        self.output_multiplier, self.fused_moe = config.logit_scale, None
+        self.output_multiplier = config.logit_scale
         self.pre_expert_proj = nn.Linear(h, width, bias=False)
         self.pre_expert_norm = SparkNorm(width, config.rms_norm_eps)
         self.post_expert_norm = InputScaledNorm(width, post_eps)
@@ -232,8 +233,12 @@ class MuseSparkMoeBlock(Lfm2MoeBlock):
 
     def _rows(self, x: torch.Tensor, pair_expert: torch.Tensor) -> torch.Tensor:
         """Each row of x [pairs, width] (sorted by expert) through its expert: this rank's part of its output."""
+        if self.fused_moe is not None:   # a row one expert, at weight 1: its output as the kernels round it
+            return self._experts(x, torch.ones(len(x), 1, device=x.device), pair_expert[:, None])
         if GROUPED_MM is not None and self._grouped:
-            ends = torch.bincount(pair_expert, minlength=self.num_experts).cumsum(0).to(torch.int32)
+            ones = torch.ones_like(pair_expert, dtype=torch.int32)
+            ends = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device).scatter_add_(
+                0, pair_expert, ones).cumsum(0).to(torch.int32)   # on the device: nothing read back
             try:
                 h = GROUPED_MM(x, self.w13.transpose(1, 2), offs=ends)
                 return GROUPED_MM(self.act_fn(h), self.w2.transpose(1, 2), offs=ends)

@@ -492,3 +492,61 @@ def _greedy_by_backend(path, quantization: str, prompts, monkeypatch, held) -> d
         outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
         results[backend] = [o.outputs[0].token_ids for o in outs]
     return results
+
+
+def test_muse_sparks_expert_rows_through_fused_moe_equal_the_grouped_matmuls(tmp_path, builtin_path, monkeypatch):
+    """Muse Spark's sparse layer on the Triton ops makes its (token, expert) rows through `fused_moe`, a row one expert
+    at weight 1 (each row normed before it is weighed): the layer's output as with the grouped matmuls, and its model
+    graph-safe (nothing read back)."""
+    from engine.models import build_model
+    from engine.models.muse import MuseSparkMoeBlock
+    from engine.model_config import ModelConfig
+    from tests.engine.test_multimodal_text import vision_checkpoint
+
+    _, folder = vision_checkpoint(tmp_path, "muse_spark")
+    monkeypatch.setenv("CLIFFGUARD_ATTENTION_BACKEND", "triton")
+    model = build_model(ModelConfig.from_folder(folder), torch.float32, "cpu")
+    model.init_random(std=0.3)
+    blocks = [m for m in model.modules() if isinstance(m, MuseSparkMoeBlock)]
+    assert len(blocks) == 3 and all(b.fused_moe is fused_moe for b in blocks) and model.graph_safe
+    x = torch.randn(7, 64, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        fused = blocks[1](x)
+        blocks[1].fused_moe = None
+        torch.testing.assert_close(fused, blocks[1](x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow   # ~20 s through the interpreter; the rows' equality is shown above
+def test_muse_spark_on_the_triton_kernels_decodes_as_transformers_and_replays_graphs(tmp_path, builtin_path,
+                                                                                    monkeypatch):
+    """Muse Spark's tiny model on the Triton ops (its experts through `fused_moe` a row at a time, the attention
+    through the Triton kernels): transformers' greedy tokens, eager and with its decode steps replayed from recorded
+    graphs."""
+    import shutil
+
+    from engine.config import CacheConfig, EngineConfig, PoolConfig, SchedulerConfig
+    from engine.llm_engine import LLMEngine
+    from engine.sampling import SamplingParams
+    from tests.engine.graph_recorder import RecordingGraphBackend
+    from tests.engine.test_engine_vs_hf import _hf_greedy
+    from tests.engine.test_multimodal_text import vision_checkpoint
+
+    monkeypatch.setenv("CLIFFGUARD_ATTENTION_BACKEND", "triton")
+    hf, folder = vision_checkpoint(tmp_path, "muse_spark")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(builtin_path / name, folder / name)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (6, 19)]
+    expected = [_hf_greedy(hf, ids, 8, eos_ids=None) for ids in prompts]
+    for graphs in (False, True):
+        engine = LLMEngine(EngineConfig(model=str(folder), dtype="float32", cache=CacheConfig(block_size=8),
+                                        pools=(PoolConfig(num_blocks=16, scheduler=SchedulerConfig(
+                                            max_num_seqs=2, max_num_batched_tokens=32, max_model_len=64)),)),
+                           progress=False)
+        if graphs:
+            recorder = RecordingGraphBackend()
+            engine.runner.capture_graphs(2, 64, recorder)
+        outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        assert [o.outputs[0].token_ids for o in outs] == expected, f"graphs {graphs}"
+        if graphs:
+            assert recorder.replays >= 6
