@@ -550,3 +550,34 @@ def test_muse_spark_on_the_triton_kernels_decodes_as_transformers_and_replays_gr
         assert [o.outputs[0].token_ids for o in outs] == expected, f"graphs {graphs}"
         if graphs:
             assert recorder.replays >= 6
+
+
+@pytest.mark.gpu
+def test_on_cuda_muse_spark_is_captured_in_graphs_and_decodes_as_eager(tmp_path, builtin_path):
+    """Compiled on a GPU (`bench/gpu_session.sh`'s tests step): Muse Spark's tiny model, its expert rows through
+    `fused_moe`, decodes the same tokens with its decode steps in CUDA graphs as eagerly."""
+    import shutil
+
+    from engine.config import CacheConfig, EngineConfig, PoolConfig, SchedulerConfig
+    from engine.llm_engine import LLMEngine
+    from engine.sampling import SamplingParams
+    from tests.engine.test_multimodal_text import vision_checkpoint
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    _, folder = vision_checkpoint(tmp_path, "muse_spark")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(builtin_path / name, folder / name)
+    rng = random.Random(9)
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (5, 17, 30, 41)]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (6, 20, 11, 30)]
+    results = {}
+    for eager in (True, False):
+        engine = LLMEngine(EngineConfig(model=str(folder), device="cuda", dtype="float32", enforce_eager=eager,
+                                        cache=CacheConfig(block_size=16), pools=(PoolConfig(
+                                            num_blocks=64, scheduler=SchedulerConfig(
+                                                max_num_seqs=4, max_num_batched_tokens=256, max_model_len=256)),)),
+                           progress=False)
+        assert (engine.runner.graphs is None) == eager
+        results[eager] = [o.outputs[0].token_ids for o in engine.generate(prompts, params)]
+    assert results[True] == results[False]
