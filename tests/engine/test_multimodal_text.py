@@ -211,6 +211,9 @@ VISION_WRAPPERS = {
     "granite_docling": ("granite_docling_text", {"embedding_multiplier": 3.0, "residual_multiplier": 0.5,
                                                  "logits_scaling": 2.0, "attention_multiplier": 0.2},
                         "GraniteForCausalLM", "text_model."),
+    "granite4_vision": ("granite4_vision_text", {"embedding_multiplier": 3.0, "residual_multiplier": 0.5,
+                                                "logits_scaling": 2.0, "attention_multiplier": 0.2},
+                        "GraniteForCausalLM", "language_model."),
     # GLM-OCR: GLM-4.1V's text model without q/k/v biases
     "glm_ocr": ("glm_ocr_text", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                                                      "partial_rotary_factor": 0.5, "mrope_section": [1, 1, 2]}},
@@ -260,6 +263,10 @@ VISION_WRAPPERS = {
 }
 
 
+# wrappers' own keys their config classes need (Granite 4 Vision's deepstack projectors: which vision layer feeds
+# which text layer)
+WRAPPER_KEYS = {"granite4_vision": {"deepstack_layer_map": [[-1, 0]], "spatial_target_layers": [0, 1, 0, 1],
+                                    "downsample_rate": "1/4"}}
 # wrappers whose tiny models' norm weights are drawn at random (transformers starts them where a scale reads as 1)
 RANDOM_NORMS = ("muse_glimmer", "muse_spark")
 
@@ -340,12 +347,15 @@ def vision_checkpoint(tmp_path, wrapper: str):
             setattr(vision, key, value)
     if getattr(vision, "layer_types", None):   # Muse Glimmer's tower: a type a layer
         vision.layer_types = vision.layer_types[:vision.num_hidden_layers]
+    if wrapper == "granite4_vision":   # its Q-Former's heads: a head for each 64 of the tower's width
+        vision.hidden_size = 64
     towers = {"vision_config": vision.to_dict()}
     audio = getattr(transformers.AutoConfig.for_model(wrapper), "audio_config", None)
     if hasattr(audio, "out_hidden_size"):   # Muse Spark's audio tower, its output the text model's width
         audio.out_hidden_size, audio.hidden_sizes = 64, [8, 8, 8, 8]
         towers["audio_config"] = audio.to_dict()
-    config = transformers.AutoConfig.for_model(wrapper, text_config=text.to_dict(), **towers)
+    config = transformers.AutoConfig.for_model(wrapper, text_config=text.to_dict(), **towers,
+                                               **WRAPPER_KEYS.get(wrapper, {}))
     torch.manual_seed(0)
     hf = transformers.AutoModelForImageTextToText.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():   # Qwen3.5's decay rates small (a state holds tens of tokens), as the tiny models' are;
