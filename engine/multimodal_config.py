@@ -89,7 +89,8 @@ TEXT_MODELS = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "language
                # Muse Glimmer: its text model (`engine.models.muse`) beside Kimi K2.5's vision tower (not read)
                "MuseGlimmerForConditionalGeneration": ("MuseGlimmerForCausalLM", "language_model.",
                                                        "muse_glimmer_text"),
-               # Granite 4 Vision: Granite's text model (its deepstack injections on images alone) in LLaVA-NeXT's layout
+               # Granite 4 Vision: Granite's text model (its deepstack injections on images alone), LLaVA-NeXT's
+               # layout
                "Granite4VisionForConditionalGeneration": ("GraniteForCausalLM", "language_model.",
                                                           "granite4_vision_text"),
                # North's vision model: its text model (Qwen3-VL's layout) beside the vision tower
