@@ -225,11 +225,7 @@ def test_an_moe_engine_on_the_triton_kernels_decodes_as_transformers_and_replays
     with the decode steps replayed from recorded graphs (what a CUDA graph freezes) they stay equal."""
     from transformers import AutoModelForCausalLM
 
-    from engine.config import CacheConfig, EngineConfig, PoolConfig, SchedulerConfig
-    from engine.llm_engine import LLMEngine
-    from engine.sampling import SamplingParams
     from tests.conftest import make_tiny_model
-    from tests.engine.graph_recorder import RecordingGraphBackend
 
     monkeypatch.setenv("CLIFFGUARD_ATTENTION_BACKEND", "triton")
     path = make_tiny_model(tmp_path / "moe", arch, builtin_path, **overrides)
@@ -241,12 +237,23 @@ def test_an_moe_engine_on_the_triton_kernels_decodes_as_transformers_and_replays
         with torch.no_grad():
             out = hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, min_new_tokens=8)
         expected.append(out[0, len(ids):].tolist())
+    assert_decodes_eager_and_from_recorded_graphs(path, prompts, expected)
+
+
+def assert_decodes_eager_and_from_recorded_graphs(path, prompts: list[list[int]], expected: list[list[int]]) -> None:
+    """The model at `path` (float32, on the ops the backend gives: its sparse layers through `fused_moe`) decodes
+    `expected` greedily, eager and with its decode steps replayed from recorded graphs."""
+    from engine.config import CacheConfig, EngineConfig, PoolConfig, SchedulerConfig
+    from engine.llm_engine import LLMEngine
+    from engine.sampling import SamplingParams
+    from tests.engine.graph_recorder import RecordingGraphBackend
+
     for graphs in (False, True):
         engine = LLMEngine(EngineConfig(model=str(path), dtype="float32", cache=CacheConfig(block_size=8),   # as hf
                                         pools=(PoolConfig(num_blocks=16, scheduler=SchedulerConfig(
                                             max_num_seqs=2, max_num_batched_tokens=32, max_model_len=64)),)),
                            progress=False)
-        assert all(layer.mlp.fused_moe is fused_moe for layer in engine.model.layers if hasattr(layer.mlp, "w13"))
+        assert all(m.fused_moe is fused_moe for m in engine.model.modules() if hasattr(m, "w13"))
         if graphs:
             recorder = RecordingGraphBackend()
             engine.runner.capture_graphs(2, 64, recorder)
@@ -277,14 +284,20 @@ def test_on_cuda_fused_moe_at_qwen3_30b_a3b_shape_equals_the_loop(tokens):
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch,overrides", MODELS)
 def test_on_cuda_an_moe_model_is_captured_in_graphs_and_decodes_as_eager(tmp_path, builtin_path, arch, overrides):
-    from engine.config import CacheConfig, EngineConfig, PoolConfig, SchedulerConfig
-    from engine.llm_engine import LLMEngine
-    from engine.sampling import SamplingParams
     from tests.conftest import make_tiny_model
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    path = make_tiny_model(tmp_path / "moe", arch, builtin_path, **overrides)
+    assert_cuda_graphs_decode_as_eager(make_tiny_model(tmp_path / "moe", arch, builtin_path, **overrides))
+
+
+def assert_cuda_graphs_decode_as_eager(path) -> None:
+    """The model at `path` on CUDA (float32) decodes four prompts to the same tokens with its decode steps in CUDA
+    graphs as eagerly."""
+    from engine.config import CacheConfig, EngineConfig, PoolConfig, SchedulerConfig
+    from engine.llm_engine import LLMEngine
+    from engine.sampling import SamplingParams
+
     rng = random.Random(9)
     prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (5, 17, 30, 41)]
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (6, 20, 11, 30)]
@@ -524,10 +537,6 @@ def test_muse_spark_on_the_triton_kernels_decodes_as_transformers_and_replays_gr
     graphs."""
     import shutil
 
-    from engine.config import CacheConfig, EngineConfig, PoolConfig, SchedulerConfig
-    from engine.llm_engine import LLMEngine
-    from engine.sampling import SamplingParams
-    from tests.engine.graph_recorder import RecordingGraphBackend
     from tests.engine.test_engine_vs_hf import _hf_greedy
     from tests.engine.test_multimodal_text import vision_checkpoint
 
@@ -537,19 +546,8 @@ def test_muse_spark_on_the_triton_kernels_decodes_as_transformers_and_replays_gr
         shutil.copy(builtin_path / name, folder / name)
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (6, 19)]
-    expected = [_hf_greedy(hf, ids, 8, eos_ids=None) for ids in prompts]
-    for graphs in (False, True):
-        engine = LLMEngine(EngineConfig(model=str(folder), dtype="float32", cache=CacheConfig(block_size=8),
-                                        pools=(PoolConfig(num_blocks=16, scheduler=SchedulerConfig(
-                                            max_num_seqs=2, max_num_batched_tokens=32, max_model_len=64)),)),
-                           progress=False)
-        if graphs:
-            recorder = RecordingGraphBackend()
-            engine.runner.capture_graphs(2, 64, recorder)
-        outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-        assert [o.outputs[0].token_ids for o in outs] == expected, f"graphs {graphs}"
-        if graphs:
-            assert recorder.replays >= 6
+    assert_decodes_eager_and_from_recorded_graphs(folder, prompts, [_hf_greedy(hf, ids, 8, eos_ids=None)
+                                                                     for ids in prompts])
 
 
 @pytest.mark.gpu
@@ -558,9 +556,6 @@ def test_on_cuda_muse_spark_is_captured_in_graphs_and_decodes_as_eager(tmp_path,
     `fused_moe`, decodes the same tokens with its decode steps in CUDA graphs as eagerly."""
     import shutil
 
-    from engine.config import CacheConfig, EngineConfig, PoolConfig, SchedulerConfig
-    from engine.llm_engine import LLMEngine
-    from engine.sampling import SamplingParams
     from tests.engine.test_multimodal_text import vision_checkpoint
 
     if not torch.cuda.is_available():
@@ -568,16 +563,4 @@ def test_on_cuda_muse_spark_is_captured_in_graphs_and_decodes_as_eager(tmp_path,
     _, folder = vision_checkpoint(tmp_path, "muse_spark")
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(builtin_path / name, folder / name)
-    rng = random.Random(9)
-    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (5, 17, 30, 41)]
-    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (6, 20, 11, 30)]
-    results = {}
-    for eager in (True, False):
-        engine = LLMEngine(EngineConfig(model=str(folder), device="cuda", dtype="float32", enforce_eager=eager,
-                                        cache=CacheConfig(block_size=16), pools=(PoolConfig(
-                                            num_blocks=64, scheduler=SchedulerConfig(
-                                                max_num_seqs=4, max_num_batched_tokens=256, max_model_len=256)),)),
-                           progress=False)
-        assert (engine.runner.graphs is None) == eager
-        results[eager] = [o.outputs[0].token_ids for o in engine.generate(prompts, params)]
-    assert results[True] == results[False]
+    assert_cuda_graphs_decode_as_eager(folder)
